@@ -1,0 +1,195 @@
+//! Dense kernels shared by the layers: a GEMM front-end over the `gemm` crate and a few
+//! element-wise helpers.
+//!
+//! All matrices are row-major `f32` slices. Transposes are expressed through strides, which `gemm`
+//! accepts directly, so no layer ever materialises a transposed copy.
+
+use gemm::Parallelism;
+
+/// How a GEMM operand is stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// Use the matrix as stored.
+    N,
+    /// Use the transpose of the stored matrix.
+    T,
+}
+
+/// The `gemm` parallelism for a thread budget: one thread means no rayon dispatch at all.
+pub fn parallelism(threads: usize) -> Parallelism {
+    if threads <= 1 {
+        Parallelism::None
+    } else {
+        Parallelism::Rayon(threads)
+    }
+}
+
+/// `c[m×n] = (accumulate ? c : 0) + op_a(a)[m×k] · op_b(b)[k×n]`.
+///
+/// `a` is stored `[m, k]` for [`Op::N`] and `[k, m]` for [`Op::T`]; `b` is stored `[k, n]` for
+/// [`Op::N`] and `[n, k]` for [`Op::T`].
+///
+/// # Panics
+/// If a slice is shorter than its dimensions require (a programmer error inside this crate; it
+/// guards the unsafe call below).
+#[allow(clippy::too_many_arguments)]
+pub fn matmul(
+    c: &mut [f32],
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    op_a: Op,
+    b: &[f32],
+    op_b: Op,
+    accumulate: bool,
+    threads: usize,
+) {
+    assert!(
+        c.len() >= m * n,
+        "matmul: c has {} values, needs {}",
+        c.len(),
+        m * n
+    );
+    assert!(
+        a.len() >= m * k,
+        "matmul: a has {} values, needs {}",
+        a.len(),
+        m * k
+    );
+    assert!(
+        b.len() >= k * n,
+        "matmul: b has {} values, needs {}",
+        b.len(),
+        k * n
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            c[..m * n].fill(0.0);
+        }
+        return;
+    }
+    let (a_rs, a_cs) = match op_a {
+        Op::N => (k as isize, 1),
+        Op::T => (1, m as isize),
+    };
+    let (b_rs, b_cs) = match op_b {
+        Op::N => (n as isize, 1),
+        Op::T => (1, k as isize),
+    };
+    // SAFETY: the asserts above guarantee every element addressed by (rows, cols, strides) lies
+    // inside its slice; `c` is uniquely borrowed and does not alias `a` or `b`.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            c.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            a.as_ptr(),
+            a_cs,
+            a_rs,
+            b.as_ptr(),
+            b_cs,
+            b_rs,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            parallelism(threads),
+        );
+    }
+}
+
+/// Fills each of the `rows` rows of `dst` (`[rows, bias.len()]`) with `bias`.
+pub fn broadcast_rows(dst: &mut [f32], bias: &[f32]) {
+    for row in dst.chunks_exact_mut(bias.len()) {
+        row.copy_from_slice(bias);
+    }
+}
+
+/// `out[j] = (accumulate ? out[j] : 0) + Σ_i m[i, j]` for a row-major `m` with `out.len()` columns.
+pub fn column_sums(out: &mut [f32], m: &[f32], accumulate: bool) {
+    if !accumulate {
+        out.fill(0.0);
+    }
+    for row in m.chunks_exact(out.len()) {
+        for (o, v) in out.iter_mut().zip(row) {
+            *o += v;
+        }
+    }
+}
+
+/// Resizes `v` to `len` values. Contents are unspecified afterwards: callers overwrite them.
+/// Keeping the old values instead of zeroing saves a memory pass in the steady state, where the
+/// length never changes and no allocation happens.
+pub fn set_len(v: &mut Vec<f32>, len: usize) {
+    if v.len() != len {
+        v.resize(len, 0.0);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn naive(m: usize, n: usize, k: usize, a: &[f32], ta: Op, b: &[f32], tb: Op) -> Vec<f32> {
+        let mut c = vec![0.0f32; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                let mut s = 0.0f64;
+                for l in 0..k {
+                    let av = if ta == Op::N {
+                        a[i * k + l]
+                    } else {
+                        a[l * m + i]
+                    };
+                    let bv = if tb == Op::N {
+                        b[l * n + j]
+                    } else {
+                        b[j * k + l]
+                    };
+                    s += av as f64 * bv as f64;
+                }
+                c[i * n + j] = s as f32;
+            }
+        }
+        c
+    }
+
+    #[test]
+    fn matmul_matches_naive_for_every_transpose_combination() {
+        let (m, n, k) = (7, 5, 9);
+        let a: Vec<f32> = (0..m * k).map(|i| ((i * 37) % 11) as f32 - 5.0).collect();
+        let b: Vec<f32> = (0..k * n).map(|i| ((i * 17) % 7) as f32 - 3.0).collect();
+        for ta in [Op::N, Op::T] {
+            for tb in [Op::N, Op::T] {
+                for threads in [1, 2] {
+                    let want = naive(m, n, k, &a, ta, &b, tb);
+                    let mut c = vec![1.0f32; m * n];
+                    matmul(&mut c, m, n, k, &a, ta, &b, tb, false, threads);
+                    assert_eq!(c, want, "{ta:?}{tb:?} overwrite");
+                    matmul(&mut c, m, n, k, &a, ta, &b, tb, true, threads);
+                    let doubled: Vec<f32> = want.iter().map(|v| 2.0 * v).collect();
+                    assert_eq!(c, doubled, "{ta:?}{tb:?} accumulate");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn column_sums_accumulates_over_rows() {
+        let m = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let mut out = [10.0, 20.0, 30.0];
+        column_sums(&mut out, &m, true);
+        assert_eq!(out, [15.0, 27.0, 39.0]);
+        column_sums(&mut out, &m, false);
+        assert_eq!(out, [5.0, 7.0, 9.0]);
+    }
+}

@@ -1,0 +1,231 @@
+//! 2-D convolution over channels-last images, as im2col followed by one GEMM per pass.
+//!
+//! With NHWC activations, a column row `(b, oy, ox)` is `kernel` runs of `kernel × in_channels`
+//! contiguous values, and the GEMM output `[b·oh·ow, out_channels]` *is* the NHWC output: no
+//! transposes anywhere. The weights are stored `[out_channels, kernel, kernel, in_channels]`.
+//! The columns are kept in [`Aux`] so the backward pass reuses them instead of rebuilding them.
+
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use super::Aux;
+use crate::kernels::{Op, broadcast_rows, column_sums, matmul, set_len};
+
+/// Convolution geometry (square kernel, equal stride and zero padding on both axes).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Conv2d {
+    /// Input height.
+    pub in_height: usize,
+    /// Input width.
+    pub in_width: usize,
+    /// Input channels.
+    pub in_channels: usize,
+    /// Output channels (filters).
+    pub out_channels: usize,
+    /// Kernel side.
+    pub kernel: usize,
+    /// Stride on both axes.
+    pub stride: usize,
+    /// Zero padding on every side.
+    pub padding: usize,
+    /// Output height.
+    pub out_height: usize,
+    /// Output width.
+    pub out_width: usize,
+}
+
+impl Conv2d {
+    /// Values in one column row: `kernel² · in_channels`.
+    pub fn fan_in(&self) -> usize {
+        self.kernel * self.kernel * self.in_channels
+    }
+
+    /// Number of weights.
+    pub fn weight_len(&self) -> usize {
+        self.out_channels * self.fan_in()
+    }
+
+    /// Weights plus biases.
+    pub fn param_count(&self) -> usize {
+        self.weight_len() + self.out_channels
+    }
+
+    fn positions(&self) -> usize {
+        self.out_height * self.out_width
+    }
+
+    pub(crate) fn forward(
+        &self,
+        p: &[f32],
+        x: &[f32],
+        n: usize,
+        y: &mut [f32],
+        aux: &mut Aux,
+        threads: usize,
+    ) {
+        let rows = n * self.positions();
+        set_len(&mut aux.values, rows * self.fan_in());
+        self.im2col(x, &mut aux.values, threads);
+        let (w, b) = p.split_at(self.weight_len());
+        broadcast_rows(y, b);
+        matmul(
+            y,
+            rows,
+            self.out_channels,
+            self.fan_in(),
+            &aux.values,
+            Op::N,
+            w,
+            Op::T,
+            true,
+            threads,
+        );
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn backward(
+        &self,
+        p: &[f32],
+        g: &mut [f32],
+        accumulate: bool,
+        aux: &Aux,
+        dy: &[f32],
+        n: usize,
+        dx: Option<&mut Vec<f32>>,
+        scratch: &mut Vec<f32>,
+        threads: usize,
+    ) {
+        let rows = n * self.positions();
+        let (fan_in, oc) = (self.fan_in(), self.out_channels);
+        let (gw, gb) = g.split_at_mut(self.weight_len());
+        // dW[oc, fan_in] = dyᵀ[oc, rows] · cols[rows, fan_in]
+        matmul(
+            gw,
+            oc,
+            fan_in,
+            rows,
+            dy,
+            Op::T,
+            &aux.values,
+            Op::N,
+            accumulate,
+            threads,
+        );
+        column_sums(gb, dy, accumulate);
+        if let Some(dx) = dx {
+            // dcols[rows, fan_in] = dy[rows, oc] · W[oc, fan_in], then scatter back to pixels.
+            set_len(scratch, rows * fan_in);
+            matmul(
+                scratch,
+                rows,
+                fan_in,
+                oc,
+                dy,
+                Op::N,
+                &p[..self.weight_len()],
+                Op::N,
+                false,
+                threads,
+            );
+            self.col2im(scratch, dx, threads);
+        }
+    }
+
+    /// Input pixel `(iy, ix)` for output position `(oy, ox)` and kernel offset `(ky, kx)`, or
+    /// `None` in the padding.
+    #[inline]
+    fn source(&self, o: usize, k: usize, size: usize) -> Option<usize> {
+        (o * self.stride + k)
+            .checked_sub(self.padding)
+            .filter(|&i| i < size)
+    }
+
+    fn im2col(&self, x: &[f32], cols: &mut [f32], threads: usize) {
+        let sample_in = self.in_height * self.in_width * self.in_channels;
+        let sample_cols = self.positions() * self.fan_in();
+        let one = |(xs, cs): (&[f32], &mut [f32])| self.im2col_sample(xs, cs);
+        if threads > 1 {
+            x.par_chunks_exact(sample_in)
+                .zip(cols.par_chunks_exact_mut(sample_cols))
+                .for_each(one);
+        } else {
+            x.chunks_exact(sample_in)
+                .zip(cols.chunks_exact_mut(sample_cols))
+                .for_each(one);
+        }
+    }
+
+    fn im2col_sample(&self, x: &[f32], cols: &mut [f32]) {
+        let c = self.in_channels;
+        let run = self.kernel * c;
+        let mut out = cols.chunks_exact_mut(run);
+        for oy in 0..self.out_height {
+            for ox in 0..self.out_width {
+                for ky in 0..self.kernel {
+                    let dst = out.next().expect("cols sized to positions × kernel rows");
+                    let Some(iy) = self.source(oy, ky, self.in_height) else {
+                        dst.fill(0.0);
+                        continue;
+                    };
+                    let row = iy * self.in_width;
+                    let first = ox * self.stride;
+                    if first >= self.padding && first + self.kernel - self.padding <= self.in_width
+                    {
+                        // Whole kernel row inside the image: one contiguous copy.
+                        let start = (row + first - self.padding) * c;
+                        dst.copy_from_slice(&x[start..start + run]);
+                    } else {
+                        for (kx, d) in dst.chunks_exact_mut(c).enumerate() {
+                            match self.source(ox, kx, self.in_width) {
+                                Some(ix) => {
+                                    d.copy_from_slice(&x[(row + ix) * c..(row + ix + 1) * c])
+                                }
+                                None => d.fill(0.0),
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn col2im(&self, dcols: &[f32], dx: &mut [f32], threads: usize) {
+        let sample_in = self.in_height * self.in_width * self.in_channels;
+        let sample_cols = self.positions() * self.fan_in();
+        let one = |(ds, dxs): (&[f32], &mut [f32])| self.col2im_sample(ds, dxs);
+        if threads > 1 {
+            dcols
+                .par_chunks_exact(sample_cols)
+                .zip(dx.par_chunks_exact_mut(sample_in))
+                .for_each(one);
+        } else {
+            dcols
+                .chunks_exact(sample_cols)
+                .zip(dx.chunks_exact_mut(sample_in))
+                .for_each(one);
+        }
+    }
+
+    fn col2im_sample(&self, dcols: &[f32], dx: &mut [f32]) {
+        dx.fill(0.0);
+        let c = self.in_channels;
+        let mut src = dcols.chunks_exact(c);
+        for oy in 0..self.out_height {
+            for ox in 0..self.out_width {
+                for ky in 0..self.kernel {
+                    let iy = self.source(oy, ky, self.in_height);
+                    for kx in 0..self.kernel {
+                        let s = src.next().expect("dcols sized to positions × fan_in");
+                        let (Some(iy), Some(ix)) = (iy, self.source(ox, kx, self.in_width)) else {
+                            continue;
+                        };
+                        let at = (iy * self.in_width + ix) * c;
+                        for (d, v) in dx[at..at + c].iter_mut().zip(s) {
+                            *d += v;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}

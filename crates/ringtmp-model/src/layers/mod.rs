@@ -1,0 +1,263 @@
+//! The layers: explicit forward and backward passes, no autograd.
+//!
+//! A [`Layer`] knows its per-sample input and output shapes (fixed when the model is built), the
+//! number of parameters it owns and how to initialise them. Parameters and gradients live in the
+//! owning [`Stage`](crate::Stage)'s flat buffers; a layer only ever sees its own slice.
+//!
+//! Invariants every layer keeps:
+//! - `forward` overwrites all of `y` and records in [`Aux`] whatever `backward` needs besides the
+//!   layer's input and output (pooling indices, dropout masks, im2col columns).
+//! - `backward` either overwrites (`accumulate == false`) or adds to its parameter gradients, and
+//!   overwrites all of `dx` when one is asked for.
+//! - Nothing depends on state left by a previous micro-batch, so forwards and backwards of
+//!   different micro-batches may interleave in any order.
+
+mod conv2d;
+mod dropout;
+mod linear;
+mod pool;
+
+pub use conv2d::Conv2d;
+pub use dropout::Dropout;
+pub use linear::Linear;
+pub use pool::MaxPool2d;
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, StandardNormal};
+use serde::{Deserialize, Serialize};
+
+use crate::kernels::set_len;
+use crate::shape::Shape;
+
+/// Per-micro-batch side data a layer's backward needs (beyond its input and output).
+#[derive(Debug, Default)]
+pub struct Aux {
+    /// Float side data: im2col columns (conv), the scaled keep-mask (dropout).
+    pub values: Vec<f32>,
+    /// Integer side data: argmax positions (max-pooling).
+    pub indices: Vec<u32>,
+}
+
+/// What a forward pass is for; identifies the randomness a layer (dropout) may use.
+#[derive(Clone, Copy, Debug)]
+pub struct Pass {
+    /// Training (stash for backward, dropout active) or evaluation.
+    pub train: bool,
+    /// Run seed; with `step` and the sample's row it keys the dropout mask.
+    pub seed: u64,
+    /// Optimizer step this forward belongs to.
+    pub step: u64,
+    /// Position of this micro-batch's first row in its mini-batch, so that a sample gets the same
+    /// dropout mask however the mini-batch is split into micro-batches.
+    pub row_offset: usize,
+}
+
+impl Pass {
+    /// An evaluation pass (no dropout, nothing stashed).
+    pub fn eval() -> Self {
+        Self {
+            train: false,
+            seed: 0,
+            step: 0,
+            row_offset: 0,
+        }
+    }
+}
+
+/// The operation a layer performs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum LayerKind {
+    /// Fully connected layer.
+    Linear(Linear),
+    /// 2-D convolution over a channels-last image.
+    Conv2d(Conv2d),
+    /// 2-D max-pooling over a channels-last image.
+    MaxPool2d(MaxPool2d),
+    /// Rectified linear unit.
+    Relu,
+    /// Reinterprets an image as a flat vector (no data movement beyond a copy).
+    Flatten,
+    /// Inverted dropout.
+    Dropout(Dropout),
+}
+
+/// One layer of a model, with its place in the model and its shapes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Layer {
+    /// Index in the whole (unpartitioned) model; seeds the initialisation.
+    pub index: usize,
+    /// The operation.
+    pub kind: LayerKind,
+    /// Per-sample input shape.
+    pub input: Shape,
+    /// Per-sample output shape.
+    pub output: Shape,
+    /// Standard deviation factor of the weight initialisation: `std = sqrt(gain / fan_in)`; 2 (He)
+    /// for weights feeding a ReLU, 1 (LeCun) otherwise.
+    pub init_gain: f32,
+}
+
+impl Layer {
+    /// Short lowercase name of the layer kind, as used in model files.
+    pub fn kind_name(&self) -> &'static str {
+        match self.kind {
+            LayerKind::Linear(_) => "linear",
+            LayerKind::Conv2d(_) => "conv2d",
+            LayerKind::MaxPool2d(_) => "max_pool2d",
+            LayerKind::Relu => "relu",
+            LayerKind::Flatten => "flatten",
+            LayerKind::Dropout(_) => "dropout",
+        }
+    }
+
+    /// Number of trainable parameters (weights then biases, in that order in the flat buffer).
+    pub fn param_count(&self) -> usize {
+        match &self.kind {
+            LayerKind::Linear(l) => l.param_count(),
+            LayerKind::Conv2d(c) => c.param_count(),
+            _ => 0,
+        }
+    }
+
+    /// `(weight_len, fan_in)` for layers with weights.
+    fn weight_geometry(&self) -> Option<(usize, usize)> {
+        match &self.kind {
+            LayerKind::Linear(l) => Some((l.in_features * l.out_features, l.in_features)),
+            LayerKind::Conv2d(c) => Some((c.weight_len(), c.fan_in())),
+            _ => None,
+        }
+    }
+
+    /// Names and shapes of the parameter tensors, for checkpoints.
+    pub fn param_tensors(&self) -> Vec<(String, Vec<usize>)> {
+        match &self.kind {
+            LayerKind::Linear(l) => vec![
+                (
+                    format!("layers.{}.weight", self.index),
+                    vec![l.out_features, l.in_features],
+                ),
+                (format!("layers.{}.bias", self.index), vec![l.out_features]),
+            ],
+            LayerKind::Conv2d(c) => vec![
+                (
+                    format!("layers.{}.weight", self.index),
+                    vec![c.out_channels, c.kernel, c.kernel, c.in_channels],
+                ),
+                (format!("layers.{}.bias", self.index), vec![c.out_channels]),
+            ],
+            _ => vec![],
+        }
+    }
+
+    /// Writes the initial parameters: normal weights with `std = sqrt(gain / fan_in)` and zero
+    /// biases, drawn from a generator seeded by `(seed, index)` only, so any partition of a model
+    /// starts bit-identical to the whole model.
+    pub fn init(&self, params: &mut [f32], seed: u64) {
+        debug_assert_eq!(params.len(), self.param_count());
+        let Some((weight_len, fan_in)) = self.weight_geometry() else {
+            return;
+        };
+        let std = (self.init_gain / fan_in as f32).sqrt();
+        let mut rng = ChaCha8Rng::seed_from_u64(mix(seed, self.index as u64));
+        let (w, b) = params.split_at_mut(weight_len);
+        for v in w {
+            let z: f32 = StandardNormal.sample(&mut rng);
+            *v = z * std;
+        }
+        b.fill(0.0);
+    }
+
+    /// Computes `y` (`[n, output]`) from `x` (`[n, input]`).
+    pub fn forward(
+        &self,
+        params: &[f32],
+        x: &[f32],
+        n: usize,
+        y: &mut Vec<f32>,
+        aux: &mut Aux,
+        pass: &Pass,
+        threads: usize,
+    ) {
+        set_len(y, n * self.output.numel());
+        match &self.kind {
+            LayerKind::Linear(l) => l.forward(params, x, n, y, threads),
+            LayerKind::Conv2d(c) => c.forward(params, x, n, y, aux, threads),
+            LayerKind::MaxPool2d(p) => p.forward(x, n, y, aux),
+            LayerKind::Relu => {
+                for (o, i) in y.iter_mut().zip(x) {
+                    *o = i.max(0.0);
+                }
+            }
+            LayerKind::Flatten => y.copy_from_slice(x),
+            LayerKind::Dropout(d) => d.forward(self.index, x, n, y, aux, pass),
+        }
+    }
+
+    /// Back-propagates `dy` (`[n, output]`): adds to (or overwrites, when `!accumulate`) the
+    /// parameter gradients `grads` and, when `dx` is given, overwrites it with `[n, input]`
+    /// input gradients. `x`, `y` and `aux` are what this layer's forward saw and produced.
+    #[allow(clippy::too_many_arguments)]
+    pub fn backward(
+        &self,
+        params: &[f32],
+        grads: &mut [f32],
+        accumulate: bool,
+        x: &[f32],
+        y: &[f32],
+        aux: &Aux,
+        dy: &[f32],
+        n: usize,
+        dx: Option<&mut Vec<f32>>,
+        scratch: &mut Vec<f32>,
+        threads: usize,
+    ) {
+        let dx = dx.map(|dx| {
+            set_len(dx, n * self.input.numel());
+            dx
+        });
+        match &self.kind {
+            LayerKind::Linear(l) => l.backward(params, grads, accumulate, x, dy, n, dx, threads),
+            LayerKind::Conv2d(c) => {
+                c.backward(params, grads, accumulate, aux, dy, n, dx, scratch, threads)
+            }
+            LayerKind::MaxPool2d(_) => {
+                if let Some(dx) = dx {
+                    pool::MaxPool2d::backward(aux, dy, dx);
+                }
+            }
+            LayerKind::Relu => {
+                if let Some(dx) = dx {
+                    for ((d, g), o) in dx.iter_mut().zip(dy).zip(y) {
+                        *d = if *o > 0.0 { *g } else { 0.0 };
+                    }
+                }
+            }
+            LayerKind::Flatten => {
+                if let Some(dx) = dx {
+                    dx.copy_from_slice(dy);
+                }
+            }
+            LayerKind::Dropout(_) => {
+                if let Some(dx) = dx {
+                    Dropout::backward(aux, dy, dx);
+                }
+            }
+        }
+    }
+}
+
+/// SplitMix64-style mixing of a seed with a stream number; used for every derived seed so that
+/// streams are independent and reproducible.
+pub fn mix(seed: u64, stream: u64) -> u64 {
+    let mut z = seed
+        ^ stream
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .wrapping_add(0x632B_E59B_D9B4_E019);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+#[cfg(test)]
+pub(crate) mod gradcheck;

@@ -1,0 +1,376 @@
+//! Optimizers over flat parameter vectors, and learning-rate schedules.
+//!
+//! Semantics follow the common frameworks exactly, so results can be compared with them:
+//! - SGD: `v ← μ·v + (g + λ·p)`, `p ← p − η·v` (no dampening; `μ = 0` is plain SGD).
+//! - Adam (Kingma & Ba, 2015): `m ← β₁m + (1−β₁)g'`, `v ← β₂v + (1−β₂)g'²` with `g' = g + λ·p`,
+//!   `p ← p − η·m̂ / (√v̂ + ε)` with bias-corrected `m̂`, `v̂`.
+//!
+//! The update is one fused pass over parameters, gradients and state, split across threads in
+//! large chunks: for the `mlp` preset it streams ~50 MB per step, which is memory-bound.
+
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+
+/// Which optimizer and its hyper-parameters (the learning rate comes from the schedule).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum OptimizerConfig {
+    /// SGD with momentum and weight decay.
+    Sgd {
+        /// Momentum `μ`.
+        momentum: f32,
+        /// L2 weight decay `λ`.
+        weight_decay: f32,
+    },
+    /// Adam.
+    Adam {
+        /// `β₁`.
+        beta1: f32,
+        /// `β₂`.
+        beta2: f32,
+        /// `ε`.
+        eps: f32,
+        /// L2 weight decay `λ`.
+        weight_decay: f32,
+    },
+}
+
+/// An optimizer with its per-parameter state.
+#[derive(Clone, Debug)]
+pub struct Optimizer {
+    config: OptimizerConfig,
+    /// SGD: velocity. Adam: first moment.
+    state_a: Vec<f32>,
+    /// Adam: second moment (empty for SGD).
+    state_b: Vec<f32>,
+    /// Steps taken (Adam's bias correction needs it).
+    steps: u64,
+}
+
+const CHUNK: usize = 1 << 16;
+
+impl Optimizer {
+    /// A fresh optimizer for `params` parameters (zero state).
+    pub fn new(config: OptimizerConfig, params: usize) -> Self {
+        let state_b = match config {
+            OptimizerConfig::Adam { .. } => vec![0.0; params],
+            OptimizerConfig::Sgd { .. } => Vec::new(),
+        };
+        Self {
+            config,
+            state_a: vec![0.0; params],
+            state_b,
+            steps: 0,
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &OptimizerConfig {
+        &self.config
+    }
+
+    /// Steps taken so far.
+    pub fn steps(&self) -> u64 {
+        self.steps
+    }
+
+    /// Bytes of optimizer state.
+    pub fn state_bytes(&self) -> usize {
+        (self.state_a.len() + self.state_b.len()) * 4
+    }
+
+    /// Named state tensors, for checkpoints.
+    pub fn state(&self) -> Vec<(&'static str, &[f32])> {
+        match self.config {
+            OptimizerConfig::Sgd { .. } => vec![("optim.velocity", &self.state_a)],
+            OptimizerConfig::Adam { .. } => {
+                vec![("optim.m", &self.state_a), ("optim.v", &self.state_b)]
+            }
+        }
+    }
+
+    /// Restores state saved by [`Optimizer::state`] (with the step count). Leaves `self` unchanged
+    /// on error.
+    pub fn load_state(&mut self, tensors: &[(&str, Vec<f32>)], steps: u64) -> Result<()> {
+        let expected: Vec<(&'static str, usize)> =
+            self.state().iter().map(|(n, v)| (*n, v.len())).collect();
+        let mut found = Vec::new();
+        for (name, len) in &expected {
+            let Some((_, values)) = tensors.iter().find(|(n, _)| n == name) else {
+                return Err(Error::CheckpointMismatch {
+                    path: Default::default(),
+                    reason: format!("optimizer state {name} is missing"),
+                });
+            };
+            if values.len() != *len {
+                return Err(Error::CheckpointMismatch {
+                    path: Default::default(),
+                    reason: format!(
+                        "optimizer state {name} has {} values, expected {len}",
+                        values.len()
+                    ),
+                });
+            }
+            found.push(values);
+        }
+        self.state_a.copy_from_slice(found[0]);
+        if let Some(b) = found.get(1) {
+            self.state_b.copy_from_slice(b);
+        }
+        self.steps = steps;
+        Ok(())
+    }
+
+    /// One update of `params` from `grads` at learning rate `lr`.
+    ///
+    /// # Panics
+    /// If the buffers' lengths differ from the optimizer's (a programmer error).
+    pub fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32, threads: usize) {
+        assert_eq!(
+            params.len(),
+            grads.len(),
+            "params and grads differ in length"
+        );
+        assert_eq!(
+            params.len(),
+            self.state_a.len(),
+            "optimizer built for another size"
+        );
+        self.steps += 1;
+        match self.config {
+            OptimizerConfig::Sgd {
+                momentum,
+                weight_decay,
+            } => {
+                let update = |(p, (g, v)): (&mut [f32], (&[f32], &mut [f32]))| {
+                    for ((p, g), v) in p.iter_mut().zip(g).zip(v.iter_mut()) {
+                        let d = g + weight_decay * *p;
+                        *v = momentum * *v + d;
+                        *p -= lr * *v;
+                    }
+                };
+                let parts = params
+                    .chunks_mut(CHUNK)
+                    .zip(grads.chunks(CHUNK).zip(self.state_a.chunks_mut(CHUNK)));
+                if threads > 1 {
+                    params
+                        .par_chunks_mut(CHUNK)
+                        .zip(
+                            grads
+                                .par_chunks(CHUNK)
+                                .zip(self.state_a.par_chunks_mut(CHUNK)),
+                        )
+                        .for_each(update);
+                } else {
+                    parts.for_each(update);
+                }
+            }
+            OptimizerConfig::Adam {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => {
+                let t = self.steps as i32;
+                let c1 = 1.0 - beta1.powi(t);
+                let c2 = 1.0 - beta2.powi(t);
+                let step_size = lr / c1;
+                let inv_sqrt_c2 = 1.0 / c2.sqrt();
+                let update =
+                    |(p, (g, (m, v))): (&mut [f32], (&[f32], (&mut [f32], &mut [f32])))| {
+                        for (((p, g), m), v) in
+                            p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut())
+                        {
+                            let d = g + weight_decay * *p;
+                            *m = beta1 * *m + (1.0 - beta1) * d;
+                            *v = beta2 * *v + (1.0 - beta2) * d * d;
+                            *p -= step_size * *m / (v.sqrt() * inv_sqrt_c2 + eps);
+                        }
+                    };
+                if threads > 1 {
+                    params
+                        .par_chunks_mut(CHUNK)
+                        .zip(
+                            grads.par_chunks(CHUNK).zip(
+                                self.state_a
+                                    .par_chunks_mut(CHUNK)
+                                    .zip(self.state_b.par_chunks_mut(CHUNK)),
+                            ),
+                        )
+                        .for_each(update);
+                } else {
+                    params
+                        .chunks_mut(CHUNK)
+                        .zip(
+                            grads.chunks(CHUNK).zip(
+                                self.state_a
+                                    .chunks_mut(CHUNK)
+                                    .zip(self.state_b.chunks_mut(CHUNK)),
+                            ),
+                        )
+                        .for_each(update);
+                }
+            }
+        }
+    }
+}
+
+/// How the learning rate changes over training.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LrSchedule {
+    /// The base rate throughout.
+    Constant,
+    /// Cosine decay from the base rate to zero over the run.
+    Cosine,
+    /// Multiply by `gamma` every `every` epochs.
+    Step {
+        /// Epochs between decays.
+        every: u32,
+        /// Decay factor.
+        gamma: f32,
+    },
+}
+
+impl LrSchedule {
+    /// Parses `constant`, `cosine` or `step:EVERY:GAMMA`.
+    pub fn parse(text: &str) -> Result<Self, String> {
+        match text.split(':').collect::<Vec<_>>()[..] {
+            ["constant"] => Ok(Self::Constant),
+            ["cosine"] => Ok(Self::Cosine),
+            ["step", every, gamma] => {
+                let every: u32 = every
+                    .parse()
+                    .map_err(|_| format!("step schedule: bad epoch count {every:?}"))?;
+                let gamma: f32 = gamma
+                    .parse()
+                    .map_err(|_| format!("step schedule: bad factor {gamma:?}"))?;
+                if every == 0 || !(gamma > 0.0 && gamma <= 1.0) {
+                    return Err("step schedule needs EVERY ≥ 1 and 0 < GAMMA ≤ 1".into());
+                }
+                Ok(Self::Step { every, gamma })
+            }
+            _ => Err(format!(
+                "unknown schedule {text:?}; use constant, cosine or step:EVERY:GAMMA"
+            )),
+        }
+    }
+
+    /// Learning rate at `step` of `total_steps` (`steps_per_epoch` converts to epochs), with a
+    /// linear warm-up over the first `warmup` steps.
+    pub fn rate(
+        &self,
+        base: f32,
+        step: u64,
+        total_steps: u64,
+        steps_per_epoch: u64,
+        warmup: u64,
+    ) -> f32 {
+        let scheduled = match *self {
+            Self::Constant => base,
+            Self::Cosine => {
+                let progress = step as f64 / total_steps.max(1) as f64;
+                (0.5 * f64::from(base) * (1.0 + (std::f64::consts::PI * progress.min(1.0)).cos()))
+                    as f32
+            }
+            Self::Step { every, gamma } => {
+                let epoch = step / steps_per_epoch.max(1);
+                base * gamma.powi((epoch / u64::from(every)) as i32)
+            }
+        };
+        if step < warmup {
+            scheduled * (step + 1) as f32 / warmup as f32
+        } else {
+            scheduled
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sgd_momentum_matches_hand_computation() {
+        let mut opt = Optimizer::new(
+            OptimizerConfig::Sgd {
+                momentum: 0.9,
+                weight_decay: 0.1,
+            },
+            2,
+        );
+        let mut p = [1.0f32, -2.0];
+        opt.step(&mut p, &[0.5, 0.5], 0.1, 1);
+        // d = g + 0.1 p = [0.6, 0.3]; v = d; p -= 0.1 v
+        assert!(
+            (p[0] - 0.94).abs() < 1e-6 && (p[1] + 2.03).abs() < 1e-6,
+            "{p:?}"
+        );
+        opt.step(&mut p, &[0.5, 0.5], 0.1, 2);
+        // d = [0.594, 0.297]; v = 0.9·[0.6, 0.3] + d = [1.134, 0.567]
+        assert!((p[0] - (0.94 - 0.1134)).abs() < 1e-6, "{p:?}");
+        assert!((p[1] - (-2.03 - 0.0567)).abs() < 1e-6, "{p:?}");
+    }
+
+    #[test]
+    fn adam_first_step_moves_each_parameter_by_lr_against_the_gradient_sign() {
+        let cfg = OptimizerConfig::Adam {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        let mut opt = Optimizer::new(cfg, 3);
+        let mut p = [0.0f32, 1.0, 2.0];
+        opt.step(&mut p, &[3.0, -0.001, 0.0], 0.01, 1);
+        assert!(
+            (p[0] + 0.01).abs() < 1e-6 && (p[1] - 1.01).abs() < 1e-5 && p[2] == 2.0,
+            "{p:?}"
+        );
+    }
+
+    #[test]
+    fn threaded_and_serial_updates_agree_bit_for_bit() {
+        let n = 3 * CHUNK + 17;
+        let grads: Vec<f32> = (0..n).map(|i| ((i % 13) as f32 - 6.0) * 0.01).collect();
+        for cfg in [
+            OptimizerConfig::Sgd {
+                momentum: 0.9,
+                weight_decay: 1e-4,
+            },
+            OptimizerConfig::Adam {
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.0,
+            },
+        ] {
+            let (mut a, mut b) = (vec![0.5f32; n], vec![0.5f32; n]);
+            let (mut oa, mut ob) = (Optimizer::new(cfg.clone(), n), Optimizer::new(cfg, n));
+            for _ in 0..3 {
+                oa.step(&mut a, &grads, 0.1, 1);
+                ob.step(&mut b, &grads, 0.1, 2);
+            }
+            assert_eq!(a, b);
+        }
+    }
+
+    #[test]
+    fn schedules() {
+        assert_eq!(
+            LrSchedule::parse("constant")
+                .unwrap()
+                .rate(0.1, 50, 100, 10, 0),
+            0.1
+        );
+        let cos = LrSchedule::parse("cosine").unwrap();
+        assert!((cos.rate(0.1, 50, 100, 10, 0) - 0.05).abs() < 1e-7);
+        let step = LrSchedule::parse("step:2:0.5").unwrap();
+        assert!((step.rate(0.1, 45, 100, 10, 0) - 0.025).abs() < 1e-7);
+        assert!((LrSchedule::Constant.rate(0.1, 0, 100, 10, 4) - 0.025).abs() < 1e-7);
+        assert!(LrSchedule::parse("step:0:0.5").is_err());
+        assert!(LrSchedule::parse("linear").is_err());
+    }
+}

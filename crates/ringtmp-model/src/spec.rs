@@ -1,0 +1,439 @@
+//! Model descriptions: the presets of DESIGN.md §3 and TOML model files, and the shape inference
+//! that turns a description into concrete [`Layer`]s.
+//!
+//! A model file lists layers in order; shapes are inferred from the dataset's input shape, and
+//! the last layer must produce one logit per class:
+//!
+//! ```toml
+//! name = "small-cnn"
+//! [[layer]]
+//! type = "conv2d"
+//! out_channels = 8
+//! kernel = 3
+//! [[layer]]
+//! type = "relu"
+//! [[layer]]
+//! type = "flatten"
+//! [[layer]]
+//! type = "linear"
+//! out = 10
+//! ```
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::layers::{Conv2d, Dropout, Layer, LayerKind, Linear, MaxPool2d};
+use crate::shape::Shape;
+
+/// One layer as written in a model description (shapes not yet known).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
+pub enum LayerSpec {
+    /// Fully connected layer with `out` outputs.
+    Linear {
+        /// Output features.
+        out: usize,
+    },
+    /// Convolution.
+    Conv2d {
+        /// Number of filters.
+        out_channels: usize,
+        /// Kernel side.
+        kernel: usize,
+        /// Stride (default 1).
+        #[serde(default = "one")]
+        stride: usize,
+        /// Zero padding (default 0).
+        #[serde(default)]
+        padding: usize,
+    },
+    /// Max-pooling.
+    MaxPool2d {
+        /// Window side.
+        kernel: usize,
+        /// Stride (default: the window side).
+        #[serde(default)]
+        stride: Option<usize>,
+    },
+    /// Rectified linear unit.
+    Relu,
+    /// Image to flat vector.
+    Flatten,
+    /// Inverted dropout with probability `p`.
+    Dropout {
+        /// Probability of dropping a value.
+        p: f32,
+    },
+}
+
+fn one() -> usize {
+    1
+}
+
+/// An ordered list of layers with a name.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelSpec {
+    /// Display name (the preset name or the file's `name`).
+    #[serde(default)]
+    pub name: String,
+    /// The layers, input to output.
+    #[serde(rename = "layer")]
+    pub layers: Vec<LayerSpec>,
+}
+
+/// Names of the built-in presets.
+pub const PRESETS: [&str; 3] = ["mlp", "mlp-deep", "cnn"];
+
+impl ModelSpec {
+    /// A preset by name: `mlp` (784-1024-1024-1024-10), `mlp-deep` (8 hidden layers of 1024) or
+    /// `cnn` (conv5×5·32 → pool → conv5×5·64 → pool → 512 → classes), per DESIGN.md §3.
+    pub fn preset(name: &str, classes: usize) -> Result<Self> {
+        use LayerSpec::*;
+        let mlp = |hidden: usize| {
+            let mut layers = vec![Flatten];
+            for _ in 0..hidden {
+                layers.extend([Linear { out: 1024 }, Relu]);
+            }
+            layers.push(Linear { out: classes });
+            layers
+        };
+        let layers = match name {
+            "mlp" => mlp(3),
+            "mlp-deep" => mlp(8),
+            "cnn" => vec![
+                Conv2d {
+                    out_channels: 32,
+                    kernel: 5,
+                    stride: 1,
+                    padding: 0,
+                },
+                Relu,
+                MaxPool2d {
+                    kernel: 2,
+                    stride: None,
+                },
+                Conv2d {
+                    out_channels: 64,
+                    kernel: 5,
+                    stride: 1,
+                    padding: 0,
+                },
+                Relu,
+                MaxPool2d {
+                    kernel: 2,
+                    stride: None,
+                },
+                Flatten,
+                Linear { out: 512 },
+                Relu,
+                Linear { out: classes },
+            ],
+            other => {
+                return Err(Error::Config {
+                    source_name: format!("preset {other:?}"),
+                    reason: format!("unknown preset; known presets are {}", PRESETS.join(", ")),
+                });
+            }
+        };
+        Ok(Self {
+            name: name.to_string(),
+            layers,
+        })
+    }
+
+    /// Parses a TOML model description; `source_name` names it in errors.
+    pub fn from_toml(text: &str, source_name: &str) -> Result<Self> {
+        let mut spec: Self = toml::from_str(text).map_err(|e| Error::Config {
+            source_name: source_name.to_string(),
+            reason: e.to_string().trim_end().to_string(),
+        })?;
+        if spec.name.is_empty() {
+            spec.name = source_name.to_string();
+        }
+        Ok(spec)
+    }
+
+    /// Reads and parses a TOML model file.
+    pub fn from_file(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        Self::from_toml(&text, &path.display().to_string())
+    }
+
+    /// Infers every layer's shapes from the per-sample `input` shape and checks that the model
+    /// ends in `classes` logits.
+    pub fn build(&self, input: &Shape, classes: usize) -> Result<Vec<Layer>> {
+        if self.layers.is_empty() {
+            return Err(self.config_error("the model has no layers".into()));
+        }
+        let mut layers = Vec::with_capacity(self.layers.len());
+        let mut shape = input.clone();
+        for (index, spec) in self.layers.iter().enumerate() {
+            let kind = build_kind(index, spec, &shape)?;
+            let output = output_shape(&kind, &shape);
+            layers.push(Layer {
+                index,
+                kind,
+                input: shape,
+                output: output.clone(),
+                init_gain: 1.0,
+            });
+            shape = output;
+        }
+        if shape != Shape::flat(classes) {
+            return Err(self.config_error(format!(
+                "the last layer produces {shape} per sample but the dataset has {classes} classes; \
+                 end the model with a linear layer of {classes} outputs"
+            )));
+        }
+        // He initialisation (gain 2) for weights whose output goes through a ReLU, looking past
+        // layers that do not mix values (pooling, flatten, dropout); LeCun (gain 1) otherwise.
+        for i in 0..layers.len() {
+            let feeds_relu = layers[i + 1..]
+                .iter()
+                .find(|l| {
+                    !matches!(
+                        l.kind,
+                        LayerKind::MaxPool2d(_) | LayerKind::Flatten | LayerKind::Dropout(_)
+                    )
+                })
+                .is_some_and(|l| l.kind == LayerKind::Relu);
+            layers[i].init_gain = if feeds_relu { 2.0 } else { 1.0 };
+        }
+        Ok(layers)
+    }
+
+    fn config_error(&self, reason: String) -> Error {
+        Error::Config {
+            source_name: self.name.clone(),
+            reason,
+        }
+    }
+}
+
+fn build_kind(index: usize, spec: &LayerSpec, input: &Shape) -> Result<LayerKind> {
+    let shape_err = |kind: &'static str, reason: String| Error::Shape {
+        index,
+        kind,
+        input: input.clone(),
+        reason,
+    };
+    Ok(match *spec {
+        LayerSpec::Linear { out } => {
+            let Some(in_features) = input.as_flat() else {
+                return Err(shape_err(
+                    "linear",
+                    "needs a flat input; add a flatten layer before it".into(),
+                ));
+            };
+            if out == 0 {
+                return Err(shape_err("linear", "`out` must be at least 1".into()));
+            }
+            LayerKind::Linear(Linear {
+                in_features,
+                out_features: out,
+            })
+        }
+        LayerSpec::Conv2d {
+            out_channels,
+            kernel,
+            stride,
+            padding,
+        } => {
+            let Some((h, w, c)) = input.as_image() else {
+                return Err(shape_err(
+                    "conv2d",
+                    "needs an image input [height, width, channels]".into(),
+                ));
+            };
+            if out_channels == 0 || kernel == 0 || stride == 0 {
+                return Err(shape_err(
+                    "conv2d",
+                    "out_channels, kernel and stride must be at least 1".into(),
+                ));
+            }
+            if padding >= kernel {
+                return Err(shape_err(
+                    "conv2d",
+                    format!("padding {padding} must be below the kernel size {kernel}"),
+                ));
+            }
+            if h + 2 * padding < kernel || w + 2 * padding < kernel {
+                return Err(shape_err(
+                    "conv2d",
+                    format!("a {kernel}×{kernel} kernel does not fit the input"),
+                ));
+            }
+            LayerKind::Conv2d(Conv2d {
+                in_height: h,
+                in_width: w,
+                in_channels: c,
+                out_channels,
+                kernel,
+                stride,
+                padding,
+                out_height: (h + 2 * padding - kernel) / stride + 1,
+                out_width: (w + 2 * padding - kernel) / stride + 1,
+            })
+        }
+        LayerSpec::MaxPool2d { kernel, stride } => {
+            let Some((h, w, c)) = input.as_image() else {
+                return Err(shape_err(
+                    "max_pool2d",
+                    "needs an image input [height, width, channels]".into(),
+                ));
+            };
+            let stride = stride.unwrap_or(kernel);
+            if kernel == 0 || stride == 0 {
+                return Err(shape_err(
+                    "max_pool2d",
+                    "kernel and stride must be at least 1".into(),
+                ));
+            }
+            if h < kernel || w < kernel {
+                return Err(shape_err(
+                    "max_pool2d",
+                    format!("a {kernel}×{kernel} window does not fit the input"),
+                ));
+            }
+            LayerKind::MaxPool2d(MaxPool2d {
+                in_height: h,
+                in_width: w,
+                channels: c,
+                kernel,
+                stride,
+                out_height: (h - kernel) / stride + 1,
+                out_width: (w - kernel) / stride + 1,
+            })
+        }
+        LayerSpec::Relu => LayerKind::Relu,
+        LayerSpec::Flatten => LayerKind::Flatten,
+        LayerSpec::Dropout { p } => {
+            if !(0.0..1.0).contains(&p) {
+                return Err(shape_err("dropout", format!("p = {p} must be in [0, 1)")));
+            }
+            LayerKind::Dropout(Dropout { p })
+        }
+    })
+}
+
+fn output_shape(kind: &LayerKind, input: &Shape) -> Shape {
+    match kind {
+        LayerKind::Linear(l) => Shape::flat(l.out_features),
+        LayerKind::Conv2d(c) => Shape::image(c.out_height, c.out_width, c.out_channels),
+        LayerKind::MaxPool2d(p) => Shape::image(p.out_height, p.out_width, p.channels),
+        LayerKind::Flatten => Shape::flat(input.numel()),
+        LayerKind::Relu | LayerKind::Dropout(_) => input.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn param_count(layers: &[Layer]) -> usize {
+        layers.iter().map(Layer::param_count).sum()
+    }
+
+    #[test]
+    fn presets_have_the_documented_architecture() {
+        let mnist = Shape::image(28, 28, 1);
+        let mlp = ModelSpec::preset("mlp", 10)
+            .unwrap()
+            .build(&mnist, 10)
+            .unwrap();
+        assert_eq!(
+            param_count(&mlp),
+            784 * 1024 + 1024 + 2 * (1024 * 1024 + 1024) + 1024 * 10 + 10
+        );
+        let deep = ModelSpec::preset("mlp-deep", 10)
+            .unwrap()
+            .build(&mnist, 10)
+            .unwrap();
+        assert_eq!(deep.iter().filter(|l| l.kind_name() == "linear").count(), 9);
+        let cnn = ModelSpec::preset("cnn", 10)
+            .unwrap()
+            .build(&mnist, 10)
+            .unwrap();
+        let shapes: Vec<String> = cnn.iter().map(|l| l.output.to_string()).collect();
+        assert_eq!(
+            shapes,
+            [
+                "[24, 24, 32]",
+                "[24, 24, 32]",
+                "[12, 12, 32]",
+                "[8, 8, 64]",
+                "[8, 8, 64]",
+                "[4, 4, 64]",
+                "[1024]",
+                "[512]",
+                "[512]",
+                "[10]"
+            ]
+        );
+        // He for layers feeding ReLU, LeCun for the logits.
+        assert_eq!(cnn[0].init_gain, 2.0);
+        assert_eq!(cnn[9].init_gain, 1.0);
+    }
+
+    #[test]
+    fn unknown_preset_is_a_config_error() {
+        let err = ModelSpec::preset("resnet", 10).unwrap_err();
+        assert!(err.to_string().contains("unknown preset"), "{err}");
+    }
+
+    #[test]
+    fn toml_unknown_layer_and_unknown_key_are_errors() {
+        let err = ModelSpec::from_toml("[[layer]]\ntype = \"lstm\"\n", "m.toml").unwrap_err();
+        assert!(
+            err.to_string().contains("m.toml") && err.to_string().contains("lstm"),
+            "{err}"
+        );
+        let err = ModelSpec::from_toml(
+            "[[layer]]\ntype = \"linear\"\nout = 3\nbias = false\n",
+            "m.toml",
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("bias"), "{err}");
+        let err =
+            ModelSpec::from_toml("colour = 1\n[[layer]]\ntype = \"relu\"\n", "m.toml").unwrap_err();
+        assert!(err.to_string().contains("colour"), "{err}");
+    }
+
+    #[test]
+    fn conv_on_flat_input_is_a_shape_error_naming_the_layer() {
+        let spec = ModelSpec::from_toml(
+            "[[layer]]\ntype = \"flatten\"\n[[layer]]\ntype = \"conv2d\"\nout_channels = 4\nkernel = 3\n",
+            "m.toml",
+        )
+        .unwrap();
+        let err = spec.build(&Shape::image(8, 8, 1), 10).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("layer 1 (conv2d)") && text.contains("[64]"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn wrong_class_count_is_reported() {
+        let spec = ModelSpec::from_toml(
+            "[[layer]]\ntype = \"flatten\"\n[[layer]]\ntype = \"linear\"\nout = 3\n",
+            "m",
+        )
+        .unwrap();
+        let err = spec.build(&Shape::image(8, 8, 1), 10).unwrap_err();
+        assert!(err.to_string().contains("10 classes"), "{err}");
+    }
+
+    #[test]
+    fn oversized_kernel_is_a_shape_error() {
+        let err = ModelSpec::preset("cnn", 10)
+            .unwrap()
+            .build(&Shape::image(8, 8, 1), 10)
+            .unwrap_err();
+        assert!(err.to_string().contains("layer 3 (conv2d)"), "{err}");
+    }
+}

@@ -1,0 +1,330 @@
+//! A stage: a contiguous block of layers with its parameters, gradients and per-micro-batch stash.
+//!
+//! This is the unit every strategy computes with: the ring gives each node one stage, the
+//! data-parallel strategies give each worker one stage holding all layers, and the `local`
+//! strategy is one stage holding all layers.
+//!
+//! Invariants:
+//! - Parameters and gradients are each one flat `f32` buffer; layer `i` of the stage owns
+//!   `offsets[i]..offsets[i + 1]` in both. Export/import for checkpoints, all-reduce or a
+//!   parameter server is a slice copy.
+//! - Each forward of a training micro-batch stashes the activations and side data its backward
+//!   needs under the micro-batch id; any number may be in flight and their backwards may come in
+//!   any order. A backward releases the stash.
+//! - Gradients accumulate across backwards until [`Stage::step`] or [`Stage::zero_grad`]. The
+//!   first backward after a reset *writes* gradients instead of adding to zeros, which saves a
+//!   pass over the gradient buffer per step.
+//! - Stash buffers are recycled, so a steady-state training loop allocates nothing.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+
+use crate::error::{Error, Result};
+use crate::kernels::set_len;
+use crate::layers::{Aux, Layer, Pass};
+use crate::optim::Optimizer;
+
+/// What one in-flight micro-batch keeps between its forward and its backward.
+#[derive(Debug, Default)]
+struct Stash {
+    /// `acts[0]` is the stage input, `acts[i + 1]` the output of layer `i`.
+    acts: Vec<Vec<f32>>,
+    aux: Vec<Aux>,
+    rows: usize,
+}
+
+/// A contiguous block of a model's layers with their parameters and optimizer-facing buffers.
+#[derive(Debug)]
+pub struct Stage {
+    layers: Vec<Layer>,
+    offsets: Vec<usize>,
+    params: Vec<f32>,
+    grads: Vec<f32>,
+    /// Per layer: whether `grads` holds a value written since the last reset.
+    grads_written: Vec<bool>,
+    in_flight: BTreeMap<u64, Stash>,
+    free_stashes: Vec<Stash>,
+    /// Whether backward must produce input gradients (false on the stage that reads raw data).
+    input_grad: bool,
+    threads: usize,
+    /// Ping-pong gradient buffers for backward and the buffer holding the returned input gradient.
+    grad_a: Vec<f32>,
+    grad_b: Vec<f32>,
+    scratch: Vec<f32>,
+    /// Buffers for evaluation passes, which stash nothing.
+    eval: Stash,
+}
+
+impl Stage {
+    /// Builds the stage holding `layers[range]` of a model and initialises its parameters from
+    /// `seed` (per layer index, so the result does not depend on the partition).
+    ///
+    /// # Panics
+    /// If `range` is empty or out of bounds (the partition planner guarantees neither happens).
+    pub fn new(layers: &[Layer], range: Range<usize>, seed: u64, threads: usize) -> Self {
+        assert!(
+            !range.is_empty() && range.end <= layers.len(),
+            "bad stage range {range:?}"
+        );
+        let layers = layers[range.clone()].to_vec();
+        let mut offsets = vec![0];
+        for l in &layers {
+            offsets.push(offsets.last().copied().unwrap_or(0) + l.param_count());
+        }
+        let total = *offsets.last().unwrap_or(&0);
+        let mut params = vec![0.0; total];
+        for (i, l) in layers.iter().enumerate() {
+            l.init(&mut params[offsets[i]..offsets[i + 1]], seed);
+        }
+        let n = layers.len();
+        Self {
+            layers,
+            offsets,
+            params,
+            grads: vec![0.0; total],
+            grads_written: vec![false; n],
+            in_flight: BTreeMap::new(),
+            free_stashes: Vec::new(),
+            input_grad: range.start > 0,
+            threads: threads.max(1),
+            grad_a: Vec::new(),
+            grad_b: Vec::new(),
+            scratch: Vec::new(),
+            eval: Stash::default(),
+        }
+    }
+
+    /// The layers of this stage.
+    pub fn layers(&self) -> &[Layer] {
+        &self.layers
+    }
+
+    /// Index of the first layer in the whole model.
+    pub fn first_layer(&self) -> usize {
+        self.layers[0].index
+    }
+
+    /// Values per sample this stage reads.
+    pub fn input_len(&self) -> usize {
+        self.layers[0].input.numel()
+    }
+
+    /// Values per sample this stage produces.
+    pub fn output_len(&self) -> usize {
+        self.layers[self.layers.len() - 1].output.numel()
+    }
+
+    /// Whether [`Stage::backward`] computes input gradients. Off by default on a stage that starts
+    /// at layer 0, since nothing consumes the gradient of the raw data.
+    pub fn set_input_grad(&mut self, on: bool) {
+        self.input_grad = on;
+    }
+
+    /// Threads the kernels may use.
+    pub fn set_threads(&mut self, threads: usize) {
+        self.threads = threads.max(1);
+    }
+
+    /// The flat parameter vector.
+    pub fn params(&self) -> &[f32] {
+        &self.params
+    }
+
+    /// The flat parameter vector, mutable (for importing parameters).
+    pub fn params_mut(&mut self) -> &mut [f32] {
+        &mut self.params
+    }
+
+    /// Parameter range of each layer in the flat buffers.
+    pub fn param_ranges(&self) -> impl Iterator<Item = (&Layer, Range<usize>)> {
+        self.layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| (l, self.offsets[i]..self.offsets[i + 1]))
+    }
+
+    /// The accumulated gradients (zeros for layers no backward reached since the last reset).
+    pub fn grads(&mut self) -> &[f32] {
+        self.materialise_grads();
+        &self.grads
+    }
+
+    /// The gradients, mutable (for strategies that replace them with averaged ones).
+    pub fn grads_mut(&mut self) -> &mut [f32] {
+        self.materialise_grads();
+        &mut self.grads
+    }
+
+    /// Number of micro-batches whose forward is stashed and backward not yet done.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// Bytes held in stashes for in-flight micro-batches.
+    pub fn stash_bytes(&self) -> usize {
+        let stash = |s: &Stash| {
+            s.acts.iter().map(Vec::len).sum::<usize>() * 4
+                + s.aux
+                    .iter()
+                    .map(|a| a.values.len() * 4 + a.indices.len() * 4)
+                    .sum::<usize>()
+        };
+        self.in_flight.values().map(stash).sum()
+    }
+
+    /// Forward pass of a training micro-batch of `rows` samples; stashes what backward needs and
+    /// returns the stage output `[rows, output_len]`.
+    pub fn forward(
+        &mut self,
+        micro_batch: u64,
+        x: &[f32],
+        rows: usize,
+        pass: &Pass,
+    ) -> Result<&[f32]> {
+        check_len("stage input", rows * self.input_len(), x.len())?;
+        if self.in_flight.contains_key(&micro_batch) {
+            return Err(Error::Config {
+                source_name: format!("stage at layer {}", self.first_layer()),
+                reason: format!("micro-batch {micro_batch} is already in flight"),
+            });
+        }
+        let mut stash = self.free_stashes.pop().unwrap_or_default();
+        stash.acts.resize_with(self.layers.len() + 1, Vec::new);
+        stash.aux.resize_with(self.layers.len(), Aux::default);
+        stash.rows = rows;
+        set_len(&mut stash.acts[0], x.len());
+        stash.acts[0].copy_from_slice(x);
+        run_forward(
+            &self.layers,
+            &self.offsets,
+            &self.params,
+            &mut stash,
+            pass,
+            self.threads,
+        );
+        let stash = self.in_flight.entry(micro_batch).or_insert(stash);
+        Ok(stash.acts.last().map(Vec::as_slice).unwrap_or_default())
+    }
+
+    /// Evaluation forward (no stash, dropout off); returns `[rows, output_len]`.
+    pub fn infer(&mut self, x: &[f32], rows: usize) -> Result<&[f32]> {
+        check_len("stage input", rows * self.input_len(), x.len())?;
+        let eval = &mut self.eval;
+        eval.acts.resize_with(self.layers.len() + 1, Vec::new);
+        eval.aux.resize_with(self.layers.len(), Aux::default);
+        eval.rows = rows;
+        set_len(&mut eval.acts[0], x.len());
+        eval.acts[0].copy_from_slice(x);
+        run_forward(
+            &self.layers,
+            &self.offsets,
+            &self.params,
+            eval,
+            &Pass::eval(),
+            self.threads,
+        );
+        Ok(eval.acts.last().map(Vec::as_slice).unwrap_or_default())
+    }
+
+    /// Backward pass of a stashed micro-batch from the gradient of its output, `[rows,
+    /// output_len]`. Accumulates parameter gradients and returns the input gradient (`None` when
+    /// input gradients are off for this stage). On error nothing changes.
+    pub fn backward(&mut self, micro_batch: u64, dy: &[f32]) -> Result<Option<&[f32]>> {
+        let Some(stash) = self.in_flight.get(&micro_batch) else {
+            return Err(Error::UnknownMicroBatch {
+                stage: self.first_layer(),
+                micro_batch,
+            });
+        };
+        check_len("output gradient", stash.rows * self.output_len(), dy.len())?;
+        let stash = self.in_flight.remove(&micro_batch).expect("checked above");
+        let rows = stash.rows;
+        set_len(&mut self.grad_a, dy.len());
+        self.grad_a.copy_from_slice(dy);
+        for i in (0..self.layers.len()).rev() {
+            let want_dx = i > 0 || self.input_grad;
+            let range = self.offsets[i]..self.offsets[i + 1];
+            let accumulate = self.grads_written[i];
+            self.layers[i].backward(
+                &self.params[range.clone()],
+                &mut self.grads[range],
+                accumulate,
+                &stash.acts[i],
+                &stash.acts[i + 1],
+                &stash.aux[i],
+                &self.grad_a,
+                rows,
+                want_dx.then_some(&mut self.grad_b),
+                &mut self.scratch,
+                self.threads,
+            );
+            self.grads_written[i] = true;
+            if want_dx {
+                std::mem::swap(&mut self.grad_a, &mut self.grad_b);
+            }
+        }
+        self.free_stashes.push(stash);
+        Ok(self.input_grad.then_some(self.grad_a.as_slice()))
+    }
+
+    /// Applies the optimizer to the accumulated gradients at learning rate `lr`, then resets them.
+    pub fn step(&mut self, optimizer: &mut Optimizer, lr: f32) {
+        self.materialise_grads();
+        optimizer.step(&mut self.params, &self.grads, lr, self.threads);
+        self.zero_grad();
+    }
+
+    /// Forgets the accumulated gradients (cheaply: the next backward overwrites them).
+    pub fn zero_grad(&mut self) {
+        self.grads_written.fill(false);
+    }
+
+    /// Drops every stashed micro-batch (after an aborted step).
+    pub fn clear_in_flight(&mut self) {
+        let stashes = std::mem::take(&mut self.in_flight);
+        self.free_stashes.extend(stashes.into_values());
+    }
+
+    fn materialise_grads(&mut self) {
+        for i in 0..self.layers.len() {
+            if !self.grads_written[i] {
+                self.grads[self.offsets[i]..self.offsets[i + 1]].fill(0.0);
+                self.grads_written[i] = true;
+            }
+        }
+    }
+}
+
+fn run_forward(
+    layers: &[Layer],
+    offsets: &[usize],
+    params: &[f32],
+    stash: &mut Stash,
+    pass: &Pass,
+    threads: usize,
+) {
+    for (i, layer) in layers.iter().enumerate() {
+        let (done, rest) = stash.acts.split_at_mut(i + 1);
+        layer.forward(
+            &params[offsets[i]..offsets[i + 1]],
+            &done[i],
+            stash.rows,
+            &mut rest[0],
+            &mut stash.aux[i],
+            pass,
+            threads,
+        );
+    }
+}
+
+fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
+    if expected == got {
+        Ok(())
+    } else {
+        Err(Error::Length {
+            what,
+            expected,
+            got,
+        })
+    }
+}
