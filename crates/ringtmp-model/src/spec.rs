@@ -213,6 +213,20 @@ impl ModelSpec {
     }
 }
 
+/// Builds layer `index` of a model from its description and per-sample input shape (with the
+/// LeCun initialisation gain; [`ModelSpec::build`] sets He where the layer feeds a ReLU).
+pub fn build_layer(index: usize, spec: &LayerSpec, input: &Shape) -> Result<Layer> {
+    let kind = build_kind(index, spec, input)?;
+    let output = output_shape(&kind, input);
+    Ok(Layer {
+        index,
+        kind,
+        input: input.clone(),
+        output,
+        init_gain: 1.0,
+    })
+}
+
 fn build_kind(index: usize, spec: &LayerSpec, input: &Shape) -> Result<LayerKind> {
     let shape_err = |kind: &'static str, reason: String| Error::Shape {
         index,

@@ -1,1 +1,327 @@
+//! Finite-difference and closed-form checks of every layer's backward pass.
+//!
+//! The objective is `L = Σ y ⊙ r` for a fixed random `r`, so `dL/dy = r` and the analytic
+//! gradients come from one backward call. The layers compute in f32; the objective is summed in
+//! f64 and the central difference uses a step chosen per layer: layers that are linear in the
+//! perturbed value (linear, conv in both weights and inputs) have no truncation error, so a large
+//! step makes rounding negligible; piecewise-linear layers (ReLU, max-pool) use inputs kept away
+//! from their kinks and ties.
 
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+use super::{Aux, Layer, Pass};
+use crate::shape::Shape;
+use crate::spec::{LayerSpec, build_layer};
+
+fn layer(spec: LayerSpec, input: Shape) -> Layer {
+    let mut l = build_layer(0, &spec, &input).expect("valid test layer");
+    l.init_gain = 2.0;
+    l
+}
+
+struct Case {
+    layer: Layer,
+    params: Vec<f32>,
+    x: Vec<f32>,
+    r: Vec<f32>,
+    n: usize,
+}
+
+impl Case {
+    fn new(layer: Layer, n: usize, seed: u64, x_gen: impl Fn(&mut ChaCha8Rng) -> f32) -> Self {
+        let mut rng = ChaCha8Rng::seed_from_u64(seed);
+        let mut params = vec![0.0; layer.param_count()];
+        layer.init(&mut params, seed);
+        // Non-zero biases so they are exercised too.
+        for p in params.iter_mut().filter(|p| **p == 0.0) {
+            *p = rng.random::<f32>() - 0.5;
+        }
+        let x = (0..n * layer.input.numel())
+            .map(|_| x_gen(&mut rng))
+            .collect();
+        let r = (0..n * layer.output.numel())
+            .map(|_| rng.random::<f32>() * 2.0 - 1.0)
+            .collect();
+        Self {
+            layer,
+            params,
+            x,
+            r,
+            n,
+        }
+    }
+
+    fn objective(&self, params: &[f32], x: &[f32]) -> f64 {
+        let (mut y, mut aux) = (Vec::new(), Aux::default());
+        let pass = Pass {
+            train: true,
+            seed: 7,
+            step: 3,
+            row_offset: 0,
+        };
+        self.layer
+            .forward(params, x, self.n, &mut y, &mut aux, &pass, 1);
+        y.iter()
+            .zip(&self.r)
+            .map(|(a, b)| f64::from(*a) * f64::from(*b))
+            .sum()
+    }
+
+    fn analytic(&self) -> (Vec<f32>, Vec<f32>) {
+        let (mut y, mut aux) = (Vec::new(), Aux::default());
+        let pass = Pass {
+            train: true,
+            seed: 7,
+            step: 3,
+            row_offset: 0,
+        };
+        self.layer
+            .forward(&self.params, &self.x, self.n, &mut y, &mut aux, &pass, 1);
+        let mut grads = vec![f32::NAN; self.params.len()];
+        let mut dx = Vec::new();
+        let mut scratch = Vec::new();
+        self.layer.backward(
+            &self.params,
+            &mut grads,
+            false,
+            &self.x,
+            &y,
+            &aux,
+            &self.r,
+            self.n,
+            Some(&mut dx),
+            &mut scratch,
+            1,
+        );
+        (grads, dx)
+    }
+
+    /// Checks every parameter and input gradient against central differences with step `h`.
+    fn check(&self, h: f32, tol: f64) {
+        let (grads, dx) = self.analytic();
+        let mut worst = 0.0f64;
+        for i in 0..self.params.len() {
+            let (mut plus, mut minus) = (self.params.clone(), self.params.clone());
+            plus[i] += h;
+            minus[i] -= h;
+            let fd = (self.objective(&plus, &self.x) - self.objective(&minus, &self.x))
+                / (2.0 * f64::from(h));
+            let err = (fd - f64::from(grads[i])).abs() / fd.abs().max(1.0);
+            worst = worst.max(err);
+            assert!(
+                err < tol,
+                "{} param {i}: analytic {} vs numeric {fd}",
+                self.layer.kind_name(),
+                grads[i]
+            );
+        }
+        for i in 0..self.x.len() {
+            let (mut plus, mut minus) = (self.x.clone(), self.x.clone());
+            plus[i] += h;
+            minus[i] -= h;
+            let fd = (self.objective(&self.params, &plus) - self.objective(&self.params, &minus))
+                / (2.0 * f64::from(h));
+            let err = (fd - f64::from(dx[i])).abs() / fd.abs().max(1.0);
+            worst = worst.max(err);
+            assert!(
+                err < tol,
+                "{} input {i}: analytic {} vs numeric {fd}",
+                self.layer.kind_name(),
+                dx[i]
+            );
+        }
+        println!(
+            "{}: worst relative error {worst:.2e}",
+            self.layer.kind_name()
+        );
+    }
+}
+
+fn normal(rng: &mut ChaCha8Rng) -> f32 {
+    rng.random::<f32>() * 2.0 - 1.0
+}
+
+/// Values at least 0.05 away from zero, so ReLU's kink is never crossed by the step.
+fn away_from_zero(rng: &mut ChaCha8Rng) -> f32 {
+    let v = 0.05 + rng.random::<f32>();
+    if rng.random::<bool>() { v } else { -v }
+}
+
+#[test]
+fn linear_gradients_match_finite_differences() {
+    let l = layer(LayerSpec::Linear { out: 5 }, Shape::flat(7));
+    Case::new(l, 3, 1, normal).check(0.25, 1e-4);
+}
+
+#[test]
+fn conv2d_gradients_match_finite_differences_with_stride_and_padding() {
+    for (stride, padding) in [(1, 0), (2, 1), (1, 2)] {
+        let l = layer(
+            LayerSpec::Conv2d {
+                out_channels: 3,
+                kernel: 3,
+                stride,
+                padding,
+            },
+            Shape::image(5, 6, 2),
+        );
+        Case::new(l, 2, 2, normal).check(0.25, 1e-4);
+    }
+}
+
+#[test]
+fn relu_gradients_match_finite_differences() {
+    let l = layer(LayerSpec::Relu, Shape::flat(11));
+    Case::new(l, 3, 3, away_from_zero).check(0.01, 1e-4);
+}
+
+#[test]
+fn max_pool_gradients_match_finite_differences() {
+    for stride in [None, Some(1)] {
+        let l = layer(
+            LayerSpec::MaxPool2d { kernel: 2, stride },
+            Shape::image(4, 5, 3),
+        );
+        // Distinct values spaced well apart: no ties, and a small step never changes a winner.
+        let case = Case::new(l, 2, 4, normal);
+        let mut c = case;
+        for (i, v) in c.x.iter_mut().enumerate() {
+            *v = ((i * 7919) % 97) as f32 * 0.1;
+        }
+        c.check(0.01, 1e-4);
+    }
+}
+
+#[test]
+fn dropout_gradients_match_finite_differences_and_mask_is_scaled() {
+    let l = layer(LayerSpec::Dropout { p: 0.5 }, Shape::flat(64));
+    let case = Case::new(l, 4, 5, normal);
+    case.check(0.25, 1e-4);
+    let (_, dx) = case.analytic();
+    let kept = dx.iter().filter(|v| **v != 0.0).count();
+    assert!((64..192).contains(&kept), "kept {kept} of 256 at p = 0.5");
+    for (d, r) in dx.iter().zip(&case.r) {
+        assert!(*d == 0.0 || (d - 2.0 * r).abs() < 1e-6);
+    }
+}
+
+#[test]
+fn flatten_passes_gradients_through() {
+    let l = layer(LayerSpec::Flatten, Shape::image(2, 3, 2));
+    Case::new(l, 2, 6, normal).check(0.25, 1e-5);
+}
+
+#[test]
+fn linear_closed_form() {
+    // W = [[1, 2], [3, 4], [5, 6]], b = [0.5, -0.5, 1], x = [1, -1] → y = [-0.5, -1.5, 0].
+    let l = layer(LayerSpec::Linear { out: 3 }, Shape::flat(2));
+    let p = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 0.5, -0.5, 1.0];
+    let (mut y, mut aux) = (Vec::new(), Aux::default());
+    l.forward(&p, &[1.0, -1.0], 1, &mut y, &mut aux, &Pass::eval(), 1);
+    assert_eq!(y, [-0.5, -1.5, 0.0]);
+    let (mut g, mut dx, mut s) = (vec![0.0; 9], Vec::new(), Vec::new());
+    l.backward(
+        &p,
+        &mut g,
+        false,
+        &[1.0, -1.0],
+        &y,
+        &aux,
+        &[1.0, 0.0, 2.0],
+        1,
+        Some(&mut dx),
+        &mut s,
+        1,
+    );
+    assert_eq!(g, [1.0, -1.0, 0.0, 0.0, 2.0, -2.0, 1.0, 0.0, 2.0]);
+    assert_eq!(dx, [11.0, 14.0]);
+}
+
+#[test]
+fn conv2d_closed_form_box_filter() {
+    // A 2×2 all-ones kernel over a 3×3 image of 1..9 sums each window.
+    let l = layer(
+        LayerSpec::Conv2d {
+            out_channels: 1,
+            kernel: 2,
+            stride: 1,
+            padding: 0,
+        },
+        Shape::image(3, 3, 1),
+    );
+    let p = [1.0, 1.0, 1.0, 1.0, 0.0];
+    let x: Vec<f32> = (1..=9).map(|v| v as f32).collect();
+    let (mut y, mut aux) = (Vec::new(), Aux::default());
+    l.forward(&p, &x, 1, &mut y, &mut aux, &Pass::eval(), 1);
+    assert_eq!(y, [12.0, 16.0, 24.0, 28.0]);
+    let (mut g, mut dx, mut s) = (vec![0.0; 5], Vec::new(), Vec::new());
+    l.backward(
+        &p,
+        &mut g,
+        false,
+        &x,
+        &y,
+        &aux,
+        &[1.0; 4],
+        1,
+        Some(&mut dx),
+        &mut s,
+        1,
+    );
+    // Each input pixel's gradient counts the windows that contain it.
+    assert_eq!(dx, [1.0, 2.0, 1.0, 2.0, 4.0, 2.0, 1.0, 2.0, 1.0]);
+    assert_eq!(g, [12.0, 16.0, 24.0, 28.0, 4.0]);
+}
+
+#[test]
+fn max_pool_closed_form_routes_gradient_to_the_maximum() {
+    let l = layer(
+        LayerSpec::MaxPool2d {
+            kernel: 2,
+            stride: None,
+        },
+        Shape::image(2, 4, 1),
+    );
+    let x = [1.0, 5.0, 2.0, 0.0, 3.0, 4.0, 8.0, 7.0];
+    let (mut y, mut aux) = (Vec::new(), Aux::default());
+    l.forward(&[], &x, 1, &mut y, &mut aux, &Pass::eval(), 1);
+    assert_eq!(y, [5.0, 8.0]);
+    let (mut dx, mut s) = (Vec::new(), Vec::new());
+    l.backward(
+        &[],
+        &mut [],
+        false,
+        &x,
+        &y,
+        &aux,
+        &[1.0, 2.0],
+        1,
+        Some(&mut dx),
+        &mut s,
+        1,
+    );
+    assert_eq!(dx, [0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 2.0, 0.0]);
+}
+
+#[test]
+fn initialisation_depends_only_on_seed_and_layer_index() {
+    let l = layer(LayerSpec::Linear { out: 64 }, Shape::flat(100));
+    let (mut a, mut b) = (vec![0.0; l.param_count()], vec![0.0; l.param_count()]);
+    l.init(&mut a, 9);
+    l.init(&mut b, 9);
+    assert_eq!(a, b);
+    let mean = a[..6400].iter().map(|v| f64::from(*v)).sum::<f64>() / 6400.0;
+    let var = a[..6400]
+        .iter()
+        .map(|v| (f64::from(*v) - mean).powi(2))
+        .sum::<f64>()
+        / 6400.0;
+    // The helper sets He's gain: std = sqrt(2/100).
+    assert!(
+        mean.abs() < 0.01 && (var.sqrt() - 0.02f64.sqrt()).abs() < 0.01,
+        "mean {mean} std {}",
+        var.sqrt()
+    );
+    assert!(a[6400..].iter().all(|v| *v == 0.0), "biases start at zero");
+}

@@ -1,0 +1,261 @@
+//! Oracle test for stages: a model split into 2, 3 and 4 stages and chained by hand, with several
+//! micro-batches in flight and their backwards in scrambled order, gives the same outputs, input
+//! gradients and parameter gradients as the unsplit model on the whole mini-batch.
+
+use ringtmp_model::{Layer, ModelSpec, Pass, Shape, Stage, loss};
+
+const MODEL: &str = r#"
+name = "chain-test"
+[[layer]]
+type = "conv2d"
+out_channels = 4
+kernel = 3
+padding = 1
+[[layer]]
+type = "relu"
+[[layer]]
+type = "max_pool2d"
+kernel = 2
+[[layer]]
+type = "flatten"
+[[layer]]
+type = "linear"
+out = 32
+[[layer]]
+type = "relu"
+[[layer]]
+type = "dropout"
+p = 0.3
+[[layer]]
+type = "linear"
+out = 16
+[[layer]]
+type = "relu"
+[[layer]]
+type = "linear"
+out = 10
+"#;
+
+const SEED: u64 = 11;
+const ROWS: usize = 12;
+const MICRO: usize = 3;
+
+fn layers() -> Vec<Layer> {
+    ModelSpec::from_toml(MODEL, "chain-test")
+        .unwrap()
+        .build(&Shape::image(8, 8, 1), 10)
+        .unwrap()
+}
+
+fn data() -> (Vec<f32>, Vec<u32>) {
+    let x = (0..ROWS * 64)
+        .map(|i| ((i * 7919 % 101) as f32 / 50.0) - 1.0)
+        .collect();
+    let labels = (0..ROWS).map(|i| (i * 7 % 10) as u32).collect();
+    (x, labels)
+}
+
+struct Result {
+    logits: Vec<f32>,
+    dx: Vec<f32>,
+    grads: Vec<f32>,
+}
+
+fn unsplit() -> Result {
+    let layers = layers();
+    let mut model = Stage::new(&layers, 0..layers.len(), SEED, 1);
+    model.set_input_grad(true);
+    let (x, labels) = data();
+    let pass = Pass {
+        train: true,
+        seed: SEED,
+        step: 5,
+        row_offset: 0,
+    };
+    let logits = model.forward(0, &x, ROWS, &pass).unwrap().to_vec();
+    let mut dlogits = vec![0.0; logits.len()];
+    loss::softmax_cross_entropy(&logits, &labels, 10, 1.0 / ROWS as f32, &mut dlogits).unwrap();
+    let dx = model.backward(0, &dlogits).unwrap().unwrap().to_vec();
+    Result {
+        logits,
+        dx,
+        grads: model.grads().to_vec(),
+    }
+}
+
+fn chained(bounds: &[usize]) -> Result {
+    let layers = layers();
+    let mut stages: Vec<Stage> = bounds
+        .windows(2)
+        .map(|w| Stage::new(&layers, w[0]..w[1], SEED, 2))
+        .collect();
+    stages[0].set_input_grad(true);
+    let (x, labels) = data();
+    let rows = ROWS / MICRO;
+    let mut logits = vec![];
+    let mut dlogits_per_mb = vec![];
+    // All forwards first (every micro-batch in flight on every stage at once).
+    for mb in 0..MICRO {
+        let pass = Pass {
+            train: true,
+            seed: SEED,
+            step: 5,
+            row_offset: mb * rows,
+        };
+        let mut act = x[mb * rows * 64..(mb + 1) * rows * 64].to_vec();
+        for stage in stages.iter_mut() {
+            act = stage
+                .forward(mb as u64, &act, rows, &pass)
+                .unwrap()
+                .to_vec();
+        }
+        let mut d = vec![0.0; act.len()];
+        let l = &labels[mb * rows..(mb + 1) * rows];
+        loss::softmax_cross_entropy(&act, l, 10, 1.0 / ROWS as f32, &mut d).unwrap();
+        logits.extend_from_slice(&act);
+        dlogits_per_mb.push(d);
+    }
+    for stage in &stages {
+        assert_eq!(stage.in_flight(), MICRO);
+    }
+    // Backwards in a scrambled order: 2, 0, 1.
+    let mut dx = vec![0.0; ROWS * 64];
+    for mb in [2usize, 0, 1] {
+        let mut grad = dlogits_per_mb[mb].clone();
+        for stage in stages.iter_mut().rev() {
+            grad = stage.backward(mb as u64, &grad).unwrap().unwrap().to_vec();
+        }
+        dx[mb * rows * 64..(mb + 1) * rows * 64].copy_from_slice(&grad);
+    }
+    let grads = stages.iter_mut().flat_map(|s| s.grads().to_vec()).collect();
+    Result { logits, dx, grads }
+}
+
+fn max_rel_diff(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let scale = b
+        .iter()
+        .fold(0.0f64, |m, v| m.max(f64::from(v.abs())))
+        .max(1e-12);
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| f64::from((x - y).abs()))
+        .fold(0.0, f64::max)
+        / scale
+}
+
+#[test]
+fn chained_stages_equal_the_unsplit_model() {
+    let oracle = unsplit();
+    let n = layers().len();
+    for bounds in [vec![0, 4, n], vec![0, 2, 7, n], vec![0, 1, 5, 8, n]] {
+        let got = chained(&bounds);
+        let d_logits = max_rel_diff(&got.logits, &oracle.logits);
+        let d_dx = max_rel_diff(&got.dx, &oracle.dx);
+        let d_grads = max_rel_diff(&got.grads, &oracle.grads);
+        println!(
+            "{} stages {bounds:?}: max |Δ|/max|ref| logits {d_logits:.1e}, input grads {d_dx:.1e}, param grads {d_grads:.1e}",
+            bounds.len() - 1
+        );
+        assert!(
+            d_logits < 1e-5 && d_dx < 1e-5 && d_grads < 1e-5,
+            "stages {bounds:?} differ"
+        );
+    }
+}
+
+#[test]
+fn partitioned_stages_start_bit_identical_to_the_whole_model() {
+    let layers = layers();
+    let whole = Stage::new(&layers, 0..layers.len(), SEED, 1);
+    let parts: Vec<f32> = [0..3, 3..6, 6..layers.len()]
+        .into_iter()
+        .flat_map(|r| Stage::new(&layers, r, SEED, 1).params().to_vec())
+        .collect();
+    assert_eq!(whole.params(), &parts[..]);
+}
+
+#[test]
+fn backward_of_unknown_micro_batch_is_an_error_and_changes_nothing() {
+    let layers = layers();
+    let mut stage = Stage::new(&layers, 0..layers.len(), SEED, 1);
+    let (x, _) = data();
+    let pass = Pass {
+        train: true,
+        seed: SEED,
+        step: 0,
+        row_offset: 0,
+    };
+    stage.forward(1, &x, ROWS, &pass).unwrap();
+    let err = stage.backward(9, &vec![0.0; ROWS * 10]).unwrap_err();
+    assert!(err.to_string().contains("micro-batch 9"), "{err}");
+    let err = stage.backward(1, &[0.0; 3]).unwrap_err();
+    assert!(
+        err.to_string().contains("expected 120 values, got 3"),
+        "{err}"
+    );
+    assert_eq!(
+        stage.in_flight(),
+        1,
+        "failed calls leave the stash as it was"
+    );
+    assert!(
+        stage.forward(1, &x, ROWS, &pass).is_err(),
+        "an id already in flight is refused"
+    );
+}
+
+#[test]
+fn whole_model_gradient_matches_finite_differences_of_the_loss() {
+    let layers = layers();
+    let mut model = Stage::new(&layers, 0..layers.len(), SEED, 1);
+    let (x, labels) = data();
+    let pass = Pass {
+        train: true,
+        seed: SEED,
+        step: 1,
+        row_offset: 0,
+    };
+    let loss_at = |model: &mut Stage| -> f64 {
+        let logits = model.forward(99, &x, ROWS, &pass).unwrap().to_vec();
+        model.clear_in_flight();
+        let mut d = vec![0.0; logits.len()];
+        loss::softmax_cross_entropy(&logits, &labels, 10, 1.0, &mut d)
+            .unwrap()
+            .loss_sum
+            / ROWS as f64
+    };
+    let logits = model.forward(0, &x, ROWS, &pass).unwrap().to_vec();
+    let mut d = vec![0.0; logits.len()];
+    loss::softmax_cross_entropy(&logits, &labels, 10, 1.0 / ROWS as f32, &mut d).unwrap();
+    model.backward(0, &d).unwrap();
+    let grads = model.grads().to_vec();
+    // Sample parameters across every layer. ReLU and max-pool make the loss piecewise smooth: a
+    // central difference whose step crosses a kink is wrong, so a parameter counts only when the
+    // differences at h and h/2 agree (no kink within h); most do.
+    let mut fd_at = |model: &mut Stage, i: usize, h: f32| {
+        let orig = model.params()[i];
+        model.params_mut()[i] = orig + h;
+        let up = loss_at(model);
+        model.params_mut()[i] = orig - h;
+        let down = loss_at(model);
+        model.params_mut()[i] = orig;
+        (up - down) / (2.0 * f64::from(h))
+    };
+    let (mut worst, mut checked) = (0.0f64, 0);
+    for i in (0..grads.len()).step_by(17) {
+        let (fd, fd_half) = (fd_at(&mut model, i, 4e-3), fd_at(&mut model, i, 2e-3));
+        if (fd - fd_half).abs() > 1e-4 {
+            continue;
+        }
+        checked += 1;
+        let err = (fd - f64::from(grads[i])).abs();
+        worst = worst.max(err);
+        assert!(err < 2e-4, "param {i}: analytic {} numeric {fd}", grads[i]);
+    }
+    assert!(
+        checked * 10 > grads.len() / 17 * 9,
+        "only {checked} smooth parameters checked"
+    );
+    println!("whole model: {checked} parameters, worst absolute gradient error {worst:.2e}");
+}
