@@ -1,0 +1,509 @@
+//! The datasets ringtmp knows, where their files are looked for, and how they are checked,
+//! normalised and batched.
+//!
+//! Images are kept as the original bytes (47 MB for MNIST's training set instead of 188 MB as
+//! f32) and converted to normalised f32 only for the rows of a batch. The normalisation constants
+//! are the training split's pixel mean and standard deviation, computed at load time.
+
+use std::path::{Path, PathBuf};
+
+use crate::error::{Error, Result};
+use crate::idx::{IdxArray, read_idx};
+
+/// Where Debian's `dataset-fashion-mnist` package installs its files.
+pub const DEBIAN_FASHION_MNIST: &str = "/usr/share/datasets/fashion-mnist";
+
+/// The datasets ringtmp can load.
+pub const DATASETS: [&str; 3] = ["mnist", "fashion-mnist", "digits"];
+
+/// Outcome of checking one file against its published checksum.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum FileCheck {
+    /// The content's SHA-256 is the canonical one.
+    Verified {
+        /// File path.
+        path: PathBuf,
+    },
+    /// The content differs from the canonical dataset.
+    Mismatch {
+        /// File path.
+        path: PathBuf,
+        /// Canonical SHA-256.
+        expected: String,
+        /// SHA-256 of what was read.
+        got: String,
+    },
+}
+
+/// One split (train or test) of a dataset.
+#[derive(Clone, Debug)]
+pub struct Split {
+    pixels: Vec<u8>,
+    labels: Vec<u8>,
+    features: usize,
+    /// `x = (byte · scale − mean) / std`.
+    scale: f32,
+    mean: f32,
+    std: f32,
+}
+
+impl Split {
+    /// Number of examples.
+    pub fn len(&self) -> usize {
+        self.labels.len()
+    }
+
+    /// Whether the split has no examples.
+    pub fn is_empty(&self) -> bool {
+        self.labels.is_empty()
+    }
+
+    /// Values per example.
+    pub fn features(&self) -> usize {
+        self.features
+    }
+
+    /// The label of example `i`.
+    pub fn label(&self, i: usize) -> u32 {
+        u32::from(self.labels[i])
+    }
+
+    /// Writes the normalised inputs `[indices.len(), features]` into `x` and the labels into `y`,
+    /// reusing their allocations.
+    ///
+    /// # Panics
+    /// If an index is out of range (indices come from this crate's samplers).
+    pub fn gather(&self, indices: &[u32], x: &mut Vec<f32>, y: &mut Vec<u32>) {
+        x.clear();
+        y.clear();
+        let a = self.scale / self.std;
+        let b = -self.mean / self.std;
+        for &i in indices {
+            let i = i as usize;
+            let row = &self.pixels[i * self.features..(i + 1) * self.features];
+            x.extend(row.iter().map(|&p| f32::from(p) * a + b));
+            y.push(u32::from(self.labels[i]));
+        }
+    }
+
+    /// The examples `start..end` in order (for evaluation).
+    pub fn gather_range(&self, start: usize, end: usize, x: &mut Vec<f32>, y: &mut Vec<u32>) {
+        let indices: Vec<u32> = (start as u32..end as u32).collect();
+        self.gather(&indices, x, y);
+    }
+}
+
+/// A loaded dataset.
+#[derive(Clone, Debug)]
+pub struct Dataset {
+    /// Name (`mnist`, `fashion-mnist`, `digits`).
+    pub name: String,
+    /// Per-example input shape `(height, width, channels)`.
+    pub input: (usize, usize, usize),
+    /// Number of classes.
+    pub classes: usize,
+    /// Training split.
+    pub train: Split,
+    /// Test split.
+    pub test: Split,
+    /// Directory the files were read from.
+    pub source: PathBuf,
+    /// Checksum results, one per file.
+    pub checks: Vec<FileCheck>,
+}
+
+struct IdxSpec {
+    name: &'static str,
+    /// Canonical SHA-256 of the decompressed files: train images, train labels, test images,
+    /// test labels (from the datasets' publishers; see data/mnist/SHA256SUMS.uncompressed).
+    sha256: [&'static str; 4],
+}
+
+const MNIST: IdxSpec = IdxSpec {
+    name: "mnist",
+    sha256: [
+        "ba891046e6505d7aadcbbe25680a0738ad16aec93bde7f9b65e87a2fc25776db",
+        "65a50cbbf4e906d70832878ad85ccda5333a97f0f4c3dd2ef09a8a9eef7101c5",
+        "0fa7898d509279e482958e8ce81c8e77db3f2f8254e26661ceb7762c4d494ce7",
+        "ff7bcfd416de33731a308c3f266cc351222c34898ecbeaf847f06e48f7ec33f2",
+    ],
+};
+
+const FASHION_MNIST: IdxSpec = IdxSpec {
+    name: "fashion-mnist",
+    sha256: [
+        "c59f468a2f672dc815687fe0f83887768d799fd8a3f3276145d20f83aa44d888",
+        "bad3541b69d912435c50bb6ba87bec294ff4f6a2e1246121d8633921760443d9",
+        "5b4141f0afbad91edebe8549f8fcffe087ea10ca49f1dbef5c9a5cd8815ce37b",
+        "0402a96d92fd2663957122ceb108a494c5af83dab82d92729df917d7dec38c34",
+    ],
+};
+
+const IDX_FILES: [&str; 4] = [
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+];
+
+/// SHA-256 of the bundled `digits.csv.gz` (scikit-learn 1.9.1).
+const DIGITS_SHA256: &str = "09f66e6debdee2cd2b5ae59e0d6abbb73fc2b0e0185d2e1957e9ebb51e23aa22";
+/// The digits set has no official split: the first 1,500 rows train, the last 297 test.
+const DIGITS_TRAIN: usize = 1500;
+
+/// Directories searched for dataset `name`, in order: `data_dir` and `data_dir/name` when given,
+/// then `./data/name`, the repository's bundled `data/name`, and for Fashion-MNIST the directory
+/// Debian's package installs.
+pub fn search_dirs(name: &str, data_dir: Option<&Path>) -> Vec<PathBuf> {
+    // The digits file keeps the folder name it has in shared/data.
+    let folder = if name == "digits" {
+        "sklearn-digits"
+    } else {
+        name
+    };
+    let mut dirs = Vec::new();
+    if let Some(d) = data_dir {
+        dirs.push(d.to_path_buf());
+        dirs.push(d.join(folder));
+    }
+    dirs.push(Path::new("data").join(folder));
+    dirs.push(
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../data")
+            .join(folder),
+    );
+    if name == "fashion-mnist" {
+        dirs.push(PathBuf::from(DEBIAN_FASHION_MNIST));
+    }
+    dirs
+}
+
+/// Loads dataset `name`, looking in [`search_dirs`].
+pub fn load(name: &str, data_dir: Option<&Path>) -> Result<Dataset> {
+    let dirs = search_dirs(name, data_dir);
+    match name {
+        "mnist" => load_idx(&MNIST, &dirs),
+        "fashion-mnist" => load_idx(&FASHION_MNIST, &dirs),
+        "digits" => load_digits(&dirs),
+        other => Err(Error::UnknownDataset(other.to_string())),
+    }
+}
+
+/// The first directory holding `file` (raw or `.gz`), with the path found.
+fn find(dataset: &str, dirs: &[PathBuf], file: &str) -> Result<PathBuf> {
+    for dir in dirs {
+        for candidate in [dir.join(format!("{file}.gz")), dir.join(file)] {
+            if candidate.is_file() {
+                return Ok(candidate);
+            }
+        }
+    }
+    Err(Error::NotFound {
+        dataset: dataset.to_string(),
+        file: format!("{file}[.gz]"),
+        searched: dirs
+            .iter()
+            .map(|d| d.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+    })
+}
+
+fn load_idx(spec: &IdxSpec, dirs: &[PathBuf]) -> Result<Dataset> {
+    // All four files must come from one directory: find the first file, then read the rest there.
+    let first = find(spec.name, dirs, IDX_FILES[0])?;
+    let dir = first.parent().map(Path::to_path_buf).unwrap_or_default();
+    let mut arrays: Vec<(PathBuf, IdxArray)> = Vec::new();
+    let mut checks = Vec::new();
+    for (file, sha) in IDX_FILES.iter().zip(spec.sha256) {
+        let path = find(spec.name, std::slice::from_ref(&dir), file)?;
+        let array = read_idx(&path)?;
+        checks.push(if array.sha256 == sha {
+            FileCheck::Verified { path: path.clone() }
+        } else {
+            FileCheck::Mismatch {
+                path: path.clone(),
+                expected: sha.to_string(),
+                got: array.sha256.clone(),
+            }
+        });
+        arrays.push((path, array));
+    }
+    let inconsistent = |reason: String| Error::Inconsistent {
+        dataset: spec.name.to_string(),
+        reason,
+    };
+    let mut splits = Vec::new();
+    for pair in arrays.chunks(2) {
+        let ((ipath, images), (lpath, labels)) = (&pair[0], &pair[1]);
+        let [count, h, w] = images.dims[..] else {
+            return Err(inconsistent(format!(
+                "{}: images must have 3 dimensions, found {:?}",
+                ipath.display(),
+                images.dims
+            )));
+        };
+        if labels.dims != [count] {
+            return Err(inconsistent(format!(
+                "{} has {count} images but {} has dimensions {:?}",
+                ipath.display(),
+                lpath.display(),
+                labels.dims
+            )));
+        }
+        if let Some(pos) = labels.data.iter().position(|&l| l > 9) {
+            return Err(Error::Format {
+                path: lpath.clone(),
+                offset: 8 + pos as u64,
+                reason: format!("label {} is outside 0..10", labels.data[pos]),
+            });
+        }
+        splits.push((h, w, images.data.clone(), labels.data.clone()));
+    }
+    let (h, w) = (splits[0].0, splits[0].1);
+    if (splits[1].0, splits[1].1) != (h, w) {
+        return Err(inconsistent("train and test images differ in size".into()));
+    }
+    let test = splits.pop().map(|(_, _, p, l)| (p, l)).unwrap_or_default();
+    let train = splits.pop().map(|(_, _, p, l)| (p, l)).unwrap_or_default();
+    Ok(assemble(
+        spec.name,
+        (h, w, 1),
+        10,
+        1.0 / 255.0,
+        train,
+        test,
+        dir,
+        checks,
+    ))
+}
+
+fn load_digits(dirs: &[PathBuf]) -> Result<Dataset> {
+    use std::io::Read;
+    let path = find("digits", dirs, "digits.csv")?;
+    let bytes = std::fs::read(&path).map_err(|e| Error::Io {
+        path: path.clone(),
+        source: e,
+    })?;
+    let got = {
+        use sha2::{Digest, Sha256};
+        hex::encode(Sha256::digest(&bytes))
+    };
+    let check = if got == DIGITS_SHA256 {
+        FileCheck::Verified { path: path.clone() }
+    } else {
+        FileCheck::Mismatch {
+            path: path.clone(),
+            expected: DIGITS_SHA256.into(),
+            got,
+        }
+    };
+    let mut text = String::new();
+    let read = if bytes.starts_with(&[0x1f, 0x8b]) {
+        flate2::read::GzDecoder::new(&bytes[..]).read_to_string(&mut text)
+    } else {
+        (&bytes[..]).read_to_string(&mut text)
+    };
+    read.map_err(|e| Error::Format {
+        path: path.clone(),
+        offset: text.len() as u64,
+        reason: format!("cannot decompress: {e}"),
+    })?;
+    let (mut pixels, mut labels) = (Vec::new(), Vec::new());
+    let mut offset = 0u64;
+    for (line_no, line) in text.lines().enumerate() {
+        let fields: Vec<&str> = line.trim().split(',').collect();
+        let bad = |reason: String| Error::Format {
+            path: path.clone(),
+            offset,
+            reason: format!("line {}: {reason}", line_no + 1),
+        };
+        if fields.len() != 65 {
+            return Err(bad(format!(
+                "{} fields, expected 64 pixels and a label",
+                fields.len()
+            )));
+        }
+        for (i, f) in fields.iter().enumerate() {
+            let v: f32 = f
+                .trim()
+                .parse()
+                .map_err(|_| bad(format!("field {} is not a number: {f:?}", i + 1)))?;
+            let limit = if i < 64 { 16.0 } else { 9.0 };
+            if !(0.0..=limit).contains(&v) || v.fract() != 0.0 {
+                return Err(bad(format!("field {} = {v} is outside 0..={limit}", i + 1)));
+            }
+            if i < 64 {
+                pixels.push(v as u8)
+            } else {
+                labels.push(v as u8)
+            }
+        }
+        offset += line.len() as u64 + 1;
+    }
+    if labels.len() <= DIGITS_TRAIN {
+        return Err(Error::Inconsistent {
+            dataset: "digits".into(),
+            reason: format!("only {} rows", labels.len()),
+        });
+    }
+    let test = (
+        pixels.split_off(DIGITS_TRAIN * 64),
+        labels.split_off(DIGITS_TRAIN),
+    );
+    let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+    Ok(assemble(
+        "digits",
+        (8, 8, 1),
+        10,
+        1.0 / 16.0,
+        (pixels, labels),
+        test,
+        dir,
+        vec![check],
+    ))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn assemble(
+    name: &str,
+    input: (usize, usize, usize),
+    classes: usize,
+    scale: f32,
+    train: (Vec<u8>, Vec<u8>),
+    test: (Vec<u8>, Vec<u8>),
+    source: PathBuf,
+    checks: Vec<FileCheck>,
+) -> Dataset {
+    let features = input.0 * input.1 * input.2;
+    // Normalisation constants from the training pixels (in [0, 1] units).
+    let n = train.0.len().max(1) as f64;
+    let mean = train.0.iter().map(|&p| f64::from(p)).sum::<f64>() / n * f64::from(scale);
+    let var = train
+        .0
+        .iter()
+        .map(|&p| (f64::from(p) * f64::from(scale) - mean).powi(2))
+        .sum::<f64>()
+        / n;
+    let (mean, std) = (mean as f32, (var.sqrt() as f32).max(1e-6));
+    let split = |(pixels, labels): (Vec<u8>, Vec<u8>)| Split {
+        pixels,
+        labels,
+        features,
+        scale,
+        mean,
+        std,
+    };
+    Dataset {
+        name: name.to_string(),
+        input,
+        classes,
+        train: split(train),
+        test: split(test),
+        source,
+        checks,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bundled_mnist_loads_verified_with_known_statistics() {
+        let d = load("mnist", None).unwrap();
+        assert_eq!(
+            (d.train.len(), d.test.len(), d.input),
+            (60_000, 10_000, (28, 28, 1))
+        );
+        assert!(
+            d.checks
+                .iter()
+                .all(|c| matches!(c, FileCheck::Verified { .. })),
+            "{:?}",
+            d.checks
+        );
+        // The familiar MNIST constants.
+        assert!((d.train.mean - 0.1307).abs() < 1e-4 && (d.train.std - 0.3081).abs() < 1e-4);
+        let mut hist = [0usize; 10];
+        for i in 0..d.test.len() {
+            hist[d.test.label(i) as usize] += 1;
+        }
+        assert_eq!(
+            hist,
+            [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
+        );
+        let (mut x, mut y) = (Vec::new(), Vec::new());
+        d.train.gather(&[0, 1], &mut x, &mut y);
+        assert_eq!((x.len(), y), (2 * 784, vec![5, 0]));
+    }
+
+    #[test]
+    fn digits_loads_with_split() {
+        let d = load("digits", None).unwrap();
+        assert_eq!(
+            (d.train.len(), d.test.len(), d.input),
+            (1500, 297, (8, 8, 1))
+        );
+        assert!(matches!(d.checks[0], FileCheck::Verified { .. }));
+    }
+
+    #[test]
+    fn missing_dataset_lists_where_it_looked() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = load_idx(&FASHION_MNIST, &[dir.path().to_path_buf()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("train-images-idx3-ubyte") && e.contains(&dir.path().display().to_string()),
+            "{e}"
+        );
+        assert!(
+            load("cifar", None)
+                .unwrap_err()
+                .to_string()
+                .contains("unknown dataset")
+        );
+    }
+
+    #[test]
+    fn corrupt_and_modified_files_are_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/mnist");
+        for f in IDX_FILES {
+            std::fs::copy(
+                src.join(format!("{f}.gz")),
+                dir.path().join(format!("{f}.gz")),
+            )
+            .unwrap();
+        }
+        // Replace the test labels with a valid IDX file that has one label changed.
+        let labels = read_idx(&src.join("t10k-labels-idx1-ubyte.gz")).unwrap();
+        let mut raw = vec![0, 0, 8, 1];
+        raw.extend((labels.dims[0] as u32).to_be_bytes());
+        raw.extend(&labels.data);
+        raw[8] = (raw[8] + 1) % 10;
+        std::fs::remove_file(dir.path().join("t10k-labels-idx1-ubyte.gz")).unwrap();
+        std::fs::write(dir.path().join("t10k-labels-idx1-ubyte"), &raw).unwrap();
+        let d = load_idx(&MNIST, &[dir.path().to_path_buf()]).unwrap();
+        assert!(
+            matches!(&d.checks[3], FileCheck::Mismatch { expected, .. } if expected.starts_with("ff7bcfd4"))
+        );
+        // A label out of range is a format error at its offset.
+        raw[10] = 42;
+        std::fs::write(dir.path().join("t10k-labels-idx1-ubyte"), &raw).unwrap();
+        let e = load_idx(&MNIST, &[dir.path().to_path_buf()])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("at byte 10: label 42"), "{e}");
+        // A truncated file is a format error naming it.
+        std::fs::write(dir.path().join("t10k-labels-idx1-ubyte"), &raw[..100]).unwrap();
+        let e = load_idx(&MNIST, &[dir.path().to_path_buf()])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("t10k-labels-idx1-ubyte: at byte 100: file is truncated"),
+            "{e}"
+        );
+    }
+}

@@ -1,0 +1,54 @@
+//! The one error type of `ringtmp-data`: every variant names the file and, for format errors, the
+//! byte offset (in the decompressed stream) where reading went wrong.
+
+use std::path::PathBuf;
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong while finding, reading or batching a dataset.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A file's content is not what its format promises.
+    #[error("{path}: at byte {offset}: {reason}")]
+    Format {
+        /// The file.
+        path: PathBuf,
+        /// Offset in the (decompressed) content where the problem was found.
+        offset: u64,
+        /// What was wrong.
+        reason: String,
+    },
+    /// Two files of one dataset disagree (e.g. image and label counts).
+    #[error("dataset {dataset}: {reason}")]
+    Inconsistent {
+        /// Dataset name.
+        dataset: String,
+        /// What disagrees.
+        reason: String,
+    },
+    /// The dataset's files were not found anywhere searched.
+    #[error("dataset {dataset}: file {file} not found; searched {searched}")]
+    NotFound {
+        /// Dataset name.
+        dataset: String,
+        /// The first missing file.
+        file: String,
+        /// The directories searched, in order.
+        searched: String,
+    },
+    /// The dataset name is not one ringtmp knows.
+    #[error("unknown dataset {0:?}; known datasets are mnist, fashion-mnist, digits")]
+    UnknownDataset(String),
+    /// A batching or sharding request that cannot be satisfied.
+    #[error("{0}")]
+    Batching(String),
+    /// A file could not be opened or read.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+}
