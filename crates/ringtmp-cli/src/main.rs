@@ -1,1 +1,81 @@
-fn main() {}
+//! `ringtmp`: train neural networks across a ring of modest machines.
+//!
+//! The binary is thin: it parses options into validated configurations, loads the data, calls a
+//! strategy from `ringtmp-strategy` and shows progress. Exit status: 0 on success, 1 when training
+//! fails at run time, 2 for a usage, configuration or input-data error.
+
+mod args;
+mod bench;
+mod train;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// An error in what the user asked for (exit status 2).
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl std::fmt::Display for UsageError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
+#[derive(Parser)]
+#[command(
+    name = "ringtmp",
+    version,
+    about = "Ring topological model-parallel training, and the strategies it is compared with"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a model (default: the mlp preset on the bundled MNIST).
+    Train(args::TrainArgs),
+    /// Measure training throughput of the compute engine (samples/s per model and thread count).
+    BenchCompute(bench::BenchArgs),
+    /// Check training options or a model file without training.
+    ValidateConfig(args::TrainArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Train(a) => train::run(&a),
+        Command::BenchCompute(a) => bench::run(&a),
+        Command::ValidateConfig(a) => train::validate(&a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(err) => {
+            eprintln!("error: {err:#}");
+            ExitCode::from(exit_code(&err))
+        }
+    }
+}
+
+/// 2 when any error in the chain is the user's input, 1 otherwise.
+fn exit_code(err: &anyhow::Error) -> u8 {
+    for cause in err.chain() {
+        let usage = if cause.downcast_ref::<UsageError>().is_some() {
+            Some(true)
+        } else if let Some(e) = cause.downcast_ref::<ringtmp_strategy::Error>() {
+            Some(e.is_usage())
+        } else if let Some(e) = cause.downcast_ref::<ringtmp_model::Error>() {
+            Some(e.is_usage())
+        } else {
+            cause.downcast_ref::<ringtmp_data::Error>().map(|_| true)
+        };
+        if let Some(usage) = usage {
+            return if usage { 2 } else { 1 };
+        }
+    }
+    1
+}

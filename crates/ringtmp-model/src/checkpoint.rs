@@ -52,6 +52,10 @@ pub struct Manifest {
     pub epoch: u64,
     /// Data cursor: mini-batches of that epoch already consumed.
     pub batch_in_epoch: u64,
+    /// Dataset name (a resumed run must read the same data).
+    pub dataset: String,
+    /// Mini-batch size (with the seed it fixes the data order).
+    pub batch_size: usize,
     /// Run seed. All randomness (initialisation, shuffling, dropout) is a pure function of the
     /// seed and counters (layer index, epoch, step, row), so `(seed, step)` is the complete RNG
     /// state.
@@ -72,24 +76,31 @@ pub fn checkpoint_dir_name(step: u64) -> String {
 }
 
 /// Writes a stage's parameters and optimizer state to `dir/name` atomically and returns its entry.
+///
+/// Tensors are stored per layer under their own names (`layers.3.weight`) and the optimizer state
+/// under `optim.<state>.<tensor>` (`optim.velocity.layers.3.weight`), so a checkpoint can be loaded
+/// into any other partition of the same model: every tensor is found by name.
 pub fn write_stage(
     dir: &Path,
     name: &str,
     stage: &Stage,
     optimizer: &Optimizer,
 ) -> Result<FileEntry> {
-    let params = stage.params();
     let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    for (layer, range) in stage.param_ranges() {
-        let mut at = range.start;
-        for (tensor, shape) in layer.param_tensors() {
-            let len: usize = shape.iter().product();
-            owned.push((tensor, shape, le_bytes(&params[at..at + len])));
-            at += len;
+    let state = optimizer.state();
+    for (tensor, shape, range) in named_tensors(stage) {
+        owned.push((
+            tensor.clone(),
+            shape.clone(),
+            le_bytes(&stage.params()[range.clone()]),
+        ));
+        for (state_name, values) in &state {
+            owned.push((
+                format!("{state_name}.{tensor}"),
+                shape.clone(),
+                le_bytes(&values[range.clone()]),
+            ));
         }
-    }
-    for (tensor, values) in optimizer.state() {
-        owned.push((tensor.to_string(), vec![values.len()], le_bytes(values)));
     }
     let views = owned
         .iter()
@@ -108,64 +119,112 @@ pub fn write_stage(
     })
 }
 
-/// Loads a stage file written by [`write_stage`] into `stage` and `optimizer`, after checking its
-/// hash and that every tensor is present with the right shape. Nothing is modified on error.
+/// Loads the parameters and optimizer state of `stage` from a checkpoint written with any
+/// partition of the same model: reads (after checking its hash) every file whose layer range
+/// overlaps the stage and takes each tensor by name. Nothing is modified on error.
 pub fn read_stage(
     dir: &Path,
-    entry: &FileEntry,
+    manifest: &Manifest,
     stage: &mut Stage,
     optimizer: &mut Optimizer,
-    optimizer_steps: u64,
 ) -> Result<()> {
-    let path = dir.join(&entry.name);
-    let bytes = fs::read(&path).map_err(|e| Error::io(&path, e))?;
-    let got = sha256_hex(&bytes);
-    if got != entry.sha256 {
-        return Err(Error::CheckpointHash {
-            path,
-            expected: entry.sha256.clone(),
-            got,
+    if manifest.files.len() != manifest.partition.len() {
+        return Err(Error::CheckpointMismatch {
+            path: dir.join("manifest.json"),
+            reason: format!(
+                "{} files for {} stages",
+                manifest.files.len(),
+                manifest.partition.len()
+            ),
         });
     }
-    let file = SafeTensors::deserialize(&bytes).map_err(|e| safetensors_error(&path, e))?;
-    let mismatch = |reason: String| Error::CheckpointMismatch {
-        path: path.clone(),
-        reason,
-    };
-    let read = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
-        let view = file
-            .tensor(name)
-            .map_err(|_| mismatch(format!("tensor {name} is missing")))?;
-        if view.dtype() != Dtype::F32 || view.shape() != shape {
-            return Err(mismatch(format!(
-                "tensor {name} is {:?} {:?}, expected F32 {shape:?}",
-                view.dtype(),
-                view.shape()
-            )));
-        }
-        Ok(view
-            .data()
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect())
-    };
-    let mut params = Vec::with_capacity(stage.params().len());
-    for (layer, _) in stage.param_ranges() {
-        for (tensor, shape) in layer.param_tensors() {
-            params.extend(read(&tensor, &shape)?);
+    let first = stage.first_layer();
+    let last = first + stage.layers().len();
+    let mut files = Vec::new();
+    for (entry, &(start, end)) in manifest.files.iter().zip(&manifest.partition) {
+        if start < last && first < end {
+            let path = dir.join(&entry.name);
+            let bytes = fs::read(&path).map_err(|e| Error::io(&path, e))?;
+            let got = sha256_hex(&bytes);
+            if got != entry.sha256 {
+                return Err(Error::CheckpointHash {
+                    path,
+                    expected: entry.sha256.clone(),
+                    got,
+                });
+            }
+            files.push((path, bytes));
         }
     }
-    let state: Vec<(&str, Vec<f32>)> = optimizer
-        .state()
+    let parsed = files
         .iter()
-        .map(|(n, v)| read(n, &[v.len()]).map(|t| (*n, t)))
-        .collect::<Result<_>>()?;
+        .map(|(path, bytes)| {
+            SafeTensors::deserialize(bytes)
+                .map(|t| (path, t))
+                .map_err(|e| safetensors_error(path, e))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let find = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
+        for (path, file) in &parsed {
+            if let Ok(view) = file.tensor(name) {
+                if view.dtype() != Dtype::F32 || view.shape() != shape {
+                    return Err(Error::CheckpointMismatch {
+                        path: path.to_path_buf(),
+                        reason: format!(
+                            "tensor {name} is {:?} {:?}, expected F32 {shape:?}",
+                            view.dtype(),
+                            view.shape()
+                        ),
+                    });
+                }
+                return Ok(view
+                    .data()
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect());
+            }
+        }
+        Err(Error::CheckpointMismatch {
+            path: dir.to_path_buf(),
+            reason: format!("tensor {name} is missing"),
+        })
+    };
+    let mut params = vec![0.0; stage.params().len()];
+    let state_names: Vec<&'static str> = optimizer.state().iter().map(|(n, _)| *n).collect();
+    let mut state: Vec<(&str, Vec<f32>)> = state_names
+        .iter()
+        .map(|n| (*n, vec![0.0; params.len()]))
+        .collect();
+    for (tensor, shape, range) in named_tensors(stage) {
+        params[range.clone()].copy_from_slice(&find(&tensor, &shape)?);
+        for (state_name, values) in state.iter_mut() {
+            values[range.clone()]
+                .copy_from_slice(&find(&format!("{state_name}.{tensor}"), &shape)?);
+        }
+    }
     optimizer
-        .load_state(&state, optimizer_steps)
-        .map_err(|e| mismatch(e.to_string()))?;
+        .load_state(&state, manifest.step)
+        .map_err(|e| Error::CheckpointMismatch {
+            path: dir.to_path_buf(),
+            reason: e.to_string(),
+        })?;
     stage.params_mut().copy_from_slice(&params);
     stage.zero_grad();
     Ok(())
+}
+
+/// `(name, shape, range in the flat buffers)` of every parameter tensor of a stage.
+fn named_tensors(stage: &Stage) -> Vec<(String, Vec<usize>, std::ops::Range<usize>)> {
+    let mut out = Vec::new();
+    for (layer, range) in stage.param_ranges() {
+        let mut at = range.start;
+        for (tensor, shape) in layer.param_tensors() {
+            let len: usize = shape.iter().product();
+            out.push((tensor, shape, at..at + len));
+            at += len;
+        }
+    }
+    out
 }
 
 /// Writes the manifest (after the stage files) and points `latest` at this checkpoint.

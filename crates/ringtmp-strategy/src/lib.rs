@@ -1,1 +1,16 @@
-//! placeholder
+//! `ringtmp-strategy`: how nodes cooperate to train. Each strategy computes through
+//! `ringtmp-model` stages and reads data through `ringtmp-data`, and reports through
+//! `ringtmp-metrics`, so strategies differ only in who computes what and what travels.
+//!
+//! # Layout
+//! - [`config`]: the validated run configuration shared by every strategy.
+//! - [`local`]: one process, one stage holding the whole model — plain mini-batch training and
+//!   the oracle every distributed strategy is tested against.
+
+pub mod config;
+mod error;
+pub mod local;
+
+pub use config::TrainConfig;
+pub use error::{Error, Result};
+pub use local::{Event, train_local};

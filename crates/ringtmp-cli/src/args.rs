@@ -1,0 +1,243 @@
+//! Training options: one struct that is both the clap flags and the `--config` TOML file, so the
+//! two cannot drift apart. Flags override the file; the file overrides the built-in defaults.
+//! [`TrainArgs::resolve`] turns the merged options into a validated [`TrainConfig`].
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::{Args, ValueEnum};
+use ringtmp_model::{LrSchedule, ModelSpec, OptimizerConfig};
+use ringtmp_strategy::TrainConfig;
+use serde::Deserialize;
+
+use crate::UsageError;
+
+/// How nodes cooperate. Only `local` exists so far; the distributed strategies join this list.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Strategy {
+    /// One process trains the whole model (the oracle for every other strategy).
+    Local,
+}
+
+/// Optimizer choice.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OptimizerKind {
+    /// SGD with momentum and weight decay.
+    Sgd,
+    /// Adam.
+    Adam,
+}
+
+/// `ringtmp train` options. Every field is optional so that flags, the config file and the
+/// defaults can be layered.
+#[derive(Args, Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub struct TrainArgs {
+    /// TOML file with any of these options (keys as the long flags, e.g. `batch-size = 64`);
+    /// flags given on the command line override it.
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
+    /// Strategy [default: local].
+    #[arg(long, value_enum)]
+    pub strategy: Option<Strategy>,
+    /// Model preset: mlp, mlp-deep or cnn [default: mlp].
+    #[arg(long, conflicts_with = "model_file")]
+    pub model: Option<String>,
+    /// Model description file (TOML; see examples/).
+    #[arg(long, value_name = "FILE")]
+    pub model_file: Option<PathBuf>,
+    /// Dataset: mnist, fashion-mnist or digits [default: mnist].
+    #[arg(long)]
+    pub dataset: Option<String>,
+    /// Directory holding the dataset files (searched before the bundled data/).
+    #[arg(long, value_name = "DIR")]
+    pub data_dir: Option<PathBuf>,
+    /// Epochs [default: 2].
+    #[arg(long)]
+    pub epochs: Option<u32>,
+    /// Examples per optimizer step [default: 64].
+    #[arg(long)]
+    pub batch_size: Option<usize>,
+    /// Base learning rate [default: 0.05 for SGD, 0.001 for Adam].
+    #[arg(long)]
+    pub lr: Option<f32>,
+    /// Learning-rate schedule: constant, cosine or step:EVERY:GAMMA (epochs) [default: constant].
+    #[arg(long, value_name = "SCHEDULE")]
+    pub lr_schedule: Option<String>,
+    /// Steps of linear learning-rate warm-up [default: 0].
+    #[arg(long)]
+    pub warmup_steps: Option<u64>,
+    /// Optimizer [default: sgd].
+    #[arg(long, value_enum)]
+    pub optimizer: Option<OptimizerKind>,
+    /// SGD momentum [default: 0.9].
+    #[arg(long)]
+    pub momentum: Option<f32>,
+    /// L2 weight decay [default: 0].
+    #[arg(long)]
+    pub weight_decay: Option<f32>,
+    /// Compute threads [default: all cores].
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Seed of initialisation, data order and dropout [default: 42].
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Test accuracy whose first attainment is timed in summary.json [default: 0.97].
+    #[arg(long)]
+    pub target_accuracy: Option<f64>,
+    /// Evaluate on the test split every N steps, besides every epoch end; 0 = epoch ends only
+    /// [default: 200].
+    #[arg(long, value_name = "N")]
+    pub eval_every: Option<u64>,
+    /// Output directory [default: runs/<time>-<strategy>].
+    #[arg(long, value_name = "DIR")]
+    pub out: Option<PathBuf>,
+    /// Checkpoint every N steps and at the end; 0 = never [default: 0].
+    #[arg(long, value_name = "N")]
+    pub checkpoint_every: Option<u64>,
+    /// Resume from a checkpoint directory or a previous run's output directory.
+    #[arg(long, value_name = "DIR")]
+    pub resume: Option<PathBuf>,
+    /// Stop after N optimizer steps in total.
+    #[arg(long, value_name = "N")]
+    pub max_steps: Option<u64>,
+}
+
+macro_rules! layer_options {
+    ($flags:expr, $file:expr, $($field:ident),*) => {
+        TrainArgs { config: $flags.config.clone(), $($field: $flags.$field.clone().or($file.$field.clone())),* }
+    };
+}
+
+impl TrainArgs {
+    /// Flags over the `--config` file (if any).
+    pub fn merged(&self) -> Result<Self> {
+        let Some(path) = &self.config else {
+            return Ok(self.clone());
+        };
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| UsageError(format!("config file {}: {e}", path.display())))?;
+        let file: TrainArgs = toml::from_str(&text).map_err(|e| {
+            UsageError(format!(
+                "config file {}: {}",
+                path.display(),
+                e.to_string().trim_end()
+            ))
+        })?;
+        // A model chosen on the command line, by preset or file, replaces the file's choice.
+        let mut file = file;
+        if self.model.is_some() || self.model_file.is_some() {
+            (file.model, file.model_file) = (None, None);
+        }
+        Ok(layer_options!(
+            self,
+            file,
+            strategy,
+            model,
+            model_file,
+            dataset,
+            data_dir,
+            epochs,
+            batch_size,
+            lr,
+            lr_schedule,
+            warmup_steps,
+            optimizer,
+            momentum,
+            weight_decay,
+            threads,
+            seed,
+            target_accuracy,
+            eval_every,
+            out,
+            checkpoint_every,
+            resume,
+            max_steps
+        ))
+    }
+
+    /// The chosen strategy.
+    pub fn strategy(&self) -> Strategy {
+        self.strategy.unwrap_or(Strategy::Local)
+    }
+
+    /// The dataset name.
+    pub fn dataset(&self) -> String {
+        self.dataset.clone().unwrap_or_else(|| "mnist".into())
+    }
+
+    /// Applies defaults and validates; `classes` comes from the dataset.
+    pub fn resolve(&self, classes: usize) -> Result<TrainConfig> {
+        let model = match (&self.model_file, &self.model) {
+            (Some(path), _) => ModelSpec::from_file(path)?,
+            (None, name) => ModelSpec::preset(name.as_deref().unwrap_or("mlp"), classes)?,
+        };
+        let optimizer_kind = self.optimizer.unwrap_or(OptimizerKind::Sgd);
+        let weight_decay = self.weight_decay.unwrap_or(0.0);
+        let (optimizer, default_lr) = match optimizer_kind {
+            OptimizerKind::Sgd => (
+                OptimizerConfig::Sgd {
+                    momentum: self.momentum.unwrap_or(0.9),
+                    weight_decay,
+                },
+                0.05,
+            ),
+            OptimizerKind::Adam => {
+                if self.momentum.is_some() {
+                    return Err(UsageError(
+                        "--momentum applies to SGD only (Adam uses its own β₁)".into(),
+                    )
+                    .into());
+                }
+                (
+                    OptimizerConfig::Adam {
+                        beta1: 0.9,
+                        beta2: 0.999,
+                        eps: 1e-8,
+                        weight_decay,
+                    },
+                    0.001,
+                )
+            }
+        };
+        let schedule = LrSchedule::parse(self.lr_schedule.as_deref().unwrap_or("constant"))
+            .map_err(|e| UsageError(format!("--lr-schedule: {e}")))?;
+        let strategy = self.strategy();
+        let out = self.out.clone().unwrap_or_else(|| {
+            let stamp = humantime::format_rfc3339_seconds(std::time::SystemTime::now())
+                .to_string()
+                .replace(':', "");
+            PathBuf::from("runs").join(format!(
+                "{stamp}-{}",
+                format!("{strategy:?}").to_lowercase()
+            ))
+        });
+        let threads = self.threads.unwrap_or_else(|| {
+            std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+        });
+        let config = TrainConfig {
+            model,
+            dataset: self.dataset(),
+            epochs: self.epochs.unwrap_or(2),
+            batch_size: self.batch_size.unwrap_or(64),
+            lr: self.lr.unwrap_or(default_lr),
+            schedule,
+            warmup_steps: self.warmup_steps.unwrap_or(0),
+            optimizer,
+            threads,
+            seed: self.seed.unwrap_or(42),
+            target_accuracy: self.target_accuracy.unwrap_or(0.97),
+            eval_every: self.eval_every.unwrap_or(200),
+            out,
+            checkpoint_every: self.checkpoint_every.unwrap_or(0),
+            resume: self.resume.clone(),
+            max_steps: self.max_steps,
+        };
+        config.validate().context("invalid training options")
+    }
+}

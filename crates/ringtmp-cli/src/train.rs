@@ -1,0 +1,245 @@
+//! `ringtmp train` and `ringtmp validate-config`: load the data, run the strategy, show progress
+//! (a bar on a terminal, plain lines otherwise) and print the result.
+
+use std::io::IsTerminal;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use ringtmp_data::{Dataset, FileCheck};
+use ringtmp_metrics::Summary;
+use ringtmp_strategy::{Event, train_local};
+
+use crate::args::{Strategy, TrainArgs};
+
+/// Loads the dataset named by the options and reports its checksum verification.
+pub fn load_dataset(args: &TrainArgs) -> Result<Dataset> {
+    let name = args.dataset();
+    let started = Instant::now();
+    let data = ringtmp_data::load(&name, args.data_dir.as_deref())
+        .with_context(|| format!("loading dataset {name}"))?;
+    let verified = data
+        .checks
+        .iter()
+        .filter(|c| matches!(c, FileCheck::Verified { .. }))
+        .count();
+    for check in &data.checks {
+        if let FileCheck::Mismatch {
+            path,
+            expected,
+            got,
+        } = check
+        {
+            eprintln!(
+                "WARNING: {} differs from the canonical {name}: SHA-256 {got}, expected {expected}. \
+                 Results will not be comparable with published ones.",
+                path.display()
+            );
+        }
+    }
+    eprintln!(
+        "dataset {name}: {} train / {} test examples from {} ({verified} of {} files match the canonical SHA-256; {:.1}s)",
+        data.train.len(),
+        data.test.len(),
+        data.source.display(),
+        data.checks.len(),
+        started.elapsed().as_secs_f64()
+    );
+    Ok(data)
+}
+
+/// `ringtmp validate-config`: resolves everything a run would, without training.
+pub fn validate(args: &TrainArgs) -> Result<()> {
+    let args = args.merged()?;
+    let data = load_dataset(&args)?;
+    let cfg = args.resolve(data.classes)?;
+    let (h, w, c) = data.input;
+    let layers = cfg
+        .model
+        .build(&ringtmp_model::Shape::image(h, w, c), data.classes)?;
+    let params: usize = layers.iter().map(|l| l.param_count()).sum();
+    println!(
+        "ok: model {} ({} layers, {params} parameters) on {}",
+        cfg.model.name,
+        layers.len(),
+        cfg.dataset
+    );
+    for l in &layers {
+        println!(
+            "  {:>2} {:<10} {} -> {}  ({} params)",
+            l.index,
+            l.kind_name(),
+            l.input,
+            l.output,
+            l.param_count()
+        );
+    }
+    Ok(())
+}
+
+/// `ringtmp train`.
+pub fn run(args: &TrainArgs) -> Result<()> {
+    let args = args.merged()?;
+    let data = load_dataset(&args)?;
+    let cfg = args.resolve(data.classes)?;
+    // The kernels parallelise through rayon's global pool; size it to the thread budget.
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(cfg.threads)
+        .build_global()
+        .context("configuring the compute thread pool")?;
+    eprintln!(
+        "training {} with strategy {:?}, batch {}, lr {}, {} thread(s); output in {}",
+        cfg.model.name,
+        args.strategy(),
+        cfg.batch_size,
+        cfg.lr,
+        cfg.threads,
+        cfg.out.display()
+    );
+    let mut display = Display::new();
+    let summary = match args.strategy() {
+        Strategy::Local => train_local(&cfg, &data, &mut |e| display.event(e))?,
+    };
+    display.finish();
+    print_summary(&summary, &cfg.out);
+    Ok(())
+}
+
+/// Progress output: an indicatif bar on a terminal, periodic plain lines otherwise.
+struct Display {
+    bar: Option<ProgressBar>,
+    total: u64,
+    last_line: Instant,
+    accuracy: Option<f64>,
+}
+
+impl Display {
+    fn new() -> Self {
+        Self {
+            bar: None,
+            total: 0,
+            last_line: Instant::now(),
+            accuracy: None,
+        }
+    }
+
+    fn event(&mut self, event: &Event) {
+        let tty = std::io::stderr().is_terminal();
+        match *event {
+            Event::Started {
+                total_steps,
+                first_step,
+                params,
+            } => {
+                self.total = total_steps;
+                eprintln!("{params} parameters; steps {first_step}..{total_steps}");
+                if tty {
+                    let bar = ProgressBar::new(total_steps).with_position(first_step);
+                    bar.set_style(
+                        ProgressStyle::with_template(
+                            "{elapsed_precise} [{bar:30}] {pos}/{len} steps {msg}",
+                        )
+                        .unwrap_or_else(|_| ProgressStyle::default_bar())
+                        .progress_chars("=> "),
+                    );
+                    self.bar = Some(bar);
+                }
+            }
+            Event::Step {
+                step,
+                epoch,
+                loss,
+                samples_per_second,
+            } => {
+                let acc = self
+                    .accuracy
+                    .map(|a| format!(" test acc {:.2}%", a * 100.0))
+                    .unwrap_or_default();
+                if let Some(bar) = &self.bar {
+                    bar.set_position(step);
+                    bar.set_message(format!(
+                        "epoch {epoch} loss {loss:.4}{acc} {samples_per_second:.0} samples/s"
+                    ));
+                } else if self.last_line.elapsed().as_secs_f64() >= 5.0 || step == self.total {
+                    self.last_line = Instant::now();
+                    eprintln!(
+                        "step {step}/{} epoch {epoch} loss {loss:.4}{acc} {samples_per_second:.0} samples/s",
+                        self.total
+                    );
+                }
+            }
+            Event::Eval {
+                step,
+                epoch,
+                accuracy,
+                loss,
+            } => {
+                self.accuracy = Some(accuracy);
+                let line = format!(
+                    "eval step {step} epoch {epoch}: test accuracy {:.2}%, test loss {loss:.4}",
+                    accuracy * 100.0
+                );
+                match &self.bar {
+                    Some(bar) => bar.println(line),
+                    None => eprintln!("{line}"),
+                }
+            }
+            Event::Checkpoint { step, ref path } => {
+                let line = format!("checkpoint at step {step}: {}", path.display());
+                match &self.bar {
+                    Some(bar) => bar.println(line),
+                    None => eprintln!("{line}"),
+                }
+            }
+        }
+    }
+
+    fn finish(&mut self) {
+        if let Some(bar) = self.bar.take() {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+fn print_summary(s: &Summary, out: &std::path::Path) {
+    println!(
+        "final test accuracy {:.2}% (best {:.2}%) after {} steps; {:.0} samples/s; {:.1}s wall",
+        s.final_test_accuracy * 100.0,
+        s.best_test_accuracy * 100.0,
+        s.steps,
+        s.samples_per_second,
+        s.wall_seconds
+    );
+    match s.time_to_target_seconds {
+        Some(t) => println!(
+            "reached {:.1}% test accuracy after {t:.1}s of training",
+            s.target_accuracy * 100.0
+        ),
+        None => println!(
+            "did not reach {:.1}% test accuracy",
+            s.target_accuracy * 100.0
+        ),
+    }
+    println!(
+        "bytes sent {} ({:.1} per sample)",
+        s.total_bytes_sent, s.bytes_per_sample
+    );
+    println!(
+        "{:>4} {:<7} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9}",
+        "rank", "role", "params", "peak RSS", "sent", "compute", "idle", "cpu"
+    );
+    for n in &s.per_node {
+        println!(
+            "{:>4} {:<7} {:>10} {:>8.1}MB {:>10} {:>8.1}s {:>8.1}s {:>8.1}s",
+            n.rank,
+            n.role,
+            n.params,
+            n.peak_rss_bytes as f64 / 1e6,
+            n.bytes_sent,
+            n.compute_seconds,
+            n.idle_seconds,
+            n.cpu_seconds
+        );
+    }
+    println!("summary: {}", out.join("summary.json").display());
+}

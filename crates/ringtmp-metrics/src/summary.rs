@@ -1,0 +1,196 @@
+//! The run summary (`summary.json`) and the event log (`metrics.jsonl`).
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// Per-node measurements.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NodeSummary {
+    /// Rank of the node.
+    pub rank: u32,
+    /// What the node did (`local`, `master`, `stage`, `server`, `worker`).
+    pub role: String,
+    /// Parameters held by the node.
+    pub params: u64,
+    /// Bytes of those parameters.
+    pub param_bytes: u64,
+    /// Bytes of optimizer state held by the node.
+    pub optimizer_bytes: u64,
+    /// Peak resident set size of the node's process.
+    pub peak_rss_bytes: u64,
+    /// Bytes sent to other nodes.
+    pub bytes_sent: u64,
+    /// Bytes received from other nodes.
+    pub bytes_received: u64,
+    /// Messages sent to other nodes.
+    pub messages_sent: u64,
+    /// Seconds spent in forward, backward and optimizer work.
+    pub compute_seconds: f64,
+    /// Training seconds not spent computing (waiting, data loading, communication).
+    pub idle_seconds: f64,
+    /// CPU seconds (user + system) of the node's process.
+    pub cpu_seconds: f64,
+}
+
+/// Everything a run reports; the contract of DESIGN.md §6.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Summary {
+    /// Strategy (`local`, `ring`, `ps`, …).
+    pub strategy: String,
+    /// Pipeline schedule (ring only).
+    pub schedule: Option<String>,
+    /// Consistency model (parameter server only).
+    pub consistency: Option<String>,
+    /// Number of nodes.
+    pub nodes: u32,
+    /// Model name.
+    pub model: String,
+    /// Parameters in the whole model.
+    pub model_params: u64,
+    /// Dataset name.
+    pub dataset: String,
+    /// Epochs requested.
+    pub epochs: u32,
+    /// Mini-batch size (examples per optimizer step).
+    pub batch_size: u32,
+    /// Micro-batches per mini-batch.
+    pub micro_batches: u32,
+    /// Run seed.
+    pub seed: u64,
+    /// Optimizer (`sgd` or `adam`).
+    pub optimizer: String,
+    /// Base learning rate.
+    pub lr: f32,
+    /// Compute threads per node.
+    pub threads: u32,
+    /// Optimizer steps completed.
+    pub steps: u64,
+    /// Training examples processed.
+    pub samples: u64,
+    /// Mean training loss over the last epoch (or part of it).
+    pub final_train_loss: f64,
+    /// Test accuracy at the end.
+    pub final_test_accuracy: f64,
+    /// Best test accuracy seen at any evaluation.
+    pub best_test_accuracy: f64,
+    /// Accuracy target for `time_to_target_seconds`.
+    pub target_accuracy: f64,
+    /// Training seconds (evaluation and checkpointing pause this clock) until an evaluation first
+    /// reached the target; `null` when it never did.
+    pub time_to_target_seconds: Option<f64>,
+    /// Optimizer step at which the target was first reached.
+    pub steps_to_target: Option<u64>,
+    /// Wall-clock seconds of the whole run, evaluation included.
+    pub wall_seconds: f64,
+    /// Seconds spent training (the clock behind `samples_per_second`).
+    pub train_seconds: f64,
+    /// Training examples per training second.
+    pub samples_per_second: f64,
+    /// Bytes sent by all nodes together.
+    pub total_bytes_sent: u64,
+    /// `total_bytes_sent / samples`.
+    pub bytes_per_sample: f64,
+    /// Per-node measurements.
+    pub per_node: Vec<NodeSummary>,
+}
+
+impl Summary {
+    /// Writes the summary as pretty JSON to `path`.
+    pub fn write(&self, path: &Path) -> std::io::Result<()> {
+        let text = serde_json::to_string_pretty(self).map_err(std::io::Error::other)?;
+        std::fs::write(path, text + "\n")
+    }
+}
+
+/// An append-only JSON-lines log: one object per event, flushed per line so a crashed run keeps
+/// everything up to its last event.
+pub struct EventLog {
+    path: PathBuf,
+    out: BufWriter<File>,
+}
+
+impl EventLog {
+    /// Creates (truncates) `path`; appends instead when `append` is set (a resumed run).
+    pub fn create(path: &Path, append: bool) -> std::io::Result<Self> {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .write(true)
+            .append(append)
+            .truncate(!append)
+            .open(path)?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            out: BufWriter::new(file),
+        })
+    }
+
+    /// Where the log is written.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Appends one event.
+    pub fn write(&mut self, event: &serde_json::Value) -> std::io::Result<()> {
+        serde_json::to_writer(&mut self.out, event).map_err(std::io::Error::other)?;
+        self.out.write_all(b"\n")?;
+        self.out.flush()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn summary_has_every_contract_key() {
+        let s = Summary {
+            per_node: vec![NodeSummary::default()],
+            ..Default::default()
+        };
+        let v = serde_json::to_value(&s).unwrap();
+        for key in [
+            "strategy",
+            "schedule",
+            "consistency",
+            "nodes",
+            "model",
+            "dataset",
+            "epochs",
+            "batch_size",
+            "micro_batches",
+            "seed",
+            "final_test_accuracy",
+            "best_test_accuracy",
+            "target_accuracy",
+            "time_to_target_seconds",
+            "wall_seconds",
+            "samples_per_second",
+            "total_bytes_sent",
+            "bytes_per_sample",
+            "per_node",
+        ] {
+            assert!(v.get(key).is_some(), "missing {key}");
+        }
+        for key in [
+            "rank",
+            "role",
+            "params",
+            "param_bytes",
+            "peak_rss_bytes",
+            "bytes_sent",
+            "bytes_received",
+            "messages_sent",
+            "compute_seconds",
+            "idle_seconds",
+            "cpu_seconds",
+        ] {
+            assert!(
+                v["per_node"][0].get(key).is_some(),
+                "missing per_node.{key}"
+            );
+        }
+    }
+}

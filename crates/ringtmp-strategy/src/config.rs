@@ -1,0 +1,97 @@
+//! The validated configuration of a training run. The CLI turns flags and TOML into this; after
+//! construction through [`TrainConfig::validate`] every field is usable as is.
+
+use std::path::PathBuf;
+
+use ringtmp_model::{LrSchedule, ModelSpec, OptimizerConfig};
+
+use crate::error::{Error, Result};
+
+/// Everything a training run needs besides the dataset itself.
+#[derive(Clone, Debug)]
+pub struct TrainConfig {
+    /// The model description.
+    pub model: ModelSpec,
+    /// Dataset name (recorded in outputs and checkpoints).
+    pub dataset: String,
+    /// Epochs to train.
+    pub epochs: u32,
+    /// Examples per optimizer step.
+    pub batch_size: usize,
+    /// Base learning rate.
+    pub lr: f32,
+    /// Learning-rate schedule.
+    pub schedule: LrSchedule,
+    /// Steps of linear warm-up.
+    pub warmup_steps: u64,
+    /// Optimizer and its hyper-parameters.
+    pub optimizer: OptimizerConfig,
+    /// Compute threads.
+    pub threads: usize,
+    /// Seed of initialisation, shuffling and dropout.
+    pub seed: u64,
+    /// Test accuracy whose first attainment is timed.
+    pub target_accuracy: f64,
+    /// Evaluate every this many steps (and at the end of every epoch); 0 = epoch ends only.
+    pub eval_every: u64,
+    /// Output directory.
+    pub out: PathBuf,
+    /// Checkpoint every this many steps (and at the end); 0 = never.
+    pub checkpoint_every: u64,
+    /// Checkpoint (or run directory) to resume from.
+    pub resume: Option<PathBuf>,
+    /// Stop after this many optimizer steps in total (for tests and benchmarks).
+    pub max_steps: Option<u64>,
+}
+
+impl TrainConfig {
+    /// Checks the ranges of the numeric settings.
+    pub fn validate(self) -> Result<Self> {
+        let bad = |msg: String| Err(Error::Config(msg));
+        if self.epochs == 0 {
+            return bad("--epochs must be at least 1".into());
+        }
+        if self.batch_size == 0 {
+            return bad("--batch-size must be at least 1".into());
+        }
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return bad(format!("--lr must be a positive number, got {}", self.lr));
+        }
+        if self.threads == 0 {
+            return bad("--threads must be at least 1".into());
+        }
+        if !(0.0..=1.0).contains(&self.target_accuracy) {
+            return bad(format!(
+                "--target-accuracy must be in [0, 1], got {}",
+                self.target_accuracy
+            ));
+        }
+        match self.optimizer {
+            OptimizerConfig::Sgd {
+                momentum,
+                weight_decay,
+            } => {
+                if !(0.0..1.0).contains(&momentum) || weight_decay < 0.0 {
+                    return bad(format!(
+                        "--momentum must be in [0, 1) and --weight-decay ≥ 0, got {momentum} and {weight_decay}"
+                    ));
+                }
+            }
+            OptimizerConfig::Adam {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+            } => {
+                if !(0.0..1.0).contains(&beta1)
+                    || !(0.0..1.0).contains(&beta2)
+                    || eps <= 0.0
+                    || weight_decay < 0.0
+                {
+                    return bad("Adam needs 0 ≤ β₁, β₂ < 1, ε > 0 and weight decay ≥ 0".into());
+                }
+            }
+        }
+        Ok(self)
+    }
+}

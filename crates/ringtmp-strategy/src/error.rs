@@ -1,0 +1,47 @@
+//! The one error type of `ringtmp-strategy`.
+
+use std::path::PathBuf;
+
+/// Result alias used throughout the crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can stop a training run.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The model could not be built, run or checkpointed.
+    #[error(transparent)]
+    Model(#[from] ringtmp_model::Error),
+    /// The dataset could not be read or batched.
+    #[error(transparent)]
+    Data(#[from] ringtmp_data::Error),
+    /// The configuration is inconsistent (with itself, the dataset or a checkpoint).
+    #[error("{0}")]
+    Config(String),
+    /// Writing an output file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The underlying error.
+        source: std::io::Error,
+    },
+    /// Training diverged (a non-finite loss).
+    #[error("training diverged: the loss is {loss} at step {step}; lower the learning rate")]
+    Diverged {
+        /// Step at which the loss stopped being finite.
+        step: u64,
+        /// The loss value.
+        loss: f64,
+    },
+}
+
+impl Error {
+    /// Whether the error is the user's input (exit status 2) rather than a runtime failure.
+    pub fn is_usage(&self) -> bool {
+        match self {
+            Self::Model(e) => e.is_usage(),
+            Self::Data(_) | Self::Config(_) => true,
+            Self::Io { .. } | Self::Diverged { .. } => false,
+        }
+    }
+}

@@ -1,0 +1,380 @@
+//! The `local` strategy: one process, one [`Stage`] holding the whole model, plain mini-batch
+//! training. It is the oracle: every distributed strategy must reproduce its parameters (exactly
+//! for the synchronous ones, statistically for the others) on the same seed and data order.
+//!
+//! Clocks: `train_seconds` runs while batches are gathered and computed and stops during
+//! evaluation and checkpointing, so throughput and time-to-target do not depend on how often the
+//! user asks for evaluations. `compute_seconds` covers forward, loss, backward and the optimizer
+//! step; the rest of the training clock is reported as idle (data gathering, logging).
+
+use std::path::Path;
+use std::time::Instant;
+
+use ringtmp_data::{BatchPlan, Dataset, Split};
+use ringtmp_metrics::{EventLog, NodeSummary, Summary, resources};
+use ringtmp_model::checkpoint::{self, Manifest};
+use ringtmp_model::{Optimizer, OptimizerConfig, Pass, Shape, Stage, loss};
+use serde_json::json;
+
+use crate::config::TrainConfig;
+use crate::error::{Error, Result};
+
+/// Progress reported to the caller (the CLI draws it).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Event {
+    /// Training is about to start.
+    Started {
+        /// Steps the run will take in total.
+        total_steps: u64,
+        /// Step resumed from (0 for a fresh run).
+        first_step: u64,
+        /// Parameters in the model.
+        params: usize,
+    },
+    /// An optimizer step finished.
+    Step {
+        /// Steps completed.
+        step: u64,
+        /// Epoch of that step.
+        epoch: u64,
+        /// Mean training loss of the step's mini-batch.
+        loss: f64,
+        /// Training examples per training second so far.
+        samples_per_second: f64,
+    },
+    /// An evaluation on the test split finished.
+    Eval {
+        /// Steps completed.
+        step: u64,
+        /// Epoch in progress.
+        epoch: u64,
+        /// Test accuracy.
+        accuracy: f64,
+        /// Mean test loss.
+        loss: f64,
+    },
+    /// A checkpoint was written.
+    Checkpoint {
+        /// Steps completed.
+        step: u64,
+        /// Its directory.
+        path: std::path::PathBuf,
+    },
+}
+
+/// Rows per evaluation forward pass.
+const EVAL_ROWS: usize = 1000;
+
+/// Trains `cfg.model` on `data` in this process and writes `metrics.jsonl`, `summary.json` and
+/// checkpoints under `cfg.out`.
+pub fn train_local(
+    cfg: &TrainConfig,
+    data: &Dataset,
+    on_event: &mut dyn FnMut(&Event),
+) -> Result<Summary> {
+    let wall = Instant::now();
+    let (h, w, c) = data.input;
+    let layers = cfg.model.build(&Shape::image(h, w, c), data.classes)?;
+    let mut model = Stage::new(&layers, 0..layers.len(), cfg.seed, cfg.threads);
+    let mut optimizer = Optimizer::new(cfg.optimizer.clone(), model.params().len());
+    let mut plan = BatchPlan::new(data.train.len(), cfg.batch_size, cfg.seed)?;
+    let per_epoch = plan.batches_per_epoch() as u64;
+    let total_steps = cfg
+        .max_steps
+        .unwrap_or(u64::MAX)
+        .min(per_epoch * u64::from(cfg.epochs));
+
+    std::fs::create_dir_all(&cfg.out).map_err(|e| Error::Io {
+        path: cfg.out.clone(),
+        source: e,
+    })?;
+    let mut step = 0u64;
+    if let Some(resume) = &cfg.resume {
+        step = resume_from(resume, cfg, &mut model, &mut optimizer)?;
+    }
+    let log_path = cfg.out.join("metrics.jsonl");
+    let mut log = EventLog::create(&log_path, step > 0).map_err(|e| Error::Io {
+        path: log_path.clone(),
+        source: e,
+    })?;
+    let mut write = |event: serde_json::Value| {
+        log.write(&event).map_err(|e| Error::Io {
+            path: log_path.clone(),
+            source: e,
+        })
+    };
+    write(
+        json!({"event": "start", "strategy": "local", "model": cfg.model.name, "params": model.params().len(),
+        "dataset": cfg.dataset, "batch_size": cfg.batch_size, "seed": cfg.seed, "threads": cfg.threads,
+        "first_step": step, "total_steps": total_steps}),
+    )?;
+    on_event(&Event::Started {
+        total_steps,
+        first_step: step,
+        params: model.params().len(),
+    });
+
+    let classes = data.classes;
+    let (mut x, mut y, mut dlogits) = (Vec::new(), Vec::new(), Vec::new());
+    let mut tracker = Tracker::new(cfg.target_accuracy);
+    let (mut train_seconds, mut compute_seconds) = (0.0f64, 0.0f64);
+    let (mut epoch_loss, mut epoch_batches, mut samples) = (0.0f64, 0u64, 0u64);
+    let mut last_epoch_loss = f64::NAN;
+    let first_step = step;
+    while step < total_steps {
+        let epoch = step / per_epoch;
+        let index = (step % per_epoch) as usize;
+        let t_batch = Instant::now();
+        data.train.gather(plan.batch(epoch, index), &mut x, &mut y);
+        let rows = y.len();
+        let t_compute = Instant::now();
+        let pass = Pass {
+            train: true,
+            seed: cfg.seed,
+            step,
+            row_offset: 0,
+        };
+        let logits = model.forward(0, &x, rows, &pass)?;
+        dlogits.resize(logits.len(), 0.0);
+        let out =
+            loss::softmax_cross_entropy(logits, &y, classes, 1.0 / rows as f32, &mut dlogits)?;
+        model.backward(0, &dlogits)?;
+        let lr = cfg
+            .schedule
+            .rate(cfg.lr, step, total_steps, per_epoch, cfg.warmup_steps);
+        model.step(&mut optimizer, lr);
+        compute_seconds += t_compute.elapsed().as_secs_f64();
+        train_seconds += t_batch.elapsed().as_secs_f64();
+
+        let mean_loss = out.loss_sum / rows as f64;
+        if !mean_loss.is_finite() {
+            return Err(Error::Diverged {
+                step,
+                loss: mean_loss,
+            });
+        }
+        step += 1;
+        samples += rows as u64;
+        epoch_loss += mean_loss;
+        epoch_batches += 1;
+        let sps = (step - first_step) as f64 * cfg.batch_size as f64 / train_seconds.max(1e-9);
+        write(
+            json!({"event": "step", "step": step, "epoch": epoch, "loss": mean_loss, "lr": lr,
+            "train_seconds": train_seconds}),
+        )?;
+        on_event(&Event::Step {
+            step,
+            epoch,
+            loss: mean_loss,
+            samples_per_second: sps,
+        });
+
+        let epoch_end = step % per_epoch == 0;
+        if epoch_end {
+            last_epoch_loss = epoch_loss / epoch_batches as f64;
+            (epoch_loss, epoch_batches) = (0.0, 0);
+        }
+        let last = step == total_steps;
+        if epoch_end || last || (cfg.eval_every > 0 && step % cfg.eval_every == 0) {
+            let (accuracy, test_loss) = evaluate(&mut model, &data.test, classes)?;
+            tracker.record(accuracy, step, train_seconds);
+            write(
+                json!({"event": "eval", "step": step, "epoch": epoch, "test_accuracy": accuracy,
+                "test_loss": test_loss, "train_seconds": train_seconds, "wall_seconds": wall.elapsed().as_secs_f64()}),
+            )?;
+            on_event(&Event::Eval {
+                step,
+                epoch,
+                accuracy,
+                loss: test_loss,
+            });
+        }
+        if cfg.checkpoint_every > 0 && (step % cfg.checkpoint_every == 0 || last) {
+            let dir = save_checkpoint(cfg, &model, &optimizer, step, per_epoch)?;
+            write(json!({"event": "checkpoint", "step": step, "path": dir}))?;
+            on_event(&Event::Checkpoint { step, path: dir });
+        }
+    }
+    if step == first_step {
+        // Nothing left to train (resumed at the end): still report the model's accuracy.
+        let (accuracy, _) = evaluate(&mut model, &data.test, classes)?;
+        tracker.record(accuracy, step, 0.0);
+    }
+    if epoch_batches > 0 {
+        last_epoch_loss = epoch_loss / epoch_batches as f64;
+    }
+
+    let params = model.params().len() as u64;
+    let node = NodeSummary {
+        rank: 0,
+        role: "local".into(),
+        params,
+        param_bytes: params * 4,
+        optimizer_bytes: optimizer.state_bytes() as u64,
+        peak_rss_bytes: resources::peak_rss_bytes().unwrap_or(0),
+        compute_seconds,
+        idle_seconds: (train_seconds - compute_seconds).max(0.0),
+        cpu_seconds: resources::cpu_seconds(),
+        ..Default::default()
+    };
+    let summary = Summary {
+        strategy: "local".into(),
+        schedule: None,
+        consistency: None,
+        nodes: 1,
+        model: cfg.model.name.clone(),
+        model_params: params,
+        dataset: cfg.dataset.clone(),
+        epochs: cfg.epochs,
+        batch_size: cfg.batch_size as u32,
+        micro_batches: 1,
+        seed: cfg.seed,
+        optimizer: match cfg.optimizer {
+            OptimizerConfig::Sgd { .. } => "sgd".into(),
+            OptimizerConfig::Adam { .. } => "adam".into(),
+        },
+        lr: cfg.lr,
+        threads: cfg.threads as u32,
+        steps: step,
+        samples,
+        final_train_loss: last_epoch_loss,
+        final_test_accuracy: tracker.last,
+        best_test_accuracy: tracker.best,
+        target_accuracy: cfg.target_accuracy,
+        time_to_target_seconds: tracker.reached.map(|(_, t)| t),
+        steps_to_target: tracker.reached.map(|(s, _)| s),
+        wall_seconds: wall.elapsed().as_secs_f64(),
+        train_seconds,
+        samples_per_second: samples as f64 / train_seconds.max(1e-9),
+        total_bytes_sent: 0,
+        bytes_per_sample: 0.0,
+        per_node: vec![node],
+    };
+    let path = cfg.out.join("summary.json");
+    summary
+        .write(&path)
+        .map_err(|e| Error::Io { path, source: e })?;
+    write(
+        json!({"event": "end", "steps": step, "final_test_accuracy": summary.final_test_accuracy}),
+    )?;
+    Ok(summary)
+}
+
+/// Test accuracy and mean loss of `model` on `split`.
+pub fn evaluate(model: &mut Stage, split: &Split, classes: usize) -> Result<(f64, f64)> {
+    let (mut x, mut y, mut d) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut correct, mut loss_sum) = (0usize, 0.0f64);
+    let mut start = 0;
+    while start < split.len() {
+        let end = (start + EVAL_ROWS).min(split.len());
+        split.gather_range(start, end, &mut x, &mut y);
+        let logits = model.infer(&x, y.len())?;
+        d.resize(logits.len(), 0.0);
+        let out = loss::softmax_cross_entropy(logits, &y, classes, 0.0, &mut d)?;
+        correct += out.correct;
+        loss_sum += out.loss_sum;
+        start = end;
+    }
+    let n = split.len().max(1) as f64;
+    Ok((correct as f64 / n, loss_sum / n))
+}
+
+/// Best/last accuracy and when the target was first reached.
+struct Tracker {
+    target: f64,
+    best: f64,
+    last: f64,
+    reached: Option<(u64, f64)>,
+}
+
+impl Tracker {
+    fn new(target: f64) -> Self {
+        Self {
+            target,
+            best: 0.0,
+            last: 0.0,
+            reached: None,
+        }
+    }
+
+    fn record(&mut self, accuracy: f64, step: u64, train_seconds: f64) {
+        self.last = accuracy;
+        self.best = self.best.max(accuracy);
+        if self.reached.is_none() && accuracy >= self.target {
+            self.reached = Some((step, train_seconds));
+        }
+    }
+}
+
+fn save_checkpoint(
+    cfg: &TrainConfig,
+    model: &Stage,
+    optimizer: &Optimizer,
+    step: u64,
+    per_epoch: u64,
+) -> Result<std::path::PathBuf> {
+    let dir = cfg
+        .out
+        .join("checkpoints")
+        .join(checkpoint::checkpoint_dir_name(step));
+    let file = checkpoint::write_stage(&dir, "stage-0.safetensors", model, optimizer)?;
+    let manifest = Manifest {
+        format: checkpoint::MANIFEST_FORMAT,
+        strategy: "local".into(),
+        step,
+        epoch: step / per_epoch,
+        batch_in_epoch: step % per_epoch,
+        dataset: cfg.dataset.clone(),
+        batch_size: cfg.batch_size,
+        seed: cfg.seed,
+        model: cfg.model.clone(),
+        partition: vec![(0, model.layers().len())],
+        optimizer: cfg.optimizer.clone(),
+        files: vec![file],
+    };
+    checkpoint::write_manifest(&dir, &manifest)?;
+    Ok(dir)
+}
+
+/// Loads a checkpoint into `model` and `optimizer` after checking it belongs to this run's model,
+/// data and optimizer; returns the step to continue from.
+fn resume_from(
+    path: &Path,
+    cfg: &TrainConfig,
+    model: &mut Stage,
+    optimizer: &mut Optimizer,
+) -> Result<u64> {
+    let dir = checkpoint::resolve(path)?;
+    let manifest = checkpoint::read_manifest(&dir)?;
+    let mismatch = |what: &str, theirs: String, ours: String| {
+        Err(Error::Config(format!(
+            "cannot resume from {}: it was written with {what} {theirs}, this run uses {ours}",
+            dir.display()
+        )))
+    };
+    if manifest.model.layers != cfg.model.layers {
+        return mismatch("model", manifest.model.name.clone(), cfg.model.name.clone());
+    }
+    if manifest.dataset != cfg.dataset {
+        return mismatch("dataset", manifest.dataset.clone(), cfg.dataset.clone());
+    }
+    if manifest.batch_size != cfg.batch_size {
+        return mismatch(
+            "batch size",
+            manifest.batch_size.to_string(),
+            cfg.batch_size.to_string(),
+        );
+    }
+    if manifest.seed != cfg.seed {
+        return mismatch("seed", manifest.seed.to_string(), cfg.seed.to_string());
+    }
+    if std::mem::discriminant(&manifest.optimizer) != std::mem::discriminant(&cfg.optimizer) {
+        return mismatch(
+            "optimizer",
+            format!("{:?}", manifest.optimizer),
+            format!("{:?}", cfg.optimizer),
+        );
+    }
+    checkpoint::read_stage(&dir, &manifest, model, optimizer)?;
+    Ok(manifest.step)
+}
