@@ -61,7 +61,7 @@ pub struct TrainArgs {
     /// Examples per optimizer step [default: 64].
     #[arg(long)]
     pub batch_size: Option<usize>,
-    /// Base learning rate [default: 0.05 for SGD, 0.001 for Adam].
+    /// Base learning rate [default: 0.01 for SGD, 0.001 for Adam].
     #[arg(long)]
     pub lr: Option<f32>,
     /// Learning-rate schedule: constant, cosine or step:EVERY:GAMMA (epochs) [default: constant].

@@ -5,6 +5,7 @@
 //! accepts directly, so no layer ever materialises a transposed copy.
 
 use gemm::Parallelism;
+use rayon::prelude::*;
 
 /// How a GEMM operand is stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -73,36 +74,138 @@ pub fn matmul(
         return;
     }
     let (a_rs, a_cs) = match op_a {
-        Op::N => (k as isize, 1),
-        Op::T => (1, m as isize),
+        Op::N => (k, 1),
+        Op::T => (1, m),
     };
     let (b_rs, b_cs) = match op_b {
-        Op::N => (n as isize, 1),
-        Op::T => (1, k as isize),
+        Op::N => (n, 1),
+        Op::T => (1, k),
     };
-    // SAFETY: the asserts above guarantee every element addressed by (rows, cols, strides) lies
-    // inside its slice; `c` is uniquely borrowed and does not alias `a` or `b`.
+    let parts = threads
+        .min(if n >= m {
+            n / SPLIT_ALIGN
+        } else {
+            m / SPLIT_ALIGN
+        })
+        .max(1);
+    let c_ptr = SendPtr(c.as_mut_ptr());
+    let (a_ptr, b_ptr) = (
+        SendPtr(a.as_ptr().cast_mut()),
+        SendPtr(b.as_ptr().cast_mut()),
+    );
+    if parts == 1 || m * n * k < PARALLEL_MIN_FLOPS {
+        // SAFETY: the asserts above guarantee every element addressed by (rows, cols, strides)
+        // lies inside its slice; `c` is uniquely borrowed and does not alias `a` or `b`.
+        unsafe {
+            gemm_raw(
+                m, n, k, c_ptr.0, n, a_ptr.0, a_rs, a_cs, b_ptr.0, b_rs, b_cs, accumulate,
+            )
+        };
+        return;
+    }
+    // Split C into `parts` disjoint blocks along its larger dimension and run one single-threaded
+    // GEMM per block. On these 2-core machines this scales better than `gemm`'s internal rayon
+    // parallelism (measured by `ringtmp bench-compute`; see docs/BENCHMARKS.md).
+    let split_n = n >= m;
+    let len = if split_n { n } else { m };
+    let block = len.div_ceil(parts).next_multiple_of(SPLIT_ALIGN);
+    let blocks = len.div_ceil(block);
+    (0..blocks).into_par_iter().for_each(|i| {
+        let (start, end) = (i * block, ((i + 1) * block).min(len));
+        let (c_ptr, a_ptr, b_ptr) = (&c_ptr, &a_ptr, &b_ptr);
+        // SAFETY: blocks are disjoint ranges of C's rows or columns, so no two tasks write the
+        // same element; every offset stays inside the slices checked above.
+        unsafe {
+            if split_n {
+                let b_off = if op_b == Op::N { start } else { start * k };
+                gemm_raw(
+                    m,
+                    end - start,
+                    k,
+                    c_ptr.0.add(start),
+                    n,
+                    a_ptr.0,
+                    a_rs,
+                    a_cs,
+                    b_ptr.0.add(b_off),
+                    b_rs,
+                    b_cs,
+                    accumulate,
+                );
+            } else {
+                let a_off = if op_a == Op::N { start * k } else { start };
+                gemm_raw(
+                    end - start,
+                    n,
+                    k,
+                    c_ptr.0.add(start * n),
+                    n,
+                    a_ptr.0.add(a_off),
+                    a_rs,
+                    a_cs,
+                    b_ptr.0,
+                    b_rs,
+                    b_cs,
+                    accumulate,
+                );
+            }
+        }
+    });
+}
+
+/// Blocks of a split GEMM are multiples of this many rows or columns (one AVX-512 vector of f32).
+const SPLIT_ALIGN: usize = 16;
+/// Below this many multiply-adds a GEMM runs on one thread: splitting costs more than it saves.
+const PARALLEL_MIN_FLOPS: usize = 1 << 18;
+
+/// A raw pointer that may cross to a rayon task (each task touches a disjoint region).
+struct SendPtr(*mut f32);
+// SAFETY: used only for disjoint writes and shared reads, as argued at each use.
+unsafe impl Send for SendPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SendPtr {}
+
+/// Single-threaded `gemm` on a row-major `m × n` destination with row stride `c_rs`.
+///
+/// # Safety
+/// Every addressed element of `a`, `b` and `c` must be valid, and `c` must not alias `a` or `b`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_raw(
+    m: usize,
+    n: usize,
+    k: usize,
+    c: *mut f32,
+    c_rs: usize,
+    a: *const f32,
+    a_rs: usize,
+    a_cs: usize,
+    b: *const f32,
+    b_rs: usize,
+    b_cs: usize,
+    accumulate: bool,
+) {
+    // SAFETY: forwarded from the caller.
     unsafe {
         gemm::gemm(
             m,
             n,
             k,
-            c.as_mut_ptr(),
+            c,
             1,
-            n as isize,
+            c_rs as isize,
             accumulate,
-            a.as_ptr(),
-            a_cs,
-            a_rs,
-            b.as_ptr(),
-            b_cs,
-            b_rs,
+            a,
+            a_cs as isize,
+            a_rs as isize,
+            b,
+            b_cs as isize,
+            b_rs as isize,
             1.0,
             1.0,
             false,
             false,
             false,
-            parallelism(threads),
+            Parallelism::None,
         );
     }
 }
@@ -165,12 +268,12 @@ mod tests {
 
     #[test]
     fn matmul_matches_naive_for_every_transpose_combination() {
-        let (m, n, k) = (7, 5, 9);
+        let (m, n, k) = (70, 50, 90);
         let a: Vec<f32> = (0..m * k).map(|i| ((i * 37) % 11) as f32 - 5.0).collect();
         let b: Vec<f32> = (0..k * n).map(|i| ((i * 17) % 7) as f32 - 3.0).collect();
         for ta in [Op::N, Op::T] {
             for tb in [Op::N, Op::T] {
-                for threads in [1, 2] {
+                for threads in [1, 2, 3] {
                     let want = naive(m, n, k, &a, ta, &b, tb);
                     let mut c = vec![1.0f32; m * n];
                     matmul(&mut c, m, n, k, &a, ta, &b, tb, false, threads);
