@@ -183,7 +183,7 @@ impl TrainArgs {
                     momentum: self.momentum.unwrap_or(0.9),
                     weight_decay,
                 },
-                0.05,
+                0.01,
             ),
             OptimizerKind::Adam => {
                 if self.momentum.is_some() {
