@@ -54,8 +54,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         let spec = ModelSpec::preset(model, data.classes)?;
         let layers = spec.build(&Shape::image(h, w, c), data.classes)?;
         for &threads in &args.threads {
+            ringtmp_model::kernels::flush_denormals();
             let pool = rayon::ThreadPoolBuilder::new()
                 .num_threads(threads)
+                .start_handler(|_| ringtmp_model::kernels::flush_denormals())
                 .build()
                 .context("thread pool")?;
             let rates = pool.install(|| -> Result<Vec<f64>> {

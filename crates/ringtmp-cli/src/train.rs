@@ -83,8 +83,10 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     let data = load_dataset(&args)?;
     let cfg = args.resolve(data.classes)?;
     // The kernels parallelise through rayon's global pool; size it to the thread budget.
+    ringtmp_model::kernels::flush_denormals();
     rayon::ThreadPoolBuilder::new()
         .num_threads(cfg.threads)
+        .start_handler(|_| ringtmp_model::kernels::flush_denormals())
         .build_global()
         .context("configuring the compute thread pool")?;
     eprintln!(

@@ -210,6 +210,28 @@ unsafe fn gemm_raw(
     }
 }
 
+/// Makes the calling thread flush subnormal floats to zero (x86 MXCSR FTZ and DAZ bits); a no-op
+/// on other architectures.
+///
+/// Late in training, gradients shrink into the subnormal range, where every multiply takes a
+/// slow microcode path: measured here, `cnn` throughput fell steadily from 3,370 to 2,990
+/// samples/s over two epochs without this. The reference framework flushes subnormals in its
+/// compute threads too, so this also keeps comparisons fair. Call it on every thread that runs
+/// kernels (rayon's `start_handler` for pool threads).
+pub fn flush_denormals() {
+    #[cfg(target_arch = "x86_64")]
+    {
+        const FTZ: u32 = 1 << 15;
+        const DAZ: u32 = 1 << 6;
+        // SAFETY: reading and writing MXCSR only changes this thread's floating-point modes.
+        #[allow(deprecated)]
+        unsafe {
+            use std::arch::x86_64::{_mm_getcsr, _mm_setcsr};
+            _mm_setcsr(_mm_getcsr() | FTZ | DAZ);
+        }
+    }
+}
+
 /// Fills each of the `rows` rows of `dst` (`[rows, bias.len()]`) with `bias`.
 pub fn broadcast_rows(dst: &mut [f32], bias: &[f32]) {
     for row in dst.chunks_exact_mut(bias.len()) {
