@@ -80,6 +80,9 @@ pub fn train_local(
     let mut optimizer = Optimizer::new(cfg.optimizer.clone(), model.params().len());
     let mut plan = BatchPlan::new(data.train.len(), cfg.batch_size, cfg.seed)?;
     let per_epoch = plan.batches_per_epoch() as u64;
+    // The schedule spans the configured epochs; `max_steps` only stops early, so a run cut short
+    // and resumed follows the same learning-rate curve as one that is not.
+    let schedule_steps = per_epoch * u64::from(cfg.epochs);
     let total_steps = cfg
         .max_steps
         .unwrap_or(u64::MAX)
@@ -142,7 +145,7 @@ pub fn train_local(
         model.backward(0, &dlogits)?;
         let lr = cfg
             .schedule
-            .rate(cfg.lr, step, total_steps, per_epoch, cfg.warmup_steps);
+            .rate(cfg.lr, step, schedule_steps, per_epoch, cfg.warmup_steps);
         model.step(&mut optimizer, lr);
         compute_seconds += t_compute.elapsed().as_secs_f64();
         train_seconds += t_batch.elapsed().as_secs_f64();

@@ -1,0 +1,237 @@
+//! End-to-end tests of the `local` strategy on the bundled scikit-learn digits (small and fast):
+//! learning, the output contract, and exact checkpoint/resume.
+
+use std::path::{Path, PathBuf};
+
+use ringtmp_data::Dataset;
+use ringtmp_model::checkpoint::{self, Manifest};
+use ringtmp_model::{LrSchedule, ModelSpec, Optimizer, OptimizerConfig, Shape, Stage};
+use ringtmp_strategy::{TrainConfig, train_local};
+
+const MODEL: &str = r#"
+name = "digits-test"
+[[layer]]
+type = "conv2d"
+out_channels = 8
+kernel = 3
+padding = 1
+[[layer]]
+type = "relu"
+[[layer]]
+type = "max_pool2d"
+kernel = 2
+[[layer]]
+type = "flatten"
+[[layer]]
+type = "linear"
+out = 64
+[[layer]]
+type = "relu"
+[[layer]]
+type = "dropout"
+p = 0.1
+[[layer]]
+type = "linear"
+out = 10
+"#;
+
+fn digits() -> Dataset {
+    ringtmp_data::load("digits", None).unwrap()
+}
+
+fn config(out: &Path, optimizer: OptimizerConfig) -> TrainConfig {
+    TrainConfig {
+        model: ModelSpec::from_toml(MODEL, "digits-test").unwrap(),
+        dataset: "digits".into(),
+        epochs: 3,
+        batch_size: 32,
+        lr: if matches!(optimizer, OptimizerConfig::Adam { .. }) {
+            0.002
+        } else {
+            0.05
+        },
+        schedule: LrSchedule::Cosine,
+        warmup_steps: 3,
+        optimizer,
+        threads: 2,
+        seed: 3,
+        target_accuracy: 0.8,
+        eval_every: 20,
+        out: out.to_path_buf(),
+        checkpoint_every: 0,
+        resume: None,
+        max_steps: None,
+    }
+}
+
+fn sgd() -> OptimizerConfig {
+    OptimizerConfig::Sgd {
+        momentum: 0.9,
+        weight_decay: 1e-4,
+    }
+}
+
+fn adam() -> OptimizerConfig {
+    OptimizerConfig::Adam {
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.0,
+    }
+}
+
+/// Parameters stored in the newest checkpoint under `out`.
+fn final_params(out: &Path, cfg: &TrainConfig, data: &Dataset) -> Vec<f32> {
+    let dir = checkpoint::resolve(out).unwrap();
+    let manifest = checkpoint::read_manifest(&dir).unwrap();
+    let (h, w, c) = data.input;
+    let layers = cfg.model.build(&Shape::image(h, w, c), 10).unwrap();
+    let mut stage = Stage::new(&layers, 0..layers.len(), 999, 1);
+    let mut opt = Optimizer::new(cfg.optimizer.clone(), stage.params().len());
+    checkpoint::read_stage(&dir, &manifest, &mut stage, &mut opt).unwrap();
+    stage.params().to_vec()
+}
+
+#[test]
+fn local_training_learns_digits_and_writes_the_output_contract() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = config(tmp.path(), sgd());
+    let s = train_local(&cfg, &data, &mut |_| {}).unwrap();
+    println!(
+        "digits: final accuracy {:.3}, {:.0} samples/s",
+        s.final_test_accuracy, s.samples_per_second
+    );
+    assert!(
+        s.final_test_accuracy > 0.85,
+        "accuracy {}",
+        s.final_test_accuracy
+    );
+    assert_eq!(s.steps, 3 * (1500 / 32));
+    assert!(s.time_to_target_seconds.is_some() && s.steps_to_target.is_some());
+    let node = &s.per_node[0];
+    assert!(node.peak_rss_bytes > 0 && node.cpu_seconds > 0.0 && node.compute_seconds > 0.0);
+    assert_eq!(node.param_bytes, node.params * 4);
+
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.path().join("summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(summary["strategy"], "local");
+    assert_eq!(summary["steps"], s.steps);
+    let events: Vec<serde_json::Value> = std::fs::read_to_string(tmp.path().join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let count = |kind: &str| events.iter().filter(|e| e["event"] == kind).count();
+    assert_eq!(count("step") as u64, s.steps);
+    assert_eq!(count("start"), 1);
+    assert_eq!(count("end"), 1);
+    assert!(count("eval") >= 3);
+}
+
+#[test]
+fn resume_after_k_steps_equals_uninterrupted_training() {
+    let data = digits();
+    for optimizer in [sgd(), adam()] {
+        let (k, j) = (30u64, 25u64);
+        let whole_dir = tempfile::tempdir().unwrap();
+        let mut whole = config(whole_dir.path(), optimizer.clone());
+        whole.max_steps = Some(k + j);
+        whole.checkpoint_every = k + j;
+        train_local(&whole, &data, &mut |_| {}).unwrap();
+
+        let split_dir = tempfile::tempdir().unwrap();
+        let mut first = config(split_dir.path(), optimizer.clone());
+        first.max_steps = Some(k);
+        first.checkpoint_every = k;
+        train_local(&first, &data, &mut |_| {}).unwrap();
+        let mut second = first.clone();
+        second.max_steps = Some(k + j);
+        second.checkpoint_every = k + j;
+        second.resume = Some(split_dir.path().to_path_buf());
+        let s = train_local(&second, &data, &mut |_| {}).unwrap();
+        assert_eq!(s.steps, k + j);
+
+        let a = final_params(whole_dir.path(), &whole, &data);
+        let b = final_params(split_dir.path(), &second, &data);
+        let diff = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0f32, f32::max);
+        println!(
+            "{optimizer:?}: {k}+{j} steps vs {} steps: max |Δparam| = {diff:e}",
+            k + j
+        );
+        assert!(a == b, "resumed training must be bit-identical");
+        // The step events of the resumed run continue the log of the first.
+        let log = std::fs::read_to_string(split_dir.path().join("metrics.jsonl")).unwrap();
+        assert_eq!(
+            log.lines()
+                .filter(|l| l.contains("\"event\":\"step\""))
+                .count() as u64,
+            k + j
+        );
+    }
+}
+
+#[test]
+fn checkpoint_with_wrong_hash_or_other_settings_is_refused() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = config(tmp.path(), sgd());
+    cfg.max_steps = Some(5);
+    cfg.checkpoint_every = 5;
+    train_local(&cfg, &data, &mut |_| {}).unwrap();
+    let ckpt: PathBuf = checkpoint::resolve(tmp.path()).unwrap();
+
+    let mut other = cfg.clone();
+    other.out = tmp.path().join("resumed");
+    other.resume = Some(ckpt.clone());
+    other.batch_size = 16;
+    let err = train_local(&other, &data, &mut |_| {}).unwrap_err();
+    assert!(
+        err.to_string().contains("batch size 32") && err.is_usage(),
+        "{err}"
+    );
+
+    // Flip one byte of the stage file: the hash check refuses it before anything is loaded.
+    let file = ckpt.join("stage-0.safetensors");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0x40;
+    std::fs::write(&file, &bytes).unwrap();
+    let mut resume = cfg.clone();
+    resume.out = tmp.path().join("resumed2");
+    resume.resume = Some(ckpt.clone());
+    let err = train_local(&resume, &data, &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("stage-0.safetensors") && err.contains("SHA-256"),
+        "{err}"
+    );
+}
+
+#[test]
+fn checkpoint_loads_into_any_partition_of_the_model() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = config(tmp.path(), sgd());
+    cfg.max_steps = Some(4);
+    cfg.checkpoint_every = 4;
+    train_local(&cfg, &data, &mut |_| {}).unwrap();
+    let whole = final_params(tmp.path(), &cfg, &data);
+    let dir = checkpoint::resolve(tmp.path()).unwrap();
+    let manifest: Manifest = checkpoint::read_manifest(&dir).unwrap();
+    let layers = cfg.model.build(&Shape::image(8, 8, 1), 10).unwrap();
+    let mut parts = Vec::new();
+    for range in [0..3, 3..6, 6..layers.len()] {
+        let mut stage = Stage::new(&layers, range, 0, 1);
+        let mut opt = Optimizer::new(cfg.optimizer.clone(), stage.params().len());
+        checkpoint::read_stage(&dir, &manifest, &mut stage, &mut opt).unwrap();
+        parts.extend_from_slice(stage.params());
+    }
+    assert_eq!(parts, whole);
+}
