@@ -38,6 +38,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Train a model (default: the mlp preset on the bundled MNIST).
+    // Negative numbers parse as values, so `--batch-size -5` is reported as an invalid batch size.
+    #[command(allow_negative_numbers = true)]
     Train(args::TrainArgs),
     /// Measure training throughput of the compute engine (samples/s per model and thread count).
     BenchCompute(bench::BenchArgs),

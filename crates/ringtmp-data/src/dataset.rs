@@ -364,7 +364,6 @@ fn load_digits(dirs: &[PathBuf]) -> Result<Dataset> {
     ))
 }
 
-#[allow(clippy::too_many_arguments)]
 fn assemble(
     name: &str,
     input: (usize, usize, usize),

@@ -33,7 +33,6 @@ pub fn parallelism(threads: usize) -> Parallelism {
 /// # Panics
 /// If a slice is shorter than its dimensions require (a programmer error inside this crate; it
 /// guards the unsafe call below).
-#[allow(clippy::too_many_arguments)]
 pub fn matmul(
     c: &mut [f32],
     m: usize,
@@ -169,7 +168,6 @@ unsafe impl Sync for SendPtr {}
 ///
 /// # Safety
 /// Every addressed element of `a`, `b` and `c` must be valid, and `c` must not alias `a` or `b`.
-#[allow(clippy::too_many_arguments)]
 unsafe fn gemm_raw(
     m: usize,
     n: usize,

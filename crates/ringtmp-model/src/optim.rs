@@ -51,6 +51,9 @@ pub struct Optimizer {
 
 const CHUNK: usize = 1 << 16;
 
+/// One chunk of parameters, gradients, first and second moments.
+type AdamChunk<'a> = (&'a mut [f32], (&'a [f32], (&'a mut [f32], &'a mut [f32])));
+
 impl Optimizer {
     /// A fresh optimizer for `params` parameters (zero state).
     pub fn new(config: OptimizerConfig, params: usize) -> Self {
@@ -178,17 +181,15 @@ impl Optimizer {
                 let c2 = 1.0 - beta2.powi(t);
                 let step_size = lr / c1;
                 let inv_sqrt_c2 = 1.0 / c2.sqrt();
-                let update =
-                    |(p, (g, (m, v))): (&mut [f32], (&[f32], (&mut [f32], &mut [f32])))| {
-                        for (((p, g), m), v) in
-                            p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut())
-                        {
-                            let d = g + weight_decay * *p;
-                            *m = beta1 * *m + (1.0 - beta1) * d;
-                            *v = beta2 * *v + (1.0 - beta2) * d * d;
-                            *p -= step_size * *m / (v.sqrt() * inv_sqrt_c2 + eps);
-                        }
-                    };
+                let update = |(p, (g, (m, v))): AdamChunk<'_>| {
+                    for (((p, g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut())
+                    {
+                        let d = g + weight_decay * *p;
+                        *m = beta1 * *m + (1.0 - beta1) * d;
+                        *v = beta2 * *v + (1.0 - beta2) * d * d;
+                        *p -= step_size * *m / (v.sqrt() * inv_sqrt_c2 + eps);
+                    }
+                };
                 if threads > 1 {
                     params
                         .par_chunks_mut(CHUNK)

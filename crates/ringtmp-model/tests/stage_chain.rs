@@ -233,7 +233,7 @@ fn whole_model_gradient_matches_finite_differences_of_the_loss() {
     // Sample parameters across every layer. ReLU and max-pool make the loss piecewise smooth: a
     // central difference whose step crosses a kink is wrong, so a parameter counts only when the
     // differences at h and h/2 agree (no kink within h); most do.
-    let mut fd_at = |model: &mut Stage, i: usize, h: f32| {
+    let fd_at = |model: &mut Stage, i: usize, h: f32| {
         let orig = model.params()[i];
         model.params_mut()[i] = orig + h;
         let up = loss_at(model);

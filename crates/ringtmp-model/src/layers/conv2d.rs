@@ -82,7 +82,6 @@ impl Conv2d {
         );
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn backward(
         &self,
         p: &[f32],

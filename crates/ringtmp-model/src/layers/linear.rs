@@ -37,7 +37,6 @@ impl Linear {
         );
     }
 
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn backward(
         &self,
         p: &[f32],

@@ -197,7 +197,6 @@ impl Layer {
     /// Back-propagates `dy` (`[n, output]`): adds to (or overwrites, when `!accumulate`) the
     /// parameter gradients `grads` and, when `dx` is given, overwrites it with `[n, input]`
     /// input gradients. `x`, `y` and `aux` are what this layer's forward saw and produced.
-    #[allow(clippy::too_many_arguments)]
     pub fn backward(
         &self,
         params: &[f32],
@@ -212,10 +211,10 @@ impl Layer {
         scratch: &mut Vec<f32>,
         threads: usize,
     ) {
-        let dx = dx.map(|dx| {
+        let mut dx = dx;
+        if let Some(dx) = dx.as_deref_mut() {
             set_len(dx, n * self.input.numel());
-            dx
-        });
+        }
         match &self.kind {
             LayerKind::Linear(l) => l.backward(params, grads, accumulate, x, dy, n, dx, threads),
             LayerKind::Conv2d(c) => {

@@ -1,0 +1,208 @@
+//! The `ringtmp` binary as a user meets it: exit status 2 with one clear message for every kind
+//! of bad input, and a small real training run that writes the output contract.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn ringtmp(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ringtmp"))
+        .args(args)
+        .current_dir(repo())
+        .output()
+        .expect("run ringtmp")
+}
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+/// Asserts exit status 2 and that stderr holds exactly one `error:` line mentioning `needle`.
+fn assert_usage_error(out: &Output, needle: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "stderr: {stderr}");
+    assert!(stderr.contains(needle), "expected {needle:?} in: {stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    if !stderr.contains("Usage:") {
+        assert_eq!(stderr.matches("error:").count(), 1, "{stderr}");
+    }
+}
+
+fn write(dir: &Path, name: &str, text: &str) -> String {
+    let path = dir.join(name);
+    std::fs::write(&path, text).unwrap();
+    path.display().to_string()
+}
+
+#[test]
+fn unknown_preset_is_a_usage_error() {
+    assert_usage_error(
+        &ringtmp(&["train", "--model", "resnet50", "--dataset", "digits"]),
+        "unknown preset",
+    );
+}
+
+#[test]
+fn unknown_dataset_is_a_usage_error() {
+    assert_usage_error(
+        &ringtmp(&["train", "--dataset", "cifar10"]),
+        "unknown dataset \"cifar10\"",
+    );
+}
+
+#[test]
+fn corrupt_dataset_names_file_and_offset() {
+    let tmp = tempfile::tempdir().unwrap();
+    std::fs::write(
+        tmp.path().join("train-images-idx3-ubyte"),
+        [0u8, 0, 8, 3, 0, 0, 0, 10, 0, 0, 0, 28],
+    )
+    .unwrap();
+    let dir = tmp.path().display().to_string();
+    let out = ringtmp(&["train", "--dataset", "mnist", "--data-dir", &dir]);
+    assert_usage_error(
+        &out,
+        "train-images-idx3-ubyte: at byte 12: file is truncated",
+    );
+}
+
+#[test]
+fn unknown_layer_in_model_file_is_a_usage_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = write(
+        tmp.path(),
+        "m.toml",
+        "[[layer]]\ntype = \"lstm\"\nunits = 4\n",
+    );
+    let out = ringtmp(&["train", "--dataset", "digits", "--model-file", &file]);
+    assert_usage_error(&out, "m.toml");
+    assert_usage_error(&out, "lstm");
+}
+
+#[test]
+fn impossible_shape_is_a_usage_error_naming_the_layer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = write(
+        tmp.path(),
+        "m.toml",
+        "[[layer]]\ntype = \"flatten\"\n[[layer]]\ntype = \"conv2d\"\nout_channels = 4\nkernel = 3\n",
+    );
+    let out = ringtmp(&["train", "--dataset", "digits", "--model-file", &file]);
+    assert_usage_error(&out, "layer 1 (conv2d): needs an image input");
+}
+
+#[test]
+fn bad_config_key_is_a_usage_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = write(tmp.path(), "c.toml", "epochs = 1\nbatch_sise = 32\n");
+    let out = ringtmp(&["train", "--config", &file]);
+    assert_usage_error(&out, "batch_sise");
+}
+
+#[test]
+fn non_positive_batch_size_is_a_usage_error() {
+    assert_usage_error(
+        &ringtmp(&["train", "--dataset", "digits", "--batch-size", "0"]),
+        "--batch-size must be at least 1",
+    );
+    assert_usage_error(
+        &ringtmp(&["train", "--dataset", "digits", "--batch-size", "-5"]),
+        "batch-size",
+    );
+    assert_usage_error(
+        &ringtmp(&["train", "--dataset", "digits", "--lr", "-1"]),
+        "--lr must be a positive number",
+    );
+}
+
+#[test]
+fn resume_from_nothing_is_a_usage_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().display().to_string();
+    let out = ringtmp(&[
+        "train",
+        "--dataset",
+        "digits",
+        "--resume",
+        &dir,
+        "--out",
+        &dir,
+    ]);
+    assert_usage_error(&out, "no checkpoint here");
+}
+
+#[test]
+fn shipped_examples_validate() {
+    for entry in std::fs::read_dir(repo().join("examples/models")).unwrap() {
+        let path = entry.unwrap().path().display().to_string();
+        for dataset in ["mnist", "digits"] {
+            let out = ringtmp(&[
+                "validate-config",
+                "--model-file",
+                &path,
+                "--dataset",
+                dataset,
+            ]);
+            assert!(
+                out.status.success(),
+                "{path} on {dataset}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    }
+    for entry in std::fs::read_dir(repo().join("examples/configs")).unwrap() {
+        let path = entry.unwrap().path().display().to_string();
+        let out = ringtmp(&["validate-config", "--config", &path]);
+        assert!(
+            out.status.success(),
+            "{path}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+#[test]
+fn small_training_run_writes_summary_and_metrics() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out_dir = tmp.path().join("run").display().to_string();
+    let out = ringtmp(&[
+        "train",
+        "--dataset",
+        "digits",
+        "--model-file",
+        "examples/models/lenet-dropout.toml",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "32",
+        "--lr",
+        "0.05",
+        "--threads",
+        "2",
+        "--target-accuracy",
+        "0.8",
+        "--out",
+        &out_dir,
+        "--checkpoint-every",
+        "40",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("final test accuracy"), "{stdout}");
+    let summary: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(tmp.path().join("run/summary.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(summary["strategy"], "local");
+    assert_eq!(summary["dataset"], "digits");
+    assert!(
+        summary["final_test_accuracy"].as_f64().unwrap() > 0.8,
+        "{summary}"
+    );
+    assert!(summary["per_node"][0]["peak_rss_bytes"].as_u64().unwrap() > 0);
+    assert!(tmp.path().join("run/metrics.jsonl").is_file());
+    assert!(tmp.path().join("run/checkpoints/latest").is_file());
+}
