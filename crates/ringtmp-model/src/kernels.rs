@@ -5,6 +5,7 @@
 //! accepts directly, so no layer ever materialises a transposed copy.
 
 use gemm::Parallelism;
+use multiversion::multiversion;
 use rayon::prelude::*;
 
 /// How a GEMM operand is stored.
@@ -230,6 +231,36 @@ pub fn flush_denormals() {
     }
 }
 
+// Element-wise kernels. The crate is compiled for the baseline x86-64 (SSE2) so the binary runs on
+// any machine; `multiversion` compiles these loops again for AVX2 and AVX-512 and picks the best
+// at run time. Before this, ReLU's backward ran as scalar branchy code at ~3 ns per element.
+
+/// `y = max(x, 0)`.
+#[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))]
+pub fn relu_forward(x: &[f32], y: &mut [f32]) {
+    for (o, i) in y.iter_mut().zip(x) {
+        *o = i.max(0.0);
+    }
+}
+
+/// `dx = dy` where the ReLU's output `y` is positive, else 0 (written branch-free so it
+/// vectorises).
+#[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))]
+pub fn relu_backward(y: &[f32], dy: &[f32], dx: &mut [f32]) {
+    for ((d, g), o) in dx.iter_mut().zip(dy).zip(y) {
+        let keep = u32::from(*o > 0.0).wrapping_neg();
+        *d = f32::from_bits(g.to_bits() & keep);
+    }
+}
+
+/// `out = a ⊙ b`.
+#[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))]
+pub fn multiply(a: &[f32], b: &[f32], out: &mut [f32]) {
+    for ((o, x), y) in out.iter_mut().zip(a).zip(b) {
+        *o = x * y;
+    }
+}
+
 /// Fills each of the `rows` rows of `dst` (`[rows, bias.len()]`) with `bias`.
 pub fn broadcast_rows(dst: &mut [f32], bias: &[f32]) {
     for row in dst.chunks_exact_mut(bias.len()) {
@@ -238,6 +269,7 @@ pub fn broadcast_rows(dst: &mut [f32], bias: &[f32]) {
 }
 
 /// `out[j] = (accumulate ? out[j] : 0) + Σ_i m[i, j]` for a row-major `m` with `out.len()` columns.
+#[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))]
 pub fn column_sums(out: &mut [f32], m: &[f32], accumulate: bool) {
     if !accumulate {
         out.fill(0.0);

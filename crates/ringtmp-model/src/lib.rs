@@ -45,4 +45,4 @@ pub use layers::{Layer, LayerKind, Pass};
 pub use optim::{LrSchedule, Optimizer, OptimizerConfig};
 pub use shape::Shape;
 pub use spec::{LayerSpec, ModelSpec};
-pub use stage::Stage;
+pub use stage::{LayerTime, Stage};

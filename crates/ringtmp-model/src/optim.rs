@@ -8,6 +8,7 @@
 //! The update is one fused pass over parameters, gradients and state, split across threads in
 //! large chunks: for the `mlp` preset it streams ~50 MB per step, which is memory-bound.
 
+use multiversion::multiversion;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
@@ -148,11 +149,7 @@ impl Optimizer {
                 weight_decay,
             } => {
                 let update = |(p, (g, v)): (&mut [f32], (&[f32], &mut [f32]))| {
-                    for ((p, g), v) in p.iter_mut().zip(g).zip(v.iter_mut()) {
-                        let d = g + weight_decay * *p;
-                        *v = momentum * *v + d;
-                        *p -= lr * *v;
-                    }
+                    sgd_chunk(p, g, v, lr, momentum, weight_decay)
                 };
                 let parts = params
                     .chunks_mut(CHUNK)
@@ -181,15 +178,15 @@ impl Optimizer {
                 let c2 = 1.0 - beta2.powi(t);
                 let step_size = lr / c1;
                 let inv_sqrt_c2 = 1.0 / c2.sqrt();
-                let update = |(p, (g, (m, v))): AdamChunk<'_>| {
-                    for (((p, g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut())
-                    {
-                        let d = g + weight_decay * *p;
-                        *m = beta1 * *m + (1.0 - beta1) * d;
-                        *v = beta2 * *v + (1.0 - beta2) * d * d;
-                        *p -= step_size * *m / (v.sqrt() * inv_sqrt_c2 + eps);
-                    }
+                let hyper = AdamStep {
+                    beta1,
+                    beta2,
+                    eps,
+                    weight_decay,
+                    step_size,
+                    inv_sqrt_c2,
                 };
+                let update = |(p, (g, (m, v))): AdamChunk<'_>| adam_chunk(p, g, m, v, &hyper);
                 if threads > 1 {
                     params
                         .par_chunks_mut(CHUNK)
@@ -215,6 +212,40 @@ impl Optimizer {
                 }
             }
         }
+    }
+}
+
+/// One SGD update of a chunk; compiled per SIMD level (see `kernels`). Rust never contracts
+/// `a * b + c` into an FMA on its own, so every level computes bit-identical results.
+#[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))]
+fn sgd_chunk(p: &mut [f32], g: &[f32], v: &mut [f32], lr: f32, momentum: f32, weight_decay: f32) {
+    for ((p, g), v) in p.iter_mut().zip(g).zip(v.iter_mut()) {
+        let d = g + weight_decay * *p;
+        *v = momentum * *v + d;
+        *p -= lr * *v;
+    }
+}
+
+/// Adam's per-step constants.
+struct AdamStep {
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    weight_decay: f32,
+    /// `lr / (1 − β₁ᵗ)`.
+    step_size: f32,
+    /// `1 / √(1 − β₂ᵗ)`.
+    inv_sqrt_c2: f32,
+}
+
+/// One Adam update of a chunk; compiled per SIMD level like [`sgd_chunk`].
+#[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))]
+fn adam_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamStep) {
+    for (((p, g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+        let d = g + h.weight_decay * *p;
+        *m = h.beta1 * *m + (1.0 - h.beta1) * d;
+        *v = h.beta2 * *v + (1.0 - h.beta2) * d * d;
+        *p -= h.step_size * *m / (v.sqrt() * h.inv_sqrt_c2 + h.eps);
     }
 }
 

@@ -61,8 +61,6 @@ impl Dropout {
     }
 
     pub(crate) fn backward(aux: &Aux, dy: &[f32], dx: &mut [f32]) {
-        for ((d, g), m) in dx.iter_mut().zip(dy).zip(&aux.values) {
-            *d = g * m;
-        }
+        crate::kernels::multiply(dy, &aux.values, dx);
     }
 }

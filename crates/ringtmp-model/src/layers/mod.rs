@@ -27,7 +27,7 @@ use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, StandardNormal};
 use serde::{Deserialize, Serialize};
 
-use crate::kernels::set_len;
+use crate::kernels::{self, set_len};
 use crate::shape::Shape;
 
 /// Per-micro-batch side data a layer's backward needs (beyond its input and output).
@@ -184,11 +184,7 @@ impl Layer {
             LayerKind::Linear(l) => l.forward(params, x, n, y, threads),
             LayerKind::Conv2d(c) => c.forward(params, x, n, y, aux, threads),
             LayerKind::MaxPool2d(p) => p.forward(x, n, y, aux),
-            LayerKind::Relu => {
-                for (o, i) in y.iter_mut().zip(x) {
-                    *o = i.max(0.0);
-                }
-            }
+            LayerKind::Relu => kernels::relu_forward(x, y),
             LayerKind::Flatten => y.copy_from_slice(x),
             LayerKind::Dropout(d) => d.forward(self.index, x, n, y, aux, pass),
         }
@@ -227,9 +223,7 @@ impl Layer {
             }
             LayerKind::Relu => {
                 if let Some(dx) = dx {
-                    for ((d, g), o) in dx.iter_mut().zip(dy).zip(y) {
-                        *d = if *o > 0.0 { *g } else { 0.0 };
-                    }
+                    kernels::relu_backward(y, dy, dx);
                 }
             }
             LayerKind::Flatten => {
