@@ -183,7 +183,7 @@ impl Layer {
         match &self.kind {
             LayerKind::Linear(l) => l.forward(params, x, n, y, threads),
             LayerKind::Conv2d(c) => c.forward(params, x, n, y, aux, threads),
-            LayerKind::MaxPool2d(p) => p.forward(x, n, y, aux),
+            LayerKind::MaxPool2d(p) => p.forward(x, n, y, aux, threads),
             LayerKind::Relu => kernels::relu_forward(x, y),
             LayerKind::Flatten => y.copy_from_slice(x),
             LayerKind::Dropout(d) => d.forward(self.index, x, n, y, aux, pass),

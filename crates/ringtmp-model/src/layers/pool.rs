@@ -1,6 +1,8 @@
 //! Max-pooling over channels-last images; records the winning input position of every output so
 //! the backward pass is a scatter.
 
+use multiversion::multiversion;
+use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
 use super::Aux;
@@ -26,37 +28,60 @@ pub struct MaxPool2d {
 }
 
 impl MaxPool2d {
-    pub(crate) fn forward(&self, x: &[f32], n: usize, y: &mut [f32], aux: &mut Aux) {
+    pub(crate) fn forward(
+        &self,
+        x: &[f32],
+        n: usize,
+        y: &mut [f32],
+        aux: &mut Aux,
+        threads: usize,
+    ) {
         let c = self.channels;
         let sample_in = self.in_height * self.in_width * c;
         let sample_out = self.out_height * self.out_width * c;
         aux.indices.resize(n * sample_out, 0);
-        for b in 0..n {
-            let xs = &x[b * sample_in..(b + 1) * sample_in];
-            for oy in 0..self.out_height {
-                for ox in 0..self.out_width {
-                    let o = b * sample_out + (oy * self.out_width + ox) * c;
-                    let (ys, idx) = (&mut y[o..o + c], &mut aux.indices[o..o + c]);
-                    // Start from the window's first element (not -inf) so a NaN input still
-                    // leaves a valid index behind.
-                    let first = ((oy * self.stride) * self.in_width + ox * self.stride) * c;
-                    ys.copy_from_slice(&xs[first..first + c]);
-                    for (ch, i) in idx.iter_mut().enumerate() {
-                        *i = (b * sample_in + first + ch) as u32;
-                    }
-                    for ky in 0..self.kernel {
-                        for kx in 0..self.kernel {
-                            let at =
-                                ((oy * self.stride + ky) * self.in_width + ox * self.stride + kx)
-                                    * c;
-                            for ch in 0..c {
-                                let v = xs[at + ch];
-                                // `>` keeps the first maximum, like the common frameworks.
-                                if v > ys[ch] {
-                                    ys[ch] = v;
-                                    idx[ch] = (b * sample_in + at + ch) as u32;
-                                }
+        let one = |(b, (xs, (ys, idx))): (usize, (&[f32], (&mut [f32], &mut [u32])))| {
+            self.forward_sample(xs, ys, idx, (b * sample_in) as u32);
+        };
+        let parts = x.chunks_exact(sample_in).zip(
+            y.chunks_exact_mut(sample_out)
+                .zip(aux.indices.chunks_exact_mut(sample_out)),
+        );
+        if threads > 1 {
+            x.par_chunks_exact(sample_in)
+                .zip(
+                    y.par_chunks_exact_mut(sample_out)
+                        .zip(aux.indices.par_chunks_exact_mut(sample_out)),
+                )
+                .enumerate()
+                .for_each(one);
+        } else {
+            parts.enumerate().for_each(one);
+        }
+    }
+
+    /// Pools one sample; `base` is the sample's offset in the batch, so indices address the whole
+    /// batch's input.
+    fn forward_sample(&self, xs: &[f32], ys: &mut [f32], idx: &mut [u32], base: u32) {
+        let c = self.channels;
+        for oy in 0..self.out_height {
+            for ox in 0..self.out_width {
+                let o = (oy * self.out_width + ox) * c;
+                let (ys, idx) = (&mut ys[o..o + c], &mut idx[o..o + c]);
+                for ky in 0..self.kernel {
+                    for kx in 0..self.kernel {
+                        let at =
+                            ((oy * self.stride + ky) * self.in_width + ox * self.stride + kx) * c;
+                        let window = &xs[at..at + c];
+                        if ky == 0 && kx == 0 {
+                            // Start from the window's first element (not -inf) so a NaN input
+                            // still leaves a valid index behind.
+                            ys.copy_from_slice(window);
+                            for (ch, i) in idx.iter_mut().enumerate() {
+                                *i = base + (at + ch) as u32;
                             }
+                        } else {
+                            max_into(ys, idx, window, base + at as u32);
                         }
                     }
                 }
@@ -69,5 +94,16 @@ impl MaxPool2d {
         for (g, &i) in dy.iter().zip(&aux.indices) {
             dx[i as usize] += g;
         }
+    }
+}
+
+/// `ys = max(ys, xs)` per channel, recording `first + ch` where `xs` wins. Strict `>` keeps the
+/// first maximum, like the common frameworks. Branch-free so it vectorises.
+#[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))]
+fn max_into(ys: &mut [f32], idx: &mut [u32], xs: &[f32], first: u32) {
+    for (ch, ((y, i), x)) in ys.iter_mut().zip(idx.iter_mut()).zip(xs).enumerate() {
+        let better = *x > *y;
+        *y = if better { *x } else { *y };
+        *i = if better { first + ch as u32 } else { *i };
     }
 }
