@@ -27,6 +27,9 @@ pub struct MaxPool2d {
     pub out_width: usize,
 }
 
+/// One sample's input, output and argmax indices, with the sample's position in the batch.
+type SampleSlices<'a> = (usize, (&'a [f32], (&'a mut [f32], &'a mut [u32])));
+
 impl MaxPool2d {
     pub(crate) fn forward(
         &self,
@@ -40,7 +43,7 @@ impl MaxPool2d {
         let sample_in = self.in_height * self.in_width * c;
         let sample_out = self.out_height * self.out_width * c;
         aux.indices.resize(n * sample_out, 0);
-        let one = |(b, (xs, (ys, idx))): (usize, (&[f32], (&mut [f32], &mut [u32])))| {
+        let one = |(b, (xs, (ys, idx))): SampleSlices<'_>| {
             self.forward_sample(xs, ys, idx, (b * sample_in) as u32);
         };
         let parts = x.chunks_exact(sample_in).zip(
