@@ -1,0 +1,183 @@
+//! The messages nodes exchange. Control messages are small typed values (postcard); tensors are a
+//! typed header plus raw little-endian bytes.
+//!
+//! Invariant kept by construction: no variant can carry a label or a raw input example. Tensors are
+//! tagged with what they are ([`TensorTag`]); strategies decide which tags a node may send, and
+//! the ring's master never builds a tensor from data-set rows.
+
+use serde::{Deserialize, Serialize};
+
+/// Element type of a tensor payload.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Dtype {
+    /// IEEE binary16.
+    F16,
+    /// bfloat16.
+    Bf16,
+    /// IEEE binary32.
+    F32,
+}
+
+impl Dtype {
+    /// Bytes per element.
+    pub fn size(self) -> u64 {
+        match self {
+            Self::F16 | Self::Bf16 => 2,
+            Self::F32 => 4,
+        }
+    }
+}
+
+/// What a tensor is, so receivers can route it and tests can audit what a node sent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum TensorTag {
+    /// Activations flowing forward between pipeline stages.
+    Activation,
+    /// Gradients flowing backward between pipeline stages.
+    Gradient,
+    /// Model parameters (a replica or a shard).
+    Params,
+    /// Parameter gradients (data-parallel strategies).
+    ParamGrads,
+    /// Diagnostics and self-tests.
+    Probe,
+}
+
+/// The header of a tensor frame.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TensorHeader {
+    /// Run the tensor belongs to (a stray frame from another run is refused).
+    pub run_id: u64,
+    /// Optimizer step.
+    pub step: u64,
+    /// Micro-batch id within the step (0 when not applicable).
+    pub micro_batch: u64,
+    /// What the tensor is.
+    pub tag: TensorTag,
+    /// Element type of the payload.
+    pub dtype: Dtype,
+    /// Dimensions, outermost first.
+    pub shape: Vec<u32>,
+}
+
+impl TensorHeader {
+    /// Number of elements the shape describes (`None` on overflow).
+    pub fn elements(&self) -> Option<u64> {
+        self.shape
+            .iter()
+            .try_fold(1u64, |acc, &d| acc.checked_mul(u64::from(d)))
+    }
+}
+
+/// A node's identity and listening address, as exchanged at rendezvous.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeAddr {
+    /// Rank of the node.
+    pub rank: u32,
+    /// `host:port` it listens on for peers.
+    pub addr: String,
+}
+
+/// Control messages. Variants are listed alphabetically; their postcard encoding depends on the
+/// order, which is part of the protocol version.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Control {
+    /// A node is giving up; every receiver stops too and reports the reason.
+    Abort {
+        /// Rank that aborted first.
+        origin: u32,
+        /// Why.
+        reason: String,
+    },
+    /// Orderly end of a run.
+    Goodbye,
+    /// Liveness: sent periodically on every link.
+    Heartbeat {
+        /// Sequence number (per link).
+        seq: u64,
+    },
+    /// First message of the handshake, from each side.
+    Hello {
+        /// Run id the sender belongs to.
+        run_id: u64,
+        /// Sender's rank.
+        rank: u32,
+        /// Random challenge for the other side to prove knowledge of the secret over.
+        nonce: [u8; 32],
+    },
+    /// Round-trip probe.
+    Ping {
+        /// Sequence number.
+        seq: u64,
+    },
+    /// Answer to a selftest ping (echoes its sequence number).
+    Pong {
+        /// The ping's sequence number.
+        seq: u64,
+    },
+    /// Second message of the handshake: HMAC over both nonces (see [`crate::auth`]).
+    Proof {
+        /// The MAC.
+        mac: [u8; 32],
+    },
+    /// Rendezvous: a node tells rank 0 where it listens.
+    Register {
+        /// The node.
+        node: NodeAddr,
+    },
+    /// Rendezvous: rank 0's address table and the run settings every node must share.
+    Table {
+        /// Every node, indexed by rank.
+        nodes: Vec<NodeAddr>,
+        /// Settings as a TOML document (the same keys as `ringtmp train`), so nodes cannot
+        /// disagree.
+        settings: String,
+    },
+}
+
+/// A decoded frame.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Message {
+    /// A control message.
+    Control(Control),
+    /// A tensor: its header and its raw little-endian payload.
+    Tensor(TensorHeader, Vec<u8>),
+}
+
+/// Little-endian bytes of `values` as `dtype` (converting from f32; f16 and bf16 round to
+/// nearest even).
+pub fn tensor_bytes(values: &[f32], dtype: Dtype) -> Vec<u8> {
+    match dtype {
+        Dtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        Dtype::F16 => values
+            .iter()
+            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
+            .collect(),
+        Dtype::Bf16 => values
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect(),
+    }
+}
+
+/// Values of a payload as f32 (the payload length was checked against the shape when decoded).
+pub fn tensor_values(bytes: &[u8], dtype: Dtype, out: &mut Vec<f32>) {
+    out.clear();
+    match dtype {
+        Dtype::F32 => out.extend(
+            bytes
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        ),
+        Dtype::F16 => out.extend(
+            bytes
+                .chunks_exact(2)
+                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
+        ),
+        Dtype::Bf16 => out.extend(
+            bytes
+                .chunks_exact(2)
+                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
+        ),
+    }
+}
