@@ -92,7 +92,7 @@ pub struct TrainArgs {
     /// [default: 200].
     #[arg(long, value_name = "N")]
     pub eval_every: Option<u64>,
-    /// Output directory [default: runs/<time>-<strategy>].
+    /// Output directory (default: `runs/<time>-<strategy>`).
     #[arg(long, value_name = "DIR")]
     pub out: Option<PathBuf>,
     /// Checkpoint every N steps and at the end; 0 = never [default: 0].

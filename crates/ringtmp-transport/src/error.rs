@@ -1,0 +1,111 @@
+//! Transport errors. Every variant about a peer names it: rank and address.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use ringtmp_wire::DecodeError;
+
+/// A peer as shown in errors and logs: `rank 2 (127.0.0.1:40123)`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerName {
+    /// Rank, if known yet (before the handshake it is not).
+    pub rank: Option<u32>,
+    /// Remote address.
+    pub addr: Option<SocketAddr>,
+}
+
+impl fmt::Display for PeerName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (self.rank, self.addr) {
+            (Some(r), Some(a)) => write!(f, "rank {r} ({a})"),
+            (Some(r), None) => write!(f, "rank {r}"),
+            (None, Some(a)) => write!(f, "unauthenticated peer {a}"),
+            (None, None) => write!(f, "unknown peer"),
+        }
+    }
+}
+
+/// Everything that can go wrong on the links.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    /// Could not listen.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// Address asked for.
+        addr: String,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// Could not reach a peer within the connect timeout.
+    #[error("cannot connect to {peer} within {waited:?}: {reason}")]
+    Connect {
+        /// The peer.
+        peer: PeerName,
+        /// How long we tried.
+        waited: Duration,
+        /// Last failure.
+        reason: String,
+    },
+    /// A peer failed the handshake (wrong secret, version, run or rank). Nothing it sent was used.
+    #[error("refused {peer}: {reason}")]
+    Handshake {
+        /// The peer.
+        peer: PeerName,
+        /// Why it was refused.
+        reason: String,
+    },
+    /// A peer sent bytes that are not a valid frame.
+    #[error("malformed frame from {peer}: {source}")]
+    Decode {
+        /// The peer.
+        peer: PeerName,
+        /// What was wrong.
+        source: DecodeError,
+    },
+    /// A peer closed the connection (or it broke) unexpectedly.
+    #[error("{peer} closed the connection: {reason}")]
+    PeerClosed {
+        /// The peer.
+        peer: PeerName,
+        /// What the socket said.
+        reason: String,
+    },
+    /// A peer sent nothing, not even heartbeats, for too long.
+    #[error("{peer} has been silent for {silent_for:?} (no heartbeat); presumed dead")]
+    PeerSilent {
+        /// The peer.
+        peer: PeerName,
+        /// How long it was silent.
+        silent_for: Duration,
+    },
+    /// A wait for a message ran out.
+    #[error("timed out after {waited:?} waiting for {what} from {from}")]
+    Timeout {
+        /// What was awaited.
+        what: String,
+        /// Whom it was awaited from.
+        from: String,
+        /// How long.
+        waited: Duration,
+    },
+    /// Another node aborted the run.
+    #[error("rank {origin} aborted the run: {reason}")]
+    Aborted {
+        /// Node that failed first.
+        origin: u32,
+        /// Its reason.
+        reason: String,
+    },
+    /// A message for a rank this node has no link to.
+    #[error("no link to rank {0}")]
+    NoLink(u32),
+    /// Any other I/O failure.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// Cause.
+        source: std::io::Error,
+    },
+}

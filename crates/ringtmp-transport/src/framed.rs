@@ -1,0 +1,71 @@
+//! Reading and writing whole frames on a byte stream. Reading is bounded by [`Limits`] before any
+//! allocation: the 20-byte prefix is read first and validated, then exactly the declared rest.
+
+use ringtmp_wire::{Limits, Message, PREFIX_LEN, decode, encode_tensor_prefix, frame_len};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+/// Why reading a frame failed.
+#[derive(Debug)]
+pub enum ReadError {
+    /// The stream ended cleanly before a new frame began.
+    Closed,
+    /// The stream failed or ended inside a frame.
+    Io(std::io::Error),
+    /// The bytes are not a valid frame.
+    Decode(ringtmp_wire::DecodeError),
+}
+
+/// Reads one frame; returns the message and the number of bytes it occupied on the wire.
+pub async fn read_frame<R: AsyncRead + Unpin>(
+    stream: &mut R,
+    buf: &mut Vec<u8>,
+    limits: &Limits,
+) -> Result<(Message, usize), ReadError> {
+    buf.clear();
+    buf.resize(PREFIX_LEN, 0);
+    // Read the first byte separately: EOF here is a clean close, EOF later is a broken frame.
+    match stream.read(&mut buf[..1]).await {
+        Ok(0) => return Err(ReadError::Closed),
+        Ok(_) => {}
+        Err(e) => return Err(ReadError::Io(e)),
+    }
+    stream
+        .read_exact(&mut buf[1..PREFIX_LEN])
+        .await
+        .map_err(ReadError::Io)?;
+    let total = frame_len(buf, limits)
+        .map_err(ReadError::Decode)?
+        .expect("prefix complete");
+    buf.resize(total, 0);
+    stream
+        .read_exact(&mut buf[PREFIX_LEN..])
+        .await
+        .map_err(ReadError::Io)?;
+    match decode(buf, limits).map_err(ReadError::Decode)? {
+        Some((message, used)) if used == total => Ok((message, total)),
+        _ => unreachable!("a complete frame of the declared length always decodes whole"),
+    }
+}
+
+/// Writes one frame (tensor payloads straight from their buffer, without copying them into a
+/// frame buffer); returns the bytes written.
+pub async fn write_frame<W: AsyncWrite + Unpin>(
+    stream: &mut W,
+    message: &Message,
+    scratch: &mut Vec<u8>,
+) -> std::io::Result<usize> {
+    scratch.clear();
+    match message {
+        Message::Tensor(header, payload) => {
+            encode_tensor_prefix(header, payload.len() as u64, scratch);
+            stream.write_all(scratch).await?;
+            stream.write_all(payload).await?;
+            Ok(scratch.len() + payload.len())
+        }
+        Message::Control(_) => {
+            ringtmp_wire::encode(message, scratch);
+            stream.write_all(scratch).await?;
+            Ok(scratch.len())
+        }
+    }
+}

@@ -1,0 +1,156 @@
+//! The authenticated greeting on a fresh connection. Both sides send `Hello` (run id, rank, a
+//! random nonce), then `Proof` (an HMAC over both nonces and ranks); each verifies the other before
+//! anything else is read. A wrong protocol version shows up as a frame the decoder refuses; a wrong
+//! run id, an unexpected rank or a bad proof is refused here. Every read has a deadline.
+
+use std::net::SocketAddr;
+
+use rand::Rng;
+use ringtmp_wire::auth::{Transcript, prove, verify};
+use ringtmp_wire::{Control, Message};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::time::timeout;
+
+use crate::config::TransportConfig;
+use crate::error::{PeerName, TransportError};
+use crate::framed::{ReadError, read_frame, write_frame};
+
+/// Runs the handshake on `stream` with the peer at `addr`; `accept(rank)` says whether a peer of
+/// that rank is welcome here. Returns the peer's verified rank.
+pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    addr: SocketAddr,
+    cfg: &TransportConfig,
+    accept: impl Fn(u32) -> bool,
+) -> Result<u32, TransportError> {
+    let mut peer = PeerName {
+        rank: None,
+        addr: Some(addr),
+    };
+    let mut nonce = [0u8; 32];
+    rand::rng().fill_bytes(&mut nonce);
+    let hello = Message::Control(Control::Hello {
+        run_id: cfg.run_id,
+        rank: cfg.rank,
+        nonce,
+    });
+    let mut scratch = Vec::new();
+    write_frame(stream, &hello, &mut scratch)
+        .await
+        .map_err(|e| refused(&peer, format!("cannot send hello: {e}")))?;
+
+    let (their_run, their_rank, their_nonce) = match next(stream, &peer, cfg).await? {
+        Message::Control(Control::Hello {
+            run_id,
+            rank,
+            nonce,
+        }) => (run_id, rank, nonce),
+        other => {
+            return Err(refused(
+                &peer,
+                format!("expected a hello, got {}", describe(&other)),
+            ));
+        }
+    };
+    if their_run != cfg.run_id {
+        return Err(refused(
+            &peer,
+            format!(
+                "it belongs to run {their_run:016x}, this is run {:016x}",
+                cfg.run_id
+            ),
+        ));
+    }
+    if their_rank == cfg.rank || !accept(their_rank) {
+        return Err(refused(
+            &peer,
+            format!("it claims rank {their_rank}, which is not expected to connect here"),
+        ));
+    }
+    peer.rank = Some(their_rank);
+    let mine = Transcript {
+        run_id: cfg.run_id,
+        prover: cfg.rank,
+        verifier: their_rank,
+        verifier_nonce: &their_nonce,
+        prover_nonce: &nonce,
+    };
+    let proof = Message::Control(Control::Proof {
+        mac: prove(&cfg.secret, &mine),
+    });
+    write_frame(stream, &proof, &mut scratch)
+        .await
+        .map_err(|e| refused(&peer, format!("cannot send proof: {e}")))?;
+    let mac = match next(stream, &peer, cfg).await? {
+        Message::Control(Control::Proof { mac }) => mac,
+        other => {
+            return Err(refused(
+                &peer,
+                format!("expected a proof, got {}", describe(&other)),
+            ));
+        }
+    };
+    let theirs = Transcript {
+        run_id: cfg.run_id,
+        prover: their_rank,
+        verifier: cfg.rank,
+        verifier_nonce: &nonce,
+        prover_nonce: &their_nonce,
+    };
+    if !verify(&cfg.secret, &theirs, &mac) {
+        return Err(refused(
+            &peer,
+            "authentication failed: it does not know the run's secret".into(),
+        ));
+    }
+    Ok(their_rank)
+}
+
+async fn next<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    peer: &PeerName,
+    cfg: &TransportConfig,
+) -> Result<Message, TransportError> {
+    let mut buf = Vec::new();
+    match timeout(
+        cfg.handshake_timeout,
+        read_frame(stream, &mut buf, &cfg.limits),
+    )
+    .await
+    {
+        Err(_) => Err(refused(
+            peer,
+            format!("no handshake message within {:?}", cfg.handshake_timeout),
+        )),
+        Ok(Ok((message, _))) => Ok(message),
+        Ok(Err(ReadError::Decode(e))) => {
+            Err(refused(peer, format!("malformed handshake frame: {e}")))
+        }
+        Ok(Err(ReadError::Closed)) => Err(refused(
+            peer,
+            "it closed the connection during the handshake".into(),
+        )),
+        Ok(Err(ReadError::Io(e))) => Err(refused(
+            peer,
+            format!("connection failed during the handshake: {e}"),
+        )),
+    }
+}
+
+fn refused(peer: &PeerName, reason: String) -> TransportError {
+    TransportError::Handshake {
+        peer: peer.clone(),
+        reason,
+    }
+}
+
+fn describe(m: &Message) -> String {
+    match m {
+        Message::Control(c) => format!("{c:?}")
+            .split([' ', '{'])
+            .next()
+            .unwrap_or("control")
+            .to_string(),
+        Message::Tensor(..) => "a tensor".into(),
+    }
+}

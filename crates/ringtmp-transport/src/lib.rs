@@ -1,0 +1,29 @@
+//! `ringtmp-transport`: authenticated, accounted, optionally shaped TCP links between nodes, with
+//! liveness. One full-duplex connection per neighbour pair; a reader and a writer task per
+//! connection on a small tokio runtime; the node's compute runs on its own threads and talks to the
+//! links through a blocking API whose every wait has a timeout.
+//!
+//! Invariants:
+//! - Nothing a peer sends is acted on before the handshake has verified its protocol version, run
+//!   id, rank and proof of the shared secret (see `ringtmp_wire::auth`).
+//! - Every wait — connect, handshake, send, receive — ends within its configured timeout, and the
+//!   error names the peer (rank and address) and what was awaited.
+//! - A peer that closes its connection or stops sending (heartbeats included) for longer than
+//!   `peer_timeout` is reported to the node; an `Abort` from any peer is forwarded to every other
+//!   peer, so one failure stops the whole run.
+//!
+//! # Layout
+//! - [`config`]: timeouts, limits, shaping.
+//! - [`framed`]: reading and writing frames on a socket.
+//! - [`handshake`]: the authenticated greeting.
+//! - [`network`]: establishing links and the blocking node-facing API ([`Network`]).
+
+pub mod config;
+mod error;
+pub mod framed;
+pub mod handshake;
+pub mod network;
+
+pub use config::{Shaping, TransportConfig};
+pub use error::{PeerName, TransportError};
+pub use network::{LinkStats, Network, bind_listener};

@@ -1,0 +1,741 @@
+//! A node's links to its neighbours and the blocking API the node's compute uses.
+//!
+//! Links are established along the topology the strategy asks for: of each neighbour pair, the
+//! higher rank dials and the lower rank accepts. Connections that fail the handshake are logged
+//! and dropped without disturbing the run (a stranger cannot stop it); the wait for expected peers
+//! is bounded by `connect_timeout`.
+//!
+//! Per link, three tasks run on the transport's own tokio runtime:
+//! - the *reader* decodes frames into the node's inbox, swallowing heartbeats;
+//! - the *writer* drains the link's send queue (applying shaping) and sends a heartbeat every
+//!   `heartbeat_interval`;
+//! - the *watchdog* reports the peer dead when no byte has arrived for `peer_timeout` (inactivity,
+//!   not frame duration, so a large frame on a slow link is not mistaken for silence).
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use ringtmp_wire::{Control, Message};
+use tokio::io::{AsyncRead, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio::time::{sleep_until, timeout};
+
+use crate::config::TransportConfig;
+use crate::error::{PeerName, TransportError};
+use crate::framed::{ReadError, read_frame, write_frame};
+use crate::handshake::handshake;
+
+/// Queue depth per link; a full queue is back-pressure on the sender.
+const SEND_QUEUE: usize = 64;
+/// Inbox depth (all links together).
+const INBOX: usize = 256;
+
+/// Traffic and waiting on one link, as measured by the transport.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LinkStats {
+    /// The peer's rank.
+    pub peer: u32,
+    /// Bytes written to the socket (frames, heartbeats included).
+    pub bytes_sent: u64,
+    /// Bytes read from the socket.
+    pub bytes_received: u64,
+    /// Frames sent (heartbeats excluded).
+    pub messages_sent: u64,
+    /// Frames received (heartbeats excluded).
+    pub messages_received: u64,
+    /// Time the node spent blocked handing messages to this link (back-pressure).
+    pub send_wait: Duration,
+    /// Time the node spent blocked waiting for a message from this peer.
+    pub recv_wait: Duration,
+}
+
+#[derive(Default)]
+struct Counters {
+    bytes_sent: AtomicU64,
+    bytes_received: AtomicU64,
+    messages_sent: AtomicU64,
+    messages_received: AtomicU64,
+    send_wait_ns: AtomicU64,
+    recv_wait_ns: AtomicU64,
+}
+
+struct Outgoing {
+    message: Message,
+    enqueued: Instant,
+}
+
+enum Inbound {
+    Message(u32, Message),
+    Goodbye(u32),
+    Failed(TransportError),
+}
+
+struct Link {
+    peer: PeerName,
+    queue: mpsc::Sender<Outgoing>,
+    counters: Arc<Counters>,
+    tasks: Vec<JoinHandle<()>>,
+    said_goodbye: bool,
+}
+
+/// A node's established links.
+pub struct Network {
+    runtime: tokio::runtime::Runtime,
+    cfg: TransportConfig,
+    links: BTreeMap<u32, Link>,
+    inbox: mpsc::Receiver<Inbound>,
+    pending: VecDeque<(u32, Message)>,
+    goodbyes: BTreeSet<u32>,
+}
+
+/// Binds a listener on `addr` (use port 0 for any free port) and logs what was bound.
+pub fn bind_listener(addr: &str) -> Result<std::net::TcpListener, TransportError> {
+    let listener = std::net::TcpListener::bind(addr).map_err(|e| TransportError::Bind {
+        addr: addr.to_string(),
+        source: e,
+    })?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| TransportError::Io {
+            context: format!("configuring {addr}"),
+            source: e,
+        })?;
+    if let Ok(local) = listener.local_addr() {
+        tracing::info!("listening for peers on {local}");
+    }
+    Ok(listener)
+}
+
+impl Network {
+    /// Connects to every neighbour: dials those with a lower rank (at `addresses[rank]`) and
+    /// accepts those with a higher rank on `listener`, each through the authenticated handshake.
+    pub fn connect(
+        cfg: TransportConfig,
+        listener: std::net::TcpListener,
+        addresses: &BTreeMap<u32, SocketAddr>,
+        neighbours: &BTreeSet<u32>,
+    ) -> Result<Self, TransportError> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("ringtmp-io")
+            .enable_all()
+            .build()
+            .map_err(|e| TransportError::Io {
+                context: "starting the I/O runtime".into(),
+                source: e,
+            })?;
+        let (inbox_tx, inbox) = mpsc::channel(INBOX);
+        let streams = runtime.block_on(establish(&cfg, listener, addresses, neighbours))?;
+        let mut links = BTreeMap::new();
+        for (rank, (stream, addr)) in streams {
+            let _guard = runtime.enter();
+            let link = start_link(&cfg, rank, addr, stream, inbox_tx.clone());
+            links.insert(rank, link);
+        }
+        Ok(Self {
+            runtime,
+            cfg,
+            links,
+            inbox,
+            pending: VecDeque::new(),
+            goodbyes: BTreeSet::new(),
+        })
+    }
+
+    /// This node's rank.
+    pub fn rank(&self) -> u32 {
+        self.cfg.rank
+    }
+
+    /// Ranks this node has links to.
+    pub fn peers(&self) -> impl Iterator<Item = u32> + '_ {
+        self.links.keys().copied()
+    }
+
+    /// How a peer is named in errors.
+    pub fn peer_name(&self, rank: u32) -> PeerName {
+        self.links
+            .get(&rank)
+            .map(|l| l.peer.clone())
+            .unwrap_or(PeerName {
+                rank: Some(rank),
+                addr: None,
+            })
+    }
+
+    /// Queues `message` for `to`, waiting at most `send_timeout` for room in the link's queue.
+    pub fn send(&self, to: u32, message: Message) -> Result<(), TransportError> {
+        let link = self.links.get(&to).ok_or(TransportError::NoLink(to))?;
+        let started = Instant::now();
+        let outgoing = Outgoing {
+            message,
+            enqueued: started,
+        };
+        let sent = self
+            .runtime
+            .block_on(async { timeout(self.cfg.send_timeout, link.queue.send(outgoing)).await });
+        link.counters
+            .send_wait_ns
+            .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        match sent {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(_)) => Err(TransportError::PeerClosed {
+                peer: link.peer.clone(),
+                reason: "its link has shut down".into(),
+            }),
+            Err(_) => Err(TransportError::Timeout {
+                what: "room in the send queue".into(),
+                from: link.peer.to_string(),
+                waited: self.cfg.send_timeout,
+            }),
+        }
+    }
+
+    /// The next message from any peer, waiting at most `wait`.
+    pub fn recv(&mut self, wait: Duration) -> Result<(u32, Message), TransportError> {
+        if let Some(m) = self.pending.pop_front() {
+            return Ok(m);
+        }
+        let deadline = Instant::now() + wait;
+        self.next_inbound(deadline, None)
+    }
+
+    /// The next message from `from` (others are kept for later), waiting at most `wait`.
+    pub fn recv_from(&mut self, from: u32, wait: Duration) -> Result<Message, TransportError> {
+        if let Some(i) = self.pending.iter().position(|(r, _)| *r == from) {
+            return Ok(self.pending.remove(i).expect("index from position").1);
+        }
+        if !self.links.contains_key(&from) {
+            return Err(TransportError::NoLink(from));
+        }
+        let deadline = Instant::now() + wait;
+        loop {
+            let (r, m) = self.next_inbound(deadline, Some(from))?;
+            if r == from {
+                return Ok(m);
+            }
+            self.pending.push_back((r, m));
+        }
+    }
+
+    fn next_inbound(
+        &mut self,
+        deadline: Instant,
+        awaited: Option<u32>,
+    ) -> Result<(u32, Message), TransportError> {
+        loop {
+            let started = Instant::now();
+            let left = deadline.saturating_duration_since(started);
+            let got = self
+                .runtime
+                .block_on(async { timeout(left, self.inbox.recv()).await });
+            if let Some(link) = awaited.and_then(|r| self.links.get(&r)) {
+                link.counters
+                    .recv_wait_ns
+                    .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
+            match got {
+                Err(_) => {
+                    return Err(TransportError::Timeout {
+                        what: "a message".into(),
+                        from: match awaited {
+                            Some(r) => self.peer_name(r).to_string(),
+                            None => {
+                                format!("any of ranks {:?}", self.links.keys().collect::<Vec<_>>())
+                            }
+                        },
+                        waited: left,
+                    });
+                }
+                Ok(None) => {
+                    return Err(TransportError::PeerClosed {
+                        peer: PeerName {
+                            rank: awaited,
+                            addr: None,
+                        },
+                        reason: "all links are closed".into(),
+                    });
+                }
+                Ok(Some(Inbound::Goodbye(r))) => {
+                    self.goodbyes.insert(r);
+                    if awaited == Some(r) {
+                        return Err(TransportError::PeerClosed {
+                            peer: self.peer_name(r),
+                            reason: "it finished and said goodbye".into(),
+                        });
+                    }
+                }
+                Ok(Some(Inbound::Failed(e))) => return Err(e),
+                Ok(Some(Inbound::Message(
+                    from,
+                    Message::Control(Control::Abort { origin, reason }),
+                ))) => {
+                    // Pass it on so the whole run stops, not just our neighbourhood.
+                    self.broadcast_except(
+                        from,
+                        Control::Abort {
+                            origin,
+                            reason: reason.clone(),
+                        },
+                    );
+                    return Err(TransportError::Aborted { origin, reason });
+                }
+                Ok(Some(Inbound::Message(from, m))) => return Ok((from, m)),
+            }
+        }
+    }
+
+    /// Tells every peer that this node is giving up (best effort, bounded), so they stop too.
+    pub fn abort(&self, reason: &str) {
+        self.broadcast_except(
+            u32::MAX,
+            Control::Abort {
+                origin: self.cfg.rank,
+                reason: reason.to_string(),
+            },
+        );
+        // Give the writers a moment to put the frames on the wire before the process exits.
+        self.runtime.block_on(async {
+            let flush = async {
+                for link in self.links.values() {
+                    let _ = link.queue.reserve_many(SEND_QUEUE).await;
+                }
+            };
+            let _ = timeout(Duration::from_millis(500), flush).await;
+        });
+    }
+
+    fn broadcast_except(&self, skip: u32, control: Control) {
+        for (rank, link) in &self.links {
+            if *rank != skip {
+                let _ = link.queue.try_send(Outgoing {
+                    message: Message::Control(control.clone()),
+                    enqueued: Instant::now(),
+                });
+            }
+        }
+    }
+
+    /// Traffic and waiting per link.
+    pub fn stats(&self) -> Vec<LinkStats> {
+        self.links
+            .iter()
+            .map(|(rank, l)| {
+                let c = &l.counters;
+                LinkStats {
+                    peer: *rank,
+                    bytes_sent: c.bytes_sent.load(Ordering::Relaxed),
+                    bytes_received: c.bytes_received.load(Ordering::Relaxed),
+                    messages_sent: c.messages_sent.load(Ordering::Relaxed),
+                    messages_received: c.messages_received.load(Ordering::Relaxed),
+                    send_wait: Duration::from_nanos(c.send_wait_ns.load(Ordering::Relaxed)),
+                    recv_wait: Duration::from_nanos(c.recv_wait_ns.load(Ordering::Relaxed)),
+                }
+            })
+            .collect()
+    }
+
+    /// Orderly shutdown: says goodbye on every link and waits (bounded by `peer_timeout`) for
+    /// every peer's goodbye, so no side mistakes the end of the run for a failure.
+    pub fn close(mut self) -> Result<(), TransportError> {
+        for link in self.links.values_mut() {
+            let _ = link.queue.try_send(Outgoing {
+                message: Message::Control(Control::Goodbye),
+                enqueued: Instant::now(),
+            });
+            link.said_goodbye = true;
+        }
+        let deadline = Instant::now() + self.cfg.peer_timeout;
+        while self.goodbyes.len() < self.links.len() {
+            match self.runtime.block_on(async {
+                timeout(
+                    deadline.saturating_duration_since(Instant::now()),
+                    self.inbox.recv(),
+                )
+                .await
+            }) {
+                Ok(Some(Inbound::Goodbye(r))) => {
+                    self.goodbyes.insert(r);
+                }
+                Ok(Some(Inbound::Message(..))) => {}
+                Ok(Some(Inbound::Failed(e))) => {
+                    tracing::debug!("during shutdown: {e}");
+                    break;
+                }
+                Ok(None) | Err(_) => break,
+            }
+        }
+        let tasks: Vec<JoinHandle<()>> = self
+            .links
+            .values_mut()
+            .flat_map(|l| l.tasks.drain(..))
+            .collect();
+        self.runtime.block_on(async {
+            let _ = timeout(Duration::from_secs(2), async {
+                for t in tasks {
+                    let _ = t.await;
+                }
+            })
+            .await;
+        });
+        self.runtime.shutdown_timeout(Duration::from_millis(100));
+        Ok(())
+    }
+}
+
+async fn establish(
+    cfg: &TransportConfig,
+    listener: std::net::TcpListener,
+    addresses: &BTreeMap<u32, SocketAddr>,
+    neighbours: &BTreeSet<u32>,
+) -> Result<BTreeMap<u32, (TcpStream, SocketAddr)>, TransportError> {
+    let listener = TcpListener::from_std(listener).map_err(|e| TransportError::Io {
+        context: "listener".into(),
+        source: e,
+    })?;
+    let to_dial: Vec<u32> = neighbours
+        .iter()
+        .copied()
+        .filter(|r| *r < cfg.rank)
+        .collect();
+    let to_accept: BTreeSet<u32> = neighbours
+        .iter()
+        .copied()
+        .filter(|r| *r > cfg.rank)
+        .collect();
+    let deadline = tokio::time::Instant::now() + cfg.connect_timeout;
+
+    let dial = async {
+        let mut out = BTreeMap::new();
+        for rank in to_dial {
+            let addr = *addresses.get(&rank).ok_or(TransportError::NoLink(rank))?;
+            let (stream, addr) = dial_one(cfg, rank, addr, deadline).await?;
+            out.insert(rank, (stream, addr));
+        }
+        Ok::<_, TransportError>(out)
+    };
+    let accept = async {
+        let mut out = BTreeMap::new();
+        // Handshakes run concurrently, so a stranger that connects and stalls cannot hold up the
+        // real peers behind it.
+        let mut pending = tokio::task::JoinSet::new();
+        while out.len() < to_accept.len() {
+            tokio::select! {
+                accepted = tokio::time::timeout_at(deadline, listener.accept()) => {
+                    let (mut stream, addr) = match accepted {
+                        Err(_) => {
+                            let missing: Vec<u32> = to_accept.iter().filter(|r| !out.contains_key(*r)).copied().collect();
+                            return Err(TransportError::Timeout {
+                                what: "a connection".into(),
+                                from: format!("ranks {missing:?}"),
+                                waited: cfg.connect_timeout,
+                            });
+                        }
+                        Ok(Err(e)) => return Err(TransportError::Io { context: "accepting a peer".into(), source: e }),
+                        Ok(Ok(x)) => x,
+                    };
+                    let _ = stream.set_nodelay(true);
+                    let (cfg, expected) = (cfg.clone(), to_accept.clone());
+                    pending.spawn(async move {
+                        handshake(&mut stream, addr, &cfg, |r| expected.contains(&r)).await.map(|rank| (rank, stream, addr))
+                    });
+                }
+                Some(done) = pending.join_next(), if !pending.is_empty() => match done {
+                    Ok(Ok((rank, stream, addr))) => {
+                        match out.entry(rank) {
+                            std::collections::btree_map::Entry::Occupied(_) => {
+                                tracing::warn!("refused a second connection claiming rank {rank} from {addr}");
+                            }
+                            std::collections::btree_map::Entry::Vacant(slot) => {
+                                slot.insert((stream, addr));
+                            }
+                        }
+                    }
+                    // A stranger, or a peer with the wrong secret, version or run: log it and keep
+                    // waiting for the real one.
+                    Ok(Err(e)) => tracing::warn!("{e}"),
+                    Err(e) => tracing::warn!("handshake task failed: {e}"),
+                },
+            }
+        }
+        Ok::<_, TransportError>(out)
+    };
+    let (dialled, accepted) = tokio::try_join!(dial, accept)?;
+    Ok(dialled.into_iter().chain(accepted).collect())
+}
+
+async fn dial_one(
+    cfg: &TransportConfig,
+    rank: u32,
+    addr: SocketAddr,
+    deadline: tokio::time::Instant,
+) -> Result<(TcpStream, SocketAddr), TransportError> {
+    let peer = PeerName {
+        rank: Some(rank),
+        addr: Some(addr),
+    };
+    let mut last = String::from("no attempt");
+    loop {
+        match tokio::time::timeout_at(deadline, TcpStream::connect(addr)).await {
+            Err(_) => break,
+            Ok(Ok(mut stream)) => {
+                let _ = stream.set_nodelay(true);
+                // A handshake failure with the node we dialled is fatal: it is the peer we need.
+                handshake(&mut stream, addr, cfg, |r| r == rank).await?;
+                return Ok((stream, addr));
+            }
+            Ok(Err(e)) => last = e.to_string(),
+        }
+        if tokio::time::Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Err(TransportError::Connect {
+        peer,
+        waited: cfg.connect_timeout,
+        reason: last,
+    })
+}
+
+fn start_link(
+    cfg: &TransportConfig,
+    rank: u32,
+    addr: SocketAddr,
+    stream: TcpStream,
+    inbox: mpsc::Sender<Inbound>,
+) -> Link {
+    let peer = PeerName {
+        rank: Some(rank),
+        addr: Some(addr),
+    };
+    let counters = Arc::new(Counters::default());
+    let (queue, outgoing) = mpsc::channel(SEND_QUEUE);
+    let (read_half, write_half) = stream.into_split();
+    let epoch = Instant::now();
+    let last_byte = Arc::new(AtomicU64::new(0));
+    let finished = Arc::new(AtomicBool::new(false));
+    let reader = tokio::spawn(reader(
+        Activity {
+            inner: read_half,
+            epoch,
+            last_byte: last_byte.clone(),
+        },
+        peer.clone(),
+        cfg.limits,
+        counters.clone(),
+        inbox.clone(),
+        finished.clone(),
+    ));
+    let writer = tokio::spawn(writer(
+        write_half,
+        peer.clone(),
+        cfg.clone(),
+        outgoing,
+        counters.clone(),
+        inbox.clone(),
+    ));
+    let watchdog = tokio::spawn(watchdog(
+        peer.clone(),
+        cfg.peer_timeout,
+        epoch,
+        last_byte,
+        finished,
+        reader.abort_handle(),
+        inbox,
+    ));
+    Link {
+        peer,
+        queue,
+        counters,
+        tasks: vec![reader, writer, watchdog],
+        said_goodbye: false,
+    }
+}
+
+async fn reader<R: AsyncRead + Unpin>(
+    mut stream: R,
+    peer: PeerName,
+    limits: ringtmp_wire::Limits,
+    counters: Arc<Counters>,
+    inbox: mpsc::Sender<Inbound>,
+    finished: Arc<AtomicBool>,
+) {
+    let rank = peer.rank.unwrap_or(u32::MAX);
+    let mut buf = Vec::new();
+    let failure = loop {
+        match read_frame(&mut stream, &mut buf, &limits).await {
+            Ok((message, bytes)) => {
+                counters
+                    .bytes_received
+                    .fetch_add(bytes as u64, Ordering::Relaxed);
+                match message {
+                    Message::Control(Control::Heartbeat { .. }) => {}
+                    Message::Control(Control::Goodbye) => {
+                        finished.store(true, Ordering::Relaxed);
+                        let _ = inbox.send(Inbound::Goodbye(rank)).await;
+                        return;
+                    }
+                    message => {
+                        counters.messages_received.fetch_add(1, Ordering::Relaxed);
+                        if inbox.send(Inbound::Message(rank, message)).await.is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+            Err(ReadError::Closed) => {
+                break TransportError::PeerClosed {
+                    peer: peer.clone(),
+                    reason: "connection closed without a goodbye".into(),
+                };
+            }
+            Err(ReadError::Io(e)) => {
+                break TransportError::PeerClosed {
+                    peer: peer.clone(),
+                    reason: e.to_string(),
+                };
+            }
+            Err(ReadError::Decode(e)) => {
+                break TransportError::Decode {
+                    peer: peer.clone(),
+                    source: e,
+                };
+            }
+        }
+    };
+    finished.store(true, Ordering::Relaxed);
+    let _ = inbox.send(Inbound::Failed(failure)).await;
+}
+
+async fn writer(
+    mut stream: tokio::net::tcp::OwnedWriteHalf,
+    peer: PeerName,
+    cfg: TransportConfig,
+    mut outgoing: mpsc::Receiver<Outgoing>,
+    counters: Arc<Counters>,
+    inbox: mpsc::Sender<Inbound>,
+) {
+    use tokio::io::AsyncWriteExt;
+    let mut scratch = Vec::new();
+    let mut heartbeat = tokio::time::interval(cfg.heartbeat_interval);
+    heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut seq = 0u64;
+    // Token bucket as a "link free at" time: each frame occupies the link for bytes·8/rate.
+    let mut link_free = tokio::time::Instant::now();
+    loop {
+        let (message, enqueued, counted) = tokio::select! {
+            next = outgoing.recv() => match next {
+                Some(o) => (o.message, o.enqueued, true),
+                None => break,
+            },
+            _ = heartbeat.tick() => {
+                seq += 1;
+                (Message::Control(Control::Heartbeat { seq }), Instant::now(), false)
+            }
+        };
+        if !cfg.shaping.latency.is_zero() {
+            sleep_until(tokio::time::Instant::from_std(
+                enqueued + cfg.shaping.latency,
+            ))
+            .await;
+        }
+        let size = frame_size(&message);
+        if let Some(bps) = cfg.shaping.bandwidth_bps {
+            // The frame occupies the emulated link from when it is free until its last bit has
+            // gone out; release it to the socket then.
+            let start = link_free.max(tokio::time::Instant::now());
+            link_free = start + Duration::from_secs_f64(size as f64 * 8.0 / bps as f64);
+            sleep_until(link_free).await;
+        }
+        let goodbye = matches!(message, Message::Control(Control::Goodbye));
+        match write_frame(&mut stream, &message, &mut scratch).await {
+            Ok(n) => {
+                counters.bytes_sent.fetch_add(n as u64, Ordering::Relaxed);
+                if counted {
+                    counters.messages_sent.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            Err(e) => {
+                let _ = inbox
+                    .send(Inbound::Failed(TransportError::PeerClosed {
+                        peer,
+                        reason: format!("sending failed: {e}"),
+                    }))
+                    .await;
+                return;
+            }
+        }
+        if goodbye {
+            let _ = stream.shutdown().await;
+            return;
+        }
+    }
+}
+
+fn frame_size(message: &Message) -> usize {
+    match message {
+        Message::Tensor(_, payload) => ringtmp_wire::PREFIX_LEN + 64 + payload.len(),
+        Message::Control(_) => ringtmp_wire::PREFIX_LEN + 16,
+    }
+}
+
+async fn watchdog(
+    peer: PeerName,
+    limit: Duration,
+    epoch: Instant,
+    last_byte: Arc<AtomicU64>,
+    finished: Arc<AtomicBool>,
+    reader: tokio::task::AbortHandle,
+    inbox: mpsc::Sender<Inbound>,
+) {
+    let tick = (limit / 4).max(Duration::from_millis(10));
+    loop {
+        tokio::time::sleep(tick).await;
+        if finished.load(Ordering::Relaxed) {
+            return;
+        }
+        let last = epoch + Duration::from_nanos(last_byte.load(Ordering::Relaxed));
+        let silent = last.elapsed();
+        if silent > limit {
+            reader.abort();
+            let _ = inbox
+                .send(Inbound::Failed(TransportError::PeerSilent {
+                    peer,
+                    silent_for: silent,
+                }))
+                .await;
+            return;
+        }
+    }
+}
+
+/// A reader that records when it last received a byte, for the watchdog.
+struct Activity<R> {
+    inner: R,
+    epoch: Instant,
+    last_byte: Arc<AtomicU64>,
+}
+
+impl<R: AsyncRead + Unpin> AsyncRead for Activity<R> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let poll = Pin::new(&mut self.inner).poll_read(cx, buf);
+        if buf.filled().len() > before {
+            let now = self.epoch.elapsed().as_nanos() as u64;
+            self.last_byte.store(now, Ordering::Relaxed);
+        }
+        poll
+    }
+}

@@ -1,0 +1,252 @@
+//! Real TCP links on loopback: exchange and accounting, refused strangers (wrong secret, wrong
+//! protocol version), dead and silent peers, abort propagation and shaping. Every wait is bounded.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
+use std::net::SocketAddr;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use ringtmp_transport::{Network, Shaping, TransportConfig, TransportError, bind_listener};
+use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
+
+const SECRET: &[u8] = b"test secret";
+
+fn config(rank: u32) -> TransportConfig {
+    let mut c = TransportConfig::new(0xabc, rank, SECRET.to_vec());
+    c.connect_timeout = Duration::from_secs(5);
+    c.peer_timeout = Duration::from_secs(2);
+    c.heartbeat_interval = Duration::from_millis(200);
+    c
+}
+
+/// Starts `configs.len()` nodes whose links follow `edges`; returns each node's result.
+fn start(
+    configs: Vec<TransportConfig>,
+    edges: &[(u32, u32)],
+) -> Vec<Result<Network, TransportError>> {
+    let listeners: Vec<_> = configs
+        .iter()
+        .map(|_| bind_listener("127.0.0.1:0").unwrap())
+        .collect();
+    let addresses: BTreeMap<u32, SocketAddr> = listeners
+        .iter()
+        .enumerate()
+        .map(|(r, l)| (r as u32, l.local_addr().unwrap()))
+        .collect();
+    let handles: Vec<_> = configs
+        .into_iter()
+        .zip(listeners)
+        .map(|(cfg, listener)| {
+            let me = cfg.rank;
+            let neighbours: BTreeSet<u32> = edges
+                .iter()
+                .filter_map(|&(a, b)| {
+                    if a == me {
+                        Some(b)
+                    } else if b == me {
+                        Some(a)
+                    } else {
+                        None
+                    }
+                })
+                .collect();
+            let addresses = addresses.clone();
+            thread::spawn(move || Network::connect(cfg, listener, &addresses, &neighbours))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+fn tensor(values: usize) -> Message {
+    let header = TensorHeader {
+        run_id: 0xabc,
+        step: 1,
+        micro_batch: 2,
+        tag: TensorTag::Probe,
+        dtype: Dtype::F32,
+        shape: vec![values as u32],
+    };
+    Message::Tensor(header, (0..values * 4).map(|i| i as u8).collect())
+}
+
+#[test]
+fn ring_of_three_exchanges_tensors_and_counts_bytes() {
+    let mut nets: Vec<Network> = start((0..3).map(config).collect(), &[(0, 1), (1, 2), (2, 0)])
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    for (r, net) in nets.iter().enumerate() {
+        net.send(((r + 1) % 3) as u32, tensor(1000 * (r + 1)))
+            .unwrap();
+    }
+    for (r, net) in nets.iter_mut().enumerate() {
+        let from = ((r + 2) % 3) as u32;
+        let m = net.recv_from(from, Duration::from_secs(5)).unwrap();
+        assert_eq!(m, tensor(1000 * (from as usize + 1)));
+    }
+    let stats = nets[0].stats();
+    let to_1 = stats.iter().find(|s| s.peer == 1).unwrap();
+    assert_eq!(to_1.messages_sent, 1);
+    assert!(to_1.bytes_sent >= 4000, "{to_1:?}");
+    for net in nets {
+        net.close().unwrap();
+    }
+}
+
+#[test]
+fn wrong_secret_is_refused_and_the_refusing_node_keeps_waiting() {
+    let mut intruder = config(1);
+    intruder.secret = b"guess".to_vec();
+    let mut host = config(0);
+    host.connect_timeout = Duration::from_millis(1500);
+    let results = start(vec![host, intruder], &[(0, 1)]);
+    let host_err = results[0]
+        .as_ref()
+        .err()
+        .expect("host must not accept the intruder")
+        .to_string();
+    let intruder_err = results[1]
+        .as_ref()
+        .err()
+        .expect("intruder must fail")
+        .to_string();
+    assert!(
+        host_err.contains("timed out") && host_err.contains("ranks [1]"),
+        "{host_err}"
+    );
+    assert!(
+        intruder_err.contains("refused rank 0") && intruder_err.contains("secret"),
+        "{intruder_err}"
+    );
+}
+
+#[test]
+fn wrong_version_and_garbage_are_refused_without_stopping_the_run() {
+    let listener = bind_listener("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let host = thread::spawn(move || {
+        let addresses = BTreeMap::new();
+        Network::connect(config(0), listener, &addresses, &BTreeSet::from([1]))
+    });
+    // A peer from the future: a valid frame with protocol version 9.
+    let mut frame = Vec::new();
+    ringtmp_wire::encode(
+        &Message::Control(Control::Hello {
+            run_id: 0xabc,
+            rank: 1,
+            nonce: [0; 32],
+        }),
+        &mut frame,
+    );
+    frame[4] = 9;
+    let mut old = std::net::TcpStream::connect(addr).unwrap();
+    old.write_all(&frame).unwrap();
+    // And an HTTP client that wandered in.
+    let mut http = std::net::TcpStream::connect(addr).unwrap();
+    http.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    // The real rank 1 still gets in.
+    let listener1 = bind_listener("127.0.0.1:0").unwrap();
+    let real = Network::connect(
+        config(1),
+        listener1,
+        &BTreeMap::from([(0, addr)]),
+        &BTreeSet::from([0]),
+    )
+    .unwrap();
+    let host = host.join().unwrap().unwrap();
+    real.close().unwrap();
+    host.close().unwrap();
+}
+
+#[test]
+fn killed_peer_is_reported_by_name() {
+    let mut nets: Vec<Network> = start(vec![config(0), config(1)], &[(0, 1)])
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let victim = nets.pop().unwrap();
+    // Dropping without close() shuts the sockets down without a goodbye, like a killed process.
+    drop(victim);
+    let started = Instant::now();
+    let err = nets[0].recv(Duration::from_secs(10)).unwrap_err();
+    let text = err.to_string();
+    assert!(matches!(err, TransportError::PeerClosed { .. }), "{text}");
+    assert!(text.contains("rank 1 (127.0.0.1:"), "{text}");
+    println!("detected in {:?}: {text}", started.elapsed());
+}
+
+#[test]
+fn silent_peer_is_declared_dead_by_the_watchdog() {
+    let mut quiet = config(1);
+    quiet.heartbeat_interval = Duration::from_secs(3600);
+    let mut watcher = config(0);
+    watcher.peer_timeout = Duration::from_millis(600);
+    let mut nets: Vec<Network> = start(vec![watcher, quiet], &[(0, 1)])
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let err = nets[0].recv(Duration::from_secs(10)).unwrap_err();
+    assert!(matches!(err, TransportError::PeerSilent { .. }), "{err}");
+    assert!(err.to_string().contains("rank 1"), "{err}");
+}
+
+#[test]
+fn abort_propagates_along_a_line() {
+    let mut nets: Vec<Network> = start((0..3).map(config).collect(), &[(0, 1), (1, 2)])
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    nets[2].abort("disk full");
+    let err1 = nets[1].recv(Duration::from_secs(5)).unwrap_err();
+    assert!(
+        matches!(&err1, TransportError::Aborted { origin: 2, reason } if reason == "disk full"),
+        "{err1}"
+    );
+    // Rank 0 is not linked to rank 2; it hears of the abort through rank 1.
+    let err0 = nets[0].recv(Duration::from_secs(5)).unwrap_err();
+    assert!(
+        matches!(&err0, TransportError::Aborted { origin: 2, .. }),
+        "{err0}"
+    );
+}
+
+#[test]
+fn receive_timeout_names_the_awaited_peer() {
+    let mut nets: Vec<Network> = start(vec![config(0), config(1)], &[(0, 1)])
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let err = nets[0]
+        .recv_from(1, Duration::from_millis(300))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("timed out") && err.contains("rank 1 (127.0.0.1:"),
+        "{err}"
+    );
+}
+
+#[test]
+fn shaping_adds_latency_and_limits_bandwidth() {
+    // Lower bounds only: shaping must delay at least this much (sleeps never end early).
+    let mut shaped = config(1);
+    shaped.shaping = Shaping {
+        bandwidth_bps: Some(8_000_000),
+        latency: Duration::from_millis(40),
+    };
+    let mut nets: Vec<Network> = start(vec![config(0), shaped], &[(0, 1)])
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let started = Instant::now();
+    nets[1].send(0, tensor(50_000)).unwrap(); // 200 kB at 1 MB/s: at least 0.2 s
+    nets[1].send(0, tensor(50_000)).unwrap();
+    nets[0].recv_from(1, Duration::from_secs(10)).unwrap();
+    nets[0].recv_from(1, Duration::from_secs(10)).unwrap();
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(400),
+        "two 200 kB frames at 8 Mbit/s took only {took:?}"
+    );
+}
