@@ -89,8 +89,14 @@ fn ring_of_three_exchanges_tensors_and_counts_bytes() {
     let to_1 = stats.iter().find(|s| s.peer == 1).unwrap();
     assert_eq!(to_1.messages_sent, 1);
     assert!(to_1.bytes_sent >= 4000, "{to_1:?}");
-    for net in nets {
-        net.close().unwrap();
+    close_all(nets);
+}
+
+/// Closes nodes concurrently, as separate processes would.
+fn close_all(nets: Vec<Network>) {
+    let handles: Vec<_> = nets.into_iter().map(|n| thread::spawn(move || n.close())).collect();
+    for h in handles {
+        h.join().unwrap().unwrap();
     }
 }
 
@@ -155,8 +161,7 @@ fn wrong_version_and_garbage_are_refused_without_stopping_the_run() {
     )
     .unwrap();
     let host = host.join().unwrap().unwrap();
-    real.close().unwrap();
-    host.close().unwrap();
+    close_all(vec![real, host]);
 }
 
 #[test]
