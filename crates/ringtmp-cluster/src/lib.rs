@@ -6,8 +6,10 @@
 //! # Layout
 //! - [`launch`]: the placement of this process, resolved from flags and environment.
 //! - [`hostlist`]: Slurm's compressed host-list syntax.
+//! - [`rendezvous`]: rank 0 collects listening addresses and hands out the table.
 
 pub mod hostlist;
 pub mod launch;
+pub mod rendezvous;
 
 pub use launch::{LaunchFlags, Placement, Source, resolve};

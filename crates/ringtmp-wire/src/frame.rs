@@ -231,6 +231,7 @@ mod tests {
                 reason: "out of memory".into(),
             }),
             Message::Control(Control::Table {
+                run_id: 3,
                 nodes: vec![NodeAddr {
                     rank: 0,
                     addr: "127.0.0.1:4000".into(),

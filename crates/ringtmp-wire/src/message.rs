@@ -127,6 +127,8 @@ pub enum Control {
     },
     /// Rendezvous: rank 0's address table and the run settings every node must share.
     Table {
+        /// Run id rank 0 chose for this run; every link's handshake and tensor carries it.
+        run_id: u64,
         /// Every node, indexed by rank.
         nodes: Vec<NodeAddr>,
         /// Settings as a TOML document (the same keys as `ringtmp train`), so nodes cannot

@@ -1,0 +1,326 @@
+//! Rendezvous: rank 0 listens at the rendezvous address and collects every node's peer-listening
+//! address; it then hands every node the address table, a fresh run id and the run's settings (so
+//! nodes cannot disagree about what they run). Every connection is authenticated with the run's
+//! shared secret; every wait is bounded.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use ringtmp_transport::framed::{ReadError, read_frame, write_frame};
+use ringtmp_transport::handshake::handshake;
+use ringtmp_transport::{PeerName, TransportConfig, TransportError};
+use ringtmp_wire::{Control, Message, NodeAddr};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::{Instant, timeout_at};
+
+/// Run id used on rendezvous connections only (the real one is chosen by rank 0 and handed out).
+const RENDEZVOUS_RUN: u64 = 0x7269_6e67_746d_7030;
+
+/// What every node learns at rendezvous.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Table {
+    /// Run id for all peer links.
+    pub run_id: u64,
+    /// Every node's peer-listening address, indexed by rank.
+    pub nodes: Vec<NodeAddr>,
+    /// The run's settings as rank 0 has them (TOML).
+    pub settings: String,
+}
+
+impl Table {
+    /// The socket address of `rank`'s peer listener.
+    pub fn addr(&self, rank: u32) -> Result<SocketAddr, TransportError> {
+        let node = self
+            .nodes
+            .get(rank as usize)
+            .ok_or(TransportError::NoLink(rank))?;
+        node.addr.parse().map_err(|e| TransportError::Io {
+            context: format!("address {:?} of rank {rank}", node.addr),
+            source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+        })
+    }
+}
+
+/// Rank 0's side: listens on `bind`, waits for the `world_size - 1` other nodes to register
+/// (within `cfg.connect_timeout`), and sends each the table. `own` is rank 0's peer address.
+pub fn serve(
+    bind: &str,
+    world_size: u32,
+    own: SocketAddr,
+    settings: String,
+    secret: &[u8],
+    wait: Duration,
+) -> Result<Table, TransportError> {
+    let runtime = runtime()?;
+    runtime.block_on(async {
+        let listener = TcpListener::bind(bind).await.map_err(|e| TransportError::Bind { addr: bind.to_string(), source: e })?;
+        tracing::info!("rendezvous: rank 0 listening on {}", listener.local_addr().map(|a| a.to_string()).unwrap_or_default());
+        let mut cfg = TransportConfig::new(RENDEZVOUS_RUN, 0, secret.to_vec());
+        cfg.connect_timeout = wait;
+        let deadline = Instant::now() + wait;
+        let mut nodes: Vec<Option<NodeAddr>> = vec![None; world_size as usize];
+        nodes[0] = Some(NodeAddr { rank: 0, addr: own.to_string() });
+        let mut streams = Vec::new();
+        let mut pending = tokio::task::JoinSet::new();
+        while nodes.iter().any(Option::is_none) {
+            tokio::select! {
+                accepted = timeout_at(deadline, listener.accept()) => {
+                    let (stream, addr) = match accepted {
+                        Err(_) => {
+                            let missing: Vec<usize> = nodes.iter().enumerate().filter(|(_, n)| n.is_none()).map(|(r, _)| r).collect();
+                            return Err(TransportError::Timeout { what: "registration".into(), from: format!("ranks {missing:?}"), waited: wait });
+                        }
+                        Ok(Err(e)) => return Err(TransportError::Io { context: "rendezvous accept".into(), source: e }),
+                        Ok(Ok(x)) => x,
+                    };
+                    let cfg = cfg.clone();
+                    pending.spawn(async move { register(stream, addr, cfg, world_size).await });
+                }
+                Some(done) = pending.join_next(), if !pending.is_empty() => match done {
+                    Ok(Ok((node, stream))) => {
+                        let slot = &mut nodes[node.rank as usize];
+                        if slot.is_some() {
+                            tracing::warn!("rendezvous: ignoring a second registration of rank {}", node.rank);
+                        } else {
+                            tracing::info!("rendezvous: rank {} listens on {}", node.rank, node.addr);
+                            *slot = Some(node);
+                            streams.push(stream);
+                        }
+                    }
+                    Ok(Err(e)) => tracing::warn!("rendezvous: {e}"),
+                    Err(e) => tracing::warn!("rendezvous: registration task failed: {e}"),
+                },
+            }
+        }
+        let table = Table { run_id: rand::random(), nodes: nodes.into_iter().flatten().collect(), settings };
+        let message = Message::Control(Control::Table { run_id: table.run_id, nodes: table.nodes.clone(), settings: table.settings.clone() });
+        let mut scratch = Vec::new();
+        for (mut stream, peer) in streams {
+            write_frame(&mut stream, &message, &mut scratch)
+                .await
+                .map_err(|e| TransportError::PeerClosed { peer, reason: format!("sending the table failed: {e}") })?;
+        }
+        Ok(table)
+    })
+}
+
+async fn register(
+    mut stream: TcpStream,
+    addr: SocketAddr,
+    cfg: TransportConfig,
+    world_size: u32,
+) -> Result<(NodeAddr, (TcpStream, PeerName)), TransportError> {
+    let rank = handshake(&mut stream, addr, &cfg, |r| r > 0 && r < world_size).await?;
+    let peer = PeerName {
+        rank: Some(rank),
+        addr: Some(addr),
+    };
+    let mut buf = Vec::new();
+    let message = tokio::time::timeout(
+        cfg.handshake_timeout,
+        read_frame(&mut stream, &mut buf, &cfg.limits),
+    )
+    .await;
+    match message {
+        Ok(Ok((Message::Control(Control::Register { node }), _))) if node.rank == rank => {
+            Ok((node, (stream, peer)))
+        }
+        Ok(Ok(_)) => Err(TransportError::Handshake {
+            peer,
+            reason: "expected its registration".into(),
+        }),
+        Ok(Err(ReadError::Decode(e))) => Err(TransportError::Decode { peer, source: e }),
+        Ok(Err(_)) => Err(TransportError::PeerClosed {
+            peer,
+            reason: "closed before registering".into(),
+        }),
+        Err(_) => Err(TransportError::Timeout {
+            what: "registration".into(),
+            from: peer.to_string(),
+            waited: cfg.handshake_timeout,
+        }),
+    }
+}
+
+/// A non-zero rank's side: connects to rank 0 at `master` (retrying until `wait` runs out),
+/// registers `own` as this node's peer address and waits for the table.
+pub fn join(
+    master: &str,
+    rank: u32,
+    own: SocketAddr,
+    secret: &[u8],
+    wait: Duration,
+) -> Result<Table, TransportError> {
+    let runtime = runtime()?;
+    runtime.block_on(async {
+        let mut cfg = TransportConfig::new(RENDEZVOUS_RUN, rank, secret.to_vec());
+        cfg.connect_timeout = wait;
+        let deadline = Instant::now() + wait;
+        let peer = PeerName {
+            rank: Some(0),
+            addr: None,
+        };
+        let mut last = String::from("no attempt");
+        let (mut stream, addr) = loop {
+            match timeout_at(deadline, TcpStream::connect(master)).await {
+                Err(_) => {
+                    return Err(TransportError::Connect {
+                        peer,
+                        waited: wait,
+                        reason: format!("rendezvous at {master}: {last}"),
+                    });
+                }
+                Ok(Ok(stream)) => {
+                    let addr = stream.peer_addr().map_err(|e| TransportError::Io {
+                        context: "rendezvous".into(),
+                        source: e,
+                    })?;
+                    break (stream, addr);
+                }
+                Ok(Err(e)) => last = e.to_string(),
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        handshake(&mut stream, addr, &cfg, |r| r == 0).await?;
+        let peer = PeerName {
+            rank: Some(0),
+            addr: Some(addr),
+        };
+        // Advertise an address others can reach: a wildcard listener is announced with the local
+        // address of this connection to rank 0.
+        let own = if own.ip().is_unspecified() {
+            let local = stream.local_addr().map_err(|e| TransportError::Io {
+                context: "rendezvous".into(),
+                source: e,
+            })?;
+            SocketAddr::new(local.ip(), own.port())
+        } else {
+            own
+        };
+        let mut scratch = Vec::new();
+        let register = Message::Control(Control::Register {
+            node: NodeAddr {
+                rank,
+                addr: own.to_string(),
+            },
+        });
+        write_frame(&mut stream, &register, &mut scratch)
+            .await
+            .map_err(|e| TransportError::PeerClosed {
+                peer: peer.clone(),
+                reason: e.to_string(),
+            })?;
+        let mut buf = Vec::new();
+        match timeout_at(deadline, read_frame(&mut stream, &mut buf, &cfg.limits)).await {
+            Ok(Ok((
+                Message::Control(Control::Table {
+                    run_id,
+                    nodes,
+                    settings,
+                }),
+                _,
+            ))) => Ok(Table {
+                run_id,
+                nodes,
+                settings,
+            }),
+            Ok(Ok(_)) => Err(TransportError::Handshake {
+                peer,
+                reason: "expected the address table".into(),
+            }),
+            Ok(Err(ReadError::Decode(e))) => Err(TransportError::Decode { peer, source: e }),
+            Ok(Err(_)) => Err(TransportError::PeerClosed {
+                peer,
+                reason: "closed before sending the address table".into(),
+            }),
+            Err(_) => Err(TransportError::Timeout {
+                what: "the address table".into(),
+                from: peer.to_string(),
+                waited: wait,
+            }),
+        }
+    })
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime, TransportError> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| TransportError::Io {
+            context: "starting the rendezvous runtime".into(),
+            source: e,
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn four_nodes_meet_and_agree_on_the_table() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let master = format!("127.0.0.1:{port}");
+        let own = |r: u32| -> SocketAddr { format!("127.0.0.1:{}", 5000 + r).parse().unwrap() };
+        let m = master.clone();
+        let host = std::thread::spawn(move || {
+            serve(
+                &m,
+                4,
+                own(0),
+                "job = \"selftest\"\n".into(),
+                b"s",
+                Duration::from_secs(10),
+            )
+        });
+        let joiners: Vec<_> = (1..4)
+            .map(|r| {
+                let m = master.clone();
+                std::thread::spawn(move || join(&m, r, own(r), b"s", Duration::from_secs(10)))
+            })
+            .collect();
+        let table = host.join().unwrap().unwrap();
+        assert_eq!(
+            table.nodes.iter().map(|n| n.rank).collect::<Vec<_>>(),
+            [0, 1, 2, 3]
+        );
+        for j in joiners {
+            assert_eq!(j.join().unwrap().unwrap(), table);
+        }
+        assert_eq!(table.addr(2).unwrap(), own(2));
+    }
+
+    #[test]
+    fn wrong_secret_cannot_register_and_missing_nodes_time_out() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let master = format!("127.0.0.1:{port}");
+        let m = master.clone();
+        let own: SocketAddr = "127.0.0.1:5000".parse().unwrap();
+        let host = std::thread::spawn(move || {
+            serve(
+                &m,
+                2,
+                own,
+                String::new(),
+                b"right",
+                Duration::from_millis(1500),
+            )
+        });
+        let intruder = join(&master, 1, own, b"wrong", Duration::from_secs(5))
+            .unwrap_err()
+            .to_string();
+        assert!(intruder.contains("secret"), "{intruder}");
+        let err = host.join().unwrap().unwrap_err().to_string();
+        assert!(
+            err.contains("registration") && err.contains("ranks [1]"),
+            "{err}"
+        );
+    }
+}
