@@ -6,6 +6,8 @@
 
 mod args;
 mod bench;
+mod launcher;
+mod node;
 mod train;
 
 use std::process::ExitCode;
@@ -45,14 +47,72 @@ enum Command {
     BenchCompute(bench::BenchArgs),
     /// Check training options or a model file without training.
     ValidateConfig(args::TrainArgs),
+    /// Join a run started elsewhere (mpirun, srun, torchrun, Kubernetes, or by hand).
+    Node(node::NodeArgs),
+    /// Check connectivity and measure the links of a local ring of N node processes.
+    Selftest(SelftestArgs),
+}
+
+/// `ringtmp selftest` options.
+#[derive(clap::Args)]
+struct SelftestArgs {
+    /// Local node processes to start.
+    #[arg(long, default_value_t = 3)]
+    nodes: u32,
+    /// Pin each node to its own core (when there are enough cores).
+    #[arg(long)]
+    pin: bool,
+    #[command(flatten)]
+    job: node::JobArgs,
+    /// Emulated bandwidth of every link, Mbit/s.
+    #[arg(long)]
+    bandwidth_mbit: Option<f64>,
+    /// Emulated one-way latency of every link, ms.
+    #[arg(long, default_value_t = 0.0)]
+    latency_ms: f64,
+}
+
+fn selftest(a: &SelftestArgs) -> anyhow::Result<()> {
+    if a.nodes < 2 {
+        return Err(UsageError("--nodes must be at least 2".into()).into());
+    }
+    launcher::launch(a.nodes, a.pin, |_| {
+        let mut args = vec![
+            "--job".to_string(),
+            "selftest".into(),
+            "--size-mib".into(),
+            a.job.size_mib.to_string(),
+            "--rounds".into(),
+            a.job.rounds.to_string(),
+            "--pings".into(),
+            a.job.pings.to_string(),
+            "--latency-ms".into(),
+            a.latency_ms.to_string(),
+        ];
+        if let Some(b) = a.bandwidth_mbit {
+            args.extend(["--bandwidth-mbit".into(), b.to_string()]);
+        }
+        args
+    })
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    // Logs (refused peers, bound addresses) go to stderr; RINGTMP_LOG overrides the level.
+    let filter = tracing_subscriber::EnvFilter::try_from_env("RINGTMP_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false)
+        .init();
     let result = match cli.command {
         Command::Train(a) => train::run(&a),
         Command::BenchCompute(a) => bench::run(&a),
         Command::ValidateConfig(a) => train::validate(&a),
+        Command::Node(a) => node::run(&a),
+        Command::Selftest(a) => selftest(&a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -70,6 +130,11 @@ fn exit_code(err: &anyhow::Error) -> u8 {
             Some(true)
         } else if let Some(e) = cause.downcast_ref::<ringtmp_strategy::Error>() {
             Some(e.is_usage())
+        } else if cause
+            .downcast_ref::<ringtmp_transport::TransportError>()
+            .is_some()
+        {
+            Some(false)
         } else if let Some(e) = cause.downcast_ref::<ringtmp_model::Error>() {
             Some(e.is_usage())
         } else {

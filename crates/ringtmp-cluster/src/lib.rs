@@ -6,10 +6,12 @@
 //! # Layout
 //! - [`launch`]: the placement of this process, resolved from flags and environment.
 //! - [`hostlist`]: Slurm's compressed host-list syntax.
+//! - [`node`]: bringing a node up (listener, rendezvous, links).
 //! - [`rendezvous`]: rank 0 collects listening addresses and hands out the table.
 
 pub mod hostlist;
 pub mod launch;
+pub mod node;
 pub mod rendezvous;
 
 pub use launch::{LaunchFlags, Placement, Source, resolve};

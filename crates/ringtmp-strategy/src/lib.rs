@@ -6,10 +6,12 @@
 //! - [`config`]: the validated run configuration shared by every strategy.
 //! - [`local`]: one process, one stage holding the whole model — plain mini-batch training and
 //!   the oracle every distributed strategy is tested against.
+//! - [`selftest`]: connectivity and link measurements on a ring of nodes.
 
 pub mod config;
 mod error;
 pub mod local;
+pub mod selftest;
 
 pub use config::TrainConfig;
 pub use error::{Error, Result};

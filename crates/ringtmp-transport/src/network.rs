@@ -207,6 +207,12 @@ impl Network {
         self.next_inbound(deadline, None)
     }
 
+    /// Puts a message back so the next `recv`/`recv_from` returns it first (for a protocol phase
+    /// that received a message belonging to the next phase).
+    pub fn unread(&mut self, from: u32, message: Message) {
+        self.pending.push_front((from, message));
+    }
+
     /// The next message from `from` (others are kept for later), waiting at most `wait`.
     pub fn recv_from(&mut self, from: u32, wait: Duration) -> Result<Message, TransportError> {
         if let Some(i) = self.pending.iter().position(|(r, _)| *r == from) {

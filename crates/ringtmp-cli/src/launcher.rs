@@ -1,0 +1,174 @@
+//! The local launcher: starts N node processes of this same binary on loopback, streams their
+//! output into one display (each line prefixed with its node), forwards Ctrl-C, and on the first
+//! failure stops the others and reports which node failed and why.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+/// A finished or failed node.
+struct Outcome {
+    rank: u32,
+    status: ExitStatus,
+}
+
+/// Runs `nodes` local node processes; `args(rank)` is each one's command line after the binary.
+/// With `pin`, node r is pinned to core r when there are at least `nodes` cores.
+pub fn launch(nodes: u32, pin: bool, args: impl Fn(u32) -> Vec<String>) -> Result<()> {
+    let exe = std::env::current_exe().context("locating the ringtmp binary")?;
+    let cores = thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let pin = if pin && cores < nodes as usize {
+        eprintln!("launcher: --pin ignored: {nodes} nodes but only {cores} cores");
+        false
+    } else {
+        pin
+    };
+    let port = free_port()?;
+    let secret = hex::encode(rand::random::<[u8; 32]>());
+    eprintln!("launcher: starting {nodes} local node(s); rendezvous at 127.0.0.1:{port}");
+    let last_errors: Arc<Mutex<Vec<String>>> =
+        Arc::new(Mutex::new(vec![String::new(); nodes as usize]));
+    let mut children: Vec<(u32, Child)> = Vec::new();
+    for rank in 0..nodes {
+        let mut cmd = Command::new(&exe);
+        cmd.arg("node")
+            .args([
+                "--rank",
+                &rank.to_string(),
+                "--world-size",
+                &nodes.to_string(),
+            ])
+            .args([
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                &port.to_string(),
+            ])
+            .args(args(rank))
+            .env("RINGTMP_SECRET", &secret)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        if pin {
+            cmd.args(["--cpu", &rank.to_string()]);
+        }
+        let mut child = cmd
+            .spawn()
+            .with_context(|| format!("starting node {rank}"))?;
+        stream(rank, child.stdout.take(), false, last_errors.clone());
+        stream(rank, child.stderr.take(), true, last_errors.clone());
+        children.push((rank, child));
+    }
+
+    let interrupted = Arc::new(AtomicBool::new(false));
+    {
+        let flag = interrupted.clone();
+        // Ctrl-C reaches the nodes too (same process group); we stop them if they linger.
+        let _ = ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst));
+    }
+    let mut failed: Option<Outcome> = None;
+    let mut interrupt_at: Option<Instant> = None;
+    while !children.is_empty() {
+        let mut still = Vec::new();
+        for (rank, mut child) in children {
+            match child.try_wait() {
+                Ok(Some(status)) => {
+                    if !status.success() && failed.is_none() {
+                        failed = Some(Outcome { rank, status });
+                    }
+                }
+                Ok(None) => still.push((rank, child)),
+                Err(e) => bail!("waiting for node {rank}: {e}"),
+            }
+        }
+        children = still;
+        if interrupted.load(Ordering::SeqCst) && interrupt_at.is_none() {
+            interrupt_at = Some(Instant::now());
+            for (_, child) in &children {
+                // SAFETY: sending a signal to our own child process.
+                unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+            }
+        }
+        let give_up =
+            failed.is_some() || interrupt_at.is_some_and(|t| t.elapsed() > Duration::from_secs(5));
+        if give_up && !children.is_empty() {
+            // The others learn of the failure within seconds through the abort; give them that
+            // long to report it themselves, then stop them.
+            let grace = Instant::now();
+            while grace.elapsed() < Duration::from_secs(10)
+                && children
+                    .iter_mut()
+                    .any(|(_, c)| matches!(c.try_wait(), Ok(None)))
+            {
+                thread::sleep(Duration::from_millis(50));
+            }
+            for (_, child) in &mut children {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+            children.clear();
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+    if interrupted.load(Ordering::SeqCst) {
+        bail!("interrupted");
+    }
+    if let Some(mut f) = failed {
+        let errors = last_errors.lock().map(|e| e.clone()).unwrap_or_default();
+        // Report the node that failed first: the one whose error is not a relayed abort.
+        if let Some(origin) = errors
+            .iter()
+            .position(|e| !e.is_empty() && !e.contains("aborted the run"))
+        {
+            f.rank = origin as u32;
+        }
+        let why = errors[f.rank as usize].clone();
+        bail!(
+            "node {} failed ({}){}",
+            f.rank,
+            f.status,
+            if why.is_empty() {
+                String::new()
+            } else {
+                format!(": {why}")
+            }
+        );
+    }
+    Ok(())
+}
+
+/// Copies a child's output line by line, prefixed with its rank; remembers its last error line.
+fn stream(
+    rank: u32,
+    pipe: Option<impl std::io::Read + Send + 'static>,
+    is_err: bool,
+    last_errors: Arc<Mutex<Vec<String>>>,
+) {
+    let Some(pipe) = pipe else { return };
+    thread::spawn(move || {
+        for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+            if is_err {
+                if let Some(msg) = line.strip_prefix("error: ")
+                    && let Ok(mut e) = last_errors.lock()
+                {
+                    e[rank as usize] = msg.to_string();
+                }
+                eprintln!("[node {rank}] {line}");
+            } else {
+                println!("[node {rank}] {line}");
+            }
+        }
+    });
+}
+
+/// A port that was free a moment ago (rank 0 binds it right away).
+fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
+    Ok(l.local_addr()?.port())
+}

@@ -1,0 +1,237 @@
+//! `ringtmp node`: join a run started elsewhere (by the local launcher, mpirun, srun, torchrun,
+//! a Kubernetes indexed job, or by hand). Placement comes from flags or the launcher's environment;
+//! every job setting comes from rank 0 at rendezvous, so nodes cannot disagree.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::{Args, ValueEnum};
+use ringtmp_cluster::launch::{LaunchFlags, resolve};
+use ringtmp_cluster::node::{JoinOptions, join, ring_neighbours};
+use ringtmp_strategy::selftest::{self, SelftestConfig};
+use ringtmp_transport::{Shaping, TransportConfig};
+use serde::{Deserialize, Serialize};
+
+use crate::UsageError;
+
+/// What the nodes run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Job {
+    /// Connectivity check and link measurements around the ring.
+    Selftest,
+}
+
+/// Job settings; rank 0's are handed to every node at rendezvous.
+#[derive(Args, Clone, Debug, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+pub struct JobArgs {
+    /// The job.
+    #[arg(long, value_enum, default_value = "selftest")]
+    pub job: Job,
+    /// Selftest: MiB per tensor in the bandwidth rounds.
+    #[arg(long, default_value_t = 4.0)]
+    pub size_mib: f64,
+    /// Selftest: bandwidth rounds.
+    #[arg(long, default_value_t = 10)]
+    pub rounds: u32,
+    /// Selftest: ping/pong round trips.
+    #[arg(long, default_value_t = 200)]
+    pub pings: u32,
+}
+
+/// How this node connects.
+#[derive(Args, Clone, Debug)]
+pub struct ConnectArgs {
+    /// This node's rank (with --world-size; otherwise from the launcher's environment).
+    #[arg(long)]
+    pub rank: Option<u32>,
+    /// Number of nodes.
+    #[arg(long)]
+    pub world_size: Option<u32>,
+    /// Rank 0's rendezvous host.
+    #[arg(long)]
+    pub master_addr: Option<String>,
+    /// Rank 0's rendezvous port.
+    #[arg(long)]
+    pub master_port: Option<u16>,
+    /// Host or IP this node listens on for its peers (0.0.0.0 for all interfaces).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub listen: String,
+    /// File holding the run's shared secret (else the RINGTMP_SECRET variable).
+    #[arg(long, value_name = "FILE")]
+    pub secret_file: Option<PathBuf>,
+    /// Seconds allowed for rendezvous and for connecting to peers.
+    #[arg(long, default_value_t = 30.0)]
+    pub connect_timeout: f64,
+    /// Milliseconds between heartbeats on each link.
+    #[arg(long, default_value_t = 1000)]
+    pub heartbeat_ms: u64,
+    /// Seconds of silence after which a peer is declared dead.
+    #[arg(long, default_value_t = 5.0)]
+    pub peer_timeout: f64,
+    /// Seconds to wait for any one message before giving up.
+    #[arg(long, default_value_t = 30.0)]
+    pub recv_timeout: f64,
+    /// Emulated bandwidth of every outgoing link, in Mbit/s.
+    #[arg(long)]
+    pub bandwidth_mbit: Option<f64>,
+    /// Emulated one-way latency of every outgoing link, in milliseconds.
+    #[arg(long, default_value_t = 0.0)]
+    pub latency_ms: f64,
+    /// Pin this process to one CPU core.
+    #[arg(long)]
+    pub cpu: Option<usize>,
+    /// Fault injection for tests: exit abruptly (no goodbye) after this many milliseconds.
+    #[arg(long, hide = true)]
+    pub crash_after_ms: Option<u64>,
+}
+
+/// `ringtmp node` options.
+#[derive(Args, Clone, Debug)]
+pub struct NodeArgs {
+    #[command(flatten)]
+    connect: ConnectArgs,
+    #[command(flatten)]
+    job: JobArgs,
+}
+
+/// Reads the shared secret from `--secret-file` or `RINGTMP_SECRET`.
+fn secret(args: &ConnectArgs) -> Result<Vec<u8>> {
+    let secret = match &args.secret_file {
+        Some(path) => std::fs::read(path).with_context(|| format!("reading the secret file {}", path.display()))?,
+        None => std::env::var("RINGTMP_SECRET").map(String::into_bytes).map_err(|_| {
+            UsageError("no shared secret: pass --secret-file FILE or set RINGTMP_SECRET (`ringtmp train --nodes N` generates one)".into())
+        })?,
+    };
+    let trimmed = String::from_utf8_lossy(&secret).trim().as_bytes().to_vec();
+    if trimmed.len() < 16 {
+        return Err(UsageError("the shared secret must have at least 16 characters".into()).into());
+    }
+    Ok(trimmed)
+}
+
+fn seconds(name: &str, v: f64) -> Result<Duration> {
+    Duration::try_from_secs_f64(v)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| UsageError(format!("--{name} must be a positive number of seconds")).into())
+}
+
+/// `ringtmp node`.
+pub fn run(args: &NodeArgs) -> Result<()> {
+    let c = &args.connect;
+    if let Some(core) = c.cpu {
+        pin_to_core(core)?;
+    }
+    if let Some(ms) = c.crash_after_ms {
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(ms));
+            eprintln!("fault injection: exiting abruptly");
+            std::process::exit(3);
+        });
+    }
+    let flags = LaunchFlags {
+        rank: c.rank,
+        world_size: c.world_size,
+        master_addr: c.master_addr.clone(),
+        master_port: c.master_port,
+    };
+    let placement =
+        resolve(&flags, &|k| std::env::var(k).ok()).map_err(|e| UsageError(e.to_string()))?;
+    eprintln!(
+        "node: rank {} of {} (from {}); rendezvous at {}:{}",
+        placement.rank,
+        placement.world_size,
+        placement.source,
+        placement.master_addr,
+        placement.master_port
+    );
+    let secret = secret(c)?;
+    let mut transport = TransportConfig::new(0, placement.rank, secret.clone());
+    transport.heartbeat_interval = Duration::from_millis(c.heartbeat_ms.max(1));
+    transport.peer_timeout = seconds("peer-timeout", c.peer_timeout)?;
+    transport.shaping = Shaping {
+        bandwidth_bps: c
+            .bandwidth_mbit
+            .map(|m| (m * 1e6) as u64)
+            .filter(|b| *b > 0),
+        latency: Duration::try_from_secs_f64(c.latency_ms / 1e3)
+            .map_err(|_| UsageError("--latency-ms must be ≥ 0".into()))?,
+    };
+    let options = JoinOptions {
+        listen_host: c.listen.clone(),
+        secret,
+        connect_timeout: seconds("connect-timeout", c.connect_timeout)?,
+        transport,
+    };
+    let settings = toml::to_string(&args.job).context("encoding the job settings")?;
+    let (table, mut net) = join(&placement, &options, settings, ring_neighbours)?;
+    let job: JobArgs = toml::from_str(&table.settings).context("rank 0's job settings")?;
+    let recv_timeout = seconds("recv-timeout", c.recv_timeout)?;
+    let result = match job.job {
+        Job::Selftest => {
+            let cfg = SelftestConfig {
+                size_bytes: ((job.size_mib * 1024.0 * 1024.0) as usize / 4).max(1) * 4,
+                rounds: job.rounds,
+                pings: job.pings,
+                timeout: recv_timeout,
+            };
+            selftest::run(&mut net, placement.world_size, table.run_id, cfg)
+                .map(|reports| print_selftest(placement.rank, &reports, &job))
+        }
+    };
+    match result {
+        Ok(()) => {
+            net.close()?;
+            Ok(())
+        }
+        Err(e) => {
+            net.abort(&e.to_string());
+            Err(e.into())
+        }
+    }
+}
+
+fn print_selftest(rank: u32, reports: &[ringtmp_strategy::selftest::NodeReport], job: &JobArgs) {
+    if rank != 0 {
+        return;
+    }
+    println!(
+        "selftest ok: {} node(s), {} round(s) of {} MiB, {} ping(s)",
+        reports.len(),
+        job.rounds,
+        job.size_mib,
+        job.pings
+    );
+    println!(
+        "{:>4} {:>14} {:>14} {:>16}",
+        "rank", "RTT p50 (µs)", "RTT p99 (µs)", "send (MB/s)"
+    );
+    for r in reports {
+        println!(
+            "{:>4} {:>14.1} {:>14.1} {:>16.1}",
+            r.rank, r.rtt_p50_us, r.rtt_p99_us, r.send_mb_per_s
+        );
+    }
+}
+
+/// Restricts this process to one core.
+pub fn pin_to_core(core: usize) -> Result<()> {
+    // SAFETY: sched_setaffinity reads the set we initialise here and affects only this process.
+    let ok = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(core, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    };
+    if ok {
+        Ok(())
+    } else {
+        Err(UsageError(format!(
+            "cannot pin to core {core}: {}",
+            std::io::Error::last_os_error()
+        ))
+        .into())
+    }
+}

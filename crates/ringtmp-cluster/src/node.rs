@@ -1,0 +1,98 @@
+//! Bringing a node up: placement → peer listener → rendezvous → links along the topology.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use ringtmp_transport::{Network, TransportConfig, TransportError, bind_listener};
+
+use crate::launch::Placement;
+use crate::rendezvous::{self, Table};
+
+/// How a node joins its run.
+#[derive(Clone, Debug)]
+pub struct JoinOptions {
+    /// Host (or IP) this node listens on for peers; port chosen by the system.
+    pub listen_host: String,
+    /// Shared secret.
+    pub secret: Vec<u8>,
+    /// Longest wait for rendezvous and for links.
+    pub connect_timeout: Duration,
+    /// Transport settings other than identity (heartbeats, timeouts, shaping, limits).
+    pub transport: TransportConfig,
+}
+
+/// Joins the run: rendezvous (rank 0 serves `settings`; the others receive rank 0's), then links
+/// to `neighbours(rank, world_size)`. Returns the table (with the settings every node must use)
+/// and the network.
+pub fn join(
+    placement: &Placement,
+    options: &JoinOptions,
+    settings: String,
+    neighbours: impl Fn(u32, u32) -> BTreeSet<u32>,
+) -> Result<(Table, Network), TransportError> {
+    let listener = bind_listener(&format!("{}:0", options.listen_host))?;
+    let own = listener.local_addr().map_err(|e| TransportError::Io {
+        context: "peer listener".into(),
+        source: e,
+    })?;
+    let master = format!("{}:{}", placement.master_addr, placement.master_port);
+    let table = if placement.rank == 0 {
+        let bind = format!("{}:{}", placement.master_addr, placement.master_port);
+        rendezvous::serve(
+            &bind,
+            placement.world_size,
+            own,
+            settings,
+            &options.secret,
+            options.connect_timeout,
+        )?
+    } else {
+        rendezvous::join(
+            &master,
+            placement.rank,
+            own,
+            &options.secret,
+            options.connect_timeout,
+        )?
+    };
+    let mut addresses = BTreeMap::new();
+    for node in &table.nodes {
+        addresses.insert(node.rank, table.addr(node.rank)?);
+    }
+    let mut cfg = options.transport.clone();
+    cfg.run_id = table.run_id;
+    cfg.rank = placement.rank;
+    cfg.secret = options.secret.clone();
+    cfg.connect_timeout = options.connect_timeout;
+    let network = Network::connect(
+        cfg,
+        listener,
+        &addresses,
+        &neighbours(placement.rank, placement.world_size),
+    )?;
+    Ok((table, network))
+}
+
+/// Ring neighbours: predecessor and successor (one peer when there are two nodes, none alone).
+pub fn ring_neighbours(rank: u32, world_size: u32) -> BTreeSet<u32> {
+    if world_size < 2 {
+        return BTreeSet::new();
+    }
+    BTreeSet::from([
+        (rank + 1) % world_size,
+        (rank + world_size - 1) % world_size,
+    ])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ring_neighbours_wrap_around() {
+        assert_eq!(ring_neighbours(0, 4), BTreeSet::from([1, 3]));
+        assert_eq!(ring_neighbours(3, 4), BTreeSet::from([0, 2]));
+        assert_eq!(ring_neighbours(1, 2), BTreeSet::from([0]));
+        assert!(ring_neighbours(0, 1).is_empty());
+    }
+}
