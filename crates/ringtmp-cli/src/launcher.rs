@@ -119,28 +119,53 @@ pub fn launch(nodes: u32, pin: bool, args: impl Fn(u32) -> Vec<String>) -> Resul
     if interrupted.load(Ordering::SeqCst) {
         bail!("interrupted");
     }
-    if let Some(mut f) = failed {
+    if let Some(f) = failed {
         let errors = last_errors.lock().map(|e| e.clone()).unwrap_or_default();
-        // Report the node that failed first: the one whose error is not a relayed abort.
-        if let Some(origin) = errors
-            .iter()
-            .position(|e| !e.is_empty() && !e.contains("aborted the run"))
-        {
-            f.rank = origin as u32;
-        }
-        let why = errors[f.rank as usize].clone();
-        bail!(
-            "node {} failed ({}){}",
-            f.rank,
-            f.status,
-            if why.is_empty() {
-                String::new()
-            } else {
-                format!(": {why}")
-            }
-        );
+        let (culprit, why) = culprit(f.rank, &f.status, &errors);
+        bail!("node {culprit} failed{why}");
     }
     Ok(())
+}
+
+/// Which node caused the failure, and why. Nodes that fail because a peer died name that peer
+/// (`rank K …`) in their error; a node named by another's error is the culprit even when it
+/// printed nothing itself (killed, crashed). Otherwise the first node seen failing.
+fn culprit(first: u32, status: &ExitStatus, errors: &[String]) -> (u32, String) {
+    for (reporter, error) in errors.iter().enumerate() {
+        let named = error
+            .split("rank ")
+            .skip(1)
+            .filter_map(|rest| {
+                rest.split(|c: char| !c.is_ascii_digit())
+                    .next()?
+                    .parse::<u32>()
+                    .ok()
+            })
+            .find(|r| *r as usize != reporter && (*r as usize) < errors.len());
+        if let Some(rank) = named
+            && !error.contains("aborted the run")
+        {
+            let own = &errors[rank as usize];
+            let own = if own.is_empty() {
+                String::new()
+            } else {
+                format!(": {own}")
+            };
+            return (rank, format!("{own} (node {reporter} reports: {error})"));
+        }
+    }
+    let own = &errors[first as usize];
+    (
+        first,
+        format!(
+            " ({status}){}",
+            if own.is_empty() {
+                String::new()
+            } else {
+                format!(": {own}")
+            }
+        ),
+    )
 }
 
 /// Copies a child's output line by line, prefixed with its rank; remembers its last error line.

@@ -70,13 +70,19 @@ struct SelftestArgs {
     /// Emulated one-way latency of every link, ms.
     #[arg(long, default_value_t = 0.0)]
     latency_ms: f64,
+    /// Fault injection for tests: this rank exits abruptly after --crash-after-ms.
+    #[arg(long, hide = true)]
+    crash_rank: Option<u32>,
+    /// Fault injection for tests: milliseconds before the crash.
+    #[arg(long, hide = true, default_value_t = 1000)]
+    crash_after_ms: u64,
 }
 
 fn selftest(a: &SelftestArgs) -> anyhow::Result<()> {
     if a.nodes < 2 {
         return Err(UsageError("--nodes must be at least 2".into()).into());
     }
-    launcher::launch(a.nodes, a.pin, |_| {
+    launcher::launch(a.nodes, a.pin, |rank| {
         let mut args = vec![
             "--job".to_string(),
             "selftest".into(),
@@ -91,6 +97,9 @@ fn selftest(a: &SelftestArgs) -> anyhow::Result<()> {
         ];
         if let Some(b) = a.bandwidth_mbit {
             args.extend(["--bandwidth-mbit".into(), b.to_string()]);
+        }
+        if a.crash_rank == Some(rank) {
+            args.extend(["--crash-after-ms".into(), a.crash_after_ms.to_string()]);
         }
         args
     })

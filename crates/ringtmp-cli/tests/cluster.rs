@@ -1,0 +1,216 @@
+//! Multi-process runs on loopback: the local launcher, and nodes started by hand the way an
+//! external launcher starts them, with killed, stopped and unauthenticated nodes. Every child is
+//! bounded by a deadline and killed if it outlives it.
+
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const SECRET: &str = "0123456789abcdef-test-secret";
+
+fn ringtmp() -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_ringtmp"));
+    c.env("RINGTMP_LOG", "warn");
+    c
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Starts node `rank` of `world` with a long selftest (so there is time to disturb it).
+fn node(rank: u32, world: u32, port: u16, secret: &str, extra: &[&str]) -> Child {
+    ringtmp()
+        .args([
+            "node",
+            "--rank",
+            &rank.to_string(),
+            "--world-size",
+            &world.to_string(),
+        ])
+        .args([
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port.to_string(),
+        ])
+        .args([
+            "--job",
+            "selftest",
+            "--size-mib",
+            "0.25",
+            "--rounds",
+            "1000000",
+            "--pings",
+            "10",
+        ])
+        .args([
+            "--connect-timeout",
+            "5",
+            "--peer-timeout",
+            "3",
+            "--heartbeat-ms",
+            "250",
+        ])
+        .args(extra)
+        .env("RINGTMP_SECRET", secret)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Waits for a child at most `limit`; kills it if it is still running then.
+fn finish(mut child: Child, limit: Duration) -> (Output, Duration) {
+    let started = Instant::now();
+    while started.elapsed() < limit {
+        if child.try_wait().unwrap().is_some() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    (child.wait_with_output().unwrap(), started.elapsed())
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn local_launcher_runs_a_selftest_ring() {
+    let child = ringtmp()
+        .args([
+            "selftest",
+            "--nodes",
+            "3",
+            "--size-mib",
+            "0.5",
+            "--rounds",
+            "3",
+            "--pings",
+            "20",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (out, _) = finish(child, Duration::from_secs(60));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout.contains("[node 0] selftest ok: 3 node(s)"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn launcher_reports_a_crashed_node_and_exits_non_zero() {
+    let child = ringtmp()
+        .args([
+            "selftest",
+            "--nodes",
+            "3",
+            "--size-mib",
+            "0.25",
+            "--rounds",
+            "1000000",
+            "--pings",
+            "10",
+        ])
+        .args(["--crash-rank", "2", "--crash-after-ms", "1500"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (out, took) = finish(child, Duration::from_secs(60));
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("node 2 failed"), "{err}");
+    assert!(took < Duration::from_secs(20), "took {took:?}");
+}
+
+#[test]
+fn killed_node_is_detected_by_its_neighbours_within_ten_seconds() {
+    let port = free_port();
+    let mut nodes: Vec<Child> = (0..3).map(|r| node(r, 3, port, SECRET, &[])).collect();
+    std::thread::sleep(Duration::from_millis(2000));
+    let mut victim = nodes.pop().unwrap();
+    victim.kill().unwrap();
+    let killed_at = Instant::now();
+    let _ = victim.wait();
+    for (rank, child) in nodes.into_iter().enumerate() {
+        let (out, _) = finish(child, Duration::from_secs(15));
+        let err = stderr(&out);
+        let after = killed_at.elapsed();
+        assert_eq!(out.status.code(), Some(1), "rank {rank}: {err}");
+        assert!(
+            err.contains("rank 2"),
+            "rank {rank} must name the dead node: {err}"
+        );
+        assert!(
+            after < Duration::from_secs(10),
+            "rank {rank} stopped {after:?} after the kill"
+        );
+    }
+}
+
+#[test]
+fn stopped_node_is_detected_by_heartbeat() {
+    let port = free_port();
+    let mut nodes: Vec<Child> = (0..3).map(|r| node(r, 3, port, SECRET, &[])).collect();
+    std::thread::sleep(Duration::from_millis(2000));
+    let frozen = nodes.remove(1);
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(frozen.id() as i32, libc::SIGSTOP) };
+    let stopped_at = Instant::now();
+    for child in nodes {
+        let (out, _) = finish(child, Duration::from_secs(15));
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert!(err.contains("rank 1"), "must name the frozen node: {err}");
+        assert!(
+            stopped_at.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            stopped_at.elapsed()
+        );
+    }
+    let mut frozen = frozen;
+    frozen.kill().unwrap();
+    let _ = frozen.wait();
+}
+
+#[test]
+fn node_with_the_wrong_secret_is_refused() {
+    let port = free_port();
+    let host = node(0, 2, port, SECRET, &[]);
+    let intruder = node(1, 2, port, "fedcba9876543210-wrong-secret", &[]);
+    let (intruder_out, _) = finish(intruder, Duration::from_secs(20));
+    let (host_out, _) = finish(host, Duration::from_secs(20));
+    assert_eq!(intruder_out.status.code(), Some(1));
+    assert!(
+        stderr(&intruder_out).contains("secret"),
+        "{}",
+        stderr(&intruder_out)
+    );
+    assert_eq!(host_out.status.code(), Some(1));
+    let host_err = stderr(&host_out);
+    assert!(
+        host_err.contains("refused") && host_err.contains("127.0.0.1"),
+        "refusal logged with address: {host_err}"
+    );
+}
+
+#[test]
+fn missing_secret_is_a_usage_error() {
+    let out = ringtmp()
+        .args(["node", "--rank", "0", "--world-size", "2"])
+        .env_remove("RINGTMP_SECRET")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
+    assert!(stderr(&out).contains("no shared secret"));
+}
