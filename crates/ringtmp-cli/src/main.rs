@@ -6,6 +6,7 @@
 
 mod args;
 mod bench;
+mod bench_transport;
 mod launcher;
 mod node;
 mod train;
@@ -45,6 +46,8 @@ enum Command {
     Train(args::TrainArgs),
     /// Measure training throughput of the compute engine (samples/s per model and thread count).
     BenchCompute(bench::BenchArgs),
+    /// Measure the transport against plain TCP on loopback (throughput and round trips).
+    BenchTransport(bench_transport::BenchTransportArgs),
     /// Check training options or a model file without training.
     ValidateConfig(args::TrainArgs),
     /// Join a run started elsewhere (mpirun, srun, torchrun, Kubernetes, or by hand).
@@ -121,6 +124,7 @@ fn main() -> ExitCode {
         Command::BenchCompute(a) => bench::run(&a),
         Command::ValidateConfig(a) => train::validate(&a),
         Command::Node(a) => node::run(&a),
+        Command::BenchTransport(a) => bench_transport::run(&a),
         Command::Selftest(a) => selftest(&a),
     };
     match result {

@@ -1,7 +1,9 @@
 //! Reading and writing whole frames on a byte stream. Reading is bounded by [`Limits`] before any
 //! allocation: the 20-byte prefix is read first and validated, then exactly the declared rest.
 
-use ringtmp_wire::{Limits, Message, PREFIX_LEN, decode, encode_tensor_prefix, frame_len};
+use ringtmp_wire::{
+    Head, Limits, Message, PREFIX_LEN, decode_head, encode_tensor_prefix, head_len,
+};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// Why reading a frame failed.
@@ -15,7 +17,9 @@ pub enum ReadError {
     Decode(ringtmp_wire::DecodeError),
 }
 
-/// Reads one frame; returns the message and the number of bytes it occupied on the wire.
+/// Reads one frame; returns the message and the number of bytes it occupied on the wire. The
+/// prefix and header are read and validated first; a tensor payload is then read straight into
+/// its own buffer (no intermediate frame buffer, no copy).
 pub async fn read_frame<R: AsyncRead + Unpin>(
     stream: &mut R,
     buf: &mut Vec<u8>,
@@ -33,17 +37,27 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
         .read_exact(&mut buf[1..PREFIX_LEN])
         .await
         .map_err(ReadError::Io)?;
-    let total = frame_len(buf, limits)
+    let head = head_len(buf, limits)
         .map_err(ReadError::Decode)?
         .expect("prefix complete");
-    buf.resize(total, 0);
+    buf.resize(head, 0);
     stream
         .read_exact(&mut buf[PREFIX_LEN..])
         .await
         .map_err(ReadError::Io)?;
-    match decode(buf, limits).map_err(ReadError::Decode)? {
-        Some((message, used)) if used == total => Ok((message, total)),
-        _ => unreachable!("a complete frame of the declared length always decodes whole"),
+    match decode_head(buf, limits)
+        .map_err(ReadError::Decode)?
+        .expect("head complete")
+    {
+        Head::Control(control) => Ok((Message::Control(control), head)),
+        Head::Tensor(header, payload_len) => {
+            let mut payload = vec![0u8; payload_len];
+            stream
+                .read_exact(&mut payload)
+                .await
+                .map_err(ReadError::Io)?;
+            Ok((Message::Tensor(header, payload), head + payload_len))
+        }
     }
 }
 

@@ -145,6 +145,68 @@ pub fn frame_len(buf: &[u8], limits: &Limits) -> Result<Option<usize>, DecodeErr
         .map(|p| PREFIX_LEN + p.header_len as usize + p.payload_len as usize))
 }
 
+/// A frame whose prefix and header are decoded and validated, payload not yet read.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Head {
+    /// A complete control message (it has no payload).
+    Control(Control),
+    /// A tensor header; exactly `payload_len` payload bytes follow.
+    Tensor(TensorHeader, usize),
+}
+
+/// Decodes the prefix and header at the start of `buf` (which must hold at least
+/// [`head_len`] bytes), validating everything a payload's size depends on, so a reader can then
+/// read the payload straight into its final buffer.
+pub fn decode_head(buf: &[u8], limits: &Limits) -> Result<Option<Head>, DecodeError> {
+    let Some(prefix) = parse_prefix(buf, limits)? else {
+        return Ok(None);
+    };
+    let header_end = PREFIX_LEN + prefix.header_len as usize;
+    if buf.len() < header_end {
+        return Ok(None);
+    }
+    let header = &buf[PREFIX_LEN..header_end];
+    if prefix.kind == KIND_CONTROL {
+        return Ok(Some(Head::Control(from_exact(header)?)));
+    }
+    let tensor: TensorHeader = from_exact(header)?;
+    check_tensor(&tensor, prefix.payload_len, limits)?;
+    Ok(Some(Head::Tensor(tensor, prefix.payload_len as usize)))
+}
+
+/// Bytes of prefix and header of the frame starting at `buf`, once its prefix has arrived.
+pub fn head_len(buf: &[u8], limits: &Limits) -> Result<Option<usize>, DecodeError> {
+    Ok(parse_prefix(buf, limits)?.map(|p| PREFIX_LEN + p.header_len as usize))
+}
+
+fn check_tensor(
+    tensor: &TensorHeader,
+    payload_len: u64,
+    limits: &Limits,
+) -> Result<(), DecodeError> {
+    if tensor.shape.len() > limits.max_dims {
+        return Err(DecodeError::TooManyDims {
+            dims: tensor.shape.len(),
+            max: limits.max_dims,
+        });
+    }
+    let elements = tensor
+        .elements()
+        .filter(|e| *e <= limits.max_elements)
+        .ok_or_else(|| DecodeError::TooManyElements {
+            shape: tensor.shape.clone(),
+            max: limits.max_elements,
+        })?;
+    let expected = elements * tensor.dtype.size();
+    if expected != payload_len {
+        return Err(DecodeError::PayloadMismatch {
+            expected,
+            got: payload_len,
+        });
+    }
+    Ok(())
+}
+
 /// Decodes one frame from the start of `buf`: `Ok(Some((message, bytes_used)))`, `Ok(None)` if
 /// more bytes are needed, or the reason the bytes can never form a valid frame.
 pub fn decode(buf: &[u8], limits: &Limits) -> Result<Option<(Message, usize)>, DecodeError> {
@@ -161,26 +223,7 @@ pub fn decode(buf: &[u8], limits: &Limits) -> Result<Option<(Message, usize)>, D
         return Ok(Some((Message::Control(control), header_end)));
     }
     let tensor: TensorHeader = from_exact(header)?;
-    if tensor.shape.len() > limits.max_dims {
-        return Err(DecodeError::TooManyDims {
-            dims: tensor.shape.len(),
-            max: limits.max_dims,
-        });
-    }
-    let elements = tensor
-        .elements()
-        .filter(|e| *e <= limits.max_elements)
-        .ok_or_else(|| DecodeError::TooManyElements {
-            shape: tensor.shape.clone(),
-            max: limits.max_elements,
-        })?;
-    let expected = elements * tensor.dtype.size();
-    if expected != prefix.payload_len {
-        return Err(DecodeError::PayloadMismatch {
-            expected,
-            got: prefix.payload_len,
-        });
-    }
+    check_tensor(&tensor, prefix.payload_len, limits)?;
     let end = header_end + prefix.payload_len as usize;
     if buf.len() < end {
         return Ok(None);
@@ -266,6 +309,26 @@ mod tests {
             );
             let (back, used) = decode(&buf, &Limits::default()).unwrap().unwrap();
             assert_eq!((back, used), (m, buf.len()));
+        }
+    }
+
+    #[test]
+    fn head_decoding_agrees_with_whole_frame_decoding() {
+        for m in samples() {
+            let mut buf = Vec::new();
+            encode(&m, &mut buf);
+            let head = head_len(&buf, &Limits::default()).unwrap().unwrap();
+            let decoded = decode_head(&buf[..head], &Limits::default())
+                .unwrap()
+                .unwrap();
+            match (decoded, m) {
+                (Head::Control(c), Message::Control(want)) => assert_eq!(c, want),
+                (Head::Tensor(h, len), Message::Tensor(want, payload)) => {
+                    assert_eq!((h, len), (want, payload.len()));
+                    assert_eq!(head + len, buf.len());
+                }
+                (got, want) => panic!("{got:?} vs {want:?}"),
+            }
         }
     }
 

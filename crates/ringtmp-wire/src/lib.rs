@@ -30,6 +30,7 @@ pub mod message;
 
 pub use error::DecodeError;
 pub use frame::{
-    Limits, MAGIC, PREFIX_LEN, PROTOCOL_VERSION, decode, encode, encode_tensor_prefix, frame_len,
+    Head, Limits, MAGIC, PREFIX_LEN, PROTOCOL_VERSION, decode, decode_head, encode,
+    encode_tensor_prefix, frame_len, head_len,
 };
 pub use message::{Control, Dtype, Message, NodeAddr, TensorHeader, TensorTag};

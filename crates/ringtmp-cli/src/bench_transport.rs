@@ -1,0 +1,211 @@
+//! `ringtmp bench-transport`: what the transport costs over plain TCP, measured in one run on
+//! loopback. Two in-process endpoints (threads) exchange
+//! - large tensors (`--size-mib`, default 4) one way: plain `std::net::TcpStream` copy vs ringtmp
+//!   links (framing, authentication, reader/writer tasks, accounting);
+//! - small messages as ping/pong round trips: plain TCP vs ringtmp control frames.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use clap::Args;
+use ringtmp_transport::{Network, TransportConfig, bind_listener};
+use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
+
+/// `ringtmp bench-transport` options.
+#[derive(Args, Clone, Debug)]
+pub struct BenchTransportArgs {
+    /// MiB per tensor.
+    #[arg(long, default_value_t = 4.0)]
+    pub size_mib: f64,
+    /// Tensors per repeat.
+    #[arg(long, default_value_t = 50)]
+    pub count: usize,
+    /// Repeats (the median is reported).
+    #[arg(long, default_value_t = 5)]
+    pub repeats: usize,
+    /// Ping/pong round trips.
+    #[arg(long, default_value_t = 5000)]
+    pub pings: usize,
+}
+
+/// Runs the benchmark and prints the comparison.
+pub fn run(args: &BenchTransportArgs) -> Result<()> {
+    let size = ((args.size_mib * 1024.0 * 1024.0) as usize / 4) * 4;
+    let mut raw_rates = Vec::new();
+    let mut ours_rates = Vec::new();
+    let (mut a, mut b) = pair()?;
+    for _ in 0..args.repeats {
+        raw_rates.push(raw_throughput(size, args.count)?);
+        ours_rates.push(ringtmp_throughput(&mut a, &mut b, size, args.count)?);
+    }
+    let raw = median(&mut raw_rates);
+    let ours = median(&mut ours_rates);
+    println!(
+        "throughput, {} × {:.1} MiB one way, median of {}:",
+        args.count, args.size_mib, args.repeats
+    );
+    println!("  plain TCP socket copy  {:>8.0} MB/s", raw / 1e6);
+    println!(
+        "  ringtmp links          {:>8.0} MB/s  ({:.0}% of plain TCP)",
+        ours / 1e6,
+        100.0 * ours / raw
+    );
+    let raw_rtt = raw_round_trips(args.pings)?;
+    let ours_rtt = ringtmp_round_trips(&mut a, &mut b, args.pings)?;
+    println!("round trip of a small message, {} pings:", args.pings);
+    println!(
+        "  plain TCP              p50 {:>6.1} µs  p99 {:>6.1} µs",
+        raw_rtt.0, raw_rtt.1
+    );
+    println!(
+        "  ringtmp control frame  p50 {:>6.1} µs  p99 {:>6.1} µs",
+        ours_rtt.0, ours_rtt.1
+    );
+    thread::scope(|s| {
+        s.spawn(|| a.close());
+        s.spawn(|| b.close());
+    });
+    Ok(())
+}
+
+fn pair() -> Result<(Network, Network)> {
+    let secret = b"bench-transport-secret".to_vec();
+    let (la, lb) = (bind_listener("127.0.0.1:0")?, bind_listener("127.0.0.1:0")?);
+    let addresses = BTreeMap::from([(0, la.local_addr()?), (1, lb.local_addr()?)]);
+    let (ca, cb) = (
+        TransportConfig::new(1, 0, secret.clone()),
+        TransportConfig::new(1, 1, secret),
+    );
+    let addr_b = addresses.clone();
+    let hb = thread::spawn(move || Network::connect(cb, lb, &addr_b, &BTreeSet::from([0])));
+    let a = Network::connect(ca, la, &addresses, &BTreeSet::from([1]))?;
+    let b = hb
+        .join()
+        .map_err(|_| anyhow::anyhow!("connect thread panicked"))??;
+    Ok((a, b))
+}
+
+fn raw_throughput(size: usize, count: usize) -> Result<f64> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let reader = thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = listener.accept()?;
+        let mut buf = vec![0u8; size];
+        for _ in 0..count {
+            s.read_exact(&mut buf)?;
+        }
+        s.write_all(&[1])
+    });
+    let mut s = TcpStream::connect(addr)?;
+    s.set_nodelay(true)?;
+    let data = vec![7u8; size];
+    let started = Instant::now();
+    for _ in 0..count {
+        s.write_all(&data)?;
+    }
+    let mut ack = [0u8; 1];
+    s.read_exact(&mut ack)?;
+    let took = started.elapsed();
+    reader
+        .join()
+        .map_err(|_| anyhow::anyhow!("reader panicked"))??;
+    Ok((size * count) as f64 / took.as_secs_f64())
+}
+
+fn ringtmp_throughput(a: &mut Network, b: &mut Network, size: usize, count: usize) -> Result<f64> {
+    let header = TensorHeader {
+        run_id: 1,
+        step: 0,
+        micro_batch: 0,
+        tag: TensorTag::Probe,
+        dtype: Dtype::F32,
+        shape: vec![(size / 4) as u32],
+    };
+    // Tensors are built before the clock starts, as the plain-TCP baseline's buffer is.
+    let messages: Vec<Message> = (0..count)
+        .map(|_| Message::Tensor(header.clone(), vec![7u8; size]))
+        .collect();
+    let started = Instant::now();
+    thread::scope(|s| -> Result<()> {
+        let receiver = s.spawn(|| -> Result<()> {
+            for _ in 0..count {
+                b.recv_from(0, Duration::from_secs(30))?;
+            }
+            b.send(0, Message::Control(Control::Ping { seq: 0 }))?;
+            Ok(())
+        });
+        for m in messages {
+            a.send(1, m)?;
+        }
+        a.recv_from(1, Duration::from_secs(30))?;
+        receiver
+            .join()
+            .map_err(|_| anyhow::anyhow!("receiver panicked"))?
+    })?;
+    Ok((size * count) as f64 / started.elapsed().as_secs_f64())
+}
+
+fn raw_round_trips(n: usize) -> Result<(f64, f64)> {
+    let listener = TcpListener::bind("127.0.0.1:0")?;
+    let addr = listener.local_addr()?;
+    let echo = thread::spawn(move || -> std::io::Result<()> {
+        let (mut s, _) = listener.accept()?;
+        s.set_nodelay(true)?;
+        let mut buf = [0u8; 32];
+        for _ in 0..n {
+            s.read_exact(&mut buf)?;
+            s.write_all(&buf)?;
+        }
+        Ok(())
+    });
+    let mut s = TcpStream::connect(addr).context("connecting")?;
+    s.set_nodelay(true)?;
+    let mut buf = [0u8; 32];
+    let mut rtts = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        s.write_all(&buf)?;
+        s.read_exact(&mut buf)?;
+        rtts.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    echo.join()
+        .map_err(|_| anyhow::anyhow!("echo panicked"))??;
+    Ok((percentile(&mut rtts, 0.5), percentile(&mut rtts, 0.99)))
+}
+
+fn ringtmp_round_trips(a: &mut Network, b: &mut Network, n: usize) -> Result<(f64, f64)> {
+    let mut rtts = Vec::with_capacity(n);
+    thread::scope(|s| -> Result<()> {
+        let echo = s.spawn(|| -> Result<()> {
+            for _ in 0..n {
+                if let Message::Control(Control::Ping { seq }) =
+                    b.recv_from(0, Duration::from_secs(10))?
+                {
+                    b.send(0, Message::Control(Control::Pong { seq }))?;
+                }
+            }
+            Ok(())
+        });
+        for seq in 0..n as u64 {
+            let t = Instant::now();
+            a.send(1, Message::Control(Control::Ping { seq }))?;
+            a.recv_from(1, Duration::from_secs(10))?;
+            rtts.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+        echo.join().map_err(|_| anyhow::anyhow!("echo panicked"))?
+    })?;
+    Ok((percentile(&mut rtts, 0.5), percentile(&mut rtts, 0.99)))
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    percentile(v, 0.5)
+}
+
+fn percentile(v: &mut [f64], q: f64) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[((v.len() - 1) as f64 * q).round() as usize]
+}
