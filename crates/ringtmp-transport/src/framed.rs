@@ -51,11 +51,19 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
     {
         Head::Control(control) => Ok((Message::Control(control), head)),
         Head::Tensor(header, payload_len) => {
-            let mut payload = vec![0u8; payload_len];
-            stream
-                .read_exact(&mut payload)
-                .await
-                .map_err(ReadError::Io)?;
+            // Read into uninitialised capacity: no memset of a buffer about to be overwritten.
+            let mut payload = Vec::with_capacity(payload_len);
+            while payload.len() < payload_len {
+                let left = (payload_len - payload.len()) as u64;
+                let n = (&mut *stream)
+                    .take(left)
+                    .read_buf(&mut payload)
+                    .await
+                    .map_err(ReadError::Io)?;
+                if n == 0 {
+                    return Err(ReadError::Io(std::io::ErrorKind::UnexpectedEof.into()));
+                }
+            }
             Ok((Message::Tensor(header, payload), head + payload_len))
         }
     }
