@@ -97,6 +97,14 @@ pub enum TransportError {
         /// Its reason.
         reason: String,
     },
+    /// A link failed while this node was waiting for something; says what.
+    #[error("{source} (while waiting for {waiting_for})")]
+    WhileWaiting {
+        /// What the node was waiting for, e.g. `a message from rank 2 (127.0.0.1:4100)`.
+        waiting_for: String,
+        /// The failure.
+        source: Box<TransportError>,
+    },
     /// A message for a rank this node has no link to.
     #[error("no link to rank {0}")]
     NoLink(u32),

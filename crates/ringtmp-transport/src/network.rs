@@ -278,7 +278,16 @@ impl Network {
                         });
                     }
                 }
-                Ok(Some(Inbound::Failed(e))) => return Err(e),
+                Ok(Some(Inbound::Failed(e))) => {
+                    let waiting_for = match awaited {
+                        Some(r) => format!("a message from {}", self.peer_name(r)),
+                        None => "a message from any peer".into(),
+                    };
+                    return Err(TransportError::WhileWaiting {
+                        waiting_for,
+                        source: Box::new(e),
+                    });
+                }
                 Ok(Some(Inbound::Message(
                     from,
                     Message::Control(Control::Abort { origin, reason }),
