@@ -43,6 +43,9 @@ pub struct TrainArgs {
     /// Strategy [default: local].
     #[arg(long, value_enum)]
     pub strategy: Option<Strategy>,
+    /// Node processes to launch locally (distributed strategies) [default: 1].
+    #[arg(long)]
+    pub nodes: Option<u32>,
     /// Model preset: mlp, mlp-deep or cnn [default: mlp].
     #[arg(long, conflicts_with = "model_file")]
     pub model: Option<String>,
@@ -136,6 +139,7 @@ impl TrainArgs {
             self,
             file,
             strategy,
+            nodes,
             model,
             model_file,
             dataset,

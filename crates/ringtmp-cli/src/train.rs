@@ -80,6 +80,14 @@ pub fn validate(args: &TrainArgs) -> Result<()> {
 /// `ringtmp train`.
 pub fn run(args: &TrainArgs) -> Result<()> {
     let args = args.merged()?;
+    if args.nodes.unwrap_or(1) > 1 && args.strategy() == Strategy::Local {
+        return Err(crate::UsageError(
+            "--strategy local trains in one process; --nodes needs a distributed strategy \
+             (check a multi-node setup with `ringtmp selftest --nodes N`)"
+                .into(),
+        )
+        .into());
+    }
     let data = load_dataset(&args)?;
     let cfg = args.resolve(data.classes)?;
     // The kernels parallelise through rayon's global pool; size it to the thread budget.
