@@ -1,0 +1,12 @@
+//! RingTMP: ring-pipelined model parallelism. Nodes form a ring `0 → 1 → … → N−1 → 0`; node `s`
+//! owns stage `s` (a contiguous block of layers) with its parameters and optimizer state. Rank 0,
+//! the master, also holds the data and the labels: micro-batches' activations travel clockwise
+//! through every stage and return to the master, which computes the loss; gradients travel
+//! anticlockwise back to the master.
+//!
+//! # Layout
+//! - [`schedule`]: the per-stage decision rules (`gpipe`, `1f1b`) and their simulation.
+//! - [`partition`]: the planner that splits layers into stages.
+
+pub mod partition;
+pub mod schedule;

@@ -1,0 +1,252 @@
+//! Pipeline schedules as a pure decision rule per stage, and a discrete simulation of the whole
+//! ring that prints which stage does which forward (F) or backward (B) at each time unit.
+//!
+//! Each stage decides on its own, from what it has received and its counters — no central
+//! scheduler:
+//! - `gpipe` (Huang et al., 2019): all forwards of the mini-batch, then all backwards.
+//! - `1f1b` (PipeDream-Flush, Narayanan et al., 2021): at most `stages − stage` micro-batches in
+//!   flight on a stage; with room, forward what has arrived, otherwise backward. The last stage
+//!   therefore alternates one forward, one backward; stage 0 runs ahead by `stages` micro-batches.
+//!
+//! Both flush at the end of a mini-batch and step once, so both compute exactly synchronous SGD
+//! over the mini-batch (they differ only in the order gradients are accumulated, i.e. in floating
+//! point rounding, and in how many activations a stage holds).
+
+use serde::{Deserialize, Serialize};
+
+/// A pipeline schedule.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Schedule {
+    /// Fill–drain.
+    Gpipe,
+    /// One-forward-one-backward with a flush per mini-batch.
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+}
+
+impl Schedule {
+    /// Parses `gpipe` or `1f1b`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "gpipe" => Some(Self::Gpipe),
+            "1f1b" => Some(Self::OneFOneB),
+            _ => None,
+        }
+    }
+
+    /// Name as on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Gpipe => "gpipe",
+            Self::OneFOneB => "1f1b",
+        }
+    }
+}
+
+/// What a stage does next.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Action {
+    /// Forward the next micro-batch whose input has arrived.
+    Forward,
+    /// Backward the next micro-batch whose output gradient has arrived.
+    Backward,
+}
+
+/// One stage's progress through a mini-batch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StageState {
+    /// The schedule.
+    pub schedule: Schedule,
+    /// This stage's index.
+    pub stage: usize,
+    /// Number of stages.
+    pub stages: usize,
+    /// Micro-batches per mini-batch.
+    pub micro_batches: usize,
+    /// Forwards done this mini-batch.
+    pub forwards: usize,
+    /// Backwards done this mini-batch.
+    pub backwards: usize,
+}
+
+impl StageState {
+    /// A stage at the start of a mini-batch.
+    pub fn new(schedule: Schedule, stage: usize, stages: usize, micro_batches: usize) -> Self {
+        Self {
+            schedule,
+            stage,
+            stages,
+            micro_batches,
+            forwards: 0,
+            backwards: 0,
+        }
+    }
+
+    /// Most micro-batches this stage may hold between forward and backward.
+    pub fn in_flight_limit(&self) -> usize {
+        match self.schedule {
+            Schedule::Gpipe => self.micro_batches,
+            Schedule::OneFOneB => (self.stages - self.stage).min(self.micro_batches),
+        }
+    }
+
+    /// The next action given whether a forward input and a backward gradient are waiting.
+    pub fn next(&self, input_ready: bool, grad_ready: bool) -> Option<Action> {
+        let in_flight = self.forwards - self.backwards;
+        let may_forward = self.forwards < self.micro_batches && in_flight < self.in_flight_limit();
+        let may_backward = grad_ready
+            && in_flight > 0
+            && match self.schedule {
+                Schedule::Gpipe => self.forwards == self.micro_batches,
+                Schedule::OneFOneB => true,
+            };
+        if may_forward && input_ready {
+            Some(Action::Forward)
+        } else if may_backward {
+            Some(Action::Backward)
+        } else {
+            None
+        }
+    }
+
+    /// Records an action.
+    pub fn record(&mut self, action: Action) {
+        match action {
+            Action::Forward => self.forwards += 1,
+            Action::Backward => self.backwards += 1,
+        }
+    }
+
+    /// Whether the mini-batch is complete on this stage (time to step).
+    pub fn done(&self) -> bool {
+        self.backwards == self.micro_batches
+    }
+}
+
+/// Simulates one mini-batch on `stages` stages with unit-time forwards and backwards and instant
+/// communication; returns, per stage, a row of `F<i>`, `B<i>` or `.` per time unit, and checks
+/// the in-flight bound on the way. The loss is computed at the end of the last stage's forward.
+pub fn simulate(schedule: Schedule, stages: usize, micro_batches: usize) -> Vec<Vec<String>> {
+    let mut state: Vec<StageState> = (0..stages)
+        .map(|s| StageState::new(schedule, s, stages, micro_batches))
+        .collect();
+    // Arrived inputs and gradients per stage (micro-batch ids, FIFO).
+    let mut inputs: Vec<Vec<usize>> = vec![Vec::new(); stages];
+    let mut grads: Vec<Vec<usize>> = vec![Vec::new(); stages];
+    inputs[0] = (0..micro_batches).collect();
+    let mut rows: Vec<Vec<String>> = vec![Vec::new(); stages];
+    let mut time = 0;
+    while state.iter().any(|s| !s.done()) {
+        assert!(
+            time < 4 * (micro_batches + stages) * 2,
+            "schedule deadlocked"
+        );
+        let mut deliveries: Vec<(bool, usize, usize)> = Vec::new(); // (is_grad, stage, mb)
+        for s in 0..stages {
+            let cell = match state[s].next(!inputs[s].is_empty(), !grads[s].is_empty()) {
+                Some(Action::Forward) => {
+                    let mb = inputs[s].remove(0);
+                    state[s].record(Action::Forward);
+                    if s + 1 < stages {
+                        deliveries.push((false, s + 1, mb));
+                    } else {
+                        deliveries.push((true, s, mb)); // loss gradient back to the last stage
+                    }
+                    format!("F{mb}")
+                }
+                Some(Action::Backward) => {
+                    let mb = grads[s].remove(0);
+                    state[s].record(Action::Backward);
+                    if s > 0 {
+                        deliveries.push((true, s - 1, mb));
+                    }
+                    format!("B{mb}")
+                }
+                None => ".".into(),
+            };
+            let in_flight = state[s].forwards - state[s].backwards;
+            assert!(
+                in_flight <= state[s].in_flight_limit(),
+                "stage {s} exceeds its in-flight bound"
+            );
+            rows[s].push(cell);
+        }
+        for (is_grad, s, mb) in deliveries {
+            if is_grad {
+                grads[s].push(mb)
+            } else {
+                inputs[s].push(mb)
+            }
+        }
+        time += 1;
+    }
+    rows
+}
+
+/// [`simulate`] as text, one line per stage.
+pub fn table(schedule: Schedule, stages: usize, micro_batches: usize) -> String {
+    simulate(schedule, stages, micro_batches)
+        .iter()
+        .enumerate()
+        .map(|(s, row)| {
+            format!(
+                "stage {s}: {}",
+                row.iter().map(|c| format!("{c:>3}")).collect::<String>()
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Makespan 2(M + S − 1) for both, i.e. a bubble of (S − 1)/(M + S − 1) per stage; 1F1B holds at
+    // most S − s micro-batches on stage s where GPipe holds all M.
+    #[test]
+    fn gpipe_table_fills_then_drains() {
+        let t = table(Schedule::Gpipe, 3, 4);
+        println!("{t}");
+        assert_eq!(
+            t,
+            [
+                "stage 0:  F0 F1 F2 F3  .  .  .  . B0 B1 B2 B3",
+                "stage 1:   . F0 F1 F2 F3  .  . B0 B1 B2 B3  .",
+                "stage 2:   .  . F0 F1 F2 F3 B0 B1 B2 B3  .  .",
+            ]
+            .join("\n")
+        );
+    }
+
+    #[test]
+    fn one_f_one_b_table_bounds_activations() {
+        let t = table(Schedule::OneFOneB, 3, 6);
+        println!("{t}");
+        assert_eq!(
+            t,
+            [
+                "stage 0:  F0 F1 F2  .  . B0 F3 B1 F4 B2 F5 B3  . B4  . B5",
+                "stage 1:   . F0 F1  . B0 F2 B1 F3 B2 F4 B3 F5 B4  . B5  .",
+                "stage 2:   .  . F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5  .  .",
+            ]
+            .join("\n")
+        );
+    }
+
+    #[test]
+    fn schedules_complete_for_many_shapes() {
+        for schedule in [Schedule::Gpipe, Schedule::OneFOneB] {
+            for stages in 1..6 {
+                for micro in 1..9 {
+                    let rows = simulate(schedule, stages, micro);
+                    for row in &rows {
+                        assert_eq!(row.iter().filter(|c| c.starts_with('F')).count(), micro);
+                        assert_eq!(row.iter().filter(|c| c.starts_with('B')).count(), micro);
+                    }
+                }
+            }
+        }
+    }
+}
