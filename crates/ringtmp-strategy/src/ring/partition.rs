@@ -110,11 +110,9 @@ pub fn plan(
     let inf = f64::INFINITY;
     let mut best = vec![vec![inf; l + 1]; n];
     let mut cut = vec![vec![0usize; l + 1]; n];
-    for j in 1..=l {
-        if j > first_param_layer {
-            if let Some(c) = stage_cost(0, 0, j) {
-                best[0][j] = c;
-            }
+    for (j, slot) in best[0].iter_mut().enumerate().skip(first_param_layer + 1) {
+        if let Some(c) = stage_cost(0, 0, j) {
+            *slot = c;
         }
     }
     for s in 1..n {
