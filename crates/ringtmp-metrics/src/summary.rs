@@ -33,6 +33,18 @@ pub struct NodeSummary {
     pub idle_seconds: f64,
     /// CPU seconds (user + system) of the node's process.
     pub cpu_seconds: f64,
+    /// `idle_seconds / train_seconds` of this node: its share of pipeline bubbles and waiting.
+    #[serde(default)]
+    pub bubble_fraction: f64,
+    /// Most bytes of stashed activations held at once (pipeline strategies).
+    #[serde(default)]
+    pub peak_stash_bytes: u64,
+    /// Layers `[start, end)` this node holds (pipeline strategies).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layers: Option<(usize, usize)>,
+    /// Per-link traffic: `(peer rank, bytes sent, bytes received)`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub links: Vec<(u32, u64, u64)>,
 }
 
 /// Everything a run reports; the contract of DESIGN.md §6.
@@ -93,6 +105,13 @@ pub struct Summary {
     pub total_bytes_sent: u64,
     /// `total_bytes_sent / samples`.
     pub bytes_per_sample: f64,
+    /// For gpipe/1f1b: the ideal bubble fraction `(N − 1)/(M + N − 1)`, to compare with each
+    /// node's measured `bubble_fraction`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub theoretical_bubble_fraction: Option<f64>,
+    /// The partition plan (pipeline strategies): per stage its layers and predicted cost.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub partition: Vec<serde_json::Value>,
     /// Per-node measurements.
     pub per_node: Vec<NodeSummary>,
 }

@@ -14,6 +14,9 @@ pub enum Error {
     /// The dataset could not be read or batched.
     #[error(transparent)]
     Data(#[from] ringtmp_data::Error),
+    /// A link to another node failed.
+    #[error(transparent)]
+    Transport(#[from] ringtmp_transport::TransportError),
     /// The configuration is inconsistent (with itself, the dataset or a checkpoint).
     #[error("{0}")]
     Config(String),
@@ -41,7 +44,7 @@ impl Error {
         match self {
             Self::Model(e) => e.is_usage(),
             Self::Data(_) | Self::Config(_) => true,
-            Self::Io { .. } | Self::Diverged { .. } => false,
+            Self::Io { .. } | Self::Diverged { .. } | Self::Transport(_) => false,
         }
     }
 }

@@ -252,6 +252,8 @@ pub fn train_local(
         samples_per_second: samples as f64 / train_seconds.max(1e-9),
         total_bytes_sent: 0,
         bytes_per_sample: 0.0,
+        theoretical_bubble_fraction: None,
+        partition: Vec::new(),
         per_node: vec![node],
     };
     let path = cfg.out.join("summary.json");
@@ -284,15 +286,15 @@ pub fn evaluate(model: &mut Stage, split: &Split, classes: usize) -> Result<(f64
 }
 
 /// Best/last accuracy and when the target was first reached.
-struct Tracker {
+pub(crate) struct Tracker {
     target: f64,
-    best: f64,
-    last: f64,
-    reached: Option<(u64, f64)>,
+    pub(crate) best: f64,
+    pub(crate) last: f64,
+    pub(crate) reached: Option<(u64, f64)>,
 }
 
 impl Tracker {
-    fn new(target: f64) -> Self {
+    pub(crate) fn new(target: f64) -> Self {
         Self {
             target,
             best: 0.0,
@@ -301,7 +303,7 @@ impl Tracker {
         }
     }
 
-    fn record(&mut self, accuracy: f64, step: u64, train_seconds: f64) {
+    pub(crate) fn record(&mut self, accuracy: f64, step: u64, train_seconds: f64) {
         self.last = accuracy;
         self.best = self.best.max(accuracy);
         if self.reached.is_none() && accuracy >= self.target {

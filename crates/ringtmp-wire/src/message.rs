@@ -35,6 +35,8 @@ pub enum TensorTag {
     Activation,
     /// Gradients flowing backward between pipeline stages.
     Gradient,
+    /// Activations of an evaluation pass (no backward follows; nothing is stashed).
+    Inference,
     /// Model parameters (a replica or a shard).
     Params,
     /// Parameter gradients (data-parallel strategies).
@@ -119,6 +121,11 @@ pub enum Control {
     Proof {
         /// The MAC.
         mac: [u8; 32],
+    },
+    /// End of a run: travels once around the ring, each node appending its measurements (JSON).
+    Report {
+        /// One JSON document per node, in ring order.
+        nodes: Vec<String>,
     },
     /// Rendezvous: a node tells rank 0 where it listens.
     Register {

@@ -6,7 +6,9 @@
 //!
 //! # Layout
 //! - [`schedule`]: the per-stage decision rules (`gpipe`, `1f1b`) and their simulation.
+//! - [`driver`]: one node's loop over the links (master and stage nodes).
 //! - [`partition`]: the planner that splits layers into stages.
 
+pub mod driver;
 pub mod partition;
 pub mod schedule;

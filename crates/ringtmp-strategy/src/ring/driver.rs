@@ -1,0 +1,657 @@
+//! The ring driver: runs one node's stage over the links, following the stage's schedule rule.
+//!
+//! Message flow (ring `0 → 1 → … → N−1 → 0`, node `s` holds stage `s`):
+//! - `Activation` tensors go to the successor; the last stage's output (the logits) goes to the
+//!   master, which computes the loss with labels nobody else ever sees.
+//! - `Gradient` tensors go to the predecessor; the master sends the logits' gradient to node N−1.
+//! - `Inference` tensors carry evaluation passes around the ring (nothing stashed).
+//! - At the end, `Report` travels once around the ring, each node adding its measurements.
+//!
+//! Invariant (by construction): the master only ever sends `Activation`/`Inference` tensors
+//! computed by stage 0 (which contains at least one layer with parameters, see the planner) and
+//! `Gradient` tensors of the logits. No message type carries labels or raw inputs.
+//!
+//! Ordering: a node processes its messages in order and steps right after its last backward of a
+//! mini-batch, before it can see anything of the next mini-batch (which only starts after the
+//! master's own step, which waits for every gradient) — so every stage's forward of mini-batch
+//! t+1 uses the weights after step t: exactly synchronous SGD.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use ringtmp_data::{BatchPlan, Dataset, shard};
+use ringtmp_metrics::{EventLog, NodeSummary, Summary, resources};
+use ringtmp_model::{
+    Layer, LrSchedule, ModelSpec, Optimizer, OptimizerConfig, Pass, Shape, Stage, loss,
+};
+use ringtmp_transport::{LinkStats, Network, TransportError};
+use ringtmp_wire::message::{tensor_bytes, tensor_values};
+use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use super::partition::StagePlan;
+use super::schedule::{Action, Schedule, StageState};
+use crate::error::{Error, Result};
+use crate::local::{Event, Tracker};
+
+/// Rows per evaluation chunk sent around the ring.
+const EVAL_ROWS: usize = 250;
+
+/// Everything every node of a ring run must agree on (rank 0 hands it out at rendezvous).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RingJob {
+    /// The model description.
+    pub model: ModelSpec,
+    /// Per-sample input shape `(height, width, channels)`.
+    pub input: (usize, usize, usize),
+    /// Classes.
+    pub classes: usize,
+    /// Dataset name (for outputs).
+    pub dataset: String,
+    /// Epochs.
+    pub epochs: u32,
+    /// Mini-batch size.
+    pub batch_size: usize,
+    /// Micro-batches per mini-batch.
+    pub micro_batches: usize,
+    /// Pipeline schedule.
+    pub schedule: Schedule,
+    /// Base learning rate.
+    pub lr: f32,
+    /// Learning-rate schedule.
+    pub lr_schedule: LrSchedule,
+    /// Warm-up steps.
+    pub warmup_steps: u64,
+    /// Optimizer.
+    pub optimizer: OptimizerConfig,
+    /// Compute threads per node.
+    pub threads: usize,
+    /// Seed.
+    pub seed: u64,
+    /// Stages, one per rank.
+    pub partition: Vec<StagePlan>,
+    /// Emulated relative speed per rank (1 = full speed).
+    pub node_speeds: Vec<f64>,
+    /// Steps in the run (after `max_steps`).
+    pub total_steps: u64,
+    /// Steps the learning-rate schedule spans.
+    pub schedule_steps: u64,
+    /// Mini-batches per epoch.
+    pub steps_per_epoch: u64,
+    /// Seconds to wait for any one message.
+    pub recv_timeout_secs: f64,
+}
+
+impl RingJob {
+    fn layers(&self) -> Result<Vec<Layer>> {
+        let (h, w, c) = self.input;
+        Ok(self.model.build(&Shape::image(h, w, c), self.classes)?)
+    }
+
+    fn stage(&self, rank: u32) -> Result<(Stage, StagePlan)> {
+        let layers = self.layers()?;
+        let plan = self
+            .partition
+            .get(rank as usize)
+            .cloned()
+            .ok_or_else(|| Error::Config(format!("no stage for rank {rank}")))?;
+        let stage = Stage::new(&layers, plan.start..plan.end, self.seed, self.threads);
+        Ok((stage, plan))
+    }
+
+    fn recv_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.recv_timeout_secs.max(0.001))
+    }
+}
+
+/// What the master needs besides the job: the data and where to write.
+pub struct MasterSetup<'a> {
+    /// The dataset (only the master has it).
+    pub data: &'a Dataset,
+    /// Output directory.
+    pub out: &'a std::path::Path,
+    /// Accuracy target.
+    pub target_accuracy: f64,
+    /// Evaluate every this many steps (and at epoch ends).
+    pub eval_every: u64,
+}
+
+/// Counters a node keeps about itself.
+struct NodeClock {
+    compute: f64,
+    peak_stash: usize,
+    speed: f64,
+}
+
+impl NodeClock {
+    /// Times `f`, emulating a slower node by sleeping `(1/speed − 1)` × the measured time.
+    fn run<T>(&mut self, f: impl FnOnce() -> T) -> T {
+        let t = Instant::now();
+        let out = f();
+        let took = t.elapsed();
+        if self.speed < 1.0 {
+            std::thread::sleep(took.mul_f64(1.0 / self.speed - 1.0));
+        }
+        self.compute += t.elapsed().as_secs_f64();
+        out
+    }
+}
+
+fn header(tag: TensorTag, step: u64, micro_batch: u64, rows: usize, width: usize) -> TensorHeader {
+    TensorHeader {
+        run_id: 0,
+        step,
+        micro_batch,
+        tag,
+        dtype: Dtype::F32,
+        shape: vec![rows as u32, width as u32],
+    }
+}
+
+fn tensor(tag: TensorTag, step: u64, micro_batch: u64, rows: usize, values: &[f32]) -> Message {
+    let width = values.len() / rows.max(1);
+    Message::Tensor(
+        header(tag, step, micro_batch, rows, width),
+        tensor_bytes(values, Dtype::F32),
+    )
+}
+
+fn protocol(net: &Network, from: u32, what: &str) -> Error {
+    Error::Transport(TransportError::Io {
+        context: format!("ring: unexpected {what} from {}", net.peer_name(from)),
+        source: std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            "not part of the ring protocol",
+        ),
+    })
+}
+
+/// Runs the master (rank 0): data, stage 0, loss, evaluation, outputs.
+/// Returns the summary and the master's stage (its final parameters).
+pub fn run_master(
+    job: &RingJob,
+    setup: &MasterSetup<'_>,
+    net: &mut Network,
+    on_event: &mut dyn FnMut(&Event),
+) -> Result<(Summary, Stage)> {
+    let wall = Instant::now();
+    let n = job.partition.len() as u32;
+    let (succ, pred) = (1 % n, n - 1);
+    let (mut stage, plan) = job.stage(0)?;
+    let mut optimizer = Optimizer::new(job.optimizer.clone(), stage.params().len());
+    let mut batches = BatchPlan::new(setup.data.train.len(), job.batch_size, job.seed)?;
+    let mut clock = NodeClock {
+        compute: 0.0,
+        peak_stash: 0,
+        speed: job.node_speeds.first().copied().unwrap_or(1.0),
+    };
+    std::fs::create_dir_all(setup.out).map_err(|e| Error::Io {
+        path: setup.out.to_path_buf(),
+        source: e,
+    })?;
+    let log_path = setup.out.join("metrics.jsonl");
+    let mut log = EventLog::create(&log_path, false).map_err(|e| Error::Io {
+        path: log_path.clone(),
+        source: e,
+    })?;
+    let mut write = |event: serde_json::Value| {
+        log.write(&event).map_err(|e| Error::Io {
+            path: log_path.clone(),
+            source: e,
+        })
+    };
+    write(
+        json!({"event": "start", "strategy": "ring", "schedule": job.schedule.name(), "nodes": n,
+        "micro_batches": job.micro_batches, "model": job.model.name, "partition": job.partition, "total_steps": job.total_steps}),
+    )?;
+    on_event(&Event::Started {
+        total_steps: job.total_steps,
+        first_step: 0,
+        params: stage.params().len(),
+    });
+
+    let timeout = job.recv_timeout();
+    let mut tracker = Tracker::new(setup.target_accuracy);
+    let (mut train_seconds, mut samples) = (0.0f64, 0u64);
+    let (mut epoch_loss, mut epoch_batches, mut last_epoch_loss) = (0.0f64, 0u64, f64::NAN);
+    let (mut x, mut labels) = (Vec::new(), Vec::new());
+    let mut values = Vec::new();
+    let mut dlogits = Vec::new();
+    for step in 0..job.total_steps {
+        let t_step = Instant::now();
+        let epoch = step / job.steps_per_epoch;
+        let indices = batches
+            .batch(epoch, (step % job.steps_per_epoch) as usize)
+            .to_vec();
+        let rows_total = indices.len();
+        let parts: Vec<Vec<u32>> = (0..job.micro_batches)
+            .map(|m| shard(&indices, m, job.micro_batches).map(<[u32]>::to_vec))
+            .collect::<std::result::Result<_, _>>()?;
+        let offsets: Vec<usize> = parts
+            .iter()
+            .scan(0, |a, p| {
+                let o = *a;
+                *a += p.len();
+                Some(o)
+            })
+            .collect();
+        let mut micro_labels: Vec<Vec<u32>> = vec![Vec::new(); job.micro_batches];
+        let mut state = StageState::new(job.schedule, 0, n as usize, job.micro_batches);
+        let mut grads: VecDeque<(u64, Vec<f32>)> = VecDeque::new();
+        let (mut next_input, mut losses_done) = (0usize, 0usize);
+        let mut step_loss = 0.0f64;
+        while !state.done() || losses_done < job.micro_batches {
+            match state.next(next_input < job.micro_batches, !grads.is_empty()) {
+                Some(Action::Forward) => {
+                    let mb = next_input;
+                    setup.data.train.gather(&parts[mb], &mut x, &mut labels);
+                    micro_labels[mb] = labels.clone();
+                    let rows = parts[mb].len();
+                    let pass = Pass {
+                        train: true,
+                        seed: job.seed,
+                        step,
+                        row_offset: offsets[mb],
+                    };
+                    let out = clock.run(|| {
+                        stage
+                            .forward(mb as u64, &x, rows, &pass)
+                            .map(<[f32]>::to_vec)
+                    })?;
+                    clock.peak_stash = clock.peak_stash.max(stage.stash_bytes());
+                    net.send(
+                        succ,
+                        tensor(TensorTag::Activation, step, mb as u64, rows, &out),
+                    )?;
+                    state.record(Action::Forward);
+                    next_input += 1;
+                }
+                Some(Action::Backward) => {
+                    let (mb, dy) = grads.pop_front().expect("next() saw a gradient");
+                    clock.run(|| stage.backward(mb, &dy).map(|_| ()))?;
+                    state.record(Action::Backward);
+                }
+                None => match net.recv(timeout)? {
+                    (from, Message::Tensor(h, bytes))
+                        if from == pred && h.tag == TensorTag::Activation && h.step == step =>
+                    {
+                        // Logits of micro-batch h.micro_batch: the loss, with labels only we have.
+                        let mb = h.micro_batch as usize;
+                        tensor_values(&bytes, h.dtype, &mut values);
+                        let labels = micro_labels
+                            .get(mb)
+                            .filter(|l| !l.is_empty())
+                            .ok_or_else(|| protocol(net, from, "logits"))?;
+                        dlogits.resize(values.len(), 0.0);
+                        let out = clock.run(|| {
+                            loss::softmax_cross_entropy(
+                                &values,
+                                labels,
+                                job.classes,
+                                1.0 / rows_total as f32,
+                                &mut dlogits,
+                            )
+                        })?;
+                        step_loss += out.loss_sum;
+                        losses_done += 1;
+                        net.send(
+                            pred,
+                            tensor(
+                                TensorTag::Gradient,
+                                step,
+                                h.micro_batch,
+                                labels.len(),
+                                &dlogits,
+                            ),
+                        )?;
+                    }
+                    (from, Message::Tensor(h, bytes))
+                        if from == succ && h.tag == TensorTag::Gradient && h.step == step =>
+                    {
+                        let mut dy = Vec::new();
+                        tensor_values(&bytes, h.dtype, &mut dy);
+                        grads.push_back((h.micro_batch, dy));
+                    }
+                    (from, _) => return Err(protocol(net, from, "message")),
+                },
+            }
+        }
+        let lr = job.lr_schedule.rate(
+            job.lr,
+            step,
+            job.schedule_steps,
+            job.steps_per_epoch,
+            job.warmup_steps,
+        );
+        clock.run(|| stage.step(&mut optimizer, lr));
+        train_seconds += t_step.elapsed().as_secs_f64();
+        samples += rows_total as u64;
+        let mean_loss = step_loss / rows_total as f64;
+        if !mean_loss.is_finite() {
+            return Err(Error::Diverged {
+                step,
+                loss: mean_loss,
+            });
+        }
+        let done = step + 1;
+        epoch_loss += mean_loss;
+        epoch_batches += 1;
+        write(
+            json!({"event": "step", "step": done, "epoch": epoch, "loss": mean_loss, "lr": lr, "train_seconds": train_seconds}),
+        )?;
+        on_event(&Event::Step {
+            step: done,
+            epoch,
+            loss: mean_loss,
+            samples_per_second: samples as f64 / train_seconds.max(1e-9),
+        });
+        let epoch_end = done % job.steps_per_epoch == 0;
+        if epoch_end {
+            last_epoch_loss = epoch_loss / epoch_batches as f64;
+            (epoch_loss, epoch_batches) = (0.0, 0);
+        }
+        if epoch_end
+            || done == job.total_steps
+            || (setup.eval_every > 0 && done % setup.eval_every == 0)
+        {
+            let accuracy = evaluate(job, setup.data, &mut stage, net, done)?;
+            tracker.record(accuracy, done, train_seconds);
+            write(
+                json!({"event": "eval", "step": done, "epoch": epoch, "test_accuracy": accuracy, "train_seconds": train_seconds, "wall_seconds": wall.elapsed().as_secs_f64()}),
+            )?;
+            on_event(&Event::Eval {
+                step: done,
+                epoch,
+                accuracy,
+                loss: f64::NAN,
+            });
+        }
+    }
+    if epoch_batches > 0 {
+        last_epoch_loss = epoch_loss / epoch_batches as f64;
+    }
+
+    // Collect every node's measurements around the ring.
+    let own = node_summary(
+        0,
+        "master",
+        &stage,
+        &optimizer,
+        &plan,
+        &clock,
+        train_seconds,
+        &net.stats(),
+    );
+    net.send(
+        succ,
+        Message::Control(Control::Report { nodes: Vec::new() }),
+    )?;
+    let mut per_node = vec![own];
+    match net.recv_from(pred, timeout)? {
+        Message::Control(Control::Report { nodes }) => {
+            for doc in nodes {
+                per_node
+                    .push(serde_json::from_str(&doc).map_err(|e| {
+                        Error::Config(format!("a node's report is not valid: {e}"))
+                    })?);
+            }
+        }
+        _ => return Err(protocol(net, pred, "message instead of the final report")),
+    }
+    let total_bytes_sent: u64 = per_node.iter().map(|p| p.bytes_sent).sum();
+    let model_params = job.layers()?.iter().map(|l| l.param_count() as u64).sum();
+    let (m, nn) = (job.micro_batches as f64, f64::from(n));
+    let summary = Summary {
+        strategy: "ring".into(),
+        schedule: Some(job.schedule.name().into()),
+        consistency: None,
+        nodes: n,
+        model: job.model.name.clone(),
+        model_params,
+        dataset: job.dataset.clone(),
+        epochs: job.epochs,
+        batch_size: job.batch_size as u32,
+        micro_batches: job.micro_batches as u32,
+        seed: job.seed,
+        optimizer: match job.optimizer {
+            OptimizerConfig::Sgd { .. } => "sgd".into(),
+            OptimizerConfig::Adam { .. } => "adam".into(),
+        },
+        lr: job.lr,
+        threads: job.threads as u32,
+        steps: job.total_steps,
+        samples,
+        final_train_loss: last_epoch_loss,
+        final_test_accuracy: tracker.last,
+        best_test_accuracy: tracker.best,
+        target_accuracy: setup.target_accuracy,
+        time_to_target_seconds: tracker.reached.map(|(_, t)| t),
+        steps_to_target: tracker.reached.map(|(s, _)| s),
+        wall_seconds: wall.elapsed().as_secs_f64(),
+        train_seconds,
+        samples_per_second: samples as f64 / train_seconds.max(1e-9),
+        total_bytes_sent,
+        bytes_per_sample: total_bytes_sent as f64 / samples.max(1) as f64,
+        theoretical_bubble_fraction: Some((nn - 1.0) / (m + nn - 1.0)),
+        partition: job
+            .partition
+            .iter()
+            .map(|p| serde_json::to_value(p).unwrap_or_default())
+            .collect(),
+        per_node,
+    };
+    let path = setup.out.join("summary.json");
+    summary
+        .write(&path)
+        .map_err(|e| Error::Io { path, source: e })?;
+    write(
+        json!({"event": "end", "steps": job.total_steps, "final_test_accuracy": summary.final_test_accuracy}),
+    )?;
+    Ok((summary, stage))
+}
+
+/// Sends the test set around the ring in chunks and counts correct predictions on the master.
+fn evaluate(
+    job: &RingJob,
+    data: &Dataset,
+    stage: &mut Stage,
+    net: &mut Network,
+    step: u64,
+) -> Result<f64> {
+    let n = job.partition.len() as u32;
+    let (succ, pred) = (1 % n, n - 1);
+    let split = &data.test;
+    let chunks = split.len().div_ceil(EVAL_ROWS);
+    let (mut x, mut y) = (Vec::new(), Vec::new());
+    let mut labels: Vec<Vec<u32>> = Vec::with_capacity(chunks);
+    let mut values = Vec::new();
+    let (mut sent, mut received, mut correct) = (0usize, 0usize, 0usize);
+    // Keep a bounded number of chunks in the ring at once.
+    while received < chunks {
+        if sent < chunks && sent - received < 8 {
+            let (start, end) = (sent * EVAL_ROWS, ((sent + 1) * EVAL_ROWS).min(split.len()));
+            split.gather_range(start, end, &mut x, &mut y);
+            labels.push(y.clone());
+            let out = stage.infer(&x, end - start)?.to_vec();
+            net.send(
+                succ,
+                tensor(TensorTag::Inference, step, sent as u64, end - start, &out),
+            )?;
+            sent += 1;
+            continue;
+        }
+        match net.recv_from(pred, job.recv_timeout())? {
+            Message::Tensor(h, bytes) if h.tag == TensorTag::Inference => {
+                tensor_values(&bytes, h.dtype, &mut values);
+                let l = labels
+                    .get(h.micro_batch as usize)
+                    .ok_or_else(|| protocol(net, pred, "evaluation chunk"))?;
+                correct += loss::count_correct(&values, l, job.classes);
+                received += 1;
+            }
+            _ => return Err(protocol(net, pred, "message during evaluation")),
+        }
+    }
+    Ok(correct as f64 / split.len().max(1) as f64)
+}
+
+/// Runs a non-master node: its stage, driven by what arrives, until the final report passes.
+/// Returns the stage (its final parameters).
+pub fn run_worker(job: &RingJob, net: &mut Network) -> Result<Stage> {
+    let rank = net.rank();
+    let n = job.partition.len() as u32;
+    let (succ, pred) = ((rank + 1) % n, (rank + n - 1) % n);
+    let (mut stage, plan) = job.stage(rank)?;
+    stage.set_input_grad(true);
+    let mut optimizer = Optimizer::new(job.optimizer.clone(), stage.params().len());
+    let mut clock = NodeClock {
+        compute: 0.0,
+        peak_stash: 0,
+        speed: job.node_speeds.get(rank as usize).copied().unwrap_or(1.0),
+    };
+    let timeout = job.recv_timeout();
+    let started = Instant::now();
+    let mut step = 0u64;
+    let mut state = StageState::new(job.schedule, rank as usize, n as usize, job.micro_batches);
+    let mut inputs: VecDeque<(u64, usize, Vec<f32>)> = VecDeque::new();
+    let mut grads: VecDeque<(u64, Vec<f32>)> = VecDeque::new();
+    let mut values = Vec::new();
+    loop {
+        match state.next(!inputs.is_empty(), !grads.is_empty()) {
+            Some(Action::Forward) => {
+                let (mb, rows, x) = inputs.pop_front().expect("next() saw an input");
+                let row_offset = micro_offset(job, mb as usize);
+                let pass = Pass {
+                    train: true,
+                    seed: job.seed,
+                    step,
+                    row_offset,
+                };
+                let out = clock.run(|| stage.forward(mb, &x, rows, &pass).map(<[f32]>::to_vec))?;
+                clock.peak_stash = clock.peak_stash.max(stage.stash_bytes());
+                net.send(succ, tensor(TensorTag::Activation, step, mb, rows, &out))?;
+                state.record(Action::Forward);
+            }
+            Some(Action::Backward) => {
+                let (mb, dy) = grads.pop_front().expect("next() saw a gradient");
+                let dx = clock.run(|| stage.backward(mb, &dy).map(|d| d.map(<[f32]>::to_vec)))?;
+                let dx = dx.expect("input gradients are on for non-master stages");
+                let rows = dy.len() / stage.output_len().max(1);
+                net.send(pred, tensor(TensorTag::Gradient, step, mb, rows, &dx))?;
+                state.record(Action::Backward);
+                if state.done() {
+                    let lr = job.lr_schedule.rate(
+                        job.lr,
+                        step,
+                        job.schedule_steps,
+                        job.steps_per_epoch,
+                        job.warmup_steps,
+                    );
+                    clock.run(|| stage.step(&mut optimizer, lr));
+                    step += 1;
+                    state =
+                        StageState::new(job.schedule, rank as usize, n as usize, job.micro_batches);
+                }
+            }
+            None => match net.recv(timeout)? {
+                (from, Message::Tensor(h, bytes))
+                    if from == pred && h.tag == TensorTag::Activation && h.step == step =>
+                {
+                    let rows = h.shape.first().copied().unwrap_or(0) as usize;
+                    let mut x = Vec::new();
+                    tensor_values(&bytes, h.dtype, &mut x);
+                    inputs.push_back((h.micro_batch, rows, x));
+                }
+                (from, Message::Tensor(h, bytes))
+                    if from == succ && h.tag == TensorTag::Gradient && h.step == step =>
+                {
+                    let mut dy = Vec::new();
+                    tensor_values(&bytes, h.dtype, &mut dy);
+                    grads.push_back((h.micro_batch, dy));
+                }
+                (from, Message::Tensor(h, bytes))
+                    if from == pred && h.tag == TensorTag::Inference =>
+                {
+                    let rows = h.shape.first().copied().unwrap_or(0) as usize;
+                    tensor_values(&bytes, h.dtype, &mut values);
+                    let out = stage.infer(&values, rows)?.to_vec();
+                    net.send(
+                        succ,
+                        tensor(TensorTag::Inference, h.step, h.micro_batch, rows, &out),
+                    )?;
+                }
+                (from, Message::Control(Control::Report { mut nodes })) if from == pred => {
+                    let own = node_summary(
+                        rank,
+                        "stage",
+                        &stage,
+                        &optimizer,
+                        &plan,
+                        &clock,
+                        started.elapsed().as_secs_f64(),
+                        &net.stats(),
+                    );
+                    nodes.push(
+                        serde_json::to_string(&own).map_err(|e| Error::Config(e.to_string()))?,
+                    );
+                    net.send(succ, Message::Control(Control::Report { nodes }))?;
+                    return Ok(stage);
+                }
+                (from, Message::Tensor(h, _)) => {
+                    return Err(protocol(
+                        net,
+                        from,
+                        &format!("{:?} tensor for step {} (at step {step})", h.tag, h.step),
+                    ));
+                }
+                (from, _) => return Err(protocol(net, from, "message")),
+            },
+        }
+    }
+}
+
+/// Row offset of micro-batch `mb` within its mini-batch (the same split as the master's).
+fn micro_offset(job: &RingJob, mb: usize) -> usize {
+    let (base, extra) = (
+        job.batch_size / job.micro_batches,
+        job.batch_size % job.micro_batches,
+    );
+    mb * base + mb.min(extra)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn node_summary(
+    rank: u32,
+    role: &str,
+    stage: &Stage,
+    optimizer: &Optimizer,
+    plan: &StagePlan,
+    clock: &NodeClock,
+    train_seconds: f64,
+    links: &[LinkStats],
+) -> NodeSummary {
+    let params = stage.params().len() as u64;
+    NodeSummary {
+        rank,
+        role: role.into(),
+        params,
+        param_bytes: params * 4,
+        optimizer_bytes: optimizer.state_bytes() as u64,
+        peak_rss_bytes: resources::peak_rss_bytes().unwrap_or(0),
+        bytes_sent: links.iter().map(|l| l.bytes_sent).sum(),
+        bytes_received: links.iter().map(|l| l.bytes_received).sum(),
+        messages_sent: links.iter().map(|l| l.messages_sent).sum(),
+        compute_seconds: clock.compute,
+        idle_seconds: (train_seconds - clock.compute).max(0.0),
+        cpu_seconds: resources::cpu_seconds(),
+        bubble_fraction: ((train_seconds - clock.compute) / train_seconds.max(1e-9))
+            .clamp(0.0, 1.0),
+        peak_stash_bytes: clock.peak_stash as u64,
+        layers: Some((plan.start, plan.end)),
+        links: links
+            .iter()
+            .map(|l| (l.peer, l.bytes_sent, l.bytes_received))
+            .collect(),
+    }
+}

@@ -1,0 +1,245 @@
+//! Oracle tests of RingTMP: gpipe and 1f1b on 2, 3 and 4 nodes (threads with real loopback links)
+//! give the same parameters as the `local` strategy after K steps on the same seed and data, and
+//! the master never sends anything but stage-0 activations and logit gradients.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::thread;
+
+use ringtmp_data::Dataset;
+use ringtmp_model::checkpoint;
+use ringtmp_model::{LrSchedule, ModelSpec, Optimizer, OptimizerConfig, Shape, Stage};
+use ringtmp_strategy::ring::driver::{MasterSetup, RingJob, run_master, run_worker};
+use ringtmp_strategy::ring::partition::StagePlan;
+use ringtmp_strategy::ring::schedule::Schedule;
+use ringtmp_strategy::{TrainConfig, train_local};
+use ringtmp_transport::{Network, TransportConfig, bind_listener};
+
+const MODEL: &str = r#"
+name = "ring-test"
+[[layer]]
+type = "conv2d"
+out_channels = 6
+kernel = 3
+padding = 1
+[[layer]]
+type = "relu"
+[[layer]]
+type = "max_pool2d"
+kernel = 2
+[[layer]]
+type = "flatten"
+[[layer]]
+type = "linear"
+out = 48
+[[layer]]
+type = "relu"
+[[layer]]
+type = "dropout"
+p = 0.2
+[[layer]]
+type = "linear"
+out = 32
+[[layer]]
+type = "relu"
+[[layer]]
+type = "linear"
+out = 10
+"#;
+
+const STEPS: u64 = 12;
+const BATCH: usize = 24;
+
+fn model() -> ModelSpec {
+    ModelSpec::from_toml(MODEL, "ring-test").unwrap()
+}
+
+fn optimizer() -> OptimizerConfig {
+    OptimizerConfig::Sgd {
+        momentum: 0.9,
+        weight_decay: 1e-4,
+    }
+}
+
+fn local_params(data: &Dataset, out: &Path) -> Vec<f32> {
+    let cfg = TrainConfig {
+        model: model(),
+        dataset: "digits".into(),
+        epochs: 1,
+        batch_size: BATCH,
+        lr: 0.05,
+        schedule: LrSchedule::Cosine,
+        warmup_steps: 2,
+        optimizer: optimizer(),
+        threads: 1,
+        seed: 5,
+        target_accuracy: 0.5,
+        eval_every: 0,
+        out: out.to_path_buf(),
+        checkpoint_every: STEPS,
+        resume: None,
+        max_steps: Some(STEPS),
+    };
+    train_local(&cfg, data, &mut |_| {}).unwrap();
+    let dir = checkpoint::resolve(out).unwrap();
+    let manifest = checkpoint::read_manifest(&dir).unwrap();
+    let layers = cfg.model.build(&Shape::image(8, 8, 1), 10).unwrap();
+    let mut stage = Stage::new(&layers, 0..layers.len(), 0, 1);
+    let mut opt = Optimizer::new(optimizer(), stage.params().len());
+    checkpoint::read_stage(&dir, &manifest, &mut stage, &mut opt).unwrap();
+    stage.params().to_vec()
+}
+
+fn job(bounds: &[usize], schedule: Schedule, micro_batches: usize) -> RingJob {
+    let per_epoch = (1500 / BATCH) as u64;
+    RingJob {
+        model: model(),
+        input: (8, 8, 1),
+        classes: 10,
+        dataset: "digits".into(),
+        epochs: 1,
+        batch_size: BATCH,
+        micro_batches,
+        schedule,
+        lr: 0.05,
+        lr_schedule: LrSchedule::Cosine,
+        warmup_steps: 2,
+        optimizer: optimizer(),
+        threads: 1,
+        seed: 5,
+        partition: bounds
+            .windows(2)
+            .enumerate()
+            .map(|(r, w)| StagePlan {
+                rank: r as u32,
+                start: w[0],
+                end: w[1],
+                predicted_seconds: 0.0,
+                predicted_bytes: 0,
+            })
+            .collect(),
+        node_speeds: vec![1.0; bounds.len() - 1],
+        total_steps: STEPS,
+        schedule_steps: per_epoch,
+        steps_per_epoch: per_epoch,
+        recv_timeout_secs: 30.0,
+    }
+}
+
+/// Ring networks for `n` nodes on loopback.
+fn ring(n: u32) -> Vec<Network> {
+    let listeners: Vec<_> = (0..n)
+        .map(|_| bind_listener("127.0.0.1:0").unwrap())
+        .collect();
+    let addresses: BTreeMap<u32, _> = listeners
+        .iter()
+        .enumerate()
+        .map(|(r, l)| (r as u32, l.local_addr().unwrap()))
+        .collect();
+    let handles: Vec<_> = listeners
+        .into_iter()
+        .enumerate()
+        .map(|(r, listener)| {
+            let addresses = addresses.clone();
+            thread::spawn(move || {
+                let r = r as u32;
+                let neighbours: BTreeSet<u32> = [(r + 1) % n, (r + n - 1) % n]
+                    .into_iter()
+                    .filter(|p| *p != r)
+                    .collect();
+                Network::connect(
+                    TransportConfig::new(1, r, b"ring test secret".to_vec()),
+                    listener,
+                    &addresses,
+                    &neighbours,
+                )
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().unwrap().unwrap())
+        .collect()
+}
+
+/// Runs the ring and returns every stage's parameters concatenated in layer order.
+fn ring_params(job: &RingJob, data: &Dataset, out: &Path) -> (Vec<f32>, ringtmp_metrics::Summary) {
+    let n = job.partition.len() as u32;
+    let mut nets = ring(n).into_iter();
+    let mut master_net = nets.next().unwrap();
+    let workers: Vec<_> = nets
+        .map(|mut net| {
+            let job = job.clone();
+            thread::spawn(move || {
+                let stage = run_worker(&job, &mut net).unwrap();
+                net.close().unwrap();
+                stage.params().to_vec()
+            })
+        })
+        .collect();
+    let setup = MasterSetup {
+        data,
+        out,
+        target_accuracy: 0.5,
+        eval_every: 0,
+    };
+    let (summary, stage) = run_master(job, &setup, &mut master_net, &mut |_| {}).unwrap();
+    master_net.close().unwrap();
+    let mut params = stage.params().to_vec();
+    for w in workers {
+        params.extend(w.join().unwrap());
+    }
+    (params, summary)
+}
+
+fn max_rel_diff(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| f64::from((x - y).abs()))
+        .fold(0.0, f64::max)
+        / scale
+}
+
+#[test]
+fn gpipe_and_1f1b_equal_local_on_2_3_and_4_nodes() {
+    let data = ringtmp_data::load("digits", None).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let oracle = local_params(&data, &tmp.path().join("local"));
+    let cases: [(&[usize], usize); 3] = [
+        (&[0, 5, 10], 3),
+        (&[0, 2, 6, 10], 4),
+        (&[0, 1, 5, 8, 10], 6),
+    ];
+    for (bounds, micro) in cases {
+        for schedule in [Schedule::Gpipe, Schedule::OneFOneB] {
+            let out = tmp
+                .path()
+                .join(format!("{}-{}", schedule.name(), bounds.len()));
+            let (params, summary) = ring_params(&job(bounds, schedule, micro), &data, &out);
+            let diff = max_rel_diff(&params, &oracle);
+            println!(
+                "{} on {} nodes, {micro} micro-batches: max |Δparam| / max |param| = {diff:.2e}",
+                schedule.name(),
+                bounds.len() - 1
+            );
+            assert!(
+                diff < 1e-4,
+                "{} on {} nodes differs from local by {diff}",
+                schedule.name(),
+                bounds.len() - 1
+            );
+            assert_eq!(summary.steps, STEPS);
+            assert_eq!(summary.per_node.len(), bounds.len() - 1);
+            // Each node holds only its own stage's parameters.
+            for (node, w) in summary.per_node.iter().zip(bounds.windows(2)) {
+                assert_eq!(node.layers, Some((w[0], w[1])));
+            }
+            assert_eq!(
+                summary.per_node.iter().map(|p| p.params).sum::<u64>(),
+                oracle.len() as u64
+            );
+        }
+    }
+}
