@@ -8,20 +8,35 @@ use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use ringtmp_model::{LrSchedule, ModelSpec, OptimizerConfig};
 use ringtmp_strategy::TrainConfig;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::UsageError;
 
-/// How nodes cooperate. Only `local` exists so far; the distributed strategies join this list.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Deserialize)]
+/// How nodes cooperate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Strategy {
     /// One process trains the whole model (the oracle for every other strategy).
     Local,
+    /// RingTMP: each node holds a block of layers; the master holds data and labels.
+    Ring,
+}
+
+/// Pipeline schedule of the ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
+pub enum ScheduleKind {
+    /// All forwards, then all backwards (synchronous SGD).
+    #[value(name = "gpipe")]
+    #[serde(rename = "gpipe")]
+    Gpipe,
+    /// One-forward-one-backward with a flush (synchronous SGD, bounded activation memory).
+    #[value(name = "1f1b")]
+    #[serde(rename = "1f1b")]
+    OneFOneB,
 }
 
 /// Optimizer choice.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum OptimizerKind {
     /// SGD with momentum and weight decay.
@@ -32,7 +47,7 @@ pub enum OptimizerKind {
 
 /// `ringtmp train` options. Every field is optional so that flags, the config file and the
 /// defaults can be layered.
-#[derive(Args, Clone, Debug, Default, Deserialize)]
+#[derive(Args, Clone, Debug, Default, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case", deny_unknown_fields)]
 pub struct TrainArgs {
     /// TOML file with any of these options (keys as the long flags, e.g. `batch-size = 64`);
@@ -43,9 +58,27 @@ pub struct TrainArgs {
     /// Strategy [default: local].
     #[arg(long, value_enum)]
     pub strategy: Option<Strategy>,
-    /// Node processes to launch locally (distributed strategies) [default: 1].
+    /// Node processes to launch locally (distributed strategies) [default: 4 for ring].
     #[arg(long)]
     pub nodes: Option<u32>,
+    /// Ring: pipeline schedule [default: 1f1b].
+    #[arg(long, value_enum)]
+    pub schedule: Option<ScheduleKind>,
+    /// Ring: micro-batches per mini-batch [default: the number of nodes].
+    #[arg(long)]
+    pub micro_batches: Option<usize>,
+    /// Ring: layer ranges per node instead of the planner, e.g. `0:4,4:8,8:10`.
+    #[arg(long, value_name = "RANGES")]
+    pub partition: Option<String>,
+    /// Emulate a slower node: RANK:FACTOR with 0 < FACTOR ≤ 1 (repeatable).
+    #[arg(long, value_name = "RANK:FACTOR")]
+    pub node_speed: Option<Vec<String>>,
+    /// Ring: memory each node may use for its stage, e.g. `200M`, or per node `1:200M,2:1G`.
+    #[arg(long, value_name = "BYTES")]
+    pub node_memory_limit: Option<String>,
+    /// Pin each local node process to its own core (when there are enough cores).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub pin: Option<bool>,
     /// Model preset: mlp, mlp-deep or cnn [default: mlp].
     #[arg(long, conflicts_with = "model_file")]
     pub model: Option<String>,
@@ -140,6 +173,12 @@ impl TrainArgs {
             file,
             strategy,
             nodes,
+            schedule,
+            micro_batches,
+            partition,
+            node_speed,
+            node_memory_limit,
+            pin,
             model,
             model_file,
             dataset,
@@ -210,15 +249,10 @@ impl TrainArgs {
         let schedule = LrSchedule::parse(self.lr_schedule.as_deref().unwrap_or("constant"))
             .map_err(|e| UsageError(format!("--lr-schedule: {e}")))?;
         let strategy = self.strategy();
-        let out = self.out.clone().unwrap_or_else(|| {
-            let stamp = humantime::format_rfc3339_seconds(std::time::SystemTime::now())
-                .to_string()
-                .replace(':', "");
-            PathBuf::from("runs").join(format!(
-                "{stamp}-{}",
-                format!("{strategy:?}").to_lowercase()
-            ))
-        });
+        let out = self
+            .out
+            .clone()
+            .unwrap_or_else(|| crate::train::default_out(&format!("{strategy:?}").to_lowercase()));
         let threads = self.threads.unwrap_or_else(|| {
             std::thread::available_parallelism()
                 .map(|n| n.get())

@@ -9,6 +9,7 @@ mod bench;
 mod bench_transport;
 mod launcher;
 mod node;
+mod ring_setup;
 mod train;
 
 use std::process::ExitCode;

@@ -14,6 +14,9 @@ use ringtmp_transport::{Shaping, TransportConfig};
 use serde::{Deserialize, Serialize};
 
 use crate::UsageError;
+use crate::args::TrainArgs;
+use crate::ring_setup::ring_job;
+use ringtmp_strategy::ring::driver::{MasterSetup, RingJob, run_master, run_worker};
 
 /// What the nodes run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
@@ -21,6 +24,20 @@ use crate::UsageError;
 pub enum Job {
     /// Connectivity check and link measurements around the ring.
     Selftest,
+    /// Training with the options of `--config` (rank 0's file).
+    Train,
+}
+
+/// What rank 0 hands every node at rendezvous (JSON).
+#[derive(Serialize, Deserialize)]
+#[serde(tag = "job", rename_all = "kebab-case")]
+enum Settings {
+    Selftest {
+        size_mib: f64,
+        rounds: u32,
+        pings: u32,
+    },
+    Train(Box<RingJob>),
 }
 
 /// Job settings; rank 0's are handed to every node at rendezvous.
@@ -39,6 +56,10 @@ pub struct JobArgs {
     /// Selftest: ping/pong round trips.
     #[arg(long, default_value_t = 200)]
     pub pings: u32,
+    /// Train: the training options (a `ringtmp train --config` file); read by rank 0 only.
+    #[arg(long, value_name = "FILE")]
+    #[serde(skip)]
+    pub config: Option<PathBuf>,
 }
 
 /// How this node connects.
@@ -166,21 +187,79 @@ pub fn run(args: &NodeArgs) -> Result<()> {
         connect_timeout: seconds("connect-timeout", c.connect_timeout)?,
         transport,
     };
-    let settings = toml::to_string(&args.job).context("encoding the job settings")?;
+    // Rank 0 decides what everybody runs; the others' job options are ignored.
+    let mut master = None;
+    let settings = if placement.rank == 0 {
+        match args.job.job {
+            Job::Selftest => Settings::Selftest {
+                size_mib: args.job.size_mib,
+                rounds: args.job.rounds,
+                pings: args.job.pings,
+            },
+            Job::Train => {
+                let path = args.job.config.clone().ok_or_else(|| {
+                    UsageError("--job train needs --config FILE on rank 0".into())
+                })?;
+                let train_args = TrainArgs {
+                    config: Some(path),
+                    ..Default::default()
+                }
+                .merged()?;
+                let data = crate::train::load_dataset(&train_args)?;
+                let (job, cfg) = ring_job(&train_args, &data, placement.world_size)?;
+                crate::train::init_threads(job.threads)?;
+                master = Some((data, cfg));
+                Settings::Train(Box::new(job))
+            }
+        }
+    } else {
+        Settings::Selftest {
+            size_mib: 0.0,
+            rounds: 0,
+            pings: 0,
+        }
+    };
+    let settings = serde_json::to_string(&settings).context("encoding the job settings")?;
     let (table, mut net) = join(&placement, &options, settings, ring_neighbours)?;
-    let job: JobArgs = toml::from_str(&table.settings).context("rank 0's job settings")?;
+    let settings: Settings =
+        serde_json::from_str(&table.settings).context("rank 0's job settings")?;
     let recv_timeout = seconds("recv-timeout", c.recv_timeout)?;
-    let result = match job.job {
-        Job::Selftest => {
+    let result: Result<()> = match settings {
+        Settings::Selftest {
+            size_mib,
+            rounds,
+            pings,
+        } => {
             let cfg = SelftestConfig {
-                size_bytes: ((job.size_mib * 1024.0 * 1024.0) as usize / 4).max(1) * 4,
-                rounds: job.rounds,
-                pings: job.pings,
+                size_bytes: ((size_mib * 1024.0 * 1024.0) as usize / 4).max(1) * 4,
+                rounds,
+                pings,
                 timeout: recv_timeout,
             };
             selftest::run(&mut net, placement.world_size, table.run_id, cfg)
-                .map(|reports| print_selftest(placement.rank, &reports, &job))
+                .map(|reports| print_selftest(placement.rank, &reports, size_mib, rounds, pings))
+                .map_err(Into::into)
         }
+        Settings::Train(job) => match master {
+            Some((data, cfg)) => {
+                let setup = MasterSetup {
+                    data: &data,
+                    out: &cfg.out,
+                    target_accuracy: cfg.target_accuracy,
+                    eval_every: cfg.eval_every,
+                };
+                let mut display = crate::train::Display::new();
+                let outcome = run_master(&job, &setup, &mut net, &mut |e| display.event(e));
+                display.finish();
+                outcome
+                    .map(|(summary, _)| crate::train::print_summary(&summary, &cfg.out))
+                    .map_err(Into::into)
+            }
+            None => {
+                crate::train::init_threads(job.threads)?;
+                run_worker(&job, &mut net).map(|_| ()).map_err(Into::into)
+            }
+        },
     };
     match result {
         Ok(()) => {
@@ -188,22 +267,25 @@ pub fn run(args: &NodeArgs) -> Result<()> {
             Ok(())
         }
         Err(e) => {
-            net.abort(&e.to_string());
-            Err(e.into())
+            net.abort(&format!("{e:#}"));
+            Err(e)
         }
     }
 }
 
-fn print_selftest(rank: u32, reports: &[ringtmp_strategy::selftest::NodeReport], job: &JobArgs) {
+fn print_selftest(
+    rank: u32,
+    reports: &[ringtmp_strategy::selftest::NodeReport],
+    size_mib: f64,
+    rounds: u32,
+    pings: u32,
+) {
     if rank != 0 {
         return;
     }
     println!(
-        "selftest ok: {} node(s), {} round(s) of {} MiB, {} ping(s)",
-        reports.len(),
-        job.rounds,
-        job.size_mib,
-        job.pings
+        "selftest ok: {} node(s), {rounds} round(s) of {size_mib} MiB, {pings} ping(s)",
+        reports.len()
     );
     println!(
         "{:>4} {:>14} {:>14} {:>16}",

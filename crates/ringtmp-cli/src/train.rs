@@ -80,6 +80,9 @@ pub fn validate(args: &TrainArgs) -> Result<()> {
 /// `ringtmp train`.
 pub fn run(args: &TrainArgs) -> Result<()> {
     let args = args.merged()?;
+    if args.strategy() == Strategy::Ring {
+        return launch_ring(args);
+    }
     if args.nodes.unwrap_or(1) > 1 && args.strategy() == Strategy::Local {
         return Err(crate::UsageError(
             "--strategy local trains in one process; --nodes needs a distributed strategy \
@@ -90,13 +93,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     }
     let data = load_dataset(&args)?;
     let cfg = args.resolve(data.classes)?;
-    // The kernels parallelise through rayon's global pool; size it to the thread budget.
-    ringtmp_model::kernels::flush_denormals();
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(cfg.threads)
-        .start_handler(|_| ringtmp_model::kernels::flush_denormals())
-        .build_global()
-        .context("configuring the compute thread pool")?;
+    init_threads(cfg.threads)?;
     eprintln!(
         "training {} with strategy {:?}, batch {}, lr {}, {} thread(s); output in {}",
         cfg.model.name,
@@ -107,16 +104,31 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         cfg.out.display()
     );
     let mut display = Display::new();
-    let summary = match args.strategy() {
-        Strategy::Local => train_local(&cfg, &data, &mut |e| display.event(e))?,
-    };
+    let summary = train_local(&cfg, &data, &mut |e| display.event(e))?;
     display.finish();
     print_summary(&summary, &cfg.out);
     Ok(())
 }
 
+/// Sizes rayon's global pool (through which the kernels parallelise) to the thread budget, and
+/// makes every compute thread flush subnormals. Only the first call in a process has an effect.
+pub fn init_threads(threads: usize) -> Result<()> {
+    ringtmp_model::kernels::flush_denormals();
+    let built = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.max(1))
+        .start_handler(|_| ringtmp_model::kernels::flush_denormals())
+        .build_global();
+    if built.is_err() && rayon::current_num_threads() != threads.max(1) {
+        tracing::warn!(
+            "compute threads already set to {}",
+            rayon::current_num_threads()
+        );
+    }
+    Ok(())
+}
+
 /// Progress output: an indicatif bar on a terminal, periodic plain lines otherwise.
-struct Display {
+pub struct Display {
     bar: Option<ProgressBar>,
     total: u64,
     last_line: Instant,
@@ -124,7 +136,8 @@ struct Display {
 }
 
 impl Display {
-    fn new() -> Self {
+    /// A display for this terminal (or pipe).
+    pub fn new() -> Self {
         Self {
             bar: None,
             total: 0,
@@ -133,7 +146,8 @@ impl Display {
         }
     }
 
-    fn event(&mut self, event: &Event) {
+    /// Shows one progress event.
+    pub fn event(&mut self, event: &Event) {
         let tty = std::io::stderr().is_terminal();
         match *event {
             Event::Started {
@@ -204,14 +218,16 @@ impl Display {
         }
     }
 
-    fn finish(&mut self) {
+    /// Removes the progress bar.
+    pub fn finish(&mut self) {
         if let Some(bar) = self.bar.take() {
             bar.finish_and_clear();
         }
     }
 }
 
-fn print_summary(s: &Summary, out: &std::path::Path) {
+/// Prints the result of a run and the per-node table.
+pub fn print_summary(s: &Summary, out: &std::path::Path) {
     println!(
         "final test accuracy {:.2}% (best {:.2}%) after {} steps; {:.0} samples/s; {:.1}s wall",
         s.final_test_accuracy * 100.0,
@@ -252,4 +268,40 @@ fn print_summary(s: &Summary, out: &std::path::Path) {
         );
     }
     println!("summary: {}", out.join("summary.json").display());
+}
+
+/// `ringtmp train --strategy ring`: writes the options for rank 0 and starts the local nodes.
+fn launch_ring(mut args: TrainArgs) -> Result<()> {
+    let nodes = args.nodes.unwrap_or(4);
+    if nodes < 2 {
+        return Err(crate::UsageError("--strategy ring needs --nodes of at least 2".into()).into());
+    }
+    let out = args.out.clone().unwrap_or_else(|| default_out("ring"));
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    args.out = Some(out.clone());
+    args.nodes = Some(nodes);
+    args.config = None;
+    let path = out.join("train.toml");
+    std::fs::write(
+        &path,
+        toml::to_string(&args).context("encoding the training options")?,
+    )
+    .with_context(|| format!("writing {}", path.display()))?;
+    let path = path.display().to_string();
+    crate::launcher::launch(nodes, args.pin.unwrap_or(false), |_| {
+        vec![
+            "--job".into(),
+            "train".into(),
+            "--config".into(),
+            path.clone(),
+        ]
+    })
+}
+
+/// `runs/<time>-<strategy>`.
+pub fn default_out(strategy: &str) -> std::path::PathBuf {
+    let stamp = humantime::format_rfc3339_seconds(std::time::SystemTime::now())
+        .to_string()
+        .replace(':', "");
+    std::path::PathBuf::from("runs").join(format!("{stamp}-{strategy}"))
 }

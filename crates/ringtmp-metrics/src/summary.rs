@@ -21,8 +21,11 @@ pub struct NodeSummary {
     pub optimizer_bytes: u64,
     /// Peak resident set size of the node's process.
     pub peak_rss_bytes: u64,
-    /// Bytes sent to other nodes.
+    /// Bytes sent to other nodes (everything: training, evaluation, heartbeats, control).
     pub bytes_sent: u64,
+    /// Of `bytes_sent`, the frames of evaluation passes.
+    #[serde(default)]
+    pub eval_bytes_sent: u64,
     /// Bytes received from other nodes.
     pub bytes_received: u64,
     /// Messages sent to other nodes.
@@ -103,7 +106,7 @@ pub struct Summary {
     pub samples_per_second: f64,
     /// Bytes sent by all nodes together.
     pub total_bytes_sent: u64,
-    /// `total_bytes_sent / samples`.
+    /// Training bytes (`total_bytes_sent` less evaluation frames) per training example.
     pub bytes_per_sample: f64,
     /// For gpipe/1f1b: the ideal bubble fraction `(N − 1)/(M + N − 1)`, to compare with each
     /// node's measured `bubble_fraction`.

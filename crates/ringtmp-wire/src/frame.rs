@@ -42,6 +42,16 @@ impl Default for Limits {
     }
 }
 
+/// Bytes `message` occupies on the wire.
+pub fn encoded_len(message: &Message) -> usize {
+    match message {
+        Message::Control(c) => PREFIX_LEN + postcard::to_allocvec(c).map(|v| v.len()).unwrap_or(0),
+        Message::Tensor(h, payload) => {
+            PREFIX_LEN + postcard::to_allocvec(h).map(|v| v.len()).unwrap_or(0) + payload.len()
+        }
+    }
+}
+
 /// Appends the encoding of `message` to `out`.
 pub fn encode(message: &Message, out: &mut Vec<u8>) {
     match message {

@@ -120,6 +120,8 @@ pub struct MasterSetup<'a> {
 /// Counters a node keeps about itself.
 struct NodeClock {
     compute: f64,
+    /// Wire bytes of evaluation frames this node sent.
+    eval_bytes: u64,
     peak_stash: usize,
     speed: f64,
 }
@@ -183,6 +185,7 @@ pub fn run_master(
     let mut batches = BatchPlan::new(setup.data.train.len(), job.batch_size, job.seed)?;
     let mut clock = NodeClock {
         compute: 0.0,
+        eval_bytes: 0,
         peak_stash: 0,
         speed: job.node_speeds.first().copied().unwrap_or(1.0),
     };
@@ -355,7 +358,14 @@ pub fn run_master(
             || done == job.total_steps
             || (setup.eval_every > 0 && done % setup.eval_every == 0)
         {
-            let accuracy = evaluate(job, setup.data, &mut stage, net, done)?;
+            let accuracy = evaluate(
+                job,
+                setup.data,
+                &mut stage,
+                net,
+                done,
+                &mut clock.eval_bytes,
+            )?;
             tracker.record(accuracy, done, train_seconds);
             write(
                 json!({"event": "eval", "step": done, "epoch": epoch, "test_accuracy": accuracy, "train_seconds": train_seconds, "wall_seconds": wall.elapsed().as_secs_f64()}),
@@ -400,6 +410,7 @@ pub fn run_master(
         _ => return Err(protocol(net, pred, "message instead of the final report")),
     }
     let total_bytes_sent: u64 = per_node.iter().map(|p| p.bytes_sent).sum();
+    let per_node_eval: u64 = per_node.iter().map(|p| p.eval_bytes_sent).sum();
     let model_params = job.layers()?.iter().map(|l| l.param_count() as u64).sum();
     let (m, nn) = (job.micro_batches as f64, f64::from(n));
     let summary = Summary {
@@ -432,7 +443,7 @@ pub fn run_master(
         train_seconds,
         samples_per_second: samples as f64 / train_seconds.max(1e-9),
         total_bytes_sent,
-        bytes_per_sample: total_bytes_sent as f64 / samples.max(1) as f64,
+        bytes_per_sample: (total_bytes_sent - per_node_eval) as f64 / samples.max(1) as f64,
         theoretical_bubble_fraction: Some((nn - 1.0) / (m + nn - 1.0)),
         partition: job
             .partition
@@ -458,6 +469,7 @@ fn evaluate(
     stage: &mut Stage,
     net: &mut Network,
     step: u64,
+    eval_bytes: &mut u64,
 ) -> Result<f64> {
     let n = job.partition.len() as u32;
     let (succ, pred) = (1 % n, n - 1);
@@ -474,10 +486,9 @@ fn evaluate(
             split.gather_range(start, end, &mut x, &mut y);
             labels.push(y.clone());
             let out = stage.infer(&x, end - start)?.to_vec();
-            net.send(
-                succ,
-                tensor(TensorTag::Inference, step, sent as u64, end - start, &out),
-            )?;
+            let message = tensor(TensorTag::Inference, step, sent as u64, end - start, &out);
+            *eval_bytes += ringtmp_wire::encoded_len(&message) as u64;
+            net.send(succ, message)?;
             sent += 1;
             continue;
         }
@@ -507,6 +518,7 @@ pub fn run_worker(job: &RingJob, net: &mut Network) -> Result<Stage> {
     let mut optimizer = Optimizer::new(job.optimizer.clone(), stage.params().len());
     let mut clock = NodeClock {
         compute: 0.0,
+        eval_bytes: 0,
         peak_stash: 0,
         speed: job.node_speeds.get(rank as usize).copied().unwrap_or(1.0),
     };
@@ -576,10 +588,9 @@ pub fn run_worker(job: &RingJob, net: &mut Network) -> Result<Stage> {
                     let rows = h.shape.first().copied().unwrap_or(0) as usize;
                     tensor_values(&bytes, h.dtype, &mut values);
                     let out = stage.infer(&values, rows)?.to_vec();
-                    net.send(
-                        succ,
-                        tensor(TensorTag::Inference, h.step, h.micro_batch, rows, &out),
-                    )?;
+                    let message = tensor(TensorTag::Inference, h.step, h.micro_batch, rows, &out);
+                    clock.eval_bytes += ringtmp_wire::encoded_len(&message) as u64;
+                    net.send(succ, message)?;
                 }
                 (from, Message::Control(Control::Report { mut nodes })) if from == pred => {
                     let own = node_summary(
@@ -640,6 +651,7 @@ fn node_summary(
         optimizer_bytes: optimizer.state_bytes() as u64,
         peak_rss_bytes: resources::peak_rss_bytes().unwrap_or(0),
         bytes_sent: links.iter().map(|l| l.bytes_sent).sum(),
+        eval_bytes_sent: clock.eval_bytes,
         bytes_received: links.iter().map(|l| l.bytes_received).sum(),
         messages_sent: links.iter().map(|l| l.messages_sent).sum(),
         compute_seconds: clock.compute,

@@ -5,10 +5,12 @@
 //! anticlockwise back to the master.
 //!
 //! # Layout
+//! - [`profile`]: per-layer time and memory measurements for the planner.
 //! - [`schedule`]: the per-stage decision rules (`gpipe`, `1f1b`) and their simulation.
 //! - [`driver`]: one node's loop over the links (master and stage nodes).
 //! - [`partition`]: the planner that splits layers into stages.
 
 pub mod driver;
 pub mod partition;
+pub mod profile;
 pub mod schedule;

@@ -1,0 +1,215 @@
+//! Turning `ringtmp train --strategy ring` options into the [`RingJob`] every node runs: the
+//! schedule, micro-batches, node speeds and memory limits, and the partition (the planner's,
+//! from per-layer measurements, or the user's `--partition`).
+
+use anyhow::{Context, Result};
+use ringtmp_data::Dataset;
+use ringtmp_model::{LayerKind, Shape};
+use ringtmp_strategy::TrainConfig;
+use ringtmp_strategy::ring::driver::RingJob;
+use ringtmp_strategy::ring::partition::{self, NodeCapacity};
+use ringtmp_strategy::ring::profile::profile_layers;
+use ringtmp_strategy::ring::schedule::Schedule;
+
+use crate::UsageError;
+use crate::args::{ScheduleKind, TrainArgs};
+
+/// Seconds a ring node waits for any one message (liveness is the heartbeats' job; this only
+/// bounds a protocol that stopped making progress).
+const RECV_TIMEOUT_SECS: f64 = 300.0;
+
+/// Builds the job for `nodes` nodes; prints the plan.
+pub fn ring_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(RingJob, TrainConfig)> {
+    let mut cfg = args.resolve(data.classes)?;
+    if args.threads.is_none() {
+        // The local nodes share this machine's cores: split them instead of oversubscribing.
+        let cores = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
+        cfg.threads = (cores / nodes.max(1) as usize).max(1);
+    }
+    if nodes < 2 {
+        return Err(UsageError("--strategy ring needs --nodes of at least 2".into()).into());
+    }
+    let micro_batches = args.micro_batches.unwrap_or(nodes as usize);
+    if micro_batches == 0 || micro_batches > cfg.batch_size {
+        return Err(UsageError(format!(
+            "--micro-batches must be between 1 and the batch size {}",
+            cfg.batch_size
+        ))
+        .into());
+    }
+    let schedule = match args.schedule.unwrap_or(ScheduleKind::OneFOneB) {
+        ScheduleKind::Gpipe => Schedule::Gpipe,
+        ScheduleKind::OneFOneB => Schedule::OneFOneB,
+    };
+    let speeds = node_speeds(args.node_speed.as_deref().unwrap_or_default(), nodes)?;
+    let limits = memory_limits(args.node_memory_limit.as_deref(), nodes)?;
+    let capacities: Vec<NodeCapacity> = speeds
+        .iter()
+        .zip(&limits)
+        .map(|(&speed, &memory_limit)| NodeCapacity {
+            speed,
+            memory_limit,
+        })
+        .collect();
+
+    let (h, w, c) = data.input;
+    let layers = cfg.model.build(&Shape::image(h, w, c), data.classes)?;
+    let first_param = layers
+        .iter()
+        .position(|l| matches!(l.kind, LayerKind::Linear(_) | LayerKind::Conv2d(_)))
+        .ok_or_else(|| {
+            UsageError("the ring needs a model with at least one linear or conv layer".into())
+        })?;
+    let rows = cfg.batch_size.div_ceil(micro_batches);
+    let in_flight = match schedule {
+        Schedule::Gpipe => micro_batches,
+        Schedule::OneFOneB => (nodes as usize).min(micro_batches),
+    };
+    eprintln!(
+        "profiling {} layers on micro-batches of {rows} rows for the partition plan",
+        layers.len()
+    );
+    let costs = profile_layers(&layers, rows, cfg.threads, &cfg.optimizer, in_flight, 9);
+    let plan = match &args.partition {
+        Some(spec) => partition::from_spec(spec, &costs, &capacities, first_param),
+        None => partition::plan(&costs, &capacities, first_param),
+    }
+    .map_err(|e| UsageError(e.to_string()))?;
+    eprintln!(
+        "partition ({} nodes, {} schedule, {micro_batches} micro-batches):",
+        nodes,
+        schedule.name()
+    );
+    for s in &plan {
+        let kinds: Vec<&str> = layers[s.start..s.end]
+            .iter()
+            .map(|l| l.kind_name())
+            .collect();
+        eprintln!(
+            "  node {}: layers {}..{} [{}], predicted {:.2} ms per micro-batch, {:.1} MB",
+            s.rank,
+            s.start,
+            s.end,
+            kinds.join(" "),
+            s.predicted_seconds * 1e3,
+            s.predicted_bytes as f64 / 1e6
+        );
+    }
+    let steps_per_epoch = (data.train.len() / cfg.batch_size) as u64;
+    let schedule_steps = steps_per_epoch * u64::from(cfg.epochs);
+    let job = RingJob {
+        model: cfg.model.clone(),
+        input: data.input,
+        classes: data.classes,
+        dataset: cfg.dataset.clone(),
+        epochs: cfg.epochs,
+        batch_size: cfg.batch_size,
+        micro_batches,
+        schedule,
+        lr: cfg.lr,
+        lr_schedule: cfg.schedule.clone(),
+        warmup_steps: cfg.warmup_steps,
+        optimizer: cfg.optimizer.clone(),
+        threads: cfg.threads,
+        seed: cfg.seed,
+        partition: plan,
+        node_speeds: speeds,
+        total_steps: cfg.max_steps.unwrap_or(u64::MAX).min(schedule_steps),
+        schedule_steps,
+        steps_per_epoch,
+        recv_timeout_secs: RECV_TIMEOUT_SECS,
+    };
+    Ok((job, cfg))
+}
+
+/// `RANK:FACTOR` entries → a speed per node (default 1).
+pub fn node_speeds(entries: &[String], nodes: u32) -> Result<Vec<f64>> {
+    let mut speeds = vec![1.0; nodes as usize];
+    for e in entries {
+        for part in e.split(',') {
+            let bad = || {
+                UsageError(format!(
+                    "--node-speed {part:?}: expected RANK:FACTOR with 0 < FACTOR ≤ 1 and RANK < {nodes}"
+                ))
+            };
+            let (r, f) = part.split_once(':').ok_or_else(bad)?;
+            let (r, f): (usize, f64) = (
+                r.trim().parse().map_err(|_| bad())?,
+                f.trim().parse().map_err(|_| bad())?,
+            );
+            if r >= nodes as usize || !(f > 0.0 && f <= 1.0) {
+                return Err(bad().into());
+            }
+            speeds[r] = f;
+        }
+    }
+    Ok(speeds)
+}
+
+/// `200M` (every node) or `1:200M,2:1G` → a limit per node.
+pub fn memory_limits(spec: Option<&str>, nodes: u32) -> Result<Vec<Option<u64>>> {
+    let mut limits = vec![None; nodes as usize];
+    let Some(spec) = spec else { return Ok(limits) };
+    for part in spec.split(',') {
+        let bad = |why: &str| UsageError(format!("--node-memory-limit {part:?}: {why}"));
+        match part.split_once(':') {
+            Some((r, v)) => {
+                let r: usize = r.trim().parse().map_err(|_| bad("bad rank"))?;
+                if r >= nodes as usize {
+                    return Err(bad("rank out of range").into());
+                }
+                limits[r] = Some(parse_bytes(v).context(bad("bad size").to_string())?);
+            }
+            None => {
+                let v = parse_bytes(part).context(bad("bad size").to_string())?;
+                limits.iter_mut().for_each(|l| *l = Some(v));
+            }
+        }
+    }
+    Ok(limits)
+}
+
+fn parse_bytes(text: &str) -> Result<u64> {
+    let t = text.trim();
+    let (number, unit) = t
+        .find(|c: char| c.is_ascii_alphabetic())
+        .map_or((t, ""), |i| t.split_at(i));
+    let n: f64 = number
+        .trim()
+        .parse()
+        .map_err(|_| UsageError(format!("{text:?} is not a size")))?;
+    let scale = match unit
+        .to_ascii_uppercase()
+        .trim_end_matches('B')
+        .trim_end_matches('I')
+    {
+        "" => 1.0,
+        "K" => 1024.0,
+        "M" => 1024.0 * 1024.0,
+        "G" => 1024.0 * 1024.0 * 1024.0,
+        _ => return Err(UsageError(format!("unknown unit in {text:?}; use K, M or G")).into()),
+    };
+    Ok((n * scale) as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_speeds_parse() {
+        assert_eq!(parse_bytes("200M").unwrap(), 200 << 20);
+        assert_eq!(parse_bytes("1.5GiB").unwrap(), 3 << 29);
+        assert_eq!(parse_bytes("4096").unwrap(), 4096);
+        assert!(parse_bytes("12Q").is_err());
+        assert_eq!(
+            memory_limits(Some("1:1K"), 3).unwrap(),
+            [None, Some(1024), None]
+        );
+        assert_eq!(node_speeds(&["1:0.25".into()], 2).unwrap(), [1.0, 0.25]);
+        assert!(node_speeds(&["2:0.5".into()], 2).is_err());
+        assert!(node_speeds(&["1:1.5".into()], 2).is_err());
+    }
+}
