@@ -192,6 +192,59 @@ fn ring_params(job: &RingJob, data: &Dataset, out: &Path) -> (Vec<f32>, ringtmp_
     (params, summary)
 }
 
+/// Every tensor the master sent is stage 0's output (activations or evaluation activations, to
+/// rank 1) or the logits' gradient (to the last rank): never raw inputs, never labels.
+fn audit_master(sent: &[ringtmp_transport::SentRecord], job: &RingJob, data: &Dataset) {
+    use ringtmp_wire::TensorTag;
+    let layers = job.model.build(&Shape::image(8, 8, 1), 10).unwrap();
+    let stage0_width = layers[job.partition[0].end - 1].output.numel() as u32;
+    let n = job.partition.len() as u32;
+    let raw_width = data.train.features() as u32;
+    assert_ne!(
+        stage0_width, raw_width,
+        "test model must make the widths distinguishable"
+    );
+    let (mut activations, mut gradients) = (0, 0);
+    for r in sent {
+        match r.tag {
+            None => {}
+            Some(TensorTag::Activation | TensorTag::Inference) => {
+                assert_eq!(
+                    (r.to, r.shape[1]),
+                    (1, stage0_width),
+                    "master sent {:?} {:?} to {}",
+                    r.tag,
+                    r.shape,
+                    r.to
+                );
+                activations += 1;
+            }
+            Some(TensorTag::Gradient) => {
+                assert_eq!(
+                    (r.to, r.shape[1]),
+                    (n - 1, job.classes as u32),
+                    "gradient {:?} to {}",
+                    r.shape,
+                    r.to
+                );
+                gradients += 1;
+            }
+            Some(other) => panic!("master sent a {other:?} tensor"),
+        }
+        // No payload is a copy of a raw input row or a label vector.
+        assert_ne!(r.shape.get(1).copied(), Some(raw_width));
+        assert_ne!(
+            r.shape.len(),
+            1,
+            "one-dimensional tensors (label-shaped) never leave the master"
+        );
+    }
+    assert!(
+        activations >= (STEPS as usize) * job.micro_batches
+            && gradients == (STEPS as usize) * job.micro_batches
+    );
+}
+
 fn max_rel_diff(a: &[f32], b: &[f32]) -> f64 {
     assert_eq!(a.len(), b.len());
     let scale = b.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));

@@ -26,4 +26,4 @@ pub mod network;
 
 pub use config::{Shaping, TransportConfig};
 pub use error::{PeerName, TransportError};
-pub use network::{LinkStats, Network, bind_listener};
+pub use network::{LinkStats, Network, SentRecord, bind_listener};

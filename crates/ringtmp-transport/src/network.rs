@@ -85,8 +85,42 @@ struct Link {
     said_goodbye: bool,
 }
 
+/// What an audited node sent: enough to check that nothing forbidden left it (see
+/// [`Network::enable_audit`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SentRecord {
+    /// Destination rank.
+    pub to: u32,
+    /// `None` for control messages; the tag of a tensor.
+    pub tag: Option<ringtmp_wire::TensorTag>,
+    /// The tensor's shape (empty for control messages).
+    pub shape: Vec<u32>,
+    /// The tensor's payload bytes (empty for control messages).
+    pub payload: Vec<u8>,
+}
+
+impl SentRecord {
+    fn of(to: u32, message: &Message) -> Self {
+        match message {
+            Message::Control(_) => Self {
+                to,
+                tag: None,
+                shape: Vec::new(),
+                payload: Vec::new(),
+            },
+            Message::Tensor(h, p) => Self {
+                to,
+                tag: Some(h.tag),
+                shape: h.shape.clone(),
+                payload: p.clone(),
+            },
+        }
+    }
+}
+
 /// A node's established links.
 pub struct Network {
+    audit: Option<std::sync::Mutex<Vec<SentRecord>>>,
     runtime: tokio::runtime::Runtime,
     cfg: TransportConfig,
     links: BTreeMap<u32, Link>,
@@ -140,6 +174,7 @@ impl Network {
             links.insert(rank, link);
         }
         Ok(Self {
+            audit: None,
             runtime,
             cfg,
             links,
@@ -147,6 +182,20 @@ impl Network {
             pending: VecDeque::new(),
             goodbyes: BTreeSet::new(),
         })
+    }
+
+    /// Starts recording every message this node sends (for tests that audit what leaves a node,
+    /// e.g. that the ring's master never sends labels or raw inputs). Costs a copy per message.
+    pub fn enable_audit(&mut self) {
+        self.audit = Some(std::sync::Mutex::new(Vec::new()));
+    }
+
+    /// The messages sent since [`Network::enable_audit`].
+    pub fn audit_log(&self) -> Vec<SentRecord> {
+        self.audit
+            .as_ref()
+            .and_then(|a| a.lock().ok().map(|l| l.clone()))
+            .unwrap_or_default()
     }
 
     /// This node's rank.
@@ -173,6 +222,11 @@ impl Network {
     /// Queues `message` for `to`, waiting at most `send_timeout` for room in the link's queue.
     pub fn send(&self, to: u32, message: Message) -> Result<(), TransportError> {
         let link = self.links.get(&to).ok_or(TransportError::NoLink(to))?;
+        if let Some(audit) = &self.audit
+            && let Ok(mut log) = audit.lock()
+        {
+            log.push(SentRecord::of(to, &message));
+        }
         let started = Instant::now();
         let outgoing = Outgoing {
             message,
