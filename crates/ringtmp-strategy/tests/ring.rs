@@ -177,13 +177,15 @@ fn ring_params(job: &RingJob, data: &Dataset, out: &Path) -> (Vec<f32>, ringtmp_
             })
         })
         .collect();
+    master_net.enable_audit();
     let setup = MasterSetup {
         data,
         out,
         target_accuracy: 0.5,
-        eval_every: 0,
+        eval_every: 6,
     };
     let (summary, stage) = run_master(job, &setup, &mut master_net, &mut |_| {}).unwrap();
+    audit_master(&master_net.audit_log(), job, data);
     master_net.close().unwrap();
     let mut params = stage.params().to_vec();
     for w in workers {
