@@ -120,6 +120,22 @@ pub fn ring_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(RingJob
         schedule_steps,
         steps_per_epoch,
         recv_timeout_secs: RECV_TIMEOUT_SECS,
+        checkpoint_every: cfg.checkpoint_every,
+        out: std::path::absolute(&cfg.out).unwrap_or_else(|_| cfg.out.clone()),
+        resume: match &cfg.resume {
+            Some(path) => {
+                let (dir, manifest) = ringtmp_strategy::local::check_resume(path, &cfg)?;
+                eprintln!(
+                    "resuming from {} at step {} (written by {} on {} node(s))",
+                    dir.display(),
+                    manifest.step,
+                    manifest.strategy,
+                    manifest.files.len()
+                );
+                Some((std::path::absolute(&dir).unwrap_or(dir), manifest.step))
+            }
+            None => None,
+        },
     };
     Ok((job, cfg))
 }

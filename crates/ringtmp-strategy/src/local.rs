@@ -350,6 +350,15 @@ fn resume_from(
     model: &mut Stage,
     optimizer: &mut Optimizer,
 ) -> Result<u64> {
+    let (dir, manifest) = check_resume(path, cfg)?;
+    checkpoint::read_stage(&dir, &manifest, model, optimizer)?;
+    Ok(manifest.step)
+}
+
+/// Finds the checkpoint `path` means and checks that it was written for this run's model, data
+/// order (dataset, batch size, seed) and optimizer; any strategy and any partition may have
+/// written it. Returns its directory and manifest.
+pub fn check_resume(path: &Path, cfg: &TrainConfig) -> Result<(std::path::PathBuf, Manifest)> {
     let dir = checkpoint::resolve(path)?;
     let manifest = checkpoint::read_manifest(&dir)?;
     let mismatch = |what: &str, theirs: String, ours: String| {
@@ -381,6 +390,5 @@ fn resume_from(
             format!("{:?}", cfg.optimizer),
         );
     }
-    checkpoint::read_stage(&dir, &manifest, model, optimizer)?;
-    Ok(manifest.step)
+    Ok((dir, manifest))
 }

@@ -122,6 +122,14 @@ pub enum Control {
         /// The MAC.
         mac: [u8; 32],
     },
+    /// A checkpoint in progress: travels once around the ring after step `step`; each node writes
+    /// its stage file and appends its file entry (JSON), and rank 0 writes the manifest last.
+    Checkpoint {
+        /// Optimizer steps completed.
+        step: u64,
+        /// One JSON file entry per node so far, in ring order.
+        files: Vec<String>,
+    },
     /// End of a run: travels once around the ring, each node appending its measurements (JSON).
     Report {
         /// One JSON document per node, in ring order.

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 
 use ringtmp_data::{BatchPlan, Dataset, shard};
 use ringtmp_metrics::{EventLog, NodeSummary, Summary, resources};
+use ringtmp_model::checkpoint;
 use ringtmp_model::{
     Layer, LrSchedule, ModelSpec, Optimizer, OptimizerConfig, Pass, Shape, Stage, loss,
 };
@@ -81,6 +82,16 @@ pub struct RingJob {
     pub steps_per_epoch: u64,
     /// Seconds to wait for any one message.
     pub recv_timeout_secs: f64,
+    /// Checkpoint every this many steps (and at the end); 0 = never.
+    #[serde(default)]
+    pub checkpoint_every: u64,
+    /// Output directory of the run (checkpoints go to `<out>/checkpoints/`).
+    #[serde(default)]
+    pub out: std::path::PathBuf,
+    /// Checkpoint to start from (every node loads its layers from it, by name, whatever
+    /// partition wrote it), and the step it was taken at.
+    #[serde(default)]
+    pub resume: Option<(std::path::PathBuf, u64)>,
 }
 
 impl RingJob {
@@ -102,6 +113,77 @@ impl RingJob {
 
     fn recv_timeout(&self) -> Duration {
         Duration::from_secs_f64(self.recv_timeout_secs.max(0.001))
+    }
+
+    /// The step training starts at (0, or the resumed checkpoint's).
+    pub fn first_step(&self) -> u64 {
+        self.resume.as_ref().map_or(0, |(_, s)| *s)
+    }
+
+    /// Loads this node's stage and optimizer state from the resume checkpoint, if any.
+    fn load(&self, stage: &mut Stage, optimizer: &mut Optimizer) -> Result<()> {
+        if let Some((dir, _)) = &self.resume {
+            let manifest = checkpoint::read_manifest(dir)?;
+            checkpoint::read_stage(dir, &manifest, stage, optimizer)?;
+        }
+        Ok(())
+    }
+
+    fn checkpoint_due(&self, done: u64) -> bool {
+        self.checkpoint_every > 0 && (done % self.checkpoint_every == 0 || done == self.total_steps)
+    }
+
+    fn checkpoint_dir(&self, step: u64) -> std::path::PathBuf {
+        self.out
+            .join("checkpoints")
+            .join(checkpoint::checkpoint_dir_name(step))
+    }
+
+    /// Writes this node's stage file for `step` and returns its entry as JSON.
+    fn write_stage_file(
+        &self,
+        rank: u32,
+        step: u64,
+        stage: &Stage,
+        optimizer: &Optimizer,
+    ) -> Result<String> {
+        let entry = checkpoint::write_stage(
+            &self.checkpoint_dir(step),
+            &format!("stage-{rank}.safetensors"),
+            stage,
+            optimizer,
+        )?;
+        serde_json::to_string(&entry).map_err(|e| Error::Config(e.to_string()))
+    }
+
+    /// Rank 0, after every node's file is written: the manifest (last, so a checkpoint is complete
+    /// exactly when its manifest exists).
+    fn write_manifest(&self, step: u64, files: &[String]) -> Result<std::path::PathBuf> {
+        let files = files
+            .iter()
+            .map(|f| {
+                serde_json::from_str(f).map_err(|e| {
+                    Error::Config(format!("a node's checkpoint entry is invalid: {e}"))
+                })
+            })
+            .collect::<Result<Vec<checkpoint::FileEntry>>>()?;
+        let dir = self.checkpoint_dir(step);
+        let manifest = checkpoint::Manifest {
+            format: checkpoint::MANIFEST_FORMAT,
+            strategy: "ring".into(),
+            step,
+            epoch: step / self.steps_per_epoch,
+            batch_in_epoch: step % self.steps_per_epoch,
+            dataset: self.dataset.clone(),
+            batch_size: self.batch_size,
+            seed: self.seed,
+            model: self.model.clone(),
+            partition: self.partition.iter().map(|p| (p.start, p.end)).collect(),
+            optimizer: self.optimizer.clone(),
+            files,
+        };
+        checkpoint::write_manifest(&dir, &manifest)?;
+        Ok(dir)
     }
 }
 
@@ -182,6 +264,7 @@ pub fn run_master(
     let (succ, pred) = (1 % n, n - 1);
     let (mut stage, plan) = job.stage(0)?;
     let mut optimizer = Optimizer::new(job.optimizer.clone(), stage.params().len());
+    job.load(&mut stage, &mut optimizer)?;
     let mut batches = BatchPlan::new(setup.data.train.len(), job.batch_size, job.seed)?;
     let mut clock = NodeClock {
         compute: 0.0,
@@ -194,7 +277,7 @@ pub fn run_master(
         source: e,
     })?;
     let log_path = setup.out.join("metrics.jsonl");
-    let mut log = EventLog::create(&log_path, false).map_err(|e| Error::Io {
+    let mut log = EventLog::create(&log_path, job.first_step() > 0).map_err(|e| Error::Io {
         path: log_path.clone(),
         source: e,
     })?;
@@ -210,7 +293,7 @@ pub fn run_master(
     )?;
     on_event(&Event::Started {
         total_steps: job.total_steps,
-        first_step: 0,
+        first_step: job.first_step(),
         params: stage.params().len(),
     });
 
@@ -221,7 +304,7 @@ pub fn run_master(
     let (mut x, mut labels) = (Vec::new(), Vec::new());
     let mut values = Vec::new();
     let mut dlogits = Vec::new();
-    for step in 0..job.total_steps {
+    for step in job.first_step()..job.total_steps {
         let t_step = Instant::now();
         let epoch = step / job.steps_per_epoch;
         let indices = batches
@@ -377,6 +460,38 @@ pub fn run_master(
                 loss: f64::NAN,
             });
         }
+        if job.checkpoint_due(done) {
+            // Around the ring: each node writes its stage file and appends its entry; the
+            // manifest comes last, so an interrupted checkpoint leaves the previous one intact.
+            let own = job.write_stage_file(0, done, &stage, &optimizer)?;
+            net.send(
+                succ,
+                Message::Control(Control::Checkpoint {
+                    step: done,
+                    files: vec![own],
+                }),
+            )?;
+            let files = match net.recv_from(pred, timeout)? {
+                Message::Control(Control::Checkpoint { step: s, files })
+                    if s == done && files.len() == n as usize =>
+                {
+                    files
+                }
+                _ => {
+                    return Err(protocol(
+                        net,
+                        pred,
+                        "message instead of the checkpoint entries",
+                    ));
+                }
+            };
+            let dir = job.write_manifest(done, &files)?;
+            write(json!({"event": "checkpoint", "step": done, "path": dir}))?;
+            on_event(&Event::Checkpoint {
+                step: done,
+                path: dir,
+            });
+        }
     }
     if epoch_batches > 0 {
         last_epoch_loss = epoch_loss / epoch_batches as f64;
@@ -516,6 +631,7 @@ pub fn run_worker(job: &RingJob, net: &mut Network) -> Result<Stage> {
     let (mut stage, plan) = job.stage(rank)?;
     stage.set_input_grad(true);
     let mut optimizer = Optimizer::new(job.optimizer.clone(), stage.params().len());
+    job.load(&mut stage, &mut optimizer)?;
     let mut clock = NodeClock {
         compute: 0.0,
         eval_bytes: 0,
@@ -524,7 +640,7 @@ pub fn run_worker(job: &RingJob, net: &mut Network) -> Result<Stage> {
     };
     let timeout = job.recv_timeout();
     let started = Instant::now();
-    let mut step = 0u64;
+    let mut step = job.first_step();
     let mut state = StageState::new(job.schedule, rank as usize, n as usize, job.micro_batches);
     let mut inputs: VecDeque<(u64, usize, Vec<f32>)> = VecDeque::new();
     let mut grads: VecDeque<(u64, Vec<f32>)> = VecDeque::new();
@@ -591,6 +707,19 @@ pub fn run_worker(job: &RingJob, net: &mut Network) -> Result<Stage> {
                     let message = tensor(TensorTag::Inference, h.step, h.micro_batch, rows, &out);
                     clock.eval_bytes += ringtmp_wire::encoded_len(&message) as u64;
                     net.send(succ, message)?;
+                }
+                (
+                    from,
+                    Message::Control(Control::Checkpoint {
+                        step: at,
+                        mut files,
+                    }),
+                ) if from == pred && at == step => {
+                    files.push(job.write_stage_file(rank, at, &stage, &optimizer)?);
+                    net.send(
+                        succ,
+                        Message::Control(Control::Checkpoint { step: at, files }),
+                    )?;
                 }
                 (from, Message::Control(Control::Report { mut nodes })) if from == pred => {
                     let own = node_summary(
