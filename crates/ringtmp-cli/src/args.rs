@@ -137,6 +137,14 @@ pub struct TrainArgs {
     /// Resume from a checkpoint directory or a previous run's output directory.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
+    /// Fault injection for tests: this rank of a local ring exits abruptly.
+    #[arg(long, hide = true)]
+    #[serde(skip)]
+    pub crash_rank: Option<u32>,
+    /// Fault injection for tests: milliseconds before the crash.
+    #[arg(long, hide = true)]
+    #[serde(skip)]
+    pub crash_after_ms: Option<u64>,
     /// Stop after N optimizer steps in total.
     #[arg(long, value_name = "N")]
     pub max_steps: Option<u64>,
@@ -144,7 +152,12 @@ pub struct TrainArgs {
 
 macro_rules! layer_options {
     ($flags:expr, $file:expr, $($field:ident),*) => {
-        TrainArgs { config: $flags.config.clone(), $($field: $flags.$field.clone().or($file.$field.clone())),* }
+        TrainArgs {
+            config: $flags.config.clone(),
+            crash_rank: $flags.crash_rank,
+            crash_after_ms: $flags.crash_after_ms,
+            $($field: $flags.$field.clone().or($file.$field.clone())),*
+        }
     };
 }
 

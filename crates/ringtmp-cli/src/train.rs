@@ -288,13 +288,18 @@ fn launch_ring(mut args: TrainArgs) -> Result<()> {
     )
     .with_context(|| format!("writing {}", path.display()))?;
     let path = path.display().to_string();
-    crate::launcher::launch(nodes, args.pin.unwrap_or(false), |_| {
-        vec![
+    crate::launcher::launch(nodes, args.pin.unwrap_or(false), |rank| {
+        let mut node_args = vec![
             "--job".into(),
             "train".into(),
             "--config".into(),
             path.clone(),
-        ]
+        ];
+        if args.crash_rank == Some(rank) {
+            let after = args.crash_after_ms.unwrap_or(1000).to_string();
+            node_args.extend(["--crash-after-ms".into(), after]);
+        }
+        node_args
     })
 }
 

@@ -214,3 +214,114 @@ fn missing_secret_is_a_usage_error() {
     assert_eq!(out.status.code(), Some(2), "{}", stderr(&out));
     assert!(stderr(&out).contains("no shared secret"));
 }
+
+#[test]
+fn ring_training_on_three_local_nodes_writes_the_output_contract() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("ring").display().to_string();
+    let child = ringtmp()
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+        .args([
+            "train",
+            "--strategy",
+            "ring",
+            "--nodes",
+            "3",
+            "--schedule",
+            "1f1b",
+            "--micro-batches",
+            "4",
+        ])
+        .args([
+            "--dataset",
+            "digits",
+            "--model-file",
+            "examples/models/lenet-dropout.toml",
+            "--epochs",
+            "2",
+        ])
+        .args([
+            "--batch-size",
+            "32",
+            "--lr",
+            "0.05",
+            "--target-accuracy",
+            "0.8",
+            "--out",
+            &out,
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (output, _) = finish(child, Duration::from_secs(120));
+    assert!(output.status.success(), "{}", stderr(&output));
+    let summary: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(tmp.path().join("ring/summary.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(summary["strategy"], "ring");
+    assert_eq!(summary["schedule"], "1f1b");
+    assert_eq!(summary["per_node"].as_array().unwrap().len(), 3);
+    assert!(
+        summary["final_test_accuracy"].as_f64().unwrap() > 0.8,
+        "{summary}"
+    );
+    assert!(summary["partition"].as_array().unwrap().len() == 3);
+}
+
+#[test]
+fn ring_node_crash_stops_the_run_and_keeps_the_last_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("ring").display().to_string();
+    let child = ringtmp()
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+        .args([
+            "train",
+            "--strategy",
+            "ring",
+            "--nodes",
+            "3",
+            "--dataset",
+            "digits",
+        ])
+        .args([
+            "--model-file",
+            "examples/models/lenet-dropout.toml",
+            "--epochs",
+            "500",
+            "--eval-every",
+            "0",
+        ])
+        .args([
+            "--checkpoint-every",
+            "20",
+            "--crash-rank",
+            "2",
+            "--crash-after-ms",
+            "3000",
+            "--out",
+            &out,
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (output, took) = finish(child, Duration::from_secs(60));
+    let err = stderr(&output);
+    assert_eq!(output.status.code(), Some(1), "{err}");
+    assert!(err.contains("node 2 failed"), "{err}");
+    assert!(
+        err.contains("[node 0] error: rank 2 (127.0.0.1:"),
+        "the master names the dead node: {err}"
+    );
+    assert!(took < Duration::from_secs(30), "{took:?}");
+    // The newest complete checkpoint is intact: its manifest lists files whose hashes match.
+    let dir = ringtmp_model::checkpoint::resolve(&tmp.path().join("ring")).unwrap();
+    let manifest = ringtmp_model::checkpoint::read_manifest(&dir).unwrap();
+    assert_eq!(manifest.files.len(), 3);
+    for f in &manifest.files {
+        let bytes = std::fs::read(dir.join(&f.name)).unwrap();
+        assert_eq!(ringtmp_model::checkpoint::sha256_hex(&bytes), f.sha256);
+    }
+}

@@ -98,12 +98,14 @@ pub enum TransportError {
         reason: String,
     },
     /// A link failed while this node was waiting for something; says what.
-    #[error("{source} (while waiting for {waiting_for})")]
+    // `cause` is shown inline rather than as the error's source, so a printed chain does not
+    // repeat it.
+    #[error("{cause} (while waiting for {waiting_for})")]
     WhileWaiting {
         /// What the node was waiting for, e.g. `a message from rank 2 (127.0.0.1:4100)`.
         waiting_for: String,
         /// The failure.
-        source: Box<TransportError>,
+        cause: Box<TransportError>,
     },
     /// A message for a rank this node has no link to.
     #[error("no link to rank {0}")]

@@ -339,7 +339,7 @@ impl Network {
                     };
                     return Err(TransportError::WhileWaiting {
                         waiting_for,
-                        source: Box::new(e),
+                        cause: Box::new(e),
                     });
                 }
                 Ok(Some(Inbound::Message(

@@ -180,7 +180,7 @@ fn killed_peer_is_reported_by_name() {
     let err = nets[0].recv(Duration::from_secs(10)).unwrap_err();
     let text = err.to_string();
     assert!(
-        matches!(&err, TransportError::WhileWaiting { source, .. } if matches!(**source, TransportError::PeerClosed { .. })),
+        matches!(&err, TransportError::WhileWaiting { cause, .. } if matches!(**cause, TransportError::PeerClosed { .. })),
         "{text}"
     );
     assert!(text.contains("rank 1 (127.0.0.1:"), "{text}");
@@ -199,7 +199,7 @@ fn silent_peer_is_declared_dead_by_the_watchdog() {
         .collect();
     let err = nets[0].recv(Duration::from_secs(10)).unwrap_err();
     assert!(
-        matches!(&err, TransportError::WhileWaiting { source, .. } if matches!(**source, TransportError::PeerSilent { .. })),
+        matches!(&err, TransportError::WhileWaiting { cause, .. } if matches!(**cause, TransportError::PeerSilent { .. })),
         "{err}"
     );
     assert!(err.to_string().contains("rank 1"), "{err}");
