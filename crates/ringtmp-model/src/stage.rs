@@ -18,6 +18,7 @@
 
 use std::collections::BTreeMap;
 use std::ops::Range;
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::kernels::set_len;
@@ -29,6 +30,8 @@ use crate::optim::Optimizer;
 struct Stash {
     /// `acts[0]` is the stage input, `acts[i + 1]` the output of layer `i`.
     acts: Vec<Vec<f32>>,
+    /// The weights the forward used, when weight stashing is on.
+    weights: Option<Arc<Vec<f32>>>,
     aux: Vec<Aux>,
     rows: usize,
 }
@@ -38,7 +41,11 @@ struct Stash {
 pub struct Stage {
     layers: Vec<Layer>,
     offsets: Vec<usize>,
-    params: Vec<f32>,
+    /// Shared so that weight stashing can keep the version a micro-batch's forward used without
+    /// copying: an optimizer step copies only while some in-flight micro-batch still holds it.
+    params: Arc<Vec<f32>>,
+    /// Keep each in-flight micro-batch's weights for its backward (PipeDream weight stashing).
+    stash_weights: bool,
     grads: Vec<f32>,
     /// Per layer: whether `grads` holds a value written since the last reset.
     grads_written: Vec<bool>,
@@ -93,7 +100,8 @@ impl Stage {
         Self {
             layers,
             offsets,
-            params,
+            params: Arc::new(params),
+            stash_weights: false,
             grads: vec![0.0; total],
             grads_written: vec![false; n],
             in_flight: BTreeMap::new(),
@@ -156,7 +164,26 @@ impl Stage {
 
     /// The flat parameter vector, mutable (for importing parameters).
     pub fn params_mut(&mut self) -> &mut [f32] {
-        &mut self.params
+        Arc::make_mut(&mut self.params).as_mut_slice()
+    }
+
+    /// Turns weight stashing on or off: with it, a micro-batch's backward uses exactly the weights
+    /// its forward used, even if the stage stepped in between (asynchronous pipelines).
+    pub fn set_weight_stashing(&mut self, on: bool) {
+        self.stash_weights = on;
+    }
+
+    /// Distinct weight versions held (1 + those kept alive only by in-flight micro-batches).
+    pub fn weight_versions(&self) -> usize {
+        let mut stashed: Vec<*const Vec<f32>> = self
+            .in_flight
+            .values()
+            .filter_map(|s| s.weights.as_ref().map(Arc::as_ptr))
+            .collect();
+        stashed.push(Arc::as_ptr(&self.params));
+        stashed.sort();
+        stashed.dedup();
+        stashed.len()
     }
 
     /// Parameter range of each layer in the flat buffers.
@@ -216,6 +243,7 @@ impl Stage {
         stash.acts.resize_with(self.layers.len() + 1, Vec::new);
         stash.aux.resize_with(self.layers.len(), Aux::default);
         stash.rows = rows;
+        stash.weights = self.stash_weights.then(|| Arc::clone(&self.params));
         set_len(&mut stash.acts[0], x.len());
         stash.acts[0].copy_from_slice(x);
         run_forward(
@@ -263,8 +291,13 @@ impl Stage {
             });
         };
         check_len("output gradient", stash.rows * self.output_len(), dy.len())?;
-        let stash = self.in_flight.remove(&micro_batch).expect("checked above");
+        let mut stash = self.in_flight.remove(&micro_batch).expect("checked above");
         let rows = stash.rows;
+        // The weights this micro-batch's forward used (stashed), or the current ones.
+        let weights = stash
+            .weights
+            .take()
+            .unwrap_or_else(|| Arc::clone(&self.params));
         let last = self.layers.len() - 1;
         for i in (0..self.layers.len()).rev() {
             let want_dx = i > 0 || self.input_grad;
@@ -274,7 +307,7 @@ impl Stage {
             let accumulate = self.grads_written[i];
             let started = self.profile.is_some().then(std::time::Instant::now);
             self.layers[i].backward(
-                &self.params[range.clone()],
+                &weights[range.clone()],
                 &mut self.grads[range],
                 accumulate,
                 &stash.acts[i],
@@ -298,7 +331,12 @@ impl Stage {
     /// Applies the optimizer to the accumulated gradients at learning rate `lr`, then resets them.
     pub fn step(&mut self, optimizer: &mut Optimizer, lr: f32) {
         self.materialise_grads();
-        optimizer.step(&mut self.params, &self.grads, lr, self.threads);
+        optimizer.step(
+            Arc::make_mut(&mut self.params).as_mut_slice(),
+            &self.grads,
+            lr,
+            self.threads,
+        );
         self.zero_grad();
     }
 
@@ -310,7 +348,10 @@ impl Stage {
     /// Drops every stashed micro-batch (after an aborted step).
     pub fn clear_in_flight(&mut self) {
         let stashes = std::mem::take(&mut self.in_flight);
-        self.free_stashes.extend(stashes.into_values());
+        self.free_stashes.extend(stashes.into_values().map(|mut s| {
+            s.weights = None;
+            s
+        }));
     }
 
     fn materialise_grads(&mut self) {

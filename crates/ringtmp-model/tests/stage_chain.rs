@@ -259,3 +259,57 @@ fn whole_model_gradient_matches_finite_differences_of_the_loss() {
     );
     println!("whole model: {checked} parameters, worst absolute gradient error {worst:.2e}");
 }
+
+#[test]
+fn weight_stashing_backward_uses_the_forward_weights() {
+    // PipeDream: a micro-batch's backward must see the weights its forward saw, even after the
+    // stage stepped in between.
+    let layers = layers();
+    let pass = Pass {
+        train: true,
+        seed: SEED,
+        step: 0,
+        row_offset: 0,
+    };
+    let dy = vec![0.05f32; ROWS * 10];
+    let opt_cfg = ringtmp_model::OptimizerConfig::Sgd {
+        momentum: 0.0,
+        weight_decay: 0.0,
+    };
+    // Reference: forward and backward with no step in between.
+    let mut plain = Stage::new(&layers, 4..layers.len(), SEED, 1);
+    plain.set_input_grad(true);
+    let x4: Vec<f32> = vec![0.3; ROWS * plain.input_len()];
+    plain.forward(0, &x4, ROWS, &pass).unwrap();
+    let want = plain.backward(0, &dy).unwrap().unwrap().to_vec();
+    // Stashed: forward mb 0, forward mb 1, backward mb 1 and step, then backward mb 0.
+    let mut stashed = Stage::new(&layers, 4..layers.len(), SEED, 1);
+    stashed.set_input_grad(true);
+    stashed.set_weight_stashing(true);
+    let mut opt = ringtmp_model::Optimizer::new(opt_cfg.clone(), stashed.params().len());
+    stashed.forward(0, &x4, ROWS, &pass).unwrap();
+    stashed.forward(1, &x4, ROWS, &pass).unwrap();
+    stashed.backward(1, &dy).unwrap();
+    stashed.step(&mut opt, 0.5);
+    assert_eq!(
+        stashed.weight_versions(),
+        2,
+        "mb 0 keeps the old weights alive"
+    );
+    let got = stashed.backward(0, &dy).unwrap().unwrap().to_vec();
+    assert_eq!(got, want, "backward of mb 0 used its forward's weights");
+    assert_eq!(
+        stashed.weight_versions(),
+        1,
+        "the old version is freed after its last backward"
+    );
+    // Without stashing the same sequence sees the new weights and differs.
+    let mut unstashed = Stage::new(&layers, 4..layers.len(), SEED, 1);
+    unstashed.set_input_grad(true);
+    let mut opt = ringtmp_model::Optimizer::new(opt_cfg, unstashed.params().len());
+    unstashed.forward(0, &x4, ROWS, &pass).unwrap();
+    unstashed.forward(1, &x4, ROWS, &pass).unwrap();
+    unstashed.backward(1, &dy).unwrap();
+    unstashed.step(&mut opt, 0.5);
+    assert_ne!(unstashed.backward(0, &dy).unwrap().unwrap().to_vec(), want);
+}
