@@ -33,6 +33,10 @@ pub enum ScheduleKind {
     #[value(name = "1f1b")]
     #[serde(rename = "1f1b")]
     OneFOneB,
+    /// No flush; a step after every micro-batch with weight stashing (PipeDream).
+    #[value(name = "async")]
+    #[serde(rename = "async")]
+    Async,
 }
 
 /// Optimizer choice.
@@ -67,6 +71,9 @@ pub struct TrainArgs {
     /// Ring: micro-batches per mini-batch [default: the number of nodes].
     #[arg(long)]
     pub micro_batches: Option<usize>,
+    /// Ring, async schedule: most micro-batches in flight [default: the number of nodes].
+    #[arg(long, value_name = "W")]
+    pub in_flight: Option<usize>,
     /// Ring: layer ranges per node instead of the planner, e.g. `0:4,4:8,8:10`.
     #[arg(long, value_name = "RANGES")]
     pub partition: Option<String>,
@@ -188,6 +195,7 @@ impl TrainArgs {
             nodes,
             schedule,
             micro_batches,
+            in_flight,
             partition,
             node_speed,
             node_memory_limit,

@@ -42,6 +42,7 @@ pub fn ring_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(RingJob
     let schedule = match args.schedule.unwrap_or(ScheduleKind::OneFOneB) {
         ScheduleKind::Gpipe => Schedule::Gpipe,
         ScheduleKind::OneFOneB => Schedule::OneFOneB,
+        ScheduleKind::Async => Schedule::Async,
     };
     let speeds = node_speeds(args.node_speed.as_deref().unwrap_or_default(), nodes)?;
     let limits = memory_limits(args.node_memory_limit.as_deref(), nodes)?;
@@ -66,6 +67,7 @@ pub fn ring_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(RingJob
     let in_flight = match schedule {
         Schedule::Gpipe => micro_batches,
         Schedule::OneFOneB => (nodes as usize).min(micro_batches),
+        Schedule::Async => args.in_flight.unwrap_or(nodes as usize),
     };
     eprintln!(
         "profiling {} layers on micro-batches of {rows} rows for the partition plan",
@@ -121,6 +123,7 @@ pub fn ring_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(RingJob
         steps_per_epoch,
         recv_timeout_secs: RECV_TIMEOUT_SECS,
         checkpoint_every: cfg.checkpoint_every,
+        in_flight: args.in_flight.unwrap_or(0),
         out: std::path::absolute(&cfg.out).unwrap_or_else(|_| cfg.out.clone()),
         resume: match &cfg.resume {
             Some(path) => {

@@ -124,6 +124,7 @@ fn job(bounds: &[usize], schedule: Schedule, micro_batches: usize) -> RingJob {
         steps_per_epoch: per_epoch,
         recv_timeout_secs: 30.0,
         checkpoint_every: 0,
+        in_flight: 0,
         out: std::path::PathBuf::new(),
         resume: None,
     }
@@ -342,4 +343,32 @@ fn checkpoint_then_resume_equals_uninterrupted_even_on_fewer_nodes() {
         );
         assert_eq!(summary.steps, STEPS);
     }
+}
+
+#[test]
+fn async_pipeline_with_weight_stashing_learns() {
+    let data = ringtmp_data::load("digits", None).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut j = job(&[0, 2, 6, 10], Schedule::Async, 4);
+    j.total_steps = 120;
+    j.schedule_steps = 120;
+    j.lr = 0.02;
+    j.checkpoint_every = 60;
+    j.out = tmp.path().to_path_buf();
+    let (_, summary) = ring_params(&j, &data, tmp.path());
+    println!(
+        "async, 3 nodes, 120 mini-batches of 4 micro-batches: test accuracy {:.3}",
+        summary.final_test_accuracy
+    );
+    assert!(
+        summary.final_test_accuracy > 0.85,
+        "{}",
+        summary.final_test_accuracy
+    );
+    assert_eq!(
+        checkpoint::read_manifest(&checkpoint::resolve(tmp.path()).unwrap())
+            .unwrap()
+            .step,
+        120
+    );
 }

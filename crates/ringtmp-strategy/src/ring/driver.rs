@@ -16,7 +16,7 @@
 //! master's own step, which waits for every gradient) — so every stage's forward of mini-batch
 //! t+1 uses the weights after step t: exactly synchronous SGD.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use ringtmp_data::{BatchPlan, Dataset, shard};
@@ -88,6 +88,10 @@ pub struct RingJob {
     /// Output directory of the run (checkpoints go to `<out>/checkpoints/`).
     #[serde(default)]
     pub out: std::path::PathBuf,
+    /// Async schedule: most micro-batches between their forward and the master's backward
+    /// (0 = the number of nodes).
+    #[serde(default)]
+    pub in_flight: usize,
     /// Checkpoint to start from (every node loads its layers from it, by name, whatever
     /// partition wrote it), and the step it was taken at.
     #[serde(default)]
@@ -264,6 +268,7 @@ pub fn run_master(
     let (succ, pred) = (1 % n, n - 1);
     let (mut stage, plan) = job.stage(0)?;
     let mut optimizer = Optimizer::new(job.optimizer.clone(), stage.params().len());
+    stage.set_weight_stashing(job.schedule == Schedule::Async);
     job.load(&mut stage, &mut optimizer)?;
     let mut batches = BatchPlan::new(setup.data.train.len(), job.batch_size, job.seed)?;
     let mut clock = NodeClock {
@@ -298,6 +303,7 @@ pub fn run_master(
     });
 
     let timeout = job.recv_timeout();
+    let mut pipe = AsyncPipe::new(job);
     let mut tracker = Tracker::new(setup.target_accuracy);
     let (mut train_seconds, mut samples) = (0.0f64, 0u64);
     let (mut epoch_loss, mut epoch_batches, mut last_epoch_loss) = (0.0f64, 0u64, f64::NAN);
@@ -307,102 +313,6 @@ pub fn run_master(
     for step in job.first_step()..job.total_steps {
         let t_step = Instant::now();
         let epoch = step / job.steps_per_epoch;
-        let indices = batches
-            .batch(epoch, (step % job.steps_per_epoch) as usize)
-            .to_vec();
-        let rows_total = indices.len();
-        let parts: Vec<Vec<u32>> = (0..job.micro_batches)
-            .map(|m| shard(&indices, m, job.micro_batches).map(<[u32]>::to_vec))
-            .collect::<std::result::Result<_, _>>()?;
-        let offsets: Vec<usize> = parts
-            .iter()
-            .scan(0, |a, p| {
-                let o = *a;
-                *a += p.len();
-                Some(o)
-            })
-            .collect();
-        let mut micro_labels: Vec<Vec<u32>> = vec![Vec::new(); job.micro_batches];
-        let mut state = StageState::new(job.schedule, 0, n as usize, job.micro_batches);
-        let mut grads: VecDeque<(u64, Vec<f32>)> = VecDeque::new();
-        let (mut next_input, mut losses_done) = (0usize, 0usize);
-        let mut step_loss = 0.0f64;
-        while !state.done() || losses_done < job.micro_batches {
-            match state.next(next_input < job.micro_batches, !grads.is_empty()) {
-                Some(Action::Forward) => {
-                    let mb = next_input;
-                    setup.data.train.gather(&parts[mb], &mut x, &mut labels);
-                    micro_labels[mb] = labels.clone();
-                    let rows = parts[mb].len();
-                    let pass = Pass {
-                        train: true,
-                        seed: job.seed,
-                        step,
-                        row_offset: offsets[mb],
-                    };
-                    let out = clock.run(|| {
-                        stage
-                            .forward(mb as u64, &x, rows, &pass)
-                            .map(<[f32]>::to_vec)
-                    })?;
-                    clock.peak_stash = clock.peak_stash.max(stage.stash_bytes());
-                    net.send(
-                        succ,
-                        tensor(TensorTag::Activation, step, mb as u64, rows, &out),
-                    )?;
-                    state.record(Action::Forward);
-                    next_input += 1;
-                }
-                Some(Action::Backward) => {
-                    let (mb, dy) = grads.pop_front().expect("next() saw a gradient");
-                    clock.run(|| stage.backward(mb, &dy).map(|_| ()))?;
-                    state.record(Action::Backward);
-                }
-                None => match net.recv(timeout)? {
-                    (from, Message::Tensor(h, bytes))
-                        if from == pred && h.tag == TensorTag::Activation && h.step == step =>
-                    {
-                        // Logits of micro-batch h.micro_batch: the loss, with labels only we have.
-                        let mb = h.micro_batch as usize;
-                        tensor_values(&bytes, h.dtype, &mut values);
-                        let labels = micro_labels
-                            .get(mb)
-                            .filter(|l| !l.is_empty())
-                            .ok_or_else(|| protocol(net, from, "logits"))?;
-                        dlogits.resize(values.len(), 0.0);
-                        let out = clock.run(|| {
-                            loss::softmax_cross_entropy(
-                                &values,
-                                labels,
-                                job.classes,
-                                1.0 / rows_total as f32,
-                                &mut dlogits,
-                            )
-                        })?;
-                        step_loss += out.loss_sum;
-                        losses_done += 1;
-                        net.send(
-                            pred,
-                            tensor(
-                                TensorTag::Gradient,
-                                step,
-                                h.micro_batch,
-                                labels.len(),
-                                &dlogits,
-                            ),
-                        )?;
-                    }
-                    (from, Message::Tensor(h, bytes))
-                        if from == succ && h.tag == TensorTag::Gradient && h.step == step =>
-                    {
-                        let mut dy = Vec::new();
-                        tensor_values(&bytes, h.dtype, &mut dy);
-                        grads.push_back((h.micro_batch, dy));
-                    }
-                    (from, _) => return Err(protocol(net, from, "message")),
-                },
-            }
-        }
         let lr = job.lr_schedule.rate(
             job.lr,
             step,
@@ -410,7 +320,120 @@ pub fn run_master(
             job.steps_per_epoch,
             job.warmup_steps,
         );
-        clock.run(|| stage.step(&mut optimizer, lr));
+        let (step_loss, rows_total) = if job.schedule == Schedule::Async {
+            let drain = job.checkpoint_due(step + 1) || eval_due(job, setup, step + 1);
+            pipe.run_minibatch(
+                step,
+                drain,
+                job,
+                setup,
+                &mut batches,
+                &mut stage,
+                &mut optimizer,
+                &mut clock,
+                net,
+            )?
+        } else {
+            let epoch = step / job.steps_per_epoch;
+            let indices = batches
+                .batch(epoch, (step % job.steps_per_epoch) as usize)
+                .to_vec();
+            let rows_total = indices.len();
+            let parts: Vec<Vec<u32>> = (0..job.micro_batches)
+                .map(|m| shard(&indices, m, job.micro_batches).map(<[u32]>::to_vec))
+                .collect::<std::result::Result<_, _>>()?;
+            let offsets: Vec<usize> = parts
+                .iter()
+                .scan(0, |a, p| {
+                    let o = *a;
+                    *a += p.len();
+                    Some(o)
+                })
+                .collect();
+            let mut micro_labels: Vec<Vec<u32>> = vec![Vec::new(); job.micro_batches];
+            let mut state = StageState::new(job.schedule, 0, n as usize, job.micro_batches);
+            let mut grads: VecDeque<(u64, Vec<f32>)> = VecDeque::new();
+            let (mut next_input, mut losses_done) = (0usize, 0usize);
+            let mut step_loss = 0.0f64;
+            while !state.done() || losses_done < job.micro_batches {
+                match state.next(next_input < job.micro_batches, !grads.is_empty()) {
+                    Some(Action::Forward) => {
+                        let mb = next_input;
+                        setup.data.train.gather(&parts[mb], &mut x, &mut labels);
+                        micro_labels[mb] = labels.clone();
+                        let rows = parts[mb].len();
+                        let pass = Pass {
+                            train: true,
+                            seed: job.seed,
+                            step,
+                            row_offset: offsets[mb],
+                        };
+                        let out = clock.run(|| {
+                            stage
+                                .forward(mb as u64, &x, rows, &pass)
+                                .map(<[f32]>::to_vec)
+                        })?;
+                        clock.peak_stash = clock.peak_stash.max(stage.stash_bytes());
+                        net.send(
+                            succ,
+                            tensor(TensorTag::Activation, step, mb as u64, rows, &out),
+                        )?;
+                        state.record(Action::Forward);
+                        next_input += 1;
+                    }
+                    Some(Action::Backward) => {
+                        let (mb, dy) = grads.pop_front().expect("next() saw a gradient");
+                        clock.run(|| stage.backward(mb, &dy).map(|_| ()))?;
+                        state.record(Action::Backward);
+                    }
+                    None => match net.recv(timeout)? {
+                        (from, Message::Tensor(h, bytes))
+                            if from == pred && h.tag == TensorTag::Activation && h.step == step =>
+                        {
+                            // Logits of micro-batch h.micro_batch: the loss, with labels only we have.
+                            let mb = h.micro_batch as usize;
+                            tensor_values(&bytes, h.dtype, &mut values);
+                            let labels = micro_labels
+                                .get(mb)
+                                .filter(|l| !l.is_empty())
+                                .ok_or_else(|| protocol(net, from, "logits"))?;
+                            dlogits.resize(values.len(), 0.0);
+                            let out = clock.run(|| {
+                                loss::softmax_cross_entropy(
+                                    &values,
+                                    labels,
+                                    job.classes,
+                                    1.0 / rows_total as f32,
+                                    &mut dlogits,
+                                )
+                            })?;
+                            step_loss += out.loss_sum;
+                            losses_done += 1;
+                            net.send(
+                                pred,
+                                tensor(
+                                    TensorTag::Gradient,
+                                    step,
+                                    h.micro_batch,
+                                    labels.len(),
+                                    &dlogits,
+                                ),
+                            )?;
+                        }
+                        (from, Message::Tensor(h, bytes))
+                            if from == succ && h.tag == TensorTag::Gradient && h.step == step =>
+                        {
+                            let mut dy = Vec::new();
+                            tensor_values(&bytes, h.dtype, &mut dy);
+                            grads.push_back((h.micro_batch, dy));
+                        }
+                        (from, _) => return Err(protocol(net, from, "message")),
+                    },
+                }
+            }
+            clock.run(|| stage.step(&mut optimizer, lr));
+            (step_loss, rows_total)
+        };
         train_seconds += t_step.elapsed().as_secs_f64();
         samples += rows_total as u64;
         let mean_loss = step_loss / rows_total as f64;
@@ -437,10 +460,7 @@ pub fn run_master(
             last_epoch_loss = epoch_loss / epoch_batches as f64;
             (epoch_loss, epoch_batches) = (0.0, 0);
         }
-        if epoch_end
-            || done == job.total_steps
-            || (setup.eval_every > 0 && done % setup.eval_every == 0)
-        {
+        if eval_due(job, setup, done) {
             let accuracy = evaluate(
                 job,
                 setup.data,
@@ -577,6 +597,262 @@ pub fn run_master(
     Ok((summary, stage))
 }
 
+/// Whether the master evaluates after `done` steps: every epoch end, the last step, and every
+/// `eval_every` steps.
+fn eval_due(job: &RingJob, setup: &MasterSetup<'_>, done: u64) -> bool {
+    done % job.steps_per_epoch == 0
+        || done == job.total_steps
+        || (setup.eval_every > 0 && done % setup.eval_every == 0)
+}
+
+/// The master's side of the `async` schedule. Micro-batch `k` (global, in data order) is part
+/// `k mod M` of mini-batch `k div M`; the master keeps at most `in_flight` micro-batches between
+/// their forward and its own backward, steps after every backward (each micro-batch is its own SGD
+/// step, loss averaged over its rows), and never flushes — except before an evaluation or a
+/// checkpoint, where it lets the pipeline drain so every stage is at the same version.
+struct AsyncPipe {
+    forwarded: u64,
+    backwarded: u64,
+    labels: BTreeMap<u64, Vec<u32>>,
+    grads: VecDeque<(u64, Vec<f32>)>,
+    losses: BTreeMap<u64, f64>,
+    x: Vec<f32>,
+    y: Vec<u32>,
+    values: Vec<f32>,
+    dlogits: Vec<f32>,
+}
+
+impl AsyncPipe {
+    fn new(job: &RingJob) -> Self {
+        let first = job.first_step() * job.micro_batches as u64;
+        Self {
+            forwarded: first,
+            backwarded: first,
+            labels: BTreeMap::new(),
+            grads: VecDeque::new(),
+            losses: BTreeMap::new(),
+            x: Vec::new(),
+            y: Vec::new(),
+            values: Vec::new(),
+            dlogits: Vec::new(),
+        }
+    }
+
+    /// Runs until every micro-batch of mini-batch `step` is done on the master; with `drain`, no
+    /// micro-batch of the next mini-batch is started first. Returns the mini-batch's summed loss
+    /// and its row count.
+    #[allow(clippy::too_many_arguments)]
+    fn run_minibatch(
+        &mut self,
+        step: u64,
+        drain: bool,
+        job: &RingJob,
+        setup: &MasterSetup<'_>,
+        batches: &mut BatchPlan,
+        stage: &mut Stage,
+        optimizer: &mut Optimizer,
+        clock: &mut NodeClock,
+        net: &mut Network,
+    ) -> Result<(f64, usize)> {
+        let n = job.partition.len() as u32;
+        let (succ, pred) = (1 % n, n - 1);
+        let m = job.micro_batches as u64;
+        let window = if job.in_flight == 0 {
+            n as u64
+        } else {
+            job.in_flight as u64
+        };
+        let end = (step + 1) * m;
+        let limit = if drain { end } else { job.total_steps * m };
+        while self.backwarded < end {
+            if self.forwarded < limit && self.forwarded - self.backwarded < window {
+                let k = self.forwarded;
+                let (s, part) = (k / m, (k % m) as usize);
+                let indices = batches
+                    .batch(s / job.steps_per_epoch, (s % job.steps_per_epoch) as usize)
+                    .to_vec();
+                let rows = shard(&indices, part, job.micro_batches)?.to_vec();
+                setup.data.train.gather(&rows, &mut self.x, &mut self.y);
+                self.labels.insert(k, self.y.clone());
+                let pass = Pass {
+                    train: true,
+                    seed: job.seed,
+                    step: s,
+                    row_offset: micro_offset(job, part),
+                };
+                let out = clock.run(|| {
+                    stage
+                        .forward(k, &self.x, rows.len(), &pass)
+                        .map(<[f32]>::to_vec)
+                })?;
+                clock.peak_stash = clock.peak_stash.max(stage.stash_bytes());
+                net.send(succ, tensor(TensorTag::Activation, k, k, rows.len(), &out))?;
+                self.forwarded += 1;
+                continue;
+            }
+            if let Some((k, dy)) = self.grads.pop_front() {
+                clock.run(|| stage.backward(k, &dy).map(|_| ()))?;
+                let lr = job.lr_schedule.rate(
+                    job.lr,
+                    k / m,
+                    job.schedule_steps,
+                    job.steps_per_epoch,
+                    job.warmup_steps,
+                );
+                clock.run(|| stage.step(optimizer, lr));
+                self.backwarded += 1;
+                continue;
+            }
+            match net.recv(job.recv_timeout())? {
+                (from, Message::Tensor(h, bytes))
+                    if from == pred && h.tag == TensorTag::Activation =>
+                {
+                    let k = h.micro_batch;
+                    let labels = self
+                        .labels
+                        .remove(&k)
+                        .ok_or_else(|| protocol(net, from, "logits"))?;
+                    tensor_values(&bytes, h.dtype, &mut self.values);
+                    self.dlogits.resize(self.values.len(), 0.0);
+                    let (values, dlogits) = (&self.values, &mut self.dlogits);
+                    let out = clock.run(|| {
+                        loss::softmax_cross_entropy(
+                            values,
+                            &labels,
+                            job.classes,
+                            1.0 / labels.len() as f32,
+                            dlogits,
+                        )
+                    })?;
+                    *self.losses.entry(k / m).or_default() += out.loss_sum;
+                    net.send(
+                        pred,
+                        tensor(TensorTag::Gradient, k, k, labels.len(), &self.dlogits),
+                    )?;
+                }
+                (from, Message::Tensor(h, bytes))
+                    if from == succ && h.tag == TensorTag::Gradient =>
+                {
+                    let mut dy = Vec::new();
+                    tensor_values(&bytes, h.dtype, &mut dy);
+                    self.grads.push_back((h.micro_batch, dy));
+                }
+                (from, _) => return Err(protocol(net, from, "message")),
+            }
+        }
+        Ok((
+            self.losses.remove(&step).unwrap_or(f64::NAN),
+            job.batch_size,
+        ))
+    }
+}
+
+/// The `async` schedule on a non-master node: weight stashing on; backward whatever gradient has
+/// arrived (then step), else forward whatever input has arrived; no flush.
+fn run_worker_async(job: &RingJob, net: &mut Network) -> Result<Stage> {
+    let rank = net.rank();
+    let n = job.partition.len() as u32;
+    let (succ, pred) = ((rank + 1) % n, (rank + n - 1) % n);
+    let (mut stage, plan) = job.stage(rank)?;
+    stage.set_input_grad(true);
+    stage.set_weight_stashing(true);
+    let mut optimizer = Optimizer::new(job.optimizer.clone(), stage.params().len());
+    job.load(&mut stage, &mut optimizer)?;
+    let mut clock = NodeClock {
+        compute: 0.0,
+        eval_bytes: 0,
+        peak_stash: 0,
+        speed: job.node_speeds.get(rank as usize).copied().unwrap_or(1.0),
+    };
+    let started = Instant::now();
+    let m = job.micro_batches as u64;
+    let mut inputs: VecDeque<(u64, usize, Vec<f32>)> = VecDeque::new();
+    let mut grads: VecDeque<(u64, Vec<f32>)> = VecDeque::new();
+    let mut values = Vec::new();
+    loop {
+        if let Some((k, dy)) = grads.pop_front() {
+            let dx = clock.run(|| stage.backward(k, &dy).map(|d| d.map(<[f32]>::to_vec)))?;
+            let dx = dx.expect("input gradients are on for non-master stages");
+            let rows = dy.len() / stage.output_len().max(1);
+            net.send(pred, tensor(TensorTag::Gradient, k, k, rows, &dx))?;
+            let lr = job.lr_schedule.rate(
+                job.lr,
+                k / m,
+                job.schedule_steps,
+                job.steps_per_epoch,
+                job.warmup_steps,
+            );
+            clock.run(|| stage.step(&mut optimizer, lr));
+            continue;
+        }
+        if let Some((k, rows, x)) = inputs.pop_front() {
+            let pass = Pass {
+                train: true,
+                seed: job.seed,
+                step: k / m,
+                row_offset: micro_offset(job, (k % m) as usize),
+            };
+            let out = clock.run(|| stage.forward(k, &x, rows, &pass).map(<[f32]>::to_vec))?;
+            clock.peak_stash = clock.peak_stash.max(stage.stash_bytes());
+            net.send(succ, tensor(TensorTag::Activation, k, k, rows, &out))?;
+            continue;
+        }
+        match net.recv(job.recv_timeout())? {
+            (from, Message::Tensor(h, bytes)) if from == pred && h.tag == TensorTag::Activation => {
+                let mut x = Vec::new();
+                tensor_values(&bytes, h.dtype, &mut x);
+                inputs.push_back((
+                    h.micro_batch,
+                    h.shape.first().copied().unwrap_or(0) as usize,
+                    x,
+                ));
+            }
+            (from, Message::Tensor(h, bytes)) if from == succ && h.tag == TensorTag::Gradient => {
+                let mut dy = Vec::new();
+                tensor_values(&bytes, h.dtype, &mut dy);
+                grads.push_back((h.micro_batch, dy));
+            }
+            (from, Message::Tensor(h, bytes)) if from == pred && h.tag == TensorTag::Inference => {
+                let rows = h.shape.first().copied().unwrap_or(0) as usize;
+                tensor_values(&bytes, h.dtype, &mut values);
+                let out = stage.infer(&values, rows)?.to_vec();
+                let message = tensor(TensorTag::Inference, h.step, h.micro_batch, rows, &out);
+                clock.eval_bytes += ringtmp_wire::encoded_len(&message) as u64;
+                net.send(succ, message)?;
+            }
+            (
+                from,
+                Message::Control(Control::Checkpoint {
+                    step: at,
+                    mut files,
+                }),
+            ) if from == pred => {
+                files.push(job.write_stage_file(rank, at, &stage, &optimizer)?);
+                net.send(
+                    succ,
+                    Message::Control(Control::Checkpoint { step: at, files }),
+                )?;
+            }
+            (from, Message::Control(Control::Report { mut nodes })) if from == pred => {
+                let own = node_summary(
+                    rank,
+                    "stage",
+                    &stage,
+                    &optimizer,
+                    &plan,
+                    &clock,
+                    started.elapsed().as_secs_f64(),
+                    &net.stats(),
+                );
+                nodes.push(serde_json::to_string(&own).map_err(|e| Error::Config(e.to_string()))?);
+                net.send(succ, Message::Control(Control::Report { nodes }))?;
+                return Ok(stage);
+            }
+            (from, _) => return Err(protocol(net, from, "message")),
+        }
+    }
+}
+
 /// Sends the test set around the ring in chunks and counts correct predictions on the master.
 fn evaluate(
     job: &RingJob,
@@ -625,6 +901,9 @@ fn evaluate(
 /// Runs a non-master node: its stage, driven by what arrives, until the final report passes.
 /// Returns the stage (its final parameters).
 pub fn run_worker(job: &RingJob, net: &mut Network) -> Result<Stage> {
+    if job.schedule == Schedule::Async {
+        return run_worker_async(job, net);
+    }
     let rank = net.rank();
     let n = job.partition.len() as u32;
     let (succ, pred) = ((rank + 1) % n, (rank + n - 1) % n);

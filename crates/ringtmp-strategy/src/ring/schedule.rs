@@ -23,6 +23,10 @@ pub enum Schedule {
     /// One-forward-one-backward with a flush per mini-batch.
     #[serde(rename = "1f1b")]
     OneFOneB,
+    /// No flush: every stage steps after each micro-batch's backward, with weight stashing
+    /// (PipeDream, Narayanan et al., SOSP 2019); driven by its own loop in the driver, not by
+    /// [`StageState`].
+    Async,
 }
 
 impl Schedule {
@@ -31,6 +35,7 @@ impl Schedule {
         match s {
             "gpipe" => Some(Self::Gpipe),
             "1f1b" => Some(Self::OneFOneB),
+            "async" => Some(Self::Async),
             _ => None,
         }
     }
@@ -40,6 +45,7 @@ impl Schedule {
         match self {
             Self::Gpipe => "gpipe",
             Self::OneFOneB => "1f1b",
+            Self::Async => "async",
         }
     }
 }
@@ -87,7 +93,9 @@ impl StageState {
     pub fn in_flight_limit(&self) -> usize {
         match self.schedule {
             Schedule::Gpipe => self.micro_batches,
-            Schedule::OneFOneB => (self.stages - self.stage).min(self.micro_batches),
+            Schedule::OneFOneB | Schedule::Async => {
+                (self.stages - self.stage).min(self.micro_batches)
+            }
         }
     }
 
@@ -99,7 +107,7 @@ impl StageState {
             && in_flight > 0
             && match self.schedule {
                 Schedule::Gpipe => self.forwards == self.micro_batches,
-                Schedule::OneFOneB => true,
+                Schedule::OneFOneB | Schedule::Async => true,
             };
         if may_forward && input_ready {
             Some(Action::Forward)
