@@ -83,6 +83,10 @@ pub struct TrainArgs {
     /// Ring: memory each node may use for its stage, e.g. `200M`, or per node `1:200M,2:1G`.
     #[arg(long, value_name = "BYTES")]
     pub node_memory_limit: Option<String>,
+    /// Ring: the master also holds the last layers (U-shape), so the final activations and
+    /// logits never reach another node.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub master_holds_head: Option<bool>,
     /// Pin each local node process to its own core (when there are enough cores).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub pin: Option<bool>,
@@ -196,6 +200,7 @@ impl TrainArgs {
             schedule,
             micro_batches,
             in_flight,
+            master_holds_head,
             partition,
             node_speed,
             node_memory_limit,

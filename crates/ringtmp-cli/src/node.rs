@@ -252,7 +252,7 @@ pub fn run(args: &NodeArgs) -> Result<()> {
                 let outcome = run_master(&job, &setup, &mut net, &mut |e| display.event(e));
                 display.finish();
                 outcome
-                    .map(|(summary, _)| crate::train::print_summary(&summary, &cfg.out))
+                    .map(|o| crate::train::print_summary(&o.summary, &cfg.out))
                     .map_err(Into::into)
             }
             None => {

@@ -74,11 +74,42 @@ pub fn ring_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(RingJob
         layers.len()
     );
     let costs = profile_layers(&layers, rows, cfg.threads, &cfg.optimizer, in_flight, 9);
+    // With the head on the master, the last layer with parameters (and what follows it) stays
+    // there; the nodes share the rest.
+    let head_start = if args.master_holds_head.unwrap_or(false) {
+        let last_param = layers
+            .iter()
+            .rposition(|l| matches!(l.kind, LayerKind::Linear(_) | LayerKind::Conv2d(_)))
+            .unwrap_or(0);
+        if last_param <= first_param {
+            return Err(UsageError(
+                "--master-holds-head needs at least two layers with parameters".into(),
+            )
+            .into());
+        }
+        last_param
+    } else {
+        layers.len()
+    };
+    let body = &costs[..head_start];
     let plan = match &args.partition {
-        Some(spec) => partition::from_spec(spec, &costs, &capacities, first_param),
-        None => partition::plan(&costs, &capacities, first_param),
+        Some(spec) => partition::from_spec(spec, body, &capacities, first_param),
+        None => partition::plan(body, &capacities, first_param),
     }
     .map_err(|e| UsageError(e.to_string()))?;
+    let head = (head_start < layers.len()).then(|| partition::StagePlan {
+        rank: 0,
+        start: head_start,
+        end: layers.len(),
+        predicted_seconds: costs[head_start..].iter().map(|c| c.seconds).sum::<f64>() / speeds[0],
+        predicted_bytes: costs[head_start..].iter().map(|c| c.bytes).sum(),
+    });
+    if let Some(h) = &head {
+        eprintln!(
+            "  node 0 also holds the head: layers {}..{} (the logits never leave it)",
+            h.start, h.end
+        );
+    }
     eprintln!(
         "partition ({} nodes, {} schedule, {micro_batches} micro-batches):",
         nodes,
@@ -117,6 +148,7 @@ pub fn ring_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(RingJob
         threads: cfg.threads,
         seed: cfg.seed,
         partition: plan,
+        head,
         node_speeds: speeds,
         total_steps: cfg.max_steps.unwrap_or(u64::MAX).min(schedule_steps),
         schedule_steps,

@@ -118,6 +118,7 @@ fn job(bounds: &[usize], schedule: Schedule, micro_batches: usize) -> RingJob {
                 predicted_bytes: 0,
             })
             .collect(),
+        head: None,
         node_speeds: vec![1.0; bounds.len() - 1],
         total_steps: STEPS,
         schedule_steps: per_epoch,
@@ -188,12 +189,17 @@ fn ring_params(job: &RingJob, data: &Dataset, out: &Path) -> (Vec<f32>, ringtmp_
         target_accuracy: 0.5,
         eval_every: 6,
     };
-    let (summary, stage) = run_master(job, &setup, &mut master_net, &mut |_| {}).unwrap();
+    let outcome = run_master(job, &setup, &mut master_net, &mut |_| {}).unwrap();
+    let (summary, stage) = (outcome.summary, outcome.stage);
     audit_master(&master_net.audit_log(), job, data);
     master_net.close().unwrap();
     let mut params = stage.params().to_vec();
     for w in workers {
         params.extend(w.join().unwrap());
+    }
+    // The head, when the master holds it, is the model's last block.
+    if let Some(head) = outcome.head {
+        params.extend_from_slice(head.params());
     }
     (params, summary)
 }
@@ -226,9 +232,15 @@ fn audit_master(sent: &[ringtmp_transport::SentRecord], job: &RingJob, data: &Da
                 activations += 1;
             }
             Some(TensorTag::Gradient) => {
+                // The logits' gradient, or with the head on the master, the head input's gradient.
+                let width = job
+                    .head
+                    .as_ref()
+                    .map_or(job.classes, |h| layers[h.start].input.numel())
+                    as u32;
                 assert_eq!(
                     (r.to, r.shape[1]),
-                    (n - 1, job.classes as u32),
+                    (n - 1, width),
                     "gradient {:?} to {}",
                     r.shape,
                     r.to
@@ -371,4 +383,34 @@ fn async_pipeline_with_weight_stashing_learns() {
             .step,
         120
     );
+}
+
+#[test]
+fn master_holding_the_head_equals_local_and_keeps_the_logits() {
+    let data = ringtmp_data::load("digits", None).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let oracle = local_params(&data, &tmp.path().join("local"));
+    for schedule in [Schedule::Gpipe, Schedule::OneFOneB] {
+        // Layers 0..5 on the master, 5..8 on rank 1, 8..10 (the last linear) back on the master.
+        let mut j = job(&[0, 5, 8], schedule, 3);
+        j.head = Some(StagePlan {
+            rank: 0,
+            start: 8,
+            end: 10,
+            predicted_seconds: 0.0,
+            predicted_bytes: 0,
+        });
+        let out = tmp.path().join(format!("head-{}", schedule.name()));
+        let (params, summary) = ring_params(&j, &data, &out);
+        let diff = max_rel_diff(&params, &oracle);
+        println!(
+            "{} with the head on the master: max |Δparam| / max |param| = {diff:.2e}",
+            schedule.name()
+        );
+        assert!(diff < 1e-4, "{diff}");
+        assert_eq!(
+            summary.per_node.iter().map(|p| p.params).sum::<u64>(),
+            oracle.len() as u64
+        );
+    }
 }

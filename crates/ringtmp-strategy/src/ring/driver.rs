@@ -72,6 +72,9 @@ pub struct RingJob {
     pub seed: u64,
     /// Stages, one per rank.
     pub partition: Vec<StagePlan>,
+    /// The last block of layers, when the master holds it as well (U-shaped ring).
+    #[serde(default)]
+    pub head: Option<StagePlan>,
     /// Emulated relative speed per rank (1 = full speed).
     pub node_speeds: Vec<f64>,
     /// Steps in the run (after `max_steps`).
@@ -151,9 +154,20 @@ impl RingJob {
         stage: &Stage,
         optimizer: &Optimizer,
     ) -> Result<String> {
+        self.write_stage_file_named(&format!("stage-{rank}"), step, stage, optimizer)
+    }
+
+    /// [`RingJob::write_stage_file`] under a given base name.
+    fn write_stage_file_named(
+        &self,
+        name: &str,
+        step: u64,
+        stage: &Stage,
+        optimizer: &Optimizer,
+    ) -> Result<String> {
         let entry = checkpoint::write_stage(
             &self.checkpoint_dir(step),
-            &format!("stage-{rank}.safetensors"),
+            &format!("{name}.safetensors"),
             stage,
             optimizer,
         )?;
@@ -182,7 +196,12 @@ impl RingJob {
             batch_size: self.batch_size,
             seed: self.seed,
             model: self.model.clone(),
-            partition: self.partition.iter().map(|p| (p.start, p.end)).collect(),
+            partition: self
+                .partition
+                .iter()
+                .chain(&self.head)
+                .map(|p| (p.start, p.end))
+                .collect(),
             optimizer: self.optimizer.clone(),
             files,
         };
@@ -201,6 +220,16 @@ pub struct MasterSetup<'a> {
     pub target_accuracy: f64,
     /// Evaluate every this many steps (and at epoch ends).
     pub eval_every: u64,
+}
+
+/// What the master returns: the run's summary and its final stages.
+pub struct MasterOutcome {
+    /// The summary also written to `summary.json`.
+    pub summary: Summary,
+    /// Stage 0.
+    pub stage: Stage,
+    /// The head, when the master held it.
+    pub head: Option<Stage>,
 }
 
 /// Counters a node keeps about itself.
@@ -256,13 +285,13 @@ fn protocol(net: &Network, from: u32, what: &str) -> Error {
 }
 
 /// Runs the master (rank 0): data, stage 0, loss, evaluation, outputs.
-/// Returns the summary and the master's stage (its final parameters).
+/// Returns the summary and the master's stages (their final parameters).
 pub fn run_master(
     job: &RingJob,
     setup: &MasterSetup<'_>,
     net: &mut Network,
     on_event: &mut dyn FnMut(&Event),
-) -> Result<(Summary, Stage)> {
+) -> Result<MasterOutcome> {
     let wall = Instant::now();
     let n = job.partition.len() as u32;
     let (succ, pred) = (1 % n, n - 1);
@@ -270,6 +299,17 @@ pub fn run_master(
     let mut optimizer = Optimizer::new(job.optimizer.clone(), stage.params().len());
     stage.set_weight_stashing(job.schedule == Schedule::Async);
     job.load(&mut stage, &mut optimizer)?;
+    let mut head = match &job.head {
+        Some(plan) => {
+            let layers = job.layers()?;
+            let mut stage = Stage::new(&layers, plan.start..plan.end, job.seed, job.threads);
+            stage.set_input_grad(true);
+            let mut optimizer = Optimizer::new(job.optimizer.clone(), stage.params().len());
+            job.load(&mut stage, &mut optimizer)?;
+            Some(MasterHead { stage, optimizer })
+        }
+        None => None,
+    };
     let mut batches = BatchPlan::new(setup.data.train.len(), job.batch_size, job.seed)?;
     let mut clock = NodeClock {
         compute: 0.0,
@@ -309,7 +349,6 @@ pub fn run_master(
     let (mut epoch_loss, mut epoch_batches, mut last_epoch_loss) = (0.0f64, 0u64, f64::NAN);
     let (mut x, mut labels) = (Vec::new(), Vec::new());
     let mut values = Vec::new();
-    let mut dlogits = Vec::new();
     for step in job.first_step()..job.total_steps {
         let t_step = Instant::now();
         let epoch = step / job.steps_per_epoch;
@@ -330,6 +369,7 @@ pub fn run_master(
                 &mut batches,
                 &mut stage,
                 &mut optimizer,
+                head.as_mut(),
                 &mut clock,
                 net,
             )?
@@ -390,24 +430,31 @@ pub fn run_master(
                         (from, Message::Tensor(h, bytes))
                             if from == pred && h.tag == TensorTag::Activation && h.step == step =>
                         {
-                            // Logits of micro-batch h.micro_batch: the loss, with labels only we have.
+                            // The last node's output for micro-batch h.micro_batch: the head
+                            // (if the master holds it) and the loss, with labels only we have.
                             let mb = h.micro_batch as usize;
                             tensor_values(&bytes, h.dtype, &mut values);
                             let labels = micro_labels
                                 .get(mb)
                                 .filter(|l| !l.is_empty())
                                 .ok_or_else(|| protocol(net, from, "logits"))?;
-                            dlogits.resize(values.len(), 0.0);
-                            let out = clock.run(|| {
-                                loss::softmax_cross_entropy(
-                                    &values,
-                                    labels,
-                                    job.classes,
-                                    1.0 / rows_total as f32,
-                                    &mut dlogits,
-                                )
-                            })?;
-                            step_loss += out.loss_sum;
+                            let pass = Pass {
+                                train: true,
+                                seed: job.seed,
+                                step,
+                                row_offset: offsets[mb],
+                            };
+                            let (loss_sum, grad) = loss_site(
+                                job,
+                                head.as_mut(),
+                                h.micro_batch,
+                                &pass,
+                                &values,
+                                labels,
+                                1.0 / rows_total as f32,
+                                &mut clock,
+                            )?;
+                            step_loss += loss_sum;
                             losses_done += 1;
                             net.send(
                                 pred,
@@ -416,7 +463,7 @@ pub fn run_master(
                                     step,
                                     h.micro_batch,
                                     labels.len(),
-                                    &dlogits,
+                                    &grad,
                                 ),
                             )?;
                         }
@@ -432,6 +479,9 @@ pub fn run_master(
                 }
             }
             clock.run(|| stage.step(&mut optimizer, lr));
+            if let Some(h) = head.as_mut() {
+                clock.run(|| h.stage.step(&mut h.optimizer, lr));
+            }
             (step_loss, rows_total)
         };
         train_seconds += t_step.elapsed().as_secs_f64();
@@ -468,6 +518,7 @@ pub fn run_master(
                 net,
                 done,
                 &mut clock.eval_bytes,
+                head.as_mut(),
             )?;
             tracker.record(accuracy, done, train_seconds);
             write(
@@ -491,7 +542,7 @@ pub fn run_master(
                     files: vec![own],
                 }),
             )?;
-            let files = match net.recv_from(pred, timeout)? {
+            let mut files = match net.recv_from(pred, timeout)? {
                 Message::Control(Control::Checkpoint { step: s, files })
                     if s == done && files.len() == n as usize =>
                 {
@@ -505,6 +556,14 @@ pub fn run_master(
                     ));
                 }
             };
+            if let Some(h) = &head {
+                files.push(job.write_stage_file_named(
+                    "stage-head",
+                    done,
+                    &h.stage,
+                    &h.optimizer,
+                )?);
+            }
             let dir = job.write_manifest(done, &files)?;
             write(json!({"event": "checkpoint", "step": done, "path": dir}))?;
             on_event(&Event::Checkpoint {
@@ -518,7 +577,7 @@ pub fn run_master(
     }
 
     // Collect every node's measurements around the ring.
-    let own = node_summary(
+    let mut own = node_summary(
         0,
         "master",
         &stage,
@@ -528,6 +587,13 @@ pub fn run_master(
         train_seconds,
         &net.stats(),
     );
+    if let Some(h) = &head {
+        // The head's layers live on the master too.
+        let params = h.stage.params().len() as u64;
+        own.params += params;
+        own.param_bytes += params * 4;
+        own.optimizer_bytes += h.optimizer.state_bytes() as u64;
+    }
     net.send(
         succ,
         Message::Control(Control::Report { nodes: Vec::new() }),
@@ -594,7 +660,55 @@ pub fn run_master(
     write(
         json!({"event": "end", "steps": job.total_steps, "final_test_accuracy": summary.final_test_accuracy}),
     )?;
-    Ok((summary, stage))
+    Ok(MasterOutcome {
+        summary,
+        stage,
+        head: head.map(|h| h.stage),
+    })
+}
+
+/// The last block of layers when the master holds it too (`--master-holds-head`): the final
+/// activations and the logits then never leave the master either.
+pub struct MasterHead {
+    stage: Stage,
+    optimizer: Optimizer,
+}
+
+/// What the master does when the last node's output for micro-batch `mb` arrives: the head's
+/// forward (if it holds the head), the loss with the labels only it has, and the head's backward.
+/// Returns the summed loss and the gradient to send back to the last node.
+#[allow(clippy::too_many_arguments)]
+fn loss_site(
+    job: &RingJob,
+    head: Option<&mut MasterHead>,
+    mb: u64,
+    pass: &Pass,
+    x: &[f32],
+    labels: &[u32],
+    scale: f32,
+    clock: &mut NodeClock,
+) -> Result<(f64, Vec<f32>)> {
+    let mut dlogits = Vec::new();
+    match head {
+        None => {
+            dlogits.resize(x.len(), 0.0);
+            let out = clock
+                .run(|| loss::softmax_cross_entropy(x, labels, job.classes, scale, &mut dlogits))?;
+            Ok((out.loss_sum, dlogits))
+        }
+        Some(h) => clock.run(|| {
+            let logits = h.stage.forward(mb, x, labels.len(), pass)?.to_vec();
+            dlogits.resize(logits.len(), 0.0);
+            let out =
+                loss::softmax_cross_entropy(&logits, labels, job.classes, scale, &mut dlogits)?;
+            let dx = h
+                .stage
+                .backward(mb, &dlogits)?
+                .map(<[f32]>::to_vec)
+                .unwrap_or_default();
+            Ok((out.loss_sum, dx))
+        }),
+    }
 }
 
 /// Whether the master evaluates after `done` steps: every epoch end, the last step, and every
@@ -619,7 +733,6 @@ struct AsyncPipe {
     x: Vec<f32>,
     y: Vec<u32>,
     values: Vec<f32>,
-    dlogits: Vec<f32>,
 }
 
 impl AsyncPipe {
@@ -634,7 +747,6 @@ impl AsyncPipe {
             x: Vec::new(),
             y: Vec::new(),
             values: Vec::new(),
-            dlogits: Vec::new(),
         }
     }
 
@@ -651,6 +763,7 @@ impl AsyncPipe {
         batches: &mut BatchPlan,
         stage: &mut Stage,
         optimizer: &mut Optimizer,
+        mut head: Option<&mut MasterHead>,
         clock: &mut NodeClock,
         net: &mut Network,
     ) -> Result<(f64, usize)> {
@@ -713,22 +826,34 @@ impl AsyncPipe {
                         .remove(&k)
                         .ok_or_else(|| protocol(net, from, "logits"))?;
                     tensor_values(&bytes, h.dtype, &mut self.values);
-                    self.dlogits.resize(self.values.len(), 0.0);
-                    let (values, dlogits) = (&self.values, &mut self.dlogits);
-                    let out = clock.run(|| {
-                        loss::softmax_cross_entropy(
-                            values,
-                            &labels,
-                            job.classes,
-                            1.0 / labels.len() as f32,
-                            dlogits,
-                        )
-                    })?;
-                    *self.losses.entry(k / m).or_default() += out.loss_sum;
-                    net.send(
-                        pred,
-                        tensor(TensorTag::Gradient, k, k, labels.len(), &self.dlogits),
+                    let pass = Pass {
+                        train: true,
+                        seed: job.seed,
+                        step: k / m,
+                        row_offset: micro_offset(job, (k % m) as usize),
+                    };
+                    let (loss_sum, grad) = loss_site(
+                        job,
+                        head.as_deref_mut(),
+                        k,
+                        &pass,
+                        &self.values,
+                        &labels,
+                        1.0 / labels.len() as f32,
+                        clock,
                     )?;
+                    if let Some(h) = head.as_deref_mut() {
+                        let lr = job.lr_schedule.rate(
+                            job.lr,
+                            k / m,
+                            job.schedule_steps,
+                            job.steps_per_epoch,
+                            job.warmup_steps,
+                        );
+                        clock.run(|| h.stage.step(&mut h.optimizer, lr));
+                    }
+                    *self.losses.entry(k / m).or_default() += loss_sum;
+                    net.send(pred, tensor(TensorTag::Gradient, k, k, labels.len(), &grad))?;
                 }
                 (from, Message::Tensor(h, bytes))
                     if from == succ && h.tag == TensorTag::Gradient =>
@@ -861,6 +986,7 @@ fn evaluate(
     net: &mut Network,
     step: u64,
     eval_bytes: &mut u64,
+    mut head: Option<&mut MasterHead>,
 ) -> Result<f64> {
     let n = job.partition.len() as u32;
     let (succ, pred) = (1 % n, n - 1);
@@ -889,7 +1015,12 @@ fn evaluate(
                 let l = labels
                     .get(h.micro_batch as usize)
                     .ok_or_else(|| protocol(net, pred, "evaluation chunk"))?;
-                correct += loss::count_correct(&values, l, job.classes);
+                correct += match head.as_deref_mut() {
+                    Some(h) => {
+                        loss::count_correct(h.stage.infer(&values, l.len())?, l, job.classes)
+                    }
+                    None => loss::count_correct(&values, l, job.classes),
+                };
                 received += 1;
             }
             _ => return Err(protocol(net, pred, "message during evaluation")),
