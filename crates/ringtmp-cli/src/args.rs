@@ -59,7 +59,7 @@ pub struct TrainArgs {
     #[arg(long, value_name = "FILE")]
     #[serde(skip)]
     pub config: Option<PathBuf>,
-    /// Strategy [default: local].
+    /// Strategy [default: ring].
     #[arg(long, value_enum)]
     pub strategy: Option<Strategy>,
     /// Node processes to launch locally (distributed strategies) [default: 4 for ring].
@@ -230,7 +230,7 @@ impl TrainArgs {
 
     /// The chosen strategy.
     pub fn strategy(&self) -> Strategy {
-        self.strategy.unwrap_or(Strategy::Local)
+        self.strategy.unwrap_or(Strategy::Ring)
     }
 
     /// The dataset name.

@@ -73,12 +73,14 @@ pub fn launch(nodes: u32, pin: bool, args: impl Fn(u32) -> Vec<String>) -> Resul
         let _ = ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst));
     }
     let mut failed: Option<Outcome> = None;
+    let mut usage_errors = vec![false; nodes as usize];
     let mut interrupt_at: Option<Instant> = None;
     while !children.is_empty() {
         let mut still = Vec::new();
         for (rank, mut child) in children {
             match child.try_wait() {
                 Ok(Some(status)) => {
+                    usage_errors[rank as usize] = status.code() == Some(2);
                     if !status.success() && failed.is_none() {
                         failed = Some(Outcome { rank, status });
                     }
@@ -122,7 +124,12 @@ pub fn launch(nodes: u32, pin: bool, args: impl Fn(u32) -> Vec<String>) -> Resul
     if let Some(f) = failed {
         let errors = last_errors.lock().map(|e| e.clone()).unwrap_or_default();
         let (culprit, why) = culprit(f.rank, &f.status, &errors);
-        bail!("node {culprit} failed{why}");
+        let message = format!("node {culprit} failed{why}");
+        // A node that refused its options makes this a usage error too (exit status 2).
+        if usage_errors[culprit as usize] {
+            return Err(crate::UsageError(message).into());
+        }
+        bail!(message);
     }
     Ok(())
 }

@@ -60,6 +60,10 @@ pub struct JobArgs {
     #[arg(long, value_name = "FILE")]
     #[serde(skip)]
     pub config: Option<PathBuf>,
+    /// Train: a ring job already planned (written by the local launcher); rank 0 only.
+    #[arg(long, value_name = "FILE", hide = true)]
+    #[serde(skip)]
+    pub ring_job: Option<PathBuf>,
 }
 
 /// How this node connects.
@@ -206,7 +210,17 @@ pub fn run(args: &NodeArgs) -> Result<()> {
                 }
                 .merged()?;
                 let data = crate::train::load_dataset(&train_args)?;
-                let (job, cfg) = ring_job(&train_args, &data, placement.world_size)?;
+                let (job, cfg) = match &args.job.ring_job {
+                    // Planned by the local launcher already (so the plan it printed is the one run).
+                    Some(file) => {
+                        let text = std::fs::read_to_string(file)
+                            .with_context(|| format!("reading {}", file.display()))?;
+                        let job: RingJob = serde_json::from_str(&text)
+                            .with_context(|| format!("{} is not a ring job", file.display()))?;
+                        (job, train_args.resolve(data.classes)?)
+                    }
+                    None => ring_job(&train_args, &data, placement.world_size)?,
+                };
                 crate::train::init_threads(job.threads)?;
                 master = Some((data, cfg));
                 Settings::Train(Box::new(job))

@@ -277,24 +277,38 @@ fn launch_ring(mut args: TrainArgs) -> Result<()> {
         return Err(crate::UsageError("--strategy ring needs --nodes of at least 2".into()).into());
     }
     let out = args.out.clone().unwrap_or_else(|| default_out("ring"));
-    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     args.out = Some(out.clone());
     args.nodes = Some(nodes);
     args.config = None;
-    let path = out.join("train.toml");
+    // Check everything and plan here, before any process starts: a bad option is a usage error
+    // (exit 2) of this command, and the plan printed is the one the nodes run.
+    let data = load_dataset(&args)?;
+    let (job, _) = crate::ring_setup::ring_job(&args, &data, nodes)?;
+    drop(data);
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let config = out.join("train.toml");
     std::fs::write(
-        &path,
+        &config,
         toml::to_string(&args).context("encoding the training options")?,
     )
-    .with_context(|| format!("writing {}", path.display()))?;
-    let path = path.display().to_string();
+    .with_context(|| format!("writing {}", config.display()))?;
+    let plan = out.join("ring-job.json");
+    std::fs::write(
+        &plan,
+        serde_json::to_string_pretty(&job).context("encoding the ring job")?,
+    )
+    .with_context(|| format!("writing {}", plan.display()))?;
+    let (config, plan) = (config.display().to_string(), plan.display().to_string());
     crate::launcher::launch(nodes, args.pin.unwrap_or(false), |rank| {
         let mut node_args = vec![
             "--job".into(),
             "train".into(),
             "--config".into(),
-            path.clone(),
+            config.clone(),
         ];
+        if rank == 0 {
+            node_args.extend(["--ring-job".into(), plan.clone()]);
+        }
         if args.crash_rank == Some(rank) {
             let after = args.crash_after_ms.unwrap_or(1000).to_string();
             node_args.extend(["--crash-after-ms".into(), after]);

@@ -166,6 +166,8 @@ fn small_training_run_writes_summary_and_metrics() {
     let out_dir = tmp.path().join("run").display().to_string();
     let out = ringtmp(&[
         "train",
+        "--strategy",
+        "local",
         "--dataset",
         "digits",
         "--model-file",
