@@ -893,7 +893,6 @@ fn run_worker_async(job: &RingJob, net: &mut Network) -> Result<Stage> {
     let m = job.micro_batches as u64;
     let mut inputs: VecDeque<(u64, usize, Vec<f32>)> = VecDeque::new();
     let mut grads: VecDeque<(u64, Vec<f32>)> = VecDeque::new();
-    let mut values = Vec::new();
     loop {
         if let Some((k, dy)) = grads.pop_front() {
             let dx = clock.run(|| stage.backward(k, &dy).map(|d| d.map(<[f32]>::to_vec)))?;
@@ -937,43 +936,21 @@ fn run_worker_async(job: &RingJob, net: &mut Network) -> Result<Stage> {
                 tensor_values(&bytes, h.dtype, &mut dy);
                 grads.push_back((h.micro_batch, dy));
             }
-            (from, Message::Tensor(h, bytes)) if from == pred && h.tag == TensorTag::Inference => {
-                let rows = h.shape.first().copied().unwrap_or(0) as usize;
-                tensor_values(&bytes, h.dtype, &mut values);
-                let out = stage.infer(&values, rows)?.to_vec();
-                let message = tensor(TensorTag::Inference, h.step, h.micro_batch, rows, &out);
-                clock.eval_bytes += ringtmp_wire::encoded_len(&message) as u64;
-                net.send(succ, message)?;
-            }
-            (
-                from,
-                Message::Control(Control::Checkpoint {
-                    step: at,
-                    mut files,
-                }),
-            ) if from == pred => {
-                files.push(job.write_stage_file(rank, at, &stage, &optimizer)?);
-                net.send(
-                    succ,
-                    Message::Control(Control::Checkpoint { step: at, files }),
-                )?;
-            }
-            (from, Message::Control(Control::Report { mut nodes })) if from == pred => {
-                let own = node_summary(
+            (from, message) => {
+                let mut node = ServiceState {
                     rank,
-                    "stage",
-                    &stage,
-                    &optimizer,
-                    &plan,
-                    &clock,
-                    started.elapsed().as_secs_f64(),
-                    &net.stats(),
-                );
-                nodes.push(serde_json::to_string(&own).map_err(|e| Error::Config(e.to_string()))?);
-                net.send(succ, Message::Control(Control::Report { nodes }))?;
-                return Ok(stage);
+                    succ,
+                    pred,
+                    stage: &mut stage,
+                    optimizer: &optimizer,
+                    plan: &plan,
+                    clock: &mut clock,
+                    started,
+                };
+                if node.serve(job, net, from, message)? {
+                    return Ok(stage);
+                }
             }
-            (from, _) => return Err(protocol(net, from, "message")),
         }
     }
 }
@@ -1054,7 +1031,6 @@ pub fn run_worker(job: &RingJob, net: &mut Network) -> Result<Stage> {
     let mut state = StageState::new(job.schedule, rank as usize, n as usize, job.micro_batches);
     let mut inputs: VecDeque<(u64, usize, Vec<f32>)> = VecDeque::new();
     let mut grads: VecDeque<(u64, Vec<f32>)> = VecDeque::new();
-    let mut values = Vec::new();
     loop {
         match state.next(!inputs.is_empty(), !grads.is_empty()) {
             Some(Action::Forward) => {
@@ -1108,45 +1084,32 @@ pub fn run_worker(job: &RingJob, net: &mut Network) -> Result<Stage> {
                     tensor_values(&bytes, h.dtype, &mut dy);
                     grads.push_back((h.micro_batch, dy));
                 }
-                (from, Message::Tensor(h, bytes))
-                    if from == pred && h.tag == TensorTag::Inference =>
-                {
-                    let rows = h.shape.first().copied().unwrap_or(0) as usize;
-                    tensor_values(&bytes, h.dtype, &mut values);
-                    let out = stage.infer(&values, rows)?.to_vec();
-                    let message = tensor(TensorTag::Inference, h.step, h.micro_batch, rows, &out);
-                    clock.eval_bytes += ringtmp_wire::encoded_len(&message) as u64;
-                    net.send(succ, message)?;
-                }
                 (
                     from,
-                    Message::Control(Control::Checkpoint {
-                        step: at,
-                        mut files,
-                    }),
-                ) if from == pred && at == step => {
-                    files.push(job.write_stage_file(rank, at, &stage, &optimizer)?);
-                    net.send(
-                        succ,
-                        Message::Control(Control::Checkpoint { step: at, files }),
-                    )?;
-                }
-                (from, Message::Control(Control::Report { mut nodes })) if from == pred => {
-                    let own = node_summary(
+                    message @ (Message::Tensor(
+                        TensorHeader {
+                            tag: TensorTag::Inference,
+                            ..
+                        },
+                        _,
+                    )
+                    | Message::Control(
+                        Control::Checkpoint { .. } | Control::Report { .. },
+                    )),
+                ) => {
+                    let mut node = ServiceState {
                         rank,
-                        "stage",
-                        &stage,
-                        &optimizer,
-                        &plan,
-                        &clock,
-                        started.elapsed().as_secs_f64(),
-                        &net.stats(),
-                    );
-                    nodes.push(
-                        serde_json::to_string(&own).map_err(|e| Error::Config(e.to_string()))?,
-                    );
-                    net.send(succ, Message::Control(Control::Report { nodes }))?;
-                    return Ok(stage);
+                        succ,
+                        pred,
+                        stage: &mut stage,
+                        optimizer: &optimizer,
+                        plan: &plan,
+                        clock: &mut clock,
+                        started,
+                    };
+                    if node.serve(job, net, from, message)? {
+                        return Ok(stage);
+                    }
                 }
                 (from, Message::Tensor(h, _)) => {
                     return Err(protocol(
@@ -1157,6 +1120,77 @@ pub fn run_worker(job: &RingJob, net: &mut Network) -> Result<Stage> {
                 }
                 (from, _) => return Err(protocol(net, from, "message")),
             },
+        }
+    }
+}
+
+/// What every non-master node does besides its schedule: forward evaluation passes, write its
+/// checkpoint file, and add its report at the end.
+struct ServiceState<'a> {
+    rank: u32,
+    succ: u32,
+    pred: u32,
+    stage: &'a mut Stage,
+    optimizer: &'a Optimizer,
+    plan: &'a StagePlan,
+    clock: &'a mut NodeClock,
+    started: Instant,
+}
+
+impl ServiceState<'_> {
+    /// Handles an evaluation chunk, a checkpoint or the final report from the predecessor;
+    /// returns `true` when the run is over for this node. Anything else is a protocol error.
+    fn serve(
+        &mut self,
+        job: &RingJob,
+        net: &mut Network,
+        from: u32,
+        message: Message,
+    ) -> Result<bool> {
+        if from != self.pred {
+            return Err(protocol(net, from, "message"));
+        }
+        match message {
+            Message::Tensor(h, bytes) if h.tag == TensorTag::Inference => {
+                let rows = h.shape.first().copied().unwrap_or(0) as usize;
+                let mut values = Vec::new();
+                tensor_values(&bytes, h.dtype, &mut values);
+                let out = self.stage.infer(&values, rows)?.to_vec();
+                let message = tensor(TensorTag::Inference, h.step, h.micro_batch, rows, &out);
+                self.clock.eval_bytes += ringtmp_wire::encoded_len(&message) as u64;
+                net.send(self.succ, message)?;
+                Ok(false)
+            }
+            Message::Control(Control::Checkpoint { step, mut files }) => {
+                files.push(job.write_stage_file(self.rank, step, self.stage, self.optimizer)?);
+                net.send(
+                    self.succ,
+                    Message::Control(Control::Checkpoint { step, files }),
+                )?;
+                Ok(false)
+            }
+            Message::Control(Control::Report { mut nodes }) => {
+                let stats = net.stats();
+                let own = node_summary(
+                    self.rank,
+                    "stage",
+                    self.stage,
+                    self.optimizer,
+                    self.plan,
+                    self.clock,
+                    self.started.elapsed().as_secs_f64(),
+                    &stats,
+                );
+                nodes.push(serde_json::to_string(&own).map_err(|e| Error::Config(e.to_string()))?);
+                net.send(self.succ, Message::Control(Control::Report { nodes }))?;
+                Ok(true)
+            }
+            Message::Tensor(h, _) => Err(protocol(
+                net,
+                from,
+                &format!("{:?} tensor for step {}", h.tag, h.step),
+            )),
+            Message::Control(_) => Err(protocol(net, from, "control message")),
         }
     }
 }
