@@ -208,3 +208,11 @@ fn small_training_run_writes_summary_and_metrics() {
     assert!(tmp.path().join("run/metrics.jsonl").is_file());
     assert!(tmp.path().join("run/checkpoints/latest").is_file());
 }
+
+#[test]
+fn ring_refuses_to_start_when_no_partition_fits_the_memory_limits() {
+    let out = ringtmp(&[
+        "train", "--model-file", "examples/models/wide-mlp.toml", "--nodes", "2", "--node-memory-limit", "200M",
+    ]);
+    assert_usage_error(&out, "no partition fits the nodes' memory limits");
+}
