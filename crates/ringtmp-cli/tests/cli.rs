@@ -212,7 +212,13 @@ fn small_training_run_writes_summary_and_metrics() {
 #[test]
 fn ring_refuses_to_start_when_no_partition_fits_the_memory_limits() {
     let out = ringtmp(&[
-        "train", "--model-file", "examples/models/wide-mlp.toml", "--nodes", "2", "--node-memory-limit", "200M",
+        "train",
+        "--model-file",
+        "examples/models/wide-mlp.toml",
+        "--nodes",
+        "2",
+        "--node-memory-limit",
+        "200M",
     ]);
     assert_usage_error(&out, "no partition fits the nodes' memory limits");
 }

@@ -153,6 +153,94 @@ pub fn matmul(
     });
 }
 
+/// Rows up to which [`linear_forward`] computes through a column-major temporary (faster at 16,
+/// 64 and 256 rows on these machines, slower at 1,024: `ringtmp bench-compute --batch-size N`).
+pub const FEW_ROWS: usize = 512;
+
+thread_local! {
+    /// Column-major temporary of [`linear_forward`], reused across calls on each thread.
+    static COLUMN_MAJOR: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// `y[m×n] = x[m×k] · wᵀ + bias` for weights `w` stored `[n, k]`.
+///
+/// For few rows (micro-batches), `gemm` would pack the whole weight matrix on every call — as
+/// much memory traffic as the product itself. Writing the result column-major instead makes `w`
+/// the right-hand operand in its natural layout (contiguous along k), which `gemm` streams without
+/// packing; the small result is then transposed into `y`. Measured with `ringtmp bench-compute
+/// --batch-size 16` (see docs/BENCHMARKS.md).
+pub fn linear_forward(
+    y: &mut [f32],
+    m: usize,
+    n: usize,
+    k: usize,
+    x: &[f32],
+    w: &[f32],
+    bias: &[f32],
+    threads: usize,
+) {
+    if m > FEW_ROWS || k == 0 {
+        broadcast_rows(y, bias);
+        matmul(y, m, n, k, x, Op::N, w, Op::T, true, threads);
+        return;
+    }
+    assert!(
+        y.len() >= m * n && x.len() >= m * k && w.len() >= n * k && bias.len() == n,
+        "linear_forward: bad lengths"
+    );
+    COLUMN_MAJOR.with(|t| {
+        let mut t = t.borrow_mut();
+        set_len(&mut t, m * n);
+        let parts = threads.min(n / SPLIT_ALIGN).max(1);
+        let block = n.div_ceil(parts).next_multiple_of(SPLIT_ALIGN);
+        let t_ptr = SendPtr(t.as_mut_ptr());
+        let (x_ptr, w_ptr) = (
+            SendPtr(x.as_ptr().cast_mut()),
+            SendPtr(w.as_ptr().cast_mut()),
+        );
+        let one = |b: usize| {
+            let (j0, j1) = (b * block, ((b + 1) * block).min(n));
+            let (t_ptr, x_ptr, w_ptr) = (&t_ptr, &x_ptr, &w_ptr);
+            // SAFETY: column blocks j0..j1 of the m×n column-major temporary are disjoint per task;
+            // x is m×k row-major, w rows j0..j1 lie inside `w` (checked above).
+            unsafe {
+                gemm::gemm(
+                    m,
+                    j1 - j0,
+                    k,
+                    t_ptr.0.add(j0 * m),
+                    m as isize,
+                    1,
+                    false,
+                    x_ptr.0,
+                    1,
+                    k as isize,
+                    w_ptr.0.add(j0 * k),
+                    k as isize,
+                    1,
+                    1.0,
+                    1.0,
+                    false,
+                    false,
+                    false,
+                    Parallelism::None,
+                );
+            }
+        };
+        let blocks = n.div_ceil(block);
+        if blocks > 1 && m * n * k >= PARALLEL_MIN_FLOPS {
+            (0..blocks).into_par_iter().for_each(one);
+        } else {
+            (0..blocks).for_each(one);
+        }
+        for (i, row) in y.chunks_exact_mut(n).take(m).enumerate() {
+            for (j, (v, b)) in row.iter_mut().zip(bias).enumerate() {
+                *v = t[j * m + i] + b;
+            }
+        }
+    });
+}
+
 /// Blocks of a split GEMM are multiples of this many rows or columns (one AVX-512 vector of f32).
 const SPLIT_ALIGN: usize = 16;
 /// Below this many multiply-adds a GEMM runs on one thread: splitting costs more than it saves.
@@ -334,6 +422,24 @@ mod tests {
                     let doubled: Vec<f32> = want.iter().map(|v| 2.0 * v).collect();
                     assert_eq!(c, doubled, "{ta:?}{tb:?} accumulate");
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn linear_forward_agrees_with_the_general_path() {
+        for (m, n, k) in [(3, 40, 17), (16, 64, 33), (130, 20, 9)] {
+            let x: Vec<f32> = (0..m * k).map(|i| ((i * 37) % 11) as f32 - 5.0).collect();
+            let w: Vec<f32> = (0..n * k).map(|i| ((i * 17) % 7) as f32 - 3.0).collect();
+            let bias: Vec<f32> = (0..n).map(|j| j as f32).collect();
+            let mut want = naive(m, n, k, &x, Op::N, &w, Op::T);
+            for (i, v) in want.iter_mut().enumerate() {
+                *v += bias[i % n];
+            }
+            for threads in [1, 2] {
+                let mut y = vec![f32::NAN; m * n];
+                linear_forward(&mut y, m, n, k, &x, &w, &bias, threads);
+                assert_eq!(y, want, "{m}×{n}×{k}, {threads} threads");
             }
         }
     }

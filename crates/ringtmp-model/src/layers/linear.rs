@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::kernels::{Op, broadcast_rows, column_sums, matmul};
+use crate::kernels::{Op, column_sums, linear_forward, matmul};
 
 /// Fully connected layer geometry.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -22,19 +22,7 @@ impl Linear {
 
     pub(crate) fn forward(&self, p: &[f32], x: &[f32], n: usize, y: &mut [f32], threads: usize) {
         let (w, b) = p.split_at(self.in_features * self.out_features);
-        broadcast_rows(y, b);
-        matmul(
-            y,
-            n,
-            self.out_features,
-            self.in_features,
-            x,
-            Op::N,
-            w,
-            Op::T,
-            true,
-            threads,
-        );
+        linear_forward(y, n, self.out_features, self.in_features, x, w, b, threads);
     }
 
     pub(crate) fn backward(
