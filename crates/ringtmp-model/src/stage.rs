@@ -232,6 +232,20 @@ impl Stage {
         rows: usize,
         pass: &Pass,
     ) -> Result<&[f32]> {
+        self.forward_with(micro_batch, x, rows, pass, &mut || {})
+    }
+
+    /// [`Stage::forward`], calling `between` after every layer but the last — a node whose
+    /// messages must not wait for a whole stage's compute (the ring's master, which computes the
+    /// loss for the others) services them there.
+    pub fn forward_with(
+        &mut self,
+        micro_batch: u64,
+        x: &[f32],
+        rows: usize,
+        pass: &Pass,
+        between: &mut dyn FnMut(),
+    ) -> Result<&[f32]> {
         check_len("stage input", rows * self.input_len(), x.len())?;
         if self.in_flight.contains_key(&micro_batch) {
             return Err(Error::Config {
@@ -254,6 +268,7 @@ impl Stage {
             pass,
             self.threads,
             self.profile.as_deref_mut(),
+            between,
         );
         let stash = self.in_flight.entry(micro_batch).or_insert(stash);
         Ok(stash.acts.last().map(Vec::as_slice).unwrap_or_default())
@@ -276,6 +291,7 @@ impl Stage {
             &Pass::eval(),
             self.threads,
             None,
+            &mut || {},
         );
         Ok(eval.acts.last().map(Vec::as_slice).unwrap_or_default())
     }
@@ -284,6 +300,17 @@ impl Stage {
     /// output_len]`. Accumulates parameter gradients and returns the input gradient (`None` when
     /// input gradients are off for this stage). On error nothing changes.
     pub fn backward(&mut self, micro_batch: u64, dy: &[f32]) -> Result<Option<&[f32]>> {
+        self.backward_with(micro_batch, dy, &mut || {})
+    }
+
+    /// [`Stage::backward`], calling `between` after every layer but the last (see
+    /// [`Stage::forward_with`]).
+    pub fn backward_with(
+        &mut self,
+        micro_batch: u64,
+        dy: &[f32],
+        between: &mut dyn FnMut(),
+    ) -> Result<Option<&[f32]>> {
         let Some(stash) = self.in_flight.get(&micro_batch) else {
             return Err(Error::UnknownMicroBatch {
                 stage: self.first_layer(),
@@ -300,6 +327,9 @@ impl Stage {
             .unwrap_or_else(|| Arc::clone(&self.params));
         let last = self.layers.len() - 1;
         for i in (0..self.layers.len()).rev() {
+            if i < last {
+                between();
+            }
             let want_dx = i > 0 || self.input_grad;
             let (this, later) = self.input_grads.split_at_mut(i + 1);
             let upstream = if i == last { dy } else { &later[0] };
@@ -372,8 +402,12 @@ fn run_forward(
     pass: &Pass,
     threads: usize,
     mut profile: Option<&mut [LayerTime]>,
+    between: &mut dyn FnMut(),
 ) {
     for (i, layer) in layers.iter().enumerate() {
+        if i > 0 {
+            between();
+        }
         let started = profile.is_some().then(std::time::Instant::now);
         let (done, rest) = stash.acts.split_at_mut(i + 1);
         layer.forward(

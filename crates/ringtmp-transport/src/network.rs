@@ -261,6 +261,43 @@ impl Network {
         self.next_inbound(deadline, None)
     }
 
+    /// A message that has already arrived, without waiting (`Ok(None)` when there is none).
+    /// Failures and aborts are reported exactly as by [`Network::recv`].
+    pub fn try_recv(&mut self) -> Result<Option<(u32, Message)>, TransportError> {
+        if let Some(m) = self.pending.pop_front() {
+            return Ok(Some(m));
+        }
+        match self.inbox.try_recv() {
+            Ok(inbound) => self.interpret(inbound),
+            Err(_) => Ok(None),
+        }
+    }
+
+    /// What an inbound event means for a caller that did not wait for a particular peer.
+    fn interpret(&mut self, inbound: Inbound) -> Result<Option<(u32, Message)>, TransportError> {
+        match inbound {
+            Inbound::Message(from, Message::Control(Control::Abort { origin, reason })) => {
+                self.broadcast_except(
+                    from,
+                    Control::Abort {
+                        origin,
+                        reason: reason.clone(),
+                    },
+                );
+                Err(TransportError::Aborted { origin, reason })
+            }
+            Inbound::Message(from, m) => Ok(Some((from, m))),
+            Inbound::Goodbye(r) => {
+                self.goodbyes.insert(r);
+                Ok(None)
+            }
+            Inbound::Failed(e) => Err(TransportError::WhileWaiting {
+                waiting_for: "messages from any peer".into(),
+                cause: Box::new(e),
+            }),
+        }
+    }
+
     /// Puts a message back so the next `recv`/`recv_from` returns it first (for a protocol phase
     /// that received a message belonging to the next phase).
     pub fn unread(&mut self, from: u32, message: Message) {

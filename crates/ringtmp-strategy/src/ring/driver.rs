@@ -348,7 +348,6 @@ pub fn run_master(
     let (mut train_seconds, mut samples) = (0.0f64, 0u64);
     let (mut epoch_loss, mut epoch_batches, mut last_epoch_loss) = (0.0f64, 0u64, f64::NAN);
     let (mut x, mut labels) = (Vec::new(), Vec::new());
-    let mut values = Vec::new();
     for step in job.first_step()..job.total_steps {
         let t_step = Instant::now();
         let epoch = step / job.steps_per_epoch;
@@ -390,27 +389,57 @@ pub fn run_master(
                     Some(o)
                 })
                 .collect();
-            let mut micro_labels: Vec<Vec<u32>> = vec![Vec::new(); job.micro_batches];
+            let mut mini = MiniBatch {
+                step,
+                rows_total,
+                micro_labels: vec![Vec::new(); job.micro_batches],
+                offsets,
+                grads: VecDeque::new(),
+                loss_sum: 0.0,
+                losses_done: 0,
+                values: Vec::new(),
+            };
             let mut state = StageState::new(job.schedule, 0, n as usize, job.micro_batches);
-            let mut grads: VecDeque<(u64, Vec<f32>)> = VecDeque::new();
-            let (mut next_input, mut losses_done) = (0usize, 0usize);
-            let mut step_loss = 0.0f64;
-            while !state.done() || losses_done < job.micro_batches {
-                match state.next(next_input < job.micro_batches, !grads.is_empty()) {
+            let mut next_input = 0usize;
+            let mut failure: Option<Error> = None;
+            while !state.done() || mini.losses_done < job.micro_batches {
+                // Whatever has already arrived goes first, and the master services arrivals
+                // between the layers of its own work too: the loss is on every stage's critical
+                // path, so the last node must not wait for a whole stage-0 pass.
+                let action = state.next(next_input < job.micro_batches, !mini.grads.is_empty());
+                let arrived = if action.is_some() {
+                    net.try_recv()?
+                } else {
+                    None
+                };
+                // Between layers: handle arrivals, keeping the first failure for after the layer.
+                macro_rules! service {
+                    () => {
+                        || {
+                            if failure.is_none()
+                                && let Err(e) = mini.drain(job, net, head.as_mut())
+                            {
+                                failure = Some(e);
+                            }
+                        }
+                    };
+                }
+                match if arrived.is_some() { None } else { action } {
                     Some(Action::Forward) => {
                         let mb = next_input;
                         setup.data.train.gather(&parts[mb], &mut x, &mut labels);
-                        micro_labels[mb] = labels.clone();
                         let rows = parts[mb].len();
                         let pass = Pass {
                             train: true,
                             seed: job.seed,
                             step,
-                            row_offset: offsets[mb],
+                            row_offset: mini.offsets[mb],
                         };
+                        mini.micro_labels[mb] = labels.clone();
+                        let mut service = service!();
                         let out = clock.run(|| {
                             stage
-                                .forward(mb as u64, &x, rows, &pass)
+                                .forward_with(mb as u64, &x, rows, &pass, &mut service)
                                 .map(<[f32]>::to_vec)
                         })?;
                         clock.peak_stash = clock.peak_stash.max(stage.stash_bytes());
@@ -422,62 +451,21 @@ pub fn run_master(
                         next_input += 1;
                     }
                     Some(Action::Backward) => {
-                        let (mb, dy) = grads.pop_front().expect("next() saw a gradient");
-                        clock.run(|| stage.backward(mb, &dy).map(|_| ()))?;
+                        let (mb, dy) = mini.grads.pop_front().expect("next() saw a gradient");
+                        let mut service = service!();
+                        clock.run(|| stage.backward_with(mb, &dy, &mut service).map(|_| ()))?;
                         state.record(Action::Backward);
                     }
-                    None => match net.recv(timeout)? {
-                        (from, Message::Tensor(h, bytes))
-                            if from == pred && h.tag == TensorTag::Activation && h.step == step =>
-                        {
-                            // The last node's output for micro-batch h.micro_batch: the head
-                            // (if the master holds it) and the loss, with labels only we have.
-                            let mb = h.micro_batch as usize;
-                            tensor_values(&bytes, h.dtype, &mut values);
-                            let labels = micro_labels
-                                .get(mb)
-                                .filter(|l| !l.is_empty())
-                                .ok_or_else(|| protocol(net, from, "logits"))?;
-                            let pass = Pass {
-                                train: true,
-                                seed: job.seed,
-                                step,
-                                row_offset: offsets[mb],
-                            };
-                            let (loss_sum, grad) = loss_site(
-                                job,
-                                head.as_mut(),
-                                h.micro_batch,
-                                &pass,
-                                &values,
-                                labels,
-                                1.0 / rows_total as f32,
-                                &mut clock,
-                            )?;
-                            step_loss += loss_sum;
-                            losses_done += 1;
-                            net.send(
-                                pred,
-                                tensor(
-                                    TensorTag::Gradient,
-                                    step,
-                                    h.micro_batch,
-                                    labels.len(),
-                                    &grad,
-                                ),
-                            )?;
-                        }
-                        (from, Message::Tensor(h, bytes))
-                            if from == succ && h.tag == TensorTag::Gradient && h.step == step =>
-                        {
-                            let mut dy = Vec::new();
-                            tensor_values(&bytes, h.dtype, &mut dy);
-                            grads.push_back((h.micro_batch, dy));
-                        }
-                        (from, _) => return Err(protocol(net, from, "message")),
-                    },
+                    None => {
+                        let (from, message) = arrived.map_or_else(|| net.recv(timeout), Ok)?;
+                        mini.handle(job, net, head.as_mut(), from, message)?;
+                    }
+                }
+                if let Some(e) = failure.take() {
+                    return Err(e);
                 }
             }
+            let step_loss = mini.loss_sum;
             clock.run(|| stage.step(&mut optimizer, lr));
             if let Some(h) = head.as_mut() {
                 clock.run(|| h.stage.step(&mut h.optimizer, lr));
@@ -667,6 +655,97 @@ pub fn run_master(
     })
 }
 
+/// The master's loss-side state for one mini-batch of the synchronous schedules.
+struct MiniBatch {
+    step: u64,
+    rows_total: usize,
+    micro_labels: Vec<Vec<u32>>,
+    offsets: Vec<usize>,
+    grads: VecDeque<(u64, Vec<f32>)>,
+    loss_sum: f64,
+    losses_done: usize,
+    values: Vec<f32>,
+}
+
+impl MiniBatch {
+    /// Handles every message that has already arrived.
+    fn drain(
+        &mut self,
+        job: &RingJob,
+        net: &mut Network,
+        mut head: Option<&mut MasterHead>,
+    ) -> Result<()> {
+        while let Some((from, message)) = net.try_recv()? {
+            self.handle(job, net, head.as_deref_mut(), from, message)?;
+        }
+        Ok(())
+    }
+
+    /// The last node's output for a micro-batch (→ head, loss, gradient back), or a gradient for
+    /// stage 0 (→ queued).
+    fn handle(
+        &mut self,
+        job: &RingJob,
+        net: &mut Network,
+        head: Option<&mut MasterHead>,
+        from: u32,
+        message: Message,
+    ) -> Result<()> {
+        let n = job.partition.len() as u32;
+        let (succ, pred) = (1 % n, n - 1);
+        match message {
+            Message::Tensor(h, bytes)
+                if from == pred && h.tag == TensorTag::Activation && h.step == self.step =>
+            {
+                let mb = h.micro_batch as usize;
+                tensor_values(&bytes, h.dtype, &mut self.values);
+                let labels = self
+                    .micro_labels
+                    .get(mb)
+                    .filter(|l| !l.is_empty())
+                    .ok_or_else(|| protocol(net, from, "logits"))?;
+                let pass = Pass {
+                    train: true,
+                    seed: job.seed,
+                    step: self.step,
+                    row_offset: self.offsets[mb],
+                };
+                let (loss_sum, grad) = loss_site(
+                    job,
+                    head,
+                    h.micro_batch,
+                    &pass,
+                    &self.values,
+                    labels,
+                    1.0 / self.rows_total as f32,
+                )?;
+                self.loss_sum += loss_sum;
+                self.losses_done += 1;
+                net.send(
+                    pred,
+                    tensor(
+                        TensorTag::Gradient,
+                        self.step,
+                        h.micro_batch,
+                        labels.len(),
+                        &grad,
+                    ),
+                )?;
+                Ok(())
+            }
+            Message::Tensor(h, bytes)
+                if from == succ && h.tag == TensorTag::Gradient && h.step == self.step =>
+            {
+                let mut dy = Vec::new();
+                tensor_values(&bytes, h.dtype, &mut dy);
+                self.grads.push_back((h.micro_batch, dy));
+                Ok(())
+            }
+            _ => Err(protocol(net, from, "message")),
+        }
+    }
+}
+
 /// The last block of layers when the master holds it too (`--master-holds-head`): the final
 /// activations and the logits then never leave the master either.
 pub struct MasterHead {
@@ -686,17 +765,15 @@ fn loss_site(
     x: &[f32],
     labels: &[u32],
     scale: f32,
-    clock: &mut NodeClock,
 ) -> Result<(f64, Vec<f32>)> {
     let mut dlogits = Vec::new();
     match head {
         None => {
             dlogits.resize(x.len(), 0.0);
-            let out = clock
-                .run(|| loss::softmax_cross_entropy(x, labels, job.classes, scale, &mut dlogits))?;
+            let out = loss::softmax_cross_entropy(x, labels, job.classes, scale, &mut dlogits)?;
             Ok((out.loss_sum, dlogits))
         }
-        Some(h) => clock.run(|| {
+        Some(h) => {
             let logits = h.stage.forward(mb, x, labels.len(), pass)?.to_vec();
             dlogits.resize(logits.len(), 0.0);
             let out =
@@ -707,7 +784,7 @@ fn loss_site(
                 .map(<[f32]>::to_vec)
                 .unwrap_or_default();
             Ok((out.loss_sum, dx))
-        }),
+        }
     }
 }
 
@@ -778,7 +855,12 @@ impl AsyncPipe {
         let end = (step + 1) * m;
         let limit = if drain { end } else { job.total_steps * m };
         while self.backwarded < end {
-            if self.forwarded < limit && self.forwarded - self.backwarded < window {
+            // Arrived messages first (the loss is on every stage's critical path).
+            let arrived = net.try_recv()?;
+            if arrived.is_none()
+                && self.forwarded < limit
+                && self.forwarded - self.backwarded < window
+            {
                 let k = self.forwarded;
                 let (s, part) = (k / m, (k % m) as usize);
                 let indices = batches
@@ -803,7 +885,9 @@ impl AsyncPipe {
                 self.forwarded += 1;
                 continue;
             }
-            if let Some((k, dy)) = self.grads.pop_front() {
+            if arrived.is_none()
+                && let Some((k, dy)) = self.grads.pop_front()
+            {
                 clock.run(|| stage.backward(k, &dy).map(|_| ()))?;
                 let lr = job.lr_schedule.rate(
                     job.lr,
@@ -816,7 +900,7 @@ impl AsyncPipe {
                 self.backwarded += 1;
                 continue;
             }
-            match net.recv(job.recv_timeout())? {
+            match arrived.map_or_else(|| net.recv(job.recv_timeout()), Ok)? {
                 (from, Message::Tensor(h, bytes))
                     if from == pred && h.tag == TensorTag::Activation =>
                 {
@@ -832,16 +916,18 @@ impl AsyncPipe {
                         step: k / m,
                         row_offset: micro_offset(job, (k % m) as usize),
                     };
-                    let (loss_sum, grad) = loss_site(
-                        job,
-                        head.as_deref_mut(),
-                        k,
-                        &pass,
-                        &self.values,
-                        &labels,
-                        1.0 / labels.len() as f32,
-                        clock,
-                    )?;
+                    let (values, head_ref) = (&self.values, head.as_deref_mut());
+                    let (loss_sum, grad) = clock.run(|| {
+                        loss_site(
+                            job,
+                            head_ref,
+                            k,
+                            &pass,
+                            values,
+                            &labels,
+                            1.0 / labels.len() as f32,
+                        )
+                    })?;
                     if let Some(h) = head.as_deref_mut() {
                         let lr = job.lr_schedule.rate(
                             job.lr,
@@ -894,7 +980,10 @@ fn run_worker_async(job: &RingJob, net: &mut Network) -> Result<Stage> {
     let mut inputs: VecDeque<(u64, usize, Vec<f32>)> = VecDeque::new();
     let mut grads: VecDeque<(u64, Vec<f32>)> = VecDeque::new();
     loop {
-        if let Some((k, dy)) = grads.pop_front() {
+        let arrived = net.try_recv()?;
+        if arrived.is_none()
+            && let Some((k, dy)) = grads.pop_front()
+        {
             let dx = clock.run(|| stage.backward(k, &dy).map(|d| d.map(<[f32]>::to_vec)))?;
             let dx = dx.expect("input gradients are on for non-master stages");
             let rows = dy.len() / stage.output_len().max(1);
@@ -909,7 +998,9 @@ fn run_worker_async(job: &RingJob, net: &mut Network) -> Result<Stage> {
             clock.run(|| stage.step(&mut optimizer, lr));
             continue;
         }
-        if let Some((k, rows, x)) = inputs.pop_front() {
+        if arrived.is_none()
+            && let Some((k, rows, x)) = inputs.pop_front()
+        {
             let pass = Pass {
                 train: true,
                 seed: job.seed,
@@ -921,7 +1012,7 @@ fn run_worker_async(job: &RingJob, net: &mut Network) -> Result<Stage> {
             net.send(succ, tensor(TensorTag::Activation, k, k, rows, &out))?;
             continue;
         }
-        match net.recv(job.recv_timeout())? {
+        match arrived.map_or_else(|| net.recv(job.recv_timeout()), Ok)? {
             (from, Message::Tensor(h, bytes)) if from == pred && h.tag == TensorTag::Activation => {
                 let mut x = Vec::new();
                 tensor_values(&bytes, h.dtype, &mut x);
@@ -1032,7 +1123,14 @@ pub fn run_worker(job: &RingJob, net: &mut Network) -> Result<Stage> {
     let mut inputs: VecDeque<(u64, usize, Vec<f32>)> = VecDeque::new();
     let mut grads: VecDeque<(u64, Vec<f32>)> = VecDeque::new();
     loop {
-        match state.next(!inputs.is_empty(), !grads.is_empty()) {
+        // Arrived messages first, so the schedule decides on everything that is there.
+        let action = state.next(!inputs.is_empty(), !grads.is_empty());
+        let arrived = if action.is_some() {
+            net.try_recv()?
+        } else {
+            None
+        };
+        match if arrived.is_some() { None } else { action } {
             Some(Action::Forward) => {
                 let (mb, rows, x) = inputs.pop_front().expect("next() saw an input");
                 let row_offset = micro_offset(job, mb as usize);
@@ -1068,7 +1166,7 @@ pub fn run_worker(job: &RingJob, net: &mut Network) -> Result<Stage> {
                         StageState::new(job.schedule, rank as usize, n as usize, job.micro_batches);
                 }
             }
-            None => match net.recv(timeout)? {
+            None => match arrived.map_or_else(|| net.recv(timeout), Ok)? {
                 (from, Message::Tensor(h, bytes))
                     if from == pred && h.tag == TensorTag::Activation && h.step == step =>
                 {
