@@ -83,6 +83,10 @@ pub struct TrainArgs {
     /// Ring: memory each node may use for its stage, e.g. `200M`, or per node `1:200M,2:1G`.
     #[arg(long, value_name = "BYTES")]
     pub node_memory_limit: Option<String>,
+    /// Ring (gpipe, 1f1b): compute linear weight gradients once per mini-batch rather than per
+    /// micro-batch (faster; keeps those layers' inputs until the step) [default: true].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub defer_weight_grads: Option<bool>,
     /// Ring: the master also holds the last layers (U-shape), so the final activations and
     /// logits never reach another node.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
@@ -200,6 +204,7 @@ impl TrainArgs {
             schedule,
             micro_batches,
             in_flight,
+            defer_weight_grads,
             master_holds_head,
             partition,
             node_speed,

@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::kernels::set_len;
-use crate::layers::{Aux, Layer, Pass};
+use crate::layers::{Aux, Layer, LayerKind, Pass};
 use crate::optim::Optimizer;
 
 /// What one in-flight micro-batch keeps between its forward and its backward.
@@ -64,6 +64,24 @@ pub struct Stage {
     eval: Stash,
     /// Per-layer time accounting, when enabled (for `ringtmp bench-compute --profile`).
     profile: Option<Vec<LayerTime>>,
+    /// Per layer, rows waiting for a deferred weight gradient (when deferral is on).
+    deferred: Option<Vec<Pending>>,
+}
+
+/// Inputs and output gradients kept for a deferred weight gradient.
+#[derive(Debug, Default)]
+struct Pending {
+    x: Vec<f32>,
+    dy: Vec<f32>,
+    rows: usize,
+}
+
+impl Pending {
+    fn clear(&mut self) {
+        self.x.clear();
+        self.dy.clear();
+        self.rows = 0;
+    }
 }
 
 /// Time one layer spent in training forward and backward passes since profiling was enabled.
@@ -112,6 +130,7 @@ impl Stage {
             scratch: Vec::new(),
             eval: Stash::default(),
             profile: None,
+            deferred: None,
         }
     }
 
@@ -211,7 +230,8 @@ impl Stage {
         self.in_flight.len()
     }
 
-    /// Bytes held in stashes for in-flight micro-batches.
+    /// Bytes held for backward passes: stashes of in-flight micro-batches plus rows kept for
+    /// deferred weight gradients.
     pub fn stash_bytes(&self) -> usize {
         let stash = |s: &Stash| {
             s.acts.iter().map(Vec::len).sum::<usize>() * 4
@@ -220,7 +240,13 @@ impl Stage {
                     .map(|a| a.values.len() * 4 + a.indices.len() * 4)
                     .sum::<usize>()
         };
-        self.in_flight.values().map(stash).sum()
+        let deferred: usize = self
+            .deferred
+            .iter()
+            .flatten()
+            .map(|p| (p.x.len() + p.dy.len()) * 4)
+            .sum();
+        self.in_flight.values().map(stash).sum::<usize>() + deferred
     }
 
     /// Forward pass of a training micro-batch of `rows` samples; stashes what backward needs and
@@ -336,23 +362,45 @@ impl Stage {
             let range = self.offsets[i]..self.offsets[i + 1];
             let accumulate = self.grads_written[i];
             let started = self.profile.is_some().then(std::time::Instant::now);
-            self.layers[i].backward(
-                &weights[range.clone()],
-                &mut self.grads[range],
-                accumulate,
-                &stash.acts[i],
-                &stash.acts[i + 1],
-                &stash.aux[i],
-                upstream,
-                rows,
-                want_dx.then_some(&mut this[i]),
-                &mut self.scratch,
-                self.threads,
-            );
+            match (&self.layers[i].kind, self.deferred.as_mut()) {
+                (LayerKind::Linear(linear), Some(deferred)) => {
+                    // Keep this micro-batch's rows; the weight gradient of the whole mini-batch is
+                    // one GEMM at the step (see `set_deferred_weight_grads`).
+                    let pending = &mut deferred[i];
+                    pending.x.extend_from_slice(&stash.acts[i]);
+                    pending.dy.extend_from_slice(upstream);
+                    pending.rows += rows;
+                    if want_dx {
+                        set_len(&mut this[i], rows * linear.in_features);
+                        linear.input_grad(
+                            &weights[range],
+                            upstream,
+                            rows,
+                            &mut this[i],
+                            self.threads,
+                        );
+                    }
+                }
+                _ => {
+                    self.layers[i].backward(
+                        &weights[range.clone()],
+                        &mut self.grads[range],
+                        accumulate,
+                        &stash.acts[i],
+                        &stash.acts[i + 1],
+                        &stash.aux[i],
+                        upstream,
+                        rows,
+                        want_dx.then_some(&mut this[i]),
+                        &mut self.scratch,
+                        self.threads,
+                    );
+                    self.grads_written[i] = true;
+                }
+            }
             if let (Some(t), Some(p)) = (started, self.profile.as_mut()) {
                 p[i].backward_seconds += t.elapsed().as_secs_f64();
             }
-            self.grads_written[i] = true;
         }
         self.free_stashes.push(stash);
         Ok(self.input_grad.then_some(self.input_grads[0].as_slice()))
@@ -373,6 +421,19 @@ impl Stage {
     /// Forgets the accumulated gradients (cheaply: the next backward overwrites them).
     pub fn zero_grad(&mut self) {
         self.grads_written.fill(false);
+        if let Some(deferred) = self.deferred.as_mut() {
+            deferred.iter_mut().for_each(Pending::clear);
+        }
+    }
+
+    /// Defers linear layers' weight gradients: each backward keeps its micro-batch's inputs and
+    /// output gradients, and the step (or [`Stage::grads`]) computes the whole mini-batch's
+    /// weight gradient as one GEMM over all its rows, instead of one small GEMM per micro-batch
+    /// that re-reads and re-writes the full gradient. Costs the memory of those inputs and
+    /// gradients until the step. The result is the same sum (up to floating-point order).
+    pub fn set_deferred_weight_grads(&mut self, on: bool) {
+        self.materialise_grads();
+        self.deferred = on.then(|| (0..self.layers.len()).map(|_| Pending::default()).collect());
     }
 
     /// Drops every stashed micro-batch (after an aborted step).
@@ -385,6 +446,26 @@ impl Stage {
     }
 
     fn materialise_grads(&mut self) {
+        if let Some(deferred) = self.deferred.as_mut() {
+            for (i, pending) in deferred.iter_mut().enumerate() {
+                if pending.rows == 0 {
+                    continue;
+                }
+                if let LayerKind::Linear(linear) = &self.layers[i].kind {
+                    let g = &mut self.grads[self.offsets[i]..self.offsets[i + 1]];
+                    linear.weight_grad(
+                        g,
+                        self.grads_written[i],
+                        &pending.x,
+                        &pending.dy,
+                        pending.rows,
+                        self.threads,
+                    );
+                    self.grads_written[i] = true;
+                }
+                pending.clear();
+            }
+        }
         for i in 0..self.layers.len() {
             if !self.grads_written[i] {
                 self.grads[self.offsets[i]..self.offsets[i + 1]].fill(0.0);

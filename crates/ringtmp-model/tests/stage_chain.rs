@@ -84,12 +84,19 @@ fn unsplit() -> Result {
 }
 
 fn chained(bounds: &[usize]) -> Result {
+    chained_with(bounds, false)
+}
+
+fn chained_with(bounds: &[usize], defer: bool) -> Result {
     let layers = layers();
     let mut stages: Vec<Stage> = bounds
         .windows(2)
         .map(|w| Stage::new(&layers, w[0]..w[1], SEED, 2))
         .collect();
     stages[0].set_input_grad(true);
+    for s in stages.iter_mut() {
+        s.set_deferred_weight_grads(defer);
+    }
     let (x, labels) = data();
     let rows = ROWS / MICRO;
     let mut logits = vec![];
@@ -312,4 +319,16 @@ fn weight_stashing_backward_uses_the_forward_weights() {
     unstashed.backward(1, &dy).unwrap();
     unstashed.step(&mut opt, 0.5);
     assert_ne!(unstashed.backward(0, &dy).unwrap().unwrap().to_vec(), want);
+}
+
+#[test]
+fn deferred_weight_gradients_equal_the_unsplit_model() {
+    let oracle = unsplit();
+    let n = layers().len();
+    for bounds in [vec![0, 4, n], vec![0, 1, 5, 8, n]] {
+        let got = chained_with(&bounds, true);
+        let d = max_rel_diff(&got.grads, &oracle.grads);
+        println!("deferred, stages {bounds:?}: max |Δ|/max|ref| param grads {d:.1e}");
+        assert!(d < 1e-5 && max_rel_diff(&got.dx, &oracle.dx) < 1e-5);
+    }
 }

@@ -125,6 +125,7 @@ fn job(bounds: &[usize], schedule: Schedule, micro_batches: usize) -> RingJob {
         steps_per_epoch: per_epoch,
         recv_timeout_secs: 30.0,
         checkpoint_every: 0,
+        defer_weight_grads: false,
         in_flight: 0,
         out: std::path::PathBuf::new(),
         resume: None,
@@ -281,12 +282,15 @@ fn gpipe_and_1f1b_equal_local_on_2_3_and_4_nodes() {
         (&[0, 2, 6, 10], 4),
         (&[0, 1, 5, 8, 10], 6),
     ];
-    for (bounds, micro) in cases {
+    for (case, (bounds, micro)) in cases.into_iter().enumerate() {
         for schedule in [Schedule::Gpipe, Schedule::OneFOneB] {
             let out = tmp
                 .path()
                 .join(format!("{}-{}", schedule.name(), bounds.len()));
-            let (params, summary) = ring_params(&job(bounds, schedule, micro), &data, &out);
+            let mut j = job(bounds, schedule, micro);
+            // Deferred weight gradients must not change the result either.
+            j.defer_weight_grads = case % 2 == 1;
+            let (params, summary) = ring_params(&j, &data, &out);
             let diff = max_rel_diff(&params, &oracle);
             println!(
                 "{} on {} nodes, {micro} micro-batches: max |Δparam| / max |param| = {diff:.2e}",
@@ -372,8 +376,10 @@ fn async_pipeline_with_weight_stashing_learns() {
         "async, 3 nodes, 120 mini-batches of 4 micro-batches: test accuracy {:.3}",
         summary.final_test_accuracy
     );
+    // Async results depend on message timing (which backward precedes which forward on a stage);
+    // 0.87–0.92 seen here.
     assert!(
-        summary.final_test_accuracy > 0.85,
+        summary.final_test_accuracy > 0.8,
         "{}",
         summary.final_test_accuracy
     );

@@ -36,25 +36,49 @@ impl Linear {
         dx: Option<&mut Vec<f32>>,
         threads: usize,
     ) {
+        self.weight_grad(g, accumulate, x, dy, n, threads);
+        if let Some(dx) = dx {
+            self.input_grad(p, dy, n, dx, threads);
+        }
+    }
+
+    /// `dW[out, in] (+)= dyᵀ[out, n] · x[n, in]` and `db (+)= Σ_rows dy`.
+    pub(crate) fn weight_grad(
+        &self,
+        g: &mut [f32],
+        accumulate: bool,
+        x: &[f32],
+        dy: &[f32],
+        n: usize,
+        threads: usize,
+    ) {
         let (fi, fo) = (self.in_features, self.out_features);
         let (gw, gb) = g.split_at_mut(fi * fo);
-        // dW[out, in] = dyᵀ[out, n] · x[n, in]
         matmul(gw, fo, fi, n, dy, Op::T, x, Op::N, accumulate, threads);
         column_sums(gb, dy, accumulate);
-        if let Some(dx) = dx {
-            // dx[n, in] = dy[n, out] · W[out, in]
-            matmul(
-                dx,
-                n,
-                fi,
-                fo,
-                dy,
-                Op::N,
-                &p[..fi * fo],
-                Op::N,
-                false,
-                threads,
-            );
-        }
+    }
+
+    /// `dx[n, in] = dy[n, out] · W[out, in]`.
+    pub(crate) fn input_grad(
+        &self,
+        p: &[f32],
+        dy: &[f32],
+        n: usize,
+        dx: &mut [f32],
+        threads: usize,
+    ) {
+        let (fi, fo) = (self.in_features, self.out_features);
+        matmul(
+            dx,
+            n,
+            fi,
+            fo,
+            dy,
+            Op::N,
+            &p[..fi * fo],
+            Op::N,
+            false,
+            threads,
+        );
     }
 }

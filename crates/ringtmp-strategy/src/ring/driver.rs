@@ -91,6 +91,11 @@ pub struct RingJob {
     /// Output directory of the run (checkpoints go to `<out>/checkpoints/`).
     #[serde(default)]
     pub out: std::path::PathBuf,
+    /// Synchronous schedules: compute each stage's linear weight gradients once per mini-batch
+    /// (one GEMM over all its rows) instead of once per micro-batch; keeps those layers' inputs
+    /// until the step.
+    #[serde(default)]
+    pub defer_weight_grads: bool,
     /// Async schedule: most micro-batches between their forward and the master's backward
     /// (0 = the number of nodes).
     #[serde(default)]
@@ -108,6 +113,13 @@ impl RingJob {
     }
 
     fn stage(&self, rank: u32) -> Result<(Stage, StagePlan)> {
+        let (mut stage, plan) = self.stage_unconfigured(rank)?;
+        stage
+            .set_deferred_weight_grads(self.defer_weight_grads && self.schedule != Schedule::Async);
+        Ok((stage, plan))
+    }
+
+    fn stage_unconfigured(&self, rank: u32) -> Result<(Stage, StagePlan)> {
         let layers = self.layers()?;
         let plan = self
             .partition
@@ -304,6 +316,9 @@ pub fn run_master(
             let layers = job.layers()?;
             let mut stage = Stage::new(&layers, plan.start..plan.end, job.seed, job.threads);
             stage.set_input_grad(true);
+            stage.set_deferred_weight_grads(
+                job.defer_weight_grads && job.schedule != Schedule::Async,
+            );
             let mut optimizer = Optimizer::new(job.optimizer.clone(), stage.params().len());
             job.load(&mut stage, &mut optimizer)?;
             Some(MasterHead { stage, optimizer })
