@@ -6,12 +6,14 @@
 //! - [`config`]: the validated run configuration shared by every strategy.
 //! - [`local`]: one process, one stage holding the whole model — plain mini-batch training and
 //!   the oracle every distributed strategy is tested against.
+//! - [`param_server`]: the parameter server's consistency models (in progress).
 //! - [`ring`]: RingTMP, ring-pipelined model parallelism.
 //! - [`selftest`]: connectivity and link measurements on a ring of nodes.
 
 pub mod config;
 mod error;
 pub mod local;
+pub mod param_server;
 pub mod ring;
 pub mod selftest;
 
