@@ -91,6 +91,19 @@ pub enum Control {
         /// Why.
         reason: String,
     },
+    /// A checkpoint in progress: travels once around the ring after step `step`; each node writes
+    /// its stage file and appends its file entry (JSON), and rank 0 writes the manifest last.
+    Checkpoint {
+        /// Optimizer steps completed.
+        step: u64,
+        /// One JSON file entry per node so far, in ring order.
+        files: Vec<String>,
+    },
+    /// Parameter server: a worker ran out of iterations (or data) and leaves the run.
+    Finished {
+        /// Iterations it completed.
+        iterations: u64,
+    },
     /// Orderly end of a run.
     Goodbye,
     /// Liveness: sent periodically on every link.
@@ -122,23 +135,21 @@ pub enum Control {
         /// The MAC.
         mac: [u8; 32],
     },
-    /// A checkpoint in progress: travels once around the ring after step `step`; each node writes
-    /// its stage file and appends its file entry (JSON), and rank 0 writes the manifest last.
-    Checkpoint {
-        /// Optimizer steps completed.
-        step: u64,
-        /// One JSON file entry per node so far, in ring order.
-        files: Vec<String>,
-    },
-    /// End of a run: travels once around the ring, each node appending its measurements (JSON).
-    Report {
-        /// One JSON document per node, in ring order.
-        nodes: Vec<String>,
+    /// Parameter server: a worker asks for the server's parameter shard to start an iteration
+    /// (the server answers when the consistency model allows).
+    Pull {
+        /// Iterations the worker has completed.
+        clock: u64,
     },
     /// Rendezvous: a node tells rank 0 where it listens.
     Register {
         /// The node.
         node: NodeAddr,
+    },
+    /// End of a run: travels once around the ring, each node appending its measurements (JSON).
+    Report {
+        /// One JSON document per node, in ring order.
+        nodes: Vec<String>,
     },
     /// Rendezvous: rank 0's address table and the run settings every node must share.
     Table {

@@ -4,5 +4,7 @@
 //!
 //! # Layout
 //! - [`consistency`]: BSP, SSP, ASP and DSSP as one gate over the workers' clocks.
+//! - [`driver`]: server and worker loops over the links.
 
 pub mod consistency;
+pub mod driver;

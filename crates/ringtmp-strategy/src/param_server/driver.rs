@@ -1,0 +1,368 @@
+//! Parameter-server drivers: `S` servers each own a contiguous shard of the flat parameter vector
+//! with its optimizer state; `W` workers each hold a full replica and train on their share of
+//! every global mini-batch.
+//!
+//! Per iteration `t`, worker `w` sends `Pull { clock: t }` to every server; a server answers with
+//! its shard when its [`Gate`] allows worker `w` to start iteration `t` (otherwise it parks the
+//! request until a push changes the clocks). The worker computes the gradient of its mean loss on
+//! shard `w` of global batch `t` (global batches of `W·b` examples, in the same order as `local`
+//! with batch `W·b`), and pushes each server its slice. Servers apply gradients averaged over the
+//! workers: under BSP once per iteration, when every live worker has pushed (exactly large-batch
+//! SGD); under SSP, ASP and DSSP as each push arrives, scaled by `1/W`.
+//!
+//! Ranks: servers are `0..S`, workers `S..S+W`.
+
+use std::collections::{BTreeSet, VecDeque};
+use std::ops::Range;
+use std::time::{Duration, Instant};
+
+use ringtmp_data::{BatchPlan, Dataset, shard};
+use ringtmp_model::{LrSchedule, ModelSpec, Optimizer, OptimizerConfig, Pass, Shape, Stage, loss};
+use ringtmp_transport::{Network, TransportError};
+use ringtmp_wire::message::{tensor_bytes, tensor_values};
+use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
+use serde::{Deserialize, Serialize};
+
+use super::consistency::{Consistency, Decision, Gate};
+use crate::error::{Error, Result};
+
+/// Everything every node of a parameter-server run must agree on.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PsJob {
+    /// The model description.
+    pub model: ModelSpec,
+    /// Per-sample input shape.
+    pub input: (usize, usize, usize),
+    /// Classes.
+    pub classes: usize,
+    /// Servers (ranks `0..servers`).
+    pub servers: usize,
+    /// Workers (ranks `servers..servers + workers`).
+    pub workers: usize,
+    /// Examples per worker per iteration.
+    pub worker_batch: usize,
+    /// Base learning rate.
+    pub lr: f32,
+    /// Learning-rate schedule.
+    pub lr_schedule: LrSchedule,
+    /// Warm-up steps.
+    pub warmup_steps: u64,
+    /// Server-side optimizer.
+    pub optimizer: OptimizerConfig,
+    /// Compute threads per worker.
+    pub threads: usize,
+    /// Seed.
+    pub seed: u64,
+    /// Consistency model.
+    pub consistency: Consistency,
+    /// Iterations per worker.
+    pub total_steps: u64,
+    /// Steps the learning-rate schedule spans.
+    pub schedule_steps: u64,
+    /// Global mini-batches per epoch.
+    pub steps_per_epoch: u64,
+    /// Seconds to wait for any one message.
+    pub recv_timeout_secs: f64,
+    /// Keep training without a worker that died, even under BSP.
+    pub drop_dead_workers: bool,
+}
+
+impl PsJob {
+    fn layers(&self) -> Result<Vec<ringtmp_model::Layer>> {
+        let (h, w, c) = self.input;
+        Ok(self.model.build(&Shape::image(h, w, c), self.classes)?)
+    }
+
+    fn timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.recv_timeout_secs.max(0.001))
+    }
+
+    fn lr_at(&self, t: u64) -> f32 {
+        self.lr_schedule.rate(
+            self.lr,
+            t,
+            self.schedule_steps,
+            self.steps_per_epoch,
+            self.warmup_steps,
+        )
+    }
+}
+
+/// Contiguous, near-equal shard `s` of `total` parameters over `servers` servers.
+pub fn shard_range(total: usize, servers: usize, s: usize) -> Range<usize> {
+    let (base, extra) = (total / servers, total % servers);
+    let start = s * base + s.min(extra);
+    start..start + base + usize::from(s < extra)
+}
+
+/// What a server measured, and its final shard.
+#[derive(Clone, Debug)]
+pub struct ServerOutcome {
+    /// The shard's final parameters.
+    pub params: Vec<f32>,
+    /// Pulls that had to wait for the consistency model.
+    pub parked_pulls: u64,
+    /// Observed staleness histogram (index = iterations ahead of the slowest worker).
+    pub staleness: Vec<u64>,
+    /// Workers dropped after dying.
+    pub dropped: Vec<u32>,
+}
+
+fn tensor(tag: TensorTag, step: u64, values: &[f32]) -> Message {
+    let header = TensorHeader {
+        run_id: 0,
+        step,
+        micro_batch: 0,
+        tag,
+        dtype: Dtype::F32,
+        shape: vec![values.len() as u32],
+    };
+    Message::Tensor(header, tensor_bytes(values, Dtype::F32))
+}
+
+/// The rank of the peer a transport failure is about, if it names one.
+fn failed_peer(e: &TransportError) -> Option<u32> {
+    match e {
+        TransportError::WhileWaiting { cause, .. } => failed_peer(cause),
+        TransportError::PeerClosed { peer, .. } | TransportError::PeerSilent { peer, .. } => {
+            peer.rank
+        }
+        _ => None,
+    }
+}
+
+/// Runs server `s` (rank `s`) until every worker has finished or been dropped.
+pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutcome> {
+    let layers = job.layers()?;
+    let total: usize = layers.iter().map(|l| l.param_count()).sum();
+    let range = shard_range(total, job.servers, s);
+    // The same initial parameters as every other strategy: build the model's initial vector and
+    // keep this server's slice.
+    let mut params =
+        Stage::new(&layers, 0..layers.len(), job.seed, 1).params()[range.clone()].to_vec();
+    let mut optimizer = Optimizer::new(job.optimizer.clone(), params.len());
+    let mut gate = Gate::new(job.consistency, job.workers);
+    let started = Instant::now();
+    let worker = |rank: u32| rank as usize - job.servers;
+    let mut parked: VecDeque<(usize, u64)> = VecDeque::new();
+    let mut parked_pulls = 0u64;
+    let mut finished: BTreeSet<usize> = BTreeSet::new();
+    let mut dropped: Vec<u32> = Vec::new();
+    let mut sum = vec![0.0f32; params.len()];
+    let mut pushed: BTreeSet<usize> = BTreeSet::new();
+    let mut values = Vec::new();
+    let scale = 1.0 / job.workers as f32;
+    while finished.len() + dropped.len() < job.workers {
+        let (from, message) = match net.recv(job.timeout()) {
+            Ok(m) => m,
+            Err(e) => {
+                // A dead worker: drop it where the consistency model allows, else stop naming it.
+                let Some(rank) = failed_peer(&e).filter(|r| *r as usize >= job.servers) else {
+                    return Err(e.into());
+                };
+                if job.consistency == Consistency::Bsp && !job.drop_dead_workers {
+                    return Err(e.into());
+                }
+                tracing::warn!("server {s}: dropping worker rank {rank}: {e}");
+                gate.drop_worker(worker(rank));
+                dropped.push(rank);
+                pushed.remove(&worker(rank));
+                retry_parked(&mut parked, &mut gate, &params, started, job.servers, net)?;
+                continue;
+            }
+        };
+        if (from as usize) < job.servers {
+            return Err(Error::Config(format!(
+                "server {s}: unexpected message from server rank {from}"
+            )));
+        }
+        let w = worker(from);
+        match message {
+            Message::Control(Control::Pull { clock }) => {
+                if gate.clock(w) != clock {
+                    return Err(Error::Config(format!(
+                        "server {s}: worker rank {from} pulls for iteration {clock} at clock {}",
+                        gate.clock(w)
+                    )));
+                }
+                if gate.may_start(w, started.elapsed().as_secs_f64()) == Decision::Proceed {
+                    net.send(from, tensor(TensorTag::Params, clock, &params))?;
+                } else {
+                    parked_pulls += 1;
+                    parked.push_back((w, clock));
+                }
+            }
+            Message::Tensor(h, bytes) if h.tag == TensorTag::ParamGrads => {
+                tensor_values(&bytes, h.dtype, &mut values);
+                if values.len() != params.len() {
+                    return Err(Error::Config(format!(
+                        "server {s}: gradient of {} values from rank {from}, shard has {}",
+                        values.len(),
+                        params.len()
+                    )));
+                }
+                let lr = job.lr_at(h.step);
+                if job.consistency == Consistency::Bsp {
+                    // Sum this iteration's gradients; apply their mean once all live workers pushed.
+                    for (a, g) in sum.iter_mut().zip(&values) {
+                        *a += g;
+                    }
+                    pushed.insert(w);
+                    let live = job.workers - dropped.len();
+                    if pushed.len() == live {
+                        let mean = 1.0 / live as f32;
+                        sum.iter_mut().for_each(|v| *v *= mean);
+                        optimizer.step(&mut params, &sum, lr, 1);
+                        sum.fill(0.0);
+                        pushed.clear();
+                    }
+                } else {
+                    values.iter_mut().for_each(|v| *v *= scale);
+                    optimizer.step(&mut params, &values, lr, 1);
+                }
+                gate.push(w, started.elapsed().as_secs_f64());
+                retry_parked(&mut parked, &mut gate, &params, started, job.servers, net)?;
+            }
+            Message::Control(Control::Finished { .. }) => {
+                finished.insert(w);
+                gate.drop_worker(w);
+                retry_parked(&mut parked, &mut gate, &params, started, job.servers, net)?;
+            }
+            _ => {
+                return Err(Error::Config(format!(
+                    "server {s}: unexpected message from rank {from}"
+                )));
+            }
+        }
+    }
+    Ok(ServerOutcome {
+        params,
+        parked_pulls,
+        staleness: gate.staleness_histogram().to_vec(),
+        dropped,
+    })
+}
+
+/// Answers parked pulls the gate now allows, in arrival order.
+fn retry_parked(
+    parked: &mut VecDeque<(usize, u64)>,
+    gate: &mut Gate,
+    params: &[f32],
+    started: Instant,
+    servers: usize,
+    net: &mut Network,
+) -> Result<()> {
+    let mut still = VecDeque::new();
+    while let Some((w, clock)) = parked.pop_front() {
+        if gate.may_start(w, started.elapsed().as_secs_f64()) == Decision::Proceed {
+            net.send(
+                (servers + w) as u32,
+                tensor(TensorTag::Params, clock, params),
+            )?;
+        } else {
+            still.push_back((w, clock));
+        }
+    }
+    *parked = still;
+    Ok(())
+}
+
+/// What a worker measured.
+#[derive(Clone, Debug, Default)]
+pub struct WorkerOutcome {
+    /// Iterations completed.
+    pub iterations: u64,
+    /// Seconds spent waiting for parameters (at the servers' gates and on the links).
+    pub wait_seconds: f64,
+    /// Seconds of compute.
+    pub compute_seconds: f64,
+    /// Examples processed.
+    pub samples: u64,
+}
+
+/// Runs worker `w` (rank `servers + w`) for the job's iterations on its share of every global
+/// batch; `speed` < 1 emulates a slower node.
+pub fn run_worker(
+    job: &PsJob,
+    w: usize,
+    data: &Dataset,
+    speed: f64,
+    net: &mut Network,
+) -> Result<(WorkerOutcome, Stage)> {
+    let layers = job.layers()?;
+    let mut stage = Stage::new(&layers, 0..layers.len(), job.seed, job.threads);
+    let total = stage.params().len();
+    let ranges: Vec<Range<usize>> = (0..job.servers)
+        .map(|s| shard_range(total, job.servers, s))
+        .collect();
+    let mut plan = BatchPlan::new(data.train.len(), job.worker_batch * job.workers, job.seed)?;
+    let (mut x, mut y, mut d, mut values) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let mut out = WorkerOutcome::default();
+    for t in 0..job.total_steps {
+        let waited = Instant::now();
+        for s in 0..job.servers {
+            net.send(s as u32, Message::Control(Control::Pull { clock: t }))?;
+        }
+        for (s, range) in ranges.iter().enumerate() {
+            match net.recv_from(s as u32, job.timeout())? {
+                Message::Tensor(h, bytes) if h.tag == TensorTag::Params && h.step == t => {
+                    tensor_values(&bytes, h.dtype, &mut values);
+                    if values.len() != range.len() {
+                        return Err(Error::Config(format!(
+                            "worker {w}: shard of {} values from server {s}, expected {}",
+                            values.len(),
+                            range.len()
+                        )));
+                    }
+                    stage.params_mut()[range.clone()].copy_from_slice(&values);
+                }
+                _ => {
+                    return Err(Error::Config(format!(
+                        "worker {w}: unexpected message from server {s}"
+                    )));
+                }
+            }
+        }
+        out.wait_seconds += waited.elapsed().as_secs_f64();
+        let computed = Instant::now();
+        let epoch = t / job.steps_per_epoch;
+        let batch = plan
+            .batch(epoch, (t % job.steps_per_epoch) as usize)
+            .to_vec();
+        let mine = shard(&batch, w, job.workers)?;
+        data.train.gather(mine, &mut x, &mut y);
+        let pass = Pass {
+            train: true,
+            seed: job.seed,
+            step: t,
+            row_offset: w * job.worker_batch,
+        };
+        let logits = stage.forward(0, &x, y.len(), &pass)?;
+        d.resize(logits.len(), 0.0);
+        loss::softmax_cross_entropy(logits, &y, job.classes, 1.0 / y.len() as f32, &mut d)?;
+        stage.backward(0, &d)?;
+        let grads = stage.grads().to_vec();
+        stage.zero_grad();
+        if speed < 1.0 {
+            std::thread::sleep(computed.elapsed().mul_f64(1.0 / speed - 1.0));
+        }
+        out.compute_seconds += computed.elapsed().as_secs_f64();
+        for (s, range) in ranges.iter().enumerate() {
+            net.send(
+                s as u32,
+                tensor(TensorTag::ParamGrads, t, &grads[range.clone()]),
+            )?;
+        }
+        out.iterations += 1;
+        out.samples += y.len() as u64;
+    }
+    for s in 0..job.servers {
+        net.send(
+            s as u32,
+            Message::Control(Control::Finished {
+                iterations: out.iterations,
+            }),
+        )?;
+    }
+    Ok((out, stage))
+}
