@@ -146,7 +146,8 @@ fn run(job: &PsJob, data: &Dataset, speeds: &[f64]) -> (Vec<f32>, Vec<f64>, Vec<
                     (Some(out), None)
                 } else {
                     let (_, stage) =
-                        run_worker(&job, (r - servers) as usize, &data, speed, &mut net).unwrap();
+                        run_worker(&job, (r - servers) as usize, &data, speed, true, &mut net)
+                            .unwrap();
                     let mut stage = stage;
                     let (acc, _) =
                         ringtmp_strategy::local::evaluate(&mut stage, &data.test, 10).unwrap();

@@ -281,12 +281,14 @@ pub struct WorkerOutcome {
 }
 
 /// Runs worker `w` (rank `servers + w`) for the job's iterations on its share of every global
-/// batch; `speed` < 1 emulates a slower node.
+/// batch; `speed` < 1 emulates a slower node. With `final_pull`, the worker pulls once more after
+/// its last iteration, so the returned replica holds the servers' final parameters.
 pub fn run_worker(
     job: &PsJob,
     w: usize,
     data: &Dataset,
     speed: f64,
+    final_pull: bool,
     net: &mut Network,
 ) -> Result<(WorkerOutcome, Stage)> {
     let layers = job.layers()?;
@@ -298,32 +300,37 @@ pub fn run_worker(
     let mut plan = BatchPlan::new(data.train.len(), job.worker_batch * job.workers, job.seed)?;
     let (mut x, mut y, mut d, mut values) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut out = WorkerOutcome::default();
-    for t in 0..job.total_steps {
-        let waited = Instant::now();
-        for s in 0..job.servers {
-            net.send(s as u32, Message::Control(Control::Pull { clock: t }))?;
-        }
-        for (s, range) in ranges.iter().enumerate() {
-            match net.recv_from(s as u32, job.timeout())? {
-                Message::Tensor(h, bytes) if h.tag == TensorTag::Params && h.step == t => {
-                    tensor_values(&bytes, h.dtype, &mut values);
-                    if values.len() != range.len() {
+    let mut pull =
+        |t: u64, stage: &mut Stage, out: &mut WorkerOutcome, net: &mut Network| -> Result<()> {
+            let waited = Instant::now();
+            for s in 0..job.servers {
+                net.send(s as u32, Message::Control(Control::Pull { clock: t }))?;
+            }
+            for (s, range) in ranges.iter().enumerate() {
+                match net.recv_from(s as u32, job.timeout())? {
+                    Message::Tensor(h, bytes) if h.tag == TensorTag::Params && h.step == t => {
+                        tensor_values(&bytes, h.dtype, &mut values);
+                        if values.len() != range.len() {
+                            return Err(Error::Config(format!(
+                                "worker {w}: shard of {} values from server {s}, expected {}",
+                                values.len(),
+                                range.len()
+                            )));
+                        }
+                        stage.params_mut()[range.clone()].copy_from_slice(&values);
+                    }
+                    _ => {
                         return Err(Error::Config(format!(
-                            "worker {w}: shard of {} values from server {s}, expected {}",
-                            values.len(),
-                            range.len()
+                            "worker {w}: unexpected message from server {s}"
                         )));
                     }
-                    stage.params_mut()[range.clone()].copy_from_slice(&values);
-                }
-                _ => {
-                    return Err(Error::Config(format!(
-                        "worker {w}: unexpected message from server {s}"
-                    )));
                 }
             }
-        }
-        out.wait_seconds += waited.elapsed().as_secs_f64();
+            out.wait_seconds += waited.elapsed().as_secs_f64();
+            Ok(())
+        };
+    for t in 0..job.total_steps {
+        pull(t, &mut stage, &mut out, net)?;
         let computed = Instant::now();
         let epoch = t / job.steps_per_epoch;
         let batch = plan
@@ -355,6 +362,9 @@ pub fn run_worker(
         }
         out.iterations += 1;
         out.samples += y.len() as u64;
+    }
+    if final_pull {
+        pull(job.total_steps, &mut stage, &mut out, net)?;
     }
     for s in 0..job.servers {
         net.send(
