@@ -20,6 +20,8 @@ pub enum Strategy {
     Local,
     /// RingTMP: each node holds a block of layers; the master holds data and labels.
     Ring,
+    /// Parameter server: `--servers` shard the parameters, the other nodes are workers.
+    Ps,
 }
 
 /// Pipeline schedule of the ring.
@@ -65,6 +67,15 @@ pub struct TrainArgs {
     /// Node processes to launch locally (distributed strategies) [default: 4 for ring].
     #[arg(long)]
     pub nodes: Option<u32>,
+    /// Parameter server: server nodes (the rest are workers) [default: 1].
+    #[arg(long)]
+    pub servers: Option<usize>,
+    /// Parameter server: bsp, ssp:S, asp or dssp:L:U [default: bsp].
+    #[arg(long, value_name = "MODEL")]
+    pub consistency: Option<String>,
+    /// Parameter server: keep training without a dead worker even under bsp.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub drop_dead_workers: Option<bool>,
     /// Ring: pipeline schedule [default: 1f1b].
     #[arg(long, value_enum)]
     pub schedule: Option<ScheduleKind>,
@@ -201,6 +212,9 @@ impl TrainArgs {
             file,
             strategy,
             nodes,
+            servers,
+            consistency,
+            drop_dead_workers,
             schedule,
             micro_batches,
             in_flight,

@@ -9,6 +9,8 @@ mod bench;
 mod bench_transport;
 mod launcher;
 mod node;
+mod ps_node;
+mod ps_setup;
 mod ring_setup;
 mod train;
 

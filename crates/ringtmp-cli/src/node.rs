@@ -16,6 +16,8 @@ use serde::{Deserialize, Serialize};
 use crate::UsageError;
 use crate::args::TrainArgs;
 use crate::ring_setup::ring_job;
+use ringtmp_cluster::node::star_neighbours;
+use ringtmp_strategy::param_server::driver::PsJob;
 use ringtmp_strategy::ring::driver::{MasterSetup, RingJob, run_master, run_worker};
 
 /// What the nodes run.
@@ -31,13 +33,14 @@ pub enum Job {
 /// What rank 0 hands every node at rendezvous (JSON).
 #[derive(Serialize, Deserialize)]
 #[serde(tag = "job", rename_all = "kebab-case")]
-enum Settings {
+pub(crate) enum Settings {
     Selftest {
         size_mib: f64,
         rounds: u32,
         pings: u32,
     },
     Train(Box<RingJob>),
+    Ps(Box<PsJob>),
 }
 
 /// Job settings; rank 0's are handed to every node at rendezvous.
@@ -60,10 +63,10 @@ pub struct JobArgs {
     #[arg(long, value_name = "FILE")]
     #[serde(skip)]
     pub config: Option<PathBuf>,
-    /// Train: a ring job already planned (written by the local launcher); rank 0 only.
+    /// Train: the job already planned (written by the local launcher); rank 0 only.
     #[arg(long, value_name = "FILE", hide = true)]
     #[serde(skip)]
-    pub ring_job: Option<PathBuf>,
+    pub job_file: Option<PathBuf>,
 }
 
 /// How this node connects.
@@ -210,20 +213,24 @@ pub fn run(args: &NodeArgs) -> Result<()> {
                 }
                 .merged()?;
                 let data = crate::train::load_dataset(&train_args)?;
-                let (job, cfg) = match &args.job.ring_job {
+                let cfg = train_args.resolve(data.classes)?;
+                let settings = match &args.job.job_file {
                     // Planned by the local launcher already (so the plan it printed is the one run).
                     Some(file) => {
                         let text = std::fs::read_to_string(file)
                             .with_context(|| format!("reading {}", file.display()))?;
-                        let job: RingJob = serde_json::from_str(&text)
-                            .with_context(|| format!("{} is not a ring job", file.display()))?;
-                        (job, train_args.resolve(data.classes)?)
+                        serde_json::from_str(&text)
+                            .with_context(|| format!("{} is not a job file", file.display()))?
                     }
-                    None => ring_job(&train_args, &data, placement.world_size)?,
+                    None => plan_job(&train_args, &data, placement.world_size)?,
                 };
-                crate::train::init_threads(job.threads)?;
+                crate::train::init_threads(match &settings {
+                    Settings::Train(job) => job.threads,
+                    Settings::Ps(job) => job.threads,
+                    Settings::Selftest { .. } => 1,
+                })?;
                 master = Some((data, cfg));
-                Settings::Train(Box::new(job))
+                settings
             }
         }
     } else {
@@ -234,7 +241,16 @@ pub fn run(args: &NodeArgs) -> Result<()> {
         }
     };
     let settings = serde_json::to_string(&settings).context("encoding the job settings")?;
-    let (table, mut net) = join(&placement, &options, settings, ring_neighbours)?;
+    let (table, mut net) =
+        join(
+            &placement,
+            &options,
+            settings,
+            |rank, world, settings| match serde_json::from_str::<Settings>(settings) {
+                Ok(Settings::Ps(job)) => star_neighbours(rank, world, job.servers as u32),
+                _ => ring_neighbours(rank, world),
+            },
+        )?;
     let settings: Settings =
         serde_json::from_str(&table.settings).context("rank 0's job settings")?;
     let recv_timeout = seconds("recv-timeout", c.recv_timeout)?;
@@ -274,6 +290,7 @@ pub fn run(args: &NodeArgs) -> Result<()> {
                 run_worker(&job, &mut net).map(|_| ()).map_err(Into::into)
             }
         },
+        Settings::Ps(job) => crate::ps_node::run(&job, placement.rank, master, &args.job, &mut net),
     };
     match result {
         Ok(()) => {
@@ -330,4 +347,25 @@ pub fn pin_to_core(core: usize) -> Result<()> {
         ))
         .into())
     }
+}
+
+/// Rank 0 without a launcher-made job file: plans the job its `--config` asks for.
+pub(crate) fn plan_job(
+    train_args: &TrainArgs,
+    data: &ringtmp_data::Dataset,
+    nodes: u32,
+) -> Result<Settings> {
+    Ok(match train_args.strategy() {
+        crate::args::Strategy::Ps => Settings::Ps(Box::new(
+            crate::ps_setup::ps_job(train_args, data, nodes)?.0,
+        )),
+        crate::args::Strategy::Ring => {
+            Settings::Train(Box::new(ring_job(train_args, data, nodes)?.0))
+        }
+        crate::args::Strategy::Local => {
+            return Err(
+                UsageError("--strategy local runs in one process, not on nodes".into()).into(),
+            );
+        }
+    })
 }

@@ -80,8 +80,8 @@ pub fn validate(args: &TrainArgs) -> Result<()> {
 /// `ringtmp train`.
 pub fn run(args: &TrainArgs) -> Result<()> {
     let args = args.merged()?;
-    if args.strategy() == Strategy::Ring {
-        return launch_ring(args);
+    if args.strategy() != Strategy::Local {
+        return launch_nodes(args);
     }
     if args.nodes.unwrap_or(1) > 1 && args.strategy() == Strategy::Local {
         return Err(crate::UsageError(
@@ -270,20 +270,24 @@ pub fn print_summary(s: &Summary, out: &std::path::Path) {
     println!("summary: {}", out.join("summary.json").display());
 }
 
-/// `ringtmp train --strategy ring`: writes the options for rank 0 and starts the local nodes.
-fn launch_ring(mut args: TrainArgs) -> Result<()> {
+/// `ringtmp train --strategy ring|ps`: checks and plans the job, writes it and the options for
+/// rank 0, and starts the local nodes.
+fn launch_nodes(mut args: TrainArgs) -> Result<()> {
     let nodes = args.nodes.unwrap_or(4);
     if nodes < 2 {
-        return Err(crate::UsageError("--strategy ring needs --nodes of at least 2".into()).into());
+        return Err(
+            crate::UsageError("distributed strategies need --nodes of at least 2".into()).into(),
+        );
     }
-    let out = args.out.clone().unwrap_or_else(|| default_out("ring"));
+    let name = format!("{:?}", args.strategy()).to_lowercase();
+    let out = args.out.clone().unwrap_or_else(|| default_out(&name));
     args.out = Some(out.clone());
     args.nodes = Some(nodes);
     args.config = None;
     // Check everything and plan here, before any process starts: a bad option is a usage error
     // (exit 2) of this command, and the plan printed is the one the nodes run.
     let data = load_dataset(&args)?;
-    let (job, _) = crate::ring_setup::ring_job(&args, &data, nodes)?;
+    let job = crate::node::plan_job(&args, &data, nodes)?;
     drop(data);
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let config = out.join("train.toml");
@@ -292,10 +296,10 @@ fn launch_ring(mut args: TrainArgs) -> Result<()> {
         toml::to_string(&args).context("encoding the training options")?,
     )
     .with_context(|| format!("writing {}", config.display()))?;
-    let plan = out.join("ring-job.json");
+    let plan = out.join("job.json");
     std::fs::write(
         &plan,
-        serde_json::to_string_pretty(&job).context("encoding the ring job")?,
+        serde_json::to_string_pretty(&job).context("encoding the job")?,
     )
     .with_context(|| format!("writing {}", plan.display()))?;
     let (config, plan) = (config.display().to_string(), plan.display().to_string());
@@ -307,7 +311,7 @@ fn launch_ring(mut args: TrainArgs) -> Result<()> {
             config.clone(),
         ];
         if rank == 0 {
-            node_args.extend(["--ring-job".into(), plan.clone()]);
+            node_args.extend(["--job-file".into(), plan.clone()]);
         }
         if args.crash_rank == Some(rank) {
             let after = args.crash_after_ms.unwrap_or(1000).to_string();

@@ -22,13 +22,13 @@ pub struct JoinOptions {
 }
 
 /// Joins the run: rendezvous (rank 0 serves `settings`; the others receive rank 0's), then links
-/// to `neighbours(rank, world_size)`. Returns the table (with the settings every node must use)
+/// to `neighbours(rank, world_size, settings)` — the topology may depend on the job. Returns the table (with the settings every node must use)
 /// and the network.
 pub fn join(
     placement: &Placement,
     options: &JoinOptions,
     settings: String,
-    neighbours: impl Fn(u32, u32) -> BTreeSet<u32>,
+    neighbours: impl Fn(u32, u32, &str) -> BTreeSet<u32>,
 ) -> Result<(Table, Network), TransportError> {
     let listener = bind_listener(&format!("{}:0", options.listen_host))?;
     let own = listener.local_addr().map_err(|e| TransportError::Io {
@@ -68,7 +68,7 @@ pub fn join(
         cfg,
         listener,
         &addresses,
-        &neighbours(placement.rank, placement.world_size),
+        &neighbours(placement.rank, placement.world_size, &table.settings),
     )?;
     Ok((table, network))
 }
@@ -84,6 +84,18 @@ pub fn ring_neighbours(rank: u32, world_size: u32) -> BTreeSet<u32> {
     ])
 }
 
+/// Parameter-server topology: every worker links to every server, and the servers link to server
+/// 0 (which collects the run's report). Servers are ranks `0..servers`.
+pub fn star_neighbours(rank: u32, world_size: u32, servers: u32) -> BTreeSet<u32> {
+    if rank == 0 {
+        (1..world_size).collect()
+    } else if rank < servers {
+        (servers..world_size).chain([0]).collect()
+    } else {
+        (0..servers).collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -94,5 +106,12 @@ mod tests {
         assert_eq!(ring_neighbours(3, 4), BTreeSet::from([0, 2]));
         assert_eq!(ring_neighbours(1, 2), BTreeSet::from([0]));
         assert!(ring_neighbours(0, 1).is_empty());
+    }
+
+    #[test]
+    fn star_links_workers_to_servers_and_servers_to_server_zero() {
+        assert_eq!(star_neighbours(0, 5, 2), BTreeSet::from([1, 2, 3, 4]));
+        assert_eq!(star_neighbours(1, 5, 2), BTreeSet::from([0, 2, 3, 4]));
+        assert_eq!(star_neighbours(3, 5, 2), BTreeSet::from([0, 1]));
     }
 }

@@ -45,9 +45,33 @@ pub struct NodeSummary {
     /// Layers `[start, end)` this node holds (pipeline strategies).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layers: Option<(usize, usize)>,
+    /// Data-parallel workers: iterations completed.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub iterations: u64,
+    /// Data-parallel workers: seconds waiting for parameters (gates and links).
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
+    pub wait_seconds: f64,
+    /// Parameter servers: how many iteration starts saw each staleness (index = iterations the
+    /// worker was ahead of the slowest).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub staleness_histogram: Vec<u64>,
+    /// Parameter servers: workers dropped after dying.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dropped_workers: Vec<u32>,
+    /// Test accuracy of this node's final replica, when it evaluated one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub test_accuracy: Option<f64>,
     /// Per-link traffic: `(peer rank, bytes sent, bytes received)`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub links: Vec<(u32, u64, u64)>,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
+fn is_zero_f64(v: &f64) -> bool {
+    *v == 0.0
 }
 
 /// Everything a run reports; the contract of DESIGN.md §6.

@@ -106,6 +106,8 @@ pub struct ServerOutcome {
     pub staleness: Vec<u64>,
     /// Workers dropped after dying.
     pub dropped: Vec<u32>,
+    /// End-of-run reports (JSON) that workers sent while this server was still serving others.
+    pub reports: Vec<String>,
 }
 
 fn tensor(tag: TensorTag, step: u64, values: &[f32]) -> Message {
@@ -148,6 +150,7 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
     let mut parked_pulls = 0u64;
     let mut finished: BTreeSet<usize> = BTreeSet::new();
     let mut dropped: Vec<u32> = Vec::new();
+    let mut reports: Vec<String> = Vec::new();
     let mut sum = vec![0.0f32; params.len()];
     let mut pushed: BTreeSet<usize> = BTreeSet::new();
     let mut values = Vec::new();
@@ -223,14 +226,19 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
                 gate.push(w, started.elapsed().as_secs_f64());
                 retry_parked(&mut parked, &mut gate, &params, started, job.servers, net)?;
             }
+            Message::Control(Control::Report { nodes }) => reports.extend(nodes),
             Message::Control(Control::Finished { .. }) => {
                 finished.insert(w);
                 gate.drop_worker(w);
                 retry_parked(&mut parked, &mut gate, &params, started, job.servers, net)?;
             }
-            _ => {
+            other => {
+                let what = match other {
+                    Message::Control(c) => format!("{c:?}"),
+                    Message::Tensor(h, _) => format!("{:?} tensor for step {}", h.tag, h.step),
+                };
                 return Err(Error::Config(format!(
-                    "server {s}: unexpected message from rank {from}"
+                    "server {s}: unexpected {what} from rank {from}"
                 )));
             }
         }
@@ -240,6 +248,7 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
         parked_pulls,
         staleness: gate.staleness_histogram().to_vec(),
         dropped,
+        reports,
     })
 }
 

@@ -1351,5 +1351,6 @@ fn node_summary(
             .iter()
             .map(|l| (l.peer, l.bytes_sent, l.bytes_received))
             .collect(),
+        ..Default::default()
     }
 }

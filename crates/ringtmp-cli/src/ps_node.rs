@@ -1,0 +1,174 @@
+//! A node of a parameter-server run: servers run their shard and gate, workers train on their
+//! share of every global batch, and server 0 collects every node's report into `summary.json`.
+
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use ringtmp_data::Dataset;
+use ringtmp_metrics::{NodeSummary, Summary, resources};
+use ringtmp_strategy::TrainConfig;
+use ringtmp_strategy::param_server::driver::{PsJob, run_server, run_worker};
+use ringtmp_transport::Network;
+use ringtmp_wire::{Control, Message};
+
+use crate::args::TrainArgs;
+use crate::node::JobArgs;
+
+/// Runs this node's part of a parameter-server job. `master` is rank 0's data and configuration.
+pub fn run(
+    job: &PsJob,
+    rank: u32,
+    master: Option<(Dataset, TrainConfig)>,
+    job_args: &JobArgs,
+    net: &mut Network,
+) -> Result<()> {
+    let started = Instant::now();
+    if (rank as usize) < job.servers {
+        let outcome = run_server(job, rank as usize, net)?;
+        let mut own = base_summary(rank, "server", outcome.params.len() as u64, net);
+        own.staleness_histogram = outcome.staleness;
+        own.dropped_workers = outcome.dropped.clone();
+        own.optimizer_bytes = own.param_bytes * optimizer_copies(job);
+        if rank != 0 {
+            return report(net, &own);
+        }
+        // Server 0: every other server's and every remaining worker's report.
+        let expected = job.servers - 1 + job.workers - outcome.dropped.len();
+        let mut per_node = vec![own];
+        for doc in &outcome.reports {
+            per_node.push(serde_json::from_str(doc).context("a node's report")?);
+        }
+        while per_node.len() < expected + 1 {
+            match net.recv(std::time::Duration::from_secs_f64(job.recv_timeout_secs))? {
+                (_, Message::Control(Control::Report { nodes })) => {
+                    for doc in nodes {
+                        per_node.push(serde_json::from_str(&doc).context("a node's report")?);
+                    }
+                }
+                (from, _) => anyhow::bail!(
+                    "server 0: unexpected message from rank {from} while collecting reports"
+                ),
+            }
+        }
+        per_node.sort_by_key(|n| n.rank);
+        let Some((_, cfg)) = master else {
+            anyhow::bail!("rank 0 has no configuration")
+        };
+        let summary = summarize(job, &cfg, per_node, started.elapsed().as_secs_f64());
+        let path = cfg.out.join("summary.json");
+        std::fs::create_dir_all(&cfg.out)?;
+        summary
+            .write(&path)
+            .with_context(|| format!("writing {}", path.display()))?;
+        crate::train::print_summary(&summary, &cfg.out);
+        return Ok(());
+    }
+    // A worker: its data comes from the same options file rank 0 read.
+    let path = job_args
+        .config
+        .clone()
+        .context("a parameter-server worker needs --config FILE to read its data")?;
+    let train_args = TrainArgs {
+        config: Some(path),
+        ..Default::default()
+    }
+    .merged()?;
+    let data = crate::train::load_dataset(&train_args)?;
+    crate::train::init_threads(job.threads)?;
+    let w = rank as usize - job.servers;
+    let (outcome, mut stage) = run_worker(job, w, &data, 1.0, w == 0, net)?;
+    let mut own = base_summary(rank, "worker", stage.params().len() as u64, net);
+    own.iterations = outcome.iterations;
+    own.wait_seconds = outcome.wait_seconds;
+    own.compute_seconds = outcome.compute_seconds;
+    own.idle_seconds = outcome.wait_seconds;
+    if w == 0 {
+        let (accuracy, _) =
+            ringtmp_strategy::local::evaluate(&mut stage, &data.test, data.classes)?;
+        own.test_accuracy = Some(accuracy);
+    }
+    report(net, &own)
+}
+
+fn optimizer_copies(job: &PsJob) -> u64 {
+    match job.optimizer {
+        ringtmp_model::OptimizerConfig::Sgd { .. } => 1,
+        ringtmp_model::OptimizerConfig::Adam { .. } => 2,
+    }
+}
+
+fn base_summary(rank: u32, role: &str, params: u64, net: &Network) -> NodeSummary {
+    let links = net.stats();
+    NodeSummary {
+        rank,
+        role: role.into(),
+        params,
+        param_bytes: params * 4,
+        peak_rss_bytes: resources::peak_rss_bytes().unwrap_or(0),
+        bytes_sent: links.iter().map(|l| l.bytes_sent).sum(),
+        bytes_received: links.iter().map(|l| l.bytes_received).sum(),
+        messages_sent: links.iter().map(|l| l.messages_sent).sum(),
+        cpu_seconds: resources::cpu_seconds(),
+        links: links
+            .iter()
+            .map(|l| (l.peer, l.bytes_sent, l.bytes_received))
+            .collect(),
+        ..Default::default()
+    }
+}
+
+fn report(net: &mut Network, own: &NodeSummary) -> Result<()> {
+    let doc = serde_json::to_string(own)?;
+    net.send(0, Message::Control(Control::Report { nodes: vec![doc] }))?;
+    Ok(())
+}
+
+fn summarize(job: &PsJob, cfg: &TrainConfig, per_node: Vec<NodeSummary>, wall: f64) -> Summary {
+    let samples: u64 = per_node
+        .iter()
+        .filter(|n| n.role == "worker")
+        .map(|n| n.iterations * job.worker_batch as u64)
+        .sum();
+    let total_bytes_sent: u64 = per_node.iter().map(|n| n.bytes_sent).sum();
+    let accuracy = per_node.iter().find_map(|n| n.test_accuracy).unwrap_or(0.0);
+    let model_params = per_node
+        .iter()
+        .filter(|n| n.role == "server")
+        .map(|n| n.params)
+        .sum();
+    Summary {
+        strategy: "ps".into(),
+        schedule: None,
+        consistency: Some(job.consistency.name()),
+        nodes: (job.servers + job.workers) as u32,
+        model: job.model.name.clone(),
+        model_params,
+        dataset: cfg.dataset.clone(),
+        epochs: cfg.epochs,
+        batch_size: job.worker_batch as u32,
+        micro_batches: 1,
+        seed: job.seed,
+        optimizer: match job.optimizer {
+            ringtmp_model::OptimizerConfig::Sgd { .. } => "sgd".into(),
+            ringtmp_model::OptimizerConfig::Adam { .. } => "adam".into(),
+        },
+        lr: job.lr,
+        threads: job.threads as u32,
+        steps: job.total_steps,
+        samples,
+        final_train_loss: f64::NAN,
+        final_test_accuracy: accuracy,
+        best_test_accuracy: accuracy,
+        target_accuracy: cfg.target_accuracy,
+        time_to_target_seconds: None,
+        steps_to_target: None,
+        wall_seconds: wall,
+        train_seconds: wall,
+        samples_per_second: samples as f64 / wall.max(1e-9),
+        total_bytes_sent,
+        bytes_per_sample: total_bytes_sent as f64 / samples.max(1) as f64,
+        theoretical_bubble_fraction: None,
+        partition: Vec::new(),
+        per_node,
+    }
+}

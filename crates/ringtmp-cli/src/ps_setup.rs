@@ -1,0 +1,69 @@
+//! Turning `ringtmp train --strategy ps` options into the [`PsJob`] every node runs.
+
+use anyhow::Result;
+use ringtmp_data::Dataset;
+use ringtmp_strategy::TrainConfig;
+use ringtmp_strategy::param_server::consistency::Consistency;
+use ringtmp_strategy::param_server::driver::PsJob;
+
+use crate::UsageError;
+use crate::args::TrainArgs;
+
+/// Builds the job for `nodes` nodes (`--servers` of them servers).
+pub fn ps_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(PsJob, TrainConfig)> {
+    let mut cfg = args.resolve(data.classes)?;
+    let servers = args.servers.unwrap_or(1);
+    if servers == 0 || servers as u32 >= nodes {
+        return Err(UsageError(format!(
+            "--servers must be between 1 and {} (--nodes {nodes} includes the workers)",
+            nodes.saturating_sub(1)
+        ))
+        .into());
+    }
+    let workers = nodes as usize - servers;
+    let consistency = Consistency::parse(args.consistency.as_deref().unwrap_or("bsp"))
+        .map_err(|e| UsageError(format!("--consistency: {e}")))?;
+    if args.threads.is_none() {
+        let cores = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
+        cfg.threads = (cores / workers).max(1);
+    }
+    let global = cfg.batch_size * workers;
+    if global > data.train.len() {
+        return Err(UsageError(format!(
+            "{workers} workers × batch {} exceed the {} training examples",
+            cfg.batch_size,
+            data.train.len()
+        ))
+        .into());
+    }
+    let steps_per_epoch = (data.train.len() / global) as u64;
+    let schedule_steps = steps_per_epoch * u64::from(cfg.epochs);
+    eprintln!(
+        "parameter server: {servers} server(s), {workers} worker(s) of batch {} (global batch {global}), {}",
+        cfg.batch_size,
+        consistency.name()
+    );
+    let job = PsJob {
+        model: cfg.model.clone(),
+        input: data.input,
+        classes: data.classes,
+        servers,
+        workers,
+        worker_batch: cfg.batch_size,
+        lr: cfg.lr,
+        lr_schedule: cfg.schedule.clone(),
+        warmup_steps: cfg.warmup_steps,
+        optimizer: cfg.optimizer.clone(),
+        threads: cfg.threads,
+        seed: cfg.seed,
+        consistency,
+        total_steps: cfg.max_steps.unwrap_or(u64::MAX).min(schedule_steps),
+        schedule_steps,
+        steps_per_epoch,
+        recv_timeout_secs: 300.0,
+        drop_dead_workers: args.drop_dead_workers.unwrap_or(false),
+    };
+    Ok((job, cfg))
+}
