@@ -325,3 +325,56 @@ fn ring_node_crash_stops_the_run_and_keeps_the_last_checkpoint() {
         assert_eq!(ringtmp_model::checkpoint::sha256_hex(&bytes), f.sha256);
     }
 }
+
+#[test]
+fn parameter_server_on_local_nodes_writes_the_output_contract() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("ps").display().to_string();
+    let child = ringtmp()
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+        .args([
+            "train",
+            "--strategy",
+            "ps",
+            "--nodes",
+            "4",
+            "--servers",
+            "2",
+            "--consistency",
+            "ssp:2",
+        ])
+        .args([
+            "--dataset",
+            "digits",
+            "--model-file",
+            "examples/models/lenet-dropout.toml",
+            "--epochs",
+            "4",
+        ])
+        .args(["--batch-size", "16", "--lr", "0.05", "--out", &out])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (output, _) = finish(child, Duration::from_secs(120));
+    assert!(output.status.success(), "{}", stderr(&output));
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.path().join("ps/summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(summary["strategy"], "ps");
+    assert_eq!(summary["consistency"], "ssp:2");
+    let nodes = summary["per_node"].as_array().unwrap();
+    assert_eq!(nodes.len(), 4);
+    assert_eq!(nodes.iter().filter(|n| n["role"] == "server").count(), 2);
+    // Each server holds a shard; together they hold the model once.
+    let shard_params: u64 = nodes
+        .iter()
+        .filter(|n| n["role"] == "server")
+        .map(|n| n["params"].as_u64().unwrap())
+        .sum();
+    assert_eq!(shard_params, summary["model_params"].as_u64().unwrap());
+    assert!(
+        summary["final_test_accuracy"].as_f64().unwrap() > 0.7,
+        "{summary}"
+    );
+}
