@@ -76,7 +76,25 @@ pub fn run(
     let data = crate::train::load_dataset(&train_args)?;
     crate::train::init_threads(job.threads)?;
     let w = rank as usize - job.servers;
-    let (outcome, mut stage) = run_worker(job, w, &data, 1.0, w == 0, net)?;
+    let speed = job.node_speeds.get(rank as usize).copied().unwrap_or(1.0);
+    // Worker 0 evaluates its replica after the pulls of every `eval_every`-th iteration (and at
+    // each epoch end), on a clock that excludes the evaluations themselves.
+    let eval_every = train_args.eval_every.unwrap_or(200);
+    let (mut evaluations, mut eval_seconds) = (Vec::new(), 0.0f64);
+    let clock = Instant::now();
+    let mut evaluate = |t: u64, stage: &mut ringtmp_model::Stage| -> ringtmp_strategy::Result<()> {
+        let due =
+            t > 0 && (t % job.steps_per_epoch == 0 || (eval_every > 0 && t % eval_every == 0));
+        if w == 0 && due {
+            let started = Instant::now();
+            let (accuracy, _) = ringtmp_strategy::local::evaluate(stage, &data.test, data.classes)?;
+            eval_seconds += started.elapsed().as_secs_f64();
+            evaluations.push((t, accuracy, clock.elapsed().as_secs_f64() - eval_seconds));
+            eprintln!("eval iteration {t}: test accuracy {:.2}%", accuracy * 100.0);
+        }
+        Ok(())
+    };
+    let (outcome, mut stage) = run_worker(job, w, &data, speed, w == 0, net, &mut evaluate)?;
     let mut own = base_summary(rank, "worker", stage.params().len() as u64, net);
     own.iterations = outcome.iterations;
     own.wait_seconds = outcome.wait_seconds;
@@ -131,6 +149,18 @@ fn summarize(job: &PsJob, cfg: &TrainConfig, per_node: Vec<NodeSummary>, wall: f
         .sum();
     let total_bytes_sent: u64 = per_node.iter().map(|n| n.bytes_sent).sum();
     let accuracy = per_node.iter().find_map(|n| n.test_accuracy).unwrap_or(0.0);
+    let evaluations: Vec<(u64, f64, f64)> = per_node
+        .iter()
+        .flat_map(|n| n.evaluations.clone())
+        .collect();
+    let reached = evaluations
+        .iter()
+        .find(|(_, a, _)| *a >= cfg.target_accuracy)
+        .copied();
+    let best = evaluations
+        .iter()
+        .map(|(_, a, _)| *a)
+        .fold(accuracy, f64::max);
     let model_params = per_node
         .iter()
         .filter(|n| n.role == "server")
@@ -158,10 +188,10 @@ fn summarize(job: &PsJob, cfg: &TrainConfig, per_node: Vec<NodeSummary>, wall: f
         samples,
         final_train_loss: f64::NAN,
         final_test_accuracy: accuracy,
-        best_test_accuracy: accuracy,
+        best_test_accuracy: best,
         target_accuracy: cfg.target_accuracy,
-        time_to_target_seconds: None,
-        steps_to_target: None,
+        time_to_target_seconds: reached.map(|(_, _, t)| t),
+        steps_to_target: reached.map(|(s, _, _)| s),
         wall_seconds: wall,
         train_seconds: wall,
         samples_per_second: samples as f64 / wall.max(1e-9),

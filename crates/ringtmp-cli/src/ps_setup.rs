@@ -64,6 +64,10 @@ pub fn ps_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(PsJob, Tr
         steps_per_epoch,
         recv_timeout_secs: 300.0,
         drop_dead_workers: args.drop_dead_workers.unwrap_or(false),
+        node_speeds: crate::ring_setup::node_speeds(
+            args.node_speed.as_deref().unwrap_or_default(),
+            nodes,
+        )?,
     };
     Ok((job, cfg))
 }

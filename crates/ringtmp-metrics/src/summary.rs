@@ -58,6 +58,9 @@ pub struct NodeSummary {
     /// Parameter servers: workers dropped after dying.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dropped_workers: Vec<u32>,
+    /// Evaluations this node made: `(iteration, test accuracy, training seconds)`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub evaluations: Vec<(u64, f64, f64)>,
     /// Test accuracy of this node's final replica, when it evaluated one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub test_accuracy: Option<f64>,

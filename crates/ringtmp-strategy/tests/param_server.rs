@@ -68,6 +68,7 @@ fn job(consistency: Consistency, steps: u64) -> PsJob {
         steps_per_epoch: per_epoch,
         recv_timeout_secs: 30.0,
         drop_dead_workers: false,
+        node_speeds: Vec::new(),
     }
 }
 
@@ -145,9 +146,16 @@ fn run(job: &PsJob, data: &Dataset, speeds: &[f64]) -> (Vec<f32>, Vec<f64>, Vec<
                     let out = run_server(&job, r as usize, &mut net).unwrap();
                     (Some(out), None)
                 } else {
-                    let (_, stage) =
-                        run_worker(&job, (r - servers) as usize, &data, speed, true, &mut net)
-                            .unwrap();
+                    let (_, stage) = run_worker(
+                        &job,
+                        (r - servers) as usize,
+                        &data,
+                        speed,
+                        true,
+                        &mut net,
+                        &mut |_, _| Ok(()),
+                    )
+                    .unwrap();
                     let mut stage = stage;
                     let (acc, _) =
                         ringtmp_strategy::local::evaluate(&mut stage, &data.test, 10).unwrap();

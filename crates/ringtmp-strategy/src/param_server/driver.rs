@@ -57,6 +57,9 @@ pub struct PsJob {
     pub consistency: Consistency,
     /// Iterations per worker.
     pub total_steps: u64,
+    /// Emulated relative speed per rank (1 = full speed; workers only).
+    #[serde(default)]
+    pub node_speeds: Vec<f64>,
     /// Steps the learning-rate schedule spans.
     pub schedule_steps: u64,
     /// Global mini-batches per epoch.
@@ -163,6 +166,10 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
                 let Some(rank) = failed_peer(&e).filter(|r| *r as usize >= job.servers) else {
                     return Err(e.into());
                 };
+                // A worker that already finished may leave whenever it likes.
+                if finished.contains(&worker(rank)) || dropped.contains(&rank) {
+                    continue;
+                }
                 if job.consistency == Consistency::Bsp && !job.drop_dead_workers {
                     return Err(e.into());
                 }
@@ -291,7 +298,8 @@ pub struct WorkerOutcome {
 
 /// Runs worker `w` (rank `servers + w`) for the job's iterations on its share of every global
 /// batch; `speed` < 1 emulates a slower node. With `final_pull`, the worker pulls once more after
-/// its last iteration, so the returned replica holds the servers' final parameters.
+/// its last iteration, so the returned replica holds the servers' final parameters. `on_pulled`
+/// sees the replica after every pull (iteration, parameters), e.g. to evaluate it.
 pub fn run_worker(
     job: &PsJob,
     w: usize,
@@ -299,6 +307,7 @@ pub fn run_worker(
     speed: f64,
     final_pull: bool,
     net: &mut Network,
+    on_pulled: &mut dyn FnMut(u64, &mut Stage) -> Result<()>,
 ) -> Result<(WorkerOutcome, Stage)> {
     let layers = job.layers()?;
     let mut stage = Stage::new(&layers, 0..layers.len(), job.seed, job.threads);
@@ -340,6 +349,7 @@ pub fn run_worker(
         };
     for t in 0..job.total_steps {
         pull(t, &mut stage, &mut out, net)?;
+        on_pulled(t, &mut stage)?;
         let computed = Instant::now();
         let epoch = t / job.steps_per_epoch;
         let batch = plan
