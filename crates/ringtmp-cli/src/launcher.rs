@@ -20,6 +20,17 @@ struct Outcome {
 /// Runs `nodes` local node processes; `args(rank)` is each one's command line after the binary.
 /// With `pin`, node r is pinned to core r when there are at least `nodes` cores.
 pub fn launch(nodes: u32, pin: bool, args: impl Fn(u32) -> Vec<String>) -> Result<()> {
+    launch_tolerating(nodes, pin, args, |_| false)
+}
+
+/// [`launch`], except that nodes for which `expendable(rank)` holds may fail without failing the
+/// run (a parameter server that drops dead workers keeps going without them).
+pub fn launch_tolerating(
+    nodes: u32,
+    pin: bool,
+    args: impl Fn(u32) -> Vec<String>,
+    expendable: impl Fn(u32) -> bool,
+) -> Result<()> {
     let exe = std::env::current_exe().context("locating the ringtmp binary")?;
     let cores = thread::available_parallelism()
         .map(|n| n.get())
@@ -81,7 +92,11 @@ pub fn launch(nodes: u32, pin: bool, args: impl Fn(u32) -> Vec<String>) -> Resul
             match child.try_wait() {
                 Ok(Some(status)) => {
                     usage_errors[rank as usize] = status.code() == Some(2);
-                    if !status.success() && failed.is_none() {
+                    if !status.success() && expendable(rank) {
+                        eprintln!(
+                            "launcher: node {rank} failed ({status}); the run continues without it"
+                        );
+                    } else if !status.success() && failed.is_none() {
                         failed = Some(Outcome { rank, status });
                     }
                 }

@@ -303,22 +303,39 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
     )
     .with_context(|| format!("writing {}", plan.display()))?;
     let (config, plan) = (config.display().to_string(), plan.display().to_string());
-    crate::launcher::launch(nodes, args.pin.unwrap_or(false), |rank| {
-        let mut node_args = vec![
-            "--job".into(),
-            "train".into(),
-            "--config".into(),
-            config.clone(),
-        ];
-        if rank == 0 {
-            node_args.extend(["--job-file".into(), plan.clone()]);
+    // A parameter server that may drop dead workers keeps running without them.
+    let expendable_workers = match &job {
+        crate::node::Settings::Ps(ps)
+            if ps.drop_dead_workers
+                || ps.consistency
+                    != ringtmp_strategy::param_server::consistency::Consistency::Bsp =>
+        {
+            Some(ps.servers as u32)
         }
-        if args.crash_rank == Some(rank) {
-            let after = args.crash_after_ms.unwrap_or(1000).to_string();
-            node_args.extend(["--crash-after-ms".into(), after]);
-        }
-        node_args
-    })
+        _ => None,
+    };
+    let expendable = |rank: u32| expendable_workers.is_some_and(|servers| rank >= servers);
+    crate::launcher::launch_tolerating(
+        nodes,
+        args.pin.unwrap_or(false),
+        |rank| {
+            let mut node_args = vec![
+                "--job".into(),
+                "train".into(),
+                "--config".into(),
+                config.clone(),
+            ];
+            if rank == 0 {
+                node_args.extend(["--job-file".into(), plan.clone()]);
+            }
+            if args.crash_rank == Some(rank) {
+                let after = args.crash_after_ms.unwrap_or(1000).to_string();
+                node_args.extend(["--crash-after-ms".into(), after]);
+            }
+            node_args
+        },
+        expendable,
+    )
 }
 
 /// `runs/<time>-<strategy>`.

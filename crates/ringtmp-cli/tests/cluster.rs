@@ -378,3 +378,85 @@ fn parameter_server_on_local_nodes_writes_the_output_contract() {
         "{summary}"
     );
 }
+
+/// `ringtmp train` from the repository root with piped output.
+fn spawn_train(args: &[&str]) -> Child {
+    ringtmp()
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+        .arg("train")
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+#[test]
+fn parameter_server_drops_a_dead_worker_under_ssp_and_stops_under_bsp() {
+    let tmp = tempfile::tempdir().unwrap();
+    let common = [
+        "--strategy",
+        "ps",
+        "--nodes",
+        "4",
+        "--servers",
+        "1",
+        "--dataset",
+        "digits",
+        "--model-file",
+        "examples/models/lenet-dropout.toml",
+        "--batch-size",
+        "16",
+        "--eval-every",
+        "0",
+    ];
+    let out = tmp.path().join("ssp").display().to_string();
+    let mut args = common.to_vec();
+    args.extend([
+        "--consistency",
+        "ssp:2",
+        "--epochs",
+        "100",
+        "--crash-rank",
+        "3",
+        "--crash-after-ms",
+        "1000",
+        "--out",
+        &out,
+    ]);
+    let (output, _) = finish(spawn_train(&args), Duration::from_secs(120));
+    let err = stderr(&output);
+    assert!(output.status.success(), "{err}");
+    assert!(
+        err.contains("dropping worker rank 3"),
+        "the drop is logged: {err}"
+    );
+    let summary: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(tmp.path().join("ssp/summary.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        summary["per_node"][0]["dropped_workers"],
+        serde_json::json!([3]),
+        "{summary}"
+    );
+
+    let out = tmp.path().join("bsp").display().to_string();
+    let mut args = common.to_vec();
+    args.extend([
+        "--consistency",
+        "bsp",
+        "--epochs",
+        "100",
+        "--crash-rank",
+        "3",
+        "--crash-after-ms",
+        "1000",
+        "--out",
+        &out,
+    ]);
+    let (output, _) = finish(spawn_train(&args), Duration::from_secs(120));
+    let err = stderr(&output);
+    assert_eq!(output.status.code(), Some(1), "{err}");
+    assert!(err.contains("rank 3"), "names the dead worker: {err}");
+}
