@@ -94,7 +94,7 @@ pub fn run(
         }
         Ok(())
     };
-    let (outcome, mut stage) = run_worker(job, w, &data, speed, w == 0, net, &mut evaluate)?;
+    let (outcome, mut stage) = run_worker(job, w, &data, speed, net, &mut evaluate)?;
     let mut own = base_summary(rank, "worker", stage.params().len() as u64, net);
     own.iterations = outcome.iterations;
     own.wait_seconds = outcome.wait_seconds;

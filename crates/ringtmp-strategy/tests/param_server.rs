@@ -151,7 +151,6 @@ fn run(job: &PsJob, data: &Dataset, speeds: &[f64]) -> (Vec<f32>, Vec<f64>, Vec<
                         (r - servers) as usize,
                         &data,
                         speed,
-                        true,
                         &mut net,
                         &mut |_, _| Ok(()),
                     )

@@ -147,6 +147,7 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
         Stage::new(&layers, 0..layers.len(), job.seed, 1).params()[range.clone()].to_vec();
     let mut optimizer = Optimizer::new(job.optimizer.clone(), params.len());
     let mut gate = Gate::new(job.consistency, job.workers);
+    let mut units = Units::new(job, s);
     let started = Instant::now();
     let worker = |rank: u32| rank as usize - job.servers;
     let mut parked: VecDeque<(usize, u64)> = VecDeque::new();
@@ -177,7 +178,15 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
                 gate.drop_worker(worker(rank));
                 dropped.push(rank);
                 pushed.remove(&worker(rank));
-                retry_parked(&mut parked, &mut gate, &params, started, job.servers, net)?;
+                retry_parked(
+                    &mut parked,
+                    &mut gate,
+                    &mut units,
+                    &params,
+                    started,
+                    job.servers,
+                    net,
+                )?;
                 continue;
             }
         };
@@ -196,7 +205,7 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
                     )));
                 }
                 if gate.may_start(w, started.elapsed().as_secs_f64()) == Decision::Proceed {
-                    net.send(from, tensor(TensorTag::Params, clock, &params))?;
+                    answer(w, clock, &mut units, &params, job.servers, net)?;
                 } else {
                     parked_pulls += 1;
                     parked.push_back((w, clock));
@@ -231,13 +240,29 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
                     optimizer.step(&mut params, &values, lr, 1);
                 }
                 gate.push(w, started.elapsed().as_secs_f64());
-                retry_parked(&mut parked, &mut gate, &params, started, job.servers, net)?;
+                retry_parked(
+                    &mut parked,
+                    &mut gate,
+                    &mut units,
+                    &params,
+                    started,
+                    job.servers,
+                    net,
+                )?;
             }
             Message::Control(Control::Report { nodes }) => reports.extend(nodes),
             Message::Control(Control::Finished { .. }) => {
                 finished.insert(w);
                 gate.drop_worker(w);
-                retry_parked(&mut parked, &mut gate, &params, started, job.servers, net)?;
+                retry_parked(
+                    &mut parked,
+                    &mut gate,
+                    &mut units,
+                    &params,
+                    started,
+                    job.servers,
+                    net,
+                )?;
             }
             other => {
                 let what = match other {
@@ -259,10 +284,83 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
     })
 }
 
+/// `Params` answers carry, from server 0, the unit of work the worker does next: unit `u` is share
+/// `u mod W` of global batch `u div W`. This marks the end of the run instead.
+pub const NO_MORE_WORK: u64 = u64::MAX;
+
+/// Server 0's assignment of work. Under BSP it is fixed (worker `w`, iteration `t` → unit
+/// `t·W + w`), so the run is exactly large-batch SGD; under the other models units are handed out
+/// in order to whichever worker asks, so fast workers take over work a straggler would have done.
+#[derive(Clone, Debug)]
+struct Units {
+    assigning: bool,
+    fixed: bool,
+    workers: u64,
+    total: u64,
+    next: u64,
+}
+
+impl Units {
+    fn new(job: &PsJob, server: usize) -> Self {
+        let workers = job.workers as u64;
+        Self {
+            assigning: server == 0,
+            fixed: job.consistency == Consistency::Bsp,
+            workers,
+            total: job.total_steps * workers,
+            next: 0,
+        }
+    }
+
+    fn assign(&mut self, w: usize, clock: u64) -> u64 {
+        if !self.assigning {
+            return 0;
+        }
+        let unit = if self.fixed {
+            clock * self.workers + w as u64
+        } else {
+            self.next
+        };
+        if unit >= self.total {
+            return NO_MORE_WORK;
+        }
+        if !self.fixed {
+            self.next += 1;
+        }
+        unit
+    }
+}
+
+/// Sends worker `w` this server's shard (and from server 0, its next unit of work).
+fn answer(
+    w: usize,
+    clock: u64,
+    units: &mut Units,
+    params: &[f32],
+    servers: usize,
+    net: &mut Network,
+) -> Result<()> {
+    let unit = units.assign(w, clock);
+    let header = TensorHeader {
+        run_id: 0,
+        step: clock,
+        micro_batch: unit,
+        tag: TensorTag::Params,
+        dtype: Dtype::F32,
+        shape: vec![params.len() as u32],
+    };
+    net.send(
+        (servers + w) as u32,
+        Message::Tensor(header, tensor_bytes(params, Dtype::F32)),
+    )?;
+    Ok(())
+}
+
 /// Answers parked pulls the gate now allows, in arrival order.
 fn retry_parked(
     parked: &mut VecDeque<(usize, u64)>,
     gate: &mut Gate,
+    units: &mut Units,
     params: &[f32],
     started: Instant,
     servers: usize,
@@ -271,10 +369,7 @@ fn retry_parked(
     let mut still = VecDeque::new();
     while let Some((w, clock)) = parked.pop_front() {
         if gate.may_start(w, started.elapsed().as_secs_f64()) == Decision::Proceed {
-            net.send(
-                (servers + w) as u32,
-                tensor(TensorTag::Params, clock, params),
-            )?;
+            answer(w, clock, units, params, servers, net)?;
         } else {
             still.push_back((w, clock));
         }
@@ -297,15 +392,14 @@ pub struct WorkerOutcome {
 }
 
 /// Runs worker `w` (rank `servers + w`) for the job's iterations on its share of every global
-/// batch; `speed` < 1 emulates a slower node. With `final_pull`, the worker pulls once more after
-/// its last iteration, so the returned replica holds the servers' final parameters. `on_pulled`
-/// sees the replica after every pull (iteration, parameters), e.g. to evaluate it.
+/// batch (the units server 0 assigns); `speed` < 1 emulates a slower node. The returned replica
+/// holds the parameters of the last pull (under BSP, the final ones). `on_pulled` sees the replica
+/// after every pull that brought work (iteration, parameters), e.g. to evaluate it.
 pub fn run_worker(
     job: &PsJob,
     w: usize,
     data: &Dataset,
     speed: f64,
-    final_pull: bool,
     net: &mut Network,
     on_pulled: &mut dyn FnMut(u64, &mut Stage) -> Result<()>,
 ) -> Result<(WorkerOutcome, Stage)> {
@@ -318,8 +412,10 @@ pub fn run_worker(
     let mut plan = BatchPlan::new(data.train.len(), job.worker_batch * job.workers, job.seed)?;
     let (mut x, mut y, mut d, mut values) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let mut out = WorkerOutcome::default();
+    // Pulls every shard for iteration `t`; returns the unit of work server 0 assigned.
     let mut pull =
-        |t: u64, stage: &mut Stage, out: &mut WorkerOutcome, net: &mut Network| -> Result<()> {
+        |t: u64, stage: &mut Stage, out: &mut WorkerOutcome, net: &mut Network| -> Result<u64> {
+            let mut unit = NO_MORE_WORK;
             let waited = Instant::now();
             for s in 0..job.servers {
                 net.send(s as u32, Message::Control(Control::Pull { clock: t }))?;
@@ -327,6 +423,9 @@ pub fn run_worker(
             for (s, range) in ranges.iter().enumerate() {
                 match net.recv_from(s as u32, job.timeout())? {
                     Message::Tensor(h, bytes) if h.tag == TensorTag::Params && h.step == t => {
+                        if s == 0 {
+                            unit = h.micro_batch;
+                        }
                         tensor_values(&bytes, h.dtype, &mut values);
                         if values.len() != range.len() {
                             return Err(Error::Config(format!(
@@ -345,23 +444,30 @@ pub fn run_worker(
                 }
             }
             out.wait_seconds += waited.elapsed().as_secs_f64();
-            Ok(())
+            Ok(unit)
         };
-    for t in 0..job.total_steps {
-        pull(t, &mut stage, &mut out, net)?;
+    // Pull, work on the assigned unit, push — until server 0 says there is no more work (the last
+    // pull leaves the replica with the current parameters).
+    for t in 0.. {
+        let unit = pull(t, &mut stage, &mut out, net)?;
+        if unit == NO_MORE_WORK {
+            break;
+        }
         on_pulled(t, &mut stage)?;
         let computed = Instant::now();
-        let epoch = t / job.steps_per_epoch;
+        let workers = job.workers as u64;
+        let (global, share) = (unit / workers, (unit % workers) as usize);
+        let epoch = global / job.steps_per_epoch;
         let batch = plan
-            .batch(epoch, (t % job.steps_per_epoch) as usize)
+            .batch(epoch, (global % job.steps_per_epoch) as usize)
             .to_vec();
-        let mine = shard(&batch, w, job.workers)?;
+        let mine = shard(&batch, share, job.workers)?;
         data.train.gather(mine, &mut x, &mut y);
         let pass = Pass {
             train: true,
             seed: job.seed,
-            step: t,
-            row_offset: w * job.worker_batch,
+            step: global,
+            row_offset: share * job.worker_batch,
         };
         let logits = stage.forward(0, &x, y.len(), &pass)?;
         d.resize(logits.len(), 0.0);
@@ -381,9 +487,6 @@ pub fn run_worker(
         }
         out.iterations += 1;
         out.samples += y.len() as u64;
-    }
-    if final_pull {
-        pull(job.total_steps, &mut stage, &mut out, net)?;
     }
     for s in 0..job.servers {
         net.send(
