@@ -349,7 +349,7 @@ fn parameter_server_on_local_nodes_writes_the_output_contract() {
             "--model-file",
             "examples/models/lenet-dropout.toml",
             "--epochs",
-            "4",
+            "10",
         ])
         .args(["--batch-size", "16", "--lr", "0.05", "--out", &out])
         .stdout(Stdio::piped())

@@ -191,9 +191,16 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
             }
         };
         if (from as usize) < job.servers {
-            return Err(Error::Config(format!(
-                "server {s}: unexpected message from server rank {from}"
-            )));
+            // Only another server's end-of-run report can come from a server (to server 0).
+            match message {
+                Message::Control(Control::Report { nodes }) if s == 0 => reports.extend(nodes),
+                _ => {
+                    return Err(Error::Config(format!(
+                        "server {s}: unexpected message from server rank {from}"
+                    )));
+                }
+            }
+            continue;
         }
         let w = worker(from);
         match message {
