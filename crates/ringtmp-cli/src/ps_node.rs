@@ -51,6 +51,15 @@ pub fn run(
             }
         }
         per_node.sort_by_key(|n| n.rank);
+        // Each worker's staleness as server 0's gate observed it.
+        for node in per_node.iter_mut().filter(|n| n.role == "worker") {
+            if let Some(h) = outcome
+                .worker_staleness
+                .get(node.rank as usize - job.servers)
+            {
+                node.staleness_histogram = h.clone();
+            }
+        }
         let Some((_, cfg)) = master else {
             anyhow::bail!("rank 0 has no configuration")
         };

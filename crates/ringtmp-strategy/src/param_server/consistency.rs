@@ -89,6 +89,8 @@ pub enum Decision {
 #[derive(Clone, Debug, Default)]
 struct Worker {
     clock: u64,
+    /// This worker's observed staleness counts (index = iterations ahead of the slowest).
+    staleness: Vec<u64>,
     last_push: Option<f64>,
     prev_push: Option<f64>,
     credit: u32,
@@ -164,6 +166,11 @@ impl Gate {
         &self.staleness
     }
 
+    /// The same counts for worker `w` alone.
+    pub fn worker_staleness(&self, w: usize) -> &[u64] {
+        &self.workers[w].staleness
+    }
+
     /// May worker `w` start its next iteration now? On `Proceed` the start is recorded in the
     /// staleness histogram (and DSSP credit is spent).
     pub fn may_start(&mut self, w: usize, now: f64) -> Decision {
@@ -178,10 +185,12 @@ impl Gate {
         };
         if decision == Decision::Proceed {
             let slot = ahead as usize;
-            if self.staleness.len() <= slot {
-                self.staleness.resize(slot + 1, 0);
+            for histogram in [&mut self.staleness, &mut self.workers[w].staleness] {
+                if histogram.len() <= slot {
+                    histogram.resize(slot + 1, 0);
+                }
+                histogram[slot] += 1;
             }
-            self.staleness[slot] += 1;
         }
         decision
     }

@@ -109,6 +109,8 @@ pub struct ServerOutcome {
     pub staleness: Vec<u64>,
     /// Workers dropped after dying.
     pub dropped: Vec<u32>,
+    /// Per worker, its observed staleness histogram at this server.
+    pub worker_staleness: Vec<Vec<u64>>,
     /// End-of-run reports (JSON) that workers sent while this server was still serving others.
     pub reports: Vec<String>,
 }
@@ -286,6 +288,9 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
         params,
         parked_pulls,
         staleness: gate.staleness_histogram().to_vec(),
+        worker_staleness: (0..job.workers)
+            .map(|w| gate.worker_staleness(w).to_vec())
+            .collect(),
         dropped,
         reports,
     })
