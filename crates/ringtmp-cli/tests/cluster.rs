@@ -219,41 +219,30 @@ fn missing_secret_is_a_usage_error() {
 fn ring_training_on_three_local_nodes_writes_the_output_contract() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("ring").display().to_string();
-    let child = ringtmp()
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
-        .args([
-            "train",
-            "--strategy",
-            "ring",
-            "--nodes",
-            "3",
-            "--schedule",
-            "1f1b",
-            "--micro-batches",
-            "4",
-        ])
-        .args([
-            "--dataset",
-            "digits",
-            "--model-file",
-            "examples/models/lenet-dropout.toml",
-            "--epochs",
-            "2",
-        ])
-        .args([
-            "--batch-size",
-            "32",
-            "--lr",
-            "0.05",
-            "--target-accuracy",
-            "0.8",
-            "--out",
-            &out,
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = spawn_train(&[
+        "--strategy",
+        "ring",
+        "--nodes",
+        "3",
+        "--schedule",
+        "1f1b",
+        "--micro-batches",
+        "4",
+        "--dataset",
+        "digits",
+        "--model-file",
+        "examples/models/lenet-dropout.toml",
+        "--epochs",
+        "2",
+        "--batch-size",
+        "32",
+        "--lr",
+        "0.05",
+        "--target-accuracy",
+        "0.8",
+        "--out",
+        &out,
+    ]);
     let (output, _) = finish(child, Duration::from_secs(120));
     assert!(output.status.success(), "{}", stderr(&output));
     let summary: serde_json::Value = serde_json::from_str(
@@ -274,39 +263,28 @@ fn ring_training_on_three_local_nodes_writes_the_output_contract() {
 fn ring_node_crash_stops_the_run_and_keeps_the_last_checkpoint() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("ring").display().to_string();
-    let child = ringtmp()
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
-        .args([
-            "train",
-            "--strategy",
-            "ring",
-            "--nodes",
-            "3",
-            "--dataset",
-            "digits",
-        ])
-        .args([
-            "--model-file",
-            "examples/models/lenet-dropout.toml",
-            "--epochs",
-            "500",
-            "--eval-every",
-            "0",
-        ])
-        .args([
-            "--checkpoint-every",
-            "20",
-            "--crash-rank",
-            "2",
-            "--crash-after-ms",
-            "3000",
-            "--out",
-            &out,
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = spawn_train(&[
+        "--strategy",
+        "ring",
+        "--nodes",
+        "3",
+        "--dataset",
+        "digits",
+        "--model-file",
+        "examples/models/lenet-dropout.toml",
+        "--epochs",
+        "500",
+        "--eval-every",
+        "0",
+        "--checkpoint-every",
+        "20",
+        "--crash-rank",
+        "2",
+        "--crash-after-ms",
+        "3000",
+        "--out",
+        &out,
+    ]);
     let (output, took) = finish(child, Duration::from_secs(60));
     let err = stderr(&output);
     assert_eq!(output.status.code(), Some(1), "{err}");
@@ -330,32 +308,28 @@ fn ring_node_crash_stops_the_run_and_keeps_the_last_checkpoint() {
 fn parameter_server_on_local_nodes_writes_the_output_contract() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("ps").display().to_string();
-    let child = ringtmp()
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
-        .args([
-            "train",
-            "--strategy",
-            "ps",
-            "--nodes",
-            "4",
-            "--servers",
-            "2",
-            "--consistency",
-            "ssp:2",
-        ])
-        .args([
-            "--dataset",
-            "digits",
-            "--model-file",
-            "examples/models/lenet-dropout.toml",
-            "--epochs",
-            "10",
-        ])
-        .args(["--batch-size", "16", "--lr", "0.05", "--out", &out])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let child = spawn_train(&[
+        "--strategy",
+        "ps",
+        "--nodes",
+        "4",
+        "--servers",
+        "2",
+        "--consistency",
+        "ssp:2",
+        "--dataset",
+        "digits",
+        "--model-file",
+        "examples/models/lenet-dropout.toml",
+        "--epochs",
+        "10",
+        "--batch-size",
+        "16",
+        "--lr",
+        "0.05",
+        "--out",
+        &out,
+    ]);
     let (output, _) = finish(child, Duration::from_secs(120));
     assert!(output.status.success(), "{}", stderr(&output));
     let summary: serde_json::Value =
