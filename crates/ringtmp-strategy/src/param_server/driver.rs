@@ -149,16 +149,22 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
         Stage::new(&layers, 0..layers.len(), job.seed, 1).params()[range.clone()].to_vec();
     let mut optimizer = Optimizer::new(job.optimizer.clone(), params.len());
     let mut gate = Gate::new(job.consistency, job.workers);
-    let mut units = Units::new(job, s);
     let started = Instant::now();
     let worker = |rank: u32| rank as usize - job.servers;
-    let mut parked: VecDeque<(usize, u64)> = VecDeque::new();
-    let mut parked_pulls = 0u64;
+    let mut pulls = Pulls {
+        parked: VecDeque::new(),
+        units: Units::new(job, s),
+        parked_count: 0,
+    };
     let mut finished: BTreeSet<usize> = BTreeSet::new();
     let mut dropped: Vec<u32> = Vec::new();
     let mut reports: Vec<String> = Vec::new();
-    let mut sum = vec![0.0f32; params.len()];
-    let mut pushed: BTreeSet<usize> = BTreeSet::new();
+    let mut bsp = BspSum {
+        sum: vec![0.0; params.len()],
+        pushed: BTreeSet::new(),
+        contributions: 0,
+        lr: job.lr,
+    };
     let mut values = Vec::new();
     let scale = 1.0 / job.workers as f32;
     while finished.len() + dropped.len() < job.workers {
@@ -179,16 +185,10 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
                 tracing::warn!("server {s}: dropping worker rank {rank}: {e}");
                 gate.drop_worker(worker(rank));
                 dropped.push(rank);
-                pushed.remove(&worker(rank));
-                retry_parked(
-                    &mut parked,
-                    &mut gate,
-                    &mut units,
-                    &params,
-                    started,
-                    job.servers,
-                    net,
-                )?;
+                // Under BSP the iteration may now be complete without it.
+                bsp.forget(worker(rank));
+                bsp.apply_if_complete(job.workers - dropped.len(), &mut optimizer, &mut params);
+                pulls.retry(&mut gate, &params, started, job.servers, net)?;
                 continue;
             }
         };
@@ -214,10 +214,10 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
                     )));
                 }
                 if gate.may_start(w, started.elapsed().as_secs_f64()) == Decision::Proceed {
-                    answer(w, clock, &mut units, &params, job.servers, net)?;
+                    answer(w, clock, &mut pulls.units, &params, job.servers, net)?;
                 } else {
-                    parked_pulls += 1;
-                    parked.push_back((w, clock));
+                    pulls.parked_count += 1;
+                    pulls.parked.push_back((w, clock));
                 }
             }
             Message::Tensor(h, bytes) if h.tag == TensorTag::ParamGrads => {
@@ -232,46 +232,20 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
                 let lr = job.lr_at(h.step);
                 if job.consistency == Consistency::Bsp {
                     // Sum this iteration's gradients; apply their mean once all live workers pushed.
-                    for (a, g) in sum.iter_mut().zip(&values) {
-                        *a += g;
-                    }
-                    pushed.insert(w);
-                    let live = job.workers - dropped.len();
-                    if pushed.len() == live {
-                        let mean = 1.0 / live as f32;
-                        sum.iter_mut().for_each(|v| *v *= mean);
-                        optimizer.step(&mut params, &sum, lr, 1);
-                        sum.fill(0.0);
-                        pushed.clear();
-                    }
+                    bsp.add(w, &values, lr);
+                    bsp.apply_if_complete(job.workers - dropped.len(), &mut optimizer, &mut params);
                 } else {
                     values.iter_mut().for_each(|v| *v *= scale);
                     optimizer.step(&mut params, &values, lr, 1);
                 }
                 gate.push(w, started.elapsed().as_secs_f64());
-                retry_parked(
-                    &mut parked,
-                    &mut gate,
-                    &mut units,
-                    &params,
-                    started,
-                    job.servers,
-                    net,
-                )?;
+                pulls.retry(&mut gate, &params, started, job.servers, net)?;
             }
             Message::Control(Control::Report { nodes }) => reports.extend(nodes),
             Message::Control(Control::Finished { .. }) => {
                 finished.insert(w);
                 gate.drop_worker(w);
-                retry_parked(
-                    &mut parked,
-                    &mut gate,
-                    &mut units,
-                    &params,
-                    started,
-                    job.servers,
-                    net,
-                )?;
+                pulls.retry(&mut gate, &params, started, job.servers, net)?;
             }
             other => {
                 let what = match other {
@@ -286,7 +260,7 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
     }
     Ok(ServerOutcome {
         params,
-        parked_pulls,
+        parked_pulls: pulls.parked_count,
         staleness: gate.staleness_histogram().to_vec(),
         worker_staleness: (0..job.workers)
             .map(|w| gate.worker_staleness(w).to_vec())
@@ -368,26 +342,74 @@ fn answer(
     Ok(())
 }
 
-/// Answers parked pulls the gate now allows, in arrival order.
-fn retry_parked(
-    parked: &mut VecDeque<(usize, u64)>,
-    gate: &mut Gate,
-    units: &mut Units,
-    params: &[f32],
-    started: Instant,
-    servers: usize,
-    net: &mut Network,
-) -> Result<()> {
-    let mut still = VecDeque::new();
-    while let Some((w, clock)) = parked.pop_front() {
-        if gate.may_start(w, started.elapsed().as_secs_f64()) == Decision::Proceed {
-            answer(w, clock, units, params, servers, net)?;
-        } else {
-            still.push_back((w, clock));
+/// Pulls the gate has not let through yet, and server 0's work assignment.
+struct Pulls {
+    parked: VecDeque<(usize, u64)>,
+    units: Units,
+    parked_count: u64,
+}
+
+impl Pulls {
+    /// Answers parked pulls the gate now allows, in arrival order.
+    fn retry(
+        &mut self,
+        gate: &mut Gate,
+        params: &[f32],
+        started: Instant,
+        servers: usize,
+        net: &mut Network,
+    ) -> Result<()> {
+        for _ in 0..self.parked.len() {
+            let Some((w, clock)) = self.parked.pop_front() else {
+                break;
+            };
+            if gate.may_start(w, started.elapsed().as_secs_f64()) == Decision::Proceed {
+                answer(w, clock, &mut self.units, params, servers, net)?;
+            } else {
+                self.parked.push_back((w, clock));
+            }
         }
+        Ok(())
     }
-    *parked = still;
-    Ok(())
+}
+
+/// BSP: the sum of the current iteration's gradients and who has pushed them.
+struct BspSum {
+    sum: Vec<f32>,
+    pushed: BTreeSet<usize>,
+    /// Gradients in `sum` (a dead worker's already-pushed one included).
+    contributions: usize,
+    lr: f32,
+}
+
+impl BspSum {
+    fn add(&mut self, w: usize, grads: &[f32], lr: f32) {
+        for (a, g) in self.sum.iter_mut().zip(grads) {
+            *a += g;
+        }
+        self.pushed.insert(w);
+        self.contributions += 1;
+        self.lr = lr;
+    }
+
+    /// A dead worker is no longer awaited; a gradient it already pushed stays in the sum.
+    fn forget(&mut self, w: usize) {
+        self.pushed.remove(&w);
+    }
+
+    /// Applies the mean of the pushed gradients once all `live` workers have pushed — also when a
+    /// worker's death completes the iteration, which would otherwise wait for the next push.
+    fn apply_if_complete(&mut self, live: usize, optimizer: &mut Optimizer, params: &mut [f32]) {
+        if self.pushed.is_empty() || self.pushed.len() < live {
+            return;
+        }
+        let mean = 1.0 / self.contributions as f32;
+        self.sum.iter_mut().for_each(|v| *v *= mean);
+        optimizer.step(params, &self.sum, self.lr, 1);
+        self.sum.fill(0.0);
+        self.pushed.clear();
+        self.contributions = 0;
+    }
 }
 
 /// What a worker measured.
