@@ -52,8 +52,8 @@ pub struct Optimizer {
 
 const CHUNK: usize = 1 << 16;
 
-/// One chunk of parameters, gradients, first and second moments.
-type AdamChunk<'a> = (&'a mut [f32], (&'a [f32], (&'a mut [f32], &'a mut [f32])));
+/// A chunk's index with its parameters, first and second moments.
+type AdamChunk<'a> = (usize, (&'a mut [f32], (&'a mut [f32], &'a mut [f32])));
 
 impl Optimizer {
     /// A fresh optimizer for `params` parameters (zero state).
@@ -132,6 +132,40 @@ impl Optimizer {
     /// # Panics
     /// If the buffers' lengths differ from the optimizer's (a programmer error).
     pub fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f32, threads: usize) {
+        self.step_impl(None, params, grads, lr, threads);
+    }
+
+    /// One update that reads the parameters from `from` and writes the updated ones to `to`,
+    /// leaving `from` as it was: bit-identical to [`Optimizer::step`] on a copy of `from`, but
+    /// one pass over memory instead of a copy and then a pass. Weight stashing uses it when an
+    /// in-flight micro-batch still holds the current version.
+    ///
+    /// # Panics
+    /// If the buffers' lengths differ from the optimizer's (a programmer error).
+    pub fn step_into(
+        &mut self,
+        from: &[f32],
+        to: &mut [f32],
+        grads: &[f32],
+        lr: f32,
+        threads: usize,
+    ) {
+        assert_eq!(
+            from.len(),
+            to.len(),
+            "source and destination differ in length"
+        );
+        self.step_impl(Some(from), to, grads, lr, threads);
+    }
+
+    fn step_impl(
+        &mut self,
+        from: Option<&[f32]>,
+        params: &mut [f32],
+        grads: &[f32],
+        lr: f32,
+        threads: usize,
+    ) {
         assert_eq!(
             params.len(),
             grads.len(),
@@ -148,23 +182,31 @@ impl Optimizer {
                 momentum,
                 weight_decay,
             } => {
-                let update = |(p, (g, v)): (&mut [f32], (&[f32], &mut [f32]))| {
-                    sgd_chunk(p, g, v, lr, momentum, weight_decay)
+                let hyper = SgdStep {
+                    lr,
+                    momentum,
+                    weight_decay,
                 };
-                let parts = params
-                    .chunks_mut(CHUNK)
-                    .zip(grads.chunks(CHUNK).zip(self.state_a.chunks_mut(CHUNK)));
+                let update = |(k, (p, v)): (usize, (&mut [f32], &mut [f32]))| {
+                    let range = k * CHUNK..k * CHUNK + p.len();
+                    let g = &grads[range.clone()];
+                    match from {
+                        Some(from) => sgd_chunk_into(&from[range], p, g, v, &hyper),
+                        None => sgd_chunk(p, g, v, &hyper),
+                    }
+                };
                 if threads > 1 {
                     params
                         .par_chunks_mut(CHUNK)
-                        .zip(
-                            grads
-                                .par_chunks(CHUNK)
-                                .zip(self.state_a.par_chunks_mut(CHUNK)),
-                        )
+                        .zip(self.state_a.par_chunks_mut(CHUNK))
+                        .enumerate()
                         .for_each(update);
                 } else {
-                    parts.for_each(update);
+                    params
+                        .chunks_mut(CHUNK)
+                        .zip(self.state_a.chunks_mut(CHUNK))
+                        .enumerate()
+                        .for_each(update);
                 }
             }
             OptimizerConfig::Adam {
@@ -186,28 +228,33 @@ impl Optimizer {
                     step_size,
                     inv_sqrt_c2,
                 };
-                let update = |(p, (g, (m, v))): AdamChunk<'_>| adam_chunk(p, g, m, v, &hyper);
+                let update = |(k, (p, (m, v))): AdamChunk<'_>| {
+                    let range = k * CHUNK..k * CHUNK + p.len();
+                    let g = &grads[range.clone()];
+                    match from {
+                        Some(from) => adam_chunk_into(&from[range], p, g, m, v, &hyper),
+                        None => adam_chunk(p, g, m, v, &hyper),
+                    }
+                };
                 if threads > 1 {
                     params
                         .par_chunks_mut(CHUNK)
                         .zip(
-                            grads.par_chunks(CHUNK).zip(
-                                self.state_a
-                                    .par_chunks_mut(CHUNK)
-                                    .zip(self.state_b.par_chunks_mut(CHUNK)),
-                            ),
+                            self.state_a
+                                .par_chunks_mut(CHUNK)
+                                .zip(self.state_b.par_chunks_mut(CHUNK)),
                         )
+                        .enumerate()
                         .for_each(update);
                 } else {
                     params
                         .chunks_mut(CHUNK)
                         .zip(
-                            grads.chunks(CHUNK).zip(
-                                self.state_a
-                                    .chunks_mut(CHUNK)
-                                    .zip(self.state_b.chunks_mut(CHUNK)),
-                            ),
+                            self.state_a
+                                .chunks_mut(CHUNK)
+                                .zip(self.state_b.chunks_mut(CHUNK)),
                         )
+                        .enumerate()
                         .for_each(update);
                 }
             }
@@ -215,14 +262,39 @@ impl Optimizer {
     }
 }
 
-/// One SGD update of a chunk; compiled per SIMD level (see `kernels`). Rust never contracts
-/// `a * b + c` into an FMA on its own, so every level computes bit-identical results.
+/// SGD's per-step constants.
+struct SgdStep {
+    lr: f32,
+    momentum: f32,
+    weight_decay: f32,
+}
+
+/// One parameter's SGD update: returns the new value and updates the velocity. Inlined into
+/// each per-SIMD-level kernel below. Rust never contracts `a * b + c` into an FMA on its own, so
+/// every level computes bit-identical results.
+#[inline(always)]
+fn sgd_one(p: f32, g: f32, v: &mut f32, h: &SgdStep) -> f32 {
+    let d = g + h.weight_decay * p;
+    *v = h.momentum * *v + d;
+    p - h.lr * *v
+}
+
+/// SGD over a chunk, in place; compiled per SIMD level (see `kernels`).
 #[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))]
-fn sgd_chunk(p: &mut [f32], g: &[f32], v: &mut [f32], lr: f32, momentum: f32, weight_decay: f32) {
+fn sgd_chunk(p: &mut [f32], g: &[f32], v: &mut [f32], h: &SgdStep) {
     for ((p, g), v) in p.iter_mut().zip(g).zip(v.iter_mut()) {
-        let d = g + weight_decay * *p;
-        *v = momentum * *v + d;
-        *p -= lr * *v;
+        *p = sgd_one(*p, *g, v, h);
+    }
+}
+
+/// SGD over a chunk from `from` into `to`.
+#[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))]
+fn sgd_chunk_into(from: &[f32], to: &mut [f32], g: &[f32], v: &mut [f32], h: &SgdStep) {
+    // Equal lengths up front let the compiler drop bounds checks and vectorise.
+    let n = to.len();
+    let (from, g, v) = (&from[..n], &g[..n], &mut v[..n]);
+    for i in 0..n {
+        to[i] = sgd_one(from[i], g[i], &mut v[i], h);
     }
 }
 
@@ -238,14 +310,36 @@ struct AdamStep {
     inv_sqrt_c2: f32,
 }
 
-/// One Adam update of a chunk; compiled per SIMD level like [`sgd_chunk`].
+/// One parameter's Adam update, like [`sgd_one`].
+#[inline(always)]
+fn adam_one(p: f32, g: f32, m: &mut f32, v: &mut f32, h: &AdamStep) -> f32 {
+    let d = g + h.weight_decay * p;
+    *m = h.beta1 * *m + (1.0 - h.beta1) * d;
+    *v = h.beta2 * *v + (1.0 - h.beta2) * d * d;
+    p - h.step_size * *m / (v.sqrt() * h.inv_sqrt_c2 + h.eps)
+}
+
+/// Adam over a chunk, in place; compiled per SIMD level like [`sgd_chunk`].
 #[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))]
 fn adam_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamStep) {
     for (((p, g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-        let d = g + h.weight_decay * *p;
-        *m = h.beta1 * *m + (1.0 - h.beta1) * d;
-        *v = h.beta2 * *v + (1.0 - h.beta2) * d * d;
-        *p -= h.step_size * *m / (v.sqrt() * h.inv_sqrt_c2 + h.eps);
+        *p = adam_one(*p, *g, m, v, h);
+    }
+}
+
+/// Adam over a chunk from `from` into `to`.
+#[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))]
+fn adam_chunk_into(
+    from: &[f32],
+    to: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    h: &AdamStep,
+) {
+    let states = m.iter_mut().zip(v.iter_mut());
+    for (((to, from), g), (m, v)) in to.iter_mut().zip(from).zip(g).zip(states) {
+        *to = adam_one(*from, *g, m, v, h);
     }
 }
 
@@ -323,6 +417,49 @@ impl LrSchedule {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn step_into_is_bit_identical_to_an_in_place_step_and_leaves_the_source_alone() {
+        let configs = [
+            OptimizerConfig::Sgd {
+                momentum: 0.9,
+                weight_decay: 1e-4,
+            },
+            OptimizerConfig::Adam {
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 1e-4,
+            },
+        ];
+        // Longer than one chunk, so chunk offsets are exercised, and with both thread counts.
+        let n = CHUNK * 2 + 37;
+        let start: Vec<f32> = (0..n)
+            .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
+        let grads: Vec<f32> = (0..n)
+            .map(|i| ((i * 104_729) % 997) as f32 / 997.0 - 0.5)
+            .collect();
+        for config in configs {
+            for threads in [1, 2] {
+                let mut in_place = Optimizer::new(config.clone(), n);
+                let mut into = Optimizer::new(config.clone(), n);
+                let mut a = start.clone();
+                let mut from = start.clone();
+                for step in 0..3 {
+                    in_place.step(&mut a, &grads, 0.01, threads);
+                    let mut to = vec![0.0; n];
+                    into.step_into(&from, &mut to, &grads, 0.01, threads);
+                    if step == 0 {
+                        assert_eq!(from, start, "the source was modified");
+                    }
+                    from = to;
+                }
+                assert_eq!(a, from, "{config:?}, {threads} threads");
+                assert_eq!(in_place.state(), into.state());
+            }
+        }
+    }
 
     #[test]
     fn sgd_momentum_matches_hand_computation() {

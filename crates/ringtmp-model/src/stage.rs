@@ -25,6 +25,10 @@ use crate::kernels::set_len;
 use crate::layers::{Aux, Layer, LayerKind, Pass};
 use crate::optim::Optimizer;
 
+/// Released weight versions kept for reuse. Two suffice for a steady pipeline: the step that
+/// needs a new version finds the buffer of the version released since the last step.
+const SPARE_PARAM_BUFFERS: usize = 2;
+
 /// What one in-flight micro-batch keeps between its forward and its backward.
 #[derive(Debug, Default)]
 struct Stash {
@@ -44,6 +48,10 @@ pub struct Stage {
     /// Shared so that weight stashing can keep the version a micro-batch's forward used without
     /// copying: an optimizer step copies only while some in-flight micro-batch still holds it.
     params: Arc<Vec<f32>>,
+    /// Parameter buffers of versions no micro-batch holds any more, reused by the next step
+    /// that must leave a stashed version intact (at most [`SPARE_PARAM_BUFFERS`]): reusing them
+    /// avoids a fresh allocation, whose page faults cost more than the update itself.
+    spare_params: Vec<Vec<f32>>,
     /// Keep each in-flight micro-batch's weights for its backward (PipeDream weight stashing).
     stash_weights: bool,
     grads: Vec<f32>,
@@ -119,6 +127,7 @@ impl Stage {
             layers,
             offsets,
             params: Arc::new(params),
+            spare_params: Vec::new(),
             stash_weights: false,
             grads: vec![0.0; total],
             grads_written: vec![false; n],
@@ -403,19 +412,35 @@ impl Stage {
             }
         }
         self.free_stashes.push(stash);
+        self.recycle(weights);
         Ok(self.input_grad.then_some(self.input_grads[0].as_slice()))
     }
 
     /// Applies the optimizer to the accumulated gradients at learning rate `lr`, then resets them.
+    ///
+    /// When an in-flight micro-batch still holds the current weights (weight stashing), the
+    /// update is written to a new version, read from the held one in the same pass.
     pub fn step(&mut self, optimizer: &mut Optimizer, lr: f32) {
         self.materialise_grads();
-        optimizer.step(
-            Arc::make_mut(&mut self.params).as_mut_slice(),
-            &self.grads,
-            lr,
-            self.threads,
-        );
+        match Arc::get_mut(&mut self.params) {
+            Some(params) => optimizer.step(params, &self.grads, lr, self.threads),
+            None => {
+                let mut next = self.spare_params.pop().unwrap_or_default();
+                set_len(&mut next, self.params.len());
+                optimizer.step_into(&self.params, &mut next, &self.grads, lr, self.threads);
+                self.params = Arc::new(next);
+            }
+        }
         self.zero_grad();
+    }
+
+    /// Keeps a released weight version's buffer for reuse if nothing else holds it.
+    fn recycle(&mut self, weights: Arc<Vec<f32>>) {
+        if let Ok(buffer) = Arc::try_unwrap(weights) {
+            if self.spare_params.len() < SPARE_PARAM_BUFFERS {
+                self.spare_params.push(buffer);
+            }
+        }
     }
 
     /// Forgets the accumulated gradients (cheaply: the next backward overwrites them).

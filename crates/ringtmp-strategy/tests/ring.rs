@@ -391,6 +391,43 @@ fn async_pipeline_with_weight_stashing_learns() {
     );
 }
 
+/// A window wider than a mini-batch's micro-batches runs the pipeline across mini-batch
+/// boundaries; it must still be empty at every evaluation and checkpoint, or their messages
+/// would meet training traffic in the ring.
+#[test]
+fn async_window_wider_than_a_mini_batch_drains_for_evaluations_and_checkpoints() {
+    let data = ringtmp_data::load("digits", None).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut j = job(&[0, 2, 6, 10], Schedule::Async, 1);
+    j.in_flight = 4;
+    j.total_steps = 40;
+    j.schedule_steps = 40;
+    j.lr = 0.02;
+    j.checkpoint_every = 10;
+    j.out = tmp.path().to_path_buf();
+    let (_, summary) = ring_params(&j, &data, tmp.path());
+    // Evaluations every 6 steps (see `ring_params`) plus the last: 6, 12, …, 36, 40.
+    let metrics = std::fs::read_to_string(tmp.path().join("metrics.jsonl")).unwrap();
+    let evals: Vec<serde_json::Value> = metrics
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+        .filter(|e| e["event"] == "eval")
+        .collect();
+    let steps: Vec<u64> = evals.iter().map(|e| e["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, vec![6, 12, 18, 24, 30, 36, 40]);
+    for e in &evals {
+        let loss = e["test_loss"].as_f64().unwrap();
+        assert!(loss.is_finite() && loss > 0.0, "{e}");
+    }
+    assert_eq!(summary.steps, 40);
+    assert_eq!(
+        checkpoint::read_manifest(&checkpoint::resolve(tmp.path()).unwrap())
+            .unwrap()
+            .step,
+        40
+    );
+}
+
 #[test]
 fn master_holding_the_head_equals_local_and_keeps_the_logits() {
     let data = ringtmp_data::load("digits", None).unwrap();

@@ -374,10 +374,9 @@ pub fn run_master(
             job.warmup_steps,
         );
         let (step_loss, rows_total) = if job.schedule == Schedule::Async {
-            let drain = job.checkpoint_due(step + 1) || eval_due(job, setup, step + 1);
             pipe.run_minibatch(
                 step,
-                drain,
+                next_flush(job, setup, step),
                 job,
                 setup,
                 &mut batches,
@@ -514,7 +513,7 @@ pub fn run_master(
             (epoch_loss, epoch_batches) = (0.0, 0);
         }
         if eval_due(job, setup, done) {
-            let accuracy = evaluate(
+            let (accuracy, test_loss) = evaluate(
                 job,
                 setup.data,
                 &mut stage,
@@ -525,13 +524,13 @@ pub fn run_master(
             )?;
             tracker.record(accuracy, done, train_seconds);
             write(
-                json!({"event": "eval", "step": done, "epoch": epoch, "test_accuracy": accuracy, "train_seconds": train_seconds, "wall_seconds": wall.elapsed().as_secs_f64()}),
+                json!({"event": "eval", "step": done, "epoch": epoch, "test_accuracy": accuracy, "test_loss": test_loss, "train_seconds": train_seconds, "wall_seconds": wall.elapsed().as_secs_f64()}),
             )?;
             on_event(&Event::Eval {
                 step: done,
                 epoch,
                 accuracy,
-                loss: f64::NAN,
+                loss: test_loss,
             });
         }
         if job.checkpoint_due(done) {
@@ -811,6 +810,15 @@ fn eval_due(job: &RingJob, setup: &MasterSetup<'_>, done: u64) -> bool {
         || (setup.eval_every > 0 && done % setup.eval_every == 0)
 }
 
+/// The first mini-batch boundary at or after mini-batch `step` where the async pipeline must be
+/// empty (an evaluation or a checkpoint follows it): micro-batches beyond it must not start
+/// before it, or they would still be in the ring when the evaluation's chunks go round.
+fn next_flush(job: &RingJob, setup: &MasterSetup<'_>, step: u64) -> u64 {
+    (step + 1..=job.total_steps)
+        .find(|&done| job.checkpoint_due(done) || eval_due(job, setup, done))
+        .unwrap_or(job.total_steps)
+}
+
 /// The master's side of the `async` schedule. Micro-batch `k` (global, in data order) is part
 /// `k mod M` of mini-batch `k div M`; the master keeps at most `in_flight` micro-batches between
 /// their forward and its own backward, steps after every backward (each micro-batch is its own SGD
@@ -842,14 +850,14 @@ impl AsyncPipe {
         }
     }
 
-    /// Runs until every micro-batch of mini-batch `step` is done on the master; with `drain`, no
-    /// micro-batch of the next mini-batch is started first. Returns the mini-batch's summed loss
-    /// and its row count.
+    /// Runs until every micro-batch of mini-batch `step` is done on the master, starting no
+    /// micro-batch of mini-batch `flush` or later (the next boundary where the pipeline must be
+    /// empty). Returns the mini-batch's summed loss and its row count.
     #[allow(clippy::too_many_arguments)]
     fn run_minibatch(
         &mut self,
         step: u64,
-        drain: bool,
+        flush: u64,
         job: &RingJob,
         setup: &MasterSetup<'_>,
         batches: &mut BatchPlan,
@@ -868,7 +876,7 @@ impl AsyncPipe {
             job.in_flight as u64
         };
         let end = (step + 1) * m;
-        let limit = if drain { end } else { job.total_steps * m };
+        let limit = flush * m;
         while self.backwarded < end {
             // Arrived messages first (the loss is on every stage's critical path).
             let arrived = net.try_recv()?;
@@ -1061,7 +1069,8 @@ fn run_worker_async(job: &RingJob, net: &mut Network) -> Result<Stage> {
     }
 }
 
-/// Sends the test set around the ring in chunks and counts correct predictions on the master.
+/// Sends the test set around the ring in chunks; the master scores the returning logits against
+/// its labels. Returns the test accuracy and mean loss.
 fn evaluate(
     job: &RingJob,
     data: &Dataset,
@@ -1070,10 +1079,12 @@ fn evaluate(
     step: u64,
     eval_bytes: &mut u64,
     mut head: Option<&mut MasterHead>,
-) -> Result<f64> {
+) -> Result<(f64, f64)> {
     let n = job.partition.len() as u32;
     let (succ, pred) = (1 % n, n - 1);
     let split = &data.test;
+    let mut dlogits = Vec::new();
+    let mut loss_sum = 0.0f64;
     let chunks = split.len().div_ceil(EVAL_ROWS);
     let (mut x, mut y) = (Vec::new(), Vec::new());
     let mut labels: Vec<Vec<u32>> = Vec::with_capacity(chunks);
@@ -1098,18 +1109,22 @@ fn evaluate(
                 let l = labels
                     .get(h.micro_batch as usize)
                     .ok_or_else(|| protocol(net, pred, "evaluation chunk"))?;
-                correct += match head.as_deref_mut() {
-                    Some(h) => {
-                        loss::count_correct(h.stage.infer(&values, l.len())?, l, job.classes)
-                    }
-                    None => loss::count_correct(&values, l, job.classes),
+                let logits = match head.as_deref_mut() {
+                    Some(h) => h.stage.infer(&values, l.len())?,
+                    None => values.as_slice(),
                 };
+                dlogits.resize(logits.len(), 0.0);
+                let scored =
+                    loss::softmax_cross_entropy(logits, l, job.classes, 0.0, &mut dlogits)?;
+                correct += scored.correct;
+                loss_sum += scored.loss_sum;
                 received += 1;
             }
             _ => return Err(protocol(net, pred, "message during evaluation")),
         }
     }
-    Ok(correct as f64 / split.len().max(1) as f64)
+    let rows = split.len().max(1) as f64;
+    Ok((correct as f64 / rows, loss_sum / rows))
 }
 
 /// Runs a non-master node: its stage, driven by what arrives, until the final report passes.
