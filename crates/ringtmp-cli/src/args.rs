@@ -76,10 +76,10 @@ pub struct TrainArgs {
     /// Parameter server: keep training without a dead worker even under bsp.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub drop_dead_workers: Option<bool>,
-    /// Ring: pipeline schedule [default: 1f1b].
+    /// Ring: pipeline schedule [default: async].
     #[arg(long, value_enum)]
     pub schedule: Option<ScheduleKind>,
-    /// Ring: micro-batches per mini-batch [default: the number of nodes].
+    /// Ring: micro-batches per mini-batch [default: 1 under async, else the number of nodes].
     #[arg(long)]
     pub micro_batches: Option<usize>,
     /// Ring, async schedule: most micro-batches in flight [default: the number of nodes].

@@ -8,7 +8,7 @@ use ringtmp_model::{LayerKind, Shape};
 use ringtmp_strategy::TrainConfig;
 use ringtmp_strategy::ring::driver::RingJob;
 use ringtmp_strategy::ring::partition::{self, NodeCapacity};
-use ringtmp_strategy::ring::profile::profile_layers;
+use ringtmp_strategy::ring::profile::{ProfileSettings, profile_layers};
 use ringtmp_strategy::ring::schedule::Schedule;
 
 use crate::UsageError;
@@ -31,7 +31,14 @@ pub fn ring_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(RingJob
     if nodes < 2 {
         return Err(UsageError("--strategy ring needs --nodes of at least 2".into()).into());
     }
-    let micro_batches = args.micro_batches.unwrap_or(nodes as usize);
+    let kind = args.schedule.unwrap_or(ScheduleKind::Async);
+    // Async pipelines whole mini-batches (each its own step, `nodes` of them in flight), so one
+    // micro-batch per mini-batch keeps the GEMMs at full size; the flushed schedules need several
+    // micro-batches per mini-batch to fill the pipeline at all.
+    let micro_batches = args.micro_batches.unwrap_or(match kind {
+        ScheduleKind::Async => 1,
+        _ => nodes as usize,
+    });
     if micro_batches == 0 || micro_batches > cfg.batch_size {
         return Err(UsageError(format!(
             "--micro-batches must be between 1 and the batch size {}",
@@ -39,7 +46,7 @@ pub fn ring_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(RingJob
         ))
         .into());
     }
-    let schedule = match args.schedule.unwrap_or(ScheduleKind::OneFOneB) {
+    let schedule = match kind {
         ScheduleKind::Gpipe => Schedule::Gpipe,
         ScheduleKind::OneFOneB => Schedule::OneFOneB,
         ScheduleKind::Async => Schedule::Async,
@@ -73,7 +80,24 @@ pub fn ring_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(RingJob
         "profiling {} layers on micro-batches of {rows} rows for the partition plan",
         layers.len()
     );
-    let costs = profile_layers(&layers, rows, cfg.threads, &cfg.optimizer, in_flight, 9);
+    let (extra_weight_versions, steps_per_micro_batch) = match schedule {
+        // Weight stashing: a version per micro-batch in flight, plus up to two released buffers
+        // kept for reuse (`Stage::step`).
+        Schedule::Async => (in_flight + 2, 1.0),
+        Schedule::Gpipe | Schedule::OneFOneB => (0, 1.0 / micro_batches as f64),
+    };
+    let costs = profile_layers(
+        &layers,
+        &cfg.optimizer,
+        &ProfileSettings {
+            rows,
+            threads: cfg.threads,
+            in_flight,
+            extra_weight_versions,
+            steps_per_micro_batch,
+            repeats: 9,
+        },
+    );
     // With the head on the master, the last layer with parameters (and what follows it) stays
     // there; the nodes share the rest.
     let head_start = if args.master_holds_head.unwrap_or(false) {
@@ -96,7 +120,13 @@ pub fn ring_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(RingJob
         Some(spec) => partition::from_spec(spec, body, &capacities, first_param),
         None => partition::plan(body, &capacities, first_param),
     }
-    .map_err(|e| UsageError(e.to_string()))?;
+    .map_err(|e| match (&e, schedule) {
+        (partition::PlanError::DoesNotFit { .. }, Schedule::Async) => UsageError(format!(
+            "{e}; the async schedule counts {extra_weight_versions} stashed weight versions per \
+             stage: --schedule 1f1b needs none"
+        )),
+        _ => UsageError(e.to_string()),
+    })?;
     let head = (head_start < layers.len()).then(|| partition::StagePlan {
         rank: 0,
         start: head_start,

@@ -868,7 +868,7 @@ impl AsyncPipe {
         net: &mut Network,
     ) -> Result<(f64, usize)> {
         let n = job.partition.len() as u32;
-        let (succ, pred) = (1 % n, n - 1);
+        let succ = 1 % n;
         let m = job.micro_batches as u64;
         let window = if job.in_flight == 0 {
             n as u64
@@ -880,6 +880,19 @@ impl AsyncPipe {
         while self.backwarded < end {
             // Arrived messages first (the loss is on every stage's critical path).
             let arrived = net.try_recv()?;
+            // Between the layers of its own work the master handles arrivals too, so the last
+            // node never waits a whole stage-0 pass for its loss gradient.
+            let mut failure: Option<Error> = None;
+            macro_rules! side {
+                () => {
+                    AsyncLossSide {
+                        labels: &mut self.labels,
+                        losses: &mut self.losses,
+                        grads: &mut self.grads,
+                        values: &mut self.values,
+                    }
+                };
+            }
             if arrived.is_none()
                 && self.forwarded < limit
                 && self.forwarded - self.backwarded < window
@@ -898,11 +911,17 @@ impl AsyncPipe {
                     step: s,
                     row_offset: micro_offset(job, part),
                 };
+                let x = &self.x;
+                let mut service = servicer(side!(), job, net, &mut head, &mut failure);
                 let out = clock.run(|| {
                     stage
-                        .forward(k, &self.x, rows.len(), &pass)
+                        .forward_with(k, x, rows.len(), &pass, &mut service)
                         .map(<[f32]>::to_vec)
                 })?;
+                drop(service);
+                if let Some(e) = failure {
+                    return Err(e);
+                }
                 clock.peak_stash = clock.peak_stash.max(stage.stash_bytes());
                 net.send(succ, tensor(TensorTag::Activation, k, k, rows.len(), &out))?;
                 self.forwarded += 1;
@@ -911,7 +930,12 @@ impl AsyncPipe {
             if arrived.is_none()
                 && let Some((k, dy)) = self.grads.pop_front()
             {
-                clock.run(|| stage.backward(k, &dy).map(|_| ()))?;
+                let mut service = servicer(side!(), job, net, &mut head, &mut failure);
+                clock.run(|| stage.backward_with(k, &dy, &mut service).map(|_| ()))?;
+                drop(service);
+                if let Some(e) = failure {
+                    return Err(e);
+                }
                 let lr = job.lr_schedule.rate(
                     job.lr,
                     k / m,
@@ -923,61 +947,111 @@ impl AsyncPipe {
                 self.backwarded += 1;
                 continue;
             }
-            match arrived.map_or_else(|| net.recv(job.recv_timeout()), Ok)? {
-                (from, Message::Tensor(h, bytes))
-                    if from == pred && h.tag == TensorTag::Activation =>
-                {
-                    let k = h.micro_batch;
-                    let labels = self
-                        .labels
-                        .remove(&k)
-                        .ok_or_else(|| protocol(net, from, "logits"))?;
-                    tensor_values(&bytes, h.dtype, &mut self.values);
-                    let pass = Pass {
-                        train: true,
-                        seed: job.seed,
-                        step: k / m,
-                        row_offset: micro_offset(job, (k % m) as usize),
-                    };
-                    let (values, head_ref) = (&self.values, head.as_deref_mut());
-                    let (loss_sum, grad) = clock.run(|| {
-                        loss_site(
-                            job,
-                            head_ref,
-                            k,
-                            &pass,
-                            values,
-                            &labels,
-                            1.0 / labels.len() as f32,
-                        )
-                    })?;
-                    if let Some(h) = head.as_deref_mut() {
-                        let lr = job.lr_schedule.rate(
-                            job.lr,
-                            k / m,
-                            job.schedule_steps,
-                            job.steps_per_epoch,
-                            job.warmup_steps,
-                        );
-                        clock.run(|| h.stage.step(&mut h.optimizer, lr));
-                    }
-                    *self.losses.entry(k / m).or_default() += loss_sum;
-                    net.send(pred, tensor(TensorTag::Gradient, k, k, labels.len(), &grad))?;
-                }
-                (from, Message::Tensor(h, bytes))
-                    if from == succ && h.tag == TensorTag::Gradient =>
-                {
-                    let mut dy = Vec::new();
-                    tensor_values(&bytes, h.dtype, &mut dy);
-                    self.grads.push_back((h.micro_batch, dy));
-                }
-                (from, _) => return Err(protocol(net, from, "message")),
-            }
+            let (from, message) = arrived.map_or_else(|| net.recv(job.recv_timeout()), Ok)?;
+            let mut side = side!();
+            clock.run(|| side.handle(job, net, head.as_deref_mut(), from, message))?;
         }
         Ok((
             self.losses.remove(&step).unwrap_or(f64::NAN),
             job.batch_size,
         ))
+    }
+}
+
+/// The master's loss side under `async`: what it does with an arrival, whether between its own
+/// layers or while otherwise idle.
+struct AsyncLossSide<'a> {
+    labels: &'a mut BTreeMap<u64, Vec<u32>>,
+    losses: &'a mut BTreeMap<u64, f64>,
+    grads: &'a mut VecDeque<(u64, Vec<f32>)>,
+    values: &'a mut Vec<f32>,
+}
+
+impl AsyncLossSide<'_> {
+    /// The last node's output for micro-batch `k` (→ head, loss, gradient back, and the head's
+    /// step), or a gradient for stage 0 (→ queued).
+    fn handle(
+        &mut self,
+        job: &RingJob,
+        net: &mut Network,
+        head: Option<&mut MasterHead>,
+        from: u32,
+        message: Message,
+    ) -> Result<()> {
+        let n = job.partition.len() as u32;
+        let (succ, pred) = (1 % n, n - 1);
+        let m = job.micro_batches as u64;
+        match message {
+            Message::Tensor(h, bytes) if from == pred && h.tag == TensorTag::Activation => {
+                let k = h.micro_batch;
+                let labels = self
+                    .labels
+                    .remove(&k)
+                    .ok_or_else(|| protocol(net, from, "logits"))?;
+                tensor_values(&bytes, h.dtype, self.values);
+                let pass = Pass {
+                    train: true,
+                    seed: job.seed,
+                    step: k / m,
+                    row_offset: micro_offset(job, (k % m) as usize),
+                };
+                let mut head = head;
+                let (loss_sum, grad) = loss_site(
+                    job,
+                    head.as_deref_mut(),
+                    k,
+                    &pass,
+                    self.values,
+                    &labels,
+                    1.0 / labels.len() as f32,
+                )?;
+                if let Some(h) = head {
+                    let lr = job.lr_schedule.rate(
+                        job.lr,
+                        k / m,
+                        job.schedule_steps,
+                        job.steps_per_epoch,
+                        job.warmup_steps,
+                    );
+                    h.stage.step(&mut h.optimizer, lr);
+                }
+                *self.losses.entry(k / m).or_default() += loss_sum;
+                net.send(pred, tensor(TensorTag::Gradient, k, k, labels.len(), &grad))?;
+                Ok(())
+            }
+            Message::Tensor(h, bytes) if from == succ && h.tag == TensorTag::Gradient => {
+                let mut dy = Vec::new();
+                tensor_values(&bytes, h.dtype, &mut dy);
+                self.grads.push_back((h.micro_batch, dy));
+                Ok(())
+            }
+            _ => Err(protocol(net, from, "message")),
+        }
+    }
+}
+
+/// A between-layers hook for the async master: handles every arrival with `side`, keeping the
+/// first failure in `failure` for after the layer (a hook cannot return one).
+fn servicer<'a>(
+    mut side: AsyncLossSide<'a>,
+    job: &'a RingJob,
+    net: &'a mut Network,
+    head: &'a mut Option<&mut MasterHead>,
+    failure: &'a mut Option<Error>,
+) -> impl FnMut() + 'a {
+    move || {
+        if failure.is_some() {
+            return;
+        }
+        let mut drain = || -> Result<()> {
+            while let Some((from, message)) = net.try_recv()? {
+                side.handle(job, net, head.as_deref_mut(), from, message)?;
+            }
+            Ok(())
+        };
+        if let Err(e) = drain() {
+            *failure = Some(e);
+        }
     }
 }
 

@@ -37,7 +37,8 @@ pub struct StagePlan {
     pub start: usize,
     /// Last layer (exclusive).
     pub end: usize,
-    /// Predicted seconds per micro-batch (forward + backward) on that node.
+    /// Predicted seconds per micro-batch on that node (forward, backward and its share of the
+    /// optimizer step).
     pub predicted_seconds: f64,
     /// Predicted bytes on that node.
     pub predicted_bytes: u64,
