@@ -119,6 +119,118 @@ pub fn write_stage(
     })
 }
 
+/// Writes a contiguous range `range` of a whole model's flat parameter vector (a parameter
+/// server's shard) with the matching optimizer state: `params` and the optimizer hold exactly
+/// that range, and `model` (a stage over all layers) supplies the tensor names. A tensor wholly
+/// inside the range is stored under its own name as in [`write_stage`]; one the range cuts is
+/// stored as the piece inside it, flattened, under `<name>@<offset>` (offset in elements within
+/// the tensor). [`read_stage`] and [`read_range`] assemble pieces from every file, so any strategy
+/// and any partition or shard count can load the result.
+///
+/// # Panics
+/// If `params` or the optimizer do not match `range` (a programmer error).
+pub fn write_range(
+    dir: &Path,
+    name: &str,
+    model: &Stage,
+    range: std::ops::Range<usize>,
+    params: &[f32],
+    optimizer: &Optimizer,
+) -> Result<FileEntry> {
+    assert_eq!(
+        params.len(),
+        range.len(),
+        "shard and range differ in length"
+    );
+    let state = optimizer.state();
+    let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (tensor, shape, full) in named_tensors(model) {
+        let (start, end) = (full.start.max(range.start), full.end.min(range.end));
+        if start >= end {
+            continue;
+        }
+        let local = start - range.start..end - range.start;
+        let (tensor, shape) = if start == full.start && end == full.end {
+            (tensor, shape)
+        } else {
+            (
+                format!("{tensor}@{}", start - full.start),
+                vec![end - start],
+            )
+        };
+        owned.push((
+            tensor.clone(),
+            shape.clone(),
+            le_bytes(&params[local.clone()]),
+        ));
+        for (state_name, values) in &state {
+            owned.push((
+                format!("{state_name}.{tensor}"),
+                shape.clone(),
+                le_bytes(&values[local.clone()]),
+            ));
+        }
+    }
+    let views = owned
+        .iter()
+        .map(|(n, shape, data)| {
+            TensorView::new(Dtype::F32, shape.clone(), data).map(|v| (n.as_str(), v))
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| safetensors_error(&dir.join(name), e))?;
+    let bytes =
+        safetensors::serialize(views, None).map_err(|e| safetensors_error(&dir.join(name), e))?;
+    write_atomic(&dir.join(name), &bytes)?;
+    Ok(FileEntry {
+        name: name.to_string(),
+        sha256: sha256_hex(&bytes),
+        bytes: bytes.len() as u64,
+    })
+}
+
+/// Loads range `range` of a whole model's flat parameters, with the matching optimizer state,
+/// into `params` and `optimizer` (a parameter server's shard) from a checkpoint of the same model
+/// written by any strategy; `model` (a stage over all layers) supplies the tensor names. Nothing
+/// is modified on error.
+pub fn read_range(
+    dir: &Path,
+    manifest: &Manifest,
+    model: &Stage,
+    range: std::ops::Range<usize>,
+    params: &mut [f32],
+    optimizer: &mut Optimizer,
+) -> Result<()> {
+    let tensors: Vec<_> = named_tensors(model)
+        .into_iter()
+        .filter(|(_, _, full)| full.start < range.end && range.start < full.end)
+        .collect();
+    let (first, last) = range_layers(model, &range);
+    load_tensors(
+        dir,
+        manifest,
+        &tensors,
+        range,
+        first..last,
+        params,
+        optimizer,
+    )
+}
+
+/// Layers `[first, last)` of `model` whose parameters overlap `range`: a shard's entry in a
+/// manifest's `partition`, so readers open only the files that can hold their tensors.
+pub fn range_layers(model: &Stage, range: &std::ops::Range<usize>) -> (usize, usize) {
+    let touched: Vec<usize> = model
+        .param_ranges()
+        .enumerate()
+        .filter(|(_, (_, r))| r.start < range.end && range.start < r.end)
+        .map(|(i, _)| model.first_layer() + i)
+        .collect();
+    match (touched.first(), touched.last()) {
+        (Some(&a), Some(&b)) => (a, b + 1),
+        _ => (0, 0),
+    }
+}
+
 /// Loads the parameters and optimizer state of `stage` from a checkpoint written with any
 /// partition of the same model: reads (after checking its hash) every file whose layer range
 /// overlaps the stage and takes each tensor by name. Nothing is modified on error.
@@ -126,6 +238,38 @@ pub fn read_stage(
     dir: &Path,
     manifest: &Manifest,
     stage: &mut Stage,
+    optimizer: &mut Optimizer,
+) -> Result<()> {
+    let first = stage.first_layer();
+    let last = first + stage.layers().len();
+    let tensors = named_tensors(stage);
+    let len = stage.params().len();
+    let mut params = vec![0.0; len];
+    load_tensors(
+        dir,
+        manifest,
+        &tensors,
+        0..len,
+        first..last,
+        &mut params,
+        optimizer,
+    )?;
+    stage.params_mut().copy_from_slice(&params);
+    stage.zero_grad();
+    Ok(())
+}
+
+/// Fills `params` (and `optimizer`'s state) with the slice `want` of the flat vector that
+/// `tensors` (`name, shape, range`) lay out, from the checkpoint files whose layer range overlaps
+/// `layers`. A tensor is found whole under its name or assembled from `<name>@<offset>` pieces.
+/// Leaves the optimizer unchanged on error.
+fn load_tensors(
+    dir: &Path,
+    manifest: &Manifest,
+    tensors: &[(String, Vec<usize>, std::ops::Range<usize>)],
+    want: std::ops::Range<usize>,
+    layers: std::ops::Range<usize>,
+    params: &mut [f32],
     optimizer: &mut Optimizer,
 ) -> Result<()> {
     if manifest.files.len() != manifest.partition.len() {
@@ -138,8 +282,7 @@ pub fn read_stage(
             ),
         });
     }
-    let first = stage.first_layer();
-    let last = first + stage.layers().len();
+    let (first, last) = (layers.start, layers.end);
     let mut files = Vec::new();
     for (entry, &(start, end)) in manifest.files.iter().zip(&manifest.partition) {
         if start < last && first < end {
@@ -164,42 +307,92 @@ pub fn read_stage(
                 .map_err(|e| safetensors_error(path, e))
         })
         .collect::<Result<Vec<_>>>()?;
+    let values_of =
+        |path: &Path, name: &str, view: &safetensors::tensor::TensorView<'_>, shape: &[usize]| {
+            if view.dtype() != Dtype::F32 || view.shape() != shape {
+                return Err(Error::CheckpointMismatch {
+                    path: path.to_path_buf(),
+                    reason: format!(
+                        "tensor {name} is {:?} {:?}, expected F32 {shape:?}",
+                        view.dtype(),
+                        view.shape()
+                    ),
+                });
+            }
+            Ok(view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect::<Vec<f32>>())
+        };
+    // A tensor whole under its name, or assembled from `<name>@<offset>` pieces (shards).
     let find = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
         for (path, file) in &parsed {
             if let Ok(view) = file.tensor(name) {
-                if view.dtype() != Dtype::F32 || view.shape() != shape {
-                    return Err(Error::CheckpointMismatch {
-                        path: path.to_path_buf(),
-                        reason: format!(
-                            "tensor {name} is {:?} {:?}, expected F32 {shape:?}",
-                            view.dtype(),
-                            view.shape()
-                        ),
-                    });
-                }
-                return Ok(view
-                    .data()
-                    .chunks_exact(4)
-                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                    .collect());
+                return values_of(path, name, &view, shape);
             }
+        }
+        let len: usize = shape.iter().product();
+        let mut out = vec![0.0f32; len];
+        let mut covered = 0usize;
+        let prefix = format!("{name}@");
+        for (path, file) in &parsed {
+            for piece in file.names() {
+                let Some(offset) = piece.strip_prefix(&prefix) else {
+                    continue;
+                };
+                let bad = |why: String| Error::CheckpointMismatch {
+                    path: path.to_path_buf(),
+                    reason: format!("piece {piece}: {why}"),
+                };
+                let offset: usize = offset
+                    .parse()
+                    .map_err(|_| bad("the offset is not a number".into()))?;
+                let view = file.tensor(piece).map_err(|e| safetensors_error(path, e))?;
+                let piece_len = view.shape().iter().product::<usize>();
+                if view.shape().len() != 1 || offset + piece_len > len {
+                    return Err(bad(format!(
+                        "shape {:?} at offset {offset} does not fit a tensor of {len} values",
+                        view.shape()
+                    )));
+                }
+                let values = values_of(path, piece, &view, &[piece_len])?;
+                out[offset..offset + piece_len].copy_from_slice(&values);
+                covered += piece_len;
+            }
+        }
+        if covered == len {
+            return Ok(out);
         }
         Err(Error::CheckpointMismatch {
             path: dir.to_path_buf(),
-            reason: format!("tensor {name} is missing"),
+            reason: if covered == 0 {
+                format!("tensor {name} is missing")
+            } else {
+                format!("tensor {name}: its pieces cover {covered} of {len} values")
+            },
         })
     };
-    let mut params = vec![0.0; stage.params().len()];
     let state_names: Vec<&'static str> = optimizer.state().iter().map(|(n, _)| *n).collect();
     let mut state: Vec<(&str, Vec<f32>)> = state_names
         .iter()
-        .map(|n| (*n, vec![0.0; params.len()]))
+        .map(|n| (*n, vec![0.0; want.len()]))
         .collect();
-    for (tensor, shape, range) in named_tensors(stage) {
-        params[range.clone()].copy_from_slice(&find(&tensor, &shape)?);
+    let mut loaded = vec![0.0f32; want.len()];
+    for (tensor, shape, full) in tensors {
+        let (start, end) = (full.start.max(want.start), full.end.min(want.end));
+        if start >= end {
+            continue;
+        }
+        // Where the overlap sits inside the tensor and inside the wanted slice.
+        let (inside, at) = (
+            start - full.start..end - full.start,
+            start - want.start..end - want.start,
+        );
+        loaded[at.clone()].copy_from_slice(&find(tensor, shape)?[inside.clone()]);
         for (state_name, values) in state.iter_mut() {
-            values[range.clone()]
-                .copy_from_slice(&find(&format!("{state_name}.{tensor}"), &shape)?);
+            values[at.clone()]
+                .copy_from_slice(&find(&format!("{state_name}.{tensor}"), shape)?[inside.clone()]);
         }
     }
     optimizer
@@ -208,8 +401,7 @@ pub fn read_stage(
             path: dir.to_path_buf(),
             reason: e.to_string(),
         })?;
-    stage.params_mut().copy_from_slice(&params);
-    stage.zero_grad();
+    params.copy_from_slice(&loaded);
     Ok(())
 }
 
