@@ -68,6 +68,30 @@ pub fn ps_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(PsJob, Tr
             args.node_speed.as_deref().unwrap_or_default(),
             nodes,
         )?,
+        checkpoint_every: cfg.checkpoint_every,
+        out: std::path::absolute(&cfg.out).unwrap_or_else(|_| cfg.out.clone()),
+        dataset: cfg.dataset.clone(),
+        resume: None,
+        first_step: 0,
     };
+    let mut job = job;
+    if let Some(path) = &cfg.resume {
+        // The data order is that of the global batch (workers × batch), so the checkpoint must
+        // have been written with that batch size, by whichever strategy.
+        let global_cfg = TrainConfig {
+            batch_size: global,
+            ..cfg.clone()
+        };
+        let (dir, manifest) = ringtmp_strategy::local::check_resume(path, &global_cfg)?;
+        eprintln!(
+            "resuming from {} at iteration {} (written by {} on {} node(s))",
+            dir.display(),
+            manifest.step,
+            manifest.strategy,
+            manifest.files.len()
+        );
+        job.first_step = manifest.step.min(job.total_steps);
+        job.resume = Some(std::path::absolute(&dir).unwrap_or(dir));
+    }
     Ok((job, cfg))
 }

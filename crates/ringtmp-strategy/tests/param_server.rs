@@ -69,7 +69,23 @@ fn job(consistency: Consistency, steps: u64) -> PsJob {
         recv_timeout_secs: 30.0,
         drop_dead_workers: false,
         node_speeds: Vec::new(),
+        checkpoint_every: 0,
+        out: std::path::PathBuf::new(),
+        dataset: "digits".into(),
+        resume: None,
+        first_step: 0,
     }
+}
+
+/// Largest parameter difference relative to the largest parameter.
+fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let scale = b.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| f64::from((x - y).abs()))
+        .fold(0.0, f64::max)
+        / scale
 }
 
 /// `local` with batch W·b for `STEPS` steps; its final parameters.
@@ -130,8 +146,12 @@ fn run(job: &PsJob, data: &Dataset, speeds: &[f64]) -> (Vec<f32>, Vec<f64>, Vec<
             );
             thread::spawn(move || {
                 let r = r as u32;
-                let neighbours: BTreeSet<u32> = if r < servers {
-                    (servers..n).collect()
+                // The launcher's star: servers ↔ workers, and servers → server 0 (reports,
+                // checkpoint entries).
+                let neighbours: BTreeSet<u32> = if r == 0 {
+                    (1..n).collect()
+                } else if r < servers {
+                    (servers..n).chain([0]).collect()
                 } else {
                     (0..servers).collect()
                 };
@@ -200,6 +220,44 @@ fn bsp_with_w_workers_equals_local_with_w_times_the_batch() {
     for h in staleness {
         assert_eq!(h.len(), 1, "bsp never lets a worker start ahead: {h:?}");
     }
+}
+
+/// Servers checkpoint their shards; a run resumed from them — here on another number of
+/// servers, so every shard boundary moves — continues BSP exactly (up to the order in which a
+/// server sums the workers' gradients).
+#[test]
+fn bsp_checkpoint_then_resume_on_another_server_count_equals_uninterrupted() {
+    let data = ringtmp_data::load("digits", None).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let (uninterrupted, _, _) = run(&job(Consistency::Bsp, STEPS), &data, &[]);
+
+    let mut first = job(Consistency::Bsp, 6);
+    first.checkpoint_every = 6;
+    first.out = tmp.path().to_path_buf();
+    run(&first, &data, &[]);
+    let dir = checkpoint::resolve(tmp.path()).unwrap();
+    let manifest = checkpoint::read_manifest(&dir).unwrap();
+    assert_eq!((manifest.step, manifest.files.len()), (6, SERVERS));
+    assert_eq!(manifest.strategy, "ps");
+
+    let mut rest = job(Consistency::Bsp, STEPS);
+    rest.servers = 1;
+    rest.resume = Some(dir.clone());
+    rest.first_step = manifest.step;
+    let (resumed, _, _) = run(&rest, &data, &[]);
+    let diff = rel_diff(&resumed, &uninterrupted);
+    println!(
+        "bsp: 6 iterations on {SERVERS} servers + checkpoint + {} on 1 server vs {STEPS} uninterrupted: {diff:.2e}",
+        STEPS - 6
+    );
+    assert!(diff < 1e-5, "{diff}");
+
+    // The shards' checkpoint loads into a whole model too (any strategy can resume from it).
+    let layers = model().build(&Shape::image(8, 8, 1), 10).unwrap();
+    let mut stage = Stage::new(&layers, 0..layers.len(), 0, 1);
+    let mut opt = Optimizer::new(sgd(), stage.params().len());
+    checkpoint::read_stage(&dir, &manifest, &mut stage, &mut opt).unwrap();
+    assert_eq!(opt.steps(), 6);
 }
 
 #[test]

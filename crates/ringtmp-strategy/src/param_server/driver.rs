@@ -17,7 +17,9 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use ringtmp_data::{BatchPlan, Dataset, shard};
-use ringtmp_model::{LrSchedule, ModelSpec, Optimizer, OptimizerConfig, Pass, Shape, Stage, loss};
+use ringtmp_model::{
+    LrSchedule, ModelSpec, Optimizer, OptimizerConfig, Pass, Shape, Stage, checkpoint, loss,
+};
 use ringtmp_transport::{Network, TransportError};
 use ringtmp_wire::message::{tensor_bytes, tensor_values};
 use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
@@ -68,6 +70,22 @@ pub struct PsJob {
     pub recv_timeout_secs: f64,
     /// Keep training without a worker that died, even under BSP.
     pub drop_dead_workers: bool,
+    /// Servers checkpoint their shards every this many iterations and at the end (0: never).
+    #[serde(default)]
+    pub checkpoint_every: u64,
+    /// Run directory; checkpoints go to `out/checkpoints/step-N/` (one file per server, the
+    /// manifest from server 0: servers must share this directory's storage).
+    #[serde(default)]
+    pub out: std::path::PathBuf,
+    /// Dataset name, for the manifest.
+    #[serde(default)]
+    pub dataset: String,
+    /// Checkpoint directory to resume from (any strategy's checkpoint of this model).
+    #[serde(default)]
+    pub resume: Option<std::path::PathBuf>,
+    /// Iterations already done when resuming (the manifest's step).
+    #[serde(default)]
+    pub first_step: u64,
 }
 
 impl PsJob {
@@ -80,10 +98,21 @@ impl PsJob {
         Duration::from_secs_f64(self.recv_timeout_secs.max(0.001))
     }
 
+    fn checkpoint_due(&self, done: u64) -> bool {
+        self.checkpoint_every > 0 && (done % self.checkpoint_every == 0 || done == self.total_steps)
+    }
+
+    fn checkpoint_dir(&self, step: u64) -> std::path::PathBuf {
+        self.out
+            .join("checkpoints")
+            .join(checkpoint::checkpoint_dir_name(step))
+    }
+
+    /// The learning rate of a worker's iteration `t` (counted from the resumed step).
     fn lr_at(&self, t: u64) -> f32 {
         self.lr_schedule.rate(
             self.lr,
-            t,
+            self.first_step + t,
             self.schedule_steps,
             self.steps_per_epoch,
             self.warmup_steps,
@@ -145,9 +174,26 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
     let range = shard_range(total, job.servers, s);
     // The same initial parameters as every other strategy: build the model's initial vector and
     // keep this server's slice.
-    let mut params =
-        Stage::new(&layers, 0..layers.len(), job.seed, 1).params()[range.clone()].to_vec();
+    let model = Stage::new(&layers, 0..layers.len(), job.seed, 1);
+    let mut params = model.params()[range.clone()].to_vec();
     let mut optimizer = Optimizer::new(job.optimizer.clone(), params.len());
+    if let Some(dir) = &job.resume {
+        let manifest = checkpoint::read_manifest(dir)?;
+        checkpoint::read_range(
+            dir,
+            &manifest,
+            &model,
+            range.clone(),
+            &mut params,
+            &mut optimizer,
+        )?;
+    }
+    let mut checkpoints = Checkpoints {
+        range: range.clone(),
+        iterations: 0,
+        pushes: 0,
+        entries: std::collections::BTreeMap::new(),
+    };
     let mut gate = Gate::new(job.consistency, job.workers);
     let started = Instant::now();
     let worker = |rank: u32| rank as usize - job.servers;
@@ -187,7 +233,9 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
                 dropped.push(rank);
                 // Under BSP the iteration may now be complete without it.
                 bsp.forget(worker(rank));
-                bsp.apply_if_complete(job.workers - dropped.len(), &mut optimizer, &mut params);
+                if bsp.apply_if_complete(job.workers - dropped.len(), &mut optimizer, &mut params) {
+                    checkpoints.iteration_done(job, s, &model, &params, &optimizer, net)?;
+                }
                 pulls.retry(&mut gate, &params, started, job.servers, net)?;
                 continue;
             }
@@ -196,6 +244,9 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
             // Only another server's end-of-run report can come from a server (to server 0).
             match message {
                 Message::Control(Control::Report { nodes }) if s == 0 => reports.extend(nodes),
+                Message::Control(Control::Checkpoint { step, files }) if s == 0 => {
+                    checkpoints.record(job, step, from as usize, files, &model)?;
+                }
                 _ => {
                     return Err(Error::Config(format!(
                         "server {s}: unexpected message from server rank {from}"
@@ -233,10 +284,17 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
                 if job.consistency == Consistency::Bsp {
                     // Sum this iteration's gradients; apply their mean once all live workers pushed.
                     bsp.add(w, &values, lr);
-                    bsp.apply_if_complete(job.workers - dropped.len(), &mut optimizer, &mut params);
+                    if bsp.apply_if_complete(
+                        job.workers - dropped.len(),
+                        &mut optimizer,
+                        &mut params,
+                    ) {
+                        checkpoints.iteration_done(job, s, &model, &params, &optimizer, net)?;
+                    }
                 } else {
                     values.iter_mut().for_each(|v| *v *= scale);
                     optimizer.step(&mut params, &values, lr, 1);
+                    checkpoints.push_applied(job, s, &model, &params, &optimizer, net)?;
                 }
                 gate.push(w, started.elapsed().as_secs_f64());
                 pulls.retry(&mut gate, &params, started, job.servers, net)?;
@@ -254,6 +312,29 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
                 };
                 return Err(Error::Config(format!(
                     "server {s}: unexpected {what} from rank {from}"
+                )));
+            }
+        }
+    }
+    // Server 0 writes a checkpoint's manifest once every server's file is in: wait for the
+    // entries still on their way when the workers finished.
+    while s == 0 && !checkpoints.entries.is_empty() {
+        match net.recv(job.timeout())? {
+            (from, Message::Control(Control::Checkpoint { step, files }))
+                if (from as usize) < job.servers =>
+            {
+                checkpoints.record(job, step, from as usize, files, &model)?;
+            }
+            (from, Message::Control(Control::Report { nodes }))
+                if (from as usize) < job.servers =>
+            {
+                reports.extend(nodes);
+            }
+            // Workers that finished may still say goodbye; nothing else is expected.
+            (from, _) if (from as usize) >= job.servers => {}
+            (from, _) => {
+                return Err(Error::Config(format!(
+                    "server 0: unexpected message from server rank {from} while finishing a checkpoint"
                 )));
             }
         }
@@ -282,6 +363,8 @@ struct Units {
     assigning: bool,
     fixed: bool,
     workers: u64,
+    /// The first unit of this run (after a resume, the checkpoint's step · W).
+    first: u64,
     total: u64,
     next: u64,
 }
@@ -293,8 +376,9 @@ impl Units {
             assigning: server == 0,
             fixed: job.consistency == Consistency::Bsp,
             workers,
+            first: job.first_step * workers,
             total: job.total_steps * workers,
-            next: 0,
+            next: job.first_step * workers,
         }
     }
 
@@ -303,7 +387,7 @@ impl Units {
             return 0;
         }
         let unit = if self.fixed {
-            clock * self.workers + w as u64
+            self.first + clock * self.workers + w as u64
         } else {
             self.next
         };
@@ -399,9 +483,15 @@ impl BspSum {
 
     /// Applies the mean of the pushed gradients once all `live` workers have pushed — also when a
     /// worker's death completes the iteration, which would otherwise wait for the next push.
-    fn apply_if_complete(&mut self, live: usize, optimizer: &mut Optimizer, params: &mut [f32]) {
+    /// Returns whether it applied.
+    fn apply_if_complete(
+        &mut self,
+        live: usize,
+        optimizer: &mut Optimizer,
+        params: &mut [f32],
+    ) -> bool {
         if self.pushed.is_empty() || self.pushed.len() < live {
-            return;
+            return false;
         }
         let mean = 1.0 / self.contributions as f32;
         self.sum.iter_mut().for_each(|v| *v *= mean);
@@ -409,6 +499,133 @@ impl BspSum {
         self.sum.fill(0.0);
         self.pushed.clear();
         self.contributions = 0;
+        true
+    }
+}
+
+/// A server's checkpointing: it counts iterations applied to its shard (under BSP one per
+/// applied mean; otherwise one per `W` pushes) and, at each checkpoint step, writes its shard
+/// file and tells server 0, which writes the manifest once every server's entry is in.
+///
+/// Under BSP every server's file holds exactly iteration `step`'s parameters. Under the other
+/// models servers apply pushes as they come, so each file holds `step · W` pushes but not
+/// necessarily the same ones: the checkpoint is what a worker could have pulled, not one global
+/// instant, and a resumed run restarts the data at unit `step · W`.
+struct Checkpoints {
+    range: Range<usize>,
+    iterations: u64,
+    pushes: u64,
+    /// Server 0: checkpoint step → each server's file entry (JSON) that has arrived.
+    entries: std::collections::BTreeMap<u64, Vec<Option<String>>>,
+}
+
+impl Checkpoints {
+    fn push_applied(
+        &mut self,
+        job: &PsJob,
+        s: usize,
+        model: &Stage,
+        params: &[f32],
+        optimizer: &Optimizer,
+        net: &mut Network,
+    ) -> Result<()> {
+        self.pushes += 1;
+        if self.pushes % job.workers as u64 == 0 {
+            self.iteration_done(job, s, model, params, optimizer, net)?;
+        }
+        Ok(())
+    }
+
+    fn iteration_done(
+        &mut self,
+        job: &PsJob,
+        s: usize,
+        model: &Stage,
+        params: &[f32],
+        optimizer: &Optimizer,
+        net: &mut Network,
+    ) -> Result<()> {
+        self.iterations += 1;
+        let step = job.first_step + self.iterations;
+        if !job.checkpoint_due(step) {
+            return Ok(());
+        }
+        let entry = checkpoint::write_range(
+            &job.checkpoint_dir(step),
+            &format!("server-{s}.safetensors"),
+            model,
+            self.range.clone(),
+            params,
+            optimizer,
+        )?;
+        let entry = serde_json::to_string(&entry).map_err(|e| Error::Config(e.to_string()))?;
+        if s == 0 {
+            self.record(job, step, 0, vec![entry], model)
+        } else {
+            net.send(
+                0,
+                Message::Control(Control::Checkpoint {
+                    step,
+                    files: vec![entry],
+                }),
+            )?;
+            Ok(())
+        }
+    }
+
+    /// Server 0: server `from`'s file for `step`; the manifest once all are in.
+    fn record(
+        &mut self,
+        job: &PsJob,
+        step: u64,
+        from: usize,
+        files: Vec<String>,
+        model: &Stage,
+    ) -> Result<()> {
+        let slots = self
+            .entries
+            .entry(step)
+            .or_insert_with(|| vec![None; job.servers]);
+        let [entry] = <[String; 1]>::try_from(files).map_err(|_| {
+            Error::Config(format!(
+                "server rank {from}: a checkpoint entry must name one file"
+            ))
+        })?;
+        slots[from] = Some(entry);
+        if slots.iter().any(Option::is_none) {
+            return Ok(());
+        }
+        let files = self
+            .entries
+            .remove(&step)
+            .unwrap_or_default()
+            .into_iter()
+            .flatten()
+            .map(|f| {
+                serde_json::from_str(&f).map_err(|e| {
+                    Error::Config(format!("a server's checkpoint entry is invalid: {e}"))
+                })
+            })
+            .collect::<Result<Vec<checkpoint::FileEntry>>>()?;
+        let total = model.params().len();
+        let manifest = checkpoint::Manifest {
+            format: checkpoint::MANIFEST_FORMAT,
+            strategy: "ps".into(),
+            step,
+            epoch: step / job.steps_per_epoch,
+            batch_in_epoch: step % job.steps_per_epoch,
+            dataset: job.dataset.clone(),
+            batch_size: job.worker_batch * job.workers,
+            seed: job.seed,
+            model: job.model.clone(),
+            partition: (0..job.servers)
+                .map(|s| checkpoint::range_layers(model, &shard_range(total, job.servers, s)))
+                .collect(),
+            optimizer: job.optimizer.clone(),
+            files,
+        };
+        checkpoint::write_manifest(&job.checkpoint_dir(step), &manifest)?;
+        Ok(())
     }
 }
 
