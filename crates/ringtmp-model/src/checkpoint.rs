@@ -102,21 +102,7 @@ pub fn write_stage(
             ));
         }
     }
-    let views = owned
-        .iter()
-        .map(|(n, shape, data)| {
-            TensorView::new(Dtype::F32, shape.clone(), data).map(|v| (n.as_str(), v))
-        })
-        .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|e| safetensors_error(&dir.join(name), e))?;
-    let bytes =
-        safetensors::serialize(views, None).map_err(|e| safetensors_error(&dir.join(name), e))?;
-    write_atomic(&dir.join(name), &bytes)?;
-    Ok(FileEntry {
-        name: name.to_string(),
-        sha256: sha256_hex(&bytes),
-        bytes: bytes.len() as u64,
-    })
+    write_tensors(dir, name, &owned)
 }
 
 /// Writes a contiguous range `range` of a whole model's flat parameter vector (a parameter
@@ -171,21 +157,7 @@ pub fn write_range(
             ));
         }
     }
-    let views = owned
-        .iter()
-        .map(|(n, shape, data)| {
-            TensorView::new(Dtype::F32, shape.clone(), data).map(|v| (n.as_str(), v))
-        })
-        .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|e| safetensors_error(&dir.join(name), e))?;
-    let bytes =
-        safetensors::serialize(views, None).map_err(|e| safetensors_error(&dir.join(name), e))?;
-    write_atomic(&dir.join(name), &bytes)?;
-    Ok(FileEntry {
-        name: name.to_string(),
-        sha256: sha256_hex(&bytes),
-        bytes: bytes.len() as u64,
-    })
+    write_tensors(dir, name, &owned)
 }
 
 /// Loads range `range` of a whole model's flat parameters, with the matching optimizer state,
@@ -214,6 +186,30 @@ pub fn read_range(
         params,
         optimizer,
     )
+}
+
+/// Writes named f32 tensors `(name, shape, little-endian bytes)` as one safetensors file,
+/// atomically, and returns its entry.
+fn write_tensors(
+    dir: &Path,
+    name: &str,
+    owned: &[(String, Vec<usize>, Vec<u8>)],
+) -> Result<FileEntry> {
+    let views = owned
+        .iter()
+        .map(|(n, shape, data)| {
+            TensorView::new(Dtype::F32, shape.clone(), data).map(|v| (n.as_str(), v))
+        })
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|e| safetensors_error(&dir.join(name), e))?;
+    let bytes =
+        safetensors::serialize(views, None).map_err(|e| safetensors_error(&dir.join(name), e))?;
+    write_atomic(&dir.join(name), &bytes)?;
+    Ok(FileEntry {
+        name: name.to_string(),
+        sha256: sha256_hex(&bytes),
+        bytes: bytes.len() as u64,
+    })
 }
 
 /// Layers `[first, last)` of `model` whose parameters overlap `range`: a shard's entry in a
