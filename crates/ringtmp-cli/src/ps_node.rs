@@ -104,6 +104,9 @@ pub fn run(
         Ok(())
     };
     let (outcome, mut stage) = run_worker(job, w, &data, speed, net, &mut evaluate)?;
+    // The final replica (the last pull's parameters) is an evaluation point too: a run that
+    // reaches the target only at its end has reached it, at that time.
+    let finished_at = clock.elapsed().as_secs_f64() - eval_seconds;
     let mut own = base_summary(rank, "worker", stage.params().len() as u64, net);
     own.iterations = outcome.iterations;
     own.wait_seconds = outcome.wait_seconds;
@@ -113,6 +116,10 @@ pub fn run(
         let (accuracy, _) =
             ringtmp_strategy::local::evaluate(&mut stage, &data.test, data.classes)?;
         own.test_accuracy = Some(accuracy);
+        if evaluations.last().map(|e| e.0) != Some(outcome.iterations) {
+            evaluations.push((outcome.iterations, accuracy, finished_at));
+        }
+        own.evaluations = evaluations;
     }
     report(net, &own)
 }
