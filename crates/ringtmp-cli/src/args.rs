@@ -123,7 +123,8 @@ pub struct TrainArgs {
     /// Examples per optimizer step [default: 64].
     #[arg(long)]
     pub batch_size: Option<usize>,
-    /// Base learning rate [default: 0.01 for SGD, 0.001 for Adam].
+    /// Base learning rate [default: 0.01 for SGD, 0.001 for Adam; with SGD on W data-parallel
+    /// workers (--strategy ps), 0.01 × W for their global batch of W × --batch-size].
     #[arg(long)]
     pub lr: Option<f32>,
     /// Learning-rate schedule: constant, cosine or step:EVERY:GAMMA (epochs) [default: constant].

@@ -176,6 +176,11 @@ pub enum Message {
 /// nearest even).
 pub fn tensor_bytes(values: &[f32], dtype: Dtype) -> Vec<u8> {
     match dtype {
+        // One memcpy where the machine is little-endian (the wire order); a byte-wise collect
+        // of a 12 MB shard cost a parameter-server worker more than its kernel copies.
+        #[cfg(target_endian = "little")]
+        Dtype::F32 => bytemuck::cast_slice(values).to_vec(),
+        #[cfg(not(target_endian = "little"))]
         Dtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
         Dtype::F16 => values
             .iter()
@@ -191,6 +196,11 @@ pub fn tensor_bytes(values: &[f32], dtype: Dtype) -> Vec<u8> {
 /// Values of a payload as f32 (the payload length was checked against the shape when decoded).
 pub fn tensor_values(bytes: &[u8], dtype: Dtype, out: &mut Vec<f32>) {
     out.clear();
+    if dtype == Dtype::F32 {
+        out.resize(bytes.len() / 4, 0.0);
+        tensor_values_into(bytes, dtype, out);
+        return;
+    }
     match dtype {
         Dtype::F32 => out.extend(
             bytes
@@ -207,5 +217,49 @@ pub fn tensor_values(bytes: &[u8], dtype: Dtype, out: &mut Vec<f32>) {
                 .chunks_exact(2)
                 .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
         ),
+    }
+}
+
+/// The values of a payload as f32: borrowed without a copy where the payload is little-endian
+/// f32 in a 4-byte-aligned buffer (what the transport's reads produce on little-endian
+/// machines), decoded into `scratch` otherwise.
+pub fn tensor_view<'a>(bytes: &'a [u8], dtype: Dtype, scratch: &'a mut Vec<f32>) -> &'a [f32] {
+    #[cfg(target_endian = "little")]
+    if dtype == Dtype::F32
+        && let Ok(values) = bytemuck::try_cast_slice(bytes)
+    {
+        return values;
+    }
+    tensor_values(bytes, dtype, scratch);
+    scratch
+}
+
+/// Writes the values of a payload into `out`, which holds exactly as many elements as the
+/// payload (checked by the caller against what it expects), without an intermediate buffer.
+///
+/// # Panics
+/// If `out` does not hold `bytes.len() / dtype.size()` elements: a caller bug, not peer input.
+pub fn tensor_values_into(bytes: &[u8], dtype: Dtype, out: &mut [f32]) {
+    assert_eq!(
+        out.len() as u64 * dtype.size(),
+        bytes.len() as u64,
+        "tensor_values_into: destination does not match the payload"
+    );
+    match dtype {
+        #[cfg(target_endian = "little")]
+        Dtype::F32 => bytemuck::cast_slice_mut::<f32, u8>(out).copy_from_slice(bytes),
+        #[cfg(not(target_endian = "little"))]
+        Dtype::F32 => out
+            .iter_mut()
+            .zip(bytes.chunks_exact(4))
+            .for_each(|(o, b)| *o = f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        Dtype::F16 => out
+            .iter_mut()
+            .zip(bytes.chunks_exact(2))
+            .for_each(|(o, b)| *o = half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
+        Dtype::Bf16 => out
+            .iter_mut()
+            .zip(bytes.chunks_exact(2))
+            .for_each(|(o, b)| *o = half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
     }
 }

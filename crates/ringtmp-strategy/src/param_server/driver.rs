@@ -21,7 +21,7 @@ use ringtmp_model::{
     LrSchedule, ModelSpec, Optimizer, OptimizerConfig, Pass, Shape, Stage, checkpoint, loss,
 };
 use ringtmp_transport::{Network, TransportError};
-use ringtmp_wire::message::{tensor_bytes, tensor_values};
+use ringtmp_wire::message::{tensor_bytes, tensor_values_into, tensor_view};
 use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
 use serde::{Deserialize, Serialize};
 
@@ -205,13 +205,8 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
     let mut finished: BTreeSet<usize> = BTreeSet::new();
     let mut dropped: Vec<u32> = Vec::new();
     let mut reports: Vec<String> = Vec::new();
-    let mut bsp = BspSum {
-        sum: vec![0.0; params.len()],
-        pushed: BTreeSet::new(),
-        contributions: 0,
-        lr: job.lr,
-    };
-    let mut values = Vec::new();
+    let mut bsp = BspSum::new(job.workers, params.len(), job.lr);
+    let (mut values, mut scratch) = (Vec::new(), Vec::new());
     let scale = 1.0 / job.workers as f32;
     while finished.len() + dropped.len() < job.workers {
         let (from, message) = match net.recv(job.timeout()) {
@@ -272,18 +267,17 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
                 }
             }
             Message::Tensor(h, bytes) if h.tag == TensorTag::ParamGrads => {
-                tensor_values(&bytes, h.dtype, &mut values);
-                if values.len() != params.len() {
+                let count = bytes.len() as u64 / h.dtype.size();
+                if count != params.len() as u64 {
                     return Err(Error::Config(format!(
-                        "server {s}: gradient of {} values from rank {from}, shard has {}",
-                        values.len(),
+                        "server {s}: gradient of {count} values from rank {from}, shard has {}",
                         params.len()
                     )));
                 }
                 let lr = job.lr_at(h.step);
                 if job.consistency == Consistency::Bsp {
-                    // Sum this iteration's gradients; apply their mean once all live workers pushed.
-                    bsp.add(w, &values, lr);
+                    // Keep this iteration's gradients; apply their mean once all live workers pushed.
+                    bsp.add(w, bytes, h.dtype, lr);
                     if bsp.apply_if_complete(
                         job.workers - dropped.len(),
                         &mut optimizer,
@@ -292,7 +286,10 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
                         checkpoints.iteration_done(job, s, &model, &params, &optimizer, net)?;
                     }
                 } else {
-                    values.iter_mut().for_each(|v| *v *= scale);
+                    // Each push is 1/W of an iteration's mean gradient.
+                    let grads = tensor_view(&bytes, h.dtype, &mut scratch);
+                    values.clear();
+                    values.extend(grads.iter().map(|g| g * scale));
                     optimizer.step(&mut params, &values, lr, 1);
                     checkpoints.push_applied(job, s, &model, &params, &optimizer, net)?;
                 }
@@ -457,28 +454,40 @@ impl Pulls {
     }
 }
 
-/// BSP: the sum of the current iteration's gradients and who has pushed them.
+/// BSP's iteration in progress: each worker's pushed gradient, kept as it arrived, until every
+/// live worker has pushed. The mean is then summed in worker order, so a run's parameters do not
+/// depend on the order in which pushes happened to arrive (float addition is not associative).
+/// Memory: up to `W` gradients of the shard, which the received messages occupy anyway.
 struct BspSum {
+    /// Per worker, its gradient payload for this iteration (a dead worker's stays).
+    pushed: Vec<Option<(Vec<u8>, Dtype)>>,
+    /// Live workers that pushed this iteration.
+    awaited_pushed: BTreeSet<usize>,
     sum: Vec<f32>,
-    pushed: BTreeSet<usize>,
-    /// Gradients in `sum` (a dead worker's already-pushed one included).
-    contributions: usize,
+    scratch: Vec<f32>,
     lr: f32,
 }
 
 impl BspSum {
-    fn add(&mut self, w: usize, grads: &[f32], lr: f32) {
-        for (a, g) in self.sum.iter_mut().zip(grads) {
-            *a += g;
+    fn new(workers: usize, shard: usize, lr: f32) -> Self {
+        Self {
+            pushed: vec![None; workers],
+            awaited_pushed: BTreeSet::new(),
+            sum: vec![0.0; shard],
+            scratch: Vec::new(),
+            lr,
         }
-        self.pushed.insert(w);
-        self.contributions += 1;
+    }
+
+    fn add(&mut self, w: usize, payload: Vec<u8>, dtype: Dtype, lr: f32) {
+        self.pushed[w] = Some((payload, dtype));
+        self.awaited_pushed.insert(w);
         self.lr = lr;
     }
 
     /// A dead worker is no longer awaited; a gradient it already pushed stays in the sum.
     fn forget(&mut self, w: usize) {
-        self.pushed.remove(&w);
+        self.awaited_pushed.remove(&w);
     }
 
     /// Applies the mean of the pushed gradients once all `live` workers have pushed — also when a
@@ -490,15 +499,22 @@ impl BspSum {
         optimizer: &mut Optimizer,
         params: &mut [f32],
     ) -> bool {
-        if self.pushed.is_empty() || self.pushed.len() < live {
+        if self.awaited_pushed.is_empty() || self.awaited_pushed.len() < live {
             return false;
         }
-        let mean = 1.0 / self.contributions as f32;
+        self.sum.fill(0.0);
+        let mut contributions = 0;
+        for (payload, dtype) in self.pushed.iter_mut().filter_map(Option::take) {
+            let grads = tensor_view(&payload, dtype, &mut self.scratch);
+            for (a, g) in self.sum.iter_mut().zip(grads) {
+                *a += g;
+            }
+            contributions += 1;
+        }
+        let mean = 1.0 / contributions as f32;
         self.sum.iter_mut().for_each(|v| *v *= mean);
         optimizer.step(params, &self.sum, self.lr, 1);
-        self.sum.fill(0.0);
-        self.pushed.clear();
-        self.contributions = 0;
+        self.awaited_pushed.clear();
         true
     }
 }
@@ -661,10 +677,10 @@ pub fn run_worker(
         .map(|s| shard_range(total, job.servers, s))
         .collect();
     let mut plan = BatchPlan::new(data.train.len(), job.worker_batch * job.workers, job.seed)?;
-    let (mut x, mut y, mut d, mut values) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut x, mut y, mut d) = (Vec::new(), Vec::new(), Vec::new());
     let mut out = WorkerOutcome::default();
     // Pulls every shard for iteration `t`; returns the unit of work server 0 assigned.
-    let mut pull =
+    let pull =
         |t: u64, stage: &mut Stage, out: &mut WorkerOutcome, net: &mut Network| -> Result<u64> {
             let mut unit = NO_MORE_WORK;
             let waited = Instant::now();
@@ -677,15 +693,14 @@ pub fn run_worker(
                         if s == 0 {
                             unit = h.micro_batch;
                         }
-                        tensor_values(&bytes, h.dtype, &mut values);
-                        if values.len() != range.len() {
+                        let values = bytes.len() as u64 / h.dtype.size();
+                        if values != range.len() as u64 {
                             return Err(Error::Config(format!(
-                                "worker {w}: shard of {} values from server {s}, expected {}",
-                                values.len(),
+                                "worker {w}: shard of {values} values from server {s}, expected {}",
                                 range.len()
                             )));
                         }
-                        stage.params_mut()[range.clone()].copy_from_slice(&values);
+                        tensor_values_into(&bytes, h.dtype, &mut stage.params_mut()[range.clone()]);
                     }
                     _ => {
                         return Err(Error::Config(format!(
@@ -724,8 +739,6 @@ pub fn run_worker(
         d.resize(logits.len(), 0.0);
         loss::softmax_cross_entropy(logits, &y, job.classes, 1.0 / y.len() as f32, &mut d)?;
         stage.backward(0, &d)?;
-        let grads = stage.grads().to_vec();
-        stage.zero_grad();
         if speed < 1.0 {
             std::thread::sleep(computed.elapsed().mul_f64(1.0 / speed - 1.0));
         }
@@ -733,9 +746,10 @@ pub fn run_worker(
         for (s, range) in ranges.iter().enumerate() {
             net.send(
                 s as u32,
-                tensor(TensorTag::ParamGrads, t, &grads[range.clone()]),
+                tensor(TensorTag::ParamGrads, t, &stage.grads()[range.clone()]),
             )?;
         }
+        stage.zero_grad();
         out.iterations += 1;
         out.samples += y.len() as u64;
     }
