@@ -10,7 +10,7 @@ use crate::message::{Control, Message, TensorHeader};
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"RTMP";
 /// The protocol version this build speaks; peers must match exactly.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 /// Bytes before the header.
 pub const PREFIX_LEN: usize = 20;
 
@@ -292,6 +292,11 @@ mod tests {
                 settings: "epochs = 2\n".into(),
             }),
             Message::Control(Control::Goodbye),
+            Message::Control(Control::Grant {
+                worker: 2,
+                unit: 17,
+                settled: 12,
+            }),
             Message::Tensor(
                 header(Dtype::F32, vec![3, 4]),
                 tensor_bytes(&values, Dtype::F32),
@@ -400,7 +405,7 @@ mod tests {
             decode(&wrong_version, &limits),
             Err(DecodeError::UnsupportedVersion {
                 got: 9,
-                supported: 1
+                supported: PROTOCOL_VERSION
             })
         );
         assert!(matches!(

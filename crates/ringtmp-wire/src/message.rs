@@ -106,6 +106,18 @@ pub enum Control {
     },
     /// Orderly end of a run.
     Goodbye,
+    /// Parameter server, SSP and DSSP with several servers: server 0 tells another server the
+    /// unit of work it gave a worker and that every unit below `settled` had been pushed to it
+    /// (or abandoned by a dead worker); the other server answers the worker's pull once every
+    /// such unit has been pushed to it as well, so a read is as fresh on every shard.
+    Grant {
+        /// Worker index (rank minus the number of servers).
+        worker: u32,
+        /// The unit assigned (`u64::MAX`: no more work).
+        unit: u64,
+        /// Every unit below this had been pushed to server 0 or abandoned.
+        settled: u64,
+    },
     /// Liveness: sent periodically on every link.
     Heartbeat {
         /// Sequence number (per link).

@@ -108,11 +108,11 @@ impl PsJob {
             .join(checkpoint::checkpoint_dir_name(step))
     }
 
-    /// The learning rate of a worker's iteration `t` (counted from the resumed step).
-    fn lr_at(&self, t: u64) -> f32 {
+    /// The learning rate of the global iteration unit `unit` belongs to.
+    fn lr_at_unit(&self, unit: u64) -> f32 {
         self.lr_schedule.rate(
             self.lr,
-            self.first_step + t,
+            unit / self.workers as u64,
             self.schedule_steps,
             self.steps_per_epoch,
             self.warmup_steps,
@@ -144,11 +144,12 @@ pub struct ServerOutcome {
     pub reports: Vec<String>,
 }
 
-fn tensor(tag: TensorTag, step: u64, values: &[f32]) -> Message {
+/// A gradient push: `step` is the worker's iteration, `micro_batch` the unit of work it computed.
+fn tensor(tag: TensorTag, step: u64, unit: u64, values: &[f32]) -> Message {
     let header = TensorHeader {
         run_id: 0,
         step,
-        micro_batch: 0,
+        micro_batch: unit,
         tag,
         dtype: Dtype::F32,
         shape: vec![values.len() as u32],
@@ -194,14 +195,8 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
         pushes: 0,
         entries: std::collections::BTreeMap::new(),
     };
-    let mut gate = Gate::new(job.consistency, job.workers);
-    let started = Instant::now();
     let worker = |rank: u32| rank as usize - job.servers;
-    let mut pulls = Pulls {
-        parked: VecDeque::new(),
-        units: Units::new(job, s),
-        parked_count: 0,
-    };
+    let mut pulls = Admission::new(job, s);
     let mut finished: BTreeSet<usize> = BTreeSet::new();
     let mut dropped: Vec<u32> = Vec::new();
     let mut reports: Vec<String> = Vec::new();
@@ -224,14 +219,14 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
                     return Err(e.into());
                 }
                 tracing::warn!("server {s}: dropping worker rank {rank}: {e}");
-                gate.drop_worker(worker(rank));
+                pulls.drop_worker(worker(rank));
                 dropped.push(rank);
                 // Under BSP the iteration may now be complete without it.
                 bsp.forget(worker(rank));
                 if bsp.apply_if_complete(job.workers - dropped.len(), &mut optimizer, &mut params) {
                     checkpoints.iteration_done(job, s, &model, &params, &optimizer, net)?;
                 }
-                pulls.retry(&mut gate, &params, started, job.servers, net)?;
+                pulls.retry(&params, net)?;
                 continue;
             }
         };
@@ -241,6 +236,14 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
                 Message::Control(Control::Report { nodes }) if s == 0 => reports.extend(nodes),
                 Message::Control(Control::Checkpoint { step, files }) if s == 0 => {
                     checkpoints.record(job, step, from as usize, files, &model)?;
+                }
+                Message::Control(Control::Grant {
+                    worker,
+                    unit,
+                    settled,
+                }) if from == 0 && (worker as usize) < job.workers => {
+                    pulls.grant(worker as usize, unit, settled);
+                    pulls.retry(&params, net)?;
                 }
                 _ => {
                     return Err(Error::Config(format!(
@@ -253,18 +256,13 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
         let w = worker(from);
         match message {
             Message::Control(Control::Pull { clock }) => {
-                if gate.clock(w) != clock {
+                let pushed = pulls.gate.pushes(w);
+                if pushed != clock {
                     return Err(Error::Config(format!(
-                        "server {s}: worker rank {from} pulls for iteration {clock} at clock {}",
-                        gate.clock(w)
+                        "server {s}: worker rank {from} pulls for iteration {clock} after pushing {pushed}"
                     )));
                 }
-                if gate.may_start(w, started.elapsed().as_secs_f64()) == Decision::Proceed {
-                    answer(w, clock, &mut pulls.units, &params, job.servers, net)?;
-                } else {
-                    pulls.parked_count += 1;
-                    pulls.parked.push_back((w, clock));
-                }
+                pulls.pull(w, clock, &params, net)?;
             }
             Message::Tensor(h, bytes) if h.tag == TensorTag::ParamGrads => {
                 let count = bytes.len() as u64 / h.dtype.size();
@@ -274,7 +272,8 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
                         params.len()
                     )));
                 }
-                let lr = job.lr_at(h.step);
+                // The rate of the global iteration the unit belongs to, whoever computed it.
+                let lr = job.lr_at_unit(h.micro_batch);
                 if job.consistency == Consistency::Bsp {
                     // Keep this iteration's gradients; apply their mean once all live workers pushed.
                     bsp.add(w, bytes, h.dtype, lr);
@@ -293,14 +292,14 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
                     optimizer.step(&mut params, &values, lr, 1);
                     checkpoints.push_applied(job, s, &model, &params, &optimizer, net)?;
                 }
-                gate.push(w, started.elapsed().as_secs_f64());
-                pulls.retry(&mut gate, &params, started, job.servers, net)?;
+                pulls.pushed(w, h.micro_batch);
+                pulls.retry(&params, net)?;
             }
             Message::Control(Control::Report { nodes }) => reports.extend(nodes),
             Message::Control(Control::Finished { .. }) => {
                 finished.insert(w);
-                gate.drop_worker(w);
-                pulls.retry(&mut gate, &params, started, job.servers, net)?;
+                pulls.drop_worker(w);
+                pulls.retry(&params, net)?;
             }
             other => {
                 let what = match other {
@@ -339,9 +338,9 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
     Ok(ServerOutcome {
         params,
         parked_pulls: pulls.parked_count,
-        staleness: gate.staleness_histogram().to_vec(),
+        staleness: pulls.gate.staleness_histogram().to_vec(),
         worker_staleness: (0..job.workers)
-            .map(|w| gate.worker_staleness(w).to_vec())
+            .map(|w| pulls.gate.worker_staleness(w).to_vec())
             .collect(),
         dropped,
         reports,
@@ -354,60 +353,225 @@ pub const NO_MORE_WORK: u64 = u64::MAX;
 
 /// Server 0's assignment of work. Under BSP it is fixed (worker `w`, iteration `t` → unit
 /// `t·W + w`), so the run is exactly large-batch SGD; under the other models units are handed out
-/// in order to whichever worker asks, so fast workers take over work a straggler would have done.
+/// in order to whichever worker asks, so fast workers take over work a straggler would have done
+/// (the gate's dynamic assignment, [`super::consistency`]).
 #[derive(Clone, Debug)]
 struct Units {
-    assigning: bool,
-    fixed: bool,
     workers: u64,
     /// The first unit of this run (after a resume, the checkpoint's step · W).
     first: u64,
     total: u64,
     next: u64,
+    /// Dynamic assignment: the unit each worker computes, if any.
+    held: Vec<Option<u64>>,
 }
 
 impl Units {
-    fn new(job: &PsJob, server: usize) -> Self {
+    fn new(job: &PsJob) -> Self {
         let workers = job.workers as u64;
         Self {
-            assigning: server == 0,
-            fixed: job.consistency == Consistency::Bsp,
             workers,
             first: job.first_step * workers,
             total: job.total_steps * workers,
             next: job.first_step * workers,
+            held: vec![None; job.workers],
         }
     }
 
-    fn assign(&mut self, w: usize, clock: u64) -> u64 {
-        if !self.assigning {
-            return 0;
-        }
-        let unit = if self.fixed {
-            self.first + clock * self.workers + w as u64
-        } else {
-            self.next
-        };
+    /// Worker `w`'s unit of its iteration `clock` under fixed assignment.
+    fn fixed(&self, w: usize, clock: u64) -> u64 {
+        let unit = self.first + clock * self.workers + w as u64;
         if unit >= self.total {
-            return NO_MORE_WORK;
+            NO_MORE_WORK
+        } else {
+            unit
         }
-        if !self.fixed {
-            self.next += 1;
-        }
+    }
+
+    fn exhausted(&self) -> bool {
+        self.next >= self.total
+    }
+
+    /// The global iteration of the next unit to hand out.
+    fn next_iteration(&self) -> u64 {
+        self.next / self.workers
+    }
+
+    /// Every unit below this has been pushed or abandoned (units go out in order).
+    fn settled(&self) -> u64 {
+        self.held.iter().flatten().fold(self.next, |m, u| m.min(*u))
+    }
+
+    /// Hands worker `w` the next unit.
+    fn assign(&mut self, w: usize) -> u64 {
+        let unit = self.next;
+        self.next += 1;
+        self.held[w] = Some(unit);
         unit
+    }
+
+    /// Worker `w` pushed its unit, or left.
+    fn release(&mut self, w: usize) {
+        self.held[w] = None;
     }
 }
 
-/// Sends worker `w` this server's shard (and from server 0, its next unit of work).
-fn answer(
+/// When a server answers a pull (module docs of [`super::consistency`] for the models):
+/// - under BSP every server runs the same gate on the workers' push counts;
+/// - otherwise server 0 runs the gate on positions in the data and assigns the units, and under
+///   SSP and DSSP tells the other servers, per answer, the unit and the `settled` mark below which
+///   every unit had been pushed to it. Another server answers that worker once no unit below the
+///   mark is still on its way to it, so every shard a worker reads is at least as fresh as the
+///   gate required. Under ASP nobody waits.
+struct Admission {
+    s: usize,
+    servers: usize,
+    consistency: Consistency,
+    gate: Gate,
+    /// Server 0: the assignment of work.
+    units: Units,
+    started: Instant,
+    parked: VecDeque<(usize, u64)>,
+    /// Pulls that could not be answered at once.
+    parked_count: u64,
+    /// Other servers: per worker, server 0's grant for its next pull (unit, settled).
+    grants: std::collections::BTreeMap<usize, (u64, u64)>,
+    /// Other servers: units whose shard went out and whose gradient has not arrived, by worker.
+    outstanding: std::collections::BTreeMap<u64, usize>,
+}
+
+impl Admission {
+    fn new(job: &PsJob, s: usize) -> Self {
+        Self {
+            s,
+            servers: job.servers,
+            consistency: job.consistency,
+            gate: Gate::new(job.consistency, job.workers),
+            units: Units::new(job),
+            started: Instant::now(),
+            parked: VecDeque::new(),
+            parked_count: 0,
+            grants: std::collections::BTreeMap::new(),
+            outstanding: std::collections::BTreeMap::new(),
+        }
+    }
+
+    /// Worker `w` asks for its iteration `clock`: answered now or parked.
+    fn pull(&mut self, w: usize, clock: u64, params: &[f32], net: &mut Network) -> Result<()> {
+        if !self.try_answer(w, clock, params, net)? {
+            self.parked_count += 1;
+            self.parked.push_back((w, clock));
+        }
+        Ok(())
+    }
+
+    /// Answers parked pulls that may go now, in arrival order.
+    fn retry(&mut self, params: &[f32], net: &mut Network) -> Result<()> {
+        for _ in 0..self.parked.len() {
+            let Some((w, clock)) = self.parked.pop_front() else {
+                break;
+            };
+            if !self.try_answer(w, clock, params, net)? {
+                self.parked.push_back((w, clock));
+            }
+        }
+        Ok(())
+    }
+
+    fn try_answer(
+        &mut self,
+        w: usize,
+        clock: u64,
+        params: &[f32],
+        net: &mut Network,
+    ) -> Result<bool> {
+        let now = self.started.elapsed().as_secs_f64();
+        if self.gate.fixed_assignment() {
+            if self.gate.may_start(w, clock, now) == Decision::Wait {
+                return Ok(false);
+            }
+            let unit = if self.s == 0 {
+                self.units.fixed(w, clock)
+            } else {
+                0
+            };
+            send_params(w, clock, unit, params, self.servers, net)?;
+            return Ok(true);
+        }
+        if self.s == 0 {
+            let (unit, settled) = if self.units.exhausted() {
+                (NO_MORE_WORK, self.units.settled())
+            } else {
+                let t = self.units.next_iteration();
+                if self.gate.may_start(w, t, now) == Decision::Wait {
+                    return Ok(false);
+                }
+                let settled = self.units.settled();
+                (self.units.assign(w), settled)
+            };
+            send_params(w, clock, unit, params, self.servers, net)?;
+            if self.consistency != Consistency::Asp {
+                for other in 1..self.servers {
+                    net.send(
+                        other as u32,
+                        Message::Control(Control::Grant {
+                            worker: w as u32,
+                            unit,
+                            settled,
+                        }),
+                    )?;
+                }
+            }
+            return Ok(true);
+        }
+        if self.consistency != Consistency::Asp {
+            let Some(&(unit, settled)) = self.grants.get(&w) else {
+                return Ok(false);
+            };
+            if unit != NO_MORE_WORK && self.outstanding.range(..settled).next().is_some() {
+                return Ok(false);
+            }
+            self.grants.remove(&w);
+            if unit != NO_MORE_WORK {
+                self.outstanding.insert(unit, w);
+            }
+        }
+        send_params(w, clock, 0, params, self.servers, net)?;
+        Ok(true)
+    }
+
+    /// Server 0 gave worker `w` `unit` (another server, SSP/DSSP).
+    fn grant(&mut self, w: usize, unit: u64, settled: u64) {
+        self.grants.insert(w, (unit, settled));
+    }
+
+    /// Worker `w` pushed the gradient of `unit`.
+    fn pushed(&mut self, w: usize, unit: u64) {
+        self.gate.push(w, self.started.elapsed().as_secs_f64());
+        self.units.release(w);
+        self.outstanding.remove(&unit);
+    }
+
+    /// Worker `w` finished or died: nobody waits for it any more.
+    fn drop_worker(&mut self, w: usize) {
+        self.gate.drop_worker(w);
+        self.units.release(w);
+        self.outstanding.retain(|_, v| *v != w);
+        self.grants.remove(&w);
+        self.parked.retain(|(v, _)| *v != w);
+    }
+}
+
+/// Sends worker `w` this server's shard for its iteration `clock` (from server 0 with the unit of
+/// work it does next).
+fn send_params(
     w: usize,
     clock: u64,
-    units: &mut Units,
+    unit: u64,
     params: &[f32],
     servers: usize,
     net: &mut Network,
 ) -> Result<()> {
-    let unit = units.assign(w, clock);
     let header = TensorHeader {
         run_id: 0,
         step: clock,
@@ -421,37 +585,6 @@ fn answer(
         Message::Tensor(header, tensor_bytes(params, Dtype::F32)),
     )?;
     Ok(())
-}
-
-/// Pulls the gate has not let through yet, and server 0's work assignment.
-struct Pulls {
-    parked: VecDeque<(usize, u64)>,
-    units: Units,
-    parked_count: u64,
-}
-
-impl Pulls {
-    /// Answers parked pulls the gate now allows, in arrival order.
-    fn retry(
-        &mut self,
-        gate: &mut Gate,
-        params: &[f32],
-        started: Instant,
-        servers: usize,
-        net: &mut Network,
-    ) -> Result<()> {
-        for _ in 0..self.parked.len() {
-            let Some((w, clock)) = self.parked.pop_front() else {
-                break;
-            };
-            if gate.may_start(w, started.elapsed().as_secs_f64()) == Decision::Proceed {
-                answer(w, clock, &mut self.units, params, servers, net)?;
-            } else {
-                self.parked.push_back((w, clock));
-            }
-        }
-        Ok(())
-    }
 }
 
 /// BSP's iteration in progress: each worker's pushed gradient, kept as it arrived, until every
@@ -746,7 +879,12 @@ pub fn run_worker(
         for (s, range) in ranges.iter().enumerate() {
             net.send(
                 s as u32,
-                tensor(TensorTag::ParamGrads, t, &stage.grads()[range.clone()]),
+                tensor(
+                    TensorTag::ParamGrads,
+                    t,
+                    unit,
+                    &stage.grads()[range.clone()],
+                ),
             )?;
         }
         stage.zero_grad();
