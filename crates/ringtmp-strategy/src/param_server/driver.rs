@@ -1,14 +1,15 @@
 //! Parameter-server drivers: `S` servers each own a contiguous shard of the flat parameter vector
-//! with its optimizer state; `W` workers each hold a full replica and train on their share of
-//! every global mini-batch.
+//! with its optimizer state; `W` workers each hold a full replica and train on units of work: unit
+//! `u` is share `u mod W` of global batch `u div W` (global batches of `W·b` examples, in the same
+//! order as `local` with batch `W·b`).
 //!
-//! Per iteration `t`, worker `w` sends `Pull { clock: t }` to every server; a server answers with
-//! its shard when its [`Gate`] allows worker `w` to start iteration `t` (otherwise it parks the
-//! request until a push changes the clocks). The worker computes the gradient of its mean loss on
-//! shard `w` of global batch `t` (global batches of `W·b` examples, in the same order as `local`
-//! with batch `W·b`), and pushes each server its slice. Servers apply gradients averaged over the
-//! workers: under BSP once per iteration, when every live worker has pushed (exactly large-batch
-//! SGD); under SSP, ASP and DSSP as each push arrives, scaled by `1/W`.
+//! Per iteration, worker `w` sends `Pull { clock }` to every server; a server answers with its
+//! shard when the consistency model allows (otherwise it parks the request), server 0 adding the
+//! unit the worker computes next (`Admission` says who decides what). The worker computes the
+//! gradient of its mean loss on that unit and pushes each server its slice, tagged with the unit.
+//! Servers apply gradients averaged over the workers: under BSP once per iteration, when every
+//! live worker has pushed (exactly large-batch SGD); under SSP, ASP and DSSP as each push
+//! arrives, scaled by `1/W`.
 //!
 //! Ranks: servers are `0..S`, workers `S..S+W`.
 
