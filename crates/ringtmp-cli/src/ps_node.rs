@@ -86,14 +86,17 @@ pub fn run(
     crate::train::init_threads(job.threads)?;
     let w = rank as usize - job.servers;
     let speed = job.node_speeds.get(rank as usize).copied().unwrap_or(1.0);
-    // Worker 0 evaluates its replica after the pulls of every `eval_every`-th iteration (and at
-    // each epoch end), on a clock that excludes the evaluations themselves.
+    // Worker 0 evaluates its replica at the first pull at or past every `eval_every`-th global
+    // iteration and every epoch end (under dynamic assignment its units skip iterations), on a
+    // clock that excludes the evaluations themselves.
     let eval_every = train_args.eval_every.unwrap_or(200);
     let (mut evaluations, mut eval_seconds) = (Vec::new(), 0.0f64);
     let clock = Instant::now();
+    let mut last = job.first_step;
     let mut evaluate = |t: u64, stage: &mut ringtmp_model::Stage| -> ringtmp_strategy::Result<()> {
-        let due =
-            t > 0 && (t % job.steps_per_epoch == 0 || (eval_every > 0 && t % eval_every == 0));
+        let crossed = |every: u64| every > 0 && t / every > last / every;
+        let due = crossed(job.steps_per_epoch) || crossed(eval_every);
+        last = last.max(t);
         if w == 0 && due {
             let started = Instant::now();
             let (accuracy, _) = ringtmp_strategy::local::evaluate(stage, &data.test, data.classes)?;
@@ -116,8 +119,11 @@ pub fn run(
         let (accuracy, _) =
             ringtmp_strategy::local::evaluate(&mut stage, &data.test, data.classes)?;
         own.test_accuracy = Some(accuracy);
-        if evaluations.last().map(|e| e.0) != Some(outcome.iterations) {
-            evaluations.push((outcome.iterations, accuracy, finished_at));
+        // The final replica holds every iteration of the run (under BSP exactly; otherwise up
+        // to the pushes still in flight when the work ran out).
+        let end = job.total_steps;
+        if evaluations.last().map(|e| e.0) != Some(end) {
+            evaluations.push((end, accuracy, finished_at));
         }
         own.evaluations = evaluations;
     }

@@ -795,7 +795,8 @@ pub struct WorkerOutcome {
 /// Runs worker `w` (rank `servers + w`) for the job's iterations on its share of every global
 /// batch (the units server 0 assigns); `speed` < 1 emulates a slower node. The returned replica
 /// holds the parameters of the last pull (under BSP, the final ones). `on_pulled` sees the replica
-/// after every pull that brought work (iteration, parameters), e.g. to evaluate it.
+/// after every pull that brought work, with the global iteration of the unit it brought (under
+/// BSP the iterations the parameters hold), e.g. to evaluate it.
 pub fn run_worker(
     job: &PsJob,
     w: usize,
@@ -853,7 +854,7 @@ pub fn run_worker(
         if unit == NO_MORE_WORK {
             break;
         }
-        on_pulled(t, &mut stage)?;
+        on_pulled(unit / job.workers as u64, &mut stage)?;
         let computed = Instant::now();
         let workers = job.workers as u64;
         let (global, share) = (unit / workers, (unit % workers) as usize);
