@@ -13,7 +13,7 @@
 //!
 //! Ranks: servers are `0..S`, workers `S..S+W`.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::BTreeSet;
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
@@ -26,7 +26,9 @@ use ringtmp_wire::message::{tensor_bytes, tensor_values_into, tensor_view};
 use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
 use serde::{Deserialize, Serialize};
 
-use super::consistency::{Consistency, Decision, Gate};
+pub use super::admission::NO_MORE_WORK;
+use super::admission::{Admission, Reply};
+use super::consistency::Consistency;
 use crate::error::{Error, Result};
 
 /// Everything every node of a parameter-server run must agree on.
@@ -197,7 +199,16 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
         entries: std::collections::BTreeMap::new(),
     };
     let worker = |rank: u32| rank as usize - job.servers;
-    let mut pulls = Admission::new(job, s);
+    let workers = job.workers as u64;
+    let mut pulls = Admission::new(
+        job.consistency,
+        s,
+        job.servers,
+        job.workers,
+        job.first_step * workers..job.total_steps * workers,
+    );
+    let started = Instant::now();
+    let now = || started.elapsed().as_secs_f64();
     let mut finished: BTreeSet<usize> = BTreeSet::new();
     let mut dropped: Vec<u32> = Vec::new();
     let mut reports: Vec<String> = Vec::new();
@@ -220,14 +231,14 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
                     return Err(e.into());
                 }
                 tracing::warn!("server {s}: dropping worker rank {rank}: {e}");
-                pulls.drop_worker(worker(rank));
+                let replies = pulls.drop_worker(worker(rank), now());
                 dropped.push(rank);
                 // Under BSP the iteration may now be complete without it.
                 bsp.forget(worker(rank));
                 if bsp.apply_if_complete(job.workers - dropped.len(), &mut optimizer, &mut params) {
                     checkpoints.iteration_done(job, s, &model, &params, &optimizer, net)?;
                 }
-                pulls.retry(&params, net)?;
+                send_replies(replies, &params, job.servers, net)?;
                 continue;
             }
         };
@@ -243,8 +254,8 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
                     unit,
                     settled,
                 }) if from == 0 && (worker as usize) < job.workers => {
-                    pulls.grant(worker as usize, unit, settled);
-                    pulls.retry(&params, net)?;
+                    let replies = pulls.grant(worker as usize, unit, settled, now());
+                    send_replies(replies, &params, job.servers, net)?;
                 }
                 _ => {
                     return Err(Error::Config(format!(
@@ -257,13 +268,13 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
         let w = worker(from);
         match message {
             Message::Control(Control::Pull { clock }) => {
-                let pushed = pulls.gate.pushes(w);
+                let pushed = pulls.gate().pushes(w);
                 if pushed != clock {
                     return Err(Error::Config(format!(
                         "server {s}: worker rank {from} pulls for iteration {clock} after pushing {pushed}"
                     )));
                 }
-                pulls.pull(w, clock, &params, net)?;
+                send_replies(pulls.pull(w, clock, now()), &params, job.servers, net)?;
             }
             Message::Tensor(h, bytes) if h.tag == TensorTag::ParamGrads => {
                 let count = bytes.len() as u64 / h.dtype.size();
@@ -293,14 +304,13 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
                     optimizer.step(&mut params, &values, lr, 1);
                     checkpoints.push_applied(job, s, &model, &params, &optimizer, net)?;
                 }
-                pulls.pushed(w, h.micro_batch);
-                pulls.retry(&params, net)?;
+                let replies = pulls.pushed(w, h.micro_batch, now());
+                send_replies(replies, &params, job.servers, net)?;
             }
             Message::Control(Control::Report { nodes }) => reports.extend(nodes),
             Message::Control(Control::Finished { .. }) => {
                 finished.insert(w);
-                pulls.drop_worker(w);
-                pulls.retry(&params, net)?;
+                send_replies(pulls.drop_worker(w, now()), &params, job.servers, net)?;
             }
             other => {
                 let what = match other {
@@ -338,229 +348,46 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
     }
     Ok(ServerOutcome {
         params,
-        parked_pulls: pulls.parked_count,
-        staleness: pulls.gate.staleness_histogram().to_vec(),
+        parked_pulls: pulls.parked_count(),
+        staleness: pulls.gate().staleness_histogram().to_vec(),
         worker_staleness: (0..job.workers)
-            .map(|w| pulls.gate.worker_staleness(w).to_vec())
+            .map(|w| pulls.gate().worker_staleness(w).to_vec())
             .collect(),
         dropped,
         reports,
     })
 }
 
-/// `Params` answers carry, from server 0, the unit of work the worker does next: unit `u` is share
-/// `u mod W` of global batch `u div W`. This marks the end of the run instead.
-pub const NO_MORE_WORK: u64 = u64::MAX;
-
-/// Server 0's assignment of work. Under BSP it is fixed (worker `w`, iteration `t` → unit
-/// `t·W + w`), so the run is exactly large-batch SGD; under the other models units are handed out
-/// in order to whichever worker asks, so fast workers take over work a straggler would have done
-/// (the gate's dynamic assignment, [`super::consistency`]).
-#[derive(Clone, Debug)]
-struct Units {
-    workers: u64,
-    /// The first unit of this run (after a resume, the checkpoint's step · W).
-    first: u64,
-    total: u64,
-    next: u64,
-    /// Dynamic assignment: the unit each worker computes, if any.
-    held: Vec<Option<u64>>,
-}
-
-impl Units {
-    fn new(job: &PsJob) -> Self {
-        let workers = job.workers as u64;
-        Self {
-            workers,
-            first: job.first_step * workers,
-            total: job.total_steps * workers,
-            next: job.first_step * workers,
-            held: vec![None; job.workers],
-        }
-    }
-
-    /// Worker `w`'s unit of its iteration `clock` under fixed assignment.
-    fn fixed(&self, w: usize, clock: u64) -> u64 {
-        let unit = self.first + clock * self.workers + w as u64;
-        if unit >= self.total {
-            NO_MORE_WORK
-        } else {
-            unit
-        }
-    }
-
-    fn exhausted(&self) -> bool {
-        self.next >= self.total
-    }
-
-    /// The global iteration of the next unit to hand out.
-    fn next_iteration(&self) -> u64 {
-        self.next / self.workers
-    }
-
-    /// Every unit below this has been pushed or abandoned (units go out in order).
-    fn settled(&self) -> u64 {
-        self.held.iter().flatten().fold(self.next, |m, u| m.min(*u))
-    }
-
-    /// Hands worker `w` the next unit.
-    fn assign(&mut self, w: usize) -> u64 {
-        let unit = self.next;
-        self.next += 1;
-        self.held[w] = Some(unit);
-        unit
-    }
-
-    /// Worker `w` pushed its unit, or left.
-    fn release(&mut self, w: usize) {
-        self.held[w] = None;
-    }
-}
-
-/// When a server answers a pull (module docs of [`super::consistency`] for the models):
-/// - under BSP every server runs the same gate on the workers' push counts;
-/// - otherwise server 0 runs the gate on positions in the data and assigns the units, and under
-///   SSP and DSSP tells the other servers, per answer, the unit and the `settled` mark below which
-///   every unit had been pushed to it. Another server answers that worker once no unit below the
-///   mark is still on its way to it, so every shard a worker reads is at least as fresh as the
-///   gate required. Under ASP nobody waits.
-struct Admission {
-    s: usize,
+/// Sends what the admission decided: shards to workers, grants to the other servers.
+fn send_replies(
+    replies: Vec<Reply>,
+    params: &[f32],
     servers: usize,
-    consistency: Consistency,
-    gate: Gate,
-    /// Server 0: the assignment of work.
-    units: Units,
-    started: Instant,
-    parked: VecDeque<(usize, u64)>,
-    /// Pulls that could not be answered at once.
-    parked_count: u64,
-    /// Other servers: per worker, server 0's grant for its next pull (unit, settled).
-    grants: std::collections::BTreeMap<usize, (u64, u64)>,
-    /// Other servers: units whose shard went out and whose gradient has not arrived, by worker.
-    outstanding: std::collections::BTreeMap<u64, usize>,
-}
-
-impl Admission {
-    fn new(job: &PsJob, s: usize) -> Self {
-        Self {
-            s,
-            servers: job.servers,
-            consistency: job.consistency,
-            gate: Gate::new(job.consistency, job.workers),
-            units: Units::new(job),
-            started: Instant::now(),
-            parked: VecDeque::new(),
-            parked_count: 0,
-            grants: std::collections::BTreeMap::new(),
-            outstanding: std::collections::BTreeMap::new(),
+    net: &mut Network,
+) -> Result<()> {
+    for reply in replies {
+        match reply {
+            Reply::Params {
+                worker,
+                clock,
+                unit,
+            } => send_params(worker, clock, unit, params, servers, net)?,
+            Reply::Grant {
+                to,
+                worker,
+                unit,
+                settled,
+            } => net.send(
+                to as u32,
+                Message::Control(Control::Grant {
+                    worker: worker as u32,
+                    unit,
+                    settled,
+                }),
+            )?,
         }
     }
-
-    /// Worker `w` asks for its iteration `clock`: answered now or parked.
-    fn pull(&mut self, w: usize, clock: u64, params: &[f32], net: &mut Network) -> Result<()> {
-        if !self.try_answer(w, clock, params, net)? {
-            self.parked_count += 1;
-            self.parked.push_back((w, clock));
-        }
-        Ok(())
-    }
-
-    /// Answers parked pulls that may go now, in arrival order.
-    fn retry(&mut self, params: &[f32], net: &mut Network) -> Result<()> {
-        for _ in 0..self.parked.len() {
-            let Some((w, clock)) = self.parked.pop_front() else {
-                break;
-            };
-            if !self.try_answer(w, clock, params, net)? {
-                self.parked.push_back((w, clock));
-            }
-        }
-        Ok(())
-    }
-
-    fn try_answer(
-        &mut self,
-        w: usize,
-        clock: u64,
-        params: &[f32],
-        net: &mut Network,
-    ) -> Result<bool> {
-        let now = self.started.elapsed().as_secs_f64();
-        if self.gate.fixed_assignment() {
-            if self.gate.may_start(w, clock, now) == Decision::Wait {
-                return Ok(false);
-            }
-            let unit = if self.s == 0 {
-                self.units.fixed(w, clock)
-            } else {
-                0
-            };
-            send_params(w, clock, unit, params, self.servers, net)?;
-            return Ok(true);
-        }
-        if self.s == 0 {
-            let (unit, settled) = if self.units.exhausted() {
-                (NO_MORE_WORK, self.units.settled())
-            } else {
-                let t = self.units.next_iteration();
-                if self.gate.may_start(w, t, now) == Decision::Wait {
-                    return Ok(false);
-                }
-                let settled = self.units.settled();
-                (self.units.assign(w), settled)
-            };
-            send_params(w, clock, unit, params, self.servers, net)?;
-            if self.consistency != Consistency::Asp {
-                for other in 1..self.servers {
-                    net.send(
-                        other as u32,
-                        Message::Control(Control::Grant {
-                            worker: w as u32,
-                            unit,
-                            settled,
-                        }),
-                    )?;
-                }
-            }
-            return Ok(true);
-        }
-        if self.consistency != Consistency::Asp {
-            let Some(&(unit, settled)) = self.grants.get(&w) else {
-                return Ok(false);
-            };
-            if unit != NO_MORE_WORK && self.outstanding.range(..settled).next().is_some() {
-                return Ok(false);
-            }
-            self.grants.remove(&w);
-            if unit != NO_MORE_WORK {
-                self.outstanding.insert(unit, w);
-            }
-        }
-        send_params(w, clock, 0, params, self.servers, net)?;
-        Ok(true)
-    }
-
-    /// Server 0 gave worker `w` `unit` (another server, SSP/DSSP).
-    fn grant(&mut self, w: usize, unit: u64, settled: u64) {
-        self.grants.insert(w, (unit, settled));
-    }
-
-    /// Worker `w` pushed the gradient of `unit`.
-    fn pushed(&mut self, w: usize, unit: u64) {
-        self.gate.push(w, self.started.elapsed().as_secs_f64());
-        self.units.release(w);
-        self.outstanding.remove(&unit);
-    }
-
-    /// Worker `w` finished or died: nobody waits for it any more.
-    fn drop_worker(&mut self, w: usize) {
-        self.gate.drop_worker(w);
-        self.units.release(w);
-        self.outstanding.retain(|_, v| *v != w);
-        self.grants.remove(&w);
-        self.parked.retain(|(v, _)| *v != w);
-    }
+    Ok(())
 }
 
 /// Sends worker `w` this server's shard for its iteration `clock` (from server 0 with the unit of

@@ -1,10 +1,12 @@
-//! The parameter-server strategy (issue 5, in progress). So far: the consistency models as a
-//! sans-IO gate, with the DSSP synchronisation controller, tested on a simulated cluster with
-//! virtual time. The server/worker drivers come next.
+//! The parameter-server strategy: `S` servers own contiguous shards of the parameters with their
+//! optimizer state, `W` workers train replicas on units of every global batch.
 //!
 //! # Layout
-//! - [`consistency`]: BSP, SSP, ASP and DSSP as one gate over the workers' clocks.
+//! - [`consistency`]: BSP, SSP, ASP and DSSP as one gate over the workers' positions, with the
+//!   DSSP synchronisation controller.
+//! - [`admission`]: when a server answers a pull, and with which unit (sans-IO).
 //! - [`driver`]: server and worker loops over the links.
 
+pub mod admission;
 pub mod consistency;
 pub mod driver;
