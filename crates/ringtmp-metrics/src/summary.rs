@@ -51,8 +51,10 @@ pub struct NodeSummary {
     /// Data-parallel workers: seconds waiting for parameters (gates and links).
     #[serde(default, skip_serializing_if = "is_zero_f64")]
     pub wait_seconds: f64,
-    /// Parameter servers: how many iteration starts saw each staleness (index = iterations the
-    /// worker was ahead of the slowest).
+    /// Parameter servers: how many iteration starts saw each staleness (index = global iterations
+    /// between the unit started and the oldest unit still in progress; under BSP, iterations the
+    /// worker was ahead of the slowest). On a server: all workers' starts it gated; on a worker:
+    /// its own starts, as server 0 saw them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub staleness_histogram: Vec<u64>,
     /// Parameter servers: workers dropped after dying.
