@@ -1058,85 +1058,43 @@ fn servicer<'a>(
 /// The `async` schedule on a non-master node: weight stashing on; backward whatever gradient has
 /// arrived (then step), else forward whatever input has arrived; no flush.
 fn run_worker_async(job: &RingJob, net: &mut Network) -> Result<Stage> {
-    let rank = net.rank();
-    let n = job.partition.len() as u32;
-    let (succ, pred) = ((rank + 1) % n, (rank + n - 1) % n);
-    let (mut stage, plan) = job.stage(rank)?;
-    stage.set_input_grad(true);
-    stage.set_weight_stashing(true);
-    let mut optimizer = Optimizer::new(job.optimizer.clone(), stage.params().len());
-    job.load(&mut stage, &mut optimizer)?;
-    let mut clock = NodeClock {
-        compute: 0.0,
-        eval_bytes: 0,
-        peak_stash: 0,
-        speed: job.node_speeds.get(rank as usize).copied().unwrap_or(1.0),
-    };
-    let started = Instant::now();
+    let mut node = RingNode::new(job, net, true)?;
     let m = job.micro_batches as u64;
     let mut inputs: VecDeque<(u64, usize, Vec<f32>)> = VecDeque::new();
     let mut grads: VecDeque<(u64, Vec<f32>)> = VecDeque::new();
     loop {
+        // Work waits while messages are arriving, so the queues reflect everything that is there.
         let arrived = net.try_recv()?;
         if arrived.is_none()
             && let Some((k, dy)) = grads.pop_front()
         {
-            let dx = clock.run(|| stage.backward(k, &dy).map(|d| d.map(<[f32]>::to_vec)))?;
-            let dx = dx.expect("input gradients are on for non-master stages");
-            let rows = dy.len() / stage.output_len().max(1);
-            net.send(pred, tensor(TensorTag::Gradient, k, k, rows, &dx))?;
-            let lr = job.lr_schedule.rate(
-                job.lr,
-                k / m,
-                job.schedule_steps,
-                job.steps_per_epoch,
-                job.warmup_steps,
-            );
-            clock.run(|| stage.step(&mut optimizer, lr));
+            // Micro-batch k of the run is micro-batch k mod M of mini-batch k div M; each is
+            // its own weight version, so every backward is followed by a step.
+            node.backward(net, k, k, &dy)?;
+            node.step(job, k / m);
             continue;
         }
         if arrived.is_none()
             && let Some((k, rows, x)) = inputs.pop_front()
         {
-            let pass = Pass {
-                train: true,
-                seed: job.seed,
-                step: k / m,
-                row_offset: micro_offset(job, (k % m) as usize),
-            };
-            let out = clock.run(|| stage.forward(k, &x, rows, &pass).map(<[f32]>::to_vec))?;
-            clock.peak_stash = clock.peak_stash.max(stage.stash_bytes());
-            net.send(succ, tensor(TensorTag::Activation, k, k, rows, &out))?;
+            node.forward(job, net, (k, k), k / m, (k % m) as usize, rows, &x)?;
             continue;
         }
         match arrived.map_or_else(|| net.recv(job.recv_timeout()), Ok)? {
-            (from, Message::Tensor(h, bytes)) if from == pred && h.tag == TensorTag::Activation => {
-                let mut x = Vec::new();
-                tensor_values(&bytes, h.dtype, &mut x);
-                inputs.push_back((
-                    h.micro_batch,
-                    h.shape.first().copied().unwrap_or(0) as usize,
-                    x,
-                ));
+            (from, Message::Tensor(h, bytes))
+                if from == node.pred && h.tag == TensorTag::Activation =>
+            {
+                let rows = h.shape.first().copied().unwrap_or(0) as usize;
+                inputs.push_back((h.micro_batch, rows, values(&bytes, h.dtype)));
             }
-            (from, Message::Tensor(h, bytes)) if from == succ && h.tag == TensorTag::Gradient => {
-                let mut dy = Vec::new();
-                tensor_values(&bytes, h.dtype, &mut dy);
-                grads.push_back((h.micro_batch, dy));
+            (from, Message::Tensor(h, bytes))
+                if from == node.succ && h.tag == TensorTag::Gradient =>
+            {
+                grads.push_back((h.micro_batch, values(&bytes, h.dtype)));
             }
             (from, message) => {
-                let mut node = ServiceState {
-                    rank,
-                    succ,
-                    pred,
-                    stage: &mut stage,
-                    optimizer: &optimizer,
-                    plan: &plan,
-                    clock: &mut clock,
-                    started,
-                };
                 if node.serve(job, net, from, message)? {
-                    return Ok(stage);
+                    return Ok(node.stage);
                 }
             }
         }
@@ -1207,23 +1165,11 @@ pub fn run_worker(job: &RingJob, net: &mut Network) -> Result<Stage> {
     if job.schedule == Schedule::Async {
         return run_worker_async(job, net);
     }
-    let rank = net.rank();
-    let n = job.partition.len() as u32;
-    let (succ, pred) = ((rank + 1) % n, (rank + n - 1) % n);
-    let (mut stage, plan) = job.stage(rank)?;
-    stage.set_input_grad(true);
-    let mut optimizer = Optimizer::new(job.optimizer.clone(), stage.params().len());
-    job.load(&mut stage, &mut optimizer)?;
-    let mut clock = NodeClock {
-        compute: 0.0,
-        eval_bytes: 0,
-        peak_stash: 0,
-        speed: job.node_speeds.get(rank as usize).copied().unwrap_or(1.0),
-    };
+    let mut node = RingNode::new(job, net, false)?;
+    let (rank, n) = (node.rank as usize, job.partition.len());
     let timeout = job.recv_timeout();
-    let started = Instant::now();
     let mut step = job.first_step();
-    let mut state = StageState::new(job.schedule, rank as usize, n as usize, job.micro_batches);
+    let mut state = StageState::new(job.schedule, rank, n, job.micro_batches);
     let mut inputs: VecDeque<(u64, usize, Vec<f32>)> = VecDeque::new();
     let mut grads: VecDeque<(u64, Vec<f32>)> = VecDeque::new();
     loop {
@@ -1237,54 +1183,30 @@ pub fn run_worker(job: &RingJob, net: &mut Network) -> Result<Stage> {
         match if arrived.is_some() { None } else { action } {
             Some(Action::Forward) => {
                 let (mb, rows, x) = inputs.pop_front().expect("next() saw an input");
-                let row_offset = micro_offset(job, mb as usize);
-                let pass = Pass {
-                    train: true,
-                    seed: job.seed,
-                    step,
-                    row_offset,
-                };
-                let out = clock.run(|| stage.forward(mb, &x, rows, &pass).map(<[f32]>::to_vec))?;
-                clock.peak_stash = clock.peak_stash.max(stage.stash_bytes());
-                net.send(succ, tensor(TensorTag::Activation, step, mb, rows, &out))?;
+                node.forward(job, net, (step, mb), step, mb as usize, rows, &x)?;
                 state.record(Action::Forward);
             }
             Some(Action::Backward) => {
                 let (mb, dy) = grads.pop_front().expect("next() saw a gradient");
-                let dx = clock.run(|| stage.backward(mb, &dy).map(|d| d.map(<[f32]>::to_vec)))?;
-                let dx = dx.expect("input gradients are on for non-master stages");
-                let rows = dy.len() / stage.output_len().max(1);
-                net.send(pred, tensor(TensorTag::Gradient, step, mb, rows, &dx))?;
+                node.backward(net, mb, step, &dy)?;
                 state.record(Action::Backward);
                 if state.done() {
-                    let lr = job.lr_schedule.rate(
-                        job.lr,
-                        step,
-                        job.schedule_steps,
-                        job.steps_per_epoch,
-                        job.warmup_steps,
-                    );
-                    clock.run(|| stage.step(&mut optimizer, lr));
+                    node.step(job, step);
                     step += 1;
-                    state =
-                        StageState::new(job.schedule, rank as usize, n as usize, job.micro_batches);
+                    state = StageState::new(job.schedule, rank, n, job.micro_batches);
                 }
             }
             None => match arrived.map_or_else(|| net.recv(timeout), Ok)? {
                 (from, Message::Tensor(h, bytes))
-                    if from == pred && h.tag == TensorTag::Activation && h.step == step =>
+                    if from == node.pred && h.tag == TensorTag::Activation && h.step == step =>
                 {
                     let rows = h.shape.first().copied().unwrap_or(0) as usize;
-                    let mut x = Vec::new();
-                    tensor_values(&bytes, h.dtype, &mut x);
-                    inputs.push_back((h.micro_batch, rows, x));
+                    inputs.push_back((h.micro_batch, rows, values(&bytes, h.dtype)));
                 }
                 (from, Message::Tensor(h, bytes))
-                    if from == succ && h.tag == TensorTag::Gradient && h.step == step =>
+                    if from == node.succ && h.tag == TensorTag::Gradient && h.step == step =>
                 {
-                    let mut dy = Vec::new();
-                    tensor_values(&bytes, h.dtype, &mut dy);
-                    grads.push_back((h.micro_batch, dy));
+                    grads.push_back((h.micro_batch, values(&bytes, h.dtype)));
                 }
                 (
                     from,
@@ -1299,18 +1221,8 @@ pub fn run_worker(job: &RingJob, net: &mut Network) -> Result<Stage> {
                         Control::Checkpoint { .. } | Control::Report { .. },
                     )),
                 ) => {
-                    let mut node = ServiceState {
-                        rank,
-                        succ,
-                        pred,
-                        stage: &mut stage,
-                        optimizer: &optimizer,
-                        plan: &plan,
-                        clock: &mut clock,
-                        started,
-                    };
                     if node.serve(job, net, from, message)? {
-                        return Ok(stage);
+                        return Ok(node.stage);
                     }
                 }
                 (from, Message::Tensor(h, _)) => {
@@ -1326,20 +1238,116 @@ pub fn run_worker(job: &RingJob, net: &mut Network) -> Result<Stage> {
     }
 }
 
-/// What every non-master node does besides its schedule: forward evaluation passes, write its
-/// checkpoint file, and add its report at the end.
-struct ServiceState<'a> {
+/// A payload's values as f32.
+fn values(bytes: &[u8], dtype: ringtmp_wire::Dtype) -> Vec<f32> {
+    let mut out = Vec::new();
+    tensor_values(bytes, dtype, &mut out);
+    out
+}
+
+/// A non-master node, as both of its loops (flushed schedules and async) use it: its stage and
+/// optimizer, neighbours and clocks; the forward, backward and step of its schedule; and what it
+/// does besides (forward evaluation passes, write its checkpoint file, add its report at the end).
+struct RingNode {
     rank: u32,
     succ: u32,
     pred: u32,
-    stage: &'a mut Stage,
-    optimizer: &'a Optimizer,
-    plan: &'a StagePlan,
-    clock: &'a mut NodeClock,
+    stage: Stage,
+    optimizer: Optimizer,
+    plan: StagePlan,
+    clock: NodeClock,
     started: Instant,
 }
 
-impl ServiceState<'_> {
+impl RingNode {
+    /// This node's stage (loaded from the job's checkpoint when resuming), its neighbours and
+    /// clocks; `stashing` keeps a weight version per micro-batch in flight (async).
+    fn new(job: &RingJob, net: &Network, stashing: bool) -> Result<Self> {
+        let rank = net.rank();
+        let n = job.partition.len() as u32;
+        let (mut stage, plan) = job.stage(rank)?;
+        stage.set_input_grad(true);
+        stage.set_weight_stashing(stashing);
+        let mut optimizer = Optimizer::new(job.optimizer.clone(), stage.params().len());
+        job.load(&mut stage, &mut optimizer)?;
+        Ok(Self {
+            rank,
+            succ: (rank + 1) % n,
+            pred: (rank + n - 1) % n,
+            stage,
+            optimizer,
+            plan,
+            clock: NodeClock {
+                compute: 0.0,
+                eval_bytes: 0,
+                peak_stash: 0,
+                speed: job.node_speeds.get(rank as usize).copied().unwrap_or(1.0),
+            },
+            started: Instant::now(),
+        })
+    }
+
+    /// Forward of stage micro-batch `header.1` (`micro`-th of mini-batch `step`, which seeds its
+    /// dropout and places its rows) and sends the activation on with `header` as (step, micro-batch).
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &mut self,
+        job: &RingJob,
+        net: &mut Network,
+        header: (u64, u64),
+        step: u64,
+        micro: usize,
+        rows: usize,
+        x: &[f32],
+    ) -> Result<()> {
+        let (header_step, id) = header;
+        let pass = Pass {
+            train: true,
+            seed: job.seed,
+            step,
+            row_offset: micro_offset(job, micro),
+        };
+        let stage = &mut self.stage;
+        let out = self
+            .clock
+            .run(|| stage.forward(id, x, rows, &pass).map(<[f32]>::to_vec))?;
+        self.clock.peak_stash = self.clock.peak_stash.max(self.stage.stash_bytes());
+        net.send(
+            self.succ,
+            tensor(TensorTag::Activation, header_step, id, rows, &out),
+        )?;
+        Ok(())
+    }
+
+    /// Backward of stage micro-batch `id`; sends the input gradient back tagged
+    /// (`header_step`, `id`).
+    fn backward(&mut self, net: &mut Network, id: u64, header_step: u64, dy: &[f32]) -> Result<()> {
+        let stage = &mut self.stage;
+        let dx = self
+            .clock
+            .run(|| stage.backward(id, dy).map(|d| d.map(<[f32]>::to_vec)))?;
+        let dx = dx.expect("input gradients are on for non-master stages");
+        let rows = dy.len() / self.stage.output_len().max(1);
+        net.send(
+            self.pred,
+            tensor(TensorTag::Gradient, header_step, id, rows, &dx),
+        )?;
+        Ok(())
+    }
+
+    /// The optimizer step of mini-batch `step`.
+    fn step(&mut self, job: &RingJob, step: u64) {
+        let lr = job.lr_schedule.rate(
+            job.lr,
+            step,
+            job.schedule_steps,
+            job.steps_per_epoch,
+            job.warmup_steps,
+        );
+        let (stage, optimizer) = (&mut self.stage, &mut self.optimizer);
+        self.clock.run(|| stage.step(optimizer, lr));
+    }
+
     /// Handles an evaluation chunk, a checkpoint or the final report from the predecessor;
     /// returns `true` when the run is over for this node. Anything else is a protocol error.
     fn serve(
@@ -1364,7 +1372,7 @@ impl ServiceState<'_> {
                 Ok(false)
             }
             Message::Control(Control::Checkpoint { step, mut files }) => {
-                files.push(job.write_stage_file(self.rank, step, self.stage, self.optimizer)?);
+                files.push(job.write_stage_file(self.rank, step, &self.stage, &self.optimizer)?);
                 net.send(
                     self.succ,
                     Message::Control(Control::Checkpoint { step, files }),
@@ -1376,10 +1384,10 @@ impl ServiceState<'_> {
                 let own = node_summary(
                     self.rank,
                     "stage",
-                    self.stage,
-                    self.optimizer,
-                    self.plan,
-                    self.clock,
+                    &self.stage,
+                    &self.optimizer,
+                    &self.plan,
+                    &self.clock,
                     self.started.elapsed().as_secs_f64(),
                     &stats,
                 );
