@@ -16,9 +16,6 @@ mod train;
 
 use std::process::ExitCode;
 
-#[global_allocator]
-static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 use clap::{Parser, Subcommand};
 
 /// An error in what the user asked for (exit status 2).

@@ -6,6 +6,8 @@ use ringtmp_wire::{
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use crate::pool::BufferPool;
+
 /// Why reading a frame failed.
 #[derive(Debug)]
 pub enum ReadError {
@@ -24,6 +26,7 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
     stream: &mut R,
     buf: &mut Vec<u8>,
     limits: &Limits,
+    buffers: &BufferPool,
 ) -> Result<(Message, usize), ReadError> {
     buf.clear();
     buf.resize(PREFIX_LEN, 0);
@@ -51,8 +54,9 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
     {
         Head::Control(control) => Ok((Message::Control(control), head)),
         Head::Tensor(header, payload_len) => {
-            // Read into uninitialised capacity: no memset of a buffer about to be overwritten.
-            let mut payload = Vec::with_capacity(payload_len);
+            // Read into uninitialised capacity (no memset of a buffer about to be overwritten),
+            // of a recycled buffer where one fits.
+            let mut payload = buffers.take(payload_len);
             while payload.len() < payload_len {
                 let left = (payload_len - payload.len()) as u64;
                 let n = (&mut *stream)

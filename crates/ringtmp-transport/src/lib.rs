@@ -17,13 +17,16 @@
 //! - [`framed`]: reading and writing frames on a socket.
 //! - [`handshake`]: the authenticated greeting.
 //! - [`network`]: establishing links and the blocking node-facing API ([`Network`]).
+//! - [`pool`]: recycled payload buffers shared by the node and its links.
 
 pub mod config;
 mod error;
 pub mod framed;
 pub mod handshake;
 pub mod network;
+pub mod pool;
 
 pub use config::{Shaping, TransportConfig};
 pub use error::{PeerName, TransportError};
 pub use network::{LinkStats, Network, SentRecord, bind_listener};
+pub use pool::BufferPool;

@@ -31,6 +31,7 @@ use crate::config::TransportConfig;
 use crate::error::{PeerName, TransportError};
 use crate::framed::{ReadError, read_frame, write_frame};
 use crate::handshake::handshake;
+use crate::pool::BufferPool;
 
 /// Queue depth per link; a full queue is back-pressure on the sender.
 const SEND_QUEUE: usize = 64;
@@ -127,6 +128,7 @@ pub struct Network {
     inbox: mpsc::Receiver<Inbound>,
     pending: VecDeque<(u32, Message)>,
     goodbyes: BTreeSet<u32>,
+    buffers: BufferPool,
 }
 
 /// Binds a listener on `addr` (use port 0 for any free port) and logs what was bound.
@@ -168,9 +170,10 @@ impl Network {
         let (inbox_tx, inbox) = mpsc::channel(INBOX);
         let streams = runtime.block_on(establish(&cfg, listener, addresses, neighbours))?;
         let mut links = BTreeMap::new();
+        let buffers = BufferPool::default();
         for (rank, (stream, addr)) in streams {
             let _guard = runtime.enter();
-            let link = start_link(&cfg, rank, addr, stream, inbox_tx.clone());
+            let link = start_link(&cfg, rank, addr, stream, inbox_tx.clone(), &buffers);
             links.insert(rank, link);
         }
         Ok(Self {
@@ -181,7 +184,14 @@ impl Network {
             inbox,
             pending: VecDeque::new(),
             goodbyes: BTreeSet::new(),
+            buffers,
         })
+    }
+
+    /// The pool this node's links take received payloads from and return sent ones to: take a
+    /// buffer to encode a large tensor into, and give a received payload back once it is read.
+    pub fn buffers(&self) -> &BufferPool {
+        &self.buffers
     }
 
     /// Starts recording every message this node sends (for tests that audit what leaves a node,
@@ -617,6 +627,7 @@ fn start_link(
     addr: SocketAddr,
     stream: TcpStream,
     inbox: mpsc::Sender<Inbound>,
+    buffers: &BufferPool,
 ) -> Link {
     let peer = PeerName {
         rank: Some(rank),
@@ -639,6 +650,7 @@ fn start_link(
         counters.clone(),
         inbox.clone(),
         finished.clone(),
+        buffers.clone(),
     ));
     let writer = tokio::spawn(writer(
         write_half,
@@ -647,6 +659,7 @@ fn start_link(
         outgoing,
         counters.clone(),
         inbox.clone(),
+        buffers.clone(),
     ));
     let watchdog = tokio::spawn(watchdog(
         peer.clone(),
@@ -673,11 +686,12 @@ async fn reader<R: AsyncRead + Unpin>(
     counters: Arc<Counters>,
     inbox: mpsc::Sender<Inbound>,
     finished: Arc<AtomicBool>,
+    buffers: BufferPool,
 ) {
     let rank = peer.rank.unwrap_or(u32::MAX);
     let mut buf = Vec::new();
     let failure = loop {
-        match read_frame(&mut stream, &mut buf, &limits).await {
+        match read_frame(&mut stream, &mut buf, &limits, &buffers).await {
             Ok((message, bytes)) => {
                 counters
                     .bytes_received
@@ -728,6 +742,7 @@ async fn writer(
     mut outgoing: mpsc::Receiver<Outgoing>,
     counters: Arc<Counters>,
     inbox: mpsc::Sender<Inbound>,
+    buffers: BufferPool,
 ) {
     use tokio::io::AsyncWriteExt;
     let mut scratch = Vec::new();
@@ -782,6 +797,9 @@ async fn writer(
         if goodbye {
             let _ = stream.shutdown().await;
             return;
+        }
+        if let Message::Tensor(_, payload) = message {
+            buffers.give(payload);
         }
     }
 }

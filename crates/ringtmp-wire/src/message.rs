@@ -184,6 +184,15 @@ pub enum Message {
     Tensor(TensorHeader, Vec<u8>),
 }
 
+/// Appends the little-endian bytes of `values` as `dtype` to `out` (e.g. a recycled buffer).
+pub fn tensor_bytes_into(values: &[f32], dtype: Dtype, out: &mut Vec<u8>) {
+    match dtype {
+        #[cfg(target_endian = "little")]
+        Dtype::F32 => out.extend_from_slice(bytemuck::cast_slice(values)),
+        _ => out.extend_from_slice(&tensor_bytes(values, dtype)),
+    }
+}
+
 /// Little-endian bytes of `values` as `dtype` (converting from f32; f16 and bf16 round to
 /// nearest even).
 pub fn tensor_bytes(values: &[f32], dtype: Dtype) -> Vec<u8> {

@@ -21,8 +21,8 @@ use ringtmp_data::{BatchPlan, Dataset, shard};
 use ringtmp_model::{
     LrSchedule, ModelSpec, Optimizer, OptimizerConfig, Pass, Shape, Stage, checkpoint, loss,
 };
-use ringtmp_transport::{Network, TransportError};
-use ringtmp_wire::message::{tensor_bytes, tensor_values_into, tensor_view};
+use ringtmp_transport::{BufferPool, Network, TransportError};
+use ringtmp_wire::message::{tensor_bytes_into, tensor_values_into, tensor_view};
 use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
 use serde::{Deserialize, Serialize};
 
@@ -147,8 +147,10 @@ pub struct ServerOutcome {
     pub reports: Vec<String>,
 }
 
-/// A gradient push: `step` is the worker's iteration, `micro_batch` the unit of work it computed.
-fn tensor(tag: TensorTag, step: u64, unit: u64, values: &[f32]) -> Message {
+/// A tensor message of `values` in a buffer from the node's pool: a gradient push (`step` the
+/// worker's iteration, `unit` the unit of work it computed) or a parameter shard (`step` the
+/// worker's clock, `unit` its next unit).
+fn tensor(net: &Network, tag: TensorTag, step: u64, unit: u64, values: &[f32]) -> Message {
     let header = TensorHeader {
         run_id: 0,
         step,
@@ -157,7 +159,11 @@ fn tensor(tag: TensorTag, step: u64, unit: u64, values: &[f32]) -> Message {
         dtype: Dtype::F32,
         shape: vec![values.len() as u32],
     };
-    Message::Tensor(header, tensor_bytes(values, Dtype::F32))
+    let mut payload = net
+        .buffers()
+        .take(values.len() * Dtype::F32.size() as usize);
+    tensor_bytes_into(values, Dtype::F32, &mut payload);
+    Message::Tensor(header, payload)
 }
 
 /// The rank of the peer a transport failure is about, if it names one.
@@ -235,7 +241,12 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
                 dropped.push(rank);
                 // Under BSP the iteration may now be complete without it.
                 bsp.forget(worker(rank));
-                if bsp.apply_if_complete(job.workers - dropped.len(), &mut optimizer, &mut params) {
+                if bsp.apply_if_complete(
+                    job.workers - dropped.len(),
+                    &mut optimizer,
+                    &mut params,
+                    net.buffers(),
+                ) {
                     checkpoints.iteration_done(job, s, &model, &params, &optimizer, net)?;
                 }
                 send_replies(replies, &params, job.servers, net)?;
@@ -293,6 +304,7 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
                         job.workers - dropped.len(),
                         &mut optimizer,
                         &mut params,
+                        net.buffers(),
                     ) {
                         checkpoints.iteration_done(job, s, &model, &params, &optimizer, net)?;
                     }
@@ -301,6 +313,7 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
                     let grads = tensor_view(&bytes, h.dtype, &mut scratch);
                     values.clear();
                     values.extend(grads.iter().map(|g| g * scale));
+                    net.buffers().give(bytes);
                     optimizer.step(&mut params, &values, lr, 1);
                     checkpoints.push_applied(job, s, &model, &params, &optimizer, net)?;
                 }
@@ -400,18 +413,8 @@ fn send_params(
     servers: usize,
     net: &mut Network,
 ) -> Result<()> {
-    let header = TensorHeader {
-        run_id: 0,
-        step: clock,
-        micro_batch: unit,
-        tag: TensorTag::Params,
-        dtype: Dtype::F32,
-        shape: vec![params.len() as u32],
-    };
-    net.send(
-        (servers + w) as u32,
-        Message::Tensor(header, tensor_bytes(params, Dtype::F32)),
-    )?;
+    let message = tensor(net, TensorTag::Params, clock, unit, params);
+    net.send((servers + w) as u32, message)?;
     Ok(())
 }
 
@@ -459,6 +462,7 @@ impl BspSum {
         live: usize,
         optimizer: &mut Optimizer,
         params: &mut [f32],
+        buffers: &BufferPool,
     ) -> bool {
         if self.awaited_pushed.is_empty() || self.awaited_pushed.len() < live {
             return false;
@@ -471,6 +475,7 @@ impl BspSum {
                 *a += g;
             }
             contributions += 1;
+            buffers.give(payload);
         }
         let mean = 1.0 / contributions as f32;
         self.sum.iter_mut().for_each(|v| *v *= mean);
@@ -663,6 +668,7 @@ pub fn run_worker(
                             )));
                         }
                         tensor_values_into(&bytes, h.dtype, &mut stage.params_mut()[range.clone()]);
+                        net.buffers().give(bytes);
                     }
                     _ => {
                         return Err(Error::Config(format!(
@@ -709,6 +715,7 @@ pub fn run_worker(
             net.send(
                 s as u32,
                 tensor(
+                    net,
                     TensorTag::ParamGrads,
                     t,
                     unit,
