@@ -107,6 +107,17 @@ pub struct RingJob {
 }
 
 impl RingJob {
+    /// The learning rate of mini-batch `step` (the schedule spans the whole run).
+    fn lr_at(&self, step: u64) -> f32 {
+        self.lr_schedule.rate(
+            self.lr,
+            step,
+            self.schedule_steps,
+            self.steps_per_epoch,
+            self.warmup_steps,
+        )
+    }
+
     fn layers(&self) -> Result<Vec<Layer>> {
         let (h, w, c) = self.input;
         Ok(self.model.build(&Shape::image(h, w, c), self.classes)?)
@@ -366,13 +377,7 @@ pub fn run_master(
     for step in job.first_step()..job.total_steps {
         let t_step = Instant::now();
         let epoch = step / job.steps_per_epoch;
-        let lr = job.lr_schedule.rate(
-            job.lr,
-            step,
-            job.schedule_steps,
-            job.steps_per_epoch,
-            job.warmup_steps,
-        );
+        let lr = job.lr_at(step);
         let (step_loss, rows_total) = if job.schedule == Schedule::Async {
             pipe.run_minibatch(
                 step,
@@ -936,13 +941,7 @@ impl AsyncPipe {
                 if let Some(e) = failure {
                     return Err(e);
                 }
-                let lr = job.lr_schedule.rate(
-                    job.lr,
-                    k / m,
-                    job.schedule_steps,
-                    job.steps_per_epoch,
-                    job.warmup_steps,
-                );
+                let lr = job.lr_at(k / m);
                 clock.run(|| stage.step(optimizer, lr));
                 self.backwarded += 1;
                 continue;
@@ -1006,13 +1005,7 @@ impl AsyncLossSide<'_> {
                     1.0 / labels.len() as f32,
                 )?;
                 if let Some(h) = head {
-                    let lr = job.lr_schedule.rate(
-                        job.lr,
-                        k / m,
-                        job.schedule_steps,
-                        job.steps_per_epoch,
-                        job.warmup_steps,
-                    );
+                    let lr = job.lr_at(k / m);
                     h.stage.step(&mut h.optimizer, lr);
                 }
                 *self.losses.entry(k / m).or_default() += loss_sum;
@@ -1337,13 +1330,7 @@ impl RingNode {
 
     /// The optimizer step of mini-batch `step`.
     fn step(&mut self, job: &RingJob, step: u64) {
-        let lr = job.lr_schedule.rate(
-            job.lr,
-            step,
-            job.schedule_steps,
-            job.steps_per_epoch,
-            job.warmup_steps,
-        );
+        let lr = job.lr_at(step);
         let (stage, optimizer) = (&mut self.stage, &mut self.optimizer);
         self.clock.run(|| stage.step(optimizer, lr));
     }
