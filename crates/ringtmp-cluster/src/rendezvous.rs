@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use ringtmp_transport::framed::{ReadError, read_frame, write_frame};
 use ringtmp_transport::handshake::handshake;
-use ringtmp_transport::{BufferPool, PeerName, TransportConfig, TransportError};
+use ringtmp_transport::{PeerName, TransportConfig, TransportError};
 use ringtmp_wire::{Control, Message, NodeAddr};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::{Instant, timeout_at};
@@ -118,7 +118,7 @@ async fn register(
     let mut buf = Vec::new();
     let message = tokio::time::timeout(
         cfg.handshake_timeout,
-        read_frame(&mut stream, &mut buf, &cfg.limits, &BufferPool::default()),
+        read_frame(&mut stream, &mut buf, &cfg.limits),
     )
     .await;
     match message {
@@ -211,12 +211,7 @@ pub fn join(
                 reason: e.to_string(),
             })?;
         let mut buf = Vec::new();
-        match timeout_at(
-            deadline,
-            read_frame(&mut stream, &mut buf, &cfg.limits, &BufferPool::default()),
-        )
-        .await
-        {
+        match timeout_at(deadline, read_frame(&mut stream, &mut buf, &cfg.limits)).await {
             Ok(Ok((
                 Message::Control(Control::Table {
                     run_id,

@@ -26,7 +26,26 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
     stream: &mut R,
     buf: &mut Vec<u8>,
     limits: &Limits,
+) -> Result<(Message, usize), ReadError> {
+    read_frame_from(stream, buf, limits, None).await
+}
+
+/// [`read_frame`] for a link's reader: a large tensor payload goes into a buffer from `buffers`
+/// where one fits.
+pub async fn read_frame_pooled<R: AsyncRead + Unpin>(
+    stream: &mut R,
+    buf: &mut Vec<u8>,
+    limits: &Limits,
     buffers: &BufferPool,
+) -> Result<(Message, usize), ReadError> {
+    read_frame_from(stream, buf, limits, Some(buffers)).await
+}
+
+async fn read_frame_from<R: AsyncRead + Unpin>(
+    stream: &mut R,
+    buf: &mut Vec<u8>,
+    limits: &Limits,
+    buffers: Option<&BufferPool>,
 ) -> Result<(Message, usize), ReadError> {
     buf.clear();
     buf.resize(PREFIX_LEN, 0);
@@ -56,7 +75,10 @@ pub async fn read_frame<R: AsyncRead + Unpin>(
         Head::Tensor(header, payload_len) => {
             // Read into uninitialised capacity (no memset of a buffer about to be overwritten),
             // of a recycled buffer where one fits.
-            let mut payload = buffers.take(payload_len);
+            let mut payload = match buffers {
+                Some(pool) => pool.take(payload_len),
+                None => Vec::with_capacity(payload_len),
+            };
             while payload.len() < payload_len {
                 let left = (payload_len - payload.len()) as u64;
                 let n = (&mut *stream)

@@ -14,7 +14,6 @@ use tokio::time::timeout;
 use crate::config::TransportConfig;
 use crate::error::{PeerName, TransportError};
 use crate::framed::{ReadError, read_frame, write_frame};
-use crate::pool::BufferPool;
 
 /// Runs the handshake on `stream` with the peer at `addr`; `accept(rank)` says whether a peer of
 /// that rank is welcome here. Returns the peer's verified rank.
@@ -115,7 +114,7 @@ async fn next<S: AsyncRead + Unpin>(
     let mut buf = Vec::new();
     match timeout(
         cfg.handshake_timeout,
-        read_frame(stream, &mut buf, &cfg.limits, &BufferPool::default()),
+        read_frame(stream, &mut buf, &cfg.limits),
     )
     .await
     {

@@ -29,7 +29,7 @@ use tokio::time::{sleep_until, timeout};
 
 use crate::config::TransportConfig;
 use crate::error::{PeerName, TransportError};
-use crate::framed::{ReadError, read_frame, write_frame};
+use crate::framed::{ReadError, read_frame_pooled, write_frame};
 use crate::handshake::handshake;
 use crate::pool::BufferPool;
 
@@ -691,7 +691,7 @@ async fn reader<R: AsyncRead + Unpin>(
     let rank = peer.rank.unwrap_or(u32::MAX);
     let mut buf = Vec::new();
     let failure = loop {
-        match read_frame(&mut stream, &mut buf, &limits, &buffers).await {
+        match read_frame_pooled(&mut stream, &mut buf, &limits, &buffers).await {
             Ok((message, bytes)) => {
                 counters
                     .bytes_received

@@ -184,61 +184,44 @@ pub enum Message {
     Tensor(TensorHeader, Vec<u8>),
 }
 
-/// Appends the little-endian bytes of `values` as `dtype` to `out` (e.g. a recycled buffer).
+/// Appends the little-endian bytes of `values` as `dtype` to `out` (e.g. a recycled buffer),
+/// converting from f32; f16 and bf16 round to nearest even.
 pub fn tensor_bytes_into(values: &[f32], dtype: Dtype, out: &mut Vec<u8>) {
-    match dtype {
-        #[cfg(target_endian = "little")]
-        Dtype::F32 => out.extend_from_slice(bytemuck::cast_slice(values)),
-        _ => out.extend_from_slice(&tensor_bytes(values, dtype)),
-    }
-}
-
-/// Little-endian bytes of `values` as `dtype` (converting from f32; f16 and bf16 round to
-/// nearest even).
-pub fn tensor_bytes(values: &[f32], dtype: Dtype) -> Vec<u8> {
+    out.reserve(values.len() * dtype.size() as usize);
     match dtype {
         // One memcpy where the machine is little-endian (the wire order); a byte-wise collect
         // of a 12 MB shard cost a parameter-server worker more than its kernel copies.
         #[cfg(target_endian = "little")]
-        Dtype::F32 => bytemuck::cast_slice(values).to_vec(),
+        Dtype::F32 => out.extend_from_slice(bytemuck::cast_slice(values)),
         #[cfg(not(target_endian = "little"))]
-        Dtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        Dtype::F16 => values
-            .iter()
-            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
-            .collect(),
-        Dtype::Bf16 => values
-            .iter()
-            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-            .collect(),
+        Dtype::F32 => out.extend(values.iter().flat_map(|v| v.to_le_bytes())),
+        Dtype::F16 => out.extend(
+            values
+                .iter()
+                .flat_map(|v| half::f16::from_f32(*v).to_le_bytes()),
+        ),
+        Dtype::Bf16 => out.extend(
+            values
+                .iter()
+                .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes()),
+        ),
     }
+}
+
+/// Little-endian bytes of `values` as `dtype` (as [`tensor_bytes_into`], in a new buffer).
+pub fn tensor_bytes(values: &[f32], dtype: Dtype) -> Vec<u8> {
+    let mut out = Vec::new();
+    tensor_bytes_into(values, dtype, &mut out);
+    out
 }
 
 /// Values of a payload as f32 (the payload length was checked against the shape when decoded).
 pub fn tensor_values(bytes: &[u8], dtype: Dtype, out: &mut Vec<f32>) {
+    // Whole elements only (a trailing partial element, impossible after decoding, is ignored).
+    let count = bytes.len() / dtype.size() as usize;
     out.clear();
-    if dtype == Dtype::F32 {
-        out.resize(bytes.len() / 4, 0.0);
-        tensor_values_into(bytes, dtype, out);
-        return;
-    }
-    match dtype {
-        Dtype::F32 => out.extend(
-            bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
-        ),
-        Dtype::F16 => out.extend(
-            bytes
-                .chunks_exact(2)
-                .map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()),
-        ),
-        Dtype::Bf16 => out.extend(
-            bytes
-                .chunks_exact(2)
-                .map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()),
-        ),
-    }
+    out.resize(count, 0.0);
+    tensor_values_into(&bytes[..count * dtype.size() as usize], dtype, out);
 }
 
 /// The values of a payload as f32: borrowed without a copy where the payload is little-endian

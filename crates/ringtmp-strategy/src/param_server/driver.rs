@@ -687,10 +687,10 @@ pub fn run_worker(
         if unit == NO_MORE_WORK {
             break;
         }
-        on_pulled(unit / job.workers as u64, &mut stage)?;
-        let computed = Instant::now();
         let workers = job.workers as u64;
         let (global, share) = (unit / workers, (unit % workers) as usize);
+        on_pulled(global, &mut stage)?;
+        let computed = Instant::now();
         let epoch = global / job.steps_per_epoch;
         let batch = plan
             .batch(epoch, (global % job.steps_per_epoch) as usize)
