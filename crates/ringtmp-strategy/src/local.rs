@@ -66,6 +66,25 @@ pub enum Event {
 /// cnn's im2col buffers stay around 70 MB.
 const EVAL_ROWS: usize = 250;
 
+/// Opens `out/metrics.jsonl` (appending when a run resumes) and returns the function that
+/// writes one event to it; its errors name the file. Every strategy's run log goes through it.
+pub(crate) fn metrics_log(
+    out: &std::path::Path,
+    append: bool,
+) -> Result<impl FnMut(serde_json::Value) -> Result<()>> {
+    let path = out.join("metrics.jsonl");
+    let mut log = EventLog::create(&path, append).map_err(|e| Error::Io {
+        path: path.clone(),
+        source: e,
+    })?;
+    Ok(move |event: serde_json::Value| {
+        log.write(&event).map_err(|e| Error::Io {
+            path: path.clone(),
+            source: e,
+        })
+    })
+}
+
 /// Trains `cfg.model` on `data` in this process and writes `metrics.jsonl`, `summary.json` and
 /// checkpoints under `cfg.out`.
 pub fn train_local(
@@ -96,17 +115,7 @@ pub fn train_local(
     if let Some(resume) = &cfg.resume {
         step = resume_from(resume, cfg, &mut model, &mut optimizer)?;
     }
-    let log_path = cfg.out.join("metrics.jsonl");
-    let mut log = EventLog::create(&log_path, step > 0).map_err(|e| Error::Io {
-        path: log_path.clone(),
-        source: e,
-    })?;
-    let mut write = |event: serde_json::Value| {
-        log.write(&event).map_err(|e| Error::Io {
-            path: log_path.clone(),
-            source: e,
-        })
-    };
+    let mut write = metrics_log(&cfg.out, step > 0)?;
     write(
         json!({"event": "start", "strategy": "local", "model": cfg.model.name, "params": model.params().len(),
         "dataset": cfg.dataset, "batch_size": cfg.batch_size, "seed": cfg.seed, "threads": cfg.threads,

@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use ringtmp_data::{BatchPlan, Dataset, shard};
-use ringtmp_metrics::{EventLog, NodeSummary, Summary, resources};
+use ringtmp_metrics::{NodeSummary, Summary, resources};
 use ringtmp_model::checkpoint;
 use ringtmp_model::{
     Layer, LrSchedule, ModelSpec, Optimizer, OptimizerConfig, Pass, Shape, Stage, loss,
@@ -347,17 +347,7 @@ pub fn run_master(
         path: setup.out.to_path_buf(),
         source: e,
     })?;
-    let log_path = setup.out.join("metrics.jsonl");
-    let mut log = EventLog::create(&log_path, job.first_step() > 0).map_err(|e| Error::Io {
-        path: log_path.clone(),
-        source: e,
-    })?;
-    let mut write = |event: serde_json::Value| {
-        log.write(&event).map_err(|e| Error::Io {
-            path: log_path.clone(),
-            source: e,
-        })
-    };
+    let mut write = crate::local::metrics_log(setup.out, job.first_step() > 0)?;
     write(
         json!({"event": "start", "strategy": "ring", "schedule": job.schedule.name(), "nodes": n,
         "micro_batches": job.micro_batches, "model": job.model.name, "partition": job.partition, "total_steps": job.total_steps}),
