@@ -109,7 +109,6 @@ impl Units {
 pub struct Admission {
     s: usize,
     servers: usize,
-    consistency: Consistency,
     gate: Gate,
     /// Server 0: the assignment of work.
     units: Units,
@@ -133,7 +132,6 @@ impl Admission {
         Self {
             s,
             servers,
-            consistency,
             gate: Gate::new(consistency, workers),
             units: Units {
                 workers: workers as u64,
@@ -240,7 +238,7 @@ impl Admission {
                 clock,
                 unit,
             });
-            if self.consistency != Consistency::Asp {
+            if self.gate.consistency() != Consistency::Asp {
                 replies.extend((1..self.servers).map(|to| Reply::Grant {
                     to,
                     worker: w,
@@ -250,7 +248,7 @@ impl Admission {
             }
             return true;
         }
-        if self.consistency != Consistency::Asp {
+        if self.gate.consistency() != Consistency::Asp {
             let Some(&(unit, settled)) = self.grants.get(&w) else {
                 return false;
             };
