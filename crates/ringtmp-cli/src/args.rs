@@ -172,9 +172,20 @@ pub struct TrainArgs {
     #[arg(long, hide = true)]
     #[serde(skip)]
     pub crash_after_ms: Option<u64>,
+    /// Fault injection for tests: this rank of a local run stops itself (SIGSTOP).
+    #[arg(long, hide = true)]
+    #[serde(skip)]
+    pub freeze_rank: Option<u32>,
+    /// Fault injection for tests: milliseconds before the freeze.
+    #[arg(long, hide = true)]
+    #[serde(skip)]
+    pub freeze_after_ms: Option<u64>,
     /// Stop after N optimizer steps in total.
     #[arg(long, value_name = "N")]
     pub max_steps: Option<u64>,
+    /// Show every node's informational log lines (otherwise progress, warnings and errors).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub verbose: Option<bool>,
 }
 
 macro_rules! layer_options {
@@ -183,6 +194,8 @@ macro_rules! layer_options {
             config: $flags.config.clone(),
             crash_rank: $flags.crash_rank,
             crash_after_ms: $flags.crash_after_ms,
+            freeze_rank: $flags.freeze_rank,
+            freeze_after_ms: $flags.freeze_after_ms,
             $($field: $flags.$field.clone().or($file.$field.clone())),*
         }
     };
@@ -244,7 +257,8 @@ impl TrainArgs {
             out,
             checkpoint_every,
             resume,
-            max_steps
+            max_steps,
+            verbose
         ))
     }
 

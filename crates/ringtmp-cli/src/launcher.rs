@@ -1,52 +1,113 @@
 //! The local launcher: starts N node processes of this same binary on loopback, streams their
-//! output into one display (each line prefixed with its node), forwards Ctrl-C, and on the first
-//! failure stops the others and reports which node failed and why.
+//! output into one display (each line prefixed with its node), and brings every one of them down
+//! with it, whatever happens.
+//!
+//! Invariants:
+//! - **Every wait is bounded.** Once the run is over (rank 0 exited successfully), the other
+//!   nodes get [`AFTER_RUN_GRACE`] to exit; one still there then (stopped, hung) is killed and
+//!   named. After a failure they get [`AFTER_FAILURE_GRACE`] to report it themselves.
+//! - **No orphans.** SIGINT, SIGTERM and SIGHUP sent to the launcher alone (as `kill`, `timeout`
+//!   and service managers do) are forwarded to every node, which then get [`AFTER_SIGNAL_GRACE`]
+//!   before they are killed; the launcher exits with 128 + the signal's number. Each node also
+//!   asks the kernel for SIGTERM should the launcher die without a word (SIGKILL, a crash).
+//! - On the first failure the launcher stops the others and reports which node failed and why.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-/// A finished or failed node.
-struct Outcome {
-    rank: u32,
-    status: ExitStatus,
+/// How long the other nodes may take to exit after rank 0 finished the run successfully.
+pub const AFTER_RUN_GRACE: Duration = Duration::from_secs(5);
+/// How long the other nodes may take to notice a failure and report it themselves.
+pub const AFTER_FAILURE_GRACE: Duration = Duration::from_secs(10);
+/// How long the nodes may take to exit after a forwarded signal.
+pub const AFTER_SIGNAL_GRACE: Duration = Duration::from_secs(5);
+
+/// The launcher was stopped by a signal (exit status 128 + the signal's number).
+#[derive(Debug)]
+pub struct Interrupted {
+    /// The signal's number.
+    pub signal: i32,
+}
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "interrupted by {}; the nodes were stopped",
+            signal_name(self.signal)
+        )
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
+/// What to launch.
+pub struct Launch<'a> {
+    /// Node processes to start.
+    pub nodes: u32,
+    /// Pin node r to core r (ignored, with a notice, when there are fewer cores than nodes).
+    pub pin: bool,
+    /// Show the nodes' informational log lines (otherwise warnings and errors only).
+    pub verbose: bool,
+    /// Each node's command line after `ringtmp node --rank … --master-port …`.
+    pub args: &'a dyn Fn(u32) -> Vec<String>,
+    /// Nodes that may fail without failing the run (a parameter server that drops dead workers
+    /// keeps going without them).
+    pub expendable: &'a dyn Fn(u32) -> bool,
+}
+
+/// How a launch ended when it did not fail.
+#[derive(Debug, Default)]
+pub struct Ended {
+    /// Expendable nodes that failed during the run: `(rank, exit status)`.
+    pub failed_expendable: Vec<(u32, String)>,
+    /// Nodes that had not exited [`AFTER_RUN_GRACE`] after the run ended and were killed.
+    pub killed_after_run: Vec<u32>,
 }
 
 /// Runs `nodes` local node processes; `args(rank)` is each one's command line after the binary.
-/// With `pin`, node r is pinned to core r when there are at least `nodes` cores.
-pub fn launch(nodes: u32, pin: bool, args: impl Fn(u32) -> Vec<String>) -> Result<()> {
-    launch_tolerating(nodes, pin, args, |_| false)
+pub fn launch(nodes: u32, pin: bool, args: impl Fn(u32) -> Vec<String>) -> Result<Ended> {
+    run(&Launch {
+        nodes,
+        pin,
+        verbose: false,
+        args: &args,
+        expendable: &|_| false,
+    })
 }
 
-/// [`launch`], except that nodes for which `expendable(rank)` holds may fail without failing the
-/// run (a parameter server that drops dead workers keeps going without them).
-pub fn launch_tolerating(
-    nodes: u32,
-    pin: bool,
-    args: impl Fn(u32) -> Vec<String>,
-    expendable: impl Fn(u32) -> bool,
-) -> Result<()> {
+/// Starts the nodes, waits for them (bounded, as the module header says) and reports.
+pub fn run(launch: &Launch<'_>) -> Result<Ended> {
+    let nodes = launch.nodes;
     let exe = std::env::current_exe().context("locating the ringtmp binary")?;
     let cores = thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
-    let pin = if pin && cores < nodes as usize {
+    let pin = if launch.pin && cores < nodes as usize {
         eprintln!("launcher: --pin ignored: {nodes} nodes but only {cores} cores");
         false
     } else {
-        pin
+        launch.pin
     };
+    // Before any node exists, so that no signal can fall between a spawn and the handler.
+    let signal = forward_signals()?;
     let port = free_port()?;
     let secret = hex::encode(rand::random::<[u8; 32]>());
-    eprintln!("launcher: starting {nodes} local node(s); rendezvous at 127.0.0.1:{port}");
+    if launch.verbose {
+        eprintln!("launcher: starting {nodes} local node(s); rendezvous at 127.0.0.1:{port}");
+    }
+    // The nodes log warnings and errors unless asked for more (or RINGTMP_LOG says otherwise).
+    let log_level = std::env::var("RINGTMP_LOG")
+        .unwrap_or_else(|_| if launch.verbose { "info" } else { "warn" }.into());
     let last_errors: Arc<Mutex<Vec<String>>> =
         Arc::new(Mutex::new(vec![String::new(); nodes as usize]));
-    let mut children: Vec<(u32, Child)> = Vec::new();
+    let mut running: Vec<(u32, Child)> = Vec::new();
     for rank in 0..nodes {
         let mut cmd = Command::new(&exe);
         cmd.arg("node")
@@ -62,83 +123,91 @@ pub fn launch_tolerating(
                 "--master-port",
                 &port.to_string(),
             ])
-            .args(args(rank))
+            .args((launch.args)(rank))
             .env("RINGTMP_SECRET", &secret)
+            .env("RINGTMP_LOG", &log_level)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         if pin {
             cmd.args(["--cpu", &rank.to_string()]);
         }
-        let mut child = cmd
-            .spawn()
-            .with_context(|| format!("starting node {rank}"))?;
+        die_with_parent(&mut cmd);
+        let spawned = cmd.spawn().with_context(|| format!("starting node {rank}"));
+        let mut child = match spawned {
+            Ok(child) => child,
+            Err(e) => {
+                stop_all(&mut running, libc::SIGTERM, AFTER_SIGNAL_GRACE);
+                return Err(e);
+            }
+        };
         stream(rank, child.stdout.take(), false, last_errors.clone());
         stream(rank, child.stderr.take(), true, last_errors.clone());
-        children.push((rank, child));
+        running.push((rank, child));
     }
 
-    let interrupted = Arc::new(AtomicBool::new(false));
-    {
-        let flag = interrupted.clone();
-        // Ctrl-C reaches the nodes too (same process group); we stop them if they linger.
-        let _ = ctrlc::set_handler(move || flag.store(true, Ordering::SeqCst));
-    }
-    let mut failed: Option<Outcome> = None;
+    let mut ended = Ended::default();
+    let mut failed: Option<(u32, ExitStatus)> = None;
     let mut usage_errors = vec![false; nodes as usize];
-    let mut interrupt_at: Option<Instant> = None;
-    while !children.is_empty() {
+    let mut run_over_at: Option<Instant> = None;
+    while !running.is_empty() {
         let mut still = Vec::new();
-        for (rank, mut child) in children {
+        for (rank, mut child) in running {
             match child.try_wait() {
                 Ok(Some(status)) => {
                     usage_errors[rank as usize] = status.code() == Some(2);
-                    if !status.success() && expendable(rank) {
+                    if status.success() {
+                        if rank == 0 {
+                            run_over_at = Some(Instant::now());
+                        }
+                    } else if (launch.expendable)(rank) && failed.is_none() {
                         eprintln!(
                             "launcher: node {rank} failed ({status}); the run continues without it"
                         );
-                    } else if !status.success() && failed.is_none() {
-                        failed = Some(Outcome { rank, status });
+                        ended.failed_expendable.push((rank, status.to_string()));
+                    } else if failed.is_none() {
+                        failed = Some((rank, status));
                     }
                 }
                 Ok(None) => still.push((rank, child)),
-                Err(e) => bail!("waiting for node {rank}: {e}"),
+                Err(e) => {
+                    still.push((rank, child));
+                    stop_all(&mut still, libc::SIGTERM, AFTER_SIGNAL_GRACE);
+                    bail!("waiting for node {rank}: {e}");
+                }
             }
         }
-        children = still;
-        if interrupted.load(Ordering::SeqCst) && interrupt_at.is_none() {
-            interrupt_at = Some(Instant::now());
-            for (_, child) in &children {
-                // SAFETY: sending a signal to our own child process.
-                unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
-            }
+        running = still;
+        let sig = signal.load(Ordering::SeqCst);
+        if sig != 0 {
+            // Forward what we were sent; whoever sent it meant the whole run.
+            stop_all(&mut running, sig, AFTER_SIGNAL_GRACE);
+            return Err(Interrupted { signal: sig }.into());
         }
-        let give_up =
-            failed.is_some() || interrupt_at.is_some_and(|t| t.elapsed() > Duration::from_secs(5));
-        if give_up && !children.is_empty() {
+        if failed.is_some() && !running.is_empty() {
             // The others learn of the failure within seconds through the abort; give them that
             // long to report it themselves, then stop them.
-            let grace = Instant::now();
-            while grace.elapsed() < Duration::from_secs(10)
-                && children
-                    .iter_mut()
-                    .any(|(_, c)| matches!(c.try_wait(), Ok(None)))
-            {
-                thread::sleep(Duration::from_millis(50));
+            wait_all(&mut running, AFTER_FAILURE_GRACE, &signal);
+            stop_all(&mut running, libc::SIGKILL, Duration::ZERO);
+        }
+        if let Some(at) = run_over_at
+            && at.elapsed() >= AFTER_RUN_GRACE
+            && !running.is_empty()
+        {
+            for (rank, _) in &running {
+                eprintln!(
+                    "launcher: node {rank} had not exited {}s after the run ended (stopped or \
+                     hung); killed it",
+                    AFTER_RUN_GRACE.as_secs()
+                );
+                ended.killed_after_run.push(*rank);
             }
-            for (_, child) in &mut children {
-                let _ = child.kill();
-                let _ = child.wait();
-            }
-            children.clear();
+            stop_all(&mut running, libc::SIGKILL, Duration::ZERO);
         }
         thread::sleep(Duration::from_millis(20));
     }
-    if interrupted.load(Ordering::SeqCst) {
-        bail!("interrupted");
-    }
-    if let Some(f) = failed {
+    if let Some((rank, status)) = failed {
         let errors = last_errors.lock().map(|e| e.clone()).unwrap_or_default();
-        let (culprit, why) = culprit(f.rank, &f.status, &errors);
+        let (culprit, why) = culprit(rank, &status, &errors);
         let message = format!("node {culprit} failed{why}");
         // A node that refused its options makes this a usage error too (exit status 2).
         if usage_errors[culprit as usize] {
@@ -146,7 +215,82 @@ pub fn launch_tolerating(
         }
         bail!(message);
     }
-    Ok(())
+    Ok(ended)
+}
+
+/// Waits until every child has exited or `limit` has passed (or a signal arrived).
+fn wait_all(children: &mut Vec<(u32, Child)>, limit: Duration, signal: &AtomicI32) {
+    let started = Instant::now();
+    while started.elapsed() < limit && signal.load(Ordering::SeqCst) == 0 {
+        children.retain_mut(|(_, c)| matches!(c.try_wait(), Ok(None)));
+        if children.is_empty() {
+            return;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Sends `signal` to every child, gives them `grace` to exit, then kills and reaps them all.
+fn stop_all(children: &mut Vec<(u32, Child)>, signal: i32, grace: Duration) {
+    for (_, child) in children.iter() {
+        // SAFETY: kill(2) on the pid of a child we have not reaped yet (so not reused).
+        unsafe { libc::kill(child.id() as i32, signal) };
+    }
+    wait_all(children, grace, &AtomicI32::new(0));
+    for (_, child) in children.iter_mut() {
+        // SIGKILL ends a stopped process too, so the wait that follows is bounded.
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    children.clear();
+}
+
+/// Catches SIGINT, SIGTERM and SIGHUP for the launcher: the first one received is stored in the
+/// returned flag (the main loop forwards it to the nodes) instead of ending the process.
+fn forward_signals() -> Result<Arc<AtomicI32>> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let received = Arc::new(AtomicI32::new(0));
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
+        .context("catching signals")?;
+    let flag = received.clone();
+    thread::spawn(move || {
+        for sig in signals.forever() {
+            let _ = flag.compare_exchange(0, sig, Ordering::SeqCst, Ordering::SeqCst);
+        }
+    });
+    Ok(received)
+}
+
+/// Makes the kernel send the child SIGTERM when the launcher dies, however it dies.
+fn die_with_parent(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: getpid, prctl and getppid are async-signal-safe, as pre_exec requires.
+    let parent = unsafe { libc::getpid() };
+    unsafe {
+        cmd.pre_exec(move || {
+            // The death signal follows the thread that spawned the child; the launcher spawns
+            // from its main thread, which lives as long as the process.
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // The launcher may have died before the prctl took effect.
+            if libc::getppid() != parent {
+                return Err(std::io::Error::other("the launcher has exited"));
+            }
+            Ok(())
+        });
+    }
+}
+
+/// `SIGTERM` and friends by name.
+pub fn signal_name(signal: i32) -> String {
+    match signal {
+        libc::SIGINT => "SIGINT".into(),
+        libc::SIGTERM => "SIGTERM".into(),
+        libc::SIGHUP => "SIGHUP".into(),
+        libc::SIGKILL => "SIGKILL".into(),
+        other => format!("signal {other}"),
+    }
 }
 
 /// Which node caused the failure, and why. Nodes that fail because a peer died name that peer

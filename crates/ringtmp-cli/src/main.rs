@@ -109,6 +109,7 @@ fn selftest(a: &SelftestArgs) -> anyhow::Result<()> {
         }
         args
     })
+    .map(|_| ())
 }
 
 fn main() -> ExitCode {
@@ -139,9 +140,13 @@ fn main() -> ExitCode {
     }
 }
 
-/// 2 when any error in the chain is the user's input, 1 otherwise.
+/// 2 when any error in the chain is the user's input, 128 + N when signal N stopped the run, 1
+/// otherwise.
 fn exit_code(err: &anyhow::Error) -> u8 {
     for cause in err.chain() {
+        if let Some(i) = cause.downcast_ref::<launcher::Interrupted>() {
+            return u8::try_from(128 + i.signal).unwrap_or(1);
+        }
         let usage = if cause.downcast_ref::<UsageError>().is_some() {
             Some(true)
         } else if let Some(e) = cause.downcast_ref::<ringtmp_strategy::Error>() {

@@ -114,6 +114,10 @@ pub struct ConnectArgs {
     /// Fault injection for tests: exit abruptly (no goodbye) after this many milliseconds.
     #[arg(long, hide = true)]
     pub crash_after_ms: Option<u64>,
+    /// Fault injection for tests: stop this process (SIGSTOP, as `kill -STOP` does) after this
+    /// many milliseconds.
+    #[arg(long, hide = true)]
+    pub freeze_after_ms: Option<u64>,
 }
 
 /// `ringtmp node` options.
@@ -158,6 +162,14 @@ pub fn run(args: &NodeArgs) -> Result<()> {
             std::thread::sleep(Duration::from_millis(ms));
             eprintln!("fault injection: exiting abruptly");
             std::process::exit(3);
+        });
+    }
+    if let Some(ms) = c.freeze_after_ms {
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(ms));
+            eprintln!("fault injection: freezing (SIGSTOP)");
+            // SAFETY: raise(3) signals this process only.
+            unsafe { libc::raise(libc::SIGSTOP) };
         });
     }
     let flags = LaunchFlags {

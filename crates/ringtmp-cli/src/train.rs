@@ -315,27 +315,40 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
         _ => None,
     };
     let expendable = |rank: u32| expendable_workers.is_some_and(|servers| rank >= servers);
-    crate::launcher::launch_tolerating(
+    let node_args = |rank: u32| {
+        let mut node_args = vec![
+            "--job".into(),
+            "train".into(),
+            "--config".into(),
+            config.clone(),
+        ];
+        if rank == 0 {
+            node_args.extend(["--job-file".into(), plan.clone()]);
+        }
+        if args.crash_rank == Some(rank) {
+            let after = args.crash_after_ms.unwrap_or(1000).to_string();
+            node_args.extend(["--crash-after-ms".into(), after]);
+        }
+        if args.freeze_rank == Some(rank) {
+            let after = args.freeze_after_ms.unwrap_or(1000).to_string();
+            node_args.extend(["--freeze-after-ms".into(), after]);
+        }
+        node_args
+    };
+    let ended = crate::launcher::run(&crate::launcher::Launch {
         nodes,
-        args.pin.unwrap_or(false),
-        |rank| {
-            let mut node_args = vec![
-                "--job".into(),
-                "train".into(),
-                "--config".into(),
-                config.clone(),
-            ];
-            if rank == 0 {
-                node_args.extend(["--job-file".into(), plan.clone()]);
-            }
-            if args.crash_rank == Some(rank) {
-                let after = args.crash_after_ms.unwrap_or(1000).to_string();
-                node_args.extend(["--crash-after-ms".into(), after]);
-            }
-            node_args
-        },
-        expendable,
-    )
+        pin: args.pin.unwrap_or(false),
+        verbose: args.verbose.unwrap_or(false),
+        args: &node_args,
+        expendable: &expendable,
+    })?;
+    for rank in &ended.killed_after_run {
+        eprintln!(
+            "WARNING: node {rank} was still running {}s after the run ended and was killed",
+            crate::launcher::AFTER_RUN_GRACE.as_secs()
+        );
+    }
+    Ok(())
 }
 
 /// `runs/<time>-<strategy>`.

@@ -453,3 +453,147 @@ fn parameter_server_drops_a_dead_worker_under_ssp_and_stops_under_bsp() {
     assert_eq!(output.status.code(), Some(1), "{err}");
     assert!(err.contains("rank 3"), "names the dead worker: {err}");
 }
+
+/// Pids of the live processes whose parent is `pid` (from /proc).
+fn children_of(pid: u32) -> Vec<u32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(child) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        // pid (comm) state ppid …; comm may hold spaces, so read after its closing parenthesis.
+        let mut fields = stat[stat.rfind(')').unwrap() + 1..].split_whitespace();
+        let (state, ppid) = (fields.next(), fields.next());
+        if ppid == Some(&pid.to_string()) && state != Some("Z") {
+            found.push(child);
+        }
+    }
+    found
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .is_ok_and(|s| !s[s.rfind(')').unwrap() + 1..].trim_start().starts_with('Z'))
+}
+
+/// Waits up to `limit` for `n` node processes under the launcher `pid`.
+fn wait_for_nodes(pid: u32, n: usize, limit: Duration) -> Vec<u32> {
+    let started = Instant::now();
+    loop {
+        let nodes = children_of(pid);
+        if nodes.len() >= n || started.elapsed() > limit {
+            return nodes;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A long parameter-server run on the digits (a few seconds per epoch at most).
+fn long_ps_run(out: &str, extra: &[&str]) -> Child {
+    let mut args = vec![
+        "--strategy",
+        "ps",
+        "--nodes",
+        "3",
+        "--servers",
+        "1",
+        "--consistency",
+        "asp",
+        "--dataset",
+        "digits",
+        "--model-file",
+        "examples/models/lenet-dropout.toml",
+        "--batch-size",
+        "16",
+        "--eval-every",
+        "0",
+        "--out",
+        out,
+    ];
+    args.extend(extra);
+    spawn_train(&args)
+}
+
+// Issue 10.1: a worker frozen mid-run is dropped by the server, the run ends, and the launcher
+// must not wait for the frozen process forever.
+#[test]
+fn r10_launcher_kills_a_node_still_frozen_after_the_run_ends() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("asp").display().to_string();
+    let child = long_ps_run(
+        &out,
+        &[
+            "--epochs",
+            "100",
+            "--freeze-rank",
+            "2",
+            "--freeze-after-ms",
+            "1000",
+        ],
+    );
+    let (output, took) = finish(child, Duration::from_secs(90));
+    let err = stderr(&output);
+    assert!(took < Duration::from_secs(80), "the launcher hung: {err}");
+    assert!(output.status.success(), "{err}");
+    assert!(
+        err.contains("launcher: node 2 had not exited"),
+        "the frozen node is named: {err}"
+    );
+    let summary: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(tmp.path().join("asp/summary.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(summary["strategy"], "ps");
+}
+
+// Issue 10.2: SIGTERM, SIGINT or SIGHUP sent to the launcher alone stops every node.
+#[test]
+fn r10_a_signal_to_the_launcher_alone_stops_every_node() {
+    for (signal, code) in [
+        (libc::SIGTERM, 143),
+        (libc::SIGINT, 130),
+        (libc::SIGHUP, 129),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("run").display().to_string();
+        let child = long_ps_run(&out, &["--epochs", "100000"]);
+        let nodes = wait_for_nodes(child.id(), 3, Duration::from_secs(20));
+        assert_eq!(nodes.len(), 3, "nodes {nodes:?}");
+        // Let them get past rendezvous and into training.
+        std::thread::sleep(Duration::from_millis(1500));
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(child.id() as i32, signal) };
+        let (output, took) = finish(child, Duration::from_secs(30));
+        let err = stderr(&output);
+        assert_eq!(output.status.code(), Some(code), "{err}");
+        assert!(err.contains("interrupted by SIG"), "{err}");
+        assert!(took < Duration::from_secs(10), "took {took:?}");
+        let lingering: Vec<u32> = nodes.into_iter().filter(|p| alive(*p)).collect();
+        assert!(lingering.is_empty(), "nodes still running: {lingering:?}");
+    }
+}
+
+// No orphans even when the launcher dies without a word: the kernel sends the nodes SIGTERM.
+#[test]
+fn r10_nodes_die_with_a_killed_launcher() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run").display().to_string();
+    let mut child = long_ps_run(&out, &["--epochs", "100000"]);
+    let nodes = wait_for_nodes(child.id(), 3, Duration::from_secs(20));
+    assert_eq!(nodes.len(), 3, "nodes {nodes:?}");
+    child.kill().unwrap();
+    let _ = child.wait();
+    let started = Instant::now();
+    while nodes.iter().any(|p| alive(*p)) && started.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let lingering: Vec<u32> = nodes.into_iter().filter(|p| alive(*p)).collect();
+    for p in &lingering {
+        // SAFETY: cleaning up after a failed assertion; these are our grandchildren.
+        unsafe { libc::kill(*p as i32, libc::SIGKILL) };
+    }
+    assert!(lingering.is_empty(), "orphaned nodes: {lingering:?}");
+}
