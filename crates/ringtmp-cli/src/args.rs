@@ -164,6 +164,9 @@ pub struct TrainArgs {
     /// Resume from a checkpoint directory or a previous run's output directory.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
+    /// Replace the run that --out already holds (its summary, metrics, job and checkpoints).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub overwrite: Option<bool>,
     /// Fault injection for tests: this rank of a local ring exits abruptly.
     #[arg(long, hide = true)]
     #[serde(skip)]
@@ -216,6 +219,13 @@ impl TrainArgs {
                 e.to_string().trim_end()
             ))
         })?;
+        if file.model.is_some() && file.model_file.is_some() {
+            return Err(UsageError(format!(
+                "config file {}: sets both model and model-file; keep one",
+                path.display()
+            ))
+            .into());
+        }
         // A model chosen on the command line, by preset or file, replaces the file's choice.
         let mut file = file;
         if self.model.is_some() || self.model_file.is_some() {
@@ -257,9 +267,71 @@ impl TrainArgs {
             out,
             checkpoint_every,
             resume,
+            overwrite,
             max_steps,
             verbose
         ))
+    }
+
+    /// Refuses options that the chosen strategy would ignore (from flags and config files alike),
+    /// so nothing a user asked for is silently dropped.
+    pub fn check_applicable(&self) -> Result<()> {
+        use Strategy::{Ps, Ring};
+        let strategy = self.strategy();
+        let set = |present: bool, flag: &str, applies: &[Strategy]| -> Result<()> {
+            if !present || applies.contains(&strategy) {
+                return Ok(());
+            }
+            let names: Vec<String> = applies
+                .iter()
+                .map(|s| format!("{s:?}").to_lowercase())
+                .collect();
+            Err(UsageError(format!(
+                "--{flag} applies to --strategy {} only; this run uses {}",
+                names.join(" or "),
+                format!("{strategy:?}").to_lowercase()
+            ))
+            .into())
+        };
+        set(self.servers.is_some(), "servers", &[Ps])?;
+        set(self.consistency.is_some(), "consistency", &[Ps])?;
+        set(self.drop_dead_workers.is_some(), "drop-dead-workers", &[Ps])?;
+        set(self.schedule.is_some(), "schedule", &[Ring])?;
+        set(self.micro_batches.is_some(), "micro-batches", &[Ring])?;
+        set(self.in_flight.is_some(), "in-flight", &[Ring])?;
+        set(self.partition.is_some(), "partition", &[Ring])?;
+        set(
+            self.node_memory_limit.is_some(),
+            "node-memory-limit",
+            &[Ring],
+        )?;
+        set(
+            self.defer_weight_grads.is_some(),
+            "defer-weight-grads",
+            &[Ring],
+        )?;
+        set(
+            self.master_holds_head.is_some(),
+            "master-holds-head",
+            &[Ring],
+        )?;
+        set(self.node_speed.is_some(), "node-speed", &[Ring, Ps])?;
+        set(self.pin.is_some(), "pin", &[Ring, Ps])?;
+        set(self.nodes.is_some_and(|n| n != 1), "nodes", &[Ring, Ps])?;
+        if let Some(w) = self.in_flight {
+            if w == 0 {
+                return Err(UsageError("--in-flight must be at least 1".into()).into());
+            }
+            if self.schedule.is_some_and(|s| s != ScheduleKind::Async) {
+                return Err(UsageError(
+                    "--in-flight applies to the async schedule only (gpipe and 1f1b keep their \
+                     micro-batches in flight)"
+                        .into(),
+                )
+                .into());
+            }
+        }
+        Ok(())
     }
 
     /// The chosen strategy.
@@ -275,7 +347,14 @@ impl TrainArgs {
     /// Applies defaults and validates; `classes` comes from the dataset.
     pub fn resolve(&self, classes: usize) -> Result<TrainConfig> {
         let model = match (&self.model_file, &self.model) {
-            (Some(path), _) => ModelSpec::from_file(path)?,
+            (Some(path), _) => ModelSpec::from_file(path).map_err(|e| match e {
+                // The file itself is missing or unreadable: the user's mistake, said once.
+                ringtmp_model::Error::Io { source, .. } => anyhow::Error::new(UsageError(format!(
+                    "--model-file {}: {source}",
+                    path.display()
+                ))),
+                other => other.into(),
+            })?,
             (None, name) => ModelSpec::preset(name.as_deref().unwrap_or("mlp"), classes)?,
         };
         let optimizer_kind = self.optimizer.unwrap_or(OptimizerKind::Sgd);
@@ -309,10 +388,9 @@ impl TrainArgs {
         let schedule = LrSchedule::parse(self.lr_schedule.as_deref().unwrap_or("constant"))
             .map_err(|e| UsageError(format!("--lr-schedule: {e}")))?;
         let strategy = self.strategy();
-        let out = self
-            .out
-            .clone()
-            .unwrap_or_else(|| crate::train::default_out(&format!("{strategy:?}").to_lowercase()));
+        let out = self.out.clone().unwrap_or_else(|| {
+            crate::run_dir::default_out(&format!("{strategy:?}").to_lowercase())
+        });
         let threads = self.threads.unwrap_or_else(|| {
             std::thread::available_parallelism()
                 .map(|n| n.get())

@@ -12,6 +12,7 @@ mod node;
 mod ps_node;
 mod ps_setup;
 mod ring_setup;
+mod run_dir;
 mod train;
 
 use std::process::ExitCode;
@@ -134,10 +135,27 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("error: {err:#}");
+            eprintln!("error: {}", describe(&err));
             ExitCode::from(exit_code(&err))
         }
     }
+}
+
+/// The error chain on one line, outermost first. A cause whose text its wrapper already ends with
+/// (an I/O error that a `"{path}: {source}"` message quotes) is said once, not twice.
+pub fn describe(err: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in err.chain() {
+        let part = cause.to_string();
+        if text.ends_with(&part) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&part);
+    }
+    text
 }
 
 /// 2 when any error in the chain is the user's input, 128 + N when signal N stopped the run, 1

@@ -219,13 +219,34 @@ pub fn run(args: &NodeArgs) -> Result<()> {
                 let path = args.job.config.clone().ok_or_else(|| {
                     UsageError("--job train needs --config FILE on rank 0".into())
                 })?;
-                let train_args = TrainArgs {
+                let mut train_args = TrainArgs {
                     config: Some(path),
                     ..Default::default()
                 }
                 .merged()?;
+                train_args.check_applicable()?;
+                if let Some(n) = train_args.nodes
+                    && n != placement.world_size
+                {
+                    return Err(UsageError(format!(
+                        "the options say nodes = {n}, but the launcher started {} nodes",
+                        placement.world_size
+                    ))
+                    .into());
+                }
                 let data = crate::train::load_dataset(&train_args)?;
                 let cfg = train_args.resolve(data.classes)?;
+                // Plan with the output directory chosen here (the default one is time-stamped).
+                train_args.out = Some(cfg.out.clone());
+                if args.job.job_file.is_none() {
+                    // Under an external launcher this is the first look at the directory (the
+                    // local launcher has prepared it already).
+                    crate::run_dir::prepare(
+                        &cfg.out,
+                        cfg.resume.as_deref(),
+                        train_args.overwrite.unwrap_or(false),
+                    )?;
+                }
                 let settings = match &args.job.job_file {
                     // Planned by the local launcher already (so the plan it printed is the one run).
                     Some(file) => {
@@ -310,7 +331,7 @@ pub fn run(args: &NodeArgs) -> Result<()> {
             Ok(())
         }
         Err(e) => {
-            net.abort(&format!("{e:#}"));
+            net.abort(&crate::describe(&e));
             Err(e)
         }
     }

@@ -27,7 +27,7 @@ pub fn run(
         let outcome = run_server(job, rank as usize, net)?;
         let mut own = base_summary(rank, "server", outcome.params.len() as u64, net);
         own.staleness_histogram = outcome.staleness;
-        own.dropped_workers = outcome.dropped.clone();
+        own.dropped_workers = outcome.dropped.iter().map(|d| d.rank).collect();
         own.optimizer_bytes = own.param_bytes * optimizer_copies(job);
         if rank != 0 {
             return report(net, &own);
@@ -63,7 +63,8 @@ pub fn run(
         let Some((_, cfg)) = master else {
             anyhow::bail!("rank 0 has no configuration")
         };
-        let summary = summarize(job, &cfg, per_node, started.elapsed().as_secs_f64());
+        let mut summary = summarize(job, &cfg, per_node, started.elapsed().as_secs_f64());
+        summary.dropped_nodes = outcome.dropped.clone();
         let path = cfg.out.join("summary.json");
         std::fs::create_dir_all(&cfg.out)?;
         summary
@@ -115,6 +116,8 @@ pub fn run(
     own.wait_seconds = outcome.wait_seconds;
     own.compute_seconds = outcome.compute_seconds;
     own.idle_seconds = outcome.wait_seconds;
+    own.final_epoch_loss_sum = outcome.final_epoch_loss_sum;
+    own.final_epoch_units = outcome.final_epoch_units;
     if w == 0 {
         let (accuracy, _) =
             ringtmp_strategy::local::evaluate(&mut stage, &data.test, data.classes)?;
@@ -208,7 +211,16 @@ fn summarize(job: &PsJob, cfg: &TrainConfig, per_node: Vec<NodeSummary>, wall: f
         threads: job.threads as u32,
         steps: job.total_steps,
         samples,
-        final_train_loss: f64::NAN,
+        // The mean loss of the units of the final epoch, over every worker that computed some.
+        final_train_loss: {
+            let units: u64 = per_node.iter().map(|n| n.final_epoch_units).sum();
+            let sum: f64 = per_node.iter().map(|n| n.final_epoch_loss_sum).sum();
+            if units == 0 {
+                f64::NAN
+            } else {
+                sum / units as f64
+            }
+        },
         final_test_accuracy: accuracy,
         best_test_accuracy: best,
         target_accuracy: cfg.target_accuracy,
@@ -221,6 +233,7 @@ fn summarize(job: &PsJob, cfg: &TrainConfig, per_node: Vec<NodeSummary>, wall: f
         bytes_per_sample: total_bytes_sent as f64 / samples.max(1) as f64,
         theoretical_bubble_fraction: None,
         partition: Vec::new(),
+        dropped_nodes: Vec::new(),
         per_node,
     }
 }

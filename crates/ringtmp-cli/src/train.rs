@@ -16,8 +16,8 @@ use crate::args::{Strategy, TrainArgs};
 pub fn load_dataset(args: &TrainArgs) -> Result<Dataset> {
     let name = args.dataset();
     let started = Instant::now();
-    let data = ringtmp_data::load(&name, args.data_dir.as_deref())
-        .with_context(|| format!("loading dataset {name}"))?;
+    // The data crate's errors name the dataset and the files already.
+    let data = ringtmp_data::load(&name, args.data_dir.as_deref())?;
     let verified = data
         .checks
         .iter()
@@ -51,6 +51,7 @@ pub fn load_dataset(args: &TrainArgs) -> Result<Dataset> {
 /// `ringtmp validate-config`: resolves everything a run would, without training.
 pub fn validate(args: &TrainArgs) -> Result<()> {
     let args = args.merged()?;
+    args.check_applicable()?;
     let data = load_dataset(&args)?;
     let cfg = args.resolve(data.classes)?;
     let (h, w, c) = data.input;
@@ -80,9 +81,6 @@ pub fn validate(args: &TrainArgs) -> Result<()> {
 /// `ringtmp train`.
 pub fn run(args: &TrainArgs) -> Result<()> {
     let args = args.merged()?;
-    if args.strategy() != Strategy::Local {
-        return launch_nodes(args);
-    }
     if args.nodes.unwrap_or(1) > 1 && args.strategy() == Strategy::Local {
         return Err(crate::UsageError(
             "--strategy local trains in one process; --nodes needs a distributed strategy \
@@ -91,8 +89,17 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         )
         .into());
     }
+    args.check_applicable()?;
+    if args.strategy() != Strategy::Local {
+        return launch_nodes(args);
+    }
     let data = load_dataset(&args)?;
     let cfg = args.resolve(data.classes)?;
+    crate::run_dir::prepare(
+        &cfg.out,
+        cfg.resume.as_deref(),
+        args.overwrite.unwrap_or(false),
+    )?;
     init_threads(cfg.threads)?;
     eprintln!(
         "training {} with strategy {:?}, batch {}, lr {}, {} thread(s); output in {}",
@@ -250,6 +257,13 @@ pub fn print_summary(s: &Summary, out: &std::path::Path) {
         "bytes sent {} ({:.1} per sample)",
         s.total_bytes_sent, s.bytes_per_sample
     );
+    for d in &s.dropped_nodes {
+        println!(
+            "WARNING: degraded run: rank {} was dropped at step {} and the run went on without \
+             it ({})",
+            d.rank, d.step, d.reason
+        );
+    }
     println!(
         "{:>4} {:<7} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9}",
         "rank", "role", "params", "peak RSS", "sent", "compute", "idle", "cpu"
@@ -280,7 +294,10 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
         );
     }
     let name = format!("{:?}", args.strategy()).to_lowercase();
-    let out = args.out.clone().unwrap_or_else(|| default_out(&name));
+    let out = args
+        .out
+        .clone()
+        .unwrap_or_else(|| crate::run_dir::default_out(&name));
     args.out = Some(out.clone());
     args.nodes = Some(nodes);
     args.config = None;
@@ -289,7 +306,13 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
     let data = load_dataset(&args)?;
     let job = crate::node::plan_job(&args, &data, nodes)?;
     drop(data);
-    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    crate::run_dir::prepare(
+        &out,
+        args.resume.as_deref(),
+        args.overwrite.unwrap_or(false),
+    )?;
+    // The nodes see the directory as prepared; they must not refuse or clear it again.
+    args.overwrite = None;
     let config = out.join("train.toml");
     std::fs::write(
         &config,
@@ -349,12 +372,4 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
         );
     }
     Ok(())
-}
-
-/// `runs/<time>-<strategy>`.
-pub fn default_out(strategy: &str) -> std::path::PathBuf {
-    let stamp = humantime::format_rfc3339_seconds(std::time::SystemTime::now())
-        .to_string()
-        .replace(':', "");
-    std::path::PathBuf::from("runs").join(format!("{stamp}-{strategy}"))
 }

@@ -433,6 +433,25 @@ fn parameter_server_drops_a_dead_worker_under_ssp_and_stops_under_bsp() {
         serde_json::json!([3]),
         "{summary}"
     );
+    // Issue 10.5: the degraded run says so, in summary.json and in its final lines.
+    let dropped = &summary["dropped_nodes"][0];
+    assert_eq!(dropped["rank"], 3, "{summary}");
+    assert!(dropped["step"].as_u64().is_some(), "{summary}");
+    assert!(
+        dropped["reason"].as_str().unwrap().contains("rank 3"),
+        "{summary}"
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        stdout.contains("degraded run: rank 3 was dropped"),
+        "{stdout}"
+    );
+    assert!(
+        summary["final_train_loss"]
+            .as_f64()
+            .is_some_and(|l| l > 0.0),
+        "{summary}"
+    );
 
     let out = tmp.path().join("bsp").display().to_string();
     let mut args = common.to_vec();

@@ -61,14 +61,23 @@ pub fn serve(
         let mut nodes: Vec<Option<NodeAddr>> = vec![None; world_size as usize];
         nodes[0] = Some(NodeAddr { rank: 0, addr: own.to_string() });
         let mut streams = Vec::new();
+        let mut refused: Vec<String> = Vec::new();
         let mut pending = tokio::task::JoinSet::new();
         while nodes.iter().any(Option::is_none) {
             tokio::select! {
                 accepted = timeout_at(deadline, listener.accept()) => {
                     let (stream, addr) = match accepted {
                         Err(_) => {
-                            let missing: Vec<usize> = nodes.iter().enumerate().filter(|(_, n)| n.is_none()).map(|(r, _)| r).collect();
-                            return Err(TransportError::Timeout { what: "registration".into(), from: format!("ranks {missing:?}"), waited: wait });
+                            let missing: Vec<u32> = nodes.iter().enumerate().filter(|(_, n)| n.is_none()).map(|(r, _)| r as u32).collect();
+                            let error = TransportError::RendezvousIncomplete { missing, waited: wait, refused };
+                            // The nodes that did register would otherwise wait out their own
+                            // timeout for a table that never comes: tell them why.
+                            let abort = Message::Control(Control::Abort { origin: 0, reason: error.to_string() });
+                            let mut scratch = Vec::new();
+                            for (mut stream, _) in streams {
+                                let _ = tokio::time::timeout(Duration::from_secs(1), write_frame(&mut stream, &abort, &mut scratch)).await;
+                            }
+                            return Err(error);
                         }
                         Ok(Err(e)) => return Err(TransportError::Io { context: "rendezvous accept".into(), source: e }),
                         Ok(Ok(x)) => x,
@@ -87,7 +96,12 @@ pub fn serve(
                             streams.push(stream);
                         }
                     }
-                    Ok(Err(e)) => tracing::warn!("rendezvous: {e}"),
+                    Ok(Err(e)) => {
+                        tracing::warn!("rendezvous: {e}");
+                        if let TransportError::Handshake { peer, reason } = &e {
+                            refused.push(format!("{peer}: {reason}"));
+                        }
+                    }
                     Err(e) => tracing::warn!("rendezvous: registration task failed: {e}"),
                 },
             }
@@ -224,6 +238,9 @@ pub fn join(
                 nodes,
                 settings,
             }),
+            Ok(Ok((Message::Control(Control::Abort { origin, reason }), _))) => {
+                Err(TransportError::Aborted { origin, reason })
+            }
             Ok(Ok(_)) => Err(TransportError::Handshake {
                 peer,
                 reason: "expected the address table".into(),
@@ -322,5 +339,49 @@ mod tests {
             err.contains("registration") && err.contains("ranks [1]"),
             "{err}"
         );
+        // Issue 10.6: rank 0's final error names the address refused and the likely cause.
+        assert!(
+            err.contains("127.0.0.1:") && err.contains("another RINGTMP_SECRET"),
+            "{err}"
+        );
+    }
+
+    // Issue 10.6: a rank that registered hears why the rendezvous failed instead of waiting out
+    // its own timeout.
+    #[test]
+    fn r10_registered_ranks_hear_why_rendezvous_failed() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let master = format!("127.0.0.1:{port}");
+        let own: SocketAddr = "127.0.0.1:5000".parse().unwrap();
+        let m = master.clone();
+        let host = std::thread::spawn(move || {
+            serve(
+                &m,
+                3,
+                own,
+                String::new(),
+                b"right",
+                Duration::from_millis(1500),
+            )
+        });
+        let started = std::time::Instant::now();
+        let m = master.clone();
+        let good = std::thread::spawn(move || join(&m, 1, own, b"right", Duration::from_secs(20)));
+        let _ = join(&master, 2, own, b"wrong", Duration::from_secs(5));
+        let err = good.join().unwrap().unwrap_err().to_string();
+        assert!(
+            err.contains("rank 0 aborted the run") && err.contains("ranks [2]"),
+            "{err}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            started.elapsed()
+        );
+        assert!(host.join().unwrap().is_err());
     }
 }

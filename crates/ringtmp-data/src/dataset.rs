@@ -151,9 +151,10 @@ const DIGITS_SHA256: &str = "09f66e6debdee2cd2b5ae59e0d6abbb73fc2b0e0185d2e1957e
 /// The digits set has no official split: the first 1,500 rows train, the last 297 test.
 const DIGITS_TRAIN: usize = 1500;
 
-/// Directories searched for dataset `name`, in order: `data_dir` and `data_dir/name` when given,
-/// then `./data/name`, the repository's bundled `data/name`, and for Fashion-MNIST the directory
-/// Debian's package installs.
+/// Directories searched for dataset `name`, in order. With `data_dir`: that directory and
+/// `data_dir/name` only (a directory the user named is never silently replaced by the bundled
+/// copy). Without: `./data/name`, the repository's bundled `data/name`, and for Fashion-MNIST the
+/// directory Debian's package installs.
 pub fn search_dirs(name: &str, data_dir: Option<&Path>) -> Vec<PathBuf> {
     // The digits file keeps the folder name it has in shared/data.
     let folder = if name == "digits" {
@@ -161,11 +162,10 @@ pub fn search_dirs(name: &str, data_dir: Option<&Path>) -> Vec<PathBuf> {
     } else {
         name
     };
-    let mut dirs = Vec::new();
     if let Some(d) = data_dir {
-        dirs.push(d.to_path_buf());
-        dirs.push(d.join(folder));
+        return vec![d.to_path_buf(), d.join(folder)];
     }
+    let mut dirs = Vec::new();
     dirs.push(Path::new("data").join(folder));
     dirs.push(
         Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -180,6 +180,16 @@ pub fn search_dirs(name: &str, data_dir: Option<&Path>) -> Vec<PathBuf> {
 
 /// Loads dataset `name`, looking in [`search_dirs`].
 pub fn load(name: &str, data_dir: Option<&Path>) -> Result<Dataset> {
+    if let Some(d) = data_dir
+        && !d.is_dir()
+    {
+        return Err(Error::NotFound {
+            dataset: name.to_string(),
+            file: "--data-dir".into(),
+            searched: format!("{} (no such directory)", d.display()),
+            hint: String::new(),
+        });
+    }
     let dirs = search_dirs(name, data_dir);
     match name {
         "mnist" => load_idx(&MNIST, &dirs),
@@ -206,12 +216,31 @@ fn find(dataset: &str, dirs: &[PathBuf], file: &str) -> Result<PathBuf> {
             .map(|d| d.display().to_string())
             .collect::<Vec<_>>()
             .join(", "),
+        hint: String::new(),
     })
 }
 
 fn load_idx(spec: &IdxSpec, dirs: &[PathBuf]) -> Result<Dataset> {
     // All four files must come from one directory: find the first file, then read the rest there.
-    let first = find(spec.name, dirs, IDX_FILES[0])?;
+    let first = find(spec.name, dirs, IDX_FILES[0]).map_err(|e| match e {
+        // None of the files anywhere: say which ones were looked for, not just the first.
+        Error::NotFound {
+            dataset, searched, ..
+        } => Error::NotFound {
+            hint: if spec.name == "fashion-mnist" {
+                format!(
+                    "; install Debian's dataset-fashion-mnist package (it puts them in \
+                     {DEBIAN_FASHION_MNIST}) or pass --data-dir DIR holding the four files"
+                )
+            } else {
+                String::new()
+            },
+            dataset,
+            file: IDX_FILES.map(|f| format!("{f}[.gz]")).join(", "),
+            searched,
+        },
+        other => other,
+    })?;
     let dir = first.parent().map(Path::to_path_buf).unwrap_or_default();
     let mut arrays: Vec<(PathBuf, IdxArray)> = Vec::new();
     let mut checks = Vec::new();
@@ -462,6 +491,36 @@ mod tests {
                 .unwrap_err()
                 .to_string()
                 .contains("unknown dataset")
+        );
+    }
+
+    // Issue 10.3: a --data-dir that does not exist, or holds none of the files, is an error that
+    // names it and the files looked for, never a silent fall-back to the bundled copy.
+    #[test]
+    fn r10_a_named_data_dir_is_never_replaced_by_the_bundled_copy() {
+        let missing = Path::new("/nonexistent/ringtmp-data");
+        let e = load("mnist", Some(missing)).unwrap_err().to_string();
+        assert!(
+            e.contains("/nonexistent/ringtmp-data") && e.contains("no such directory"),
+            "{e}"
+        );
+        let empty = tempfile::tempdir().unwrap();
+        let e = load("mnist", Some(empty.path())).unwrap_err().to_string();
+        for file in IDX_FILES {
+            assert!(e.contains(file), "{file} is named: {e}");
+        }
+        assert!(e.contains(&empty.path().display().to_string()), "{e}");
+        assert!(
+            !e.contains("data/mnist,"),
+            "no bundled directory searched: {e}"
+        );
+        assert!(load("digits", Some(empty.path())).is_err());
+        let e = load("fashion-mnist", Some(empty.path()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("dataset-fashion-mnist"),
+            "says how to get it: {e}"
         );
     }
 

@@ -28,14 +28,16 @@ pub enum Error {
         reason: String,
     },
     /// The dataset's files were not found anywhere searched.
-    #[error("dataset {dataset}: file {file} not found; searched {searched}")]
+    #[error("dataset {dataset}: {file} not found; searched {searched}{hint}")]
     NotFound {
         /// Dataset name.
         dataset: String,
-        /// The first missing file.
+        /// The missing files (or the missing directory).
         file: String,
         /// The directories searched, in order.
         searched: String,
+        /// Where to get the files (empty, or starting with `; `).
+        hint: String,
     },
     /// The dataset name is not one ringtmp knows.
     #[error("unknown dataset {0:?}; known datasets are mnist, fashion-mnist, digits")]

@@ -6,11 +6,11 @@
 //! (`estimated_…`).
 //!
 //! # Layout
-//! - [`Summary`], [`NodeSummary`]: the output contract.
+//! - [`Summary`], [`NodeSummary`], [`DroppedNode`]: the output contract.
 //! - [`EventLog`]: append-only JSON-lines writer.
 //! - [`resources`]: peak resident set size and CPU seconds of this process.
 
 pub mod resources;
 mod summary;
 
-pub use summary::{EventLog, NodeSummary, Summary};
+pub use summary::{DroppedNode, EventLog, NodeSummary, Summary};

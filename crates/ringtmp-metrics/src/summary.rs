@@ -69,6 +69,24 @@ pub struct NodeSummary {
     /// Per-link traffic: `(peer rank, bytes sent, bytes received)`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub links: Vec<(u32, u64, u64)>,
+    /// Data-parallel workers: the sum of the mean losses of the units of the final epoch this
+    /// node computed (with `final_epoch_units`, the run's `final_train_loss`).
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
+    pub final_epoch_loss_sum: f64,
+    /// Data-parallel workers: units of work of the final epoch this node computed.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub final_epoch_units: u64,
+}
+
+/// A node that left a run that went on without it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct DroppedNode {
+    /// Its rank.
+    pub rank: u32,
+    /// Optimizer steps (global iterations) completed when it was dropped.
+    pub step: u64,
+    /// Why: the failure that was observed.
+    pub reason: String,
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -144,6 +162,10 @@ pub struct Summary {
     /// The partition plan (pipeline strategies): per stage its layers and predicted cost.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub partition: Vec<serde_json::Value>,
+    /// Nodes the run went on without (empty for a run that ended with every node): a degraded
+    /// run says so here and in its final lines.
+    #[serde(default)]
+    pub dropped_nodes: Vec<DroppedNode>,
     /// Per-node measurements.
     pub per_node: Vec<NodeSummary>,
 }

@@ -263,6 +263,7 @@ pub fn train_local(
         bytes_per_sample: 0.0,
         theoretical_bubble_fraction: None,
         partition: Vec::new(),
+        dropped_nodes: Vec::new(),
         per_node: vec![node],
     };
     let path = cfg.out.join("summary.json");

@@ -89,6 +89,21 @@ pub enum TransportError {
         /// How long.
         waited: Duration,
     },
+    /// Rendezvous ran out of time with ranks missing. `refused` lists the connections that
+    /// failed the handshake meanwhile, with why: the usual cause of a missing rank is a node
+    /// started with another shared secret.
+    #[error(
+        "timed out after {waited:?} waiting for registration from ranks {missing:?}{}",
+        refused_note(refused)
+    )]
+    RendezvousIncomplete {
+        /// Ranks that never registered.
+        missing: Vec<u32>,
+        /// How long rank 0 waited.
+        waited: Duration,
+        /// Connections refused while waiting: `address: reason`.
+        refused: Vec<String>,
+    },
     /// Another node aborted the run.
     #[error("rank {origin} aborted the run: {reason}")]
     Aborted {
@@ -118,4 +133,22 @@ pub enum TransportError {
         /// Cause.
         source: std::io::Error,
     },
+}
+
+fn refused_note(refused: &[String]) -> String {
+    if refused.is_empty() {
+        return String::new();
+    }
+    let secret = refused.iter().any(|r| r.contains("secret"));
+    format!(
+        "; meanwhile rank 0 refused {} connection(s): {}{}",
+        refused.len(),
+        refused.join("; "),
+        if secret {
+            ". A node that does not know the run's secret was most likely started with another \
+             RINGTMP_SECRET or --secret-file than rank 0"
+        } else {
+            ""
+        }
+    )
 }

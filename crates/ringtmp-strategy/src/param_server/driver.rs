@@ -139,8 +139,8 @@ pub struct ServerOutcome {
     pub parked_pulls: u64,
     /// Observed staleness histogram (index = iterations ahead of the slowest worker).
     pub staleness: Vec<u64>,
-    /// Workers dropped after dying.
-    pub dropped: Vec<u32>,
+    /// Workers dropped after dying, with the iteration and the failure observed.
+    pub dropped: Vec<ringtmp_metrics::DroppedNode>,
     /// Per worker, its observed staleness histogram at this server.
     pub worker_staleness: Vec<Vec<u64>>,
     /// End-of-run reports (JSON) that workers sent while this server was still serving others.
@@ -217,6 +217,7 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
     let now = || started.elapsed().as_secs_f64();
     let mut finished: BTreeSet<usize> = BTreeSet::new();
     let mut dropped: Vec<u32> = Vec::new();
+    let mut drops: Vec<ringtmp_metrics::DroppedNode> = Vec::new();
     let mut reports: Vec<String> = Vec::new();
     let mut bsp = BspSum::new(job.workers, params.len(), job.lr);
     let (mut values, mut scratch) = (Vec::new(), Vec::new());
@@ -239,6 +240,11 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
                 tracing::warn!("server {s}: dropping worker rank {rank}: {e}");
                 let replies = pulls.drop_worker(worker(rank), now());
                 dropped.push(rank);
+                drops.push(ringtmp_metrics::DroppedNode {
+                    rank,
+                    step: job.first_step + checkpoints.iterations,
+                    reason: e.to_string(),
+                });
                 // Under BSP the iteration may now be complete without it.
                 bsp.forget(worker(rank));
                 if bsp.apply_if_complete(
@@ -366,7 +372,7 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
         worker_staleness: (0..job.workers)
             .map(|w| pulls.gate().worker_staleness(w).to_vec())
             .collect(),
-        dropped,
+        dropped: drops,
         reports,
     })
 }
@@ -622,6 +628,10 @@ pub struct WorkerOutcome {
     pub compute_seconds: f64,
     /// Examples processed.
     pub samples: u64,
+    /// Sum of the mean losses of the units of the run's final epoch this worker computed.
+    pub final_epoch_loss_sum: f64,
+    /// Units of the run's final epoch this worker computed.
+    pub final_epoch_units: u64,
 }
 
 /// Runs worker `w` (rank `servers + w`) for the job's iterations on its share of every global
@@ -646,6 +656,8 @@ pub fn run_worker(
     let mut plan = BatchPlan::new(data.train.len(), job.worker_batch * job.workers, job.seed)?;
     let (mut x, mut y, mut d) = (Vec::new(), Vec::new(), Vec::new());
     let mut out = WorkerOutcome::default();
+    // The epoch of the run's last iteration: its units' losses make the run's final train loss.
+    let final_epoch = job.total_steps.saturating_sub(1) / job.steps_per_epoch.max(1);
     // Pulls every shard for iteration `t`; returns the unit of work server 0 assigned.
     let pull =
         |t: u64, stage: &mut Stage, out: &mut WorkerOutcome, net: &mut Network| -> Result<u64> {
@@ -705,7 +717,12 @@ pub fn run_worker(
         };
         let logits = stage.forward(0, &x, y.len(), &pass)?;
         d.resize(logits.len(), 0.0);
-        loss::softmax_cross_entropy(logits, &y, job.classes, 1.0 / y.len() as f32, &mut d)?;
+        let unit_loss =
+            loss::softmax_cross_entropy(logits, &y, job.classes, 1.0 / y.len() as f32, &mut d)?;
+        if epoch == final_epoch {
+            out.final_epoch_loss_sum += unit_loss.loss_sum / y.len() as f64;
+            out.final_epoch_units += 1;
+        }
         stage.backward(0, &d)?;
         if speed < 1.0 {
             std::thread::sleep(computed.elapsed().mul_f64(1.0 / speed - 1.0));

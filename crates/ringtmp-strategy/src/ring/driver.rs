@@ -648,6 +648,7 @@ pub fn run_master(
             .iter()
             .map(|p| serde_json::to_value(p).unwrap_or_default())
             .collect(),
+        dropped_nodes: Vec::new(),
         per_node,
     };
     let path = setup.out.join("summary.json");

@@ -1,0 +1,139 @@
+//! The output directory of a run: chosen (a fresh `runs/<time>-<strategy>` by default), checked
+//! before anything starts, and never silently shared with another run.
+//!
+//! A directory *holds a run* when it has any of [`RUN_FILES`]. Such a directory is refused as
+//! `--out` unless the run resumes from it (`--resume` points into it) or the user says
+//! `--overwrite`, which removes the old run's files first (and nothing else).
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Result;
+
+use crate::UsageError;
+
+/// What a run writes into its output directory.
+pub const RUN_FILES: [&str; 5] = [
+    "summary.json",
+    "metrics.jsonl",
+    "job.json",
+    "train.toml",
+    "checkpoints",
+];
+
+/// `runs/<time>-<strategy>`, with `-2`, `-3`, … appended when a run started in the same second.
+pub fn default_out(strategy: &str) -> PathBuf {
+    fresh_in(Path::new("runs"), strategy)
+}
+
+fn fresh_in(root: &Path, strategy: &str) -> PathBuf {
+    let stamp = humantime::format_rfc3339_seconds(std::time::SystemTime::now())
+        .to_string()
+        .replace(':', "");
+    let base = root.join(format!("{stamp}-{strategy}"));
+    let mut candidate = base.clone();
+    let mut n = 2;
+    while candidate.exists() {
+        candidate = PathBuf::from(format!("{}-{n}", base.display()));
+        n += 1;
+    }
+    candidate
+}
+
+/// Makes `out` ready for a new run: creates it, refuses one that holds another run (see the
+/// module header), and checks that it is writable. Every refusal is a usage error naming `out`.
+pub fn prepare(out: &Path, resume: Option<&Path>, overwrite: bool) -> Result<()> {
+    let held: Vec<&str> = RUN_FILES
+        .into_iter()
+        .filter(|f| out.join(f).exists())
+        .collect();
+    if !held.is_empty() && !resumes_from(out, resume) {
+        if !overwrite {
+            return Err(UsageError(format!(
+                "--out {} already holds a run ({}); pass --overwrite to replace it, --resume {} \
+                 to continue it, or choose another --out",
+                out.display(),
+                held.join(", "),
+                out.display()
+            ))
+            .into());
+        }
+        for f in &held {
+            let path = out.join(f);
+            let removed = if path.is_dir() {
+                std::fs::remove_dir_all(&path)
+            } else {
+                std::fs::remove_file(&path)
+            };
+            removed.map_err(|e| {
+                UsageError(format!(
+                    "--overwrite: cannot remove {}: {e}",
+                    path.display()
+                ))
+            })?;
+        }
+        eprintln!("--overwrite: replaced the run in {}", out.display());
+    }
+    std::fs::create_dir_all(out).map_err(|e| {
+        UsageError(format!(
+            "cannot create the output directory {}: {e}",
+            out.display()
+        ))
+    })?;
+    // Fail now, not after an epoch of training, if nothing can be written there.
+    let probe = out.join(format!(".ringtmp-write-test-{}", std::process::id()));
+    std::fs::write(&probe, b"").map_err(|e| {
+        UsageError(format!(
+            "cannot write to the output directory {}: {e}",
+            out.display()
+        ))
+    })?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
+/// Whether `resume` names `out` or something inside it (its checkpoints).
+fn resumes_from(out: &Path, resume: Option<&Path>) -> bool {
+    let Some(resume) = resume else { return false };
+    match (out.canonicalize(), resume.canonicalize()) {
+        (Ok(out), Ok(resume)) => resume.starts_with(out),
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_run_directory_is_refused_unless_resumed_or_overwritten() {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("run");
+        prepare(&out, None, false).unwrap();
+        std::fs::write(out.join("summary.json"), "{}").unwrap();
+        std::fs::create_dir_all(out.join("checkpoints/step-000000001")).unwrap();
+        std::fs::write(out.join("notes.txt"), "mine").unwrap();
+        let e = prepare(&out, None, false).unwrap_err().to_string();
+        assert!(
+            e.contains("already holds a run") && e.contains("summary.json"),
+            "{e}"
+        );
+        // Resuming from its checkpoints is allowed and touches nothing.
+        prepare(&out, Some(&out.join("checkpoints")), false).unwrap();
+        assert!(out.join("summary.json").exists());
+        // Resuming from elsewhere is not.
+        assert!(prepare(&out, Some(tmp.path()), false).is_err());
+        // --overwrite removes the run's files and nothing else.
+        prepare(&out, None, true).unwrap();
+        assert!(!out.join("summary.json").exists() && !out.join("checkpoints").exists());
+        assert!(out.join("notes.txt").exists());
+    }
+
+    #[test]
+    fn default_directories_are_never_shared() {
+        let tmp = tempfile::tempdir().unwrap();
+        let a = fresh_in(tmp.path(), "ring");
+        std::fs::create_dir_all(&a).unwrap();
+        let b = fresh_in(tmp.path(), "ring");
+        assert_ne!(a, b);
+    }
+}
