@@ -222,3 +222,194 @@ fn ring_refuses_to_start_when_no_partition_fits_the_memory_limits() {
     ]);
     assert_usage_error(&out, "no partition fits the nodes' memory limits");
 }
+
+/// A tiny local run (a few steps on the digits) into `out`, with `extra` options.
+fn tiny_local_run(out: &str, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "train",
+        "--strategy",
+        "local",
+        "--dataset",
+        "digits",
+        "--model-file",
+        "examples/models/lenet-dropout.toml",
+        "--max-steps",
+        "4",
+        "--eval-every",
+        "0",
+        "--out",
+        out,
+    ];
+    args.extend(extra);
+    ringtmp(&args)
+}
+
+// Issue 10.3: a wrong --data-dir is an error naming it and the files, for every strategy.
+#[test]
+fn r10_a_wrong_data_dir_is_a_usage_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let empty = tmp.path().display().to_string();
+    for strategy in ["local", "ring", "ps"] {
+        assert_usage_error(
+            &ringtmp(&[
+                "train",
+                "--strategy",
+                strategy,
+                "--data-dir",
+                "/nonexistent/x",
+            ]),
+            "/nonexistent/x (no such directory)",
+        );
+        let out = ringtmp(&["train", "--strategy", strategy, "--data-dir", &empty]);
+        assert_usage_error(&out, "train-labels-idx1-ubyte");
+        assert_usage_error(&out, &empty);
+    }
+}
+
+// Issue 10.4: --out never replaces another run unless asked to; resuming from it is fine.
+#[test]
+fn r10_out_refuses_an_existing_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run").display().to_string();
+    let first = tiny_local_run(&out, &["--checkpoint-every", "2"]);
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    let summary = std::fs::read_to_string(tmp.path().join("run/summary.json")).unwrap();
+    assert_usage_error(&tiny_local_run(&out, &[]), "already holds a run");
+    assert_eq!(
+        std::fs::read_to_string(tmp.path().join("run/summary.json")).unwrap(),
+        summary,
+        "the refused run touched nothing"
+    );
+    // A ring run into it is refused before any node starts.
+    assert_usage_error(
+        &ringtmp(&["train", "--strategy", "ring", "--nodes", "2", "--out", &out]),
+        "--overwrite",
+    );
+    let resumed = tiny_local_run(&out, &["--resume", &out, "--epochs", "3"]);
+    assert!(
+        resumed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&resumed.stderr)
+    );
+    let replaced = tiny_local_run(&out, &["--overwrite"]);
+    assert!(
+        replaced.status.success(),
+        "{}",
+        String::from_utf8_lossy(&replaced.stderr)
+    );
+    assert!(
+        !tmp.path().join("run/checkpoints").exists(),
+        "the old run's checkpoints are gone"
+    );
+}
+
+// Issue 10.7: user mistakes exit 2 with one message that names the file.
+#[test]
+fn r10_missing_files_and_unwritable_out_are_usage_errors_said_once() {
+    let out = ringtmp(&[
+        "train",
+        "--strategy",
+        "local",
+        "--model-file",
+        "/nonexistent/m.toml",
+    ]);
+    assert_usage_error(&out, "--model-file /nonexistent/m.toml: No such file");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(stderr.matches("No such file").count(), 1, "{stderr}");
+    let out = tiny_local_run("/proc/ringtmp-cannot-write", &[]);
+    assert_usage_error(&out, "output directory /proc/ringtmp-cannot-write");
+}
+
+// Issue 10.7: options that do not apply to the strategy are refused, from flags and files alike.
+#[test]
+fn r10_options_that_do_not_apply_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (args, needle) in [
+        (
+            &["--strategy", "local", "--consistency", "asp"][..],
+            "--consistency applies to --strategy ps",
+        ),
+        (
+            &["--strategy", "ring", "--servers", "2"][..],
+            "--servers applies to --strategy ps",
+        ),
+        (
+            &["--strategy", "ps", "--schedule", "1f1b"][..],
+            "--schedule applies to --strategy ring",
+        ),
+        (
+            &["--strategy", "ring", "--in-flight", "0"][..],
+            "--in-flight must be at least 1",
+        ),
+        (
+            &[
+                "--strategy",
+                "ring",
+                "--schedule",
+                "gpipe",
+                "--in-flight",
+                "2",
+            ][..],
+            "async schedule only",
+        ),
+        (
+            &["--strategy", "local", "--node-speed", "0:0.5"][..],
+            "--node-speed applies to",
+        ),
+    ] {
+        let mut all = vec!["train"];
+        all.extend(args);
+        assert_usage_error(&ringtmp(&all), needle);
+        all[0] = "validate-config";
+        assert_usage_error(&ringtmp(&all), needle);
+    }
+    let config = write(tmp.path(), "c.toml", "strategy = \"local\"\nservers = 2\n");
+    assert_usage_error(
+        &ringtmp(&["train", "--config", &config]),
+        "--servers applies",
+    );
+    let both = write(
+        tmp.path(),
+        "b.toml",
+        "model = \"mlp\"\nmodel-file = \"x.toml\"\n",
+    );
+    assert_usage_error(
+        &ringtmp(&["train", "--config", &both]),
+        "both model and model-file",
+    );
+}
+
+// Issue 10.7: a config's node count that disagrees with the launcher's is refused.
+#[test]
+fn r10_nodes_in_a_config_must_match_the_launcher() {
+    let tmp = tempfile::tempdir().unwrap();
+    let config = write(
+        tmp.path(),
+        "c.toml",
+        &format!(
+            "strategy = \"ring\"\nnodes = 3\nout = \"{}\"\n",
+            tmp.path().join("o").display()
+        ),
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_ringtmp"))
+        .args([
+            "node",
+            "--rank",
+            "0",
+            "--world-size",
+            "2",
+            "--job",
+            "train",
+            "--config",
+            &config,
+        ])
+        .env("RINGTMP_SECRET", "0123456789abcdef-test")
+        .current_dir(repo())
+        .output()
+        .unwrap();
+    assert_usage_error(&out, "nodes = 3, but the launcher started 2 nodes");
+}
