@@ -28,6 +28,9 @@ pub const AFTER_FAILURE_GRACE: Duration = Duration::from_secs(10);
 /// How long the nodes may take to exit after a forwarded signal.
 pub const AFTER_SIGNAL_GRACE: Duration = Duration::from_secs(5);
 
+/// Set in the environment of the nodes this launcher starts.
+pub const LOCAL_LAUNCHER_ENV: &str = "RINGTMP_LOCAL_LAUNCHER";
+
 /// The launcher was stopped by a signal (exit status 128 + the signal's number).
 #[derive(Debug)]
 pub struct Interrupted {
@@ -126,6 +129,7 @@ pub fn run(launch: &Launch<'_>) -> Result<Ended> {
             .args((launch.args)(rank))
             .env("RINGTMP_SECRET", &secret)
             .env("RINGTMP_LOG", &log_level)
+            .env(LOCAL_LAUNCHER_ENV, "1")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
         if pin {

@@ -180,7 +180,7 @@ pub fn run(args: &NodeArgs) -> Result<()> {
     };
     let placement =
         resolve(&flags, &|k| std::env::var(k).ok()).map_err(|e| UsageError(e.to_string()))?;
-    eprintln!(
+    let line = format!(
         "node: rank {} of {} (from {}); rendezvous at {}:{}",
         placement.rank,
         placement.world_size,
@@ -188,6 +188,13 @@ pub fn run(args: &NodeArgs) -> Result<()> {
         placement.master_addr,
         placement.master_port
     );
+    // Under an external launcher this line says which environment fired; under ours, the
+    // launcher has said it all.
+    if std::env::var_os(crate::launcher::LOCAL_LAUNCHER_ENV).is_some() {
+        tracing::info!("{line}");
+    } else {
+        eprintln!("{line}");
+    }
     let secret = secret(c)?;
     let mut transport = TransportConfig::new(0, placement.rank, secret.clone());
     transport.heartbeat_interval = Duration::from_millis(c.heartbeat_ms.max(1));
@@ -234,7 +241,7 @@ pub fn run(args: &NodeArgs) -> Result<()> {
                     ))
                     .into());
                 }
-                let data = crate::train::load_dataset(&train_args)?;
+                let data = crate::train::load_dataset(&train_args, args.job.job_file.is_none())?;
                 let cfg = train_args.resolve(data.classes)?;
                 // Plan with the output directory chosen here (the default one is time-stamped).
                 train_args.out = Some(cfg.out.clone());

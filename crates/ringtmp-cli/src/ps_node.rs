@@ -83,7 +83,7 @@ pub fn run(
         ..Default::default()
     }
     .merged()?;
-    let data = crate::train::load_dataset(&train_args)?;
+    let data = crate::train::load_dataset(&train_args, false)?;
     crate::train::init_threads(job.threads)?;
     let w = rank as usize - job.servers;
     let speed = job.node_speeds.get(rank as usize).copied().unwrap_or(1.0);

@@ -141,9 +141,10 @@ pub fn ring_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(RingJob
         );
     }
     eprintln!(
-        "partition ({} nodes, {} schedule, {micro_batches} micro-batches):",
+        "partition ({} nodes, {} schedule, {micro_batches} micro-batch{}):",
         nodes,
-        schedule.name()
+        schedule.name(),
+        if micro_batches == 1 { "" } else { "es" }
     );
     for s in &plan {
         let kinds: Vec<&str> = layers[s.start..s.end]

@@ -12,8 +12,9 @@ use ringtmp_strategy::{Event, train_local};
 
 use crate::args::{Strategy, TrainArgs};
 
-/// Loads the dataset named by the options and reports its checksum verification.
-pub fn load_dataset(args: &TrainArgs) -> Result<Dataset> {
+/// Loads the dataset named by the options and reports its checksum verification: on the terminal
+/// when `announce`, else as an informational log line (a node whose launcher said it already).
+pub fn load_dataset(args: &TrainArgs, announce: bool) -> Result<Dataset> {
     let name = args.dataset();
     let started = Instant::now();
     // The data crate's errors name the dataset and the files already.
@@ -37,7 +38,7 @@ pub fn load_dataset(args: &TrainArgs) -> Result<Dataset> {
             );
         }
     }
-    eprintln!(
+    let line = format!(
         "dataset {name}: {} train / {} test examples from {} ({verified} of {} files match the canonical SHA-256; {:.1}s)",
         data.train.len(),
         data.test.len(),
@@ -45,6 +46,11 @@ pub fn load_dataset(args: &TrainArgs) -> Result<Dataset> {
         data.checks.len(),
         started.elapsed().as_secs_f64()
     );
+    if announce {
+        eprintln!("{line}");
+    } else {
+        tracing::info!("{line}");
+    }
     Ok(data)
 }
 
@@ -52,7 +58,7 @@ pub fn load_dataset(args: &TrainArgs) -> Result<Dataset> {
 pub fn validate(args: &TrainArgs) -> Result<()> {
     let args = args.merged()?;
     args.check_applicable()?;
-    let data = load_dataset(&args)?;
+    let data = load_dataset(&args, true)?;
     let cfg = args.resolve(data.classes)?;
     let (h, w, c) = data.input;
     let layers = cfg
@@ -93,7 +99,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if args.strategy() != Strategy::Local {
         return launch_nodes(args);
     }
-    let data = load_dataset(&args)?;
+    let data = load_dataset(&args, true)?;
     let cfg = args.resolve(data.classes)?;
     crate::run_dir::prepare(
         &cfg.out,
@@ -102,9 +108,8 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     )?;
     init_threads(cfg.threads)?;
     eprintln!(
-        "training {} with strategy {:?}, batch {}, lr {}, {} thread(s); output in {}",
+        "training {} with strategy local, batch {}, lr {}, {} thread(s); output in {}",
         cfg.model.name,
-        args.strategy(),
         cfg.batch_size,
         cfg.lr,
         cfg.threads,
@@ -161,9 +166,20 @@ impl Display {
                 total_steps,
                 first_step,
                 params,
+                ref stage_params,
             } => {
                 self.total = total_steps;
-                eprintln!("{params} parameters; steps {first_step}..{total_steps}");
+                let stages = if stage_params.is_empty() {
+                    String::new()
+                } else {
+                    let each: Vec<String> = stage_params
+                        .iter()
+                        .enumerate()
+                        .map(|(rank, p)| format!("node {rank}: {p}"))
+                        .collect();
+                    format!(" ({})", each.join(", "))
+                };
+                eprintln!("{params} parameters{stages}; steps {first_step}..{total_steps}");
                 if tty {
                     let bar = ProgressBar::new(total_steps).with_position(first_step);
                     bar.set_style(
@@ -303,7 +319,7 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
     args.config = None;
     // Check everything and plan here, before any process starts: a bad option is a usage error
     // (exit 2) of this command, and the plan printed is the one the nodes run.
-    let data = load_dataset(&args)?;
+    let data = load_dataset(&args, true)?;
     let job = crate::node::plan_job(&args, &data, nodes)?;
     drop(data);
     crate::run_dir::prepare(
@@ -313,6 +329,10 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
     )?;
     // The nodes see the directory as prepared; they must not refuse or clear it again.
     args.overwrite = None;
+    eprintln!(
+        "training with strategy {name} on {nodes} local node processes; output in {}",
+        out.display()
+    );
     let config = out.join("train.toml");
     std::fs::write(
         &config,

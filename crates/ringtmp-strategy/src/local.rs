@@ -28,8 +28,10 @@ pub enum Event {
         total_steps: u64,
         /// Step resumed from (0 for a fresh run).
         first_step: u64,
-        /// Parameters in the model.
+        /// Parameters in the whole model.
         params: usize,
+        /// Parameters of each stage, in ring order, when the model is split (else empty).
+        stage_params: Vec<usize>,
     },
     /// An optimizer step finished.
     Step {
@@ -125,6 +127,7 @@ pub fn train_local(
         total_steps,
         first_step: step,
         params: model.params().len(),
+        stage_params: Vec::new(),
     });
 
     let classes = data.classes;

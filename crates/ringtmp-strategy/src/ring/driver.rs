@@ -352,10 +352,25 @@ pub fn run_master(
         json!({"event": "start", "strategy": "ring", "schedule": job.schedule.name(), "nodes": n,
         "micro_batches": job.micro_batches, "model": job.model.name, "partition": job.partition, "total_steps": job.total_steps}),
     )?;
+    let layers = job.layers()?;
+    let count = |start: usize, end: usize| -> usize {
+        layers[start..end].iter().map(|l| l.param_count()).sum()
+    };
     on_event(&Event::Started {
         total_steps: job.total_steps,
         first_step: job.first_step(),
-        params: stage.params().len(),
+        params: count(0, layers.len()),
+        // The master's share includes the head it holds (U-shape).
+        stage_params: job
+            .partition
+            .iter()
+            .map(|p| count(p.start, p.end))
+            .enumerate()
+            .map(|(i, c)| match (&job.head, i) {
+                (Some(h), 0) => c + count(h.start, h.end),
+                _ => c,
+            })
+            .collect(),
     });
 
     let timeout = job.recv_timeout();
