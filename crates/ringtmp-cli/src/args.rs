@@ -161,6 +161,9 @@ pub struct TrainArgs {
     /// Checkpoint every N steps and at the end; 0 = never [default: 0].
     #[arg(long, value_name = "N")]
     pub checkpoint_every: Option<u64>,
+    /// Keep only the N newest checkpoints [default: all].
+    #[arg(long, value_name = "N")]
+    pub keep_checkpoints: Option<usize>,
     /// Resume from a checkpoint directory or a previous run's output directory.
     #[arg(long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
@@ -266,6 +269,7 @@ impl TrainArgs {
             eval_every,
             out,
             checkpoint_every,
+            keep_checkpoints,
             resume,
             overwrite,
             max_steps,
@@ -331,6 +335,49 @@ impl TrainArgs {
                 .into());
             }
         }
+        Ok(())
+    }
+
+    /// With `--resume` and no `--batch-size`, takes the checkpoint's global batch (split over this
+    /// run's data-parallel workers), so that any strategy resumes from any other's checkpoint as
+    /// it is: the batch and the seed fix the data order a resumed run must continue.
+    pub fn adopt_checkpoint_batch(&mut self) -> Result<()> {
+        let (Some(path), None) = (&self.resume, self.batch_size) else {
+            return Ok(());
+        };
+        // A path that holds no readable checkpoint is reported, precisely, by the resume itself.
+        let Some(manifest) = ringtmp_model::checkpoint::resolve(path)
+            .and_then(|dir| ringtmp_model::checkpoint::read_manifest(&dir))
+            .ok()
+        else {
+            return Ok(());
+        };
+        let workers = match self.strategy() {
+            Strategy::Ps => {
+                let nodes = self.nodes.unwrap_or(4) as usize;
+                nodes.saturating_sub(self.servers.unwrap_or(1)).max(1)
+            }
+            Strategy::Local | Strategy::Ring => 1,
+        };
+        if manifest.batch_size % workers != 0 {
+            return Err(UsageError(format!(
+                "the checkpoint was written with a global batch of {}, which does not split \
+                 over {workers} workers; pass --batch-size (per worker) to choose another",
+                manifest.batch_size
+            ))
+            .into());
+        }
+        let batch = manifest.batch_size / workers;
+        eprintln!(
+            "resuming with the checkpoint's global batch of {}{}",
+            manifest.batch_size,
+            if workers > 1 {
+                format!(" ({batch} per worker)")
+            } else {
+                String::new()
+            }
+        );
+        self.batch_size = Some(batch);
         Ok(())
     }
 
@@ -411,6 +458,7 @@ impl TrainArgs {
             eval_every: self.eval_every.unwrap_or(200),
             out,
             checkpoint_every: self.checkpoint_every.unwrap_or(0),
+            keep_checkpoints: self.keep_checkpoints,
             resume: self.resume.clone(),
             max_steps: self.max_steps,
         };

@@ -232,6 +232,8 @@ pub fn run(args: &NodeArgs) -> Result<()> {
                 }
                 .merged()?;
                 train_args.check_applicable()?;
+                train_args.nodes = Some(placement.world_size);
+                train_args.adopt_checkpoint_batch()?;
                 if let Some(n) = train_args.nodes
                     && n != placement.world_size
                 {

@@ -78,6 +78,7 @@ pub fn ps_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(PsJob, Tr
             nodes,
         )?,
         checkpoint_every: cfg.checkpoint_every,
+        keep_checkpoints: cfg.keep_checkpoints,
         out: std::path::absolute(&cfg.out).unwrap_or_else(|_| cfg.out.clone()),
         dataset: cfg.dataset.clone(),
         resume: None,

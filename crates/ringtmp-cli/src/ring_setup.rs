@@ -186,6 +186,7 @@ pub fn ring_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(RingJob
         steps_per_epoch,
         recv_timeout_secs: RECV_TIMEOUT_SECS,
         checkpoint_every: cfg.checkpoint_every,
+        keep_checkpoints: cfg.keep_checkpoints,
         defer_weight_grads: args.defer_weight_grads.unwrap_or(true),
         in_flight: args.in_flight.unwrap_or(0),
         out: std::path::absolute(&cfg.out).unwrap_or_else(|_| cfg.out.clone()),

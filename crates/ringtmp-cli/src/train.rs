@@ -86,7 +86,7 @@ pub fn validate(args: &TrainArgs) -> Result<()> {
 
 /// `ringtmp train`.
 pub fn run(args: &TrainArgs) -> Result<()> {
-    let args = args.merged()?;
+    let mut args = args.merged()?;
     if args.nodes.unwrap_or(1) > 1 && args.strategy() == Strategy::Local {
         return Err(crate::UsageError(
             "--strategy local trains in one process; --nodes needs a distributed strategy \
@@ -96,6 +96,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         .into());
     }
     args.check_applicable()?;
+    args.adopt_checkpoint_batch()?;
     if args.strategy() != Strategy::Local {
         return launch_nodes(args);
     }
@@ -384,7 +385,13 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
         verbose: args.verbose.unwrap_or(false),
         args: &node_args,
         expendable: &expendable,
-    })?;
+    });
+    // Every node has exited: a checkpoint without its manifest is one whose writing failed or was
+    // cut short, and nothing will ever complete it.
+    for dir in ringtmp_model::checkpoint::remove_incomplete(&out.join("checkpoints")) {
+        eprintln!("removed the incomplete checkpoint {}", dir.display());
+    }
+    let ended = ended?;
     for rank in &ended.killed_after_run {
         eprintln!(
             "WARNING: node {rank} was still running {}s after the run ended and was killed",

@@ -616,3 +616,59 @@ fn r10_nodes_die_with_a_killed_launcher() {
     }
     assert!(lingering.is_empty(), "orphaned nodes: {lingering:?}");
 }
+
+// Issue 10.10: any strategy resumes from any other's checkpoint without restating the batch: a
+// resumed run takes the checkpoint's global batch and splits it over its workers.
+#[test]
+fn r10_a_resume_carries_the_global_batch_across_strategies() {
+    let tmp = tempfile::tempdir().unwrap();
+    let first = tmp.path().join("local").display().to_string();
+    let common = [
+        "--dataset",
+        "digits",
+        "--model-file",
+        "examples/models/lenet-dropout.toml",
+        "--eval-every",
+        "0",
+    ];
+    let mut args = common.to_vec();
+    args.extend([
+        "--strategy",
+        "local",
+        "--batch-size",
+        "32",
+        "--max-steps",
+        "4",
+        "--checkpoint-every",
+        "4",
+        "--out",
+        &first,
+    ]);
+    let (output, _) = finish(spawn_train(&args), Duration::from_secs(60));
+    assert!(output.status.success(), "{}", stderr(&output));
+    for (strategy, nodes, batch) in [("ps", "3", 16), ("ring", "2", 32)] {
+        let out = tmp.path().join(strategy).display().to_string();
+        let mut args = common.to_vec();
+        args.extend([
+            "--strategy",
+            strategy,
+            "--nodes",
+            nodes,
+            "--max-steps",
+            "8",
+            "--resume",
+            &first,
+            "--out",
+            &out,
+        ]);
+        let (output, _) = finish(spawn_train(&args), Duration::from_secs(60));
+        let err = stderr(&output);
+        assert!(output.status.success(), "{strategy}: {err}");
+        assert!(err.contains("checkpoint's global batch of 32"), "{err}");
+        let summary: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(tmp.path().join(strategy).join("summary.json")).unwrap(),
+        )
+        .unwrap();
+        assert_eq!(summary["batch_size"], batch, "{summary}");
+    }
+}

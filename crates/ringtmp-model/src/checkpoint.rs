@@ -429,7 +429,9 @@ pub fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<()> {
 }
 
 /// Finds the checkpoint a `--resume` path means: a checkpoint directory (with `manifest.json`),
-/// a `checkpoints/` directory (its `latest`), or a run's output directory.
+/// a `checkpoints/` directory (its `latest`), or a run's output directory. When `latest` points
+/// at a checkpoint without its manifest, the error names the newest intact one instead of
+/// guessing: resuming from an older step is the user's decision.
 pub fn resolve(path: &Path) -> Result<PathBuf> {
     if path.join("manifest.json").is_file() {
         return Ok(path.to_path_buf());
@@ -442,9 +444,20 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
             if dir.join("manifest.json").is_file() {
                 return Ok(dir);
             }
+            let intact = match newest_intact(&root) {
+                Some(good) => format!(
+                    "; the newest intact checkpoint is {} (resume with --resume {})",
+                    good.display(),
+                    good.display()
+                ),
+                None => "; no intact checkpoint is left there".into(),
+            };
             return Err(Error::CheckpointMismatch {
                 path: latest,
-                reason: format!("points at {} which has no manifest.json", dir.display()),
+                reason: format!(
+                    "points at {} which has no manifest.json{intact}",
+                    dir.display()
+                ),
             });
         }
     }
@@ -452,6 +465,67 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
         path: path.to_path_buf(),
         reason: "no checkpoint here (expected manifest.json, checkpoints/latest or latest)".into(),
     })
+}
+
+/// The checkpoint directories (`step-…`) under `root`, oldest first.
+fn step_dirs(root: &Path) -> Vec<PathBuf> {
+    let Ok(entries) = fs::read_dir(root) else {
+        return Vec::new();
+    };
+    let mut dirs: Vec<PathBuf> = entries
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.is_dir()
+                && p.file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with("step-"))
+        })
+        .collect();
+    // The names are zero-padded step numbers, so their order is the steps' order.
+    dirs.sort();
+    dirs
+}
+
+/// Whether `dir` has a manifest whose files are all there with their recorded sizes (the hashes
+/// are checked when the checkpoint is loaded).
+fn is_intact(dir: &Path) -> bool {
+    read_manifest(dir).is_ok_and(|m| {
+        m.files
+            .iter()
+            .all(|f| fs::metadata(dir.join(&f.name)).is_ok_and(|meta| meta.len() == f.bytes))
+    })
+}
+
+/// The newest checkpoint under `root` (a `checkpoints/` directory) that is intact.
+pub fn newest_intact(root: &Path) -> Option<PathBuf> {
+    step_dirs(root).into_iter().rev().find(|d| is_intact(d))
+}
+
+/// Removes the checkpoint directories under `root` that have no manifest: checkpoints whose
+/// writing failed or was cut short (the manifest is written last). Call it only when nothing is
+/// writing there any more. Returns what it removed.
+pub fn remove_incomplete(root: &Path) -> Vec<PathBuf> {
+    step_dirs(root)
+        .into_iter()
+        .filter(|d| !d.join("manifest.json").exists() && fs::remove_dir_all(d).is_ok())
+        .collect()
+}
+
+/// Keeps the `keep` newest complete checkpoints under `root` and removes older complete ones
+/// (`--keep-checkpoints`); incomplete ones are [`remove_incomplete`]'s business. Returns what it
+/// removed.
+pub fn retain_newest(root: &Path, keep: usize) -> Result<Vec<PathBuf>> {
+    let complete: Vec<PathBuf> = step_dirs(root)
+        .into_iter()
+        .filter(|d| d.join("manifest.json").is_file())
+        .collect();
+    let surplus = complete.len().saturating_sub(keep.max(1));
+    let mut removed = Vec::new();
+    for dir in complete.into_iter().take(surplus) {
+        fs::remove_dir_all(&dir).map_err(|e| Error::io(&dir, e))?;
+        removed.push(dir);
+    }
+    Ok(removed)
 }
 
 /// Reads and parses `dir/manifest.json`.

@@ -176,3 +176,42 @@ fn a_missing_piece_is_an_error_naming_the_tensor() {
         "nothing may change on error"
     );
 }
+
+// Issue 10.9: failed checkpoints are cleaned, old ones pruned on request, and a `latest` that
+// points at a checkpoint without its manifest names the newest intact one.
+#[test]
+fn r10_incomplete_checkpoints_are_removed_old_ones_pruned_and_intact_ones_named() {
+    let (whole, opt, _, spec) = trained();
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("checkpoints");
+    for step in [10, 20, 30] {
+        write_shards(
+            &root.join(checkpoint::checkpoint_dir_name(step)),
+            &whole,
+            &opt,
+            &[20],
+            &spec,
+        );
+    }
+    // A checkpoint whose writing failed: a file but no manifest; and `latest` pointing at it.
+    let broken = root.join(checkpoint::checkpoint_dir_name(40));
+    std::fs::create_dir_all(&broken).unwrap();
+    std::fs::write(broken.join("server-0.safetensors"), b"partial").unwrap();
+    std::fs::write(root.join("latest"), checkpoint::checkpoint_dir_name(40)).unwrap();
+    let e = checkpoint::resolve(tmp.path()).unwrap_err().to_string();
+    assert!(
+        e.contains("no manifest.json") && e.contains("step-000000030"),
+        "names the newest intact checkpoint: {e}"
+    );
+    // Damage step 30 (a file shorter than its manifest says): step 20 is then the newest intact.
+    std::fs::write(root.join("step-000000030/server-0.safetensors"), b"cut").unwrap();
+    assert_eq!(
+        checkpoint::newest_intact(&root),
+        Some(root.join("step-000000020"))
+    );
+    assert_eq!(checkpoint::remove_incomplete(&root), vec![broken.clone()]);
+    assert!(!broken.exists());
+    let removed = checkpoint::retain_newest(&root, 2).unwrap();
+    assert_eq!(removed, vec![root.join("step-000000010")]);
+    assert!(root.join("step-000000020").is_dir() && root.join("step-000000030").is_dir());
+}

@@ -38,6 +38,8 @@ pub struct TrainConfig {
     pub out: PathBuf,
     /// Checkpoint every this many steps (and at the end); 0 = never.
     pub checkpoint_every: u64,
+    /// Keep only this many newest checkpoints (`None`: all).
+    pub keep_checkpoints: Option<usize>,
     /// Checkpoint (or run directory) to resume from.
     pub resume: Option<PathBuf>,
     /// Stop after this many optimizer steps in total (for tests and benchmarks).
@@ -56,6 +58,9 @@ impl TrainConfig {
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return bad(format!("--lr must be a positive number, got {}", self.lr));
+        }
+        if self.keep_checkpoints == Some(0) {
+            return bad("--keep-checkpoints must be at least 1".into());
         }
         if self.threads == 0 {
             return bad("--threads must be at least 1".into());

@@ -336,7 +336,27 @@ fn save_checkpoint(
         .out
         .join("checkpoints")
         .join(checkpoint::checkpoint_dir_name(step));
-    let file = checkpoint::write_stage(&dir, "stage-0.safetensors", model, optimizer)?;
+    let written = write_checkpoint(&dir, cfg, model, optimizer, step, per_epoch);
+    if written.is_err() {
+        // A checkpoint is complete only with its manifest; leave no half-written one behind.
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    written?;
+    if let Some(keep) = cfg.keep_checkpoints {
+        checkpoint::retain_newest(&cfg.out.join("checkpoints"), keep)?;
+    }
+    Ok(dir)
+}
+
+fn write_checkpoint(
+    dir: &std::path::Path,
+    cfg: &TrainConfig,
+    model: &Stage,
+    optimizer: &Optimizer,
+    step: u64,
+    per_epoch: u64,
+) -> Result<()> {
+    let file = checkpoint::write_stage(dir, "stage-0.safetensors", model, optimizer)?;
     let manifest = Manifest {
         format: checkpoint::MANIFEST_FORMAT,
         strategy: "local".into(),
@@ -351,8 +371,8 @@ fn save_checkpoint(
         optimizer: cfg.optimizer.clone(),
         files: vec![file],
     };
-    checkpoint::write_manifest(&dir, &manifest)?;
-    Ok(dir)
+    checkpoint::write_manifest(dir, &manifest)?;
+    Ok(())
 }
 
 /// Loads a checkpoint into `model` and `optimizer` after checking it belongs to this run's model,

@@ -59,6 +59,7 @@ fn config(out: &Path, optimizer: OptimizerConfig) -> TrainConfig {
         eval_every: 20,
         out: out.to_path_buf(),
         checkpoint_every: 0,
+        keep_checkpoints: None,
         resume: None,
         max_steps: None,
     }
@@ -234,4 +235,46 @@ fn checkpoint_loads_into_any_partition_of_the_model() {
         parts.extend_from_slice(stage.params());
     }
     assert_eq!(parts, whole);
+}
+
+// Issue 10.9: a checkpoint whose writing fails leaves no directory behind (the previous one stays
+// the newest), and --keep-checkpoints keeps only the newest N.
+#[test]
+fn r10_failed_checkpoints_leave_nothing_and_old_ones_are_pruned() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = config(tmp.path(), sgd());
+    cfg.max_steps = Some(8);
+    cfg.checkpoint_every = 2;
+    cfg.keep_checkpoints = Some(2);
+    // Step 6's stage file cannot be written: a directory stands where it should go.
+    let blocked = tmp.path().join("checkpoints/step-000000006");
+    std::fs::create_dir_all(blocked.join("stage-0.safetensors")).unwrap();
+    let err = train_local(&cfg, &data, &mut |_| {}).unwrap_err();
+    assert!(err.to_string().contains("stage-0.safetensors"), "{err}");
+    assert!(
+        !blocked.exists(),
+        "the failed checkpoint's directory is removed"
+    );
+    assert_eq!(step_dirs(tmp.path()), ["step-000000002", "step-000000004"]);
+    assert_eq!(
+        checkpoint::resolve(tmp.path()).unwrap(),
+        tmp.path().join("checkpoints/step-000000004")
+    );
+    // With the obstacle gone the run completes, keeping the two newest.
+    let mut again = cfg.clone();
+    again.out = tmp.path().join("second");
+    train_local(&again, &data, &mut |_| {}).unwrap();
+    assert_eq!(step_dirs(&again.out), ["step-000000006", "step-000000008"]);
+}
+
+/// The checkpoint directories of the run in `out`, in order.
+fn step_dirs(out: &Path) -> Vec<String> {
+    let mut dirs: Vec<String> = std::fs::read_dir(out.join("checkpoints"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    dirs.sort();
+    dirs
 }

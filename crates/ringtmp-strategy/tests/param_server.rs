@@ -70,6 +70,7 @@ fn job(consistency: Consistency, steps: u64) -> PsJob {
         drop_dead_workers: false,
         node_speeds: Vec::new(),
         checkpoint_every: 0,
+        keep_checkpoints: None,
         out: std::path::PathBuf::new(),
         dataset: "digits".into(),
         resume: None,
@@ -105,6 +106,7 @@ fn local_params(data: &Dataset, out: &Path) -> Vec<f32> {
         eval_every: 0,
         out: out.to_path_buf(),
         checkpoint_every: STEPS,
+        keep_checkpoints: None,
         resume: None,
         max_steps: Some(STEPS),
     };

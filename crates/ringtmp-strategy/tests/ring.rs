@@ -77,6 +77,7 @@ fn local_params(data: &Dataset, out: &Path) -> Vec<f32> {
         eval_every: 0,
         out: out.to_path_buf(),
         checkpoint_every: STEPS,
+        keep_checkpoints: None,
         resume: None,
         max_steps: Some(STEPS),
     };
@@ -125,6 +126,7 @@ fn job(bounds: &[usize], schedule: Schedule, micro_batches: usize) -> RingJob {
         steps_per_epoch: per_epoch,
         recv_timeout_secs: 30.0,
         checkpoint_every: 0,
+        keep_checkpoints: None,
         defer_weight_grads: false,
         in_flight: 0,
         out: std::path::PathBuf::new(),

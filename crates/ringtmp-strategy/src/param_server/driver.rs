@@ -76,6 +76,9 @@ pub struct PsJob {
     /// Servers checkpoint their shards every this many iterations and at the end (0: never).
     #[serde(default)]
     pub checkpoint_every: u64,
+    /// Keep only this many newest checkpoints (`None`: all).
+    #[serde(default)]
+    pub keep_checkpoints: Option<usize>,
     /// Run directory; checkpoints go to `out/checkpoints/step-N/` (one file per server, the
     /// manifest from server 0: servers must share this directory's storage).
     #[serde(default)]
@@ -613,6 +616,9 @@ impl Checkpoints {
             files,
         };
         checkpoint::write_manifest(&job.checkpoint_dir(step), &manifest)?;
+        if let Some(keep) = job.keep_checkpoints {
+            checkpoint::retain_newest(&job.out.join("checkpoints"), keep)?;
+        }
         Ok(())
     }
 }

@@ -88,6 +88,9 @@ pub struct RingJob {
     /// Checkpoint every this many steps (and at the end); 0 = never.
     #[serde(default)]
     pub checkpoint_every: u64,
+    /// Keep only this many newest checkpoints (`None`: all).
+    #[serde(default)]
+    pub keep_checkpoints: Option<usize>,
     /// Output directory of the run (checkpoints go to `<out>/checkpoints/`).
     #[serde(default)]
     pub out: std::path::PathBuf,
@@ -229,6 +232,9 @@ impl RingJob {
             files,
         };
         checkpoint::write_manifest(&dir, &manifest)?;
+        if let Some(keep) = self.keep_checkpoints {
+            checkpoint::retain_newest(&self.out.join("checkpoints"), keep)?;
+        }
         Ok(dir)
     }
 }
