@@ -232,8 +232,6 @@ pub fn run(args: &NodeArgs) -> Result<()> {
                 }
                 .merged()?;
                 train_args.check_applicable()?;
-                train_args.nodes = Some(placement.world_size);
-                train_args.adopt_checkpoint_batch()?;
                 if let Some(n) = train_args.nodes
                     && n != placement.world_size
                 {
@@ -243,6 +241,8 @@ pub fn run(args: &NodeArgs) -> Result<()> {
                     ))
                     .into());
                 }
+                train_args.nodes = Some(placement.world_size);
+                train_args.adopt_checkpoint_batch()?;
                 let data = crate::train::load_dataset(&train_args, args.job.job_file.is_none())?;
                 let cfg = train_args.resolve(data.classes)?;
                 // Plan with the output directory chosen here (the default one is time-stamped).
