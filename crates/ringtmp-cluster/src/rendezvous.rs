@@ -225,7 +225,15 @@ pub fn join(
                 reason: e.to_string(),
             })?;
         let mut buf = Vec::new();
-        match timeout_at(deadline, read_frame(&mut stream, &mut buf, &cfg.limits)).await {
+        // A little past our own deadline: when rank 0 gives up at the same moment, its reason
+        // (an abort naming the missing ranks) arrives instead of a bare timeout.
+        let table_deadline = deadline + Duration::from_secs(2);
+        match timeout_at(
+            table_deadline,
+            read_frame(&mut stream, &mut buf, &cfg.limits),
+        )
+        .await
+        {
             Ok(Ok((
                 Message::Control(Control::Table {
                     run_id,
@@ -341,7 +349,7 @@ mod tests {
         );
         // Issue 10.6: rank 0's final error names the address refused and the likely cause.
         assert!(
-            err.contains("127.0.0.1:") && err.contains("another RINGTMP_SECRET"),
+            err.contains("127.0.0.1:") && err.contains("different RINGTMP_SECRET"),
             "{err}"
         );
     }

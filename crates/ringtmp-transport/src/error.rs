@@ -101,7 +101,7 @@ pub enum TransportError {
         missing: Vec<u32>,
         /// How long rank 0 waited.
         waited: Duration,
-        /// Connections refused while waiting: `address: reason`.
+        /// Connections refused while waiting: `peer: reason`.
         refused: Vec<String>,
     },
     /// Another node aborted the run.
@@ -139,16 +139,10 @@ fn refused_note(refused: &[String]) -> String {
     if refused.is_empty() {
         return String::new();
     }
-    let secret = refused.iter().any(|r| r.contains("secret"));
+    // Each refusal says why (a wrong secret says which settings to compare).
     format!(
-        "; meanwhile rank 0 refused {} connection(s): {}{}",
+        "; meanwhile rank 0 refused {} connection(s): {}",
         refused.len(),
-        refused.join("; "),
-        if secret {
-            ". A node that does not know the run's secret was most likely started with another \
-             RINGTMP_SECRET or --secret-file than rank 0"
-        } else {
-            ""
-        }
+        refused.join("; ")
     )
 }

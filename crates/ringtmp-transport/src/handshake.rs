@@ -100,7 +100,9 @@ pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     if !verify(&cfg.secret, &theirs, &mac) {
         return Err(refused(
             &peer,
-            "authentication failed: it does not know the run's secret".into(),
+            "authentication failed: its proof does not match this node's secret (the two were \
+             started with different RINGTMP_SECRET or --secret-file)"
+                .into(),
         ));
     }
     Ok(their_rank)
