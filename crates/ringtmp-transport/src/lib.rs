@@ -18,6 +18,9 @@
 //! - [`handshake`]: the authenticated greeting.
 //! - [`network`]: establishing links and the blocking node-facing API ([`Network`]).
 //! - [`pool`]: recycled payload buffers shared by the node and its links.
+//! - [`transport`]: the [`Transport`] trait strategies program against, and node [`Clock`]s.
+//! - [`sim`]: an in-memory network on a seeded virtual clock, for deterministic protocol tests
+//!   and simulation.
 
 pub mod config;
 mod error;
@@ -25,8 +28,11 @@ pub mod framed;
 pub mod handshake;
 pub mod network;
 pub mod pool;
+pub mod sim;
+pub mod transport;
 
 pub use config::{Shaping, TransportConfig};
 pub use error::{PeerName, TransportError};
 pub use network::{LinkStats, Network, SentRecord, bind_listener};
 pub use pool::BufferPool;
+pub use transport::{Clock, Transport, WallClock};

@@ -129,6 +129,7 @@ pub struct Network {
     pending: VecDeque<(u32, Message)>,
     goodbyes: BTreeSet<u32>,
     buffers: BufferPool,
+    clock: Arc<crate::transport::WallClock>,
 }
 
 /// Binds a listener on `addr` (use port 0 for any free port) and logs what was bound.
@@ -185,6 +186,7 @@ impl Network {
             pending: VecDeque::new(),
             goodbyes: BTreeSet::new(),
             buffers,
+            clock: Arc::new(crate::transport::WallClock::new()),
         })
     }
 
@@ -460,7 +462,7 @@ impl Network {
 
     /// Orderly shutdown: says goodbye on every link and waits (bounded by `peer_timeout`) for
     /// every peer's goodbye, so no side mistakes the end of the run for a failure.
-    pub fn close(mut self) -> Result<(), TransportError> {
+    pub fn close(&mut self) -> Result<(), TransportError> {
         for link in self.links.values_mut() {
             let _ = link.queue.try_send(Outgoing {
                 message: Message::Control(Control::Goodbye),
@@ -501,8 +503,61 @@ impl Network {
             })
             .await;
         });
-        self.runtime.shutdown_timeout(Duration::from_millis(100));
         Ok(())
+    }
+}
+
+impl crate::transport::Transport for Network {
+    fn rank(&self) -> u32 {
+        Network::rank(self)
+    }
+
+    fn peers(&self) -> Vec<u32> {
+        Network::peers(self).collect()
+    }
+
+    fn peer_name(&self, rank: u32) -> PeerName {
+        Network::peer_name(self, rank)
+    }
+
+    fn send(&self, to: u32, message: Message) -> Result<(), TransportError> {
+        Network::send(self, to, message)
+    }
+
+    fn recv(&mut self, wait: Duration) -> Result<(u32, Message), TransportError> {
+        Network::recv(self, wait)
+    }
+
+    fn try_recv(&mut self) -> Result<Option<(u32, Message)>, TransportError> {
+        Network::try_recv(self)
+    }
+
+    fn recv_from(&mut self, from: u32, wait: Duration) -> Result<Message, TransportError> {
+        Network::recv_from(self, from, wait)
+    }
+
+    fn unread(&mut self, from: u32, message: Message) {
+        Network::unread(self, from, message)
+    }
+
+    fn buffers(&self) -> &BufferPool {
+        Network::buffers(self)
+    }
+
+    fn stats(&self) -> Vec<LinkStats> {
+        Network::stats(self)
+    }
+
+    fn abort(&self, reason: &str) {
+        Network::abort(self, reason)
+    }
+
+    fn close(&mut self) -> Result<(), TransportError> {
+        Network::close(self)
+    }
+
+    fn clock(&self) -> Arc<dyn crate::transport::Clock> {
+        self.clock.clone()
     }
 }
 

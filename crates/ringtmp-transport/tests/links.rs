@@ -96,7 +96,7 @@ fn ring_of_three_exchanges_tensors_and_counts_bytes() {
 fn close_all(nets: Vec<Network>) {
     let handles: Vec<_> = nets
         .into_iter()
-        .map(|n| thread::spawn(move || n.close()))
+        .map(|mut n| thread::spawn(move || n.close()))
         .collect();
     for h in handles {
         h.join().unwrap().unwrap();

@@ -1,0 +1,1092 @@
+//! An in-memory network on a seeded virtual clock: the same [`Transport`] the strategies use on
+//! sockets, for protocol tests that replay exactly and for simulating clusters larger than this
+//! machine.
+//!
+//! Each node runs its ordinary blocking code on its own thread. One node at a time holds the
+//! *baton* and runs; it gives the baton up only when it waits (a receive with nothing to
+//! receive, accounted compute, the end of its run), and the scheduler then hands it to the node
+//! with the earliest thing to do in virtual time, ties broken by rank. Which node runs next is a
+//! function of the virtual clock and the seed alone, never of thread timing, so a run is a pure
+//! function of its inputs and a failing seed replays (`RINGTMP_SEED`).
+//!
+//! The model:
+//! - A message leaves when the sender's network card is free (one egress budget per node, shared
+//!   by all its links), takes `bytes × 8 / bandwidth` on the wire, then the link's latency plus a
+//!   seeded jitter; messages on one link keep their order (as TCP does), messages on different
+//!   links may overtake each other.
+//! - Compute takes virtual time only as a node accounts for it ([`Clock::computed`]): a fixed cost
+//!   per call, the measured time, or nothing ([`ComputeCost`]), divided by the node's speed.
+//! - Faults at chosen virtual times: a node that dies (its neighbours see the connection close),
+//!   a node that stalls (its neighbours see it fall silent after `peer_timeout`), a link that adds
+//!   delay for a while.
+//! - Every wait has a timeout in virtual time; the run as a whole is bounded by `time_limit`.
+//!
+//! Invariants (tested below): per-link FIFO order; a message never arrives before it was sent
+//! plus the link's latency; the trace of a seed is the same on every run.
+
+use std::cell::Cell;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use ringtmp_wire::{Control, Message};
+
+use crate::error::{PeerName, TransportError};
+use crate::network::LinkStats;
+use crate::pool::BufferPool;
+use crate::transport::{Clock, Transport};
+
+/// How much virtual time compute takes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ComputeCost {
+    /// None: only the network takes time.
+    Zero,
+    /// This much per accounted call (deterministic).
+    Fixed(Duration),
+    /// The time it took on this machine (realistic, not reproducible).
+    Measured,
+}
+
+/// Something that goes wrong at a chosen virtual time.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Fault {
+    /// The node's process ends without a goodbye at `at`.
+    Die {
+        /// The node.
+        rank: u32,
+        /// When.
+        at: Duration,
+    },
+    /// The node stops doing anything at `at` (a frozen process, `kill -STOP`).
+    Stall {
+        /// The node.
+        rank: u32,
+        /// When.
+        at: Duration,
+    },
+    /// Messages sent from `from` to `to` in `[start, end)` take `extra` longer.
+    Delay {
+        /// Sender.
+        from: u32,
+        /// Receiver.
+        to: u32,
+        /// From this virtual time…
+        start: Duration,
+        /// …until this one.
+        end: Duration,
+        /// Added latency.
+        extra: Duration,
+    },
+}
+
+/// A simulated cluster: links, compute cost, faults and the seed.
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Seed of every random choice (jitter).
+    pub seed: u64,
+    /// One-way latency of every link.
+    pub latency: Duration,
+    /// Up to this much extra latency per message, drawn from the seed.
+    pub jitter: Duration,
+    /// Egress bandwidth of every node, bits per second (`None`: infinite).
+    pub bandwidth_bps: Option<u64>,
+    /// Per-node egress bandwidth overrides.
+    pub node_bandwidth_bps: BTreeMap<u32, u64>,
+    /// Per-node speed (1 = this machine; 0.25 = four times slower); compute cost is divided by it.
+    pub node_speed: BTreeMap<u32, f64>,
+    /// What compute costs in virtual time.
+    pub compute: ComputeCost,
+    /// Silence after which a node's neighbours declare it dead.
+    pub peer_timeout: Duration,
+    /// Faults to inject.
+    pub faults: Vec<Fault>,
+    /// No node runs past this virtual time: one that would is ended with an error.
+    pub time_limit: Duration,
+}
+
+impl SimConfig {
+    /// 1 ms links, no jitter, infinite bandwidth, 1 ms per compute call, 5 s peer timeout, one
+    /// virtual hour at most.
+    pub fn new(seed: u64) -> Self {
+        Self {
+            seed,
+            latency: Duration::from_millis(1),
+            jitter: Duration::ZERO,
+            bandwidth_bps: None,
+            node_bandwidth_bps: BTreeMap::new(),
+            node_speed: BTreeMap::new(),
+            compute: ComputeCost::Fixed(Duration::from_millis(1)),
+            peer_timeout: Duration::from_secs(5),
+            faults: Vec::new(),
+            time_limit: Duration::from_secs(3600),
+        }
+    }
+}
+
+/// The seed of a simulation test: `RINGTMP_SEED` when set (to replay a failure), else `default`.
+/// Printed, so a failing test's output says how to replay it.
+pub fn test_seed(default: u64) -> u64 {
+    let seed = std::env::var("RINGTMP_SEED")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(default);
+    eprintln!("simulation seed {seed} (replay with RINGTMP_SEED={seed})");
+    seed
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Status {
+    /// Runnable at its current time (also: not yet started).
+    Ready,
+    /// Holds the baton.
+    Running,
+    /// Waiting for an event until a deadline.
+    Blocked { deadline: Duration },
+    /// Accounting compute until a time.
+    Sleeping { until: Duration },
+    /// Ended its run (closed or dropped).
+    Finished,
+    /// Killed by a fault or the time limit.
+    Dead,
+    /// Frozen by a fault.
+    Stalled,
+}
+
+enum Event {
+    Message(u32, Message),
+    Goodbye(u32),
+    Failed(TransportError),
+}
+
+struct State {
+    cfg: SimConfig,
+    neighbours: Vec<BTreeSet<u32>>,
+    now: Vec<Duration>,
+    status: Vec<Status>,
+    /// Events per node, by (arrival time, sequence number).
+    inbox: Vec<BTreeMap<(Duration, u64), Event>>,
+    seq: u64,
+    nic_free: Vec<Duration>,
+    link_last: BTreeMap<(u32, u32), Duration>,
+    running: Option<u32>,
+    rng: u64,
+    stats: Vec<BTreeMap<u32, LinkStats>>,
+    trace: std::collections::hash_map::DefaultHasher,
+    events: u64,
+    /// Set once only stalled nodes are left: their threads end.
+    shutdown: bool,
+    /// Why each dead node died.
+    deaths: BTreeMap<u32, String>,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    turn: Condvar,
+}
+
+/// A simulated network: create it, take one [`SimNode`] per rank (or use [`SimNetwork::run`]).
+pub struct SimNetwork {
+    shared: Arc<Shared>,
+    world: u32,
+}
+
+/// One node's end of a [`SimNetwork`].
+pub struct SimNode {
+    shared: Arc<Shared>,
+    rank: u32,
+    pending: VecDeque<(u32, Message)>,
+    goodbyes: BTreeSet<u32>,
+    buffers: BufferPool,
+    /// Whether this node's thread holds the baton now.
+    held: Cell<bool>,
+    closed: bool,
+}
+
+/// A node's virtual clock.
+struct SimClock {
+    shared: Arc<Shared>,
+    rank: u32,
+}
+
+impl SimNetwork {
+    /// A network of `neighbours.len()` nodes where node r links to `neighbours[r]` (links are
+    /// made symmetric).
+    pub fn new(cfg: SimConfig, neighbours: Vec<BTreeSet<u32>>) -> Self {
+        let world = neighbours.len() as u32;
+        let mut links = neighbours;
+        for r in 0..world {
+            for p in links[r as usize].clone() {
+                if p < world && p != r {
+                    links[p as usize].insert(r);
+                }
+            }
+            links[r as usize].retain(|p| *p < world && *p != r);
+        }
+        let n = world as usize;
+        let rng = cfg.seed ^ 0x9e37_79b9_7f4a_7c15;
+        let state = State {
+            cfg,
+            stats: links
+                .iter()
+                .map(|peers| {
+                    peers
+                        .iter()
+                        .map(|p| {
+                            (
+                                *p,
+                                LinkStats {
+                                    peer: *p,
+                                    ..Default::default()
+                                },
+                            )
+                        })
+                        .collect()
+                })
+                .collect(),
+            neighbours: links,
+            now: vec![Duration::ZERO; n],
+            status: vec![Status::Ready; n],
+            inbox: (0..n).map(|_| BTreeMap::new()).collect(),
+            seq: 0,
+            nic_free: vec![Duration::ZERO; n],
+            link_last: BTreeMap::new(),
+            running: None,
+            rng,
+            trace: std::collections::hash_map::DefaultHasher::new(),
+            events: 0,
+            shutdown: false,
+            deaths: BTreeMap::new(),
+        };
+        let shared = Arc::new(Shared {
+            state: Mutex::new(state),
+            turn: Condvar::new(),
+        });
+        // The first turn goes to rank 0 at time 0, whenever its thread gets there.
+        {
+            let mut st = lock(&shared);
+            schedule(&mut st);
+        }
+        Self { shared, world }
+    }
+
+    /// Node `rank`'s end of the network (take each rank once).
+    pub fn node(&self, rank: u32) -> SimNode {
+        SimNode {
+            shared: self.shared.clone(),
+            rank,
+            pending: VecDeque::new(),
+            goodbyes: BTreeSet::new(),
+            buffers: BufferPool::default(),
+            held: Cell::new(false),
+            closed: false,
+        }
+    }
+
+    /// Runs `body(node)` for every rank on its own thread and returns the results in rank order
+    /// once every node has finished, died or (stalled nodes) been released at the end.
+    pub fn run<R: Send>(&self, body: impl Fn(SimNode) -> R + Sync) -> Vec<R> {
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..self.world)
+                .map(|r| {
+                    let node = self.node(r);
+                    let body = &body;
+                    std::thread::Builder::new()
+                        .name(format!("sim-node-{r}"))
+                        .spawn_scoped(scope, move || body(node))
+                        .expect("spawning a simulated node's thread")
+                })
+                .collect();
+            // Stalled nodes never run again: once nobody else can, release their threads.
+            {
+                let mut st = lock(&self.shared);
+                loop {
+                    let settled = st
+                        .status
+                        .iter()
+                        .all(|s| matches!(s, Status::Finished | Status::Dead | Status::Stalled));
+                    if settled {
+                        st.shutdown = true;
+                        self.shared.turn.notify_all();
+                        break;
+                    }
+                    st = self.shared.turn.wait(st).unwrap_or_else(|e| e.into_inner());
+                }
+            }
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                .collect()
+        })
+    }
+
+    /// A hash of everything that was sent (when, from, to, what, how big): equal for equal runs.
+    pub fn trace_hash(&self) -> u64 {
+        lock(&self.shared).trace.finish()
+    }
+
+    /// Messages sent so far.
+    pub fn events(&self) -> u64 {
+        lock(&self.shared).events
+    }
+
+    /// The latest virtual time any node reached.
+    pub fn elapsed(&self) -> Duration {
+        lock(&self.shared)
+            .now
+            .iter()
+            .copied()
+            .max()
+            .unwrap_or_default()
+    }
+
+    /// Virtual time node `rank` reached.
+    pub fn node_time(&self, rank: u32) -> Duration {
+        lock(&self.shared).now[rank as usize]
+    }
+}
+
+fn lock(shared: &Shared) -> MutexGuard<'_, State> {
+    shared.state.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl State {
+    fn speed(&self, rank: u32) -> f64 {
+        self.cfg
+            .node_speed
+            .get(&rank)
+            .copied()
+            .filter(|s| *s > 0.0)
+            .unwrap_or(1.0)
+    }
+
+    fn push(&mut self, to: u32, at: Duration, event: Event) {
+        self.seq += 1;
+        self.inbox[to as usize].insert((at, self.seq), event);
+    }
+
+    /// SplitMix64: a seeded stream with no dependency to keep stable.
+    fn random(&mut self) -> u64 {
+        self.rng = self.rng.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.rng;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Puts `message` on the wire from `from` to `to` at `from`'s current time.
+    fn transmit(&mut self, from: u32, to: u32, message: Message) {
+        let bytes = ringtmp_wire::frame::encoded_len(&message) as u64;
+        let now = self.now[from as usize];
+        let bandwidth = self
+            .cfg
+            .node_bandwidth_bps
+            .get(&from)
+            .copied()
+            .or(self.cfg.bandwidth_bps);
+        let depart = now.max(self.nic_free[from as usize]);
+        let wire = bandwidth.map_or(Duration::ZERO, |bps| {
+            Duration::from_secs_f64(bytes as f64 * 8.0 / bps.max(1) as f64)
+        });
+        self.nic_free[from as usize] = depart + wire;
+        let jitter = if self.cfg.jitter.is_zero() {
+            Duration::ZERO
+        } else {
+            let nanos = self.cfg.jitter.as_nanos().min(u128::from(u64::MAX)) as u64;
+            Duration::from_nanos(self.random() % nanos.max(1))
+        };
+        let extra: Duration = self
+            .cfg
+            .faults
+            .iter()
+            .filter_map(|f| match *f {
+                Fault::Delay {
+                    from: a,
+                    to: b,
+                    start,
+                    end,
+                    extra,
+                } if a == from && b == to && (start..end).contains(&now) => Some(extra),
+                _ => None,
+            })
+            .sum();
+        let last = self.link_last.get(&(from, to)).copied().unwrap_or_default();
+        // TCP keeps a link's order: a message never overtakes the one before it.
+        let arrival = (depart + wire + self.cfg.latency + jitter + extra).max(last);
+        self.link_last.insert((from, to), arrival);
+        let kind: u8 = match &message {
+            Message::Control(_) => 0,
+            Message::Tensor(h, _) => 1 + h.tag as u8,
+        };
+        (arrival.as_nanos(), now.as_nanos(), from, to, kind, bytes).hash(&mut self.trace);
+        self.events += 1;
+        if let Some(s) = self.stats[from as usize].get_mut(&to) {
+            s.bytes_sent += bytes;
+            s.messages_sent += 1;
+        }
+        if !matches!(self.status[to as usize], Status::Dead) {
+            self.push(to, arrival, Event::Message(from, message));
+        }
+    }
+
+    /// When something sent on `from → to` at `at` arrives after `delay`: never before what the
+    /// link carries already (a goodbye or a reset does not overtake data in flight).
+    fn after_link(&mut self, from: u32, to: u32, at: Duration, delay: Duration) -> Duration {
+        let last = self.link_last.get(&(from, to)).copied().unwrap_or_default();
+        let arrival = at.max(last) + delay;
+        self.link_last.insert((from, to), arrival);
+        arrival
+    }
+
+    /// When node `r` next has something to do, if ever.
+    fn wake_time(&self, r: usize) -> Option<Duration> {
+        let first = || self.inbox[r].keys().next().map(|(t, _)| *t);
+        match self.status[r] {
+            Status::Ready | Status::Running => Some(self.now[r]),
+            Status::Sleeping { until } => Some(until),
+            Status::Blocked { deadline } => Some(first().map_or(deadline, |t| t.min(deadline))),
+            Status::Finished | Status::Dead | Status::Stalled => None,
+        }
+    }
+
+    /// Tells `rank`'s neighbours (that are still there) about its failure at `at`.
+    fn fail_neighbours(&mut self, rank: u32, at: Duration, silent: bool) {
+        let peers: Vec<u32> = self.neighbours[rank as usize].iter().copied().collect();
+        for p in peers {
+            if matches!(self.status[p as usize], Status::Finished | Status::Dead) {
+                continue;
+            }
+            let peer = PeerName {
+                rank: Some(rank),
+                addr: None,
+            };
+            let (when, error) = if silent {
+                // Silence counts from the last byte that reached the peer.
+                let timeout = self.cfg.peer_timeout;
+                (
+                    self.after_link(rank, p, at, timeout),
+                    TransportError::PeerSilent {
+                        peer,
+                        silent_for: self.cfg.peer_timeout,
+                    },
+                )
+            } else {
+                let latency = self.cfg.latency;
+                (
+                    self.after_link(rank, p, at, latency),
+                    TransportError::PeerClosed {
+                        peer,
+                        reason: "connection closed without a goodbye".into(),
+                    },
+                )
+            };
+            self.push(p, when, Event::Failed(error));
+        }
+    }
+}
+
+/// Hands the baton to the node with the earliest thing to do (ties: lowest rank), applying the
+/// faults and the time limit on the way. Leaves `running` empty when nobody can run.
+fn schedule(st: &mut State) {
+    loop {
+        let next = (0..st.status.len())
+            .filter_map(|r| st.wake_time(r).map(|t| (t, r)))
+            .min();
+        let Some((at, r)) = next else {
+            st.running = None;
+            return;
+        };
+        let rank = r as u32;
+        let fault = st.cfg.faults.iter().find_map(|f| match *f {
+            Fault::Die { rank: x, at: t } if x == rank && t <= at => Some((t, false)),
+            Fault::Stall { rank: x, at: t } if x == rank && t <= at => Some((t, true)),
+            _ => None,
+        });
+        if let Some((t, stalled)) = fault {
+            st.now[r] = st.now[r].max(t);
+            st.status[r] = if stalled {
+                Status::Stalled
+            } else {
+                st.deaths.insert(
+                    rank,
+                    format!("rank {rank} was killed at {t:?} (simulated fault)"),
+                );
+                Status::Dead
+            };
+            st.fail_neighbours(rank, t, stalled);
+            // The fault fires once.
+            st.cfg.faults.retain(|f| {
+                !matches!(*f, Fault::Die { rank: x, .. } | Fault::Stall { rank: x, .. } if x == rank)
+            });
+            continue;
+        }
+        if at > st.cfg.time_limit {
+            st.status[r] = Status::Dead;
+            st.deaths.insert(
+                rank,
+                format!(
+                    "rank {rank} ran past the simulation's time limit of {:?}",
+                    st.cfg.time_limit
+                ),
+            );
+            st.fail_neighbours(rank, st.cfg.time_limit, false);
+            continue;
+        }
+        st.now[r] = st.now[r].max(at);
+        st.status[r] = Status::Running;
+        st.running = Some(rank);
+        return;
+    }
+}
+
+fn killed(st: &State, rank: u32) -> TransportError {
+    TransportError::Io {
+        context: "simulation".into(),
+        source: std::io::Error::other(
+            st.deaths
+                .get(&rank)
+                .cloned()
+                .unwrap_or_else(|| format!("rank {rank} was stopped at the end of the simulation")),
+        ),
+    }
+}
+
+/// Waits for `rank`'s turn (the first call of a thread, or after giving the baton up).
+fn acquire<'a>(
+    shared: &'a Shared,
+    rank: u32,
+    held: &Cell<bool>,
+    mut st: MutexGuard<'a, State>,
+) -> Result<MutexGuard<'a, State>, TransportError> {
+    let r = rank as usize;
+    loop {
+        if matches!(st.status[r], Status::Dead) || st.shutdown {
+            held.set(false);
+            return Err(killed(&st, rank));
+        }
+        if st.running == Some(rank) {
+            held.set(true);
+            return Ok(st);
+        }
+        st = shared.turn.wait(st).unwrap_or_else(|e| e.into_inner());
+    }
+}
+
+/// The state, in `rank`'s turn.
+fn enter<'a>(
+    shared: &'a Shared,
+    rank: u32,
+    held: &Cell<bool>,
+) -> Result<MutexGuard<'a, State>, TransportError> {
+    let st = lock(shared);
+    if held.get() && st.running == Some(rank) {
+        return Ok(st);
+    }
+    acquire(shared, rank, held, st)
+}
+
+/// Gives the turn up in `status` and waits until it comes back.
+fn wait_as<'a>(
+    shared: &'a Shared,
+    rank: u32,
+    held: &Cell<bool>,
+    mut st: MutexGuard<'a, State>,
+    status: Status,
+) -> Result<MutexGuard<'a, State>, TransportError> {
+    st.status[rank as usize] = status;
+    held.set(false);
+    schedule(&mut st);
+    shared.turn.notify_all();
+    acquire(shared, rank, held, st)
+}
+
+impl SimNode {
+    /// The first event that has arrived by now, if any.
+    fn arrived(st: &mut State, r: usize) -> Option<Event> {
+        let now = st.now[r];
+        let key = *st.inbox[r].keys().next()?;
+        if key.0 > now {
+            return None;
+        }
+        let event = st.inbox[r].remove(&key)?;
+        if let Event::Message(from, m) = &event
+            && let Some(s) = st.stats[r].get_mut(from)
+        {
+            s.bytes_received += ringtmp_wire::frame::encoded_len(m) as u64;
+            s.messages_received += 1;
+        }
+        Some(event)
+    }
+
+    /// Sends an abort to every neighbour but `skip`.
+    fn broadcast_abort(rank: u32, st: &mut State, skip: u32, origin: u32, reason: &str) {
+        let peers: Vec<u32> = st.neighbours[rank as usize].iter().copied().collect();
+        for p in peers.into_iter().filter(|p| *p != skip) {
+            st.transmit(
+                rank,
+                p,
+                Message::Control(Control::Abort {
+                    origin,
+                    reason: reason.to_string(),
+                }),
+            );
+        }
+    }
+
+    /// The next message (from `awaited`, or anyone), waiting until `deadline` in virtual time.
+    fn next(
+        &mut self,
+        deadline: Duration,
+        awaited: Option<u32>,
+    ) -> Result<(u32, Message), TransportError> {
+        let r = self.rank as usize;
+        let shared = Arc::clone(&self.shared);
+        let mut st = enter(&shared, self.rank, &self.held)?;
+        loop {
+            while let Some(event) = Self::arrived(&mut st, r) {
+                match event {
+                    Event::Message(from, Message::Control(Control::Abort { origin, reason })) => {
+                        Self::broadcast_abort(self.rank, &mut st, from, origin, &reason);
+                        return Err(TransportError::Aborted { origin, reason });
+                    }
+                    Event::Message(from, m) => {
+                        if awaited.is_none_or(|a| a == from) {
+                            return Ok((from, m));
+                        }
+                        self.pending.push_back((from, m));
+                    }
+                    Event::Goodbye(from) => {
+                        self.goodbyes.insert(from);
+                        if awaited == Some(from) {
+                            return Err(TransportError::PeerClosed {
+                                peer: name(from),
+                                reason: "it finished and said goodbye".into(),
+                            });
+                        }
+                    }
+                    Event::Failed(e) => {
+                        let waiting_for = match awaited {
+                            Some(a) => format!("a message from {}", name(a)),
+                            None => "a message from any peer".into(),
+                        };
+                        return Err(TransportError::WhileWaiting {
+                            waiting_for,
+                            cause: Box::new(e),
+                        });
+                    }
+                }
+            }
+            if st.now[r] >= deadline {
+                let waited = deadline.saturating_sub(st.now[r]);
+                return Err(TransportError::Timeout {
+                    what: "a message".into(),
+                    from: match awaited {
+                        Some(a) => name(a).to_string(),
+                        None => format!(
+                            "any of ranks {:?}",
+                            st.neighbours[r].iter().collect::<Vec<_>>()
+                        ),
+                    },
+                    waited,
+                });
+            }
+            st = wait_as(
+                &shared,
+                self.rank,
+                &self.held,
+                st,
+                Status::Blocked { deadline },
+            )?;
+        }
+    }
+}
+
+fn name(rank: u32) -> PeerName {
+    PeerName {
+        rank: Some(rank),
+        addr: None,
+    }
+}
+
+impl Transport for SimNode {
+    fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    fn peers(&self) -> Vec<u32> {
+        lock(&self.shared).neighbours[self.rank as usize]
+            .iter()
+            .copied()
+            .collect()
+    }
+
+    fn peer_name(&self, rank: u32) -> PeerName {
+        name(rank)
+    }
+
+    fn send(&self, to: u32, message: Message) -> Result<(), TransportError> {
+        let mut st = enter(&self.shared, self.rank, &self.held)?;
+        if !st.neighbours[self.rank as usize].contains(&to) {
+            return Err(TransportError::NoLink(to));
+        }
+        st.transmit(self.rank, to, message);
+        Ok(())
+    }
+
+    fn recv(&mut self, wait: Duration) -> Result<(u32, Message), TransportError> {
+        if let Some(m) = self.pending.pop_front() {
+            return Ok(m);
+        }
+        let deadline = lock(&self.shared).now[self.rank as usize] + wait;
+        self.next(deadline, None)
+    }
+
+    fn try_recv(&mut self) -> Result<Option<(u32, Message)>, TransportError> {
+        if let Some(m) = self.pending.pop_front() {
+            return Ok(Some(m));
+        }
+        let deadline = lock(&self.shared).now[self.rank as usize];
+        match self.next(deadline, None) {
+            Ok(m) => Ok(Some(m)),
+            Err(TransportError::Timeout { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn recv_from(&mut self, from: u32, wait: Duration) -> Result<Message, TransportError> {
+        if let Some(i) = self.pending.iter().position(|(r, _)| *r == from) {
+            return Ok(self.pending.remove(i).expect("index from position").1);
+        }
+        if !lock(&self.shared).neighbours[self.rank as usize].contains(&from) {
+            return Err(TransportError::NoLink(from));
+        }
+        let deadline = lock(&self.shared).now[self.rank as usize] + wait;
+        self.next(deadline, Some(from)).map(|(_, m)| m)
+    }
+
+    fn unread(&mut self, from: u32, message: Message) {
+        self.pending.push_front((from, message));
+    }
+
+    fn buffers(&self) -> &BufferPool {
+        &self.buffers
+    }
+
+    fn stats(&self) -> Vec<LinkStats> {
+        lock(&self.shared).stats[self.rank as usize]
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    fn abort(&self, reason: &str) {
+        if let Ok(mut st) = enter(&self.shared, self.rank, &self.held) {
+            Self::broadcast_abort(self.rank, &mut st, u32::MAX, self.rank, reason);
+        }
+    }
+
+    fn close(&mut self) -> Result<(), TransportError> {
+        if self.closed {
+            return Ok(());
+        }
+        self.closed = true;
+        let r = self.rank as usize;
+        let shared = Arc::clone(&self.shared);
+        let mut st = enter(&shared, self.rank, &self.held)?;
+        let peers: Vec<u32> = st.neighbours[r].iter().copied().collect();
+        for p in &peers {
+            let (now, latency) = (st.now[r], st.cfg.latency);
+            let at = st.after_link(self.rank, *p, now, latency);
+            st.push(*p, at, Event::Goodbye(self.rank));
+        }
+        // Wait (bounded by the peer timeout) for every peer's goodbye, as the TCP network does,
+        // so that no side mistakes the end of the run for a failure.
+        let deadline = st.now[r] + st.cfg.peer_timeout;
+        loop {
+            let mut failed = false;
+            while let Some(event) = Self::arrived(&mut st, r) {
+                match event {
+                    Event::Goodbye(from) => {
+                        self.goodbyes.insert(from);
+                    }
+                    Event::Failed(_) => failed = true,
+                    Event::Message(..) => {}
+                }
+            }
+            if failed || self.goodbyes.len() >= peers.len() || st.now[r] >= deadline {
+                break;
+            }
+            st = wait_as(
+                &shared,
+                self.rank,
+                &self.held,
+                st,
+                Status::Blocked { deadline },
+            )?;
+        }
+        st.status[r] = Status::Finished;
+        st.running = None;
+        schedule(&mut st);
+        self.held.set(false);
+        self.shared.turn.notify_all();
+        Ok(())
+    }
+
+    fn clock(&self) -> Arc<dyn Clock> {
+        Arc::new(SimClock {
+            shared: self.shared.clone(),
+            rank: self.rank,
+        })
+    }
+}
+
+impl Drop for SimNode {
+    /// A node whose thread ends without closing is a process that exited: its neighbours see the
+    /// connection close.
+    fn drop(&mut self) {
+        if self.closed {
+            return;
+        }
+        let r = self.rank as usize;
+        let mut st = lock(&self.shared);
+        if matches!(st.status[r], Status::Dead | Status::Finished) {
+            return;
+        }
+        let now = st.now[r];
+        st.fail_neighbours(self.rank, now, false);
+        st.status[r] = Status::Finished;
+        if st.running == Some(self.rank) {
+            st.running = None;
+            schedule(&mut st);
+        }
+        self.shared.turn.notify_all();
+    }
+}
+
+impl Clock for SimClock {
+    fn now(&self) -> Duration {
+        lock(&self.shared).now[self.rank as usize]
+    }
+
+    fn computed(&self, measured: Duration, speed: f64) {
+        let mut st = lock(&self.shared);
+        let r = self.rank as usize;
+        // Compute is accounted in this node's turn, like everything else it does.
+        while st.running != Some(self.rank) {
+            if matches!(st.status[r], Status::Dead | Status::Finished) || st.shutdown {
+                return;
+            }
+            st = self.shared.turn.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+        let base = match st.cfg.compute {
+            ComputeCost::Zero => Duration::ZERO,
+            ComputeCost::Fixed(d) => d,
+            ComputeCost::Measured => measured,
+        };
+        let speed = (speed * st.speed(self.rank)).clamp(1e-6, 1.0e6);
+        let cost = base.div_f64(speed);
+        if cost.is_zero() {
+            return;
+        }
+        st.status[r] = Status::Sleeping {
+            until: st.now[r] + cost,
+        };
+        schedule(&mut st);
+        self.shared.turn.notify_all();
+        // Back when the scheduler says so (or at the end, for a node that was killed meanwhile).
+        while st.running != Some(self.rank) && !matches!(st.status[r], Status::Dead) && !st.shutdown
+        {
+            st = self.shared.turn.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ringtmp_wire::{Dtype, TensorHeader, TensorTag};
+
+    fn ring(n: u32) -> Vec<BTreeSet<u32>> {
+        (0..n)
+            .map(|r| BTreeSet::from([(r + 1) % n, (r + n - 1) % n]))
+            .collect()
+    }
+
+    fn tensor(step: u64, bytes: usize) -> Message {
+        Message::Tensor(
+            TensorHeader {
+                run_id: 0,
+                step,
+                micro_batch: 0,
+                tag: TensorTag::Activation,
+                dtype: Dtype::F32,
+                shape: vec![(bytes / 4) as u32],
+            },
+            vec![0; bytes],
+        )
+    }
+
+    /// Every node passes `rounds` tokens around the ring; returns each node's receive times.
+    fn token_ring(cfg: SimConfig, n: u32, rounds: u64) -> (Vec<Vec<(u64, Duration)>>, u64) {
+        let net = SimNetwork::new(cfg, ring(n));
+        let out = net.run(|mut node| {
+            let clock = node.clock();
+            let me = node.rank();
+            let mut seen = Vec::new();
+            for step in 0..rounds {
+                node.send((me + 1) % n, tensor(step, 4096)).unwrap();
+                let m = node
+                    .recv_from((me + n - 1) % n, Duration::from_secs(10))
+                    .unwrap();
+                let Message::Tensor(h, _) = m else { panic!() };
+                seen.push((h.step, clock.now()));
+                clock.computed(Duration::ZERO, 1.0);
+            }
+            node.close().unwrap();
+            seen
+        });
+        (out, net.trace_hash())
+    }
+
+    #[test]
+    fn messages_keep_link_order_and_take_latency_and_bandwidth() {
+        let mut cfg = SimConfig::new(test_seed(1));
+        cfg.jitter = Duration::from_millis(3);
+        cfg.bandwidth_bps = Some(8_000_000); // 1 MB/s: a 4 KiB frame takes ~4.1 ms on the wire
+        let (seen, _) = token_ring(cfg.clone(), 4, 20);
+        for (rank, times) in seen.iter().enumerate() {
+            let steps: Vec<u64> = times.iter().map(|t| t.0).collect();
+            assert_eq!(
+                steps,
+                (0..20).collect::<Vec<_>>(),
+                "rank {rank}: FIFO per link"
+            );
+            // The first token cannot arrive before wire time plus latency.
+            assert!(
+                times[0].1 >= Duration::from_micros(4100) + cfg.latency,
+                "{times:?}"
+            );
+            assert!(times.windows(2).all(|w| w[0].1 <= w[1].1));
+        }
+    }
+
+    #[test]
+    fn a_seed_replays_exactly_and_another_seed_differs() {
+        let mut cfg = SimConfig::new(test_seed(7));
+        cfg.jitter = Duration::from_millis(5);
+        let (a, ha) = token_ring(cfg.clone(), 5, 30);
+        let (b, hb) = token_ring(cfg.clone(), 5, 30);
+        assert_eq!((a.clone(), ha), (b, hb));
+        cfg.seed += 1;
+        let (_, hc) = token_ring(cfg, 5, 30);
+        assert_ne!(ha, hc);
+    }
+
+    #[test]
+    fn compute_cost_is_virtual_and_scaled_by_speed() {
+        let mut cfg = SimConfig::new(test_seed(3));
+        cfg.compute = ComputeCost::Fixed(Duration::from_millis(10));
+        cfg.node_speed.insert(1, 0.25);
+        let net = SimNetwork::new(cfg, ring(2));
+        let started = std::time::Instant::now();
+        let times = net.run(|mut node| {
+            let clock = node.clock();
+            for _ in 0..100 {
+                clock.computed(Duration::from_secs(1), 1.0);
+            }
+            let t = clock.now();
+            node.close().unwrap();
+            t
+        });
+        // 100 × 10 ms, and 4× that on the quarter-speed node, without sleeping for real.
+        assert_eq!(times[0], Duration::from_secs(1));
+        assert_eq!(times[1], Duration::from_secs(4));
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn a_dead_node_is_named_by_its_neighbours_and_a_stalled_one_falls_silent() {
+        for (fault, expect) in [
+            (
+                Fault::Die {
+                    rank: 2,
+                    at: Duration::from_millis(50),
+                },
+                "closed without a goodbye",
+            ),
+            (
+                Fault::Stall {
+                    rank: 2,
+                    at: Duration::from_millis(50),
+                },
+                "silent",
+            ),
+        ] {
+            let mut cfg = SimConfig::new(test_seed(11));
+            cfg.faults.push(fault);
+            let n = 4;
+            let net = SimNetwork::new(cfg.clone(), ring(n));
+            let results = net.run(|mut node| -> Result<u64, String> {
+                let me = node.rank();
+                let clock = node.clock();
+                for step in 0..1000 {
+                    node.send((me + 1) % n, tensor(step, 64))
+                        .map_err(|e| e.to_string())?;
+                    node.recv_from((me + n - 1) % n, Duration::from_secs(30))
+                        .map_err(|e| e.to_string())?;
+                    clock.computed(Duration::ZERO, 1.0);
+                }
+                Ok(1000)
+            });
+            for (rank, r) in results.iter().enumerate() {
+                let err = r.as_ref().expect_err("no node finishes 1000 rounds");
+                if rank == 1 || rank == 3 {
+                    assert!(
+                        err.contains("rank 2") && err.contains(expect),
+                        "rank {rank}: {err}"
+                    );
+                }
+            }
+            // Detection in virtual time: latency for a death, the peer timeout for a stall.
+            let detected = net.node_time(3);
+            let bound = Duration::from_millis(50) + cfg.peer_timeout + Duration::from_millis(10);
+            assert!(detected <= bound, "{detected:?}");
+        }
+    }
+
+    #[test]
+    fn an_abort_reaches_every_node() {
+        let cfg = SimConfig::new(test_seed(5));
+        let n = 6;
+        let net = SimNetwork::new(cfg, ring(n));
+        let results = net.run(|mut node| {
+            if node.rank() == 3 {
+                node.abort("rank 3 gives up");
+                return "aborted".to_string();
+            }
+            node.recv(Duration::from_secs(60))
+                .map(|_| "message".to_string())
+                .unwrap_or_else(|e| e.to_string())
+        });
+        for (rank, r) in results.iter().enumerate() {
+            if rank != 3 {
+                assert!(r.contains("rank 3 aborted the run"), "rank {rank}: {r}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_timeout_is_virtual() {
+        let net = SimNetwork::new(SimConfig::new(test_seed(2)), ring(3));
+        let started = std::time::Instant::now();
+        let results = net.run(|mut node| {
+            let e = node.recv(Duration::from_secs(120)).unwrap_err().to_string();
+            (e, node.clock().now())
+        });
+        for (e, t) in results {
+            assert!(e.contains("timed out after"), "{e}");
+            assert_eq!(t, Duration::from_secs(120));
+        }
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+}

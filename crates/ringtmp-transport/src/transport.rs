@@ -1,0 +1,94 @@
+//! What a strategy sees of the network its node is on, whichever network that is: real TCP links
+//! ([`crate::Network`]) or the in-memory simulated network ([`crate::sim`]). Strategies take
+//! `&mut dyn Transport` and never name either, so the same protocol code runs on sockets, in
+//! seeded deterministic tests, and (with compute replaced by a cost model) in the simulator.
+//!
+//! Contract shared by both implementations:
+//! - Messages from one peer arrive in the order it sent them; every wait ends within its timeout
+//!   with an error naming the peer and what was awaited.
+//! - A peer that dies (closes without a goodbye) or goes silent surfaces as an error on the next
+//!   receive; an `Abort` from any peer is passed on to the others and returned as
+//!   [`TransportError::Aborted`].
+//! - Time comes from [`Transport::clock`]: wall time on sockets, virtual time in simulation. Code
+//!   that measures or emulates compute time goes through it, never through `Instant` or `sleep`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use ringtmp_wire::Message;
+
+use crate::error::{PeerName, TransportError};
+use crate::network::LinkStats;
+use crate::pool::BufferPool;
+
+/// The blocking, node-facing API of a network.
+pub trait Transport: Send {
+    /// This node's rank.
+    fn rank(&self) -> u32;
+    /// Ranks this node has links to, in increasing order.
+    fn peers(&self) -> Vec<u32>;
+    /// How a peer is named in errors.
+    fn peer_name(&self, rank: u32) -> PeerName;
+    /// Queues `message` for `to` (bounded: a link that cannot take it in time is an error).
+    fn send(&self, to: u32, message: Message) -> Result<(), TransportError>;
+    /// The next message from any peer, waiting at most `wait`.
+    fn recv(&mut self, wait: Duration) -> Result<(u32, Message), TransportError>;
+    /// A message that has already arrived, without waiting (`Ok(None)` when there is none).
+    fn try_recv(&mut self) -> Result<Option<(u32, Message)>, TransportError>;
+    /// The next message from `from` (others are kept for later), waiting at most `wait`.
+    fn recv_from(&mut self, from: u32, wait: Duration) -> Result<Message, TransportError>;
+    /// Puts a message back so that the next receive returns it first.
+    fn unread(&mut self, from: u32, message: Message);
+    /// The pool payload buffers come from and go back to.
+    fn buffers(&self) -> &BufferPool;
+    /// Traffic and waiting per link.
+    fn stats(&self) -> Vec<LinkStats>;
+    /// Tells every peer this node is giving up (best effort, bounded).
+    fn abort(&self, reason: &str);
+    /// Orderly shutdown: goodbye to every peer, and a bounded wait for theirs.
+    fn close(&mut self) -> Result<(), TransportError>;
+    /// This node's clock.
+    fn clock(&self) -> Arc<dyn Clock>;
+}
+
+/// A node's clock: wall time on real networks, virtual time in simulation.
+pub trait Clock: Send + Sync {
+    /// Time since the node's network came up.
+    fn now(&self) -> Duration;
+    /// Accounts for compute the node just did, `measured` long on this machine. `speed` < 1
+    /// emulates a node that many times slower: the wall clock sleeps the difference; a virtual
+    /// clock advances by its cost model's figure for the work divided by `speed`.
+    fn computed(&self, measured: Duration, speed: f64);
+}
+
+/// The wall clock of a node on a real network.
+pub struct WallClock {
+    started: std::time::Instant,
+}
+
+impl WallClock {
+    /// A clock whose [`Clock::now`] counts from now.
+    pub fn new() -> Self {
+        Self {
+            started: std::time::Instant::now(),
+        }
+    }
+}
+
+impl Default for WallClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Clock for WallClock {
+    fn now(&self) -> Duration {
+        self.started.elapsed()
+    }
+
+    fn computed(&self, measured: Duration, speed: f64) {
+        if speed > 0.0 && speed < 1.0 {
+            std::thread::sleep(measured.mul_f64(1.0 / speed - 1.0));
+        }
+    }
+}
