@@ -8,7 +8,7 @@ use ringtmp_data::Dataset;
 use ringtmp_metrics::{NodeSummary, Summary, resources};
 use ringtmp_strategy::TrainConfig;
 use ringtmp_strategy::param_server::driver::{PsJob, run_server, run_worker};
-use ringtmp_transport::Network;
+use ringtmp_transport::Transport;
 use ringtmp_wire::{Control, Message};
 
 use crate::args::TrainArgs;
@@ -20,7 +20,7 @@ pub fn run(
     rank: u32,
     master: Option<(Dataset, TrainConfig)>,
     job_args: &JobArgs,
-    net: &mut Network,
+    net: &mut dyn Transport,
 ) -> Result<()> {
     let started = Instant::now();
     if (rank as usize) < job.servers {
@@ -140,7 +140,7 @@ fn optimizer_copies(job: &PsJob) -> u64 {
     }
 }
 
-fn base_summary(rank: u32, role: &str, params: u64, net: &Network) -> NodeSummary {
+fn base_summary(rank: u32, role: &str, params: u64, net: &dyn Transport) -> NodeSummary {
     let links = net.stats();
     NodeSummary {
         rank,
@@ -160,7 +160,7 @@ fn base_summary(rank: u32, role: &str, params: u64, net: &Network) -> NodeSummar
     }
 }
 
-fn report(net: &mut Network, own: &NodeSummary) -> Result<()> {
+fn report(net: &mut dyn Transport, own: &NodeSummary) -> Result<()> {
     let doc = serde_json::to_string(own)?;
     net.send(0, Message::Control(Control::Report { nodes: vec![doc] }))?;
     Ok(())

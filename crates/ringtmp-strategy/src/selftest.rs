@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use ringtmp_transport::{Network, TransportError};
+use ringtmp_transport::{Transport, TransportError};
 use ringtmp_wire::message::{tensor_bytes, tensor_values};
 use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
 
@@ -40,7 +40,7 @@ pub struct NodeReport {
 /// Runs the selftest on this node. Returns every node's report on rank 0 and this node's own
 /// report elsewhere.
 pub fn run(
-    net: &mut Network,
+    net: &mut dyn Transport,
     world_size: u32,
     run_id: u64,
     cfg: SelftestConfig,
@@ -62,7 +62,7 @@ pub fn run(
     let mut answered = 0u32;
     // A predecessor that finished this phase already sends its first bandwidth tensor; keep it.
     let mut early: Vec<(u32, Message)> = Vec::new();
-    let mut handle = |net: &mut Network,
+    let mut handle = |net: &mut dyn Transport,
                       answered: &mut u32,
                       awaited_pong: Option<u64>|
      -> Result<bool, TransportError> {
@@ -204,7 +204,7 @@ fn percentile(values: &mut [f64], q: f64) -> f64 {
     values[((values.len() - 1) as f64 * q).round() as usize]
 }
 
-fn unexpected(net: &Network, from: u32, m: &Message) -> TransportError {
+fn unexpected(net: &dyn Transport, from: u32, m: &Message) -> TransportError {
     let what = match m {
         Message::Control(c) => format!("{c:?}"),
         Message::Tensor(h, _) => format!("tensor {:?} step {}", h.tag, h.step),
@@ -221,6 +221,6 @@ fn unexpected(net: &Network, from: u32, m: &Message) -> TransportError {
     }
 }
 
-fn unexpected_kind(net: &Network, from: u32) -> TransportError {
+fn unexpected_kind(net: &dyn Transport, from: u32) -> TransportError {
     unexpected(net, from, &Message::Control(Control::Goodbye))
 }

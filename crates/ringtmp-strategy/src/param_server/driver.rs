@@ -21,7 +21,7 @@ use ringtmp_data::{BatchPlan, Dataset, shard};
 use ringtmp_model::{
     LrSchedule, ModelSpec, Optimizer, OptimizerConfig, Pass, Shape, Stage, checkpoint, loss,
 };
-use ringtmp_transport::{BufferPool, Network, TransportError};
+use ringtmp_transport::{BufferPool, Transport, TransportError};
 use ringtmp_wire::message::{tensor_bytes_into, tensor_values_into, tensor_view};
 use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
 use serde::{Deserialize, Serialize};
@@ -153,7 +153,7 @@ pub struct ServerOutcome {
 /// A tensor message of `values` in a buffer from the node's pool: a gradient push (`step` the
 /// worker's iteration, `unit` the unit of work it computed) or a parameter shard (`step` the
 /// worker's clock, `unit` its next unit).
-fn tensor(net: &Network, tag: TensorTag, step: u64, unit: u64, values: &[f32]) -> Message {
+fn tensor(net: &dyn Transport, tag: TensorTag, step: u64, unit: u64, values: &[f32]) -> Message {
     let header = TensorHeader {
         run_id: 0,
         step,
@@ -181,7 +181,7 @@ fn failed_peer(e: &TransportError) -> Option<u32> {
 }
 
 /// Runs server `s` (rank `s`) until every worker has finished or been dropped.
-pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutcome> {
+pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<ServerOutcome> {
     let layers = job.layers()?;
     let total: usize = layers.iter().map(|l| l.param_count()).sum();
     let range = shard_range(total, job.servers, s);
@@ -216,8 +216,9 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut Network) -> Result<ServerOutc
         job.workers,
         job.first_step * workers..job.total_steps * workers,
     );
-    let started = Instant::now();
-    let now = || started.elapsed().as_secs_f64();
+    // The consistency controller's time is the network's (virtual in simulation).
+    let time = net.clock();
+    let now = || time.now().as_secs_f64();
     let mut finished: BTreeSet<usize> = BTreeSet::new();
     let mut dropped: Vec<u32> = Vec::new();
     let mut drops: Vec<ringtmp_metrics::DroppedNode> = Vec::new();
@@ -385,7 +386,7 @@ fn send_replies(
     replies: Vec<Reply>,
     params: &[f32],
     servers: usize,
-    net: &mut Network,
+    net: &mut dyn Transport,
 ) -> Result<()> {
     for reply in replies {
         match reply {
@@ -420,7 +421,7 @@ fn send_params(
     unit: u64,
     params: &[f32],
     servers: usize,
-    net: &mut Network,
+    net: &mut dyn Transport,
 ) -> Result<()> {
     let message = tensor(net, TensorTag::Params, clock, unit, params);
     net.send((servers + w) as u32, message)?;
@@ -518,7 +519,7 @@ impl Checkpoints {
         model: &Stage,
         params: &[f32],
         optimizer: &Optimizer,
-        net: &mut Network,
+        net: &mut dyn Transport,
     ) -> Result<()> {
         self.pushes += 1;
         if self.pushes % job.workers as u64 == 0 {
@@ -534,7 +535,7 @@ impl Checkpoints {
         model: &Stage,
         params: &[f32],
         optimizer: &Optimizer,
-        net: &mut Network,
+        net: &mut dyn Transport,
     ) -> Result<()> {
         self.iterations += 1;
         let step = job.first_step + self.iterations;
@@ -650,7 +651,7 @@ pub fn run_worker(
     w: usize,
     data: &Dataset,
     speed: f64,
-    net: &mut Network,
+    net: &mut dyn Transport,
     on_pulled: &mut dyn FnMut(u64, &mut Stage) -> Result<()>,
 ) -> Result<(WorkerOutcome, Stage)> {
     let layers = job.layers()?;
@@ -662,42 +663,46 @@ pub fn run_worker(
     let mut plan = BatchPlan::new(data.train.len(), job.worker_batch * job.workers, job.seed)?;
     let (mut x, mut y, mut d) = (Vec::new(), Vec::new(), Vec::new());
     let mut out = WorkerOutcome::default();
+    let clock = net.clock();
     // The epoch of the run's last iteration: its units' losses make the run's final train loss.
     let final_epoch = job.total_steps.saturating_sub(1) / job.steps_per_epoch.max(1);
     // Pulls every shard for iteration `t`; returns the unit of work server 0 assigned.
-    let pull =
-        |t: u64, stage: &mut Stage, out: &mut WorkerOutcome, net: &mut Network| -> Result<u64> {
-            let mut unit = NO_MORE_WORK;
-            let waited = Instant::now();
-            for s in 0..job.servers {
-                net.send(s as u32, Message::Control(Control::Pull { clock: t }))?;
-            }
-            for (s, range) in ranges.iter().enumerate() {
-                match net.recv_from(s as u32, job.timeout())? {
-                    Message::Tensor(h, bytes) if h.tag == TensorTag::Params && h.step == t => {
-                        if s == 0 {
-                            unit = h.micro_batch;
-                        }
-                        let values = bytes.len() as u64 / h.dtype.size();
-                        if values != range.len() as u64 {
-                            return Err(Error::Config(format!(
-                                "worker {w}: shard of {values} values from server {s}, expected {}",
-                                range.len()
-                            )));
-                        }
-                        tensor_values_into(&bytes, h.dtype, &mut stage.params_mut()[range.clone()]);
-                        net.buffers().give(bytes);
+    let pull = |t: u64,
+                stage: &mut Stage,
+                out: &mut WorkerOutcome,
+                net: &mut dyn Transport|
+     -> Result<u64> {
+        let mut unit = NO_MORE_WORK;
+        let waited = net.clock().now();
+        for s in 0..job.servers {
+            net.send(s as u32, Message::Control(Control::Pull { clock: t }))?;
+        }
+        for (s, range) in ranges.iter().enumerate() {
+            match net.recv_from(s as u32, job.timeout())? {
+                Message::Tensor(h, bytes) if h.tag == TensorTag::Params && h.step == t => {
+                    if s == 0 {
+                        unit = h.micro_batch;
                     }
-                    _ => {
+                    let values = bytes.len() as u64 / h.dtype.size();
+                    if values != range.len() as u64 {
                         return Err(Error::Config(format!(
-                            "worker {w}: unexpected message from server {s}"
+                            "worker {w}: shard of {values} values from server {s}, expected {}",
+                            range.len()
                         )));
                     }
+                    tensor_values_into(&bytes, h.dtype, &mut stage.params_mut()[range.clone()]);
+                    net.buffers().give(bytes);
+                }
+                _ => {
+                    return Err(Error::Config(format!(
+                        "worker {w}: unexpected message from server {s}"
+                    )));
                 }
             }
-            out.wait_seconds += waited.elapsed().as_secs_f64();
-            Ok(unit)
-        };
+        }
+        out.wait_seconds += (net.clock().now() - waited).as_secs_f64();
+        Ok(unit)
+    };
     // Pull, work on the assigned unit, push — until server 0 says there is no more work (the last
     // pull leaves the replica with the current parameters).
     for t in 0.. {
@@ -709,6 +714,7 @@ pub fn run_worker(
         let (global, share) = (unit / workers, (unit % workers) as usize);
         on_pulled(global, &mut stage)?;
         let computed = Instant::now();
+        let computed_at = clock.now();
         let epoch = global / job.steps_per_epoch;
         let batch = plan
             .batch(epoch, (global % job.steps_per_epoch) as usize)
@@ -730,10 +736,8 @@ pub fn run_worker(
             out.final_epoch_units += 1;
         }
         stage.backward(0, &d)?;
-        if speed < 1.0 {
-            std::thread::sleep(computed.elapsed().mul_f64(1.0 / speed - 1.0));
-        }
-        out.compute_seconds += computed.elapsed().as_secs_f64();
+        clock.computed(computed.elapsed(), speed);
+        out.compute_seconds += (clock.now() - computed_at).as_secs_f64();
         for (s, range) in ranges.iter().enumerate() {
             net.send(
                 s as u32,

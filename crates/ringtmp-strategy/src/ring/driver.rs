@@ -17,6 +17,7 @@
 //! t+1 uses the weights after step t: exactly synchronous SGD.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ringtmp_data::{BatchPlan, Dataset, shard};
@@ -25,7 +26,7 @@ use ringtmp_model::checkpoint;
 use ringtmp_model::{
     Layer, LrSchedule, ModelSpec, Optimizer, OptimizerConfig, Pass, Shape, Stage, loss,
 };
-use ringtmp_transport::{LinkStats, Network, TransportError};
+use ringtmp_transport::{Clock, LinkStats, Transport, TransportError};
 use ringtmp_wire::message::{tensor_bytes, tensor_values};
 use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
 use serde::{Deserialize, Serialize};
@@ -268,18 +269,27 @@ struct NodeClock {
     eval_bytes: u64,
     peak_stash: usize,
     speed: f64,
+    /// The network's clock (wall or virtual): emulated slowness and compute time go through it.
+    time: Arc<dyn Clock>,
 }
 
 impl NodeClock {
-    /// Times `f`, emulating a slower node by sleeping `(1/speed − 1)` × the measured time.
-    fn run<T>(&mut self, f: impl FnOnce() -> T) -> T {
-        let t = Instant::now();
-        let out = f();
-        let took = t.elapsed();
-        if self.speed < 1.0 {
-            std::thread::sleep(took.mul_f64(1.0 / self.speed - 1.0));
+    fn new(net: &dyn Transport, speed: f64) -> Self {
+        Self {
+            compute: 0.0,
+            eval_bytes: 0,
+            peak_stash: 0,
+            speed,
+            time: net.clock(),
         }
-        self.compute += t.elapsed().as_secs_f64();
+    }
+
+    /// Times `f` and accounts for it on the network's clock (which emulates a slower node).
+    fn run<T>(&mut self, f: impl FnOnce() -> T) -> T {
+        let (t, wall) = (self.time.now(), Instant::now());
+        let out = f();
+        self.time.computed(wall.elapsed(), self.speed);
+        self.compute += (self.time.now() - t).as_secs_f64();
         out
     }
 }
@@ -303,7 +313,7 @@ fn tensor(tag: TensorTag, step: u64, micro_batch: u64, rows: usize, values: &[f3
     )
 }
 
-fn protocol(net: &Network, from: u32, what: &str) -> Error {
+fn protocol(net: &dyn Transport, from: u32, what: &str) -> Error {
     Error::Transport(TransportError::Io {
         context: format!("ring: unexpected {what} from {}", net.peer_name(from)),
         source: std::io::Error::new(
@@ -318,10 +328,11 @@ fn protocol(net: &Network, from: u32, what: &str) -> Error {
 pub fn run_master(
     job: &RingJob,
     setup: &MasterSetup<'_>,
-    net: &mut Network,
+    net: &mut dyn Transport,
     on_event: &mut dyn FnMut(&Event),
 ) -> Result<MasterOutcome> {
-    let wall = Instant::now();
+    let time = net.clock();
+    let wall = time.now();
     let n = job.partition.len() as u32;
     let (succ, pred) = (1 % n, n - 1);
     let (mut stage, plan) = job.stage(0)?;
@@ -343,12 +354,7 @@ pub fn run_master(
         None => None,
     };
     let mut batches = BatchPlan::new(setup.data.train.len(), job.batch_size, job.seed)?;
-    let mut clock = NodeClock {
-        compute: 0.0,
-        eval_bytes: 0,
-        peak_stash: 0,
-        speed: job.node_speeds.first().copied().unwrap_or(1.0),
-    };
+    let mut clock = NodeClock::new(net, job.node_speeds.first().copied().unwrap_or(1.0));
     std::fs::create_dir_all(setup.out).map_err(|e| Error::Io {
         path: setup.out.to_path_buf(),
         source: e,
@@ -386,7 +392,7 @@ pub fn run_master(
     let (mut epoch_loss, mut epoch_batches, mut last_epoch_loss) = (0.0f64, 0u64, f64::NAN);
     let (mut x, mut labels) = (Vec::new(), Vec::new());
     for step in job.first_step()..job.total_steps {
-        let t_step = Instant::now();
+        let t_step = time.now();
         let epoch = step / job.steps_per_epoch;
         let lr = job.lr_at(step);
         let (step_loss, rows_total) = if job.schedule == Schedule::Async {
@@ -502,7 +508,7 @@ pub fn run_master(
             }
             (step_loss, rows_total)
         };
-        train_seconds += t_step.elapsed().as_secs_f64();
+        train_seconds += (time.now() - t_step).as_secs_f64();
         samples += rows_total as u64;
         let mean_loss = step_loss / rows_total as f64;
         if !mean_loss.is_finite() {
@@ -540,7 +546,7 @@ pub fn run_master(
             )?;
             tracker.record(accuracy, done, train_seconds);
             write(
-                json!({"event": "eval", "step": done, "epoch": epoch, "test_accuracy": accuracy, "test_loss": test_loss, "train_seconds": train_seconds, "wall_seconds": wall.elapsed().as_secs_f64()}),
+                json!({"event": "eval", "step": done, "epoch": epoch, "test_accuracy": accuracy, "test_loss": test_loss, "train_seconds": train_seconds, "wall_seconds": (time.now() - wall).as_secs_f64()}),
             )?;
             on_event(&Event::Eval {
                 step: done,
@@ -658,7 +664,7 @@ pub fn run_master(
         target_accuracy: setup.target_accuracy,
         time_to_target_seconds: tracker.reached.map(|(_, t)| t),
         steps_to_target: tracker.reached.map(|(s, _)| s),
-        wall_seconds: wall.elapsed().as_secs_f64(),
+        wall_seconds: (time.now() - wall).as_secs_f64(),
         train_seconds,
         samples_per_second: samples as f64 / train_seconds.max(1e-9),
         total_bytes_sent,
@@ -703,7 +709,7 @@ impl MiniBatch {
     fn drain(
         &mut self,
         job: &RingJob,
-        net: &mut Network,
+        net: &mut dyn Transport,
         mut head: Option<&mut MasterHead>,
     ) -> Result<()> {
         while let Some((from, message)) = net.try_recv()? {
@@ -717,7 +723,7 @@ impl MiniBatch {
     fn handle(
         &mut self,
         job: &RingJob,
-        net: &mut Network,
+        net: &mut dyn Transport,
         head: Option<&mut MasterHead>,
         from: u32,
         message: Message,
@@ -882,7 +888,7 @@ impl AsyncPipe {
         optimizer: &mut Optimizer,
         mut head: Option<&mut MasterHead>,
         clock: &mut NodeClock,
-        net: &mut Network,
+        net: &mut dyn Transport,
     ) -> Result<(f64, usize)> {
         let n = job.partition.len() as u32;
         let succ = 1 % n;
@@ -984,7 +990,7 @@ impl AsyncLossSide<'_> {
     fn handle(
         &mut self,
         job: &RingJob,
-        net: &mut Network,
+        net: &mut dyn Transport,
         head: Option<&mut MasterHead>,
         from: u32,
         message: Message,
@@ -1040,7 +1046,7 @@ impl AsyncLossSide<'_> {
 fn servicer<'a>(
     mut side: AsyncLossSide<'a>,
     job: &'a RingJob,
-    net: &'a mut Network,
+    net: &'a mut dyn Transport,
     head: &'a mut Option<&mut MasterHead>,
     failure: &'a mut Option<Error>,
 ) -> impl FnMut() + 'a {
@@ -1062,7 +1068,7 @@ fn servicer<'a>(
 
 /// The `async` schedule on a non-master node: weight stashing on; backward whatever gradient has
 /// arrived (then step), else forward whatever input has arrived; no flush.
-fn run_worker_async(job: &RingJob, net: &mut Network) -> Result<Stage> {
+fn run_worker_async(job: &RingJob, net: &mut dyn Transport) -> Result<Stage> {
     let mut node = RingNode::new(job, net, true)?;
     let m = job.micro_batches as u64;
     let mut inputs: VecDeque<(u64, usize, Vec<f32>)> = VecDeque::new();
@@ -1112,7 +1118,7 @@ fn evaluate(
     job: &RingJob,
     data: &Dataset,
     stage: &mut Stage,
-    net: &mut Network,
+    net: &mut dyn Transport,
     step: u64,
     eval_bytes: &mut u64,
     mut head: Option<&mut MasterHead>,
@@ -1166,7 +1172,7 @@ fn evaluate(
 
 /// Runs a non-master node: its stage, driven by what arrives, until the final report passes.
 /// Returns the stage (its final parameters).
-pub fn run_worker(job: &RingJob, net: &mut Network) -> Result<Stage> {
+pub fn run_worker(job: &RingJob, net: &mut dyn Transport) -> Result<Stage> {
     if job.schedule == Schedule::Async {
         return run_worker_async(job, net);
     }
@@ -1261,13 +1267,13 @@ struct RingNode {
     optimizer: Optimizer,
     plan: StagePlan,
     clock: NodeClock,
-    started: Instant,
+    started: Duration,
 }
 
 impl RingNode {
     /// This node's stage (loaded from the job's checkpoint when resuming), its neighbours and
     /// clocks; `stashing` keeps a weight version per micro-batch in flight (async).
-    fn new(job: &RingJob, net: &Network, stashing: bool) -> Result<Self> {
+    fn new(job: &RingJob, net: &dyn Transport, stashing: bool) -> Result<Self> {
         let rank = net.rank();
         let n = job.partition.len() as u32;
         let (mut stage, plan) = job.stage(rank)?;
@@ -1282,13 +1288,11 @@ impl RingNode {
             stage,
             optimizer,
             plan,
-            clock: NodeClock {
-                compute: 0.0,
-                eval_bytes: 0,
-                peak_stash: 0,
-                speed: job.node_speeds.get(rank as usize).copied().unwrap_or(1.0),
-            },
-            started: Instant::now(),
+            clock: NodeClock::new(
+                net,
+                job.node_speeds.get(rank as usize).copied().unwrap_or(1.0),
+            ),
+            started: net.clock().now(),
         })
     }
 
@@ -1298,7 +1302,7 @@ impl RingNode {
     fn forward(
         &mut self,
         job: &RingJob,
-        net: &mut Network,
+        net: &mut dyn Transport,
         header: (u64, u64),
         step: u64,
         micro: usize,
@@ -1326,7 +1330,13 @@ impl RingNode {
 
     /// Backward of stage micro-batch `id`; sends the input gradient back tagged
     /// (`header_step`, `id`).
-    fn backward(&mut self, net: &mut Network, id: u64, header_step: u64, dy: &[f32]) -> Result<()> {
+    fn backward(
+        &mut self,
+        net: &mut dyn Transport,
+        id: u64,
+        header_step: u64,
+        dy: &[f32],
+    ) -> Result<()> {
         let stage = &mut self.stage;
         let dx = self
             .clock
@@ -1352,7 +1362,7 @@ impl RingNode {
     fn serve(
         &mut self,
         job: &RingJob,
-        net: &mut Network,
+        net: &mut dyn Transport,
         from: u32,
         message: Message,
     ) -> Result<bool> {
@@ -1387,7 +1397,7 @@ impl RingNode {
                     &self.optimizer,
                     &self.plan,
                     &self.clock,
-                    self.started.elapsed().as_secs_f64(),
+                    (self.clock.time.now() - self.started).as_secs_f64(),
                     &stats,
                 );
                 nodes.push(serde_json::to_string(&own).map_err(|e| Error::Config(e.to_string()))?);
