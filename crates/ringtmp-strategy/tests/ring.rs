@@ -2,56 +2,25 @@
 //! give the same parameters as the `local` strategy after K steps on the same seed and data, and
 //! the master never sends anything but stage-0 activations and logit gradients.
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
-use std::thread;
 
 use ringtmp_data::Dataset;
 use ringtmp_model::checkpoint;
-use ringtmp_model::{LrSchedule, ModelSpec, Optimizer, OptimizerConfig, Shape, Stage};
-use ringtmp_strategy::ring::driver::{MasterSetup, RingJob, run_master, run_worker};
+use ringtmp_model::{LrSchedule, ModelSpec, OptimizerConfig, Shape};
+use ringtmp_strategy::TrainConfig;
+use ringtmp_strategy::ring::driver::{MasterOutcome, MasterSetup, RingJob, run_master, run_worker};
 use ringtmp_strategy::ring::partition::StagePlan;
 use ringtmp_strategy::ring::schedule::Schedule;
-use ringtmp_strategy::{TrainConfig, train_local};
-use ringtmp_transport::{Network, TransportConfig, bind_listener};
-
-const MODEL: &str = r#"
-name = "ring-test"
-[[layer]]
-type = "conv2d"
-out_channels = 6
-kernel = 3
-padding = 1
-[[layer]]
-type = "relu"
-[[layer]]
-type = "max_pool2d"
-kernel = 2
-[[layer]]
-type = "flatten"
-[[layer]]
-type = "linear"
-out = 48
-[[layer]]
-type = "relu"
-[[layer]]
-type = "dropout"
-p = 0.2
-[[layer]]
-type = "linear"
-out = 32
-[[layer]]
-type = "relu"
-[[layer]]
-type = "linear"
-out = 10
-"#;
+use ringtmp_testkit::fixtures::{CONV_MODEL, digits, max_rel_diff};
+use ringtmp_testkit::nodes::{Backend, ring, run_nodes};
+use ringtmp_testkit::oracle;
+use ringtmp_transport::sim::test_seed;
 
 const STEPS: u64 = 12;
 const BATCH: usize = 24;
 
 fn model() -> ModelSpec {
-    ModelSpec::from_toml(MODEL, "ring-test").unwrap()
+    ringtmp_testkit::fixtures::model(CONV_MODEL, "ring-test")
 }
 
 fn optimizer() -> OptimizerConfig {
@@ -81,14 +50,7 @@ fn local_params(data: &Dataset, out: &Path) -> Vec<f32> {
         resume: None,
         max_steps: Some(STEPS),
     };
-    train_local(&cfg, data, &mut |_| {}).unwrap();
-    let dir = checkpoint::resolve(out).unwrap();
-    let manifest = checkpoint::read_manifest(&dir).unwrap();
-    let layers = cfg.model.build(&Shape::image(8, 8, 1), 10).unwrap();
-    let mut stage = Stage::new(&layers, 0..layers.len(), 0, 1);
-    let mut opt = Optimizer::new(optimizer(), stage.params().len());
-    checkpoint::read_stage(&dir, &manifest, &mut stage, &mut opt).unwrap();
-    stage.params().to_vec()
+    oracle::local_params(&cfg, data)
 }
 
 fn job(bounds: &[usize], schedule: Schedule, micro_batches: usize) -> RingJob {
@@ -134,77 +96,65 @@ fn job(bounds: &[usize], schedule: Schedule, micro_batches: usize) -> RingJob {
     }
 }
 
-/// Ring networks for `n` nodes on loopback.
-fn ring(n: u32) -> Vec<Network> {
-    let listeners: Vec<_> = (0..n)
-        .map(|_| bind_listener("127.0.0.1:0").unwrap())
-        .collect();
-    let addresses: BTreeMap<u32, _> = listeners
-        .iter()
-        .enumerate()
-        .map(|(r, l)| (r as u32, l.local_addr().unwrap()))
-        .collect();
-    let handles: Vec<_> = listeners
-        .into_iter()
-        .enumerate()
-        .map(|(r, listener)| {
-            let addresses = addresses.clone();
-            thread::spawn(move || {
-                let r = r as u32;
-                let neighbours: BTreeSet<u32> = [(r + 1) % n, (r + n - 1) % n]
-                    .into_iter()
-                    .filter(|p| *p != r)
-                    .collect();
-                Network::connect(
-                    TransportConfig::new(1, r, b"ring test secret".to_vec()),
-                    listener,
-                    &addresses,
-                    &neighbours,
-                )
-            })
-        })
-        .collect();
-    handles
-        .into_iter()
-        .map(|h| h.join().unwrap().unwrap())
-        .collect()
+/// What a node of the ring returns.
+enum Ran {
+    Master(Box<MasterOutcome>),
+    Worker(Vec<f32>),
 }
 
-/// Runs the ring and returns every stage's parameters concatenated in layer order.
-fn ring_params(job: &RingJob, data: &Dataset, out: &Path) -> (Vec<f32>, ringtmp_metrics::Summary) {
+/// Runs the ring on `backend` and returns every stage's parameters concatenated in layer order
+/// (the master's sent messages audited on the way).
+fn ring_params_on(
+    backend: &Backend,
+    job: &RingJob,
+    data: &Dataset,
+    out: &Path,
+) -> (Vec<f32>, ringtmp_metrics::Summary) {
     let n = job.partition.len() as u32;
-    let mut nets = ring(n).into_iter();
-    let mut master_net = nets.next().unwrap();
-    let workers: Vec<_> = nets
-        .map(|mut net| {
-            let job = job.clone();
-            thread::spawn(move || {
-                let stage = run_worker(&job, &mut net).unwrap();
-                net.close().unwrap();
-                stage.params().to_vec()
-            })
-        })
-        .collect();
-    master_net.enable_audit();
     let setup = MasterSetup {
         data,
         out,
         target_accuracy: 0.5,
         eval_every: 6,
     };
-    let outcome = run_master(job, &setup, &mut master_net, &mut |_| {}).unwrap();
-    let (summary, stage) = (outcome.summary, outcome.stage);
-    audit_master(&master_net.audit_log(), job, data);
-    master_net.close().unwrap();
-    let mut params = stage.params().to_vec();
-    for w in workers {
-        params.extend(w.join().unwrap());
+    let ran = run_nodes(backend, ring(n), Some(0), |rank, net| {
+        let result = if rank == 0 {
+            Ran::Master(Box::new(
+                run_master(job, &setup, net, &mut |_| {}).expect("the master runs"),
+            ))
+        } else {
+            Ran::Worker(
+                run_worker(job, net)
+                    .expect("a ring node runs")
+                    .params()
+                    .to_vec(),
+            )
+        };
+        net.close().expect("an orderly close");
+        result
+    });
+    audit_master(&ran.audit, job, data);
+    let mut results = ran.results.into_iter();
+    let Some(Ran::Master(outcome)) = results.next() else {
+        panic!("rank 0 is the master")
+    };
+    let mut params = outcome.stage.params().to_vec();
+    for r in results {
+        let Ran::Worker(p) = r else {
+            panic!("only rank 0 is the master")
+        };
+        params.extend(p);
     }
     // The head, when the master holds it, is the model's last block.
-    if let Some(head) = outcome.head {
+    if let Some(head) = &outcome.head {
         params.extend_from_slice(head.params());
     }
-    (params, summary)
+    (params, outcome.summary)
+}
+
+/// The ring on real loopback links.
+fn ring_params(job: &RingJob, data: &Dataset, out: &Path) -> (Vec<f32>, ringtmp_metrics::Summary) {
+    ring_params_on(&Backend::Tcp, job, data, out)
 }
 
 /// Every tensor the master sent is stage 0's output (activations or evaluation activations, to
@@ -264,19 +214,9 @@ fn audit_master(sent: &[ringtmp_transport::SentRecord], job: &RingJob, data: &Da
     assert!(activations >= steps * job.micro_batches && gradients == steps * job.micro_batches);
 }
 
-fn max_rel_diff(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| f64::from((x - y).abs()))
-        .fold(0.0, f64::max)
-        / scale
-}
-
 #[test]
 fn gpipe_and_1f1b_equal_local_on_2_3_and_4_nodes() {
-    let data = ringtmp_data::load("digits", None).unwrap();
+    let data = digits();
     let tmp = tempfile::tempdir().unwrap();
     let oracle = local_params(&data, &tmp.path().join("local"));
     let cases: [(&[usize], usize); 3] = [
@@ -284,44 +224,52 @@ fn gpipe_and_1f1b_equal_local_on_2_3_and_4_nodes() {
         (&[0, 2, 6, 10], 4),
         (&[0, 1, 5, 8, 10], 6),
     ];
-    for (case, (bounds, micro)) in cases.into_iter().enumerate() {
-        for schedule in [Schedule::Gpipe, Schedule::OneFOneB] {
-            let out = tmp
-                .path()
-                .join(format!("{}-{}", schedule.name(), bounds.len()));
-            let mut j = job(bounds, schedule, micro);
-            // Deferred weight gradients must not change the result either.
-            j.defer_weight_grads = case % 2 == 1;
-            let (params, summary) = ring_params(&j, &data, &out);
-            let diff = max_rel_diff(&params, &oracle);
-            println!(
-                "{} on {} nodes, {micro} micro-batches: max |Δparam| / max |param| = {diff:.2e}",
-                schedule.name(),
-                bounds.len() - 1
-            );
-            assert!(
-                diff < 1e-4,
-                "{} on {} nodes differs from local by {diff}",
-                schedule.name(),
-                bounds.len() - 1
-            );
-            assert_eq!(summary.steps, STEPS);
-            assert_eq!(summary.per_node.len(), bounds.len() - 1);
-            // Each node holds only its own stage's parameters.
-            for (node, w) in summary.per_node.iter().zip(bounds.windows(2)) {
-                assert_eq!(node.layers, Some((w[0], w[1])));
+    // One test body on real links and on the simulated network.
+    for backend in [Backend::Tcp, Backend::sim(test_seed(1))] {
+        for (case, (bounds, micro)) in cases.into_iter().enumerate() {
+            for schedule in [Schedule::Gpipe, Schedule::OneFOneB] {
+                let out = tmp.path().join(format!(
+                    "{}-{}-{}",
+                    schedule.name(),
+                    bounds.len(),
+                    backend.name()
+                ));
+                let mut j = job(bounds, schedule, micro);
+                // Deferred weight gradients must not change the result either.
+                j.defer_weight_grads = case % 2 == 1;
+                let (params, summary) = ring_params_on(&backend, &j, &data, &out);
+                let diff = max_rel_diff(&params, &oracle);
+                println!(
+                    "{} on {} nodes ({}), {micro} micro-batches: max |Δparam| / max |param| = {diff:.2e}",
+                    schedule.name(),
+                    bounds.len() - 1,
+                    backend.name()
+                );
+                assert!(
+                    diff < 1e-4,
+                    "{} on {} nodes ({}) differs from local by {diff}",
+                    schedule.name(),
+                    bounds.len() - 1,
+                    backend.name()
+                );
+                assert_eq!(summary.steps, STEPS);
+                assert_eq!(summary.per_node.len(), bounds.len() - 1);
+                // Each node holds only its own stage's parameters.
+                for (node, w) in summary.per_node.iter().zip(bounds.windows(2)) {
+                    assert_eq!(node.layers, Some((w[0], w[1])));
+                }
+                assert_eq!(
+                    summary.per_node.iter().map(|p| p.params).sum::<u64>(),
+                    oracle.len() as u64
+                );
             }
-            assert_eq!(
-                summary.per_node.iter().map(|p| p.params).sum::<u64>(),
-                oracle.len() as u64
-            );
         }
     }
 }
 
 #[test]
 fn checkpoint_then_resume_equals_uninterrupted_even_on_fewer_nodes() {
-    let data = ringtmp_data::load("digits", None).unwrap();
+    let data = digits();
     let tmp = tempfile::tempdir().unwrap();
     let oracle = local_params(&data, &tmp.path().join("local"));
     // K = 6 steps on 3 nodes, checkpoint, stop.
@@ -365,7 +313,7 @@ fn checkpoint_then_resume_equals_uninterrupted_even_on_fewer_nodes() {
 
 #[test]
 fn async_pipeline_with_weight_stashing_learns() {
-    let data = ringtmp_data::load("digits", None).unwrap();
+    let data = digits();
     let tmp = tempfile::tempdir().unwrap();
     let mut j = job(&[0, 2, 6, 10], Schedule::Async, 4);
     j.total_steps = 120;
@@ -398,7 +346,7 @@ fn async_pipeline_with_weight_stashing_learns() {
 /// would meet training traffic in the ring.
 #[test]
 fn async_window_wider_than_a_mini_batch_drains_for_evaluations_and_checkpoints() {
-    let data = ringtmp_data::load("digits", None).unwrap();
+    let data = digits();
     let tmp = tempfile::tempdir().unwrap();
     let mut j = job(&[0, 2, 6, 10], Schedule::Async, 1);
     j.in_flight = 4;
@@ -432,7 +380,7 @@ fn async_window_wider_than_a_mini_batch_drains_for_evaluations_and_checkpoints()
 
 #[test]
 fn master_holding_the_head_equals_local_and_keeps_the_logits() {
-    let data = ringtmp_data::load("digits", None).unwrap();
+    let data = digits();
     let tmp = tempfile::tempdir().unwrap();
     let oracle = local_params(&data, &tmp.path().join("local"));
     for schedule in [Schedule::Gpipe, Schedule::OneFOneB] {

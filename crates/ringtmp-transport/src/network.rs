@@ -101,7 +101,7 @@ pub struct SentRecord {
 }
 
 impl SentRecord {
-    fn of(to: u32, message: &Message) -> Self {
+    pub(crate) fn of(to: u32, message: &Message) -> Self {
         match message {
             Message::Control(_) => Self {
                 to,

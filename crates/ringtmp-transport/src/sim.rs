@@ -201,6 +201,7 @@ pub struct SimNode {
     /// Whether this node's thread holds the baton now.
     held: Cell<bool>,
     closed: bool,
+    audit: Option<std::cell::RefCell<Vec<crate::network::SentRecord>>>,
 }
 
 /// A node's virtual clock.
@@ -280,6 +281,7 @@ impl SimNetwork {
             buffers: BufferPool::default(),
             held: Cell::new(false),
             closed: false,
+            audit: None,
         }
     }
 
@@ -601,6 +603,19 @@ fn wait_as<'a>(
 }
 
 impl SimNode {
+    /// Starts recording every message this node sends (as [`crate::Network::enable_audit`]).
+    pub fn enable_audit(&mut self) {
+        self.audit = Some(std::cell::RefCell::new(Vec::new()));
+    }
+
+    /// The messages sent since [`SimNode::enable_audit`].
+    pub fn audit_log(&self) -> Vec<crate::network::SentRecord> {
+        self.audit
+            .as_ref()
+            .map(|a| a.borrow().clone())
+            .unwrap_or_default()
+    }
+
     /// The first event that has arrived by now, if any.
     fn arrived(st: &mut State, r: usize) -> Option<Event> {
         let now = st.now[r];
@@ -728,6 +743,11 @@ impl Transport for SimNode {
         let mut st = enter(&self.shared, self.rank, &self.held)?;
         if !st.neighbours[self.rank as usize].contains(&to) {
             return Err(TransportError::NoLink(to));
+        }
+        if let Some(audit) = &self.audit {
+            audit
+                .borrow_mut()
+                .push(crate::network::SentRecord::of(to, &message));
         }
         st.transmit(self.rank, to, message);
         Ok(())

@@ -1,0 +1,102 @@
+//! Data and models small enough for tests that run in well under a second each.
+
+use std::sync::OnceLock;
+
+use ringtmp_data::Dataset;
+use ringtmp_model::ModelSpec;
+
+/// scikit-learn's digits (1,500 training and 297 test images of 8×8), bundled with the
+/// repository; loaded once per test process.
+pub fn digits() -> Dataset {
+    static DIGITS: OnceLock<Dataset> = OnceLock::new();
+    DIGITS
+        .get_or_init(|| ringtmp_data::load("digits", None).expect("the bundled digits load"))
+        .clone()
+}
+
+/// A model from TOML text.
+///
+/// # Panics
+/// If the text is not a valid model (a bug in the test).
+pub fn model(toml: &str, name: &str) -> ModelSpec {
+    ModelSpec::from_toml(toml, name).expect("a valid test model")
+}
+
+/// A small convolutional model for the digits: conv 6×3×3 → ReLU → pool → 48 → ReLU → dropout →
+/// 32 → ReLU → 10 (ten layers, so a ring can cut it many ways).
+pub const CONV_MODEL: &str = r#"
+name = "ring-test"
+[[layer]]
+type = "conv2d"
+out_channels = 6
+kernel = 3
+padding = 1
+[[layer]]
+type = "relu"
+[[layer]]
+type = "max_pool2d"
+kernel = 2
+[[layer]]
+type = "flatten"
+[[layer]]
+type = "linear"
+out = 48
+[[layer]]
+type = "relu"
+[[layer]]
+type = "dropout"
+p = 0.2
+[[layer]]
+type = "linear"
+out = 32
+[[layer]]
+type = "relu"
+[[layer]]
+type = "linear"
+out = 10
+"#;
+
+/// A small multi-layer perceptron for the digits: 64 → 48 → ReLU → dropout → 10.
+pub const MLP_MODEL: &str = r#"
+name = "ps-test"
+[[layer]]
+type = "flatten"
+[[layer]]
+type = "linear"
+out = 48
+[[layer]]
+type = "relu"
+[[layer]]
+type = "dropout"
+p = 0.1
+[[layer]]
+type = "linear"
+out = 10
+"#;
+
+/// A deep, narrow perceptron with `hidden` linear layers of `width` (each followed by a ReLU) and
+/// a 10-way output: enough layers for a ring of many nodes.
+pub fn deep_mlp(hidden: usize, width: usize) -> ModelSpec {
+    let mut toml = String::from("name = \"deep-test\"\n[[layer]]\ntype = \"flatten\"\n");
+    for _ in 0..hidden {
+        toml.push_str(&format!(
+            "[[layer]]\ntype = \"linear\"\nout = {width}\n[[layer]]\ntype = \"relu\"\n"
+        ));
+    }
+    toml.push_str("[[layer]]\ntype = \"linear\"\nout = 10\n");
+    model(&toml, "deep-test")
+}
+
+/// The largest difference between `a` and `b`, relative to the largest magnitude in `b`.
+///
+/// # Panics
+/// If the lengths differ.
+pub fn max_rel_diff(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len(), "parameter vectors of different lengths");
+    let scale = b.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| f64::from((x - y).abs()))
+        .fold(0.0, f64::max)
+        / scale.max(f64::MIN_POSITIVE)
+}

@@ -1,0 +1,15 @@
+//! `ringtmp-testkit`: what the test suites of ringtmp share, so no test file repeats another's
+//! fixtures. A dev-dependency only.
+//!
+//! # Layout
+//! - [`fixtures`]: the bundled digits, small models as TOML, parameter comparisons.
+//! - [`oracle`]: the `local` strategy's final parameters, the reference every distributed
+//!   strategy is checked against.
+//! - [`nodes`]: one test body over many networks: real loopback TCP links or the seeded simulated
+//!   network, on any topology.
+//! - [`process`]: running the `ringtmp` binary with a deadline and reading what it printed.
+
+pub mod fixtures;
+pub mod nodes;
+pub mod oracle;
+pub mod process;
