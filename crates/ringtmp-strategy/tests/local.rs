@@ -3,7 +3,6 @@
 
 use std::path::{Path, PathBuf};
 
-use ringtmp_data::Dataset;
 use ringtmp_model::checkpoint::{self, Manifest};
 use ringtmp_model::{LrSchedule, ModelSpec, Optimizer, OptimizerConfig, Shape, Stage};
 use ringtmp_strategy::{TrainConfig, train_local};
@@ -35,9 +34,8 @@ type = "linear"
 out = 10
 "#;
 
-fn digits() -> Dataset {
-    ringtmp_data::load("digits", None).unwrap()
-}
+use ringtmp_testkit::fixtures::digits;
+use ringtmp_testkit::oracle::checkpoint_params as final_params;
 
 fn config(out: &Path, optimizer: OptimizerConfig) -> TrainConfig {
     TrainConfig {
@@ -82,17 +80,6 @@ fn adam() -> OptimizerConfig {
 }
 
 /// Parameters stored in the newest checkpoint under `out`.
-fn final_params(out: &Path, cfg: &TrainConfig, data: &Dataset) -> Vec<f32> {
-    let dir = checkpoint::resolve(out).unwrap();
-    let manifest = checkpoint::read_manifest(&dir).unwrap();
-    let (h, w, c) = data.input;
-    let layers = cfg.model.build(&Shape::image(h, w, c), 10).unwrap();
-    let mut stage = Stage::new(&layers, 0..layers.len(), 999, 1);
-    let mut opt = Optimizer::new(cfg.optimizer.clone(), stage.params().len());
-    checkpoint::read_stage(&dir, &manifest, &mut stage, &mut opt).unwrap();
-    stage.params().to_vec()
-}
-
 #[test]
 fn local_training_learns_digits_and_writes_the_output_contract() {
     let data = digits();

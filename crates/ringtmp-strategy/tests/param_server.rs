@@ -2,34 +2,18 @@
 //! W workers of batch b equals `local` with batch W·b on the same example order; every
 //! consistency model learns the digits.
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
-use std::thread;
 
 use ringtmp_data::Dataset;
 use ringtmp_model::checkpoint;
 use ringtmp_model::{LrSchedule, ModelSpec, Optimizer, OptimizerConfig, Shape, Stage};
+use ringtmp_strategy::TrainConfig;
 use ringtmp_strategy::param_server::consistency::Consistency;
-use ringtmp_strategy::param_server::driver::{PsJob, run_server, run_worker};
-use ringtmp_strategy::{TrainConfig, train_local};
-use ringtmp_transport::{Network, TransportConfig, bind_listener};
-
-const MODEL: &str = r#"
-name = "ps-test"
-[[layer]]
-type = "flatten"
-[[layer]]
-type = "linear"
-out = 48
-[[layer]]
-type = "relu"
-[[layer]]
-type = "dropout"
-p = 0.1
-[[layer]]
-type = "linear"
-out = 10
-"#;
+use ringtmp_strategy::param_server::driver::PsJob;
+use ringtmp_testkit::fixtures::{MLP_MODEL, digits, max_rel_diff};
+use ringtmp_testkit::nodes::Backend;
+use ringtmp_testkit::oracle;
+use ringtmp_testkit::run::{self, PsNode};
 
 const WORKERS: usize = 3;
 const SERVERS: usize = 2;
@@ -37,7 +21,7 @@ const WORKER_BATCH: usize = 8;
 const STEPS: u64 = 15;
 
 fn model() -> ModelSpec {
-    ModelSpec::from_toml(MODEL, "ps-test").unwrap()
+    ringtmp_testkit::fixtures::model(MLP_MODEL, "ps-test")
 }
 
 fn sgd() -> OptimizerConfig {
@@ -78,17 +62,6 @@ fn job(consistency: Consistency, steps: u64) -> PsJob {
     }
 }
 
-/// Largest parameter difference relative to the largest parameter.
-fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let scale = b.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| f64::from((x - y).abs()))
-        .fold(0.0, f64::max)
-        / scale
-}
-
 /// `local` with batch W·b for `STEPS` steps; its final parameters.
 fn local_params(data: &Dataset, out: &Path) -> Vec<f32> {
     let cfg = TrainConfig {
@@ -110,92 +83,20 @@ fn local_params(data: &Dataset, out: &Path) -> Vec<f32> {
         resume: None,
         max_steps: Some(STEPS),
     };
-    train_local(&cfg, data, &mut |_| {}).unwrap();
-    let dir = checkpoint::resolve(out).unwrap();
-    let manifest = checkpoint::read_manifest(&dir).unwrap();
-    let layers = cfg.model.build(&Shape::image(8, 8, 1), 10).unwrap();
-    let mut stage = Stage::new(&layers, 0..layers.len(), 0, 1);
-    let mut opt = Optimizer::new(sgd(), stage.params().len());
-    checkpoint::read_stage(&dir, &manifest, &mut stage, &mut opt).unwrap();
-    stage.params().to_vec()
+    oracle::local_params(&cfg, data)
 }
 
 /// Runs servers and workers on loopback; returns the servers' shards concatenated, each worker's
 /// test accuracy on its final replica, and the servers' staleness histograms.
 fn run(job: &PsJob, data: &Dataset, speeds: &[f64]) -> (Vec<f32>, Vec<f64>, Vec<Vec<u64>>) {
-    let n = (job.servers + job.workers) as u32;
-    let listeners: Vec<_> = (0..n)
-        .map(|_| bind_listener("127.0.0.1:0").unwrap())
-        .collect();
-    let addresses: BTreeMap<u32, _> = listeners
-        .iter()
-        .enumerate()
-        .map(|(r, l)| (r as u32, l.local_addr().unwrap()))
-        .collect();
-    let servers = job.servers as u32;
-    let handles: Vec<_> = listeners
-        .into_iter()
-        .enumerate()
-        .map(|(r, listener)| {
-            let (addresses, job, data, speed) = (
-                addresses.clone(),
-                job.clone(),
-                data.clone(),
-                speeds
-                    .get(r.saturating_sub(job.servers))
-                    .copied()
-                    .unwrap_or(1.0),
-            );
-            thread::spawn(move || {
-                let r = r as u32;
-                // The launcher's star: servers ↔ workers, and servers → server 0 (reports,
-                // checkpoint entries).
-                let neighbours: BTreeSet<u32> = if r == 0 {
-                    (1..n).collect()
-                } else if r < servers {
-                    (servers..n).chain([0]).collect()
-                } else {
-                    (0..servers).collect()
-                };
-                let mut net = Network::connect(
-                    TransportConfig::new(1, r, b"ps test secret".to_vec()),
-                    listener,
-                    &addresses,
-                    &neighbours,
-                )
-                .unwrap();
-                let result = if r < servers {
-                    let out = run_server(&job, r as usize, &mut net).unwrap();
-                    (Some(out), None)
-                } else {
-                    let (_, stage) = run_worker(
-                        &job,
-                        (r - servers) as usize,
-                        &data,
-                        speed,
-                        &mut net,
-                        &mut |_, _| Ok(()),
-                    )
-                    .unwrap();
-                    let mut stage = stage;
-                    let (acc, _) =
-                        ringtmp_strategy::local::evaluate(&mut stage, &data.test, 10).unwrap();
-                    (None, Some(acc))
-                };
-                net.close().unwrap();
-                result
-            })
-        })
-        .collect();
     let (mut params, mut accuracies, mut staleness) = (Vec::new(), Vec::new(), Vec::new());
-    for h in handles {
-        match h.join().unwrap() {
-            (Some(server), _) => {
+    for node in run::ps_nodes(&Backend::Tcp, job, data, speeds).results {
+        match node.unwrap_or_else(|e| panic!("{e}")) {
+            PsNode::Server(server) => {
                 params.extend(server.params);
                 staleness.push(server.staleness);
             }
-            (None, Some(acc)) => accuracies.push(acc),
-            _ => unreachable!(),
+            PsNode::Worker(_, acc) => accuracies.push(acc),
         }
     }
     (params, accuracies, staleness)
@@ -203,17 +104,11 @@ fn run(job: &PsJob, data: &Dataset, speeds: &[f64]) -> (Vec<f32>, Vec<f64>, Vec<
 
 #[test]
 fn bsp_with_w_workers_equals_local_with_w_times_the_batch() {
-    let data = ringtmp_data::load("digits", None).unwrap();
+    let data = digits();
     let tmp = tempfile::tempdir().unwrap();
     let oracle = local_params(&data, &tmp.path().join("local"));
     let (params, _, staleness) = run(&job(Consistency::Bsp, STEPS), &data, &[]);
-    let scale = oracle.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));
-    let diff = params
-        .iter()
-        .zip(&oracle)
-        .map(|(a, b)| f64::from((a - b).abs()))
-        .fold(0.0, f64::max)
-        / scale;
+    let diff = max_rel_diff(&params, &oracle);
     println!(
         "bsp, {WORKERS} workers × {WORKER_BATCH} vs local batch {}: max |Δparam| / max |param| = {diff:.2e}",
         WORKERS * WORKER_BATCH
@@ -229,14 +124,14 @@ fn bsp_with_w_workers_equals_local_with_w_times_the_batch() {
 /// bit-identical parameters.
 #[test]
 fn bsp_does_not_depend_on_the_order_pushes_arrive_in() {
-    let data = ringtmp_data::load("digits", None).unwrap();
+    let data = digits();
     let job = job(Consistency::Bsp, 8);
     let (first, _, _) = run(&job, &data, &[0.3, 1.0, 1.0]);
     let (second, _, _) = run(&job, &data, &[1.0, 1.0, 0.3]);
     assert!(
         first == second,
         "max difference {:.2e}",
-        rel_diff(&first, &second)
+        max_rel_diff(&first, &second)
     );
 }
 
@@ -244,7 +139,7 @@ fn bsp_does_not_depend_on_the_order_pushes_arrive_in() {
 /// servers, so every shard boundary moves — continues BSP exactly: bit-identical parameters.
 #[test]
 fn bsp_checkpoint_then_resume_on_another_server_count_equals_uninterrupted() {
-    let data = ringtmp_data::load("digits", None).unwrap();
+    let data = digits();
     let tmp = tempfile::tempdir().unwrap();
     let (uninterrupted, _, _) = run(&job(Consistency::Bsp, STEPS), &data, &[]);
 
@@ -262,7 +157,7 @@ fn bsp_checkpoint_then_resume_on_another_server_count_equals_uninterrupted() {
     rest.resume = Some(dir.clone());
     rest.first_step = manifest.step;
     let (resumed, _, _) = run(&rest, &data, &[]);
-    let diff = rel_diff(&resumed, &uninterrupted);
+    let diff = max_rel_diff(&resumed, &uninterrupted);
     println!(
         "bsp: 6 iterations on {SERVERS} servers + checkpoint + {} on 1 server vs {STEPS} uninterrupted: {diff:.2e}",
         STEPS - 6
@@ -279,7 +174,7 @@ fn bsp_checkpoint_then_resume_on_another_server_count_equals_uninterrupted() {
 
 #[test]
 fn every_consistency_model_learns_with_a_straggler() {
-    let data = ringtmp_data::load("digits", None).unwrap();
+    let data = digits();
     for c in [
         Consistency::Bsp,
         Consistency::Ssp { staleness: 2 },

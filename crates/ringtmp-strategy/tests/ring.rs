@@ -8,12 +8,13 @@ use ringtmp_data::Dataset;
 use ringtmp_model::checkpoint;
 use ringtmp_model::{LrSchedule, ModelSpec, OptimizerConfig, Shape};
 use ringtmp_strategy::TrainConfig;
-use ringtmp_strategy::ring::driver::{MasterOutcome, MasterSetup, RingJob, run_master, run_worker};
+use ringtmp_strategy::ring::driver::RingJob;
 use ringtmp_strategy::ring::partition::StagePlan;
 use ringtmp_strategy::ring::schedule::Schedule;
 use ringtmp_testkit::fixtures::{CONV_MODEL, digits, max_rel_diff};
-use ringtmp_testkit::nodes::{Backend, ring, run_nodes};
+use ringtmp_testkit::nodes::Backend;
 use ringtmp_testkit::oracle;
+use ringtmp_testkit::run;
 use ringtmp_transport::sim::test_seed;
 
 const STEPS: u64 = 12;
@@ -96,12 +97,6 @@ fn job(bounds: &[usize], schedule: Schedule, micro_batches: usize) -> RingJob {
     }
 }
 
-/// What a node of the ring returns.
-enum Ran {
-    Master(Box<MasterOutcome>),
-    Worker(Vec<f32>),
-}
-
 /// Runs the ring on `backend` and returns every stage's parameters concatenated in layer order
 /// (the master's sent messages audited on the way).
 fn ring_params_on(
@@ -110,46 +105,9 @@ fn ring_params_on(
     data: &Dataset,
     out: &Path,
 ) -> (Vec<f32>, ringtmp_metrics::Summary) {
-    let n = job.partition.len() as u32;
-    let setup = MasterSetup {
-        data,
-        out,
-        target_accuracy: 0.5,
-        eval_every: 6,
-    };
-    let ran = run_nodes(backend, ring(n), Some(0), |rank, net| {
-        let result = if rank == 0 {
-            Ran::Master(Box::new(
-                run_master(job, &setup, net, &mut |_| {}).expect("the master runs"),
-            ))
-        } else {
-            Ran::Worker(
-                run_worker(job, net)
-                    .expect("a ring node runs")
-                    .params()
-                    .to_vec(),
-            )
-        };
-        net.close().expect("an orderly close");
-        result
-    });
+    let ran = run::ring_nodes(backend, job, data, out, 6);
     audit_master(&ran.audit, job, data);
-    let mut results = ran.results.into_iter();
-    let Some(Ran::Master(outcome)) = results.next() else {
-        panic!("rank 0 is the master")
-    };
-    let mut params = outcome.stage.params().to_vec();
-    for r in results {
-        let Ran::Worker(p) = r else {
-            panic!("only rank 0 is the master")
-        };
-        params.extend(p);
-    }
-    // The head, when the master holds it, is the model's last block.
-    if let Some(head) = &outcome.head {
-        params.extend_from_slice(head.params());
-    }
-    (params, outcome.summary)
+    run::ring_params(ran.results)
 }
 
 /// The ring on real loopback links.

@@ -1,0 +1,144 @@
+//! The distributed strategies run as the `ringtmp node` command runs them (close on success,
+//! abort on failure), on any [`Backend`], with every node's result collected.
+
+use std::path::Path;
+
+use ringtmp_data::Dataset;
+use ringtmp_metrics::Summary;
+use ringtmp_strategy::param_server::driver::{PsJob, ServerOutcome, WorkerOutcome};
+use ringtmp_strategy::ring::driver::{MasterOutcome, MasterSetup, RingJob};
+use ringtmp_transport::Transport;
+
+use crate::nodes::{Backend, Ran, ring, run_nodes, star};
+
+/// What a node of a ring returned.
+pub enum RingNode {
+    /// The master's outcome (summary, stage 0, head).
+    Master(Box<MasterOutcome>),
+    /// Another stage's final parameters.
+    Stage(Vec<f32>),
+}
+
+/// Ends a node's run as `ringtmp node` does: an orderly close after success, an abort (which
+/// stops the others) after a failure.
+fn end<T>(net: &mut dyn Transport, result: ringtmp_strategy::Result<T>) -> Result<T, String> {
+    match result {
+        Ok(v) => {
+            net.close().map_err(|e| e.to_string())?;
+            Ok(v)
+        }
+        Err(e) => {
+            let text = e.to_string();
+            net.abort(&text);
+            Err(text)
+        }
+    }
+}
+
+/// Runs a ring job on `backend`, auditing what the master sends; evaluations every
+/// `eval_every` steps.
+pub fn ring_nodes(
+    backend: &Backend,
+    job: &RingJob,
+    data: &Dataset,
+    out: &Path,
+    eval_every: u64,
+) -> Ran<Result<RingNode, String>> {
+    use ringtmp_strategy::ring::driver::{run_master, run_worker};
+    let n = job.partition.len() as u32;
+    let setup = MasterSetup {
+        data,
+        out,
+        target_accuracy: 0.5,
+        eval_every,
+    };
+    run_nodes(backend, ring(n), Some(0), |rank, net| {
+        if rank == 0 {
+            let result = run_master(job, &setup, net, &mut |_| {});
+            end(net, result).map(|o| RingNode::Master(Box::new(o)))
+        } else {
+            let result = run_worker(job, net);
+            end(net, result).map(|s| RingNode::Stage(s.params().to_vec()))
+        }
+    })
+}
+
+/// Every stage's parameters in layer order, and the master's summary, of a ring run in which
+/// every node succeeded.
+///
+/// # Panics
+/// If a node failed.
+pub fn ring_params(results: Vec<Result<RingNode, String>>) -> (Vec<f32>, Summary) {
+    let mut nodes = results
+        .into_iter()
+        .enumerate()
+        .map(|(rank, r)| r.unwrap_or_else(|e| panic!("ring node {rank} failed: {e}")));
+    let Some(RingNode::Master(master)) = nodes.next() else {
+        panic!("rank 0 is the master")
+    };
+    let mut params = master.stage.params().to_vec();
+    for node in nodes {
+        let RingNode::Stage(p) = node else {
+            panic!("only rank 0 is the master")
+        };
+        params.extend(p);
+    }
+    // The head, when the master holds it, is the model's last block.
+    if let Some(head) = &master.head {
+        params.extend_from_slice(head.params());
+    }
+    (params, master.summary)
+}
+
+/// What a node of a parameter-server run returned.
+pub enum PsNode {
+    /// A server's outcome (its shard, staleness, dropped workers).
+    Server(Box<ServerOutcome>),
+    /// A worker's outcome and the test accuracy of its final replica.
+    Worker(WorkerOutcome, f64),
+}
+
+/// Runs a parameter-server job on `backend`; `speeds[w]` slows worker `w`.
+pub fn ps_nodes(
+    backend: &Backend,
+    job: &PsJob,
+    data: &Dataset,
+    speeds: &[f64],
+) -> Ran<Result<PsNode, String>> {
+    use ringtmp_strategy::param_server::driver::{run_server, run_worker};
+    let n = (job.servers + job.workers) as u32;
+    run_nodes(backend, star(n, job.servers as u32), None, |r, net| {
+        if (r as usize) < job.servers {
+            let result = run_server(job, r as usize, net);
+            end(net, result).map(|o| PsNode::Server(Box::new(o)))
+        } else {
+            let w = r as usize - job.servers;
+            let speed = speeds.get(w).copied().unwrap_or(1.0);
+            let result = run_worker(job, w, data, speed, net, &mut |_, _| Ok(())).and_then(
+                |(outcome, mut stage)| {
+                    let (accuracy, _) =
+                        ringtmp_strategy::local::evaluate(&mut stage, &data.test, data.classes)?;
+                    Ok((outcome, accuracy))
+                },
+            );
+            end(net, result).map(|(o, a)| PsNode::Worker(o, a))
+        }
+    })
+}
+
+/// The servers' shards concatenated (the model's parameters), of a run in which every server
+/// succeeded.
+///
+/// # Panics
+/// If a server failed.
+pub fn ps_params(results: &[Result<PsNode, String>]) -> Vec<f32> {
+    let mut params = Vec::new();
+    for (rank, r) in results.iter().enumerate() {
+        match r {
+            Ok(PsNode::Server(s)) => params.extend_from_slice(&s.params),
+            Ok(PsNode::Worker(..)) => {}
+            Err(e) => panic!("node {rank} failed: {e}"),
+        }
+    }
+    params
+}
