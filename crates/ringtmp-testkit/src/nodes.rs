@@ -67,6 +67,8 @@ pub struct Ran<R> {
     pub audit: Vec<SentRecord>,
     /// The simulated network's trace hash (equal for equal runs; 0 on TCP).
     pub trace: u64,
+    /// How long the run took: virtual time in simulation, wall time on TCP.
+    pub elapsed: std::time::Duration,
 }
 
 /// Runs `body(rank, net)` for every rank on `backend` with links along `neighbours`. The body
@@ -83,6 +85,7 @@ pub fn run_nodes<R: Send>(
 ) -> Ran<R> {
     match backend {
         Backend::Tcp => {
+            let started = std::time::Instant::now();
             let nets = loopback(&neighbours);
             let body = &body;
             let (results, audits): (Vec<R>, Vec<Vec<SentRecord>>) = thread::scope(|scope| {
@@ -108,6 +111,7 @@ pub fn run_nodes<R: Send>(
                 results,
                 audit: audits.into_iter().flatten().collect(),
                 trace: 0,
+                elapsed: started.elapsed(),
             }
         }
         Backend::Sim(cfg) => {
@@ -126,6 +130,7 @@ pub fn run_nodes<R: Send>(
                 results,
                 audit: audits.into_iter().flatten().collect(),
                 trace: net.trace_hash(),
+                elapsed: net.elapsed(),
             }
         }
     }

@@ -1,0 +1,289 @@
+//! The ring and the parameter server at scales and in failures that real sockets on two cores
+//! cannot show, on the seeded simulated network: 16 nodes and more, nodes that die or freeze
+//! mid-step, stragglers, all in virtual time. Each test prints its seed; `RINGTMP_SEED=N` replays
+//! a failure exactly.
+
+use std::time::Duration;
+
+use ringtmp_model::{LrSchedule, ModelSpec, OptimizerConfig};
+use ringtmp_strategy::TrainConfig;
+use ringtmp_strategy::param_server::consistency::Consistency;
+use ringtmp_strategy::ring::schedule::Schedule;
+use ringtmp_testkit::fixtures::{MLP_MODEL, deep_mlp, digits, max_rel_diff, model};
+use ringtmp_testkit::jobs::{ps_job, ring_job};
+use ringtmp_testkit::nodes::Backend;
+use ringtmp_testkit::oracle;
+use ringtmp_testkit::run::{self, PsNode};
+use ringtmp_transport::sim::{Fault, SimConfig, test_seed};
+
+fn config(spec: ModelSpec, batch: usize, steps: u64, out: &std::path::Path) -> TrainConfig {
+    TrainConfig {
+        model: spec,
+        dataset: "digits".into(),
+        epochs: 1,
+        batch_size: batch,
+        lr: 0.05,
+        schedule: LrSchedule::Constant,
+        warmup_steps: 0,
+        optimizer: OptimizerConfig::Sgd {
+            momentum: 0.9,
+            weight_decay: 1e-4,
+        },
+        threads: 1,
+        seed: 17,
+        target_accuracy: 0.5,
+        eval_every: 0,
+        out: out.to_path_buf(),
+        checkpoint_every: 0,
+        keep_checkpoints: None,
+        resume: None,
+        max_steps: Some(steps),
+    }
+}
+
+/// A ring of 16: a deep perceptron of 32 layers, the master with 3, 14 nodes with 2, the last
+/// with the output layer.
+fn sixteen_stages() -> Vec<usize> {
+    let mut bounds = vec![0, 3];
+    bounds.extend((0..14).map(|i| 5 + 2 * i));
+    bounds.push(32);
+    bounds
+}
+
+#[test]
+fn a_ring_of_16_nodes_equals_local() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = config(deep_mlp(15, 16), 32, 5, &tmp.path().join("local"));
+    let oracle = oracle::local_params(&cfg, &data);
+    let seed = test_seed(16);
+    for schedule in [Schedule::Gpipe, Schedule::OneFOneB] {
+        let job = ring_job(&cfg, &data, &sixteen_stages(), schedule, 8);
+        let out = tmp.path().join(schedule.name());
+        let ran = run::ring_nodes(&Backend::sim(seed), &job, &data, &out, 0);
+        let (params, summary) = run::ring_params(ran.results);
+        let diff = max_rel_diff(&params, &oracle);
+        println!(
+            "{} on 16 simulated nodes: max |Δparam| / max |param| = {diff:.2e}, {:?} virtual",
+            schedule.name(),
+            ran.elapsed
+        );
+        assert!(diff < 1e-4, "{}: {diff}", schedule.name());
+        assert_eq!(summary.per_node.len(), 16);
+    }
+}
+
+#[test]
+fn an_async_ring_replays_bit_for_bit_from_its_seed() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = config(deep_mlp(15, 16), 32, 12, tmp.path());
+    let job = ring_job(&cfg, &data, &sixteen_stages(), Schedule::Async, 1);
+    let mut sim = SimConfig::new(test_seed(21));
+    sim.jitter = Duration::from_millis(3);
+    let run = |sim: &SimConfig| {
+        let ran = run::ring_nodes(&Backend::Sim(sim.clone()), &job, &data, tmp.path(), 0);
+        let trace = ran.trace;
+        (run::ring_params(ran.results).0, trace)
+    };
+    let (first, trace) = run(&sim);
+    let (again, trace_again) = run(&sim);
+    assert_eq!(
+        trace, trace_again,
+        "the same seed sends the same messages at the same times"
+    );
+    assert!(
+        first == again,
+        "and ends with the same bits: {:.2e}",
+        max_rel_diff(&first, &again)
+    );
+}
+
+#[test]
+fn a_ring_node_that_dies_or_freezes_mid_step_is_named_by_every_node() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = config(deep_mlp(15, 16), 32, 40, tmp.path());
+    let job = ring_job(&cfg, &data, &sixteen_stages(), Schedule::OneFOneB, 8);
+    let seed = test_seed(9);
+    // How long the whole run takes, to put the faults in its middle.
+    let whole = run::ring_nodes(&Backend::sim(seed), &job, &data, tmp.path(), 0).elapsed;
+    for (fault, rank) in [
+        (
+            Fault::Die {
+                rank: 9,
+                at: whole / 2,
+            },
+            9u32,
+        ),
+        (
+            Fault::Stall {
+                rank: 5,
+                at: whole / 3,
+            },
+            5,
+        ),
+    ] {
+        let mut sim = SimConfig::new(seed);
+        sim.faults.push(fault);
+        let ran = run::ring_nodes(&Backend::Sim(sim.clone()), &job, &data, tmp.path(), 0);
+        let name = format!("rank {rank}");
+        for (r, result) in ran.results.iter().enumerate() {
+            let Err(e) = result else {
+                panic!("{fault:?}: rank {r} finished a run that lost a node")
+            };
+            if r as u32 != rank {
+                assert!(e.contains(&name), "{fault:?}: rank {r} says {e}");
+            }
+        }
+        // Within the heartbeat timeout of the fault, in virtual time.
+        let at = match fault {
+            Fault::Die { at, .. } | Fault::Stall { at, .. } => at,
+            Fault::Delay { .. } => unreachable!(),
+        };
+        assert!(
+            ran.elapsed <= at + sim.peer_timeout + Duration::from_secs(1),
+            "{fault:?}: noticed at {:?}",
+            ran.elapsed
+        );
+    }
+}
+
+#[test]
+fn a_straggler_sets_the_pace_of_a_flushed_ring() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = config(deep_mlp(15, 16), 32, 4, tmp.path());
+    let job = ring_job(&cfg, &data, &sixteen_stages(), Schedule::Gpipe, 8);
+    let seed = test_seed(4);
+    let even = run::ring_nodes(&Backend::sim(seed), &job, &data, tmp.path(), 0);
+    let mut sim = SimConfig::new(seed);
+    sim.node_speed.insert(7, 0.25);
+    let slow = run::ring_nodes(&Backend::Sim(sim), &job, &data, tmp.path(), 0);
+    let (even_params, _) = run::ring_params(even.results);
+    let (slow_params, _) = run::ring_params(slow.results);
+    let ratio = slow.elapsed.as_secs_f64() / even.elapsed.as_secs_f64();
+    println!(
+        "gpipe, 16 nodes, rank 7 at a quarter speed: {:?} vs {:?} ({ratio:.2}×)",
+        slow.elapsed, even.elapsed
+    );
+    // Synchronous SGD: the same result, later. Every micro-batch passes the straggler.
+    assert!(slow_params == even_params);
+    assert!(ratio > 1.3, "{ratio}");
+}
+
+fn ps_config(workers: usize, steps: u64, out: &std::path::Path) -> TrainConfig {
+    config(model(MLP_MODEL, "ps-test"), 4 * workers, steps, out)
+}
+
+#[test]
+fn bsp_with_14_workers_equals_local_with_14_times_the_batch() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = ps_config(14, 6, tmp.path());
+    let oracle = oracle::local_params(&cfg, &data);
+    let job = ps_job(&cfg, &data, 2, 14, Consistency::Bsp);
+    let ran = run::ps_nodes(&Backend::sim(test_seed(14)), &job, &data, &[]);
+    let diff = max_rel_diff(&run::ps_params(&ran.results), &oracle);
+    println!("bsp, 2 servers, 14 simulated workers: max |Δparam| / max |param| = {diff:.2e}");
+    assert!(diff < 1e-4, "{diff}");
+}
+
+#[test]
+fn asynchronous_servers_go_on_without_a_dead_and_a_frozen_worker() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = ps_config(15, 60, tmp.path());
+    let seed = test_seed(33);
+    for consistency in [Consistency::Asp, Consistency::Ssp { staleness: 2 }] {
+        let job = ps_job(&cfg, &data, 1, 15, consistency);
+        let mut sim = SimConfig::new(seed);
+        sim.faults.push(Fault::Die {
+            rank: 5,
+            at: Duration::from_millis(20),
+        });
+        sim.faults.push(Fault::Stall {
+            rank: 9,
+            at: Duration::from_millis(30),
+        });
+        let ran = run::ps_nodes(&Backend::Sim(sim), &job, &data, &[]);
+        let Ok(PsNode::Server(server)) = &ran.results[0] else {
+            panic!(
+                "{}: the server failed: {:?}",
+                consistency.name(),
+                ran.results[0].as_ref().err()
+            )
+        };
+        let dropped: Vec<u32> = server.dropped.iter().map(|d| d.rank).collect();
+        assert_eq!(dropped, [5, 9], "{}", consistency.name());
+        assert!(
+            server.dropped[1].reason.contains("silent"),
+            "{:?}",
+            server.dropped
+        );
+        for (r, result) in ran.results.iter().enumerate().skip(1) {
+            match (r, result) {
+                (5 | 9, Err(_)) => {}
+                (_, Ok(PsNode::Worker(..))) => {}
+                (_, other) => panic!("rank {r}: {:?}", other.as_ref().err()),
+            }
+        }
+    }
+}
+
+#[test]
+fn bsp_stops_naming_a_dead_worker() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = ps_config(6, 60, tmp.path());
+    let job = ps_job(&cfg, &data, 2, 6, Consistency::Bsp);
+    let mut sim = SimConfig::new(test_seed(8));
+    sim.faults.push(Fault::Die {
+        rank: 4,
+        at: Duration::from_millis(15),
+    });
+    let ran = run::ps_nodes(&Backend::Sim(sim), &job, &data, &[]);
+    for (r, result) in ran.results.iter().enumerate() {
+        let Err(e) = result else {
+            panic!("rank {r} finished without worker rank 4 under bsp")
+        };
+        if r != 4 {
+            assert!(e.contains("rank 4"), "rank {r}: {e}");
+        }
+    }
+}
+
+#[test]
+fn bounded_staleness_outpaces_bsp_with_a_straggler_in_virtual_time() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = ps_config(4, 80, tmp.path());
+    let seed = test_seed(12);
+    let mut elapsed = Vec::new();
+    for consistency in [
+        Consistency::Bsp,
+        Consistency::Ssp { staleness: 3 },
+        Consistency::Dssp { lower: 1, upper: 4 },
+        Consistency::Asp,
+    ] {
+        let job = ps_job(&cfg, &data, 1, 4, consistency);
+        let mut sim = SimConfig::new(seed);
+        sim.node_speed.insert(4, 0.25);
+        let ran = run::ps_nodes(&Backend::Sim(sim), &job, &data, &[]);
+        run::ps_params(&ran.results);
+        println!(
+            "{} with a quarter-speed worker: {:?}",
+            consistency.name(),
+            ran.elapsed
+        );
+        elapsed.push(ran.elapsed);
+    }
+    // Work goes to whoever is free (FlexRR): the straggler no longer sets the pace.
+    for (t, name) in elapsed[1..].iter().zip(["ssp:3", "dssp:1:4", "asp"]) {
+        assert!(
+            t.as_secs_f64() < 0.75 * elapsed[0].as_secs_f64(),
+            "{name}: {t:?} vs bsp {:?}",
+            elapsed[0]
+        );
+    }
+}
