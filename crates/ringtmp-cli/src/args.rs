@@ -189,6 +189,9 @@ pub struct TrainArgs {
     /// Stop after N optimizer steps in total.
     #[arg(long, value_name = "N")]
     pub max_steps: Option<u64>,
+    /// Seconds a node waits for any one message before giving up on the run [default: 300].
+    #[arg(long, value_name = "SECONDS")]
+    pub recv_timeout: Option<f64>,
     /// Show every node's informational log lines (otherwise progress, warnings and errors).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub verbose: Option<bool>,
@@ -273,6 +276,7 @@ impl TrainArgs {
             resume,
             overwrite,
             max_steps,
+            recv_timeout,
             verbose
         ))
     }
@@ -446,6 +450,7 @@ impl TrainArgs {
         let config = TrainConfig {
             model,
             dataset: self.dataset(),
+            data_dir: self.data_dir.clone(),
             epochs: self.epochs.unwrap_or(2),
             batch_size: self.batch_size.unwrap_or(64),
             lr: self.lr.unwrap_or(default_lr),
@@ -461,6 +466,9 @@ impl TrainArgs {
             keep_checkpoints: self.keep_checkpoints,
             resume: self.resume.clone(),
             max_steps: self.max_steps,
+            recv_timeout_secs: self
+                .recv_timeout
+                .unwrap_or(ringtmp_strategy::DEFAULT_RECV_TIMEOUT_SECS),
         };
         config.validate().context("invalid training options")
     }

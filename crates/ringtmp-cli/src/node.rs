@@ -267,8 +267,8 @@ pub fn run(args: &NodeArgs) -> Result<()> {
                     None => plan_job(&train_args, &data, placement.world_size)?,
                 };
                 crate::train::init_threads(match &settings {
-                    Settings::Train(job) => job.threads,
-                    Settings::Ps(job) => job.threads,
+                    Settings::Train(job) => job.spec.threads,
+                    Settings::Ps(job) => job.spec.threads,
                     Settings::Selftest { .. } => 1,
                 })?;
                 master = Some((data, cfg));
@@ -328,7 +328,7 @@ pub fn run(args: &NodeArgs) -> Result<()> {
                     .map_err(Into::into)
             }
             None => {
-                crate::train::init_threads(job.threads)?;
+                crate::train::init_threads(job.spec.threads)?;
                 run_worker(&job, &mut net).map(|_| ()).map_err(Into::into)
             }
         },

@@ -39,7 +39,9 @@ pub fn run(
             per_node.push(serde_json::from_str(doc).context("a node's report")?);
         }
         while per_node.len() < expected + 1 {
-            match net.recv(std::time::Duration::from_secs_f64(job.recv_timeout_secs))? {
+            match net.recv(std::time::Duration::from_secs_f64(
+                job.spec.recv_timeout_secs,
+            ))? {
                 (_, Message::Control(Control::Report { nodes })) => {
                     for doc in nodes {
                         per_node.push(serde_json::from_str(&doc).context("a node's report")?);
@@ -84,7 +86,7 @@ pub fn run(
     }
     .merged()?;
     let data = crate::train::load_dataset(&train_args, false)?;
-    crate::train::init_threads(job.threads)?;
+    crate::train::init_threads(job.spec.threads)?;
     let w = rank as usize - job.servers;
     let speed = job.node_speeds.get(rank as usize).copied().unwrap_or(1.0);
     // Worker 0 evaluates its replica at the first pull at or past every `eval_every`-th global
@@ -93,10 +95,10 @@ pub fn run(
     let eval_every = train_args.eval_every.unwrap_or(200);
     let (mut evaluations, mut eval_seconds) = (Vec::new(), 0.0f64);
     let clock = Instant::now();
-    let mut last = job.first_step;
+    let mut last = job.first_step();
     let mut evaluate = |t: u64, stage: &mut ringtmp_model::Stage| -> ringtmp_strategy::Result<()> {
         let crossed = |every: u64| every > 0 && t / every > last / every;
-        let due = crossed(job.steps_per_epoch) || crossed(eval_every);
+        let due = crossed(job.spec.steps_per_epoch) || crossed(eval_every);
         last = last.max(t);
         if w == 0 && due {
             let started = Instant::now();
@@ -124,7 +126,7 @@ pub fn run(
         own.test_accuracy = Some(accuracy);
         // The final replica holds every iteration of the run (under BSP exactly; otherwise up
         // to the pushes still in flight when the work ran out).
-        let end = job.total_steps;
+        let end = job.spec.total_steps;
         if evaluations.last().map(|e| e.0) != Some(end) {
             evaluations.push((end, accuracy, finished_at));
         }
@@ -134,7 +136,7 @@ pub fn run(
 }
 
 fn optimizer_copies(job: &PsJob) -> u64 {
-    match job.optimizer {
+    match job.spec.optimizer {
         ringtmp_model::OptimizerConfig::Sgd { .. } => 1,
         ringtmp_model::OptimizerConfig::Adam { .. } => 2,
     }
@@ -170,7 +172,7 @@ fn summarize(job: &PsJob, cfg: &TrainConfig, per_node: Vec<NodeSummary>, wall: f
     let samples: u64 = per_node
         .iter()
         .filter(|n| n.role == "worker")
-        .map(|n| n.iterations * job.worker_batch as u64)
+        .map(|n| n.iterations * job.spec.batch_size as u64)
         .sum();
     let total_bytes_sent: u64 = per_node.iter().map(|n| n.bytes_sent).sum();
     let accuracy = per_node.iter().find_map(|n| n.test_accuracy).unwrap_or(0.0);
@@ -196,20 +198,20 @@ fn summarize(job: &PsJob, cfg: &TrainConfig, per_node: Vec<NodeSummary>, wall: f
         schedule: None,
         consistency: Some(job.consistency.name()),
         nodes: (job.servers + job.workers) as u32,
-        model: job.model.name.clone(),
+        model: job.spec.model.name.clone(),
         model_params,
         dataset: cfg.dataset.clone(),
         epochs: cfg.epochs,
-        batch_size: job.worker_batch as u32,
+        batch_size: job.spec.batch_size as u32,
         micro_batches: 1,
-        seed: job.seed,
-        optimizer: match job.optimizer {
+        seed: job.spec.seed,
+        optimizer: match job.spec.optimizer {
             ringtmp_model::OptimizerConfig::Sgd { .. } => "sgd".into(),
             ringtmp_model::OptimizerConfig::Adam { .. } => "adam".into(),
         },
-        lr: job.lr,
-        threads: job.threads as u32,
-        steps: job.total_steps,
+        lr: job.spec.lr,
+        threads: job.spec.threads as u32,
+        steps: job.spec.total_steps,
         samples,
         // The mean loss of the units of the final epoch, over every worker that computed some.
         final_train_loss: {

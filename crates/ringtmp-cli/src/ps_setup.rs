@@ -3,9 +3,9 @@
 use anyhow::Result;
 use ringtmp_data::Dataset;
 use ringtmp_model::OptimizerConfig;
-use ringtmp_strategy::TrainConfig;
 use ringtmp_strategy::param_server::consistency::Consistency;
 use ringtmp_strategy::param_server::driver::PsJob;
+use ringtmp_strategy::{ResumePoint, RunSpec, TrainConfig};
 
 use crate::UsageError;
 use crate::args::TrainArgs;
@@ -46,45 +46,14 @@ pub fn ps_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(PsJob, Tr
         // (docs/BENCHMARKS.md). Adam's steps do not scale with the batch, so it keeps its default.
         cfg.lr *= workers as f32;
     }
-    let steps_per_epoch = (data.train.len() / global) as u64;
-    let schedule_steps = steps_per_epoch * u64::from(cfg.epochs);
     eprintln!(
         "parameter server: {servers} server(s), {workers} worker(s) of batch {} (global batch {global}), {}, learning rate {}",
         cfg.batch_size,
         consistency.name(),
         cfg.lr
     );
-    let job = PsJob {
-        model: cfg.model.clone(),
-        input: data.input,
-        classes: data.classes,
-        servers,
-        workers,
-        worker_batch: cfg.batch_size,
-        lr: cfg.lr,
-        lr_schedule: cfg.schedule.clone(),
-        warmup_steps: cfg.warmup_steps,
-        optimizer: cfg.optimizer.clone(),
-        threads: cfg.threads,
-        seed: cfg.seed,
-        consistency,
-        total_steps: cfg.max_steps.unwrap_or(u64::MAX).min(schedule_steps),
-        schedule_steps,
-        steps_per_epoch,
-        recv_timeout_secs: 300.0,
-        drop_dead_workers: args.drop_dead_workers.unwrap_or(false),
-        node_speeds: crate::ring_setup::node_speeds(
-            args.node_speed.as_deref().unwrap_or_default(),
-            nodes,
-        )?,
-        checkpoint_every: cfg.checkpoint_every,
-        keep_checkpoints: cfg.keep_checkpoints,
-        out: std::path::absolute(&cfg.out).unwrap_or_else(|_| cfg.out.clone()),
-        dataset: cfg.dataset.clone(),
-        resume: None,
-        first_step: 0,
-    };
-    let mut job = job;
+    let mut spec = RunSpec::new(cfg.clone(), data, global)?;
+    spec.config.out = std::path::absolute(&cfg.out).unwrap_or_else(|_| cfg.out.clone());
     if let Some(path) = &cfg.resume {
         // The data order is that of the global batch (workers × batch), so the checkpoint must
         // have been written with that batch size, by whichever strategy.
@@ -100,8 +69,21 @@ pub fn ps_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(PsJob, Tr
             manifest.strategy,
             manifest.files.len()
         );
-        job.first_step = manifest.step.min(job.total_steps);
-        job.resume = Some(std::path::absolute(&dir).unwrap_or(dir));
+        spec.resume_from = Some(ResumePoint {
+            dir: std::path::absolute(&dir).unwrap_or(dir),
+            step: manifest.step.min(spec.total_steps),
+        });
     }
+    let job = PsJob {
+        spec,
+        servers,
+        workers,
+        consistency,
+        node_speeds: crate::ring_setup::node_speeds(
+            args.node_speed.as_deref().unwrap_or_default(),
+            nodes,
+        )?,
+        drop_dead_workers: args.drop_dead_workers.unwrap_or(false),
+    };
     Ok((job, cfg))
 }

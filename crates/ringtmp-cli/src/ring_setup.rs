@@ -5,18 +5,14 @@
 use anyhow::{Context, Result};
 use ringtmp_data::Dataset;
 use ringtmp_model::{LayerKind, Shape};
-use ringtmp_strategy::TrainConfig;
 use ringtmp_strategy::ring::driver::RingJob;
 use ringtmp_strategy::ring::partition::{self, NodeCapacity};
 use ringtmp_strategy::ring::profile::{ProfileSettings, profile_layers};
 use ringtmp_strategy::ring::schedule::Schedule;
+use ringtmp_strategy::{ResumePoint, RunSpec, TrainConfig};
 
 use crate::UsageError;
 use crate::args::{ScheduleKind, TrainArgs};
-
-/// Seconds a ring node waits for any one message (liveness is the heartbeats' job; this only
-/// bounds a protocol that stopped making progress).
-const RECV_TIMEOUT_SECS: f64 = 300.0;
 
 /// Builds the job for `nodes` nodes; prints the plan.
 pub fn ring_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(RingJob, TrainConfig)> {
@@ -161,49 +157,31 @@ pub fn ring_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(RingJob
             s.predicted_bytes as f64 / 1e6
         );
     }
-    let steps_per_epoch = (data.train.len() / cfg.batch_size) as u64;
-    let schedule_steps = steps_per_epoch * u64::from(cfg.epochs);
+    let mut spec = RunSpec::new(cfg.clone(), data, cfg.batch_size)?;
+    spec.config.out = std::path::absolute(&cfg.out).unwrap_or_else(|_| cfg.out.clone());
+    if let Some(path) = &cfg.resume {
+        let (dir, manifest) = ringtmp_strategy::local::check_resume(path, &cfg)?;
+        eprintln!(
+            "resuming from {} at step {} (written by {} on {} node(s))",
+            dir.display(),
+            manifest.step,
+            manifest.strategy,
+            manifest.files.len()
+        );
+        spec.resume_from = Some(ResumePoint {
+            dir: std::path::absolute(&dir).unwrap_or(dir),
+            step: manifest.step,
+        });
+    }
     let job = RingJob {
-        model: cfg.model.clone(),
-        input: data.input,
-        classes: data.classes,
-        dataset: cfg.dataset.clone(),
-        epochs: cfg.epochs,
-        batch_size: cfg.batch_size,
+        spec,
         micro_batches,
         schedule,
-        lr: cfg.lr,
-        lr_schedule: cfg.schedule.clone(),
-        warmup_steps: cfg.warmup_steps,
-        optimizer: cfg.optimizer.clone(),
-        threads: cfg.threads,
-        seed: cfg.seed,
         partition: plan,
         head,
         node_speeds: speeds,
-        total_steps: cfg.max_steps.unwrap_or(u64::MAX).min(schedule_steps),
-        schedule_steps,
-        steps_per_epoch,
-        recv_timeout_secs: RECV_TIMEOUT_SECS,
-        checkpoint_every: cfg.checkpoint_every,
-        keep_checkpoints: cfg.keep_checkpoints,
         defer_weight_grads: args.defer_weight_grads.unwrap_or(true),
         in_flight: args.in_flight.unwrap_or(0),
-        out: std::path::absolute(&cfg.out).unwrap_or_else(|_| cfg.out.clone()),
-        resume: match &cfg.resume {
-            Some(path) => {
-                let (dir, manifest) = ringtmp_strategy::local::check_resume(path, &cfg)?;
-                eprintln!(
-                    "resuming from {} at step {} (written by {} on {} node(s))",
-                    dir.display(),
-                    manifest.step,
-                    manifest.strategy,
-                    manifest.files.len()
-                );
-                Some((std::path::absolute(&dir).unwrap_or(dir), manifest.step))
-            }
-            None => None,
-        },
     };
     Ok((job, cfg))
 }

@@ -1,19 +1,33 @@
 //! The validated configuration of a training run. The CLI turns flags and TOML into this; after
-//! construction through [`TrainConfig::validate`] every field is usable as is.
+//! construction through [`TrainConfig::validate`] every field is usable as is. Every strategy's
+//! job carries it (inside [`crate::RunSpec`]), so what strategies share is declared here once.
 
 use std::path::PathBuf;
 
 use ringtmp_model::{LrSchedule, ModelSpec, OptimizerConfig};
+use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 
+/// Seconds a node waits for any one message during training unless told otherwise (liveness is
+/// the heartbeats' job; this only bounds a protocol that stopped making progress).
+pub const DEFAULT_RECV_TIMEOUT_SECS: f64 = 300.0;
+
+fn default_recv_timeout() -> f64 {
+    DEFAULT_RECV_TIMEOUT_SECS
+}
+
 /// Everything a training run needs besides the dataset itself.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainConfig {
     /// The model description.
     pub model: ModelSpec,
     /// Dataset name (recorded in outputs and checkpoints).
     pub dataset: String,
+    /// Directory the dataset's files are read from (`None`: the bundled copy and the usual
+    /// places), so every node that needs the data finds the same files.
+    #[serde(default)]
+    pub data_dir: Option<PathBuf>,
     /// Epochs to train.
     pub epochs: u32,
     /// Examples per optimizer step.
@@ -21,6 +35,7 @@ pub struct TrainConfig {
     /// Base learning rate.
     pub lr: f32,
     /// Learning-rate schedule.
+    #[serde(rename = "lr_schedule")]
     pub schedule: LrSchedule,
     /// Steps of linear warm-up.
     pub warmup_steps: u64,
@@ -44,6 +59,9 @@ pub struct TrainConfig {
     pub resume: Option<PathBuf>,
     /// Stop after this many optimizer steps in total (for tests and benchmarks).
     pub max_steps: Option<u64>,
+    /// Seconds a node waits for any one message before it gives up on the run.
+    #[serde(default = "default_recv_timeout")]
+    pub recv_timeout_secs: f64,
 }
 
 impl TrainConfig {
@@ -58,6 +76,12 @@ impl TrainConfig {
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return bad(format!("--lr must be a positive number, got {}", self.lr));
+        }
+        if !(self.recv_timeout_secs.is_finite() && self.recv_timeout_secs > 0.0) {
+            return bad(format!(
+                "--recv-timeout must be a positive number of seconds, got {}",
+                self.recv_timeout_secs
+            ));
         }
         if self.keep_checkpoints == Some(0) {
             return bad("--keep-checkpoints must be at least 1".into());

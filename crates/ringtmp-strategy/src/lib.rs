@@ -4,6 +4,8 @@
 //!
 //! # Layout
 //! - [`config`]: the validated run configuration shared by every strategy.
+//! - [`RunSpec`]: what every strategy's job shares (the configuration and what follows from the
+//!   data), declared once.
 //! - [`local`]: one process, one stage holding the whole model — plain mini-batch training and
 //!   the oracle every distributed strategy is tested against.
 //! - [`param_server`]: the parameter server's consistency models (in progress).
@@ -16,7 +18,9 @@ pub mod local;
 pub mod param_server;
 pub mod ring;
 pub mod selftest;
+mod spec;
 
-pub use config::TrainConfig;
+pub use config::{DEFAULT_RECV_TIMEOUT_SECS, TrainConfig};
 pub use error::{Error, Result};
 pub use local::{Event, train_local};
+pub use spec::{ResumePoint, RunSpec};

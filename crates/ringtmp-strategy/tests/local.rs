@@ -41,6 +41,7 @@ fn config(out: &Path, optimizer: OptimizerConfig) -> TrainConfig {
     TrainConfig {
         model: ModelSpec::from_toml(MODEL, "digits-test").unwrap(),
         dataset: "digits".into(),
+        data_dir: None,
         epochs: 3,
         batch_size: 32,
         lr: if matches!(optimizer, OptimizerConfig::Adam { .. }) {
@@ -60,6 +61,7 @@ fn config(out: &Path, optimizer: OptimizerConfig) -> TrainConfig {
         keep_checkpoints: None,
         resume: None,
         max_steps: None,
+        recv_timeout_secs: 30.0,
     }
 }
 

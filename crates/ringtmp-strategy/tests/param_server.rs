@@ -7,10 +7,11 @@ use std::path::Path;
 use ringtmp_data::Dataset;
 use ringtmp_model::checkpoint;
 use ringtmp_model::{LrSchedule, ModelSpec, Optimizer, OptimizerConfig, Shape, Stage};
-use ringtmp_strategy::TrainConfig;
 use ringtmp_strategy::param_server::consistency::Consistency;
 use ringtmp_strategy::param_server::driver::PsJob;
+use ringtmp_strategy::{ResumePoint, TrainConfig};
 use ringtmp_testkit::fixtures::{MLP_MODEL, digits, max_rel_diff};
+use ringtmp_testkit::jobs::ps_job;
 use ringtmp_testkit::nodes::Backend;
 use ringtmp_testkit::oracle;
 use ringtmp_testkit::run::{self, PsNode};
@@ -31,42 +32,12 @@ fn sgd() -> OptimizerConfig {
     }
 }
 
-fn job(consistency: Consistency, steps: u64) -> PsJob {
-    let per_epoch = (1500 / (WORKER_BATCH * WORKERS)) as u64;
-    PsJob {
-        model: model(),
-        input: (8, 8, 1),
-        classes: 10,
-        servers: SERVERS,
-        workers: WORKERS,
-        worker_batch: WORKER_BATCH,
-        lr: 0.05,
-        lr_schedule: LrSchedule::Constant,
-        warmup_steps: 0,
-        optimizer: sgd(),
-        threads: 1,
-        seed: 9,
-        consistency,
-        total_steps: steps,
-        schedule_steps: per_epoch,
-        steps_per_epoch: per_epoch,
-        recv_timeout_secs: 30.0,
-        drop_dead_workers: false,
-        node_speeds: Vec::new(),
-        checkpoint_every: 0,
-        keep_checkpoints: None,
-        out: std::path::PathBuf::new(),
-        dataset: "digits".into(),
-        resume: None,
-        first_step: 0,
-    }
-}
-
-/// `local` with batch W·b for `STEPS` steps; its final parameters.
-fn local_params(data: &Dataset, out: &Path) -> Vec<f32> {
-    let cfg = TrainConfig {
+/// `steps` global iterations of W × b examples on the digits (the oracle's configuration too).
+fn config(steps: u64, out: &Path) -> TrainConfig {
+    TrainConfig {
         model: model(),
         dataset: "digits".into(),
+        data_dir: None,
         epochs: 1,
         batch_size: WORKER_BATCH * WORKERS,
         lr: 0.05,
@@ -78,12 +49,27 @@ fn local_params(data: &Dataset, out: &Path) -> Vec<f32> {
         target_accuracy: 0.5,
         eval_every: 0,
         out: out.to_path_buf(),
-        checkpoint_every: STEPS,
+        checkpoint_every: 0,
         keep_checkpoints: None,
         resume: None,
-        max_steps: Some(STEPS),
-    };
-    oracle::local_params(&cfg, data)
+        max_steps: Some(steps),
+        recv_timeout_secs: 30.0,
+    }
+}
+
+fn job(consistency: Consistency, steps: u64) -> PsJob {
+    ps_job(
+        &config(steps, Path::new("")),
+        &digits(),
+        SERVERS,
+        WORKERS,
+        consistency,
+    )
+}
+
+/// `local` with batch W·b for `STEPS` steps; its final parameters.
+fn local_params(data: &Dataset, out: &Path) -> Vec<f32> {
+    oracle::local_params(&config(STEPS, out), data)
 }
 
 /// Runs servers and workers on loopback; returns the servers' shards concatenated, each worker's
@@ -144,8 +130,8 @@ fn bsp_checkpoint_then_resume_on_another_server_count_equals_uninterrupted() {
     let (uninterrupted, _, _) = run(&job(Consistency::Bsp, STEPS), &data, &[]);
 
     let mut first = job(Consistency::Bsp, 6);
-    first.checkpoint_every = 6;
-    first.out = tmp.path().to_path_buf();
+    first.spec.config.checkpoint_every = 6;
+    first.spec.config.out = tmp.path().to_path_buf();
     run(&first, &data, &[]);
     let dir = checkpoint::resolve(tmp.path()).unwrap();
     let manifest = checkpoint::read_manifest(&dir).unwrap();
@@ -154,8 +140,10 @@ fn bsp_checkpoint_then_resume_on_another_server_count_equals_uninterrupted() {
 
     let mut rest = job(Consistency::Bsp, STEPS);
     rest.servers = 1;
-    rest.resume = Some(dir.clone());
-    rest.first_step = manifest.step;
+    rest.spec.resume_from = Some(ResumePoint {
+        dir: dir.clone(),
+        step: manifest.step,
+    });
     let (resumed, _, _) = run(&rest, &data, &[]);
     let diff = max_rel_diff(&resumed, &uninterrupted);
     println!(

@@ -7,11 +7,12 @@ use std::path::Path;
 use ringtmp_data::Dataset;
 use ringtmp_model::checkpoint;
 use ringtmp_model::{LrSchedule, ModelSpec, OptimizerConfig, Shape};
-use ringtmp_strategy::TrainConfig;
 use ringtmp_strategy::ring::driver::RingJob;
 use ringtmp_strategy::ring::partition::StagePlan;
 use ringtmp_strategy::ring::schedule::Schedule;
+use ringtmp_strategy::{ResumePoint, TrainConfig};
 use ringtmp_testkit::fixtures::{CONV_MODEL, digits, max_rel_diff};
+use ringtmp_testkit::jobs::ring_job;
 use ringtmp_testkit::nodes::Backend;
 use ringtmp_testkit::oracle;
 use ringtmp_testkit::run;
@@ -31,10 +32,12 @@ fn optimizer() -> OptimizerConfig {
     }
 }
 
-fn local_params(data: &Dataset, out: &Path) -> Vec<f32> {
-    let cfg = TrainConfig {
+/// The run every test here makes: `STEPS` steps of batch `BATCH` on the digits.
+fn config(out: &Path) -> TrainConfig {
+    TrainConfig {
         model: model(),
         dataset: "digits".into(),
+        data_dir: None,
         epochs: 1,
         batch_size: BATCH,
         lr: 0.05,
@@ -46,55 +49,26 @@ fn local_params(data: &Dataset, out: &Path) -> Vec<f32> {
         target_accuracy: 0.5,
         eval_every: 0,
         out: out.to_path_buf(),
-        checkpoint_every: STEPS,
+        checkpoint_every: 0,
         keep_checkpoints: None,
         resume: None,
         max_steps: Some(STEPS),
-    };
-    oracle::local_params(&cfg, data)
+        recv_timeout_secs: 30.0,
+    }
+}
+
+fn local_params(data: &Dataset, out: &Path) -> Vec<f32> {
+    oracle::local_params(&config(out), data)
 }
 
 fn job(bounds: &[usize], schedule: Schedule, micro_batches: usize) -> RingJob {
-    let per_epoch = (1500 / BATCH) as u64;
-    RingJob {
-        model: model(),
-        input: (8, 8, 1),
-        classes: 10,
-        dataset: "digits".into(),
-        epochs: 1,
-        batch_size: BATCH,
-        micro_batches,
+    ring_job(
+        &config(Path::new("")),
+        &digits(),
+        bounds,
         schedule,
-        lr: 0.05,
-        lr_schedule: LrSchedule::Cosine,
-        warmup_steps: 2,
-        optimizer: optimizer(),
-        threads: 1,
-        seed: 5,
-        partition: bounds
-            .windows(2)
-            .enumerate()
-            .map(|(r, w)| StagePlan {
-                rank: r as u32,
-                start: w[0],
-                end: w[1],
-                predicted_seconds: 0.0,
-                predicted_bytes: 0,
-            })
-            .collect(),
-        head: None,
-        node_speeds: vec![1.0; bounds.len() - 1],
-        total_steps: STEPS,
-        schedule_steps: per_epoch,
-        steps_per_epoch: per_epoch,
-        recv_timeout_secs: 30.0,
-        checkpoint_every: 0,
-        keep_checkpoints: None,
-        defer_weight_grads: false,
-        in_flight: 0,
-        out: std::path::PathBuf::new(),
-        resume: None,
-    }
+        micro_batches,
+    )
 }
 
 /// Runs the ring on `backend` and returns every stage's parameters concatenated in layer order
@@ -119,7 +93,7 @@ fn ring_params(job: &RingJob, data: &Dataset, out: &Path) -> (Vec<f32>, ringtmp_
 /// rank 1) or the logits' gradient (to the last rank): never raw inputs, never labels.
 fn audit_master(sent: &[ringtmp_transport::SentRecord], job: &RingJob, data: &Dataset) {
     use ringtmp_wire::TensorTag;
-    let layers = job.model.build(&Shape::image(8, 8, 1), 10).unwrap();
+    let layers = job.spec.model.build(&Shape::image(8, 8, 1), 10).unwrap();
     let stage0_width = layers[job.partition[0].end - 1].output.numel() as u32;
     let n = job.partition.len() as u32;
     let raw_width = data.train.features() as u32;
@@ -147,7 +121,7 @@ fn audit_master(sent: &[ringtmp_transport::SentRecord], job: &RingJob, data: &Da
                 let width = job
                     .head
                     .as_ref()
-                    .map_or(job.classes, |h| layers[h.start].input.numel())
+                    .map_or(job.spec.classes, |h| layers[h.start].input.numel())
                     as u32;
                 assert_eq!(
                     (r.to, r.shape[1]),
@@ -168,7 +142,7 @@ fn audit_master(sent: &[ringtmp_transport::SentRecord], job: &RingJob, data: &Da
             "one-dimensional tensors (label-shaped) never leave the master"
         );
     }
-    let steps = (job.total_steps - job.first_step()) as usize;
+    let steps = (job.spec.total_steps - job.first_step()) as usize;
     assert!(activations >= steps * job.micro_batches && gradients == steps * job.micro_batches);
 }
 
@@ -233,9 +207,9 @@ fn checkpoint_then_resume_equals_uninterrupted_even_on_fewer_nodes() {
     // K = 6 steps on 3 nodes, checkpoint, stop.
     let first_out = tmp.path().join("first");
     let mut first = job(&[0, 2, 6, 10], Schedule::Gpipe, 4);
-    first.total_steps = STEPS / 2;
-    first.checkpoint_every = STEPS / 2;
-    first.out = first_out.clone();
+    first.spec.total_steps = STEPS / 2;
+    first.spec.config.checkpoint_every = STEPS / 2;
+    first.spec.config.out = first_out.clone();
     ring_params(&first, &data, &first_out);
     let dir = checkpoint::resolve(&first_out).unwrap();
     let manifest = checkpoint::read_manifest(&dir).unwrap();
@@ -251,8 +225,11 @@ fn checkpoint_then_resume_equals_uninterrupted_even_on_fewer_nodes() {
     for bounds in [&[0, 2, 6, 10][..], &[0, 4, 10]] {
         let out = tmp.path().join(format!("resumed-{}", bounds.len() - 1));
         let mut resumed = job(bounds, Schedule::OneFOneB, 4);
-        resumed.resume = Some((dir.clone(), STEPS / 2));
-        resumed.out = out.clone();
+        resumed.spec.resume_from = Some(ResumePoint {
+            dir: dir.clone(),
+            step: STEPS / 2,
+        });
+        resumed.spec.config.out = out.clone();
         let (params, summary) = ring_params(&resumed, &data, &out);
         let diff = max_rel_diff(&params, &oracle);
         println!(
@@ -274,11 +251,11 @@ fn async_pipeline_with_weight_stashing_learns() {
     let data = digits();
     let tmp = tempfile::tempdir().unwrap();
     let mut j = job(&[0, 2, 6, 10], Schedule::Async, 4);
-    j.total_steps = 120;
-    j.schedule_steps = 120;
-    j.lr = 0.02;
-    j.checkpoint_every = 60;
-    j.out = tmp.path().to_path_buf();
+    j.spec.total_steps = 120;
+    j.spec.schedule_steps = 120;
+    j.spec.config.lr = 0.02;
+    j.spec.config.checkpoint_every = 60;
+    j.spec.config.out = tmp.path().to_path_buf();
     let (_, summary) = ring_params(&j, &data, tmp.path());
     println!(
         "async, 3 nodes, 120 mini-batches of 4 micro-batches: test accuracy {:.3}",
@@ -308,11 +285,11 @@ fn async_window_wider_than_a_mini_batch_drains_for_evaluations_and_checkpoints()
     let tmp = tempfile::tempdir().unwrap();
     let mut j = job(&[0, 2, 6, 10], Schedule::Async, 1);
     j.in_flight = 4;
-    j.total_steps = 40;
-    j.schedule_steps = 40;
-    j.lr = 0.02;
-    j.checkpoint_every = 10;
-    j.out = tmp.path().to_path_buf();
+    j.spec.total_steps = 40;
+    j.spec.schedule_steps = 40;
+    j.spec.config.lr = 0.02;
+    j.spec.config.checkpoint_every = 10;
+    j.spec.config.out = tmp.path().to_path_buf();
     let (_, summary) = ring_params(&j, &data, tmp.path());
     // Evaluations every 6 steps (see `ring_params`) plus the last: 6, 12, …, 36, 40.
     let metrics = std::fs::read_to_string(tmp.path().join("metrics.jsonl")).unwrap();

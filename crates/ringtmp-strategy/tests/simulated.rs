@@ -20,6 +20,7 @@ fn config(spec: ModelSpec, batch: usize, steps: u64, out: &std::path::Path) -> T
     TrainConfig {
         model: spec,
         dataset: "digits".into(),
+        data_dir: None,
         epochs: 1,
         batch_size: batch,
         lr: 0.05,
@@ -38,6 +39,7 @@ fn config(spec: ModelSpec, batch: usize, steps: u64, out: &std::path::Path) -> T
         keep_checkpoints: None,
         resume: None,
         max_steps: Some(steps),
+        recv_timeout_secs: 30.0,
     }
 }
 

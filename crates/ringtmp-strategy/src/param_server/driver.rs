@@ -18,9 +18,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use ringtmp_data::{BatchPlan, Dataset, shard};
-use ringtmp_model::{
-    LrSchedule, ModelSpec, Optimizer, OptimizerConfig, Pass, Shape, Stage, checkpoint, loss,
-};
+use ringtmp_model::{Optimizer, Pass, Stage, checkpoint, loss};
 use ringtmp_transport::{BufferPool, Transport, TransportError};
 use ringtmp_wire::message::{tensor_bytes_into, tensor_values_into, tensor_view};
 use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
@@ -30,99 +28,58 @@ pub use super::admission::NO_MORE_WORK;
 use super::admission::{Admission, Reply};
 use super::consistency::Consistency;
 use crate::error::{Error, Result};
+use crate::spec::{ResumePoint, RunSpec};
 
 /// Everything every node of a parameter-server run must agree on.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct PsJob {
-    /// The model description.
-    pub model: ModelSpec,
-    /// Per-sample input shape.
-    pub input: (usize, usize, usize),
-    /// Classes.
-    pub classes: usize,
+    /// What every strategy's job shares; its `batch_size` is one worker's share of each global
+    /// batch, and its steps count global iterations.
+    #[serde(flatten)]
+    pub spec: RunSpec,
     /// Servers (ranks `0..servers`).
     pub servers: usize,
     /// Workers (ranks `servers..servers + workers`).
     pub workers: usize,
-    /// Examples per worker per iteration.
-    pub worker_batch: usize,
-    /// Base learning rate.
-    pub lr: f32,
-    /// Learning-rate schedule.
-    pub lr_schedule: LrSchedule,
-    /// Warm-up steps.
-    pub warmup_steps: u64,
-    /// Server-side optimizer.
-    pub optimizer: OptimizerConfig,
-    /// Compute threads per worker.
-    pub threads: usize,
-    /// Seed.
-    pub seed: u64,
     /// Consistency model.
     pub consistency: Consistency,
-    /// Iterations per worker.
-    pub total_steps: u64,
     /// Emulated relative speed per rank (1 = full speed; workers only).
     #[serde(default)]
     pub node_speeds: Vec<f64>,
-    /// Steps the learning-rate schedule spans.
-    pub schedule_steps: u64,
-    /// Global mini-batches per epoch.
-    pub steps_per_epoch: u64,
-    /// Seconds to wait for any one message.
-    pub recv_timeout_secs: f64,
     /// Keep training without a worker that died, even under BSP.
     pub drop_dead_workers: bool,
-    /// Servers checkpoint their shards every this many iterations and at the end (0: never).
-    #[serde(default)]
-    pub checkpoint_every: u64,
-    /// Keep only this many newest checkpoints (`None`: all).
-    #[serde(default)]
-    pub keep_checkpoints: Option<usize>,
-    /// Run directory; checkpoints go to `out/checkpoints/step-N/` (one file per server, the
-    /// manifest from server 0: servers must share this directory's storage).
-    #[serde(default)]
-    pub out: std::path::PathBuf,
-    /// Dataset name, for the manifest.
-    #[serde(default)]
-    pub dataset: String,
-    /// Checkpoint directory to resume from (any strategy's checkpoint of this model).
-    #[serde(default)]
-    pub resume: Option<std::path::PathBuf>,
-    /// Iterations already done when resuming (the manifest's step).
-    #[serde(default)]
-    pub first_step: u64,
 }
 
 impl PsJob {
     fn layers(&self) -> Result<Vec<ringtmp_model::Layer>> {
-        let (h, w, c) = self.input;
-        Ok(self.model.build(&Shape::image(h, w, c), self.classes)?)
+        self.spec.layers()
     }
 
     fn timeout(&self) -> Duration {
-        Duration::from_secs_f64(self.recv_timeout_secs.max(0.001))
+        self.spec.recv_timeout()
     }
 
     fn checkpoint_due(&self, done: u64) -> bool {
-        self.checkpoint_every > 0 && (done % self.checkpoint_every == 0 || done == self.total_steps)
+        self.spec.checkpoint_due(done)
     }
 
     fn checkpoint_dir(&self, step: u64) -> std::path::PathBuf {
-        self.out
-            .join("checkpoints")
-            .join(checkpoint::checkpoint_dir_name(step))
+        self.spec.checkpoint_dir(step)
+    }
+
+    /// Examples per worker per iteration.
+    pub fn worker_batch(&self) -> usize {
+        self.spec.batch_size
+    }
+
+    /// Iterations already done when resuming.
+    pub fn first_step(&self) -> u64 {
+        self.spec.first_step()
     }
 
     /// The learning rate of the global iteration unit `unit` belongs to.
     fn lr_at_unit(&self, unit: u64) -> f32 {
-        self.lr_schedule.rate(
-            self.lr,
-            unit / self.workers as u64,
-            self.schedule_steps,
-            self.steps_per_epoch,
-            self.warmup_steps,
-        )
+        self.spec.lr_at(unit / self.workers as u64)
     }
 }
 
@@ -187,10 +144,10 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
     let range = shard_range(total, job.servers, s);
     // The same initial parameters as every other strategy: build the model's initial vector and
     // keep this server's slice.
-    let model = Stage::new(&layers, 0..layers.len(), job.seed, 1);
+    let model = Stage::new(&layers, 0..layers.len(), job.spec.seed, 1);
     let mut params = model.params()[range.clone()].to_vec();
-    let mut optimizer = Optimizer::new(job.optimizer.clone(), params.len());
-    if let Some(dir) = &job.resume {
+    let mut optimizer = Optimizer::new(job.spec.optimizer.clone(), params.len());
+    if let Some(ResumePoint { dir, .. }) = &job.spec.resume_from {
         let manifest = checkpoint::read_manifest(dir)?;
         checkpoint::read_range(
             dir,
@@ -214,7 +171,7 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
         s,
         job.servers,
         job.workers,
-        job.first_step * workers..job.total_steps * workers,
+        job.first_step() * workers..job.spec.total_steps * workers,
     );
     // The consistency controller's time is the network's (virtual in simulation).
     let time = net.clock();
@@ -223,7 +180,7 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
     let mut dropped: Vec<u32> = Vec::new();
     let mut drops: Vec<ringtmp_metrics::DroppedNode> = Vec::new();
     let mut reports: Vec<String> = Vec::new();
-    let mut bsp = BspSum::new(job.workers, params.len(), job.lr);
+    let mut bsp = BspSum::new(job.workers, params.len(), job.spec.lr);
     let (mut values, mut scratch) = (Vec::new(), Vec::new());
     let scale = 1.0 / job.workers as f32;
     while finished.len() + dropped.len() < job.workers {
@@ -246,7 +203,7 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
                 dropped.push(rank);
                 drops.push(ringtmp_metrics::DroppedNode {
                     rank,
-                    step: job.first_step + checkpoints.iterations,
+                    step: job.first_step() + checkpoints.iterations,
                     reason: e.to_string(),
                 });
                 // Under BSP the iteration may now be complete without it.
@@ -538,7 +495,7 @@ impl Checkpoints {
         net: &mut dyn Transport,
     ) -> Result<()> {
         self.iterations += 1;
-        let step = job.first_step + self.iterations;
+        let step = job.first_step() + self.iterations;
         if !job.checkpoint_due(step) {
             return Ok(());
         }
@@ -604,21 +561,21 @@ impl Checkpoints {
             format: checkpoint::MANIFEST_FORMAT,
             strategy: "ps".into(),
             step,
-            epoch: step / job.steps_per_epoch,
-            batch_in_epoch: step % job.steps_per_epoch,
-            dataset: job.dataset.clone(),
-            batch_size: job.worker_batch * job.workers,
-            seed: job.seed,
-            model: job.model.clone(),
+            epoch: step / job.spec.steps_per_epoch,
+            batch_in_epoch: step % job.spec.steps_per_epoch,
+            dataset: job.spec.dataset.clone(),
+            batch_size: job.spec.batch_size * job.workers,
+            seed: job.spec.seed,
+            model: job.spec.model.clone(),
             partition: (0..job.servers)
                 .map(|s| checkpoint::range_layers(model, &shard_range(total, job.servers, s)))
                 .collect(),
-            optimizer: job.optimizer.clone(),
+            optimizer: job.spec.optimizer.clone(),
             files,
         };
         checkpoint::write_manifest(&job.checkpoint_dir(step), &manifest)?;
-        if let Some(keep) = job.keep_checkpoints {
-            checkpoint::retain_newest(&job.out.join("checkpoints"), keep)?;
+        if let Some(keep) = job.spec.keep_checkpoints {
+            checkpoint::retain_newest(&job.spec.out.join("checkpoints"), keep)?;
         }
         Ok(())
     }
@@ -655,17 +612,21 @@ pub fn run_worker(
     on_pulled: &mut dyn FnMut(u64, &mut Stage) -> Result<()>,
 ) -> Result<(WorkerOutcome, Stage)> {
     let layers = job.layers()?;
-    let mut stage = Stage::new(&layers, 0..layers.len(), job.seed, job.threads);
+    let mut stage = Stage::new(&layers, 0..layers.len(), job.spec.seed, job.spec.threads);
     let total = stage.params().len();
     let ranges: Vec<Range<usize>> = (0..job.servers)
         .map(|s| shard_range(total, job.servers, s))
         .collect();
-    let mut plan = BatchPlan::new(data.train.len(), job.worker_batch * job.workers, job.seed)?;
+    let mut plan = BatchPlan::new(
+        data.train.len(),
+        job.spec.batch_size * job.workers,
+        job.spec.seed,
+    )?;
     let (mut x, mut y, mut d) = (Vec::new(), Vec::new(), Vec::new());
     let mut out = WorkerOutcome::default();
     let clock = net.clock();
     // The epoch of the run's last iteration: its units' losses make the run's final train loss.
-    let final_epoch = job.total_steps.saturating_sub(1) / job.steps_per_epoch.max(1);
+    let final_epoch = job.spec.total_steps.saturating_sub(1) / job.spec.steps_per_epoch.max(1);
     // Pulls every shard for iteration `t`; returns the unit of work server 0 assigned.
     let pull = |t: u64,
                 stage: &mut Stage,
@@ -715,22 +676,27 @@ pub fn run_worker(
         on_pulled(global, &mut stage)?;
         let computed = Instant::now();
         let computed_at = clock.now();
-        let epoch = global / job.steps_per_epoch;
+        let epoch = global / job.spec.steps_per_epoch;
         let batch = plan
-            .batch(epoch, (global % job.steps_per_epoch) as usize)
+            .batch(epoch, (global % job.spec.steps_per_epoch) as usize)
             .to_vec();
         let mine = shard(&batch, share, job.workers)?;
         data.train.gather(mine, &mut x, &mut y);
         let pass = Pass {
             train: true,
-            seed: job.seed,
+            seed: job.spec.seed,
             step: global,
-            row_offset: share * job.worker_batch,
+            row_offset: share * job.spec.batch_size,
         };
         let logits = stage.forward(0, &x, y.len(), &pass)?;
         d.resize(logits.len(), 0.0);
-        let unit_loss =
-            loss::softmax_cross_entropy(logits, &y, job.classes, 1.0 / y.len() as f32, &mut d)?;
+        let unit_loss = loss::softmax_cross_entropy(
+            logits,
+            &y,
+            job.spec.classes,
+            1.0 / y.len() as f32,
+            &mut d,
+        )?;
         if epoch == final_epoch {
             out.final_epoch_loss_sum += unit_loss.loss_sum / y.len() as f64;
             out.final_epoch_units += 1;

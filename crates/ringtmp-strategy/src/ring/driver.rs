@@ -23,9 +23,7 @@ use std::time::{Duration, Instant};
 use ringtmp_data::{BatchPlan, Dataset, shard};
 use ringtmp_metrics::{NodeSummary, Summary, resources};
 use ringtmp_model::checkpoint;
-use ringtmp_model::{
-    Layer, LrSchedule, ModelSpec, Optimizer, OptimizerConfig, Pass, Shape, Stage, loss,
-};
+use ringtmp_model::{Layer, Optimizer, OptimizerConfig, Pass, Stage, loss};
 use ringtmp_transport::{Clock, LinkStats, Transport, TransportError};
 use ringtmp_wire::message::{tensor_bytes, tensor_values};
 use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
@@ -36,6 +34,7 @@ use super::partition::StagePlan;
 use super::schedule::{Action, Schedule, StageState};
 use crate::error::{Error, Result};
 use crate::local::{Event, Tracker};
+use crate::spec::{ResumePoint, RunSpec};
 
 /// Rows per evaluation chunk sent around the ring.
 const EVAL_ROWS: usize = 250;
@@ -43,34 +42,13 @@ const EVAL_ROWS: usize = 250;
 /// Everything every node of a ring run must agree on (rank 0 hands it out at rendezvous).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RingJob {
-    /// The model description.
-    pub model: ModelSpec,
-    /// Per-sample input shape `(height, width, channels)`.
-    pub input: (usize, usize, usize),
-    /// Classes.
-    pub classes: usize,
-    /// Dataset name (for outputs).
-    pub dataset: String,
-    /// Epochs.
-    pub epochs: u32,
-    /// Mini-batch size.
-    pub batch_size: usize,
+    /// What every strategy's job shares (model, data, optimizer, steps, checkpoints, …).
+    #[serde(flatten)]
+    pub spec: RunSpec,
     /// Micro-batches per mini-batch.
     pub micro_batches: usize,
     /// Pipeline schedule.
     pub schedule: Schedule,
-    /// Base learning rate.
-    pub lr: f32,
-    /// Learning-rate schedule.
-    pub lr_schedule: LrSchedule,
-    /// Warm-up steps.
-    pub warmup_steps: u64,
-    /// Optimizer.
-    pub optimizer: OptimizerConfig,
-    /// Compute threads per node.
-    pub threads: usize,
-    /// Seed.
-    pub seed: u64,
     /// Stages, one per rank.
     pub partition: Vec<StagePlan>,
     /// The last block of layers, when the master holds it as well (U-shaped ring).
@@ -78,23 +56,6 @@ pub struct RingJob {
     pub head: Option<StagePlan>,
     /// Emulated relative speed per rank (1 = full speed).
     pub node_speeds: Vec<f64>,
-    /// Steps in the run (after `max_steps`).
-    pub total_steps: u64,
-    /// Steps the learning-rate schedule spans.
-    pub schedule_steps: u64,
-    /// Mini-batches per epoch.
-    pub steps_per_epoch: u64,
-    /// Seconds to wait for any one message.
-    pub recv_timeout_secs: f64,
-    /// Checkpoint every this many steps (and at the end); 0 = never.
-    #[serde(default)]
-    pub checkpoint_every: u64,
-    /// Keep only this many newest checkpoints (`None`: all).
-    #[serde(default)]
-    pub keep_checkpoints: Option<usize>,
-    /// Output directory of the run (checkpoints go to `<out>/checkpoints/`).
-    #[serde(default)]
-    pub out: std::path::PathBuf,
     /// Synchronous schedules: compute each stage's linear weight gradients once per mini-batch
     /// (one GEMM over all its rows) instead of once per micro-batch; keeps those layers' inputs
     /// until the step.
@@ -104,27 +65,16 @@ pub struct RingJob {
     /// (0 = the number of nodes).
     #[serde(default)]
     pub in_flight: usize,
-    /// Checkpoint to start from (every node loads its layers from it, by name, whatever
-    /// partition wrote it), and the step it was taken at.
-    #[serde(default)]
-    pub resume: Option<(std::path::PathBuf, u64)>,
 }
 
 impl RingJob {
     /// The learning rate of mini-batch `step` (the schedule spans the whole run).
     fn lr_at(&self, step: u64) -> f32 {
-        self.lr_schedule.rate(
-            self.lr,
-            step,
-            self.schedule_steps,
-            self.steps_per_epoch,
-            self.warmup_steps,
-        )
+        self.spec.lr_at(step)
     }
 
     fn layers(&self) -> Result<Vec<Layer>> {
-        let (h, w, c) = self.input;
-        Ok(self.model.build(&Shape::image(h, w, c), self.classes)?)
+        self.spec.layers()
     }
 
     fn stage(&self, rank: u32) -> Result<(Stage, StagePlan)> {
@@ -141,22 +91,27 @@ impl RingJob {
             .get(rank as usize)
             .cloned()
             .ok_or_else(|| Error::Config(format!("no stage for rank {rank}")))?;
-        let stage = Stage::new(&layers, plan.start..plan.end, self.seed, self.threads);
+        let stage = Stage::new(
+            &layers,
+            plan.start..plan.end,
+            self.spec.seed,
+            self.spec.threads,
+        );
         Ok((stage, plan))
     }
 
     fn recv_timeout(&self) -> Duration {
-        Duration::from_secs_f64(self.recv_timeout_secs.max(0.001))
+        self.spec.recv_timeout()
     }
 
     /// The step training starts at (0, or the resumed checkpoint's).
     pub fn first_step(&self) -> u64 {
-        self.resume.as_ref().map_or(0, |(_, s)| *s)
+        self.spec.first_step()
     }
 
     /// Loads this node's stage and optimizer state from the resume checkpoint, if any.
     fn load(&self, stage: &mut Stage, optimizer: &mut Optimizer) -> Result<()> {
-        if let Some((dir, _)) = &self.resume {
+        if let Some(ResumePoint { dir, .. }) = &self.spec.resume_from {
             let manifest = checkpoint::read_manifest(dir)?;
             checkpoint::read_stage(dir, &manifest, stage, optimizer)?;
         }
@@ -164,11 +119,13 @@ impl RingJob {
     }
 
     fn checkpoint_due(&self, done: u64) -> bool {
-        self.checkpoint_every > 0 && (done % self.checkpoint_every == 0 || done == self.total_steps)
+        self.spec.checkpoint_every > 0
+            && (done % self.spec.checkpoint_every == 0 || done == self.spec.total_steps)
     }
 
     fn checkpoint_dir(&self, step: u64) -> std::path::PathBuf {
-        self.out
+        self.spec
+            .out
             .join("checkpoints")
             .join(checkpoint::checkpoint_dir_name(step))
     }
@@ -217,24 +174,24 @@ impl RingJob {
             format: checkpoint::MANIFEST_FORMAT,
             strategy: "ring".into(),
             step,
-            epoch: step / self.steps_per_epoch,
-            batch_in_epoch: step % self.steps_per_epoch,
-            dataset: self.dataset.clone(),
-            batch_size: self.batch_size,
-            seed: self.seed,
-            model: self.model.clone(),
+            epoch: step / self.spec.steps_per_epoch,
+            batch_in_epoch: step % self.spec.steps_per_epoch,
+            dataset: self.spec.dataset.clone(),
+            batch_size: self.spec.batch_size,
+            seed: self.spec.seed,
+            model: self.spec.model.clone(),
             partition: self
                 .partition
                 .iter()
                 .chain(&self.head)
                 .map(|p| (p.start, p.end))
                 .collect(),
-            optimizer: self.optimizer.clone(),
+            optimizer: self.spec.optimizer.clone(),
             files,
         };
         checkpoint::write_manifest(&dir, &manifest)?;
-        if let Some(keep) = self.keep_checkpoints {
-            checkpoint::retain_newest(&self.out.join("checkpoints"), keep)?;
+        if let Some(keep) = self.spec.keep_checkpoints {
+            checkpoint::retain_newest(&self.spec.out.join("checkpoints"), keep)?;
         }
         Ok(dir)
     }
@@ -336,24 +293,29 @@ pub fn run_master(
     let n = job.partition.len() as u32;
     let (succ, pred) = (1 % n, n - 1);
     let (mut stage, plan) = job.stage(0)?;
-    let mut optimizer = Optimizer::new(job.optimizer.clone(), stage.params().len());
+    let mut optimizer = Optimizer::new(job.spec.optimizer.clone(), stage.params().len());
     stage.set_weight_stashing(job.schedule == Schedule::Async);
     job.load(&mut stage, &mut optimizer)?;
     let mut head = match &job.head {
         Some(plan) => {
             let layers = job.layers()?;
-            let mut stage = Stage::new(&layers, plan.start..plan.end, job.seed, job.threads);
+            let mut stage = Stage::new(
+                &layers,
+                plan.start..plan.end,
+                job.spec.seed,
+                job.spec.threads,
+            );
             stage.set_input_grad(true);
             stage.set_deferred_weight_grads(
                 job.defer_weight_grads && job.schedule != Schedule::Async,
             );
-            let mut optimizer = Optimizer::new(job.optimizer.clone(), stage.params().len());
+            let mut optimizer = Optimizer::new(job.spec.optimizer.clone(), stage.params().len());
             job.load(&mut stage, &mut optimizer)?;
             Some(MasterHead { stage, optimizer })
         }
         None => None,
     };
-    let mut batches = BatchPlan::new(setup.data.train.len(), job.batch_size, job.seed)?;
+    let mut batches = BatchPlan::new(setup.data.train.len(), job.spec.batch_size, job.spec.seed)?;
     let mut clock = NodeClock::new(net, job.node_speeds.first().copied().unwrap_or(1.0));
     std::fs::create_dir_all(setup.out).map_err(|e| Error::Io {
         path: setup.out.to_path_buf(),
@@ -362,14 +324,14 @@ pub fn run_master(
     let mut write = crate::local::metrics_log(setup.out, job.first_step() > 0)?;
     write(
         json!({"event": "start", "strategy": "ring", "schedule": job.schedule.name(), "nodes": n,
-        "micro_batches": job.micro_batches, "model": job.model.name, "partition": job.partition, "total_steps": job.total_steps}),
+        "micro_batches": job.micro_batches, "model": job.spec.model.name, "partition": job.partition, "total_steps": job.spec.total_steps}),
     )?;
     let layers = job.layers()?;
     let count = |start: usize, end: usize| -> usize {
         layers[start..end].iter().map(|l| l.param_count()).sum()
     };
     on_event(&Event::Started {
-        total_steps: job.total_steps,
+        total_steps: job.spec.total_steps,
         first_step: job.first_step(),
         params: count(0, layers.len()),
         // The master's share includes the head it holds (U-shape).
@@ -391,9 +353,9 @@ pub fn run_master(
     let (mut train_seconds, mut samples) = (0.0f64, 0u64);
     let (mut epoch_loss, mut epoch_batches, mut last_epoch_loss) = (0.0f64, 0u64, f64::NAN);
     let (mut x, mut labels) = (Vec::new(), Vec::new());
-    for step in job.first_step()..job.total_steps {
+    for step in job.first_step()..job.spec.total_steps {
         let t_step = time.now();
-        let epoch = step / job.steps_per_epoch;
+        let epoch = step / job.spec.steps_per_epoch;
         let lr = job.lr_at(step);
         let (step_loss, rows_total) = if job.schedule == Schedule::Async {
             pipe.run_minibatch(
@@ -409,9 +371,9 @@ pub fn run_master(
                 net,
             )?
         } else {
-            let epoch = step / job.steps_per_epoch;
+            let epoch = step / job.spec.steps_per_epoch;
             let indices = batches
-                .batch(epoch, (step % job.steps_per_epoch) as usize)
+                .batch(epoch, (step % job.spec.steps_per_epoch) as usize)
                 .to_vec();
             let rows_total = indices.len();
             let parts: Vec<Vec<u32>> = (0..job.micro_batches)
@@ -467,7 +429,7 @@ pub fn run_master(
                         let rows = parts[mb].len();
                         let pass = Pass {
                             train: true,
-                            seed: job.seed,
+                            seed: job.spec.seed,
                             step,
                             row_offset: mini.offsets[mb],
                         };
@@ -529,7 +491,7 @@ pub fn run_master(
             loss: mean_loss,
             samples_per_second: samples as f64 / train_seconds.max(1e-9),
         });
-        let epoch_end = done % job.steps_per_epoch == 0;
+        let epoch_end = done % job.spec.steps_per_epoch == 0;
         if epoch_end {
             last_epoch_loss = epoch_loss / epoch_batches as f64;
             (epoch_loss, epoch_batches) = (0.0, 0);
@@ -643,20 +605,20 @@ pub fn run_master(
         schedule: Some(job.schedule.name().into()),
         consistency: None,
         nodes: n,
-        model: job.model.name.clone(),
+        model: job.spec.model.name.clone(),
         model_params,
-        dataset: job.dataset.clone(),
-        epochs: job.epochs,
-        batch_size: job.batch_size as u32,
+        dataset: job.spec.dataset.clone(),
+        epochs: job.spec.epochs,
+        batch_size: job.spec.batch_size as u32,
         micro_batches: job.micro_batches as u32,
-        seed: job.seed,
-        optimizer: match job.optimizer {
+        seed: job.spec.seed,
+        optimizer: match job.spec.optimizer {
             OptimizerConfig::Sgd { .. } => "sgd".into(),
             OptimizerConfig::Adam { .. } => "adam".into(),
         },
-        lr: job.lr,
-        threads: job.threads as u32,
-        steps: job.total_steps,
+        lr: job.spec.lr,
+        threads: job.spec.threads as u32,
+        steps: job.spec.total_steps,
         samples,
         final_train_loss: last_epoch_loss,
         final_test_accuracy: tracker.last,
@@ -683,7 +645,7 @@ pub fn run_master(
         .write(&path)
         .map_err(|e| Error::Io { path, source: e })?;
     write(
-        json!({"event": "end", "steps": job.total_steps, "final_test_accuracy": summary.final_test_accuracy}),
+        json!({"event": "end", "steps": job.spec.total_steps, "final_test_accuracy": summary.final_test_accuracy}),
     )?;
     Ok(MasterOutcome {
         summary,
@@ -743,7 +705,7 @@ impl MiniBatch {
                     .ok_or_else(|| protocol(net, from, "logits"))?;
                 let pass = Pass {
                     train: true,
-                    seed: job.seed,
+                    seed: job.spec.seed,
                     step: self.step,
                     row_offset: self.offsets[mb],
                 };
@@ -807,14 +769,20 @@ fn loss_site(
     match head {
         None => {
             dlogits.resize(x.len(), 0.0);
-            let out = loss::softmax_cross_entropy(x, labels, job.classes, scale, &mut dlogits)?;
+            let out =
+                loss::softmax_cross_entropy(x, labels, job.spec.classes, scale, &mut dlogits)?;
             Ok((out.loss_sum, dlogits))
         }
         Some(h) => {
             let logits = h.stage.forward(mb, x, labels.len(), pass)?.to_vec();
             dlogits.resize(logits.len(), 0.0);
-            let out =
-                loss::softmax_cross_entropy(&logits, labels, job.classes, scale, &mut dlogits)?;
+            let out = loss::softmax_cross_entropy(
+                &logits,
+                labels,
+                job.spec.classes,
+                scale,
+                &mut dlogits,
+            )?;
             let dx = h
                 .stage
                 .backward(mb, &dlogits)?
@@ -828,8 +796,8 @@ fn loss_site(
 /// Whether the master evaluates after `done` steps: every epoch end, the last step, and every
 /// `eval_every` steps.
 fn eval_due(job: &RingJob, setup: &MasterSetup<'_>, done: u64) -> bool {
-    done % job.steps_per_epoch == 0
-        || done == job.total_steps
+    done % job.spec.steps_per_epoch == 0
+        || done == job.spec.total_steps
         || (setup.eval_every > 0 && done % setup.eval_every == 0)
 }
 
@@ -837,9 +805,9 @@ fn eval_due(job: &RingJob, setup: &MasterSetup<'_>, done: u64) -> bool {
 /// empty (an evaluation or a checkpoint follows it): micro-batches beyond it must not start
 /// before it, or they would still be in the ring when the evaluation's chunks go round.
 fn next_flush(job: &RingJob, setup: &MasterSetup<'_>, step: u64) -> u64 {
-    (step + 1..=job.total_steps)
+    (step + 1..=job.spec.total_steps)
         .find(|&done| job.checkpoint_due(done) || eval_due(job, setup, done))
-        .unwrap_or(job.total_steps)
+        .unwrap_or(job.spec.total_steps)
 }
 
 /// The master's side of the `async` schedule. Micro-batch `k` (global, in data order) is part
@@ -923,14 +891,17 @@ impl AsyncPipe {
                 let k = self.forwarded;
                 let (s, part) = (k / m, (k % m) as usize);
                 let indices = batches
-                    .batch(s / job.steps_per_epoch, (s % job.steps_per_epoch) as usize)
+                    .batch(
+                        s / job.spec.steps_per_epoch,
+                        (s % job.spec.steps_per_epoch) as usize,
+                    )
                     .to_vec();
                 let rows = shard(&indices, part, job.micro_batches)?.to_vec();
                 setup.data.train.gather(&rows, &mut self.x, &mut self.y);
                 self.labels.insert(k, self.y.clone());
                 let pass = Pass {
                     train: true,
-                    seed: job.seed,
+                    seed: job.spec.seed,
                     step: s,
                     row_offset: micro_offset(job, part),
                 };
@@ -970,7 +941,7 @@ impl AsyncPipe {
         }
         Ok((
             self.losses.remove(&step).unwrap_or(f64::NAN),
-            job.batch_size,
+            job.spec.batch_size,
         ))
     }
 }
@@ -1008,7 +979,7 @@ impl AsyncLossSide<'_> {
                 tensor_values(&bytes, h.dtype, self.values);
                 let pass = Pass {
                     train: true,
-                    seed: job.seed,
+                    seed: job.spec.seed,
                     step: k / m,
                     row_offset: micro_offset(job, (k % m) as usize),
                 };
@@ -1158,7 +1129,7 @@ fn evaluate(
                 };
                 dlogits.resize(logits.len(), 0.0);
                 let scored =
-                    loss::softmax_cross_entropy(logits, l, job.classes, 0.0, &mut dlogits)?;
+                    loss::softmax_cross_entropy(logits, l, job.spec.classes, 0.0, &mut dlogits)?;
                 correct += scored.correct;
                 loss_sum += scored.loss_sum;
                 received += 1;
@@ -1279,7 +1250,7 @@ impl RingNode {
         let (mut stage, plan) = job.stage(rank)?;
         stage.set_input_grad(true);
         stage.set_weight_stashing(stashing);
-        let mut optimizer = Optimizer::new(job.optimizer.clone(), stage.params().len());
+        let mut optimizer = Optimizer::new(job.spec.optimizer.clone(), stage.params().len());
         job.load(&mut stage, &mut optimizer)?;
         Ok(Self {
             rank,
@@ -1312,7 +1283,7 @@ impl RingNode {
         let (header_step, id) = header;
         let pass = Pass {
             train: true,
-            seed: job.seed,
+            seed: job.spec.seed,
             step,
             row_offset: micro_offset(job, micro),
         };
@@ -1417,8 +1388,8 @@ impl RingNode {
 /// Row offset of micro-batch `mb` within its mini-batch (the same split as the master's).
 fn micro_offset(job: &RingJob, mb: usize) -> usize {
     let (base, extra) = (
-        job.batch_size / job.micro_batches,
-        job.batch_size % job.micro_batches,
+        job.spec.batch_size / job.micro_batches,
+        job.spec.batch_size % job.micro_batches,
     );
     mb * base + mb.min(extra)
 }

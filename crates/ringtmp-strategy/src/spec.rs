@@ -1,0 +1,145 @@
+//! What every strategy's job shares: the run's configuration as the user gave it
+//! ([`TrainConfig`]) and what follows from it and the data (input shape, classes, steps per epoch,
+//! where a resumed run starts). A job is planned on rank 0 and handed to every node, or read back
+//! from `job.json`; [`RunSpec::validate`] checks it before any node uses it, since either way it
+//! comes from outside the process.
+
+use std::ops::Deref;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use ringtmp_data::Dataset;
+use ringtmp_model::{Layer, Shape, checkpoint};
+use serde::{Deserialize, Serialize};
+
+use crate::config::TrainConfig;
+use crate::error::{Error, Result};
+
+/// The checkpoint a run resumes from, resolved and checked on rank 0.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ResumePoint {
+    /// The checkpoint directory (with its manifest).
+    pub dir: PathBuf,
+    /// The step it was taken at: the run continues from there.
+    pub step: u64,
+}
+
+/// The shared part of every strategy's job. Dereferences to its [`TrainConfig`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunSpec {
+    /// The run's configuration.
+    #[serde(flatten)]
+    pub config: TrainConfig,
+    /// Per-sample input shape `(height, width, channels)`.
+    pub input: (usize, usize, usize),
+    /// Classes.
+    pub classes: usize,
+    /// Optimizer steps (global iterations) per epoch.
+    pub steps_per_epoch: u64,
+    /// Steps the learning-rate schedule spans (every epoch, even when `max_steps` stops early).
+    pub schedule_steps: u64,
+    /// Steps this run takes in total (after `max_steps`).
+    pub total_steps: u64,
+    /// Where a resumed run starts.
+    #[serde(default)]
+    pub resume_from: Option<ResumePoint>,
+}
+
+impl Deref for RunSpec {
+    type Target = TrainConfig;
+
+    fn deref(&self) -> &TrainConfig {
+        &self.config
+    }
+}
+
+impl RunSpec {
+    /// The spec of `config` on `data` when every step consumes `global_batch` examples (the
+    /// mini-batch, or the data-parallel workers' batches together).
+    pub fn new(config: TrainConfig, data: &Dataset, global_batch: usize) -> Result<Self> {
+        if global_batch == 0 || global_batch > data.train.len() {
+            return Err(Error::Config(format!(
+                "a step of {global_batch} examples does not fit the {} training examples",
+                data.train.len()
+            )));
+        }
+        let steps_per_epoch = (data.train.len() / global_batch) as u64;
+        let schedule_steps = steps_per_epoch * u64::from(config.epochs);
+        let total_steps = config.max_steps.unwrap_or(u64::MAX).min(schedule_steps);
+        Ok(Self {
+            config,
+            input: data.input,
+            classes: data.classes,
+            steps_per_epoch,
+            schedule_steps,
+            total_steps,
+            resume_from: None,
+        })
+    }
+
+    /// Checks a spec that came from a file or the network before anything uses it: every
+    /// division and loop bound it feeds must be well defined.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |what: String| Err(Error::Config(format!("invalid job: {what}")));
+        let (h, w, c) = self.input;
+        if h == 0 || w == 0 || c == 0 || self.classes == 0 {
+            return bad(format!("input {h}×{w}×{c} with {} classes", self.classes));
+        }
+        if self.steps_per_epoch == 0 {
+            return bad("zero steps per epoch".into());
+        }
+        if self.total_steps > self.schedule_steps {
+            return bad(format!(
+                "{} steps but the schedule spans {}",
+                self.total_steps, self.schedule_steps
+            ));
+        }
+        if self.first_step() > self.total_steps {
+            return bad(format!(
+                "resumes at step {} of {}",
+                self.first_step(),
+                self.total_steps
+            ));
+        }
+        self.config.clone().validate().map(|_| ())
+    }
+
+    /// The learning rate of step `step` (the schedule spans the whole run).
+    pub fn lr_at(&self, step: u64) -> f32 {
+        self.schedule.rate(
+            self.lr,
+            step,
+            self.schedule_steps,
+            self.steps_per_epoch,
+            self.warmup_steps,
+        )
+    }
+
+    /// The model's layers with their shapes.
+    pub fn layers(&self) -> Result<Vec<Layer>> {
+        let (h, w, c) = self.input;
+        Ok(self.model.build(&Shape::image(h, w, c), self.classes)?)
+    }
+
+    /// How long a node waits for any one message.
+    pub fn recv_timeout(&self) -> Duration {
+        Duration::from_secs_f64(self.recv_timeout_secs.max(0.001))
+    }
+
+    /// The step training starts at (0, or the resumed checkpoint's).
+    pub fn first_step(&self) -> u64 {
+        self.resume_from.as_ref().map_or(0, |r| r.step)
+    }
+
+    /// Whether a checkpoint is due after `done` steps (every `checkpoint_every`, and at the end).
+    pub fn checkpoint_due(&self, done: u64) -> bool {
+        self.checkpoint_every > 0 && (done % self.checkpoint_every == 0 || done == self.total_steps)
+    }
+
+    /// Where the checkpoint of step `step` goes.
+    pub fn checkpoint_dir(&self, step: u64) -> PathBuf {
+        self.out
+            .join("checkpoints")
+            .join(checkpoint::checkpoint_dir_name(step))
+    }
+}
