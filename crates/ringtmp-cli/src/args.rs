@@ -7,39 +7,12 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use ringtmp_model::{LrSchedule, ModelSpec, OptimizerConfig};
-use ringtmp_strategy::TrainConfig;
+use ringtmp_strategy::param_server::plan::PsOptions;
+use ringtmp_strategy::ring::plan::RingOptions;
+use ringtmp_strategy::{Job, StrategyOptions, TrainConfig};
 use serde::{Deserialize, Serialize};
 
 use crate::UsageError;
-
-/// How nodes cooperate.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum Strategy {
-    /// One process trains the whole model (the oracle for every other strategy).
-    Local,
-    /// RingTMP: each node holds a block of layers; the master holds data and labels.
-    Ring,
-    /// Parameter server: `--servers` shard the parameters, the other nodes are workers.
-    Ps,
-}
-
-/// Pipeline schedule of the ring.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
-pub enum ScheduleKind {
-    /// All forwards, then all backwards (synchronous SGD).
-    #[value(name = "gpipe")]
-    #[serde(rename = "gpipe")]
-    Gpipe,
-    /// One-forward-one-backward with a flush (synchronous SGD, bounded activation memory).
-    #[value(name = "1f1b")]
-    #[serde(rename = "1f1b")]
-    OneFOneB,
-    /// No flush; a step after every micro-batch with weight stashing (PipeDream).
-    #[value(name = "async")]
-    #[serde(rename = "async")]
-    Async,
-}
 
 /// Optimizer choice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
@@ -54,54 +27,30 @@ pub enum OptimizerKind {
 /// `ringtmp train` options. Every field is optional so that flags, the config file and the
 /// defaults can be layered.
 #[derive(Args, Clone, Debug, Default, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case", deny_unknown_fields)]
+#[serde(rename_all = "kebab-case")]
 pub struct TrainArgs {
     /// TOML file with any of these options (keys as the long flags, e.g. `batch-size = 64`);
     /// flags given on the command line override it.
     #[arg(long, value_name = "FILE")]
     #[serde(skip)]
     pub config: Option<PathBuf>,
-    /// Strategy [default: ring].
-    #[arg(long, value_enum)]
-    pub strategy: Option<Strategy>,
-    /// Node processes to launch locally (distributed strategies) [default: 4 for ring].
+    /// Strategy: local, ring or ps [default: ring].
+    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(Job::NAMES))]
+    pub strategy: Option<String>,
+    /// Node processes to launch locally (distributed strategies) [default: 4].
     #[arg(long)]
     pub nodes: Option<u32>,
-    /// Parameter server: server nodes (the rest are workers) [default: 1].
-    #[arg(long)]
-    pub servers: Option<usize>,
-    /// Parameter server: bsp, ssp:S, asp or dssp:L:U [default: bsp].
-    #[arg(long, value_name = "MODEL")]
-    pub consistency: Option<String>,
-    /// Parameter server: keep training without a dead worker even under bsp.
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub drop_dead_workers: Option<bool>,
-    /// Ring: pipeline schedule [default: async].
-    #[arg(long, value_enum)]
-    pub schedule: Option<ScheduleKind>,
-    /// Ring: micro-batches per mini-batch [default: 1 under async, else the number of nodes].
-    #[arg(long)]
-    pub micro_batches: Option<usize>,
-    /// Ring, async schedule: most micro-batches in flight [default: the number of nodes].
-    #[arg(long, value_name = "W")]
-    pub in_flight: Option<usize>,
-    /// Ring: layer ranges per node instead of the planner, e.g. `0:4,4:8,8:10`.
-    #[arg(long, value_name = "RANGES")]
-    pub partition: Option<String>,
+    /// The ring's options.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub ring: RingOptions,
+    /// The parameter server's options.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub ps: PsOptions,
     /// Emulate a slower node: RANK:FACTOR with 0 < FACTOR ≤ 1 (repeatable).
     #[arg(long, value_name = "RANK:FACTOR")]
     pub node_speed: Option<Vec<String>>,
-    /// Ring: memory each node may use for its stage, e.g. `200M`, or per node `1:200M,2:1G`.
-    #[arg(long, value_name = "BYTES")]
-    pub node_memory_limit: Option<String>,
-    /// Ring (gpipe, 1f1b): compute linear weight gradients once per mini-batch rather than per
-    /// micro-batch (faster; keeps those layers' inputs until the step) [default: true].
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub defer_weight_grads: Option<bool>,
-    /// Ring: the master also holds the last layers (U-shape), so the final activations and
-    /// logits never reach another node.
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub master_holds_head: Option<bool>,
     /// Pin each local node process to its own core (when there are enough cores).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub pin: Option<bool>,
@@ -205,6 +154,8 @@ macro_rules! layer_options {
             crash_after_ms: $flags.crash_after_ms,
             freeze_rank: $flags.freeze_rank,
             freeze_after_ms: $flags.freeze_after_ms,
+            ring: $flags.ring.merged_over(&$file.ring),
+            ps: $flags.ps.merged_over(&$file.ps),
             $($field: $flags.$field.clone().or($file.$field.clone())),*
         }
     };
@@ -218,6 +169,7 @@ impl TrainArgs {
         };
         let text = std::fs::read_to_string(path)
             .map_err(|e| UsageError(format!("config file {}: {e}", path.display())))?;
+        check_config_keys(path, &text)?;
         let file: TrainArgs = toml::from_str(&text).map_err(|e| {
             UsageError(format!(
                 "config file {}: {}",
@@ -242,17 +194,7 @@ impl TrainArgs {
             file,
             strategy,
             nodes,
-            servers,
-            consistency,
-            drop_dead_workers,
-            schedule,
-            micro_batches,
-            in_flight,
-            defer_weight_grads,
-            master_holds_head,
-            partition,
             node_speed,
-            node_memory_limit,
             pin,
             model,
             model_file,
@@ -284,62 +226,42 @@ impl TrainArgs {
     /// Refuses options that the chosen strategy would ignore (from flags and config files alike),
     /// so nothing a user asked for is silently dropped.
     pub fn check_applicable(&self) -> Result<()> {
-        use Strategy::{Ps, Ring};
         let strategy = self.strategy();
-        let set = |present: bool, flag: &str, applies: &[Strategy]| -> Result<()> {
-            if !present || applies.contains(&strategy) {
-                return Ok(());
-            }
-            let names: Vec<String> = applies
-                .iter()
-                .map(|s| format!("{s:?}").to_lowercase())
-                .collect();
-            Err(UsageError(format!(
-                "--{flag} applies to --strategy {} only; this run uses {}",
-                names.join(" or "),
-                format!("{strategy:?}").to_lowercase()
-            ))
-            .into())
-        };
-        set(self.servers.is_some(), "servers", &[Ps])?;
-        set(self.consistency.is_some(), "consistency", &[Ps])?;
-        set(self.drop_dead_workers.is_some(), "drop-dead-workers", &[Ps])?;
-        set(self.schedule.is_some(), "schedule", &[Ring])?;
-        set(self.micro_batches.is_some(), "micro-batches", &[Ring])?;
-        set(self.in_flight.is_some(), "in-flight", &[Ring])?;
-        set(self.partition.is_some(), "partition", &[Ring])?;
-        set(
-            self.node_memory_limit.is_some(),
-            "node-memory-limit",
-            &[Ring],
-        )?;
-        set(
-            self.defer_weight_grads.is_some(),
-            "defer-weight-grads",
-            &[Ring],
-        )?;
-        set(
-            self.master_holds_head.is_some(),
-            "master-holds-head",
-            &[Ring],
-        )?;
-        set(self.node_speed.is_some(), "node-speed", &[Ring, Ps])?;
-        set(self.pin.is_some(), "pin", &[Ring, Ps])?;
-        set(self.nodes.is_some_and(|n| n != 1), "nodes", &[Ring, Ps])?;
-        if let Some(w) = self.in_flight {
-            if w == 0 {
-                return Err(UsageError("--in-flight must be at least 1".into()).into());
-            }
-            if self.schedule.is_some_and(|s| s != ScheduleKind::Async) {
-                return Err(UsageError(
-                    "--in-flight applies to the async schedule only (gpipe and 1f1b keep their \
-                     micro-batches in flight)"
-                        .into(),
-                )
+        let mut own: Vec<(&str, Vec<String>)> =
+            vec![("ring", self.ring.given()), ("ps", self.ps.given())];
+        let distributed: Vec<String> = [
+            ("nodes", self.nodes.is_some_and(|n| n != 1)),
+            ("node-speed", self.node_speed.is_some()),
+            ("pin", self.pin.is_some()),
+        ]
+        .into_iter()
+        .filter(|(_, set)| *set)
+        .map(|(flag, _)| flag.to_string())
+        .collect();
+        if strategy == "local" {
+            own.push(("ring or ps", distributed));
+        }
+        for (name, flags) in own {
+            if name != strategy
+                && let Some(flag) = flags.first()
+            {
+                return Err(UsageError(format!(
+                    "--{flag} applies to --strategy {name} only; this run uses {strategy}"
+                ))
                 .into());
             }
         }
-        Ok(())
+        self.ring
+            .check()
+            .map_err(|e| UsageError(e.to_string()).into())
+    }
+
+    /// Every strategy's options.
+    pub fn strategy_options(&self) -> StrategyOptions {
+        StrategyOptions {
+            ring: self.ring.clone(),
+            ps: self.ps.clone(),
+        }
     }
 
     /// With `--resume` and no `--batch-size`, takes the checkpoint's global batch (split over this
@@ -357,11 +279,11 @@ impl TrainArgs {
             return Ok(());
         };
         let workers = match self.strategy() {
-            Strategy::Ps => {
+            "ps" => {
                 let nodes = self.nodes.unwrap_or(4) as usize;
-                nodes.saturating_sub(self.servers.unwrap_or(1)).max(1)
+                nodes.saturating_sub(self.ps.servers.unwrap_or(1)).max(1)
             }
-            Strategy::Local | Strategy::Ring => 1,
+            _ => 1,
         };
         if manifest.batch_size % workers != 0 {
             return Err(UsageError(format!(
@@ -385,9 +307,9 @@ impl TrainArgs {
         Ok(())
     }
 
-    /// The chosen strategy.
-    pub fn strategy(&self) -> Strategy {
-        self.strategy.unwrap_or(Strategy::Ring)
+    /// The chosen strategy's name.
+    pub fn strategy(&self) -> &str {
+        self.strategy.as_deref().unwrap_or("ring")
     }
 
     /// The dataset name.
@@ -469,7 +391,42 @@ impl TrainArgs {
             recv_timeout_secs: self
                 .recv_timeout
                 .unwrap_or(ringtmp_strategy::DEFAULT_RECV_TIMEOUT_SECS),
+            default_lr: self.lr.is_none(),
         };
         config.validate().context("invalid training options")
     }
+}
+
+/// Refuses a config file key that is no `ringtmp train` option (a typo would otherwise be
+/// ignored: the options of the strategies are flattened, which serde cannot check by itself).
+fn check_config_keys(path: &std::path::Path, text: &str) -> Result<()> {
+    use clap::CommandFactory;
+    let table: toml::Table = toml::from_str(text).map_err(|e| {
+        UsageError(format!(
+            "config file {}: {}",
+            path.display(),
+            e.to_string().trim_end()
+        ))
+    })?;
+    let command = crate::Cli::command();
+    let train = command
+        .find_subcommand("train")
+        .context("the train command's options")?;
+    let known: Vec<&str> = train
+        .get_arguments()
+        .filter(|a| !a.is_hide_set())
+        .filter_map(|a| a.get_long())
+        .filter(|long| *long != "config")
+        .collect();
+    for key in table.keys() {
+        if !known.contains(&key.as_str()) {
+            return Err(UsageError(format!(
+                "config file {}: unknown option `{key}` (the keys are the long flags of `ringtmp \
+                 train`, e.g. batch-size)",
+                path.display()
+            ))
+            .into());
+        }
+    }
+    Ok(())
 }

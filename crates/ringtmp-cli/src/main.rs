@@ -9,9 +9,6 @@ mod bench;
 mod bench_transport;
 mod launcher;
 mod node;
-mod ps_node;
-mod ps_setup;
-mod ring_setup;
 mod run_dir;
 mod train;
 

@@ -5,25 +5,23 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, anyhow};
 use clap::{Args, ValueEnum};
 use ringtmp_cluster::launch::{LaunchFlags, resolve};
-use ringtmp_cluster::node::{JoinOptions, join, ring_neighbours};
+use ringtmp_cluster::node::{JoinOptions, join};
+use ringtmp_strategy::job::ring_neighbours;
 use ringtmp_strategy::selftest::{self, SelftestConfig};
+use ringtmp_strategy::{Job, NodeCx};
 use ringtmp_transport::{Shaping, TransportConfig};
 use serde::{Deserialize, Serialize};
 
 use crate::UsageError;
 use crate::args::TrainArgs;
-use crate::ring_setup::ring_job;
-use ringtmp_cluster::node::star_neighbours;
-use ringtmp_strategy::param_server::driver::PsJob;
-use ringtmp_strategy::ring::driver::{MasterSetup, RingJob, run_master, run_worker};
 
 /// What the nodes run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
-pub enum Job {
+pub enum NodeJob {
     /// Connectivity check and link measurements around the ring.
     Selftest,
     /// Training with the options of `--config` (rank 0's file).
@@ -39,8 +37,8 @@ pub(crate) enum Settings {
         rounds: u32,
         pings: u32,
     },
-    Train(Box<RingJob>),
-    Ps(Box<PsJob>),
+    /// A training job of any strategy (tagged by its `strategy`).
+    Train(Box<Job>),
 }
 
 /// Job settings; rank 0's are handed to every node at rendezvous.
@@ -49,7 +47,7 @@ pub(crate) enum Settings {
 pub struct JobArgs {
     /// The job.
     #[arg(long, value_enum, default_value = "selftest")]
-    pub job: Job,
+    pub job: NodeJob,
     /// Selftest: MiB per tensor in the bandwidth rounds.
     #[arg(long, default_value_t = 4.0)]
     pub size_mib: f64,
@@ -99,9 +97,10 @@ pub struct ConnectArgs {
     /// Seconds of silence after which a peer is declared dead.
     #[arg(long, default_value_t = 5.0)]
     pub peer_timeout: f64,
-    /// Seconds to wait for any one message before giving up.
-    #[arg(long, default_value_t = 30.0)]
-    pub recv_timeout: f64,
+    /// Seconds to wait for any one message before giving up [default: 30 for the selftest; for
+    /// training, the run's own --recv-timeout (300)].
+    #[arg(long)]
+    pub recv_timeout: Option<f64>,
     /// Emulated bandwidth of every outgoing link, in Mbit/s.
     #[arg(long)]
     pub bandwidth_mbit: Option<f64>,
@@ -214,66 +213,14 @@ pub fn run(args: &NodeArgs) -> Result<()> {
         transport,
     };
     // Rank 0 decides what everybody runs; the others' job options are ignored.
-    let mut master = None;
     let settings = if placement.rank == 0 {
         match args.job.job {
-            Job::Selftest => Settings::Selftest {
+            NodeJob::Selftest => Settings::Selftest {
                 size_mib: args.job.size_mib,
                 rounds: args.job.rounds,
                 pings: args.job.pings,
             },
-            Job::Train => {
-                let path = args.job.config.clone().ok_or_else(|| {
-                    UsageError("--job train needs --config FILE on rank 0".into())
-                })?;
-                let mut train_args = TrainArgs {
-                    config: Some(path),
-                    ..Default::default()
-                }
-                .merged()?;
-                train_args.check_applicable()?;
-                if let Some(n) = train_args.nodes
-                    && n != placement.world_size
-                {
-                    return Err(UsageError(format!(
-                        "the options say nodes = {n}, but the launcher started {} nodes",
-                        placement.world_size
-                    ))
-                    .into());
-                }
-                train_args.nodes = Some(placement.world_size);
-                train_args.adopt_checkpoint_batch()?;
-                let data = crate::train::load_dataset(&train_args, args.job.job_file.is_none())?;
-                let cfg = train_args.resolve(data.classes)?;
-                // Plan with the output directory chosen here (the default one is time-stamped).
-                train_args.out = Some(cfg.out.clone());
-                if args.job.job_file.is_none() {
-                    // Under an external launcher this is the first look at the directory (the
-                    // local launcher has prepared it already).
-                    crate::run_dir::prepare(
-                        &cfg.out,
-                        cfg.resume.as_deref(),
-                        train_args.overwrite.unwrap_or(false),
-                    )?;
-                }
-                let settings = match &args.job.job_file {
-                    // Planned by the local launcher already (so the plan it printed is the one run).
-                    Some(file) => {
-                        let text = std::fs::read_to_string(file)
-                            .with_context(|| format!("reading {}", file.display()))?;
-                        serde_json::from_str(&text)
-                            .with_context(|| format!("{} is not a job file", file.display()))?
-                    }
-                    None => plan_job(&train_args, &data, placement.world_size)?,
-                };
-                crate::train::init_threads(match &settings {
-                    Settings::Train(job) => job.spec.threads,
-                    Settings::Ps(job) => job.spec.threads,
-                    Settings::Selftest { .. } => 1,
-                })?;
-                master = Some((data, cfg));
-                settings
-            }
+            NodeJob::Train => Settings::Train(Box::new(rank0_job(args, placement.world_size)?)),
         }
     } else {
         Settings::Selftest {
@@ -289,13 +236,24 @@ pub fn run(args: &NodeArgs) -> Result<()> {
             &options,
             settings,
             |rank, world, settings| match serde_json::from_str::<Settings>(settings) {
-                Ok(Settings::Ps(job)) => star_neighbours(rank, world, job.servers as u32),
+                Ok(Settings::Train(job)) => job.neighbours(rank, world),
                 _ => ring_neighbours(rank, world),
             },
         )?;
-    let settings: Settings =
-        serde_json::from_str(&table.settings).context("rank 0's job settings")?;
-    let recv_timeout = seconds("recv-timeout", c.recv_timeout)?;
+    // What rank 0 handed out is checked before anything uses it: a bad job is rank 0's
+    // protocol violation (exit status 1), named as such.
+    let master = table
+        .addr(0)
+        .map(|a| a.to_string())
+        .unwrap_or_else(|_| "?".into());
+    let settings: Settings = serde_json::from_str(&table.settings)
+        .map_err(|e| anyhow!("rank 0 ({master}) handed out settings that do not parse: {e}"))?;
+    if let Settings::Train(job) = &settings
+        && placement.rank != 0
+    {
+        job.validate(placement.world_size)
+            .map_err(|e| anyhow!("rank 0 ({master}) handed out an invalid job: {}", e))?;
+    }
     let result: Result<()> = match settings {
         Settings::Selftest {
             size_mib,
@@ -306,33 +264,13 @@ pub fn run(args: &NodeArgs) -> Result<()> {
                 size_bytes: ((size_mib * 1024.0 * 1024.0) as usize / 4).max(1) * 4,
                 rounds,
                 pings,
-                timeout: recv_timeout,
+                timeout: seconds("recv-timeout", c.recv_timeout.unwrap_or(30.0))?,
             };
             selftest::run(&mut net, placement.world_size, table.run_id, cfg)
                 .map(|reports| print_selftest(placement.rank, &reports, size_mib, rounds, pings))
                 .map_err(Into::into)
         }
-        Settings::Train(job) => match master {
-            Some((data, cfg)) => {
-                let setup = MasterSetup {
-                    data: &data,
-                    out: &cfg.out,
-                    target_accuracy: cfg.target_accuracy,
-                    eval_every: cfg.eval_every,
-                };
-                let mut display = crate::train::Display::new();
-                let outcome = run_master(&job, &setup, &mut net, &mut |e| display.event(e));
-                display.finish();
-                outcome
-                    .map(|o| crate::train::print_summary(&o.summary, &cfg.out))
-                    .map_err(Into::into)
-            }
-            None => {
-                crate::train::init_threads(job.spec.threads)?;
-                run_worker(&job, &mut net).map(|_| ()).map_err(Into::into)
-            }
-        },
-        Settings::Ps(job) => crate::ps_node::run(&job, placement.rank, master, &args.job, &mut net),
+        Settings::Train(job) => run_training(&job, placement.rank, args, &mut net),
     };
     match result {
         Ok(()) => {
@@ -344,6 +282,95 @@ pub fn run(args: &NodeArgs) -> Result<()> {
             Err(e)
         }
     }
+}
+
+/// Rank 0's job: read from the local launcher's job file (the plan it printed), or planned here
+/// from the `--config` options under an external launcher.
+fn rank0_job(args: &NodeArgs, world: u32) -> Result<Job> {
+    let path = args
+        .job
+        .config
+        .clone()
+        .ok_or_else(|| UsageError("--job train needs --config FILE on rank 0".into()))?;
+    if let Some(file) = &args.job.job_file {
+        let text =
+            std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+        let job: Job = serde_json::from_str(&text)
+            .map_err(|e| UsageError(format!("{} is not a job file: {e}", file.display())))?;
+        job.validate(world)
+            .map_err(|e| UsageError(format!("{}: {e}", file.display())))?;
+        return Ok(job);
+    }
+    let mut train_args = TrainArgs {
+        config: Some(path),
+        ..Default::default()
+    }
+    .merged()?;
+    train_args.check_applicable()?;
+    if let Some(n) = train_args.nodes
+        && n != world
+    {
+        return Err(UsageError(format!(
+            "the options say nodes = {n}, but the launcher started {world} nodes"
+        ))
+        .into());
+    }
+    train_args.nodes = Some(world);
+    if train_args.recv_timeout.is_none() {
+        train_args.recv_timeout = args.connect.recv_timeout;
+    }
+    train_args.adopt_checkpoint_batch()?;
+    let data = crate::train::load_dataset(&train_args, true)?;
+    let cfg = train_args.resolve(data.classes)?;
+    // Under an external launcher this is the first look at the output directory.
+    crate::run_dir::prepare(
+        &cfg.out,
+        cfg.resume.as_deref(),
+        train_args.overwrite.unwrap_or(false),
+    )?;
+    train_args.out = Some(cfg.out.clone());
+    crate::train::plan(&train_args, cfg, &data, world)
+}
+
+/// Runs this node's part of a training job; the rank that returns the summary prints it.
+fn run_training(
+    job: &Job,
+    rank: u32,
+    args: &NodeArgs,
+    net: &mut ringtmp_transport::Network,
+) -> Result<()> {
+    let spec = job.spec();
+    crate::train::init_threads(spec.threads)?;
+    let data = if job.needs_data(rank) {
+        let train_args = TrainArgs {
+            dataset: Some(spec.dataset.clone()),
+            data_dir: spec.data_dir.clone(),
+            ..Default::default()
+        };
+        // Rank 0 under the local launcher, and every other rank, leave the announcement to
+        // whoever planned the run.
+        let announce = rank == 0 && args.job.job_file.is_none();
+        Some(crate::train::load_dataset(&train_args, announce)?)
+    } else {
+        None
+    };
+    let mut display = crate::train::Display::new();
+    let mut on_event = |e: &ringtmp_strategy::Event| {
+        if rank == 0 {
+            display.event(e)
+        }
+    };
+    let mut cx = NodeCx {
+        net,
+        data: data.as_ref(),
+        on_event: &mut on_event,
+    };
+    let summary = job.run(rank, &mut cx)?;
+    display.finish();
+    if let Some(summary) = summary {
+        crate::train::print_summary(&summary, &spec.out);
+    }
+    Ok(())
 }
 
 fn print_selftest(
@@ -389,25 +416,4 @@ pub fn pin_to_core(core: usize) -> Result<()> {
         ))
         .into())
     }
-}
-
-/// Rank 0 without a launcher-made job file: plans the job its `--config` asks for.
-pub(crate) fn plan_job(
-    train_args: &TrainArgs,
-    data: &ringtmp_data::Dataset,
-    nodes: u32,
-) -> Result<Settings> {
-    Ok(match train_args.strategy() {
-        crate::args::Strategy::Ps => Settings::Ps(Box::new(
-            crate::ps_setup::ps_job(train_args, data, nodes)?.0,
-        )),
-        crate::args::Strategy::Ring => {
-            Settings::Train(Box::new(ring_job(train_args, data, nodes)?.0))
-        }
-        crate::args::Strategy::Local => {
-            return Err(
-                UsageError("--strategy local runs in one process, not on nodes".into()).into(),
-            );
-        }
-    })
 }

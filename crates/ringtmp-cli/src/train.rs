@@ -8,9 +8,9 @@ use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use ringtmp_data::{Dataset, FileCheck};
 use ringtmp_metrics::Summary;
-use ringtmp_strategy::{Event, train_local};
+use ringtmp_strategy::{Cluster, Event, Job, train_local};
 
-use crate::args::{Strategy, TrainArgs};
+use crate::args::TrainArgs;
 
 /// Loads the dataset named by the options and reports its checksum verification: on the terminal
 /// when `announce`, else as an informational log line (a node whose launcher said it already).
@@ -87,7 +87,7 @@ pub fn validate(args: &TrainArgs) -> Result<()> {
 /// `ringtmp train`.
 pub fn run(args: &TrainArgs) -> Result<()> {
     let mut args = args.merged()?;
-    if args.nodes.unwrap_or(1) > 1 && args.strategy() == Strategy::Local {
+    if args.nodes.unwrap_or(1) > 1 && args.strategy() == "local" {
         return Err(crate::UsageError(
             "--strategy local trains in one process; --nodes needs a distributed strategy \
              (check a multi-node setup with `ringtmp selftest --nodes N`)"
@@ -97,7 +97,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     }
     args.check_applicable()?;
     args.adopt_checkpoint_batch()?;
-    if args.strategy() != Strategy::Local {
+    if args.strategy() != "local" {
         return launch_nodes(args);
     }
     let data = load_dataset(&args, true)?;
@@ -116,11 +116,37 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         cfg.threads,
         cfg.out.display()
     );
+    let Job::Local(job) = plan(&args, cfg, &data, 1)? else {
+        unreachable!("--strategy local plans a local job")
+    };
     let mut display = Display::new();
-    let summary = train_local(&cfg, &data, &mut |e| display.event(e))?;
+    let summary = train_local(&job.spec.config, &data, &mut |e| display.event(e))?;
     display.finish();
-    print_summary(&summary, &cfg.out);
+    print_summary(&summary, &job.spec.out);
     Ok(())
+}
+
+/// Plans the job of `args`'s strategy for `nodes` nodes from the resolved configuration: the one
+/// place where flags become a job, for the local launcher and external launchers alike.
+pub fn plan(
+    args: &TrainArgs,
+    cfg: ringtmp_strategy::TrainConfig,
+    data: &Dataset,
+    nodes: u32,
+) -> Result<Job> {
+    let mut cluster = Cluster::local(nodes)
+        .with_speeds(args.node_speed.as_deref().unwrap_or_default())
+        .map_err(|e| crate::UsageError(e.to_string()))?;
+    cluster.threads = args.threads;
+    let job = Job::plan(
+        args.strategy(),
+        cfg,
+        &args.strategy_options(),
+        &cluster,
+        data,
+    )?;
+    job.validate(nodes)?;
+    Ok(job)
 }
 
 /// Sizes rayon's global pool (through which the kernels parallelise) to the thread budget, and
@@ -310,7 +336,7 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
             crate::UsageError("distributed strategies need --nodes of at least 2".into()).into(),
         );
     }
-    let name = format!("{:?}", args.strategy()).to_lowercase();
+    let name = args.strategy().to_string();
     let out = args
         .out
         .clone()
@@ -321,7 +347,8 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
     // Check everything and plan here, before any process starts: a bad option is a usage error
     // (exit 2) of this command, and the plan printed is the one the nodes run.
     let data = load_dataset(&args, true)?;
-    let job = crate::node::plan_job(&args, &data, nodes)?;
+    let cfg = args.resolve(data.classes)?;
+    let job = plan(&args, cfg, &data, nodes)?;
     drop(data);
     crate::run_dir::prepare(
         &out,
@@ -347,18 +374,8 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
     )
     .with_context(|| format!("writing {}", plan.display()))?;
     let (config, plan) = (config.display().to_string(), plan.display().to_string());
-    // A parameter server that may drop dead workers keeps running without them.
-    let expendable_workers = match &job {
-        crate::node::Settings::Ps(ps)
-            if ps.drop_dead_workers
-                || ps.consistency
-                    != ringtmp_strategy::param_server::consistency::Consistency::Bsp =>
-        {
-            Some(ps.servers as u32)
-        }
-        _ => None,
-    };
-    let expendable = |rank: u32| expendable_workers.is_some_and(|servers| rank >= servers);
+    // Nodes whose death the strategy survives (a parameter server dropping dead workers).
+    let expendable = |rank: u32| job.expendable(rank);
     let node_args = |rank: u32| {
         let mut node_args = vec![
             "--job".into(),

@@ -413,3 +413,55 @@ fn r10_nodes_in_a_config_must_match_the_launcher() {
         .unwrap();
     assert_usage_error(&out, "nodes = 3, but the launcher started 2 nodes");
 }
+
+// Issue 11.6: a job read from a file is checked before use: a corrupted one is a usage error
+// naming the file and what is wrong, not a panic.
+#[test]
+fn r11_a_corrupted_job_file_is_refused_naming_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let plan = ringtmp(&[
+        "train",
+        "--strategy",
+        "ring",
+        "--nodes",
+        "2",
+        "--dataset",
+        "digits",
+        "--model-file",
+        "examples/models/lenet-dropout.toml",
+        "--max-steps",
+        "2",
+        "--out",
+        &out.display().to_string(),
+    ]);
+    assert!(
+        plan.status.success(),
+        "{}",
+        String::from_utf8_lossy(&plan.stderr)
+    );
+    let job_file = out.join("job.json");
+    let mut job: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&job_file).unwrap()).unwrap();
+    job["micro_batches"] = serde_json::json!(0);
+    let bad = write(tmp.path(), "bad.json", &job.to_string());
+    let config = out.join("train.toml").display().to_string();
+    let node = |job_file: &str| {
+        Command::new(env!("CARGO_BIN_EXE_ringtmp"))
+            .args(["node", "--rank", "0", "--world-size", "2", "--job", "train"])
+            .args(["--config", &config, "--job-file", job_file])
+            .env("RINGTMP_SECRET", "0123456789abcdef-test")
+            .current_dir(repo())
+            .output()
+            .unwrap()
+    };
+    let out_bad = node(&bad);
+    assert_usage_error(&out_bad, "bad.json");
+    assert_usage_error(&out_bad, "micro-batches");
+    let garbage = write(
+        tmp.path(),
+        "garbage.json",
+        "{\"strategy\": \"ring\", \"seed\": []}",
+    );
+    assert_usage_error(&node(&garbage), "is not a job file");
+}

@@ -34,6 +34,10 @@ pub struct TrainConfig {
     pub batch_size: usize,
     /// Base learning rate.
     pub lr: f32,
+    /// Whether `lr` is the optimizer's default for one node's batch rather than the user's
+    /// choice: data-parallel strategies then scale it with their workers (planning only).
+    #[serde(skip)]
+    pub default_lr: bool,
     /// Learning-rate schedule.
     #[serde(rename = "lr_schedule")]
     pub schedule: LrSchedule,

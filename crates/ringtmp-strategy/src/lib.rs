@@ -6,6 +6,7 @@
 //! - [`config`]: the validated run configuration shared by every strategy.
 //! - [`RunSpec`]: what every strategy's job shares (the configuration and what follows from the
 //!   data), declared once.
+//! - [`job`]: one shape for every strategy ([`Strategy`], [`Job`], [`NodeCx`]).
 //! - [`local`]: one process, one stage holding the whole model — plain mini-batch training and
 //!   the oracle every distributed strategy is tested against.
 //! - [`param_server`]: the parameter server's consistency models (in progress).
@@ -14,6 +15,7 @@
 
 pub mod config;
 mod error;
+pub mod job;
 pub mod local;
 pub mod param_server;
 pub mod ring;
@@ -22,5 +24,6 @@ mod spec;
 
 pub use config::{DEFAULT_RECV_TIMEOUT_SECS, TrainConfig};
 pub use error::{Error, Result};
-pub use local::{Event, train_local};
+pub use job::{Cluster, Job, NodeCx, Strategy, StrategyOptions};
+pub use local::{Event, LocalJob, train_local};
 pub use spec::{ResumePoint, RunSpec};

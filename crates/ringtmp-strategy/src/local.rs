@@ -18,6 +18,56 @@ use serde_json::json;
 
 use crate::config::TrainConfig;
 use crate::error::{Error, Result};
+use crate::job::{Cluster, NodeCx, Strategy, validate_shared};
+use crate::spec::RunSpec;
+
+/// The `local` strategy's job: the whole model in one process.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct LocalJob {
+    /// The run (resumes itself from `resume`).
+    #[serde(flatten)]
+    pub spec: RunSpec,
+}
+
+impl Strategy for LocalJob {
+    const NAME: &'static str = "local";
+    type Options = ();
+
+    fn plan(config: TrainConfig, _: &(), cluster: &Cluster, data: &Dataset) -> Result<Self> {
+        if cluster.nodes != 1 {
+            return Err(Error::Config(
+                "--strategy local trains in one process; --nodes needs a distributed strategy \
+                 (check a multi-node setup with `ringtmp selftest --nodes N`)"
+                    .into(),
+            ));
+        }
+        let batch = config.batch_size;
+        Ok(Self {
+            spec: RunSpec::new(config, data, batch)?,
+        })
+    }
+
+    fn spec(&self) -> &RunSpec {
+        &self.spec
+    }
+
+    fn validate(&self, world: u32) -> Result<()> {
+        validate_shared(&self.spec, world, 1)
+    }
+
+    fn neighbours(&self, _: u32, _: u32) -> std::collections::BTreeSet<u32> {
+        std::collections::BTreeSet::new()
+    }
+
+    fn needs_data(&self, _: u32) -> bool {
+        true
+    }
+
+    fn run(&self, _: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
+        let data = cx.data()?;
+        train_local(&self.spec.config, data, cx.on_event).map(Some)
+    }
+}
 
 /// Progress reported to the caller (the CLI draws it).
 #[derive(Clone, Debug, PartialEq)]

@@ -62,6 +62,7 @@ fn config(out: &Path, optimizer: OptimizerConfig) -> TrainConfig {
         resume: None,
         max_steps: None,
         recv_timeout_secs: 30.0,
+        default_lr: false,
     }
 }
 

@@ -54,6 +54,7 @@ fn config(steps: u64, out: &Path) -> TrainConfig {
         resume: None,
         max_steps: Some(steps),
         recv_timeout_secs: 30.0,
+        default_lr: false,
     }
 }
 

@@ -54,6 +54,7 @@ fn config(out: &Path) -> TrainConfig {
         resume: None,
         max_steps: Some(STEPS),
         recv_timeout_secs: 30.0,
+        default_lr: false,
     }
 }
 

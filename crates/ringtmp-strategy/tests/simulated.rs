@@ -40,6 +40,7 @@ fn config(spec: ModelSpec, batch: usize, steps: u64, out: &std::path::Path) -> T
         resume: None,
         max_steps: Some(steps),
         recv_timeout_secs: 30.0,
+        default_lr: false,
     }
 }
 

@@ -6,7 +6,11 @@
 //!   DSSP synchronisation controller.
 //! - [`admission`]: when a server answers a pull, and with which unit (sans-IO).
 //! - [`driver`]: server and worker loops over the links.
+//! - [`node`]: the strategy's shape: a rank's role, its report, server 0's summary.
+//! - [`plan`]: `--strategy ps` options into the job every node runs.
 
 pub mod admission;
 pub mod consistency;
 pub mod driver;
+pub mod node;
+pub mod plan;

@@ -9,8 +9,12 @@
 //! - [`schedule`]: the per-stage decision rules (`gpipe`, `1f1b`) and their simulation.
 //! - [`driver`]: one node's loop over the links (master and stage nodes).
 //! - [`partition`]: the planner that splits layers into stages.
+//! - [`plan`]: `--strategy ring` options into the job every node runs.
+//! - [`node`]: the strategy's shape: a rank's role and the job's checks.
 
 pub mod driver;
+pub mod node;
 pub mod partition;
+pub mod plan;
 pub mod profile;
 pub mod schedule;

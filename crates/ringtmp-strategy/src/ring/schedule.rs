@@ -15,17 +15,17 @@
 use serde::{Deserialize, Serialize};
 
 /// A pipeline schedule.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Schedule {
-    /// Fill–drain.
+    /// All forwards, then all backwards (synchronous SGD).
     Gpipe,
-    /// One-forward-one-backward with a flush per mini-batch.
+    /// One-forward-one-backward with a flush (synchronous SGD, bounded activation memory).
     #[serde(rename = "1f1b")]
+    #[value(name = "1f1b")]
     OneFOneB,
-    /// No flush: every stage steps after each micro-batch's backward, with weight stashing
-    /// (PipeDream, Narayanan et al., SOSP 2019); driven by its own loop in the driver, not by
-    /// [`StageState`].
+    /// No flush; a step after every micro-batch with weight stashing (PipeDream, Narayanan et
+    /// al., SOSP 2019); driven by its own loop in the driver, not by [`StageState`].
     Async,
 }
 

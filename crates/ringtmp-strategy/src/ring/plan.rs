@@ -1,53 +1,111 @@
-//! Turning `ringtmp train --strategy ring` options into the [`RingJob`] every node runs: the
-//! schedule, micro-batches, node speeds and memory limits, and the partition (the planner's,
-//! from per-layer measurements, or the user's `--partition`).
+//! Planning a ring run: from the run's configuration, the ring's options and the cluster to the
+//! [`RingJob`] every node runs — the schedule, micro-batches, node speeds and memory limits, and
+//! the partition (the planner's, from per-layer measurements, or the user's `--partition`).
 
-use anyhow::{Context, Result};
 use ringtmp_data::Dataset;
 use ringtmp_model::{LayerKind, Shape};
-use ringtmp_strategy::ring::driver::RingJob;
-use ringtmp_strategy::ring::partition::{self, NodeCapacity};
-use ringtmp_strategy::ring::profile::{ProfileSettings, profile_layers};
-use ringtmp_strategy::ring::schedule::Schedule;
-use ringtmp_strategy::{ResumePoint, RunSpec, TrainConfig};
+use serde::{Deserialize, Serialize};
 
-use crate::UsageError;
-use crate::args::{ScheduleKind, TrainArgs};
+use crate::error::{Error, Result};
+use crate::job::Cluster;
+use crate::ring::driver::RingJob;
+use crate::ring::partition::{self, NodeCapacity};
+use crate::ring::profile::{ProfileSettings, profile_layers};
+use crate::ring::schedule::Schedule;
+use crate::{ResumePoint, RunSpec, TrainConfig};
 
-/// Builds the job for `nodes` nodes; prints the plan.
-pub fn ring_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(RingJob, TrainConfig)> {
-    let mut cfg = args.resolve(data.classes)?;
-    if args.threads.is_none() {
+/// `ringtmp train --strategy ring` options (flags, and keys of a `--config` file).
+#[derive(clap::Args, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct RingOptions {
+    /// Ring: pipeline schedule [default: async].
+    #[arg(long, value_enum)]
+    pub schedule: Option<Schedule>,
+    /// Ring: micro-batches per mini-batch [default: 1 under async, else the number of nodes].
+    #[arg(long)]
+    pub micro_batches: Option<usize>,
+    /// Ring, async schedule: most micro-batches in flight [default: the number of nodes].
+    #[arg(long, value_name = "W")]
+    pub in_flight: Option<usize>,
+    /// Ring: layer ranges per node instead of the planner, e.g. `0:4,4:8,8:10`.
+    #[arg(long, value_name = "RANGES")]
+    pub partition: Option<String>,
+    /// Ring: memory each node may use for its stage, e.g. `200M`, or per node `1:200M,2:1G`.
+    #[arg(long, value_name = "BYTES")]
+    pub node_memory_limit: Option<String>,
+    /// Ring (gpipe, 1f1b): compute linear weight gradients once per mini-batch rather than per
+    /// micro-batch (faster; keeps those layers' inputs until the step) [default: true].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub defer_weight_grads: Option<bool>,
+    /// Ring: the master also holds the last layers (U-shape), so the final activations and
+    /// logits never reach another node.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub master_holds_head: Option<bool>,
+}
+
+crate::job::options_merge!(
+    RingOptions,
+    schedule,
+    micro_batches,
+    in_flight,
+    partition,
+    node_memory_limit,
+    defer_weight_grads,
+    master_holds_head
+);
+
+impl RingOptions {
+    /// Refuses settings that cannot work whatever the model.
+    pub fn check(&self) -> Result<()> {
+        if let Some(w) = self.in_flight {
+            if w == 0 {
+                return Err(Error::Config("--in-flight must be at least 1".into()));
+            }
+            if self.schedule.is_some_and(|s| s != Schedule::Async) {
+                return Err(Error::Config(
+                    "--in-flight applies to the async schedule only (gpipe and 1f1b keep their \
+                     micro-batches in flight)"
+                        .into(),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Plans the ring job for `cluster.nodes` nodes; prints the plan.
+pub fn plan(
+    mut cfg: TrainConfig,
+    args: &RingOptions,
+    cluster: &Cluster,
+    data: &Dataset,
+) -> Result<RingJob> {
+    let nodes = cluster.nodes;
+    if cluster.threads.is_none() {
         // The local nodes share this machine's cores: split them instead of oversubscribing.
-        let cores = std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1);
-        cfg.threads = (cores / nodes.max(1) as usize).max(1);
+        cfg.threads = (cluster.cores / nodes.max(1) as usize).max(1);
     }
     if nodes < 2 {
-        return Err(UsageError("--strategy ring needs --nodes of at least 2".into()).into());
+        return Err(Error::Config(
+            "--strategy ring needs --nodes of at least 2".into(),
+        ));
     }
-    let kind = args.schedule.unwrap_or(ScheduleKind::Async);
+    args.check()?;
+    let schedule = args.schedule.unwrap_or(Schedule::Async);
     // Async pipelines whole mini-batches (each its own step, `nodes` of them in flight), so one
     // micro-batch per mini-batch keeps the GEMMs at full size; the flushed schedules need several
     // micro-batches per mini-batch to fill the pipeline at all.
-    let micro_batches = args.micro_batches.unwrap_or(match kind {
-        ScheduleKind::Async => 1,
+    let micro_batches = args.micro_batches.unwrap_or(match schedule {
+        Schedule::Async => 1,
         _ => nodes as usize,
     });
     if micro_batches == 0 || micro_batches > cfg.batch_size {
-        return Err(UsageError(format!(
+        return Err(Error::Config(format!(
             "--micro-batches must be between 1 and the batch size {}",
             cfg.batch_size
-        ))
-        .into());
+        )));
     }
-    let schedule = match kind {
-        ScheduleKind::Gpipe => Schedule::Gpipe,
-        ScheduleKind::OneFOneB => Schedule::OneFOneB,
-        ScheduleKind::Async => Schedule::Async,
-    };
-    let speeds = node_speeds(args.node_speed.as_deref().unwrap_or_default(), nodes)?;
+    let speeds = cluster.node_speeds.clone();
     let limits = memory_limits(args.node_memory_limit.as_deref(), nodes)?;
     let capacities: Vec<NodeCapacity> = speeds
         .iter()
@@ -64,7 +122,7 @@ pub fn ring_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(RingJob
         .iter()
         .position(|l| matches!(l.kind, LayerKind::Linear(_) | LayerKind::Conv2d(_)))
         .ok_or_else(|| {
-            UsageError("the ring needs a model with at least one linear or conv layer".into())
+            Error::Config("the ring needs a model with at least one linear or conv layer".into())
         })?;
     let rows = cfg.batch_size.div_ceil(micro_batches);
     let in_flight = match schedule {
@@ -102,10 +160,9 @@ pub fn ring_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(RingJob
             .rposition(|l| matches!(l.kind, LayerKind::Linear(_) | LayerKind::Conv2d(_)))
             .unwrap_or(0);
         if last_param <= first_param {
-            return Err(UsageError(
+            return Err(Error::Config(
                 "--master-holds-head needs at least two layers with parameters".into(),
-            )
-            .into());
+            ));
         }
         last_param
     } else {
@@ -117,11 +174,11 @@ pub fn ring_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(RingJob
         None => partition::plan(body, &capacities, first_param),
     }
     .map_err(|e| match (&e, schedule) {
-        (partition::PlanError::DoesNotFit { .. }, Schedule::Async) => UsageError(format!(
+        (partition::PlanError::DoesNotFit { .. }, Schedule::Async) => Error::Config(format!(
             "{e}; the async schedule counts {extra_weight_versions} stashed weight versions per \
              stage: --schedule 1f1b needs none"
         )),
-        _ => UsageError(e.to_string()),
+        _ => Error::Config(e.to_string()),
     })?;
     let head = (head_start < layers.len()).then(|| partition::StagePlan {
         rank: 0,
@@ -160,7 +217,7 @@ pub fn ring_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(RingJob
     let mut spec = RunSpec::new(cfg.clone(), data, cfg.batch_size)?;
     spec.config.out = std::path::absolute(&cfg.out).unwrap_or_else(|_| cfg.out.clone());
     if let Some(path) = &cfg.resume {
-        let (dir, manifest) = ringtmp_strategy::local::check_resume(path, &cfg)?;
+        let (dir, manifest) = crate::local::check_resume(path, &cfg)?;
         eprintln!(
             "resuming from {} at step {} (written by {} on {} node(s))",
             dir.display(),
@@ -183,31 +240,7 @@ pub fn ring_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(RingJob
         defer_weight_grads: args.defer_weight_grads.unwrap_or(true),
         in_flight: args.in_flight.unwrap_or(0),
     };
-    Ok((job, cfg))
-}
-
-/// `RANK:FACTOR` entries → a speed per node (default 1).
-pub fn node_speeds(entries: &[String], nodes: u32) -> Result<Vec<f64>> {
-    let mut speeds = vec![1.0; nodes as usize];
-    for e in entries {
-        for part in e.split(',') {
-            let bad = || {
-                UsageError(format!(
-                    "--node-speed {part:?}: expected RANK:FACTOR with 0 < FACTOR ≤ 1 and RANK < {nodes}"
-                ))
-            };
-            let (r, f) = part.split_once(':').ok_or_else(bad)?;
-            let (r, f): (usize, f64) = (
-                r.trim().parse().map_err(|_| bad())?,
-                f.trim().parse().map_err(|_| bad())?,
-            );
-            if r >= nodes as usize || !(f > 0.0 && f <= 1.0) {
-                return Err(bad().into());
-            }
-            speeds[r] = f;
-        }
-    }
-    Ok(speeds)
+    Ok(job)
 }
 
 /// `200M` (every node) or `1:200M,2:1G` → a limit per node.
@@ -215,17 +248,17 @@ pub fn memory_limits(spec: Option<&str>, nodes: u32) -> Result<Vec<Option<u64>>>
     let mut limits = vec![None; nodes as usize];
     let Some(spec) = spec else { return Ok(limits) };
     for part in spec.split(',') {
-        let bad = |why: &str| UsageError(format!("--node-memory-limit {part:?}: {why}"));
+        let bad = |why: &str| Error::Config(format!("--node-memory-limit {part:?}: {why}"));
         match part.split_once(':') {
             Some((r, v)) => {
                 let r: usize = r.trim().parse().map_err(|_| bad("bad rank"))?;
                 if r >= nodes as usize {
-                    return Err(bad("rank out of range").into());
+                    return Err(bad("rank out of range"));
                 }
-                limits[r] = Some(parse_bytes(v).context(bad("bad size").to_string())?);
+                limits[r] = Some(parse_bytes(v).map_err(|_| bad("bad size"))?);
             }
             None => {
-                let v = parse_bytes(part).context(bad("bad size").to_string())?;
+                let v = parse_bytes(part).map_err(|_| bad("bad size"))?;
                 limits.iter_mut().for_each(|l| *l = Some(v));
             }
         }
@@ -241,7 +274,7 @@ fn parse_bytes(text: &str) -> Result<u64> {
     let n: f64 = number
         .trim()
         .parse()
-        .map_err(|_| UsageError(format!("{text:?} is not a size")))?;
+        .map_err(|_| Error::Config(format!("{text:?} is not a size")))?;
     let scale = match unit
         .to_ascii_uppercase()
         .trim_end_matches('B')
@@ -251,7 +284,11 @@ fn parse_bytes(text: &str) -> Result<u64> {
         "K" => 1024.0,
         "M" => 1024.0 * 1024.0,
         "G" => 1024.0 * 1024.0 * 1024.0,
-        _ => return Err(UsageError(format!("unknown unit in {text:?}; use K, M or G")).into()),
+        _ => {
+            return Err(Error::Config(format!(
+                "unknown unit in {text:?}; use K, M or G"
+            )));
+        }
     };
     Ok((n * scale) as u64)
 }
@@ -261,7 +298,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn sizes_and_speeds_parse() {
+    fn sizes_parse() {
         assert_eq!(parse_bytes("200M").unwrap(), 200 << 20);
         assert_eq!(parse_bytes("1.5GiB").unwrap(), 3 << 29);
         assert_eq!(parse_bytes("4096").unwrap(), 4096);
@@ -270,8 +307,5 @@ mod tests {
             memory_limits(Some("1:1K"), 3).unwrap(),
             [None, Some(1024), None]
         );
-        assert_eq!(node_speeds(&["1:0.25".into()], 2).unwrap(), [1.0, 0.25]);
-        assert!(node_speeds(&["2:0.5".into()], 2).is_err());
-        assert!(node_speeds(&["1:1.5".into()], 2).is_err());
     }
 }

@@ -1,45 +1,63 @@
-//! Turning `ringtmp train --strategy ps` options into the [`PsJob`] every node runs.
+//! Planning a parameter-server run: from the run's configuration, the parameter server's options
+//! and the cluster to the [`PsJob`] every node runs.
 
-use anyhow::Result;
 use ringtmp_data::Dataset;
 use ringtmp_model::OptimizerConfig;
-use ringtmp_strategy::param_server::consistency::Consistency;
-use ringtmp_strategy::param_server::driver::PsJob;
-use ringtmp_strategy::{ResumePoint, RunSpec, TrainConfig};
+use serde::{Deserialize, Serialize};
 
-use crate::UsageError;
-use crate::args::TrainArgs;
+use crate::error::{Error, Result};
+use crate::job::Cluster;
+use crate::param_server::consistency::Consistency;
+use crate::param_server::driver::PsJob;
+use crate::{ResumePoint, RunSpec, TrainConfig};
 
-/// Builds the job for `nodes` nodes (`--servers` of them servers).
-pub fn ps_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(PsJob, TrainConfig)> {
-    let mut cfg = args.resolve(data.classes)?;
+/// `ringtmp train --strategy ps` options (flags, and keys of a `--config` file).
+#[derive(clap::Args, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct PsOptions {
+    /// Parameter server: server nodes (the rest are workers) [default: 1].
+    #[arg(long)]
+    pub servers: Option<usize>,
+    /// Parameter server: bsp, ssp:S, asp or dssp:L:U [default: bsp].
+    #[arg(long, value_name = "MODEL")]
+    pub consistency: Option<String>,
+    /// Parameter server: keep training without a dead worker even under bsp.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub drop_dead_workers: Option<bool>,
+}
+
+crate::job::options_merge!(PsOptions, servers, consistency, drop_dead_workers);
+
+/// Plans the job for `cluster.nodes` nodes (`--servers` of them servers).
+pub fn plan(
+    mut cfg: TrainConfig,
+    args: &PsOptions,
+    cluster: &Cluster,
+    data: &Dataset,
+) -> Result<PsJob> {
+    let nodes = cluster.nodes;
     let servers = args.servers.unwrap_or(1);
     if servers == 0 || servers as u32 >= nodes {
-        return Err(UsageError(format!(
+        return Err(Error::Config(format!(
             "--servers must be between 1 and {} (--nodes {nodes} includes the workers)",
             nodes.saturating_sub(1)
-        ))
-        .into());
+        )));
     }
     let workers = nodes as usize - servers;
     let consistency = Consistency::parse(args.consistency.as_deref().unwrap_or("bsp"))
-        .map_err(|e| UsageError(format!("--consistency: {e}")))?;
-    if args.threads.is_none() {
-        let cores = std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1);
-        cfg.threads = (cores / workers).max(1);
+        .map_err(|e| Error::Config(format!("--consistency: {e}")))?;
+    if cluster.threads.is_none() {
+        cfg.threads = (cluster.cores / workers).max(1);
     }
     let global = cfg.batch_size * workers;
     if global > data.train.len() {
-        return Err(UsageError(format!(
+        return Err(Error::Config(format!(
             "{workers} workers × batch {} exceed the {} training examples",
             cfg.batch_size,
             data.train.len()
-        ))
-        .into());
+        )));
     }
-    if args.lr.is_none() && matches!(cfg.optimizer, OptimizerConfig::Sgd { .. }) {
+    if cfg.default_lr && matches!(cfg.optimizer, OptimizerConfig::Sgd { .. }) {
         // The default SGD rate is tuned for one node's batch; a step here averages W of them.
         // Linear scaling (Goyal et al., 2017) keeps the per-example step size: measured on the
         // 4-worker mlp job, 0.04 reaches 97% in 250 iterations where 0.01 needs 600
@@ -61,7 +79,7 @@ pub fn ps_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(PsJob, Tr
             batch_size: global,
             ..cfg.clone()
         };
-        let (dir, manifest) = ringtmp_strategy::local::check_resume(path, &global_cfg)?;
+        let (dir, manifest) = crate::local::check_resume(path, &global_cfg)?;
         eprintln!(
             "resuming from {} at iteration {} (written by {} on {} node(s))",
             dir.display(),
@@ -79,11 +97,8 @@ pub fn ps_job(args: &TrainArgs, data: &Dataset, nodes: u32) -> Result<(PsJob, Tr
         servers,
         workers,
         consistency,
-        node_speeds: crate::ring_setup::node_speeds(
-            args.node_speed.as_deref().unwrap_or_default(),
-            nodes,
-        )?,
+        node_speeds: cluster.node_speeds.clone(),
         drop_dead_workers: args.drop_dead_workers.unwrap_or(false),
     };
-    Ok((job, cfg))
+    Ok(job)
 }

@@ -1,55 +1,126 @@
 //! A node of a parameter-server run: servers run their shard and gate, workers train on their
 //! share of every global batch, and server 0 collects every node's report into `summary.json`.
 
+use std::collections::BTreeSet;
 use std::time::Instant;
 
-use anyhow::{Context, Result};
 use ringtmp_data::Dataset;
 use ringtmp_metrics::{NodeSummary, Summary, resources};
-use ringtmp_strategy::TrainConfig;
-use ringtmp_strategy::param_server::driver::{PsJob, run_server, run_worker};
 use ringtmp_transport::Transport;
 use ringtmp_wire::{Control, Message};
 
-use crate::args::TrainArgs;
-use crate::node::JobArgs;
+use crate::TrainConfig;
+use crate::error::{Error, Result};
+use crate::job::{Cluster, NodeCx, Strategy, validate_shared};
+use crate::param_server::consistency::Consistency;
+use crate::param_server::driver::{PsJob, run_server, run_worker};
+use crate::param_server::plan::PsOptions;
+use crate::spec::RunSpec;
 
-/// Runs this node's part of a parameter-server job. `master` is rank 0's data and configuration.
-pub fn run(
-    job: &PsJob,
-    rank: u32,
-    master: Option<(Dataset, TrainConfig)>,
-    job_args: &JobArgs,
-    net: &mut dyn Transport,
-) -> Result<()> {
+impl Strategy for PsJob {
+    const NAME: &'static str = "ps";
+    type Options = PsOptions;
+
+    fn plan(
+        config: TrainConfig,
+        options: &PsOptions,
+        cluster: &Cluster,
+        data: &Dataset,
+    ) -> Result<Self> {
+        crate::param_server::plan::plan(config, options, cluster, data)
+    }
+
+    fn spec(&self) -> &RunSpec {
+        &self.spec
+    }
+
+    fn validate(&self, world: u32) -> Result<()> {
+        validate_shared(&self.spec, world, self.servers + self.workers)?;
+        if self.servers == 0 || self.workers == 0 {
+            return Err(Error::Config(format!(
+                "invalid job: {} server(s) and {} worker(s)",
+                self.servers, self.workers
+            )));
+        }
+        if self
+            .node_speeds
+            .iter()
+            .any(|s| !(s.is_finite() && *s > 0.0 && *s <= 1.0))
+        {
+            return Err(Error::Config(format!(
+                "invalid job: node speeds {:?} (each in (0, 1])",
+                self.node_speeds
+            )));
+        }
+        Ok(())
+    }
+
+    fn neighbours(&self, rank: u32, world: u32) -> BTreeSet<u32> {
+        star_neighbours(rank, world, self.servers as u32)
+    }
+
+    fn needs_data(&self, rank: u32) -> bool {
+        rank as usize >= self.servers
+    }
+
+    fn expendable(&self, rank: u32) -> bool {
+        rank as usize >= self.servers
+            && (self.drop_dead_workers || self.consistency != Consistency::Bsp)
+    }
+
+    fn run(&self, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
+        run(self, rank, cx)
+    }
+}
+
+/// Parameter-server topology: every worker links to every server, and the servers link to server
+/// 0 (which collects the run's report). Servers are ranks `0..servers`.
+pub fn star_neighbours(rank: u32, world_size: u32, servers: u32) -> BTreeSet<u32> {
+    if rank == 0 {
+        (1..world_size).collect()
+    } else if rank < servers {
+        (servers..world_size).chain([0]).collect()
+    } else {
+        (0..servers).collect()
+    }
+}
+
+fn report_error(e: impl std::fmt::Display) -> Error {
+    Error::Config(format!("a node's report is not valid: {e}"))
+}
+
+/// Runs this node's part of a parameter-server job; server 0 returns the run's summary.
+fn run(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
     let started = Instant::now();
     if (rank as usize) < job.servers {
+        let net = &mut *cx.net;
         let outcome = run_server(job, rank as usize, net)?;
         let mut own = base_summary(rank, "server", outcome.params.len() as u64, net);
         own.staleness_histogram = outcome.staleness;
         own.dropped_workers = outcome.dropped.iter().map(|d| d.rank).collect();
         own.optimizer_bytes = own.param_bytes * optimizer_copies(job);
         if rank != 0 {
-            return report(net, &own);
+            report(net, &own)?;
+            return Ok(None);
         }
         // Server 0: every other server's and every remaining worker's report.
         let expected = job.servers - 1 + job.workers - outcome.dropped.len();
         let mut per_node = vec![own];
         for doc in &outcome.reports {
-            per_node.push(serde_json::from_str(doc).context("a node's report")?);
+            per_node.push(serde_json::from_str(doc).map_err(report_error)?);
         }
         while per_node.len() < expected + 1 {
-            match net.recv(std::time::Duration::from_secs_f64(
-                job.spec.recv_timeout_secs,
-            ))? {
+            match net.recv(job.spec.recv_timeout())? {
                 (_, Message::Control(Control::Report { nodes })) => {
                     for doc in nodes {
-                        per_node.push(serde_json::from_str(&doc).context("a node's report")?);
+                        per_node.push(serde_json::from_str(&doc).map_err(report_error)?);
                     }
                 }
-                (from, _) => anyhow::bail!(
-                    "server 0: unexpected message from rank {from} while collecting reports"
-                ),
+                (from, _) => {
+                    return Err(Error::Config(format!(
+                        "server 0: unexpected message from rank {from} while collecting reports"
+                    )));
+                }
             }
         }
         per_node.sort_by_key(|n| n.rank);
@@ -62,54 +133,43 @@ pub fn run(
                 node.staleness_histogram = h.clone();
             }
         }
-        let Some((_, cfg)) = master else {
-            anyhow::bail!("rank 0 has no configuration")
-        };
-        let mut summary = summarize(job, &cfg, per_node, started.elapsed().as_secs_f64());
+        let mut summary = summarize(job, per_node, started.elapsed().as_secs_f64());
         summary.dropped_nodes = outcome.dropped.clone();
-        let path = cfg.out.join("summary.json");
-        std::fs::create_dir_all(&cfg.out)?;
-        summary
-            .write(&path)
-            .with_context(|| format!("writing {}", path.display()))?;
-        crate::train::print_summary(&summary, &cfg.out);
-        return Ok(());
+        let path = job.spec.out.join("summary.json");
+        let io = |source| Error::Io {
+            path: path.clone(),
+            source,
+        };
+        std::fs::create_dir_all(&job.spec.out).map_err(io)?;
+        summary.write(&path).map_err(io)?;
+        return Ok(Some(summary));
     }
-    // A worker: its data comes from the same options file rank 0 read.
-    let path = job_args
-        .config
-        .clone()
-        .context("a parameter-server worker needs --config FILE to read its data")?;
-    let train_args = TrainArgs {
-        config: Some(path),
-        ..Default::default()
-    }
-    .merged()?;
-    let data = crate::train::load_dataset(&train_args, false)?;
-    crate::train::init_threads(job.spec.threads)?;
+    // A worker.
+    let data = cx.data()?;
+    let net = &mut *cx.net;
     let w = rank as usize - job.servers;
     let speed = job.node_speeds.get(rank as usize).copied().unwrap_or(1.0);
     // Worker 0 evaluates its replica at the first pull at or past every `eval_every`-th global
     // iteration and every epoch end (under dynamic assignment its units skip iterations), on a
     // clock that excludes the evaluations themselves.
-    let eval_every = train_args.eval_every.unwrap_or(200);
+    let eval_every = job.spec.eval_every;
     let (mut evaluations, mut eval_seconds) = (Vec::new(), 0.0f64);
     let clock = Instant::now();
     let mut last = job.first_step();
-    let mut evaluate = |t: u64, stage: &mut ringtmp_model::Stage| -> ringtmp_strategy::Result<()> {
+    let mut evaluate = |t: u64, stage: &mut ringtmp_model::Stage| -> Result<()> {
         let crossed = |every: u64| every > 0 && t / every > last / every;
         let due = crossed(job.spec.steps_per_epoch) || crossed(eval_every);
         last = last.max(t);
         if w == 0 && due {
             let started = Instant::now();
-            let (accuracy, _) = ringtmp_strategy::local::evaluate(stage, &data.test, data.classes)?;
+            let (accuracy, _) = crate::local::evaluate(stage, &data.test, data.classes)?;
             eval_seconds += started.elapsed().as_secs_f64();
             evaluations.push((t, accuracy, clock.elapsed().as_secs_f64() - eval_seconds));
             eprintln!("eval iteration {t}: test accuracy {:.2}%", accuracy * 100.0);
         }
         Ok(())
     };
-    let (outcome, mut stage) = run_worker(job, w, &data, speed, net, &mut evaluate)?;
+    let (outcome, mut stage) = run_worker(job, w, data, speed, net, &mut evaluate)?;
     // The final replica (the last pull's parameters) is an evaluation point too: a run that
     // reaches the target only at its end has reached it, at that time.
     let finished_at = clock.elapsed().as_secs_f64() - eval_seconds;
@@ -121,8 +181,7 @@ pub fn run(
     own.final_epoch_loss_sum = outcome.final_epoch_loss_sum;
     own.final_epoch_units = outcome.final_epoch_units;
     if w == 0 {
-        let (accuracy, _) =
-            ringtmp_strategy::local::evaluate(&mut stage, &data.test, data.classes)?;
+        let (accuracy, _) = crate::local::evaluate(&mut stage, &data.test, data.classes)?;
         own.test_accuracy = Some(accuracy);
         // The final replica holds every iteration of the run (under BSP exactly; otherwise up
         // to the pushes still in flight when the work ran out).
@@ -132,7 +191,8 @@ pub fn run(
         }
         own.evaluations = evaluations;
     }
-    report(net, &own)
+    report(net, &own)?;
+    Ok(None)
 }
 
 fn optimizer_copies(job: &PsJob) -> u64 {
@@ -163,12 +223,13 @@ fn base_summary(rank: u32, role: &str, params: u64, net: &dyn Transport) -> Node
 }
 
 fn report(net: &mut dyn Transport, own: &NodeSummary) -> Result<()> {
-    let doc = serde_json::to_string(own)?;
+    let doc = serde_json::to_string(own).map_err(report_error)?;
     net.send(0, Message::Control(Control::Report { nodes: vec![doc] }))?;
     Ok(())
 }
 
-fn summarize(job: &PsJob, cfg: &TrainConfig, per_node: Vec<NodeSummary>, wall: f64) -> Summary {
+fn summarize(job: &PsJob, per_node: Vec<NodeSummary>, wall: f64) -> Summary {
+    let cfg = &job.spec;
     let samples: u64 = per_node
         .iter()
         .filter(|n| n.role == "worker")
@@ -237,5 +298,17 @@ fn summarize(job: &PsJob, cfg: &TrainConfig, per_node: Vec<NodeSummary>, wall: f
         partition: Vec::new(),
         dropped_nodes: Vec::new(),
         per_node,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_star_links_workers_to_every_server_and_servers_to_server_0() {
+        assert_eq!(star_neighbours(0, 5, 2), BTreeSet::from([1, 2, 3, 4]));
+        assert_eq!(star_neighbours(1, 5, 2), BTreeSet::from([0, 2, 3, 4]));
+        assert_eq!(star_neighbours(3, 5, 2), BTreeSet::from([0, 1]));
     }
 }

@@ -1,0 +1,105 @@
+//! RingTMP as a [`Strategy`]: the master (rank 0) holds the data and writes the summary, every
+//! other rank runs its stage; a job from a file or the network is checked before any node uses it.
+
+use std::collections::BTreeSet;
+
+use ringtmp_data::Dataset;
+use ringtmp_metrics::Summary;
+
+use crate::TrainConfig;
+use crate::error::{Error, Result};
+use crate::job::{Cluster, NodeCx, Strategy, ring_neighbours, validate_shared};
+use crate::ring::driver::{MasterSetup, RingJob, run_master, run_worker};
+use crate::ring::plan::RingOptions;
+use crate::spec::RunSpec;
+
+impl Strategy for RingJob {
+    const NAME: &'static str = "ring";
+    type Options = RingOptions;
+
+    fn plan(
+        config: TrainConfig,
+        options: &RingOptions,
+        cluster: &Cluster,
+        data: &Dataset,
+    ) -> Result<Self> {
+        crate::ring::plan::plan(config, options, cluster, data)
+    }
+
+    fn spec(&self) -> &RunSpec {
+        &self.spec
+    }
+
+    fn validate(&self, world: u32) -> Result<()> {
+        validate_shared(&self.spec, world, self.partition.len())?;
+        let bad = |what: String| Err(Error::Config(format!("invalid job: {what}")));
+        if self.micro_batches == 0 || self.micro_batches > self.spec.batch_size {
+            return bad(format!(
+                "{} micro-batches for mini-batches of {}",
+                self.micro_batches, self.spec.batch_size
+            ));
+        }
+        // The stages (and the head on the master) must cover the model's layers once, in order.
+        let layers = self.spec.layers()?.len();
+        let mut at = 0;
+        for (rank, stage) in self.partition.iter().enumerate() {
+            if stage.rank as usize != rank || stage.start != at || stage.end <= stage.start {
+                return bad(format!(
+                    "stage {rank} holds layers {}..{} but the next layer is {at}",
+                    stage.start, stage.end
+                ));
+            }
+            at = stage.end;
+        }
+        if let Some(head) = &self.head {
+            if head.start != at || head.end <= head.start {
+                return bad(format!(
+                    "the head holds layers {}..{} but the next layer is {at}",
+                    head.start, head.end
+                ));
+            }
+            at = head.end;
+        }
+        if at != layers {
+            return bad(format!(
+                "the partition covers layers 0..{at} of a model with {layers}"
+            ));
+        }
+        if self.node_speeds.len() != self.partition.len()
+            || self
+                .node_speeds
+                .iter()
+                .any(|s| !(s.is_finite() && *s > 0.0 && *s <= 1.0))
+        {
+            return bad(format!(
+                "node speeds {:?} for {} nodes (each in (0, 1])",
+                self.node_speeds,
+                self.partition.len()
+            ));
+        }
+        Ok(())
+    }
+
+    fn neighbours(&self, rank: u32, world: u32) -> BTreeSet<u32> {
+        ring_neighbours(rank, world)
+    }
+
+    fn needs_data(&self, rank: u32) -> bool {
+        rank == 0
+    }
+
+    fn run(&self, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
+        if rank != 0 {
+            run_worker(self, cx.net)?;
+            return Ok(None);
+        }
+        let setup = MasterSetup {
+            data: cx.data()?,
+            out: &self.spec.out,
+            target_accuracy: self.spec.target_accuracy,
+            eval_every: self.spec.eval_every,
+        };
+        let outcome = run_master(self, &setup, cx.net, cx.on_event)?;
+        Ok(Some(outcome.summary))
+    }
+}

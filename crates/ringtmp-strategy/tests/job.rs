@@ -1,0 +1,146 @@
+//! Jobs come from `job.json` or from rank 0 over the network, so every node checks one before
+//! using it: impossible values are clear errors, never a panic or a division by zero.
+
+use std::path::Path;
+
+use ringtmp_model::{LrSchedule, OptimizerConfig};
+use ringtmp_strategy::param_server::consistency::Consistency;
+use ringtmp_strategy::ring::schedule::Schedule;
+use ringtmp_strategy::{Job, TrainConfig};
+use ringtmp_testkit::fixtures::{CONV_MODEL, digits, model};
+use ringtmp_testkit::jobs::{ps_job, ring_job};
+
+fn config() -> TrainConfig {
+    TrainConfig {
+        model: model(CONV_MODEL, "ring-test"),
+        dataset: "digits".into(),
+        data_dir: None,
+        epochs: 1,
+        batch_size: 24,
+        lr: 0.05,
+        default_lr: false,
+        schedule: LrSchedule::Constant,
+        warmup_steps: 0,
+        optimizer: OptimizerConfig::Sgd {
+            momentum: 0.9,
+            weight_decay: 0.0,
+        },
+        threads: 1,
+        seed: 1,
+        target_accuracy: 0.5,
+        eval_every: 0,
+        out: Path::new("").to_path_buf(),
+        checkpoint_every: 0,
+        keep_checkpoints: None,
+        resume: None,
+        max_steps: Some(10),
+        recv_timeout_secs: 30.0,
+    }
+}
+
+/// `job` through JSON (as `job.json` and the network carry it), then validated for `world`.
+fn check(job: &Job, world: u32) -> Result<(), String> {
+    let text = serde_json::to_string(job).unwrap();
+    let back: Job = serde_json::from_str(&text).map_err(|e| e.to_string())?;
+    assert_eq!(&back, job, "a job survives its JSON");
+    back.validate(world).map_err(|e| e.to_string())
+}
+
+#[test]
+fn a_planned_job_is_valid_and_survives_its_json() {
+    let data = digits();
+    let ring = Job::Ring(ring_job(&config(), &data, &[0, 4, 10], Schedule::Gpipe, 4));
+    assert_eq!(check(&ring, 2), Ok(()));
+    assert!(check(&ring, 3).unwrap_err().contains("planned for 2 nodes"));
+    let ps = Job::Ps(ps_job(&config(), &data, 1, 3, Consistency::Asp));
+    assert_eq!(check(&ps, 4), Ok(()));
+}
+
+#[test]
+fn impossible_ring_jobs_are_refused_with_the_reason() {
+    let data = digits();
+    let base = ring_job(&config(), &data, &[0, 4, 10], Schedule::Gpipe, 4);
+    let cases: Vec<(
+        &str,
+        Box<dyn Fn(&mut ringtmp_strategy::ring::driver::RingJob)>,
+    )> = vec![
+        ("micro-batches", Box::new(|j| j.micro_batches = 0)),
+        (
+            "zero steps per epoch",
+            Box::new(|j| j.spec.steps_per_epoch = 0),
+        ),
+        (
+            "recv-timeout",
+            Box::new(|j| j.spec.config.recv_timeout_secs = -1.0),
+        ),
+        (
+            "recv-timeout",
+            Box::new(|j| j.spec.config.recv_timeout_secs = f64::INFINITY),
+        ),
+        ("covers layers 0..9", Box::new(|j| j.partition[1].end = 9)),
+        (
+            "stage 1 holds layers 5..10",
+            Box::new(|j| j.partition[1].start = 5),
+        ),
+        ("node speeds", Box::new(|j| j.node_speeds = vec![1.0])),
+        ("node speeds", Box::new(|j| j.node_speeds[1] = 0.0)),
+        (
+            "steps but the schedule spans",
+            Box::new(|j| j.spec.total_steps = 10_000),
+        ),
+        (
+            "resumes at step",
+            Box::new(|j| {
+                j.spec.resume_from = Some(ringtmp_strategy::ResumePoint {
+                    dir: "x".into(),
+                    step: 1_000,
+                })
+            }),
+        ),
+        ("batch-size", Box::new(|j| j.spec.config.batch_size = 0)),
+    ];
+    for (needle, corrupt) in cases {
+        let mut job = base.clone();
+        corrupt(&mut job);
+        let err = Job::Ring(job).validate(2).unwrap_err();
+        assert!(err.to_string().contains(needle), "{needle}: {err}");
+    }
+}
+
+#[test]
+fn impossible_parameter_server_jobs_are_refused() {
+    let data = digits();
+    let base = ps_job(&config(), &data, 1, 3, Consistency::Bsp);
+    let mut none = base.clone();
+    none.workers = 0;
+    none.servers = 4;
+    assert!(
+        Job::Ps(none)
+            .validate(4)
+            .unwrap_err()
+            .to_string()
+            .contains("0 worker")
+    );
+    let mut slow = base.clone();
+    slow.node_speeds = vec![1.0, f64::NAN, 1.0, 1.0];
+    assert!(
+        Job::Ps(slow)
+            .validate(4)
+            .unwrap_err()
+            .to_string()
+            .contains("node speeds")
+    );
+}
+
+#[test]
+fn garbage_is_a_parse_error_not_a_panic() {
+    for text in [
+        "{}",
+        r#"{"strategy": "ring"}"#,
+        r#"{"strategy": "gossip"}"#,
+        r#"{"strategy": "ps", "servers": -1}"#,
+        "[1, 2, 3]",
+    ] {
+        assert!(serde_json::from_str::<Job>(text).is_err(), "{text}");
+    }
+}
