@@ -56,14 +56,14 @@ fn a_planned_job_is_valid_and_survives_its_json() {
     assert_eq!(check(&ps, 4), Ok(()));
 }
 
+/// A way to spoil a ring job.
+type Corruption = Box<dyn Fn(&mut ringtmp_strategy::ring::driver::RingJob)>;
+
 #[test]
 fn impossible_ring_jobs_are_refused_with_the_reason() {
     let data = digits();
     let base = ring_job(&config(), &data, &[0, 4, 10], Schedule::Gpipe, 4);
-    let cases: Vec<(
-        &str,
-        Box<dyn Fn(&mut ringtmp_strategy::ring::driver::RingJob)>,
-    )> = vec![
+    let cases: Vec<(&str, Corruption)> = vec![
         ("micro-batches", Box::new(|j| j.micro_batches = 0)),
         (
             "zero steps per epoch",
