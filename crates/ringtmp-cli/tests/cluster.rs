@@ -356,6 +356,18 @@ fn parameter_server_on_local_nodes_writes_the_output_contract() {
     assert_eq!(evaluated.last(), summary["steps"].as_u64().as_ref());
     assert!(evaluated.windows(2).all(|p| p[0] < p[1]), "{evaluated:?}");
     assert_eq!(summary["consistency"], "ssp:2");
+    // Issue 11.2: the parameter server's run log, written by the same recorder as the others.
+    let events: Vec<serde_json::Value> =
+        std::fs::read_to_string(tmp.path().join("ps/metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+    assert_eq!(events.first().unwrap()["event"], "start");
+    assert_eq!(events.first().unwrap()["strategy"], "ps");
+    assert_eq!(events.last().unwrap()["event"], "end");
+    let evals = events.iter().filter(|e| e["event"] == "eval").count();
+    assert_eq!(evals, evaluated.len(), "{events:?}");
     let nodes = summary["per_node"].as_array().unwrap();
     assert_eq!(nodes.len(), 4);
     assert_eq!(nodes.iter().filter(|n| n["role"] == "server").count(), 2);

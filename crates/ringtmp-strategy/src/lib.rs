@@ -9,6 +9,8 @@
 //! - [`job`]: one shape for every strategy ([`Strategy`], [`Job`], [`NodeCx`]).
 //! - [`local`]: one process, one stage holding the whole model — plain mini-batch training and
 //!   the oracle every distributed strategy is tested against.
+//! - [`recorder`]: `metrics.jsonl`, the evaluation cadence, time to target and `summary.json`,
+//!   written the same way by every strategy.
 //! - [`param_server`]: the parameter server's consistency models (in progress).
 //! - [`ring`]: RingTMP, ring-pipelined model parallelism.
 //! - [`selftest`]: connectivity and link measurements on a ring of nodes.
@@ -18,6 +20,7 @@ mod error;
 pub mod job;
 pub mod local;
 pub mod param_server;
+pub mod recorder;
 pub mod ring;
 pub mod selftest;
 mod spec;

@@ -11,14 +11,15 @@ use std::path::Path;
 use std::time::Instant;
 
 use ringtmp_data::{BatchPlan, Dataset, Split};
-use ringtmp_metrics::{EventLog, NodeSummary, Summary, resources};
+use ringtmp_metrics::{NodeSummary, Summary, resources};
 use ringtmp_model::checkpoint::{self, Manifest};
-use ringtmp_model::{Optimizer, OptimizerConfig, Pass, Shape, Stage, loss};
+use ringtmp_model::{Optimizer, Pass, Shape, Stage, loss};
 use serde_json::json;
 
 use crate::config::TrainConfig;
 use crate::error::{Error, Result};
 use crate::job::{Cluster, NodeCx, Strategy, validate_shared};
+use crate::recorder::RunRecorder;
 use crate::spec::RunSpec;
 
 /// The `local` strategy's job: the whole model in one process.
@@ -118,25 +119,6 @@ pub enum Event {
 /// cnn's im2col buffers stay around 70 MB.
 const EVAL_ROWS: usize = 250;
 
-/// Opens `out/metrics.jsonl` (appending when a run resumes) and returns the function that
-/// writes one event to it; its errors name the file. Every strategy's run log goes through it.
-pub(crate) fn metrics_log(
-    out: &std::path::Path,
-    append: bool,
-) -> Result<impl FnMut(serde_json::Value) -> Result<()>> {
-    let path = out.join("metrics.jsonl");
-    let mut log = EventLog::create(&path, append).map_err(|e| Error::Io {
-        path: path.clone(),
-        source: e,
-    })?;
-    Ok(move |event: serde_json::Value| {
-        log.write(&event).map_err(|e| Error::Io {
-            path: path.clone(),
-            source: e,
-        })
-    })
-}
-
 /// Trains `cfg.model` on `data` in this process and writes `metrics.jsonl`, `summary.json` and
 /// checkpoints under `cfg.out`.
 pub fn train_local(
@@ -159,20 +141,18 @@ pub fn train_local(
         .unwrap_or(u64::MAX)
         .min(per_epoch * u64::from(cfg.epochs));
 
-    std::fs::create_dir_all(&cfg.out).map_err(|e| Error::Io {
-        path: cfg.out.clone(),
-        source: e,
-    })?;
     let mut step = 0u64;
     if let Some(resume) = &cfg.resume {
         step = resume_from(resume, cfg, &mut model, &mut optimizer)?;
     }
-    let mut write = metrics_log(&cfg.out, step > 0)?;
-    write(
-        json!({"event": "start", "strategy": "local", "model": cfg.model.name, "params": model.params().len(),
-        "dataset": cfg.dataset, "batch_size": cfg.batch_size, "seed": cfg.seed, "threads": cfg.threads,
-        "first_step": step, "total_steps": total_steps}),
-    )?;
+    let mut spec = RunSpec::new(cfg.clone(), data, cfg.batch_size)?;
+    if step > 0 {
+        spec.resume_from = Some(crate::ResumePoint {
+            dir: cfg.resume.clone().unwrap_or_default(),
+            step,
+        });
+    }
+    let mut recorder = RunRecorder::open(&spec, "local", json!({"params": model.params().len()}))?;
     on_event(&Event::Started {
         total_steps,
         first_step: step,
@@ -182,10 +162,8 @@ pub fn train_local(
 
     let classes = data.classes;
     let (mut x, mut y, mut dlogits) = (Vec::new(), Vec::new(), Vec::new());
-    let mut tracker = Tracker::new(cfg.target_accuracy);
     let (mut train_seconds, mut compute_seconds) = (0.0f64, 0.0f64);
-    let (mut epoch_loss, mut epoch_batches, mut samples) = (0.0f64, 0u64, 0u64);
-    let mut last_epoch_loss = f64::NAN;
+    let mut samples = 0u64;
     let first_step = step;
     while step < total_steps {
         let epoch = step / per_epoch;
@@ -221,13 +199,8 @@ pub fn train_local(
         }
         step += 1;
         samples += rows as u64;
-        epoch_loss += mean_loss;
-        epoch_batches += 1;
         let sps = (step - first_step) as f64 * cfg.batch_size as f64 / train_seconds.max(1e-9);
-        write(
-            json!({"event": "step", "step": step, "epoch": epoch, "loss": mean_loss, "lr": lr,
-            "train_seconds": train_seconds}),
-        )?;
+        recorder.step(step, mean_loss, lr, train_seconds)?;
         on_event(&Event::Step {
             step,
             epoch,
@@ -235,18 +208,15 @@ pub fn train_local(
             samples_per_second: sps,
         });
 
-        let epoch_end = step % per_epoch == 0;
-        if epoch_end {
-            last_epoch_loss = epoch_loss / epoch_batches as f64;
-            (epoch_loss, epoch_batches) = (0.0, 0);
-        }
         let last = step == total_steps;
-        if epoch_end || last || (cfg.eval_every > 0 && step % cfg.eval_every == 0) {
+        if recorder.eval_due(step) {
             let (accuracy, test_loss) = evaluate(&mut model, &data.test, classes)?;
-            tracker.record(accuracy, step, train_seconds);
-            write(
-                json!({"event": "eval", "step": step, "epoch": epoch, "test_accuracy": accuracy,
-                "test_loss": test_loss, "train_seconds": train_seconds, "wall_seconds": wall.elapsed().as_secs_f64()}),
+            recorder.eval(
+                step,
+                accuracy,
+                Some(test_loss),
+                train_seconds,
+                wall.elapsed().as_secs_f64(),
             )?;
             on_event(&Event::Eval {
                 step,
@@ -257,17 +227,20 @@ pub fn train_local(
         }
         if cfg.checkpoint_every > 0 && (step % cfg.checkpoint_every == 0 || last) {
             let dir = save_checkpoint(cfg, &model, &optimizer, step, per_epoch)?;
-            write(json!({"event": "checkpoint", "step": step, "path": dir}))?;
+            recorder.checkpoint(step, &dir)?;
             on_event(&Event::Checkpoint { step, path: dir });
         }
     }
     if step == first_step {
         // Nothing left to train (resumed at the end): still report the model's accuracy.
-        let (accuracy, _) = evaluate(&mut model, &data.test, classes)?;
-        tracker.record(accuracy, step, 0.0);
-    }
-    if epoch_batches > 0 {
-        last_epoch_loss = epoch_loss / epoch_batches as f64;
+        let (accuracy, test_loss) = evaluate(&mut model, &data.test, classes)?;
+        recorder.eval(
+            step,
+            accuracy,
+            Some(test_loss),
+            0.0,
+            wall.elapsed().as_secs_f64(),
+        )?;
     }
 
     let params = model.params().len() as u64;
@@ -284,48 +257,16 @@ pub fn train_local(
         ..Default::default()
     };
     let summary = Summary {
-        strategy: "local".into(),
-        schedule: None,
-        consistency: None,
-        nodes: 1,
-        model: cfg.model.name.clone(),
         model_params: params,
-        dataset: cfg.dataset.clone(),
-        epochs: cfg.epochs,
-        batch_size: cfg.batch_size as u32,
-        micro_batches: 1,
-        seed: cfg.seed,
-        optimizer: match cfg.optimizer {
-            OptimizerConfig::Sgd { .. } => "sgd".into(),
-            OptimizerConfig::Adam { .. } => "adam".into(),
-        },
-        lr: cfg.lr,
-        threads: cfg.threads as u32,
         steps: step,
         samples,
-        final_train_loss: last_epoch_loss,
-        final_test_accuracy: tracker.last,
-        best_test_accuracy: tracker.best,
-        target_accuracy: cfg.target_accuracy,
-        time_to_target_seconds: tracker.reached.map(|(_, t)| t),
-        steps_to_target: tracker.reached.map(|(s, _)| s),
         wall_seconds: wall.elapsed().as_secs_f64(),
         train_seconds,
         samples_per_second: samples as f64 / train_seconds.max(1e-9),
-        total_bytes_sent: 0,
-        bytes_per_sample: 0.0,
-        theoretical_bubble_fraction: None,
-        partition: Vec::new(),
-        dropped_nodes: Vec::new(),
         per_node: vec![node],
+        ..recorder.summary("local", 1)
     };
-    let path = cfg.out.join("summary.json");
-    summary
-        .write(&path)
-        .map_err(|e| Error::Io { path, source: e })?;
-    write(
-        json!({"event": "end", "steps": step, "final_test_accuracy": summary.final_test_accuracy}),
-    )?;
+    recorder.finish(&summary)?;
     Ok(summary)
 }
 
@@ -346,33 +287,6 @@ pub fn evaluate(model: &mut Stage, split: &Split, classes: usize) -> Result<(f64
     }
     let n = split.len().max(1) as f64;
     Ok((correct as f64 / n, loss_sum / n))
-}
-
-/// Best/last accuracy and when the target was first reached.
-pub(crate) struct Tracker {
-    target: f64,
-    pub(crate) best: f64,
-    pub(crate) last: f64,
-    pub(crate) reached: Option<(u64, f64)>,
-}
-
-impl Tracker {
-    pub(crate) fn new(target: f64) -> Self {
-        Self {
-            target,
-            best: 0.0,
-            last: 0.0,
-            reached: None,
-        }
-    }
-
-    pub(crate) fn record(&mut self, accuracy: f64, step: u64, train_seconds: f64) {
-        self.last = accuracy;
-        self.best = self.best.max(accuracy);
-        if self.reached.is_none() && accuracy >= self.target {
-            self.reached = Some((step, train_seconds));
-        }
-    }
 }
 
 fn save_checkpoint(

@@ -131,6 +131,14 @@ impl RunSpec {
         self.resume_from.as_ref().map_or(0, |r| r.step)
     }
 
+    /// Whether an evaluation is due once `done` steps are complete: every `eval_every`-th step,
+    /// every epoch end and the last step (so time to target means the same in every strategy).
+    pub fn eval_due(&self, done: u64) -> bool {
+        done % self.steps_per_epoch.max(1) == 0
+            || done == self.total_steps
+            || (self.eval_every > 0 && done % self.eval_every == 0)
+    }
+
     /// Whether a checkpoint is due after `done` steps (every `checkpoint_every`, and at the end).
     pub fn checkpoint_due(&self, done: u64) -> bool {
         self.checkpoint_every > 0 && (done % self.checkpoint_every == 0 || done == self.total_steps)

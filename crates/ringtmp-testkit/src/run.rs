@@ -46,12 +46,11 @@ pub fn ring_nodes(
 ) -> Ran<Result<RingNode, String>> {
     use ringtmp_strategy::ring::driver::{run_master, run_worker};
     let n = job.partition.len() as u32;
-    let setup = MasterSetup {
-        data,
-        out,
-        target_accuracy: 0.5,
-        eval_every,
-    };
+    let mut job = job.clone();
+    job.spec.config.out = out.to_path_buf();
+    job.spec.config.eval_every = eval_every;
+    let job = &job;
+    let setup = MasterSetup { data };
     run_nodes(backend, ring(n), Some(0), |rank, net| {
         if rank == 0 {
             let result = run_master(job, &setup, net, &mut |_| {});

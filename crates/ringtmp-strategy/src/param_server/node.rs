@@ -15,6 +15,7 @@ use crate::job::{Cluster, NodeCx, Strategy, validate_shared};
 use crate::param_server::consistency::Consistency;
 use crate::param_server::driver::{PsJob, run_server, run_worker};
 use crate::param_server::plan::PsOptions;
+use crate::recorder::RunRecorder;
 use crate::spec::RunSpec;
 
 impl Strategy for PsJob {
@@ -94,6 +95,17 @@ fn run(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
     let started = Instant::now();
     if (rank as usize) < job.servers {
         let net = &mut *cx.net;
+        // Server 0 reports the run: its log exists from the start.
+        let recorder = (rank == 0)
+            .then(|| {
+                RunRecorder::open(
+                    &job.spec,
+                    PsJob::NAME,
+                    serde_json::json!({"servers": job.servers, "workers": job.workers,
+                        "consistency": job.consistency.name()}),
+                )
+            })
+            .transpose()?;
         let outcome = run_server(job, rank as usize, net)?;
         let mut own = base_summary(rank, "server", outcome.params.len() as u64, net);
         own.staleness_histogram = outcome.staleness;
@@ -133,15 +145,17 @@ fn run(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
                 node.staleness_histogram = h.clone();
             }
         }
-        let mut summary = summarize(job, per_node, started.elapsed().as_secs_f64());
-        summary.dropped_nodes = outcome.dropped.clone();
-        let path = job.spec.out.join("summary.json");
-        let io = |source| Error::Io {
-            path: path.clone(),
-            source,
+        let Some(mut recorder) = recorder else {
+            unreachable!("server 0 opened the recorder")
         };
-        std::fs::create_dir_all(&job.spec.out).map_err(io)?;
-        summary.write(&path).map_err(io)?;
+        let mut summary = summarize(
+            job,
+            &mut recorder,
+            per_node,
+            started.elapsed().as_secs_f64(),
+        )?;
+        summary.dropped_nodes = outcome.dropped.clone();
+        recorder.finish(&summary)?;
         return Ok(Some(summary));
     }
     // A worker.
@@ -228,77 +242,58 @@ fn report(net: &mut dyn Transport, own: &NodeSummary) -> Result<()> {
     Ok(())
 }
 
-fn summarize(job: &PsJob, per_node: Vec<NodeSummary>, wall: f64) -> Summary {
-    let cfg = &job.spec;
+/// Server 0's summary of the run from every node's report, with worker 0's evaluations (in
+/// global iterations) recorded in `metrics.jsonl` on the way.
+fn summarize(
+    job: &PsJob,
+    recorder: &mut RunRecorder,
+    per_node: Vec<NodeSummary>,
+    wall: f64,
+) -> Result<Summary> {
     let samples: u64 = per_node
         .iter()
         .filter(|n| n.role == "worker")
         .map(|n| n.iterations * job.spec.batch_size as u64)
         .sum();
     let total_bytes_sent: u64 = per_node.iter().map(|n| n.bytes_sent).sum();
-    let accuracy = per_node.iter().find_map(|n| n.test_accuracy).unwrap_or(0.0);
-    let evaluations: Vec<(u64, f64, f64)> = per_node
+    let mut evaluations: Vec<(u64, f64, f64)> = per_node
         .iter()
         .flat_map(|n| n.evaluations.clone())
         .collect();
-    let reached = evaluations
-        .iter()
-        .find(|(_, a, _)| *a >= cfg.target_accuracy)
-        .copied();
-    let best = evaluations
-        .iter()
-        .map(|(_, a, _)| *a)
-        .fold(accuracy, f64::max);
+    evaluations.sort_by_key(|e| e.0);
+    for &(iteration, accuracy, seconds) in &evaluations {
+        recorder.eval(iteration, accuracy, None, seconds, seconds)?;
+    }
     let model_params = per_node
         .iter()
         .filter(|n| n.role == "server")
         .map(|n| n.params)
         .sum();
-    Summary {
-        strategy: "ps".into(),
-        schedule: None,
+    // The mean loss of the units of the final epoch, over every worker that computed some.
+    let units: u64 = per_node.iter().map(|n| n.final_epoch_units).sum();
+    let loss_sum: f64 = per_node.iter().map(|n| n.final_epoch_loss_sum).sum();
+    Ok(Summary {
         consistency: Some(job.consistency.name()),
-        nodes: (job.servers + job.workers) as u32,
-        model: job.spec.model.name.clone(),
         model_params,
-        dataset: cfg.dataset.clone(),
-        epochs: cfg.epochs,
-        batch_size: job.spec.batch_size as u32,
-        micro_batches: 1,
-        seed: job.spec.seed,
-        optimizer: match job.spec.optimizer {
-            ringtmp_model::OptimizerConfig::Sgd { .. } => "sgd".into(),
-            ringtmp_model::OptimizerConfig::Adam { .. } => "adam".into(),
-        },
-        lr: job.spec.lr,
-        threads: job.spec.threads as u32,
         steps: job.spec.total_steps,
         samples,
-        // The mean loss of the units of the final epoch, over every worker that computed some.
-        final_train_loss: {
-            let units: u64 = per_node.iter().map(|n| n.final_epoch_units).sum();
-            let sum: f64 = per_node.iter().map(|n| n.final_epoch_loss_sum).sum();
-            if units == 0 {
-                f64::NAN
-            } else {
-                sum / units as f64
-            }
+        final_train_loss: if units == 0 {
+            f64::NAN
+        } else {
+            loss_sum / units as f64
         },
-        final_test_accuracy: accuracy,
-        best_test_accuracy: best,
-        target_accuracy: cfg.target_accuracy,
-        time_to_target_seconds: reached.map(|(_, _, t)| t),
-        steps_to_target: reached.map(|(s, _, _)| s),
+        final_test_accuracy: per_node
+            .iter()
+            .find_map(|n| n.test_accuracy)
+            .unwrap_or(recorder.tracker().last),
         wall_seconds: wall,
         train_seconds: wall,
         samples_per_second: samples as f64 / wall.max(1e-9),
         total_bytes_sent,
         bytes_per_sample: total_bytes_sent as f64 / samples.max(1) as f64,
-        theoretical_bubble_fraction: None,
-        partition: Vec::new(),
-        dropped_nodes: Vec::new(),
         per_node,
-    }
+        ..recorder.summary(PsJob::NAME, (job.servers + job.workers) as u32)
+    })
 }
 
 #[cfg(test)]

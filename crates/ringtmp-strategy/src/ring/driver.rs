@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use ringtmp_data::{BatchPlan, Dataset, shard};
 use ringtmp_metrics::{NodeSummary, Summary, resources};
 use ringtmp_model::checkpoint;
-use ringtmp_model::{Layer, Optimizer, OptimizerConfig, Pass, Stage, loss};
+use ringtmp_model::{Layer, Optimizer, Pass, Stage, loss};
 use ringtmp_transport::{Clock, LinkStats, Transport, TransportError};
 use ringtmp_wire::message::{tensor_bytes, tensor_values};
 use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
@@ -33,7 +33,8 @@ use serde_json::json;
 use super::partition::StagePlan;
 use super::schedule::{Action, Schedule, StageState};
 use crate::error::{Error, Result};
-use crate::local::{Event, Tracker};
+use crate::local::Event;
+use crate::recorder::RunRecorder;
 use crate::spec::{ResumePoint, RunSpec};
 
 /// Rows per evaluation chunk sent around the ring.
@@ -201,12 +202,6 @@ impl RingJob {
 pub struct MasterSetup<'a> {
     /// The dataset (only the master has it).
     pub data: &'a Dataset,
-    /// Output directory.
-    pub out: &'a std::path::Path,
-    /// Accuracy target.
-    pub target_accuracy: f64,
-    /// Evaluate every this many steps (and at epoch ends).
-    pub eval_every: u64,
 }
 
 /// What the master returns: the run's summary and its final stages.
@@ -317,14 +312,11 @@ pub fn run_master(
     };
     let mut batches = BatchPlan::new(setup.data.train.len(), job.spec.batch_size, job.spec.seed)?;
     let mut clock = NodeClock::new(net, job.node_speeds.first().copied().unwrap_or(1.0));
-    std::fs::create_dir_all(setup.out).map_err(|e| Error::Io {
-        path: setup.out.to_path_buf(),
-        source: e,
-    })?;
-    let mut write = crate::local::metrics_log(setup.out, job.first_step() > 0)?;
-    write(
-        json!({"event": "start", "strategy": "ring", "schedule": job.schedule.name(), "nodes": n,
-        "micro_batches": job.micro_batches, "model": job.spec.model.name, "partition": job.partition, "total_steps": job.spec.total_steps}),
+    let mut recorder = RunRecorder::open(
+        &job.spec,
+        "ring",
+        json!({"schedule": job.schedule.name(), "nodes": n,
+            "micro_batches": job.micro_batches, "partition": job.partition}),
     )?;
     let layers = job.layers()?;
     let count = |start: usize, end: usize| -> usize {
@@ -349,9 +341,7 @@ pub fn run_master(
 
     let timeout = job.recv_timeout();
     let mut pipe = AsyncPipe::new(job);
-    let mut tracker = Tracker::new(setup.target_accuracy);
     let (mut train_seconds, mut samples) = (0.0f64, 0u64);
-    let (mut epoch_loss, mut epoch_batches, mut last_epoch_loss) = (0.0f64, 0u64, f64::NAN);
     let (mut x, mut labels) = (Vec::new(), Vec::new());
     for step in job.first_step()..job.spec.total_steps {
         let t_step = time.now();
@@ -360,7 +350,7 @@ pub fn run_master(
         let (step_loss, rows_total) = if job.schedule == Schedule::Async {
             pipe.run_minibatch(
                 step,
-                next_flush(job, setup, step),
+                next_flush(job, step),
                 job,
                 setup,
                 &mut batches,
@@ -480,23 +470,14 @@ pub fn run_master(
             });
         }
         let done = step + 1;
-        epoch_loss += mean_loss;
-        epoch_batches += 1;
-        write(
-            json!({"event": "step", "step": done, "epoch": epoch, "loss": mean_loss, "lr": lr, "train_seconds": train_seconds}),
-        )?;
+        recorder.step(done, mean_loss, lr, train_seconds)?;
         on_event(&Event::Step {
             step: done,
             epoch,
             loss: mean_loss,
             samples_per_second: samples as f64 / train_seconds.max(1e-9),
         });
-        let epoch_end = done % job.spec.steps_per_epoch == 0;
-        if epoch_end {
-            last_epoch_loss = epoch_loss / epoch_batches as f64;
-            (epoch_loss, epoch_batches) = (0.0, 0);
-        }
-        if eval_due(job, setup, done) {
+        if job.spec.eval_due(done) {
             let (accuracy, test_loss) = evaluate(
                 job,
                 setup.data,
@@ -506,9 +487,12 @@ pub fn run_master(
                 &mut clock.eval_bytes,
                 head.as_mut(),
             )?;
-            tracker.record(accuracy, done, train_seconds);
-            write(
-                json!({"event": "eval", "step": done, "epoch": epoch, "test_accuracy": accuracy, "test_loss": test_loss, "train_seconds": train_seconds, "wall_seconds": (time.now() - wall).as_secs_f64()}),
+            recorder.eval(
+                done,
+                accuracy,
+                Some(test_loss),
+                train_seconds,
+                (time.now() - wall).as_secs_f64(),
             )?;
             on_event(&Event::Eval {
                 step: done,
@@ -551,17 +535,13 @@ pub fn run_master(
                 )?);
             }
             let dir = job.write_manifest(done, &files)?;
-            write(json!({"event": "checkpoint", "step": done, "path": dir}))?;
+            recorder.checkpoint(done, &dir)?;
             on_event(&Event::Checkpoint {
                 step: done,
                 path: dir,
             });
         }
     }
-    if epoch_batches > 0 {
-        last_epoch_loss = epoch_loss / epoch_batches as f64;
-    }
-
     // Collect every node's measurements around the ring.
     let mut own = node_summary(
         0,
@@ -601,31 +581,11 @@ pub fn run_master(
     let model_params = job.layers()?.iter().map(|l| l.param_count() as u64).sum();
     let (m, nn) = (job.micro_batches as f64, f64::from(n));
     let summary = Summary {
-        strategy: "ring".into(),
         schedule: Some(job.schedule.name().into()),
-        consistency: None,
-        nodes: n,
-        model: job.spec.model.name.clone(),
         model_params,
-        dataset: job.spec.dataset.clone(),
-        epochs: job.spec.epochs,
-        batch_size: job.spec.batch_size as u32,
         micro_batches: job.micro_batches as u32,
-        seed: job.spec.seed,
-        optimizer: match job.spec.optimizer {
-            OptimizerConfig::Sgd { .. } => "sgd".into(),
-            OptimizerConfig::Adam { .. } => "adam".into(),
-        },
-        lr: job.spec.lr,
-        threads: job.spec.threads as u32,
         steps: job.spec.total_steps,
         samples,
-        final_train_loss: last_epoch_loss,
-        final_test_accuracy: tracker.last,
-        best_test_accuracy: tracker.best,
-        target_accuracy: setup.target_accuracy,
-        time_to_target_seconds: tracker.reached.map(|(_, t)| t),
-        steps_to_target: tracker.reached.map(|(s, _)| s),
         wall_seconds: (time.now() - wall).as_secs_f64(),
         train_seconds,
         samples_per_second: samples as f64 / train_seconds.max(1e-9),
@@ -637,16 +597,10 @@ pub fn run_master(
             .iter()
             .map(|p| serde_json::to_value(p).unwrap_or_default())
             .collect(),
-        dropped_nodes: Vec::new(),
         per_node,
+        ..recorder.summary("ring", n)
     };
-    let path = setup.out.join("summary.json");
-    summary
-        .write(&path)
-        .map_err(|e| Error::Io { path, source: e })?;
-    write(
-        json!({"event": "end", "steps": job.spec.total_steps, "final_test_accuracy": summary.final_test_accuracy}),
-    )?;
+    recorder.finish(&summary)?;
     Ok(MasterOutcome {
         summary,
         stage,
@@ -795,18 +749,12 @@ fn loss_site(
 
 /// Whether the master evaluates after `done` steps: every epoch end, the last step, and every
 /// `eval_every` steps.
-fn eval_due(job: &RingJob, setup: &MasterSetup<'_>, done: u64) -> bool {
-    done % job.spec.steps_per_epoch == 0
-        || done == job.spec.total_steps
-        || (setup.eval_every > 0 && done % setup.eval_every == 0)
-}
-
 /// The first mini-batch boundary at or after mini-batch `step` where the async pipeline must be
 /// empty (an evaluation or a checkpoint follows it): micro-batches beyond it must not start
 /// before it, or they would still be in the ring when the evaluation's chunks go round.
-fn next_flush(job: &RingJob, setup: &MasterSetup<'_>, step: u64) -> u64 {
+fn next_flush(job: &RingJob, step: u64) -> u64 {
     (step + 1..=job.spec.total_steps)
-        .find(|&done| job.checkpoint_due(done) || eval_due(job, setup, done))
+        .find(|&done| job.checkpoint_due(done) || job.spec.eval_due(done))
         .unwrap_or(job.spec.total_steps)
 }
 

@@ -93,12 +93,7 @@ impl Strategy for RingJob {
             run_worker(self, cx.net)?;
             return Ok(None);
         }
-        let setup = MasterSetup {
-            data: cx.data()?,
-            out: &self.spec.out,
-            target_accuracy: self.spec.target_accuracy,
-            eval_every: self.spec.eval_every,
-        };
+        let setup = MasterSetup { data: cx.data()? };
         let outcome = run_master(self, &setup, cx.net, cx.on_event)?;
         Ok(Some(outcome.summary))
     }
