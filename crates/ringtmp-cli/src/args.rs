@@ -12,7 +12,7 @@ use ringtmp_strategy::ring::plan::RingOptions;
 use ringtmp_strategy::{Job, StrategyOptions, TrainConfig};
 use serde::{Deserialize, Serialize};
 
-use crate::UsageError;
+use crate::error::UsageError;
 
 /// Optimizer choice.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
@@ -400,7 +400,6 @@ impl TrainArgs {
 /// Refuses a config file key that is no `ringtmp train` option (a typo would otherwise be
 /// ignored: the options of the strategies are flattened, which serde cannot check by itself).
 fn check_config_keys(path: &std::path::Path, text: &str) -> Result<()> {
-    use clap::CommandFactory;
     let table: toml::Table = toml::from_str(text).map_err(|e| {
         UsageError(format!(
             "config file {}: {}",
@@ -408,10 +407,7 @@ fn check_config_keys(path: &std::path::Path, text: &str) -> Result<()> {
             e.to_string().trim_end()
         ))
     })?;
-    let command = crate::Cli::command();
-    let train = command
-        .find_subcommand("train")
-        .context("the train command's options")?;
+    let train = TrainArgs::augment_args(clap::Command::new("train"));
     let known: Vec<&str> = train
         .get_arguments()
         .filter(|a| !a.is_hide_set())

@@ -21,6 +21,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
+use crate::error::{Interrupted, UsageError};
+
 /// How long the other nodes may take to exit after rank 0 finished the run successfully.
 pub const AFTER_RUN_GRACE: Duration = Duration::from_secs(5);
 /// How long the other nodes may take to notice a failure and report it themselves.
@@ -30,25 +32,6 @@ pub const AFTER_SIGNAL_GRACE: Duration = Duration::from_secs(5);
 
 /// Set in the environment of the nodes this launcher starts.
 pub const LOCAL_LAUNCHER_ENV: &str = "RINGTMP_LOCAL_LAUNCHER";
-
-/// The launcher was stopped by a signal (exit status 128 + the signal's number).
-#[derive(Debug)]
-pub struct Interrupted {
-    /// The signal's number.
-    pub signal: i32,
-}
-
-impl std::fmt::Display for Interrupted {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "interrupted by {}; the nodes were stopped",
-            signal_name(self.signal)
-        )
-    }
-}
-
-impl std::error::Error for Interrupted {}
 
 /// What to launch.
 pub struct Launch<'a> {
@@ -215,7 +198,7 @@ pub fn run(launch: &Launch<'_>) -> Result<Ended> {
         let message = format!("node {culprit} failed{why}");
         // A node that refused its options makes this a usage error too (exit status 2).
         if usage_errors[culprit as usize] {
-            return Err(crate::UsageError(message).into());
+            return Err(UsageError(message).into());
         }
         bail!(message);
     }
@@ -283,17 +266,6 @@ fn die_with_parent(cmd: &mut Command) {
             }
             Ok(())
         });
-    }
-}
-
-/// `SIGTERM` and friends by name.
-pub fn signal_name(signal: i32) -> String {
-    match signal {
-        libc::SIGINT => "SIGINT".into(),
-        libc::SIGTERM => "SIGTERM".into(),
-        libc::SIGHUP => "SIGHUP".into(),
-        libc::SIGKILL => "SIGKILL".into(),
-        other => format!("signal {other}"),
     }
 }
 

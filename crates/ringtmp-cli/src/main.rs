@@ -7,8 +7,11 @@
 mod args;
 mod bench;
 mod bench_transport;
+mod display;
+mod error;
 mod launcher;
 mod node;
+mod plan;
 mod run_dir;
 mod train;
 
@@ -16,17 +19,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-/// An error in what the user asked for (exit status 2).
-#[derive(Debug)]
-pub struct UsageError(pub String);
-
-impl std::fmt::Display for UsageError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for UsageError {}
+use crate::error::{UsageError, describe, exit_code};
 
 #[derive(Parser)]
 #[command(
@@ -136,49 +129,4 @@ fn main() -> ExitCode {
             ExitCode::from(exit_code(&err))
         }
     }
-}
-
-/// The error chain on one line, outermost first. A cause whose text its wrapper already ends with
-/// (an I/O error that a `"{path}: {source}"` message quotes) is said once, not twice.
-pub fn describe(err: &anyhow::Error) -> String {
-    let mut text = String::new();
-    for cause in err.chain() {
-        let part = cause.to_string();
-        if text.ends_with(&part) {
-            continue;
-        }
-        if !text.is_empty() {
-            text.push_str(": ");
-        }
-        text.push_str(&part);
-    }
-    text
-}
-
-/// 2 when any error in the chain is the user's input, 128 + N when signal N stopped the run, 1
-/// otherwise.
-fn exit_code(err: &anyhow::Error) -> u8 {
-    for cause in err.chain() {
-        if let Some(i) = cause.downcast_ref::<launcher::Interrupted>() {
-            return u8::try_from(128 + i.signal).unwrap_or(1);
-        }
-        let usage = if cause.downcast_ref::<UsageError>().is_some() {
-            Some(true)
-        } else if let Some(e) = cause.downcast_ref::<ringtmp_strategy::Error>() {
-            Some(e.is_usage())
-        } else if cause
-            .downcast_ref::<ringtmp_transport::TransportError>()
-            .is_some()
-        {
-            Some(false)
-        } else if let Some(e) = cause.downcast_ref::<ringtmp_model::Error>() {
-            Some(e.is_usage())
-        } else {
-            cause.downcast_ref::<ringtmp_data::Error>().map(|_| true)
-        };
-        if let Some(usage) = usage {
-            return if usage { 2 } else { 1 };
-        }
-    }
-    1
 }

@@ -15,8 +15,8 @@ use ringtmp_strategy::{Job, NodeCx};
 use ringtmp_transport::{Shaping, TransportConfig};
 use serde::{Deserialize, Serialize};
 
-use crate::UsageError;
 use crate::args::TrainArgs;
+use crate::error::UsageError;
 
 /// What the nodes run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
@@ -278,7 +278,7 @@ pub fn run(args: &NodeArgs) -> Result<()> {
             Ok(())
         }
         Err(e) => {
-            net.abort(&crate::describe(&e));
+            net.abort(&crate::error::describe(&e));
             Err(e)
         }
     }
@@ -320,7 +320,7 @@ fn rank0_job(args: &NodeArgs, world: u32) -> Result<Job> {
         train_args.recv_timeout = args.connect.recv_timeout;
     }
     train_args.adopt_checkpoint_batch()?;
-    let data = crate::train::load_dataset(&train_args, true)?;
+    let data = crate::plan::load_dataset(&train_args, true)?;
     let cfg = train_args.resolve(data.classes)?;
     // Under an external launcher this is the first look at the output directory.
     crate::run_dir::prepare(
@@ -329,7 +329,7 @@ fn rank0_job(args: &NodeArgs, world: u32) -> Result<Job> {
         train_args.overwrite.unwrap_or(false),
     )?;
     train_args.out = Some(cfg.out.clone());
-    crate::train::plan(&train_args, cfg, &data, world)
+    crate::plan::plan(&train_args, cfg, &data, world)
 }
 
 /// Runs this node's part of a training job; the rank that returns the summary prints it.
@@ -340,7 +340,7 @@ fn run_training(
     net: &mut ringtmp_transport::Network,
 ) -> Result<()> {
     let spec = job.spec();
-    crate::train::init_threads(spec.threads)?;
+    crate::plan::init_threads(spec.threads)?;
     let data = if job.needs_data(rank) {
         let train_args = TrainArgs {
             dataset: Some(spec.dataset.clone()),
@@ -350,11 +350,11 @@ fn run_training(
         // Rank 0 under the local launcher, and every other rank, leave the announcement to
         // whoever planned the run.
         let announce = rank == 0 && args.job.job_file.is_none();
-        Some(crate::train::load_dataset(&train_args, announce)?)
+        Some(crate::plan::load_dataset(&train_args, announce)?)
     } else {
         None
     };
-    let mut display = crate::train::Display::new();
+    let mut display = crate::display::Display::new();
     let mut on_event = |e: &ringtmp_strategy::Event| {
         if rank == 0 {
             display.event(e)
@@ -368,7 +368,7 @@ fn run_training(
     let summary = job.run(rank, &mut cx)?;
     display.finish();
     if let Some(summary) = summary {
-        crate::train::print_summary(&summary, &spec.out);
+        crate::display::print_summary(&summary, &spec.out);
     }
     Ok(())
 }

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 
-use crate::UsageError;
+use crate::error::UsageError;
 
 /// What a run writes into its output directory.
 pub const RUN_FILES: [&str; 5] = [

@@ -1,0 +1,89 @@
+//! From options to a run: the dataset the options name, the compute threads, and the job of the
+//! chosen strategy (ripgrep's low-level → high-level arguments: after [`plan`], what runs is a
+//! validated [`Job`]). Used by `ringtmp train` and by `ringtmp node` under external launchers.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use ringtmp_data::{Dataset, FileCheck};
+use ringtmp_strategy::{Cluster, Job, TrainConfig};
+
+use crate::args::TrainArgs;
+use crate::error::UsageError;
+
+/// Loads the dataset named by the options and reports its checksum verification: on the terminal
+/// when `announce`, else as an informational log line (a node whose launcher said it already).
+pub fn load_dataset(args: &TrainArgs, announce: bool) -> Result<Dataset> {
+    let name = args.dataset();
+    let started = Instant::now();
+    // The data crate's errors name the dataset and the files already.
+    let data = ringtmp_data::load(&name, args.data_dir.as_deref())?;
+    let verified = data
+        .checks
+        .iter()
+        .filter(|c| matches!(c, FileCheck::Verified { .. }))
+        .count();
+    for check in &data.checks {
+        if let FileCheck::Mismatch {
+            path,
+            expected,
+            got,
+        } = check
+        {
+            eprintln!(
+                "WARNING: {} differs from the canonical {name}: SHA-256 {got}, expected {expected}. \
+                 Results will not be comparable with published ones.",
+                path.display()
+            );
+        }
+    }
+    let line = format!(
+        "dataset {name}: {} train / {} test examples from {} ({verified} of {} files match the canonical SHA-256; {:.1}s)",
+        data.train.len(),
+        data.test.len(),
+        data.source.display(),
+        data.checks.len(),
+        started.elapsed().as_secs_f64()
+    );
+    if announce {
+        eprintln!("{line}");
+    } else {
+        tracing::info!("{line}");
+    }
+    Ok(data)
+}
+
+/// Plans the job of `args`'s strategy for `nodes` nodes from the resolved configuration: the one
+/// place where flags become a job, for the local launcher and external launchers alike.
+pub fn plan(args: &TrainArgs, cfg: TrainConfig, data: &Dataset, nodes: u32) -> Result<Job> {
+    let mut cluster = Cluster::local(nodes)
+        .with_speeds(args.node_speed.as_deref().unwrap_or_default())
+        .map_err(|e| UsageError(e.to_string()))?;
+    cluster.threads = args.threads;
+    let job = Job::plan(
+        args.strategy(),
+        cfg,
+        &args.strategy_options(),
+        &cluster,
+        data,
+    )?;
+    job.validate(nodes)?;
+    Ok(job)
+}
+
+/// Sizes rayon's global pool (through which the kernels parallelise) to the thread budget, and
+/// makes every compute thread flush subnormals. Only the first call in a process has an effect.
+pub fn init_threads(threads: usize) -> Result<()> {
+    ringtmp_model::kernels::flush_denormals();
+    let built = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.max(1))
+        .start_handler(|_| ringtmp_model::kernels::flush_denormals())
+        .build_global();
+    if built.is_err() && rayon::current_num_threads() != threads.max(1) {
+        tracing::warn!(
+            "compute threads already set to {}",
+            rayon::current_num_threads()
+        );
+    }
+    Ok(())
+}
