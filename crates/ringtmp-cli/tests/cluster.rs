@@ -2,8 +2,10 @@
 //! external launcher starts them, with killed, stopped and unauthenticated nodes. Every child is
 //! bounded by a deadline and killed if it outlives it.
 
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+use ringtmp_testkit::process::{finish, free_port, stderr};
 
 const SECRET: &str = "0123456789abcdef-test-secret";
 
@@ -11,14 +13,6 @@ fn ringtmp() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_ringtmp"));
     c.env("RINGTMP_LOG", "warn");
     c
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Starts node `rank` of `world` with a long selftest (so there is time to disturb it).
@@ -61,23 +55,6 @@ fn node(rank: u32, world: u32, port: u16, secret: &str, extra: &[&str]) -> Child
         .stderr(Stdio::piped())
         .spawn()
         .unwrap()
-}
-
-/// Waits for a child at most `limit`; kills it if it is still running then.
-fn finish(mut child: Child, limit: Duration) -> (Output, Duration) {
-    let started = Instant::now();
-    while started.elapsed() < limit {
-        if child.try_wait().unwrap().is_some() {
-            break;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let _ = child.kill();
-    (child.wait_with_output().unwrap(), started.elapsed())
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
 }
 
 #[test]
