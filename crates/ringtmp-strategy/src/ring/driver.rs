@@ -31,7 +31,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::partition::StagePlan;
-use super::schedule::{Action, Schedule, StageState};
+use super::schedule::{Action, Schedule, StagePolicy, StageState};
 use crate::error::{Error, Result};
 use crate::local::Event;
 use crate::recorder::RunRecorder;
@@ -985,52 +985,6 @@ fn servicer<'a>(
     }
 }
 
-/// The `async` schedule on a non-master node: weight stashing on; backward whatever gradient has
-/// arrived (then step), else forward whatever input has arrived; no flush.
-fn run_worker_async(job: &RingJob, net: &mut dyn Transport) -> Result<Stage> {
-    let mut node = RingNode::new(job, net, true)?;
-    let m = job.micro_batches as u64;
-    let mut inputs: VecDeque<(u64, usize, Vec<f32>)> = VecDeque::new();
-    let mut grads: VecDeque<(u64, Vec<f32>)> = VecDeque::new();
-    loop {
-        // Work waits while messages are arriving, so the queues reflect everything that is there.
-        let arrived = net.try_recv()?;
-        if arrived.is_none()
-            && let Some((k, dy)) = grads.pop_front()
-        {
-            // Micro-batch k of the run is micro-batch k mod M of mini-batch k div M; each is
-            // its own weight version, so every backward is followed by a step.
-            node.backward(net, k, k, &dy)?;
-            node.step(job, k / m);
-            continue;
-        }
-        if arrived.is_none()
-            && let Some((k, rows, x)) = inputs.pop_front()
-        {
-            node.forward(job, net, (k, k), k / m, (k % m) as usize, rows, &x)?;
-            continue;
-        }
-        match arrived.map_or_else(|| net.recv(job.recv_timeout()), Ok)? {
-            (from, Message::Tensor(h, bytes))
-                if from == node.pred && h.tag == TensorTag::Activation =>
-            {
-                let rows = h.shape.first().copied().unwrap_or(0) as usize;
-                inputs.push_back((h.micro_batch, rows, values(&bytes, h.dtype)));
-            }
-            (from, Message::Tensor(h, bytes))
-                if from == node.succ && h.tag == TensorTag::Gradient =>
-            {
-                grads.push_back((h.micro_batch, values(&bytes, h.dtype)));
-            }
-            (from, message) => {
-                if node.serve(job, net, from, message)? {
-                    return Ok(node.stage);
-                }
-            }
-        }
-    }
-}
-
 /// Sends the test set around the ring in chunks; the master scores the returning logits against
 /// its labels. Returns the test accuracy and mean loss.
 fn evaluate(
@@ -1090,21 +1044,19 @@ fn evaluate(
 }
 
 /// Runs a non-master node: its stage, driven by what arrives, until the final report passes.
-/// Returns the stage (its final parameters).
+/// One loop for every schedule: the [`StagePolicy`] decides what to do next and which tensors
+/// belong to the work in progress; this loop moves the messages and runs the compute. Arrived
+/// messages are taken first whenever there is work to do, so the policy decides on everything
+/// that is there. Returns the stage (its final parameters).
 pub fn run_worker(job: &RingJob, net: &mut dyn Transport) -> Result<Stage> {
-    if job.schedule == Schedule::Async {
-        return run_worker_async(job, net);
-    }
-    let mut node = RingNode::new(job, net, false)?;
+    let mut node = RingNode::new(job, net, job.schedule == Schedule::Async)?;
     let (rank, n) = (node.rank as usize, job.partition.len());
     let timeout = job.recv_timeout();
-    let mut step = job.first_step();
-    let mut state = StageState::new(job.schedule, rank, n, job.micro_batches);
+    let mut policy = StagePolicy::new(job.schedule, rank, n, job.micro_batches, job.first_step());
     let mut inputs: VecDeque<(u64, usize, Vec<f32>)> = VecDeque::new();
     let mut grads: VecDeque<(u64, Vec<f32>)> = VecDeque::new();
     loop {
-        // Arrived messages first, so the schedule decides on everything that is there.
-        let action = state.next(!inputs.is_empty(), !grads.is_empty());
+        let action = policy.next(!inputs.is_empty(), !grads.is_empty());
         let arrived = if action.is_some() {
             net.try_recv()?
         } else {
@@ -1112,29 +1064,39 @@ pub fn run_worker(job: &RingJob, net: &mut dyn Transport) -> Result<Stage> {
         };
         match if arrived.is_some() { None } else { action } {
             Some(Action::Forward) => {
-                let (mb, rows, x) = inputs.pop_front().expect("next() saw an input");
-                node.forward(job, net, (step, mb), step, mb as usize, rows, &x)?;
-                state.record(Action::Forward);
+                let (id, rows, x) = inputs.pop_front().expect("next() saw an input");
+                let at = policy.forward_at(id);
+                node.forward(
+                    job,
+                    net,
+                    (at.header_step, at.id),
+                    at.step,
+                    at.micro,
+                    rows,
+                    &x,
+                )?;
+                policy.record(Action::Forward, id);
             }
             Some(Action::Backward) => {
-                let (mb, dy) = grads.pop_front().expect("next() saw a gradient");
-                node.backward(net, mb, step, &dy)?;
-                state.record(Action::Backward);
-                if state.done() {
+                let (id, dy) = grads.pop_front().expect("next() saw a gradient");
+                node.backward(net, id, policy.backward_step(id), &dy)?;
+                if let Some(step) = policy.record(Action::Backward, id) {
                     node.step(job, step);
-                    step += 1;
-                    state = StageState::new(job.schedule, rank, n, job.micro_batches);
                 }
             }
             None => match arrived.map_or_else(|| net.recv(timeout), Ok)? {
                 (from, Message::Tensor(h, bytes))
-                    if from == node.pred && h.tag == TensorTag::Activation && h.step == step =>
+                    if from == node.pred
+                        && h.tag == TensorTag::Activation
+                        && policy.accepts(h.step) =>
                 {
                     let rows = h.shape.first().copied().unwrap_or(0) as usize;
                     inputs.push_back((h.micro_batch, rows, values(&bytes, h.dtype)));
                 }
                 (from, Message::Tensor(h, bytes))
-                    if from == node.succ && h.tag == TensorTag::Gradient && h.step == step =>
+                    if from == node.succ
+                        && h.tag == TensorTag::Gradient
+                        && policy.accepts(h.step) =>
                 {
                     grads.push_back((h.micro_batch, values(&bytes, h.dtype)));
                 }
@@ -1159,7 +1121,7 @@ pub fn run_worker(job: &RingJob, net: &mut dyn Transport) -> Result<Stage> {
                     return Err(protocol(
                         net,
                         from,
-                        &format!("{:?} tensor for step {} (at step {step})", h.tag, h.step),
+                        &format!("{:?} tensor for step {}", h.tag, h.step),
                     ));
                 }
                 (from, _) => return Err(protocol(net, from, "message")),

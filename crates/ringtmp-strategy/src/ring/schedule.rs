@@ -132,6 +132,133 @@ impl StageState {
     }
 }
 
+/// A non-master stage's decision rule under any schedule, as one state machine: which work is
+/// next, which arriving tensors belong to the work in progress, and when to step. The flushed
+/// schedules and `async` differ only in this policy; the driver that moves messages and runs the
+/// compute is the same.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StagePolicy {
+    /// `gpipe` or `1f1b`: mini-batch `step`, one optimizer step per flush.
+    Flushed {
+        /// Progress through the mini-batch.
+        state: StageState,
+        /// The mini-batch in progress.
+        step: u64,
+    },
+    /// `async`: a backward whenever a gradient is there (then a step, each micro-batch being its
+    /// own weight version), else a forward; micro-batch `k` of the run is micro-batch `k mod m`
+    /// of mini-batch `k div m`.
+    Async {
+        /// Micro-batches per mini-batch.
+        micro_batches: u64,
+    },
+}
+
+/// Where a forward goes: its tensors' header (step, id), and the mini-batch and the micro-batch
+/// within it that seed its dropout and place its rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ForwardAt {
+    /// The header's step.
+    pub header_step: u64,
+    /// The micro-batch id (and stash key).
+    pub id: u64,
+    /// Mini-batch.
+    pub step: u64,
+    /// Micro-batch within it.
+    pub micro: usize,
+}
+
+impl StagePolicy {
+    /// The policy of stage `stage` of `stages` for `schedule`, starting at mini-batch `first`.
+    pub fn new(
+        schedule: Schedule,
+        stage: usize,
+        stages: usize,
+        micro_batches: usize,
+        first: u64,
+    ) -> Self {
+        match schedule {
+            Schedule::Async => Self::Async {
+                micro_batches: micro_batches as u64,
+            },
+            _ => Self::Flushed {
+                state: StageState::new(schedule, stage, stages, micro_batches),
+                step: first,
+            },
+        }
+    }
+
+    /// The next work given whether an input and a gradient are waiting.
+    pub fn next(&self, input_ready: bool, grad_ready: bool) -> Option<Action> {
+        match self {
+            Self::Flushed { state, .. } => state.next(input_ready, grad_ready),
+            Self::Async { .. } if grad_ready => Some(Action::Backward),
+            Self::Async { .. } if input_ready => Some(Action::Forward),
+            Self::Async { .. } => None,
+        }
+    }
+
+    /// Whether a training tensor tagged with `step` belongs to the work of this stage now (the
+    /// flushed schedules take only their mini-batch's; async takes any).
+    pub fn accepts(&self, step: u64) -> bool {
+        match self {
+            Self::Flushed { step: now, .. } => step == *now,
+            Self::Async { .. } => true,
+        }
+    }
+
+    /// Where the forward of arrived micro-batch `id` goes.
+    pub fn forward_at(&self, id: u64) -> ForwardAt {
+        match *self {
+            Self::Flushed { step, .. } => ForwardAt {
+                header_step: step,
+                id,
+                step,
+                micro: id as usize,
+            },
+            Self::Async { micro_batches } => ForwardAt {
+                header_step: id,
+                id,
+                step: id / micro_batches,
+                micro: (id % micro_batches) as usize,
+            },
+        }
+    }
+
+    /// The header step of the gradient a backward of `id` sends back.
+    pub fn backward_step(&self, id: u64) -> u64 {
+        match *self {
+            Self::Flushed { step, .. } => step,
+            Self::Async { .. } => id,
+        }
+    }
+
+    /// Records `action` (of micro-batch `id`); returns the mini-batch whose optimizer step is
+    /// now due, if one is.
+    pub fn record(&mut self, action: Action, id: u64) -> Option<u64> {
+        match self {
+            Self::Flushed { state, step } => {
+                state.record(action);
+                if !state.done() {
+                    return None;
+                }
+                let done = *step;
+                *step += 1;
+                *state = StageState::new(
+                    state.schedule,
+                    state.stage,
+                    state.stages,
+                    state.micro_batches,
+                );
+                Some(done)
+            }
+            Self::Async { micro_batches } => {
+                (action == Action::Backward).then_some(id / *micro_batches)
+            }
+        }
+    }
+}
+
 /// Simulates one mini-batch on `stages` stages with unit-time forwards and backwards and instant
 /// communication; returns, per stage, a row of `F<i>`, `B<i>` or `.` per time unit, and checks
 /// the in-flight bound on the way. The loss is computed at the end of the last stage's forward.
@@ -210,6 +337,49 @@ pub fn table(schedule: Schedule, stages: usize, micro_batches: usize) -> String 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn flushed_policy_steps_once_per_mini_batch_and_takes_only_its_own_tensors() {
+        let mut p = StagePolicy::new(Schedule::OneFOneB, 1, 3, 2, 7);
+        assert!(p.accepts(7) && !p.accepts(8));
+        assert_eq!(
+            p.forward_at(1),
+            ForwardAt {
+                header_step: 7,
+                id: 1,
+                step: 7,
+                micro: 1
+            }
+        );
+        assert_eq!(p.next(true, false), Some(Action::Forward));
+        assert_eq!(p.record(Action::Forward, 0), None);
+        assert_eq!(p.record(Action::Forward, 1), None);
+        assert_eq!(p.next(false, true), Some(Action::Backward));
+        assert_eq!(p.record(Action::Backward, 0), None);
+        assert_eq!(p.record(Action::Backward, 1), Some(7));
+        assert!(p.accepts(8) && !p.accepts(7), "on to the next mini-batch");
+    }
+
+    #[test]
+    fn async_policy_prefers_backwards_and_steps_after_each() {
+        let mut p = StagePolicy::new(Schedule::Async, 1, 3, 4, 0);
+        assert!(p.accepts(0) && p.accepts(99));
+        assert_eq!(p.next(true, true), Some(Action::Backward));
+        assert_eq!(p.next(true, false), Some(Action::Forward));
+        assert_eq!(p.next(false, false), None);
+        assert_eq!(
+            p.forward_at(9),
+            ForwardAt {
+                header_step: 9,
+                id: 9,
+                step: 2,
+                micro: 1
+            }
+        );
+        assert_eq!(p.backward_step(9), 9);
+        assert_eq!(p.record(Action::Forward, 9), None);
+        assert_eq!(p.record(Action::Backward, 9), Some(2));
+    }
 
     // Makespan 2(M + S − 1) for both, i.e. a bubble of (S − 1)/(M + S − 1) per stage; 1F1B holds at
     // most S − s micro-batches on stage s where GPipe holds all M.
