@@ -505,15 +505,12 @@ pub fn run_master(
             // Around the ring: each node writes its stage file and appends its entry; the
             // manifest comes last, so an interrupted checkpoint leaves the previous one intact.
             let own = job.write_stage_file(0, done, &stage, &optimizer)?;
-            net.send(
-                succ,
-                Message::Control(Control::Checkpoint {
-                    step: done,
-                    files: vec![own],
-                }),
-            )?;
-            let mut files = match net.recv_from(pred, timeout)? {
-                Message::Control(Control::Checkpoint { step: s, files })
+            let token = Control::Checkpoint {
+                step: done,
+                files: vec![own],
+            };
+            let mut files = match around_the_ring(net, n, token, timeout)? {
+                Control::Checkpoint { step: s, files }
                     if s == done && files.len() == n as usize =>
                 {
                     files
@@ -560,13 +557,9 @@ pub fn run_master(
         own.param_bytes += params * 4;
         own.optimizer_bytes += h.optimizer.state_bytes() as u64;
     }
-    net.send(
-        succ,
-        Message::Control(Control::Report { nodes: Vec::new() }),
-    )?;
     let mut per_node = vec![own];
-    match net.recv_from(pred, timeout)? {
-        Message::Control(Control::Report { nodes }) => {
+    match around_the_ring(net, n, Control::Report { nodes: Vec::new() }, timeout)? {
+        Control::Report { nodes } => {
             for doc in nodes {
                 per_node
                     .push(serde_json::from_str(&doc).map_err(|e| {
@@ -606,6 +599,27 @@ pub fn run_master(
         stage,
         head: head.map(|h| h.stage),
     })
+}
+
+/// Sends a token (a checkpoint's entries, the final report) around the ring from the master and
+/// returns it as it comes back, every node having added its part ([`RingNode::serve`] is the
+/// other half): the one mechanism for what travels once around the ring.
+fn around_the_ring(
+    net: &mut dyn Transport,
+    n: u32,
+    token: Control,
+    timeout: Duration,
+) -> Result<Control> {
+    let (succ, pred) = (1 % n, n - 1);
+    net.send(succ, Message::Control(token))?;
+    match net.recv_from(pred, timeout)? {
+        Message::Control(c @ (Control::Checkpoint { .. } | Control::Report { .. })) => Ok(c),
+        _ => Err(protocol(
+            net,
+            pred,
+            "message instead of the token going round",
+        )),
+    }
 }
 
 /// The master's loss-side state for one mini-batch of the synchronous schedules.
