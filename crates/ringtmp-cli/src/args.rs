@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use ringtmp_model::{LrSchedule, ModelSpec, OptimizerConfig};
+use ringtmp_strategy::allreduce::AllReduceOptions;
 use ringtmp_strategy::param_server::plan::PsOptions;
 use ringtmp_strategy::ring::plan::RingOptions;
 use ringtmp_strategy::{Job, StrategyOptions, TrainConfig};
@@ -34,7 +35,7 @@ pub struct TrainArgs {
     #[arg(long, value_name = "FILE")]
     #[serde(skip)]
     pub config: Option<PathBuf>,
-    /// Strategy: local, ring or ps [default: ring].
+    /// Strategy: local, ring, ps or allreduce [default: ring].
     #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(Job::NAMES))]
     pub strategy: Option<String>,
     /// Node processes to launch locally (distributed strategies) [default: 4].
@@ -48,6 +49,10 @@ pub struct TrainArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub ps: PsOptions,
+    /// All-reduce's options.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub allreduce: AllReduceOptions,
     /// Emulate a slower node: RANK:FACTOR with 0 < FACTOR ≤ 1 (repeatable).
     #[arg(long, value_name = "RANK:FACTOR")]
     pub node_speed: Option<Vec<String>>,
@@ -156,6 +161,7 @@ macro_rules! layer_options {
             freeze_after_ms: $flags.freeze_after_ms,
             ring: $flags.ring.merged_over(&$file.ring),
             ps: $flags.ps.merged_over(&$file.ps),
+            allreduce: $flags.allreduce.merged_over(&$file.allreduce),
             $($field: $flags.$field.clone().or($file.$field.clone())),*
         }
     };
@@ -239,7 +245,7 @@ impl TrainArgs {
         .map(|(flag, _)| flag.to_string())
         .collect();
         if strategy == "local" {
-            own.push(("ring or ps", distributed));
+            own.push(("ring, ps or allreduce", distributed));
         }
         for (name, flags) in own {
             if name != strategy
@@ -261,6 +267,7 @@ impl TrainArgs {
         StrategyOptions {
             ring: self.ring.clone(),
             ps: self.ps.clone(),
+            allreduce: self.allreduce.clone(),
         }
     }
 
@@ -283,6 +290,7 @@ impl TrainArgs {
                 let nodes = self.nodes.unwrap_or(4) as usize;
                 nodes.saturating_sub(self.ps.servers.unwrap_or(1)).max(1)
             }
+            "allreduce" => self.nodes.unwrap_or(4) as usize,
             _ => 1,
         };
         if manifest.batch_size % workers != 0 {

@@ -661,3 +661,67 @@ fn r10_a_resume_carries_the_global_batch_across_strategies() {
         assert_eq!(summary["batch_size"], batch, "{summary}");
     }
 }
+
+// Issue 12.1: ring all-reduce SGD on local processes writes the output contract.
+#[test]
+fn allreduce_on_local_nodes_writes_the_output_contract() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("ar").display().to_string();
+    let child = spawn_train(&[
+        "--strategy",
+        "allreduce",
+        "--nodes",
+        "3",
+        "--dataset",
+        "digits",
+        "--model-file",
+        "examples/models/lenet-dropout.toml",
+        "--epochs",
+        "4",
+        "--batch-size",
+        "16",
+        "--lr",
+        "0.05",
+        "--bucket-mb",
+        "0.01",
+        "--target-accuracy",
+        "0.7",
+        "--checkpoint-every",
+        "20",
+        "--out",
+        &out,
+    ]);
+    let (output, _) = finish(child, Duration::from_secs(120));
+    assert!(output.status.success(), "{}", stderr(&output));
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.path().join("ar/summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(summary["strategy"], "allreduce");
+    assert_eq!(summary["per_node"].as_array().unwrap().len(), 3);
+    assert!(
+        summary["final_test_accuracy"].as_f64().unwrap() > 0.7,
+        "{summary}"
+    );
+    assert!(
+        summary["time_to_target_seconds"].as_f64().is_some(),
+        "{summary}"
+    );
+    assert!(
+        summary["final_train_loss"]
+            .as_f64()
+            .is_some_and(|l| l > 0.0),
+        "{summary}"
+    );
+    let metrics = std::fs::read_to_string(tmp.path().join("ar/metrics.jsonl")).unwrap();
+    assert!(
+        metrics.lines().any(|l| l.contains("\"event\":\"eval\"")),
+        "{metrics}"
+    );
+    // One model checkpointed, in the format every strategy reads.
+    let dir = ringtmp_model::checkpoint::resolve(&tmp.path().join("ar")).unwrap();
+    let manifest = ringtmp_model::checkpoint::read_manifest(&dir).unwrap();
+    assert_eq!(
+        (manifest.strategy.as_str(), manifest.files.len()),
+        ("allreduce", 1)
+    );
+}

@@ -346,6 +346,21 @@ impl Stage {
         dy: &[f32],
         between: &mut dyn FnMut(),
     ) -> Result<Option<&[f32]>> {
+        self.backward_streaming(micro_batch, dy, &mut |_, _| between())
+    }
+
+    /// [`Stage::backward`], handing `done(offset, grads)` the parameter gradients that are
+    /// complete after every layer but the last: `grads` is the flat gradient buffer from `offset`
+    /// (the first parameter of the layer just finished) to the end. A data-parallel strategy
+    /// starts reducing them while the remaining layers' backward runs (DDP's buckets). With
+    /// deferred weight gradients ([`Stage::set_deferred_weight_grads`]) the linear layers' weight
+    /// gradients are not in the buffer yet.
+    pub fn backward_streaming(
+        &mut self,
+        micro_batch: u64,
+        dy: &[f32],
+        done: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<Option<&[f32]>> {
         let Some(stash) = self.in_flight.get(&micro_batch) else {
             return Err(Error::UnknownMicroBatch {
                 stage: self.first_layer(),
@@ -363,7 +378,8 @@ impl Stage {
         let last = self.layers.len() - 1;
         for i in (0..self.layers.len()).rev() {
             if i < last {
-                between();
+                let offset = self.offsets[i + 1];
+                done(offset, &self.grads[offset..]);
             }
             let want_dx = i > 0 || self.input_grad;
             let (this, later) = self.input_grads.split_at_mut(i + 1);

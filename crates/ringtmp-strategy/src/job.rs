@@ -15,6 +15,7 @@ use ringtmp_metrics::Summary;
 use ringtmp_transport::Transport;
 use serde::{Deserialize, Serialize};
 
+use crate::allreduce::{AllReduceJob, AllReduceOptions};
 use crate::config::TrainConfig;
 use crate::error::{Error, Result};
 use crate::local::{Event, LocalJob};
@@ -143,6 +144,9 @@ pub enum Job {
     Ring(RingJob),
     /// The parameter server.
     Ps(PsJob),
+    /// Ring all-reduce SGD.
+    #[serde(rename = "allreduce")]
+    AllReduce(AllReduceJob),
 }
 
 /// Every strategy's options, as the CLI collects them.
@@ -152,6 +156,8 @@ pub struct StrategyOptions {
     pub ring: RingOptions,
     /// The parameter server's.
     pub ps: PsOptions,
+    /// All-reduce's.
+    pub allreduce: AllReduceOptions,
 }
 
 macro_rules! each {
@@ -160,13 +166,19 @@ macro_rules! each {
             Job::Local($j) => $body,
             Job::Ring($j) => $body,
             Job::Ps($j) => $body,
+            Job::AllReduce($j) => $body,
         }
     };
 }
 
 impl Job {
     /// The names `--strategy` takes.
-    pub const NAMES: [&'static str; 3] = [LocalJob::NAME, RingJob::NAME, PsJob::NAME];
+    pub const NAMES: [&'static str; 4] = [
+        LocalJob::NAME,
+        RingJob::NAME,
+        PsJob::NAME,
+        AllReduceJob::NAME,
+    ];
 
     /// Plans strategy `name`'s job.
     pub fn plan(
@@ -180,6 +192,12 @@ impl Job {
             LocalJob::NAME => Self::Local(LocalJob::plan(config, &(), cluster, data)?),
             RingJob::NAME => Self::Ring(RingJob::plan(config, &options.ring, cluster, data)?),
             PsJob::NAME => Self::Ps(PsJob::plan(config, &options.ps, cluster, data)?),
+            AllReduceJob::NAME => Self::AllReduce(AllReduceJob::plan(
+                config,
+                &options.allreduce,
+                cluster,
+                data,
+            )?),
             other => {
                 return Err(Error::Config(format!(
                     "unknown strategy {other:?}; known: {}",
@@ -195,6 +213,7 @@ impl Job {
             Self::Local(_) => LocalJob::NAME,
             Self::Ring(_) => RingJob::NAME,
             Self::Ps(_) => PsJob::NAME,
+            Self::AllReduce(_) => AllReduceJob::NAME,
         }
     }
 

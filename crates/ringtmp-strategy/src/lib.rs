@@ -3,6 +3,7 @@
 //! `ringtmp-metrics`, so strategies differ only in who computes what and what travels.
 //!
 //! # Layout
+//! - [`allreduce`]: ring all-reduce SGD (data parallel, bucketed, overlapped).
 //! - [`config`]: the validated run configuration shared by every strategy.
 //! - [`RunSpec`]: what every strategy's job shares (the configuration and what follows from the
 //!   data), declared once.
@@ -15,6 +16,7 @@
 //! - [`ring`]: RingTMP, ring-pipelined model parallelism.
 //! - [`selftest`]: connectivity and link measurements on a ring of nodes.
 
+pub mod allreduce;
 pub mod config;
 mod error;
 pub mod job;

@@ -3,6 +3,7 @@
 //! data order, optimizer or schedule.
 
 use ringtmp_data::Dataset;
+use ringtmp_strategy::allreduce::AllReduceJob;
 use ringtmp_strategy::param_server::consistency::Consistency;
 use ringtmp_strategy::param_server::driver::PsJob;
 use ringtmp_strategy::ring::driver::RingJob;
@@ -69,5 +70,33 @@ pub fn ps_job(
         consistency,
         node_speeds: Vec::new(),
         drop_dead_workers: false,
+    }
+}
+
+/// An all-reduce job for `cfg` whose `batch_size` is the *global* batch, split over `workers`
+/// (so that `local` on `cfg` is its oracle); buckets of `bucket_bytes`.
+///
+/// # Panics
+/// If the global batch does not split evenly, or does not fit the data.
+pub fn allreduce_job(
+    cfg: &TrainConfig,
+    data: &Dataset,
+    workers: usize,
+    bucket_bytes: usize,
+    overlap: bool,
+) -> AllReduceJob {
+    assert_eq!(
+        cfg.batch_size % workers,
+        0,
+        "the global batch splits evenly"
+    );
+    let mut spec = RunSpec::new(cfg.clone(), data, cfg.batch_size).expect("the run fits the data");
+    spec.config.batch_size = cfg.batch_size / workers;
+    AllReduceJob {
+        spec,
+        workers,
+        bucket_bytes,
+        overlap,
+        node_speeds: vec![1.0; workers],
     }
 }

@@ -5,6 +5,7 @@ use std::path::Path;
 
 use ringtmp_data::Dataset;
 use ringtmp_metrics::Summary;
+use ringtmp_strategy::allreduce::AllReduceJob;
 use ringtmp_strategy::param_server::driver::{PsJob, ServerOutcome, WorkerOutcome};
 use ringtmp_strategy::ring::driver::{MasterOutcome, MasterSetup, RingJob};
 use ringtmp_transport::Transport;
@@ -140,4 +141,25 @@ pub fn ps_params(results: &[Result<PsNode, String>]) -> Vec<f32> {
         }
     }
     params
+}
+
+/// What an all-reduce worker returned: its replica's parameters, and on rank 0 the summary.
+pub type Replica = Result<(Vec<f32>, Option<Summary>), String>;
+
+/// Runs an all-reduce job on `backend`; every worker returns its replica's parameters and rank 0
+/// the run's summary.
+pub fn allreduce_nodes(
+    backend: &Backend,
+    job: &AllReduceJob,
+    data: &Dataset,
+    out: &Path,
+) -> Ran<Replica> {
+    let mut job = job.clone();
+    job.spec.config.out = out.to_path_buf();
+    let job = &job;
+    run_nodes(backend, ring(job.workers as u32), None, |rank, net| {
+        let result =
+            ringtmp_strategy::allreduce::driver::run_worker(job, rank, data, net, &mut |_| {});
+        end(net, result).map(|o| (o.stage.params().to_vec(), o.summary))
+    })
 }

@@ -1,0 +1,166 @@
+//! Ring all-reduce SGD (`--strategy allreduce`): data parallelism as PyTorch DDP and Horovod do
+//! it. Every worker holds a replica and trains on its share of each global batch (worker batch
+//! b, global N·b, in the same example order as every other strategy); the workers average their
+//! gradients with the bandwidth-optimal ring all-reduce — reduce-scatter then all-gather, N − 1
+//! steps each, 2(N − 1)/N of the gradients sent per worker per step — in buckets that overlap the
+//! backward pass. The oracle: N workers of batch b equal `local` with batch N·b.
+//!
+//! # Layout
+//! - [`ring`]: the chunk plan of one all-reduce (sans-IO, with its in-memory simulation).
+//! - [`driver`]: one worker: buckets, the overlapped reduction, evaluation and outputs on rank 0.
+
+pub mod driver;
+pub mod ring;
+
+use std::collections::BTreeSet;
+
+use ringtmp_data::Dataset;
+use ringtmp_metrics::Summary;
+use ringtmp_model::OptimizerConfig;
+use serde::{Deserialize, Serialize};
+
+use crate::TrainConfig;
+use crate::error::{Error, Result};
+use crate::job::{Cluster, NodeCx, Strategy, options_merge, ring_neighbours, validate_shared};
+use crate::spec::{ResumePoint, RunSpec};
+
+/// `--strategy` name.
+pub const NAME: &str = "allreduce";
+
+/// Bucket size when the user gives none: measured on `mlp` (docs/BENCHMARKS.md, issue 12).
+pub const DEFAULT_BUCKET_MB: f64 = 4.0;
+
+/// `ringtmp train --strategy allreduce` options (flags, and keys of a `--config` file).
+#[derive(clap::Args, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct AllReduceOptions {
+    /// All-reduce: MB of gradients per bucket, reduced while backward goes on [default: 4].
+    #[arg(long, value_name = "MB")]
+    pub bucket_mb: Option<f64>,
+    /// All-reduce: overlap the reduction with the backward pass [default: true].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub overlap: Option<bool>,
+}
+
+options_merge!(AllReduceOptions, bucket_mb, overlap);
+
+/// The all-reduce strategy's job.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AllReduceJob {
+    /// What every job shares; `batch_size` is one worker's share of each global batch.
+    #[serde(flatten)]
+    pub spec: RunSpec,
+    /// Workers (every node is one).
+    pub workers: usize,
+    /// Bytes of gradients per bucket.
+    pub bucket_bytes: usize,
+    /// Whether buckets are reduced during the backward pass (else after it).
+    pub overlap: bool,
+    /// Emulated relative speed per rank.
+    pub node_speeds: Vec<f64>,
+}
+
+impl Strategy for AllReduceJob {
+    const NAME: &'static str = NAME;
+    type Options = AllReduceOptions;
+
+    fn plan(
+        mut config: TrainConfig,
+        options: &AllReduceOptions,
+        cluster: &Cluster,
+        data: &Dataset,
+    ) -> Result<Self> {
+        let workers = cluster.nodes as usize;
+        if workers < 2 {
+            return Err(Error::Config(
+                "--strategy allreduce needs --nodes of at least 2 (one worker is --strategy local)"
+                    .into(),
+            ));
+        }
+        let bucket_mb = options.bucket_mb.unwrap_or(DEFAULT_BUCKET_MB);
+        if !(bucket_mb.is_finite() && bucket_mb > 0.0) {
+            return Err(Error::Config(format!(
+                "--bucket-mb must be a positive number, got {bucket_mb}"
+            )));
+        }
+        if cluster.threads.is_none() {
+            config.threads = (cluster.cores / workers).max(1);
+        }
+        if config.default_lr && matches!(config.optimizer, OptimizerConfig::Sgd { .. }) {
+            // As for the parameter server: the default rate is one node's batch's; a step here
+            // averages W of them (linear scaling, Goyal et al., 2017).
+            config.lr *= workers as f32;
+        }
+        let global = config.batch_size * workers;
+        let resume = config.resume.clone();
+        let mut spec = RunSpec::new(config, data, global)?;
+        if let Some(path) = &resume {
+            let global_cfg = TrainConfig {
+                batch_size: global,
+                ..spec.config.clone()
+            };
+            let (dir, manifest) = crate::local::check_resume(path, &global_cfg)?;
+            spec.resume_from = Some(ResumePoint {
+                dir: std::path::absolute(&dir).unwrap_or(dir),
+                step: manifest.step.min(spec.total_steps),
+            });
+        }
+        spec.config.out = std::path::absolute(&spec.out).unwrap_or_else(|_| spec.out.clone());
+        eprintln!(
+            "all-reduce: {workers} workers of batch {} (global batch {global}), buckets of {bucket_mb} MB{}, learning rate {}",
+            spec.batch_size,
+            if options.overlap.unwrap_or(true) {
+                " overlapping the backward pass"
+            } else {
+                ""
+            },
+            spec.lr
+        );
+        Ok(Self {
+            spec,
+            workers,
+            bucket_bytes: (bucket_mb * 1e6) as usize,
+            overlap: options.overlap.unwrap_or(true),
+            node_speeds: cluster.node_speeds.clone(),
+        })
+    }
+
+    fn spec(&self) -> &RunSpec {
+        &self.spec
+    }
+
+    fn validate(&self, world: u32) -> Result<()> {
+        validate_shared(&self.spec, world, self.workers)?;
+        if self.workers < 2 || self.bucket_bytes == 0 {
+            return Err(Error::Config(format!(
+                "invalid job: {} workers, buckets of {} bytes",
+                self.workers, self.bucket_bytes
+            )));
+        }
+        if self.node_speeds.len() != self.workers
+            || self
+                .node_speeds
+                .iter()
+                .any(|s| !(s.is_finite() && *s > 0.0 && *s <= 1.0))
+        {
+            return Err(Error::Config(format!(
+                "invalid job: node speeds {:?} for {} workers (each in (0, 1])",
+                self.node_speeds, self.workers
+            )));
+        }
+        Ok(())
+    }
+
+    fn neighbours(&self, rank: u32, world: u32) -> BTreeSet<u32> {
+        ring_neighbours(rank, world)
+    }
+
+    fn needs_data(&self, _: u32) -> bool {
+        true
+    }
+
+    fn run(&self, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
+        let data = cx.data()?;
+        driver::run_worker(self, rank, data, cx.net, cx.on_event).map(|o| o.summary)
+    }
+}

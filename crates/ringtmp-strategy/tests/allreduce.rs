@@ -1,0 +1,155 @@
+//! Ring all-reduce SGD against its oracle: N workers of batch b equal `local` with batch N·b, on
+//! real loopback links and on the simulated network, with and without the bucketed overlap; the
+//! replicas stay bit-identical; every worker sends 2(N − 1)/N of the gradients per step.
+
+use std::path::Path;
+
+use ringtmp_model::{LrSchedule, OptimizerConfig};
+use ringtmp_strategy::TrainConfig;
+use ringtmp_testkit::fixtures::{CONV_MODEL, deep_mlp, digits, max_rel_diff, model};
+use ringtmp_testkit::jobs::allreduce_job;
+use ringtmp_testkit::nodes::Backend;
+use ringtmp_testkit::oracle;
+use ringtmp_testkit::run;
+use ringtmp_transport::sim::test_seed;
+
+fn config(spec: ringtmp_model::ModelSpec, batch: usize, steps: u64, out: &Path) -> TrainConfig {
+    TrainConfig {
+        model: spec,
+        dataset: "digits".into(),
+        data_dir: None,
+        epochs: 1,
+        batch_size: batch,
+        lr: 0.05,
+        default_lr: false,
+        schedule: LrSchedule::Cosine,
+        warmup_steps: 2,
+        optimizer: OptimizerConfig::Sgd {
+            momentum: 0.9,
+            weight_decay: 1e-4,
+        },
+        threads: 1,
+        seed: 11,
+        target_accuracy: 0.5,
+        eval_every: 0,
+        out: out.to_path_buf(),
+        checkpoint_every: 0,
+        keep_checkpoints: None,
+        resume: None,
+        max_steps: Some(steps),
+        recv_timeout_secs: 30.0,
+    }
+}
+
+/// Every worker's replica, checked bit-identical; the first one.
+fn replicas_agree(results: Vec<run::Replica>) -> (Vec<f32>, ringtmp_metrics::Summary) {
+    let mut replicas = Vec::new();
+    let mut summary = None;
+    for (rank, r) in results.into_iter().enumerate() {
+        let (params, s) = r.unwrap_or_else(|e| panic!("worker {rank} failed: {e}"));
+        replicas.push(params);
+        summary = summary.or(s);
+    }
+    assert!(replicas.windows(2).all(|w| w[0] == w[1]), "replicas differ");
+    (
+        replicas.swap_remove(0),
+        summary.expect("rank 0 reports the run"),
+    )
+}
+
+#[test]
+fn n_workers_of_batch_b_equal_local_with_batch_n_b() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = config(
+        model(CONV_MODEL, "ring-test"),
+        24,
+        10,
+        &tmp.path().join("local"),
+    );
+    let oracle = oracle::local_params(&cfg, &data);
+    for backend in [Backend::Tcp, Backend::sim(test_seed(2))] {
+        for workers in [2, 3, 4] {
+            // Small buckets, so several all-reduces overlap the backward pass.
+            let job = allreduce_job(&cfg, &data, workers, 4096, true);
+            let out = tmp.path().join(format!("{workers}-{}", backend.name()));
+            let ran = run::allreduce_nodes(&backend, &job, &data, &out);
+            let (params, summary) = replicas_agree(ran.results);
+            let diff = max_rel_diff(&params, &oracle);
+            println!(
+                "allreduce, {workers} workers × {} ({}): max |Δparam| / max |param| = {diff:.2e}",
+                24 / workers,
+                backend.name()
+            );
+            assert!(
+                diff < 1e-4,
+                "{workers} workers on {}: {diff}",
+                backend.name()
+            );
+            assert_eq!(summary.steps, 10);
+            assert_eq!(summary.per_node.len(), workers);
+        }
+    }
+}
+
+/// Overlapping the reduction with the backward pass changes when chunks travel, never what is
+/// summed in which order: the same bits. Another bucket size moves the chunk boundaries, so
+/// values are summed starting at other workers: rounding only.
+#[test]
+fn overlap_does_not_change_a_bit_and_bucket_size_only_rounding() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = config(model(CONV_MODEL, "ring-test"), 24, 6, tmp.path());
+    let backend = Backend::sim(test_seed(3));
+    let params = |bucket: usize, overlap: bool| {
+        let job = allreduce_job(&cfg, &data, 3, bucket, overlap);
+        replicas_agree(run::allreduce_nodes(&backend, &job, &data, tmp.path()).results).0
+    };
+    let reference = params(4096, false);
+    assert!(
+        params(4096, true) == reference,
+        "overlap changed the result"
+    );
+    let other = params(100, true);
+    let diff = max_rel_diff(&other, &reference);
+    assert!(diff < 1e-5, "{diff}");
+}
+
+#[test]
+fn every_worker_sends_two_n_minus_one_over_n_of_the_gradients_per_step() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let steps = 8;
+    let cfg = config(model(CONV_MODEL, "ring-test"), 24, steps, tmp.path());
+    for workers in [2, 3, 4] {
+        let job = allreduce_job(&cfg, &data, workers, 4096, true);
+        let ran = run::allreduce_nodes(&Backend::sim(test_seed(5)), &job, &data, tmp.path());
+        let (params, summary) = replicas_agree(ran.results);
+        let n = workers as f64;
+        // The gradients and the loss slot, 2(N − 1) chunks of 1/N each per step.
+        let ideal = 2.0 * (n - 1.0) / n * ((params.len() + 1) * 4) as f64 * steps as f64;
+        for node in &summary.per_node {
+            let ratio = node.bytes_sent as f64 / ideal;
+            println!(
+                "{workers} workers, rank {}: {} bytes sent, {ratio:.4}× the ideal",
+                node.rank, node.bytes_sent
+            );
+            // Framing (a 20-byte prefix and a small header per chunk) and the final report.
+            assert!((1.0..1.05).contains(&ratio), "rank {}: {ratio}", node.rank);
+        }
+    }
+}
+
+#[test]
+fn sixteen_simulated_workers_equal_local() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = config(deep_mlp(3, 24), 64, 5, &tmp.path().join("local"));
+    let oracle = oracle::local_params(&cfg, &data);
+    let job = allreduce_job(&cfg, &data, 16, 2048, true);
+    let ran = run::allreduce_nodes(&Backend::sim(test_seed(16)), &job, &data, tmp.path());
+    let (params, _) = replicas_agree(ran.results);
+    let diff = max_rel_diff(&params, &oracle);
+    println!("allreduce, 16 simulated workers × 4: max |Δparam| / max |param| = {diff:.2e}");
+    assert!(diff < 1e-4, "{diff}");
+}
