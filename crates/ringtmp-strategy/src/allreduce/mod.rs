@@ -27,14 +27,16 @@ use crate::spec::{ResumePoint, RunSpec};
 /// `--strategy` name.
 pub const NAME: &str = "allreduce";
 
-/// Bucket size when the user gives none: measured on `mlp` (docs/BENCHMARKS.md, issue 12).
-pub const DEFAULT_BUCKET_MB: f64 = 4.0;
+/// Bucket size when the user gives none: PyTorch DDP's. On `mlp` (4 workers, 2 cores) buckets of 1
+/// to 64 MB ran within the noise of each other, and every one of them faster than no overlap
+/// (docs/BENCHMARKS.md, issue 12); larger models need buckets for the overlap to pay.
+pub const DEFAULT_BUCKET_MB: f64 = 25.0;
 
 /// `ringtmp train --strategy allreduce` options (flags, and keys of a `--config` file).
 #[derive(clap::Args, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub struct AllReduceOptions {
-    /// All-reduce: MB of gradients per bucket, reduced while backward goes on [default: 4].
+    /// All-reduce: MB of gradients per bucket, reduced while backward goes on [default: 25].
     #[arg(long, value_name = "MB")]
     pub bucket_mb: Option<f64>,
     /// All-reduce: overlap the reduction with the backward pass [default: true].
