@@ -377,20 +377,12 @@ pub fn run_master(
                     Some(o)
                 })
                 .collect();
-            let mut mini = MiniBatch {
-                step,
-                rows_total,
-                micro_labels: vec![Vec::new(); job.micro_batches],
-                offsets,
-                grads: VecDeque::new(),
-                loss_sum: 0.0,
-                losses_done: 0,
-                values: Vec::new(),
-            };
+            let mut mini = LossSide::new(LossPolicy::Flushed { step, rows_total });
             let mut state = StageState::new(job.schedule, 0, n as usize, job.micro_batches);
+            let mut head_ref = head.as_mut();
             let mut next_input = 0usize;
             let mut failure: Option<Error> = None;
-            while !state.done() || mini.losses_done < job.micro_batches {
+            while !state.done() || mini.scored < job.micro_batches as u64 {
                 // Whatever has already arrived goes first, and the master services arrivals
                 // between the layers of its own work too: the loss is on every stage's critical
                 // path, so the last node must not wait for a whole stage-0 pass.
@@ -400,18 +392,6 @@ pub fn run_master(
                 } else {
                     None
                 };
-                // Between layers: handle arrivals, keeping the first failure for after the layer.
-                macro_rules! service {
-                    () => {
-                        || {
-                            if failure.is_none()
-                                && let Err(e) = mini.drain(job, net, head.as_mut())
-                            {
-                                failure = Some(e);
-                            }
-                        }
-                    };
-                }
                 match if arrived.is_some() { None } else { action } {
                     Some(Action::Forward) => {
                         let mb = next_input;
@@ -421,15 +401,17 @@ pub fn run_master(
                             train: true,
                             seed: job.spec.seed,
                             step,
-                            row_offset: mini.offsets[mb],
+                            row_offset: offsets[mb],
                         };
-                        mini.micro_labels[mb] = labels.clone();
-                        let mut service = service!();
+                        mini.forwarded(mb as u64, labels.clone(), pass);
+                        let mut service =
+                            servicer(&mut mini, job, net, &mut head_ref, &mut failure);
                         let out = clock.run(|| {
                             stage
                                 .forward_with(mb as u64, &x, rows, &pass, &mut service)
                                 .map(<[f32]>::to_vec)
                         })?;
+                        drop(service);
                         clock.peak_stash = clock.peak_stash.max(stage.stash_bytes());
                         net.send(
                             succ,
@@ -440,20 +422,22 @@ pub fn run_master(
                     }
                     Some(Action::Backward) => {
                         let (mb, dy) = mini.grads.pop_front().expect("next() saw a gradient");
-                        let mut service = service!();
+                        let mut service =
+                            servicer(&mut mini, job, net, &mut head_ref, &mut failure);
                         clock.run(|| stage.backward_with(mb, &dy, &mut service).map(|_| ()))?;
+                        drop(service);
                         state.record(Action::Backward);
                     }
                     None => {
                         let (from, message) = arrived.map_or_else(|| net.recv(timeout), Ok)?;
-                        mini.handle(job, net, head.as_mut(), from, message)?;
+                        mini.handle(job, net, head_ref.as_deref_mut(), from, message)?;
                     }
                 }
                 if let Some(e) = failure.take() {
                     return Err(e);
                 }
             }
-            let step_loss = mini.loss_sum;
+            let step_loss = mini.losses.get(&step).copied().unwrap_or(0.0);
             clock.run(|| stage.step(&mut optimizer, lr));
             if let Some(h) = head.as_mut() {
                 clock.run(|| h.stage.step(&mut h.optimizer, lr));
@@ -622,19 +606,86 @@ fn around_the_ring(
     }
 }
 
-/// The master's loss-side state for one mini-batch of the synchronous schedules.
-struct MiniBatch {
-    step: u64,
-    rows_total: usize,
-    micro_labels: Vec<Vec<u32>>,
-    offsets: Vec<usize>,
+/// How the master's loss side keys and scales micro-batches: the one difference between the
+/// flushed schedules and `async` on the master's side of the ring.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LossPolicy {
+    /// `gpipe`/`1f1b`: micro-batches `0..M` of mini-batch `step`, every loss scaled by the whole
+    /// mini-batch, one step at the flush.
+    Flushed { step: u64, rows_total: usize },
+    /// `async`: micro-batch `k` of the run (`k mod M` of mini-batch `k div M`), each its own SGD
+    /// step: loss scaled by its own rows, the head steps after each.
+    Async { micro_batches: u64 },
+}
+
+impl LossPolicy {
+    /// Whether a training tensor tagged `step` belongs to the work in progress.
+    fn accepts(&self, step: u64) -> bool {
+        match self {
+            Self::Flushed { step: now, .. } => step == *now,
+            Self::Async { .. } => true,
+        }
+    }
+
+    /// The mini-batch micro-batch `id` belongs to.
+    fn step_of(&self, id: u64) -> u64 {
+        match *self {
+            Self::Flushed { step, .. } => step,
+            Self::Async { micro_batches } => id / micro_batches,
+        }
+    }
+
+    /// The header step of tensors about micro-batch `id`.
+    fn header_step(&self, id: u64) -> u64 {
+        match *self {
+            Self::Flushed { step, .. } => step,
+            Self::Async { .. } => id,
+        }
+    }
+
+    /// What a micro-batch of `rows` rows' loss gradient is scaled by.
+    fn scale(&self, rows: usize) -> f32 {
+        match *self {
+            Self::Flushed { rows_total, .. } => 1.0 / rows_total.max(1) as f32,
+            Self::Async { .. } => 1.0 / rows.max(1) as f32,
+        }
+    }
+}
+
+/// The master's loss side, one machine under every schedule: the last node's output for a
+/// micro-batch goes through the head (when the master holds it), the loss with the labels only
+/// the master has, and its gradient goes back; a gradient from rank 1 is queued for stage 0.
+struct LossSide {
+    policy: LossPolicy,
+    /// Labels and the pass (dropout seed, rows' place) of every micro-batch forwarded and not yet
+    /// scored, by micro-batch id.
+    pending: BTreeMap<u64, (Vec<u32>, Pass)>,
+    /// Gradients from rank 1 waiting for stage 0's backward.
     grads: VecDeque<(u64, Vec<f32>)>,
-    loss_sum: f64,
-    losses_done: usize,
+    /// Summed loss per mini-batch.
+    losses: BTreeMap<u64, f64>,
+    /// Losses computed so far.
+    scored: u64,
     values: Vec<f32>,
 }
 
-impl MiniBatch {
+impl LossSide {
+    fn new(policy: LossPolicy) -> Self {
+        Self {
+            policy,
+            pending: BTreeMap::new(),
+            grads: VecDeque::new(),
+            losses: BTreeMap::new(),
+            scored: 0,
+            values: Vec::new(),
+        }
+    }
+
+    /// Remembers what scoring micro-batch `id` needs once the last node's output comes back.
+    fn forwarded(&mut self, id: u64, labels: Vec<u32>, pass: Pass) {
+        self.pending.insert(id, (labels, pass));
+    }
+
     /// Handles every message that has already arrived.
     fn drain(
         &mut self,
@@ -648,8 +699,8 @@ impl MiniBatch {
         Ok(())
     }
 
-    /// The last node's output for a micro-batch (→ head, loss, gradient back), or a gradient for
-    /// stage 0 (→ queued).
+    /// One arrival: the last node's output (→ head, loss, gradient back) or a gradient for
+    /// stage 0 (→ queued). Anything else is the sender's protocol error.
     fn handle(
         &mut self,
         job: &RingJob,
@@ -662,38 +713,39 @@ impl MiniBatch {
         let (succ, pred) = (1 % n, n - 1);
         match message {
             Message::Tensor(h, bytes)
-                if from == pred && h.tag == TensorTag::Activation && h.step == self.step =>
+                if from == pred
+                    && h.tag == TensorTag::Activation
+                    && self.policy.accepts(h.step) =>
             {
-                let mb = h.micro_batch as usize;
-                tensor_values(&bytes, h.dtype, &mut self.values);
-                let labels = self
-                    .micro_labels
-                    .get(mb)
-                    .filter(|l| !l.is_empty())
+                let id = h.micro_batch;
+                let (labels, pass) = self
+                    .pending
+                    .remove(&id)
                     .ok_or_else(|| protocol(net, from, "logits"))?;
-                let pass = Pass {
-                    train: true,
-                    seed: job.spec.seed,
-                    step: self.step,
-                    row_offset: self.offsets[mb],
-                };
+                tensor_values(&bytes, h.dtype, &mut self.values);
+                let mut head = head;
                 let (loss_sum, grad) = loss_site(
                     job,
-                    head,
-                    h.micro_batch,
+                    head.as_deref_mut(),
+                    id,
                     &pass,
                     &self.values,
-                    labels,
-                    1.0 / self.rows_total as f32,
+                    &labels,
+                    self.policy.scale(labels.len()),
                 )?;
-                self.loss_sum += loss_sum;
-                self.losses_done += 1;
+                let step = self.policy.step_of(id);
+                if let (LossPolicy::Async { .. }, Some(h)) = (self.policy, head) {
+                    // Each async micro-batch is its own step, on the head too.
+                    h.stage.step(&mut h.optimizer, job.lr_at(step));
+                }
+                *self.losses.entry(step).or_default() += loss_sum;
+                self.scored += 1;
                 net.send(
                     pred,
                     tensor(
                         TensorTag::Gradient,
-                        self.step,
-                        h.micro_batch,
+                        self.policy.header_step(id),
+                        id,
                         labels.len(),
                         &grad,
                     ),
@@ -701,7 +753,7 @@ impl MiniBatch {
                 Ok(())
             }
             Message::Tensor(h, bytes)
-                if from == succ && h.tag == TensorTag::Gradient && h.step == self.step =>
+                if from == succ && h.tag == TensorTag::Gradient && self.policy.accepts(h.step) =>
             {
                 let mut dy = Vec::new();
                 tensor_values(&bytes, h.dtype, &mut dy);
@@ -709,6 +761,24 @@ impl MiniBatch {
                 Ok(())
             }
             _ => Err(protocol(net, from, "message")),
+        }
+    }
+}
+
+/// A between-layers hook for the master: handles every arrival with `side`, keeping the first
+/// failure in `failure` for after the layer (a hook cannot return one).
+fn servicer<'a>(
+    side: &'a mut LossSide,
+    job: &'a RingJob,
+    net: &'a mut dyn Transport,
+    head: &'a mut Option<&mut MasterHead>,
+    failure: &'a mut Option<Error>,
+) -> impl FnMut() + 'a {
+    move || {
+        if failure.is_none()
+            && let Err(e) = side.drain(job, net, head.as_deref_mut())
+        {
+            *failure = Some(e);
         }
     }
 }
@@ -780,12 +850,9 @@ fn next_flush(job: &RingJob, step: u64) -> u64 {
 struct AsyncPipe {
     forwarded: u64,
     backwarded: u64,
-    labels: BTreeMap<u64, Vec<u32>>,
-    grads: VecDeque<(u64, Vec<f32>)>,
-    losses: BTreeMap<u64, f64>,
+    side: LossSide,
     x: Vec<f32>,
     y: Vec<u32>,
-    values: Vec<f32>,
 }
 
 impl AsyncPipe {
@@ -794,12 +861,11 @@ impl AsyncPipe {
         Self {
             forwarded: first,
             backwarded: first,
-            labels: BTreeMap::new(),
-            grads: VecDeque::new(),
-            losses: BTreeMap::new(),
+            side: LossSide::new(LossPolicy::Async {
+                micro_batches: job.micro_batches as u64,
+            }),
             x: Vec::new(),
             y: Vec::new(),
-            values: Vec::new(),
         }
     }
 
@@ -836,16 +902,6 @@ impl AsyncPipe {
             // Between the layers of its own work the master handles arrivals too, so the last
             // node never waits a whole stage-0 pass for its loss gradient.
             let mut failure: Option<Error> = None;
-            macro_rules! side {
-                () => {
-                    AsyncLossSide {
-                        labels: &mut self.labels,
-                        losses: &mut self.losses,
-                        grads: &mut self.grads,
-                        values: &mut self.values,
-                    }
-                };
-            }
             if arrived.is_none()
                 && self.forwarded < limit
                 && self.forwarded - self.backwarded < window
@@ -860,15 +916,15 @@ impl AsyncPipe {
                     .to_vec();
                 let rows = shard(&indices, part, job.micro_batches)?.to_vec();
                 setup.data.train.gather(&rows, &mut self.x, &mut self.y);
-                self.labels.insert(k, self.y.clone());
                 let pass = Pass {
                     train: true,
                     seed: job.spec.seed,
                     step: s,
                     row_offset: micro_offset(job, part),
                 };
+                self.side.forwarded(k, self.y.clone(), pass);
                 let x = &self.x;
-                let mut service = servicer(side!(), job, net, &mut head, &mut failure);
+                let mut service = servicer(&mut self.side, job, net, &mut head, &mut failure);
                 let out = clock.run(|| {
                     stage
                         .forward_with(k, x, rows.len(), &pass, &mut service)
@@ -884,9 +940,9 @@ impl AsyncPipe {
                 continue;
             }
             if arrived.is_none()
-                && let Some((k, dy)) = self.grads.pop_front()
+                && let Some((k, dy)) = self.side.grads.pop_front()
             {
-                let mut service = servicer(side!(), job, net, &mut head, &mut failure);
+                let mut service = servicer(&mut self.side, job, net, &mut head, &mut failure);
                 clock.run(|| stage.backward_with(k, &dy, &mut service).map(|_| ()))?;
                 drop(service);
                 if let Some(e) = failure {
@@ -898,104 +954,13 @@ impl AsyncPipe {
                 continue;
             }
             let (from, message) = arrived.map_or_else(|| net.recv(job.recv_timeout()), Ok)?;
-            let mut side = side!();
+            let side = &mut self.side;
             clock.run(|| side.handle(job, net, head.as_deref_mut(), from, message))?;
         }
         Ok((
-            self.losses.remove(&step).unwrap_or(f64::NAN),
+            self.side.losses.remove(&step).unwrap_or(f64::NAN),
             job.spec.batch_size,
         ))
-    }
-}
-
-/// The master's loss side under `async`: what it does with an arrival, whether between its own
-/// layers or while otherwise idle.
-struct AsyncLossSide<'a> {
-    labels: &'a mut BTreeMap<u64, Vec<u32>>,
-    losses: &'a mut BTreeMap<u64, f64>,
-    grads: &'a mut VecDeque<(u64, Vec<f32>)>,
-    values: &'a mut Vec<f32>,
-}
-
-impl AsyncLossSide<'_> {
-    /// The last node's output for micro-batch `k` (→ head, loss, gradient back, and the head's
-    /// step), or a gradient for stage 0 (→ queued).
-    fn handle(
-        &mut self,
-        job: &RingJob,
-        net: &mut dyn Transport,
-        head: Option<&mut MasterHead>,
-        from: u32,
-        message: Message,
-    ) -> Result<()> {
-        let n = job.partition.len() as u32;
-        let (succ, pred) = (1 % n, n - 1);
-        let m = job.micro_batches as u64;
-        match message {
-            Message::Tensor(h, bytes) if from == pred && h.tag == TensorTag::Activation => {
-                let k = h.micro_batch;
-                let labels = self
-                    .labels
-                    .remove(&k)
-                    .ok_or_else(|| protocol(net, from, "logits"))?;
-                tensor_values(&bytes, h.dtype, self.values);
-                let pass = Pass {
-                    train: true,
-                    seed: job.spec.seed,
-                    step: k / m,
-                    row_offset: micro_offset(job, (k % m) as usize),
-                };
-                let mut head = head;
-                let (loss_sum, grad) = loss_site(
-                    job,
-                    head.as_deref_mut(),
-                    k,
-                    &pass,
-                    self.values,
-                    &labels,
-                    1.0 / labels.len() as f32,
-                )?;
-                if let Some(h) = head {
-                    let lr = job.lr_at(k / m);
-                    h.stage.step(&mut h.optimizer, lr);
-                }
-                *self.losses.entry(k / m).or_default() += loss_sum;
-                net.send(pred, tensor(TensorTag::Gradient, k, k, labels.len(), &grad))?;
-                Ok(())
-            }
-            Message::Tensor(h, bytes) if from == succ && h.tag == TensorTag::Gradient => {
-                let mut dy = Vec::new();
-                tensor_values(&bytes, h.dtype, &mut dy);
-                self.grads.push_back((h.micro_batch, dy));
-                Ok(())
-            }
-            _ => Err(protocol(net, from, "message")),
-        }
-    }
-}
-
-/// A between-layers hook for the async master: handles every arrival with `side`, keeping the
-/// first failure in `failure` for after the layer (a hook cannot return one).
-fn servicer<'a>(
-    mut side: AsyncLossSide<'a>,
-    job: &'a RingJob,
-    net: &'a mut dyn Transport,
-    head: &'a mut Option<&mut MasterHead>,
-    failure: &'a mut Option<Error>,
-) -> impl FnMut() + 'a {
-    move || {
-        if failure.is_some() {
-            return;
-        }
-        let mut drain = || -> Result<()> {
-            while let Some((from, message)) = net.try_recv()? {
-                side.handle(job, net, head.as_deref_mut(), from, message)?;
-            }
-            Ok(())
-        };
-        if let Err(e) = drain() {
-            *failure = Some(e);
-        }
     }
 }
 
