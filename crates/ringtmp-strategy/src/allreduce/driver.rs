@@ -68,7 +68,30 @@ struct Reducer {
     pred: u32,
     iteration: u64,
     buckets: Vec<Bucket>,
+    /// Values bucket 0 carries beyond its gradients (the loss: 1, or none).
+    extra: usize,
     timeout: Duration,
+}
+
+/// Sums `values` over the `n` workers of the ring `rank` is on (links to `rank ± 1`), in place,
+/// by the ring all-reduce: every worker ends with the same bits. `round` tags the messages (an
+/// iteration), so reductions of different rounds cannot meet.
+pub fn all_reduce(
+    net: &mut dyn Transport,
+    rank: u32,
+    n: u32,
+    values: &mut [f32],
+    round: u64,
+    timeout: Duration,
+) -> Result<()> {
+    if n < 2 {
+        return Ok(());
+    }
+    let mut reducer = Reducer::new(rank, n, &[0..values.len()], 0, round, timeout);
+    reducer.start_ready(0, values, 0.0, net)?;
+    reducer.finish(net)?;
+    values.copy_from_slice(&reducer.buckets[0].values);
+    Ok(())
 }
 
 /// `micro_batch` of a chunk message: its bucket and protocol step.
@@ -77,13 +100,21 @@ fn chunk_id(bucket: usize, step: usize) -> u64 {
 }
 
 impl Reducer {
-    fn new(job: &AllReduceJob, rank: u32, ranges: &[Range<usize>], iteration: u64) -> Self {
-        let n = job.workers as u32;
+    /// The reduction of `ranges` (buckets) among `n` workers; bucket 0 carries `extra` more
+    /// values (the step's loss).
+    fn new(
+        rank: u32,
+        n: u32,
+        ranges: &[Range<usize>],
+        extra: usize,
+        iteration: u64,
+        timeout: Duration,
+    ) -> Self {
         let buckets = ranges
             .iter()
             .enumerate()
             .map(|(b, r)| {
-                let len = r.len() + usize::from(b == 0);
+                let len = r.len() + if b == 0 { extra } else { 0 };
                 Bucket {
                     range: r.clone(),
                     values: Vec::new(),
@@ -102,7 +133,8 @@ impl Reducer {
             pred: (rank + n - 1) % n,
             iteration,
             buckets,
-            timeout: job.spec.recv_timeout(),
+            extra,
+            timeout,
         }
     }
 
@@ -123,7 +155,7 @@ impl Reducer {
             let local = bucket.range.start - offset..bucket.range.end - offset;
             bucket.values.clear();
             bucket.values.extend_from_slice(&tail[local]);
-            if b == 0 {
+            if b == 0 && self.extra > 0 {
                 bucket.values.push(loss);
             }
             bucket.step = Some(0);
@@ -225,11 +257,12 @@ impl Reducer {
             .all(|b| b.step == Some(self.plan.steps()))
     }
 
-    /// Waits until every bucket is reduced.
+    /// Waits until every bucket is reduced. Chunks come from the predecessor only, so messages
+    /// of other peers (another protocol's, on their own links) wait for whoever expects them.
     fn finish(&mut self, net: &mut dyn Transport) -> Result<()> {
         while !self.done() {
-            let (from, message) = net.recv(self.timeout)?;
-            self.take(from, message, net)?;
+            let message = net.recv_from(self.pred, self.timeout)?;
+            self.take(self.pred, message, net)?;
         }
         Ok(())
     }
@@ -314,7 +347,14 @@ pub fn run_worker(
         let scored =
             loss::softmax_cross_entropy(logits, &y, spec.classes, 1.0 / y.len() as f32, &mut d)?;
         let local_loss = (scored.loss_sum / y.len() as f64) as f32;
-        let mut reducer = Reducer::new(job, rank, &ranges, step);
+        let mut reducer = Reducer::new(
+            rank,
+            n as u32,
+            &ranges,
+            1,
+            step,
+            spec.recv_timeout(),
+        );
         // Overlap: between layers, start the buckets whose gradients are complete and move the
         // ones in flight; a failure is kept for after the layer (a hook cannot return one).
         let mut failure: Option<Error> = None;
