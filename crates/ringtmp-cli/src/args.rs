@@ -8,6 +8,7 @@ use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use ringtmp_model::{LrSchedule, ModelSpec, OptimizerConfig};
 use ringtmp_strategy::allreduce::AllReduceOptions;
+use ringtmp_strategy::gossip::DpsgdOptions;
 use ringtmp_strategy::param_server::plan::PsOptions;
 use ringtmp_strategy::ring::plan::RingOptions;
 use ringtmp_strategy::{Job, StrategyOptions, TrainConfig};
@@ -35,7 +36,7 @@ pub struct TrainArgs {
     #[arg(long, value_name = "FILE")]
     #[serde(skip)]
     pub config: Option<PathBuf>,
-    /// Strategy: local, ring, ps or allreduce [default: ring].
+    /// Strategy: local, ring, ps, allreduce or dpsgd [default: ring].
     #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(Job::NAMES))]
     pub strategy: Option<String>,
     /// Node processes to launch locally (distributed strategies) [default: 4].
@@ -53,6 +54,10 @@ pub struct TrainArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub allreduce: AllReduceOptions,
+    /// D-PSGD's options.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub dpsgd: DpsgdOptions,
     /// Emulate a slower node: RANK:FACTOR with 0 < FACTOR ≤ 1 (repeatable).
     #[arg(long, value_name = "RANK:FACTOR")]
     pub node_speed: Option<Vec<String>>,
@@ -162,6 +167,7 @@ macro_rules! layer_options {
             ring: $flags.ring.merged_over(&$file.ring),
             ps: $flags.ps.merged_over(&$file.ps),
             allreduce: $flags.allreduce.merged_over(&$file.allreduce),
+            dpsgd: $flags.dpsgd.merged_over(&$file.dpsgd),
             $($field: $flags.$field.clone().or($file.$field.clone())),*
         }
     };
@@ -245,7 +251,7 @@ impl TrainArgs {
         .map(|(flag, _)| flag.to_string())
         .collect();
         if strategy == "local" {
-            own.push(("ring, ps or allreduce", distributed));
+            own.push(("ring, ps, allreduce or dpsgd", distributed));
         }
         for (name, flags) in own {
             if name != strategy
@@ -268,6 +274,7 @@ impl TrainArgs {
             ring: self.ring.clone(),
             ps: self.ps.clone(),
             allreduce: self.allreduce.clone(),
+            dpsgd: self.dpsgd.clone(),
         }
     }
 
@@ -290,7 +297,7 @@ impl TrainArgs {
                 let nodes = self.nodes.unwrap_or(4) as usize;
                 nodes.saturating_sub(self.ps.servers.unwrap_or(1)).max(1)
             }
-            "allreduce" => self.nodes.unwrap_or(4) as usize,
+            "allreduce" | "dpsgd" => self.nodes.unwrap_or(4) as usize,
             _ => 1,
         };
         if manifest.batch_size % workers != 0 {

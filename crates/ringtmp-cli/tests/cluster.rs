@@ -725,3 +725,55 @@ fn allreduce_on_local_nodes_writes_the_output_contract() {
         ("allreduce", 1)
     );
 }
+
+// Issue 12.2: D-PSGD on local processes writes the output contract, with the consensus model's
+// accuracy, every worker's own, and the consensus distance.
+#[test]
+fn dpsgd_on_local_nodes_writes_the_output_contract() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("dp").display().to_string();
+    let child = spawn_train(&[
+        "--strategy",
+        "dpsgd",
+        "--topology",
+        "exp",
+        "--nodes",
+        "4",
+        "--dataset",
+        "digits",
+        "--model-file",
+        "examples/models/lenet-dropout.toml",
+        "--epochs",
+        "4",
+        "--batch-size",
+        "16",
+        "--lr",
+        "0.05",
+        "--target-accuracy",
+        "0.7",
+        "--out",
+        &out,
+    ]);
+    let (output, _) = finish(child, Duration::from_secs(120));
+    assert!(output.status.success(), "{}", stderr(&output));
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.path().join("dp/summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(summary["strategy"], "dpsgd");
+    assert!(
+        summary["final_test_accuracy"].as_f64().unwrap() > 0.7,
+        "{summary}"
+    );
+    assert!(
+        summary["consensus_distance"].as_f64().is_some(),
+        "{summary}"
+    );
+    let nodes = summary["per_node"].as_array().unwrap();
+    assert_eq!(nodes.len(), 4);
+    assert!(
+        nodes.iter().all(|n| n["test_accuracy"].as_f64().is_some()),
+        "{summary}"
+    );
+    let metrics = std::fs::read_to_string(tmp.path().join("dp/metrics.jsonl")).unwrap();
+    assert!(metrics.contains("\"event\":\"consensus\""), "{metrics}");
+}

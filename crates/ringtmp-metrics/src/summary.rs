@@ -162,6 +162,10 @@ pub struct Summary {
     /// The partition plan (pipeline strategies): per stage its layers and predicted cost.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub partition: Vec<serde_json::Value>,
+    /// Decentralised strategies: mean over workers of ‖x_i − x̄‖ / ‖x̄‖ at the last consensus
+    /// (how far the workers' models are from the model whose accuracy is reported).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consensus_distance: Option<f64>,
     /// Nodes the run went on without (empty for a run that ended with every node): a degraded
     /// run says so here and in its final lines.
     #[serde(default)]

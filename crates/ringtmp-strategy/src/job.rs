@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::allreduce::{AllReduceJob, AllReduceOptions};
 use crate::config::TrainConfig;
 use crate::error::{Error, Result};
+use crate::gossip::{DpsgdJob, DpsgdOptions};
 use crate::local::{Event, LocalJob};
 use crate::param_server::driver::PsJob;
 use crate::param_server::plan::PsOptions;
@@ -147,6 +148,8 @@ pub enum Job {
     /// Ring all-reduce SGD.
     #[serde(rename = "allreduce")]
     AllReduce(AllReduceJob),
+    /// D-PSGD.
+    Dpsgd(DpsgdJob),
 }
 
 /// Every strategy's options, as the CLI collects them.
@@ -158,6 +161,8 @@ pub struct StrategyOptions {
     pub ps: PsOptions,
     /// All-reduce's.
     pub allreduce: AllReduceOptions,
+    /// D-PSGD's.
+    pub dpsgd: DpsgdOptions,
 }
 
 macro_rules! each {
@@ -167,17 +172,19 @@ macro_rules! each {
             Job::Ring($j) => $body,
             Job::Ps($j) => $body,
             Job::AllReduce($j) => $body,
+            Job::Dpsgd($j) => $body,
         }
     };
 }
 
 impl Job {
     /// The names `--strategy` takes.
-    pub const NAMES: [&'static str; 4] = [
+    pub const NAMES: [&'static str; 5] = [
         LocalJob::NAME,
         RingJob::NAME,
         PsJob::NAME,
         AllReduceJob::NAME,
+        DpsgdJob::NAME,
     ];
 
     /// Plans strategy `name`'s job.
@@ -198,6 +205,7 @@ impl Job {
                 cluster,
                 data,
             )?),
+            DpsgdJob::NAME => Self::Dpsgd(DpsgdJob::plan(config, &options.dpsgd, cluster, data)?),
             other => {
                 return Err(Error::Config(format!(
                     "unknown strategy {other:?}; known: {}",
@@ -214,6 +222,7 @@ impl Job {
             Self::Ring(_) => RingJob::NAME,
             Self::Ps(_) => PsJob::NAME,
             Self::AllReduce(_) => AllReduceJob::NAME,
+            Self::Dpsgd(_) => DpsgdJob::NAME,
         }
     }
 

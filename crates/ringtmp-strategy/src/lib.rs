@@ -4,6 +4,7 @@
 //!
 //! # Layout
 //! - [`allreduce`]: ring all-reduce SGD (data parallel, bucketed, overlapped).
+//! - [`gossip`]: decentralised SGD (D-PSGD) over ring and exponential graphs.
 //! - [`config`]: the validated run configuration shared by every strategy.
 //! - [`RunSpec`]: what every strategy's job shares (the configuration and what follows from the
 //!   data), declared once.
@@ -19,6 +20,7 @@
 pub mod allreduce;
 pub mod config;
 mod error;
+pub mod gossip;
 pub mod job;
 pub mod local;
 pub mod param_server;

@@ -100,3 +100,28 @@ pub fn allreduce_job(
         node_speeds: vec![1.0; workers],
     }
 }
+
+/// A D-PSGD job for `cfg` whose `batch_size` is the *global* batch, split over `workers`.
+///
+/// # Panics
+/// If the global batch does not split evenly, or does not fit the data.
+pub fn dpsgd_job(
+    cfg: &TrainConfig,
+    data: &Dataset,
+    workers: usize,
+    topology: ringtmp_strategy::gossip::mixing::Topology,
+) -> ringtmp_strategy::gossip::DpsgdJob {
+    assert_eq!(
+        cfg.batch_size % workers,
+        0,
+        "the global batch splits evenly"
+    );
+    let mut spec = RunSpec::new(cfg.clone(), data, cfg.batch_size).expect("the run fits the data");
+    spec.config.batch_size = cfg.batch_size / workers;
+    ringtmp_strategy::gossip::DpsgdJob {
+        spec,
+        workers,
+        topology,
+        node_speeds: vec![1.0; workers],
+    }
+}

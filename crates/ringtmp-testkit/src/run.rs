@@ -163,3 +163,38 @@ pub fn allreduce_nodes(
         end(net, result).map(|o| (o.stage.params().to_vec(), o.summary))
     })
 }
+
+/// Runs a D-PSGD job on `backend`, every worker from `initial(rank)` when given; every worker
+/// returns its own model and rank 0 the run's summary.
+pub fn dpsgd_nodes(
+    backend: &Backend,
+    job: &ringtmp_strategy::gossip::DpsgdJob,
+    data: &Dataset,
+    out: &Path,
+    initial: Option<&(dyn Fn(u32) -> Vec<f32> + Sync)>,
+) -> Ran<Replica> {
+    use ringtmp_strategy::gossip::mixing;
+    let mut job = job.clone();
+    job.spec.config.out = out.to_path_buf();
+    let job = &job;
+    let n = job.workers as u32;
+    let links: Vec<_> = (0..n)
+        .map(|r| {
+            let mut near = mixing::neighbours(job.topology, r, n);
+            near.extend(crate::nodes::ring(n)[r as usize].iter().copied());
+            near
+        })
+        .collect();
+    run_nodes(backend, links, None, |rank, net| {
+        let start = initial.map(|f| f(rank));
+        let result = ringtmp_strategy::gossip::dpsgd::run_worker_from(
+            job,
+            rank,
+            data,
+            net,
+            &mut |_| {},
+            start.as_deref(),
+        );
+        end(net, result).map(|o| (o.stage.params().to_vec(), o.summary))
+    })
+}

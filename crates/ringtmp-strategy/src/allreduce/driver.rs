@@ -87,7 +87,8 @@ pub fn all_reduce(
     if n < 2 {
         return Ok(());
     }
-    let mut reducer = Reducer::new(rank, n, &[0..values.len()], 0, round, timeout);
+    let whole = 0..values.len();
+    let mut reducer = Reducer::new(rank, n, std::slice::from_ref(&whole), 0, round, timeout);
     reducer.start_ready(0, values, 0.0, net)?;
     reducer.finish(net)?;
     values.copy_from_slice(&reducer.buckets[0].values);
@@ -347,14 +348,7 @@ pub fn run_worker(
         let scored =
             loss::softmax_cross_entropy(logits, &y, spec.classes, 1.0 / y.len() as f32, &mut d)?;
         let local_loss = (scored.loss_sum / y.len() as f64) as f32;
-        let mut reducer = Reducer::new(
-            rank,
-            n as u32,
-            &ranges,
-            1,
-            step,
-            spec.recv_timeout(),
-        );
+        let mut reducer = Reducer::new(rank, n as u32, &ranges, 1, step, spec.recv_timeout());
         // Overlap: between layers, start the buckets whose gradients are complete and move the
         // ones in flight; a failure is kept for after the layer (a hook cannot return one).
         let mut failure: Option<Error> = None;
@@ -480,33 +474,15 @@ pub fn run_worker(
             .collect(),
         ..Default::default()
     };
-    let doc = serde_json::to_string(&own).map_err(|e| Error::Config(e.to_string()))?;
-    let (succ, pred) = ((rank + 1) % n as u32, (rank + n as u32 - 1) % n as u32);
-    let timeout = spec.recv_timeout();
-    let Some(recorder) = recorder else {
-        // Pass the reports on, adding ours.
-        match net.recv_from(pred, timeout)? {
-            Message::Control(Control::Report { mut nodes }) => {
-                nodes.push(doc);
-                net.send(succ, Message::Control(Control::Report { nodes }))?;
-            }
-            _ => return Err(protocol(net, pred, "message instead of the final report")),
-        }
+    let Some(per_node) = gather_reports(net, rank, n as u32, &own, spec.recv_timeout())? else {
         return Ok(WorkerOutcome {
             stage,
             summary: None,
         });
     };
-    net.send(succ, Message::Control(Control::Report { nodes: vec![doc] }))?;
-    let nodes = match net.recv_from(pred, timeout)? {
-        Message::Control(Control::Report { nodes }) if nodes.len() == n => nodes,
-        _ => return Err(protocol(net, pred, "message instead of the final report")),
+    let Some(recorder) = recorder else {
+        unreachable!("rank 0 gathers the reports and holds the recorder")
     };
-    let per_node: Vec<NodeSummary> = nodes
-        .iter()
-        .map(|d| serde_json::from_str(d))
-        .collect::<std::result::Result<_, _>>()
-        .map_err(|e| Error::Config(format!("a node's report is not valid: {e}")))?;
     let total_bytes_sent: u64 = per_node.iter().map(|p| p.bytes_sent).sum();
     let wall = (clock.now() - started).as_secs_f64();
     let summary = Summary {
@@ -528,6 +504,43 @@ pub fn run_worker(
     })
 }
 
+/// Every node's report, around the ring `rank` is on (links to `rank ± 1`) to rank 0, which
+/// returns them in rank order; the others add theirs and pass the token on.
+pub fn gather_reports(
+    net: &mut dyn Transport,
+    rank: u32,
+    n: u32,
+    own: &NodeSummary,
+    timeout: Duration,
+) -> Result<Option<Vec<NodeSummary>>> {
+    if n < 2 {
+        return Ok(Some(vec![own.clone()]));
+    }
+    let doc = serde_json::to_string(own).map_err(|e| Error::Config(e.to_string()))?;
+    let (succ, pred) = ((rank + 1) % n, (rank + n - 1) % n);
+    if rank != 0 {
+        match net.recv_from(pred, timeout)? {
+            Message::Control(Control::Report { mut nodes }) => {
+                nodes.push(doc);
+                net.send(succ, Message::Control(Control::Report { nodes }))?;
+            }
+            _ => return Err(protocol(net, pred, "message instead of the final report")),
+        }
+        return Ok(None);
+    }
+    net.send(succ, Message::Control(Control::Report { nodes: vec![doc] }))?;
+    let nodes = match net.recv_from(pred, timeout)? {
+        Message::Control(Control::Report { nodes }) if nodes.len() == n as usize => nodes,
+        _ => return Err(protocol(net, pred, "message instead of the final report")),
+    };
+    nodes
+        .iter()
+        .map(|d| serde_json::from_str(d))
+        .collect::<std::result::Result<Vec<NodeSummary>, _>>()
+        .map(Some)
+        .map_err(|e| Error::Config(format!("a node's report is not valid: {e}")))
+}
+
 /// Rank 0 writes the one model every replica holds, in the format every strategy reads.
 fn write_checkpoint(
     job: &AllReduceJob,
@@ -535,19 +548,31 @@ fn write_checkpoint(
     optimizer: &Optimizer,
     step: u64,
 ) -> Result<std::path::PathBuf> {
-    let spec = &job.spec;
+    write_model(&job.spec, job.workers, super::NAME, stage, optimizer, step)
+}
+
+/// Writes `stage` (a whole model) as the checkpoint of `step` of a data-parallel run of
+/// `workers` (its data order is that of the global batch), atomically; prunes old ones.
+pub fn write_model(
+    spec: &crate::RunSpec,
+    workers: usize,
+    strategy: &str,
+    stage: &Stage,
+    optimizer: &Optimizer,
+    step: u64,
+) -> Result<std::path::PathBuf> {
     let dir = spec.checkpoint_dir(step);
     let written = (|| -> Result<()> {
         let file = checkpoint::write_stage(&dir, "stage-0.safetensors", stage, optimizer)?;
         let manifest = checkpoint::Manifest {
             format: checkpoint::MANIFEST_FORMAT,
-            strategy: super::NAME.into(),
+            strategy: strategy.into(),
             step,
             epoch: step / spec.steps_per_epoch,
             batch_in_epoch: step % spec.steps_per_epoch,
             dataset: spec.dataset.clone(),
             // The data order is that of the global batch.
-            batch_size: spec.batch_size * job.workers,
+            batch_size: spec.batch_size * workers,
             seed: spec.seed,
             model: spec.model.clone(),
             partition: vec![(0, stage.layers().len())],

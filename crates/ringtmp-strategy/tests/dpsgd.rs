@@ -1,0 +1,194 @@
+//! D-PSGD against what the theory says: with a zero learning rate, gossip alone brings workers
+//! that start apart to the mean of their starting models at the rate of the mixing matrix's
+//! second eigenvalue, and keeps that mean; one worker is plain SGD (`local`); with a real rate,
+//! the consensus model learns on both graphs, and a seed replays bit for bit.
+
+use std::path::Path;
+
+use ringtmp_model::{LrSchedule, OptimizerConfig};
+use ringtmp_strategy::TrainConfig;
+use ringtmp_strategy::gossip::mixing::{Topology, second_eigenvalue};
+use ringtmp_testkit::fixtures::{MLP_MODEL, digits, max_rel_diff, model};
+use ringtmp_testkit::jobs::dpsgd_job;
+use ringtmp_testkit::nodes::Backend;
+use ringtmp_testkit::{oracle, run};
+use ringtmp_transport::sim::test_seed;
+
+fn config(batch: usize, steps: u64, lr: f32, out: &Path) -> TrainConfig {
+    TrainConfig {
+        model: model(MLP_MODEL, "ps-test"),
+        dataset: "digits".into(),
+        data_dir: None,
+        epochs: 3,
+        batch_size: batch,
+        lr,
+        default_lr: false,
+        schedule: LrSchedule::Constant,
+        warmup_steps: 0,
+        optimizer: OptimizerConfig::Sgd {
+            momentum: 0.9,
+            weight_decay: 0.0,
+        },
+        threads: 1,
+        seed: 13,
+        target_accuracy: 0.5,
+        eval_every: 0,
+        out: out.to_path_buf(),
+        checkpoint_every: 0,
+        keep_checkpoints: None,
+        resume: None,
+        max_steps: Some(steps),
+        recv_timeout_secs: 30.0,
+    }
+}
+
+fn models(ran: Vec<run::Replica>) -> Vec<Vec<f32>> {
+    ran.into_iter()
+        .enumerate()
+        .map(|(r, m)| m.unwrap_or_else(|e| panic!("worker {r}: {e}")).0)
+        .collect()
+}
+
+/// √Σ_i ‖x_i − mean‖², and the mean.
+fn spread(xs: &[Vec<f32>]) -> (f64, Vec<f64>) {
+    let n = xs.len() as f64;
+    let mean: Vec<f64> = (0..xs[0].len())
+        .map(|j| xs.iter().map(|x| f64::from(x[j])).sum::<f64>() / n)
+        .collect();
+    let d = xs
+        .iter()
+        .map(|x| {
+            x.iter()
+                .zip(&mean)
+                .map(|(a, m)| (f64::from(*a) - m).powi(2))
+                .sum::<f64>()
+        })
+        .sum::<f64>()
+        .sqrt();
+    (d, mean)
+}
+
+#[test]
+fn gossip_alone_converges_to_the_initial_mean_at_the_second_eigenvalue() {
+    // Ref: Lian et al. 2017 — W symmetric, doubly stochastic: the mean is kept and the distance
+    // to it shrinks by at least |λ2| per round, exactly |λ2| along the slowest mode.
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let steps = 6;
+    let cases: [(Topology, usize, bool); 3] = [
+        (Topology::Ring, 6, true),
+        (Topology::Ring, 6, false),
+        (Topology::Exp, 8, false),
+    ];
+    for (topology, n, slowest) in cases {
+        // A vanishing rate and no momentum: only the averaging moves the models.
+        let mut cfg = config(8 * n, steps, 1e-30, tmp.path());
+        cfg.optimizer = OptimizerConfig::Sgd {
+            momentum: 0.0,
+            weight_decay: 0.0,
+        };
+        let job = dpsgd_job(&cfg, &data, n, topology);
+        let len = {
+            let layers = cfg
+                .model
+                .build(&ringtmp_model::Shape::image(8, 8, 1), 10)
+                .unwrap();
+            layers.iter().map(|l| l.param_count()).sum::<usize>()
+        };
+        // Either the ring's slowest mode (worker r at cos(2πr/n) times one vector) or scattered.
+        let initial = move |rank: u32| -> Vec<f32> {
+            (0..len)
+                .map(|i| {
+                    let base = ((i as u64 * 2654435761 % 1000) as f32 / 500.0) - 1.0;
+                    if slowest {
+                        let phase = 2.0 * std::f32::consts::PI * rank as f32 / n as f32;
+                        1.0 + base * phase.cos()
+                    } else {
+                        (((i as u64 * 2654435761 + u64::from(rank) * 40503) % 1000) as f32 / 500.0)
+                            - 1.0
+                    }
+                })
+                .collect()
+        };
+        let starts: Vec<Vec<f32>> = (0..n as u32).map(initial).collect();
+        let (d0, mean0) = spread(&starts);
+        let ran = run::dpsgd_nodes(
+            &Backend::sim(test_seed(7)),
+            &job,
+            &data,
+            tmp.path(),
+            Some(&initial),
+        );
+        let ends = models(ran.results);
+        let (d, mean) = spread(&ends);
+        let predicted = second_eigenvalue(topology, n as u32).powi(steps as i32) * d0;
+        println!(
+            "{topology:?}, {n} workers{}: spread {d0:.3} → {d:.5} after {steps} rounds; λ2^t·d0 = {predicted:.5}",
+            if slowest { " (slowest mode)" } else { "" }
+        );
+        assert!(d <= 1.001 * predicted + 1e-6, "{d} > {predicted}");
+        if slowest {
+            assert!(d >= 0.999 * predicted - 1e-6, "{d} < {predicted}");
+        }
+        let drift = mean
+            .iter()
+            .zip(&mean0)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        assert!(drift < 1e-5, "the mean moved by {drift}");
+    }
+}
+
+#[test]
+fn one_worker_is_local_sgd() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = config(16, 12, 0.05, &tmp.path().join("local"));
+    let oracle = oracle::local_params(&cfg, &data);
+    let job = dpsgd_job(&cfg, &data, 1, Topology::Ring);
+    let ends = models(
+        run::dpsgd_nodes(&Backend::sim(test_seed(1)), &job, &data, tmp.path(), None).results,
+    );
+    let diff = max_rel_diff(&ends[0], &oracle);
+    assert!(diff < 1e-6, "{diff}");
+}
+
+#[test]
+fn the_consensus_learns_on_both_graphs_and_replays_from_its_seed() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = config(64, 60, 0.2, tmp.path());
+    cfg.eval_every = 20;
+    for (backend, topology) in [
+        (Backend::Tcp, Topology::Ring),
+        (Backend::sim(test_seed(4)), Topology::Exp),
+    ] {
+        let job = dpsgd_job(&cfg, &data, 4, topology);
+        let ran = run::dpsgd_nodes(&backend, &job, &data, tmp.path(), None);
+        let mut results = ran.results;
+        let (_, summary) = results.remove(0).unwrap();
+        let summary = summary.expect("rank 0 reports the run");
+        println!(
+            "{topology:?} on {}: consensus accuracy {:.3}, distance {:?}",
+            backend.name(),
+            summary.final_test_accuracy,
+            summary.consensus_distance
+        );
+        assert!(summary.final_test_accuracy > 0.85, "{summary:?}");
+        assert!(
+            summary.consensus_distance.is_some_and(|d| d < 0.05),
+            "{summary:?}"
+        );
+        assert!(summary.per_node.iter().all(|n| n.test_accuracy.is_some()));
+    }
+    let job = dpsgd_job(&cfg, &data, 4, Topology::Exp);
+    let twice: Vec<Vec<Vec<f32>>> = (0..2)
+        .map(|_| {
+            models(
+                run::dpsgd_nodes(&Backend::sim(test_seed(4)), &job, &data, tmp.path(), None)
+                    .results,
+            )
+        })
+        .collect();
+    assert!(twice[0] == twice[1], "a seed replays bit for bit");
+}
