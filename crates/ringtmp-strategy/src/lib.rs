@@ -4,6 +4,7 @@
 //!
 //! # Layout
 //! - [`allreduce`]: ring all-reduce SGD (data parallel, bucketed, overlapped).
+//! - [`data_parallel`]: what the data-parallel strategies share (planning, a worker's report).
 //! - [`gossip`]: decentralised SGD (D-PSGD) over ring and exponential graphs.
 //! - [`config`]: the validated run configuration shared by every strategy.
 //! - [`RunSpec`]: what every strategy's job shares (the configuration and what follows from the
@@ -19,6 +20,7 @@
 
 pub mod allreduce;
 pub mod config;
+pub mod data_parallel;
 mod error;
 pub mod gossip;
 pub mod job;

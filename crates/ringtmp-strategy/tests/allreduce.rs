@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use ringtmp_model::{LrSchedule, OptimizerConfig};
+use ringtmp_model::LrSchedule;
 use ringtmp_strategy::TrainConfig;
 use ringtmp_testkit::fixtures::{CONV_MODEL, deep_mlp, digits, max_rel_diff, model};
 use ringtmp_testkit::jobs::allreduce_job;
@@ -15,29 +15,10 @@ use ringtmp_transport::sim::test_seed;
 
 fn config(spec: ringtmp_model::ModelSpec, batch: usize, steps: u64, out: &Path) -> TrainConfig {
     TrainConfig {
-        model: spec,
-        dataset: "digits".into(),
-        data_dir: None,
-        epochs: 1,
-        batch_size: batch,
-        lr: 0.05,
-        default_lr: false,
         schedule: LrSchedule::Cosine,
         warmup_steps: 2,
-        optimizer: OptimizerConfig::Sgd {
-            momentum: 0.9,
-            weight_decay: 1e-4,
-        },
-        threads: 1,
         seed: 11,
-        target_accuracy: 0.5,
-        eval_every: 0,
-        out: out.to_path_buf(),
-        checkpoint_every: 0,
-        keep_checkpoints: None,
-        resume: None,
-        max_steps: Some(steps),
-        recv_timeout_secs: 30.0,
+        ..ringtmp_testkit::fixtures::train_config(spec, batch, steps, out)
     }
 }
 

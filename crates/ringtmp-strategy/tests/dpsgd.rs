@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use ringtmp_model::{LrSchedule, OptimizerConfig};
+use ringtmp_model::OptimizerConfig;
 use ringtmp_strategy::TrainConfig;
 use ringtmp_strategy::gossip::mixing::{Topology, second_eigenvalue};
 use ringtmp_testkit::fixtures::{MLP_MODEL, digits, max_rel_diff, model};
@@ -16,29 +16,14 @@ use ringtmp_transport::sim::test_seed;
 
 fn config(batch: usize, steps: u64, lr: f32, out: &Path) -> TrainConfig {
     TrainConfig {
-        model: model(MLP_MODEL, "ps-test"),
-        dataset: "digits".into(),
-        data_dir: None,
         epochs: 3,
-        batch_size: batch,
         lr,
-        default_lr: false,
-        schedule: LrSchedule::Constant,
-        warmup_steps: 0,
         optimizer: OptimizerConfig::Sgd {
             momentum: 0.9,
             weight_decay: 0.0,
         },
-        threads: 1,
         seed: 13,
-        target_accuracy: 0.5,
-        eval_every: 0,
-        out: out.to_path_buf(),
-        checkpoint_every: 0,
-        keep_checkpoints: None,
-        resume: None,
-        max_steps: Some(steps),
-        recv_timeout_secs: 30.0,
+        ..ringtmp_testkit::fixtures::train_config(model(MLP_MODEL, "ps-test"), batch, steps, out)
     }
 }
 

@@ -3,7 +3,6 @@
 
 use std::path::Path;
 
-use ringtmp_model::{LrSchedule, OptimizerConfig};
 use ringtmp_strategy::param_server::consistency::Consistency;
 use ringtmp_strategy::ring::schedule::Schedule;
 use ringtmp_strategy::{Job, TrainConfig};
@@ -12,29 +11,14 @@ use ringtmp_testkit::jobs::{ps_job, ring_job};
 
 fn config() -> TrainConfig {
     TrainConfig {
-        model: model(CONV_MODEL, "ring-test"),
-        dataset: "digits".into(),
-        data_dir: None,
-        epochs: 1,
-        batch_size: 24,
-        lr: 0.05,
-        default_lr: false,
-        schedule: LrSchedule::Constant,
-        warmup_steps: 0,
-        optimizer: OptimizerConfig::Sgd {
-            momentum: 0.9,
-            weight_decay: 0.0,
-        },
-        threads: 1,
         seed: 1,
-        target_accuracy: 0.5,
-        eval_every: 0,
-        out: Path::new("").to_path_buf(),
-        checkpoint_every: 0,
-        keep_checkpoints: None,
-        resume: None,
         max_steps: Some(10),
-        recv_timeout_secs: 30.0,
+        ..ringtmp_testkit::fixtures::train_config(
+            model(CONV_MODEL, "ring-test"),
+            24,
+            10,
+            Path::new(""),
+        )
     }
 }
 

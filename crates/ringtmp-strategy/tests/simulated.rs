@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use ringtmp_model::{LrSchedule, ModelSpec, OptimizerConfig};
+use ringtmp_model::ModelSpec;
 use ringtmp_strategy::TrainConfig;
 use ringtmp_strategy::param_server::consistency::Consistency;
 use ringtmp_strategy::ring::schedule::Schedule;
@@ -17,31 +17,7 @@ use ringtmp_testkit::run::{self, PsNode};
 use ringtmp_transport::sim::{Fault, SimConfig, test_seed};
 
 fn config(spec: ModelSpec, batch: usize, steps: u64, out: &std::path::Path) -> TrainConfig {
-    TrainConfig {
-        model: spec,
-        dataset: "digits".into(),
-        data_dir: None,
-        epochs: 1,
-        batch_size: batch,
-        lr: 0.05,
-        schedule: LrSchedule::Constant,
-        warmup_steps: 0,
-        optimizer: OptimizerConfig::Sgd {
-            momentum: 0.9,
-            weight_decay: 1e-4,
-        },
-        threads: 1,
-        seed: 17,
-        target_accuracy: 0.5,
-        eval_every: 0,
-        out: out.to_path_buf(),
-        checkpoint_every: 0,
-        keep_checkpoints: None,
-        resume: None,
-        max_steps: Some(steps),
-        recv_timeout_secs: 30.0,
-        default_lr: false,
-    }
+    ringtmp_testkit::fixtures::train_config(spec, batch, steps, out)
 }
 
 /// A ring of 16: a deep perceptron of 32 layers, the master with 3, 14 nodes with 2, the last

@@ -3,7 +3,8 @@
 use std::sync::OnceLock;
 
 use ringtmp_data::Dataset;
-use ringtmp_model::ModelSpec;
+use ringtmp_model::{LrSchedule, ModelSpec, OptimizerConfig};
+use ringtmp_strategy::TrainConfig;
 
 /// scikit-learn's digits (1,500 training and 297 test images of 8×8), bundled with the
 /// repository; loaded once per test process.
@@ -99,4 +100,40 @@ pub fn max_rel_diff(a: &[f32], b: &[f32]) -> f64 {
         .map(|(x, y)| f64::from((x - y).abs()))
         .fold(0.0, f64::max)
         / scale.max(f64::MIN_POSITIVE)
+}
+
+/// A small run on the digits: `steps` steps of `batch` (one epoch's schedule), SGD with momentum
+/// 0.9 and weight decay 1e-4 at 0.05, one thread, seed 17, no evaluations or checkpoints but at
+/// the end, a 30 s receive timeout. Tests change what they are about with `..` updates.
+pub fn train_config(
+    spec: ModelSpec,
+    batch: usize,
+    steps: u64,
+    out: &std::path::Path,
+) -> TrainConfig {
+    TrainConfig {
+        model: spec,
+        dataset: "digits".into(),
+        data_dir: None,
+        epochs: 1,
+        batch_size: batch,
+        lr: 0.05,
+        default_lr: false,
+        schedule: LrSchedule::Constant,
+        warmup_steps: 0,
+        optimizer: OptimizerConfig::Sgd {
+            momentum: 0.9,
+            weight_decay: 1e-4,
+        },
+        threads: 1,
+        seed: 17,
+        target_accuracy: 0.5,
+        eval_every: 0,
+        out: out.to_path_buf(),
+        checkpoint_every: 0,
+        keep_checkpoints: None,
+        resume: None,
+        max_steps: Some(steps),
+        recv_timeout_secs: 30.0,
+    }
 }

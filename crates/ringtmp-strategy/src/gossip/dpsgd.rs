@@ -13,7 +13,7 @@
 use std::time::Instant;
 
 use ringtmp_data::{BatchPlan, Dataset, shard};
-use ringtmp_metrics::{NodeSummary, Summary, resources};
+use ringtmp_metrics::{NodeSummary, Summary};
 use ringtmp_model::{Optimizer, Pass, Stage, checkpoint, loss};
 use ringtmp_transport::{Transport, TransportError};
 use ringtmp_wire::message::{tensor_bytes_into, tensor_values};
@@ -256,29 +256,21 @@ pub fn run_worker_from(
     }
     // Each worker's own model's accuracy, and the reports around the ring to rank 0.
     let (own_accuracy, _) = crate::local::evaluate(&mut stage, &data.test, data.classes)?;
-    let stats = net.stats();
     let params = stage.params().len() as u64;
     let own = NodeSummary {
-        rank,
-        role: "worker".into(),
-        params,
-        param_bytes: params * 4,
-        optimizer_bytes: optimizer.state_bytes() as u64,
-        peak_rss_bytes: resources::peak_rss_bytes().unwrap_or(0),
-        bytes_sent: stats.iter().map(|l| l.bytes_sent).sum(),
-        bytes_received: stats.iter().map(|l| l.bytes_received).sum(),
-        messages_sent: stats.iter().map(|l| l.messages_sent).sum(),
-        compute_seconds,
-        idle_seconds: (train_seconds - compute_seconds).max(0.0),
-        wait_seconds: gossip_wait,
-        cpu_seconds: resources::cpu_seconds(),
-        iterations: spec.total_steps - spec.first_step(),
         test_accuracy: Some(own_accuracy),
-        links: stats
-            .iter()
-            .map(|l| (l.peer, l.bytes_sent, l.bytes_received))
-            .collect(),
-        ..Default::default()
+        ..crate::data_parallel::worker_summary(
+            rank,
+            &stage,
+            &optimizer,
+            net,
+            &crate::data_parallel::WorkerClock {
+                train_seconds,
+                compute_seconds,
+                wait_seconds: gossip_wait,
+                iterations: spec.total_steps - spec.first_step(),
+            },
+        )
     };
     let Some(per_node) = gather_reports(net, rank, n, &own, spec.recv_timeout())? else {
         return Ok(WorkerOutcome {

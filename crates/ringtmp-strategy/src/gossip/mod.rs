@@ -12,13 +12,12 @@ use std::collections::BTreeSet;
 
 use ringtmp_data::Dataset;
 use ringtmp_metrics::Summary;
-use ringtmp_model::OptimizerConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::TrainConfig;
 use crate::error::{Error, Result};
 use crate::job::{Cluster, NodeCx, Strategy, options_merge, ring_neighbours, validate_shared};
-use crate::spec::{ResumePoint, RunSpec};
+use crate::spec::RunSpec;
 use mixing::Topology;
 
 /// `--strategy` name of D-PSGD.
@@ -55,41 +54,15 @@ impl Strategy for DpsgdJob {
     type Options = DpsgdOptions;
 
     fn plan(
-        mut config: TrainConfig,
+        config: TrainConfig,
         options: &DpsgdOptions,
         cluster: &Cluster,
         data: &Dataset,
     ) -> Result<Self> {
-        let workers = cluster.nodes as usize;
-        if workers < 2 {
-            return Err(Error::Config(
-                "--strategy dpsgd needs --nodes of at least 2 (one worker is --strategy local)"
-                    .into(),
-            ));
-        }
-        if cluster.threads.is_none() {
-            config.threads = (cluster.cores / workers).max(1);
-        }
-        if config.default_lr && matches!(config.optimizer, OptimizerConfig::Sgd { .. }) {
-            // Averaging the models averages their updates: the consensus moves as all-reduce's
-            // model does, so the default rate scales with the workers as there.
-            config.lr *= workers as f32;
-        }
-        let global = config.batch_size * workers;
-        let resume = config.resume.clone();
-        let mut spec = RunSpec::new(config, data, global)?;
-        if let Some(path) = &resume {
-            let global_cfg = TrainConfig {
-                batch_size: global,
-                ..spec.config.clone()
-            };
-            let (dir, manifest) = crate::local::check_resume(path, &global_cfg)?;
-            spec.resume_from = Some(ResumePoint {
-                dir: std::path::absolute(&dir).unwrap_or(dir),
-                step: manifest.step.min(spec.total_steps),
-            });
-        }
-        spec.config.out = std::path::absolute(&spec.out).unwrap_or_else(|_| spec.out.clone());
+        // Averaging the models averages their updates: the consensus moves as all-reduce's
+        // model does, so the default rate scales with the workers as there.
+        let (spec, workers) = crate::data_parallel::plan_spec(NAME, config, cluster, data)?;
+        let global = spec.batch_size * workers;
         let topology = options.topology.unwrap_or_default();
         eprintln!(
             "d-psgd: {workers} workers of batch {} (global batch {global}), {topology:?} graph \
@@ -118,18 +91,7 @@ impl Strategy for DpsgdJob {
                 self.workers
             )));
         }
-        if self.node_speeds.len() != self.workers
-            || self
-                .node_speeds
-                .iter()
-                .any(|s| !(s.is_finite() && *s > 0.0 && *s <= 1.0))
-        {
-            return Err(Error::Config(format!(
-                "invalid job: node speeds {:?} for {} workers (each in (0, 1])",
-                self.node_speeds, self.workers
-            )));
-        }
-        Ok(())
+        crate::data_parallel::check_speeds(&self.node_speeds, self.workers)
     }
 
     fn neighbours(&self, rank: u32, world: u32) -> BTreeSet<u32> {

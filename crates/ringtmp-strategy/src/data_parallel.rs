@@ -1,0 +1,118 @@
+//! What the data-parallel strategies (all-reduce, the gossip family) share: every node is a
+//! worker with a whole replica that trains on its share of each global batch, so they plan their
+//! run and report a worker the same way.
+
+use ringtmp_data::Dataset;
+use ringtmp_metrics::{NodeSummary, resources};
+use ringtmp_model::{Optimizer, OptimizerConfig, Stage};
+use ringtmp_transport::Transport;
+
+use crate::TrainConfig;
+use crate::error::{Error, Result};
+use crate::job::Cluster;
+use crate::spec::{ResumePoint, RunSpec};
+
+/// The spec of a data-parallel run of `strategy` on every node of `cluster`: a worker's share of
+/// each global batch is `config.batch_size`; threads are shared out when the user chose none;
+/// SGD's default rate scales with the workers (the linear scaling rule, Goyal et al., 2017: a
+/// step averages W batches); a resume point must hold the same global batch.
+pub fn plan_spec(
+    strategy: &str,
+    mut config: TrainConfig,
+    cluster: &Cluster,
+    data: &Dataset,
+) -> Result<(RunSpec, usize)> {
+    let workers = cluster.nodes as usize;
+    if workers < 2 {
+        return Err(Error::Config(format!(
+            "--strategy {strategy} needs --nodes of at least 2 (one worker is --strategy local)"
+        )));
+    }
+    if cluster.threads.is_none() {
+        config.threads = (cluster.cores / workers).max(1);
+    }
+    if config.default_lr && matches!(config.optimizer, OptimizerConfig::Sgd { .. }) {
+        config.lr *= workers as f32;
+    }
+    let global = config.batch_size * workers;
+    let resume = config.resume.clone();
+    let mut spec = RunSpec::new(config, data, global)?;
+    if let Some(path) = &resume {
+        let global_cfg = TrainConfig {
+            batch_size: global,
+            ..spec.config.clone()
+        };
+        let (dir, manifest) = crate::local::check_resume(path, &global_cfg)?;
+        spec.resume_from = Some(ResumePoint {
+            dir: std::path::absolute(&dir).unwrap_or(dir),
+            step: manifest.step.min(spec.total_steps),
+        });
+    }
+    spec.config.out = std::path::absolute(&spec.out).unwrap_or_else(|_| spec.out.clone());
+    Ok((spec, workers))
+}
+
+/// Checks the per-worker speeds of a job from a file or the network.
+pub fn check_speeds(speeds: &[f64], workers: usize) -> Result<()> {
+    if speeds.len() != workers
+        || speeds
+            .iter()
+            .any(|s| !(s.is_finite() && *s > 0.0 && *s <= 1.0))
+    {
+        return Err(Error::Config(format!(
+            "invalid job: node speeds {speeds:?} for {workers} workers (each in (0, 1])"
+        )));
+    }
+    Ok(())
+}
+
+/// What a worker measured, for its report.
+pub struct WorkerClock {
+    /// Seconds on the training clock.
+    pub train_seconds: f64,
+    /// Of which computing.
+    pub compute_seconds: f64,
+    /// Of which waiting for the other workers (reduction, gossip).
+    pub wait_seconds: f64,
+    /// Iterations done.
+    pub iterations: u64,
+}
+
+/// A worker's report: its replica, traffic, memory and clocks.
+pub fn worker_summary(
+    rank: u32,
+    stage: &Stage,
+    optimizer: &Optimizer,
+    net: &dyn Transport,
+    clock: &WorkerClock,
+) -> NodeSummary {
+    let stats = net.stats();
+    let params = stage.params().len() as u64;
+    let idle = (clock.train_seconds - clock.compute_seconds).max(0.0);
+    NodeSummary {
+        rank,
+        role: "worker".into(),
+        params,
+        param_bytes: params * 4,
+        optimizer_bytes: optimizer.state_bytes() as u64,
+        peak_rss_bytes: resources::peak_rss_bytes().unwrap_or(0),
+        bytes_sent: stats.iter().map(|l| l.bytes_sent).sum(),
+        bytes_received: stats.iter().map(|l| l.bytes_received).sum(),
+        messages_sent: stats.iter().map(|l| l.messages_sent).sum(),
+        compute_seconds: clock.compute_seconds,
+        idle_seconds: idle,
+        wait_seconds: clock.wait_seconds,
+        cpu_seconds: resources::cpu_seconds(),
+        iterations: clock.iterations,
+        bubble_fraction: if clock.train_seconds > 0.0 {
+            idle / clock.train_seconds
+        } else {
+            0.0
+        },
+        links: stats
+            .iter()
+            .map(|l| (l.peer, l.bytes_sent, l.bytes_received))
+            .collect(),
+        ..Default::default()
+    }
+}
