@@ -134,3 +134,29 @@ fn sixteen_simulated_workers_equal_local() {
     println!("allreduce, 16 simulated workers × 4: max |Δparam| / max |param| = {diff:.2e}");
     assert!(diff < 1e-4, "{diff}");
 }
+
+/// A dead worker stops an all-reduce run, every survivor naming it (re-forming the ring on the
+/// survivors is issue 12's next step); in virtual time, within the heartbeat timeout.
+#[test]
+fn a_dead_worker_is_named_by_every_survivor() {
+    use ringtmp_transport::sim::{Fault, SimConfig};
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = config(model(CONV_MODEL, "ring-test"), 24, 40, tmp.path());
+    let job = allreduce_job(&cfg, &data, 4, 4096, true);
+    let mut sim = SimConfig::new(test_seed(9));
+    sim.faults.push(Fault::Die {
+        rank: 2,
+        at: std::time::Duration::from_millis(30),
+    });
+    let ran = run::allreduce_nodes(&Backend::Sim(sim.clone()), &job, &data, tmp.path());
+    for (rank, result) in ran.results.iter().enumerate() {
+        let Err(e) = result else {
+            panic!("rank {rank} finished without worker 2")
+        };
+        if rank != 2 {
+            assert!(e.contains("rank 2"), "rank {rank}: {e}");
+        }
+    }
+    assert!(ran.elapsed < std::time::Duration::from_millis(30) + sim.peer_timeout * 2);
+}

@@ -177,3 +177,27 @@ fn the_consensus_learns_on_both_graphs_and_replays_from_its_seed() {
         .collect();
     assert!(twice[0] == twice[1], "a seed replays bit for bit");
 }
+
+/// D-PSGD stops when a worker dies, every other worker naming it.
+#[test]
+fn a_dead_worker_stops_dpsgd_naming_it() {
+    use ringtmp_transport::sim::{Fault, SimConfig};
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = config(32, 40, 0.05, tmp.path());
+    let job = dpsgd_job(&cfg, &data, 4, Topology::Exp);
+    let mut sim = SimConfig::new(test_seed(10));
+    sim.faults.push(Fault::Die {
+        rank: 1,
+        at: std::time::Duration::from_millis(20),
+    });
+    let ran = run::dpsgd_nodes(&Backend::Sim(sim), &job, &data, tmp.path(), None);
+    for (rank, result) in ran.results.iter().enumerate() {
+        let Err(e) = result else {
+            panic!("rank {rank} finished without worker 1")
+        };
+        if rank != 1 {
+            assert!(e.contains("rank 1"), "rank {rank}: {e}");
+        }
+    }
+}
