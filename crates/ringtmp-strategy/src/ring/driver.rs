@@ -286,7 +286,7 @@ pub fn run_master(
     let time = net.clock();
     let wall = time.now();
     let n = job.partition.len() as u32;
-    let (succ, pred) = (1 % n, n - 1);
+    let pred = n - 1;
     let (mut stage, plan) = job.stage(0)?;
     let mut optimizer = Optimizer::new(job.spec.optimizer.clone(), stage.params().len());
     stage.set_weight_stashing(job.schedule == Schedule::Async);
@@ -340,110 +340,24 @@ pub fn run_master(
     });
 
     let timeout = job.recv_timeout();
-    let mut pipe = AsyncPipe::new(job);
+    let mut pipe = MasterPipe::new(job);
     let (mut train_seconds, mut samples) = (0.0f64, 0u64);
-    let (mut x, mut labels) = (Vec::new(), Vec::new());
     for step in job.first_step()..job.spec.total_steps {
         let t_step = time.now();
         let epoch = step / job.spec.steps_per_epoch;
         let lr = job.lr_at(step);
-        let (step_loss, rows_total) = if job.schedule == Schedule::Async {
-            pipe.run_minibatch(
-                step,
-                next_flush(job, step),
-                job,
-                setup,
-                &mut batches,
-                &mut stage,
-                &mut optimizer,
-                head.as_mut(),
-                &mut clock,
-                net,
-            )?
-        } else {
-            let epoch = step / job.spec.steps_per_epoch;
-            let indices = batches
-                .batch(epoch, (step % job.spec.steps_per_epoch) as usize)
-                .to_vec();
-            let rows_total = indices.len();
-            let parts: Vec<Vec<u32>> = (0..job.micro_batches)
-                .map(|m| shard(&indices, m, job.micro_batches).map(<[u32]>::to_vec))
-                .collect::<std::result::Result<_, _>>()?;
-            let offsets: Vec<usize> = parts
-                .iter()
-                .scan(0, |a, p| {
-                    let o = *a;
-                    *a += p.len();
-                    Some(o)
-                })
-                .collect();
-            let mut mini = LossSide::new(LossPolicy::Flushed { step, rows_total });
-            let mut state = StageState::new(job.schedule, 0, n as usize, job.micro_batches);
-            let mut head_ref = head.as_mut();
-            let mut next_input = 0usize;
-            let mut failure: Option<Error> = None;
-            while !state.done() || mini.scored < job.micro_batches as u64 {
-                // Whatever has already arrived goes first, and the master services arrivals
-                // between the layers of its own work too: the loss is on every stage's critical
-                // path, so the last node must not wait for a whole stage-0 pass.
-                let action = state.next(next_input < job.micro_batches, !mini.grads.is_empty());
-                let arrived = if action.is_some() {
-                    net.try_recv()?
-                } else {
-                    None
-                };
-                match if arrived.is_some() { None } else { action } {
-                    Some(Action::Forward) => {
-                        let mb = next_input;
-                        setup.data.train.gather(&parts[mb], &mut x, &mut labels);
-                        let rows = parts[mb].len();
-                        let pass = Pass {
-                            train: true,
-                            seed: job.spec.seed,
-                            step,
-                            row_offset: offsets[mb],
-                        };
-                        mini.forwarded(mb as u64, labels.clone(), pass);
-                        let mut service =
-                            servicer(&mut mini, job, net, &mut head_ref, &mut failure);
-                        let out = clock.run(|| {
-                            stage
-                                .forward_with(mb as u64, &x, rows, &pass, &mut service)
-                                .map(<[f32]>::to_vec)
-                        })?;
-                        drop(service);
-                        clock.peak_stash = clock.peak_stash.max(stage.stash_bytes());
-                        net.send(
-                            succ,
-                            tensor(TensorTag::Activation, step, mb as u64, rows, &out),
-                        )?;
-                        state.record(Action::Forward);
-                        next_input += 1;
-                    }
-                    Some(Action::Backward) => {
-                        let (mb, dy) = mini.grads.pop_front().expect("next() saw a gradient");
-                        let mut service =
-                            servicer(&mut mini, job, net, &mut head_ref, &mut failure);
-                        clock.run(|| stage.backward_with(mb, &dy, &mut service).map(|_| ()))?;
-                        drop(service);
-                        state.record(Action::Backward);
-                    }
-                    None => {
-                        let (from, message) = arrived.map_or_else(|| net.recv(timeout), Ok)?;
-                        mini.handle(job, net, head_ref.as_deref_mut(), from, message)?;
-                    }
-                }
-                if let Some(e) = failure.take() {
-                    return Err(e);
-                }
-            }
-            let step_loss = mini.losses.get(&step).copied().unwrap_or(0.0);
-            clock.run(|| stage.step(&mut optimizer, lr));
-            if let Some(h) = head.as_mut() {
-                clock.run(|| h.stage.step(&mut h.optimizer, lr));
-            }
-            (step_loss, rows_total)
-        };
+        let (step_loss, rows_total) = pipe.run_minibatch(
+            step,
+            next_flush(job, step),
+            job,
+            setup,
+            &mut batches,
+            &mut stage,
+            &mut optimizer,
+            head.as_mut(),
+            &mut clock,
+            net,
+        )?;
         train_seconds += (time.now() - t_step).as_secs_f64();
         samples += rows_total as u64;
         let mean_loss = step_loss / rows_total as f64;
@@ -842,20 +756,27 @@ fn next_flush(job: &RingJob, step: u64) -> u64 {
         .unwrap_or(job.spec.total_steps)
 }
 
-/// The master's side of the `async` schedule. Micro-batch `k` (global, in data order) is part
-/// `k mod M` of mini-batch `k div M`; the master keeps at most `in_flight` micro-batches between
-/// their forward and its own backward, steps after every backward (each micro-batch is its own SGD
-/// step, loss averaged over its rows), and never flushes — except before an evaluation or a
-/// checkpoint, where it lets the pipeline drain so every stage is at the same version.
-struct AsyncPipe {
+/// Stage 0 on the master under every schedule, as one loop: forward micro-batches from the data,
+/// backward the gradients rank 1 sends back, score what the last node returns ([`LossSide`]),
+/// and step. The schedules differ only in what the loop may do next:
+/// - `gpipe`/`1f1b`: stage 0's [`StageState`] decides; the micro-batches of mini-batch `step`
+///   are `0..M`; one optimizer step after the last backward (a flush).
+/// - `async`: micro-batch `k` of the run is micro-batch `k mod M` of mini-batch `k div M`; the
+///   master keeps at most `in_flight` micro-batches between their forward and its own backward,
+///   forwards whenever it may, steps after every backward (each micro-batch its own SGD step),
+///   and lets the pipeline drain only before an evaluation or a checkpoint (`flush`), so every
+///   stage is then at the same version.
+struct MasterPipe {
+    /// Micro-batches of the run forwarded by stage 0.
     forwarded: u64,
+    /// Micro-batches of the run whose backward stage 0 has done.
     backwarded: u64,
     side: LossSide,
     x: Vec<f32>,
     y: Vec<u32>,
 }
 
-impl AsyncPipe {
+impl MasterPipe {
     fn new(job: &RingJob) -> Self {
         let first = job.first_step() * job.micro_batches as u64;
         Self {
@@ -882,80 +803,129 @@ impl AsyncPipe {
         batches: &mut BatchPlan,
         stage: &mut Stage,
         optimizer: &mut Optimizer,
-        mut head: Option<&mut MasterHead>,
+        head: Option<&mut MasterHead>,
         clock: &mut NodeClock,
         net: &mut dyn Transport,
     ) -> Result<(f64, usize)> {
         let n = job.partition.len() as u32;
         let succ = 1 % n;
         let m = job.micro_batches as u64;
-        let window = if job.in_flight == 0 {
-            n as u64
-        } else {
-            job.in_flight as u64
+        let mut head = head;
+        // The flushed schedules: stage 0's decision rule, fresh for every mini-batch.
+        let mut flushed = (job.schedule != Schedule::Async).then(|| {
+            self.side = LossSide::new(LossPolicy::Flushed {
+                step,
+                rows_total: job.spec.batch_size,
+            });
+            (self.forwarded, self.backwarded) = (step * m, step * m);
+            StageState::new(job.schedule, 0, n as usize, job.micro_batches)
+        });
+        let window = match job.in_flight {
+            0 => u64::from(n),
+            w => w as u64,
         };
         let end = (step + 1) * m;
-        let limit = flush * m;
-        while self.backwarded < end {
-            // Arrived messages first (the loss is on every stage's critical path).
-            let arrived = net.try_recv()?;
-            // Between the layers of its own work the master handles arrivals too, so the last
-            // node never waits a whole stage-0 pass for its loss gradient.
+        let limit = if flushed.is_some() { end } else { flush * m };
+        loop {
+            let finished = match &flushed {
+                Some(state) => state.done() && self.side.scored == m,
+                None => self.backwarded >= end,
+            };
+            if finished {
+                break;
+            }
+            // Arrived messages first whenever there is work to do (the loss is on every stage's
+            // critical path), and between the layers of that work too.
+            let may_forward = self.forwarded < limit
+                && (flushed.is_some() || self.forwarded - self.backwarded < window);
+            let grads = !self.side.grads.is_empty();
+            let action = match &flushed {
+                Some(state) => state.next(may_forward, grads),
+                None if may_forward => Some(Action::Forward),
+                None if grads => Some(Action::Backward),
+                None => None,
+            };
+            let arrived = if action.is_some() {
+                net.try_recv()?
+            } else {
+                None
+            };
             let mut failure: Option<Error> = None;
-            if arrived.is_none()
-                && self.forwarded < limit
-                && self.forwarded - self.backwarded < window
-            {
-                let k = self.forwarded;
-                let (s, part) = (k / m, (k % m) as usize);
-                let indices = batches
-                    .batch(
-                        s / job.spec.steps_per_epoch,
-                        (s % job.spec.steps_per_epoch) as usize,
-                    )
-                    .to_vec();
-                let rows = shard(&indices, part, job.micro_batches)?.to_vec();
-                setup.data.train.gather(&rows, &mut self.x, &mut self.y);
-                let pass = Pass {
-                    train: true,
-                    seed: job.spec.seed,
-                    step: s,
-                    row_offset: micro_offset(job, part),
-                };
-                self.side.forwarded(k, self.y.clone(), pass);
-                let x = &self.x;
-                let mut service = servicer(&mut self.side, job, net, &mut head, &mut failure);
-                let out = clock.run(|| {
-                    stage
-                        .forward_with(k, x, rows.len(), &pass, &mut service)
-                        .map(<[f32]>::to_vec)
-                })?;
-                drop(service);
-                if let Some(e) = failure {
-                    return Err(e);
+            match if arrived.is_some() { None } else { action } {
+                Some(Action::Forward) => {
+                    let k = self.forwarded;
+                    let (s, part) = (k / m, (k % m) as usize);
+                    let indices = batches
+                        .batch(
+                            s / job.spec.steps_per_epoch,
+                            (s % job.spec.steps_per_epoch) as usize,
+                        )
+                        .to_vec();
+                    let rows = shard(&indices, part, job.micro_batches)?.to_vec();
+                    setup.data.train.gather(&rows, &mut self.x, &mut self.y);
+                    let pass = Pass {
+                        train: true,
+                        seed: job.spec.seed,
+                        step: s,
+                        row_offset: micro_offset(job, part),
+                    };
+                    // Flushed: micro-batch `part` of this mini-batch; async: `k` of the run.
+                    let id = if flushed.is_some() { part as u64 } else { k };
+                    let header_step = self.side.policy.header_step(id);
+                    self.side.forwarded(id, self.y.clone(), pass);
+                    let x = &self.x;
+                    let mut service = servicer(&mut self.side, job, net, &mut head, &mut failure);
+                    let out = clock.run(|| {
+                        stage
+                            .forward_with(id, x, rows.len(), &pass, &mut service)
+                            .map(<[f32]>::to_vec)
+                    })?;
+                    drop(service);
+                    if let Some(e) = failure {
+                        return Err(e);
+                    }
+                    clock.peak_stash = clock.peak_stash.max(stage.stash_bytes());
+                    net.send(
+                        succ,
+                        tensor(TensorTag::Activation, header_step, id, rows.len(), &out),
+                    )?;
+                    self.forwarded += 1;
+                    if let Some(state) = flushed.as_mut() {
+                        state.record(Action::Forward);
+                    }
                 }
-                clock.peak_stash = clock.peak_stash.max(stage.stash_bytes());
-                net.send(succ, tensor(TensorTag::Activation, k, k, rows.len(), &out))?;
-                self.forwarded += 1;
-                continue;
-            }
-            if arrived.is_none()
-                && let Some((k, dy)) = self.side.grads.pop_front()
-            {
-                let mut service = servicer(&mut self.side, job, net, &mut head, &mut failure);
-                clock.run(|| stage.backward_with(k, &dy, &mut service).map(|_| ()))?;
-                drop(service);
-                if let Some(e) = failure {
-                    return Err(e);
+                Some(Action::Backward) => {
+                    let (id, dy) = self.side.grads.pop_front().expect("next() saw a gradient");
+                    let mut service = servicer(&mut self.side, job, net, &mut head, &mut failure);
+                    clock.run(|| stage.backward_with(id, &dy, &mut service).map(|_| ()))?;
+                    drop(service);
+                    if let Some(e) = failure {
+                        return Err(e);
+                    }
+                    self.backwarded += 1;
+                    match flushed.as_mut() {
+                        Some(state) => state.record(Action::Backward),
+                        None => {
+                            // Each async micro-batch is its own weight version and step.
+                            let lr = job.lr_at(id / m);
+                            clock.run(|| stage.step(optimizer, lr));
+                        }
+                    }
                 }
-                let lr = job.lr_at(k / m);
-                clock.run(|| stage.step(optimizer, lr));
-                self.backwarded += 1;
-                continue;
+                None => {
+                    let (from, message) =
+                        arrived.map_or_else(|| net.recv(job.recv_timeout()), Ok)?;
+                    let side = &mut self.side;
+                    clock.run(|| side.handle(job, net, head.as_deref_mut(), from, message))?;
+                }
             }
-            let (from, message) = arrived.map_or_else(|| net.recv(job.recv_timeout()), Ok)?;
-            let side = &mut self.side;
-            clock.run(|| side.handle(job, net, head.as_deref_mut(), from, message))?;
+        }
+        if flushed.is_some() {
+            let lr = job.lr_at(step);
+            clock.run(|| stage.step(optimizer, lr));
+            if let Some(h) = head {
+                clock.run(|| h.stage.step(&mut h.optimizer, lr));
+            }
         }
         Ok((
             self.side.losses.remove(&step).unwrap_or(f64::NAN),
