@@ -7,14 +7,17 @@
 //! # Layout
 //! - [`profile`]: per-layer time and memory measurements for the planner.
 //! - [`schedule`]: the per-stage decision rules (`gpipe`, `1f1b`) and their simulation.
-//! - [`driver`]: one node's loop over the links (master and stage nodes).
+//! - [`driver`]: the job every node runs and what master and stage nodes share; `master` (rank
+//!   0: data, stage 0, loss, outputs) and `worker` (every other stage) run it.
 //! - [`partition`]: the planner that splits layers into stages.
 //! - [`plan`]: `--strategy ring` options into the job every node runs.
 //! - [`node`]: the strategy's shape: a rank's role and the job's checks.
 
 pub mod driver;
+mod master;
 pub mod node;
 pub mod partition;
 pub mod plan;
 pub mod profile;
 pub mod schedule;
+mod worker;

@@ -1,0 +1,260 @@
+//! A non-master node of a ring: its stage, one loop under every schedule (the [`StagePolicy`]
+//! decides), and what it serves besides (evaluation passes, its checkpoint file, its report).
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use ringtmp_model::{Optimizer, Pass, Stage};
+use ringtmp_transport::Transport;
+use ringtmp_wire::message::tensor_values;
+use ringtmp_wire::{Control, Message, TensorHeader, TensorTag};
+
+use super::driver::{NodeClock, RingJob, micro_offset, node_summary, protocol, tensor, values};
+use super::partition::StagePlan;
+use super::schedule::{Action, Schedule, StagePolicy};
+use crate::error::{Error, Result};
+
+/// Runs a non-master node: its stage, driven by what arrives, until the final report passes.
+/// One loop for every schedule: the [`StagePolicy`] decides what to do next and which tensors
+/// belong to the work in progress; this loop moves the messages and runs the compute. Arrived
+/// messages are taken first whenever there is work to do, so the policy decides on everything
+/// that is there. Returns the stage (its final parameters).
+pub fn run_worker(job: &RingJob, net: &mut dyn Transport) -> Result<Stage> {
+    let mut node = RingNode::new(job, net, job.schedule == Schedule::Async)?;
+    let (rank, n) = (node.rank as usize, job.partition.len());
+    let timeout = job.recv_timeout();
+    let mut policy = StagePolicy::new(job.schedule, rank, n, job.micro_batches, job.first_step());
+    let mut inputs: VecDeque<(u64, usize, Vec<f32>)> = VecDeque::new();
+    let mut grads: VecDeque<(u64, Vec<f32>)> = VecDeque::new();
+    loop {
+        let action = policy.next(!inputs.is_empty(), !grads.is_empty());
+        let arrived = if action.is_some() {
+            net.try_recv()?
+        } else {
+            None
+        };
+        match if arrived.is_some() { None } else { action } {
+            Some(Action::Forward) => {
+                let (id, rows, x) = inputs.pop_front().expect("next() saw an input");
+                let at = policy.forward_at(id);
+                node.forward(
+                    job,
+                    net,
+                    (at.header_step, at.id),
+                    at.step,
+                    at.micro,
+                    rows,
+                    &x,
+                )?;
+                policy.record(Action::Forward, id);
+            }
+            Some(Action::Backward) => {
+                let (id, dy) = grads.pop_front().expect("next() saw a gradient");
+                node.backward(net, id, policy.backward_step(id), &dy)?;
+                if let Some(step) = policy.record(Action::Backward, id) {
+                    node.step(job, step);
+                }
+            }
+            None => match arrived.map_or_else(|| net.recv(timeout), Ok)? {
+                (from, Message::Tensor(h, bytes))
+                    if from == node.pred
+                        && h.tag == TensorTag::Activation
+                        && policy.accepts(h.step) =>
+                {
+                    let rows = h.shape.first().copied().unwrap_or(0) as usize;
+                    inputs.push_back((h.micro_batch, rows, values(&bytes, h.dtype)));
+                }
+                (from, Message::Tensor(h, bytes))
+                    if from == node.succ
+                        && h.tag == TensorTag::Gradient
+                        && policy.accepts(h.step) =>
+                {
+                    grads.push_back((h.micro_batch, values(&bytes, h.dtype)));
+                }
+                (
+                    from,
+                    message @ (Message::Tensor(
+                        TensorHeader {
+                            tag: TensorTag::Inference,
+                            ..
+                        },
+                        _,
+                    )
+                    | Message::Control(
+                        Control::Checkpoint { .. } | Control::Report { .. },
+                    )),
+                ) => {
+                    if node.serve(job, net, from, message)? {
+                        return Ok(node.stage);
+                    }
+                }
+                (from, Message::Tensor(h, _)) => {
+                    return Err(protocol(
+                        net,
+                        from,
+                        &format!("{:?} tensor for step {}", h.tag, h.step),
+                    ));
+                }
+                (from, _) => return Err(protocol(net, from, "message")),
+            },
+        }
+    }
+}
+
+/// A non-master node, as both of its loops (flushed schedules and async) use it: its stage and
+/// optimizer, neighbours and clocks; the forward, backward and step of its schedule; and what it
+/// does besides (forward evaluation passes, write its checkpoint file, add its report at the end).
+struct RingNode {
+    rank: u32,
+    succ: u32,
+    pred: u32,
+    stage: Stage,
+    optimizer: Optimizer,
+    plan: StagePlan,
+    clock: NodeClock,
+    started: Duration,
+}
+
+impl RingNode {
+    /// This node's stage (loaded from the job's checkpoint when resuming), its neighbours and
+    /// clocks; `stashing` keeps a weight version per micro-batch in flight (async).
+    fn new(job: &RingJob, net: &dyn Transport, stashing: bool) -> Result<Self> {
+        let rank = net.rank();
+        let n = job.partition.len() as u32;
+        let (mut stage, plan) = job.stage(rank)?;
+        stage.set_input_grad(true);
+        stage.set_weight_stashing(stashing);
+        let mut optimizer = Optimizer::new(job.spec.optimizer.clone(), stage.params().len());
+        job.load(&mut stage, &mut optimizer)?;
+        Ok(Self {
+            rank,
+            succ: (rank + 1) % n,
+            pred: (rank + n - 1) % n,
+            stage,
+            optimizer,
+            plan,
+            clock: NodeClock::new(
+                net,
+                job.node_speeds.get(rank as usize).copied().unwrap_or(1.0),
+            ),
+            started: net.clock().now(),
+        })
+    }
+
+    /// Forward of stage micro-batch `header.1` (`micro`-th of mini-batch `step`, which seeds its
+    /// dropout and places its rows) and sends the activation on with `header` as (step, micro-batch).
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &mut self,
+        job: &RingJob,
+        net: &mut dyn Transport,
+        header: (u64, u64),
+        step: u64,
+        micro: usize,
+        rows: usize,
+        x: &[f32],
+    ) -> Result<()> {
+        let (header_step, id) = header;
+        let pass = Pass {
+            train: true,
+            seed: job.spec.seed,
+            step,
+            row_offset: micro_offset(job, micro),
+        };
+        let stage = &mut self.stage;
+        let out = self
+            .clock
+            .run(|| stage.forward(id, x, rows, &pass).map(<[f32]>::to_vec))?;
+        self.clock.peak_stash = self.clock.peak_stash.max(self.stage.stash_bytes());
+        net.send(
+            self.succ,
+            tensor(TensorTag::Activation, header_step, id, rows, &out),
+        )?;
+        Ok(())
+    }
+
+    /// Backward of stage micro-batch `id`; sends the input gradient back tagged
+    /// (`header_step`, `id`).
+    fn backward(
+        &mut self,
+        net: &mut dyn Transport,
+        id: u64,
+        header_step: u64,
+        dy: &[f32],
+    ) -> Result<()> {
+        let stage = &mut self.stage;
+        let dx = self
+            .clock
+            .run(|| stage.backward(id, dy).map(|d| d.map(<[f32]>::to_vec)))?;
+        let dx = dx.expect("input gradients are on for non-master stages");
+        let rows = dy.len() / self.stage.output_len().max(1);
+        net.send(
+            self.pred,
+            tensor(TensorTag::Gradient, header_step, id, rows, &dx),
+        )?;
+        Ok(())
+    }
+
+    /// The optimizer step of mini-batch `step`.
+    fn step(&mut self, job: &RingJob, step: u64) {
+        let lr = job.lr_at(step);
+        let (stage, optimizer) = (&mut self.stage, &mut self.optimizer);
+        self.clock.run(|| stage.step(optimizer, lr));
+    }
+
+    /// Handles an evaluation chunk, a checkpoint or the final report from the predecessor;
+    /// returns `true` when the run is over for this node. Anything else is a protocol error.
+    fn serve(
+        &mut self,
+        job: &RingJob,
+        net: &mut dyn Transport,
+        from: u32,
+        message: Message,
+    ) -> Result<bool> {
+        if from != self.pred {
+            return Err(protocol(net, from, "message"));
+        }
+        match message {
+            Message::Tensor(h, bytes) if h.tag == TensorTag::Inference => {
+                let rows = h.shape.first().copied().unwrap_or(0) as usize;
+                let mut values = Vec::new();
+                tensor_values(&bytes, h.dtype, &mut values);
+                let out = self.stage.infer(&values, rows)?.to_vec();
+                let message = tensor(TensorTag::Inference, h.step, h.micro_batch, rows, &out);
+                self.clock.eval_bytes += ringtmp_wire::encoded_len(&message) as u64;
+                net.send(self.succ, message)?;
+                Ok(false)
+            }
+            Message::Control(Control::Checkpoint { step, mut files }) => {
+                files.push(job.write_stage_file(self.rank, step, &self.stage, &self.optimizer)?);
+                net.send(
+                    self.succ,
+                    Message::Control(Control::Checkpoint { step, files }),
+                )?;
+                Ok(false)
+            }
+            Message::Control(Control::Report { mut nodes }) => {
+                let stats = net.stats();
+                let own = node_summary(
+                    self.rank,
+                    "stage",
+                    &self.stage,
+                    &self.optimizer,
+                    &self.plan,
+                    &self.clock,
+                    (self.clock.time.now() - self.started).as_secs_f64(),
+                    &stats,
+                );
+                nodes.push(serde_json::to_string(&own).map_err(|e| Error::Config(e.to_string()))?);
+                net.send(self.succ, Message::Control(Control::Report { nodes }))?;
+                Ok(true)
+            }
+            Message::Tensor(h, _) => Err(protocol(
+                net,
+                from,
+                &format!("{:?} tensor for step {}", h.tag, h.step),
+            )),
+            Message::Control(_) => Err(protocol(net, from, "control message")),
+        }
+    }
+}
