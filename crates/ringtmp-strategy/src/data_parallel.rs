@@ -2,9 +2,9 @@
 //! worker with a whole replica that trains on its share of each global batch, so they plan their
 //! run and report a worker the same way.
 
-use ringtmp_data::Dataset;
+use ringtmp_data::{BatchPlan, Dataset, shard};
 use ringtmp_metrics::{NodeSummary, resources};
-use ringtmp_model::{Optimizer, OptimizerConfig, Stage};
+use ringtmp_model::{Optimizer, OptimizerConfig, Pass, Stage, loss};
 use ringtmp_transport::Transport;
 
 use crate::TrainConfig;
@@ -50,6 +50,56 @@ pub fn plan_spec(
     }
     spec.config.out = std::path::absolute(&spec.out).unwrap_or_else(|_| spec.out.clone());
     Ok((spec, workers))
+}
+
+/// A worker's share of one global batch and its forward pass: gathers worker `rank`'s rows of
+/// step `step`'s batch (of `n` workers), runs the forward pass and the loss, and leaves the
+/// loss's gradient (of the mean over the share) in `dlogits`. Returns the share's mean loss.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_share(
+    spec: &RunSpec,
+    plan: &mut BatchPlan,
+    data: &Dataset,
+    stage: &mut Stage,
+    rank: u32,
+    n: usize,
+    step: u64,
+    buffers: &mut ShareBuffers,
+) -> Result<f64> {
+    let epoch = step / spec.steps_per_epoch;
+    let batch = plan
+        .batch(epoch, (step % spec.steps_per_epoch) as usize)
+        .to_vec();
+    let mine = shard(&batch, rank as usize, n)?;
+    data.train.gather(mine, &mut buffers.x, &mut buffers.y);
+    let pass = Pass {
+        train: true,
+        seed: spec.seed,
+        step,
+        row_offset: rank as usize * spec.batch_size,
+    };
+    let rows = buffers.y.len();
+    let logits = stage.forward(0, &buffers.x, rows, &pass)?;
+    buffers.dlogits.resize(logits.len(), 0.0);
+    let scored = loss::softmax_cross_entropy(
+        logits,
+        &buffers.y,
+        spec.classes,
+        1.0 / rows as f32,
+        &mut buffers.dlogits,
+    )?;
+    Ok(scored.loss_sum / rows as f64)
+}
+
+/// The buffers a worker's share of a batch is gathered and scored in (reused every step).
+#[derive(Default)]
+pub struct ShareBuffers {
+    /// Inputs.
+    pub x: Vec<f32>,
+    /// Labels.
+    pub y: Vec<u32>,
+    /// The loss's gradient with respect to the logits.
+    pub dlogits: Vec<f32>,
 }
 
 /// Checks the per-worker speeds of a job from a file or the network.

@@ -16,9 +16,9 @@ use std::collections::BTreeMap;
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use ringtmp_data::{BatchPlan, Dataset, shard};
+use ringtmp_data::{BatchPlan, Dataset};
 use ringtmp_metrics::{NodeSummary, Summary};
-use ringtmp_model::{Optimizer, Pass, Stage, checkpoint, loss};
+use ringtmp_model::{Optimizer, Stage, checkpoint};
 use ringtmp_transport::{Transport, TransportError};
 use ringtmp_wire::message::{tensor_bytes_into, tensor_values};
 use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
@@ -306,7 +306,7 @@ pub fn run_worker(
     let clock = net.clock();
     let speed = job.node_speeds.get(rank as usize).copied().unwrap_or(1.0);
     let mut plan = BatchPlan::new(data.train.len(), spec.batch_size * n, spec.seed)?;
-    let (mut x, mut y, mut d) = (Vec::new(), Vec::new(), Vec::new());
+    let mut share = crate::data_parallel::ShareBuffers::default();
     let mut recorder = (rank == 0)
         .then(|| {
             RunRecorder::open(
@@ -331,23 +331,10 @@ pub fn run_worker(
     for step in spec.first_step()..spec.total_steps {
         let t_step = clock.now();
         let epoch = step / spec.steps_per_epoch;
-        let batch = plan
-            .batch(epoch, (step % spec.steps_per_epoch) as usize)
-            .to_vec();
-        let mine = shard(&batch, rank as usize, n)?;
-        data.train.gather(mine, &mut x, &mut y);
-        let pass = Pass {
-            train: true,
-            seed: spec.seed,
-            step,
-            row_offset: rank as usize * spec.batch_size,
-        };
         let (t0, wall) = (clock.now(), Instant::now());
-        let logits = stage.forward(0, &x, y.len(), &pass)?;
-        d.resize(logits.len(), 0.0);
-        let scored =
-            loss::softmax_cross_entropy(logits, &y, spec.classes, 1.0 / y.len() as f32, &mut d)?;
-        let local_loss = (scored.loss_sum / y.len() as f64) as f32;
+        let local_loss = crate::data_parallel::forward_share(
+            spec, &mut plan, data, &mut stage, rank, n, step, &mut share,
+        )? as f32;
         let mut reducer = Reducer::new(rank, n as u32, &ranges, 1, step, spec.recv_timeout());
         // Overlap: between layers, start the buckets whose gradients are complete and move the
         // ones in flight; a failure is kept for after the layer (a hook cannot return one).
@@ -366,7 +353,7 @@ pub fn run_worker(
                     failure = Some(e);
                 }
             };
-            stage.backward_streaming(0, &d, &mut hook)?;
+            stage.backward_streaming(0, &share.dlogits, &mut hook)?;
         }
         if let Some(e) = failure {
             return Err(e);

@@ -12,9 +12,9 @@
 
 use std::time::Instant;
 
-use ringtmp_data::{BatchPlan, Dataset, shard};
+use ringtmp_data::{BatchPlan, Dataset};
 use ringtmp_metrics::{NodeSummary, Summary};
-use ringtmp_model::{Optimizer, Pass, Stage, checkpoint, loss};
+use ringtmp_model::{Optimizer, Stage, checkpoint};
 use ringtmp_transport::{Transport, TransportError};
 use ringtmp_wire::message::{tensor_bytes_into, tensor_values};
 use ringtmp_wire::{Dtype, Message, TensorHeader, TensorTag};
@@ -106,7 +106,7 @@ pub fn run_worker_from(
     let clock = net.clock();
     let speed = job.node_speeds.get(rank as usize).copied().unwrap_or(1.0);
     let mut plan = BatchPlan::new(data.train.len(), spec.batch_size * n as usize, spec.seed)?;
-    let (mut x, mut y, mut d) = (Vec::new(), Vec::new(), Vec::new());
+    let mut share = crate::data_parallel::ShareBuffers::default();
     let mut recorder = (rank == 0)
         .then(|| {
             RunRecorder::open(
@@ -133,26 +133,13 @@ pub fn run_worker_from(
     for step in spec.first_step()..spec.total_steps {
         let t_step = clock.now();
         let epoch = step / spec.steps_per_epoch;
-        let batch = plan
-            .batch(epoch, (step % spec.steps_per_epoch) as usize)
-            .to_vec();
-        let mine = shard(&batch, rank as usize, n as usize)?;
-        data.train.gather(mine, &mut x, &mut y);
-        let pass = Pass {
-            train: true,
-            seed: spec.seed,
-            step,
-            row_offset: rank as usize * spec.batch_size,
-        };
         let (t0, wall) = (clock.now(), Instant::now());
-        let logits = stage.forward(0, &x, y.len(), &pass)?;
-        d.resize(logits.len(), 0.0);
-        let scored =
-            loss::softmax_cross_entropy(logits, &y, spec.classes, 1.0 / y.len() as f32, &mut d)?;
-        stage.backward(0, &d)?;
+        let step_loss = crate::data_parallel::forward_share(
+            spec, &mut plan, data, &mut stage, rank, n as usize, step, &mut share,
+        )?;
+        stage.backward(0, &share.dlogits)?;
         clock.computed(wall.elapsed(), speed);
         compute_seconds += (clock.now() - t0).as_secs_f64();
-        let step_loss = scored.loss_sum / y.len() as f64;
         // Gossip: our model to every neighbour, theirs averaged with ours in rank order.
         let waited = clock.now();
         for &p in &near {
