@@ -167,7 +167,7 @@ pub fn run_master(
                 step: done,
                 files: vec![own],
             };
-            let mut files = match around_the_ring(net, n, token, timeout)? {
+            let mut files = match token_round(net, n, token, timeout)? {
                 Control::Checkpoint { step: s, files }
                     if s == done && files.len() == n as usize =>
                 {
@@ -216,7 +216,7 @@ pub fn run_master(
         own.optimizer_bytes += h.optimizer.state_bytes() as u64;
     }
     let mut per_node = vec![own];
-    match around_the_ring(net, n, Control::Report { nodes: Vec::new() }, timeout)? {
+    match token_round(net, n, Control::Report { nodes: Vec::new() }, timeout)? {
         Control::Report { nodes } => {
             for doc in nodes {
                 per_node
@@ -259,25 +259,69 @@ pub fn run_master(
     })
 }
 
-/// Sends a token (a checkpoint's entries, the final report) around the ring from the master and
-/// returns it as it comes back, every node having added its part ([`RingNode::serve`] is the
-/// other half): the one mechanism for what travels once around the ring.
+/// Sends `count` tokens around the ring from the master, at most `window` of them on their way at
+/// once, and hands each back to `returned` as it arrives, every node having done its part
+/// ([`RingNode::serve`](super::worker) is the other half): evaluation chunks (each node forwards
+/// them through its stage), a checkpoint's entries and the final report (each node adds its
+/// own). The one mechanism for everything that travels around the ring besides training.
 fn around_the_ring(
+    net: &mut dyn Transport,
+    n: u32,
+    (count, window): (usize, usize),
+    timeout: Duration,
+    next: &mut dyn FnMut(usize) -> Result<Message>,
+    returned: &mut dyn FnMut(&mut dyn Transport, Message) -> Result<()>,
+) -> Result<()> {
+    let (succ, pred) = (1 % n, n - 1);
+    let (mut sent, mut back) = (0, 0);
+    while back < count {
+        if sent < count && sent - back < window.max(1) {
+            let token = next(sent)?;
+            net.send(succ, token)?;
+            sent += 1;
+            continue;
+        }
+        let message = net.recv_from(pred, timeout)?;
+        returned(net, message)?;
+        back += 1;
+    }
+    Ok(())
+}
+
+/// One control token once around the ring; what comes back.
+fn token_round(
     net: &mut dyn Transport,
     n: u32,
     token: Control,
     timeout: Duration,
 ) -> Result<Control> {
-    let (succ, pred) = (1 % n, n - 1);
-    net.send(succ, Message::Control(token))?;
-    match net.recv_from(pred, timeout)? {
-        Message::Control(c @ (Control::Checkpoint { .. } | Control::Report { .. })) => Ok(c),
-        _ => Err(protocol(
-            net,
-            pred,
-            "message instead of the token going round",
-        )),
-    }
+    let pred = n - 1;
+    let mut token = Some(token);
+    let mut back = None;
+    around_the_ring(
+        net,
+        n,
+        (1, 1),
+        timeout,
+        &mut |_| {
+            token
+                .take()
+                .map(Message::Control)
+                .ok_or_else(|| Error::Config("a token is sent once".into()))
+        },
+        &mut |net, message| match message {
+            Message::Control(c @ (Control::Checkpoint { .. } | Control::Report { .. })) => {
+                back = Some(c);
+                Ok(())
+            }
+            _ => Err(protocol(
+                net,
+                pred,
+                "message instead of the token going round",
+            )),
+        },
+    )?;
+    back.ok_or_else(|| protocol(net, pred, "no token"))
 }
 
 /// How the master's loss side keys and scales micro-batches: the one difference between the
@@ -692,8 +736,8 @@ impl MasterPipe {
     }
 }
 
-/// Sends the test set around the ring in chunks; the master scores the returning logits against
-/// its labels. Returns the test accuracy and mean loss.
+/// Sends the test set around the ring in chunks (at most 8 on their way at once); the master
+/// scores the returning logits against its labels. Returns the test accuracy and mean loss.
 fn evaluate(
     job: &RingJob,
     data: &Dataset,
@@ -704,48 +748,53 @@ fn evaluate(
     mut head: Option<&mut MasterHead>,
 ) -> Result<(f64, f64)> {
     let n = job.partition.len() as u32;
-    let (succ, pred) = (1 % n, n - 1);
+    let pred = n - 1;
     let split = &data.test;
-    let mut dlogits = Vec::new();
-    let mut loss_sum = 0.0f64;
+    let chunk = |i: usize| (i * EVAL_ROWS, ((i + 1) * EVAL_ROWS).min(split.len()));
+    let (mut x, mut y, mut labels) = (Vec::new(), Vec::new(), Vec::<u32>::new());
+    let (mut values, mut dlogits) = (Vec::new(), Vec::new());
+    let (mut correct, mut loss_sum) = (0usize, 0.0f64);
     let chunks = split.len().div_ceil(EVAL_ROWS);
-    let (mut x, mut y) = (Vec::new(), Vec::new());
-    let mut labels: Vec<Vec<u32>> = Vec::with_capacity(chunks);
-    let mut values = Vec::new();
-    let (mut sent, mut received, mut correct) = (0usize, 0usize, 0usize);
-    // Keep a bounded number of chunks in the ring at once.
-    while received < chunks {
-        if sent < chunks && sent - received < 8 {
-            let (start, end) = (sent * EVAL_ROWS, ((sent + 1) * EVAL_ROWS).min(split.len()));
+    around_the_ring(
+        net,
+        n,
+        (chunks, 8),
+        job.recv_timeout(),
+        &mut |i| {
+            let (start, end) = chunk(i);
             split.gather_range(start, end, &mut x, &mut y);
-            labels.push(y.clone());
-            let out = stage.infer(&x, end - start)?.to_vec();
-            let message = tensor(TensorTag::Inference, step, sent as u64, end - start, &out);
+            let out = stage.infer(&x, end - start)?;
+            let message = tensor(TensorTag::Inference, step, i as u64, end - start, out);
             *eval_bytes += ringtmp_wire::encoded_len(&message) as u64;
-            net.send(succ, message)?;
-            sent += 1;
-            continue;
-        }
-        match net.recv_from(pred, job.recv_timeout())? {
-            Message::Tensor(h, bytes) if h.tag == TensorTag::Inference => {
+            Ok(message)
+        },
+        &mut |net, message| match message {
+            Message::Tensor(h, bytes)
+                if h.tag == TensorTag::Inference && (h.micro_batch as usize) < chunks =>
+            {
+                let (start, end) = chunk(h.micro_batch as usize);
+                labels.clear();
+                labels.extend((start..end).map(|r| split.label(r)));
                 tensor_values(&bytes, h.dtype, &mut values);
-                let l = labels
-                    .get(h.micro_batch as usize)
-                    .ok_or_else(|| protocol(net, pred, "evaluation chunk"))?;
                 let logits = match head.as_deref_mut() {
-                    Some(h) => h.stage.infer(&values, l.len())?,
+                    Some(h) => h.stage.infer(&values, labels.len())?,
                     None => values.as_slice(),
                 };
                 dlogits.resize(logits.len(), 0.0);
-                let scored =
-                    loss::softmax_cross_entropy(logits, l, job.spec.classes, 0.0, &mut dlogits)?;
+                let scored = loss::softmax_cross_entropy(
+                    logits,
+                    &labels,
+                    job.spec.classes,
+                    0.0,
+                    &mut dlogits,
+                )?;
                 correct += scored.correct;
                 loss_sum += scored.loss_sum;
-                received += 1;
+                Ok(())
             }
-            _ => return Err(protocol(net, pred, "message during evaluation")),
-        }
-    }
+            _ => Err(protocol(net, pred, "message during evaluation")),
+        },
+    )?;
     let rows = split.len().max(1) as f64;
     Ok((correct as f64 / rows, loss_sum / rows))
 }
