@@ -412,14 +412,13 @@ impl LossSide {
         mut head: Option<&mut MasterHead>,
     ) -> Result<()> {
         while let Some((from, message)) = net.try_recv()? {
-            self.handle(job, net, head.as_deref_mut(), from, message)?;
+            self.handle_and_send(job, net, head.as_deref_mut(), from, message)?;
         }
         Ok(())
     }
 
-    /// One arrival: the last node's output (→ head, loss, gradient back) or a gradient for
-    /// stage 0 (→ queued). Anything else is the sender's protocol error.
-    fn handle(
+    /// [`LossSide::handle`], then sends what it returns.
+    fn handle_and_send(
         &mut self,
         job: &RingJob,
         net: &mut dyn Transport,
@@ -427,6 +426,23 @@ impl LossSide {
         from: u32,
         message: Message,
     ) -> Result<()> {
+        if let Some((to, reply)) = self.handle(job, net, head, from, message)? {
+            net.send(to, reply)?;
+        }
+        Ok(())
+    }
+
+    /// One arrival: the last node's output (→ head, loss, and the gradient to send back, which
+    /// is returned) or a gradient for stage 0 (→ queued). Anything else is the sender's protocol
+    /// error. The network is only read for naming the peer: the machine sends nothing itself.
+    fn handle(
+        &mut self,
+        job: &RingJob,
+        net: &dyn Transport,
+        head: Option<&mut MasterHead>,
+        from: u32,
+        message: Message,
+    ) -> Result<Option<(u32, Message)>> {
         let n = job.partition.len() as u32;
         let (succ, pred) = (1 % n, n - 1);
         match message {
@@ -458,17 +474,14 @@ impl LossSide {
                 }
                 *self.losses.entry(step).or_default() += loss_sum;
                 self.scored += 1;
-                net.send(
-                    pred,
-                    tensor(
-                        TensorTag::Gradient,
-                        self.policy.header_step(id),
-                        id,
-                        labels.len(),
-                        &grad,
-                    ),
-                )?;
-                Ok(())
+                let back = tensor(
+                    TensorTag::Gradient,
+                    self.policy.header_step(id),
+                    id,
+                    labels.len(),
+                    &grad,
+                );
+                Ok(Some((pred, back)))
             }
             Message::Tensor(h, bytes)
                 if from == succ && h.tag == TensorTag::Gradient && self.policy.accepts(h.step) =>
@@ -476,7 +489,7 @@ impl LossSide {
                 let mut dy = Vec::new();
                 tensor_values(&bytes, h.dtype, &mut dy);
                 self.grads.push_back((h.micro_batch, dy));
-                Ok(())
+                Ok(None)
             }
             _ => Err(protocol(net, from, "message")),
         }
@@ -718,7 +731,9 @@ impl MasterPipe {
                     let (from, message) =
                         arrived.map_or_else(|| net.recv(job.recv_timeout()), Ok)?;
                     let side = &mut self.side;
-                    clock.run(|| side.handle(job, net, head.as_deref_mut(), from, message))?;
+                    clock.run(|| {
+                        side.handle_and_send(job, net, head.as_deref_mut(), from, message)
+                    })?;
                 }
             }
         }
@@ -797,4 +812,29 @@ fn evaluate(
     )?;
     let rows = split.len().max(1) as f64;
     Ok((correct as f64 / rows, loss_sum / rows))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_loss_policy_is_the_only_difference_between_the_schedules() {
+        let flushed = LossPolicy::Flushed {
+            step: 7,
+            rows_total: 64,
+        };
+        assert!(flushed.accepts(7) && !flushed.accepts(8));
+        assert_eq!((flushed.step_of(3), flushed.header_step(3)), (7, 7));
+        // Every micro-batch's loss is part of the whole mini-batch's mean.
+        assert_eq!(flushed.scale(16), 1.0 / 64.0);
+        let asynchronous = LossPolicy::Async { micro_batches: 4 };
+        assert!(asynchronous.accepts(0) && asynchronous.accepts(99));
+        // Micro-batch 9 of the run is micro-batch 1 of mini-batch 2, its own SGD step.
+        assert_eq!(
+            (asynchronous.step_of(9), asynchronous.header_step(9)),
+            (2, 9)
+        );
+        assert_eq!(asynchronous.scale(16), 1.0 / 16.0);
+    }
 }
