@@ -102,6 +102,29 @@ pub struct ShareBuffers {
     pub dlogits: Vec<f32>,
 }
 
+/// Rank 0's recorder of a data-parallel run (with `extra` in its start event), after telling
+/// `on_event` the run has started; `None` on every other rank.
+pub fn open_recorder(
+    spec: &RunSpec,
+    strategy: &str,
+    rank: u32,
+    params: usize,
+    extra: serde_json::Value,
+    on_event: &mut dyn FnMut(&crate::Event),
+) -> Result<Option<crate::recorder::RunRecorder>> {
+    if rank != 0 {
+        return Ok(None);
+    }
+    let recorder = crate::recorder::RunRecorder::open(spec, strategy, extra)?;
+    on_event(&crate::Event::Started {
+        total_steps: spec.total_steps,
+        first_step: spec.first_step(),
+        params,
+        stage_params: Vec::new(),
+    });
+    Ok(Some(recorder))
+}
+
 /// Checks the per-worker speeds of a job from a file or the network.
 pub fn check_speeds(speeds: &[f64], workers: usize) -> Result<()> {
     if speeds.len() != workers

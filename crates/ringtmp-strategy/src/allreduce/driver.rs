@@ -27,7 +27,6 @@ use serde_json::json;
 use super::AllReduceJob;
 use super::ring::{RingPlan, chunks};
 use crate::error::{Error, Result};
-use crate::recorder::RunRecorder;
 use crate::spec::ResumePoint;
 
 /// One bucket: a contiguous range of the flat gradient buffer reduced as one all-reduce.
@@ -307,24 +306,15 @@ pub fn run_worker(
     let speed = job.node_speeds.get(rank as usize).copied().unwrap_or(1.0);
     let mut plan = BatchPlan::new(data.train.len(), spec.batch_size * n, spec.seed)?;
     let mut share = crate::data_parallel::ShareBuffers::default();
-    let mut recorder = (rank == 0)
-        .then(|| {
-            RunRecorder::open(
-                spec,
-                super::NAME,
-                json!({"workers": n, "buckets": ranges.len(), "bucket_bytes": job.bucket_bytes,
+    let mut recorder = crate::data_parallel::open_recorder(
+        spec,
+        super::NAME,
+        rank,
+        stage.params().len(),
+        json!({"workers": n, "buckets": ranges.len(), "bucket_bytes": job.bucket_bytes,
                     "params": stage.params().len()}),
-            )
-        })
-        .transpose()?;
-    if rank == 0 {
-        on_event(&crate::Event::Started {
-            total_steps: spec.total_steps,
-            first_step: spec.first_step(),
-            params: stage.params().len(),
-            stage_params: Vec::new(),
-        });
-    }
+        on_event,
+    )?;
     let started = clock.now();
     let (mut train_seconds, mut compute_seconds, mut reduce_wait) = (0.0f64, 0.0f64, 0.0f64);
     let mut samples = 0u64;

@@ -23,7 +23,6 @@ use serde_json::json;
 use super::DpsgdJob;
 use crate::allreduce::driver::{all_reduce, gather_reports, write_model};
 use crate::error::{Error, Result};
-use crate::recorder::RunRecorder;
 use crate::spec::ResumePoint;
 
 /// What a worker returns: its own model, and on rank 0 the run's summary.
@@ -107,24 +106,15 @@ pub fn run_worker_from(
     let speed = job.node_speeds.get(rank as usize).copied().unwrap_or(1.0);
     let mut plan = BatchPlan::new(data.train.len(), spec.batch_size * n as usize, spec.seed)?;
     let mut share = crate::data_parallel::ShareBuffers::default();
-    let mut recorder = (rank == 0)
-        .then(|| {
-            RunRecorder::open(
-                spec,
-                super::NAME,
-                json!({"workers": n, "topology": job.topology,
+    let mut recorder = crate::data_parallel::open_recorder(
+        spec,
+        super::NAME,
+        rank,
+        stage.params().len(),
+        json!({"workers": n, "topology": job.topology,
                     "second_eigenvalue": super::mixing::second_eigenvalue(job.topology, n)}),
-            )
-        })
-        .transpose()?;
-    if rank == 0 {
-        on_event(&crate::Event::Started {
-            total_steps: spec.total_steps,
-            first_step: spec.first_step(),
-            params: stage.params().len(),
-            stage_params: Vec::new(),
-        });
-    }
+        on_event,
+    )?;
     let started = clock.now();
     let (mut train_seconds, mut compute_seconds, mut gossip_wait) = (0.0f64, 0.0f64, 0.0f64);
     let (mut samples, mut last_distance) = (0u64, None);
