@@ -36,7 +36,7 @@ pub struct TrainArgs {
     #[arg(long, value_name = "FILE")]
     #[serde(skip)]
     pub config: Option<PathBuf>,
-    /// Strategy: local, ring, ps, allreduce or dpsgd [default: ring].
+    /// Strategy: local, ring, ps, allreduce, dpsgd or adpsgd [default: ring].
     #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(Job::NAMES))]
     pub strategy: Option<String>,
     /// Node processes to launch locally (distributed strategies) [default: 4].
@@ -239,8 +239,12 @@ impl TrainArgs {
     /// so nothing a user asked for is silently dropped.
     pub fn check_applicable(&self) -> Result<()> {
         let strategy = self.strategy();
-        let mut own: Vec<(&str, Vec<String>)> =
-            vec![("ring", self.ring.given()), ("ps", self.ps.given())];
+        let mut own: Vec<(&str, Vec<String>)> = vec![
+            ("ring", self.ring.given()),
+            ("ps", self.ps.given()),
+            ("allreduce", self.allreduce.given()),
+            ("dpsgd", self.dpsgd.given()),
+        ];
         let distributed: Vec<String> = [
             ("nodes", self.nodes.is_some_and(|n| n != 1)),
             ("node-speed", self.node_speed.is_some()),
@@ -251,7 +255,7 @@ impl TrainArgs {
         .map(|(flag, _)| flag.to_string())
         .collect();
         if strategy == "local" {
-            own.push(("ring, ps, allreduce or dpsgd", distributed));
+            own.push(("ring, ps, allreduce, dpsgd or adpsgd", distributed));
         }
         for (name, flags) in own {
             if name != strategy
@@ -297,7 +301,7 @@ impl TrainArgs {
                 let nodes = self.nodes.unwrap_or(4) as usize;
                 nodes.saturating_sub(self.ps.servers.unwrap_or(1)).max(1)
             }
-            "allreduce" | "dpsgd" => self.nodes.unwrap_or(4) as usize,
+            "allreduce" | "dpsgd" | "adpsgd" => self.nodes.unwrap_or(4) as usize,
             _ => 1,
         };
         if manifest.batch_size % workers != 0 {

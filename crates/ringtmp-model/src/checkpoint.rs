@@ -68,6 +68,10 @@ pub struct Manifest {
     pub optimizer: OptimizerConfig,
     /// One file per stage, in stage order.
     pub files: Vec<FileEntry>,
+    /// Decentralised strategies: each worker's own model (`replica-<rank>.safetensors`,
+    /// parameters only), beside the workers' average in `files`. Resuming reads `files` only.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub replicas: Vec<FileEntry>,
 }
 
 /// Name of the checkpoint directory for `step`.
@@ -86,15 +90,36 @@ pub fn write_stage(
     stage: &Stage,
     optimizer: &Optimizer,
 ) -> Result<FileEntry> {
+    write_named(dir, name, stage, stage.params(), &optimizer.state())
+}
+
+/// Writes `params`, a whole model's parameters laid out as `model`'s, to `dir/name` atomically
+/// under the same tensor names as [`write_stage`], without optimizer state (a decentralised
+/// worker's replica, stored beside the checkpoint's model).
+pub fn write_params(dir: &Path, name: &str, model: &Stage, params: &[f32]) -> Result<FileEntry> {
+    assert_eq!(
+        params.len(),
+        model.params().len(),
+        "a replica of this model"
+    );
+    write_named(dir, name, model, params, &[])
+}
+
+fn write_named(
+    dir: &Path,
+    name: &str,
+    stage: &Stage,
+    params: &[f32],
+    state: &[(&'static str, &[f32])],
+) -> Result<FileEntry> {
     let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    let state = optimizer.state();
     for (tensor, shape, range) in named_tensors(stage) {
         owned.push((
             tensor.clone(),
             shape.clone(),
-            le_bytes(&stage.params()[range.clone()]),
+            le_bytes(&params[range.clone()]),
         ));
-        for (state_name, values) in &state {
+        for (state_name, values) in state {
             owned.push((
                 format!("{state_name}.{tensor}"),
                 shape.clone(),
@@ -492,6 +517,7 @@ fn is_intact(dir: &Path) -> bool {
     read_manifest(dir).is_ok_and(|m| {
         m.files
             .iter()
+            .chain(&m.replicas)
             .all(|f| fs::metadata(dir.join(&f.name)).is_ok_and(|meta| meta.len() == f.bytes))
     })
 }

@@ -99,6 +99,7 @@ fn write_shards(
         partition,
         optimizer: adam(),
         files,
+        replicas: Vec::new(),
     };
     checkpoint::write_manifest(dir, &manifest).unwrap();
 }

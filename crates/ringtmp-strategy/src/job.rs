@@ -18,7 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::allreduce::{AllReduceJob, AllReduceOptions};
 use crate::config::TrainConfig;
 use crate::error::{Error, Result};
-use crate::gossip::{DpsgdJob, DpsgdOptions};
+use crate::gossip::{AdpsgdJob, DpsgdJob, DpsgdOptions};
 use crate::local::{Event, LocalJob};
 use crate::param_server::driver::PsJob;
 use crate::param_server::plan::PsOptions;
@@ -150,6 +150,8 @@ pub enum Job {
     AllReduce(AllReduceJob),
     /// D-PSGD.
     Dpsgd(DpsgdJob),
+    /// AD-PSGD.
+    Adpsgd(AdpsgdJob),
 }
 
 /// Every strategy's options, as the CLI collects them.
@@ -173,18 +175,20 @@ macro_rules! each {
             Job::Ps($j) => $body,
             Job::AllReduce($j) => $body,
             Job::Dpsgd($j) => $body,
+            Job::Adpsgd($j) => $body,
         }
     };
 }
 
 impl Job {
     /// The names `--strategy` takes.
-    pub const NAMES: [&'static str; 5] = [
+    pub const NAMES: [&'static str; 6] = [
         LocalJob::NAME,
         RingJob::NAME,
         PsJob::NAME,
         AllReduceJob::NAME,
         DpsgdJob::NAME,
+        AdpsgdJob::NAME,
     ];
 
     /// Plans strategy `name`'s job.
@@ -206,6 +210,7 @@ impl Job {
                 data,
             )?),
             DpsgdJob::NAME => Self::Dpsgd(DpsgdJob::plan(config, &options.dpsgd, cluster, data)?),
+            AdpsgdJob::NAME => Self::Adpsgd(AdpsgdJob::plan(config, &(), cluster, data)?),
             other => {
                 return Err(Error::Config(format!(
                     "unknown strategy {other:?}; known: {}",
@@ -223,6 +228,7 @@ impl Job {
             Self::Ps(_) => PsJob::NAME,
             Self::AllReduce(_) => AllReduceJob::NAME,
             Self::Dpsgd(_) => DpsgdJob::NAME,
+            Self::Adpsgd(_) => AdpsgdJob::NAME,
         }
     }
 

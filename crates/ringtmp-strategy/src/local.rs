@@ -334,6 +334,7 @@ fn write_checkpoint(
         partition: vec![(0, model.layers().len())],
         optimizer: cfg.optimizer.clone(),
         files: vec![file],
+        replicas: Vec::new(),
     };
     checkpoint::write_manifest(dir, &manifest)?;
     Ok(())

@@ -125,3 +125,24 @@ pub fn dpsgd_job(
         node_speeds: vec![1.0; workers],
     }
 }
+
+/// An AD-PSGD job of `workers` workers splitting `cfg.batch_size` (each worker's mini-batch is
+/// its share, so N iterations cover one global batch).
+pub fn adpsgd_job(
+    cfg: &TrainConfig,
+    data: &Dataset,
+    workers: usize,
+) -> ringtmp_strategy::gossip::AdpsgdJob {
+    assert_eq!(
+        cfg.batch_size % workers,
+        0,
+        "the global batch splits evenly"
+    );
+    let mut spec = RunSpec::new(cfg.clone(), data, cfg.batch_size).expect("the run fits the data");
+    spec.config.batch_size = cfg.batch_size / workers;
+    ringtmp_strategy::gossip::AdpsgdJob {
+        spec,
+        workers,
+        node_speeds: vec![1.0; workers],
+    }
+}

@@ -198,3 +198,35 @@ pub fn dpsgd_nodes(
         end(net, result).map(|o| (o.stage.params().to_vec(), o.summary))
     })
 }
+
+/// What an AD-PSGD worker returns: its model, the averagings it took part in, and rank 0's
+/// summary.
+pub type GossipReplica = Result<(Vec<f32>, u64, Option<Summary>), String>;
+
+/// Runs an AD-PSGD job on `backend`, every worker from `initial(rank)` when given.
+pub fn adpsgd_nodes(
+    backend: &Backend,
+    job: &ringtmp_strategy::gossip::AdpsgdJob,
+    data: &Dataset,
+    out: &Path,
+    initial: Option<&(dyn Fn(u32) -> Vec<f32> + Sync)>,
+) -> Ran<GossipReplica> {
+    use ringtmp_strategy::Strategy;
+    let mut job = job.clone();
+    job.spec.config.out = out.to_path_buf();
+    let job = &job;
+    let n = job.workers as u32;
+    let links: Vec<_> = (0..n).map(|r| job.neighbours(r, n)).collect();
+    run_nodes(backend, links, None, |rank, net| {
+        let start = initial.map(|f| f(rank));
+        let result = ringtmp_strategy::gossip::adpsgd::run_worker(
+            job,
+            rank,
+            data,
+            net,
+            &mut |_| {},
+            start.as_deref(),
+        );
+        end(net, result).map(|o| (o.model, o.averagings, o.summary))
+    })
+}

@@ -135,6 +135,18 @@ pub enum TransportError {
     },
 }
 
+impl TransportError {
+    /// The rank of the peer this failure says is gone (closed, broken or silent), if it names
+    /// one: what a strategy that survives dead peers checks to decide whom to drop.
+    pub fn failed_peer(&self) -> Option<u32> {
+        match self {
+            Self::WhileWaiting { cause, .. } => cause.failed_peer(),
+            Self::PeerClosed { peer, .. } | Self::PeerSilent { peer, .. } => peer.rank,
+            _ => None,
+        }
+    }
+}
+
 fn refused_note(refused: &[String]) -> String {
     if refused.is_empty() {
         return String::new();

@@ -891,6 +891,10 @@ impl Drop for SimNode {
 }
 
 impl Clock for SimClock {
+    fn overlaps_compute(&self) -> bool {
+        false
+    }
+
     fn now(&self) -> Duration {
         lock(&self.shared).now[self.rank as usize]
     }

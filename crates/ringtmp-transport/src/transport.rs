@@ -59,6 +59,13 @@ pub trait Clock: Send + Sync {
     /// emulates a node that many times slower: the wall clock sleeps the difference; a virtual
     /// clock advances by its cost model's figure for the work divided by `speed`.
     fn computed(&self, measured: Duration, speed: f64);
+    /// Whether compute may run on another thread while the node keeps using its network, with
+    /// [`Clock::computed`] called from that thread. True of the wall clock; a virtual clock
+    /// accounts compute in the node's turn, so there the node computes, accounts, and only then
+    /// receives again (what arrived meanwhile is handled after the compute, in virtual time).
+    fn overlaps_compute(&self) -> bool {
+        true
+    }
 }
 
 /// The wall clock of a node on a real network.

@@ -142,6 +142,13 @@ pub enum Control {
         /// The ping's sequence number.
         seq: u64,
     },
+    /// AD-PSGD: a worker tells rank 0 it completed an iteration.
+    Progress {
+        /// Iterations the worker has completed in this run.
+        iterations: u64,
+        /// The iteration's mean training loss, as `f64::to_bits` (exact, and `Eq`).
+        loss_bits: u64,
+    },
     /// Second message of the handshake: HMAC over both nonces (see [`crate::auth`]).
     Proof {
         /// The MAC.
@@ -162,6 +169,18 @@ pub enum Control {
     Report {
         /// One JSON document per node, in ring order.
         nodes: Vec<String>,
+    },
+    /// AD-PSGD: rank 0 asks a worker for a copy of its model (to evaluate or checkpoint the
+    /// workers' average without stopping them); the worker answers with a `Params` tensor whose
+    /// `step` is `round`.
+    Snapshot {
+        /// Which request this is (the global step it was taken for).
+        round: u64,
+    },
+    /// AD-PSGD: rank 0 tells every worker the run has done its iterations.
+    Stop {
+        /// Global steps completed.
+        step: u64,
     },
     /// Rendezvous: rank 0's address table and the run settings every node must share.
     Table {

@@ -510,11 +510,20 @@ fn write_checkpoint(
     optimizer: &Optimizer,
     step: u64,
 ) -> Result<std::path::PathBuf> {
-    write_model(&job.spec, job.workers, super::NAME, stage, optimizer, step)
+    write_model(
+        &job.spec,
+        job.workers,
+        super::NAME,
+        stage,
+        optimizer,
+        step,
+        &[],
+    )
 }
 
 /// Writes `stage` (a whole model) as the checkpoint of `step` of a data-parallel run of
-/// `workers` (its data order is that of the global batch), atomically; prunes old ones.
+/// `workers` (its data order is that of the global batch), atomically, with each worker's own
+/// model from `replicas` (rank, parameters) beside it; prunes old ones.
 pub fn write_model(
     spec: &crate::RunSpec,
     workers: usize,
@@ -522,10 +531,22 @@ pub fn write_model(
     stage: &Stage,
     optimizer: &Optimizer,
     step: u64,
+    replicas: &[(u32, &[f32])],
 ) -> Result<std::path::PathBuf> {
     let dir = spec.checkpoint_dir(step);
     let written = (|| -> Result<()> {
         let file = checkpoint::write_stage(&dir, "stage-0.safetensors", stage, optimizer)?;
+        let replicas = replicas
+            .iter()
+            .map(|(rank, params)| {
+                checkpoint::write_params(
+                    &dir,
+                    &format!("replica-{rank}.safetensors"),
+                    stage,
+                    params,
+                )
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()?;
         let manifest = checkpoint::Manifest {
             format: checkpoint::MANIFEST_FORMAT,
             strategy: strategy.into(),
@@ -540,6 +561,7 @@ pub fn write_model(
             partition: vec![(0, stage.layers().len())],
             optimizer: spec.optimizer.clone(),
             files: vec![file],
+            replicas,
         };
         checkpoint::write_manifest(&dir, &manifest)?;
         Ok(())

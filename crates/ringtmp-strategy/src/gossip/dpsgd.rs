@@ -223,7 +223,7 @@ pub fn run_worker_from(
         }
         if save {
             // The consensus model, with rank 0's optimizer state.
-            let dir = write_model(spec, n as usize, super::NAME, &model, &optimizer, done)?;
+            let dir = write_model(spec, n as usize, super::NAME, &model, &optimizer, done, &[])?;
             recorder.checkpoint(done, &dir)?;
             on_event(&crate::Event::Checkpoint {
                 step: done,

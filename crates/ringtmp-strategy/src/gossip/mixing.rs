@@ -48,6 +48,52 @@ pub fn neighbours(topology: Topology, rank: u32, n: u32) -> BTreeSet<u32> {
         .collect()
 }
 
+/// AD-PSGD's hop distances among `n` workers (Lian et al., ICML 2018): the ring (1 hop) and the
+/// links 2^i + 1 hops away, i ≥ 1 (3, 5, 9, 17, …; i = 0 would be 2 hops, which joins two
+/// workers of the same parity). Every hop is odd, so on an even number of workers each link joins
+/// an even rank to an odd one: the graph is bipartite, even ranks active, odd ranks passive.
+pub fn bipartite_offsets(n: u32) -> BTreeSet<u32> {
+    if n < 2 {
+        return BTreeSet::new();
+    }
+    std::iter::once(1)
+        .chain((1..).map(|i| (1u32 << i) + 1).take_while(|h| *h < n))
+        .map(|h| h.min(n - h))
+        .collect()
+}
+
+/// The neighbours of `rank` among `n` workers in AD-PSGD's graph.
+pub fn bipartite_neighbours(rank: u32, n: u32) -> BTreeSet<u32> {
+    bipartite_offsets(n)
+        .into_iter()
+        .flat_map(|h| [(rank + h) % n, (rank + n - h) % n])
+        .filter(|p| *p != rank)
+        .collect()
+}
+
+/// A 2-colouring of the graph on `n` vertices that `neighbours` describes, with vertex 0 coloured
+/// `false`, found by breadth-first search: `None` when the graph is not bipartite (it has an odd
+/// cycle) or not connected. In AD-PSGD `false` is active, `true` passive.
+pub fn two_colouring(n: u32, neighbours: impl Fn(u32) -> BTreeSet<u32>) -> Option<Vec<bool>> {
+    let mut colour: Vec<Option<bool>> = vec![None; n as usize];
+    let mut queue = std::collections::VecDeque::from([0u32]);
+    colour.first_mut().map(|c| *c = Some(false))?;
+    while let Some(v) = queue.pop_front() {
+        let c = colour[v as usize]?;
+        for w in neighbours(v) {
+            match colour[w as usize] {
+                Some(same) if same == c => return None,
+                Some(_) => {}
+                None => {
+                    colour[w as usize] = Some(!c);
+                    queue.push_back(w);
+                }
+            }
+        }
+    }
+    colour.into_iter().collect()
+}
+
 /// The mixing matrix W (row-major, n × n): 1/(d + 1) for a worker and each of its neighbours.
 pub fn matrix(topology: Topology, n: u32) -> Vec<Vec<f64>> {
     (0..n)
@@ -85,6 +131,37 @@ pub fn second_eigenvalue(topology: Topology, n: u32) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn adpsgd_graph_is_bipartite_on_even_counts_only() {
+        assert_eq!(bipartite_neighbours(0, 8), BTreeSet::from([1, 3, 5, 7]));
+        assert_eq!(
+            bipartite_neighbours(0, 16),
+            BTreeSet::from([1, 3, 5, 7, 9, 11, 13, 15])
+        );
+        assert_eq!(
+            bipartite_neighbours(0, 12),
+            BTreeSet::from([1, 3, 5, 7, 9, 11])
+        );
+        assert_eq!(bipartite_neighbours(1, 2), BTreeSet::from([0]));
+        for n in 2..40u32 {
+            let colours = two_colouring(n, |r| bipartite_neighbours(r, n));
+            if n % 2 == 0 {
+                let colours = colours.expect("even counts are bipartite and connected");
+                for r in 0..n {
+                    assert_eq!(colours[r as usize], r % 2 == 1, "odd ranks passive");
+                    for p in bipartite_neighbours(r, n) {
+                        assert_ne!(colours[r as usize], colours[p as usize]);
+                        assert!(bipartite_neighbours(p, n).contains(&r), "symmetric");
+                    }
+                }
+            } else {
+                assert!(colours.is_none(), "{n} workers: the ring is an odd cycle");
+            }
+        }
+        // A graph in two pieces has no colouring that covers it.
+        assert!(two_colouring(4, |r| BTreeSet::from([r ^ 1])).is_none());
+    }
 
     #[test]
     fn the_mixing_matrix_is_symmetric_and_doubly_stochastic_on_a_regular_graph() {

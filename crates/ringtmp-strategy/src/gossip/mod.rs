@@ -4,7 +4,11 @@
 //! # Layout
 //! - [`mixing`]: the communication graphs (`ring`, `exp`) and their mixing matrices.
 //! - [`dpsgd`]: D-PSGD (`--strategy dpsgd`), synchronous gossip.
+//! - [`adpsgd`]: AD-PSGD (`--strategy adpsgd`), asynchronous pairwise gossip, with rank 0's
+//!   bookkeeping in [`coordinator`].
 
+pub mod adpsgd;
+pub mod coordinator;
 pub mod dpsgd;
 pub mod mixing;
 
@@ -18,6 +22,7 @@ use crate::TrainConfig;
 use crate::error::{Error, Result};
 use crate::job::{Cluster, NodeCx, Strategy, options_merge, ring_neighbours, validate_shared};
 use crate::spec::RunSpec;
+pub use adpsgd::AdpsgdJob;
 use mixing::Topology;
 
 /// `--strategy` name of D-PSGD.

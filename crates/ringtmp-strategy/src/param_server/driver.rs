@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use ringtmp_data::{BatchPlan, Dataset, shard};
 use ringtmp_model::{Optimizer, Pass, Stage, checkpoint, loss};
-use ringtmp_transport::{BufferPool, Transport, TransportError};
+use ringtmp_transport::{BufferPool, Transport};
 use ringtmp_wire::message::{tensor_bytes_into, tensor_values_into, tensor_view};
 use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
 use serde::{Deserialize, Serialize};
@@ -126,17 +126,6 @@ fn tensor(net: &dyn Transport, tag: TensorTag, step: u64, unit: u64, values: &[f
     Message::Tensor(header, payload)
 }
 
-/// The rank of the peer a transport failure is about, if it names one.
-fn failed_peer(e: &TransportError) -> Option<u32> {
-    match e {
-        TransportError::WhileWaiting { cause, .. } => failed_peer(cause),
-        TransportError::PeerClosed { peer, .. } | TransportError::PeerSilent { peer, .. } => {
-            peer.rank
-        }
-        _ => None,
-    }
-}
-
 /// Runs server `s` (rank `s`) until every worker has finished or been dropped.
 pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<ServerOutcome> {
     let layers = job.layers()?;
@@ -188,7 +177,7 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
             Ok(m) => m,
             Err(e) => {
                 // A dead worker: drop it where the consistency model allows, else stop naming it.
-                let Some(rank) = failed_peer(&e).filter(|r| *r as usize >= job.servers) else {
+                let Some(rank) = e.failed_peer().filter(|r| *r as usize >= job.servers) else {
                     return Err(e.into());
                 };
                 // A worker that already finished may leave whenever it likes.
@@ -572,6 +561,7 @@ impl Checkpoints {
                 .collect(),
             optimizer: job.spec.optimizer.clone(),
             files,
+            replicas: Vec::new(),
         };
         checkpoint::write_manifest(&job.checkpoint_dir(step), &manifest)?;
         if let Some(keep) = job.spec.keep_checkpoints {

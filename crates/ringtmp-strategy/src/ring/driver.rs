@@ -188,6 +188,7 @@ impl RingJob {
                 .collect(),
             optimizer: self.spec.optimizer.clone(),
             files,
+            replicas: Vec::new(),
         };
         checkpoint::write_manifest(&dir, &manifest)?;
         if let Some(keep) = self.spec.keep_checkpoints {

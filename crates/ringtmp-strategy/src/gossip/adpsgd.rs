@@ -1,0 +1,747 @@
+//! AD-PSGD (Lian et al., ICML 2018): asynchronous decentralised SGD, `--strategy adpsgd`.
+//!
+//! Workers run at their own pace. The graph ([`super::mixing::bipartite_neighbours`]) is
+//! bipartite: even ranks are *active*, odd ranks *passive*. Each iteration an active worker
+//! picks a random live passive neighbour, sends it its model x_a and, while the model travels,
+//! computes its gradient on x_a; the passive worker answers with its model x_p and replaces it by
+//! (x_a + x_p) / 2; on the answer the active worker does the same, so the pair ends with one
+//! average (atomic: the active worker's model does not change between request and answer,
+//! the passive's is averaged in one place). Then the active worker applies its gradient. A
+//! passive worker computes and applies gradients too; it answers requests while it computes
+//! (on a thread of its own: a slow passive worker does not hold back the active ones) and
+//! applies its gradient, computed on the model it read, to its model as averaged meanwhile.
+//!
+//! Why it cannot deadlock: only active workers wait, only for passive ones, and a passive worker
+//! never waits for anyone until the end; at the end a passive worker waits for its active
+//! neighbours' `Finished`, serving their requests meanwhile (the seeds' argument).
+//!
+//! Rank 0 (active) also coordinates ([`super::coordinator`]): workers report every iteration,
+//! it counts global steps (N iterations of b samples), records them, gathers the workers' models
+//! to evaluate and checkpoint their average (`Snapshot`; workers answer between iterations, so
+//! training does not stop), and tells everyone to stop when the run's samples are done. A dead
+//! worker is skipped by its neighbours and no longer awaited by rank 0 (logged, and listed in
+//! summary.json); rank 0's death ends the run (it holds the recorder).
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use ringtmp_data::{BatchPlan, Dataset};
+use ringtmp_metrics::{NodeSummary, Summary};
+use ringtmp_model::{Optimizer, Stage, checkpoint};
+use ringtmp_transport::{Transport, TransportError};
+use ringtmp_wire::message::{tensor_bytes_into, tensor_values};
+use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use super::coordinator::{Action, Coordinator, gathering_due};
+use super::mixing;
+use crate::TrainConfig;
+use crate::data_parallel::{ShareBuffers, WorkerClock};
+use crate::error::{Error, Result};
+use crate::job::{Cluster, NodeCx, Strategy, validate_shared};
+use crate::spec::{ResumePoint, RunSpec};
+
+/// `--strategy` name of AD-PSGD.
+pub const NAME: &str = "adpsgd";
+
+/// `micro_batch` of a model sent for averaging (request and answer).
+const AVERAGE: u64 = 0;
+/// `micro_batch` of a model sent to rank 0 (a gathering round or the final model).
+const SNAPSHOT: u64 = 1;
+/// `step` of the final model each worker sends rank 0.
+const FINAL: u64 = u64::MAX;
+/// How long a passive worker's network thread waits for a message before it checks on its
+/// compute (wall clock only; a request is answered at once either way).
+const POLL: Duration = Duration::from_millis(1);
+
+/// AD-PSGD's job.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct AdpsgdJob {
+    /// What every job shares; `batch_size` is one worker's mini-batch.
+    #[serde(flatten)]
+    pub spec: RunSpec,
+    /// Workers (every node is one; an even number, so the graph is bipartite).
+    pub workers: usize,
+    /// Emulated relative speed per rank.
+    pub node_speeds: Vec<f64>,
+}
+
+impl Strategy for AdpsgdJob {
+    const NAME: &'static str = NAME;
+    type Options = ();
+
+    fn plan(config: TrainConfig, _: &(), cluster: &Cluster, data: &Dataset) -> Result<Self> {
+        let (spec, workers) = crate::data_parallel::plan_spec(NAME, config, cluster, data)?;
+        check_graph(workers)?;
+        let near = mixing::bipartite_neighbours(0, workers as u32);
+        eprintln!(
+            "ad-psgd: {workers} workers of batch {} ({} active, {} passive; each active worker \
+             averages with one of {} passive neighbours per iteration), learning rate {}",
+            spec.batch_size,
+            workers.div_ceil(2),
+            workers / 2,
+            near.len(),
+            spec.lr
+        );
+        Ok(Self {
+            spec,
+            workers,
+            node_speeds: cluster.node_speeds.clone(),
+        })
+    }
+
+    fn spec(&self) -> &RunSpec {
+        &self.spec
+    }
+
+    fn validate(&self, world: u32) -> Result<()> {
+        validate_shared(&self.spec, world, self.workers)?;
+        check_graph(self.workers)?;
+        crate::data_parallel::check_speeds(&self.node_speeds, self.workers)
+    }
+
+    fn neighbours(&self, rank: u32, world: u32) -> BTreeSet<u32> {
+        // The gossip graph, and rank 0 (the coordinator) with everyone.
+        let mut near = mixing::bipartite_neighbours(rank, world);
+        if rank == 0 {
+            near.extend(1..world);
+        } else {
+            near.insert(0);
+        }
+        near
+    }
+
+    fn needs_data(&self, _: u32) -> bool {
+        true
+    }
+
+    fn expendable(&self, rank: u32) -> bool {
+        rank != 0
+    }
+
+    fn run(&self, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
+        let data = cx.data()?;
+        run_worker(self, rank, data, cx.net, cx.on_event, None).map(|o| o.summary)
+    }
+}
+
+/// Refuses a worker count whose graph is not bipartite and connected.
+fn check_graph(workers: usize) -> Result<()> {
+    let n = workers as u32;
+    if workers < 2 || mixing::two_colouring(n, |r| mixing::bipartite_neighbours(r, n)).is_none() {
+        return Err(Error::Config(format!(
+            "--strategy {NAME} needs an even number of nodes, at least 2: its graph (the ring and \
+             the links 2^i + 1 hops away) must split into active and passive workers with every \
+             link between the two (bipartite), which {workers} workers do not"
+        )));
+    }
+    Ok(())
+}
+
+/// What a worker returns: its own model, and on rank 0 the run's summary.
+pub struct WorkerOutcome {
+    /// This worker's final model.
+    pub model: Vec<f32>,
+    /// Averagings this worker took part in.
+    pub averagings: u64,
+    /// Rank 0's summary of the run.
+    pub summary: Option<Summary>,
+}
+
+fn protocol(net: &dyn Transport, from: u32, what: &str) -> Error {
+    Error::Transport(TransportError::Io {
+        context: format!("ad-psgd: unexpected {what} from {}", net.peer_name(from)),
+        source: std::io::Error::new(std::io::ErrorKind::InvalidData, "not part of the protocol"),
+    })
+}
+
+fn model_message(net: &dyn Transport, model: &[f32], step: u64, kind: u64) -> Message {
+    let header = TensorHeader {
+        run_id: 0,
+        step,
+        micro_batch: kind,
+        tag: TensorTag::Params,
+        dtype: Dtype::F32,
+        shape: vec![model.len() as u32],
+    };
+    let mut payload = net.buffers().take(model.len() * 4);
+    tensor_bytes_into(model, Dtype::F32, &mut payload);
+    Message::Tensor(header, payload)
+}
+
+/// A worker's state that messages act on (its compute state is kept apart, so a passive
+/// worker's compute thread and its network loop borrow different things).
+struct Worker<'a> {
+    job: &'a AdpsgdJob,
+    rank: u32,
+    active: bool,
+    /// Gossip neighbours still alive (of the other colour).
+    near: BTreeSet<u32>,
+    /// This worker's model x_i.
+    model: Vec<f32>,
+    /// Set when rank 0 said stop.
+    stop: bool,
+    /// Passive: active neighbours that have finished.
+    finished: BTreeSet<u32>,
+    /// Averagings this worker took part in.
+    averagings: u64,
+    /// Rank 0: the run's bookkeeping.
+    coordinator: Option<Coordinator>,
+    /// Rank 0: workers' final models and reports.
+    finals: Vec<(u32, Vec<f32>)>,
+    reports: Vec<NodeSummary>,
+    received: Vec<f32>,
+}
+
+impl Worker<'_> {
+    /// Acts on one message.
+    fn handle(&mut self, net: &mut dyn Transport, from: u32, message: Message) -> Result<()> {
+        match message {
+            Message::Tensor(h, bytes)
+                if h.tag == TensorTag::Params && bytes.len() == self.model.len() * 4 =>
+            {
+                tensor_values(&bytes, h.dtype, &mut self.received);
+                net.buffers().give(bytes);
+                match h.micro_batch {
+                    // A request: answer with our model, then take the average.
+                    AVERAGE if !self.active && self.near.contains(&from) => {
+                        let answer = model_message(net, &self.model, h.step, AVERAGE);
+                        self.model
+                            .iter_mut()
+                            .zip(&self.received)
+                            .for_each(|(x, a)| *x = (*x + a) * 0.5);
+                        self.averagings += 1;
+                        if let Err(e) = net.send(from, answer) {
+                            self.lost(net, e)?;
+                        }
+                    }
+                    SNAPSHOT if self.coordinator.is_some() => {
+                        let model = std::mem::take(&mut self.received);
+                        if h.step == FINAL {
+                            self.finals.push((from, model));
+                        } else if !self.coordinator_mut().snapshot(from, h.step, model) {
+                            return Err(protocol(net, from, "model for no gathering round"));
+                        }
+                    }
+                    _ => return Err(protocol(net, from, "model")),
+                }
+            }
+            Message::Control(Control::Snapshot { round }) if from == 0 => {
+                net.send(0, model_message(net, &self.model, round, SNAPSHOT))?;
+            }
+            Message::Control(Control::Stop { .. }) if from == 0 => self.stop = true,
+            Message::Control(Control::Finished { .. }) if !self.active => {
+                self.finished.insert(from);
+            }
+            Message::Control(Control::Progress {
+                iterations,
+                loss_bits,
+            }) if self.coordinator.is_some() => {
+                self.coordinator_mut()
+                    .progress(from, iterations, f64::from_bits(loss_bits));
+            }
+            Message::Control(Control::Report { nodes }) if self.coordinator.is_some() => {
+                for doc in nodes {
+                    self.reports.push(serde_json::from_str(&doc).map_err(|e| {
+                        Error::Config(format!("rank {from}'s report is not valid: {e}"))
+                    })?);
+                }
+            }
+            _ => return Err(protocol(net, from, "message")),
+        }
+        Ok(())
+    }
+
+    fn coordinator_mut(&mut self) -> &mut Coordinator {
+        self.coordinator.as_mut().expect("rank 0 coordinates")
+    }
+
+    /// A transport failure: a dead worker is dropped (its neighbours go on without it); the
+    /// master's death, or anything else, ends the run.
+    fn lost(&mut self, net: &dyn Transport, e: TransportError) -> Result<()> {
+        let Some(dead) = e.failed_peer().filter(|r| *r != 0 && *r != self.rank) else {
+            return Err(e.into());
+        };
+        let newly = self.near.remove(&dead) | self.finished.insert(dead);
+        let reported = match self.coordinator.as_mut() {
+            Some(c) => c.drop_worker(dead, e.to_string()),
+            None => false,
+        };
+        if newly || reported {
+            eprintln!(
+                "ad-psgd: rank {}: {} left the run ({e}); going on without it",
+                self.rank,
+                net.peer_name(dead)
+            );
+        }
+        Ok(())
+    }
+
+    /// Handles everything that has already arrived.
+    fn drain(&mut self, net: &mut dyn Transport) -> Result<()> {
+        loop {
+            match net.try_recv() {
+                Ok(Some((from, m))) => self.handle(net, from, m)?,
+                Ok(None) => return Ok(()),
+                Err(e) => self.lost(net, e)?,
+            }
+        }
+    }
+
+    /// Waits for the next message and handles it.
+    fn serve_one(&mut self, net: &mut dyn Transport, wait: Duration) -> Result<()> {
+        match net.recv(wait) {
+            Ok((from, m)) => self.handle(net, from, m),
+            Err(e) => self.lost(net, e),
+        }
+    }
+}
+
+/// What computing a gradient needs (kept apart from [`Worker`]).
+struct Compute<'a> {
+    spec: &'a RunSpec,
+    data: &'a Dataset,
+    stage: Stage,
+    plan: BatchPlan,
+    share: ShareBuffers,
+    rank: u32,
+    workers: usize,
+    speed: f64,
+}
+
+impl Compute<'_> {
+    /// The gradient of this worker's share of global batch `step` at `model`, left in the
+    /// stage; accounts the compute on `clock`. Returns the loss and the compute's measured time.
+    fn gradient(
+        &mut self,
+        model: &[f32],
+        step: u64,
+        clock: &dyn ringtmp_transport::Clock,
+    ) -> Result<f64> {
+        let wall = Instant::now();
+        self.stage.params_mut().copy_from_slice(model);
+        let loss = crate::data_parallel::forward_share(
+            self.spec,
+            &mut self.plan,
+            self.data,
+            &mut self.stage,
+            self.rank,
+            self.workers,
+            step,
+            &mut self.share,
+        )?;
+        self.stage.backward(0, &self.share.dlogits)?;
+        // Materialise the gradient here, on the compute thread.
+        self.stage.grads();
+        clock.computed(wall.elapsed(), self.speed);
+        Ok(loss)
+    }
+}
+
+/// Runs worker `rank` of `job` (from `initial` instead of the seed's model when given: tests of
+/// the gossip itself start the workers apart).
+pub fn run_worker(
+    job: &AdpsgdJob,
+    rank: u32,
+    data: &Dataset,
+    net: &mut dyn Transport,
+    on_event: &mut dyn FnMut(&crate::Event),
+    initial: Option<&[f32]>,
+) -> Result<WorkerOutcome> {
+    let spec = &job.spec;
+    let n = job.workers as u32;
+    let colours = mixing::two_colouring(n, |r| mixing::bipartite_neighbours(r, n))
+        .ok_or_else(|| Error::Config(format!("{n} workers: the graph is not bipartite")))?;
+    let layers = spec.layers()?;
+    let mut compute = Compute {
+        spec,
+        data,
+        stage: Stage::new(&layers, 0..layers.len(), spec.seed, spec.threads),
+        plan: BatchPlan::new(data.train.len(), spec.batch_size * n as usize, spec.seed)?,
+        share: ShareBuffers::default(),
+        rank,
+        workers: n as usize,
+        speed: job.node_speeds.get(rank as usize).copied().unwrap_or(1.0),
+    };
+    let mut optimizer = Optimizer::new(spec.optimizer.clone(), compute.stage.params().len());
+    if let Some(ResumePoint { dir, .. }) = &spec.resume_from {
+        let manifest = checkpoint::read_manifest(dir)?;
+        checkpoint::read_stage(dir, &manifest, &mut compute.stage, &mut optimizer)?;
+    }
+    let mut me = Worker {
+        job,
+        rank,
+        active: !colours[rank as usize],
+        near: mixing::bipartite_neighbours(rank, n),
+        model: initial.map_or_else(|| compute.stage.params().to_vec(), <[f32]>::to_vec),
+        stop: false,
+        finished: BTreeSet::new(),
+        averagings: 0,
+        coordinator: (rank == 0).then(|| Coordinator::new(n, spec.first_step(), spec.total_steps)),
+        finals: Vec::new(),
+        reports: Vec::new(),
+        received: Vec::new(),
+    };
+    let recorder = crate::data_parallel::open_recorder(
+        spec,
+        NAME,
+        rank,
+        me.model.len(),
+        json!({"workers": n, "active": colours.iter().filter(|p| !**p).count(),
+               "degree": me.near.len()}),
+        on_event,
+    )?;
+    let clock = net.clock();
+    let started = clock.now();
+    let mut rank0 = recorder.map(|recorder| Rank0 {
+        recorder,
+        layers: &layers,
+        data,
+        started,
+    });
+    let mut rng = ChaCha8Rng::seed_from_u64(spec.seed ^ (u64::from(rank) << 32) ^ 0xAD_95_6D);
+    let (mut compute_seconds, mut wait_seconds) = (0.0f64, 0.0f64);
+    let mut iterations = 0u64;
+    let timeout = spec.recv_timeout();
+    let last_rate_step = spec.schedule_steps.saturating_sub(1);
+    loop {
+        me.drain(net)?;
+        if let Some(r0) = rank0.as_mut() {
+            coordinate(&mut me, net, r0, &optimizer, on_event)?;
+        }
+        if me.stop {
+            break;
+        }
+        let step = spec.first_step() + iterations;
+        let lr = spec.lr_at(step.min(last_rate_step));
+        let t0 = clock.now();
+        let loss = if me.active {
+            // Our model to a random live passive neighbour; the gradient at that same model
+            // while it travels; then the average.
+            let live: Vec<u32> = me.near.iter().copied().collect();
+            let mut partner = (!live.is_empty()).then(|| live[rng.random_range(0..live.len())]);
+            if let Some(p) = partner
+                && let Err(e) = net.send(p, model_message(net, &me.model, iterations, AVERAGE))
+            {
+                me.lost(net, e)?;
+                partner = None;
+            }
+            let loss = compute.gradient(&me.model, step, clock.as_ref())?;
+            compute_seconds += (clock.now() - t0).as_secs_f64();
+            let waited = clock.now();
+            while let Some(p) = partner {
+                match net.recv_from(p, timeout) {
+                    Ok(Message::Tensor(h, bytes))
+                        if h.tag == TensorTag::Params
+                            && h.micro_batch == AVERAGE
+                            && h.step == iterations
+                            && bytes.len() == me.model.len() * 4 =>
+                    {
+                        tensor_values(&bytes, h.dtype, &mut me.received);
+                        net.buffers().give(bytes);
+                        me.model
+                            .iter_mut()
+                            .zip(&me.received)
+                            .for_each(|(x, p)| *x = (*x + p) * 0.5);
+                        me.averagings += 1;
+                        partner = None;
+                    }
+                    // Rank 0 hears from its neighbours about other things too.
+                    Ok(m) => me.handle(net, p, m)?,
+                    Err(e) => {
+                        me.lost(net, e)?;
+                        partner = partner.filter(|p| me.near.contains(p));
+                    }
+                }
+            }
+            wait_seconds += (clock.now() - waited).as_secs_f64();
+            loss
+        } else if clock.overlaps_compute() {
+            // Compute on a thread while this one answers requests.
+            let model = me.model.clone();
+            let loss = std::thread::scope(|s| -> Result<f64> {
+                let clock = clock.as_ref();
+                let job = s.spawn(|| compute.gradient(&model, step, clock));
+                while !job.is_finished() {
+                    me.serve_one(net, POLL).or_else(|e| match e {
+                        Error::Transport(TransportError::Timeout { .. }) => Ok(()),
+                        e => Err(e),
+                    })?;
+                }
+                job.join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            })?;
+            compute_seconds += (clock.now() - t0).as_secs_f64();
+            loss
+        } else {
+            // Virtual time: compute, account it, then answer what arrived meanwhile.
+            let model = me.model.clone();
+            let loss = compute.gradient(&model, step, clock.as_ref())?;
+            compute_seconds += (clock.now() - t0).as_secs_f64();
+            loss
+        };
+        if !me.active {
+            me.drain(net)?;
+        }
+        // The gradient, computed on the model read, applied to the model as it is now.
+        optimizer.step(&mut me.model, compute.stage.grads(), lr, spec.threads);
+        compute.stage.zero_grad();
+        iterations += 1;
+        if !loss.is_finite() {
+            return Err(Error::Diverged { step, loss });
+        }
+        match me.coordinator.as_mut() {
+            Some(c) => c.progress(0, iterations, loss),
+            None => {
+                let progress = Control::Progress {
+                    iterations,
+                    loss_bits: loss.to_bits(),
+                };
+                net.send(0, Message::Control(progress))?;
+            }
+        }
+    }
+    // The end: actives release their passive neighbours; passives serve until released.
+    let waited = clock.now();
+    if me.active {
+        for &p in &me.near.clone() {
+            let done = Control::Finished { iterations };
+            if let Err(e) = net.send(p, Message::Control(done)) {
+                me.lost(net, e)?;
+            }
+        }
+    } else {
+        while me.near.iter().any(|a| !me.finished.contains(a)) {
+            me.serve_one(net, timeout)?;
+        }
+    }
+    wait_seconds += (clock.now() - waited).as_secs_f64();
+    // Rank 0's evaluations pause it alone while the others train on: its wall time counts.
+    let train_seconds = (clock.now() - started).as_secs_f64();
+    let mut stage = compute.stage;
+    stage.params_mut().copy_from_slice(&me.model);
+    let (own_accuracy, _) = crate::local::evaluate(&mut stage, &data.test, data.classes)?;
+    let own = NodeSummary {
+        test_accuracy: Some(own_accuracy),
+        ..crate::data_parallel::worker_summary(
+            rank,
+            &stage,
+            &optimizer,
+            net,
+            &WorkerClock {
+                train_seconds,
+                compute_seconds,
+                wait_seconds,
+                iterations,
+            },
+        )
+    };
+    let Some(mut r0) = rank0 else {
+        net.send(0, model_message(net, &me.model, FINAL, SNAPSHOT))?;
+        let doc = serde_json::to_string(&own).map_err(|e| Error::Config(e.to_string()))?;
+        net.send(0, Message::Control(Control::Report { nodes: vec![doc] }))?;
+        return Ok(WorkerOutcome {
+            model: me.model,
+            averagings: me.averagings,
+            summary: None,
+        });
+    };
+    // Rank 0: every live worker's final model and report (and any round still in flight).
+    loop {
+        let c = me.coordinator.as_ref().expect("rank 0 coordinates");
+        let live: Vec<u32> = c.live().iter().copied().filter(|r| *r != 0).collect();
+        let have = |r: &u32| me.reports.iter().any(|p| p.rank == *r);
+        if live.iter().all(have) && live.iter().all(|r| me.finals.iter().any(|f| f.0 == *r)) {
+            break;
+        }
+        me.serve_one(net, timeout)?;
+        coordinate(&mut me, net, &mut r0, &optimizer, on_event)?;
+    }
+    let c = me.coordinator.take().expect("rank 0 coordinates");
+    let live = c.live().clone();
+    let mut finals: Vec<(u32, Vec<f32>)> = vec![(0, me.model.clone())];
+    finals.extend(me.finals.into_iter().filter(|(r, _)| live.contains(r)));
+    finals.sort_by_key(|(r, _)| *r);
+    let done = c.global_step();
+    let (mean, distance) = consensus(&finals);
+    stage.params_mut().copy_from_slice(&mean);
+    let (accuracy, test_loss) = crate::local::evaluate(&mut stage, &data.test, data.classes)?;
+    let wall = (clock.now() - started).as_secs_f64();
+    r0.recorder
+        .eval(done, accuracy, Some(test_loss), train_seconds, wall)?;
+    r0.recorder
+        .write(json!({"event": "consensus", "step": done, "distance": distance}))?;
+    on_event(&crate::Event::Eval {
+        step: done,
+        epoch: done.saturating_sub(1) / spec.steps_per_epoch,
+        accuracy,
+        loss: test_loss,
+    });
+    if spec.checkpoint_due(done) {
+        let replicas: Vec<(u32, &[f32])> = finals.iter().map(|(r, m)| (*r, &m[..])).collect();
+        let dir = crate::allreduce::driver::write_model(
+            spec, n as usize, NAME, &stage, &optimizer, done, &replicas,
+        )?;
+        r0.recorder.checkpoint(done, &dir)?;
+        on_event(&crate::Event::Checkpoint {
+            step: done,
+            path: dir,
+        });
+    }
+    let mut per_node = me.reports;
+    per_node.push(own);
+    per_node.sort_by_key(|p| p.rank);
+    let samples = c.iterations() * spec.batch_size as u64;
+    let total_bytes_sent: u64 = per_node.iter().map(|p| p.bytes_sent).sum();
+    let summary = Summary {
+        model_params: mean.len() as u64,
+        steps: done,
+        samples,
+        wall_seconds: wall,
+        train_seconds,
+        samples_per_second: samples as f64 / train_seconds.max(1e-9),
+        total_bytes_sent,
+        bytes_per_sample: total_bytes_sent as f64 / samples.max(1) as f64,
+        consensus_distance: Some(distance),
+        dropped_nodes: c.dropped().to_vec(),
+        per_node,
+        ..r0.recorder.summary(NAME, n)
+    };
+    r0.recorder.finish(&summary)?;
+    Ok(WorkerOutcome {
+        model: me.model,
+        averagings: me.averagings,
+        summary: Some(summary),
+    })
+}
+
+/// The mean of the workers' models and their consensus distance (mean ‖x_i − x̄‖ / ‖x̄‖), in
+/// rank order.
+fn consensus(models: &[(u32, Vec<f32>)]) -> (Vec<f32>, f64) {
+    let len = models.first().map_or(0, |m| m.1.len());
+    let mut sum = vec![0.0f64; len];
+    for (_, m) in models {
+        sum.iter_mut().zip(m).for_each(|(s, v)| *s += f64::from(*v));
+    }
+    let k = models.len().max(1) as f64;
+    let mean: Vec<f32> = sum.iter().map(|s| (s / k) as f32).collect();
+    let norm = mean
+        .iter()
+        .map(|v| f64::from(*v).powi(2))
+        .sum::<f64>()
+        .sqrt()
+        .max(f64::MIN_POSITIVE);
+    let distance = models
+        .iter()
+        .map(|(_, m)| {
+            m.iter()
+                .zip(&mean)
+                .map(|(x, a)| f64::from(x - a).powi(2))
+                .sum::<f64>()
+                .sqrt()
+                / norm
+        })
+        .sum::<f64>()
+        / k;
+    (mean, distance)
+}
+
+/// What rank 0 keeps for coordinating: its recorder and what evaluating needs.
+struct Rank0<'a> {
+    recorder: crate::recorder::RunRecorder,
+    layers: &'a [ringtmp_model::Layer],
+    data: &'a Dataset,
+    started: Duration,
+}
+
+/// Rank 0 acts on the progress so far: records steps, gathers models and evaluates or
+/// checkpoints their average when a round completes, and gives the order to stop.
+fn coordinate(
+    me: &mut Worker<'_>,
+    net: &mut dyn Transport,
+    r0: &mut Rank0<'_>,
+    optimizer: &Optimizer,
+    on_event: &mut dyn FnMut(&crate::Event),
+) -> Result<()> {
+    let spec = &me.job.spec;
+    let clock = net.clock();
+    let elapsed = || (clock.now() - r0.started).as_secs_f64();
+    let actions = me.coordinator_mut().actions(|s| gathering_due(spec, s));
+    for action in actions {
+        match action {
+            Action::Record { step, loss } => {
+                let lr = spec.lr_at(step - 1);
+                r0.recorder.step(step, loss, lr, elapsed())?;
+                let samples = me.coordinator_mut().iterations() * spec.batch_size as u64;
+                on_event(&crate::Event::Step {
+                    step,
+                    epoch: (step - 1) / spec.steps_per_epoch,
+                    loss,
+                    samples_per_second: samples as f64 / elapsed().max(1e-9),
+                });
+            }
+            Action::Snapshot { round, ranks } => {
+                for r in ranks {
+                    if let Err(e) = net.send(r, Message::Control(Control::Snapshot { round })) {
+                        me.lost(net, e)?;
+                    }
+                }
+                let model = me.model.clone();
+                me.coordinator_mut().own_snapshot(&model);
+            }
+            Action::Stop => {
+                let step = me.coordinator_mut().global_step();
+                let live: Vec<u32> = me.coordinator_mut().live().iter().copied().collect();
+                for r in live.into_iter().filter(|r| *r != 0) {
+                    if let Err(e) = net.send(r, Message::Control(Control::Stop { step })) {
+                        me.lost(net, e)?;
+                    }
+                }
+                me.stop = true;
+            }
+        }
+    }
+    let Some(round) = me.coordinator_mut().completed_round() else {
+        return Ok(());
+    };
+    let models: Vec<(u32, Vec<f32>)> = round.models.into_iter().collect();
+    let (mean, distance) = consensus(&models);
+    let mut stage = Stage::new(r0.layers, 0..r0.layers.len(), spec.seed, spec.threads);
+    stage.params_mut().copy_from_slice(&mean);
+    let done = round.step;
+    if spec.eval_due(done) {
+        let (accuracy, test_loss) =
+            crate::local::evaluate(&mut stage, &r0.data.test, r0.data.classes)?;
+        r0.recorder
+            .eval(done, accuracy, Some(test_loss), elapsed(), elapsed())?;
+        on_event(&crate::Event::Eval {
+            step: done,
+            epoch: (done - 1) / spec.steps_per_epoch,
+            accuracy,
+            loss: test_loss,
+        });
+    }
+    r0.recorder
+        .write(json!({"event": "consensus", "step": done, "distance": distance}))?;
+    if spec.checkpoint_due(done) {
+        let replicas: Vec<(u32, &[f32])> = models.iter().map(|(r, m)| (*r, &m[..])).collect();
+        let dir = crate::allreduce::driver::write_model(
+            spec,
+            me.job.workers,
+            NAME,
+            &stage,
+            optimizer,
+            done,
+            &replicas,
+        )?;
+        r0.recorder.checkpoint(done, &dir)?;
+        on_event(&crate::Event::Checkpoint {
+            step: done,
+            path: dir,
+        });
+    }
+    Ok(())
+}
