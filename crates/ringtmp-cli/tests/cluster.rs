@@ -783,3 +783,71 @@ fn dpsgd_on_local_nodes_writes_the_output_contract() {
     let metrics = std::fs::read_to_string(tmp.path().join("dp/metrics.jsonl")).unwrap();
     assert!(metrics.contains("\"event\":\"consensus\""), "{metrics}");
 }
+
+// Issue 12.3/12.4/12.5: AD-PSGD on local processes writes the output contract (the average's
+// accuracy, each worker's own, the consensus distance, checkpoints with every replica); a killed
+// worker is skipped and the run completes, saying so; an odd node count is refused.
+#[test]
+fn adpsgd_on_local_nodes_survives_a_dead_worker_and_refuses_odd_counts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let common = [
+        "--strategy",
+        "adpsgd",
+        "--dataset",
+        "digits",
+        "--model-file",
+        "examples/models/lenet-dropout.toml",
+        "--batch-size",
+        "16",
+        "--lr",
+        "0.05",
+    ];
+    let out = tmp.path().join("ad").display().to_string();
+    let mut args = common.to_vec();
+    args.extend([
+        "--nodes",
+        "4",
+        "--epochs",
+        "60",
+        "--checkpoint-every",
+        "50",
+        "--crash-rank",
+        "3",
+        "--crash-after-ms",
+        "300",
+        "--out",
+        &out,
+    ]);
+    let (output, _) = finish(spawn_train(&args), Duration::from_secs(180));
+    let err = stderr(&output);
+    assert!(output.status.success(), "{err}");
+    assert!(err.contains("rank 3") && err.contains("left the run"), "{err}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.path().join("ad/summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(summary["strategy"], "adpsgd");
+    assert!(
+        summary["final_test_accuracy"].as_f64().unwrap() > 0.7,
+        "{summary}"
+    );
+    assert!(summary["consensus_distance"].as_f64().is_some(), "{summary}");
+    assert_eq!(summary["dropped_nodes"][0]["rank"], 3, "{summary}");
+    let nodes = summary["per_node"].as_array().unwrap();
+    assert_eq!(nodes.len(), 3, "the survivors report: {summary}");
+    assert!(nodes.iter().all(|n| n["test_accuracy"].as_f64().is_some()));
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("degraded run: rank 3 was dropped"), "{stdout}");
+    let dir = ringtmp_model::checkpoint::resolve(&tmp.path().join("ad")).unwrap();
+    let manifest = ringtmp_model::checkpoint::read_manifest(&dir).unwrap();
+    assert_eq!(manifest.strategy, "adpsgd");
+    assert_eq!(manifest.files.len(), 1);
+    assert!(!manifest.replicas.is_empty(), "{manifest:?}");
+
+    let mut args = common.to_vec();
+    let out = tmp.path().join("odd").display().to_string();
+    args.extend(["--nodes", "3", "--epochs", "1", "--out", &out]);
+    let (output, _) = finish(spawn_train(&args), Duration::from_secs(60));
+    let err = stderr(&output);
+    assert_eq!(output.status.code(), Some(2), "{err}");
+    assert!(err.contains("even number of nodes"), "{err}");
+}
