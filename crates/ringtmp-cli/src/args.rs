@@ -239,9 +239,11 @@ impl TrainArgs {
     /// so nothing a user asked for is silently dropped.
     pub fn check_applicable(&self) -> Result<()> {
         let strategy = self.strategy();
+        // `--drop-dead-workers` is the parameter server's flag and D-PSGD's too.
+        let shared = |flag: &String| !(strategy == "dpsgd" && flag == "drop-dead-workers");
         let mut own: Vec<(&str, Vec<String>)> = vec![
             ("ring", self.ring.given()),
-            ("ps", self.ps.given()),
+            ("ps", self.ps.given().into_iter().filter(shared).collect()),
             ("allreduce", self.allreduce.given()),
             ("dpsgd", self.dpsgd.given()),
         ];
@@ -278,7 +280,11 @@ impl TrainArgs {
             ring: self.ring.clone(),
             ps: self.ps.clone(),
             allreduce: self.allreduce.clone(),
-            dpsgd: self.dpsgd.clone(),
+            // One `--drop-dead-workers` flag (the parameter server's) serves D-PSGD too.
+            dpsgd: ringtmp_strategy::gossip::DpsgdOptions {
+                drop_dead_workers: self.ps.drop_dead_workers,
+                ..self.dpsgd.clone()
+            },
         }
     }
 

@@ -334,8 +334,25 @@ fn stream(
     });
 }
 
-/// A port that was free a moment ago (rank 0 binds it right away).
+/// A port that was free a moment ago, for rank 0 to bind right away. Taken below the kernel's
+/// ephemeral range when there is room: a port the kernel handed out for `:0` goes back to the
+/// pool that outgoing connections draw their local ports from, so between this check and rank
+/// 0's bind any connection on the machine could take it (seen as "Address already in use" when
+/// tests launch runs side by side); below that range only an explicit bind competes.
 fn free_port() -> Result<u16> {
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u16>().ok())
+        .unwrap_or(32768);
+    const LOWEST: u16 = 10_000;
+    if ephemeral_low > LOWEST + 1000 {
+        for _ in 0..64 {
+            let port = rand::random_range(LOWEST..ephemeral_low);
+            if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+                return Ok(port);
+            }
+        }
+    }
     let l = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
     Ok(l.local_addr()?.port())
 }

@@ -821,7 +821,10 @@ fn adpsgd_on_local_nodes_survives_a_dead_worker_and_refuses_odd_counts() {
     let (output, _) = finish(spawn_train(&args), Duration::from_secs(180));
     let err = stderr(&output);
     assert!(output.status.success(), "{err}");
-    assert!(err.contains("rank 3") && err.contains("left the run"), "{err}");
+    assert!(
+        err.contains("rank 3") && err.contains("left the run"),
+        "{err}"
+    );
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(tmp.path().join("ad/summary.json")).unwrap())
             .unwrap();
@@ -830,13 +833,19 @@ fn adpsgd_on_local_nodes_survives_a_dead_worker_and_refuses_odd_counts() {
         summary["final_test_accuracy"].as_f64().unwrap() > 0.7,
         "{summary}"
     );
-    assert!(summary["consensus_distance"].as_f64().is_some(), "{summary}");
+    assert!(
+        summary["consensus_distance"].as_f64().is_some(),
+        "{summary}"
+    );
     assert_eq!(summary["dropped_nodes"][0]["rank"], 3, "{summary}");
     let nodes = summary["per_node"].as_array().unwrap();
     assert_eq!(nodes.len(), 3, "the survivors report: {summary}");
     assert!(nodes.iter().all(|n| n["test_accuracy"].as_f64().is_some()));
     let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(stdout.contains("degraded run: rank 3 was dropped"), "{stdout}");
+    assert!(
+        stdout.contains("degraded run: rank 3 was dropped"),
+        "{stdout}"
+    );
     let dir = ringtmp_model::checkpoint::resolve(&tmp.path().join("ad")).unwrap();
     let manifest = ringtmp_model::checkpoint::read_manifest(&dir).unwrap();
     assert_eq!(manifest.strategy, "adpsgd");

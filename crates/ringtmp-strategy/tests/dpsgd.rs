@@ -201,3 +201,48 @@ fn a_dead_worker_stops_dpsgd_naming_it() {
         }
     }
 }
+
+/// With `--drop-dead-workers`, a dead worker's neighbours drop it and the run completes, the
+/// consensus formed from the survivors.
+#[test]
+fn with_drop_dead_workers_the_survivors_go_on() {
+    use ringtmp_transport::sim::{Fault, SimConfig};
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = config(32, 40, 0.05, tmp.path());
+    cfg.checkpoint_every = 20;
+    for topology in [Topology::Ring, Topology::Exp] {
+        let mut job = dpsgd_job(&cfg, &data, 4, topology);
+        job.drop_dead_workers = true;
+        let mut sim = SimConfig::new(test_seed(11));
+        sim.faults.push(Fault::Die {
+            rank: 2,
+            at: std::time::Duration::from_millis(20),
+        });
+        let out = tmp.path().join(format!("{topology:?}"));
+        let ran = run::dpsgd_nodes(&Backend::Sim(sim), &job, &data, &out, None);
+        for (rank, result) in ran.results.iter().enumerate() {
+            if rank != 2 {
+                assert!(result.is_ok(), "rank {rank}: {:?}", result.as_ref().err());
+            }
+        }
+        let summary = ran.results[0].as_ref().unwrap().1.clone().unwrap();
+        assert_eq!(summary.steps, 40);
+        assert_eq!(summary.dropped_nodes.len(), 1, "{summary:?}");
+        assert_eq!(summary.dropped_nodes[0].rank, 2);
+        assert_eq!(summary.per_node.len(), 3, "the survivors report");
+        assert!(summary.final_test_accuracy > 0.7, "{summary:?}");
+        // The checkpoint after the death holds the survivors' replicas.
+        let dir = out.join("checkpoints/step-000000040");
+        let manifest = ringtmp_model::checkpoint::read_manifest(&dir).unwrap();
+        let names: Vec<&str> = manifest.replicas.iter().map(|f| f.name.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "replica-0.safetensors",
+                "replica-1.safetensors",
+                "replica-3.safetensors"
+            ]
+        );
+    }
+}

@@ -123,6 +123,7 @@ pub fn dpsgd_job(
         workers,
         topology,
         node_speeds: vec![1.0; workers],
+        drop_dead_workers: false,
     }
 }
 

@@ -39,6 +39,28 @@ pub fn stdout(o: &Output) -> String {
 /// # Panics
 /// If no port can be bound.
 pub fn free_port() -> u16 {
+    // Below the kernel's ephemeral range, as the launcher does: a port handed out for `:0` and
+    // released may be taken by any outgoing connection before the node binds it.
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse::<u64>().ok())
+        .unwrap_or(32768);
+    if low > 11_000 {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos() as u64);
+        let mut x = nanos ^ (u64::from(std::process::id()) << 20);
+        for _ in 0..64 {
+            x = x
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed) | 1);
+            let port = 10_000 + (x >> 33) % (low - 10_000);
+            if std::net::TcpListener::bind(("127.0.0.1", port as u16)).is_ok() {
+                return port as u16;
+            }
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .map(|a| a.port())

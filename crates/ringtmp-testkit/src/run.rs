@@ -173,18 +173,12 @@ pub fn dpsgd_nodes(
     out: &Path,
     initial: Option<&(dyn Fn(u32) -> Vec<f32> + Sync)>,
 ) -> Ran<Replica> {
-    use ringtmp_strategy::gossip::mixing;
+    use ringtmp_strategy::Strategy;
     let mut job = job.clone();
     job.spec.config.out = out.to_path_buf();
     let job = &job;
     let n = job.workers as u32;
-    let links: Vec<_> = (0..n)
-        .map(|r| {
-            let mut near = mixing::neighbours(job.topology, r, n);
-            near.extend(crate::nodes::ring(n)[r as usize].iter().copied());
-            near
-        })
-        .collect();
+    let links: Vec<_> = (0..n).map(|r| job.neighbours(r, n)).collect();
     run_nodes(backend, links, None, |rank, net| {
         let start = initial.map(|f| f(rank));
         let result = ringtmp_strategy::gossip::dpsgd::run_worker_from(

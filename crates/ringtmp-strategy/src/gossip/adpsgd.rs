@@ -31,8 +31,8 @@ use ringtmp_data::{BatchPlan, Dataset};
 use ringtmp_metrics::{NodeSummary, Summary};
 use ringtmp_model::{Optimizer, Stage, checkpoint};
 use ringtmp_transport::{Transport, TransportError};
-use ringtmp_wire::message::{tensor_bytes_into, tensor_values};
-use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
+use ringtmp_wire::message::tensor_values;
+use ringtmp_wire::{Control, Message, TensorTag};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
@@ -158,20 +158,6 @@ fn protocol(net: &dyn Transport, from: u32, what: &str) -> Error {
     })
 }
 
-fn model_message(net: &dyn Transport, model: &[f32], step: u64, kind: u64) -> Message {
-    let header = TensorHeader {
-        run_id: 0,
-        step,
-        micro_batch: kind,
-        tag: TensorTag::Params,
-        dtype: Dtype::F32,
-        shape: vec![model.len() as u32],
-    };
-    let mut payload = net.buffers().take(model.len() * 4);
-    tensor_bytes_into(model, Dtype::F32, &mut payload);
-    Message::Tensor(header, payload)
-}
-
 /// A worker's state that messages act on (its compute state is kept apart, so a passive
 /// worker's compute thread and its network loop borrow different things).
 struct Worker<'a> {
@@ -208,7 +194,7 @@ impl Worker<'_> {
                 match h.micro_batch {
                     // A request: answer with our model, then take the average.
                     AVERAGE if !self.active && self.near.contains(&from) => {
-                        let answer = model_message(net, &self.model, h.step, AVERAGE);
+                        let answer = super::model_message(net, &self.model, h.step, AVERAGE);
                         self.model
                             .iter_mut()
                             .zip(&self.received)
@@ -230,7 +216,7 @@ impl Worker<'_> {
                 }
             }
             Message::Control(Control::Snapshot { round }) if from == 0 => {
-                net.send(0, model_message(net, &self.model, round, SNAPSHOT))?;
+                net.send(0, super::model_message(net, &self.model, round, SNAPSHOT))?;
             }
             Message::Control(Control::Stop { .. }) if from == 0 => self.stop = true,
             Message::Control(Control::Finished { .. }) if !self.active => {
@@ -424,7 +410,8 @@ pub fn run_worker(
             let live: Vec<u32> = me.near.iter().copied().collect();
             let mut partner = (!live.is_empty()).then(|| live[rng.random_range(0..live.len())]);
             if let Some(p) = partner
-                && let Err(e) = net.send(p, model_message(net, &me.model, iterations, AVERAGE))
+                && let Err(e) =
+                    net.send(p, super::model_message(net, &me.model, iterations, AVERAGE))
             {
                 me.lost(net, e)?;
                 partner = None;
@@ -540,7 +527,7 @@ pub fn run_worker(
         )
     };
     let Some(mut r0) = rank0 else {
-        net.send(0, model_message(net, &me.model, FINAL, SNAPSHOT))?;
+        net.send(0, super::model_message(net, &me.model, FINAL, SNAPSHOT))?;
         let doc = serde_json::to_string(&own).map_err(|e| Error::Config(e.to_string()))?;
         net.send(0, Message::Control(Control::Report { nodes: vec![doc] }))?;
         return Ok(WorkerOutcome {
@@ -566,7 +553,7 @@ pub fn run_worker(
     finals.extend(me.finals.into_iter().filter(|(r, _)| live.contains(r)));
     finals.sort_by_key(|(r, _)| *r);
     let done = c.global_step();
-    let (mean, distance) = consensus(&finals);
+    let (mean, distance) = super::consensus(&finals);
     stage.params_mut().copy_from_slice(&mean);
     let (accuracy, test_loss) = crate::local::evaluate(&mut stage, &data.test, data.classes)?;
     let wall = (clock.now() - started).as_secs_f64();
@@ -616,37 +603,6 @@ pub fn run_worker(
         averagings: me.averagings,
         summary: Some(summary),
     })
-}
-
-/// The mean of the workers' models and their consensus distance (mean ‖x_i − x̄‖ / ‖x̄‖), in
-/// rank order.
-fn consensus(models: &[(u32, Vec<f32>)]) -> (Vec<f32>, f64) {
-    let len = models.first().map_or(0, |m| m.1.len());
-    let mut sum = vec![0.0f64; len];
-    for (_, m) in models {
-        sum.iter_mut().zip(m).for_each(|(s, v)| *s += f64::from(*v));
-    }
-    let k = models.len().max(1) as f64;
-    let mean: Vec<f32> = sum.iter().map(|s| (s / k) as f32).collect();
-    let norm = mean
-        .iter()
-        .map(|v| f64::from(*v).powi(2))
-        .sum::<f64>()
-        .sqrt()
-        .max(f64::MIN_POSITIVE);
-    let distance = models
-        .iter()
-        .map(|(_, m)| {
-            m.iter()
-                .zip(&mean)
-                .map(|(x, a)| f64::from(x - a).powi(2))
-                .sum::<f64>()
-                .sqrt()
-                / norm
-        })
-        .sum::<f64>()
-        / k;
-    (mean, distance)
 }
 
 /// What rank 0 keeps for coordinating: its recorder and what evaluating needs.
@@ -708,7 +664,7 @@ fn coordinate(
         return Ok(());
     };
     let models: Vec<(u32, Vec<f32>)> = round.models.into_iter().collect();
-    let (mean, distance) = consensus(&models);
+    let (mean, distance) = super::consensus(&models);
     let mut stage = Stage::new(r0.layers, 0..r0.layers.len(), spec.seed, spec.threads);
     stage.params_mut().copy_from_slice(&mean);
     let done = round.step;

@@ -4,24 +4,32 @@
 //! sent (the mixing matrix of [`super::mixing`]), and applies its gradient:
 //! x_i ← Σ_j W_ij x_j − γ ∇F_i(x_i).
 //!
-//! At every evaluation (and checkpoint) the workers all-reduce their models over the ring links
-//! to form the consensus model x̄ the papers evaluate; rank 0 scores it and records the consensus
-//! distance (mean ‖x_i − x̄‖ / ‖x̄‖). Invariants: a model is averaged with its neighbours' in rank
-//! order (reproducible); messages of one link arrive in order, so a worker reads each
-//! neighbour's model of this iteration before anything that neighbour sends later.
+//! At every evaluation (and checkpoint) every worker sends its model to rank 0, which forms the
+//! consensus model x̄ the papers evaluate, records the consensus distance (mean ‖x_i − x̄‖ / ‖x̄‖)
+//! and checkpoints x̄ with every worker's own model. Invariants: a model is averaged with its
+//! neighbours' in rank order (reproducible); messages of one link arrive in order, so a worker
+//! reads each neighbour's model of this iteration before anything that neighbour sends later.
+//!
+//! A dead worker ends the run, named, unless `--drop-dead-workers`: then its neighbours drop it
+//! and go on. The degrees around the gap then differ, and uniform weights would no longer make
+//! W symmetric, so a worker whose neighbours' degrees (sent with every model) differ from its own
+//! mixes with Metropolis–Hastings weights w_ij = 1 / (1 + max(d_i, d_j)), w_ii = 1 − Σ_j w_ij:
+//! symmetric and doubly stochastic on any graph, and the uniform weights when degrees are equal.
 
 use std::time::Instant;
 
 use ringtmp_data::{BatchPlan, Dataset};
-use ringtmp_metrics::{NodeSummary, Summary};
+use std::collections::BTreeSet;
+
+use ringtmp_metrics::{DroppedNode, NodeSummary, Summary};
 use ringtmp_model::{Optimizer, Stage, checkpoint};
 use ringtmp_transport::{Transport, TransportError};
-use ringtmp_wire::message::{tensor_bytes_into, tensor_values};
-use ringtmp_wire::{Dtype, Message, TensorHeader, TensorTag};
+use ringtmp_wire::message::tensor_values;
+use ringtmp_wire::{Control, Message, TensorTag};
 use serde_json::json;
 
 use super::DpsgdJob;
-use crate::allreduce::driver::{all_reduce, gather_reports, write_model};
+use crate::allreduce::driver::write_model;
 use crate::error::{Error, Result};
 use crate::spec::ResumePoint;
 
@@ -40,29 +48,98 @@ fn protocol(net: &dyn Transport, from: u32, what: &str) -> Error {
     })
 }
 
-/// The consensus of the workers' models (their mean, on every worker) and the consensus distance
-/// (mean over workers of ‖x_i − x̄‖ / ‖x̄‖), by two all-reduces over the ring links.
-fn consensus(
-    net: &mut dyn Transport,
-    rank: u32,
-    n: u32,
-    params: &[f32],
-    round: u64,
-    job: &DpsgdJob,
-) -> Result<(Vec<f32>, f64)> {
-    let timeout = job.spec.recv_timeout();
-    let mut mean = params.to_vec();
-    all_reduce(net, rank, n, &mut mean, 2 * round, timeout)?;
-    let scale = 1.0 / n as f32;
-    mean.iter_mut().for_each(|v| *v *= scale);
-    let (mut diff, mut norm) = (0.0f64, 0.0f64);
-    for (x, m) in params.iter().zip(&mean) {
-        diff += f64::from(x - m).powi(2);
-        norm += f64::from(*m).powi(2);
+/// `micro_batch` of a model sent to rank 0 for the consensus.
+const TO_RANK0: u64 = u64::MAX;
+
+/// What a worker knows of the others: its live gossip neighbours and who has left.
+struct Peers {
+    near: BTreeSet<u32>,
+    dropped: Vec<DroppedNode>,
+    gone: BTreeSet<u32>,
+}
+
+impl Peers {
+    /// A transport failure at `step`: with `--drop-dead-workers` a dead worker is dropped (its
+    /// neighbours go on without it); otherwise, and for rank 0 or any other failure, the run
+    /// ends naming the peer.
+    fn lost(&mut self, job: &DpsgdJob, rank: u32, step: u64, e: TransportError) -> Result<()> {
+        match e.failed_peer() {
+            Some(dead) if job.drop_dead_workers && dead != 0 && dead != rank => {
+                self.near.remove(&dead);
+                if self.gone.insert(dead) {
+                    eprintln!(
+                        "d-psgd: rank {rank}: rank {dead} left the run at step {step} ({e}); \
+                         going on without it (--drop-dead-workers)"
+                    );
+                    self.dropped.push(DroppedNode {
+                        rank: dead,
+                        step,
+                        reason: e.to_string(),
+                    });
+                }
+                Ok(())
+            }
+            _ => Err(e.into()),
+        }
     }
-    let mut distance = [(diff.sqrt() / norm.sqrt().max(f64::MIN_POSITIVE)) as f32];
-    all_reduce(net, rank, n, &mut distance, 2 * round + 1, timeout)?;
-    Ok((mean, f64::from(distance[0]) / f64::from(n)))
+}
+
+/// Mixes `own` with the neighbours' models `(degree, values)`: uniform weights when every
+/// degree equals ours, Metropolis–Hastings weights otherwise (see the module's header).
+fn mix(own: &mut [f32], degree: usize, received: &[(usize, Vec<f32>)]) {
+    if received.iter().all(|(d, _)| *d == degree) {
+        let weight = 1.0 / (received.len() + 1) as f32;
+        for (_, x) in received {
+            own.iter_mut().zip(x).for_each(|(m, v)| *m += v);
+        }
+        own.iter_mut().for_each(|m| *m *= weight);
+        return;
+    }
+    let start = own.to_vec();
+    for (d, x) in received {
+        let w = 1.0 / (1 + degree.max(*d)) as f32;
+        own.iter_mut()
+            .zip(x.iter().zip(&start))
+            .for_each(|(m, (v, s))| *m += w * (v - s));
+    }
+}
+
+/// Rank 0 gathers every live worker's model (its own first) for step `done`; the others send
+/// theirs. Returns the models on rank 0.
+fn gather_models(
+    net: &mut dyn Transport,
+    job: &DpsgdJob,
+    rank: u32,
+    peers: &mut Peers,
+    params: &[f32],
+    done: u64,
+) -> Result<Option<super::Models>> {
+    if rank != 0 {
+        net.send(0, super::model_message(net, params, done, TO_RANK0))?;
+        return Ok(None);
+    }
+    let mut models = vec![(0, params.to_vec())];
+    let mut values = Vec::new();
+    for r in 1..job.workers as u32 {
+        while !peers.gone.contains(&r) {
+            match net.recv_from(r, job.spec.recv_timeout()) {
+                Ok(Message::Tensor(h, bytes))
+                    if h.tag == TensorTag::Params
+                        && h.micro_batch == TO_RANK0
+                        && h.step == done
+                        && bytes.len() == params.len() * 4 =>
+                {
+                    tensor_values(&bytes, h.dtype, &mut values);
+                    net.buffers().give(bytes);
+                    models.push((r, values.clone()));
+                    break;
+                }
+                Ok(_) => return Err(protocol(net, r, "message instead of its model")),
+                Err(e) => peers.lost(job, rank, done, e)?,
+            }
+        }
+    }
+    Ok(Some(models))
 }
 
 /// Runs worker `rank` of `job` on `data`; rank 0 evaluates the consensus model, checkpoints it
@@ -89,9 +166,11 @@ pub fn run_worker_from(
 ) -> Result<WorkerOutcome> {
     let spec = &job.spec;
     let n = job.workers as u32;
-    let near: Vec<u32> = super::mixing::neighbours(job.topology, rank, n)
-        .into_iter()
-        .collect();
+    let mut peers = Peers {
+        near: super::mixing::neighbours(job.topology, rank, n),
+        dropped: Vec::new(),
+        gone: BTreeSet::new(),
+    };
     let layers = spec.layers()?;
     let mut stage = Stage::new(&layers, 0..layers.len(), spec.seed, spec.threads);
     let mut optimizer = Optimizer::new(spec.optimizer.clone(), stage.params().len());
@@ -118,8 +197,7 @@ pub fn run_worker_from(
     let started = clock.now();
     let (mut train_seconds, mut compute_seconds, mut gossip_wait) = (0.0f64, 0.0f64, 0.0f64);
     let (mut samples, mut last_distance) = (0u64, None);
-    let mut mixed: Vec<f32> = Vec::new();
-    let mut received: Vec<f32> = Vec::new();
+    let mut received: Vec<(usize, Vec<f32>)> = Vec::new();
     for step in spec.first_step()..spec.total_steps {
         let t_step = clock.now();
         let epoch = step / spec.steps_per_epoch;
@@ -130,44 +208,45 @@ pub fn run_worker_from(
         stage.backward(0, &share.dlogits)?;
         clock.computed(wall.elapsed(), speed);
         compute_seconds += (clock.now() - t0).as_secs_f64();
-        // Gossip: our model to every neighbour, theirs averaged with ours in rank order.
+        // Gossip: our model (and degree) to every neighbour, theirs mixed with ours in rank
+        // order.
         let waited = clock.now();
-        for &p in &near {
-            let header = TensorHeader {
-                run_id: 0,
-                step,
-                micro_batch: 0,
-                tag: TensorTag::Params,
-                dtype: Dtype::F32,
-                shape: vec![stage.params().len() as u32],
-            };
-            let mut payload = net.buffers().take(stage.params().len() * 4);
-            tensor_bytes_into(stage.params(), Dtype::F32, &mut payload);
-            net.send(p, Message::Tensor(header, payload))?;
+        let degree = peers.near.len();
+        for p in peers.near.clone() {
+            let message = super::model_message(net, stage.params(), step, degree as u64);
+            if let Err(e) = net.send(p, message) {
+                peers.lost(job, rank, step, e)?;
+            }
         }
-        mixed.clear();
-        mixed.extend_from_slice(stage.params());
-        for &p in &near {
-            match net.recv_from(p, spec.recv_timeout())? {
-                Message::Tensor(h, bytes)
-                    if h.tag == TensorTag::Params
-                        && h.step == step
-                        && bytes.len() == mixed.len() * 4 =>
-                {
-                    tensor_values(&bytes, h.dtype, &mut received);
-                    net.buffers().give(bytes);
-                    mixed.iter_mut().zip(&received).for_each(|(m, v)| *m += v);
+        let mut heard = 0;
+        for p in peers.near.clone() {
+            // A failure of another peer meanwhile does not excuse this one.
+            while peers.near.contains(&p) {
+                let got = net.recv_from(p, spec.recv_timeout());
+                match got {
+                    Ok(Message::Tensor(h, bytes))
+                        if h.tag == TensorTag::Params
+                            && h.step == step
+                            && bytes.len() == stage.params().len() * 4 =>
+                    {
+                        // Buffers are reused from step to step.
+                        if received.len() == heard {
+                            received.push((0, Vec::new()));
+                        }
+                        let slot = &mut received[heard];
+                        slot.0 = h.micro_batch as usize;
+                        tensor_values(&bytes, h.dtype, &mut slot.1);
+                        net.buffers().give(bytes);
+                        heard += 1;
+                        break;
+                    }
+                    Ok(_) => return Err(protocol(net, p, "message instead of its model")),
+                    Err(e) => peers.lost(job, rank, step, e)?,
                 }
-                _ => return Err(protocol(net, p, "message instead of its model")),
             }
         }
         gossip_wait += (clock.now() - waited).as_secs_f64();
-        let weight = 1.0 / (near.len() + 1) as f32;
-        stage
-            .params_mut()
-            .iter_mut()
-            .zip(&mixed)
-            .for_each(|(x, m)| *x = m * weight);
+        mix(stage.params_mut(), degree, &received[..heard]);
         let lr = spec.lr_at(step);
         let (t1, wall) = (clock.now(), Instant::now());
         stage.step(&mut optimizer, lr);
@@ -195,11 +274,14 @@ pub fn run_worker_from(
         if !(eval || save) {
             continue;
         }
-        // Every worker takes part in forming the consensus; rank 0 uses it.
-        let (mean, distance) = consensus(net, rank, n, stage.params(), done, job)?;
+        // Every worker sends its model to rank 0, which forms the consensus.
+        let Some(models) = gather_models(net, job, rank, &mut peers, stage.params(), done)? else {
+            continue;
+        };
+        let (mean, distance) = super::consensus(&models);
         last_distance = Some(distance);
         let Some(recorder) = recorder.as_mut() else {
-            continue;
+            unreachable!("rank 0 gathers the models and holds the recorder")
         };
         let mut model = Stage::new(&layers, 0..layers.len(), spec.seed, spec.threads);
         model.params_mut().copy_from_slice(&mean);
@@ -222,8 +304,17 @@ pub fn run_worker_from(
             });
         }
         if save {
-            // The consensus model, with rank 0's optimizer state.
-            let dir = write_model(spec, n as usize, super::NAME, &model, &optimizer, done, &[])?;
+            // The consensus model, with rank 0's optimizer state, and every worker's own.
+            let replicas: Vec<(u32, &[f32])> = models.iter().map(|(r, m)| (*r, &m[..])).collect();
+            let dir = write_model(
+                spec,
+                n as usize,
+                super::NAME,
+                &model,
+                &optimizer,
+                done,
+                &replicas,
+            )?;
             recorder.checkpoint(done, &dir)?;
             on_event(&crate::Event::Checkpoint {
                 step: done,
@@ -249,12 +340,31 @@ pub fn run_worker_from(
             },
         )
     };
-    let Some(per_node) = gather_reports(net, rank, n, &own, spec.recv_timeout())? else {
+    let doc = serde_json::to_string(&own).map_err(|e| Error::Config(e.to_string()))?;
+    if rank != 0 {
+        net.send(0, Message::Control(Control::Report { nodes: vec![doc] }))?;
         return Ok(WorkerOutcome {
             stage,
             summary: None,
         });
-    };
+    }
+    let mut per_node = vec![own];
+    for r in 1..n {
+        while !peers.gone.contains(&r) {
+            match net.recv_from(r, spec.recv_timeout()) {
+                Ok(Message::Control(Control::Report { nodes })) => {
+                    for doc in nodes {
+                        per_node.push(serde_json::from_str(&doc).map_err(|e| {
+                            Error::Config(format!("rank {r}'s report is not valid: {e}"))
+                        })?);
+                    }
+                    break;
+                }
+                Ok(_) => return Err(protocol(net, r, "message instead of its report")),
+                Err(e) => peers.lost(job, rank, spec.total_steps, e)?,
+            }
+        }
+    }
     let Some(recorder) = recorder else {
         unreachable!("rank 0 gathers the reports and holds the recorder")
     };
@@ -269,6 +379,7 @@ pub fn run_worker_from(
         total_bytes_sent,
         bytes_per_sample: total_bytes_sent as f64 / samples.max(1) as f64,
         consensus_distance: last_distance,
+        dropped_nodes: peers.dropped,
         per_node,
         ..recorder.summary(super::NAME, n)
     };
@@ -277,4 +388,40 @@ pub fn run_worker_from(
         stage,
         summary: Some(summary),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn metropolis_weights_keep_the_sum_when_a_worker_has_left() {
+        // A ring of 5 without rank 2: the path 3 – 4 – 0 – 1, degrees 1, 2, 2, 1.
+        let near: [&[u32]; 5] = [&[1, 4], &[0], &[], &[4], &[0, 3]];
+        let mut x: Vec<Vec<f32>> = (0..5).map(|r| vec![r as f32 * 1.5 - 2.0, 1.0]).collect();
+        x[2] = vec![0.0, 0.0];
+        let sum = |x: &[Vec<f32>]| -> f32 { x.iter().map(|v| v[0]).sum() };
+        let before = sum(&x);
+        for _ in 0..50 {
+            let old = x.clone();
+            for r in [0usize, 1, 3, 4] {
+                let received: Vec<(usize, Vec<f32>)> = near[r]
+                    .iter()
+                    .map(|&p| (near[p as usize].len(), old[p as usize].clone()))
+                    .collect();
+                mix(&mut x[r], near[r].len(), &received);
+            }
+            assert!((sum(&x) - before).abs() < 1e-4, "{} vs {before}", sum(&x));
+        }
+        // The survivors agree on the mean of their starting models.
+        let mean = before / 4.0;
+        for r in [0usize, 1, 3, 4] {
+            assert!((x[r][0] - mean).abs() < 1e-3, "{:?}", x[r]);
+            assert!((x[r][1] - 1.0).abs() < 1e-6);
+        }
+        // Equal degrees: the uniform weights, exactly.
+        let mut own = vec![3.0f32];
+        mix(&mut own, 2, &[(2, vec![1.0]), (2, vec![2.0])]);
+        assert_eq!(own, [2.0]);
+    }
 }

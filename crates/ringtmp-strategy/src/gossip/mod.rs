@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::TrainConfig;
 use crate::error::{Error, Result};
-use crate::job::{Cluster, NodeCx, Strategy, options_merge, ring_neighbours, validate_shared};
+use crate::job::{Cluster, NodeCx, Strategy, options_merge, validate_shared};
 use crate::spec::RunSpec;
 pub use adpsgd::AdpsgdJob;
 use mixing::Topology;
@@ -36,9 +36,14 @@ pub struct DpsgdOptions {
     /// [default: ring].
     #[arg(long, value_enum)]
     pub topology: Option<Topology>,
+    /// `--drop-dead-workers`, which the parameter server's options own (one flag for both);
+    /// the CLI copies it here.
+    #[arg(skip)]
+    #[serde(skip)]
+    pub drop_dead_workers: Option<bool>,
 }
 
-options_merge!(DpsgdOptions, topology);
+options_merge!(DpsgdOptions, topology, drop_dead_workers);
 
 /// D-PSGD's job.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -52,6 +57,9 @@ pub struct DpsgdJob {
     pub topology: Topology,
     /// Emulated relative speed per rank.
     pub node_speeds: Vec<f64>,
+    /// A dead worker is dropped by its neighbours instead of ending the run.
+    #[serde(default)]
+    pub drop_dead_workers: bool,
 }
 
 impl Strategy for DpsgdJob {
@@ -81,6 +89,7 @@ impl Strategy for DpsgdJob {
             workers,
             topology,
             node_speeds: cluster.node_speeds.clone(),
+            drop_dead_workers: options.drop_dead_workers.unwrap_or(false),
         })
     }
 
@@ -100,10 +109,18 @@ impl Strategy for DpsgdJob {
     }
 
     fn neighbours(&self, rank: u32, world: u32) -> BTreeSet<u32> {
-        // The gossip graph, and the ring links the consensus all-reduce runs on.
+        // The gossip graph, and rank 0 (which gathers the models for the consensus) with all.
         let mut near = mixing::neighbours(self.topology, rank, world);
-        near.extend(ring_neighbours(rank, world));
+        if rank == 0 {
+            near.extend(1..world);
+        } else {
+            near.insert(0);
+        }
         near
+    }
+
+    fn expendable(&self, rank: u32) -> bool {
+        self.drop_dead_workers && rank != 0
     }
 
     fn needs_data(&self, _: u32) -> bool {
@@ -113,5 +130,70 @@ impl Strategy for DpsgdJob {
     fn run(&self, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
         let data = cx.data()?;
         dpsgd::run_worker(self, rank, data, cx.net, cx.on_event).map(|o| o.summary)
+    }
+}
+
+/// Workers' models by rank.
+pub type Models = Vec<(u32, Vec<f32>)>;
+
+/// The mean of the workers' `models` (the consensus model x̄ the papers evaluate) and their
+/// consensus distance, mean over workers of ‖x_i − x̄‖ / ‖x̄‖; sums in f64, in the given order.
+pub fn consensus(models: &[(u32, Vec<f32>)]) -> (Vec<f32>, f64) {
+    let len = models.first().map_or(0, |m| m.1.len());
+    let mut sum = vec![0.0f64; len];
+    for (_, m) in models {
+        sum.iter_mut().zip(m).for_each(|(s, v)| *s += f64::from(*v));
+    }
+    let k = models.len().max(1) as f64;
+    let mean: Vec<f32> = sum.iter().map(|s| (s / k) as f32).collect();
+    let norm = mean
+        .iter()
+        .map(|v| f64::from(*v).powi(2))
+        .sum::<f64>()
+        .sqrt()
+        .max(f64::MIN_POSITIVE);
+    let distance = models
+        .iter()
+        .map(|(_, m)| {
+            let d: f64 = m
+                .iter()
+                .zip(&mean)
+                .map(|(x, a)| f64::from(x - a).powi(2))
+                .sum();
+            d.sqrt() / norm
+        })
+        .sum::<f64>()
+        / k;
+    (mean, distance)
+}
+
+/// A whole model as a `Params` tensor; `step` and `kind` (its `micro_batch`) say what it is for.
+pub(crate) fn model_message(
+    net: &dyn ringtmp_transport::Transport,
+    model: &[f32],
+    step: u64,
+    kind: u64,
+) -> ringtmp_wire::Message {
+    use ringtmp_wire::{Dtype, TensorHeader, TensorTag};
+    let header = TensorHeader {
+        run_id: 0,
+        step,
+        micro_batch: kind,
+        tag: TensorTag::Params,
+        dtype: Dtype::F32,
+        shape: vec![model.len() as u32],
+    };
+    let mut payload = net.buffers().take(model.len() * 4);
+    ringtmp_wire::message::tensor_bytes_into(model, Dtype::F32, &mut payload);
+    ringtmp_wire::Message::Tensor(header, payload)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn consensus_is_the_mean_and_the_relative_spread() {
+        let (mean, distance) = super::consensus(&[(0, vec![1.0, 0.0]), (1, vec![3.0, 0.0])]);
+        assert_eq!(mean, [2.0, 0.0]);
+        assert!((distance - 0.5).abs() < 1e-12, "{distance}");
     }
 }

@@ -21,7 +21,7 @@ pub struct PsOptions {
     /// Parameter server: bsp, ssp:S, asp or dssp:L:U [default: bsp].
     #[arg(long, value_name = "MODEL")]
     pub consistency: Option<String>,
-    /// Parameter server: keep training without a dead worker even under bsp.
+    /// Parameter server (even under bsp) and D-PSGD: keep training without a dead worker.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub drop_dead_workers: Option<bool>,
 }
