@@ -39,6 +39,23 @@ pub enum Error {
 }
 
 impl Error {
+    /// A peer sent `what`, which `strategy`'s protocol does not allow at this point: the error
+    /// names the peer (a node never acts on a message it cannot place).
+    pub fn protocol(
+        strategy: &str,
+        net: &dyn ringtmp_transport::Transport,
+        from: u32,
+        what: &str,
+    ) -> Self {
+        Self::Transport(ringtmp_transport::TransportError::Io {
+            context: format!("{strategy}: unexpected {what} from {}", net.peer_name(from)),
+            source: std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "not part of the protocol",
+            ),
+        })
+    }
+
     /// Whether the error is the user's input (exit status 2) rather than a runtime failure.
     pub fn is_usage(&self) -> bool {
         match self {

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use ringtmp_data::{BatchPlan, Dataset};
 use ringtmp_metrics::{NodeSummary, Summary};
 use ringtmp_model::{Optimizer, Stage, checkpoint};
-use ringtmp_transport::{Transport, TransportError};
+use ringtmp_transport::Transport;
 use ringtmp_wire::message::{tensor_bytes_into, tensor_values};
 use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
 use serde_json::json;
@@ -198,7 +198,8 @@ impl Reducer {
             };
             let target = &mut bucket.values[bucket.chunks[self.plan.recv_chunk(s)].clone()];
             if values.len() != target.len() {
-                return Err(protocol(
+                return Err(Error::protocol(
+                    "all-reduce",
                     net,
                     self.pred,
                     &format!(
@@ -231,7 +232,12 @@ impl Reducer {
                     (h.micro_batch & 0xffff_ffff) as usize,
                 );
                 if b >= self.buckets.len() || s >= self.plan.steps() {
-                    return Err(protocol(net, from, "chunk of no bucket"));
+                    return Err(Error::protocol(
+                        "all-reduce",
+                        net,
+                        from,
+                        "chunk of no bucket",
+                    ));
                 }
                 let mut values = Vec::new();
                 tensor_values(&bytes, h.dtype, &mut values);
@@ -239,7 +245,12 @@ impl Reducer {
                 self.buckets[b].early.insert(s, values);
                 self.advance(b, net)
             }
-            _ => Err(protocol(net, from, "message during the all-reduce")),
+            _ => Err(Error::protocol(
+                "all-reduce",
+                net,
+                from,
+                "message during the all-reduce",
+            )),
         }
     }
 
@@ -266,13 +277,6 @@ impl Reducer {
         }
         Ok(())
     }
-}
-
-fn protocol(net: &dyn Transport, from: u32, what: &str) -> Error {
-    Error::Transport(TransportError::Io {
-        context: format!("all-reduce: unexpected {what} from {}", net.peer_name(from)),
-        source: std::io::Error::new(std::io::ErrorKind::InvalidData, "not part of the protocol"),
-    })
 }
 
 /// What a worker returns: its replica, and on rank 0 the run's summary.
@@ -486,14 +490,28 @@ pub fn gather_reports(
                 nodes.push(doc);
                 net.send(succ, Message::Control(Control::Report { nodes }))?;
             }
-            _ => return Err(protocol(net, pred, "message instead of the final report")),
+            _ => {
+                return Err(Error::protocol(
+                    "all-reduce",
+                    net,
+                    pred,
+                    "message instead of the final report",
+                ));
+            }
         }
         return Ok(None);
     }
     net.send(succ, Message::Control(Control::Report { nodes: vec![doc] }))?;
     let nodes = match net.recv_from(pred, timeout)? {
         Message::Control(Control::Report { nodes }) if nodes.len() == n as usize => nodes,
-        _ => return Err(protocol(net, pred, "message instead of the final report")),
+        _ => {
+            return Err(Error::protocol(
+                "all-reduce",
+                net,
+                pred,
+                "message instead of the final report",
+            ));
+        }
     };
     nodes
         .iter()

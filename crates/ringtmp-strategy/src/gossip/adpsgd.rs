@@ -151,13 +151,6 @@ pub struct WorkerOutcome {
     pub summary: Option<Summary>,
 }
 
-fn protocol(net: &dyn Transport, from: u32, what: &str) -> Error {
-    Error::Transport(TransportError::Io {
-        context: format!("ad-psgd: unexpected {what} from {}", net.peer_name(from)),
-        source: std::io::Error::new(std::io::ErrorKind::InvalidData, "not part of the protocol"),
-    })
-}
-
 /// A worker's state that messages act on (its compute state is kept apart, so a passive
 /// worker's compute thread and its network loop borrow different things).
 struct Worker<'a> {
@@ -209,10 +202,15 @@ impl Worker<'_> {
                         if h.step == FINAL {
                             self.finals.push((from, model));
                         } else if !self.coordinator_mut().snapshot(from, h.step, model) {
-                            return Err(protocol(net, from, "model for no gathering round"));
+                            return Err(Error::protocol(
+                                "ad-psgd",
+                                net,
+                                from,
+                                "model for no gathering round",
+                            ));
                         }
                     }
-                    _ => return Err(protocol(net, from, "model")),
+                    _ => return Err(Error::protocol("ad-psgd", net, from, "model")),
                 }
             }
             Message::Control(Control::Snapshot { round }) if from == 0 => {
@@ -236,7 +234,7 @@ impl Worker<'_> {
                     })?);
                 }
             }
-            _ => return Err(protocol(net, from, "message")),
+            _ => return Err(Error::protocol("ad-psgd", net, from, "message")),
         }
         Ok(())
     }

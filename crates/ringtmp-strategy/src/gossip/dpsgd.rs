@@ -41,13 +41,6 @@ pub struct WorkerOutcome {
     pub summary: Option<Summary>,
 }
 
-fn protocol(net: &dyn Transport, from: u32, what: &str) -> Error {
-    Error::Transport(TransportError::Io {
-        context: format!("d-psgd: unexpected {what} from {}", net.peer_name(from)),
-        source: std::io::Error::new(std::io::ErrorKind::InvalidData, "not part of the protocol"),
-    })
-}
-
 /// `micro_batch` of a model sent to rank 0 for the consensus.
 const TO_RANK0: u64 = u64::MAX;
 
@@ -134,7 +127,14 @@ fn gather_models(
                     models.push((r, values.clone()));
                     break;
                 }
-                Ok(_) => return Err(protocol(net, r, "message instead of its model")),
+                Ok(_) => {
+                    return Err(Error::protocol(
+                        "d-psgd",
+                        net,
+                        r,
+                        "message instead of its model",
+                    ));
+                }
                 Err(e) => peers.lost(job, rank, done, e)?,
             }
         }
@@ -240,7 +240,14 @@ pub fn run_worker_from(
                         heard += 1;
                         break;
                     }
-                    Ok(_) => return Err(protocol(net, p, "message instead of its model")),
+                    Ok(_) => {
+                        return Err(Error::protocol(
+                            "d-psgd",
+                            net,
+                            p,
+                            "message instead of its model",
+                        ));
+                    }
                     Err(e) => peers.lost(job, rank, step, e)?,
                 }
             }
@@ -360,7 +367,14 @@ pub fn run_worker_from(
                     }
                     break;
                 }
-                Ok(_) => return Err(protocol(net, r, "message instead of its report")),
+                Ok(_) => {
+                    return Err(Error::protocol(
+                        "d-psgd",
+                        net,
+                        r,
+                        "message instead of its report",
+                    ));
+                }
                 Err(e) => peers.lost(job, rank, spec.total_steps, e)?,
             }
         }
