@@ -860,3 +860,51 @@ fn adpsgd_on_local_nodes_survives_a_dead_worker_and_refuses_odd_counts() {
     assert_eq!(output.status.code(), Some(2), "{err}");
     assert!(err.contains("even number of nodes"), "{err}");
 }
+
+// Issue 12.4: a killed all-reduce worker does not stop the run: the survivors re-form the ring,
+// and the output says which rank left and at which step.
+#[test]
+fn allreduce_goes_on_without_a_killed_worker() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("ar").display().to_string();
+    let child = spawn_train(&[
+        "--strategy",
+        "allreduce",
+        "--nodes",
+        "4",
+        "--dataset",
+        "digits",
+        "--model-file",
+        "examples/models/lenet-dropout.toml",
+        "--epochs",
+        "40",
+        "--batch-size",
+        "16",
+        "--lr",
+        "0.05",
+        "--eval-every",
+        "0",
+        "--crash-rank",
+        "2",
+        "--crash-after-ms",
+        "300",
+        "--out",
+        &out,
+    ]);
+    let (output, _) = finish(child, Duration::from_secs(180));
+    let err = stderr(&output);
+    assert!(output.status.success(), "{err}");
+    assert!(err.contains("re-formed the ring on ranks [0, 1, 3]"), "{err}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.path().join("ar/summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(summary["dropped_nodes"][0]["rank"], 2, "{summary}");
+    assert!(summary["dropped_nodes"][0]["step"].as_u64().is_some());
+    assert_eq!(summary["per_node"].as_array().unwrap().len(), 3);
+    assert!(
+        summary["final_test_accuracy"].as_f64().unwrap() > 0.7,
+        "{summary}"
+    );
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(stdout.contains("degraded run: rank 2 was dropped"), "{stdout}");
+}

@@ -52,9 +52,10 @@ pub fn plan_spec(
     Ok((spec, workers))
 }
 
-/// A worker's share of one global batch and its forward pass: gathers worker `rank`'s rows of
-/// step `step`'s batch (of `n` workers), runs the forward pass and the loss, and leaves the
-/// loss's gradient (of the mean over the share) in `dlogits`. Returns the share's mean loss.
+/// A worker's share of one global batch and its forward pass: gathers share `rank` of `n` of
+/// step `step`'s batch (near-equal contiguous shares, as [`shard`] cuts them), runs the forward
+/// pass and the loss, and leaves the loss's gradient (of the mean over the share) in `dlogits`.
+/// Returns the share's mean loss.
 #[allow(clippy::too_many_arguments)]
 pub fn forward_share(
     spec: &RunSpec,
@@ -72,11 +73,14 @@ pub fn forward_share(
         .to_vec();
     let mine = shard(&batch, rank as usize, n)?;
     data.train.gather(mine, &mut buffers.x, &mut buffers.y);
+    // Where the share starts in the global batch (per-row randomness, e.g. dropout, is a
+    // function of the row's place in the batch, so any split draws the same masks).
+    let (base, extra) = (batch.len() / n, batch.len() % n);
     let pass = Pass {
         train: true,
         seed: spec.seed,
         step,
-        row_offset: rank as usize * spec.batch_size,
+        row_offset: rank as usize * base + (rank as usize).min(extra),
     };
     let rows = buffers.y.len();
     let logits = stage.forward(0, &buffers.x, rows, &pass)?;
@@ -188,4 +192,55 @@ pub fn worker_summary(
             .collect(),
         ..Default::default()
     }
+}
+
+/// Every worker's report to rank 0 at the end of a run: the others send theirs; rank 0 returns
+/// its own and those of `members` in rank order. A member that dies first is skipped (named on
+/// stderr); rank 0's own failure, or anything else, is an error.
+pub fn gather_reports(
+    net: &mut dyn Transport,
+    rank: u32,
+    members: &[u32],
+    own: NodeSummary,
+    timeout: std::time::Duration,
+) -> Result<Option<Vec<NodeSummary>>> {
+    use ringtmp_wire::{Control, Message};
+    if rank != 0 {
+        let doc = serde_json::to_string(&own).map_err(|e| Error::Config(e.to_string()))?;
+        net.send(0, Message::Control(Control::Report { nodes: vec![doc] }))?;
+        return Ok(None);
+    }
+    let mut reports = vec![own];
+    let mut gone = std::collections::BTreeSet::new();
+    for &r in members.iter().filter(|r| **r != 0) {
+        while !gone.contains(&r) {
+            match net.recv_from(r, timeout) {
+                Ok(Message::Control(Control::Report { nodes })) => {
+                    for doc in nodes {
+                        reports.push(serde_json::from_str(&doc).map_err(|e| {
+                            Error::Config(format!("rank {r}'s report is not valid: {e}"))
+                        })?);
+                    }
+                    break;
+                }
+                Ok(_) => {
+                    return Err(Error::protocol(
+                        "report",
+                        net,
+                        r,
+                        "message instead of its report",
+                    ));
+                }
+                Err(e) => match e.failed_peer() {
+                    Some(dead) if dead != 0 => {
+                        eprintln!("rank {dead} left before its final report ({e})");
+                        gone.insert(dead);
+                    }
+                    _ => return Err(e.into()),
+                },
+            }
+        }
+    }
+    reports.sort_by_key(|p| p.rank);
+    Ok(Some(reports))
 }

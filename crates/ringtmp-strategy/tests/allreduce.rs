@@ -135,10 +135,83 @@ fn sixteen_simulated_workers_equal_local() {
     assert!(diff < 1e-4, "{diff}");
 }
 
-/// A dead worker stops an all-reduce run, every survivor naming it (re-forming the ring on the
-/// survivors is issue 12's next step); in virtual time, within the heartbeat timeout.
+/// Elastic all-reduce: when workers die, the survivors re-form the ring from rank 0's replica
+/// and split the same global batch among themselves, so the run still equals `local` with the
+/// global batch — across one death, two, and a split that leaves shares of unequal size.
 #[test]
-fn a_dead_worker_is_named_by_every_survivor() {
+fn survivors_re_form_the_ring_and_still_equal_local() {
+    use ringtmp_transport::sim::{Fault, SimConfig};
+    use std::time::Duration;
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    for (case, (batch, deaths)) in [
+        (20, vec![(2u32, 30u64)]),
+        (24, vec![(1, 20), (3, 45)]),
+        (24, vec![(3, 1)]),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let cfg = config(
+            model(CONV_MODEL, "ring-test"),
+            batch,
+            40,
+            &tmp.path().join("local"),
+        );
+        let oracle = oracle::local_params(&cfg, &data);
+        let job = allreduce_job(&cfg, &data, 4, 4096, true);
+        let mut sim = SimConfig::new(test_seed(9) + case as u64);
+        for (rank, at) in &deaths {
+            sim.faults.push(Fault::Die {
+                rank: *rank,
+                at: Duration::from_millis(*at),
+            });
+        }
+        let out = tmp.path().join(format!("case-{case}"));
+        let ran = run::allreduce_nodes(&Backend::Sim(sim), &job, &data, &out);
+        let dead: Vec<u32> = deaths.iter().map(|d| d.0).collect();
+        let survivors: Vec<run::Replica> = ran
+            .results
+            .into_iter()
+            .enumerate()
+            .filter(|(r, _)| !dead.contains(&(*r as u32)))
+            .map(|(_, x)| x)
+            .collect();
+        let (params, summary) = replicas_agree(survivors);
+        let diff = max_rel_diff(&params, &oracle);
+        println!("case {case}: deaths {deaths:?}, max |Δparam| / max |param| = {diff:.2e}");
+        assert!(diff < 1e-4, "case {case}: {diff}");
+        assert_eq!(summary.steps, 40);
+        assert_eq!(
+            summary.samples,
+            40 * batch as u64,
+            "every global batch once"
+        );
+        let mut left: Vec<u32> = summary.dropped_nodes.iter().map(|d| d.rank).collect();
+        left.sort_unstable();
+        let mut expected = dead.clone();
+        expected.sort_unstable();
+        assert_eq!(left, expected, "{summary:?}");
+        assert!(
+            summary
+                .dropped_nodes
+                .iter()
+                .all(|d| d.step < 40 && !d.reason.is_empty())
+        );
+        assert_eq!(summary.per_node.len(), 4 - dead.len());
+        let metrics = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        assert_eq!(
+            metrics.matches("\"event\":\"dropped\"").count(),
+            dead.len(),
+            "{metrics}"
+        );
+    }
+}
+
+/// Rank 0 holds the run's record: its death ends the run, every survivor naming it, within the
+/// heartbeat timeout in virtual time.
+#[test]
+fn rank_0_dying_ends_the_run_named_by_every_survivor() {
     use ringtmp_transport::sim::{Fault, SimConfig};
     let data = digits();
     let tmp = tempfile::tempdir().unwrap();
@@ -146,16 +219,16 @@ fn a_dead_worker_is_named_by_every_survivor() {
     let job = allreduce_job(&cfg, &data, 4, 4096, true);
     let mut sim = SimConfig::new(test_seed(9));
     sim.faults.push(Fault::Die {
-        rank: 2,
+        rank: 0,
         at: std::time::Duration::from_millis(30),
     });
     let ran = run::allreduce_nodes(&Backend::Sim(sim.clone()), &job, &data, tmp.path());
     for (rank, result) in ran.results.iter().enumerate() {
         let Err(e) = result else {
-            panic!("rank {rank} finished without worker 2")
+            panic!("rank {rank} finished without rank 0")
         };
-        if rank != 2 {
-            assert!(e.contains("rank 2"), "rank {rank}: {e}");
+        if rank != 0 {
+            assert!(e.contains("rank 0"), "rank {rank}: {e}");
         }
     }
     assert!(ran.elapsed < std::time::Duration::from_millis(30) + sim.peer_timeout * 2);

@@ -157,7 +157,11 @@ pub fn allreduce_nodes(
     let mut job = job.clone();
     job.spec.config.out = out.to_path_buf();
     let job = &job;
-    run_nodes(backend, ring(job.workers as u32), None, |rank, net| {
+    let n = job.workers as u32;
+    let links = (0..n)
+        .map(|r| ringtmp_strategy::Strategy::neighbours(job, r, n))
+        .collect();
+    run_nodes(backend, links, None, |rank, net| {
         let result =
             ringtmp_strategy::allreduce::driver::run_worker(job, rank, data, net, &mut |_| {});
         end(net, result).map(|o| (o.stage.params().to_vec(), o.summary))

@@ -165,6 +165,19 @@ pub enum Control {
         /// The node.
         node: NodeAddr,
     },
+    /// All-reduce: rank 0 re-forms the ring after a worker died. Every worker in `members`
+    /// drops its step in progress, takes rank 0's parameters and optimizer state (the `Params`
+    /// tensor that follows on the same link) and goes on from `step` on the new ring.
+    Regroup {
+        /// Counts re-formations; chunks of an older generation are stale.
+        generation: u64,
+        /// The ranks that go on, in ring order.
+        members: Vec<u32>,
+        /// The step every member runs next (rank 0's steps completed).
+        step: u64,
+        /// The optimizer's step count (Adam's bias correction).
+        optimizer_steps: u64,
+    },
     /// End of a run: travels once around the ring, each node appending its measurements (JSON).
     Report {
         /// One JSON document per node, in ring order.

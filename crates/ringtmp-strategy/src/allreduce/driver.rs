@@ -17,9 +17,9 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use ringtmp_data::{BatchPlan, Dataset};
-use ringtmp_metrics::{NodeSummary, Summary};
+use ringtmp_metrics::{DroppedNode, Summary};
 use ringtmp_model::{Optimizer, Stage, checkpoint};
-use ringtmp_transport::Transport;
+use ringtmp_transport::{Transport, TransportError};
 use ringtmp_wire::message::{tensor_bytes_into, tensor_values};
 use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
 use serde_json::json;
@@ -60,56 +60,92 @@ pub fn buckets(stage: &Stage, bytes: usize) -> Vec<Range<usize>> {
     out
 }
 
+/// Why a reduction stopped before its end: the run goes on, on a re-formed ring.
+enum Break {
+    /// A member died (seen on this worker's own link to it).
+    Lost {
+        /// The dead rank.
+        rank: u32,
+        /// The failure observed.
+        reason: String,
+    },
+    /// Rank 0 re-formed the ring (its state tensor follows on the link from rank 0).
+    Regroup(Regroup),
+}
+
+/// Rank 0's order to go on on a re-formed ring (see `Control::Regroup`).
+struct Regroup {
+    generation: u64,
+    members: Vec<u32>,
+    step: u64,
+    optimizer_steps: u64,
+}
+
+/// The ring a reduction runs on: the live workers in ring order, and how many times it has been
+/// re-formed (chunks carry it, so those of an abandoned attempt are recognised).
+#[derive(Clone, Debug)]
+struct Ring {
+    members: Vec<u32>,
+    generation: u64,
+}
+
+impl Ring {
+    fn position(&self, rank: u32) -> Option<usize> {
+        self.members.iter().position(|r| *r == rank)
+    }
+}
+
+/// A reduced bucket: the gradients it covers and their sums (bucket 0 also the loss's).
+type Reduced = (Range<usize>, Vec<f32>);
+
 /// The reduction of one iteration's gradients.
 struct Reducer {
     plan: RingPlan,
     succ: u32,
     pred: u32,
     iteration: u64,
+    generation: u64,
+    members: Vec<u32>,
     buckets: Vec<Bucket>,
     /// Values bucket 0 carries beyond its gradients (the loss: 1, or none).
     extra: usize,
     timeout: Duration,
+    /// Set when the reduction cannot finish on this ring.
+    broken: Option<Break>,
+    /// Messages for later (another protocol's, or a newer generation's), in arrival order.
+    later: Vec<(u32, Message)>,
 }
 
-/// Sums `values` over the `n` workers of the ring `rank` is on (links to `rank ± 1`), in place,
-/// by the ring all-reduce: every worker ends with the same bits. `round` tags the messages (an
-/// iteration), so reductions of different rounds cannot meet.
-pub fn all_reduce(
-    net: &mut dyn Transport,
-    rank: u32,
-    n: u32,
-    values: &mut [f32],
-    round: u64,
-    timeout: Duration,
-) -> Result<()> {
-    if n < 2 {
-        return Ok(());
-    }
-    let whole = 0..values.len();
-    let mut reducer = Reducer::new(rank, n, std::slice::from_ref(&whole), 0, round, timeout);
-    reducer.start_ready(0, values, 0.0, net)?;
-    reducer.finish(net)?;
-    values.copy_from_slice(&reducer.buckets[0].values);
-    Ok(())
+/// `micro_batch` of a chunk message: the ring's generation, its bucket and protocol step.
+fn chunk_id(generation: u64, bucket: usize, step: usize) -> u64 {
+    (generation << 48) | ((bucket as u64) << 32) | step as u64
 }
 
-/// `micro_batch` of a chunk message: its bucket and protocol step.
-fn chunk_id(bucket: usize, step: usize) -> u64 {
-    ((bucket as u64) << 32) | step as u64
+/// A chunk id's generation, bucket and protocol step.
+fn chunk_parts(id: u64) -> (u64, usize, usize) {
+    (
+        id >> 48,
+        ((id >> 32) & 0xffff) as usize,
+        (id & 0xffff_ffff) as usize,
+    )
 }
+
+/// Most buckets a reduction may have (the width of the bucket field of a chunk id).
+const MAX_BUCKETS: usize = 1 << 16;
 
 impl Reducer {
-    /// The reduction of `ranges` (buckets) among `n` workers; bucket 0 carries `extra` more
-    /// values (the step's loss).
+    /// The reduction of `ranges` (buckets) among the members of `ring`, of which `rank` is one;
+    /// bucket 0 carries `extra` more values (the step's loss).
     fn new(
         rank: u32,
-        n: u32,
+        ring: &Ring,
         ranges: &[Range<usize>],
         extra: usize,
         iteration: u64,
         timeout: Duration,
     ) -> Self {
+        let n = ring.members.len();
+        let at = ring.position(rank).expect("a member reduces");
         let buckets = ranges
             .iter()
             .enumerate()
@@ -118,23 +154,42 @@ impl Reducer {
                 Bucket {
                     range: r.clone(),
                     values: Vec::new(),
-                    chunks: chunks(len, n as usize),
+                    chunks: chunks(len, n),
                     step: None,
                     early: BTreeMap::new(),
                 }
             })
             .collect();
         Self {
-            plan: RingPlan {
-                rank: rank as usize,
-                n: n as usize,
-            },
-            succ: (rank + 1) % n,
-            pred: (rank + n - 1) % n,
+            plan: RingPlan { rank: at, n },
+            succ: ring.members[(at + 1) % n],
+            pred: ring.members[(at + n - 1) % n],
             iteration,
+            generation: ring.generation,
+            members: ring.members.clone(),
             buckets,
             extra,
             timeout,
+            broken: None,
+            later: Vec::new(),
+        }
+    }
+
+    /// A transport failure: a dead member breaks the reduction (the run goes on without it);
+    /// rank 0's death, or anything else, ends the run.
+    fn failed(&mut self, e: TransportError) -> Result<()> {
+        match e.failed_peer() {
+            Some(0) | None => Err(e.into()),
+            Some(dead) if !self.members.contains(&dead) => Ok(()),
+            Some(dead) => {
+                if self.broken.is_none() {
+                    self.broken = Some(Break::Lost {
+                        rank: dead,
+                        reason: e.to_string(),
+                    });
+                }
+                Ok(())
+            }
         }
     }
 
@@ -148,6 +203,9 @@ impl Reducer {
         net: &mut dyn Transport,
     ) -> Result<()> {
         for b in 0..self.buckets.len() {
+            if self.broken.is_some() {
+                return Ok(());
+            }
             let bucket = &mut self.buckets[b];
             if bucket.step.is_some() || bucket.range.start < offset {
                 continue;
@@ -166,7 +224,7 @@ impl Reducer {
     }
 
     /// Sends bucket `b`'s chunk for its current step.
-    fn send(&self, b: usize, net: &mut dyn Transport) -> Result<()> {
+    fn send(&mut self, b: usize, net: &mut dyn Transport) -> Result<()> {
         let bucket = &self.buckets[b];
         let Some(s) = bucket.step.filter(|s| *s < self.plan.steps()) else {
             return Ok(());
@@ -175,20 +233,22 @@ impl Reducer {
         let header = TensorHeader {
             run_id: 0,
             step: self.iteration,
-            micro_batch: chunk_id(b, s),
+            micro_batch: chunk_id(self.generation, b, s),
             tag: TensorTag::ParamGrads,
             dtype: Dtype::F32,
             shape: vec![chunk.len() as u32],
         };
         let mut payload = net.buffers().take(chunk.len() * 4);
         tensor_bytes_into(chunk, Dtype::F32, &mut payload);
-        net.send(self.succ, Message::Tensor(header, payload))?;
-        Ok(())
+        match net.send(self.succ, Message::Tensor(header, payload)) {
+            Ok(()) => Ok(()),
+            Err(e) => self.failed(e),
+        }
     }
 
     /// Applies every chunk of bucket `b` that has already arrived, step by step.
     fn advance(&mut self, b: usize, net: &mut dyn Transport) -> Result<()> {
-        loop {
+        while self.broken.is_none() {
             let bucket = &mut self.buckets[b];
             let Some(s) = bucket.step.filter(|s| *s < self.plan.steps()) else {
                 return Ok(());
@@ -217,20 +277,32 @@ impl Reducer {
             bucket.step = Some(s + 1);
             self.send(b, net)?;
         }
+        Ok(())
     }
 
-    /// Takes in one message: a chunk of this iteration from the predecessor.
+    /// Takes in one message: a chunk of this iteration from the predecessor, a stale chunk
+    /// (dropped), rank 0's order to re-form the ring, or something for later.
     fn take(&mut self, from: u32, message: Message, net: &mut dyn Transport) -> Result<()> {
         match message {
-            Message::Tensor(h, bytes)
-                if from == self.pred
-                    && h.tag == TensorTag::ParamGrads
-                    && h.step == self.iteration =>
-            {
-                let (b, s) = (
-                    (h.micro_batch >> 32) as usize,
-                    (h.micro_batch & 0xffff_ffff) as usize,
-                );
+            Message::Tensor(h, bytes) if h.tag == TensorTag::ParamGrads => {
+                let (generation, b, s) = chunk_parts(h.micro_batch);
+                if generation < self.generation {
+                    // Of an attempt abandoned when the ring was re-formed.
+                    net.buffers().give(bytes);
+                    return Ok(());
+                }
+                if generation > self.generation {
+                    self.later.push((from, Message::Tensor(h, bytes)));
+                    return Ok(());
+                }
+                if from != self.pred || h.step != self.iteration {
+                    return Err(Error::protocol(
+                        "all-reduce",
+                        net,
+                        from,
+                        &format!("chunk of step {}", h.step),
+                    ));
+                }
                 if b >= self.buckets.len() || s >= self.plan.steps() {
                     return Err(Error::protocol(
                         "all-reduce",
@@ -245,37 +317,82 @@ impl Reducer {
                 self.buckets[b].early.insert(s, values);
                 self.advance(b, net)
             }
-            _ => Err(Error::protocol(
-                "all-reduce",
-                net,
-                from,
-                "message during the all-reduce",
-            )),
+            Message::Control(Control::Regroup {
+                generation,
+                members,
+                step,
+                optimizer_steps,
+            }) if from == 0 && generation > self.generation => {
+                self.broken = Some(Break::Regroup(Regroup {
+                    generation,
+                    members,
+                    step,
+                    optimizer_steps,
+                }));
+                Ok(())
+            }
+            other => {
+                self.later.push((from, other));
+                Ok(())
+            }
         }
     }
 
     /// Handles whatever has arrived, without waiting.
     fn pump(&mut self, net: &mut dyn Transport) -> Result<()> {
-        while let Some((from, message)) = net.try_recv()? {
-            self.take(from, message, net)?;
+        while self.broken.is_none() {
+            match net.try_recv() {
+                Ok(Some((from, message))) => self.take(from, message, net)?,
+                Ok(None) => return Ok(()),
+                Err(e) => self.failed(e)?,
+            }
         }
         Ok(())
     }
 
     fn done(&self) -> bool {
-        self.buckets
-            .iter()
-            .all(|b| b.step == Some(self.plan.steps()))
+        self.broken.is_some()
+            || self
+                .buckets
+                .iter()
+                .all(|b| b.step == Some(self.plan.steps()))
     }
 
-    /// Waits until every bucket is reduced. Chunks come from the predecessor only, so messages
-    /// of other peers (another protocol's, on their own links) wait for whoever expects them.
+    /// Waits until every bucket is reduced or the ring breaks. Any peer may speak (rank 0 to
+    /// re-form the ring; a failure on any link is news), but only the predecessor's silence is
+    /// an error, named.
     fn finish(&mut self, net: &mut dyn Transport) -> Result<()> {
         while !self.done() {
-            let message = net.recv_from(self.pred, self.timeout)?;
-            self.take(self.pred, message, net)?;
+            match net.recv(self.timeout) {
+                Ok((from, message)) => self.take(from, message, net)?,
+                Err(TransportError::Timeout { waited, .. }) => {
+                    return Err(TransportError::Timeout {
+                        what: "a chunk of the all-reduce".into(),
+                        from: net.peer_name(self.pred).to_string(),
+                        waited,
+                    }
+                    .into());
+                }
+                Err(e) => self.failed(e)?,
+            }
         }
         Ok(())
+    }
+
+    /// Puts back what arrived for later, in its order; the reduced buckets, or why the
+    /// reduction broke.
+    fn close(self, net: &mut dyn Transport) -> std::result::Result<Vec<Reduced>, Break> {
+        for (from, message) in self.later.into_iter().rev() {
+            net.unread(from, message);
+        }
+        match self.broken {
+            Some(b) => Err(b),
+            None => Ok(self
+                .buckets
+                .into_iter()
+                .map(|b| (b.range, b.values))
+                .collect()),
+        }
     }
 }
 
@@ -287,8 +404,202 @@ pub struct WorkerOutcome {
     pub summary: Option<Summary>,
 }
 
+/// Rank 0's parameters and optimizer state, flat: what a re-formed ring starts from.
+fn flat_state(stage: &Stage, optimizer: &Optimizer) -> Vec<f32> {
+    let mut state = stage.params().to_vec();
+    for (_, values) in optimizer.state() {
+        state.extend_from_slice(values);
+    }
+    state
+}
+
+/// Rank 0 re-forms the ring without `dead`: every other member gets the order and rank 0's
+/// state, and all go on from `step` (rank 0 abandons the step in progress, so it has completed
+/// exactly the steps before it; a worker that completed one more redoes it, one that completed
+/// one fewer catches up). A member that dies meanwhile is left out as well.
+#[allow(clippy::too_many_arguments)]
+fn reform_ring(
+    net: &mut dyn Transport,
+    ring: &mut Ring,
+    dead: u32,
+    reason: String,
+    step: u64,
+    stage: &Stage,
+    optimizer: &Optimizer,
+    dropped: &mut Vec<DroppedNode>,
+) -> Result<()> {
+    let state = flat_state(stage, optimizer);
+    let mut lost = vec![(dead, reason)];
+    while !lost.is_empty() {
+        for (dead, reason) in lost.drain(..) {
+            if !ring.members.contains(&dead) {
+                continue;
+            }
+            ring.members.retain(|r| *r != dead);
+            ring.generation += 1;
+            eprintln!(
+                "all-reduce: rank {dead} left the run at step {step} ({reason}); re-formed the \
+                 ring on ranks {:?}, continuing from step {step} with the survivors' replicas",
+                ring.members
+            );
+            dropped.push(DroppedNode {
+                rank: dead,
+                step,
+                reason,
+            });
+        }
+        if ring.members.len() < 2 {
+            return Err(Error::Config(
+                "all-reduce: every worker but rank 0 has died; nothing left to reduce with".into(),
+            ));
+        }
+        // Everyone hears the newest ring; a member found dead meanwhile means another round.
+        for &r in ring.members.iter().filter(|r| **r != 0) {
+            let order = Control::Regroup {
+                generation: ring.generation,
+                members: ring.members.clone(),
+                step,
+                optimizer_steps: optimizer.steps(),
+            };
+            let sent = net.send(r, Message::Control(order)).and_then(|()| {
+                let message = crate::gossip::model_message(net, &state, step, ring.generation);
+                net.send(r, message)
+            });
+            if let Err(e) = sent {
+                match e.failed_peer() {
+                    Some(other) if other != 0 => lost.push((other, e.to_string())),
+                    _ => return Err(e.into()),
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A worker other than rank 0 waits for rank 0's order to go on (unless it has it already) and
+/// takes rank 0's state. Returns the step to run next.
+fn follow_regroup(
+    net: &mut dyn Transport,
+    rank: u32,
+    ring: &mut Ring,
+    order: Option<Regroup>,
+    stage: &mut Stage,
+    optimizer: &mut Optimizer,
+    timeout: Duration,
+) -> Result<u64> {
+    let mut order = order;
+    // Chunks of the new ring from workers that heard of it first wait for it here.
+    let mut newer: Vec<(u32, Message)> = Vec::new();
+    while order.is_none() {
+        match net.recv(timeout) {
+            Ok((
+                0,
+                Message::Control(Control::Regroup {
+                    generation,
+                    members,
+                    step,
+                    optimizer_steps,
+                }),
+            )) if generation > ring.generation => {
+                order = Some(Regroup {
+                    generation,
+                    members,
+                    step,
+                    optimizer_steps,
+                });
+            }
+            // Chunks of the abandoned attempt, and of the new ring.
+            Ok((from, Message::Tensor(h, bytes))) if h.tag == TensorTag::ParamGrads => {
+                if chunk_parts(h.micro_batch).0 <= ring.generation {
+                    net.buffers().give(bytes);
+                } else {
+                    newer.push((from, Message::Tensor(h, bytes)));
+                }
+            }
+            Ok((from, _)) => {
+                return Err(Error::protocol(
+                    "all-reduce",
+                    net,
+                    from,
+                    "message while the ring is re-formed",
+                ));
+            }
+            Err(TransportError::Timeout { waited, .. }) => {
+                return Err(TransportError::Timeout {
+                    what: "rank 0's order to re-form the ring".into(),
+                    from: net.peer_name(0).to_string(),
+                    waited,
+                }
+                .into());
+            }
+            Err(e) => match e.failed_peer() {
+                Some(dead) if dead != 0 => {}
+                _ => return Err(e.into()),
+            },
+        }
+    }
+    let order = order.expect("set above");
+    if !order.members.contains(&rank) {
+        return Err(Error::Config(format!(
+            "all-reduce: rank 0 re-formed the ring without rank {rank} (it took it for dead)"
+        )));
+    }
+    let params = stage.params().len();
+    let shapes: Vec<(&'static str, usize)> = optimizer
+        .state()
+        .iter()
+        .map(|(name, v)| (*name, v.len()))
+        .collect();
+    let expected = params + shapes.iter().map(|s| s.1).sum::<usize>();
+    let state = match net.recv_from(0, timeout)? {
+        Message::Tensor(h, bytes)
+            if h.tag == TensorTag::Params
+                && h.micro_batch == order.generation
+                && bytes.len() == expected * 4 =>
+        {
+            let mut values = Vec::new();
+            tensor_values(&bytes, h.dtype, &mut values);
+            net.buffers().give(bytes);
+            values
+        }
+        _ => {
+            return Err(Error::protocol(
+                "all-reduce",
+                net,
+                0,
+                "message instead of its state",
+            ));
+        }
+    };
+    stage.params_mut().copy_from_slice(&state[..params]);
+    let mut at = params;
+    let tensors: Vec<(&str, Vec<f32>)> = shapes
+        .iter()
+        .map(|(name, len)| {
+            let t = (*name, state[at..at + len].to_vec());
+            at += len;
+            t
+        })
+        .collect();
+    optimizer.load_state(&tensors, order.optimizer_steps)?;
+    stage.zero_grad();
+    for (from, message) in newer.into_iter().rev() {
+        net.unread(from, message);
+    }
+    eprintln!(
+        "all-reduce: rank {rank}: the ring is now ranks {:?}; continuing from step {}",
+        order.members, order.step
+    );
+    *ring = Ring {
+        members: order.members,
+        generation: order.generation,
+    };
+    Ok(order.step)
+}
+
 /// Runs worker `rank` of `job` on `data` until the job's last iteration; rank 0 evaluates,
-/// checkpoints and writes the run's outputs.
+/// checkpoints and writes the run's outputs. A worker that dies is left behind: the survivors
+/// re-form the ring and go on from rank 0's replica (rank 0's death ends the run).
 pub fn run_worker(
     job: &AllReduceJob,
     rank: u32,
@@ -306,9 +617,16 @@ pub fn run_worker(
         checkpoint::read_stage(dir, &manifest, &mut stage, &mut optimizer)?;
     }
     let ranges = buckets(&stage, job.bucket_bytes);
+    if ranges.len() >= MAX_BUCKETS {
+        return Err(Error::Config(format!(
+            "--bucket-mb too small: {} buckets (at most {MAX_BUCKETS})",
+            ranges.len()
+        )));
+    }
     let clock = net.clock();
     let speed = job.node_speeds.get(rank as usize).copied().unwrap_or(1.0);
-    let mut plan = BatchPlan::new(data.train.len(), spec.batch_size * n, spec.seed)?;
+    let global = spec.batch_size * n;
+    let mut plan = BatchPlan::new(data.train.len(), global, spec.seed)?;
     let mut share = crate::data_parallel::ShareBuffers::default();
     let mut recorder = crate::data_parallel::open_recorder(
         spec,
@@ -321,15 +639,29 @@ pub fn run_worker(
     )?;
     let started = clock.now();
     let (mut train_seconds, mut compute_seconds, mut reduce_wait) = (0.0f64, 0.0f64, 0.0f64);
-    let mut samples = 0u64;
-    for step in spec.first_step()..spec.total_steps {
+    let (mut samples, mut iterations) = (0u64, 0u64);
+    let mut ring = Ring {
+        members: (0..n as u32).collect(),
+        generation: 0,
+    };
+    let mut dropped: Vec<DroppedNode> = Vec::new();
+    let mut step = spec.first_step();
+    while step < spec.total_steps {
         let t_step = clock.now();
         let epoch = step / spec.steps_per_epoch;
         let (t0, wall) = (clock.now(), Instant::now());
-        let local_loss = crate::data_parallel::forward_share(
-            spec, &mut plan, data, &mut stage, rank, n, step, &mut share,
+        let (at, m) = (ring.position(rank).expect("a member"), ring.members.len());
+        let mut local_loss = crate::data_parallel::forward_share(
+            spec, &mut plan, data, &mut stage, at as u32, m, step, &mut share,
         )? as f32;
-        let mut reducer = Reducer::new(rank, n as u32, &ranges, 1, step, spec.recv_timeout());
+        // Shares differ by a row when the survivors do not divide the global batch: weigh each
+        // share's mean by its rows, so the sum over workers divided by m is the batch's mean.
+        let weight = (share.y.len() * m) as f32 / global as f32;
+        if weight != 1.0 {
+            share.dlogits.iter_mut().for_each(|d| *d *= weight);
+            local_loss *= weight;
+        }
+        let mut reducer = Reducer::new(rank, &ring, &ranges, 1, step, spec.recv_timeout());
         // Overlap: between layers, start the buckets whose gradients are complete and move the
         // ones in flight; a failure is kept for after the layer (a hook cannot return one).
         let mut failure: Option<Error> = None;
@@ -360,19 +692,69 @@ pub fn run_worker(
         reducer.start_ready(0, stage.grads(), local_loss, net)?;
         reducer.finish(net)?;
         reduce_wait += (clock.now() - waited).as_secs_f64();
+        iterations += 1;
+        let reduced = match reducer.close(net) {
+            Ok(reduced) => reduced,
+            Err(broke) => {
+                // The step is abandoned; the survivors go on from rank 0's replica.
+                stage.zero_grad();
+                match broke {
+                    Break::Lost { rank: dead, reason } if rank == 0 => {
+                        reform_ring(
+                            net,
+                            &mut ring,
+                            dead,
+                            reason,
+                            step,
+                            &stage,
+                            &optimizer,
+                            &mut dropped,
+                        )?;
+                        if let Some(recorder) = recorder.as_mut() {
+                            recorder.write(json!({"event": "dropped", "rank": dead,
+                                "step": step, "members": ring.members}))?;
+                        }
+                    }
+                    Break::Lost { .. } => {
+                        step = follow_regroup(
+                            net,
+                            rank,
+                            &mut ring,
+                            None,
+                            &mut stage,
+                            &mut optimizer,
+                            spec.recv_timeout(),
+                        )?;
+                    }
+                    Break::Regroup(order) => {
+                        step = follow_regroup(
+                            net,
+                            rank,
+                            &mut ring,
+                            Some(order),
+                            &mut stage,
+                            &mut optimizer,
+                            spec.recv_timeout(),
+                        )?;
+                    }
+                }
+                train_seconds += (clock.now() - t_step).as_secs_f64();
+                continue;
+            }
+        };
         // The mean of the workers' gradients, then the same step on every replica.
-        let scale = 1.0 / n as f32;
+        let scale = 1.0 / m as f32;
         let mut step_loss = 0.0f64;
         {
             let grads = stage.grads_mut();
-            for (b, bucket) in reducer.buckets.iter().enumerate() {
-                let len = bucket.range.len();
-                grads[bucket.range.clone()]
+            for (b, (range, sums)) in reduced.iter().enumerate() {
+                let len = range.len();
+                grads[range.clone()]
                     .iter_mut()
-                    .zip(&bucket.values[..len])
+                    .zip(&sums[..len])
                     .for_each(|(g, v)| *g = v * scale);
                 if b == 0 {
-                    step_loss = f64::from(bucket.values[len]) / n as f64;
+                    step_loss = f64::from(sums[len]) / m as f64;
                 }
             }
         }
@@ -382,14 +764,15 @@ pub fn run_worker(
         clock.computed(wall.elapsed(), speed);
         compute_seconds += (clock.now() - t1).as_secs_f64();
         train_seconds += (clock.now() - t_step).as_secs_f64();
-        samples += (spec.batch_size * n) as u64;
+        samples += global as u64;
         if !step_loss.is_finite() {
             return Err(Error::Diverged {
                 step,
                 loss: step_loss,
             });
         }
-        let done = step + 1;
+        step += 1;
+        let done = step;
         let Some(recorder) = recorder.as_mut() else {
             continue;
         };
@@ -426,7 +809,7 @@ pub fn run_worker(
             });
         }
     }
-    // Every worker's measurements, around the ring to rank 0.
+    // Every worker's measurements, straight to rank 0.
     let params = stage.params().len() as u64;
     let own = crate::data_parallel::worker_summary(
         rank,
@@ -437,10 +820,12 @@ pub fn run_worker(
             train_seconds,
             compute_seconds,
             wait_seconds: reduce_wait,
-            iterations: spec.total_steps - spec.first_step(),
+            iterations,
         },
     );
-    let Some(per_node) = gather_reports(net, rank, n as u32, &own, spec.recv_timeout())? else {
+    let Some(per_node) =
+        crate::data_parallel::gather_reports(net, rank, &ring.members, own, spec.recv_timeout())?
+    else {
         return Ok(WorkerOutcome {
             stage,
             summary: None,
@@ -460,6 +845,7 @@ pub fn run_worker(
         samples_per_second: samples as f64 / train_seconds.max(1e-9),
         total_bytes_sent,
         bytes_per_sample: total_bytes_sent as f64 / samples.max(1) as f64,
+        dropped_nodes: dropped,
         per_node,
         ..recorder.summary(super::NAME, n as u32)
     };
@@ -468,57 +854,6 @@ pub fn run_worker(
         stage,
         summary: Some(summary),
     })
-}
-
-/// Every node's report, around the ring `rank` is on (links to `rank ± 1`) to rank 0, which
-/// returns them in rank order; the others add theirs and pass the token on.
-pub fn gather_reports(
-    net: &mut dyn Transport,
-    rank: u32,
-    n: u32,
-    own: &NodeSummary,
-    timeout: Duration,
-) -> Result<Option<Vec<NodeSummary>>> {
-    if n < 2 {
-        return Ok(Some(vec![own.clone()]));
-    }
-    let doc = serde_json::to_string(own).map_err(|e| Error::Config(e.to_string()))?;
-    let (succ, pred) = ((rank + 1) % n, (rank + n - 1) % n);
-    if rank != 0 {
-        match net.recv_from(pred, timeout)? {
-            Message::Control(Control::Report { mut nodes }) => {
-                nodes.push(doc);
-                net.send(succ, Message::Control(Control::Report { nodes }))?;
-            }
-            _ => {
-                return Err(Error::protocol(
-                    "all-reduce",
-                    net,
-                    pred,
-                    "message instead of the final report",
-                ));
-            }
-        }
-        return Ok(None);
-    }
-    net.send(succ, Message::Control(Control::Report { nodes: vec![doc] }))?;
-    let nodes = match net.recv_from(pred, timeout)? {
-        Message::Control(Control::Report { nodes }) if nodes.len() == n as usize => nodes,
-        _ => {
-            return Err(Error::protocol(
-                "all-reduce",
-                net,
-                pred,
-                "message instead of the final report",
-            ));
-        }
-    };
-    nodes
-        .iter()
-        .map(|d| serde_json::from_str(d))
-        .collect::<std::result::Result<Vec<NodeSummary>, _>>()
-        .map(Some)
-        .map_err(|e| Error::Config(format!("a node's report is not valid: {e}")))
 }
 
 /// Rank 0 writes the one model every replica holds, in the format every strategy reads.

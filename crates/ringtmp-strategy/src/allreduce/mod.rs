@@ -3,7 +3,9 @@
 //! b, global N·b, in the same example order as every other strategy); the workers average their
 //! gradients with the bandwidth-optimal ring all-reduce — reduce-scatter then all-gather, N − 1
 //! steps each, 2(N − 1)/N of the gradients sent per worker per step — in buckets that overlap the
-//! backward pass. The oracle: N workers of batch b equal `local` with batch N·b.
+//! backward pass. The oracle: N workers of batch b equal `local` with batch N·b. A worker that
+//! dies does not stop the run: the survivors re-form the ring from rank 0's replica and split
+//! the same global batch among themselves, so the oracle holds across the failure too.
 //!
 //! # Layout
 //! - [`ring`]: the chunk plan of one all-reduce (sans-IO, with its in-memory simulation).
@@ -20,7 +22,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::TrainConfig;
 use crate::error::{Error, Result};
-use crate::job::{Cluster, NodeCx, Strategy, options_merge, ring_neighbours, validate_shared};
+use crate::job::{Cluster, NodeCx, Strategy, options_merge, validate_shared};
 use crate::spec::RunSpec;
 
 /// `--strategy` name.
@@ -114,7 +116,13 @@ impl Strategy for AllReduceJob {
     }
 
     fn neighbours(&self, rank: u32, world: u32) -> BTreeSet<u32> {
-        ring_neighbours(rank, world)
+        // Every other worker: the ring re-formed around a dead worker joins its two neighbours,
+        // and rank 0 hands every survivor its state. Idle links cost a heartbeat.
+        (0..world).filter(|r| *r != rank).collect()
+    }
+
+    fn expendable(&self, rank: u32) -> bool {
+        rank != 0
     }
 
     fn needs_data(&self, _: u32) -> bool {

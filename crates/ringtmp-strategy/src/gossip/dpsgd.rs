@@ -25,7 +25,7 @@ use ringtmp_metrics::{DroppedNode, NodeSummary, Summary};
 use ringtmp_model::{Optimizer, Stage, checkpoint};
 use ringtmp_transport::{Transport, TransportError};
 use ringtmp_wire::message::tensor_values;
-use ringtmp_wire::{Control, Message, TensorTag};
+use ringtmp_wire::{Message, TensorTag};
 use serde_json::json;
 
 use super::DpsgdJob;
@@ -347,38 +347,15 @@ pub fn run_worker_from(
             },
         )
     };
-    let doc = serde_json::to_string(&own).map_err(|e| Error::Config(e.to_string()))?;
-    if rank != 0 {
-        net.send(0, Message::Control(Control::Report { nodes: vec![doc] }))?;
+    let members: Vec<u32> = (0..n).filter(|r| !peers.gone.contains(r)).collect();
+    let Some(per_node) =
+        crate::data_parallel::gather_reports(net, rank, &members, own, spec.recv_timeout())?
+    else {
         return Ok(WorkerOutcome {
             stage,
             summary: None,
         });
-    }
-    let mut per_node = vec![own];
-    for r in 1..n {
-        while !peers.gone.contains(&r) {
-            match net.recv_from(r, spec.recv_timeout()) {
-                Ok(Message::Control(Control::Report { nodes })) => {
-                    for doc in nodes {
-                        per_node.push(serde_json::from_str(&doc).map_err(|e| {
-                            Error::Config(format!("rank {r}'s report is not valid: {e}"))
-                        })?);
-                    }
-                    break;
-                }
-                Ok(_) => {
-                    return Err(Error::protocol(
-                        "d-psgd",
-                        net,
-                        r,
-                        "message instead of its report",
-                    ));
-                }
-                Err(e) => peers.lost(job, rank, spec.total_steps, e)?,
-            }
-        }
-    }
+    };
     let Some(recorder) = recorder else {
         unreachable!("rank 0 gathers the reports and holds the recorder")
     };
