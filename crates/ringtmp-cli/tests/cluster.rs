@@ -894,7 +894,10 @@ fn allreduce_goes_on_without_a_killed_worker() {
     let (output, _) = finish(child, Duration::from_secs(180));
     let err = stderr(&output);
     assert!(output.status.success(), "{err}");
-    assert!(err.contains("re-formed the ring on ranks [0, 1, 3]"), "{err}");
+    assert!(
+        err.contains("re-formed the ring on ranks [0, 1, 3]"),
+        "{err}"
+    );
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(tmp.path().join("ar/summary.json")).unwrap())
             .unwrap();
@@ -906,5 +909,8 @@ fn allreduce_goes_on_without_a_killed_worker() {
         "{summary}"
     );
     let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(stdout.contains("degraded run: rank 2 was dropped"), "{stdout}");
+    assert!(
+        stdout.contains("degraded run: rank 2 was dropped"),
+        "{stdout}"
+    );
 }

@@ -8,9 +8,14 @@
 //! reduction overlaps the rest of the backward pass. Messages of a bucket that this worker has
 //! not started yet wait in that bucket until it has.
 //!
+//! A dead worker breaks the reduction in progress; rank 0 re-forms the ring on the survivors
+//! (`Control::Regroup` and its state), and everyone goes on from rank 0's step with the same
+//! global batch (docs/architecture.md §17, "Elastic all-reduce").
+//!
 //! Invariants: every chunk is summed in the plan's fixed order, so a run is reproducible and the
-//! replicas stay bit-identical; the step's mean loss travels in bucket 0's last slot; every wait
-//! has the job's timeout and names the peer.
+//! replicas stay bit-identical (also after a re-formation, which starts from one replica); chunks
+//! carry the ring's generation, so none from an abandoned attempt is ever summed; the step's mean
+//! loss travels in bucket 0's last slot; every wait has the job's timeout and names the peer.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
