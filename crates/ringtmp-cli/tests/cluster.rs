@@ -851,6 +851,38 @@ fn adpsgd_on_local_nodes_survives_a_dead_worker_and_refuses_odd_counts() {
     assert_eq!(manifest.strategy, "adpsgd");
     assert_eq!(manifest.files.len(), 1);
     assert!(!manifest.replicas.is_empty(), "{manifest:?}");
+    // The ring resumes from the workers' average, as from any other strategy's checkpoint.
+    let resumed = tmp.path().join("ring").display().to_string();
+    let ad = tmp.path().join("ad").display().to_string();
+    let (output, _) = finish(
+        spawn_train(&[
+            "--strategy",
+            "ring",
+            "--nodes",
+            "2",
+            "--dataset",
+            "digits",
+            "--model-file",
+            "examples/models/lenet-dropout.toml",
+            "--epochs",
+            "61",
+            "--resume",
+            &ad,
+            "--out",
+            &resumed,
+        ]),
+        Duration::from_secs(60),
+    );
+    let err = stderr(&output);
+    assert!(output.status.success(), "{err}");
+    let ring: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(tmp.path().join("ring/summary.json")).unwrap(),
+    )
+    .unwrap();
+    assert!(
+        ring["final_test_accuracy"].as_f64().unwrap() > 0.7,
+        "{ring}"
+    );
 
     let mut args = common.to_vec();
     let out = tmp.path().join("odd").display().to_string();
