@@ -61,6 +61,17 @@ pub struct TrainArgs {
     /// Emulate a slower node: RANK:FACTOR with 0 < FACTOR ≤ 1 (repeatable).
     #[arg(long, value_name = "RANK:FACTOR")]
     pub node_speed: Option<Vec<String>>,
+    /// Emulated network card of every local node, Mbit/s: one sending budget shared by all the
+    /// node's outgoing links [default: unlimited].
+    #[arg(long, value_name = "MBIT")]
+    pub bandwidth_mbit: Option<f64>,
+    /// Emulated one-way latency of every frame a local node sends, milliseconds [default: 0].
+    #[arg(long, value_name = "MS")]
+    pub latency_ms: Option<f64>,
+    /// Per-rank card: RANK:MBIT[:MS], overriding --bandwidth-mbit (and --latency-ms) for that
+    /// node (repeatable or comma-separated).
+    #[arg(long, value_name = "RANK:MBIT[:MS]")]
+    pub link: Option<Vec<String>>,
     /// Pin each local node process to its own core (when there are enough cores).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub pin: Option<bool>,
@@ -207,6 +218,9 @@ impl TrainArgs {
             strategy,
             nodes,
             node_speed,
+            bandwidth_mbit,
+            latency_ms,
+            link,
             pin,
             model,
             model_file,
@@ -250,6 +264,9 @@ impl TrainArgs {
         let distributed: Vec<String> = [
             ("nodes", self.nodes.is_some_and(|n| n != 1)),
             ("node-speed", self.node_speed.is_some()),
+            ("bandwidth-mbit", self.bandwidth_mbit.is_some()),
+            ("latency-ms", self.latency_ms.is_some()),
+            ("link", self.link.is_some()),
             ("pin", self.pin.is_some()),
         ]
         .into_iter()
@@ -272,6 +289,63 @@ impl TrainArgs {
         self.ring
             .check()
             .map_err(|e| UsageError(e.to_string()).into())
+    }
+
+    /// Each local node's emulated card, by rank: (Mbit/s if limited, one-way latency in ms), from
+    /// `--bandwidth-mbit`, `--latency-ms` and the `--link` overrides.
+    pub fn node_links(&self, nodes: u32) -> Result<Vec<(Option<f64>, f64)>> {
+        let positive = |what: &str, v: f64| {
+            if v.is_finite() && v > 0.0 {
+                Ok(v)
+            } else {
+                Err(UsageError(format!(
+                    "{what} must be a positive number, got {v}"
+                )))
+            }
+        };
+        let latency = match self.latency_ms {
+            Some(ms) if !(ms.is_finite() && ms >= 0.0) => {
+                return Err(UsageError(format!("--latency-ms must be ≥ 0, got {ms}")).into());
+            }
+            other => other.unwrap_or(0.0),
+        };
+        let bandwidth = self
+            .bandwidth_mbit
+            .map(|b| positive("--bandwidth-mbit", b))
+            .transpose()?;
+        let mut links = vec![(bandwidth, latency); nodes as usize];
+        for entry in self.link.iter().flatten() {
+            for part in entry.split(',') {
+                let bad = |why: String| UsageError(format!("--link {part:?}: {why}"));
+                let fields: Vec<&str> = part.split(':').map(str::trim).collect();
+                if !(2..=3).contains(&fields.len()) {
+                    return Err(bad("expected RANK:MBIT or RANK:MBIT:MS".into()).into());
+                }
+                let rank: u32 = fields[0]
+                    .parse()
+                    .map_err(|_| bad(format!("{:?} is not a rank", fields[0])))?;
+                if rank >= nodes {
+                    return Err(bad(format!(
+                        "rank {rank} does not exist in a run of {nodes} nodes"
+                    ))
+                    .into());
+                }
+                let mbit: f64 = fields[1]
+                    .parse()
+                    .map_err(|_| bad(format!("{:?} is not a number of Mbit/s", fields[1])))?;
+                let mbit = positive("the bandwidth", mbit).map_err(|e| bad(e.0))?;
+                let ms = match fields.get(2) {
+                    Some(ms) => ms
+                        .parse::<f64>()
+                        .ok()
+                        .filter(|v| v.is_finite() && *v >= 0.0)
+                        .ok_or_else(|| bad(format!("{ms:?} is not a latency ≥ 0 in ms")))?,
+                    None => latency,
+                };
+                links[rank as usize] = (Some(mbit), ms);
+            }
+        }
+        Ok(links)
     }
 
     /// Every strategy's options.

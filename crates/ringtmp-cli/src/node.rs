@@ -101,10 +101,10 @@ pub struct ConnectArgs {
     /// training, the run's own --recv-timeout (300)].
     #[arg(long)]
     pub recv_timeout: Option<f64>,
-    /// Emulated bandwidth of every outgoing link, in Mbit/s.
+    /// Emulated network card, Mbit/s: one budget shared by every outgoing link.
     #[arg(long)]
     pub bandwidth_mbit: Option<f64>,
-    /// Emulated one-way latency of every outgoing link, in milliseconds.
+    /// Emulated one-way latency of every frame this node sends, in milliseconds.
     #[arg(long, default_value_t = 0.0)]
     pub latency_ms: f64,
     /// Pin this process to one CPU core.

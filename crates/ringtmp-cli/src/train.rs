@@ -96,6 +96,7 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
     args.out = Some(out.clone());
     args.nodes = Some(nodes);
     args.config = None;
+    let links = args.node_links(nodes)?;
     // Check everything and plan here, before any process starts: a bad option is a usage error
     // (exit 2) of this command, and the plan printed is the one the nodes run.
     let data = load_dataset(&args, true)?;
@@ -137,6 +138,13 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
         ];
         if rank == 0 {
             node_args.extend(["--job-file".into(), plan.clone()]);
+        }
+        let (bandwidth, latency) = links[rank as usize];
+        if let Some(mbit) = bandwidth {
+            node_args.extend(["--bandwidth-mbit".into(), mbit.to_string()]);
+        }
+        if latency > 0.0 {
+            node_args.extend(["--latency-ms".into(), latency.to_string()]);
         }
         if args.crash_rank == Some(rank) {
             let after = args.crash_after_ms.unwrap_or(1000).to_string();

@@ -465,3 +465,50 @@ fn r11_a_corrupted_job_file_is_refused_naming_it() {
     );
     assert_usage_error(&node(&garbage), "is not a job file");
 }
+
+// Issue 13.1: emulated cards for the local nodes of `train`; a bad spec is exit 2, named.
+#[test]
+fn bad_link_specs_are_usage_errors() {
+    let base = [
+        "train",
+        "--strategy",
+        "ring",
+        "--nodes",
+        "4",
+        "--dataset",
+        "digits",
+    ];
+    for (extra, needle) in [
+        (
+            vec!["--link", "7:50"],
+            "rank 7 does not exist in a run of 4 nodes",
+        ),
+        (
+            vec!["--link", "1:0"],
+            "the bandwidth must be a positive number",
+        ),
+        (vec!["--link", "1"], "expected RANK:MBIT or RANK:MBIT:MS"),
+        (vec!["--link", "1:50:-3"], "is not a latency"),
+        (
+            vec!["--bandwidth-mbit", "0"],
+            "--bandwidth-mbit must be a positive number",
+        ),
+        (vec!["--latency-ms", "-1"], "--latency-ms must be ≥ 0"),
+    ] {
+        let mut args = base.to_vec();
+        args.extend(extra);
+        assert_usage_error(&ringtmp(&args), needle);
+    }
+    assert_usage_error(
+        &ringtmp(&[
+            "train",
+            "--strategy",
+            "local",
+            "--dataset",
+            "digits",
+            "--link",
+            "0:50",
+        ]),
+        "--link applies to",
+    );
+}

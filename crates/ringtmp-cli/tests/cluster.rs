@@ -745,6 +745,11 @@ fn dpsgd_on_local_nodes_writes_the_output_contract() {
         "exp",
         "--nodes",
         "4",
+        // Emulated cards (issue 13.1), every node's and one override.
+        "--bandwidth-mbit",
+        "2000",
+        "--link",
+        "1:1000:1",
         "--dataset",
         "digits",
         "--model-file",

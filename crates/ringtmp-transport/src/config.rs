@@ -7,9 +7,10 @@ use ringtmp_wire::Limits;
 /// Emulated link properties (for studying edge clusters on one machine).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Shaping {
-    /// Sending rate of every link in bits per second (token bucket); `None` = unlimited.
+    /// Sending rate of the node's emulated network card in bits per second, shared by all its
+    /// outgoing links ([`crate::shaper`]); `None` = unlimited.
     pub bandwidth_bps: Option<u64>,
-    /// Added one-way latency of every frame.
+    /// Added one-way latency of every frame the node sends.
     pub latency: Duration,
 }
 

@@ -172,9 +172,13 @@ impl Network {
         let streams = runtime.block_on(establish(&cfg, listener, addresses, neighbours))?;
         let mut links = BTreeMap::new();
         let buffers = BufferPool::default();
+        let nic = {
+            let _guard = runtime.enter();
+            Arc::new(crate::shaper::SharedNic::new())
+        };
         for (rank, (stream, addr)) in streams {
             let _guard = runtime.enter();
-            let link = start_link(&cfg, rank, addr, stream, inbox_tx.clone(), &buffers);
+            let link = start_link(&cfg, rank, addr, stream, inbox_tx.clone(), &buffers, &nic);
             links.insert(rank, link);
         }
         Ok(Self {
@@ -683,6 +687,7 @@ fn start_link(
     stream: TcpStream,
     inbox: mpsc::Sender<Inbound>,
     buffers: &BufferPool,
+    nic: &Arc<crate::shaper::SharedNic>,
 ) -> Link {
     let peer = PeerName {
         rank: Some(rank),
@@ -715,6 +720,7 @@ fn start_link(
         counters.clone(),
         inbox.clone(),
         buffers.clone(),
+        nic.clone(),
     ));
     let watchdog = tokio::spawn(watchdog(
         peer.clone(),
@@ -798,14 +804,13 @@ async fn writer(
     counters: Arc<Counters>,
     inbox: mpsc::Sender<Inbound>,
     buffers: BufferPool,
+    nic: Arc<crate::shaper::SharedNic>,
 ) {
     use tokio::io::AsyncWriteExt;
     let mut scratch = Vec::new();
     let mut heartbeat = tokio::time::interval(cfg.heartbeat_interval);
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut seq = 0u64;
-    // Token bucket as a "link free at" time: each frame occupies the link for bytes·8/rate.
-    let mut link_free = tokio::time::Instant::now();
     loop {
         let (message, enqueued, counted) = tokio::select! {
             next = outgoing.recv() => match next {
@@ -825,11 +830,9 @@ async fn writer(
         }
         let size = frame_size(&message);
         if let Some(bps) = cfg.shaping.bandwidth_bps {
-            // The frame occupies the emulated link from when it is free until its last bit has
-            // gone out; release it to the socket then.
-            let start = link_free.max(tokio::time::Instant::now());
-            link_free = start + Duration::from_secs_f64(size as f64 * 8.0 / bps as f64);
-            sleep_until(link_free).await;
+            // The frame occupies the node's emulated card, shared with its other links, until
+            // its last bit has gone out; release it to the socket then.
+            sleep_until(nic.reserve(size, bps)).await;
         }
         let goodbye = matches!(message, Message::Control(Control::Goodbye));
         match write_frame(&mut stream, &message, &mut scratch).await {
