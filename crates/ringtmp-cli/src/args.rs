@@ -162,6 +162,10 @@ pub struct TrainArgs {
     /// Seconds a node waits for any one message before giving up on the run [default: 300].
     #[arg(long, value_name = "SECONDS")]
     pub recv_timeout: Option<f64>,
+    /// What tensors travel as between nodes: f32, bf16 or f16 (computation stays f32)
+    /// [default: f32].
+    #[arg(long, value_name = "DTYPE")]
+    pub wire_dtype: Option<String>,
     /// Show every node's informational log lines (otherwise progress, warnings and errors).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub verbose: Option<bool>,
@@ -245,6 +249,7 @@ impl TrainArgs {
             overwrite,
             max_steps,
             recv_timeout,
+            wire_dtype,
             verbose
         ))
     }
@@ -468,8 +473,20 @@ impl TrainArgs {
                 .map(|n| n.get())
                 .unwrap_or(1)
         });
+        let wire_dtype = match self.wire_dtype.as_deref().unwrap_or("f32") {
+            "f32" => ringtmp_wire::Dtype::F32,
+            "bf16" => ringtmp_wire::Dtype::Bf16,
+            "f16" => ringtmp_wire::Dtype::F16,
+            other => {
+                return Err(UsageError(format!(
+                    "--wire-dtype {other:?}: expected f32, bf16 or f16"
+                ))
+                .into());
+            }
+        };
         let config = TrainConfig {
             model,
+            wire_dtype,
             dataset: self.dataset(),
             data_dir: self.data_dir.clone(),
             epochs: self.epochs.unwrap_or(2),

@@ -13,6 +13,10 @@ use crate::error::{Error, Result};
 /// the heartbeats' job; this only bounds a protocol that stopped making progress).
 pub const DEFAULT_RECV_TIMEOUT_SECS: f64 = 300.0;
 
+fn f32_on_the_wire() -> ringtmp_wire::Dtype {
+    ringtmp_wire::Dtype::F32
+}
+
 fn default_recv_timeout() -> f64 {
     DEFAULT_RECV_TIMEOUT_SECS
 }
@@ -22,6 +26,10 @@ fn default_recv_timeout() -> f64 {
 pub struct TrainConfig {
     /// The model description.
     pub model: ModelSpec,
+    /// Element type of the tensors strategies send (activations and gradients on the ring;
+    /// gradients and models for the others): converted on the wire only, computation stays f32.
+    #[serde(default = "f32_on_the_wire")]
+    pub wire_dtype: ringtmp_wire::Dtype,
     /// Dataset name (recorded in outputs and checkpoints).
     pub dataset: String,
     /// Directory the dataset's files are read from (`None`: the bundled copy and the usual

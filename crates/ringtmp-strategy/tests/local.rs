@@ -41,6 +41,7 @@ fn config(out: &Path, optimizer: OptimizerConfig) -> TrainConfig {
     TrainConfig {
         model: ModelSpec::from_toml(MODEL, "digits-test").unwrap(),
         dataset: "digits".into(),
+        wire_dtype: ringtmp_wire::Dtype::F32,
         data_dir: None,
         epochs: 3,
         batch_size: 32,

@@ -37,6 +37,7 @@ fn config(out: &Path) -> TrainConfig {
     TrainConfig {
         model: model(),
         dataset: "digits".into(),
+        wire_dtype: ringtmp_wire::Dtype::F32,
         data_dir: None,
         epochs: 1,
         batch_size: BATCH,

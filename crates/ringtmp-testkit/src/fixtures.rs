@@ -114,6 +114,7 @@ pub fn train_config(
     TrainConfig {
         model: spec,
         dataset: "digits".into(),
+        wire_dtype: ringtmp_wire::Dtype::F32,
         data_dir: None,
         epochs: 1,
         batch_size: batch,

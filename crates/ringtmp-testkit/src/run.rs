@@ -105,9 +105,20 @@ pub fn ps_nodes(
     data: &Dataset,
     speeds: &[f64],
 ) -> Ran<Result<PsNode, String>> {
+    ps_nodes_audited(backend, job, data, speeds, None)
+}
+
+/// [`ps_nodes`], recording every message rank `audit` sends.
+pub fn ps_nodes_audited(
+    backend: &Backend,
+    job: &PsJob,
+    data: &Dataset,
+    speeds: &[f64],
+    audit: Option<u32>,
+) -> Ran<Result<PsNode, String>> {
     use ringtmp_strategy::param_server::driver::{run_server, run_worker};
     let n = (job.servers + job.workers) as u32;
-    run_nodes(backend, star(n, job.servers as u32), None, |r, net| {
+    run_nodes(backend, star(n, job.servers as u32), audit, |r, net| {
         if (r as usize) < job.servers {
             let result = run_server(job, r as usize, net);
             end(net, result).map(|o| PsNode::Server(Box::new(o)))

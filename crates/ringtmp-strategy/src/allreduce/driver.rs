@@ -25,7 +25,7 @@ use ringtmp_data::{BatchPlan, Dataset};
 use ringtmp_metrics::{DroppedNode, Summary};
 use ringtmp_model::{Optimizer, Stage, checkpoint};
 use ringtmp_transport::{Transport, TransportError};
-use ringtmp_wire::message::{tensor_bytes_into, tensor_values};
+use ringtmp_wire::message::{tensor_bytes_into, tensor_values, tensor_values_into};
 use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
 use serde_json::json;
 
@@ -119,6 +119,8 @@ struct Reducer {
     broken: Option<Break>,
     /// Messages for later (another protocol's, or a newer generation's), in arrival order.
     later: Vec<(u32, Message)>,
+    /// What chunks travel as.
+    wire: Dtype,
 }
 
 /// `micro_batch` of a chunk message: the ring's generation, its bucket and protocol step.
@@ -148,6 +150,7 @@ impl Reducer {
         extra: usize,
         iteration: u64,
         timeout: Duration,
+        wire: Dtype,
     ) -> Self {
         let n = ring.members.len();
         let at = ring.position(rank).expect("a member reduces");
@@ -177,6 +180,7 @@ impl Reducer {
             timeout,
             broken: None,
             later: Vec::new(),
+            wire,
         }
     }
 
@@ -230,21 +234,27 @@ impl Reducer {
 
     /// Sends bucket `b`'s chunk for its current step.
     fn send(&mut self, b: usize, net: &mut dyn Transport) -> Result<()> {
-        let bucket = &self.buckets[b];
+        let (wire, all_gather) = (self.wire, self.plan.n - 1);
+        let bucket = &mut self.buckets[b];
         let Some(s) = bucket.step.filter(|s| *s < self.plan.steps()) else {
             return Ok(());
         };
-        let chunk = &bucket.values[bucket.chunks[self.plan.send_chunk(s)].clone()];
+        let chunk = &mut bucket.values[bucket.chunks[self.plan.send_chunk(s)].clone()];
+        let mut payload = net.buffers().take(chunk.len() * wire.size() as usize);
+        tensor_bytes_into(chunk, wire, &mut payload);
+        if s >= all_gather && wire != Dtype::F32 {
+            // A complete chunk leaves rounded to the wire type; its owner keeps the same
+            // rounded values, so every replica applies the same bits.
+            tensor_values_into(&payload, wire, chunk);
+        }
         let header = TensorHeader {
             run_id: 0,
             step: self.iteration,
             micro_batch: chunk_id(self.generation, b, s),
             tag: TensorTag::ParamGrads,
-            dtype: Dtype::F32,
+            dtype: wire,
             shape: vec![chunk.len() as u32],
         };
-        let mut payload = net.buffers().take(chunk.len() * 4);
-        tensor_bytes_into(chunk, Dtype::F32, &mut payload);
         match net.send(self.succ, Message::Tensor(header, payload)) {
             Ok(()) => Ok(()),
             Err(e) => self.failed(e),
@@ -467,7 +477,8 @@ fn reform_ring(
                 optimizer_steps: optimizer.steps(),
             };
             let sent = net.send(r, Message::Control(order)).and_then(|()| {
-                let message = crate::gossip::model_message(net, &state, step, ring.generation);
+                let message =
+                    crate::gossip::model_message(net, &state, step, ring.generation, Dtype::F32);
                 net.send(r, message)
             });
             if let Err(e) = sent {
@@ -666,7 +677,15 @@ pub fn run_worker(
             share.dlogits.iter_mut().for_each(|d| *d *= weight);
             local_loss *= weight;
         }
-        let mut reducer = Reducer::new(rank, &ring, &ranges, 1, step, spec.recv_timeout());
+        let mut reducer = Reducer::new(
+            rank,
+            &ring,
+            &ranges,
+            1,
+            step,
+            spec.recv_timeout(),
+            spec.wire_dtype,
+        );
         // Overlap: between layers, start the buckets whose gradients are complete and move the
         // ones in flight; a failure is kept for after the layer (a hook cannot return one).
         let mut failure: Option<Error> = None;

@@ -32,7 +32,7 @@ use ringtmp_metrics::{NodeSummary, Summary};
 use ringtmp_model::{Optimizer, Stage, checkpoint};
 use ringtmp_transport::{Transport, TransportError};
 use ringtmp_wire::message::tensor_values;
-use ringtmp_wire::{Control, Message, TensorTag};
+use ringtmp_wire::{Control, Dtype, Message, TensorTag};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
@@ -180,14 +180,21 @@ impl Worker<'_> {
     fn handle(&mut self, net: &mut dyn Transport, from: u32, message: Message) -> Result<()> {
         match message {
             Message::Tensor(h, bytes)
-                if h.tag == TensorTag::Params && bytes.len() == self.model.len() * 4 =>
+                if h.tag == TensorTag::Params
+                    && super::holds(&bytes, self.model.len(), h.dtype) =>
             {
                 tensor_values(&bytes, h.dtype, &mut self.received);
                 net.buffers().give(bytes);
                 match h.micro_batch {
                     // A request: answer with our model, then take the average.
                     AVERAGE if !self.active && self.near.contains(&from) => {
-                        let answer = super::model_message(net, &self.model, h.step, AVERAGE);
+                        let answer = super::model_message(
+                            net,
+                            &self.model,
+                            h.step,
+                            AVERAGE,
+                            self.job.spec.wire_dtype,
+                        );
                         self.model
                             .iter_mut()
                             .zip(&self.received)
@@ -214,7 +221,10 @@ impl Worker<'_> {
                 }
             }
             Message::Control(Control::Snapshot { round }) if from == 0 => {
-                net.send(0, super::model_message(net, &self.model, round, SNAPSHOT))?;
+                net.send(
+                    0,
+                    super::model_message(net, &self.model, round, SNAPSHOT, Dtype::F32),
+                )?;
             }
             Message::Control(Control::Stop { .. }) if from == 0 => self.stop = true,
             Message::Control(Control::Finished { .. }) if !self.active => {
@@ -408,8 +418,10 @@ pub fn run_worker(
             let live: Vec<u32> = me.near.iter().copied().collect();
             let mut partner = (!live.is_empty()).then(|| live[rng.random_range(0..live.len())]);
             if let Some(p) = partner
-                && let Err(e) =
-                    net.send(p, super::model_message(net, &me.model, iterations, AVERAGE))
+                && let Err(e) = net.send(
+                    p,
+                    super::model_message(net, &me.model, iterations, AVERAGE, spec.wire_dtype),
+                )
             {
                 me.lost(net, e)?;
                 partner = None;
@@ -423,7 +435,7 @@ pub fn run_worker(
                         if h.tag == TensorTag::Params
                             && h.micro_batch == AVERAGE
                             && h.step == iterations
-                            && bytes.len() == me.model.len() * 4 =>
+                            && super::holds(&bytes, me.model.len(), h.dtype) =>
                     {
                         tensor_values(&bytes, h.dtype, &mut me.received);
                         net.buffers().give(bytes);
@@ -525,7 +537,10 @@ pub fn run_worker(
         )
     };
     let Some(mut r0) = rank0 else {
-        net.send(0, super::model_message(net, &me.model, FINAL, SNAPSHOT))?;
+        net.send(
+            0,
+            super::model_message(net, &me.model, FINAL, SNAPSHOT, Dtype::F32),
+        )?;
         let doc = serde_json::to_string(&own).map_err(|e| Error::Config(e.to_string()))?;
         net.send(0, Message::Control(Control::Report { nodes: vec![doc] }))?;
         return Ok(WorkerOutcome {

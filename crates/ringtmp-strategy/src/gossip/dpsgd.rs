@@ -25,7 +25,7 @@ use ringtmp_metrics::{DroppedNode, NodeSummary, Summary};
 use ringtmp_model::{Optimizer, Stage, checkpoint};
 use ringtmp_transport::{Transport, TransportError};
 use ringtmp_wire::message::tensor_values;
-use ringtmp_wire::{Message, TensorTag};
+use ringtmp_wire::{Dtype, Message, TensorTag};
 use serde_json::json;
 
 use super::DpsgdJob;
@@ -108,7 +108,10 @@ fn gather_models(
     done: u64,
 ) -> Result<Option<super::Models>> {
     if rank != 0 {
-        net.send(0, super::model_message(net, params, done, TO_RANK0))?;
+        net.send(
+            0,
+            super::model_message(net, params, done, TO_RANK0, Dtype::F32),
+        )?;
         return Ok(None);
     }
     let mut models = vec![(0, params.to_vec())];
@@ -120,7 +123,7 @@ fn gather_models(
                     if h.tag == TensorTag::Params
                         && h.micro_batch == TO_RANK0
                         && h.step == done
-                        && bytes.len() == params.len() * 4 =>
+                        && super::holds(&bytes, params.len(), h.dtype) =>
                 {
                     tensor_values(&bytes, h.dtype, &mut values);
                     net.buffers().give(bytes);
@@ -213,7 +216,8 @@ pub fn run_worker_from(
         let waited = clock.now();
         let degree = peers.near.len();
         for p in peers.near.clone() {
-            let message = super::model_message(net, stage.params(), step, degree as u64);
+            let message =
+                super::model_message(net, stage.params(), step, degree as u64, spec.wire_dtype);
             if let Err(e) = net.send(p, message) {
                 peers.lost(job, rank, step, e)?;
             }
@@ -227,7 +231,7 @@ pub fn run_worker_from(
                     Ok(Message::Tensor(h, bytes))
                         if h.tag == TensorTag::Params
                             && h.step == step
-                            && bytes.len() == stage.params().len() * 4 =>
+                            && super::holds(&bytes, stage.params().len(), h.dtype) =>
                     {
                         // Buffers are reused from step to step.
                         if received.len() == heard {

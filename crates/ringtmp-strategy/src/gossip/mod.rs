@@ -167,25 +167,32 @@ pub fn consensus(models: &[(u32, Vec<f32>)]) -> (Vec<f32>, f64) {
     (mean, distance)
 }
 
-/// A whole model as a `Params` tensor; `step` and `kind` (its `micro_batch`) say what it is for.
+/// A whole model as a `Params` tensor of `dtype` on the wire; `step` and `kind` (its
+/// `micro_batch`) say what it is for.
 pub(crate) fn model_message(
     net: &dyn ringtmp_transport::Transport,
     model: &[f32],
     step: u64,
     kind: u64,
+    dtype: ringtmp_wire::Dtype,
 ) -> ringtmp_wire::Message {
-    use ringtmp_wire::{Dtype, TensorHeader, TensorTag};
+    use ringtmp_wire::{TensorHeader, TensorTag};
     let header = TensorHeader {
         run_id: 0,
         step,
         micro_batch: kind,
         tag: TensorTag::Params,
-        dtype: Dtype::F32,
+        dtype,
         shape: vec![model.len() as u32],
     };
-    let mut payload = net.buffers().take(model.len() * 4);
-    ringtmp_wire::message::tensor_bytes_into(model, Dtype::F32, &mut payload);
+    let mut payload = net.buffers().take(model.len() * dtype.size() as usize);
+    ringtmp_wire::message::tensor_bytes_into(model, dtype, &mut payload);
     ringtmp_wire::Message::Tensor(header, payload)
+}
+
+/// Whether `bytes` hold `len` values of `dtype` (a model of the expected size).
+pub(crate) fn holds(bytes: &[u8], len: usize, dtype: ringtmp_wire::Dtype) -> bool {
+    bytes.len() as u64 == len as u64 * dtype.size()
 }
 
 #[cfg(test)]

@@ -110,19 +110,24 @@ pub struct ServerOutcome {
 /// A tensor message of `values` in a buffer from the node's pool: a gradient push (`step` the
 /// worker's iteration, `unit` the unit of work it computed) or a parameter shard (`step` the
 /// worker's clock, `unit` its next unit).
-fn tensor(net: &dyn Transport, tag: TensorTag, step: u64, unit: u64, values: &[f32]) -> Message {
+fn tensor(
+    net: &dyn Transport,
+    tag: TensorTag,
+    step: u64,
+    unit: u64,
+    values: &[f32],
+    dtype: Dtype,
+) -> Message {
     let header = TensorHeader {
         run_id: 0,
         step,
         micro_batch: unit,
         tag,
-        dtype: Dtype::F32,
+        dtype,
         shape: vec![values.len() as u32],
     };
-    let mut payload = net
-        .buffers()
-        .take(values.len() * Dtype::F32.size() as usize);
-    tensor_bytes_into(values, Dtype::F32, &mut payload);
+    let mut payload = net.buffers().take(values.len() * dtype.size() as usize);
+    tensor_bytes_into(values, dtype, &mut payload);
     Message::Tensor(header, payload)
 }
 
@@ -205,7 +210,7 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
                 ) {
                     checkpoints.iteration_done(job, s, &model, &params, &optimizer, net)?;
                 }
-                send_replies(replies, &params, job.servers, net)?;
+                send_replies(replies, &params, job.servers, job.spec.wire_dtype, net)?;
                 continue;
             }
         };
@@ -222,7 +227,7 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
                     settled,
                 }) if from == 0 && (worker as usize) < job.workers => {
                     let replies = pulls.grant(worker as usize, unit, settled, now());
-                    send_replies(replies, &params, job.servers, net)?;
+                    send_replies(replies, &params, job.servers, job.spec.wire_dtype, net)?;
                 }
                 _ => {
                     return Err(Error::Config(format!(
@@ -241,7 +246,13 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
                         "server {s}: worker rank {from} pulls for iteration {clock} after pushing {pushed}"
                     )));
                 }
-                send_replies(pulls.pull(w, clock, now()), &params, job.servers, net)?;
+                send_replies(
+                    pulls.pull(w, clock, now()),
+                    &params,
+                    job.servers,
+                    job.spec.wire_dtype,
+                    net,
+                )?;
             }
             Message::Tensor(h, bytes) if h.tag == TensorTag::ParamGrads => {
                 let count = bytes.len() as u64 / h.dtype.size();
@@ -274,12 +285,18 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
                     checkpoints.push_applied(job, s, &model, &params, &optimizer, net)?;
                 }
                 let replies = pulls.pushed(w, h.micro_batch, now());
-                send_replies(replies, &params, job.servers, net)?;
+                send_replies(replies, &params, job.servers, job.spec.wire_dtype, net)?;
             }
             Message::Control(Control::Report { nodes }) => reports.extend(nodes),
             Message::Control(Control::Finished { .. }) => {
                 finished.insert(w);
-                send_replies(pulls.drop_worker(w, now()), &params, job.servers, net)?;
+                send_replies(
+                    pulls.drop_worker(w, now()),
+                    &params,
+                    job.servers,
+                    job.spec.wire_dtype,
+                    net,
+                )?;
             }
             other => {
                 let what = match other {
@@ -332,6 +349,7 @@ fn send_replies(
     replies: Vec<Reply>,
     params: &[f32],
     servers: usize,
+    dtype: Dtype,
     net: &mut dyn Transport,
 ) -> Result<()> {
     for reply in replies {
@@ -340,7 +358,7 @@ fn send_replies(
                 worker,
                 clock,
                 unit,
-            } => send_params(worker, clock, unit, params, servers, net)?,
+            } => send_params(worker, clock, unit, params, servers, dtype, net)?,
             Reply::Grant {
                 to,
                 worker,
@@ -367,9 +385,10 @@ fn send_params(
     unit: u64,
     params: &[f32],
     servers: usize,
+    dtype: Dtype,
     net: &mut dyn Transport,
 ) -> Result<()> {
-    let message = tensor(net, TensorTag::Params, clock, unit, params);
+    let message = tensor(net, TensorTag::Params, clock, unit, params, dtype);
     net.send((servers + w) as u32, message)?;
     Ok(())
 }
@@ -703,6 +722,7 @@ pub fn run_worker(
                     t,
                     unit,
                     &stage.grads()[range.clone()],
+                    job.spec.wire_dtype,
                 ),
             )?;
         }

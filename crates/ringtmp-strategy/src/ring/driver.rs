@@ -230,35 +230,25 @@ impl NodeClock {
     }
 }
 
-pub(super) fn header(
-    tag: TensorTag,
-    step: u64,
-    micro_batch: u64,
-    rows: usize,
-    width: usize,
-) -> TensorHeader {
-    TensorHeader {
-        run_id: 0,
-        step,
-        micro_batch,
-        tag,
-        dtype: Dtype::F32,
-        shape: vec![rows as u32, width as u32],
-    }
-}
-
+/// A tensor of `rows` rows of `values`, as `dtype` on the wire.
 pub(super) fn tensor(
     tag: TensorTag,
     step: u64,
     micro_batch: u64,
     rows: usize,
     values: &[f32],
+    dtype: Dtype,
 ) -> Message {
     let width = values.len() / rows.max(1);
-    Message::Tensor(
-        header(tag, step, micro_batch, rows, width),
-        tensor_bytes(values, Dtype::F32),
-    )
+    let header = TensorHeader {
+        run_id: 0,
+        step,
+        micro_batch,
+        tag,
+        dtype,
+        shape: vec![rows as u32, width as u32],
+    };
+    Message::Tensor(header, tensor_bytes(values, dtype))
 }
 
 pub(super) fn protocol(net: &dyn Transport, from: u32, what: &str) -> Error {

@@ -10,7 +10,7 @@ use ringtmp_metrics::Summary;
 use ringtmp_model::{Optimizer, Pass, Stage, loss};
 use ringtmp_transport::Transport;
 use ringtmp_wire::message::tensor_values;
-use ringtmp_wire::{Control, Message, TensorTag};
+use ringtmp_wire::{Control, Dtype, Message, TensorTag};
 use serde_json::json;
 
 use super::driver::{EVAL_ROWS, NodeClock, RingJob, micro_offset, node_summary, protocol, tensor};
@@ -480,6 +480,7 @@ impl LossSide {
                     id,
                     labels.len(),
                     &grad,
+                    job.spec.wire_dtype,
                 );
                 Ok(Some((pred, back)))
             }
@@ -702,7 +703,14 @@ impl MasterPipe {
                     clock.peak_stash = clock.peak_stash.max(stage.stash_bytes());
                     net.send(
                         succ,
-                        tensor(TensorTag::Activation, header_step, id, rows.len(), &out),
+                        tensor(
+                            TensorTag::Activation,
+                            header_step,
+                            id,
+                            rows.len(),
+                            &out,
+                            job.spec.wire_dtype,
+                        ),
                     )?;
                     self.forwarded += 1;
                     if let Some(state) = flushed.as_mut() {
@@ -779,7 +787,15 @@ fn evaluate(
             let (start, end) = chunk(i);
             split.gather_range(start, end, &mut x, &mut y);
             let out = stage.infer(&x, end - start)?;
-            let message = tensor(TensorTag::Inference, step, i as u64, end - start, out);
+            // Evaluation travels in f32 whatever the wire type: accuracy is measured exactly.
+            let message = tensor(
+                TensorTag::Inference,
+                step,
+                i as u64,
+                end - start,
+                out,
+                Dtype::F32,
+            );
             *eval_bytes += ringtmp_wire::encoded_len(&message) as u64;
             Ok(message)
         },

@@ -7,7 +7,7 @@ use std::time::Duration;
 use ringtmp_model::{Optimizer, Pass, Stage};
 use ringtmp_transport::Transport;
 use ringtmp_wire::message::tensor_values;
-use ringtmp_wire::{Control, Message, TensorHeader, TensorTag};
+use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
 
 use super::driver::{NodeClock, RingJob, micro_offset, node_summary, protocol, tensor, values};
 use super::partition::StagePlan;
@@ -113,6 +113,8 @@ struct RingNode {
     plan: StagePlan,
     clock: NodeClock,
     started: Duration,
+    /// What activations and gradients travel as.
+    wire: Dtype,
 }
 
 impl RingNode {
@@ -138,6 +140,7 @@ impl RingNode {
                 job.node_speeds.get(rank as usize).copied().unwrap_or(1.0),
             ),
             started: net.clock().now(),
+            wire: job.spec.wire_dtype,
         })
     }
 
@@ -168,7 +171,14 @@ impl RingNode {
         self.clock.peak_stash = self.clock.peak_stash.max(self.stage.stash_bytes());
         net.send(
             self.succ,
-            tensor(TensorTag::Activation, header_step, id, rows, &out),
+            tensor(
+                TensorTag::Activation,
+                header_step,
+                id,
+                rows,
+                &out,
+                self.wire,
+            ),
         )?;
         Ok(())
     }
@@ -190,7 +200,7 @@ impl RingNode {
         let rows = dy.len() / self.stage.output_len().max(1);
         net.send(
             self.pred,
-            tensor(TensorTag::Gradient, header_step, id, rows, &dx),
+            tensor(TensorTag::Gradient, header_step, id, rows, &dx, self.wire),
         )?;
         Ok(())
     }
@@ -220,7 +230,14 @@ impl RingNode {
                 let mut values = Vec::new();
                 tensor_values(&bytes, h.dtype, &mut values);
                 let out = self.stage.infer(&values, rows)?.to_vec();
-                let message = tensor(TensorTag::Inference, h.step, h.micro_batch, rows, &out);
+                let message = tensor(
+                    TensorTag::Inference,
+                    h.step,
+                    h.micro_batch,
+                    rows,
+                    &out,
+                    Dtype::F32,
+                );
                 self.clock.eval_bytes += ringtmp_wire::encoded_len(&message) as u64;
                 net.send(self.succ, message)?;
                 Ok(false)
