@@ -7,6 +7,7 @@
 mod args;
 mod bench;
 mod bench_transport;
+mod compare;
 mod display;
 mod error;
 mod launcher;
@@ -48,6 +49,14 @@ enum Command {
     Node(node::NodeArgs),
     /// Check connectivity and measure the links of a local ring of N node processes.
     Selftest(SelftestArgs),
+    /// Run several strategies one after the other on the same model, data and emulated cluster,
+    /// and write a side-by-side report (`ringtmp compare --help`).
+    #[command(disable_help_flag = true)]
+    Compare {
+        /// compare's options, then `ringtmp train` options shared by every run.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 /// `ringtmp selftest` options.
@@ -121,6 +130,7 @@ fn main() -> ExitCode {
         Command::Node(a) => node::run(&a),
         Command::BenchTransport(a) => bench_transport::run(&a),
         Command::Selftest(a) => selftest(&a),
+        Command::Compare { args } => compare::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

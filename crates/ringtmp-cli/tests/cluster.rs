@@ -951,3 +951,139 @@ fn allreduce_goes_on_without_a_killed_worker() {
         "{stdout}"
     );
 }
+
+// Issue 13.4: `ringtmp compare` runs each configuration into its own directory and writes
+// results.jsonl, report.md, the SVG plots and report.html; a second call into the same
+// directory runs nothing again; bad specs are exit 2 before anything runs.
+#[test]
+fn compare_writes_the_report_and_skips_finished_runs() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("cmp").display().to_string();
+    let args = [
+        "compare",
+        "--strategies",
+        "ps:bsp,allreduce",
+        "--nodes",
+        "2,3",
+        "--out",
+        &out,
+        "--dataset",
+        "digits",
+        "--model-file",
+        "examples/models/lenet-dropout.toml",
+        "--batch-size",
+        "12",
+        "--lr",
+        "0.05",
+        "--max-steps",
+        "6",
+        "--eval-every",
+        "3",
+    ];
+    let run = || {
+        let child = ringtmp()
+            .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        finish(child, Duration::from_secs(180)).0
+    };
+    let output = run();
+    let err = stderr(&output);
+    assert!(output.status.success(), "{err}");
+    let dir = tmp.path().join("cmp");
+    let results = std::fs::read_to_string(dir.join("results.jsonl")).unwrap();
+    let lines: Vec<serde_json::Value> = results
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 4, "{results}");
+    for line in &lines {
+        assert!(line["samples_per_second"].as_f64().unwrap() > 0.0, "{line}");
+        assert!(line["bytes_per_sample"].as_f64().unwrap() > 0.0, "{line}");
+    }
+    // The table comes from the summaries: the parameter server's busiest node is its server.
+    let ps = lines.iter().find(|l| l["run"] == "ps_bsp-n3-r0").unwrap();
+    let summary: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("runs/ps_bsp-n3-r0/summary.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(ps["total_bytes_sent"], summary["total_bytes_sent"]);
+    assert_eq!(
+        ps["busiest_node_bytes_sent"].as_u64(),
+        summary["per_node"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n["bytes_sent"].as_u64().unwrap())
+            .max()
+    );
+    let md = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    assert!(
+        md.contains("| ps:bsp ×3 |") && md.contains("| allreduce ×2 |"),
+        "{md}"
+    );
+    for plot in [
+        "accuracy_vs_time",
+        "accuracy_vs_samples",
+        "samples_per_second",
+        "bytes_per_sample",
+        "peak_memory",
+        "compute_idle",
+        "scaling",
+    ] {
+        let svg = std::fs::read_to_string(dir.join(format!("plots/{plot}.svg"))).unwrap();
+        let doc = roxmltree::Document::parse(&svg).unwrap_or_else(|e| panic!("{plot}: {e}"));
+        assert_eq!(doc.root_element().tag_name().name(), "svg");
+    }
+    let html = std::fs::read_to_string(dir.join("report.html")).unwrap();
+    let doc = roxmltree::Document::parse_with_options(
+        &html,
+        roxmltree::ParsingOptions {
+            allow_dtd: true,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(
+        doc.descendants()
+            .filter(|n| n.tag_name().name() == "svg")
+            .count(),
+        7,
+        "every plot inline"
+    );
+    // Again into the same directory: every run is kept.
+    let output = run();
+    let err = stderr(&output);
+    assert!(output.status.success(), "{err}");
+    assert_eq!(err.matches("finished before, kept").count(), 4, "{err}");
+
+    // Bad specs: exit 2, named, before any run.
+    for (extra, needle) in [
+        (
+            vec!["--strategies", "ring,horovod"],
+            "unknown strategy \"horovod\"",
+        ),
+        (vec!["--link", "9:50"], "rank 9 does not exist"),
+        (
+            vec!["--strategies", "adpsgd", "--nodes", "3"],
+            "even number of nodes",
+        ),
+        (vec!["--repeats", "0"], "--repeats"),
+    ] {
+        let bad = tmp.path().join("bad").display().to_string();
+        let mut args = vec!["compare", "--out", &bad, "--dataset", "digits"];
+        args.extend(extra);
+        let output = ringtmp()
+            .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+            .args(&args)
+            .output()
+            .unwrap();
+        let err = stderr(&output);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {err}");
+        assert!(!tmp.path().join("bad/runs").exists(), "nothing ran");
+    }
+}

@@ -1,0 +1,142 @@
+//! `ringtmp compare`: runs a set of strategies on the same model, data, seed and emulated cluster,
+//! one after the other, and writes a side-by-side report.
+//!
+//! Layout of the output directory:
+//! ```text
+//! <out>/runs/<strategy>-n<nodes>-r<repeat>/   every run's own directory (ringtmp train --out)
+//! <out>/runs/<...>.log                         what the run printed
+//! <out>/results.jsonl                          one line per finished run, from its summary.json
+//! <out>/report.md, <out>/report.html           the report (plots inline in the HTML)
+//! <out>/plots/*.svg                            the plots
+//! ```
+//! Invariants: every configuration is checked before the first run starts; a run whose
+//! directory already holds a summary is not run again (so a comparison interrupted or extended
+//! resumes where it stopped); the report is computed from the runs' summaries and metrics only.
+//!
+//! # Layout
+//! - [`spec`]: options, strategies in the short form, the run list.
+//! - [`report`]: results, tables and plots.
+
+pub mod report;
+pub mod spec;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+
+use crate::args::TrainArgs;
+use crate::error::UsageError;
+use spec::{CompareOptions, RunPlan};
+
+/// `ringtmp compare` with its raw arguments.
+pub fn run(raw: &[String]) -> Result<()> {
+    let Some(options) = spec::parse(raw)? else {
+        return Ok(());
+    };
+    let runs = spec::runs(&options)?;
+    check(&options, &runs)?;
+    std::fs::create_dir_all(options.out.join("runs"))
+        .with_context(|| format!("creating {}", options.out.display()))?;
+    eprintln!(
+        "compare: {} run(s) ({} strategies × {} node count(s) × {} repeat(s)); output in {}",
+        runs.len(),
+        options.strategies.len(),
+        options.nodes.len(),
+        options.repeats,
+        options.out.display()
+    );
+    let exe = std::env::current_exe().context("locating the ringtmp binary")?;
+    for (i, plan) in runs.iter().enumerate() {
+        let dir = options.out.join("runs").join(&plan.name);
+        let label = format!(
+            "[{}/{}] {} on {} node(s), repeat {}",
+            i + 1,
+            runs.len(),
+            plan.strategy,
+            plan.nodes,
+            plan.repeat + 1
+        );
+        if dir.join("summary.json").is_file() {
+            eprintln!("compare: {label}: finished before, kept");
+            continue;
+        }
+        eprintln!("compare: {label} …");
+        let started = Instant::now();
+        let status = run_one(&exe, plan, &dir)?;
+        let took = started.elapsed().as_secs_f64();
+        match report::read_summary(&dir) {
+            Some(s) if status.success() => eprintln!(
+                "compare: {label}: {:.2}% final ({:.2}% best), {:.0} samples/s, {took:.1} s",
+                100.0 * s.final_test_accuracy,
+                100.0 * s.best_test_accuracy,
+                s.samples_per_second
+            ),
+            _ => eprintln!(
+                "compare: {label}: FAILED ({status}); see {}.log — the report leaves it out",
+                dir.display()
+            ),
+        }
+    }
+    let written = report::write(&options)?;
+    eprintln!(
+        "compare: {} run(s) in the report: {}",
+        written,
+        options.out.join("report.html").display()
+    );
+    Ok(())
+}
+
+/// Runs one `ringtmp train` into `dir`, its output in `dir.log`.
+fn run_one(exe: &Path, plan: &RunPlan, dir: &Path) -> Result<std::process::ExitStatus> {
+    let log_path = dir.with_extension("log");
+    let log = std::fs::File::create(&log_path)
+        .with_context(|| format!("creating {}", log_path.display()))?;
+    let mut command = Command::new(exe);
+    command
+        .arg("train")
+        .args(&plan.args)
+        .arg("--out")
+        .arg(dir)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log);
+    if dir.exists() {
+        // A run cut short before it wrote its summary: start it again from nothing.
+        command.arg("--overwrite");
+    }
+    command
+        .status()
+        .with_context(|| format!("running {}", plan.name))
+}
+
+/// Checks every configuration (options, links and the strategy's plan) before anything runs.
+fn check(options: &CompareOptions, runs: &[RunPlan]) -> Result<()> {
+    let mut data = None;
+    for plan in runs.iter().filter(|r| r.repeat == 0) {
+        let what = format!("{} on {} node(s)", plan.strategy, plan.nodes);
+        let args = TrainArgs::parse_train(&plan.args)
+            .and_then(|a| a.merged())
+            .with_context(|| what.clone())?;
+        args.check_applicable().with_context(|| what.clone())?;
+        if args.out.is_some() {
+            return Err(UsageError(
+                "--out is compare's own option: every run gets a directory under it".into(),
+            )
+            .into());
+        }
+        if plan.strategy == "local" {
+            continue;
+        }
+        args.node_links(plan.nodes).with_context(|| what.clone())?;
+        if data.is_none() {
+            data = Some(crate::plan::load_dataset(&args, false)?);
+        }
+        let data = data.as_ref().expect("loaded above");
+        let cfg = args.resolve(data.classes).with_context(|| what.clone())?;
+        crate::plan::plan(&args, cfg, data, plan.nodes).with_context(|| what.clone())?;
+    }
+    let _ = options;
+    Ok(())
+}

@@ -1,0 +1,674 @@
+//! The comparison's report, computed from the runs' own outputs only (summary.json and the
+//! evaluations in metrics.jsonl): `results.jsonl`, `report.md`, SVG plots (drawn by the
+//! `plotters` crate) and a self-contained `report.html` that shows them inline.
+//!
+//! Repeats of one configuration are reported as their median with the range (time to accuracy
+//! varies from run to run); plots of curves show each configuration's first repeat.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::{Context, Result};
+use plotters::prelude::*;
+use ringtmp_metrics::Summary;
+use serde_json::json;
+
+use super::spec::{CompareOptions, RunPlan, runs};
+
+/// A run's summary, if it finished.
+pub fn read_summary(dir: &Path) -> Option<Summary> {
+    let text = std::fs::read_to_string(dir.join("summary.json")).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+/// One finished run.
+struct Finished {
+    plan: RunPlan,
+    summary: Summary,
+    /// (training seconds, samples, test accuracy) at every evaluation.
+    curve: Vec<(f64, f64, f64)>,
+}
+
+impl Finished {
+    fn busiest_bytes(&self) -> u64 {
+        self.summary
+            .per_node
+            .iter()
+            .map(|n| n.bytes_sent)
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn label(&self) -> String {
+        format!("{} ×{}", self.plan.strategy, self.plan.nodes)
+    }
+}
+
+fn curve(dir: &Path, summary: &Summary) -> Vec<(f64, f64, f64)> {
+    let per_step = summary.samples as f64 / summary.steps.max(1) as f64;
+    let Ok(text) = std::fs::read_to_string(dir.join("metrics.jsonl")) else {
+        return Vec::new();
+    };
+    text.lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| e["event"] == "eval")
+        .filter_map(|e| {
+            Some((
+                e["train_seconds"].as_f64()?,
+                e["step"].as_f64()? * per_step,
+                e["test_accuracy"].as_f64()?,
+            ))
+        })
+        .collect()
+}
+
+/// The median and the range of `values` (empty: none).
+fn spread(mut values: Vec<f64>) -> Option<(f64, f64, f64)> {
+    values.retain(|v| v.is_finite());
+    if values.is_empty() {
+        return None;
+    }
+    values.sort_by(f64::total_cmp);
+    let n = values.len();
+    let median = if n % 2 == 1 {
+        values[n / 2]
+    } else {
+        (values[n / 2 - 1] + values[n / 2]) / 2.0
+    };
+    Some((median, values[0], values[n - 1]))
+}
+
+fn show(v: Option<(f64, f64, f64)>, digits: usize, scale: f64) -> String {
+    match v {
+        None => "—".into(),
+        Some((m, lo, hi)) if (hi - lo).abs() < 1e-12 => format!("{:.*}", digits, m * scale),
+        Some((m, lo, hi)) => format!(
+            "{:.*} ({:.*}–{:.*})",
+            digits,
+            m * scale,
+            digits,
+            lo * scale,
+            digits,
+            hi * scale
+        ),
+    }
+}
+
+/// One row of the comparison: a configuration over its repeats.
+struct Row {
+    label: String,
+    strategy: String,
+    nodes: u32,
+    repeats: usize,
+    final_accuracy: Option<(f64, f64, f64)>,
+    best_accuracy: Option<(f64, f64, f64)>,
+    time_to_target: Option<(f64, f64, f64)>,
+    reached: usize,
+    samples_per_second: Option<(f64, f64, f64)>,
+    bytes_per_sample: Option<(f64, f64, f64)>,
+    busiest_bytes_per_sample: Option<(f64, f64, f64)>,
+    peak_rss_mb: Option<(f64, f64, f64)>,
+    idle_fraction: Option<(f64, f64, f64)>,
+}
+
+fn rows(finished: &[Finished]) -> Vec<Row> {
+    let mut groups: BTreeMap<(u32, usize), Vec<&Finished>> = BTreeMap::new();
+    let order: Vec<String> = {
+        let mut seen = Vec::new();
+        for f in finished {
+            if !seen.contains(&f.plan.strategy) {
+                seen.push(f.plan.strategy.clone());
+            }
+        }
+        seen
+    };
+    for f in finished {
+        let k = order
+            .iter()
+            .position(|s| *s == f.plan.strategy)
+            .unwrap_or(0);
+        groups.entry((f.plan.nodes, k)).or_default().push(f);
+    }
+    groups
+        .into_values()
+        .map(|g| {
+            let of = |f: &dyn Fn(&Finished) -> f64| spread(g.iter().map(|r| f(r)).collect());
+            Row {
+                label: g[0].label(),
+                strategy: g[0].plan.strategy.clone(),
+                nodes: g[0].plan.nodes,
+                repeats: g.len(),
+                final_accuracy: of(&|r| r.summary.final_test_accuracy),
+                best_accuracy: of(&|r| r.summary.best_test_accuracy),
+                time_to_target: spread(
+                    g.iter()
+                        .filter_map(|r| r.summary.time_to_target_seconds)
+                        .collect(),
+                ),
+                reached: g
+                    .iter()
+                    .filter(|r| r.summary.time_to_target_seconds.is_some())
+                    .count(),
+                samples_per_second: of(&|r| r.summary.samples_per_second),
+                bytes_per_sample: of(&|r| r.summary.bytes_per_sample),
+                busiest_bytes_per_sample: of(&|r| {
+                    r.busiest_bytes() as f64 / r.summary.samples.max(1) as f64
+                }),
+                peak_rss_mb: of(&|r| {
+                    r.summary
+                        .per_node
+                        .iter()
+                        .map(|n| n.peak_rss_bytes)
+                        .max()
+                        .unwrap_or(0) as f64
+                        / 1e6
+                }),
+                idle_fraction: of(&|r| {
+                    let (c, i) = r.summary.per_node.iter().fold((0.0, 0.0), |(c, i), n| {
+                        (c + n.compute_seconds, i + n.idle_seconds)
+                    });
+                    i / (c + i).max(1e-12)
+                }),
+            }
+        })
+        .collect()
+}
+
+/// Writes results.jsonl, the plots, report.md and report.html; returns the runs reported.
+pub fn write(options: &CompareOptions) -> Result<usize> {
+    let out = &options.out;
+    let mut finished = Vec::new();
+    for plan in runs(options)? {
+        let dir = out.join("runs").join(&plan.name);
+        if let Some(summary) = read_summary(&dir) {
+            let curve = curve(&dir, &summary);
+            finished.push(Finished {
+                plan,
+                summary,
+                curve,
+            });
+        }
+    }
+    let mut lines = String::new();
+    for f in &finished {
+        let s = &f.summary;
+        let line = json!({
+            "run": f.plan.name, "strategy": f.plan.strategy, "nodes": f.plan.nodes,
+            "repeat": f.plan.repeat, "seed": s.seed, "model": s.model, "dataset": s.dataset,
+            "steps": s.steps, "samples": s.samples,
+            "final_test_accuracy": s.final_test_accuracy,
+            "best_test_accuracy": s.best_test_accuracy,
+            "target_accuracy": s.target_accuracy,
+            "time_to_target_seconds": s.time_to_target_seconds,
+            "train_seconds": s.train_seconds, "wall_seconds": s.wall_seconds,
+            "samples_per_second": s.samples_per_second,
+            "total_bytes_sent": s.total_bytes_sent, "bytes_per_sample": s.bytes_per_sample,
+            "busiest_node_bytes_sent": f.busiest_bytes(),
+            "peak_rss_bytes": s.per_node.iter().map(|n| n.peak_rss_bytes).collect::<Vec<_>>(),
+            "compute_seconds": s.per_node.iter().map(|n| n.compute_seconds).collect::<Vec<_>>(),
+            "idle_seconds": s.per_node.iter().map(|n| n.idle_seconds).collect::<Vec<_>>(),
+            "dropped_nodes": s.dropped_nodes.iter().map(|d| d.rank).collect::<Vec<_>>(),
+            "args": f.plan.args,
+        });
+        writeln!(lines, "{line}").expect("writing to a String");
+    }
+    std::fs::write(out.join("results.jsonl"), lines).context("writing results.jsonl")?;
+    let rows = rows(&finished);
+    let plots = plots(&finished, &rows)?;
+    let plots_dir = out.join("plots");
+    std::fs::create_dir_all(&plots_dir)?;
+    for (name, _, svg) in &plots {
+        std::fs::write(plots_dir.join(format!("{name}.svg")), svg)
+            .with_context(|| format!("writing plots/{name}.svg"))?;
+    }
+    std::fs::write(
+        out.join("report.md"),
+        markdown(options, &finished, &rows, &plots),
+    )
+    .context("writing report.md")?;
+    std::fs::write(
+        out.join("report.html"),
+        html(options, &finished, &rows, &plots),
+    )
+    .context("writing report.html")?;
+    Ok(finished.len())
+}
+
+const COLUMNS: [&str; 9] = [
+    "run",
+    "final accuracy %",
+    "best %",
+    "time to target (s)",
+    "samples/s",
+    "bytes/sample (cluster)",
+    "bytes/sample (busiest node)",
+    "peak RSS, largest node (MB)",
+    "idle %",
+];
+
+fn cells(row: &Row, target: f64) -> Vec<String> {
+    vec![
+        if row.repeats > 1 {
+            format!("{} ({} runs)", row.label, row.repeats)
+        } else {
+            row.label.clone()
+        },
+        show(row.final_accuracy, 2, 100.0),
+        show(row.best_accuracy, 2, 100.0),
+        match row.time_to_target {
+            Some(_) if row.reached < row.repeats => format!(
+                "{} ({} of {} reached {:.0}%)",
+                show(row.time_to_target, 1, 1.0),
+                row.reached,
+                row.repeats,
+                target * 100.0
+            ),
+            Some(_) => show(row.time_to_target, 1, 1.0),
+            None => format!("not reached ({:.0}%)", target * 100.0),
+        },
+        show(row.samples_per_second, 0, 1.0),
+        show(row.bytes_per_sample, 0, 1.0),
+        show(row.busiest_bytes_per_sample, 0, 1.0),
+        show(row.peak_rss_mb, 0, 1.0),
+        show(row.idle_fraction, 1, 100.0),
+    ]
+}
+
+fn settings(options: &CompareOptions, finished: &[Finished]) -> String {
+    let first = finished.first().map(|f| &f.summary);
+    format!(
+        "model {}, dataset {}, {} epoch(s), seed {}; shared options: `{}`",
+        first.map_or("?", |s| s.model.as_str()),
+        first.map_or("?", |s| s.dataset.as_str()),
+        first.map_or(0, |s| s.epochs),
+        first.map_or(0, |s| s.seed),
+        options.train.join(" ")
+    )
+}
+
+fn markdown(
+    options: &CompareOptions,
+    finished: &[Finished],
+    rows: &[Row],
+    plots: &[(String, String, String)],
+) -> String {
+    let target = finished.first().map_or(0.97, |f| f.summary.target_accuracy);
+    let mut md = String::new();
+    let _ = writeln!(md, "# ringtmp compare\n\n{}\n", settings(options, finished));
+    let _ = writeln!(md, "| {} |", COLUMNS.join(" | "));
+    let _ = writeln!(md, "|{}", "---|".repeat(COLUMNS.len()));
+    for row in rows {
+        let _ = writeln!(md, "| {} |", cells(row, target).join(" | "));
+    }
+    let _ = writeln!(
+        md,
+        "\nMedians, with the range over repeats in parentheses. Time to target is on each \
+         strategy's training clock. Every run's files are under `runs/`; `results.jsonl` has one \
+         line per run.\n"
+    );
+    for (name, title, _) in plots {
+        let _ = writeln!(md, "## {title}\n\n![{title}](plots/{name}.svg)\n");
+    }
+    md
+}
+
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
+fn html(
+    options: &CompareOptions,
+    finished: &[Finished],
+    rows: &[Row],
+    plots: &[(String, String, String)],
+) -> String {
+    let target = finished.first().map_or(0.97, |f| f.summary.target_accuracy);
+    let mut h = String::new();
+    let _ = write!(
+        h,
+        "<!DOCTYPE html>\n<html xmlns=\"http://www.w3.org/1999/xhtml\" lang=\"en\">\n<head>\n\
+         <meta charset=\"utf-8\"/>\n<title>ringtmp compare</title>\n<style>\n\
+         body {{ font-family: sans-serif; margin: 2em; max-width: 1100px; }}\n\
+         table {{ border-collapse: collapse; }}\n\
+         td, th {{ border: 1px solid #ccc; padding: 4px 8px; text-align: right; }}\n\
+         td:first-child, th:first-child {{ text-align: left; }}\n\
+         figure {{ margin: 1.5em 0; }}\n</style>\n</head>\n<body>\n\
+         <h1>ringtmp compare</h1>\n<p>{}</p>\n<table>\n<tr>",
+        escape(&settings(options, finished))
+    );
+    for c in COLUMNS {
+        let _ = write!(h, "<th>{}</th>", escape(c));
+    }
+    h.push_str("</tr>\n");
+    for row in rows {
+        h.push_str("<tr>");
+        for c in cells(row, target) {
+            let _ = write!(h, "<td>{}</td>", escape(&c));
+        }
+        h.push_str("</tr>\n");
+    }
+    h.push_str(
+        "</table>\n<p>Medians, with the range over repeats in parentheses. Time to target is \
+         on each strategy's training clock.</p>\n",
+    );
+    for (_, title, svg) in plots {
+        // The SVG documents are inlined without their XML declaration.
+        let body = svg
+            .trim_start()
+            .strip_prefix("<?xml")
+            .and_then(|rest| rest.split_once("?>").map(|(_, b)| b))
+            .unwrap_or(svg);
+        let _ = write!(
+            h,
+            "<figure>\n<figcaption>{}</figcaption>\n{}\n</figure>\n",
+            escape(title),
+            body.trim()
+        );
+    }
+    h.push_str("</body>\n</html>\n");
+    h
+}
+
+/// (file name, title, SVG document) of every plot.
+fn plots(finished: &[Finished], rows: &[Row]) -> Result<Vec<(String, String, String)>> {
+    let first: Vec<&Finished> = finished.iter().filter(|f| f.plan.repeat == 0).collect();
+    let mut out = Vec::new();
+    out.push((
+        "accuracy_vs_time".into(),
+        "Test accuracy against training time".into(),
+        lines(
+            "training time (s)",
+            &first
+                .iter()
+                .map(|f| {
+                    (
+                        f.label(),
+                        f.curve.iter().map(|p| (p.0, p.2 * 100.0)).collect(),
+                    )
+                })
+                .collect::<Vec<_>>(),
+        )?,
+    ));
+    out.push((
+        "accuracy_vs_samples".into(),
+        "Test accuracy against samples trained on".into(),
+        lines(
+            "samples",
+            &first
+                .iter()
+                .map(|f| {
+                    (
+                        f.label(),
+                        f.curve.iter().map(|p| (p.1, p.2 * 100.0)).collect(),
+                    )
+                })
+                .collect::<Vec<_>>(),
+        )?,
+    ));
+    let labels: Vec<String> = rows.iter().map(|r| r.label.clone()).collect();
+    let median = |v: Option<(f64, f64, f64)>| v.map_or(0.0, |v| v.0);
+    out.push((
+        "samples_per_second".into(),
+        "Samples per second".into(),
+        bars(
+            "samples/s",
+            &labels,
+            &[(
+                "samples/s",
+                rows.iter().map(|r| median(r.samples_per_second)).collect(),
+            )],
+        )?,
+    ));
+    out.push((
+        "bytes_per_sample".into(),
+        "Bytes sent per sample: the whole cluster, and its busiest node".into(),
+        bars(
+            "bytes per sample",
+            &labels,
+            &[
+                (
+                    "cluster",
+                    rows.iter().map(|r| median(r.bytes_per_sample)).collect(),
+                ),
+                (
+                    "busiest node",
+                    rows.iter()
+                        .map(|r| median(r.busiest_bytes_per_sample))
+                        .collect(),
+                ),
+            ],
+        )?,
+    ));
+    // Per node: each configuration's first repeat.
+    let most = first
+        .iter()
+        .map(|f| f.summary.per_node.len())
+        .max()
+        .unwrap_or(0);
+    let per_node = |f: &dyn Fn(&ringtmp_metrics::NodeSummary) -> f64| -> Vec<(String, Vec<f64>)> {
+        (0..most)
+            .map(|k| {
+                (
+                    format!("node {k}"),
+                    first
+                        .iter()
+                        .map(|r| r.summary.per_node.get(k).map_or(0.0, f))
+                        .collect(),
+                )
+            })
+            .collect()
+    };
+    let first_labels: Vec<String> = first.iter().map(|f| f.label()).collect();
+    let memory = per_node(&|n| n.peak_rss_bytes as f64 / 1e6);
+    out.push((
+        "peak_memory".into(),
+        "Peak memory (RSS) of every node".into(),
+        bars(
+            "MB",
+            &first_labels,
+            &memory
+                .iter()
+                .map(|(l, v)| (l.as_str(), v.clone()))
+                .collect::<Vec<_>>(),
+        )?,
+    ));
+    let sums = |f: &dyn Fn(&ringtmp_metrics::NodeSummary) -> f64| -> Vec<f64> {
+        first
+            .iter()
+            .map(|r| {
+                let n = r.summary.per_node.len().max(1) as f64;
+                r.summary.per_node.iter().map(f).sum::<f64>() / n
+            })
+            .collect()
+    };
+    out.push((
+        "compute_idle".into(),
+        "Compute and idle time, mean per node".into(),
+        bars(
+            "seconds",
+            &first_labels,
+            &[
+                ("compute", sums(&|n| n.compute_seconds)),
+                ("idle", sums(&|n| n.idle_seconds)),
+            ],
+        )?,
+    ));
+    let counts: std::collections::BTreeSet<u32> = rows.iter().map(|r| r.nodes).collect();
+    if counts.len() > 1 {
+        let mut by_strategy: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+        for row in rows {
+            let point = (f64::from(row.nodes), median(row.samples_per_second));
+            match by_strategy.iter_mut().find(|s| s.0 == row.strategy) {
+                Some(s) => s.1.push(point),
+                None => by_strategy.push((row.strategy.clone(), vec![point])),
+            }
+        }
+        out.push((
+            "scaling".into(),
+            "Samples per second against nodes".into(),
+            lines("nodes", &by_strategy)?,
+        ));
+    }
+    Ok(out)
+}
+
+const SIZE: (u32, u32) = (860, 420);
+
+fn colour(i: usize) -> RGBColor {
+    const PALETTE: [RGBColor; 8] = [
+        RGBColor(31, 119, 180),
+        RGBColor(255, 127, 14),
+        RGBColor(44, 160, 44),
+        RGBColor(214, 39, 40),
+        RGBColor(148, 103, 189),
+        RGBColor(140, 86, 75),
+        RGBColor(227, 119, 194),
+        RGBColor(127, 127, 127),
+    ];
+    PALETTE[i % PALETTE.len()]
+}
+
+fn plot_error<E: std::fmt::Debug>(e: E) -> anyhow::Error {
+    anyhow::anyhow!("drawing a plot: {e:?}")
+}
+
+/// A line chart of `series` (label, points), y in percent or any unit.
+fn lines(x_label: &str, series: &[(String, Vec<(f64, f64)>)]) -> Result<String> {
+    let points = series.iter().flat_map(|s| s.1.iter());
+    let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
+    for &(x, y) in points {
+        (x0, x1, y0, y1) = (x0.min(x), x1.max(x), y0.min(y), y1.max(y));
+    }
+    if x0 > x1 {
+        (x0, x1, y0, y1) = (0.0, 1.0, 0.0, 1.0);
+    }
+    let pad = ((y1 - y0) * 0.05).max(1e-3);
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        root.fill(&WHITE).map_err(plot_error)?;
+        let mut chart = ChartBuilder::on(&root)
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d(x0.min(0.0)..x1 * 1.02 + 1e-9, (y0 - pad)..(y1 + pad))
+            .map_err(plot_error)?;
+        chart
+            .configure_mesh()
+            .x_desc(x_label)
+            .draw()
+            .map_err(plot_error)?;
+        for (i, (label, pts)) in series.iter().enumerate() {
+            let c = colour(i);
+            chart
+                .draw_series(LineSeries::new(pts.iter().copied(), c.stroke_width(2)))
+                .map_err(plot_error)?
+                .label(label.as_str())
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 18, y)], c));
+        }
+        chart
+            .configure_series_labels()
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .position(SeriesLabelPosition::LowerRight)
+            .draw()
+            .map_err(plot_error)?;
+        root.present().map_err(plot_error)?;
+    }
+    Ok(svg)
+}
+
+/// A grouped bar chart: one group per label, one bar per series.
+fn bars(y_label: &str, labels: &[String], series: &[(&str, Vec<f64>)]) -> Result<String> {
+    let top = series
+        .iter()
+        .flat_map(|s| s.1.iter().copied())
+        .filter(|v| v.is_finite())
+        .fold(0.0f64, f64::max)
+        .max(1e-9)
+        * 1.1;
+    let groups = labels.len().max(1);
+    let width = 1.0 / (series.len() as f64 + 1.0);
+    let mut svg = String::new();
+    {
+        let root = SVGBackend::with_string(&mut svg, SIZE).into_drawing_area();
+        root.fill(&WHITE).map_err(plot_error)?;
+        let mut chart = ChartBuilder::on(&root)
+            .margin(12)
+            .x_label_area_size(40)
+            .y_label_area_size(70)
+            .build_cartesian_2d(0.0..groups as f64, 0.0..top)
+            .map_err(plot_error)?;
+        let names = labels.to_vec();
+        chart
+            .configure_mesh()
+            .disable_x_mesh()
+            .x_labels(groups * 2 + 1)
+            .x_label_formatter(&move |x| {
+                let at = x - x.floor();
+                if (at - 0.5).abs() < 0.26 {
+                    names.get(x.floor() as usize).cloned().unwrap_or_default()
+                } else {
+                    String::new()
+                }
+            })
+            .y_desc(y_label)
+            .draw()
+            .map_err(plot_error)?;
+        for (k, (name, values)) in series.iter().enumerate() {
+            let c = colour(k);
+            chart
+                .draw_series(values.iter().enumerate().map(|(g, v)| {
+                    let x = g as f64 + width * (k as f64 + 0.5);
+                    Rectangle::new([(x, 0.0), (x + width, v.max(0.0))], c.filled())
+                }))
+                .map_err(plot_error)?
+                .label(*name)
+                .legend(move |(x, y)| Rectangle::new([(x, y - 5), (x + 12, y + 5)], c.filled()));
+        }
+        if series.len() > 1 {
+            chart
+                .configure_series_labels()
+                .background_style(WHITE.mix(0.8))
+                .border_style(BLACK)
+                .position(SeriesLabelPosition::UpperRight)
+                .draw()
+                .map_err(plot_error)?;
+        }
+        root.present().map_err(plot_error)?;
+    }
+    Ok(svg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_median_and_the_range() {
+        assert_eq!(spread(vec![3.0, 1.0, 2.0]), Some((2.0, 1.0, 3.0)));
+        assert_eq!(spread(vec![4.0, 1.0]), Some((2.5, 1.0, 4.0)));
+        assert_eq!(spread(vec![]), None);
+        assert_eq!(show(Some((0.5, 0.5, 0.5)), 1, 100.0), "50.0");
+        assert_eq!(show(Some((2.0, 1.0, 3.0)), 0, 1.0), "2 (1–3)");
+    }
+
+    #[test]
+    fn plots_are_svg_documents() {
+        let svg = lines(
+            "x",
+            &[
+                ("a".into(), vec![(0.0, 1.0), (1.0, 2.0)]),
+                ("b".into(), vec![]),
+            ],
+        )
+        .unwrap();
+        assert!(svg.contains("<svg") && svg.contains("</svg>"));
+        let svg = bars("y", &["a".into(), "b".into()], &[("s", vec![1.0, 2.0])]).unwrap();
+        assert!(svg.contains("<rect"));
+    }
+}

@@ -1,0 +1,371 @@
+//! What `ringtmp compare` runs: its options (flags over a TOML file), the strategies named in
+//! the short form (`ps:dssp:1:4`) and the `ringtmp train` arguments each run gets.
+//!
+//! Invariant: every configuration is checked — options, links, the strategy's own plan — before
+//! the first run starts, so a bad spec is exit 2 at once and never after an hour of runs.
+
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use serde::Deserialize;
+
+use crate::args::TrainArgs;
+use crate::error::UsageError;
+
+/// The strategies compared when none are named.
+pub const DEFAULT_STRATEGIES: &str = "ring,ps:bsp,allreduce,dpsgd,adpsgd";
+
+/// `ringtmp compare` options. Everything else on the command line is a `ringtmp train` option
+/// shared by every run (model, data, epochs, links, …).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CompareOptions {
+    /// Strategies in the short form.
+    pub strategies: Vec<String>,
+    /// Node counts (a sweep when several).
+    pub nodes: Vec<u32>,
+    /// Runs per configuration.
+    pub repeats: u32,
+    /// Output directory.
+    pub out: PathBuf,
+    /// The shared `ringtmp train` arguments.
+    pub train: Vec<String>,
+}
+
+/// The TOML form: `strategies`, `nodes`, `repeats`, `out`, and a `[train]` table of `ringtmp
+/// train` keys.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CompareFile {
+    strategies: Option<Vec<String>>,
+    nodes: Option<Vec<u32>>,
+    repeats: Option<u32>,
+    out: Option<PathBuf>,
+    train: Option<toml::Table>,
+}
+
+/// Help for `ringtmp compare` (its own options are parsed by hand, the rest by `train`'s parser).
+pub const HELP: &str = "\
+Run several strategies on the same model, data, seed and emulated cluster, one after the other,
+and write a side-by-side report (results.jsonl, report.md, report.html with plots).
+
+Usage: ringtmp compare [--strategies LIST] [--nodes N[,N...]] [--repeats K] [--out DIR]
+                       [--config FILE] [TRAIN OPTIONS...]
+
+Options:
+  --strategies LIST   comma-separated: ring[:SCHEDULE], ps:bsp, ps:ssp:S, ps:asp, ps:dssp:L:U,
+                      allreduce, dpsgd[:ring|exp], adpsgd, local
+                      [default: ring,ps:bsp,allreduce,dpsgd,adpsgd]
+  --nodes N[,N...]    nodes per run; several make a sweep (plotted against samples/s) [default: 4]
+  --repeats K         runs per configuration (seeds S, S+1, ...); the report gives the median and
+                      the range [default: 1]
+  --out DIR           output directory; runs already finished there are not run again
+                      [default: runs/<time>-compare]
+  --config FILE       a TOML file: strategies, nodes, repeats, out, and a [train] table
+  -h, --help          this help
+Every other option is a `ringtmp train` option shared by all runs, e.g.
+  ringtmp compare --strategies ring,ps:bsp,allreduce --nodes 4 --bandwidth-mbit 100 \\
+      --latency-ms 2 --model mlp --epochs 2
+";
+
+/// Splits the command line into compare's own options and `train`'s, then layers them over the
+/// `--config` file.
+pub fn parse(raw: &[String]) -> Result<Option<CompareOptions>> {
+    let mut own: std::collections::BTreeMap<&str, String> = Default::default();
+    let mut train = Vec::new();
+    let mut i = 0;
+    while i < raw.len() {
+        let arg = raw[i].as_str();
+        if arg == "-h" || arg == "--help" {
+            print!("{HELP}");
+            return Ok(None);
+        }
+        let (name, inline) = match arg.split_once('=') {
+            Some((n, v)) => (n, Some(v.to_string())),
+            None => (arg, None),
+        };
+        let key = match name {
+            "--strategies" => "strategies",
+            "--nodes" => "nodes",
+            "--repeats" => "repeats",
+            "--out" => "out",
+            "--config" => "config",
+            "--strategy" => {
+                return Err(UsageError(
+                    "compare takes --strategies (a list), not --strategy".into(),
+                )
+                .into());
+            }
+            _ => {
+                train.push(raw[i].clone());
+                i += 1;
+                continue;
+            }
+        };
+        let value = match inline {
+            Some(v) => v,
+            None => {
+                i += 1;
+                raw.get(i)
+                    .cloned()
+                    .ok_or_else(|| UsageError(format!("{name} needs a value")))?
+            }
+        };
+        own.insert(key, value);
+        i += 1;
+    }
+    let file: CompareFile = match own.get("config") {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .map_err(|e| UsageError(format!("compare config {path}: {e}")))?;
+            toml::from_str(&text).map_err(|e| {
+                UsageError(format!(
+                    "compare config {path}: {}",
+                    e.to_string().trim_end()
+                ))
+            })?
+        }
+        None => CompareFile::default(),
+    };
+    let strategies: Vec<String> = match own.get("strategies") {
+        Some(list) => list.split(',').map(|s| s.trim().to_string()).collect(),
+        None => file
+            .strategies
+            .clone()
+            .unwrap_or_else(|| DEFAULT_STRATEGIES.split(',').map(String::from).collect()),
+    };
+    let nodes: Vec<u32> = match own.get("nodes") {
+        Some(list) => list
+            .split(',')
+            .map(|n| {
+                n.trim()
+                    .parse()
+                    .ok()
+                    .filter(|n| *n >= 1)
+                    .ok_or_else(|| UsageError(format!("--nodes {list:?}: expected counts ≥ 1")))
+            })
+            .collect::<std::result::Result<_, _>>()?,
+        None => file.nodes.clone().unwrap_or_else(|| vec![4]),
+    };
+    let repeats = match own.get("repeats") {
+        Some(k) => k
+            .parse()
+            .ok()
+            .filter(|k| *k >= 1)
+            .ok_or_else(|| UsageError(format!("--repeats {k:?}: expected a count ≥ 1")))?,
+        None => file.repeats.unwrap_or(1),
+    };
+    if strategies.is_empty() || strategies.iter().any(String::is_empty) {
+        return Err(UsageError("--strategies: an empty name".into()).into());
+    }
+    // The file's [train] keys come first, so the command line's flags win.
+    let mut all_train = Vec::new();
+    for (key, value) in file.train.iter().flatten() {
+        let flag = format!("--{key}");
+        match value {
+            toml::Value::Boolean(true) => all_train.push(flag),
+            toml::Value::Boolean(false) => {}
+            toml::Value::String(s) => all_train.extend([flag, s.clone()]),
+            toml::Value::Array(items) => {
+                for item in items {
+                    let text = match item {
+                        toml::Value::String(s) => s.clone(),
+                        other => other.to_string(),
+                    };
+                    all_train.extend([flag.clone(), text]);
+                }
+            }
+            other => all_train.extend([flag, other.to_string()]),
+        }
+    }
+    all_train.extend(train);
+    let out = own
+        .get("out")
+        .map(PathBuf::from)
+        .or(file.out)
+        .unwrap_or_else(|| crate::run_dir::default_out("compare"));
+    Ok(Some(CompareOptions {
+        strategies,
+        nodes,
+        repeats,
+        out,
+        train: all_train,
+    }))
+}
+
+/// The `ringtmp train` arguments of strategy `spec` in the short form.
+pub fn strategy_args(spec: &str) -> Result<Vec<String>> {
+    let parts: Vec<&str> = spec.split(':').collect();
+    let bad = || {
+        UsageError(format!(
+            "unknown strategy {spec:?} (expected ring[:SCHEDULE], ps:bsp, ps:ssp:S, ps:asp, \
+             ps:dssp:L:U, allreduce, dpsgd[:ring|exp], adpsgd or local)"
+        ))
+    };
+    let args: Vec<String> = match parts.as_slice() {
+        ["ring"] | ["allreduce"] | ["adpsgd"] | ["local"] | ["dpsgd"] => {
+            vec!["--strategy".into(), parts[0].into()]
+        }
+        ["ring", schedule] => vec![
+            "--strategy".into(),
+            "ring".into(),
+            "--schedule".into(),
+            (*schedule).into(),
+        ],
+        ["dpsgd", topology] => vec![
+            "--strategy".into(),
+            "dpsgd".into(),
+            "--topology".into(),
+            (*topology).into(),
+        ],
+        ["ps", consistency @ ..] if !consistency.is_empty() => vec![
+            "--strategy".into(),
+            "ps".into(),
+            "--consistency".into(),
+            consistency.join(":"),
+        ],
+        ["ps"] => vec!["--strategy".into(), "ps".into()],
+        _ => return Err(bad().into()),
+    };
+    Ok(args)
+}
+
+/// One run of the comparison.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunPlan {
+    /// The strategy in the short form.
+    pub strategy: String,
+    /// Nodes.
+    pub nodes: u32,
+    /// Repeat index (0-based).
+    pub repeat: u32,
+    /// Directory name under `runs/`.
+    pub name: String,
+    /// The whole `ringtmp train` argument list (without the output directory).
+    pub args: Vec<String>,
+}
+
+/// Every run of `options`, in order: node counts, then strategies, then repeats.
+pub fn runs(options: &CompareOptions) -> Result<Vec<RunPlan>> {
+    let base = TrainArgs::parse_train(&options.train)?;
+    let seed = base.seed.unwrap_or(42);
+    let mut runs = Vec::new();
+    for &nodes in &options.nodes {
+        for strategy in &options.strategies {
+            let mut args = strategy_args(strategy)?;
+            args.extend(options.train.iter().cloned());
+            if strategy != "local" {
+                args.extend(["--nodes".into(), nodes.to_string()]);
+            }
+            for repeat in 0..options.repeats {
+                let mut args = args.clone();
+                if repeat > 0 {
+                    args = without_seed(&args);
+                    args.extend(["--seed".into(), (seed + u64::from(repeat)).to_string()]);
+                }
+                let name = format!(
+                    "{}-n{nodes}-r{repeat}",
+                    strategy.replace(':', "_").replace(['/', ' '], "-")
+                );
+                runs.push(RunPlan {
+                    strategy: strategy.clone(),
+                    nodes,
+                    repeat,
+                    name,
+                    args,
+                });
+            }
+        }
+    }
+    Ok(runs)
+}
+
+/// `args` without a `--seed` option (a repeat sets its own).
+fn without_seed(args: &[String]) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut skip = false;
+    for a in args {
+        if skip {
+            skip = false;
+        } else if a == "--seed" {
+            skip = true;
+        } else if !a.starts_with("--seed=") {
+            out.push(a.clone());
+        }
+    }
+    out
+}
+
+impl TrainArgs {
+    /// `ringtmp train` options from an argument list (without the command name).
+    pub fn parse_train(args: &[String]) -> Result<TrainArgs> {
+        #[derive(Parser)]
+        #[command(name = "ringtmp train", allow_negative_numbers = true)]
+        struct Wrapper {
+            #[command(flatten)]
+            train: TrainArgs,
+        }
+        let parsed = Wrapper::try_parse_from(
+            std::iter::once("ringtmp train".to_string()).chain(args.iter().cloned()),
+        )
+        .map_err(|e| UsageError(e.to_string().trim_end().to_string()))
+        .context("in the training options given to compare")?;
+        Ok(parsed.train)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strings(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn short_forms_become_train_flags() {
+        assert_eq!(
+            strategy_args("ps:dssp:1:4").unwrap(),
+            strings(&["--strategy", "ps", "--consistency", "dssp:1:4"])
+        );
+        assert_eq!(
+            strategy_args("dpsgd:exp").unwrap(),
+            strings(&["--strategy", "dpsgd", "--topology", "exp"])
+        );
+        assert!(strategy_args("horovod").is_err());
+        assert!(strategy_args("allreduce:fast").is_err());
+    }
+
+    #[test]
+    fn own_flags_are_taken_and_the_rest_passes_through() {
+        let o = parse(&strings(&[
+            "--strategies",
+            "ring,ps:bsp",
+            "--nodes=2,4",
+            "--model",
+            "mlp",
+            "--repeats",
+            "3",
+            "--out",
+            "x",
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(o.strategies, ["ring", "ps:bsp"]);
+        assert_eq!(o.nodes, [2, 4]);
+        assert_eq!(o.repeats, 3);
+        assert_eq!(o.train, ["--model", "mlp"]);
+        let runs = runs(&o).unwrap();
+        assert_eq!(runs.len(), 2 * 2 * 3);
+        assert_eq!(runs[0].name, "ring-n2-r0");
+        assert!(runs[1].args.ends_with(&strings(&["--seed", "43"])));
+        assert!(parse(&strings(&["--strategy", "ring"])).is_err());
+        let with_seed = parse(&strings(&["--repeats", "2", "--seed", "7"]))
+            .unwrap()
+            .unwrap();
+        let runs = super::runs(&with_seed).unwrap();
+        assert_eq!(runs[1].args.iter().filter(|a| *a == "--seed").count(), 1);
+        assert!(runs[1].args.ends_with(&strings(&["--seed", "8"])));
+        assert!(parse(&strings(&["--nodes", "0"])).is_err());
+    }
+}
