@@ -72,6 +72,10 @@ pub struct TrainArgs {
     /// node (repeatable or comma-separated).
     #[arg(long, value_name = "RANK:MBIT[:MS]")]
     pub link: Option<Vec<String>>,
+    /// Real CPU limits: RANK:CORES puts that local node under a kernel CPU quota of CORES
+    /// (fractional) cores through cgroups (repeatable or comma-separated).
+    #[arg(long, value_name = "RANK:CORES")]
+    pub node_cpu: Option<Vec<String>>,
     /// Pin each local node process to its own core (when there are enough cores).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub pin: Option<bool>,
@@ -225,6 +229,7 @@ impl TrainArgs {
             bandwidth_mbit,
             latency_ms,
             link,
+            node_cpu,
             pin,
             model,
             model_file,
@@ -272,6 +277,7 @@ impl TrainArgs {
             ("bandwidth-mbit", self.bandwidth_mbit.is_some()),
             ("latency-ms", self.latency_ms.is_some()),
             ("link", self.link.is_some()),
+            ("node-cpu", self.node_cpu.is_some()),
             ("pin", self.pin.is_some()),
         ]
         .into_iter()

@@ -46,6 +46,9 @@ pub struct Launch<'a> {
     /// Nodes that may fail without failing the run (a parameter server that drops dead workers
     /// keeps going without them).
     pub expendable: &'a dyn Fn(u32) -> bool,
+    /// Called with each node's rank and pid right after it starts (to put it under a CPU
+    /// quota); an error stops the launch.
+    pub on_spawn: &'a dyn Fn(u32, u32) -> Result<()>,
 }
 
 /// How a launch ended when it did not fail.
@@ -65,6 +68,7 @@ pub fn launch(nodes: u32, pin: bool, args: impl Fn(u32) -> Vec<String>) -> Resul
         verbose: false,
         args: &args,
         expendable: &|_| false,
+        on_spawn: &|_, _| Ok(()),
     })
 }
 
@@ -129,7 +133,12 @@ pub fn run(launch: &Launch<'_>) -> Result<Ended> {
         };
         stream(rank, child.stdout.take(), false, last_errors.clone());
         stream(rank, child.stderr.take(), true, last_errors.clone());
+        let pid = child.id();
         running.push((rank, child));
+        if let Err(e) = (launch.on_spawn)(rank, pid) {
+            stop_all(&mut running, libc::SIGTERM, AFTER_SIGNAL_GRACE);
+            return Err(e);
+        }
     }
 
     let mut ended = Ended::default();

@@ -7,6 +7,7 @@
 mod args;
 mod bench;
 mod bench_transport;
+mod cgroup;
 mod compare;
 mod display;
 mod error;

@@ -97,6 +97,8 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
     args.nodes = Some(nodes);
     args.config = None;
     let links = args.node_links(nodes)?;
+    let cores = crate::cgroup::parse_node_cpu(args.node_cpu.as_deref().unwrap_or_default(), nodes)?;
+    crate::cgroup::NodeCgroups::check(&cores)?;
     // Check everything and plan here, before any process starts: a bad option is a usage error
     // (exit 2) of this command, and the plan printed is the one the nodes run.
     let data = load_dataset(&args, true)?;
@@ -156,13 +158,24 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
         }
         node_args
     };
+    let cgroups = std::cell::RefCell::new(crate::cgroup::NodeCgroups::default());
+    let on_spawn = |rank: u32, pid: u32| -> Result<()> {
+        if let Some(share) = cores[rank as usize] {
+            cgroups.borrow_mut().limit(rank, pid, share)?;
+            eprintln!("launcher: node {rank} runs under a CPU quota of {share} core(s)");
+        }
+        Ok(())
+    };
     let ended = crate::launcher::run(&crate::launcher::Launch {
         nodes,
         pin: args.pin.unwrap_or(false),
         verbose: args.verbose.unwrap_or(false),
         args: &node_args,
         expendable: &expendable,
+        on_spawn: &on_spawn,
     });
+    // Every node has exited: their groups go.
+    drop(cgroups);
     // Every node has exited: a checkpoint without its manifest is one whose writing failed or was
     // cut short, and nothing will ever complete it.
     for dir in ringtmp_model::checkpoint::remove_incomplete(&out.join("checkpoints")) {

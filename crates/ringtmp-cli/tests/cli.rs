@@ -494,6 +494,8 @@ fn bad_link_specs_are_usage_errors() {
             "--bandwidth-mbit must be a positive number",
         ),
         (vec!["--latency-ms", "-1"], "--latency-ms must be ≥ 0"),
+        (vec!["--node-cpu", "2:0"], "more than zero cores"),
+        (vec!["--node-cpu", "5:1"], "rank 5 does not exist"),
     ] {
         let mut args = base.to_vec();
         args.extend(extra);

@@ -1072,6 +1072,7 @@ fn compare_writes_the_report_and_skips_finished_runs() {
             "even number of nodes",
         ),
         (vec!["--repeats", "0"], "--repeats"),
+        (vec!["--node-cpu", "1:0"], "more than zero cores"),
     ] {
         let bad = tmp.path().join("bad").display().to_string();
         let mut args = vec!["compare", "--out", &bad, "--dataset", "digits"];
@@ -1086,4 +1087,55 @@ fn compare_writes_the_report_and_skips_finished_runs() {
         assert!(err.contains(needle), "{args:?}: {err}");
         assert!(!tmp.path().join("bad/runs").exists(), "nothing ran");
     }
+}
+
+// Issue 13.2: --node-cpu puts a local node under a kernel CPU quota (cgroups); where no cgroup
+// controller is writable the run is refused before it starts, saying what is missing. The group
+// is removed after the run.
+#[test]
+fn node_cpu_puts_a_node_under_a_quota_or_says_why_not() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("q").display().to_string();
+    let child = spawn_train(&[
+        "--strategy",
+        "ps",
+        "--nodes",
+        "3",
+        "--dataset",
+        "digits",
+        "--model-file",
+        "examples/models/lenet-dropout.toml",
+        "--max-steps",
+        "10",
+        "--eval-every",
+        "0",
+        "--node-cpu",
+        "1:0.5",
+        "--out",
+        &out,
+    ]);
+    let launcher = child.id();
+    let (output, _) = finish(child, Duration::from_secs(120));
+    let err = stderr(&output);
+    if output.status.code() == Some(2) {
+        assert!(
+            err.contains("needs a writable cgroup cpu controller"),
+            "{err}"
+        );
+        return;
+    }
+    assert!(output.status.success(), "{err}");
+    assert!(
+        err.contains("node 1 runs under a CPU quota of 0.5 core(s)"),
+        "{err}"
+    );
+    let prefix = format!("ringtmp-{launcher}-");
+    let leftovers: Vec<_> = ["/sys/fs/cgroup/cpu", "/sys/fs/cgroup"]
+        .iter()
+        .filter_map(|root| std::fs::read_dir(root).ok())
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .collect();
+    assert!(leftovers.is_empty(), "groups left behind: {leftovers:?}");
 }
