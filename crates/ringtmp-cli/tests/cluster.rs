@@ -962,7 +962,7 @@ fn compare_writes_the_report_and_skips_finished_runs() {
     let args = [
         "compare",
         "--strategies",
-        "ps:bsp,allreduce",
+        "ring,ps:bsp,allreduce",
         "--nodes",
         "2,3",
         "--out",
@@ -999,7 +999,7 @@ fn compare_writes_the_report_and_skips_finished_runs() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(lines.len(), 4, "{results}");
+    assert_eq!(lines.len(), 6, "{results}");
     for line in &lines {
         assert!(line["samples_per_second"].as_f64().unwrap() > 0.0, "{line}");
         assert!(line["bytes_per_sample"].as_f64().unwrap() > 0.0, "{line}");
@@ -1023,6 +1023,41 @@ fn compare_writes_the_report_and_skips_finished_runs() {
     let md = std::fs::read_to_string(dir.join("report.md")).unwrap();
     assert!(
         md.contains("| ps:bsp ×3 |") && md.contains("| allreduce ×2 |"),
+        "{md}"
+    );
+    // The claims are computed from the summaries, with a verdict either way.
+    let training = |run: &str| -> f64 {
+        let s: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(dir.join(format!("runs/{run}/summary.json"))).unwrap(),
+        )
+        .unwrap();
+        let sent: u64 = s["per_node"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n["bytes_sent"].as_u64().unwrap() - n["eval_bytes_sent"].as_u64().unwrap_or(0))
+            .sum();
+        sent as f64 / s["samples"].as_f64().unwrap()
+    };
+    let (ring, ps) = (training("ring-n3-r0"), training("ps_bsp-n3-r0"));
+    assert!(
+        md.contains(&format!(
+            "measured: {ring:.0} bytes per sample for the ring against {ps:.0} for ps:bsp on 3 nodes"
+        )),
+        "{md}"
+    );
+    let claim_a = md
+        .lines()
+        .find(|l| l.starts_with("**(a)"))
+        .unwrap_or_else(|| panic!("{md}"));
+    let expected = if ring < ps {
+        "— holds"
+    } else {
+        "— does not hold"
+    };
+    assert!(claim_a.contains(expected), "{claim_a}");
+    assert!(
+        md.contains("**(b)") && md.contains("**(c)") && md.contains("**(d)"),
         "{md}"
     );
     for plot in [
@@ -1058,7 +1093,7 @@ fn compare_writes_the_report_and_skips_finished_runs() {
     let output = run();
     let err = stderr(&output);
     assert!(output.status.success(), "{err}");
-    assert_eq!(err.matches("finished before, kept").count(), 4, "{err}");
+    assert_eq!(err.matches("finished before, kept").count(), 6, "{err}");
 
     // Bad specs: exit 2, named, before any run.
     for (extra, needle) in [
