@@ -992,8 +992,33 @@ fn compare_writes_the_report_and_skips_finished_runs() {
     };
     let output = run();
     let err = stderr(&output);
+    if output.status.code() == Some(2) && err.contains("needs a writable cgroup cpu controller") {
+        // A sweep gives every node the same CPU share through cgroups; without them compare
+        // refuses (tested here), and the rest needs a machine that has them.
+        eprintln!("no writable cgroups here: the sweep's refusal is all this test can check");
+        return;
+    }
     assert!(output.status.success(), "{err}");
+    assert!(
+        err.contains("2 run(s)") || err.contains("6 run(s)"),
+        "{err}"
+    );
     let dir = tmp.path().join("cmp");
+    let md_settings = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    assert!(
+        md_settings.contains("under a CPU quota of"),
+        "the sweep's equal share is stated: {md_settings}"
+    );
+    let job: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("runs/ring-n2-r0/train.toml"))
+            .map(|t| {
+                let v: toml::Value = toml::from_str(&t).unwrap();
+                serde_json::to_string(&v).unwrap()
+            })
+            .unwrap(),
+    )
+    .unwrap();
+    assert!(job["node-cpu"].is_array(), "{job}");
     let results = std::fs::read_to_string(dir.join("results.jsonl")).unwrap();
     let lines: Vec<serde_json::Value> = results
         .lines()

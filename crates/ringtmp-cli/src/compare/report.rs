@@ -283,8 +283,15 @@ fn cells(row: &Row, target: f64) -> Vec<String> {
 
 fn settings(options: &CompareOptions, finished: &[Finished]) -> String {
     let first = finished.first().map(|f| &f.summary);
+    let share = match super::spec::sweep_share(options) {
+        Some(share) if !options.train.iter().any(|a| a.starts_with("--node-cpu")) => format!(
+            "; every node of the sweep under a CPU quota of {share} core(s) (--node-cpu), the \
+             same at every node count"
+        ),
+        _ => String::new(),
+    };
     format!(
-        "model {}, dataset {}, {} epoch(s), seed {}; shared options: `{}`",
+        "model {}, dataset {}, {} epoch(s), seed {}; shared options: `{}`{share}",
         first.map_or("?", |s| s.model.as_str()),
         first.map_or("?", |s| s.dataset.as_str()),
         first.map_or(0, |s| s.epochs),

@@ -250,12 +250,21 @@ pub fn runs(options: &CompareOptions) -> Result<Vec<RunPlan>> {
     let base = TrainArgs::parse_train(&options.train)?;
     let seed = base.seed.unwrap_or(42);
     let mut runs = Vec::new();
+    let share = if base.node_cpu.is_none() {
+        sweep_share(options)
+    } else {
+        None
+    };
     for &nodes in &options.nodes {
         for strategy in &options.strategies {
             let mut args = strategy_args(strategy)?;
             args.extend(options.train.iter().cloned());
             if strategy != "local" {
                 args.extend(["--nodes".into(), nodes.to_string()]);
+                if let Some(share) = share {
+                    let every: Vec<String> = (0..nodes).map(|r| format!("{r}:{share}")).collect();
+                    args.extend(["--node-cpu".into(), every.join(",")]);
+                }
             }
             for repeat in 0..options.repeats {
                 let mut args = args.clone();
@@ -278,6 +287,20 @@ pub fn runs(options: &CompareOptions) -> Result<Vec<RunPlan>> {
         }
     }
     Ok(runs)
+}
+
+/// In a sweep of node counts, the CPU share every node gets so that it is the same at every
+/// count: the machine's cores over the largest count (at most one core), applied through
+/// `--node-cpu` unless the user set it. `None` for one node count.
+pub fn sweep_share(options: &CompareOptions) -> Option<f64> {
+    if options.nodes.len() < 2 {
+        return None;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let most = options.nodes.iter().copied().max().unwrap_or(1).max(1);
+    let share = (cores / f64::from(most)).min(1.0);
+    // Two decimals, rounded down, so the shares never add up to more than the machine.
+    Some((share * 100.0).floor() / 100.0)
 }
 
 /// `args` without a `--seed` option (a repeat sets its own).
@@ -357,6 +380,11 @@ mod tests {
         assert_eq!(o.train, ["--model", "mlp"]);
         let runs = runs(&o).unwrap();
         assert_eq!(runs.len(), 2 * 2 * 3);
+        // A sweep: every node gets the same share at every count.
+        let share = sweep_share(&o).unwrap();
+        assert!(share > 0.0 && share <= 1.0);
+        let cpu = runs[0].args.iter().position(|a| a == "--node-cpu").unwrap();
+        assert_eq!(runs[0].args[cpu + 1], format!("0:{share},1:{share}"));
         assert_eq!(runs[0].name, "ring-n2-r0");
         assert!(runs[1].args.ends_with(&strings(&["--seed", "43"])));
         assert!(parse(&strings(&["--strategy", "ring"])).is_err());
