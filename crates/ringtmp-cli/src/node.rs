@@ -110,11 +110,12 @@ pub struct ConnectArgs {
     /// Pin this process to one CPU core.
     #[arg(long)]
     pub cpu: Option<usize>,
-    /// Fault injection for tests: exit abruptly (no goodbye) after this many milliseconds.
+    /// Fault injection for tests: exit abruptly (no goodbye) this many milliseconds after the
+    /// links are up.
     #[arg(long, hide = true)]
     pub crash_after_ms: Option<u64>,
-    /// Fault injection for tests: stop this process (SIGSTOP, as `kill -STOP` does) after this
-    /// many milliseconds.
+    /// Fault injection for tests: stop this process (SIGSTOP, as `kill -STOP` does) this many
+    /// milliseconds after the links are up.
     #[arg(long, hide = true)]
     pub freeze_after_ms: Option<u64>,
 }
@@ -155,21 +156,6 @@ pub fn run(args: &NodeArgs) -> Result<()> {
     let c = &args.connect;
     if let Some(core) = c.cpu {
         pin_to_core(core)?;
-    }
-    if let Some(ms) = c.crash_after_ms {
-        std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(ms));
-            eprintln!("fault injection: exiting abruptly");
-            std::process::exit(3);
-        });
-    }
-    if let Some(ms) = c.freeze_after_ms {
-        std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(ms));
-            eprintln!("fault injection: freezing (SIGSTOP)");
-            // SAFETY: raise(3) signals this process only.
-            unsafe { libc::raise(libc::SIGSTOP) };
-        });
     }
     let flags = LaunchFlags {
         rank: c.rank,
@@ -240,6 +226,23 @@ pub fn run(args: &NodeArgs) -> Result<()> {
                 _ => ring_neighbours(rank, world),
             },
         )?;
+    // Injected faults count from when the links are up, so they strike the run itself
+    // however long starting took.
+    if let Some(ms) = c.crash_after_ms {
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(ms));
+            eprintln!("fault injection: exiting abruptly");
+            std::process::exit(3);
+        });
+    }
+    if let Some(ms) = c.freeze_after_ms {
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(ms));
+            eprintln!("fault injection: freezing (SIGSTOP)");
+            // SAFETY: raise(3) signals this process only.
+            unsafe { libc::raise(libc::SIGSTOP) };
+        });
+    }
     // What rank 0 handed out is checked before anything uses it: a bad job is rank 0's
     // protocol violation (exit status 1), named as such.
     let master = table
