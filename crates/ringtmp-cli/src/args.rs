@@ -72,6 +72,15 @@ pub struct TrainArgs {
     /// node (repeatable or comma-separated).
     #[arg(long, value_name = "RANK:MBIT[:MS]")]
     pub link: Option<Vec<String>>,
+    /// Memory of each node's process, e.g. `256M`, or per rank `1:256M,2:1G`: the ring's planner
+    /// fits its stages into it (after the process's own needs); with --enforce-memory-limit
+    /// the kernel holds every strategy's local nodes to it.
+    #[arg(long, value_name = "BYTES")]
+    pub node_memory_limit: Option<String>,
+    /// Make --node-memory-limit a hard limit on each local node process (cgroups): a node that
+    /// does not fit is killed, as on a board with that much memory, and the run says so.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub enforce_memory_limit: Option<bool>,
     /// Real CPU limits: RANK:CORES puts that local node under a kernel CPU quota of CORES
     /// (fractional) cores through cgroups (repeatable or comma-separated).
     #[arg(long, value_name = "RANK:CORES")]
@@ -230,6 +239,8 @@ impl TrainArgs {
             latency_ms,
             link,
             node_cpu,
+            node_memory_limit,
+            enforce_memory_limit,
             pin,
             model,
             model_file,
@@ -278,6 +289,8 @@ impl TrainArgs {
             ("latency-ms", self.latency_ms.is_some()),
             ("link", self.link.is_some()),
             ("node-cpu", self.node_cpu.is_some()),
+            ("node-memory-limit", self.node_memory_limit.is_some()),
+            ("enforce-memory-limit", self.enforce_memory_limit.is_some()),
             ("pin", self.pin.is_some()),
         ]
         .into_iter()

@@ -1,9 +1,12 @@
-//! Real CPU limits for local node processes (`ringtmp train --node-cpu RANK:CORES`): each
-//! limited node gets a cgroup of its own with a CFS quota of CORES × period, so a node emulating
-//! a half-core board gets half a core from the kernel, not a sleep after each computation.
+//! Real limits for local node processes, through cgroups:
+//! - `--node-cpu RANK:CORES`: a CFS quota of CORES × period, so a node emulating a half-core
+//!   board gets half a core from the kernel, not a sleep after each computation;
+//! - `--enforce-memory-limit`: `--node-memory-limit` as the process's hard memory limit (swap
+//!   included), so a node that does not fit is killed as on a board with that much memory, and
+//!   the launcher says which limit it exceeded (the group counts the OOM kill).
 //!
-//! Works on cgroup v2 (the `cpu` controller enabled for the group's parent, `cpu.max`) and on
-//! cgroup v1 (the `cpu` hierarchy, `cpu.cfs_quota_us`). Where neither is writable the run is
+//! Works on cgroup v2 (controllers enabled for the group's parent: `cpu.max`, `memory.max`) and
+//! on cgroup v1 (the `cpu` and `memory` hierarchies). Where neither is writable the run is
 //! refused before any node starts, with what was tried and why it failed. Invariant: every group
 //! created is removed when the [`NodeCgroups`] is dropped (after the nodes have exited); a group
 //! that cannot be removed is reported, not silently left.
@@ -28,6 +31,8 @@ enum Version {
 #[derive(Debug, Default)]
 pub struct NodeCgroups {
     groups: Vec<(u32, PathBuf, Version)>,
+    /// Memory-limited nodes: rank, limit, group.
+    memory: Vec<(u32, u64, PathBuf, Version)>,
 }
 
 /// `RANK:CORES` entries (comma-separated or repeated) → cores per rank (`None`: unlimited).
@@ -72,82 +77,194 @@ pub fn parse_node_cpu(entries: &[String], nodes: u32) -> Result<Vec<Option<f64>>
     Ok(cores)
 }
 
-/// Where a new group can be made: the v2 root (or this process's own v2 group's parent) with the
-/// cpu controller, else the v1 cpu hierarchy. An error says what was tried.
-fn parent() -> std::result::Result<(PathBuf, Version), String> {
+/// A cgroup controller this module uses.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Controller {
+    /// CPU quotas.
+    Cpu,
+    /// Memory limits.
+    Memory,
+}
+
+impl Controller {
+    fn name(self) -> &'static str {
+        match self {
+            Self::Cpu => "cpu",
+            Self::Memory => "memory",
+        }
+    }
+}
+
+/// Where a new group with `controller` can be made: the v2 root with the controller enabled for
+/// its children, else the controller's v1 hierarchy. An error says what was tried.
+fn parent(controller: Controller) -> std::result::Result<(PathBuf, Version), String> {
+    let name = controller.name();
     let mut tried = Vec::new();
     let v2 = Path::new("/sys/fs/cgroup");
     match std::fs::read_to_string(v2.join("cgroup.controllers")) {
-        Ok(controllers) if controllers.split_whitespace().any(|c| c == "cpu") => {
+        Ok(controllers) if controllers.split_whitespace().any(|c| c == name) => {
             let control = v2.join("cgroup.subtree_control");
-            match std::fs::write(&control, "+cpu") {
+            match std::fs::write(&control, format!("+{name}")) {
                 Ok(()) => return Ok((v2.to_path_buf(), Version::V2)),
                 Err(e) => tried.push(format!("{} (v2): {e}", control.display())),
             }
         }
-        Ok(_) => tried.push(format!("{} (v2): no cpu controller", v2.display())),
+        Ok(_) => tried.push(format!("{} (v2): no {name} controller", v2.display())),
         Err(e) => tried.push(format!(
             "{} (v2): {e}",
             v2.join("cgroup.controllers").display()
         )),
     }
-    let v1 = Path::new("/sys/fs/cgroup/cpu");
-    if v1.join("cpu.cfs_quota_us").is_file() {
+    let v1 = v2.join(name);
+    let probe_file = match controller {
+        Controller::Cpu => "cpu.cfs_quota_us",
+        Controller::Memory => "memory.limit_in_bytes",
+    };
+    if v1.join(probe_file).is_file() {
         let probe = v1.join(format!("ringtmp-probe-{}", std::process::id()));
         match std::fs::create_dir(&probe) {
             Ok(()) => {
                 let _ = std::fs::remove_dir(&probe);
-                return Ok((v1.to_path_buf(), Version::V1));
+                return Ok((v1, Version::V1));
             }
             Err(e) => tried.push(format!("{} (v1): {e}", v1.display())),
         }
     } else {
-        tried.push(format!("{} (v1): no cpu.cfs_quota_us", v1.display()));
+        tried.push(format!("{} (v1): no {probe_file}", v1.display()));
     }
     Err(tried.join("; "))
 }
 
 impl NodeCgroups {
-    /// Checks that groups can be made when any node is limited (before any node starts).
-    pub fn check(cores: &[Option<f64>]) -> Result<()> {
-        if cores.iter().all(Option::is_none) {
-            return Ok(());
+    /// Checks that groups can be made for what is asked (before any node starts).
+    pub fn check(cores: &[Option<f64>], memory: &[Option<u64>]) -> Result<()> {
+        let wanted = [
+            (
+                Controller::Cpu,
+                cores.iter().any(Option::is_some),
+                "--node-cpu",
+            ),
+            (
+                Controller::Memory,
+                memory.iter().any(Option::is_some),
+                "--enforce-memory-limit",
+            ),
+        ];
+        for (controller, asked, flag) in wanted {
+            if !asked {
+                continue;
+            }
+            parent(controller).map_err(|tried| {
+                UsageError(format!(
+                    "{flag} needs a writable cgroup {} controller, and none was found \
+                     (tried {tried}); run as root, or in a container or systemd unit with a \
+                     delegated cgroup{}",
+                    controller.name(),
+                    match controller {
+                        Controller::Cpu => ", or use --node-speed to emulate slow nodes instead",
+                        Controller::Memory => "",
+                    }
+                ))
+            })?;
         }
-        parent().map(|_| ()).map_err(|tried| {
-            UsageError(format!(
-                "--node-cpu needs a writable cgroup cpu controller, and none was found \
-                 (tried {tried}); run as root, or in a container or systemd unit with a \
-                 delegated cgroup, or use --node-speed to emulate slow nodes instead"
-            ))
-            .into()
-        })
+        Ok(())
+    }
+
+    /// The group of node `rank` for `controller` (made on first use).
+    fn join(&mut self, controller: Controller, rank: u32) -> Result<(PathBuf, Version)> {
+        let (parent, version) =
+            parent(controller).map_err(|tried| anyhow::anyhow!("cgroups: {tried}"))?;
+        let dir = parent.join(format!("ringtmp-{}-rank{rank}", std::process::id()));
+        if !self.groups.iter().any(|(_, d, _)| *d == dir) {
+            std::fs::create_dir_all(&dir)
+                .map_err(|e| anyhow::anyhow!("making {}: {e}", dir.display()))?;
+            self.groups.push((rank, dir.clone(), version));
+        }
+        Ok((dir, version))
+    }
+
+    fn write(dir: &Path, file: &str, value: &str, rank: u32) -> Result<()> {
+        std::fs::write(dir.join(file), value)
+            .map_err(|e| anyhow::anyhow!("limiting rank {rank}: {}: {e}", dir.join(file).display()))
     }
 
     /// Puts process `pid` (node `rank`) under a quota of `cores` cores.
     pub fn limit(&mut self, rank: u32, pid: u32, cores: f64) -> Result<()> {
-        let (parent, version) = parent().map_err(|tried| anyhow::anyhow!("cgroups: {tried}"))?;
-        let dir = parent.join(format!("ringtmp-{}-rank{rank}", std::process::id()));
-        let io = |what: &str, e: std::io::Error| {
-            anyhow::anyhow!("limiting rank {rank} to {cores} cores: {what}: {e}")
-        };
-        std::fs::create_dir_all(&dir).map_err(|e| io(&dir.display().to_string(), e))?;
-        self.groups.push((rank, dir.clone(), version));
+        let (dir, version) = self.join(Controller::Cpu, rank)?;
         let quota = (cores * PERIOD_US as f64).round() as u64;
         match version {
-            Version::V2 => {
-                std::fs::write(dir.join("cpu.max"), format!("{quota} {PERIOD_US}"))
-                    .map_err(|e| io("cpu.max", e))?;
-            }
+            Version::V2 => Self::write(&dir, "cpu.max", &format!("{quota} {PERIOD_US}"), rank)?,
             Version::V1 => {
-                std::fs::write(dir.join("cpu.cfs_period_us"), PERIOD_US.to_string())
-                    .map_err(|e| io("cpu.cfs_period_us", e))?;
-                std::fs::write(dir.join("cpu.cfs_quota_us"), quota.to_string())
-                    .map_err(|e| io("cpu.cfs_quota_us", e))?;
+                Self::write(&dir, "cpu.cfs_period_us", &PERIOD_US.to_string(), rank)?;
+                Self::write(&dir, "cpu.cfs_quota_us", &quota.to_string(), rank)?;
             }
         }
-        std::fs::write(dir.join("cgroup.procs"), pid.to_string())
-            .map_err(|e| io("cgroup.procs", e))?;
-        Ok(())
+        Self::write(&dir, "cgroup.procs", &pid.to_string(), rank)
+    }
+
+    /// Holds process `pid` (node `rank`) to `bytes` of memory, swap included.
+    pub fn limit_memory(&mut self, rank: u32, pid: u32, bytes: u64) -> Result<()> {
+        let (dir, version) = self.join(Controller::Memory, rank)?;
+        match version {
+            Version::V2 => {
+                Self::write(&dir, "memory.max", &bytes.to_string(), rank)?;
+                // No swap to spill into: a board without swap is what the limit stands for.
+                let _ = std::fs::write(dir.join("memory.swap.max"), "0");
+            }
+            Version::V1 => {
+                Self::write(&dir, "memory.limit_in_bytes", &bytes.to_string(), rank)?;
+                if dir.join("memory.memsw.limit_in_bytes").is_file() {
+                    Self::write(
+                        &dir,
+                        "memory.memsw.limit_in_bytes",
+                        &bytes.to_string(),
+                        rank,
+                    )?;
+                }
+            }
+        }
+        self.memory.push((rank, bytes, dir.clone(), version));
+        Self::write(&dir, "cgroup.procs", &pid.to_string(), rank)
+    }
+
+    /// Why node `rank` died, if the kernel killed it for exceeding its memory limit.
+    pub fn explain(&self, rank: u32) -> Option<String> {
+        let (_, bytes, dir, version) = self.memory.iter().find(|m| m.0 == rank)?;
+        let killed = match version {
+            Version::V2 => counter(&dir.join("memory.events"), "oom_kill"),
+            Version::V1 => counter(&dir.join("memory.oom_control"), "oom_kill").or_else(|| {
+                std::fs::read_to_string(dir.join("memory.failcnt"))
+                    .ok()?
+                    .trim()
+                    .parse()
+                    .ok()
+            }),
+        }?;
+        (killed > 0).then(|| {
+            format!(
+                "rank {rank} exceeded its {} memory limit (the kernel's OOM killer ended it; \
+                 --node-memory-limit with --enforce-memory-limit)",
+                show(*bytes)
+            )
+        })
+    }
+}
+
+/// `key N` from a cgroup file of such lines.
+fn counter(path: &Path, key: &str) -> Option<u64> {
+    std::fs::read_to_string(path)
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix(key)?.trim().parse().ok())
+}
+
+fn show(bytes: u64) -> String {
+    if bytes % (1 << 30) == 0 {
+        format!("{} GiB", bytes >> 30)
+    } else if bytes % (1 << 20) == 0 {
+        format!("{} MiB", bytes >> 20)
+    } else {
+        format!("{bytes}-byte")
     }
 }
 

@@ -49,6 +49,9 @@ pub struct Launch<'a> {
     /// Called with each node's rank and pid right after it starts (to put it under a CPU
     /// quota); an error stops the launch.
     pub on_spawn: &'a dyn Fn(u32, u32) -> Result<()>,
+    /// Why node `rank` died, when the launcher's side knows better than its exit status (it
+    /// exceeded an enforced memory limit).
+    pub explain: &'a dyn Fn(u32) -> Option<String>,
 }
 
 /// How a launch ended when it did not fail.
@@ -69,6 +72,7 @@ pub fn launch(nodes: u32, pin: bool, args: impl Fn(u32) -> Vec<String>) -> Resul
         args: &args,
         expendable: &|_| false,
         on_spawn: &|_, _| Ok(()),
+        explain: &|_| None,
     })
 }
 
@@ -156,8 +160,9 @@ pub fn run(launch: &Launch<'_>) -> Result<Ended> {
                             run_over_at = Some(Instant::now());
                         }
                     } else if (launch.expendable)(rank) && failed.is_none() {
+                        let why = (launch.explain)(rank).unwrap_or_else(|| status.to_string());
                         eprintln!(
-                            "launcher: node {rank} failed ({status}); the run continues without it"
+                            "launcher: node {rank} failed ({why}); the run continues without it"
                         );
                         ended.failed_expendable.push((rank, status.to_string()));
                     } else if failed.is_none() {
@@ -202,6 +207,11 @@ pub fn run(launch: &Launch<'_>) -> Result<Ended> {
         thread::sleep(Duration::from_millis(20));
     }
     if let Some((rank, status)) = failed {
+        // A node the kernel killed for its memory says nothing itself; the others only saw it
+        // go. Its limit is the cause.
+        if let Some(why) = (0..nodes).find_map(|r| (launch.explain)(r)) {
+            bail!(why);
+        }
         let errors = last_errors.lock().map(|e| e.clone()).unwrap_or_default();
         let (culprit, why) = culprit(rank, &status, &errors);
         let message = format!("node {culprit} failed{why}");
@@ -280,10 +290,16 @@ fn die_with_parent(cmd: &mut Command) {
 
 /// Which node caused the failure, and why. Nodes that fail because a peer died name that peer
 /// (`rank K …`) in their error; a node named by another's error is the culprit even when it
-/// printed nothing itself (killed, crashed). Otherwise the first node seen failing.
+/// printed nothing itself (killed, crashed). The naming is followed as a chain (node 0 names node
+/// 1, which failed because node 2 died): the culprit is where it ends. Otherwise the first node
+/// seen failing.
 fn culprit(first: u32, status: &ExitStatus, errors: &[String]) -> (u32, String) {
-    for (reporter, error) in errors.iter().enumerate() {
-        let named = error
+    let names = |reporter: usize| -> Option<u32> {
+        let error = &errors[reporter];
+        if error.contains("aborted the run") {
+            return None;
+        }
+        error
             .split("rank ")
             .skip(1)
             .filter_map(|rest| {
@@ -292,18 +308,27 @@ fn culprit(first: u32, status: &ExitStatus, errors: &[String]) -> (u32, String) 
                     .parse::<u32>()
                     .ok()
             })
-            .find(|r| *r as usize != reporter && (*r as usize) < errors.len());
-        if let Some(rank) = named
-            && !error.contains("aborted the run")
-        {
-            let own = &errors[rank as usize];
-            let own = if own.is_empty() {
-                String::new()
-            } else {
-                format!(": {own}")
-            };
-            return (rank, format!("{own} (node {reporter} reports: {error})"));
+            .find(|r| *r as usize != reporter && (*r as usize) < errors.len())
+    };
+    for reporter in 0..errors.len() {
+        let Some(mut rank) = names(reporter) else {
+            continue;
+        };
+        let mut seen = vec![reporter as u32];
+        while let Some(next) = names(rank as usize).filter(|n| !seen.contains(n)) {
+            seen.push(rank);
+            rank = next;
         }
+        let own = &errors[rank as usize];
+        let own = if own.is_empty() {
+            String::new()
+        } else {
+            format!(": {own}")
+        };
+        return (
+            rank,
+            format!("{own} (node {reporter} reports: {})", errors[reporter]),
+        );
     }
     let own = &errors[first as usize];
     (
@@ -364,4 +389,28 @@ fn free_port() -> Result<u16> {
     }
     let l = std::net::TcpListener::bind("127.0.0.1:0").context("finding a free port")?;
     Ok(l.local_addr()?.port())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::ExitStatusExt;
+
+    #[test]
+    fn the_culprit_is_where_the_chain_of_names_ends() {
+        let status = ExitStatus::from_raw(1 << 8);
+        // Node 0 saw node 1 go, node 1 saw node 2 go, node 2 said nothing (it crashed).
+        let errors = [
+            "rank 1 (127.0.0.1:1) closed the connection".to_string(),
+            "rank 2 (127.0.0.1:2) closed the connection".to_string(),
+            String::new(),
+        ];
+        assert_eq!(culprit(0, &status, &errors).0, 2);
+        // Two nodes naming each other: the chain stops instead of going round.
+        let errors = ["rank 1 went".to_string(), "rank 0 went".to_string()];
+        assert_eq!(culprit(0, &status, &errors).0, 1);
+        // Nobody names anybody: the first seen failing.
+        let errors = [String::new(), "out of memory".to_string()];
+        assert_eq!(culprit(1, &status, &errors).0, 1);
+    }
 }

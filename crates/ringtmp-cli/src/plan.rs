@@ -58,6 +58,7 @@ pub fn load_dataset(args: &TrainArgs, announce: bool) -> Result<Dataset> {
 pub fn plan(args: &TrainArgs, cfg: TrainConfig, data: &Dataset, nodes: u32) -> Result<Job> {
     let mut cluster = Cluster::local(nodes)
         .with_speeds(args.node_speed.as_deref().unwrap_or_default())
+        .and_then(|c| c.with_memory_limits(args.node_memory_limit.as_deref()))
         .map_err(|e| UsageError(e.to_string()))?;
     cluster.threads = args.threads;
     let job = Job::plan(

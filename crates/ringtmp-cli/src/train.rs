@@ -98,7 +98,22 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
     args.config = None;
     let links = args.node_links(nodes)?;
     let cores = crate::cgroup::parse_node_cpu(args.node_cpu.as_deref().unwrap_or_default(), nodes)?;
-    crate::cgroup::NodeCgroups::check(&cores)?;
+    let memory: Vec<Option<u64>> = if args.enforce_memory_limit.unwrap_or(false) {
+        let limits = ringtmp_strategy::Cluster::local(nodes)
+            .with_memory_limits(args.node_memory_limit.as_deref())
+            .map_err(|e| UsageError(e.to_string()))?
+            .memory_limits;
+        if limits.iter().all(Option::is_none) {
+            return Err(UsageError(
+                "--enforce-memory-limit needs --node-memory-limit (the limit to enforce)".into(),
+            )
+            .into());
+        }
+        limits
+    } else {
+        vec![None; nodes as usize]
+    };
+    crate::cgroup::NodeCgroups::check(&cores, &memory)?;
     // Check everything and plan here, before any process starts: a bad option is a usage error
     // (exit 2) of this command, and the plan printed is the one the nodes run.
     let data = load_dataset(&args, true)?;
@@ -164,8 +179,16 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
             cgroups.borrow_mut().limit(rank, pid, share)?;
             eprintln!("launcher: node {rank} runs under a CPU quota of {share} core(s)");
         }
+        if let Some(bytes) = memory[rank as usize] {
+            cgroups.borrow_mut().limit_memory(rank, pid, bytes)?;
+            eprintln!(
+                "launcher: node {rank} is held to {} MiB of memory",
+                bytes >> 20
+            );
+        }
         Ok(())
     };
+    let explain = |rank: u32| cgroups.borrow().explain(rank);
     let ended = crate::launcher::run(&crate::launcher::Launch {
         nodes,
         pin: args.pin.unwrap_or(false),
@@ -173,6 +196,7 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
         args: &node_args,
         expendable: &expendable,
         on_spawn: &on_spawn,
+        explain: &explain,
     });
     // Every node has exited: their groups go.
     drop(cgroups);

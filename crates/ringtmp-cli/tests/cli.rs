@@ -496,6 +496,11 @@ fn bad_link_specs_are_usage_errors() {
         (vec!["--latency-ms", "-1"], "--latency-ms must be ≥ 0"),
         (vec!["--node-cpu", "2:0"], "more than zero cores"),
         (vec!["--node-cpu", "5:1"], "rank 5 does not exist"),
+        (vec!["--enforce-memory-limit"], "needs --node-memory-limit"),
+        (
+            vec!["--node-memory-limit", "40M"],
+            "leaves nothing for its stage",
+        ),
     ] {
         let mut args = base.to_vec();
         args.extend(extra);

@@ -1199,3 +1199,48 @@ fn node_cpu_puts_a_node_under_a_quota_or_says_why_not() {
         .collect();
     assert!(leftovers.is_empty(), "groups left behind: {leftovers:?}");
 }
+
+// Issue 13.2: --enforce-memory-limit holds each node process to --node-memory-limit; a strategy
+// whose node does not fit fails as a board with that memory would, and the run says which rank
+// exceeded which limit.
+#[test]
+fn an_enforced_memory_limit_names_the_rank_that_exceeded_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("m").display().to_string();
+    // wide-mlp's server holds 442 MB of parameters, gradients and momentum.
+    let (output, _) = finish(
+        spawn_train(&[
+            "--strategy",
+            "ps",
+            "--nodes",
+            "3",
+            "--dataset",
+            "digits",
+            "--model-file",
+            "examples/models/wide-mlp.toml",
+            "--max-steps",
+            "5",
+            "--eval-every",
+            "0",
+            "--node-memory-limit",
+            "300M",
+            "--enforce-memory-limit",
+            "--out",
+            &out,
+        ]),
+        Duration::from_secs(120),
+    );
+    let err = stderr(&output);
+    if output.status.code() == Some(2) {
+        assert!(
+            err.contains("needs a writable cgroup memory controller"),
+            "{err}"
+        );
+        return;
+    }
+    assert_eq!(output.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("rank 0 exceeded its 300 MiB memory limit"),
+        "{err}"
+    );
+}

@@ -33,6 +33,9 @@ pub struct Cluster {
     pub nodes: u32,
     /// Relative speed per rank (1 = full speed; `--node-speed` emulates slower ones).
     pub node_speeds: Vec<f64>,
+    /// Memory per rank (`--node-memory-limit`), in bytes: what a planner must fit a node's
+    /// process into; `None`: unlimited.
+    pub memory_limits: Vec<Option<u64>>,
     /// Compute threads per node when the user chose them; `None`: the strategy shares `cores`.
     pub threads: Option<usize>,
     /// Cores of the machine the local nodes share.
@@ -45,11 +48,18 @@ impl Cluster {
         Self {
             nodes,
             node_speeds: vec![1.0; nodes as usize],
+            memory_limits: vec![None; nodes as usize],
             threads: None,
             cores: std::thread::available_parallelism()
                 .map(|n| n.get())
                 .unwrap_or(1),
         }
+    }
+
+    /// Applies `--node-memory-limit` (`200M`, or per rank `1:200M,2:1G`).
+    pub fn with_memory_limits(mut self, spec: Option<&str>) -> Result<Self> {
+        self.memory_limits = crate::ring::plan::memory_limits(spec, self.nodes)?;
+        Ok(self)
     }
 
     /// Applies `--node-speed` entries (`RANK:FACTOR`, comma-separated or repeated).

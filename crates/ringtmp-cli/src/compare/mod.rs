@@ -133,7 +133,7 @@ fn check(options: &CompareOptions, runs: &[RunPlan]) -> Result<()> {
         let cores =
             crate::cgroup::parse_node_cpu(args.node_cpu.as_deref().unwrap_or_default(), plan.nodes)
                 .with_context(|| what.clone())?;
-        crate::cgroup::NodeCgroups::check(&cores)?;
+        crate::cgroup::NodeCgroups::check(&cores, &[])?;
         if data.is_none() {
             data = Some(crate::plan::load_dataset(&args, false)?);
         }

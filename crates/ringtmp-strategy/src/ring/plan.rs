@@ -30,9 +30,6 @@ pub struct RingOptions {
     /// Ring: layer ranges per node instead of the planner, e.g. `0:4,4:8,8:10`.
     #[arg(long, value_name = "RANGES")]
     pub partition: Option<String>,
-    /// Ring: memory each node may use for its stage, e.g. `200M`, or per node `1:200M,2:1G`.
-    #[arg(long, value_name = "BYTES")]
-    pub node_memory_limit: Option<String>,
     /// Ring (gpipe, 1f1b): compute linear weight gradients once per mini-batch rather than per
     /// micro-batch (faster; keeps those layers' inputs until the step) [default: true].
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
@@ -49,7 +46,6 @@ crate::job::options_merge!(
     micro_batches,
     in_flight,
     partition,
-    node_memory_limit,
     defer_weight_grads,
     master_holds_head
 );
@@ -106,7 +102,31 @@ pub fn plan(
         )));
     }
     let speeds = cluster.node_speeds.clone();
-    let limits = memory_limits(args.node_memory_limit.as_deref(), nodes)?;
+    // A limit is the whole process's (a board's memory, or --enforce-memory-limit's cgroup):
+    // the stage gets what the process itself and, on the master, the dataset leave of it.
+    let limits: Vec<Option<u64>> = cluster
+        .memory_limits
+        .iter()
+        .enumerate()
+        .map(|(rank, limit)| {
+            let Some(limit) = *limit else { return Ok(None) };
+            let needs = process_overhead(rank == 0, data);
+            if needs >= limit {
+                return Err(Error::Config(format!(
+                    "--node-memory-limit: node {rank}'s {} leaves nothing for its stage: the \
+                     process itself needs about {} (runtime, buffers{})",
+                    show_bytes(limit),
+                    show_bytes(needs),
+                    if rank == 0 {
+                        ", and the dataset the master holds"
+                    } else {
+                        ""
+                    }
+                )));
+            }
+            Ok(Some(limit - needs))
+        })
+        .collect::<Result<_>>()?;
     let capacities: Vec<NodeCapacity> = speeds
         .iter()
         .zip(&limits)
@@ -241,6 +261,29 @@ pub fn plan(
         in_flight: args.in_flight.unwrap_or(0),
     };
     Ok(job)
+}
+
+/// What a node process needs besides its stage's parameters, optimizer state and stashes: the
+/// binary, the runtimes' threads and buffers, the allocator. Measured: a ring node holding a
+/// 0.1 MB stage peaks at 14–17 MB (docs/BENCHMARKS.md, issue 13.2); wide-mlp planned into 256 MB
+/// per node peaked at 278 MB. 48 MiB keeps that margin with room for the transport's buffers.
+pub const PROCESS_BASELINE_BYTES: u64 = 48 << 20;
+
+/// Memory a node's process needs beyond its stage: the baseline, and on the master the dataset
+/// (pixels as bytes and labels, train and test, as the data crate keeps them).
+pub fn process_overhead(master: bool, data: &Dataset) -> u64 {
+    let dataset = if master {
+        let (h, w, c) = data.input;
+        let per_example = (h * w * c + 1) as u64;
+        (data.train.len() + data.test.len()) as u64 * per_example
+    } else {
+        0
+    };
+    PROCESS_BASELINE_BYTES + dataset
+}
+
+fn show_bytes(bytes: u64) -> String {
+    format!("{:.0} MiB", bytes as f64 / (1u64 << 20) as f64)
 }
 
 /// `200M` (every node) or `1:200M,2:1G` → a limit per node.
