@@ -310,6 +310,16 @@ impl TrainArgs {
                 .into());
             }
         }
+        if self.node_memory_limit.is_some()
+            && strategy != "ring"
+            && !self.enforce_memory_limit.unwrap_or(false)
+        {
+            return Err(UsageError(format!(
+                "--node-memory-limit plans the ring's stages; for --strategy {strategy} it takes \
+                 effect only with --enforce-memory-limit (a kernel limit on each node process)"
+            ))
+            .into());
+        }
         self.ring
             .check()
             .map_err(|e| UsageError(e.to_string()).into())
