@@ -498,7 +498,7 @@ fn bad_link_specs_are_usage_errors() {
         (vec!["--node-cpu", "5:1"], "rank 5 does not exist"),
         (vec!["--enforce-memory-limit"], "needs --node-memory-limit"),
         (
-            vec!["--node-memory-limit", "40M"],
+            vec!["--node-memory-limit", "30M"],
             "leaves nothing for its stage",
         ),
     ] {

@@ -1244,3 +1244,46 @@ fn an_enforced_memory_limit_names_the_rank_that_exceeded_it() {
         "{err}"
     );
 }
+
+// Issue 13.2: the ring's planner counts what a process needs besides its stage, so the ring's own
+// run fits the enforced limit it was planned for (and a limit too small is refused at planning).
+#[test]
+fn the_ring_planned_for_a_memory_limit_runs_under_it_enforced() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("w").display().to_string();
+    let child = spawn_train(&[
+        "--model-file",
+        "examples/models/wide-mlp.toml",
+        "--dataset",
+        "digits",
+        "--schedule",
+        "1f1b",
+        "--nodes",
+        "3",
+        "--node-memory-limit",
+        "330M",
+        "--enforce-memory-limit",
+        "--max-steps",
+        "4",
+        "--eval-every",
+        "0",
+        "--out",
+        &out,
+    ]);
+    let (output, _) = finish(child, Duration::from_secs(180));
+    let err = stderr(&output);
+    if output.status.code() == Some(2) && err.contains("needs a writable cgroup memory controller")
+    {
+        return;
+    }
+    assert!(output.status.success(), "{err}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.path().join("w/summary.json")).unwrap())
+            .unwrap();
+    for node in summary["per_node"].as_array().unwrap() {
+        assert!(
+            node["peak_rss_bytes"].as_u64().unwrap() < 330 << 20,
+            "{summary}"
+        );
+    }
+}

@@ -102,6 +102,9 @@ pub fn plan(
         )));
     }
     let speeds = cluster.node_speeds.clone();
+
+    let (h, w, c) = data.input;
+    let layers = cfg.model.build(&Shape::image(h, w, c), data.classes)?;
     // A limit is the whole process's (a board's memory, or --enforce-memory-limit's cgroup):
     // the stage gets what the process itself and, on the master, the dataset leave of it.
     let limits: Vec<Option<u64>> = cluster
@@ -110,11 +113,11 @@ pub fn plan(
         .enumerate()
         .map(|(rank, limit)| {
             let Some(limit) = *limit else { return Ok(None) };
-            let needs = process_overhead(rank == 0, data);
+            let needs = process_overhead(rank == 0, data, &layers);
             if needs >= limit {
                 return Err(Error::Config(format!(
                     "--node-memory-limit: node {rank}'s {} leaves nothing for its stage: the \
-                     process itself needs about {} (runtime, buffers{})",
+                     process itself needs about {} (runtime, buffers, GEMM workspace{})",
                     show_bytes(limit),
                     show_bytes(needs),
                     if rank == 0 {
@@ -135,9 +138,6 @@ pub fn plan(
             memory_limit,
         })
         .collect();
-
-    let (h, w, c) = data.input;
-    let layers = cfg.model.build(&Shape::image(h, w, c), data.classes)?;
     let first_param = layers
         .iter()
         .position(|l| matches!(l.kind, LayerKind::Linear(_) | LayerKind::Conv2d(_)))
@@ -263,15 +263,24 @@ pub fn plan(
     Ok(job)
 }
 
-/// What a node process needs besides its stage's parameters, optimizer state and stashes: the
-/// binary, the runtimes' threads and buffers, the allocator. Measured: a ring node holding a
-/// 0.1 MB stage peaks at 14–17 MB (docs/BENCHMARKS.md, issue 13.2); wide-mlp planned into 256 MB
-/// per node peaked at 278 MB. 48 MiB keeps that margin with room for the transport's buffers.
-pub const PROCESS_BASELINE_BYTES: u64 = 48 << 20;
+/// What a node process needs besides its stage's parameters, gradients, optimizer state and
+/// stashes, and besides its GEMM workspace: the binary, the runtimes' threads and buffers, the
+/// allocator. Measured (docs/BENCHMARKS.md, issue 13.2): a lenet ring node with a 0.1 MB stage
+/// peaks at 14–17 MB; wide-mlp's master, 25 MiB beyond its stage, workspace and dataset.
+pub const PROCESS_BASELINE_BYTES: u64 = 32 << 20;
 
-/// Memory a node's process needs beyond its stage: the baseline, and on the master the dataset
-/// (pixels as bytes and labels, train and test, as the data crate keeps them).
-pub fn process_overhead(master: bool, data: &Dataset) -> u64 {
+/// Memory a node's process needs beyond its stage: the baseline; the matrix multiplications'
+/// packing workspace, which peaks at about one copy of the largest weight matrix (wide-mlp's
+/// nodes holding a 4096 × 4096 layer peak 62–68 MiB above their stage's 192 MiB); and on the
+/// master the dataset (pixels as bytes and labels, train and test, as the data crate keeps them).
+/// The workspace is counted for the model's largest matrix on every node: an upper bound.
+pub fn process_overhead(master: bool, data: &Dataset, layers: &[ringtmp_model::Layer]) -> u64 {
+    let workspace = layers
+        .iter()
+        .filter(|l| matches!(l.kind, LayerKind::Linear(_) | LayerKind::Conv2d(_)))
+        .map(|l| l.param_count() as u64 * 4)
+        .max()
+        .unwrap_or(0);
     let dataset = if master {
         let (h, w, c) = data.input;
         let per_example = (h * w * c + 1) as u64;
@@ -279,7 +288,7 @@ pub fn process_overhead(master: bool, data: &Dataset) -> u64 {
     } else {
         0
     };
-    PROCESS_BASELINE_BYTES + dataset
+    PROCESS_BASELINE_BYTES + workspace + dataset
 }
 
 fn show_bytes(bytes: u64) -> String {
