@@ -537,6 +537,7 @@ impl TrainArgs {
                 .recv_timeout
                 .unwrap_or(ringtmp_strategy::DEFAULT_RECV_TIMEOUT_SECS),
             default_lr: self.lr.is_none(),
+            default_schedule: self.lr_schedule.is_none(),
         };
         config.validate().context("invalid training options")
     }

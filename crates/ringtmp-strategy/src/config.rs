@@ -46,6 +46,10 @@ pub struct TrainConfig {
     /// choice: data-parallel strategies then scale it with their workers (planning only).
     #[serde(skip)]
     pub default_lr: bool,
+    /// Whether `schedule` is the default rather than the user's choice: strategies whose updates
+    /// are stale then pick the one they were tuned with (planning only).
+    #[serde(skip)]
+    pub default_schedule: bool,
     /// Learning-rate schedule.
     #[serde(rename = "lr_schedule")]
     pub schedule: LrSchedule,

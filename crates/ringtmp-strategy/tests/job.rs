@@ -128,3 +128,39 @@ fn garbage_is_a_parse_error_not_a_panic() {
         assert!(serde_json::from_str::<Job>(text).is_err(), "{text}");
     }
 }
+
+/// Issue 13.5: with the schedule left to the strategy, the stale consistency models decay the
+/// rate (cosine) so the last epoch's model is not the noisy one; BSP and a user's choice keep
+/// theirs.
+#[test]
+fn stale_parameter_servers_default_to_a_decaying_rate() {
+    use ringtmp_model::LrSchedule;
+    use ringtmp_strategy::param_server::plan::PsOptions;
+    let data = digits();
+    let plan = |consistency: &str, default_schedule: bool| {
+        let cfg = TrainConfig {
+            default_schedule,
+            ..config()
+        };
+        let options = ringtmp_strategy::StrategyOptions {
+            ps: PsOptions {
+                consistency: Some(consistency.into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let cluster = ringtmp_strategy::Cluster::local(4);
+        match Job::plan("ps", cfg, &options, &cluster, &data).unwrap() {
+            Job::Ps(job) => job.spec.schedule.clone(),
+            other => panic!("{other:?}"),
+        }
+    };
+    assert_eq!(plan("dssp:1:4", true), LrSchedule::Cosine);
+    assert_eq!(plan("asp", true), LrSchedule::Cosine);
+    assert_eq!(plan("bsp", true), LrSchedule::Constant);
+    assert_eq!(
+        plan("asp", false),
+        LrSchedule::Constant,
+        "the user's choice"
+    );
+}

@@ -64,6 +64,7 @@ fn config(out: &Path, optimizer: OptimizerConfig) -> TrainConfig {
         max_steps: None,
         recv_timeout_secs: 30.0,
         default_lr: false,
+        default_schedule: false,
     }
 }
 

@@ -56,6 +56,7 @@ fn config(steps: u64, out: &Path) -> TrainConfig {
         max_steps: Some(steps),
         recv_timeout_secs: 30.0,
         default_lr: false,
+        default_schedule: false,
     }
 }
 

@@ -56,6 +56,7 @@ fn config(out: &Path) -> TrainConfig {
         max_steps: Some(STEPS),
         recv_timeout_secs: 30.0,
         default_lr: false,
+        default_schedule: false,
     }
 }
 

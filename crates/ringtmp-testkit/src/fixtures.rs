@@ -120,6 +120,7 @@ pub fn train_config(
         batch_size: batch,
         lr: 0.05,
         default_lr: false,
+        default_schedule: false,
         schedule: LrSchedule::Constant,
         warmup_steps: 0,
         optimizer: OptimizerConfig::Sgd {
