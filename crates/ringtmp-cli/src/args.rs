@@ -68,7 +68,7 @@ pub struct TrainArgs {
     /// Emulated one-way latency of every frame a local node sends, milliseconds [default: 0].
     #[arg(long, value_name = "MS")]
     pub latency_ms: Option<f64>,
-    /// Per-rank card: RANK:MBIT[:MS], overriding --bandwidth-mbit (and --latency-ms) for that
+    /// Per-rank card: `RANK:MBIT[:MS]`, overriding --bandwidth-mbit (and --latency-ms) for that
     /// node (repeatable or comma-separated).
     #[arg(long, value_name = "RANK:MBIT[:MS]")]
     pub link: Option<Vec<String>>,
