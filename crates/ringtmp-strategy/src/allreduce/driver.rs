@@ -567,7 +567,18 @@ fn follow_regroup(
         .map(|(name, v)| (*name, v.len()))
         .collect();
     let expected = params + shapes.iter().map(|s| s.1).sum::<usize>();
-    let state = match net.recv_from(0, timeout)? {
+    // The state follows the order on rank 0's link; a dead worker's link may report its failure
+    // meanwhile, which is old news here.
+    let message = loop {
+        match net.recv_from(0, timeout) {
+            Ok(message) => break message,
+            Err(e) => match e.failed_peer() {
+                Some(dead) if dead != 0 && dead != rank => {}
+                _ => return Err(e.into()),
+            },
+        }
+    };
+    let state = match message {
         Message::Tensor(h, bytes)
             if h.tag == TensorTag::Params
                 && h.micro_batch == order.generation
