@@ -1239,8 +1239,10 @@ fn an_enforced_memory_limit_names_the_rank_that_exceeded_it() {
         return;
     }
     assert_eq!(output.status.code(), Some(1), "{err}");
+    // The server (rank 0) holds the most, but a worker's replica does not fit either: whichever
+    // the kernel kills first is named.
     assert!(
-        err.contains("rank 0 exceeded its 300 MiB memory limit"),
+        (0..3).any(|r| err.contains(&format!("rank {r} exceeded its 300 MiB memory limit"))),
         "{err}"
     );
 }
