@@ -244,3 +244,42 @@ pub fn gather_reports(
     reports.sort_by_key(|p| p.rank);
     Ok(Some(reports))
 }
+
+/// What a data-parallel run did, for its summary.
+pub struct RunTotals {
+    /// Parameters of the model.
+    pub params: u64,
+    /// Global steps completed.
+    pub steps: u64,
+    /// Samples trained on.
+    pub samples: u64,
+    /// Wall-clock seconds of the run.
+    pub wall_seconds: f64,
+    /// Seconds on the training clock.
+    pub train_seconds: f64,
+}
+
+/// Rank 0's summary of a data-parallel run of `strategy` on `nodes` nodes: the recorder's fields,
+/// the totals, and the traffic of every node's report; the caller adds what is its own.
+pub fn run_summary(
+    recorder: &crate::recorder::RunRecorder,
+    strategy: &str,
+    nodes: u32,
+    totals: &RunTotals,
+    per_node: Vec<NodeSummary>,
+) -> ringtmp_metrics::Summary {
+    let total_bytes_sent: u64 = per_node.iter().map(|p| p.bytes_sent).sum();
+    let samples = totals.samples;
+    ringtmp_metrics::Summary {
+        model_params: totals.params,
+        steps: totals.steps,
+        samples,
+        wall_seconds: totals.wall_seconds,
+        train_seconds: totals.train_seconds,
+        samples_per_second: samples as f64 / totals.train_seconds.max(1e-9),
+        total_bytes_sent,
+        bytes_per_sample: total_bytes_sent as f64 / samples.max(1) as f64,
+        per_node,
+        ..recorder.summary(strategy, nodes)
+    }
+}

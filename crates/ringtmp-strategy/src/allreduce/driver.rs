@@ -869,20 +869,16 @@ pub fn run_worker(
     let Some(recorder) = recorder else {
         unreachable!("rank 0 gathers the reports and holds the recorder")
     };
-    let total_bytes_sent: u64 = per_node.iter().map(|p| p.bytes_sent).sum();
-    let wall = (clock.now() - started).as_secs_f64();
-    let summary = Summary {
-        model_params: params,
+    let totals = crate::data_parallel::RunTotals {
+        params,
         steps: spec.total_steps,
         samples,
-        wall_seconds: wall,
+        wall_seconds: (clock.now() - started).as_secs_f64(),
         train_seconds,
-        samples_per_second: samples as f64 / train_seconds.max(1e-9),
-        total_bytes_sent,
-        bytes_per_sample: total_bytes_sent as f64 / samples.max(1) as f64,
+    };
+    let summary = Summary {
         dropped_nodes: dropped,
-        per_node,
-        ..recorder.summary(super::NAME, n as u32)
+        ..crate::data_parallel::run_summary(&recorder, super::NAME, n as u32, &totals, per_node)
     };
     recorder.finish(&summary)?;
     Ok(WorkerOutcome {

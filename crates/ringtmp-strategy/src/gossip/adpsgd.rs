@@ -595,20 +595,17 @@ pub fn run_worker(
     per_node.push(own);
     per_node.sort_by_key(|p| p.rank);
     let samples = c.iterations() * spec.batch_size as u64;
-    let total_bytes_sent: u64 = per_node.iter().map(|p| p.bytes_sent).sum();
-    let summary = Summary {
-        model_params: mean.len() as u64,
+    let totals = crate::data_parallel::RunTotals {
+        params: mean.len() as u64,
         steps: done,
         samples,
         wall_seconds: wall,
         train_seconds,
-        samples_per_second: samples as f64 / train_seconds.max(1e-9),
-        total_bytes_sent,
-        bytes_per_sample: total_bytes_sent as f64 / samples.max(1) as f64,
+    };
+    let summary = Summary {
         consensus_distance: Some(distance),
         dropped_nodes: c.dropped().to_vec(),
-        per_node,
-        ..r0.recorder.summary(NAME, n)
+        ..crate::data_parallel::run_summary(&r0.recorder, NAME, n, &totals, per_node)
     };
     r0.recorder.finish(&summary)?;
     Ok(WorkerOutcome {
