@@ -172,6 +172,10 @@ pub struct TrainArgs {
     /// Stop after N optimizer steps in total.
     #[arg(long, value_name = "N")]
     pub max_steps: Option<u64>,
+    /// Train on N examples in all instead of --epochs (rounded up to whole steps; the
+    /// learning-rate schedule spans them): one budget for strategies whose steps differ in size.
+    #[arg(long, value_name = "N")]
+    pub train_samples: Option<u64>,
     /// Seconds a node waits for any one message before giving up on the run [default: 300].
     #[arg(long, value_name = "SECONDS")]
     pub recv_timeout: Option<f64>,
@@ -264,6 +268,7 @@ impl TrainArgs {
             resume,
             overwrite,
             max_steps,
+            train_samples,
             recv_timeout,
             wire_dtype,
             verbose
@@ -309,6 +314,12 @@ impl TrainArgs {
                 ))
                 .into());
             }
+        }
+        if self.epochs.is_some() && self.train_samples.is_some() {
+            return Err(UsageError(
+                "--epochs and --train-samples both say how long to train; give one".into(),
+            )
+            .into());
         }
         if self.node_memory_limit.is_some()
             && strategy != "ring"
@@ -533,6 +544,7 @@ impl TrainArgs {
             keep_checkpoints: self.keep_checkpoints,
             resume: self.resume.clone(),
             max_steps: self.max_steps,
+            train_samples: self.train_samples,
             recv_timeout_secs: self
                 .recv_timeout
                 .unwrap_or(ringtmp_strategy::DEFAULT_RECV_TIMEOUT_SECS),

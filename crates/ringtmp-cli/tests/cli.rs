@@ -360,6 +360,17 @@ fn r10_options_that_do_not_apply_are_refused() {
             &["--strategy", "local", "--node-speed", "0:0.5"][..],
             "--node-speed applies to",
         ),
+        (
+            &[
+                "--strategy",
+                "local",
+                "--epochs",
+                "1",
+                "--train-samples",
+                "100",
+            ][..],
+            "--epochs and --train-samples both",
+        ),
     ] {
         let mut all = vec!["train"];
         all.extend(args);

@@ -116,6 +116,9 @@ pub struct Summary {
     pub dataset: String,
     /// Epochs requested.
     pub epochs: u32,
+    /// Examples requested in all, when given instead of the epochs (`--train-samples`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub train_samples: Option<u64>,
     /// Mini-batch size (examples per optimizer step).
     pub batch_size: u32,
     /// Micro-batches per mini-batch.

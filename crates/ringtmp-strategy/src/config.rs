@@ -75,12 +75,26 @@ pub struct TrainConfig {
     pub resume: Option<PathBuf>,
     /// Stop after this many optimizer steps in total (for tests and benchmarks).
     pub max_steps: Option<u64>,
+    /// Train on this many examples in all instead of `epochs` (rounded up to whole steps); the
+    /// learning-rate schedule spans them. One budget for strategies whose steps differ in size.
+    #[serde(default)]
+    pub train_samples: Option<u64>,
     /// Seconds a node waits for any one message before it gives up on the run.
     #[serde(default = "default_recv_timeout")]
     pub recv_timeout_secs: f64,
 }
 
 impl TrainConfig {
+    /// Steps the learning-rate schedule spans, and the run takes unless `max_steps` stops it
+    /// first, when every step consumes `global_batch` examples: `epochs` epochs of
+    /// `steps_per_epoch`, or `train_samples` rounded up to whole steps.
+    pub fn schedule_steps(&self, steps_per_epoch: u64, global_batch: usize) -> u64 {
+        match self.train_samples {
+            Some(samples) => samples.div_ceil(global_batch.max(1) as u64).max(1),
+            None => steps_per_epoch * u64::from(self.epochs),
+        }
+    }
+
     /// Checks the ranges of the numeric settings.
     pub fn validate(self) -> Result<Self> {
         let bad = |msg: String| Err(Error::Config(msg));
@@ -89,6 +103,9 @@ impl TrainConfig {
         }
         if self.batch_size == 0 {
             return bad("--batch-size must be at least 1".into());
+        }
+        if self.train_samples == Some(0) {
+            return bad("--train-samples must be at least 1".into());
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return bad(format!("--lr must be a positive number, got {}", self.lr));

@@ -133,13 +133,10 @@ pub fn train_local(
     let mut optimizer = Optimizer::new(cfg.optimizer.clone(), model.params().len());
     let mut plan = BatchPlan::new(data.train.len(), cfg.batch_size, cfg.seed)?;
     let per_epoch = plan.batches_per_epoch() as u64;
-    // The schedule spans the configured epochs; `max_steps` only stops early, so a run cut short
-    // and resumed follows the same learning-rate curve as one that is not.
-    let schedule_steps = per_epoch * u64::from(cfg.epochs);
-    let total_steps = cfg
-        .max_steps
-        .unwrap_or(u64::MAX)
-        .min(per_epoch * u64::from(cfg.epochs));
+    // The schedule spans the configured epochs (or samples); `max_steps` only stops early, so a
+    // run cut short and resumed follows the same learning-rate curve as one that is not.
+    let schedule_steps = cfg.schedule_steps(per_epoch, cfg.batch_size);
+    let total_steps = cfg.max_steps.unwrap_or(u64::MAX).min(schedule_steps);
 
     let mut step = 0u64;
     if let Some(resume) = &cfg.resume {

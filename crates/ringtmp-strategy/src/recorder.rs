@@ -168,6 +168,7 @@ impl RunRecorder {
             model: spec.model.name.clone(),
             dataset: spec.dataset.clone(),
             epochs: spec.epochs,
+            train_samples: spec.train_samples,
             batch_size: spec.batch_size as u32,
             micro_batches: 1,
             seed: spec.seed,

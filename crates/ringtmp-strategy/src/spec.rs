@@ -64,7 +64,7 @@ impl RunSpec {
             )));
         }
         let steps_per_epoch = (data.train.len() / global_batch) as u64;
-        let schedule_steps = steps_per_epoch * u64::from(config.epochs);
+        let schedule_steps = config.schedule_steps(steps_per_epoch, global_batch);
         let total_steps = config.max_steps.unwrap_or(u64::MAX).min(schedule_steps);
         Ok(Self {
             config,

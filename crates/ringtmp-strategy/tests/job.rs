@@ -164,3 +164,34 @@ fn stale_parameter_servers_default_to_a_decaying_rate() {
         "the user's choice"
     );
 }
+
+/// Issue 13.7: `--train-samples` is one budget for strategies whose steps differ in size: each
+/// plans whole steps that cover it (by less than one of its steps over), and its learning-rate
+/// schedule spans exactly the steps it takes.
+#[test]
+fn a_sample_budget_is_the_same_for_every_strategy() {
+    let data = digits();
+    let budget = 1_000u64;
+    for strategy in ["local", "ring", "ps", "allreduce", "dpsgd", "adpsgd"] {
+        let cfg = TrainConfig {
+            max_steps: None,
+            train_samples: Some(budget),
+            ..config()
+        };
+        let cluster = ringtmp_strategy::Cluster::local(if strategy == "local" { 1 } else { 4 });
+        let job = Job::plan(strategy, cfg, &Default::default(), &cluster, &data).unwrap();
+        let spec = job.spec();
+        let global_batch = match strategy {
+            "local" | "ring" => 24,
+            "ps" => 3 * 24,
+            _ => 4 * 24,
+        };
+        let covered = spec.total_steps * global_batch;
+        assert!(
+            covered >= budget && covered < budget + global_batch,
+            "{strategy}: {} steps of {global_batch}",
+            spec.total_steps
+        );
+        assert_eq!(spec.schedule_steps, spec.total_steps, "{strategy}");
+    }
+}

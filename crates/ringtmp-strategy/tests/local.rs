@@ -62,6 +62,7 @@ fn config(out: &Path, optimizer: OptimizerConfig) -> TrainConfig {
         keep_checkpoints: None,
         resume: None,
         max_steps: None,
+        train_samples: None,
         recv_timeout_secs: 30.0,
         default_lr: false,
         default_schedule: false,

@@ -54,6 +54,7 @@ fn config(steps: u64, out: &Path) -> TrainConfig {
         keep_checkpoints: None,
         resume: None,
         max_steps: Some(steps),
+        train_samples: None,
         recv_timeout_secs: 30.0,
         default_lr: false,
         default_schedule: false,

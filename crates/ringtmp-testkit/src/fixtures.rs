@@ -136,6 +136,7 @@ pub fn train_config(
         keep_checkpoints: None,
         resume: None,
         max_steps: Some(steps),
+        train_samples: None,
         recv_timeout_secs: 30.0,
     }
 }

@@ -15,8 +15,8 @@ use ringtmp_strategy::{TrainConfig, train_local};
 pub fn local_params(cfg: &TrainConfig, data: &Dataset) -> Vec<f32> {
     let mut cfg = cfg.clone();
     let steps = cfg.max_steps.unwrap_or(u64::MAX);
-    cfg.checkpoint_every =
-        steps.min((data.train.len() / cfg.batch_size) as u64 * cfg.epochs as u64);
+    let per_epoch = (data.train.len() / cfg.batch_size) as u64;
+    cfg.checkpoint_every = steps.min(cfg.schedule_steps(per_epoch, cfg.batch_size));
     train_local(&cfg, data, &mut |_| {}).expect("the local oracle trains");
     checkpoint_params(&cfg.out, &cfg, data)
 }

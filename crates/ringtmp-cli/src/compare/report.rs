@@ -290,11 +290,15 @@ fn settings(options: &CompareOptions, finished: &[Finished]) -> String {
         ),
         _ => String::new(),
     };
+    let length = match first.map(|s| (s.train_samples, s.epochs)) {
+        Some((Some(samples), _)) => format!("{samples} training samples"),
+        Some((None, epochs)) => format!("{epochs} epoch(s)"),
+        None => "? epoch(s)".into(),
+    };
     format!(
-        "model {}, dataset {}, {} epoch(s), seed {}; shared options: `{}`{share}",
+        "model {}, dataset {}, {length}, seed {}; shared options: `{}`{share}",
         first.map_or("?", |s| s.model.as_str()),
         first.map_or("?", |s| s.dataset.as_str()),
-        first.map_or(0, |s| s.epochs),
         first.map_or(0, |s| s.seed),
         options.train.join(" ")
     )
