@@ -828,14 +828,14 @@ async fn writer(
             ))
             .await;
         }
-        let size = frame_size(&message);
-        if let Some(bps) = cfg.shaping.bandwidth_bps {
-            // The frame occupies the node's emulated card, shared with its other links, until
-            // its last bit has gone out; release it to the socket then.
-            sleep_until(nic.reserve(size, bps)).await;
-        }
         let goodbye = matches!(message, Message::Control(Control::Goodbye));
-        match write_frame(&mut stream, &message, &mut scratch).await {
+        let written = match cfg.shaping.bandwidth_bps {
+            // The frame leaves through the node's emulated card, shared with its other links,
+            // packet by packet (see `write_paced`).
+            Some(bps) => write_frame_paced(&mut stream, &message, &mut scratch, &nic, bps).await,
+            None => write_frame(&mut stream, &message, &mut scratch).await,
+        };
+        match written {
             Ok(n) => {
                 counters.bytes_sent.fetch_add(n as u64, Ordering::Relaxed);
                 if counted {
@@ -862,11 +862,42 @@ async fn writer(
     }
 }
 
-fn frame_size(message: &Message) -> usize {
-    match message {
-        Message::Tensor(_, payload) => ringtmp_wire::PREFIX_LEN + 64 + payload.len(),
-        Message::Control(_) => ringtmp_wire::PREFIX_LEN + 16,
+/// What the emulated card sends at a time: each piece reserves the card when it asks and goes
+/// to the socket when its last bit would have left.
+const PACING_CHUNK: usize = 64 * 1024;
+
+/// [`write_frame`] through the emulated card `nic` at `bits_per_second`, in pieces of
+/// [`PACING_CHUNK`]. A frame released whole when its last bit would have left made a 32 MB model
+/// at 100 Mbit/s arrive as 2.6 s of silence and then everything: the receiver's watchdog called
+/// a busy peer dead, and a small message on another link waited for the whole frame, where a
+/// real card's fair queue interleaves flows packet by packet.
+async fn write_frame_paced<W: tokio::io::AsyncWrite + Unpin>(
+    stream: &mut W,
+    message: &Message,
+    scratch: &mut Vec<u8>,
+    nic: &crate::shaper::SharedNic,
+    bits_per_second: u64,
+) -> std::io::Result<usize> {
+    use tokio::io::AsyncWriteExt;
+    scratch.clear();
+    let payload: &[u8] = match message {
+        Message::Tensor(header, payload) => {
+            ringtmp_wire::encode_tensor_prefix(header, payload.len() as u64, scratch);
+            payload
+        }
+        Message::Control(_) => {
+            ringtmp_wire::encode(message, scratch);
+            &[]
+        }
+    };
+    for piece in scratch
+        .chunks(PACING_CHUNK)
+        .chain(payload.chunks(PACING_CHUNK))
+    {
+        sleep_until(nic.reserve(piece.len(), bits_per_second)).await;
+        stream.write_all(piece).await?;
     }
+    Ok(scratch.len() + payload.len())
 }
 
 async fn watchdog(

@@ -7,6 +7,10 @@
 //! whichever link they are for; latency is added before a frame asks (it models the path, not the
 //! card). Invariant: the card never sends faster than its rate — over any interval, the bytes
 //! that finished leaving fit in `rate × interval` plus one frame.
+//!
+//! The links' writers ask for the card in pieces of 64 KiB rather than whole frames
+//! (`network::write_frame_paced`), so a large frame's bytes reach the peer as they leave and
+//! the links of one node take turns piece by piece, as flows do under a real card's fair queue.
 
 use std::sync::Mutex;
 use std::time::Duration;

@@ -264,3 +264,30 @@ fn shaping_adds_latency_and_limits_bandwidth() {
         "two 200 kB frames at 8 Mbit/s took only {took:?}"
     );
 }
+
+#[test]
+fn a_shaped_frame_longer_than_the_peer_timeout_streams_and_links_interleave() {
+    // Node 1's card sends 1 MB/s; a 3 MB frame to node 0 takes 3 s, longer than the 2 s peer
+    // timeout. Its bytes must flow as they leave (node 0 hears a busy peer, not a silent one), and
+    // a small message to node 2 asked for after it must not wait for the whole frame.
+    let mut shaped = config(1);
+    shaped.shaping = Shaping {
+        bandwidth_bps: Some(8_000_000),
+        latency: Duration::ZERO,
+    };
+    let mut nets: Vec<Network> = start(vec![config(0), shaped, config(2)], &[(0, 1), (1, 2)])
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    nets[1].send(0, tensor(750_000)).unwrap();
+    nets[1].send(2, tensor(10)).unwrap();
+    nets[2].recv_from(1, Duration::from_secs(10)).unwrap();
+    assert!(
+        matches!(nets[0].try_recv(), Ok(None)),
+        "the small message went first"
+    );
+    match nets[0].recv_from(1, Duration::from_secs(10)) {
+        Ok(Message::Tensor(_, payload)) => assert_eq!(payload.len(), 3_000_000),
+        other => panic!("{other:?}"),
+    }
+}

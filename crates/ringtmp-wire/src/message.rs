@@ -205,6 +205,11 @@ pub enum Control {
         /// disagree.
         settings: String,
     },
+    /// AD-PSGD: rank 0 lets a worker complete `iterations` iterations in all (grants only grow).
+    Allow {
+        /// Iterations this worker may complete in this run.
+        iterations: u64,
+    },
 }
 
 /// A decoded frame.

@@ -163,6 +163,8 @@ struct Worker<'a> {
     model: Vec<f32>,
     /// Set when rank 0 said stop.
     stop: bool,
+    /// Iterations this worker may complete (rank 0's grants; see `coordinator`).
+    allowed: u64,
     /// Passive: active neighbours that have finished.
     finished: BTreeSet<u32>,
     /// Averagings this worker took part in.
@@ -227,6 +229,9 @@ impl Worker<'_> {
                 )?;
             }
             Message::Control(Control::Stop { .. }) if from == 0 => self.stop = true,
+            Message::Control(Control::Allow { iterations }) if from == 0 => {
+                self.allowed = self.allowed.max(iterations);
+            }
             Message::Control(Control::Finished { .. }) if !self.active => {
                 self.finished.insert(from);
             }
@@ -372,6 +377,7 @@ pub fn run_worker(
         near: mixing::bipartite_neighbours(rank, n),
         model: initial.map_or_else(|| compute.stage.params().to_vec(), <[f32]>::to_vec),
         stop: false,
+        allowed: Coordinator::initial_grant(n, spec.first_step(), spec.total_steps),
         finished: BTreeSet::new(),
         averagings: 0,
         coordinator: (rank == 0).then(|| Coordinator::new(n, spec.first_step(), spec.total_steps)),
@@ -408,6 +414,12 @@ pub fn run_worker(
         }
         if me.stop {
             break;
+        }
+        if iterations >= me.allowed {
+            // This worker's grant is used up: serve the others until rank 0 grants more or says
+            // stop (a silent rank 0 is named by the timeout).
+            me.serve_one(net, timeout)?;
+            continue;
         }
         let step = spec.first_step() + iterations;
         let lr = spec.lr_at(step.min(last_rate_step));
@@ -635,6 +647,13 @@ fn coordinate(
     let spec = &me.job.spec;
     let clock = net.clock();
     let elapsed = || (clock.now() - r0.started).as_secs_f64();
+    for (rank, iterations) in me.coordinator_mut().grants() {
+        if rank == 0 {
+            me.allowed = iterations;
+        } else if let Err(e) = net.send(rank, Message::Control(Control::Allow { iterations })) {
+            me.lost(net, e)?;
+        }
+    }
     let actions = me.coordinator_mut().actions(|s| gathering_due(spec, s));
     for action in actions {
         match action {
