@@ -54,7 +54,8 @@ Usage: ringtmp compare [--strategies LIST] [--nodes N[,N...]] [--repeats K] [--o
 
 Options:
   --strategies LIST   comma-separated: ring[:SCHEDULE], ps:bsp, ps:ssp:S, ps:asp, ps:dssp:L:U,
-                      allreduce, dpsgd[:ring|exp], adpsgd, local
+                      allreduce, dpsgd[:ring|exp], adpsgd, local; a strategy's own
+                      options follow +, e.g. ps:bsp+servers=2 or ring+wire-dtype=bf16
                       [default: ring,ps:bsp,allreduce,dpsgd,adpsgd]
   --nodes N[,N...]    nodes per run; several make a sweep (plotted against samples/s) [default: 4]
   --repeats K         runs per configuration (seeds S, S+1, ...); the report gives the median and
@@ -193,9 +194,34 @@ pub fn parse(raw: &[String]) -> Result<Option<CompareOptions>> {
     }))
 }
 
-/// The `ringtmp train` arguments of strategy `spec` in the short form.
+/// The `ringtmp train` arguments of strategy `spec` in the short form, with its own options
+/// after `+`: `ps:bsp+servers=2` is `--strategy ps --consistency bsp --servers 2`, and
+/// `ring+master-holds-head` gives the flag alone.
 pub fn strategy_args(spec: &str) -> Result<Vec<String>> {
-    let parts: Vec<&str> = spec.split(':').collect();
+    let mut pieces = spec.split('+');
+    let strategy = pieces.next().unwrap_or_default();
+    let mut args = base_strategy_args(spec, strategy)?;
+    for option in pieces {
+        let (key, value) = match option.split_once('=') {
+            Some((key, value)) => (key, Some(value)),
+            None => (option, None),
+        };
+        if key.is_empty() || key.starts_with('-') || value.is_some_and(str::is_empty) {
+            return Err(UsageError(format!(
+                "{spec:?}: {option:?} is not an option (expected +NAME=VALUE or +FLAG, \
+                 e.g. ps:bsp+servers=2)"
+            ))
+            .into());
+        }
+        args.push(format!("--{key}"));
+        args.extend(value.map(str::to_string));
+    }
+    Ok(args)
+}
+
+/// The arguments of the strategy part of `spec`.
+fn base_strategy_args(spec: &str, strategy: &str) -> Result<Vec<String>> {
+    let parts: Vec<&str> = strategy.split(':').collect();
     let bad = || {
         UsageError(format!(
             "unknown strategy {spec:?} (expected ring[:SCHEDULE], ps:bsp, ps:ssp:S, ps:asp, \
@@ -274,7 +300,10 @@ pub fn runs(options: &CompareOptions) -> Result<Vec<RunPlan>> {
                 }
                 let name = format!(
                     "{}-n{nodes}-r{repeat}",
-                    strategy.replace(':', "_").replace(['/', ' '], "-")
+                    strategy
+                        .replace([':', '+'], "_")
+                        .replace('=', "")
+                        .replace(['/', ' '], "-")
                 );
                 runs.push(RunPlan {
                     strategy: strategy.clone(),
@@ -357,6 +386,26 @@ mod tests {
         );
         assert!(strategy_args("horovod").is_err());
         assert!(strategy_args("allreduce:fast").is_err());
+        // A strategy's own options.
+        assert_eq!(
+            strategy_args("ps:bsp+servers=2+drop-dead-workers").unwrap(),
+            strings(&[
+                "--strategy",
+                "ps",
+                "--consistency",
+                "bsp",
+                "--servers",
+                "2",
+                "--drop-dead-workers"
+            ])
+        );
+        for bad in ["ring+", "ring+=2", "ring+--x=1", "ring+wire-dtype="] {
+            assert!(strategy_args(bad).is_err(), "{bad}");
+        }
+        let o = parse(&strings(&["--strategies", "ps:bsp+servers=2"]))
+            .unwrap()
+            .unwrap();
+        assert_eq!(runs(&o).unwrap()[0].name, "ps_bsp_servers2-n4-r0");
     }
 
     #[test]

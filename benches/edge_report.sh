@@ -1,0 +1,31 @@
+#!/bin/sh
+# The published edge-profile report (issue 13.7): every strategy on 4 local nodes, each with a
+# 100 Mbit/s emulated card, 2 ms one-way latency and half a core (a kernel CPU quota), for the
+# mlp, mlp-deep and cnn presets, on one sample budget per model (steps differ in size between
+# strategies, samples do not). Writes docs/reports/edge-4x100mbit/<model>/ (report.md,
+# report.html, plots/, results.jsonl, and every run's directory). About 75 minutes on 2 cores;
+# needs a writable cgroup cpu controller (run as root, or where cgroups are delegated).
+#
+#   benches/edge_report.sh                 # all three models
+#   MODELS=cnn benches/edge_report.sh      # one of them
+#
+# A rerun skips the runs that already finished (compare's own rule); delete a model's directory
+# to measure it again.
+set -eu
+cd "$(dirname "$0")/.."
+cargo build --release -p ringtmp-cli
+RINGTMP=${RINGTMP:-target/release/ringtmp}
+OUT=${OUT:-docs/reports/edge-4x100mbit}
+PROFILE="--nodes 4 --bandwidth-mbit 100 --latency-ms 2 --node-cpu 0:0.5,1:0.5,2:0.5,3:0.5"
+STRATEGIES=ring,ring:1f1b,ps:bsp,ps:bsp+servers=2,ps:dssp:1:4,allreduce,dpsgd,adpsgd
+for model in ${MODELS:-mlp mlp-deep cnn}; do
+    case $model in
+        mlp) length="--train-samples 24000 --target-accuracy 0.95" ;;
+        mlp-deep) length="--train-samples 9600 --target-accuracy 0.90" ;;
+        cnn) length="--train-samples 24000 --target-accuracy 0.97" ;;
+        *) echo "unknown model $model" >&2; exit 2 ;;
+    esac
+    # shellcheck disable=SC2086 # the option lists are meant to split
+    "$RINGTMP" compare --strategies $STRATEGIES $PROFILE --model "$model" $length \
+        --eval-every 30 --out "$OUT/$model"
+done
