@@ -153,6 +153,11 @@ pub struct TrainArgs {
     /// Replace the run that --out already holds (its summary, metrics, job and checkpoints).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub overwrite: Option<bool>,
+    /// Restart the run up to K times when a node fails: the launcher stops the others and resumes
+    /// from the newest checkpoint that verifies (choosing --checkpoint-every when not given).
+    /// The master's failure still ends the run.
+    #[arg(long, value_name = "K")]
+    pub max_restarts: Option<u32>,
     /// Fault injection for tests: this rank of a local ring exits abruptly.
     #[arg(long, hide = true)]
     #[serde(skip)]
@@ -268,11 +273,48 @@ impl TrainArgs {
             resume,
             overwrite,
             max_steps,
+            max_restarts,
             train_samples,
             recv_timeout,
             wire_dtype,
             verbose
         ))
+    }
+
+    /// `--resume auto`: the newest checkpoint under `--out` that verifies (passing over damaged
+    /// ones, each named), or — when none does — the run starts from the beginning in that
+    /// directory. For launchers that restart a node without knowing where the run stood (Slurm's
+    /// requeue, a Kubernetes restart policy).
+    pub fn resolve_auto_resume(&mut self) -> Result<()> {
+        if self.resume.as_deref() != Some(std::path::Path::new("auto")) {
+            return Ok(());
+        }
+        let out = self.out.clone().ok_or_else(|| {
+            UsageError("--resume auto needs --out (the run directory to continue)".into())
+        })?;
+        let (found, skipped) = ringtmp_model::checkpoint::newest_verified(&out.join("checkpoints"));
+        for reason in skipped {
+            eprintln!("--resume auto: passing over {reason}");
+        }
+        match found {
+            Some((dir, manifest)) => {
+                eprintln!(
+                    "--resume auto: resuming from {} (step {})",
+                    dir.display(),
+                    manifest.step
+                );
+                self.resume = Some(dir);
+            }
+            None => {
+                eprintln!(
+                    "--resume auto: no checkpoint in {} verifies; starting from the beginning",
+                    out.display()
+                );
+                self.resume = None;
+                self.overwrite = Some(true);
+            }
+        }
+        Ok(())
     }
 
     /// Refuses options that the chosen strategy would ignore (from flags and config files alike),
@@ -297,6 +339,7 @@ impl TrainArgs {
             ("node-memory-limit", self.node_memory_limit.is_some()),
             ("enforce-memory-limit", self.enforce_memory_limit.is_some()),
             ("pin", self.pin.is_some()),
+            ("max-restarts", self.max_restarts.is_some()),
         ]
         .into_iter()
         .filter(|(_, set)| *set)

@@ -32,6 +32,24 @@ impl std::fmt::Display for Interrupted {
 
 impl std::error::Error for Interrupted {}
 
+/// A node of a local launch failed at run time (not a usage error, not a signal): which one, so
+/// the launcher can restart the run without it (`--max-restarts`).
+#[derive(Debug)]
+pub struct NodeFailed {
+    /// The node that caused the failure.
+    pub rank: u32,
+    /// What went wrong, for the user.
+    pub message: String,
+}
+
+impl std::fmt::Display for NodeFailed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for NodeFailed {}
+
 /// The error chain on one line, outermost first. A cause whose text its wrapper already ends with
 /// (an I/O error that a `"{path}: {source}"` message quotes) is said once, not twice.
 pub fn describe(err: &anyhow::Error) -> String {

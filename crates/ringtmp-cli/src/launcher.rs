@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::error::{Interrupted, UsageError};
+use crate::error::{Interrupted, NodeFailed, UsageError};
 
 /// How long the other nodes may take to exit after rank 0 finished the run successfully.
 pub const AFTER_RUN_GRACE: Duration = Duration::from_secs(5);
@@ -209,8 +209,8 @@ pub fn run(launch: &Launch<'_>) -> Result<Ended> {
     if let Some((rank, status)) = failed {
         // A node the kernel killed for its memory says nothing itself; the others only saw it
         // go. Its limit is the cause.
-        if let Some(why) = (0..nodes).find_map(|r| (launch.explain)(r)) {
-            bail!(why);
+        if let Some((rank, message)) = (0..nodes).find_map(|r| Some((r, (launch.explain)(r)?))) {
+            return Err(NodeFailed { rank, message }.into());
         }
         let errors = last_errors.lock().map(|e| e.clone()).unwrap_or_default();
         let (culprit, why) = culprit(rank, &status, &errors);
@@ -219,7 +219,11 @@ pub fn run(launch: &Launch<'_>) -> Result<Ended> {
         if usage_errors[culprit as usize] {
             return Err(UsageError(message).into());
         }
-        bail!(message);
+        return Err(NodeFailed {
+            rank: culprit,
+            message,
+        }
+        .into());
     }
     Ok(ended)
 }

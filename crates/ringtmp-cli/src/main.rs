@@ -14,6 +14,7 @@ mod error;
 mod launcher;
 mod node;
 mod plan;
+mod restart;
 mod run_dir;
 mod train;
 

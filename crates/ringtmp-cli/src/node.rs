@@ -61,6 +61,12 @@ pub struct JobArgs {
     #[arg(long, value_name = "FILE")]
     #[serde(skip)]
     pub config: Option<PathBuf>,
+    /// Train: resume from this checkpoint or run directory, or `auto`: the newest checkpoint under
+    /// the run's --out that verifies, else from the beginning (for Slurm's requeue or a
+    /// Kubernetes restart policy); rank 0 only.
+    #[arg(long, value_name = "DIR|auto")]
+    #[serde(skip)]
+    pub resume: Option<PathBuf>,
     /// Train: the job already planned (written by the local launcher); rank 0 only.
     #[arg(long, value_name = "FILE", hide = true)]
     #[serde(skip)]
@@ -309,7 +315,11 @@ fn rank0_job(args: &NodeArgs, world: u32) -> Result<Job> {
         ..Default::default()
     }
     .merged()?;
+    if let Some(resume) = &args.job.resume {
+        train_args.resume = Some(resume.clone());
+    }
     train_args.check_applicable()?;
+    train_args.resolve_auto_resume()?;
     if let Some(n) = train_args.nodes
         && n != world
     {

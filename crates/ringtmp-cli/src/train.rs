@@ -6,7 +6,11 @@ use ringtmp_strategy::{Job, train_local};
 
 use crate::args::TrainArgs;
 use crate::display::{Display, print_summary};
-use crate::error::UsageError;
+use std::time::SystemTime;
+
+use ringtmp_metrics::Restart;
+
+use crate::error::{NodeFailed, UsageError};
 use crate::plan::{init_threads, load_dataset, plan};
 
 /// `ringtmp validate-config`: resolves everything a run would, without training.
@@ -51,6 +55,7 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         .into());
     }
     args.check_applicable()?;
+    args.resolve_auto_resume()?;
     args.adopt_checkpoint_batch()?;
     if args.strategy() != "local" {
         return launch_nodes(args);
@@ -81,8 +86,8 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     Ok(())
 }
 
-/// `ringtmp train --strategy ring|ps`: checks and plans the job, writes it and the options for
-/// rank 0, and starts the local nodes.
+/// `ringtmp train` with a distributed strategy: checks the node options, then runs the nodes —
+/// again from the newest verified checkpoint after a node failure, up to `--max-restarts` times.
 fn launch_nodes(mut args: TrainArgs) -> Result<()> {
     let nodes = args.nodes.unwrap_or(4);
     if nodes < 2 {
@@ -96,30 +101,152 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
     args.out = Some(out.clone());
     args.nodes = Some(nodes);
     args.config = None;
-    let links = args.node_links(nodes)?;
-    let cores = crate::cgroup::parse_node_cpu(args.node_cpu.as_deref().unwrap_or_default(), nodes)?;
-    let memory: Vec<Option<u64>> = if args.enforce_memory_limit.unwrap_or(false) {
-        let limits = ringtmp_strategy::Cluster::local(nodes)
-            .with_memory_limits(args.node_memory_limit.as_deref())
-            .map_err(|e| UsageError(e.to_string()))?
-            .memory_limits;
-        if limits.iter().all(Option::is_none) {
-            return Err(UsageError(
-                "--enforce-memory-limit needs --node-memory-limit (the limit to enforce)".into(),
-            )
-            .into());
+    let cluster = LocalCluster::check(&args, nodes)?;
+    let max_restarts = args.max_restarts.unwrap_or(0);
+    // Each restart with the Unix time of the failure that caused it.
+    let mut restarts: Vec<(Restart, f64)> = Vec::new();
+    loop {
+        let attempt_started = SystemTime::now();
+        let failure = match launch_once(&mut args, &cluster, restarts.is_empty()) {
+            Ok(()) => break,
+            Err(e) => e,
+        };
+        let Some(failed) = failure.downcast_ref::<NodeFailed>() else {
+            return Err(failure);
+        };
+        if restarts.len() as u32 >= max_restarts {
+            if max_restarts > 0 {
+                eprintln!("launcher: no restarts left (--max-restarts {max_restarts})");
+            }
+            return Err(failure);
         }
-        limits
-    } else {
-        vec![None; nodes as usize]
+        if failed.rank == 0 {
+            eprintln!(
+                "launcher: rank 0 failed; it is the master (it holds the data and the run's \
+                 records), so the run does not restart without it"
+            );
+            return Err(failure);
+        }
+        let (restart, failed_at) = plan_restart(&mut args, &out, failed, attempt_started);
+        eprintln!(
+            "launcher: restart {}/{max_restarts}: node {} failed at step {} ({}); resuming from \
+             step {} ({} step(s) to train again)",
+            restarts.len() + 1,
+            restart.rank,
+            restart.failed_at_step,
+            restart.reason,
+            restart.resumed_from_step,
+            restart.steps_redone
+        );
+        restarts.push((restart, failed_at));
+    }
+    if !restarts.is_empty() {
+        crate::restart::record(&out, restarts)?;
+    }
+    Ok(())
+}
+
+/// After node `failed` ended the attempt that started at `attempt_started`: points `args` at the
+/// newest checkpoint that verifies (or at a fresh start) and says what was lost; with the failure's
+/// Unix time (the downtime is measured from it once the restarted run has started).
+fn plan_restart(
+    args: &mut TrainArgs,
+    out: &std::path::Path,
+    failed: &NodeFailed,
+    attempt_started: SystemTime,
+) -> (Restart, f64) {
+    let failed_at = SystemTime::now();
+    let failed_at_step = crate::restart::last_step(out);
+    let (found, skipped) = ringtmp_model::checkpoint::newest_verified(&out.join("checkpoints"));
+    for reason in skipped {
+        eprintln!("launcher: passing over {reason}");
+    }
+    let (resumed_from_step, since) = match found {
+        Some((dir, manifest)) => {
+            let written = std::fs::metadata(dir.join("manifest.json"))
+                .and_then(|m| m.modified())
+                .unwrap_or(attempt_started);
+            args.resume = Some(dir);
+            (manifest.step, written)
+        }
+        None => {
+            // Nothing to resume from: the run starts over in the same directory.
+            args.resume = None;
+            args.overwrite = Some(true);
+            (0, attempt_started)
+        }
     };
-    crate::cgroup::NodeCgroups::check(&cores, &memory)?;
+    let restart = Restart {
+        rank: failed.rank,
+        reason: failed.message.clone(),
+        failed_at_step,
+        resumed_from_step,
+        steps_redone: failed_at_step.saturating_sub(resumed_from_step),
+        work_lost_seconds: failed_at
+            .duration_since(since)
+            .map_or(0.0, |d| d.as_secs_f64()),
+        downtime_seconds: 0.0,
+    };
+    let unix = failed_at
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64());
+    (restart, unix)
+}
+
+/// What the local nodes run on: each one's emulated card, CPU share and memory limit, checked
+/// before anything starts.
+struct LocalCluster {
+    links: Vec<(Option<f64>, f64)>,
+    cores: Vec<Option<f64>>,
+    memory: Vec<Option<u64>>,
+}
+
+impl LocalCluster {
+    fn check(args: &TrainArgs, nodes: u32) -> Result<Self> {
+        let links = args.node_links(nodes)?;
+        let cores =
+            crate::cgroup::parse_node_cpu(args.node_cpu.as_deref().unwrap_or_default(), nodes)?;
+        let memory: Vec<Option<u64>> = if args.enforce_memory_limit.unwrap_or(false) {
+            let limits = ringtmp_strategy::Cluster::local(nodes)
+                .with_memory_limits(args.node_memory_limit.as_deref())
+                .map_err(|e| UsageError(e.to_string()))?
+                .memory_limits;
+            if limits.iter().all(Option::is_none) {
+                return Err(UsageError(
+                    "--enforce-memory-limit needs --node-memory-limit (the limit to enforce)"
+                        .into(),
+                )
+                .into());
+            }
+            limits
+        } else {
+            vec![None; nodes as usize]
+        };
+        crate::cgroup::NodeCgroups::check(&cores, &memory)?;
+        Ok(Self {
+            links,
+            cores,
+            memory,
+        })
+    }
+}
+
+/// Plans the job, writes it and the options for rank 0, and runs the local nodes once. Fault
+/// injection (`--crash-rank`, `--freeze-rank`) applies to the `first` attempt only.
+fn launch_once(args: &mut TrainArgs, cluster: &LocalCluster, first: bool) -> Result<()> {
+    let nodes = args.nodes.unwrap_or(4);
+    let name = args.strategy().to_string();
+    let out = args.out.clone().unwrap_or_default();
+    let (links, cores, memory) = (&cluster.links, &cluster.cores, &cluster.memory);
     // Check everything and plan here, before any process starts: a bad option is a usage error
     // (exit 2) of this command, and the plan printed is the one the nodes run.
-    let data = load_dataset(&args, true)?;
+    let data = load_dataset(args, first)?;
     let cfg = args.resolve(data.classes)?;
-    let job = plan(&args, cfg, &data, nodes)?;
+    let mut job = plan(args, cfg, &data, nodes)?;
     drop(data);
+    if args.max_restarts.unwrap_or(0) > 0 {
+        crate::restart::choose_checkpoints(args, &mut job, first);
+    }
     crate::run_dir::prepare(
         &out,
         args.resume.as_deref(),
@@ -134,7 +261,7 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
     let config = out.join("train.toml");
     std::fs::write(
         &config,
-        toml::to_string(&args).context("encoding the training options")?,
+        toml::to_string(&*args).context("encoding the training options")?,
     )
     .with_context(|| format!("writing {}", config.display()))?;
     let plan = out.join("job.json");
@@ -163,11 +290,11 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
         if latency > 0.0 {
             node_args.extend(["--latency-ms".into(), latency.to_string()]);
         }
-        if args.crash_rank == Some(rank) {
+        if first && args.crash_rank == Some(rank) {
             let after = args.crash_after_ms.unwrap_or(1000).to_string();
             node_args.extend(["--crash-after-ms".into(), after]);
         }
-        if args.freeze_rank == Some(rank) {
+        if first && args.freeze_rank == Some(rank) {
             let after = args.freeze_after_ms.unwrap_or(1000).to_string();
             node_args.extend(["--freeze-after-ms".into(), after]);
         }

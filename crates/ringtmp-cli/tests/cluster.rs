@@ -1289,3 +1289,145 @@ fn the_ring_planned_for_a_memory_limit_runs_under_it_enforced() {
         );
     }
 }
+
+/// The final checkpoint's file hashes of a run in `out` (stage files, in order).
+fn final_hashes(out: &std::path::Path) -> Vec<String> {
+    let dir = out.join("checkpoints");
+    let latest = std::fs::read_to_string(dir.join("latest")).unwrap();
+    let manifest: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join(latest.trim()).join("manifest.json")).unwrap(),
+    )
+    .unwrap();
+    manifest["files"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|f| f["sha256"].as_str().unwrap().to_string())
+        .collect()
+}
+
+// Issue 14.1 and 14.4: a node that dies is restarted with the run, from the newest checkpoint
+// that verifies, and the run ends with the parameters of one that was never interrupted (a
+// synchronous schedule); the master's death is not restarted; `--resume auto` passes over a
+// damaged checkpoint, naming the file.
+#[test]
+fn a_failed_ring_node_restarts_the_run_from_its_checkpoint_and_ends_where_an_unbroken_run_does() {
+    let tmp = tempfile::tempdir().unwrap();
+    let common = [
+        "--strategy",
+        "ring",
+        "--schedule",
+        "1f1b",
+        "--nodes",
+        "4",
+        "--dataset",
+        "digits",
+        "--model-file",
+        "examples/models/lenet-dropout.toml",
+        "--batch-size",
+        "16",
+        "--epochs",
+        "2",
+        "--eval-every",
+        "0",
+        "--checkpoint-every",
+        "10",
+    ];
+    let unbroken = tmp.path().join("unbroken");
+    let mut args = common.to_vec();
+    args.extend(["--out", unbroken.to_str().unwrap()]);
+    let (output, _) = finish(spawn_train(&args), Duration::from_secs(120));
+    assert!(output.status.success(), "{}", stderr(&output));
+
+    // 5 ms links make a step take tens of milliseconds in any build, so the crash at 1.5 s
+    // falls inside the run.
+    let restarted = tmp.path().join("restarted");
+    let mut args = common.to_vec();
+    args.extend([
+        "--latency-ms",
+        "5",
+        "--max-restarts",
+        "1",
+        "--crash-rank",
+        "2",
+        "--crash-after-ms",
+        "1500",
+        "--out",
+        restarted.to_str().unwrap(),
+    ]);
+    let (output, _) = finish(spawn_train(&args), Duration::from_secs(180));
+    let err = stderr(&output);
+    assert!(output.status.success(), "{err}");
+    assert!(
+        err.contains("launcher: restart 1/1: node 2 failed"),
+        "{err}"
+    );
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(restarted.join("summary.json")).unwrap())
+            .unwrap();
+    let restart = &summary["restarts"][0];
+    assert_eq!(restart["rank"], 2, "{summary}");
+    let (failed, resumed) = (
+        restart["failed_at_step"].as_u64().unwrap(),
+        restart["resumed_from_step"].as_u64().unwrap(),
+    );
+    assert!(resumed <= failed && resumed % 10 == 0, "{restart}");
+    assert_eq!(restart["steps_redone"].as_u64(), Some(failed - resumed));
+    assert!(
+        restart["downtime_seconds"].as_f64().unwrap() > 0.0,
+        "{restart}"
+    );
+    assert_eq!(summary["steps"], 186, "{summary}");
+    assert_eq!(
+        final_hashes(&restarted),
+        final_hashes(&unbroken),
+        "the restarted run ends with the unbroken run's parameters"
+    );
+
+    // `--resume auto` on the unbroken run, one epoch longer: its newest checkpoint (the end) is
+    // damaged, so it goes on from the one before, naming the file it passed over.
+    let latest = std::fs::read_to_string(unbroken.join("checkpoints/latest")).unwrap();
+    let damaged = unbroken.join("checkpoints").join(latest.trim());
+    let stage = damaged.join("stage-1.safetensors");
+    let mut bytes = std::fs::read(&stage).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    std::fs::write(&stage, bytes).unwrap();
+    let mut args: Vec<&str> = common
+        .iter()
+        .map(|a| if *a == "2" { "3" } else { a })
+        .collect();
+    args.extend(["--resume", "auto", "--max-steps", "190", "--out"]);
+    args.push(unbroken.to_str().unwrap());
+    let (output, _) = finish(spawn_train(&args), Duration::from_secs(120));
+    let err = stderr(&output);
+    assert!(output.status.success(), "{err}");
+    assert!(
+        err.contains("passing over") && err.contains("stage-1.safetensors"),
+        "{err}"
+    );
+    assert!(
+        err.contains("--resume auto: resuming from") && err.contains("step-000000180"),
+        "{err}"
+    );
+
+    // The master holds the data: its death ends the run, restarts or not.
+    let mut args = common.to_vec();
+    let master = tmp.path().join("master");
+    args.extend([
+        "--latency-ms",
+        "5",
+        "--max-restarts",
+        "3",
+        "--crash-rank",
+        "0",
+        "--crash-after-ms",
+        "1000",
+        "--out",
+        master.to_str().unwrap(),
+    ]);
+    let (output, _) = finish(spawn_train(&args), Duration::from_secs(120));
+    let err = stderr(&output);
+    assert_eq!(output.status.code(), Some(1), "{err}");
+    assert!(err.contains("does not restart without it"), "{err}");
+}

@@ -13,4 +13,4 @@
 pub mod resources;
 mod summary;
 
-pub use summary::{DroppedNode, EventLog, NodeSummary, Summary};
+pub use summary::{DroppedNode, EventLog, NodeSummary, Restart, Summary};

@@ -89,6 +89,28 @@ pub struct DroppedNode {
     pub reason: String,
 }
 
+/// An automatic restart (`--max-restarts`): a node failed, the launcher stopped the others and
+/// started the run again from the newest checkpoint that verified.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Restart {
+    /// The node whose failure caused it.
+    pub rank: u32,
+    /// What it failed with.
+    pub reason: String,
+    /// The last step recorded before the failure.
+    pub failed_at_step: u64,
+    /// The checkpoint's step the run went on from (0: no checkpoint; it started over).
+    pub resumed_from_step: u64,
+    /// Steps trained again: `failed_at_step − resumed_from_step`.
+    pub steps_redone: u64,
+    /// Wall seconds of training thrown away: from the checkpoint's writing (or the attempt's
+    /// start) to the failure.
+    pub work_lost_seconds: f64,
+    /// Wall seconds without training: from the failure until the restarted run trained again
+    /// (stopping the others, planning, starting, rendezvous, reading the checkpoint).
+    pub downtime_seconds: f64,
+}
+
 fn is_zero(v: &u64) -> bool {
     *v == 0
 }
@@ -173,6 +195,9 @@ pub struct Summary {
     /// run says so here and in its final lines.
     #[serde(default)]
     pub dropped_nodes: Vec<DroppedNode>,
+    /// Automatic restarts along the way (`--max-restarts`), in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub restarts: Vec<Restart>,
     /// Per-node measurements.
     pub per_node: Vec<NodeSummary>,
 }

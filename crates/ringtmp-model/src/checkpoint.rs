@@ -527,6 +527,48 @@ pub fn newest_intact(root: &Path) -> Option<PathBuf> {
     step_dirs(root).into_iter().rev().find(|d| is_intact(d))
 }
 
+/// Checks that the checkpoint in `dir` is whole: its manifest parses and every file it lists
+/// (stages and replicas) is there with its recorded size and hash. The error names the file.
+pub fn verify(dir: &Path) -> Result<Manifest> {
+    let manifest = read_manifest(dir)?;
+    for entry in manifest.files.iter().chain(&manifest.replicas) {
+        let path = dir.join(&entry.name);
+        let bytes = fs::read(&path).map_err(|e| Error::io(&path, e))?;
+        if bytes.len() as u64 != entry.bytes {
+            return Err(Error::CheckpointMismatch {
+                path,
+                reason: format!(
+                    "{} bytes where the manifest records {} (truncated or replaced)",
+                    bytes.len(),
+                    entry.bytes
+                ),
+            });
+        }
+        let got = sha256_hex(&bytes);
+        if got != entry.sha256 {
+            return Err(Error::CheckpointHash {
+                path,
+                expected: entry.sha256.clone(),
+                got,
+            });
+        }
+    }
+    Ok(manifest)
+}
+
+/// The newest checkpoint under `root` (a `checkpoints/` directory) that [`verify`]s, with the
+/// reasons each newer one was passed over (`--resume auto`, automatic restarts).
+pub fn newest_verified(root: &Path) -> (Option<(PathBuf, Manifest)>, Vec<String>) {
+    let mut skipped = Vec::new();
+    for dir in step_dirs(root).into_iter().rev() {
+        match verify(&dir) {
+            Ok(manifest) => return (Some((dir, manifest)), skipped),
+            Err(e) => skipped.push(format!("{}: {e}", dir.display())),
+        }
+    }
+    (None, skipped)
+}
+
 /// Removes the checkpoint directories under `root` that have no manifest: checkpoints whose
 /// writing failed or was cut short (the manifest is written last). Call it only when nothing is
 /// writing there any more. Returns what it removed.

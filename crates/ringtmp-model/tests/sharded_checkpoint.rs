@@ -216,3 +216,58 @@ fn r10_incomplete_checkpoints_are_removed_old_ones_pruned_and_intact_ones_named(
     assert_eq!(removed, vec![root.join("step-000000010")]);
     assert!(root.join("step-000000020").is_dir() && root.join("step-000000030").is_dir());
 }
+
+/// Issue 14.4: `--resume auto` and automatic restarts take the newest checkpoint that verifies —
+/// a missing manifest, a truncated file or a flipped byte (same size, so only the hash tells)
+/// is passed over with the file named.
+#[test]
+fn the_newest_verified_checkpoint_skips_damaged_ones_with_the_file_named() {
+    let (whole, opt, _, spec) = trained();
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("checkpoints");
+    for step in [10, 20, 30, 40] {
+        write_shards(
+            &root.join(checkpoint::checkpoint_dir_name(step)),
+            &whole,
+            &opt,
+            &[20],
+            &spec,
+        );
+    }
+    let file = |step: u64| {
+        root.join(checkpoint::checkpoint_dir_name(step))
+            .join("server-1.safetensors")
+    };
+    // 40: no manifest; 30: a byte flipped; 20: truncated.
+    std::fs::remove_file(
+        root.join(checkpoint::checkpoint_dir_name(40))
+            .join("manifest.json"),
+    )
+    .unwrap();
+    let mut bytes = std::fs::read(file(30)).unwrap();
+    let last = bytes.len() - 1;
+    bytes[last] ^= 1;
+    std::fs::write(file(30), &bytes).unwrap();
+    bytes.truncate(last / 2);
+    std::fs::write(file(20), &bytes).unwrap();
+    let (found, skipped) = checkpoint::newest_verified(&root);
+    let (dir, manifest) = found.expect("step 10 is whole");
+    assert_eq!(dir, root.join(checkpoint::checkpoint_dir_name(10)));
+    assert_eq!(manifest.step, opt.steps());
+    assert_eq!(skipped.len(), 3, "{skipped:?}");
+    assert!(skipped[0].contains("manifest.json"), "{}", skipped[0]);
+    assert!(
+        skipped[1].contains("server-1.safetensors") && skipped[1].contains("SHA-256"),
+        "{}",
+        skipped[1]
+    );
+    assert!(
+        skipped[2].contains("server-1.safetensors") && skipped[2].contains("truncated"),
+        "{}",
+        skipped[2]
+    );
+    // Nothing whole at all: none, every reason given.
+    std::fs::write(file(10), b"").unwrap();
+    let (found, skipped) = checkpoint::newest_verified(&root);
+    assert!(found.is_none() && skipped.len() == 4);
+}

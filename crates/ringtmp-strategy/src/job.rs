@@ -247,6 +247,12 @@ impl Job {
         each!(self, j => j.spec())
     }
 
+    /// The spec, to change what a launcher decides after planning (the checkpoint interval
+    /// `--max-restarts` chooses).
+    pub fn spec_mut(&mut self) -> &mut RunSpec {
+        each!(self, j => &mut j.spec)
+    }
+
     /// See [`Strategy::validate`].
     pub fn validate(&self, world: u32) -> Result<()> {
         each!(self, j => j.validate(world))

@@ -49,6 +49,14 @@ impl Tracker {
     }
 }
 
+/// Seconds since the Unix epoch (the start event's wall-clock time: a launcher that restarted the
+/// run measures its downtime from it).
+fn unix_now() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}
+
 /// Writes a run's events and summary (on the rank that reports the run).
 pub struct RunRecorder {
     log: EventLog,
@@ -90,7 +98,7 @@ impl RunRecorder {
         let mut event = json!({"event": "start", "strategy": strategy, "model": spec.model.name,
             "dataset": spec.dataset, "batch_size": spec.batch_size, "seed": spec.seed,
             "threads": spec.threads, "first_step": spec.first_step(),
-            "total_steps": spec.total_steps});
+            "total_steps": spec.total_steps, "unix_time": unix_now()});
         if let (Some(e), Value::Object(extra)) = (event.as_object_mut(), start) {
             e.extend(extra);
         }
