@@ -1308,8 +1308,9 @@ fn final_hashes(out: &std::path::Path) -> Vec<String> {
 
 // Issue 14.1 and 14.4: a node that dies is restarted with the run, from the newest checkpoint
 // that verifies, and the run ends with the parameters of one that was never interrupted (a
-// synchronous schedule); the master's death is not restarted; `--resume auto` passes over a
-// damaged checkpoint, naming the file.
+// synchronous schedule); a disk that fills up mid-checkpoint loses nothing written before;
+// `--resume auto` passes over a damaged checkpoint, naming the file; the master's death is not
+// restarted.
 #[test]
 fn a_failed_ring_node_restarts_the_run_from_its_checkpoint_and_ends_where_an_unbroken_run_does() {
     let tmp = tempfile::tempdir().unwrap();
@@ -1383,6 +1384,34 @@ fn a_failed_ring_node_restarts_the_run_from_its_checkpoint_and_ends_where_an_unb
         final_hashes(&unbroken),
         "the restarted run ends with the unbroken run's parameters"
     );
+
+    // A disk that fills up while step 20's checkpoint is written: the run ends naming the file,
+    // the partial checkpoint goes, step 10's still verifies, and the run resumes from it to the
+    // unbroken run's end.
+    let full = tmp.path().join("full");
+    let mut args = common.to_vec();
+    args.extend(["--out", full.to_str().unwrap()]);
+    let output = ringtmp()
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+        .env("RINGTMP_FAULT_ENOSPC", "step-000000020")
+        .arg("train")
+        .args(&args)
+        .output()
+        .unwrap();
+    let err = stderr(&output);
+    assert_eq!(output.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("No space left on device") && err.contains("step-000000020/stage-"),
+        "{err}"
+    );
+    assert!(!full.join("checkpoints/step-000000020").exists(), "{err}");
+    let mut args = common.to_vec();
+    args.extend(["--resume", "auto", "--out", full.to_str().unwrap()]);
+    let (output, _) = finish(spawn_train(&args), Duration::from_secs(120));
+    let err = stderr(&output);
+    assert!(output.status.success(), "{err}");
+    assert!(err.contains("step-000000010 (step 10)"), "{err}");
+    assert_eq!(final_hashes(&full), final_hashes(&unbroken));
 
     // `--resume auto` on the unbroken run, one epoch longer: its newest checkpoint (the end) is
     // damaged, so it goes on from the one before, naming the file it passed over.

@@ -617,6 +617,19 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     Ok(manifest)
 }
 
+/// `ENOSPC` on Linux: "No space left on device".
+const ENOSPC: i32 = 28;
+
+/// Fault injection for tests: with `RINGTMP_FAULT_ENOSPC` set to a checkpoint directory's name
+/// (`step-000000020`), every file written into a directory of that name stops half-way with
+/// ENOSPC, as on a full disk. Read once per process.
+fn disk_full_injected(dir: &Path) -> bool {
+    static NAME: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    NAME.get_or_init(|| std::env::var("RINGTMP_FAULT_ENOSPC").ok())
+        .as_deref()
+        .is_some_and(|name| dir.file_name().is_some_and(|d| d == name))
+}
+
 /// Writes `bytes` to `path` so that readers see either the old file or the whole new one.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
@@ -630,6 +643,10 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     ));
     let result = (|| {
         let mut f = File::create(&tmp)?;
+        if disk_full_injected(dir) {
+            f.write_all(&bytes[..bytes.len() / 2])?;
+            return Err(std::io::Error::from_raw_os_error(ENOSPC));
+        }
         f.write_all(bytes)?;
         f.sync_all()?;
         fs::rename(&tmp, path)?;
