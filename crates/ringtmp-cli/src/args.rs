@@ -153,6 +153,10 @@ pub struct TrainArgs {
     /// Replace the run that --out already holds (its summary, metrics, job and checkpoints).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub overwrite: Option<bool>,
+    /// Send frames between nodes in the clear after the authenticated greeting (links are
+    /// encrypted and authenticated by default).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub insecure_plaintext: Option<bool>,
     /// Restart the run up to K times when a node fails: the launcher stops the others and resumes
     /// from the newest checkpoint that verifies (choosing --checkpoint-every when not given).
     /// The master's failure still ends the run.
@@ -274,6 +278,7 @@ impl TrainArgs {
             overwrite,
             max_steps,
             max_restarts,
+            insecure_plaintext,
             train_samples,
             recv_timeout,
             wire_dtype,
@@ -340,6 +345,7 @@ impl TrainArgs {
             ("enforce-memory-limit", self.enforce_memory_limit.is_some()),
             ("pin", self.pin.is_some()),
             ("max-restarts", self.max_restarts.is_some()),
+            ("insecure-plaintext", self.insecure_plaintext.is_some()),
         ]
         .into_iter()
         .filter(|(_, set)| *set)

@@ -1,8 +1,10 @@
 //! `ringtmp bench-transport`: what the transport costs over plain TCP, measured in one run on
 //! loopback. Two in-process endpoints (threads) exchange
 //! - large tensors (`--size-mib`, default 4) one way: plain `std::net::TcpStream` copy vs ringtmp
-//!   links (framing, authentication, reader/writer tasks, accounting);
-//! - small messages as ping/pong round trips: plain TCP vs ringtmp control frames.
+//!   links (framing, reader/writer tasks, accounting), with `--insecure-plaintext` and private
+//!   (every record encrypted and authenticated, the default), on loopback and through an emulated
+//!   card (`--emulated-mbit`, default 1000);
+//! - small messages as ping/pong round trips: plain TCP vs ringtmp control frames, both kinds.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
@@ -30,56 +32,110 @@ pub struct BenchTransportArgs {
     /// Ping/pong round trips.
     #[arg(long, default_value_t = 5000)]
     pub pings: usize,
+    /// Also measure through an emulated card of this many Mbit/s (0: loopback only).
+    #[arg(long, default_value_t = 1000.0)]
+    pub emulated_mbit: f64,
 }
 
 /// Runs the benchmark and prints the comparison.
 pub fn run(args: &BenchTransportArgs) -> Result<()> {
     let size = ((args.size_mib * 1024.0 * 1024.0) as usize / 4) * 4;
     let mut raw_rates = Vec::new();
-    let mut ours_rates = Vec::new();
-    let (mut a, mut b) = pair()?;
+    let (mut plain_rates, mut private_rates) = (Vec::new(), Vec::new());
+    let (mut pa, mut pb) = pair(false, None)?;
+    let (mut sa, mut sb) = pair(true, None)?;
+    // Interleaved, so drift on a shared machine falls on all three alike.
     for _ in 0..args.repeats {
         raw_rates.push(raw_throughput(size, args.count)?);
-        ours_rates.push(ringtmp_throughput(&mut a, &mut b, size, args.count)?);
+        plain_rates.push(ringtmp_throughput(&mut pa, &mut pb, size, args.count)?);
+        private_rates.push(ringtmp_throughput(&mut sa, &mut sb, size, args.count)?);
     }
     let raw = median(&mut raw_rates);
-    let ours = median(&mut ours_rates);
     println!(
-        "throughput, {} × {:.1} MiB one way, median of {}:",
+        "throughput on loopback, {} × {:.1} MiB one way, median of {}:",
         args.count, args.size_mib, args.repeats
     );
-    println!("  plain TCP socket copy  {:>8.0} MB/s", raw / 1e6);
-    println!(
-        "  ringtmp links          {:>8.0} MB/s  ({:.0}% of plain TCP)",
-        ours / 1e6,
-        100.0 * ours / raw
-    );
+    println!("  plain TCP socket copy        {:>8.0} MB/s", raw / 1e6);
+    for (name, rates) in [
+        ("ringtmp, --insecure-plaintext", &mut plain_rates),
+        ("ringtmp, private (default)   ", &mut private_rates),
+    ] {
+        let rate = median(rates);
+        println!(
+            "  {name} {:>8.0} MB/s  ({:.0}% of plain TCP)",
+            rate / 1e6,
+            100.0 * rate / raw
+        );
+    }
     let raw_rtt = raw_round_trips(args.pings)?;
-    let ours_rtt = ringtmp_round_trips(&mut a, &mut b, args.pings)?;
     println!("round trip of a small message, {} pings:", args.pings);
     println!(
-        "  plain TCP              p50 {:>6.1} µs  p99 {:>6.1} µs",
+        "  plain TCP                    p50 {:>6.1} µs  p99 {:>6.1} µs",
         raw_rtt.0, raw_rtt.1
     );
-    println!(
-        "  ringtmp control frame  p50 {:>6.1} µs  p99 {:>6.1} µs",
-        ours_rtt.0, ours_rtt.1
-    );
+    for (name, a, b) in [
+        ("ringtmp, --insecure-plaintext", &mut pa, &mut pb),
+        ("ringtmp, private (default)   ", &mut sa, &mut sb),
+    ] {
+        let rtt = ringtmp_round_trips(a, b, args.pings)?;
+        println!("  {name} p50 {:>6.1} µs  p99 {:>6.1} µs", rtt.0, rtt.1);
+    }
+    close(pa, pb);
+    close(sa, sb);
+    if args.emulated_mbit > 0.0 {
+        let bps = (args.emulated_mbit * 1e6) as u64;
+        // Enough tensors for a second or so per repeat at the card's rate.
+        let count = ((bps as f64 / 8.0 / size as f64) as usize).clamp(2, args.count);
+        println!(
+            "throughput through an emulated {} Mbit/s card ({:.0} MB/s), {count} × {:.1} MiB, \
+             median of {}:",
+            args.emulated_mbit,
+            bps as f64 / 8e6,
+            args.size_mib,
+            args.repeats
+        );
+        let (mut pa, mut pb) = pair(false, Some(bps))?;
+        let (mut sa, mut sb) = pair(true, Some(bps))?;
+        let (mut plain, mut private) = (Vec::new(), Vec::new());
+        for _ in 0..args.repeats {
+            plain.push(ringtmp_throughput(&mut pa, &mut pb, size, count)?);
+            private.push(ringtmp_throughput(&mut sa, &mut sb, size, count)?);
+        }
+        for (name, rates) in [
+            ("ringtmp, --insecure-plaintext", &mut plain),
+            ("ringtmp, private (default)   ", &mut private),
+        ] {
+            let rate = median(rates);
+            println!(
+                "  {name} {:>8.1} MB/s  ({:.1}% of the card)",
+                rate / 1e6,
+                100.0 * rate * 8.0 / bps as f64
+            );
+        }
+        close(pa, pb);
+        close(sa, sb);
+    }
+    Ok(())
+}
+
+fn close(mut a: Network, mut b: Network) {
     thread::scope(|s| {
         s.spawn(|| a.close());
         s.spawn(|| b.close());
     });
-    Ok(())
 }
 
-fn pair() -> Result<(Network, Network)> {
+/// Two connected endpoints, private or not, with node 0's card at `bandwidth_bps`.
+fn pair(encrypt: bool, bandwidth_bps: Option<u64>) -> Result<(Network, Network)> {
     let secret = b"bench-transport-secret".to_vec();
     let (la, lb) = (bind_listener("127.0.0.1:0")?, bind_listener("127.0.0.1:0")?);
     let addresses = BTreeMap::from([(0, la.local_addr()?), (1, lb.local_addr()?)]);
-    let (ca, cb) = (
+    let (mut ca, mut cb) = (
         TransportConfig::new(1, 0, secret.clone()),
         TransportConfig::new(1, 1, secret),
     );
+    (ca.encrypt, cb.encrypt) = (encrypt, encrypt);
+    ca.shaping.bandwidth_bps = bandwidth_bps;
     let addr_b = addresses.clone();
     let hb = thread::spawn(move || Network::connect(cb, lb, &addr_b, &BTreeSet::from([0])));
     let a = Network::connect(ca, la, &addresses, &BTreeSet::from([1]))?;

@@ -78,6 +78,9 @@ struct SelftestArgs {
     /// Emulated one-way latency of every link, ms.
     #[arg(long, default_value_t = 0.0)]
     latency_ms: f64,
+    /// Send frames in the clear after the authenticated greeting (encrypted by default).
+    #[arg(long)]
+    insecure_plaintext: bool,
     /// Fault injection for tests: this rank exits abruptly after --crash-after-ms.
     #[arg(long, hide = true)]
     crash_rank: Option<u32>,
@@ -108,6 +111,9 @@ fn selftest(a: &SelftestArgs) -> anyhow::Result<()> {
         }
         if a.crash_rank == Some(rank) {
             args.extend(["--crash-after-ms".into(), a.crash_after_ms.to_string()]);
+        }
+        if a.insecure_plaintext {
+            args.push("--insecure-plaintext".into());
         }
         args
     })

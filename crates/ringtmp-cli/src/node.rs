@@ -116,6 +116,10 @@ pub struct ConnectArgs {
     /// Pin this process to one CPU core.
     #[arg(long)]
     pub cpu: Option<usize>,
+    /// Send frames in the clear after the authenticated greeting (links are encrypted and
+    /// authenticated by default); every node of the run must say the same.
+    #[arg(long)]
+    pub insecure_plaintext: bool,
     /// Fault injection for tests: exit abruptly (no goodbye) this many milliseconds after the
     /// links are up.
     #[arg(long, hide = true)]
@@ -190,6 +194,13 @@ pub fn run(args: &NodeArgs) -> Result<()> {
     let mut transport = TransportConfig::new(0, placement.rank, secret.clone());
     transport.heartbeat_interval = Duration::from_millis(c.heartbeat_ms.max(1));
     transport.peer_timeout = seconds("peer-timeout", c.peer_timeout)?;
+    transport.encrypt = !c.insecure_plaintext;
+    if c.insecure_plaintext && placement.rank == 0 {
+        eprintln!(
+            "WARNING: --insecure-plaintext: models, gradients and data travel unencrypted and \
+             unauthenticated after the greeting; anyone on the path can read or alter them"
+        );
+    }
     transport.shaping = Shaping {
         bandwidth_bps: c
             .bandwidth_mbit

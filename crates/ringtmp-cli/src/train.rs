@@ -290,6 +290,9 @@ fn launch_once(args: &mut TrainArgs, cluster: &LocalCluster, first: bool) -> Res
         if latency > 0.0 {
             node_args.extend(["--latency-ms".into(), latency.to_string()]);
         }
+        if args.insecure_plaintext.unwrap_or(false) {
+            node_args.push("--insecure-plaintext".into());
+        }
         if first && args.crash_rank == Some(rank) {
             let after = args.crash_after_ms.unwrap_or(1000).to_string();
             node_args.extend(["--crash-after-ms".into(), after]);

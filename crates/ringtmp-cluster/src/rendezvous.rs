@@ -6,8 +6,9 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use ringtmp_transport::framed::{ReadError, read_frame, write_frame};
+use ringtmp_transport::framed::ReadError;
 use ringtmp_transport::handshake::handshake;
+use ringtmp_transport::secure::{Session, read_one_frame, write_one_frame};
 use ringtmp_transport::{PeerName, TransportConfig, TransportError};
 use ringtmp_wire::{Control, Message, NodeAddr};
 use tokio::net::{TcpListener, TcpStream};
@@ -60,7 +61,7 @@ pub fn serve(
         let deadline = Instant::now() + wait;
         let mut nodes: Vec<Option<NodeAddr>> = vec![None; world_size as usize];
         nodes[0] = Some(NodeAddr { rank: 0, addr: own.to_string() });
-        let mut streams = Vec::new();
+        let mut streams: Vec<(TcpStream, PeerName, Option<Session>)> = Vec::new();
         let mut refused: Vec<String> = Vec::new();
         let mut pending = tokio::task::JoinSet::new();
         while nodes.iter().any(Option::is_none) {
@@ -73,9 +74,8 @@ pub fn serve(
                             // The nodes that did register would otherwise wait out their own
                             // timeout for a table that never comes: tell them why.
                             let abort = Message::Control(Control::Abort { origin: 0, reason: error.to_string() });
-                            let mut scratch = Vec::new();
-                            for (mut stream, _) in streams {
-                                let _ = tokio::time::timeout(Duration::from_secs(1), write_frame(&mut stream, &abort, &mut scratch)).await;
+                            for (mut stream, _, session) in streams {
+                                let _ = tokio::time::timeout(Duration::from_secs(1), write_one_frame(&mut stream, session.as_ref(), &abort)).await;
                             }
                             return Err(error);
                         }
@@ -108,9 +108,8 @@ pub fn serve(
         }
         let table = Table { run_id: rand::random(), nodes: nodes.into_iter().flatten().collect(), settings };
         let message = Message::Control(Control::Table { run_id: table.run_id, nodes: table.nodes.clone(), settings: table.settings.clone() });
-        let mut scratch = Vec::new();
-        for (mut stream, peer) in streams {
-            write_frame(&mut stream, &message, &mut scratch)
+        for (mut stream, peer, session) in streams {
+            write_one_frame(&mut stream, session.as_ref(), &message)
                 .await
                 .map_err(|e| TransportError::PeerClosed { peer, reason: format!("sending the table failed: {e}") })?;
         }
@@ -123,21 +122,20 @@ async fn register(
     addr: SocketAddr,
     cfg: TransportConfig,
     world_size: u32,
-) -> Result<(NodeAddr, (TcpStream, PeerName)), TransportError> {
-    let rank = handshake(&mut stream, addr, &cfg, |r| r > 0 && r < world_size).await?;
+) -> Result<(NodeAddr, (TcpStream, PeerName, Option<Session>)), TransportError> {
+    let (rank, session) = handshake(&mut stream, addr, &cfg, |r| r > 0 && r < world_size).await?;
     let peer = PeerName {
         rank: Some(rank),
         addr: Some(addr),
     };
-    let mut buf = Vec::new();
     let message = tokio::time::timeout(
         cfg.handshake_timeout,
-        read_frame(&mut stream, &mut buf, &cfg.limits),
+        read_one_frame(&mut stream, session.as_ref(), &cfg.limits),
     )
     .await;
     match message {
         Ok(Ok((Message::Control(Control::Register { node }), _))) if node.rank == rank => {
-            Ok((node, (stream, peer)))
+            Ok((node, (stream, peer, session)))
         }
         Ok(Ok(_)) => Err(TransportError::Handshake {
             peer,
@@ -195,7 +193,7 @@ pub fn join(
             }
             tokio::time::sleep(Duration::from_millis(100)).await;
         };
-        handshake(&mut stream, addr, &cfg, |r| r == 0).await?;
+        let (_, session) = handshake(&mut stream, addr, &cfg, |r| r == 0).await?;
         let peer = PeerName {
             rank: Some(0),
             addr: Some(addr),
@@ -211,26 +209,24 @@ pub fn join(
         } else {
             own
         };
-        let mut scratch = Vec::new();
         let register = Message::Control(Control::Register {
             node: NodeAddr {
                 rank,
                 addr: own.to_string(),
             },
         });
-        write_frame(&mut stream, &register, &mut scratch)
+        write_one_frame(&mut stream, session.as_ref(), &register)
             .await
             .map_err(|e| TransportError::PeerClosed {
                 peer: peer.clone(),
                 reason: e.to_string(),
             })?;
-        let mut buf = Vec::new();
         // A little past our own deadline: when rank 0 gives up at the same moment, its reason
         // (an abort naming the missing ranks) arrives instead of a bare timeout.
         let table_deadline = deadline + Duration::from_secs(2);
         match timeout_at(
             table_deadline,
-            read_frame(&mut stream, &mut buf, &cfg.limits),
+            read_one_frame(&mut stream, session.as_ref(), &cfg.limits),
         )
         .await
         {

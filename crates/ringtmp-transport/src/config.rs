@@ -37,6 +37,9 @@ pub struct TransportConfig {
     pub send_timeout: Duration,
     /// Emulated link properties.
     pub shaping: Shaping,
+    /// Encrypt and authenticate every frame after the greeting ([`crate::secure`]); off only
+    /// with `--insecure-plaintext`. Both ends of a link must agree.
+    pub encrypt: bool,
 }
 
 impl TransportConfig {
@@ -54,6 +57,7 @@ impl TransportConfig {
             connect_timeout: Duration::from_secs(30),
             send_timeout: Duration::from_secs(30),
             shaping: Shaping::default(),
+            encrypt: true,
         }
     }
 }

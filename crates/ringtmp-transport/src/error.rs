@@ -71,6 +71,15 @@ pub enum TransportError {
         /// What the socket said.
         reason: String,
     },
+    /// A record on a private link failed authentication: forged, replayed, reordered or corrupted
+    /// on the way. The link is closed; nothing of the record was used.
+    #[error("the link from {peer} was tampered with: {reason}; the link is closed")]
+    Forged {
+        /// The peer the link goes to.
+        peer: PeerName,
+        /// What the check found.
+        reason: String,
+    },
     /// A peer sent nothing, not even heartbeats, for too long.
     #[error("{peer} has been silent for {silent_for:?} (no heartbeat); presumed dead")]
     PeerSilent {

@@ -1,7 +1,10 @@
 //! The authenticated greeting on a fresh connection. Both sides send `Hello` (run id, rank, a
-//! random nonce), then `Proof` (an HMAC over both nonces and ranks); each verifies the other before
-//! anything else is read. A wrong protocol version shows up as a frame the decoder refuses; a wrong
-//! run id, an unexpected rank or a bad proof is refused here. Every read has a deadline.
+//! random nonce, whether they encrypt), then `Proof` (an HMAC over both nonces and ranks); each
+//! verifies the other before anything else is read. A wrong protocol version shows up as a frame
+//! the decoder refuses; a wrong run id, an unexpected rank, a bad proof or a disagreement about
+//! encryption is refused here. Then, unless both run with `--insecure-plaintext`, the Noise
+//! handshake of [`crate::secure`] (bound to this greeting by its prologue) makes the session every
+//! later byte travels in. Every read has a deadline.
 
 use std::net::SocketAddr;
 
@@ -14,6 +17,7 @@ use tokio::time::timeout;
 use crate::config::TransportConfig;
 use crate::error::{PeerName, TransportError};
 use crate::framed::{ReadError, read_frame, write_frame};
+use crate::secure::Session;
 
 /// Runs the handshake on `stream` with the peer at `addr`; `accept(rank)` says whether a peer of
 /// that rank is welcome here. Returns the peer's verified rank.
@@ -22,7 +26,7 @@ pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     addr: SocketAddr,
     cfg: &TransportConfig,
     accept: impl Fn(u32) -> bool,
-) -> Result<u32, TransportError> {
+) -> Result<(u32, Option<Session>), TransportError> {
     let mut peer = PeerName {
         rank: None,
         addr: Some(addr),
@@ -33,25 +37,28 @@ pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
         run_id: cfg.run_id,
         rank: cfg.rank,
         nonce,
+        encrypted: cfg.encrypt,
     });
     let mut scratch = Vec::new();
     write_frame(stream, &hello, &mut scratch)
         .await
         .map_err(|e| refused(&peer, format!("cannot send hello: {e}")))?;
 
-    let (their_run, their_rank, their_nonce) = match next(stream, &peer, cfg).await? {
-        Message::Control(Control::Hello {
-            run_id,
-            rank,
-            nonce,
-        }) => (run_id, rank, nonce),
-        other => {
-            return Err(refused(
-                &peer,
-                format!("expected a hello, got {}", describe(&other)),
-            ));
-        }
-    };
+    let (their_run, their_rank, their_nonce, their_encryption) =
+        match next(stream, &peer, cfg).await? {
+            Message::Control(Control::Hello {
+                run_id,
+                rank,
+                nonce,
+                encrypted,
+            }) => (run_id, rank, nonce, encrypted),
+            other => {
+                return Err(refused(
+                    &peer,
+                    format!("expected a hello, got {}", describe(&other)),
+                ));
+            }
+        };
     if their_run != cfg.run_id {
         return Err(refused(
             &peer,
@@ -68,6 +75,20 @@ pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
         ));
     }
     peer.rank = Some(their_rank);
+    if their_encryption != cfg.encrypt {
+        let (plain, private) = if cfg.encrypt {
+            ("it", "this node")
+        } else {
+            ("this node", "it")
+        };
+        return Err(refused(
+            &peer,
+            format!(
+                "{plain} runs with --insecure-plaintext and {private} does not; every node of a \
+                 run must agree"
+            ),
+        ));
+    }
     let mine = Transcript {
         run_id: cfg.run_id,
         prover: cfg.rank,
@@ -105,7 +126,40 @@ pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
                 .into(),
         ));
     }
-    Ok(their_rank)
+    if !cfg.encrypt {
+        return Ok((their_rank, None));
+    }
+    // The lower rank leads the key exchange; the prologue binds it to this greeting.
+    let initiator = cfg.rank < their_rank;
+    let (low, high) = if initiator {
+        ((cfg.rank, &nonce), (their_rank, &their_nonce))
+    } else {
+        ((their_rank, &their_nonce), (cfg.rank, &nonce))
+    };
+    let mut prologue = b"ringtmp link v1".to_vec();
+    prologue.extend_from_slice(&cfg.run_id.to_le_bytes());
+    for (rank, nonce) in [low, high] {
+        prologue.extend_from_slice(&rank.to_le_bytes());
+        prologue.extend_from_slice(nonce.as_slice());
+    }
+    let session = timeout(
+        cfg.handshake_timeout,
+        crate::secure::establish(
+            stream,
+            initiator,
+            &crate::secure::psk(&cfg.secret),
+            &prologue,
+        ),
+    )
+    .await
+    .map_err(|_| {
+        refused(
+            &peer,
+            format!("no key exchange within {:?}", cfg.handshake_timeout),
+        )
+    })?
+    .map_err(|reason| refused(&peer, reason))?;
+    Ok((their_rank, Some(session)))
 }
 
 async fn next<S: AsyncRead + Unpin>(

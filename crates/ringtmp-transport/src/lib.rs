@@ -28,6 +28,7 @@ pub mod framed;
 pub mod handshake;
 pub mod network;
 pub mod pool;
+pub mod secure;
 pub mod shaper;
 pub mod sim;
 pub mod transport;

@@ -32,6 +32,7 @@ use crate::error::{PeerName, TransportError};
 use crate::framed::{ReadError, read_frame_pooled, write_frame};
 use crate::handshake::handshake;
 use crate::pool::BufferPool;
+use crate::secure::Session;
 
 /// Queue depth per link; a full queue is back-pressure on the sender.
 const SEND_QUEUE: usize = 64;
@@ -176,9 +177,17 @@ impl Network {
             let _guard = runtime.enter();
             Arc::new(crate::shaper::SharedNic::new())
         };
-        for (rank, (stream, addr)) in streams {
+        for (rank, (stream, addr, session)) in streams {
             let _guard = runtime.enter();
-            let link = start_link(&cfg, rank, addr, stream, inbox_tx.clone(), &buffers, &nic);
+            let link = start_link(
+                &cfg,
+                (rank, addr),
+                stream,
+                session,
+                inbox_tx.clone(),
+                &buffers,
+                &nic,
+            );
             links.insert(rank, link);
         }
         Ok(Self {
@@ -570,7 +579,7 @@ async fn establish(
     listener: std::net::TcpListener,
     addresses: &BTreeMap<u32, SocketAddr>,
     neighbours: &BTreeSet<u32>,
-) -> Result<BTreeMap<u32, (TcpStream, SocketAddr)>, TransportError> {
+) -> Result<BTreeMap<u32, (TcpStream, SocketAddr, Option<Session>)>, TransportError> {
     let listener = TcpListener::from_std(listener).map_err(|e| TransportError::Io {
         context: "listener".into(),
         source: e,
@@ -591,8 +600,7 @@ async fn establish(
         let mut out = BTreeMap::new();
         for rank in to_dial {
             let addr = *addresses.get(&rank).ok_or(TransportError::NoLink(rank))?;
-            let (stream, addr) = dial_one(cfg, rank, addr, deadline).await?;
-            out.insert(rank, (stream, addr));
+            out.insert(rank, dial_one(cfg, rank, addr, deadline).await?);
         }
         Ok::<_, TransportError>(out)
     };
@@ -619,17 +627,17 @@ async fn establish(
                     let _ = stream.set_nodelay(true);
                     let (cfg, expected) = (cfg.clone(), to_accept.clone());
                     pending.spawn(async move {
-                        handshake(&mut stream, addr, &cfg, |r| expected.contains(&r)).await.map(|rank| (rank, stream, addr))
+                        handshake(&mut stream, addr, &cfg, |r| expected.contains(&r)).await.map(|(rank, session)| (rank, stream, addr, session))
                     });
                 }
                 Some(done) = pending.join_next(), if !pending.is_empty() => match done {
-                    Ok(Ok((rank, stream, addr))) => {
+                    Ok(Ok((rank, stream, addr, session))) => {
                         match out.entry(rank) {
                             std::collections::btree_map::Entry::Occupied(_) => {
                                 tracing::warn!("refused a second connection claiming rank {rank} from {addr}");
                             }
                             std::collections::btree_map::Entry::Vacant(slot) => {
-                                slot.insert((stream, addr));
+                                slot.insert((stream, addr, session));
                             }
                         }
                     }
@@ -651,7 +659,7 @@ async fn dial_one(
     rank: u32,
     addr: SocketAddr,
     deadline: tokio::time::Instant,
-) -> Result<(TcpStream, SocketAddr), TransportError> {
+) -> Result<(TcpStream, SocketAddr, Option<Session>), TransportError> {
     let peer = PeerName {
         rank: Some(rank),
         addr: Some(addr),
@@ -663,8 +671,8 @@ async fn dial_one(
             Ok(Ok(mut stream)) => {
                 let _ = stream.set_nodelay(true);
                 // A handshake failure with the node we dialled is fatal: it is the peer we need.
-                handshake(&mut stream, addr, cfg, |r| r == rank).await?;
-                return Ok((stream, addr));
+                let (_, session) = handshake(&mut stream, addr, cfg, |r| r == rank).await?;
+                return Ok((stream, addr, session));
             }
             Ok(Err(e)) => last = e.to_string(),
         }
@@ -682,9 +690,9 @@ async fn dial_one(
 
 fn start_link(
     cfg: &TransportConfig,
-    rank: u32,
-    addr: SocketAddr,
+    (rank, addr): (u32, SocketAddr),
     stream: TcpStream,
+    session: Option<Session>,
     inbox: mpsc::Sender<Inbound>,
     buffers: &BufferPool,
     nic: &Arc<crate::shaper::SharedNic>,
@@ -699,29 +707,39 @@ fn start_link(
     let epoch = Instant::now();
     let last_byte = Arc::new(AtomicU64::new(0));
     let finished = Arc::new(AtomicBool::new(false));
-    let reader = tokio::spawn(reader(
-        Activity {
-            inner: read_half,
-            epoch,
-            last_byte: last_byte.clone(),
-        },
-        peer.clone(),
-        cfg.limits,
-        counters.clone(),
-        inbox.clone(),
-        finished.clone(),
-        buffers.clone(),
-    ));
-    let writer = tokio::spawn(writer(
-        write_half,
-        peer.clone(),
-        cfg.clone(),
-        outgoing,
-        counters.clone(),
-        inbox.clone(),
-        buffers.clone(),
-        nic.clone(),
-    ));
+    // Liveness counts the bytes that arrive, sealed or not.
+    let activity = Activity {
+        inner: read_half,
+        epoch,
+        last_byte: last_byte.clone(),
+    };
+    let ends = LinkEnds {
+        peer: peer.clone(),
+        counters: counters.clone(),
+        inbox: inbox.clone(),
+        buffers: buffers.clone(),
+    };
+    let (reader, writer) = match session {
+        Some(session) => (
+            tokio::spawn(reader(
+                crate::secure::SecureReader::new(activity, session.clone()),
+                ends.clone(),
+                cfg.limits,
+                finished.clone(),
+            )),
+            tokio::spawn(writer(
+                crate::secure::SecureWriter::new(write_half, session),
+                ends,
+                cfg.clone(),
+                outgoing,
+                nic.clone(),
+            )),
+        ),
+        None => (
+            tokio::spawn(reader(activity, ends.clone(), cfg.limits, finished.clone())),
+            tokio::spawn(writer(write_half, ends, cfg.clone(), outgoing, nic.clone())),
+        ),
+    };
     let watchdog = tokio::spawn(watchdog(
         peer.clone(),
         cfg.peer_timeout,
@@ -740,15 +758,28 @@ fn start_link(
     }
 }
 
-async fn reader<R: AsyncRead + Unpin>(
-    mut stream: R,
+/// What a link's reader and writer share: whom the link goes to, its counters, the node's inbox
+/// and buffer pool.
+#[derive(Clone)]
+struct LinkEnds {
     peer: PeerName,
-    limits: ringtmp_wire::Limits,
     counters: Arc<Counters>,
     inbox: mpsc::Sender<Inbound>,
-    finished: Arc<AtomicBool>,
     buffers: BufferPool,
+}
+
+async fn reader<R: AsyncRead + Unpin>(
+    mut stream: R,
+    ends: LinkEnds,
+    limits: ringtmp_wire::Limits,
+    finished: Arc<AtomicBool>,
 ) {
+    let LinkEnds {
+        peer,
+        counters,
+        inbox,
+        buffers,
+    } = ends;
     let rank = peer.rank.unwrap_or(u32::MAX);
     let mut buf = Vec::new();
     let failure = loop {
@@ -778,6 +809,13 @@ async fn reader<R: AsyncRead + Unpin>(
                     reason: "connection closed without a goodbye".into(),
                 };
             }
+            Err(ReadError::Io(e)) if e.kind() == std::io::ErrorKind::InvalidData => {
+                // The private link's check failed: nothing of that record was used.
+                break TransportError::Forged {
+                    peer: peer.clone(),
+                    reason: e.to_string(),
+                };
+            }
             Err(ReadError::Io(e)) => {
                 break TransportError::PeerClosed {
                     peer: peer.clone(),
@@ -796,17 +834,20 @@ async fn reader<R: AsyncRead + Unpin>(
     let _ = inbox.send(Inbound::Failed(failure)).await;
 }
 
-async fn writer(
-    mut stream: tokio::net::tcp::OwnedWriteHalf,
-    peer: PeerName,
+async fn writer<W: tokio::io::AsyncWrite + Unpin>(
+    mut stream: W,
+    ends: LinkEnds,
     cfg: TransportConfig,
     mut outgoing: mpsc::Receiver<Outgoing>,
-    counters: Arc<Counters>,
-    inbox: mpsc::Sender<Inbound>,
-    buffers: BufferPool,
     nic: Arc<crate::shaper::SharedNic>,
 ) {
     use tokio::io::AsyncWriteExt;
+    let LinkEnds {
+        peer,
+        counters,
+        inbox,
+        buffers,
+    } = ends;
     let mut scratch = Vec::new();
     let mut heartbeat = tokio::time::interval(cfg.heartbeat_interval);
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -834,6 +875,11 @@ async fn writer(
             // packet by packet (see `write_paced`).
             Some(bps) => write_frame_paced(&mut stream, &message, &mut scratch, &nic, bps).await,
             None => write_frame(&mut stream, &message, &mut scratch).await,
+        };
+        // A private link holds the frame's last record until flushed.
+        let written = match written {
+            Ok(n) => stream.flush().await.map(|()| n),
+            Err(e) => Err(e),
         };
         match written {
             Ok(n) => {

@@ -145,6 +145,7 @@ fn wrong_version_and_garbage_are_refused_without_stopping_the_run() {
             run_id: 0xabc,
             rank: 1,
             nonce: [0; 32],
+            encrypted: true,
         }),
         &mut frame,
     );
@@ -290,4 +291,81 @@ fn a_shaped_frame_longer_than_the_peer_timeout_streams_and_links_interleave() {
         Ok(Message::Tensor(_, payload)) => assert_eq!(payload.len(), 3_000_000),
         other => panic!("{other:?}"),
     }
+}
+
+/// Forwards one connection from `listener` to `target`, flipping one bit of the byte at offset
+/// `flip_at` of the client-to-target direction (a man in the middle altering a frame).
+fn tampering_proxy(listener: std::net::TcpListener, target: SocketAddr, flip_at: usize) {
+    thread::spawn(move || {
+        let (client, _) = listener.accept().unwrap();
+        let server = std::net::TcpStream::connect(target).unwrap();
+        let (mut c_read, mut s_write) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+        let (mut s_read, mut c_write) = (server, client);
+        thread::spawn(move || {
+            let _ = std::io::copy(&mut s_read, &mut c_write);
+        });
+        let mut seen = 0usize;
+        let mut buf = vec![0u8; 4096];
+        loop {
+            let n = match std::io::Read::read(&mut c_read, &mut buf) {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            if (seen..seen + n).contains(&flip_at) {
+                buf[flip_at - seen] ^= 0x01;
+            }
+            seen += n;
+            if s_write.write_all(&buf[..n]).is_err() {
+                return;
+            }
+        }
+    });
+}
+
+#[test]
+fn a_tampered_private_link_is_closed_naming_the_peer() {
+    // Rank 1 dials rank 0 through a proxy that alters one bit well past the greeting and key
+    // exchange (they take a few hundred bytes), inside the tensor that follows.
+    let l0 = bind_listener("127.0.0.1:0").unwrap();
+    let l1 = bind_listener("127.0.0.1:0").unwrap();
+    let proxy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let (real0, via_proxy) = (l0.local_addr().unwrap(), proxy.local_addr().unwrap());
+    tampering_proxy(proxy, real0, 50_000);
+    let for_0 = BTreeMap::from([(0, real0), (1, l1.local_addr().unwrap())]);
+    let for_1 = BTreeMap::from([(0, via_proxy), (1, l1.local_addr().unwrap())]);
+    let h0 = thread::spawn(move || Network::connect(config(0), l0, &for_0, &BTreeSet::from([1])));
+    let n1 = Network::connect(config(1), l1, &for_1, &BTreeSet::from([0])).unwrap();
+    let mut n0 = h0.join().unwrap().unwrap();
+    n1.send(0, tensor(100_000)).unwrap();
+    let err = n0
+        .recv_from(1, Duration::from_secs(10))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("rank 1") && err.contains("tampered"),
+        "the altered frame is refused, naming the peer: {err}"
+    );
+    drop(n1);
+}
+
+#[test]
+fn both_ends_must_agree_on_plaintext() {
+    let mut plain = config(1);
+    plain.encrypt = false;
+    let results = start(vec![config(0), plain], &[(0, 1)]);
+    // The dialling side (rank 1) hears why; rank 0 logs it and waits for a proper rank 1.
+    let err = match &results[1] {
+        Err(e) => e.to_string(),
+        Ok(_) => panic!("the disagreement is refused"),
+    };
+    assert!(err.contains("--insecure-plaintext"), "{err}");
+    // And two plaintext ends work.
+    let (mut a, mut b) = (config(0), config(1));
+    (a.encrypt, b.encrypt) = (false, false);
+    let mut nets: Vec<Network> = start(vec![a, b], &[(0, 1)])
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    nets[1].send(0, tensor(1000)).unwrap();
+    assert!(nets[0].recv_from(1, Duration::from_secs(10)).is_ok());
 }

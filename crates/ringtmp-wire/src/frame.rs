@@ -278,6 +278,7 @@ mod tests {
                 run_id: u64::MAX,
                 rank: 3,
                 nonce: [9; 32],
+                encrypted: true,
             }),
             Message::Control(Control::Abort {
                 origin: 2,

@@ -131,6 +131,8 @@ pub enum Control {
         rank: u32,
         /// Random challenge for the other side to prove knowledge of the secret over.
         nonce: [u8; 32],
+        /// Whether the sender encrypts the link after the greeting (both sides must agree).
+        encrypted: bool,
     },
     /// Round-trip probe.
     Ping {
