@@ -170,6 +170,11 @@ pub struct TrainArgs {
     #[arg(long, hide = true)]
     #[serde(skip)]
     pub crash_after_ms: Option<u64>,
+    /// Fault injection for tests: `RANK:MS,RANK:MS,…` — entry k makes that rank of attempt k
+    /// (the first run, then each restart) exit abruptly MS milliseconds after its links are up.
+    #[arg(long, hide = true)]
+    #[serde(skip)]
+    pub crash_plan: Option<String>,
     /// Fault injection for tests: this rank of a local run stops itself (SIGSTOP).
     #[arg(long, hide = true)]
     #[serde(skip)]
@@ -203,6 +208,7 @@ macro_rules! layer_options {
             config: $flags.config.clone(),
             crash_rank: $flags.crash_rank,
             crash_after_ms: $flags.crash_after_ms,
+            crash_plan: $flags.crash_plan.clone(),
             freeze_rank: $flags.freeze_rank,
             freeze_after_ms: $flags.freeze_after_ms,
             ring: $flags.ring.merged_over(&$file.ring),

@@ -43,6 +43,26 @@ pub fn choose_checkpoints(args: &mut TrainArgs, job: &mut Job, first: bool) {
     }
 }
 
+/// The crash injected into attempt `attempt`: `(rank, milliseconds after the links are up)`,
+/// from `--crash-rank` (attempt 0) or entry `attempt` of `--crash-plan`.
+pub fn crash_for(args: &TrainArgs, attempt: usize) -> Result<Option<(u32, u64)>> {
+    if let Some(plan) = &args.crash_plan {
+        let Some(entry) = plan.split(',').nth(attempt) else {
+            return Ok(None);
+        };
+        let parsed = entry
+            .split_once(':')
+            .and_then(|(r, ms)| Some((r.trim().parse().ok()?, ms.trim().parse().ok()?)));
+        return parsed
+            .map(Some)
+            .ok_or_else(|| anyhow::anyhow!("--crash-plan entry {entry:?}: expected RANK:MS"));
+    }
+    Ok((attempt == 0)
+        .then_some(args.crash_rank)
+        .flatten()
+        .map(|rank| (rank, args.crash_after_ms.unwrap_or(1000))))
+}
+
 /// The last step `metrics.jsonl` in `out` records (0 if none).
 pub fn last_step(out: &Path) -> u64 {
     events(out)

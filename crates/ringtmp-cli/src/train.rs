@@ -107,7 +107,7 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
     let mut restarts: Vec<(Restart, f64)> = Vec::new();
     loop {
         let attempt_started = SystemTime::now();
-        let failure = match launch_once(&mut args, &cluster, restarts.is_empty()) {
+        let failure = match launch_once(&mut args, &cluster, restarts.len()) {
             Ok(()) => break,
             Err(e) => e,
         };
@@ -232,8 +232,11 @@ impl LocalCluster {
 }
 
 /// Plans the job, writes it and the options for rank 0, and runs the local nodes once. Fault
-/// injection (`--crash-rank`, `--freeze-rank`) applies to the `first` attempt only.
-fn launch_once(args: &mut TrainArgs, cluster: &LocalCluster, first: bool) -> Result<()> {
+/// injection: `--crash-rank` and `--freeze-rank` strike attempt 0; entry k of `--crash-plan`
+/// strikes attempt k.
+fn launch_once(args: &mut TrainArgs, cluster: &LocalCluster, attempt: usize) -> Result<()> {
+    let first = attempt == 0;
+    let crash = crate::restart::crash_for(args, attempt)?;
     let nodes = args.nodes.unwrap_or(4);
     let name = args.strategy().to_string();
     let out = args.out.clone().unwrap_or_default();
@@ -293,9 +296,8 @@ fn launch_once(args: &mut TrainArgs, cluster: &LocalCluster, first: bool) -> Res
         if args.insecure_plaintext.unwrap_or(false) {
             node_args.push("--insecure-plaintext".into());
         }
-        if first && args.crash_rank == Some(rank) {
-            let after = args.crash_after_ms.unwrap_or(1000).to_string();
-            node_args.extend(["--crash-after-ms".into(), after]);
+        if let Some((_, after)) = crash.filter(|(r, _)| *r == rank) {
+            node_args.extend(["--crash-after-ms".into(), after.to_string()]);
         }
         if first && args.freeze_rank == Some(rank) {
             let after = args.freeze_after_ms.unwrap_or(1000).to_string();
