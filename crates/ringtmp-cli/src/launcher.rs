@@ -159,6 +159,13 @@ pub fn run(launch: &Launch<'_>) -> Result<Ended> {
                         if rank == 0 {
                             run_over_at = Some(Instant::now());
                         }
+                    } else if run_over_at.is_some() {
+                        // Rank 0 wrote the run's results after every node had reported: the run
+                        // is complete, whatever this node did on its way out.
+                        eprintln!(
+                            "launcher: node {rank} failed ({status}) after the run had ended; \
+                             its results were already in"
+                        );
                     } else if (launch.expendable)(rank) && failed.is_none() {
                         let why = (launch.explain)(rank).unwrap_or_else(|| status.to_string());
                         eprintln!(

@@ -9,7 +9,7 @@
 use std::path::Path;
 
 use anyhow::{Context, Result};
-use ringtmp_metrics::{Restart, Summary};
+use ringtmp_metrics::Restart;
 use ringtmp_strategy::Job;
 use serde_json::Value;
 
@@ -63,13 +63,16 @@ pub fn crash_for(args: &TrainArgs, attempt: usize) -> Result<Option<(u32, u64)>>
         .map(|rank| (rank, args.crash_after_ms.unwrap_or(1000))))
 }
 
-/// The last step `metrics.jsonl` in `out` records (0 if none).
+/// The last step `metrics.jsonl` in `out` records in any event (steps, evaluations,
+/// checkpoints; the parameter server logs no per-step events), or the newest checkpoint's when
+/// that is later (0 if neither).
 pub fn last_step(out: &Path) -> u64 {
-    events(out)
-        .filter(|e| e["event"] == "step")
+    let logged = events(out)
         .filter_map(|e| e["step"].as_u64())
         .max()
-        .unwrap_or(0)
+        .unwrap_or(0);
+    let (newest, _) = ringtmp_model::checkpoint::newest_verified(&out.join("checkpoints"));
+    logged.max(newest.map_or(0, |(_, m)| m.step))
 }
 
 /// The run's events, skipping lines that do not parse (a line cut short by the failure).
@@ -91,9 +94,11 @@ pub fn record(out: &Path, restarts: Vec<(Restart, f64)>) -> Result<()> {
     let path = out.join("summary.json");
     let text =
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    let mut summary: Summary =
+    // Edited as JSON, not through `Summary`: a summary may hold nulls (a NaN loss) that the
+    // typed form does not read back.
+    let mut summary: Value =
         serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?;
-    summary.restarts = restarts
+    let restarts: Vec<Restart> = restarts
         .into_iter()
         .map(|(mut restart, failed_at)| {
             if let Some(start) = starts.iter().find(|s| **s >= failed_at) {
@@ -102,16 +107,18 @@ pub fn record(out: &Path, restarts: Vec<(Restart, f64)>) -> Result<()> {
             restart
         })
         .collect();
-    let lost: f64 = summary
-        .restarts
+    let lost: f64 = restarts
         .iter()
         .map(|r| r.work_lost_seconds + r.downtime_seconds)
         .sum();
     println!(
         "[launcher] {} restart(s); {:.1}s lost to them (work redone and downtime): see summary.json",
-        summary.restarts.len(),
+        restarts.len(),
         lost
     );
+    if let Some(fields) = summary.as_object_mut() {
+        fields.insert("restarts".into(), serde_json::to_value(&restarts)?);
+    }
     ringtmp_model::checkpoint::write_atomic(
         &path,
         serde_json::to_string_pretty(&summary)?.as_bytes(),

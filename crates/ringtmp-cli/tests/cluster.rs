@@ -1460,3 +1460,118 @@ fn a_failed_ring_node_restarts_the_run_from_its_checkpoint_and_ends_where_an_unb
     assert_eq!(output.status.code(), Some(1), "{err}");
     assert!(err.contains("does not restart without it"), "{err}");
 }
+
+/// Trains `args` into `out` and returns the output (bounded).
+fn train_into(args: &[&str], out: &std::path::Path) -> std::process::Output {
+    let mut all = args.to_vec();
+    all.extend(["--out", out.to_str().unwrap()]);
+    finish(spawn_train(&all), Duration::from_secs(180)).0
+}
+
+// Issue 14.6: chaos. Two random non-master nodes of a 4-node ring die during a short run, and a
+// worker and a server of the parameter server once each; with restarts the runs complete their
+// steps, and their final parameters equal uninterrupted runs' (synchronous schedules). The seed
+// is printed; RINGTMP_TEST_SEED replays it.
+#[test]
+fn chaos_kills_during_runs_cost_restarts_not_results() {
+    let seed: u64 = std::env::var("RINGTMP_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .subsec_nanos()
+                .into()
+        });
+    println!("chaos seed {seed} (RINGTMP_TEST_SEED={seed} replays it)");
+    let mut x = seed | 1;
+    let mut draw = |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    let victims: Vec<u64> = (0..2).map(|_| 1 + draw(3)).collect();
+    let times: Vec<u64> = (0..2).map(|_| 700 + draw(600)).collect();
+    let plan = format!("{}:{},{}:{}", victims[0], times[0], victims[1], times[1]);
+    let tmp = tempfile::tempdir().unwrap();
+    let digits = [
+        "--nodes",
+        "4",
+        "--dataset",
+        "digits",
+        "--model-file",
+        "examples/models/lenet-dropout.toml",
+        "--batch-size",
+        "16",
+        "--eval-every",
+        "0",
+        "--checkpoint-every",
+        "10",
+    ];
+    // Slow links make every run last seconds in any build, so the kills fall inside it: a ring
+    // step crosses 14 links, a parameter-server step 4.
+    for (name, strategy, latency, plan) in [
+        (
+            "ring",
+            &["--strategy", "ring", "--schedule", "1f1b", "--epochs", "2"][..],
+            "5",
+            plan.as_str(),
+        ),
+        // Rank 3 is a worker and rank 1 a server (rank 0, the other server, is the master).
+        (
+            "ps",
+            &["--strategy", "ps", "--servers", "2", "--epochs", "3"][..],
+            "20",
+            "3:900,1:900",
+        ),
+    ] {
+        let mut args = digits.to_vec();
+        args.extend(strategy);
+        let unbroken = tmp.path().join(format!("{name}-unbroken"));
+        let output = train_into(&args, &unbroken);
+        assert!(output.status.success(), "{}", stderr(&output));
+        args.extend([
+            "--latency-ms",
+            latency,
+            "--max-restarts",
+            "2",
+            "--crash-plan",
+            plan,
+        ]);
+        let chaos = tmp.path().join(format!("{name}-chaos"));
+        let output = train_into(&args, &chaos);
+        let err = stderr(&output);
+        assert!(output.status.success(), "{name}, seed {seed}: {err}");
+        let summary: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(chaos.join("summary.json")).unwrap())
+                .unwrap();
+        let restarts = summary["restarts"].as_array().expect("restarts listed");
+        let ranks: Vec<String> = plan
+            .split(',')
+            .map(|e| e.split(':').next().unwrap().to_string())
+            .collect();
+        assert_eq!(
+            restarts
+                .iter()
+                .map(|r| r["rank"].to_string())
+                .collect::<Vec<_>>(),
+            ranks,
+            "{name}, seed {seed}: {summary}"
+        );
+        assert_eq!(
+            final_hashes(&chaos),
+            final_hashes(&unbroken),
+            "{name}, seed {seed}: the final parameters"
+        );
+        // Every checkpoint left verifies.
+        for entry in std::fs::read_dir(chaos.join("checkpoints")).unwrap() {
+            let dir = entry.unwrap().path();
+            if dir.is_dir() {
+                ringtmp_model::checkpoint::verify(&dir)
+                    .unwrap_or_else(|e| panic!("{name}, seed {seed}: {e}"));
+            }
+        }
+    }
+}
