@@ -153,6 +153,10 @@ pub struct TrainArgs {
     /// Replace the run that --out already holds (its summary, metrics, job and checkpoints).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub overwrite: Option<bool>,
+    /// With --max-restarts: restart without the node that failed, re-planned on the nodes that
+    /// remain (a board that is gone for good), instead of starting it again.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub shrink_on_failure: Option<bool>,
     /// Send frames between nodes in the clear after the authenticated greeting (links are
     /// encrypted and authenticated by default).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
@@ -284,12 +288,48 @@ impl TrainArgs {
             overwrite,
             max_steps,
             max_restarts,
+            shrink_on_failure,
             insecure_plaintext,
             train_samples,
             recv_timeout,
             wire_dtype,
             verbose
         ))
+    }
+
+    /// The options of a run without node `dead`: its per-rank entries (`--node-speed`, `--link`,
+    /// `--node-cpu`, `--node-memory-limit`) are dropped and the ranks above it move down one, as
+    /// the nodes do when the run is planned again without it.
+    pub fn without_rank(&mut self, dead: u32) {
+        let renumber = |entries: &str| -> String {
+            entries
+                .split(',')
+                .filter_map(|part| match part.split_once(':') {
+                    Some((rank, rest)) => match rank.trim().parse::<u32>() {
+                        Ok(r) if r == dead => None,
+                        Ok(r) if r > dead => Some(format!("{}:{rest}", r - 1)),
+                        _ => Some(part.to_string()),
+                    },
+                    None => Some(part.to_string()),
+                })
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        for list in [&mut self.node_speed, &mut self.link, &mut self.node_cpu] {
+            if let Some(entries) = list.as_mut() {
+                *entries = entries
+                    .iter()
+                    .map(|e| renumber(e))
+                    .filter(|e| !e.is_empty())
+                    .collect();
+                if entries.is_empty() {
+                    *list = None;
+                }
+            }
+        }
+        if let Some(limit) = self.node_memory_limit.as_mut() {
+            *limit = renumber(limit);
+        }
     }
 
     /// `--resume auto`: the newest checkpoint under `--out` that verifies (passing over damaged
@@ -351,6 +391,7 @@ impl TrainArgs {
             ("enforce-memory-limit", self.enforce_memory_limit.is_some()),
             ("pin", self.pin.is_some()),
             ("max-restarts", self.max_restarts.is_some()),
+            ("shrink-on-failure", self.shrink_on_failure.is_some()),
             ("insecure-plaintext", self.insecure_plaintext.is_some()),
         ]
         .into_iter()
@@ -638,4 +679,32 @@ fn check_config_keys(path: &std::path::Path, text: &str) -> Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_run_without_a_rank_drops_its_entries_and_renumbers_the_rest() {
+        let mut args = TrainArgs {
+            node_speed: Some(vec!["1:0.5,3:0.25".into(), "2:0.75".into()]),
+            link: Some(vec!["2:100:5".into()]),
+            node_cpu: Some(vec!["0:0.5,2:0.5,3:1".into()]),
+            node_memory_limit: Some("1:256M,3:1G".into()),
+            ..Default::default()
+        };
+        args.without_rank(2);
+        assert_eq!(args.node_speed, Some(vec!["1:0.5,2:0.25".into()]));
+        assert_eq!(args.link, None, "rank 2's only entry is gone");
+        assert_eq!(args.node_cpu, Some(vec!["0:0.5,2:1".into()]));
+        assert_eq!(args.node_memory_limit.as_deref(), Some("1:256M,2:1G"));
+        // A limit for every node stays one.
+        let mut args = TrainArgs {
+            node_memory_limit: Some("256M".into()),
+            ..Default::default()
+        };
+        args.without_rank(0);
+        assert_eq!(args.node_memory_limit.as_deref(), Some("256M"));
+    }
 }

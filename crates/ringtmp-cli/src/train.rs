@@ -101,8 +101,14 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
     args.out = Some(out.clone());
     args.nodes = Some(nodes);
     args.config = None;
-    let cluster = LocalCluster::check(&args, nodes)?;
+    let mut nodes = nodes;
+    let mut cluster = LocalCluster::check(&args, nodes)?;
     let max_restarts = args.max_restarts.unwrap_or(0);
+    let shrink = args.shrink_on_failure.unwrap_or(false);
+    if shrink && max_restarts == 0 {
+        return Err(UsageError("--shrink-on-failure needs --max-restarts".into()).into());
+    }
+    let batch_given = args.batch_size.is_some();
     // Each restart with the Unix time of the failure that caused it.
     let mut restarts: Vec<(Restart, f64)> = Vec::new();
     loop {
@@ -127,10 +133,27 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
             );
             return Err(failure);
         }
-        let (restart, failed_at) = plan_restart(&mut args, &out, failed, attempt_started);
+        let (mut restart, failed_at) = plan_restart(&mut args, &out, failed, attempt_started);
+        if shrink {
+            if nodes <= 2 {
+                eprintln!("launcher: --shrink-on-failure: {nodes} nodes cannot lose one");
+                return Err(failure);
+            }
+            // Planned again without the lost node; the checkpoint's global batch is kept (split
+            // over the workers that remain) unless the user chose the batch.
+            nodes -= 1;
+            args.without_rank(restart.rank);
+            args.nodes = Some(nodes);
+            if !batch_given {
+                args.batch_size = None;
+                args.adopt_checkpoint_batch()?;
+            }
+            cluster = LocalCluster::check(&args, nodes)?;
+        }
+        restart.nodes = nodes;
         eprintln!(
             "launcher: restart {}/{max_restarts}: node {} failed at step {} ({}); resuming from \
-             step {} ({} step(s) to train again)",
+             step {} ({} step(s) to train again) on {nodes} nodes",
             restarts.len() + 1,
             restart.rank,
             restart.failed_at_step,
@@ -182,6 +205,7 @@ fn plan_restart(
         failed_at_step,
         resumed_from_step,
         steps_redone: failed_at_step.saturating_sub(resumed_from_step),
+        nodes: args.nodes.unwrap_or(0),
         work_lost_seconds: failed_at
             .duration_since(since)
             .map_or(0.0, |d| d.as_secs_f64()),

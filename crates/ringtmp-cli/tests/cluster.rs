@@ -1385,6 +1385,44 @@ fn a_failed_ring_node_restarts_the_run_from_its_checkpoint_and_ends_where_an_unb
         "the restarted run ends with the unbroken run's parameters"
     );
 
+    // A board that is gone for good: the run goes on without it, planned again on 3 nodes from
+    // the checkpoint, and ends where the unbroken run does (1f1b is exact SGD on any partition).
+    let shrunk = tmp.path().join("shrunk");
+    let mut args = common.to_vec();
+    args.extend([
+        "--latency-ms",
+        "5",
+        "--max-restarts",
+        "1",
+        "--shrink-on-failure",
+        "--crash-rank",
+        "2",
+        "--crash-after-ms",
+        "1500",
+        "--out",
+        shrunk.to_str().unwrap(),
+    ]);
+    let (output, _) = finish(spawn_train(&args), Duration::from_secs(180));
+    let err = stderr(&output);
+    assert!(output.status.success(), "{err}");
+    assert!(
+        err.contains("on 3 nodes") && err.contains("partition (3 nodes"),
+        "{err}"
+    );
+    let shrunk: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(shrunk.join("summary.json")).unwrap())
+            .unwrap();
+    let unbroken_summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(unbroken.join("summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(shrunk["nodes"], 3, "{shrunk}");
+    assert_eq!(shrunk["restarts"][0]["nodes"], 3, "{shrunk}");
+    let accuracy = |s: &serde_json::Value| s["final_test_accuracy"].as_f64().unwrap();
+    assert!(
+        (accuracy(&shrunk) - accuracy(&unbroken_summary)).abs() < 0.01,
+        "{shrunk}"
+    );
+
     // A disk that fills up while step 20's checkpoint is written: the run ends naming the file,
     // the partial checkpoint goes, step 10's still verifies, and the run resumes from it to the
     // unbroken run's end.

@@ -103,6 +103,8 @@ pub struct Restart {
     pub resumed_from_step: u64,
     /// Steps trained again: `failed_at_step − resumed_from_step`.
     pub steps_redone: u64,
+    /// Nodes the run went on with (fewer than before under `--shrink-on-failure`).
+    pub nodes: u32,
     /// Wall seconds of training thrown away: from the checkpoint's writing (or the attempt's
     /// start) to the failure.
     pub work_lost_seconds: f64,
