@@ -1613,3 +1613,73 @@ fn chaos_kills_during_runs_cost_restarts_not_results() {
         }
     }
 }
+
+/// Starts `world` training nodes as an external launcher would (torchrun's variables), rank 0
+/// with `rank0_extra` after the config; returns them in rank order.
+fn external_train_nodes(world: u32, config: &str, rank0_extra: &[&str]) -> Vec<Child> {
+    let port = free_port();
+    (0..world)
+        .map(|rank| {
+            let mut cmd = ringtmp();
+            cmd.current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+                .args(["node", "--job", "train", "--latency-ms", "5"])
+                .args(["--connect-timeout", "20"])
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("RINGTMP_SECRET", SECRET)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            if rank == 0 {
+                cmd.args(["--config", config]).args(rank0_extra);
+            }
+            if rank == 2 && rank0_extra.is_empty() {
+                // The first run loses a node mid-way, as a preempted or unplugged board.
+                cmd.args(["--crash-after-ms", "1500"]);
+            }
+            cmd.spawn().unwrap()
+        })
+        .collect()
+}
+
+// Issue 14.1: under an external launcher (torchrun's variables here; Slurm's requeue or a
+// Kubernetes restart policy alike) a run that lost a node is started again with the same command
+// plus `--resume auto`, and continues from the newest checkpoint that verifies.
+#[test]
+fn an_externally_restarted_run_resumes_itself_from_its_newest_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let config = tmp.path().join("train.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "strategy = \"ring\"\nschedule = \"1f1b\"\ndataset = \"digits\"\n\
+             model-file = \"examples/models/lenet-dropout.toml\"\nbatch-size = 16\nepochs = 2\n\
+             eval-every = 0\ncheckpoint-every = 10\nout = {:?}\n",
+            out.display().to_string()
+        ),
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    let first: Vec<_> = external_train_nodes(3, config, &[])
+        .into_iter()
+        .map(|c| finish(c, Duration::from_secs(120)).0)
+        .collect();
+    assert!(
+        first.iter().any(|o| !o.status.success()),
+        "the first run lost a node"
+    );
+    let again: Vec<_> = external_train_nodes(3, config, &["--resume", "auto"])
+        .into_iter()
+        .map(|c| finish(c, Duration::from_secs(120)).0)
+        .collect();
+    let err0 = stderr(&again[0]);
+    for (rank, o) in again.iter().enumerate() {
+        assert!(o.status.success(), "rank {rank}: {}", stderr(o));
+    }
+    assert!(err0.contains("--resume auto: resuming from"), "{err0}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["steps"], 186, "{summary}");
+}
