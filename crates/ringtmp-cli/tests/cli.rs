@@ -371,6 +371,15 @@ fn r10_options_that_do_not_apply_are_refused() {
             ][..],
             "--epochs and --train-samples both",
         ),
+        (
+            &[
+                "--strategy",
+                "ring",
+                "--stage-replicas",
+                "--master-holds-head",
+            ][..],
+            "--stage-replicas and --master-holds-head",
+        ),
     ] {
         let mut all = vec!["train"];
         all.extend(args);

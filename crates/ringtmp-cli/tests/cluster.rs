@@ -1423,6 +1423,40 @@ fn a_failed_ring_node_restarts_the_run_from_its_checkpoint_and_ends_where_an_unb
         "{shrunk}"
     );
 
+    // Issue 14.2: with stage replicas the ring heals around the dead node in place — no
+    // restart, no checkpoint read — and still ends where the unbroken run does.
+    let healed = tmp.path().join("healed");
+    let mut args = common.to_vec();
+    args.extend([
+        "--latency-ms",
+        "5",
+        "--stage-replicas",
+        "10",
+        "--crash-rank",
+        "2",
+        "--crash-after-ms",
+        "1500",
+        "--out",
+        healed.to_str().unwrap(),
+    ]);
+    let (output, _) = finish(spawn_train(&args), Duration::from_secs(180));
+    let err = stderr(&output);
+    assert!(output.status.success(), "{err}");
+    assert!(
+        err.contains("ring: rank 2 left") && !err.contains("launcher: restart"),
+        "{err}"
+    );
+    let healed: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(healed.join("summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(healed["heals"][0]["rank"], 2, "{healed}");
+    assert_eq!(healed["nodes"], 3, "{healed}");
+    assert_eq!(
+        accuracy(&healed),
+        accuracy(&unbroken_summary),
+        "exact SGD on any partition: {healed}"
+    );
+
     // A disk that fills up while step 20's checkpoint is written: the run ends naming the file,
     // the partial checkpoint goes, step 10's still verifies, and the run resumes from it to the
     // unbroken run's end.

@@ -200,6 +200,10 @@ pub struct Summary {
     /// Automatic restarts along the way (`--max-restarts`), in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub restarts: Vec<Restart>,
+    /// Ring with stage replicas: the nodes it healed around without a restart, in order (the
+    /// same fields as a restart; `nodes` is the ring after the heal).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub heals: Vec<Restart>,
     /// Per-node measurements.
     pub per_node: Vec<NodeSummary>,
 }

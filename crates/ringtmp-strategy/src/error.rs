@@ -28,6 +28,17 @@ pub enum Error {
         /// The underlying error.
         source: std::io::Error,
     },
+    /// Ring with stage replicas: the master re-formed the ring while this node was training; the
+    /// node goes on in the new generation (not a failure: the healing loop takes it).
+    #[error("the master re-formed the ring (generation {generation}) around a node that left")]
+    Regroup {
+        /// The new generation.
+        generation: u64,
+        /// Its members, physical ranks in ring order.
+        members: Vec<u32>,
+        /// The mini-batch it starts from.
+        step: u64,
+    },
     /// Training diverged (a non-finite loss).
     #[error("training diverged: the loss is {loss} at step {step}; lower the learning rate")]
     Diverged {
@@ -61,7 +72,9 @@ impl Error {
         match self {
             Self::Model(e) => e.is_usage(),
             Self::Data(_) | Self::Config(_) => true,
-            Self::Io { .. } | Self::Diverged { .. } | Self::Transport(_) => false,
+            Self::Io { .. } | Self::Diverged { .. } | Self::Transport(_) | Self::Regroup { .. } => {
+                false
+            }
         }
     }
 }

@@ -266,3 +266,74 @@ fn bounded_staleness_outpaces_bsp_with_a_straggler_in_virtual_time() {
         );
     }
 }
+
+/// Issue 14.2: a ring with stage replicas loses a node mid-run (dead, or frozen until the
+/// heartbeat gives up on it); its predecessor takes its layers from the replica, the ring closes
+/// around it and trains on from the last replication round — and, the schedule being exact SGD
+/// on any partition, ends with the parameters of one process training alone.
+#[test]
+fn a_ring_with_stage_replicas_heals_around_a_lost_node_and_still_equals_local() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = config(deep_mlp(7, 16), 32, 40, &tmp.path().join("local"));
+    cfg.checkpoint_every = 40;
+    let oracle = oracle::local_params(&cfg, &data);
+    let bounds = [0, 3, 5, 7, 9, 11, 16];
+    let seed = test_seed(14);
+    let mut job = ring_job(&cfg, &data, &bounds, Schedule::OneFOneB, 4);
+    job.replica_every = 5;
+    let whole =
+        run::healing_ring_nodes(&Backend::sim(seed), &job, &data, &tmp.path().join("w")).elapsed;
+    for (i, fault) in [
+        Fault::Die {
+            rank: 3,
+            at: whole / 2,
+        },
+        Fault::Stall {
+            rank: 1,
+            at: whole / 3,
+        },
+        Fault::Die {
+            rank: 5,
+            at: whole * 3 / 4,
+        },
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut sim = SimConfig::new(seed);
+        sim.faults.push(fault);
+        let out = tmp.path().join(format!("heal-{i}"));
+        let ran = run::healing_ring_nodes(&Backend::Sim(sim), &job, &data, &out);
+        let (lost, summary) = match fault {
+            Fault::Die { rank, .. } | Fault::Stall { rank, .. } => (
+                rank,
+                ran.results[0]
+                    .clone()
+                    .unwrap_or_else(|e| panic!("{fault:?}: the master failed: {e}"))
+                    .expect("the master reports"),
+            ),
+            Fault::Delay { .. } => unreachable!(),
+        };
+        for (r, result) in ran.results.iter().enumerate() {
+            if r as u32 != lost {
+                assert!(result.is_ok(), "{fault:?}: rank {r}: {result:?}");
+            }
+        }
+        assert_eq!(summary.heals.len(), 1, "{fault:?}: {summary:?}");
+        let heal = &summary.heals[0];
+        assert_eq!(heal.rank, lost);
+        assert!(heal.resumed_from_step % 5 == 0 && heal.resumed_from_step <= heal.failed_at_step);
+        assert_eq!(summary.per_node.len(), 5, "the survivors report");
+        assert!(summary.per_node.iter().all(|n| n.rank != lost));
+        assert_eq!(summary.dropped_nodes[0].rank, lost);
+        let params = oracle::checkpoint_params(&out, &cfg, &data);
+        let diff = max_rel_diff(&params, &oracle);
+        println!(
+            "{fault:?}: healed from mini-batch {} (failed at {}), {:?} virtual; max |Δparam| / \
+             max |param| against local = {diff:.2e}",
+            heal.resumed_from_step, heal.failed_at_step, ran.elapsed
+        );
+        assert!(diff < 1e-4, "{fault:?}: {diff}");
+    }
+}

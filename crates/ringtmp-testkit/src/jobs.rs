@@ -41,6 +41,7 @@ pub fn ring_job(
         node_speeds: vec![1.0; bounds.len() - 1],
         defer_weight_grads: false,
         in_flight: 0,
+        replica_every: 0,
     }
 }
 

@@ -63,6 +63,34 @@ pub fn ring_nodes(
     })
 }
 
+/// Runs a ring job with stage replicas (`replica_every` > 0) on `backend` as `ringtmp node` runs
+/// it (every node linked to every other, healing around dead nodes); the master returns the
+/// run's summary, the others nothing.
+pub fn healing_ring_nodes(
+    backend: &Backend,
+    job: &RingJob,
+    data: &Dataset,
+    out: &Path,
+) -> Ran<Result<Option<Summary>, String>> {
+    let n = job.partition.len() as u32;
+    let mut job = job.clone();
+    job.spec.config.out = out.to_path_buf();
+    let job = &job;
+    let links = (0..n)
+        .map(|r| ringtmp_strategy::Strategy::neighbours(job, r, n))
+        .collect();
+    run_nodes(backend, links, Some(0), |rank, net| {
+        let mut on_event = |_: &ringtmp_strategy::Event| {};
+        let mut cx = ringtmp_strategy::NodeCx {
+            net: &mut *net,
+            data: (rank == 0).then_some(data),
+            on_event: &mut on_event,
+        };
+        let result = ringtmp_strategy::Strategy::run(job, rank, &mut cx);
+        end(net, result)
+    })
+}
+
 /// Every stage's parameters in layer order, and the master's summary, of a ring run in which
 /// every node succeeded.
 ///

@@ -207,6 +207,19 @@ pub enum Control {
         /// disagree.
         settings: String,
     },
+    /// Ring with stage replicas: the master starts a replication round after mini-batch `step`;
+    /// the token goes backwards (master → N−1 → … → 1 → master), each node snapshotting its
+    /// stage and sending it to its predecessor ahead of the token.
+    Replicate {
+        /// Mini-batches completed when the snapshots are taken.
+        step: u64,
+    },
+    /// Ring with stage replicas, after a `Regroup`: the sender has dropped everything of the
+    /// previous generation; what it sends after this belongs to `generation`.
+    Rejoined {
+        /// The generation the sender now runs.
+        generation: u64,
+    },
     /// AD-PSGD: rank 0 lets a worker complete `iterations` iterations in all (grants only grow).
     Allow {
         /// Iterations this worker may complete in this run.

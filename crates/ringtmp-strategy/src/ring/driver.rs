@@ -33,8 +33,8 @@ use super::schedule::Schedule;
 use crate::error::{Error, Result};
 use crate::spec::{ResumePoint, RunSpec};
 
-pub use super::master::{MasterHead, MasterOutcome, MasterSetup, run_master};
-pub use super::worker::run_worker;
+pub use super::master::{MasterHead, MasterOutcome, MasterSetup, run_master, run_master_with};
+pub use super::worker::{run_worker, run_worker_with};
 
 /// Rows per evaluation chunk sent around the ring.
 pub(super) const EVAL_ROWS: usize = 250;
@@ -65,6 +65,9 @@ pub struct RingJob {
     /// (0 = the number of nodes).
     #[serde(default)]
     pub in_flight: usize,
+    /// Stage replicas: mini-batches between replication rounds (0 = no replicas).
+    #[serde(default)]
+    pub replica_every: u64,
 }
 
 impl RingJob {
@@ -116,6 +119,11 @@ impl RingJob {
             checkpoint::read_stage(dir, &manifest, stage, optimizer)?;
         }
         Ok(())
+    }
+
+    /// Whether a replication round follows mini-batch `done` (not after the last one).
+    pub(super) fn replica_due(&self, done: u64) -> bool {
+        self.replica_every > 0 && done % self.replica_every == 0 && done < self.spec.total_steps
     }
 
     pub(super) fn checkpoint_due(&self, done: u64) -> bool {

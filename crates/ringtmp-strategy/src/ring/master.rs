@@ -14,6 +14,7 @@ use ringtmp_wire::{Control, Dtype, Message, TensorTag};
 use serde_json::json;
 
 use super::driver::{EVAL_ROWS, NodeClock, RingJob, micro_offset, node_summary, protocol, tensor};
+use super::heal::{REPLICA, Replicas, Snapshot};
 use super::schedule::{Action, Schedule, StageState};
 use crate::error::{Error, Result};
 use crate::local::Event;
@@ -43,6 +44,19 @@ pub fn run_master(
     net: &mut dyn Transport,
     on_event: &mut dyn FnMut(&Event),
 ) -> Result<MasterOutcome> {
+    run_master_with(job, setup, net, on_event, None, &mut Replicas::default())
+}
+
+/// [`run_master`] from `initial` (a healed ring's in-memory state) instead of the job's start or
+/// checkpoint, running replication rounds into `replicas` (`--stage-replicas`).
+pub fn run_master_with(
+    job: &RingJob,
+    setup: &MasterSetup<'_>,
+    net: &mut dyn Transport,
+    on_event: &mut dyn FnMut(&Event),
+    initial: Option<&Snapshot>,
+    replicas: &mut Replicas,
+) -> Result<MasterOutcome> {
     let time = net.clock();
     let wall = time.now();
     let n = job.partition.len() as u32;
@@ -50,7 +64,10 @@ pub fn run_master(
     let (mut stage, plan) = job.stage(0)?;
     let mut optimizer = Optimizer::new(job.spec.optimizer.clone(), stage.params().len());
     stage.set_weight_stashing(job.schedule == Schedule::Async);
-    job.load(&mut stage, &mut optimizer)?;
+    match initial {
+        Some(snapshot) => snapshot.restore(&mut stage, &mut optimizer)?,
+        None => job.load(&mut stage, &mut optimizer)?,
+    }
     let mut head = match &job.head {
         Some(plan) => {
             let layers = job.layers()?;
@@ -196,6 +213,17 @@ pub fn run_master(
                 path: dir,
             });
         }
+        replicas.last_step = done;
+        if job.replica_due(done) {
+            replicate(
+                job,
+                net,
+                done,
+                (&stage, &optimizer, &plan),
+                replicas,
+                timeout,
+            )?;
+        }
     }
     // Collect every node's measurements around the ring.
     let mut own = node_summary(
@@ -257,6 +285,50 @@ pub fn run_master(
         stage,
         head: head.map(|h| h.stage),
     })
+}
+
+/// A replication round after mini-batch `done` (see `heal`): the master keeps its own snapshot,
+/// sends the token backwards to node N−1, and waits for node 1's replica and then the token.
+fn replicate(
+    job: &RingJob,
+    net: &mut dyn Transport,
+    done: u64,
+    (stage, optimizer, plan): (&Stage, &Optimizer, &super::partition::StagePlan),
+    replicas: &mut Replicas,
+    timeout: Duration,
+) -> Result<()> {
+    let n = job.partition.len() as u32;
+    replicas.keep_own(Snapshot::take(done, plan.start..plan.end, stage, optimizer));
+    net.send(n - 1, Message::Control(Control::Replicate { step: done }))?;
+    let next = &job.partition[1];
+    let layers = job.layers()?;
+    let mut replica = false;
+    loop {
+        match net.recv_from(1, timeout)? {
+            Message::Tensor(h, bytes)
+                if h.tag == TensorTag::Params && h.micro_batch == REPLICA && h.step == done =>
+            {
+                let mut values = Vec::new();
+                tensor_values(&bytes, h.dtype, &mut values);
+                let snapshot = Snapshot::from_values(
+                    done,
+                    next.start..next.end,
+                    &layers,
+                    &job.spec.optimizer,
+                    optimizer.steps(),
+                    &values,
+                )
+                .ok_or_else(|| protocol(net, 1, "replica of the wrong size"))?;
+                replicas.keep_succ(snapshot);
+                replica = true;
+            }
+            Message::Control(Control::Replicate { step }) if step == done && replica => break,
+            _ => return Err(protocol(net, 1, "message during a replication round")),
+        }
+    }
+    replicas.completed = Some(done);
+    replicas.completed_at = Some(net.clock().now());
+    Ok(())
 }
 
 /// Sends `count` tokens around the ring from the master, at most `window` of them on their way at
@@ -568,7 +640,7 @@ fn loss_site(
 /// before it, or they would still be in the ring when the evaluation's chunks go round.
 fn next_flush(job: &RingJob, step: u64) -> u64 {
     (step + 1..=job.spec.total_steps)
-        .find(|&done| job.checkpoint_due(done) || job.spec.eval_due(done))
+        .find(|&done| job.checkpoint_due(done) || job.spec.eval_due(done) || job.replica_due(done))
         .unwrap_or(job.spec.total_steps)
 }
 

@@ -9,11 +9,14 @@
 //! - [`schedule`]: the per-stage decision rules (`gpipe`, `1f1b`) and their simulation.
 //! - [`driver`]: the job every node runs and what master and stage nodes share; `master` (rank
 //!   0: data, stage 0, loss, outputs) and `worker` (every other stage) run it.
+//! - [`heal`]: stage replicas (`--stage-replicas`) and the ring's re-formation around a lost
+//!   node.
 //! - [`partition`]: the planner that splits layers into stages.
 //! - [`plan`]: `--strategy ring` options into the job every node runs.
 //! - [`node`]: the strategy's shape: a rank's role and the job's checks.
 
 pub mod driver;
+pub mod heal;
 mod master;
 pub mod node;
 pub mod partition;

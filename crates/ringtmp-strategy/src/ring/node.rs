@@ -81,7 +81,16 @@ impl Strategy for RingJob {
     }
 
     fn neighbours(&self, rank: u32, world: u32) -> BTreeSet<u32> {
+        if self.replica_every > 0 {
+            // Healing closes the ring around any node and the master re-forms it: every node
+            // is linked to every other from the start.
+            return (0..world).filter(|r| *r != rank).collect();
+        }
         ring_neighbours(rank, world)
+    }
+
+    fn expendable(&self, rank: u32) -> bool {
+        self.replica_every > 0 && rank != 0
     }
 
     fn needs_data(&self, rank: u32) -> bool {
@@ -89,6 +98,9 @@ impl Strategy for RingJob {
     }
 
     fn run(&self, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
+        if self.replica_every > 0 {
+            return crate::ring::heal::run(self, rank, cx);
+        }
         if rank != 0 {
             run_worker(self, cx.net)?;
             return Ok(None);

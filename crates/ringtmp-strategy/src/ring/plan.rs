@@ -38,6 +38,11 @@ pub struct RingOptions {
     /// logits never reach another node.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub master_holds_head: Option<bool>,
+    /// Ring: every node also keeps its successor's block and optimizer state, refreshed every K
+    /// mini-batches [default K: 20]; when a non-master node dies, its predecessor takes its
+    /// layers over and the ring closes around it, without a restart or a checkpoint.
+    #[arg(long, value_name = "K", num_args = 0..=1, default_missing_value = "20")]
+    pub stage_replicas: Option<u64>,
 }
 
 crate::job::options_merge!(
@@ -47,12 +52,25 @@ crate::job::options_merge!(
     in_flight,
     partition,
     defer_weight_grads,
-    master_holds_head
+    master_holds_head,
+    stage_replicas
 );
 
 impl RingOptions {
     /// Refuses settings that cannot work whatever the model.
     pub fn check(&self) -> Result<()> {
+        if self.stage_replicas == Some(0) {
+            return Err(Error::Config(
+                "--stage-replicas K refreshes every K mini-batches: K must be at least 1".into(),
+            ));
+        }
+        if self.stage_replicas.is_some() && self.master_holds_head == Some(true) {
+            return Err(Error::Config(
+                "--stage-replicas and --master-holds-head do not go together yet: the head's \
+                 layers would have no replica"
+                    .into(),
+            ));
+        }
         if let Some(w) = self.in_flight {
             if w == 0 {
                 return Err(Error::Config("--in-flight must be at least 1".into()));
@@ -259,7 +277,16 @@ pub fn plan(
         node_speeds: speeds,
         defer_weight_grads: args.defer_weight_grads.unwrap_or(true),
         in_flight: args.in_flight.unwrap_or(0),
+        replica_every: args.stage_replicas.unwrap_or(0),
     };
+    if job.replica_every > 0 {
+        crate::ring::heal::check_replicas_fit(&job, &layers, &limits)?;
+        eprintln!(
+            "stage replicas: every node keeps its successor's block, refreshed every {} \
+             mini-batches (a non-master node's death is healed without a restart)",
+            job.replica_every
+        );
+    }
     Ok(job)
 }
 
@@ -291,7 +318,7 @@ pub fn process_overhead(master: bool, data: &Dataset, layers: &[ringtmp_model::L
     PROCESS_BASELINE_BYTES + workspace + dataset
 }
 
-fn show_bytes(bytes: u64) -> String {
+pub(crate) fn show_bytes(bytes: u64) -> String {
     format!("{:.0} MiB", bytes as f64 / (1u64 << 20) as f64)
 }
 

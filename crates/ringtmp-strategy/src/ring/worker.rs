@@ -10,6 +10,7 @@ use ringtmp_wire::message::tensor_values;
 use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
 
 use super::driver::{NodeClock, RingJob, micro_offset, node_summary, protocol, tensor, values};
+use super::heal::{REPLICA, Replicas, Snapshot};
 use super::partition::StagePlan;
 use super::schedule::{Action, Schedule, StagePolicy};
 use crate::error::{Error, Result};
@@ -20,7 +21,18 @@ use crate::error::{Error, Result};
 /// messages are taken first whenever there is work to do, so the policy decides on everything
 /// that is there. Returns the stage (its final parameters).
 pub fn run_worker(job: &RingJob, net: &mut dyn Transport) -> Result<Stage> {
-    let mut node = RingNode::new(job, net, job.schedule == Schedule::Async)?;
+    run_worker_with(job, net, None, &mut Replicas::default())
+}
+
+/// [`run_worker`] from `initial` (a healed ring's in-memory state) instead of the job's start or
+/// checkpoint, keeping replication snapshots in `replicas` (`--stage-replicas`).
+pub fn run_worker_with(
+    job: &RingJob,
+    net: &mut dyn Transport,
+    initial: Option<&Snapshot>,
+    replicas: &mut Replicas,
+) -> Result<Stage> {
+    let mut node = RingNode::new(job, net, job.schedule == Schedule::Async, initial)?;
     let (rank, n) = (node.rank as usize, job.partition.len());
     let timeout = job.recv_timeout();
     let mut policy = StagePolicy::new(job.schedule, rank, n, job.micro_batches, job.first_step());
@@ -71,6 +83,44 @@ pub fn run_worker(job: &RingJob, net: &mut dyn Transport) -> Result<Stage> {
                 {
                     grads.push_back((h.micro_batch, values(&bytes, h.dtype)));
                 }
+                // Stage replicas: the successor's snapshot, then its token (same link, so in
+                // this order); the master's re-formation of the ring.
+                (from, Message::Tensor(h, bytes))
+                    if from == node.succ
+                        && h.tag == TensorTag::Params
+                        && h.micro_batch == REPLICA =>
+                {
+                    let next = &job.partition[node.succ as usize];
+                    let layers = job.layers()?;
+                    let snapshot = Snapshot::from_values(
+                        h.step,
+                        next.start..next.end,
+                        &layers,
+                        &job.spec.optimizer,
+                        node.optimizer.steps(),
+                        &values(&bytes, h.dtype),
+                    )
+                    .ok_or_else(|| protocol(net, from, "replica of the wrong size"))?;
+                    replicas.keep_succ(snapshot);
+                }
+                (from, Message::Control(Control::Replicate { step })) if from == node.succ => {
+                    node.replicate(net, step, replicas)?;
+                }
+                (
+                    0,
+                    Message::Control(Control::Regroup {
+                        generation,
+                        members,
+                        step,
+                        ..
+                    }),
+                ) => {
+                    return Err(Error::Regroup {
+                        generation,
+                        members,
+                        step,
+                    });
+                }
                 (
                     from,
                     message @ (Message::Tensor(
@@ -120,14 +170,22 @@ struct RingNode {
 impl RingNode {
     /// This node's stage (loaded from the job's checkpoint when resuming), its neighbours and
     /// clocks; `stashing` keeps a weight version per micro-batch in flight (async).
-    fn new(job: &RingJob, net: &dyn Transport, stashing: bool) -> Result<Self> {
+    fn new(
+        job: &RingJob,
+        net: &dyn Transport,
+        stashing: bool,
+        initial: Option<&Snapshot>,
+    ) -> Result<Self> {
         let rank = net.rank();
         let n = job.partition.len() as u32;
         let (mut stage, plan) = job.stage(rank)?;
         stage.set_input_grad(true);
         stage.set_weight_stashing(stashing);
         let mut optimizer = Optimizer::new(job.spec.optimizer.clone(), stage.params().len());
-        job.load(&mut stage, &mut optimizer)?;
+        match initial {
+            Some(snapshot) => snapshot.restore(&mut stage, &mut optimizer)?,
+            None => job.load(&mut stage, &mut optimizer)?,
+        }
         Ok(Self {
             rank,
             succ: (rank + 1) % n,
@@ -202,6 +260,35 @@ impl RingNode {
             self.pred,
             tensor(TensorTag::Gradient, header_step, id, rows, &dx, self.wire),
         )?;
+        Ok(())
+    }
+
+    /// A replication round reached this node (from its successor): keep a snapshot of its own
+    /// state, send it to the predecessor, then pass the token on behind it.
+    fn replicate(
+        &mut self,
+        net: &mut dyn Transport,
+        step: u64,
+        replicas: &mut Replicas,
+    ) -> Result<()> {
+        let snapshot = Snapshot::take(
+            step,
+            self.plan.start..self.plan.end,
+            &self.stage,
+            &self.optimizer,
+        );
+        let message = tensor(
+            TensorTag::Params,
+            step,
+            REPLICA,
+            1,
+            &snapshot.to_values(),
+            Dtype::F32,
+        );
+        replicas.bytes_sent += ringtmp_wire::encoded_len(&message) as u64;
+        replicas.keep_own(snapshot);
+        net.send(self.pred, message)?;
+        net.send(self.pred, Message::Control(Control::Replicate { step }))?;
         Ok(())
     }
 

@@ -1,0 +1,779 @@
+//! Stage replicas (`--stage-replicas K`): the ring heals around a dead node without a restart or
+//! a checkpoint (after Bamboo, NSDI 2023, which keeps such replicas for preemptible pipelines).
+//!
+//! Every K mini-batches, at a point where the pipeline is empty, the master starts a replication
+//! round: a `Replicate` token travels backwards (master → N−1 → … → 1 → master); each node, when
+//! it gets the token, snapshots its own stage and optimizer state in memory and sends that
+//! snapshot to its predecessor *before* passing the token on over the same link, so when the token
+//! reaches a node, its successor's replica has already arrived (links are FIFO). The round is
+//! complete when the token is back at the master. Every node keeps its last two snapshots and
+//! replicas: a round that a failure interrupts may be half done, the one before it is whole.
+//!
+//! When a non-master node `j` dies, the master (linked to every node, as they all are to each
+//! other under this option) picks the last complete round `s`, drops `j` and gives its layers to
+//! its predecessor, and sends `Regroup { generation, members, step: s }` to every survivor. Every
+//! survivor goes back to its own snapshot of step `s` (the predecessor adds `j`'s replica to its
+//! stage), says `Rejoined` to every other survivor, and the ring runs again from mini-batch `s`
+//! on the survivors, numbered anew ([`Members`]). The steps after `s` are trained again: with a
+//! synchronous schedule the healed run computes exactly what an unbroken one does.
+//!
+//! Invariants: a node never mixes generations (everything a peer sent before its `Rejoined`, or
+//! the master before its `Regroup`, is dropped); a heal uses a round that every survivor
+//! completed; the master's death still ends the run (it holds the data), as does a second death
+//! before the next round has refreshed the replicas it would need.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ringtmp_metrics::{DroppedNode, Restart, Summary};
+use ringtmp_model::{Layer, LayerKind, Optimizer, OptimizerConfig, Stage};
+use ringtmp_transport::{Clock, LinkStats, PeerName, Transport, TransportError};
+use ringtmp_wire::{Control, Message};
+
+use super::driver::{MasterSetup, RingJob, run_master_with, run_worker_with};
+use super::partition::StagePlan;
+use crate::error::{Error, Result};
+
+/// The `micro_batch` of a `Params` tensor that carries a replica.
+pub const REPLICA: u64 = u64::MAX - 1;
+
+/// A node's stage and optimizer state at a step, in memory.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Snapshot {
+    /// Mini-batches completed when it was taken.
+    pub step: u64,
+    /// The stage's layers.
+    pub layers: std::ops::Range<usize>,
+    /// Its parameters, in layer order.
+    pub params: Vec<f32>,
+    /// The optimizer's state tensors (as [`Optimizer::state`] names them).
+    pub state: Vec<(String, Vec<f32>)>,
+    /// The optimizer's step count.
+    pub optimizer_steps: u64,
+}
+
+impl Snapshot {
+    /// Takes one of `stage` (holding `layers`) and `optimizer` after mini-batch `step`.
+    pub fn take(
+        step: u64,
+        layers: std::ops::Range<usize>,
+        stage: &Stage,
+        optimizer: &Optimizer,
+    ) -> Self {
+        Self {
+            step,
+            layers,
+            params: stage.params().to_vec(),
+            state: optimizer
+                .state()
+                .into_iter()
+                .map(|(name, values)| (name.to_string(), values.to_vec()))
+                .collect(),
+            optimizer_steps: optimizer.steps(),
+        }
+    }
+
+    /// As one vector for the wire: the parameters, then each state tensor.
+    pub fn to_values(&self) -> Vec<f32> {
+        let mut values = self.params.clone();
+        for (_, s) in &self.state {
+            values.extend_from_slice(s);
+        }
+        values
+    }
+
+    /// Back from [`Snapshot::to_values`], for a stage of `layers` of `model` under `optimizer`;
+    /// `None` when the length does not match (a peer's protocol error).
+    pub fn from_values(
+        step: u64,
+        layers: std::ops::Range<usize>,
+        model: &[Layer],
+        optimizer: &OptimizerConfig,
+        optimizer_steps: u64,
+        values: &[f32],
+    ) -> Option<Self> {
+        let params: usize = model[layers.clone()].iter().map(Layer::param_count).sum();
+        let names: Vec<&str> = Optimizer::new(optimizer.clone(), 0)
+            .state()
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        if values.len() != params * (1 + names.len()) {
+            return None;
+        }
+        let mut chunks = values.chunks(params.max(1));
+        let params_values = if params == 0 {
+            Vec::new()
+        } else {
+            chunks.next()?.to_vec()
+        };
+        let state = names
+            .iter()
+            .map(|n| {
+                let v = if params == 0 {
+                    Vec::new()
+                } else {
+                    chunks.next().unwrap_or_default().to_vec()
+                };
+                (n.to_string(), v)
+            })
+            .collect();
+        Some(Self {
+            step,
+            layers,
+            params: params_values,
+            state,
+            optimizer_steps,
+        })
+    }
+
+    /// This snapshot followed by `next` (the successor's block): one stage's state.
+    pub fn joined(&self, next: &Snapshot) -> Self {
+        Self {
+            step: self.step,
+            layers: self.layers.start..next.layers.end,
+            params: [self.params.as_slice(), next.params.as_slice()].concat(),
+            state: self
+                .state
+                .iter()
+                .zip(&next.state)
+                .map(|((name, a), (_, b))| (name.clone(), [a.as_slice(), b.as_slice()].concat()))
+                .collect(),
+            optimizer_steps: self.optimizer_steps,
+        }
+    }
+
+    /// Puts the state into `stage` and `optimizer` (built for the same layers).
+    pub fn restore(&self, stage: &mut Stage, optimizer: &mut Optimizer) -> Result<()> {
+        if stage.params().len() != self.params.len() {
+            return Err(Error::Config(format!(
+                "a replica of {} parameters for a stage of {}",
+                self.params.len(),
+                stage.params().len()
+            )));
+        }
+        stage.params_mut().copy_from_slice(&self.params);
+        let tensors: Vec<(&str, Vec<f32>)> = self
+            .state
+            .iter()
+            .map(|(n, v)| (n.as_str(), v.clone()))
+            .collect();
+        optimizer.load_state(&tensors, self.optimizer_steps)?;
+        Ok(())
+    }
+}
+
+/// What a node keeps for healing: its own last two snapshots and its successor's last two
+/// replicas, by step; on the master also the last complete round.
+#[derive(Debug, Default)]
+pub struct Replicas {
+    own: VecDeque<Snapshot>,
+    succ: VecDeque<Snapshot>,
+    /// Master: the step of the last round whose token came back.
+    pub completed: Option<u64>,
+    /// Master: when it came back (on the run's clock).
+    pub completed_at: Option<Duration>,
+    /// Bytes sent in replication rounds (reported beside the training traffic).
+    pub bytes_sent: u64,
+    /// Master: the last mini-batch it completed (where a failure found the run).
+    pub last_step: u64,
+}
+
+impl Replicas {
+    /// Keeps this node's own snapshot (the older of two goes).
+    pub fn keep_own(&mut self, snapshot: Snapshot) {
+        keep(&mut self.own, snapshot);
+    }
+
+    /// Keeps the successor's replica.
+    pub fn keep_succ(&mut self, snapshot: Snapshot) {
+        keep(&mut self.succ, snapshot);
+    }
+
+    /// This node's own snapshot of `step`.
+    pub fn own_at(&self, step: u64) -> Option<&Snapshot> {
+        self.own.iter().find(|s| s.step == step)
+    }
+
+    /// The successor's replica of `step`.
+    pub fn succ_at(&self, step: u64) -> Option<&Snapshot> {
+        self.succ.iter().find(|s| s.step == step)
+    }
+
+    /// Bytes held (for the report).
+    pub fn bytes(&self) -> u64 {
+        self.own
+            .iter()
+            .chain(&self.succ)
+            .map(|s| {
+                (s.params.len() + s.state.iter().map(|(_, v)| v.len()).sum::<usize>()) as u64 * 4
+            })
+            .sum()
+    }
+}
+
+fn keep(slot: &mut VecDeque<Snapshot>, snapshot: Snapshot) {
+    slot.retain(|s| s.step != snapshot.step);
+    slot.push_back(snapshot);
+    while slot.len() > 2 {
+        slot.pop_front();
+    }
+}
+
+/// Bytes of parameters and optimizer state of `layers` under `optimizer`.
+fn state_bytes(layers: &[Layer], optimizer: &OptimizerConfig) -> u64 {
+    let params: u64 = layers.iter().map(|l| l.param_count() as u64).sum();
+    let tensors = 1 + Optimizer::new(optimizer.clone(), 0).state().len() as u64;
+    params * tensors * 4
+}
+
+/// Refuses `--stage-replicas` where a node's memory limit cannot also hold its two snapshots and
+/// its successor's two replicas (`available` is what each node's limit leaves its stage), and
+/// with the head on the master (its layers would have no replica).
+pub fn check_replicas_fit(
+    job: &RingJob,
+    layers: &[Layer],
+    available: &[Option<u64>],
+) -> Result<()> {
+    if job.head.is_some() {
+        return Err(Error::Config(
+            "--stage-replicas and --master-holds-head do not go together yet: the head's layers \
+             would have no replica"
+                .into(),
+        ));
+    }
+    if !layers
+        .iter()
+        .any(|l| matches!(l.kind, LayerKind::Linear(_) | LayerKind::Conv2d(_)))
+    {
+        return Ok(());
+    }
+    let n = job.partition.len();
+    for (rank, plan) in job.partition.iter().enumerate() {
+        let Some(Some(limit)) = available.get(rank) else {
+            continue;
+        };
+        let own = state_bytes(&layers[plan.start..plan.end], &job.spec.optimizer);
+        let succ = if rank + 1 < n {
+            let next = &job.partition[rank + 1];
+            state_bytes(&layers[next.start..next.end], &job.spec.optimizer)
+        } else {
+            0
+        };
+        let needs = plan.predicted_bytes + 2 * (own + succ);
+        if needs > *limit {
+            return Err(Error::Config(format!(
+                "--stage-replicas does not fit node {rank}: its stage needs {}, its two \
+                 snapshots {} and its successor's two replicas {}, beyond the {} its memory \
+                 limit leaves (the process's own needs deducted)",
+                super::plan::show_bytes(plan.predicted_bytes),
+                super::plan::show_bytes(2 * own),
+                super::plan::show_bytes(2 * succ),
+                super::plan::show_bytes(*limit)
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The job of the ring after `dead` (physical ranks, in `members` order) left: its layers go to
+/// its predecessor in the ring, which must hold its replica; stages are renumbered in ring order.
+pub fn without(job: &RingJob, members: &[u32], dead: u32) -> Result<(RingJob, Vec<u32>)> {
+    let index = members
+        .iter()
+        .position(|m| *m == dead)
+        .ok_or_else(|| Error::Config(format!("rank {dead} is not in the ring")))?;
+    if index == 0 {
+        return Err(Error::Config("the master cannot be healed around".into()));
+    }
+    let mut partition: Vec<StagePlan> = job.partition.clone();
+    let gone = partition.remove(index);
+    let pred = &mut partition[index - 1];
+    pred.end = gone.end;
+    pred.predicted_seconds += gone.predicted_seconds;
+    pred.predicted_bytes += gone.predicted_bytes;
+    for (r, p) in partition.iter_mut().enumerate() {
+        p.rank = r as u32;
+    }
+    let mut speeds = job.node_speeds.clone();
+    speeds.remove(index);
+    let survivors: Vec<u32> = members.iter().copied().filter(|m| *m != dead).collect();
+    Ok((
+        RingJob {
+            partition,
+            node_speeds: speeds,
+            ..job.clone()
+        },
+        survivors,
+    ))
+}
+
+/// A node's transport seen as a ring of `members` (physical ranks in ring order): rank `k` is
+/// `members[k]`. Messages from a peer are dropped until that peer's marker of this generation
+/// arrives (`Rejoined`, or the master's `Regroup`), so nothing of an earlier generation leaks in;
+/// messages from non-members are dropped.
+pub struct Members<'a> {
+    inner: &'a mut dyn Transport,
+    members: Vec<u32>,
+    logical: BTreeMap<u32, u32>,
+    generation: u64,
+    /// Peers whose marker has arrived (generation 0 needs none).
+    ready: BTreeSet<u32>,
+    /// Messages put back by `unread`, by logical sender.
+    unread: VecDeque<(u32, Message)>,
+}
+
+impl<'a> Members<'a> {
+    /// The ring of every node, as started (generation 0: no markers).
+    pub fn all(inner: &'a mut dyn Transport, world: u32) -> Self {
+        let members: Vec<u32> = (0..world).collect();
+        let ready = members.iter().copied().collect();
+        Self::build(inner, members, 0, ready)
+    }
+
+    /// The ring of `members` in `generation`; `ready` peers need no marker.
+    pub fn regrouped(
+        inner: &'a mut dyn Transport,
+        members: Vec<u32>,
+        generation: u64,
+        ready: BTreeSet<u32>,
+    ) -> Self {
+        Self::build(inner, members, generation, ready)
+    }
+
+    fn build(
+        inner: &'a mut dyn Transport,
+        members: Vec<u32>,
+        generation: u64,
+        ready: BTreeSet<u32>,
+    ) -> Self {
+        let logical = members
+            .iter()
+            .enumerate()
+            .map(|(k, m)| (*m, k as u32))
+            .collect();
+        Self {
+            inner,
+            members,
+            logical,
+            generation,
+            ready,
+            unread: VecDeque::new(),
+        }
+    }
+
+    /// Whether `e` is the failure of a node that is no longer in the ring (its links report
+    /// their end more than once: the reader, then a writer's failed send).
+    fn former(&self, e: &TransportError) -> bool {
+        e.failed_peer()
+            .is_some_and(|p| !self.logical.contains_key(&p))
+    }
+
+    /// The physical rank of logical rank `k`.
+    pub fn physical(&self, k: u32) -> u32 {
+        self.members.get(k as usize).copied().unwrap_or(u32::MAX)
+    }
+
+    /// The ring's members, physical ranks in ring order.
+    pub fn members(&self) -> &[u32] {
+        &self.members
+    }
+
+    /// The underlying transport.
+    pub fn inner(&mut self) -> &mut dyn Transport {
+        self.inner
+    }
+
+    /// A message from physical `from`: `Some((logical, message))` when it belongs to this
+    /// generation, `None` when it is dropped (and a marker is taken note of).
+    fn admit(&mut self, from: u32, message: Message) -> Option<(u32, Message)> {
+        let &k = self.logical.get(&from)?;
+        match &message {
+            Message::Control(Control::Rejoined { generation })
+                if *generation == self.generation =>
+            {
+                self.ready.insert(from);
+                None
+            }
+            Message::Control(Control::Regroup { generation, .. })
+                if from == self.members[0] && *generation == self.generation =>
+            {
+                self.ready.insert(from);
+                None
+            }
+            _ if self.ready.contains(&from) => Some((k, message)),
+            _ => None,
+        }
+    }
+}
+
+impl Transport for Members<'_> {
+    fn rank(&self) -> u32 {
+        self.logical
+            .get(&self.inner.rank())
+            .copied()
+            .unwrap_or(u32::MAX)
+    }
+
+    fn peers(&self) -> Vec<u32> {
+        let me = self.rank();
+        (0..self.members.len() as u32)
+            .filter(|k| *k != me)
+            .collect()
+    }
+
+    fn peer_name(&self, rank: u32) -> PeerName {
+        self.inner.peer_name(self.physical(rank))
+    }
+
+    fn send(&self, to: u32, message: Message) -> std::result::Result<(), TransportError> {
+        self.inner.send(self.physical(to), message)
+    }
+
+    fn recv(&mut self, wait: Duration) -> std::result::Result<(u32, Message), TransportError> {
+        if let Some(m) = self.unread.pop_front() {
+            return Ok(m);
+        }
+        let deadline = self.inner.clock().now() + wait;
+        loop {
+            let left = deadline.saturating_sub(self.inner.clock().now());
+            let (from, message) = match self.inner.recv(left) {
+                Ok(x) => x,
+                Err(e) if self.former(&e) => continue,
+                Err(e) => return Err(e),
+            };
+            if let Some(admitted) = self.admit(from, message) {
+                return Ok(admitted);
+            }
+        }
+    }
+
+    fn try_recv(&mut self) -> std::result::Result<Option<(u32, Message)>, TransportError> {
+        if let Some(m) = self.unread.pop_front() {
+            return Ok(Some(m));
+        }
+        loop {
+            let next = match self.inner.try_recv() {
+                Err(e) if self.former(&e) => continue,
+                other => other?,
+            };
+            match next {
+                None => return Ok(None),
+                Some((from, message)) => {
+                    if let Some(admitted) = self.admit(from, message) {
+                        return Ok(Some(admitted));
+                    }
+                }
+            }
+        }
+    }
+
+    fn recv_from(
+        &mut self,
+        from: u32,
+        wait: Duration,
+    ) -> std::result::Result<Message, TransportError> {
+        if let Some(i) = self.unread.iter().position(|(k, _)| *k == from) {
+            if let Some((_, message)) = self.unread.remove(i) {
+                return Ok(message);
+            }
+        }
+        let physical = self.physical(from);
+        let deadline = self.inner.clock().now() + wait;
+        loop {
+            let left = deadline.saturating_sub(self.inner.clock().now());
+            // The inner transport keeps other peers' messages for later receives, which pass
+            // through `admit` then.
+            let message = match self.inner.recv_from(physical, left) {
+                Ok(m) => m,
+                Err(e) if self.former(&e) => continue,
+                Err(e) => return Err(e),
+            };
+            if let Some((_, message)) = self.admit(physical, message) {
+                return Ok(message);
+            }
+        }
+    }
+
+    fn unread(&mut self, from: u32, message: Message) {
+        self.unread.push_front((from, message));
+    }
+
+    fn buffers(&self) -> &ringtmp_transport::BufferPool {
+        self.inner.buffers()
+    }
+
+    fn stats(&self) -> Vec<LinkStats> {
+        self.inner.stats()
+    }
+
+    fn abort(&self, reason: &str) {
+        self.inner.abort(reason);
+    }
+
+    fn close(&mut self) -> std::result::Result<(), TransportError> {
+        self.inner.close()
+    }
+
+    fn clock(&self) -> Arc<dyn Clock> {
+        self.inner.clock()
+    }
+}
+
+/// A re-formation decided by the master.
+struct Regroup {
+    generation: u64,
+    members: Vec<u32>,
+    step: u64,
+}
+
+/// Runs physical rank `rank` of a ring with stage replicas: the ring, and after a non-master
+/// node's death the ring again on the survivors from the last complete replication round, as
+/// often as the replicas allow. The master returns the summary, with each heal listed.
+pub fn run(job: &RingJob, rank: u32, cx: &mut crate::job::NodeCx<'_>) -> Result<Option<Summary>> {
+    let world = job.partition.len() as u32;
+    let clock = cx.net.clock();
+    let data = if rank == 0 { Some(cx.data()?) } else { None };
+    let timeout = job.recv_timeout();
+    let mut job = job.clone();
+    let mut members: Vec<u32> = (0..world).collect();
+    let mut generation = 0u64;
+    // Peers whose marker of this generation is not needed (all at the start; the master after
+    // its Regroup, which a worker consumed before building the view).
+    let mut ready: BTreeSet<u32> = members.iter().copied().collect();
+    let mut replicas = Replicas::default();
+    let mut initial: Option<Snapshot> = None;
+    let mut heals: Vec<Restart> = Vec::new();
+    let mut dropped: Vec<DroppedNode> = Vec::new();
+    let mut detected_at = Duration::ZERO;
+    loop {
+        let mut view = Members::regrouped(cx.net, members.clone(), generation, ready.clone());
+        let outcome = if rank == 0 {
+            let setup = MasterSetup {
+                data: data.ok_or_else(|| Error::Config("the master needs the dataset".into()))?,
+            };
+            // A heal's downtime ends when the healed ring completes its first mini-batch.
+            let mut pending = heals.last_mut().filter(|h| h.downtime_seconds == 0.0);
+            let heal_clock = clock.clone();
+            let on_event = &mut *cx.on_event;
+            let mut events = |e: &crate::Event| {
+                if let (crate::Event::Step { .. }, Some(h)) = (e, pending.as_deref_mut()) {
+                    h.downtime_seconds = heal_clock.now().saturating_sub(detected_at).as_secs_f64();
+                    pending = None;
+                }
+                on_event(e);
+            };
+            run_master_with(
+                &job,
+                &setup,
+                &mut view,
+                &mut events,
+                initial.as_ref(),
+                &mut replicas,
+            )
+            .map(|o| Some(o.summary))
+        } else {
+            run_worker_with(&job, &mut view, initial.as_ref(), &mut replicas).map(|_| None)
+        };
+        let failure = match outcome {
+            Ok(Some(mut summary)) => {
+                if !heals.is_empty() {
+                    // The nodes reported their rank in the healed ring; the run's ranks are the
+                    // ones it started with.
+                    for node in &mut summary.per_node {
+                        node.rank = members
+                            .get(node.rank as usize)
+                            .copied()
+                            .unwrap_or(node.rank);
+                    }
+                    summary.dropped_nodes.extend(dropped);
+                    summary.heals = heals;
+                    let path = job.spec.out.join("summary.json");
+                    let text = serde_json::to_string_pretty(&summary)
+                        .map_err(|e| Error::Config(format!("encoding the summary: {e}")))?;
+                    ringtmp_model::checkpoint::write_atomic(&path, text.as_bytes())?;
+                }
+                return Ok(Some(summary));
+            }
+            Ok(None) => return Ok(None),
+            Err(e) => e,
+        };
+        let detected = clock.now();
+        detected_at = detected;
+        let regroup = if rank == 0 {
+            let Some(dead) = failed_member(&failure, &members) else {
+                return Err(failure);
+            };
+            let Some(step) = replicas.completed else {
+                return Err(Error::Config(format!(
+                    "{failure}; no replication round had completed since the ring last formed, \
+                     so it cannot heal"
+                )));
+            };
+            let (next, survivors) = without(&job, &members, dead)?;
+            let failed_at = view_step(&heals, &replicas, step);
+            generation += 1;
+            for &m in survivors.iter().filter(|m| **m != 0) {
+                cx.net.send(
+                    m,
+                    Message::Control(Control::Regroup {
+                        generation,
+                        members: survivors.clone(),
+                        step,
+                        optimizer_steps: 0,
+                    }),
+                )?;
+            }
+            let pred = members[members.iter().position(|m| *m == dead).unwrap_or(1) - 1];
+            eprintln!(
+                "ring: rank {dead} left ({failure}); rank {pred} takes its layers from the \
+                 replica of mini-batch {step}, and the ring goes on with {} nodes",
+                survivors.len()
+            );
+            dropped.push(DroppedNode {
+                rank: dead,
+                step: failed_at,
+                reason: failure.to_string(),
+            });
+            heals.push(Restart {
+                rank: dead,
+                reason: format!("healed: rank {pred} took its layers over from its replica"),
+                failed_at_step: failed_at,
+                resumed_from_step: step,
+                steps_redone: failed_at.saturating_sub(step),
+                nodes: survivors.len() as u32,
+                work_lost_seconds: replicas
+                    .completed_at
+                    .map_or(0.0, |at| detected.saturating_sub(at).as_secs_f64()),
+                // Set when the healed ring completes its first mini-batch.
+                downtime_seconds: 0.0,
+            });
+            job = next;
+            Regroup {
+                generation,
+                members: survivors,
+                step,
+            }
+        } else {
+            match failure {
+                Error::Regroup {
+                    generation,
+                    members,
+                    step,
+                } => Regroup {
+                    generation,
+                    members,
+                    step,
+                },
+                e if failed_member(&e, &members).is_some() => {
+                    await_regroup(cx.net, generation, timeout, &e)?
+                }
+                e => return Err(e),
+            }
+        };
+        // Every survivor: the state of the round, the predecessor of a dead node with its replica.
+        let step = regroup.step;
+        let own = replicas.own_at(step).cloned().ok_or_else(|| {
+            Error::Config(format!("rank {rank} has no snapshot of mini-batch {step}"))
+        })?;
+        let my_index = members.iter().position(|m| *m == rank).unwrap_or(0);
+        let succ = members.get(my_index + 1).copied();
+        let state = match succ {
+            Some(s) if !regroup.members.contains(&s) => {
+                let replica = replicas.succ_at(step).ok_or_else(|| {
+                    Error::Config(format!("rank {rank} has no replica of mini-batch {step}"))
+                })?;
+                own.joined(replica)
+            }
+            _ => own,
+        };
+        if rank != 0 {
+            let dead: Vec<u32> = members
+                .iter()
+                .copied()
+                .filter(|m| !regroup.members.contains(m))
+                .collect();
+            let mut current = members.clone();
+            for d in dead {
+                let (next, rest) = without(&job, &current, d)?;
+                (job, current) = (next, rest);
+            }
+            generation = regroup.generation;
+        }
+        members = regroup.members;
+        // This node's marker to everyone else of the new ring; the master's was its Regroup.
+        if rank != 0 {
+            for &m in members.iter().filter(|m| **m != rank) {
+                cx.net
+                    .send(m, Message::Control(Control::Rejoined { generation }))?;
+            }
+        }
+        ready = if rank == 0 {
+            BTreeSet::from([0])
+        } else {
+            BTreeSet::from([0, rank])
+        };
+        job.spec.resume_from = Some(crate::ResumePoint {
+            dir: std::path::PathBuf::new(),
+            step,
+        });
+        initial = Some(state);
+        // Rounds of the old ring do not describe the new one.
+        replicas.completed = None;
+    }
+}
+
+/// The member whose failure `e` reports, if it is a non-master member.
+fn failed_member(e: &Error, members: &[u32]) -> Option<u32> {
+    match e {
+        Error::Transport(t) => t.failed_peer().filter(|r| *r != 0 && members.contains(r)),
+        _ => None,
+    }
+}
+
+/// The last mini-batch the master had completed when it noticed the failure (at least the
+/// round's).
+fn view_step(_heals: &[Restart], replicas: &Replicas, round: u64) -> u64 {
+    replicas.last_step.max(round)
+}
+
+/// A worker that saw a peer die waits for the master's re-formation (newer than `generation`),
+/// dropping everything else; other peers' failures are the master's to handle.
+fn await_regroup(
+    net: &mut dyn Transport,
+    generation: u64,
+    timeout: Duration,
+    cause: &Error,
+) -> Result<Regroup> {
+    let clock = net.clock();
+    let deadline = clock.now() + timeout;
+    loop {
+        let left = deadline.saturating_sub(clock.now());
+        if left.is_zero() {
+            return Err(Error::Config(format!(
+                "{cause}; the master did not re-form the ring within {timeout:?}"
+            )));
+        }
+        match net.recv(left) {
+            Ok((
+                0,
+                Message::Control(Control::Regroup {
+                    generation: g,
+                    members,
+                    step,
+                    ..
+                }),
+            )) if g > generation => {
+                return Ok(Regroup {
+                    generation: g,
+                    members,
+                    step,
+                });
+            }
+            Ok(_) => {}
+            Err(e) if e.failed_peer().is_some_and(|r| r != 0) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
