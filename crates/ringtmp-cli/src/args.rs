@@ -175,7 +175,8 @@ pub struct TrainArgs {
     #[serde(skip)]
     pub crash_after_ms: Option<u64>,
     /// Fault injection for tests: `RANK:MS,RANK:MS,…` — entry k makes that rank of attempt k
-    /// (the first run, then each restart) exit abruptly MS milliseconds after its links are up.
+    /// (the first run, then each restart) exit abruptly MS milliseconds after its links are up;
+    /// `RANK:MS+RANK:MS` strikes several in one attempt.
     #[arg(long, hide = true)]
     #[serde(skip)]
     pub crash_plan: Option<String>,

@@ -43,24 +43,28 @@ pub fn choose_checkpoints(args: &mut TrainArgs, job: &mut Job, first: bool) {
     }
 }
 
-/// The crash injected into attempt `attempt`: `(rank, milliseconds after the links are up)`,
-/// from `--crash-rank` (attempt 0) or entry `attempt` of `--crash-plan`.
-pub fn crash_for(args: &TrainArgs, attempt: usize) -> Result<Option<(u32, u64)>> {
+/// The crashes injected into attempt `attempt`: `(rank, milliseconds after the links are up)`,
+/// from `--crash-rank` (attempt 0) or entry `attempt` of `--crash-plan` (`RANK:MS`, or several
+/// joined by `+` for one attempt: `2:60000+3:120000`).
+pub fn crash_for(args: &TrainArgs, attempt: usize) -> Result<Vec<(u32, u64)>> {
     if let Some(plan) = &args.crash_plan {
         let Some(entry) = plan.split(',').nth(attempt) else {
-            return Ok(None);
+            return Ok(Vec::new());
         };
-        let parsed = entry
-            .split_once(':')
-            .and_then(|(r, ms)| Some((r.trim().parse().ok()?, ms.trim().parse().ok()?)));
-        return parsed
-            .map(Some)
-            .ok_or_else(|| anyhow::anyhow!("--crash-plan entry {entry:?}: expected RANK:MS"));
+        return entry
+            .split('+')
+            .map(|kill| {
+                kill.split_once(':')
+                    .and_then(|(r, ms)| Some((r.trim().parse().ok()?, ms.trim().parse().ok()?)))
+                    .ok_or_else(|| anyhow::anyhow!("--crash-plan entry {kill:?}: expected RANK:MS"))
+            })
+            .collect();
     }
     Ok((attempt == 0)
         .then_some(args.crash_rank)
         .flatten()
-        .map(|rank| (rank, args.crash_after_ms.unwrap_or(1000))))
+        .map(|rank| vec![(rank, args.crash_after_ms.unwrap_or(1000))])
+        .unwrap_or_default())
 }
 
 /// The last step `metrics.jsonl` in `out` records in any event (steps, evaluations,

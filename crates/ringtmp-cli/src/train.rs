@@ -320,7 +320,7 @@ fn launch_once(args: &mut TrainArgs, cluster: &LocalCluster, attempt: usize) -> 
         if args.insecure_plaintext.unwrap_or(false) {
             node_args.push("--insecure-plaintext".into());
         }
-        if let Some((_, after)) = crash.filter(|(r, _)| *r == rank) {
+        if let Some((_, after)) = crash.iter().find(|(r, _)| *r == rank) {
             node_args.extend(["--crash-after-ms".into(), after.to_string()]);
         }
         if first && args.freeze_rank == Some(rank) {
