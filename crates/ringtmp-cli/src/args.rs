@@ -647,6 +647,7 @@ impl TrainArgs {
                 .unwrap_or(ringtmp_strategy::DEFAULT_RECV_TIMEOUT_SECS),
             default_lr: self.lr.is_none(),
             default_schedule: self.lr_schedule.is_none(),
+            default_momentum: self.momentum.is_none(),
         };
         config.validate().context("invalid training options")
     }

@@ -50,6 +50,10 @@ pub struct TrainConfig {
     /// are stale then pick the one they were tuned with (planning only).
     #[serde(skip)]
     pub default_schedule: bool,
+    /// Whether SGD's momentum is the default rather than the user's choice: the asynchronous
+    /// ring lowers it (staleness adds momentum of its own; planning only).
+    #[serde(skip)]
+    pub default_momentum: bool,
     /// Learning-rate schedule.
     #[serde(rename = "lr_schedule")]
     pub schedule: LrSchedule,

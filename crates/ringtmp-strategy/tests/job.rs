@@ -195,3 +195,41 @@ fn a_sample_budget_is_the_same_for_every_strategy() {
         assert_eq!(spec.schedule_steps, spec.total_steps, "{strategy}");
     }
 }
+
+/// Issue 13.5: the async ring lowers SGD's default momentum (staleness adds its own); the
+/// flushed schedules and a user's choice keep theirs.
+#[test]
+fn the_async_ring_defaults_to_less_momentum() {
+    use ringtmp_model::OptimizerConfig;
+    use ringtmp_strategy::ring::plan::{ASYNC_MOMENTUM, RingOptions};
+    use ringtmp_strategy::ring::schedule::Schedule;
+    let data = digits();
+    let momentum = |schedule: Schedule, default_momentum: bool| {
+        let cfg = TrainConfig {
+            default_momentum,
+            optimizer: OptimizerConfig::Sgd {
+                momentum: 0.9,
+                weight_decay: 0.0,
+            },
+            ..config()
+        };
+        let options = ringtmp_strategy::StrategyOptions {
+            ring: RingOptions {
+                schedule: Some(schedule),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let cluster = ringtmp_strategy::Cluster::local(2);
+        match Job::plan("ring", cfg, &options, &cluster, &data).unwrap() {
+            Job::Ring(job) => match job.spec.optimizer {
+                OptimizerConfig::Sgd { momentum, .. } => momentum,
+                OptimizerConfig::Adam { .. } => panic!("sgd"),
+            },
+            other => panic!("{other:?}"),
+        }
+    };
+    assert_eq!(momentum(Schedule::Async, true), ASYNC_MOMENTUM);
+    assert_eq!(momentum(Schedule::Async, false), 0.9, "the user's choice");
+    assert_eq!(momentum(Schedule::OneFOneB, true), 0.9);
+}

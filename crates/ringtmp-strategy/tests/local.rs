@@ -66,6 +66,7 @@ fn config(out: &Path, optimizer: OptimizerConfig) -> TrainConfig {
         recv_timeout_secs: 30.0,
         default_lr: false,
         default_schedule: false,
+        default_momentum: false,
     }
 }
 

@@ -58,6 +58,7 @@ fn config(steps: u64, out: &Path) -> TrainConfig {
         recv_timeout_secs: 30.0,
         default_lr: false,
         default_schedule: false,
+        default_momentum: false,
     }
 }
 

@@ -121,6 +121,7 @@ pub fn train_config(
         lr: 0.05,
         default_lr: false,
         default_schedule: false,
+        default_momentum: false,
         schedule: LrSchedule::Constant,
         warmup_steps: 0,
         optimizer: OptimizerConfig::Sgd {
