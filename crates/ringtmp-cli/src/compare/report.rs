@@ -33,11 +33,14 @@ struct Finished {
 }
 
 impl Finished {
+    /// The training traffic of the node that sent the most (evaluation traffic left out, as
+    /// the cluster's bytes per sample leave it out: the ring's evaluation passes travel around
+    /// the ring and would otherwise count as training bytes).
     fn busiest_bytes(&self) -> u64 {
         self.summary
             .per_node
             .iter()
-            .map(|n| n.bytes_sent)
+            .map(|n| n.bytes_sent.saturating_sub(n.eval_bytes_sent))
             .max()
             .unwrap_or(0)
     }
@@ -166,11 +169,12 @@ fn rows(finished: &[Finished]) -> Vec<Row> {
                         .unwrap_or(0) as f64
                         / 1e6
                 }),
+                // Of the training time (evaluations left out): the nodes' time not spent
+                // computing, waiting for links or for each other.
                 idle_fraction: of(&|r| {
-                    let (c, i) = r.summary.per_node.iter().fold((0.0, 0.0), |(c, i), n| {
-                        (c + n.compute_seconds, i + n.idle_seconds)
-                    });
-                    i / (c + i).max(1e-12)
+                    let compute: f64 = r.summary.per_node.iter().map(|n| n.compute_seconds).sum();
+                    let nodes = r.summary.per_node.len().max(1) as f64;
+                    (1.0 - compute / (nodes * r.summary.train_seconds).max(1e-12)).max(0.0)
                 }),
             }
         })
@@ -250,7 +254,7 @@ const COLUMNS: [&str; 9] = [
     "bytes/sample (cluster)",
     "bytes/sample (busiest node)",
     "peak RSS, largest node (MB)",
-    "idle %",
+    "idle % of training time",
 ];
 
 fn cells(row: &Row, target: f64) -> Vec<String> {
