@@ -524,6 +524,7 @@ impl TrainArgs {
                 nodes.saturating_sub(self.ps.servers.unwrap_or(1)).max(1)
             }
             "allreduce" | "dpsgd" | "adpsgd" => self.nodes.unwrap_or(4) as usize,
+            "ring" => self.ring.replicas.unwrap_or(1).max(1),
             _ => 1,
         };
         if manifest.batch_size % workers != 0 {

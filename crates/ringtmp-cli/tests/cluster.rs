@@ -1717,3 +1717,67 @@ fn an_externally_restarted_run_resumes_itself_from_its_newest_checkpoint() {
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["steps"], 186, "{summary}");
 }
+
+// Issue 15.1: rings of rings on local processes: two rings of two, one summary for all four
+// nodes, the second ring's own records beside; impossible layouts are refused.
+#[test]
+fn rings_of_rings_run_on_local_nodes_and_refuse_what_cannot_work() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("rings");
+    let args = [
+        "--strategy",
+        "ring",
+        "--nodes",
+        "4",
+        "--replicas",
+        "2",
+        "--dataset",
+        "digits",
+        "--model-file",
+        "examples/models/lenet-dropout.toml",
+        "--batch-size",
+        "16",
+        "--epochs",
+        "1",
+        "--eval-every",
+        "0",
+    ];
+    let output = train_into(&args, &out);
+    let err = stderr(&output);
+    assert!(output.status.success(), "{err}");
+    assert!(err.contains("2 rings of 2 nodes"), "{err}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["nodes"], 4, "{summary}");
+    assert_eq!(
+        summary["per_node"].as_array().unwrap().len(),
+        4,
+        "{summary}"
+    );
+    // 46 steps of 2 × 16 rows.
+    assert_eq!(summary["samples"], 46 * 32, "{summary}");
+    assert!(out.join("rings/ring-1/summary.json").is_file());
+    for (extra, needle) in [
+        (
+            &["--nodes", "4", "--replicas", "3"][..],
+            "must split into rings",
+        ),
+        (
+            &["--nodes", "4", "--replicas", "2", "--schedule", "async"][..],
+            "needs --schedule 1f1b or gpipe",
+        ),
+    ] {
+        let mut all = vec![
+            "--strategy",
+            "ring",
+            "--dataset",
+            "digits",
+            "--model-file",
+            "examples/models/lenet-dropout.toml",
+        ];
+        all.extend(extra);
+        let output = train_into(&all, &tmp.path().join("refused"));
+        assert_eq!(output.status.code(), Some(2), "{}", stderr(&output));
+        assert!(stderr(&output).contains(needle), "{}", stderr(&output));
+    }
+}

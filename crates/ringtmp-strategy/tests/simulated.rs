@@ -337,3 +337,47 @@ fn a_ring_with_stage_replicas_heals_around_a_lost_node_and_still_equals_local() 
         assert!(diff < 1e-4, "{fault:?}: {diff}");
     }
 }
+
+/// Issue 15.1: R rings of batch b, corresponding stages averaging their gradients before each
+/// step, compute what one process does with batch R·b (flushed schedules).
+#[test]
+fn rings_of_rings_equal_one_process_with_their_global_batch() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let steps = 12;
+    for (rings, stages, bounds) in [
+        (2usize, 3usize, &[0, 5, 11, 16][..]),
+        (3, 2, &[0, 7, 16][..]),
+    ] {
+        let global = 12 * rings;
+        let mut local_cfg = config(deep_mlp(7, 16), global, steps, &tmp.path().join("local"));
+        local_cfg.checkpoint_every = steps;
+        let oracle = oracle::local_params(&local_cfg, &data);
+        let ring_cfg = TrainConfig {
+            batch_size: 12,
+            ..local_cfg.clone()
+        };
+        let mut job = ring_job(&ring_cfg, &data, bounds, Schedule::OneFOneB, 3);
+        job.spec = ringtmp_strategy::RunSpec::new(ring_cfg.clone(), &data, global).unwrap();
+        job.replicas = rings;
+        let out = tmp.path().join(format!("rings-{rings}x{stages}"));
+        let ran = run::healing_ring_nodes(&Backend::sim(test_seed(15)), &job, &data, &out);
+        let summary = ran.results[0]
+            .clone()
+            .unwrap_or_else(|e| panic!("{rings} rings: the master failed: {e}"))
+            .expect("the first master reports");
+        for (r, result) in ran.results.iter().enumerate() {
+            assert!(result.is_ok(), "{rings} rings: rank {r}: {result:?}");
+        }
+        assert_eq!(summary.per_node.len(), rings * stages);
+        assert_eq!(summary.samples, steps * global as u64, "{summary:?}");
+        let params = oracle::checkpoint_params(&out, &local_cfg, &data);
+        let diff = max_rel_diff(&params, &oracle);
+        println!(
+            "{rings} rings of {stages}: max |Δparam| / max |param| against local with batch \
+             {global} = {diff:.2e}, {:?} virtual",
+            ran.elapsed
+        );
+        assert!(diff < 1e-4, "{rings} rings of {stages}: {diff}");
+    }
+}

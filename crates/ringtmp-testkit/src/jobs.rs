@@ -42,6 +42,8 @@ pub fn ring_job(
         defer_weight_grads: false,
         in_flight: 0,
         replica_every: 0,
+        replicas: 1,
+        ring: 0,
     }
 }
 

@@ -63,16 +63,17 @@ pub fn ring_nodes(
     })
 }
 
-/// Runs a ring job with stage replicas (`replica_every` > 0) on `backend` as `ringtmp node` runs
-/// it (every node linked to every other, healing around dead nodes); the master returns the
-/// run's summary, the others nothing.
+/// Runs a ring job through its [`Strategy`](ringtmp_strategy::Strategy) shape on `backend`, as
+/// `ringtmp node` runs it, with the links the job asks for: stage replicas (every node linked to
+/// every other, healing around dead nodes) and rings of rings (its ring and its stage's copies);
+/// the master returns the run's summary, the others nothing.
 pub fn healing_ring_nodes(
     backend: &Backend,
     job: &RingJob,
     data: &Dataset,
     out: &Path,
 ) -> Ran<Result<Option<Summary>, String>> {
-    let n = job.partition.len() as u32;
+    let n = (job.partition.len() * job.replicas.max(1)) as u32;
     let mut job = job.clone();
     job.spec.config.out = out.to_path_buf();
     let job = &job;
@@ -83,7 +84,7 @@ pub fn healing_ring_nodes(
         let mut on_event = |_: &ringtmp_strategy::Event| {};
         let mut cx = ringtmp_strategy::NodeCx {
             net: &mut *net,
-            data: (rank == 0).then_some(data),
+            data: ringtmp_strategy::Strategy::needs_data(job, rank).then_some(data),
             on_event: &mut on_event,
         };
         let result = ringtmp_strategy::Strategy::run(job, rank, &mut cx);

@@ -49,6 +49,18 @@ pub trait Transport: Send {
     fn close(&mut self) -> Result<(), TransportError>;
     /// This node's clock.
     fn clock(&self) -> Arc<dyn Clock>;
+    /// Rings of rings: replaces `values` (a stage's gradients after mini-batch `step`) by their
+    /// mean over the copies of this node's stage in the other rings, before the optimizer step.
+    /// A node that has no such copies (every transport but a ring-of-rings view) has nothing
+    /// to do.
+    fn average_with_replicas(
+        &mut self,
+        step: u64,
+        values: &mut [f32],
+    ) -> Result<(), TransportError> {
+        let _ = (step, values);
+        Ok(())
+    }
 }
 
 /// A node's clock: wall time on real networks, virtual time in simulation.

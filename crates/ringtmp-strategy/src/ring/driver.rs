@@ -68,6 +68,17 @@ pub struct RingJob {
     /// Stage replicas: mini-batches between replication rounds (0 = no replicas).
     #[serde(default)]
     pub replica_every: u64,
+    /// Rings of rings (`--replicas R`): rings training side by side, each on its share of every
+    /// global batch of R × `batch_size`, corresponding stages averaging their gradients.
+    #[serde(default = "one")]
+    pub replicas: usize,
+    /// Which of those rings this node's is (set by each node at run time from its rank).
+    #[serde(skip)]
+    pub ring: usize,
+}
+
+fn one() -> usize {
+    1
 }
 
 impl RingJob {
@@ -185,7 +196,8 @@ impl RingJob {
             epoch: step / self.spec.steps_per_epoch,
             batch_in_epoch: step % self.spec.steps_per_epoch,
             dataset: self.spec.dataset.clone(),
-            batch_size: self.spec.batch_size,
+            // The global batch (rings of rings: all rings' together) fixes the data order.
+            batch_size: self.spec.batch_size * self.replicas.max(1),
             seed: self.spec.seed,
             model: self.spec.model.clone(),
             partition: self
@@ -282,7 +294,8 @@ pub(super) fn micro_offset(job: &RingJob, mb: usize) -> usize {
         job.spec.batch_size / job.micro_batches,
         job.spec.batch_size % job.micro_batches,
     );
-    mb * base + mb.min(extra)
+    // Rings of rings: ring r's rows follow the r rings before it in the global batch.
+    job.ring * job.spec.batch_size + mb * base + mb.min(extra)
 }
 
 #[allow(clippy::too_many_arguments)]

@@ -87,7 +87,12 @@ pub fn run_master_with(
         }
         None => None,
     };
-    let mut batches = BatchPlan::new(setup.data.train.len(), job.spec.batch_size, job.spec.seed)?;
+    // Rings of rings draw the global batch and take their share of it.
+    let mut batches = BatchPlan::new(
+        setup.data.train.len(),
+        job.spec.batch_size * job.replicas.max(1),
+        job.spec.seed,
+    )?;
     let mut clock = NodeClock::new(net, job.node_speeds.first().copied().unwrap_or(1.0));
     let mut recorder = RunRecorder::open(
         &job.spec,
@@ -152,7 +157,8 @@ pub fn run_master_with(
             loss: mean_loss,
             samples_per_second: samples as f64 / train_seconds.max(1e-9),
         });
-        if job.spec.eval_due(done) {
+        // Rings of rings: the rings are identical, so the first evaluates and checkpoints.
+        if job.ring == 0 && job.spec.eval_due(done) {
             let (accuracy, test_loss) = evaluate(
                 job,
                 setup.data,
@@ -176,7 +182,7 @@ pub fn run_master_with(
                 loss: test_loss,
             });
         }
-        if job.checkpoint_due(done) {
+        if job.ring == 0 && job.checkpoint_due(done) {
             // Around the ring: each node writes its stage file and appends its entry; the
             // manifest comes last, so an interrupted checkpoint leaves the previous one intact.
             let own = job.write_stage_file(0, done, &stage, &optimizer)?;
@@ -749,7 +755,8 @@ impl MasterPipe {
                             (s % job.spec.steps_per_epoch) as usize,
                         )
                         .to_vec();
-                    let rows = shard(&indices, part, job.micro_batches)?.to_vec();
+                    let ours = shard(&indices, job.ring, job.replicas.max(1))?;
+                    let rows = shard(ours, part, job.micro_batches)?.to_vec();
                     setup.data.train.gather(&rows, &mut self.x, &mut self.y);
                     let pass = Pass {
                         train: true,
@@ -819,6 +826,7 @@ impl MasterPipe {
         }
         if flushed.is_some() {
             let lr = job.lr_at(step);
+            net.average_with_replicas(step, stage.grads_mut())?;
             clock.run(|| stage.step(optimizer, lr));
             if let Some(h) = head {
                 clock.run(|| h.stage.step(&mut h.optimizer, lr));

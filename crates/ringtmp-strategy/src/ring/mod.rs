@@ -12,6 +12,8 @@
 //! - [`heal`]: stage replicas (`--stage-replicas`) and the ring's re-formation around a lost
 //!   node.
 //! - [`partition`]: the planner that splits layers into stages.
+//! - [`rings`]: rings of rings (`--replicas R`): the view that runs one ring of several and
+//!   averages each stage with its copies.
 //! - [`plan`]: `--strategy ring` options into the job every node runs.
 //! - [`node`]: the strategy's shape: a rank's role and the job's checks.
 
@@ -22,5 +24,6 @@ pub mod node;
 pub mod partition;
 pub mod plan;
 pub mod profile;
+pub mod rings;
 pub mod schedule;
 mod worker;

@@ -31,7 +31,11 @@ impl Strategy for RingJob {
     }
 
     fn validate(&self, world: u32) -> Result<()> {
-        validate_shared(&self.spec, world, self.partition.len())?;
+        validate_shared(
+            &self.spec,
+            world,
+            self.partition.len() * self.replicas.max(1),
+        )?;
         let bad = |what: String| Err(Error::Config(format!("invalid job: {what}")));
         if self.micro_batches == 0 || self.micro_batches > self.spec.batch_size {
             return bad(format!(
@@ -81,6 +85,21 @@ impl Strategy for RingJob {
     }
 
     fn neighbours(&self, rank: u32, world: u32) -> BTreeSet<u32> {
+        if self.replicas > 1 {
+            // Its ring, and the ring of its stage's copies.
+            let stages = self.partition.len() as u32;
+            let (ring, stage) = (rank / stages, rank % stages);
+            let rings = world / stages;
+            return [
+                ring * stages + (stage + 1) % stages,
+                ring * stages + (stage + stages - 1) % stages,
+                ((ring + 1) % rings) * stages + stage,
+                ((ring + rings - 1) % rings) * stages + stage,
+            ]
+            .into_iter()
+            .filter(|r| *r != rank)
+            .collect();
+        }
         if self.replica_every > 0 {
             // Healing closes the ring around any node and the master re-forms it: every node
             // is linked to every other from the start.
@@ -94,10 +113,14 @@ impl Strategy for RingJob {
     }
 
     fn needs_data(&self, rank: u32) -> bool {
-        rank == 0
+        // Every ring's master (rings of rings).
+        rank as usize % self.partition.len().max(1) == 0
     }
 
     fn run(&self, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
+        if self.replicas > 1 {
+            return crate::ring::rings::run(self, rank, cx);
+        }
         if self.replica_every > 0 {
             return crate::ring::heal::run(self, rank, cx);
         }

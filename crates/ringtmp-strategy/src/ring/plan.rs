@@ -38,6 +38,11 @@ pub struct RingOptions {
     /// logits never reach another node.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub master_holds_head: Option<bool>,
+    /// Ring: R rings of --nodes / R nodes each, side by side (pipeline × data parallelism): each
+    /// trains on its share of every global batch of R × --batch-size, and corresponding stages
+    /// average their gradients (ring all-reduce) before their step [default: 1].
+    #[arg(long, value_name = "R")]
+    pub replicas: Option<usize>,
     /// Ring: every node also keeps its successor's block and optimizer state, refreshed every K
     /// mini-batches [default K: 20]; when a non-master node dies, its predecessor takes its
     /// layers over and the ring closes around it, without a restart or a checkpoint.
@@ -53,6 +58,7 @@ crate::job::options_merge!(
     partition,
     defer_weight_grads,
     master_holds_head,
+    replicas,
     stage_replicas
 );
 
@@ -108,7 +114,44 @@ pub fn plan(
         ));
     }
     args.check()?;
-    let schedule = args.schedule.unwrap_or(Schedule::Async);
+    // Rings of rings: the partition is planned once for one ring of `nodes / R`.
+    let replicas = args.replicas.unwrap_or(1);
+    if replicas == 0 || nodes as usize % replicas != 0 || nodes as usize / replicas < 2 {
+        return Err(Error::Config(format!(
+            "--replicas {replicas}: --nodes {nodes} must split into rings of at least 2 nodes \
+             each"
+        )));
+    }
+    let all_nodes = nodes;
+    let nodes = nodes / replicas as u32;
+    let schedule = match (args.schedule, replicas) {
+        (Some(Schedule::Async), r) if r > 1 => {
+            return Err(Error::Config(
+                "--replicas averages each stage's gradients at a flush: it needs --schedule \
+                 1f1b or gpipe (asynchronous replicas are not built yet)"
+                    .into(),
+            ));
+        }
+        (None, r) if r > 1 => {
+            eprintln!("--replicas {r}: schedule 1f1b (rings of rings step together)");
+            Schedule::OneFOneB
+        }
+        (s, _) => s.unwrap_or(Schedule::Async),
+    };
+    if replicas > 1 && (args.master_holds_head == Some(true) || args.stage_replicas.is_some()) {
+        return Err(Error::Config(
+            "--replicas does not go together with --master-holds-head or --stage-replicas yet"
+                .into(),
+        ));
+    }
+    if replicas > 1
+        && cfg.default_lr
+        && matches!(cfg.optimizer, ringtmp_model::OptimizerConfig::Sgd { .. })
+    {
+        // The default rate is one ring's batch's; a step here averages R of them (linear
+        // scaling, as the data-parallel strategies do).
+        cfg.lr *= replicas as f32;
+    }
     if schedule == Schedule::Async
         && cfg.default_momentum
         && let ringtmp_model::OptimizerConfig::Sgd { momentum, .. } = &mut cfg.optimizer
@@ -138,7 +181,13 @@ pub fn plan(
             cfg.batch_size
         )));
     }
-    let speeds = cluster.node_speeds.clone();
+    // Every ring is split the same way, planned from the first ring's nodes.
+    let speeds: Vec<f64> = cluster
+        .node_speeds
+        .iter()
+        .take(nodes as usize)
+        .copied()
+        .collect();
 
     let (h, w, c) = data.input;
     let layers = cfg.model.build(&Shape::image(h, w, c), data.classes)?;
@@ -147,6 +196,7 @@ pub fn plan(
     let limits: Vec<Option<u64>> = cluster
         .memory_limits
         .iter()
+        .take(nodes as usize)
         .enumerate()
         .map(|(rank, limit)| {
             let Some(limit) = *limit else { return Ok(None) };
@@ -271,10 +321,23 @@ pub fn plan(
             s.predicted_bytes as f64 / 1e6
         );
     }
-    let mut spec = RunSpec::new(cfg.clone(), data, cfg.batch_size)?;
+    let mut spec = RunSpec::new(cfg.clone(), data, cfg.batch_size * replicas)?;
     spec.config.out = std::path::absolute(&cfg.out).unwrap_or_else(|_| cfg.out.clone());
+    if replicas > 1 {
+        eprintln!(
+            "rings of rings: {replicas} rings of {nodes} nodes ({all_nodes} in all), each on {} \
+             of every global batch of {}, stages averaging their gradients; learning rate {}",
+            cfg.batch_size,
+            cfg.batch_size * replicas,
+            cfg.lr
+        );
+    }
     if let Some(path) = &cfg.resume {
-        let (dir, manifest) = crate::local::check_resume(path, &cfg)?;
+        let global = TrainConfig {
+            batch_size: cfg.batch_size * replicas,
+            ..cfg.clone()
+        };
+        let (dir, manifest) = crate::local::check_resume(path, &global)?;
         eprintln!(
             "resuming from {} at step {} (written by {} on {} node(s))",
             dir.display(),
@@ -297,6 +360,8 @@ pub fn plan(
         defer_weight_grads: args.defer_weight_grads.unwrap_or(true),
         in_flight: args.in_flight.unwrap_or(0),
         replica_every: args.stage_replicas.unwrap_or(0),
+        replicas,
+        ring: 0,
     };
     if job.replica_every > 0 {
         crate::ring::heal::check_replicas_fit(&job, &layers, &limits)?;

@@ -64,7 +64,7 @@ pub fn run_worker_with(
                 let (id, dy) = grads.pop_front().expect("next() saw a gradient");
                 node.backward(net, id, policy.backward_step(id), &dy)?;
                 if let Some(step) = policy.record(Action::Backward, id) {
-                    node.step(job, step);
+                    node.step(job, net, step)?;
                 }
             }
             None => match arrived.map_or_else(|| net.recv(timeout), Ok)? {
@@ -293,10 +293,16 @@ impl RingNode {
     }
 
     /// The optimizer step of mini-batch `step`.
-    fn step(&mut self, job: &RingJob, step: u64) {
+    fn step(&mut self, job: &RingJob, net: &mut dyn Transport, step: u64) -> Result<()> {
         let lr = job.lr_at(step);
+        // Rings of rings average the stage's gradients with its copies first (flushed
+        // schedules: one step per mini-batch, the same on every copy).
+        if job.replicas > 1 {
+            net.average_with_replicas(step, self.stage.grads_mut())?;
+        }
         let (stage, optimizer) = (&mut self.stage, &mut self.optimizer);
         self.clock.run(|| stage.step(optimizer, lr));
+        Ok(())
     }
 
     /// Handles an evaluation chunk, a checkpoint or the final report from the predecessor;
