@@ -687,7 +687,8 @@ fn plots(finished: &[Finished], rows: &[Row]) -> Result<Vec<(String, String, Str
         "accuracy_vs_time".into(),
         "Test accuracy against training time".into(),
         lines(
-            "training time (s)",
+            Axis::Auto("training time (s)"),
+            "test accuracy (%)",
             &first
                 .iter()
                 .map(|f| {
@@ -703,7 +704,8 @@ fn plots(finished: &[Finished], rows: &[Row]) -> Result<Vec<(String, String, Str
         "accuracy_vs_samples".into(),
         "Test accuracy against samples trained on".into(),
         lines(
-            "samples",
+            Axis::Linear("samples"),
+            "test accuracy (%)",
             &first
                 .iter()
                 .map(|f| {
@@ -816,7 +818,7 @@ fn plots(finished: &[Finished], rows: &[Row]) -> Result<Vec<(String, String, Str
         out.push((
             "scaling".into(),
             "Samples per second against nodes".into(),
-            lines("nodes", &by_strategy)?,
+            lines(Axis::Linear("nodes"), "samples/s", &by_strategy)?,
         ));
     }
     Ok(out)
@@ -842,8 +844,43 @@ fn plot_error<E: std::fmt::Debug>(e: E) -> anyhow::Error {
     anyhow::anyhow!("drawing a plot: {e:?}")
 }
 
+/// The x axis of a line chart.
+#[derive(Clone, Copy)]
+enum Axis<'a> {
+    /// Linear, with this label.
+    Linear(&'a str),
+    /// Logarithmic when the positive values span more than 20× (strategies whose runs take 20 s
+    /// and 500 s on one chart: on a linear axis the fast ones are a vertical line at 0), else
+    /// linear.
+    Auto(&'a str),
+}
+
 /// A line chart of `series` (label, points), y in percent or any unit.
-fn lines(x_label: &str, series: &[(String, Vec<(f64, f64)>)]) -> Result<String> {
+fn lines(x_axis: Axis<'_>, y_label: &str, series: &[(String, Vec<(f64, f64)>)]) -> Result<String> {
+    let positive = series
+        .iter()
+        .flat_map(|s| s.1.iter().map(|p| p.0))
+        .filter(|x| *x > 0.0);
+    let (low, high) = positive.fold((f64::MAX, 0.0f64), |(l, h), x| (l.min(x), h.max(x)));
+    let (x_label, log) = match x_axis {
+        Axis::Linear(label) => (label.to_string(), false),
+        Axis::Auto(label) if low < f64::MAX && high / low > 20.0 => {
+            (format!("{label}, log scale"), true)
+        }
+        Axis::Auto(label) => (label.to_string(), false),
+    };
+    // A log axis is drawn as log10 of the values, labelled with the values themselves.
+    let series: Vec<(String, Vec<(f64, f64)>)> = series
+        .iter()
+        .map(|(name, pts)| {
+            let pts = pts
+                .iter()
+                .filter(|p| !log || p.0 > 0.0)
+                .map(|&(x, y)| (if log { x.log10() } else { x }, y))
+                .collect();
+            (name.clone(), pts)
+        })
+        .collect();
     let points = series.iter().flat_map(|s| s.1.iter());
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
     for &(x, y) in points {
@@ -861,11 +898,28 @@ fn lines(x_label: &str, series: &[(String, Vec<(f64, f64)>)]) -> Result<String> 
             .margin(12)
             .x_label_area_size(40)
             .y_label_area_size(60)
-            .build_cartesian_2d(x0.min(0.0)..x1 * 1.02 + 1e-9, (y0 - pad)..(y1 + pad))
+            .build_cartesian_2d(
+                if log {
+                    x0 - 0.05..x1 + 0.05
+                } else {
+                    x0.min(0.0)..x1 * 1.02 + 1e-9
+                },
+                (y0 - pad)..(y1 + pad),
+            )
             .map_err(plot_error)?;
+        let shown = |v: &f64| {
+            let x = if log { 10f64.powf(*v) } else { *v };
+            if x >= 100.0 || x == x.round() {
+                format!("{x:.0}")
+            } else {
+                format!("{x:.1}")
+            }
+        };
         chart
             .configure_mesh()
             .x_desc(x_label)
+            .y_desc(y_label)
+            .x_label_formatter(&shown)
             .draw()
             .map_err(plot_error)?;
         for (i, (label, pts)) in series.iter().enumerate() {
@@ -966,7 +1020,8 @@ mod tests {
     #[test]
     fn plots_are_svg_documents() {
         let svg = lines(
-            "x",
+            Axis::Auto("x"),
+            "y",
             &[
                 ("a".into(), vec![(0.0, 1.0), (1.0, 2.0)]),
                 ("b".into(), vec![]),
