@@ -9,7 +9,8 @@
 #   MODE=replicas benches/soak.sh  # 4 nodes with --stage-replicas: a node killed at 1 and at 2
 #                                  # minutes (a ring of 4 can lose two), healed in place
 #
-# SEED (1), EPOCHS (100) and OUT (runs/soak-$MODE) are read from the environment.
+# SEED (1), EPOCHS (100), OUT (runs/soak-$MODE) and RINGTMP (the binary; default the one just
+# built — point it at a copy if you rebuild while the soak runs) come from the environment.
 set -eu
 cd "$(dirname "$0")/.."
 cargo build --release -p ringtmp-cli
@@ -17,6 +18,7 @@ MODE=${MODE:-restart}
 SEED=${SEED:-1}
 EPOCHS=${EPOCHS:-100}
 OUT=${OUT:-runs/soak-$MODE}
+RINGTMP=${RINGTMP:-target/release/ringtmp}
 case $MODE in
     restart)
         plan=$(awk -v seed="$SEED" 'BEGIN { srand(seed); for (i = 0; i < 10; i++) printf "%s%d:60000", (i ? "," : ""), 1 + int(rand() * 3) }')
@@ -31,7 +33,7 @@ esac
 echo "kills (rank:ms after the links are up; ',' separates attempts, '+' kills in one): $plan"
 start=$(date +%s.%N)
 # shellcheck disable=SC2086 # $survive holds two words on purpose
-target/release/ringtmp train --strategy ring --nodes 4 --model mlp --epochs "$EPOCHS" \
+"$RINGTMP" train --strategy ring --nodes 4 --model mlp --epochs "$EPOCHS" \
     --eval-every 0 $survive --crash-plan "$plan" --out "$OUT" --overwrite 2>&1 \
     | grep -E "launcher|final test|restart|ring: rank" | tee "$OUT.log"
 end=$(date +%s.%N)
