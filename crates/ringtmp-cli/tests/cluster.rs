@@ -1781,3 +1781,40 @@ fn rings_of_rings_run_on_local_nodes_and_refuse_what_cannot_work() {
         assert!(stderr(&output).contains(needle), "{}", stderr(&output));
     }
 }
+
+// A run resumed at its very end (a node died after the last step, before the summary, and the
+// restart found the final checkpoint) still evaluates: its summary says where the run ended.
+#[test]
+fn a_ring_resumed_at_its_end_reports_its_final_accuracy() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let args = [
+        "--strategy",
+        "ring",
+        "--dataset",
+        "digits",
+        "--model-file",
+        "examples/models/lenet-dropout.toml",
+        "--epochs",
+        "1",
+        "--checkpoint-every",
+        "100",
+    ];
+    let output = train_into(&args, &out);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let read = || -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap()
+    };
+    let first = read()["final_test_accuracy"].as_f64().unwrap();
+    let mut again = args.to_vec();
+    again.extend(["--resume", out.to_str().unwrap()]);
+    let output = train_into(&again, &out);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let summary = read();
+    assert_eq!(summary["samples"], 0, "nothing left to train: {summary}");
+    assert_eq!(
+        summary["final_test_accuracy"].as_f64(),
+        Some(first),
+        "{summary}"
+    );
+}

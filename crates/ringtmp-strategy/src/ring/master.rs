@@ -231,6 +231,33 @@ pub fn run_master_with(
             )?;
         }
     }
+    // A run resumed at its very end (a node died after the last step, before the summary) has
+    // trained nothing here: it still evaluates, so its summary says where the run ended.
+    if job.first_step() == job.spec.total_steps && job.ring == 0 && job.spec.total_steps > 0 {
+        let done = job.spec.total_steps;
+        let (accuracy, test_loss) = evaluate(
+            job,
+            setup.data,
+            &mut stage,
+            net,
+            done,
+            &mut clock.eval_bytes,
+            head.as_mut(),
+        )?;
+        recorder.eval(
+            done,
+            accuracy,
+            Some(test_loss),
+            train_seconds,
+            (time.now() - wall).as_secs_f64(),
+        )?;
+        on_event(&Event::Eval {
+            step: done,
+            epoch: (done - 1) / job.spec.steps_per_epoch,
+            accuracy,
+            loss: test_loss,
+        });
+    }
     // Collect every node's measurements around the ring.
     let mut own = node_summary(
         0,
