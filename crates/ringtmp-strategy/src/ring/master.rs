@@ -159,28 +159,19 @@ pub fn run_master_with(
         });
         // Rings of rings: the rings are identical, so the first evaluates and checkpoints.
         if job.ring == 0 && job.spec.eval_due(done) {
-            let (accuracy, test_loss) = evaluate(
+            let wall_seconds = (time.now() - wall).as_secs_f64();
+            let at = (done, train_seconds, wall_seconds);
+            evaluate_and_record(
                 job,
                 setup.data,
                 &mut stage,
-                net,
-                done,
-                &mut clock.eval_bytes,
                 head.as_mut(),
+                net,
+                &mut clock,
+                at,
+                &mut recorder,
+                on_event,
             )?;
-            recorder.eval(
-                done,
-                accuracy,
-                Some(test_loss),
-                train_seconds,
-                (time.now() - wall).as_secs_f64(),
-            )?;
-            on_event(&Event::Eval {
-                step: done,
-                epoch,
-                accuracy,
-                loss: test_loss,
-            });
         }
         if job.ring == 0 && job.checkpoint_due(done) {
             // Around the ring: each node writes its stage file and appends its entry; the
@@ -234,29 +225,19 @@ pub fn run_master_with(
     // A run resumed at its very end (a node died after the last step, before the summary) has
     // trained nothing here: it still evaluates, so its summary says where the run ended.
     if job.first_step() == job.spec.total_steps && job.ring == 0 && job.spec.total_steps > 0 {
-        let done = job.spec.total_steps;
-        let (accuracy, test_loss) = evaluate(
+        let wall_seconds = (time.now() - wall).as_secs_f64();
+        let at = (job.spec.total_steps, train_seconds, wall_seconds);
+        evaluate_and_record(
             job,
             setup.data,
             &mut stage,
-            net,
-            done,
-            &mut clock.eval_bytes,
             head.as_mut(),
+            net,
+            &mut clock,
+            at,
+            &mut recorder,
+            on_event,
         )?;
-        recorder.eval(
-            done,
-            accuracy,
-            Some(test_loss),
-            train_seconds,
-            (time.now() - wall).as_secs_f64(),
-        )?;
-        on_event(&Event::Eval {
-            step: done,
-            epoch: (done - 1) / job.spec.steps_per_epoch,
-            accuracy,
-            loss: test_loss,
-        });
     }
     // Collect every node's measurements around the ring.
     let mut own = node_summary(
@@ -318,6 +299,31 @@ pub fn run_master_with(
         stage,
         head: head.map(|h| h.stage),
     })
+}
+
+/// Evaluates the model after mini-batch `done` around the ring and records it: `at` is
+/// (`done`, training seconds, wall seconds).
+#[allow(clippy::too_many_arguments)]
+fn evaluate_and_record(
+    job: &RingJob,
+    data: &ringtmp_data::Dataset,
+    stage: &mut Stage,
+    head: Option<&mut MasterHead>,
+    net: &mut dyn Transport,
+    clock: &mut NodeClock,
+    (done, train_seconds, wall_seconds): (u64, f64, f64),
+    recorder: &mut RunRecorder,
+    on_event: &mut dyn FnMut(&Event),
+) -> Result<()> {
+    let (accuracy, test_loss) = evaluate(job, data, stage, net, done, &mut clock.eval_bytes, head)?;
+    recorder.eval(done, accuracy, Some(test_loss), train_seconds, wall_seconds)?;
+    on_event(&Event::Eval {
+        step: done,
+        epoch: (done - 1) / job.spec.steps_per_epoch,
+        accuracy,
+        loss: test_loss,
+    });
+    Ok(())
 }
 
 /// A replication round after mini-batch `done` (see `heal`): the master keeps its own snapshot,
