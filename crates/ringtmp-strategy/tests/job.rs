@@ -233,3 +233,46 @@ fn the_async_ring_defaults_to_less_momentum() {
     assert_eq!(momentum(Schedule::Async, false), 0.9, "the user's choice");
     assert_eq!(momentum(Schedule::OneFOneB, true), 0.9);
 }
+
+/// Issue 13.5: the stale parameter-server models lower SGD's default momentum with the number
+/// of workers (1 - W/10: 0.9 made the cnn diverge under asp and dssp); BSP and a user's
+/// choice keep theirs.
+#[test]
+fn stale_parameter_servers_default_to_less_momentum() {
+    use ringtmp_model::OptimizerConfig;
+    use ringtmp_strategy::param_server::plan::{PsOptions, stale_momentum};
+    let data = digits();
+    let momentum = |consistency: &str, nodes: u32, default_momentum: bool| {
+        let cfg = TrainConfig {
+            default_momentum,
+            optimizer: OptimizerConfig::Sgd {
+                momentum: 0.9,
+                weight_decay: 0.0,
+            },
+            ..config()
+        };
+        let options = ringtmp_strategy::StrategyOptions {
+            ps: PsOptions {
+                consistency: Some(consistency.into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let cluster = ringtmp_strategy::Cluster::local(nodes);
+        match Job::plan("ps", cfg, &options, &cluster, &data).unwrap() {
+            Job::Ps(job) => match job.spec.optimizer {
+                OptimizerConfig::Sgd { momentum, .. } => momentum,
+                OptimizerConfig::Adam { .. } => panic!("sgd"),
+            },
+            other => panic!("{other:?}"),
+        }
+    };
+    for consistency in ["asp", "ssp:3", "dssp:1:4"] {
+        assert!((momentum(consistency, 4, true) - 0.7).abs() < 1e-6, "{consistency}");
+        assert!((momentum(consistency, 6, true) - 0.5).abs() < 1e-6, "{consistency}");
+        assert_eq!(momentum(consistency, 4, false), 0.9, "the user's choice");
+    }
+    assert_eq!(momentum("bsp", 4, true), 0.9);
+    assert!((stale_momentum(1) - 0.9).abs() < 1e-6);
+    assert_eq!(stale_momentum(12), 0.0, "never negative");
+}
