@@ -16,6 +16,7 @@ mod node;
 mod plan;
 mod restart;
 mod run_dir;
+mod simulate;
 mod train;
 
 use std::process::ExitCode;
@@ -51,6 +52,9 @@ enum Command {
     Node(node::NodeArgs),
     /// Check connectivity and measure the links of a local ring of N node processes.
     Selftest(SelftestArgs),
+    /// Predict what `train` would do on a cluster this machine does not have: the strategies'
+    /// own code on a simulated network, compute priced by a cost model, tensors as sizes.
+    Simulate(simulate::SimulateArgs),
     /// Run several strategies one after the other on the same model, data and emulated cluster,
     /// and write a side-by-side report (`ringtmp compare --help`).
     #[command(disable_help_flag = true)]
@@ -139,6 +143,7 @@ fn main() -> ExitCode {
         Command::BenchTransport(a) => bench_transport::run(&a),
         Command::Selftest(a) => selftest(&a),
         Command::Compare { args } => compare::run(&args),
+        Command::Simulate(a) => simulate::run(&a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

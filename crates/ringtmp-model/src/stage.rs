@@ -119,8 +119,11 @@ impl Stage {
         }
         let total = *offsets.last().unwrap_or(&0);
         let mut params = vec![0.0; total];
-        for (i, l) in layers.iter().enumerate() {
-            l.init(&mut params[offsets[i]..offsets[i + 1]], seed);
+        if !ringtmp_meter::phantom() {
+            // (Phantom mode leaves the zeroed allocation untouched: the kernel maps it lazily.)
+            for (i, l) in layers.iter().enumerate() {
+                l.init(&mut params[offsets[i]..offsets[i + 1]], seed);
+            }
         }
         let n = layers.len();
         Self {
@@ -281,7 +284,7 @@ impl Stage {
         pass: &Pass,
         between: &mut dyn FnMut(),
     ) -> Result<&[f32]> {
-        check_len("stage input", rows * self.input_len(), x.len())?;
+        check_input("stage input", rows * self.input_len(), x.len())?;
         if self.in_flight.contains_key(&micro_batch) {
             return Err(Error::Config {
                 source_name: format!("stage at layer {}", self.first_layer()),
@@ -293,8 +296,7 @@ impl Stage {
         stash.aux.resize_with(self.layers.len(), Aux::default);
         stash.rows = rows;
         stash.weights = self.stash_weights.then(|| Arc::clone(&self.params));
-        set_len(&mut stash.acts[0], x.len());
-        stash.acts[0].copy_from_slice(x);
+        copy_input(&mut stash.acts[0], x, rows * self.input_len());
         run_forward(
             &self.layers,
             &self.offsets,
@@ -311,13 +313,12 @@ impl Stage {
 
     /// Evaluation forward (no stash, dropout off); returns `[rows, output_len]`.
     pub fn infer(&mut self, x: &[f32], rows: usize) -> Result<&[f32]> {
-        check_len("stage input", rows * self.input_len(), x.len())?;
+        check_input("stage input", rows * self.input_len(), x.len())?;
         let eval = &mut self.eval;
         eval.acts.resize_with(self.layers.len() + 1, Vec::new);
         eval.aux.resize_with(self.layers.len(), Aux::default);
         eval.rows = rows;
-        set_len(&mut eval.acts[0], x.len());
-        eval.acts[0].copy_from_slice(x);
+        copy_input(&mut eval.acts[0], x, rows * self.layers[0].input.numel());
         run_forward(
             &self.layers,
             &self.offsets,
@@ -367,7 +368,7 @@ impl Stage {
                 micro_batch,
             });
         };
-        check_len("output gradient", stash.rows * self.output_len(), dy.len())?;
+        check_input("output gradient", stash.rows * self.output_len(), dy.len())?;
         let mut stash = self.in_flight.remove(&micro_batch).expect("checked above");
         let rows = stash.rows;
         // The weights this micro-batch's forward used (stashed), or the current ones.
@@ -376,12 +377,21 @@ impl Stage {
             .take()
             .unwrap_or_else(|| Arc::clone(&self.params));
         let last = self.layers.len() - 1;
+        let phantom = ringtmp_meter::phantom();
         for i in (0..self.layers.len()).rev() {
             if i < last {
                 let offset = self.offsets[i + 1];
                 done(offset, &self.grads[offset..]);
             }
             let want_dx = i > 0 || self.input_grad;
+            ringtmp_meter::layer(self.layers[i].index, ringtmp_meter::Pass::Backward, rows);
+            if phantom {
+                if want_dx {
+                    set_len(&mut self.input_grads[i], rows * self.layers[i].input.numel());
+                }
+                self.grads_written[i] = true;
+                continue;
+            }
             let (this, later) = self.input_grads.split_at_mut(i + 1);
             let upstream = if i == last { dy } else { &later[0] };
             let range = self.offsets[i]..self.offsets[i + 1];
@@ -487,6 +497,10 @@ impl Stage {
     }
 
     fn materialise_grads(&mut self) {
+        if ringtmp_meter::phantom() {
+            // Phantom backward passes (sizes only) defer nothing.
+            return;
+        }
         if let Some(deferred) = self.deferred.as_mut() {
             for (i, pending) in deferred.iter_mut().enumerate() {
                 if pending.rows == 0 {
@@ -526,9 +540,15 @@ fn run_forward(
     mut profile: Option<&mut [LayerTime]>,
     between: &mut dyn FnMut(),
 ) {
+    let phantom = ringtmp_meter::phantom();
     for (i, layer) in layers.iter().enumerate() {
         if i > 0 {
             between();
+        }
+        ringtmp_meter::layer(layer.index, ringtmp_meter::Pass::Forward, stash.rows);
+        if phantom {
+            set_len(&mut stash.acts[i + 1], stash.rows * layer.output.numel());
+            continue;
         }
         let started = profile.is_some().then(std::time::Instant::now);
         let (done, rest) = stash.acts.split_at_mut(i + 1);
@@ -544,6 +564,24 @@ fn run_forward(
         if let (Some(t), Some(p)) = (started, profile.as_deref_mut()) {
             p[i].forward_seconds += t.elapsed().as_secs_f64();
         }
+    }
+}
+
+/// [`check_len`] of an input that may come from the wire: in phantom mode (sizes only), a
+/// payload that never carried values arrives empty.
+fn check_input(what: &'static str, expected: usize, got: usize) -> Result<()> {
+    if got == 0 && ringtmp_meter::phantom() {
+        return Ok(());
+    }
+    check_len(what, expected, got)
+}
+
+/// Copies a checked input into a stage buffer of `len` values (left as zeros for a phantom's
+/// empty input).
+fn copy_input(to: &mut Vec<f32>, x: &[f32], len: usize) {
+    set_len(to, len);
+    if x.len() == len {
+        to.copy_from_slice(x);
     }
 }
 

@@ -17,6 +17,8 @@
 //! - [`param_server`]: the parameter server's consistency models (in progress).
 //! - [`ring`]: RingTMP, ring-pipelined model parallelism.
 //! - [`selftest`]: connectivity and link measurements on a ring of nodes.
+//! - [`simulate`]: the strategies on the simulated network with compute priced by a cost model
+//!   and tensors as sizes (`ringtmp simulate`).
 
 pub mod allreduce;
 pub mod config;
@@ -29,6 +31,7 @@ pub mod param_server;
 pub mod recorder;
 pub mod ring;
 pub mod selftest;
+pub mod simulate;
 mod spec;
 
 pub use config::{DEFAULT_RECV_TIMEOUT_SECS, TrainConfig};

@@ -38,7 +38,7 @@ use crate::pool::BufferPool;
 use crate::transport::{Clock, Transport};
 
 /// How much virtual time compute takes.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub enum ComputeCost {
     /// None: only the network takes time.
     Zero,
@@ -46,6 +46,27 @@ pub enum ComputeCost {
     Fixed(Duration),
     /// The time it took on this machine (realistic, not reproducible).
     Measured,
+    /// What a cost model says the work recorded since the last accounted call
+    /// ([`ringtmp_meter::take`]) takes (deterministic; works in phantom mode, where nothing is
+    /// computed to measure).
+    Priced(Arc<dyn Pricing>),
+}
+
+impl PartialEq for ComputeCost {
+    fn eq(&self, other: &Self) -> bool {
+        match (self, other) {
+            (Self::Zero, Self::Zero) | (Self::Measured, Self::Measured) => true,
+            (Self::Fixed(a), Self::Fixed(b)) => a == b,
+            (Self::Priced(a), Self::Priced(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+}
+
+/// A cost model: the virtual time some recorded work takes on a node of speed 1.
+pub trait Pricing: Send + Sync + std::fmt::Debug {
+    /// What `work` costs.
+    fn price(&self, work: &ringtmp_meter::Work) -> Duration;
 }
 
 /// Something that goes wrong at a chosen virtual time.
@@ -103,6 +124,11 @@ pub struct SimConfig {
     pub faults: Vec<Fault>,
     /// No node runs past this virtual time: one that would is ended with an error.
     pub time_limit: Duration,
+    /// Runs every node's thread in phantom mode (`ringtmp_meter`): sizes only, no arithmetic;
+    /// use with [`ComputeCost::Priced`].
+    pub phantom: bool,
+    /// In phantom mode, tensors up to this many values keep them (`ringtmp_meter::elides`).
+    pub phantom_inline_values: usize,
 }
 
 impl SimConfig {
@@ -120,6 +146,8 @@ impl SimConfig {
             peer_timeout: Duration::from_secs(5),
             faults: Vec::new(),
             time_limit: Duration::from_secs(3600),
+            phantom: false,
+            phantom_inline_values: ringtmp_meter::DEFAULT_INLINE_VALUES,
         }
     }
 }
@@ -293,9 +321,17 @@ impl SimNetwork {
                 .map(|r| {
                     let node = self.node(r);
                     let body = &body;
+                    let (phantom, inline) = {
+                        let st = lock(&self.shared);
+                        (st.cfg.phantom, st.cfg.phantom_inline_values)
+                    };
                     std::thread::Builder::new()
                         .name(format!("sim-node-{r}"))
-                        .spawn_scoped(scope, move || body(node))
+                        .spawn_scoped(scope, move || {
+                            ringtmp_meter::set_phantom(phantom, inline);
+                            ringtmp_meter::take();
+                            body(node)
+                        })
                         .expect("spawning a simulated node's thread")
                 })
                 .collect();
@@ -379,7 +415,8 @@ impl State {
 
     /// Puts `message` on the wire from `from` to `to` at `from`'s current time.
     fn transmit(&mut self, from: u32, to: u32, message: Message) {
-        let bytes = ringtmp_wire::frame::encoded_len(&message) as u64;
+        // Declared, not held: a phantom tensor carries no values but costs its size.
+        let bytes = ringtmp_wire::frame::declared_len(&message) as u64;
         let now = self.now[from as usize];
         let bandwidth = self
             .cfg
@@ -634,8 +671,12 @@ impl SimNode {
         if let Event::Message(from, m) = &event
             && let Some(s) = st.stats[r].get_mut(from)
         {
-            s.bytes_received += ringtmp_wire::frame::encoded_len(m) as u64;
+            s.bytes_received += ringtmp_wire::frame::declared_len(m) as u64;
             s.messages_received += 1;
+        }
+        if let Event::Message(_, Message::Tensor(h, _)) = &event {
+            // Decoding and combining it (sum, average, copy into a buffer): one pass.
+            ringtmp_meter::elementwise(h.elements().unwrap_or(0) as usize);
         }
         Some(event)
     }
@@ -755,6 +796,10 @@ impl Transport for SimNode {
             audit
                 .borrow_mut()
                 .push(crate::network::SentRecord::of(to, &message));
+        }
+        if let Message::Tensor(h, _) = &message {
+            // Encoding it: one pass over its values.
+            ringtmp_meter::elementwise(h.elements().unwrap_or(0) as usize);
         }
         st.transmit(self.rank, to, message);
         Ok(())
@@ -909,10 +954,12 @@ impl Clock for SimClock {
             }
             st = self.shared.turn.wait(st).unwrap_or_else(|e| e.into_inner());
         }
-        let base = match st.cfg.compute {
+        let work = ringtmp_meter::take();
+        let base = match &st.cfg.compute {
             ComputeCost::Zero => Duration::ZERO,
-            ComputeCost::Fixed(d) => d,
+            ComputeCost::Fixed(d) => *d,
             ComputeCost::Measured => measured,
+            ComputeCost::Priced(model) => model.price(&work),
         };
         let speed = (speed * st.speed(self.rank)).clamp(1e-6, 1.0e6);
         let cost = base.div_f64(speed);

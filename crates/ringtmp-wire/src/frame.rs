@@ -52,6 +52,24 @@ pub fn encoded_len(message: &Message) -> usize {
     }
 }
 
+/// [`encoded_len`] with a tensor's payload counted at the size its header declares (its
+/// elements × the element size) rather than the bytes it holds: what a phantom tensor (the
+/// simulator's sizes-only mode, which carries no values) would take on a real link. The two
+/// agree for every tensor that decoded from a frame.
+pub fn declared_len(message: &Message) -> usize {
+    match message {
+        Message::Control(_) => encoded_len(message),
+        Message::Tensor(h, payload) => {
+            let declared = h
+                .elements()
+                .and_then(|n| n.checked_mul(h.dtype.size()))
+                .and_then(|n| usize::try_from(n).ok())
+                .unwrap_or(usize::MAX);
+            (encoded_len(message) - payload.len()).saturating_add(declared)
+        }
+    }
+}
+
 /// Appends the encoding of `message` to `out`.
 pub fn encode(message: &Message, out: &mut Vec<u8>) {
     match message {

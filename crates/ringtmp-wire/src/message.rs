@@ -238,7 +238,14 @@ pub enum Message {
 
 /// Appends the little-endian bytes of `values` as `dtype` to `out` (e.g. a recycled buffer),
 /// converting from f32; f16 and bf16 round to nearest even.
+///
+/// In phantom mode (the simulator's sizes-only runs) a large tensor appends nothing
+/// ([`ringtmp_meter::elides`]): it travels as its header, and the simulated network charges the
+/// size the header declares.
 pub fn tensor_bytes_into(values: &[f32], dtype: Dtype, out: &mut Vec<u8>) {
+    if ringtmp_meter::elides(values.len()) {
+        return;
+    }
     out.reserve(values.len() * dtype.size() as usize);
     match dtype {
         // One memcpy where the machine is little-endian (the wire order); a byte-wise collect
@@ -295,7 +302,11 @@ pub fn tensor_view<'a>(bytes: &'a [u8], dtype: Dtype, scratch: &'a mut Vec<f32>)
 ///
 /// # Panics
 /// If `out` does not hold `bytes.len() / dtype.size()` elements: a caller bug, not peer input.
+/// In phantom mode an empty payload (one that never carried values) leaves `out` as it is.
 pub fn tensor_values_into(bytes: &[u8], dtype: Dtype, out: &mut [f32]) {
+    if bytes.is_empty() && ringtmp_meter::phantom() {
+        return;
+    }
     assert_eq!(
         out.len() as u64 * dtype.size(),
         bytes.len() as u64,

@@ -183,7 +183,7 @@ impl Worker<'_> {
         match message {
             Message::Tensor(h, bytes)
                 if h.tag == TensorTag::Params
-                    && super::holds(&bytes, self.model.len(), h.dtype) =>
+                    && super::holds(&h, self.model.len()) =>
             {
                 tensor_values(&bytes, h.dtype, &mut self.received);
                 net.buffers().give(bytes);
@@ -447,7 +447,7 @@ pub fn run_worker(
                         if h.tag == TensorTag::Params
                             && h.micro_batch == AVERAGE
                             && h.step == iterations
-                            && super::holds(&bytes, me.model.len(), h.dtype) =>
+                            && super::holds(&h, me.model.len()) =>
                     {
                         tensor_values(&bytes, h.dtype, &mut me.received);
                         net.buffers().give(bytes);

@@ -123,7 +123,7 @@ fn gather_models(
                     if h.tag == TensorTag::Params
                         && h.micro_batch == TO_RANK0
                         && h.step == done
-                        && super::holds(&bytes, params.len(), h.dtype) =>
+                        && super::holds(&h, params.len()) =>
                 {
                     tensor_values(&bytes, h.dtype, &mut values);
                     net.buffers().give(bytes);
@@ -231,7 +231,7 @@ pub fn run_worker_from(
                     Ok(Message::Tensor(h, bytes))
                         if h.tag == TensorTag::Params
                             && h.step == step
-                            && super::holds(&bytes, stage.params().len(), h.dtype) =>
+                            && super::holds(&h, stage.params().len()) =>
                     {
                         // Buffers are reused from step to step.
                         if received.len() == heard {

@@ -190,9 +190,10 @@ pub(crate) fn model_message(
     ringtmp_wire::Message::Tensor(header, payload)
 }
 
-/// Whether `bytes` hold `len` values of `dtype` (a model of the expected size).
-pub(crate) fn holds(bytes: &[u8], len: usize, dtype: ringtmp_wire::Dtype) -> bool {
-    bytes.len() as u64 == len as u64 * dtype.size()
+/// Whether a tensor is a model of `len` values: its header's count (checked against the payload
+/// when the frame was decoded; a phantom run's payload carries no values).
+pub(crate) fn holds(header: &ringtmp_wire::TensorHeader, len: usize) -> bool {
+    header.elements() == Some(len as u64)
 }
 
 #[cfg(test)]

@@ -255,7 +255,9 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
                 )?;
             }
             Message::Tensor(h, bytes) if h.tag == TensorTag::ParamGrads => {
-                let count = bytes.len() as u64 / h.dtype.size();
+                // The header's count (checked against the payload when the frame was decoded;
+                // a phantom run's payload carries no values).
+                let count = h.elements().unwrap_or(u64::MAX);
                 if count != params.len() as u64 {
                     return Err(Error::Config(format!(
                         "server {s}: gradient of {count} values from rank {from}, shard has {}",
@@ -442,7 +444,10 @@ impl BspSum {
         if self.awaited_pushed.is_empty() || self.awaited_pushed.len() < live {
             return false;
         }
-        self.sum.fill(0.0);
+        let phantom = ringtmp_meter::phantom();
+        if !phantom {
+            self.sum.fill(0.0);
+        }
         let mut contributions = 0;
         for (payload, dtype) in self.pushed.iter_mut().filter_map(Option::take) {
             let grads = tensor_view(&payload, dtype, &mut self.scratch);
@@ -453,7 +458,9 @@ impl BspSum {
             buffers.give(payload);
         }
         let mean = 1.0 / contributions as f32;
-        self.sum.iter_mut().for_each(|v| *v *= mean);
+        if !phantom {
+            self.sum.iter_mut().for_each(|v| *v *= mean);
+        }
         optimizer.step(params, &self.sum, self.lr, 1);
         self.awaited_pushed.clear();
         true
@@ -653,7 +660,7 @@ pub fn run_worker(
                     if s == 0 {
                         unit = h.micro_batch;
                     }
-                    let values = bytes.len() as u64 / h.dtype.size();
+                    let values = h.elements().unwrap_or(u64::MAX);
                     if values != range.len() as u64 {
                         return Err(Error::Config(format!(
                             "worker {w}: shard of {values} values from server {s}, expected {}",

@@ -255,7 +255,9 @@ impl RingNode {
             .clock
             .run(|| stage.backward(id, dy).map(|d| d.map(<[f32]>::to_vec)))?;
         let dx = dx.expect("input gradients are on for non-master stages");
-        let rows = dy.len() / self.stage.output_len().max(1);
+        // From the input gradient, which the stage sizes itself: a phantom run's `dy` (sizes
+        // only, `ringtmp_meter`) may have arrived empty.
+        let rows = dx.len() / self.stage.input_len().max(1);
         net.send(
             self.pred,
             tensor(TensorTag::Gradient, header_step, id, rows, &dx, self.wire),

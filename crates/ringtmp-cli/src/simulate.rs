@@ -1,0 +1,256 @@
+//! `ringtmp simulate`: what `ringtmp train` would do on a cluster this machine does not have.
+//! The same options plan the same job; its nodes then run the strategy's own code on the
+//! simulated network (`ringtmp_strategy::simulate`), with compute priced by a cost model measured
+//! here (or read from a file measured on another machine) and tensors carried as sizes. Prints
+//! the inputs, the assumptions and what `train` reports — samples/s, time per epoch, bytes per
+//! node and link, compute and idle per node, the memory each node's model state needs — and
+//! writes them to the run directory (`summary.json`, `simulation.json`).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Result;
+use ringtmp_strategy::Job;
+use ringtmp_strategy::simulate::{ASSUMPTIONS, CostModel, Simulated, priced, simulate};
+
+use crate::args::TrainArgs;
+use crate::error::UsageError;
+use crate::plan::{load_dataset, plan};
+
+/// `ringtmp simulate` options: `train`'s, and where the cost model comes from.
+#[derive(clap::Args, Clone, Debug)]
+pub struct SimulateArgs {
+    /// The run to simulate, as `ringtmp train` takes it (`--nodes` may exceed this machine).
+    #[command(flatten)]
+    pub train: TrainArgs,
+    /// Cost model measured on another machine (`--save-cost-model` there) [default: measure
+    /// this machine's].
+    #[arg(long, value_name = "FILE")]
+    pub cost_model: Option<PathBuf>,
+    /// Writes the cost model used to FILE (to simulate this machine's nodes elsewhere).
+    #[arg(long, value_name = "FILE")]
+    pub save_cost_model: Option<PathBuf>,
+    /// Compute for real on the simulated network instead of sizes only (slow; checks that a
+    /// sizes-only run takes the same time and bytes).
+    #[arg(long)]
+    pub compute: bool,
+}
+
+/// `ringtmp simulate`.
+pub fn run(args: &SimulateArgs) -> Result<()> {
+    let train = args.train.merged()?;
+    if train.strategy() == "local" {
+        return Err(UsageError(
+            "ringtmp simulate needs a distributed --strategy (ring, ps, allreduce, dpsgd, adpsgd)"
+                .into(),
+        )
+        .into());
+    }
+    for (flag, given) in [
+        ("--checkpoint-every", train.checkpoint_every.is_some()),
+        ("--resume", train.resume.is_some()),
+        ("--max-restarts", train.max_restarts.is_some()),
+        ("--pin", train.pin.is_some()),
+        ("--node-memory-limit", train.node_memory_limit.is_some()),
+    ] {
+        if given {
+            return Err(UsageError(format!(
+                "{flag} does not apply to a simulated run (its nodes hold sizes, not values)"
+            ))
+            .into());
+        }
+    }
+    let nodes = train.nodes.unwrap_or(4);
+    // A simulated node has its own cores: one thread each unless told otherwise (the cost
+    // model is measured with the same count).
+    let mut train = train;
+    train.threads = Some(train.threads.unwrap_or(1));
+    let data = load_dataset(&train, true)?;
+    let mut cfg = train.resolve(data.classes)?;
+    if train.out.is_none() {
+        cfg.out = PathBuf::from(format!("runs/simulate-{}-n{nodes}", train.strategy()));
+    }
+    crate::run_dir::prepare(&cfg.out, None, train.overwrite.unwrap_or(false))?;
+    let job = plan(&train, cfg, &data, nodes)?;
+    let spec = job.spec();
+    let layers = spec.layers()?;
+    let threads = spec.config.threads.max(1);
+    let rows = match &job {
+        Job::Ring(j) => spec.config.batch_size.div_ceil(j.micro_batches.max(1)),
+        _ => spec.config.batch_size,
+    };
+    let costs = match &args.cost_model {
+        Some(path) => {
+            let costs = CostModel::load(path)?;
+            costs.check_fits(&spec.config.model.name, &layers)?;
+            costs
+        }
+        None => {
+            eprintln!(
+                "measuring the cost model: {} layers of {} at {rows} rows, {threads} thread(s)",
+                layers.len(),
+                spec.config.model.name
+            );
+            crate::plan::init_threads(threads)?;
+            CostModel::measure(
+                &spec.config.model.name,
+                &layers,
+                &spec.config.optimizer,
+                rows,
+                threads,
+                5,
+            )
+        }
+    };
+    if let Some(path) = &args.save_cost_model {
+        costs.save(path)?;
+        eprintln!("cost model written to {}", path.display());
+    }
+    let mut sim = priced(spec.config.seed, costs.clone(), !args.compute);
+    let links = train.node_links(nodes)?;
+    sim.latency = Duration::from_secs_f64(links[0].1 / 1e3);
+    if links.iter().any(|l| *l != links[0]) {
+        eprintln!(
+            "note: the simulated network gives every link the same latency ({} ms); per-node \
+             bandwidths from --link are kept",
+            links[0].1
+        );
+    }
+    for (rank, (mbit, _)) in links.iter().enumerate() {
+        if let Some(mbit) = mbit {
+            sim.node_bandwidth_bps
+                .insert(rank as u32, (mbit * 1e6).round() as u64);
+        }
+    }
+    let quotas = crate::cgroup::parse_node_cpu(train.node_cpu.as_deref().unwrap_or_default(), nodes)?;
+    for (rank, quota) in quotas.iter().enumerate() {
+        if let Some(cores) = quota {
+            // A quota of `cores` cores for a node whose cost model ran on `threads` of them.
+            sim.node_speed
+                .insert(rank as u32, (cores / threads as f64).min(1.0));
+        }
+    }
+    sim.peer_timeout = spec.recv_timeout();
+    sim.time_limit = Duration::from_secs(30 * 24 * 3600);
+    print_inputs(&costs, &sim, nodes, &job);
+    let ran = simulate(&job, nodes, &data, sim.clone())?;
+    print_results(&ran, &job, nodes);
+    let record = serde_json::json!({
+        "nodes": nodes,
+        "strategy": job.name(),
+        "phantom": !args.compute,
+        "assumptions": ASSUMPTIONS,
+        "cost_model": costs,
+        "latency_seconds": sim.latency.as_secs_f64(),
+        "node_bandwidth_bps": sim.node_bandwidth_bps,
+        "node_speed": sim.node_speed,
+        "virtual_seconds": ran.virtual_seconds,
+        "wall_seconds": ran.wall_seconds,
+        "messages": ran.messages,
+        "samples_per_second": ran.summary.samples_per_second,
+        "train_seconds": ran.summary.train_seconds,
+        "total_bytes_sent": ran.summary.total_bytes_sent,
+    });
+    let path = job.spec().config.out.join("simulation.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&record)? + "\n")
+        .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    println!("written: {} and summary.json beside it", path.display());
+    Ok(())
+}
+
+fn print_inputs(costs: &CostModel, sim: &ringtmp_transport::sim::SimConfig, nodes: u32, job: &Job) {
+    let spec = job.spec();
+    let pass_ms = costs.step_seconds(costs.rows, 0) * 1e3;
+    println!(
+        "simulating {} on {nodes} nodes ({}): model {}, batch {}, {} step(s)",
+        job.name(),
+        if sim.phantom { "sizes only" } else { "computing" },
+        spec.config.model.name,
+        spec.config.batch_size,
+        spec.total_steps
+    );
+    println!(
+        "cost model: {} ({} thread(s)): forward + backward of the whole model {pass_ms:.2} ms \
+         per {} rows; update {:.2} ns/parameter; element-wise {:.3} ns/value",
+        costs.machine,
+        costs.threads,
+        costs.rows,
+        costs.update_seconds_per_param * 1e9,
+        costs.elementwise_seconds_per_value * 1e9
+    );
+    let bandwidths: std::collections::BTreeSet<u64> =
+        sim.node_bandwidth_bps.values().copied().collect();
+    println!(
+        "network: {} per node, {} ms one-way latency; node speeds {}",
+        match bandwidths.len() {
+            0 => "unlimited bandwidth".to_string(),
+            1 => format!("{} Mbit/s", bandwidths.first().copied().unwrap_or(0) as f64 / 1e6),
+            _ => "per-node bandwidths (--link)".to_string(),
+        },
+        sim.latency.as_secs_f64() * 1e3,
+        if sim.node_speed.is_empty() {
+            "1 (as measured)".to_string()
+        } else {
+            format!("{:?}", sim.node_speed)
+        }
+    );
+    println!("assumes: {ASSUMPTIONS}");
+}
+
+fn print_results(ran: &Simulated, job: &Job, nodes: u32) {
+    let s = &ran.summary;
+    let spec = job.spec();
+    let epoch_samples = spec.steps_per_epoch as f64
+        * (s.samples as f64 / s.steps.max(1) as f64);
+    println!(
+        "simulated: {:.0} samples/s; {:.1} s of training for {} samples ({} steps); an epoch \
+         ({:.0} samples) would take {:.1} s",
+        s.samples_per_second,
+        s.train_seconds,
+        s.samples,
+        s.steps,
+        epoch_samples,
+        epoch_samples / s.samples_per_second.max(f64::MIN_POSITIVE)
+    );
+    println!(
+        "bytes sent {} ({:.0} per sample); {:.1} s of virtual time in {:.1} s on this machine, \
+         {} messages",
+        s.total_bytes_sent, s.bytes_per_sample, ran.virtual_seconds, ran.wall_seconds, ran.messages
+    );
+    println!(
+        "{:>5} {:<7} {:>11} {:>11} {:>11} {:>9} {:>9} {:>7}",
+        "rank", "role", "params", "state MB", "sent", "compute", "idle", "bubble"
+    );
+    let shown: Vec<&ringtmp_metrics::NodeSummary> = if nodes <= 16 {
+        s.per_node.iter().collect()
+    } else {
+        // First and last few of a large cluster; the rest is in summary.json.
+        let n = s.per_node.len();
+        s.per_node
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i < 4 || *i + 4 >= n)
+            .map(|(_, p)| p)
+            .collect()
+    };
+    for n in shown {
+        println!(
+            "{:>5} {:<7} {:>11} {:>11.1} {:>11} {:>8.2}s {:>8.2}s {:>6.1}%",
+            n.rank,
+            n.role,
+            n.params,
+            (n.param_bytes + n.optimizer_bytes + n.peak_stash_bytes) as f64 / 1e6,
+            n.bytes_sent,
+            n.compute_seconds,
+            n.idle_seconds,
+            n.bubble_fraction * 100.0
+        );
+    }
+    if nodes > 16 {
+        println!("  … {} nodes in all (every one in summary.json)", s.per_node.len());
+    }
+    println!(
+        "state MB: parameters, optimizer state and stashed activations a node must hold \
+         (its process needs more). accuracy is not simulated."
+    );
+}

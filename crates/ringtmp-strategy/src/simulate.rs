@@ -1,0 +1,310 @@
+//! `ringtmp simulate`: every strategy's own protocol code on the simulated network, with compute
+//! priced by a cost model and tensors carried as sizes (phantom mode), so that clusters far
+//! larger than this machine run in seconds to minutes.
+//!
+//! - [`CostModel`]: per layer, forward and backward seconds per row; optimizer seconds per
+//!   parameter; element-wise seconds per float. Measured on this machine
+//!   ([`CostModel::measure`]) or read from a file measured on another (JSON,
+//!   `ringtmp simulate --save-cost-model`).
+//! - [`simulate`]: runs a planned [`Job`] on a [`SimNetwork`] whose virtual clocks price the work
+//!   each node's kernels record (`ringtmp_meter`) at every point where the strategy accounts for
+//!   its compute, and returns the summary the run writes, as `ringtmp train` does.
+//!
+//! What the simulation assumes (printed with every result by the CLI, see [`ASSUMPTIONS`]):
+//! a layer's pass costs its profiled time per row times the rows it runs (the profile is taken
+//! at the job's micro-batch); the loss, data loading and bookkeeping cost nothing; encoding or
+//! decoding a tensor costs one element-wise pass; each node owns its compute threads (no two
+//! simulated nodes share a core); links are the simulated network's (one egress budget per
+//! node, latency per message, TCP's per-link order), not TCP's congestion control.
+//! Accuracy is not simulated: phantom runs compute no values.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ringtmp_data::Dataset;
+use ringtmp_meter::Work;
+use ringtmp_metrics::Summary;
+use ringtmp_model::{Layer, Optimizer, OptimizerConfig, Pass, Stage};
+use ringtmp_transport::Transport;
+use ringtmp_transport::sim::{ComputeCost, Pricing, SimConfig, SimNetwork};
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Error, Result};
+use crate::job::{Job, NodeCx};
+
+/// What a simulation assumes; printed with its results.
+pub const ASSUMPTIONS: &str = "compute: each layer pass costs its profiled time per row × rows \
+(profiled at the job's micro-batch on the cost model's machine, divided by the node's speed); \
+optimizer steps per parameter and tensor encode/decode per value likewise; the loss, data \
+loading and bookkeeping are free; every node has its own cores. network: one egress budget per \
+node (--bandwidth-mbit), latency per message (--latency-ms), per-link FIFO, no TCP congestion \
+control. accuracy: not simulated (tensors carry sizes only)";
+
+/// Per-unit compute costs of one model on one machine (a node of speed 1).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CostModel {
+    /// Where it was measured (`lscpu`'s model name, or what the file says).
+    pub machine: String,
+    /// The model's name.
+    pub model: String,
+    /// Rows per pass it was profiled at.
+    pub rows: usize,
+    /// Compute threads it was profiled with.
+    pub threads: usize,
+    /// Per layer, forward seconds per row.
+    pub forward_seconds_per_row: Vec<f64>,
+    /// Per layer, backward seconds per row (input and weight gradients).
+    pub backward_seconds_per_row: Vec<f64>,
+    /// Optimizer seconds per parameter updated.
+    pub update_seconds_per_param: f64,
+    /// Seconds per value of an element-wise pass (sum, average, encode, decode).
+    pub elementwise_seconds_per_value: f64,
+}
+
+impl Pricing for CostModel {
+    fn price(&self, work: &Work) -> Duration {
+        let layers = |rows: &[u64], per_row: &[f64]| -> f64 {
+            rows.iter()
+                .zip(per_row)
+                .map(|(r, s)| *r as f64 * s)
+                .sum::<f64>()
+        };
+        let seconds = layers(&work.forward_rows, &self.forward_seconds_per_row)
+            + layers(&work.backward_rows, &self.backward_seconds_per_row)
+            + work.updated_params as f64 * self.update_seconds_per_param
+            + work.elementwise as f64 * self.elementwise_seconds_per_value;
+        Duration::from_secs_f64(seconds.max(0.0))
+    }
+}
+
+impl CostModel {
+    /// Times every layer's forward and backward on `rows` rows with `threads` threads (median of
+    /// `repeats` runs after a warm-up; one layer at a time, so the whole model is never held),
+    /// an optimizer step and an element-wise pass.
+    pub fn measure(
+        model: &str,
+        layers: &[Layer],
+        optimizer: &OptimizerConfig,
+        rows: usize,
+        threads: usize,
+        repeats: usize,
+    ) -> Self {
+        let rows = rows.max(1);
+        let repeats = repeats.max(1);
+        let median = |mut v: Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v[v.len() / 2]
+        };
+        let pass = Pass {
+            train: true,
+            seed: 0,
+            step: 0,
+            row_offset: 0,
+        };
+        let (mut forward, mut backward) = (Vec::new(), Vec::new());
+        for (i, layer) in layers.iter().enumerate() {
+            let mut stage = Stage::new(layers, i..i + 1, 0, threads);
+            stage.set_input_grad(i > 0);
+            let x: Vec<f32> = (0..rows * layer.input.numel())
+                .map(|k| ((k * 7919) % 17) as f32 / 17.0 - 0.5)
+                .collect();
+            let dy = vec![0.01f32; rows * layer.output.numel()];
+            let (mut f, mut b) = (Vec::new(), Vec::new());
+            for rep in 0..=repeats {
+                let t = Instant::now();
+                let _ = stage.forward(rep as u64, &x, rows, &pass);
+                let mid = Instant::now();
+                let _ = stage.backward(rep as u64, &dy);
+                if rep > 0 {
+                    f.push((mid - t).as_secs_f64());
+                    b.push(mid.elapsed().as_secs_f64());
+                }
+                stage.zero_grad();
+            }
+            forward.push(median(f) / rows as f64);
+            backward.push(median(b) / rows as f64);
+        }
+        // An update and an element-wise pass over 4 M values: past the caches, as the models'
+        // are.
+        let n = 1 << 22;
+        let mut params = vec![0.5f32; n];
+        let grads = vec![0.01f32; n];
+        let mut optim = Optimizer::new(optimizer.clone(), n);
+        let mut bytes = Vec::with_capacity(n * 4);
+        let (mut update, mut elementwise) = (Vec::new(), Vec::new());
+        for rep in 0..=repeats {
+            let t = Instant::now();
+            optim.step(&mut params, &grads, 1e-9, threads);
+            let mid = Instant::now();
+            bytes.clear();
+            ringtmp_wire::message::tensor_bytes_into(&params, ringtmp_wire::Dtype::F32, &mut bytes);
+            ringtmp_wire::message::tensor_values_into(&bytes, ringtmp_wire::Dtype::F32, &mut params);
+            if rep > 0 {
+                update.push((mid - t).as_secs_f64());
+                // Two passes: an encode and a decode.
+                elementwise.push(mid.elapsed().as_secs_f64() / 2.0);
+            }
+        }
+        Self {
+            machine: machine_name(),
+            model: model.to_string(),
+            rows,
+            threads,
+            forward_seconds_per_row: forward,
+            backward_seconds_per_row: backward,
+            update_seconds_per_param: median(update) / n as f64,
+            elementwise_seconds_per_value: median(elementwise) / n as f64,
+        }
+    }
+
+    /// Reads a cost model written by [`CostModel::save`].
+    pub fn load(path: &Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::Config(format!("cost model {}: {e}", path.display())))?;
+        let model: Self = serde_json::from_str(&text)
+            .map_err(|e| Error::Config(format!("cost model {}: {e}", path.display())))?;
+        let finite = |v: f64| v.is_finite() && v >= 0.0;
+        if model.forward_seconds_per_row.len() != model.backward_seconds_per_row.len()
+            || !model
+                .forward_seconds_per_row
+                .iter()
+                .chain(&model.backward_seconds_per_row)
+                .all(|v| finite(*v))
+            || !finite(model.update_seconds_per_param)
+            || !finite(model.elementwise_seconds_per_value)
+        {
+            return Err(Error::Config(format!(
+                "cost model {}: per-layer costs must be two lists of equal length, and every \
+                 cost a finite number ≥ 0",
+                path.display()
+            )));
+        }
+        Ok(model)
+    }
+
+    /// Writes the cost model as JSON.
+    pub fn save(&self, path: &Path) -> Result<()> {
+        let text = serde_json::to_string_pretty(self).expect("plain data serialises");
+        std::fs::write(path, text + "\n")
+            .map_err(|e| Error::Config(format!("cost model {}: {e}", path.display())))
+    }
+
+    /// Checks that the cost model prices every layer of `layers`.
+    pub fn check_fits(&self, model: &str, layers: &[Layer]) -> Result<()> {
+        if self.forward_seconds_per_row.len() != layers.len() {
+            return Err(Error::Config(format!(
+                "the cost model is for {:?} ({} layers), but the model {model:?} has {} layers",
+                self.model,
+                self.forward_seconds_per_row.len(),
+                layers.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Seconds of one training pass (forward + backward) of `rows` rows through every layer, and
+    /// one update of `params` parameters.
+    pub fn step_seconds(&self, rows: usize, params: usize) -> f64 {
+        let per_row: f64 = self
+            .forward_seconds_per_row
+            .iter()
+            .chain(&self.backward_seconds_per_row)
+            .sum();
+        per_row * rows as f64 + params as f64 * self.update_seconds_per_param
+    }
+}
+
+/// The CPU's model name from `/proc/cpuinfo`, or `unknown`.
+pub fn machine_name() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, name)| name.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// What a simulation returns.
+#[derive(Debug)]
+pub struct Simulated {
+    /// The summary the run wrote (as `ringtmp train` writes it; accuracy is meaningless in
+    /// phantom runs).
+    pub summary: Summary,
+    /// Virtual time from the start to the last node's end.
+    pub virtual_seconds: f64,
+    /// Wall time the simulation took on this machine.
+    pub wall_seconds: f64,
+    /// Messages the simulated network carried.
+    pub messages: u64,
+}
+
+/// Runs `job` (planned for `world` nodes) on a simulated network configured by `sim` (links, node speeds, faults; its
+/// compute cost and phantom mode as given), every rank on its own thread through the
+/// strategy's own code; returns the summary the job's summary-writing rank returned.
+pub fn simulate(job: &Job, world: u32, data: &Dataset, sim: SimConfig) -> Result<Simulated> {
+    job.validate(world)?;
+    let links: Vec<BTreeSet<u32>> = (0..world).map(|r| job.neighbours(r, world)).collect();
+    let started = Instant::now();
+    let net = SimNetwork::new(sim, links);
+    let results = net.run(|mut node| {
+        let rank = node.rank();
+        let mut on_event = |_: &crate::Event| {};
+        let mut cx = NodeCx {
+            net: &mut node,
+            data: job.needs_data(rank).then_some(data),
+            on_event: &mut on_event,
+        };
+        let result = job.run(rank, &mut cx);
+        match result {
+            Ok(summary) => node
+                .close()
+                .map(|()| summary)
+                .map_err(|e| format!("rank {rank}: {e}")),
+            Err(e) => {
+                let text = format!("rank {rank}: {e}");
+                node.abort(&text);
+                Err(text)
+            }
+        }
+    });
+    let mut summary = None;
+    let mut failures = Vec::new();
+    for (rank, result) in results.into_iter().enumerate() {
+        match result {
+            Ok(Some(s)) => summary = summary.or(Some(s)),
+            Ok(None) => {}
+            Err(e) if job.expendable(rank as u32) => eprintln!("simulate: {e} (expendable)"),
+            Err(e) => failures.push(e),
+        }
+    }
+    match summary {
+        Some(summary) if failures.is_empty() => Ok(Simulated {
+            summary,
+            virtual_seconds: net.elapsed().as_secs_f64(),
+            wall_seconds: started.elapsed().as_secs_f64(),
+            messages: net.events(),
+        }),
+        _ => Err(Error::Config(format!(
+            "the simulated run failed: {}",
+            if failures.is_empty() {
+                "no rank wrote a summary".to_string()
+            } else {
+                failures.join("; ")
+            }
+        ))),
+    }
+}
+
+/// A simulated network configuration that prices compute with `costs` and runs in phantom mode.
+pub fn priced(seed: u64, costs: CostModel, phantom: bool) -> SimConfig {
+    SimConfig {
+        compute: ComputeCost::Priced(Arc::new(costs)),
+        phantom,
+        ..SimConfig::new(seed)
+    }
+}

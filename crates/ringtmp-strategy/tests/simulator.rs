@@ -1,0 +1,111 @@
+//! The simulator (issue 15.2): every strategy's own code runs on the simulated network with
+//! compute priced by a cost model; in phantom mode (sizes only) it must take exactly the
+//! virtual time and move exactly the bytes it does when it computes for real — the invariant
+//! that lets `ringtmp simulate` run clusters too large to compute.
+
+use std::time::Duration;
+
+use ringtmp_strategy::Job;
+use ringtmp_strategy::gossip::mixing::Topology;
+use ringtmp_strategy::param_server::consistency::Consistency;
+use ringtmp_strategy::ring::schedule::Schedule;
+use ringtmp_strategy::simulate::{CostModel, Simulated, priced, simulate};
+use ringtmp_testkit::fixtures::{deep_mlp, digits, train_config};
+use ringtmp_testkit::jobs::{adpsgd_job, allreduce_job, dpsgd_job, ps_job, ring_job};
+
+/// A made-up machine: fixed costs, so that virtual time is a pure function of the work.
+fn costs(layers: usize) -> CostModel {
+    CostModel {
+        machine: "test".into(),
+        model: "deep-test".into(),
+        rows: 16,
+        threads: 1,
+        forward_seconds_per_row: (0..layers).map(|i| 1e-6 * (1 + i % 3) as f64).collect(),
+        backward_seconds_per_row: (0..layers).map(|i| 2e-6 * (1 + i % 3) as f64).collect(),
+        update_seconds_per_param: 1e-9,
+        elementwise_seconds_per_value: 5e-10,
+    }
+}
+
+fn run(job: &Job, world: u32, phantom: bool, layers: usize) -> Simulated {
+    let mut sim = priced(7, costs(layers), phantom);
+    sim.bandwidth_bps = Some(100_000_000);
+    sim.latency = Duration::from_millis(2);
+    sim.time_limit = Duration::from_secs(600);
+    // Elide every tensor but the logits (evaluation chunks of 250 rows × 10): activations
+    // (32 × 96 and more) and models travel as sizes.
+    sim.phantom_inline_values = 2500;
+    simulate(job, world, &digits(), sim).unwrap_or_else(|e| panic!("{}: {e}", job.name()))
+}
+
+fn bytes(s: &ringtmp_metrics::Summary) -> u64 {
+    s.per_node.iter().map(|n| n.bytes_sent).sum()
+}
+
+#[test]
+fn phantom_runs_take_the_time_and_bytes_of_computing_runs_for_every_strategy() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let spec = deep_mlp(4, 96);
+    // flatten, 4 × (linear, relu), linear.
+    let layers = 10;
+    let cfg = |name: &str| train_config(spec.clone(), 32, 12, &tmp.path().join(name));
+    let jobs: Vec<(&str, Job, u32)> = vec![
+        (
+            "ring async",
+            Job::Ring(ring_job(&cfg("ra"), &data, &[0, 3, 6, layers], Schedule::Async, 1)),
+            3,
+        ),
+        (
+            "ring 1f1b",
+            Job::Ring(ring_job(&cfg("r1"), &data, &[0, 4, layers], Schedule::OneFOneB, 4)),
+            2,
+        ),
+        (
+            "ps bsp",
+            Job::Ps(ps_job(&cfg("pb"), &data, 1, 4, Consistency::Bsp)),
+            5,
+        ),
+        (
+            "ps ssp",
+            Job::Ps(ps_job(&cfg("ps"), &data, 2, 2, Consistency::Ssp { staleness: 2 })),
+            4,
+        ),
+        (
+            "allreduce",
+            Job::AllReduce(allreduce_job(&cfg("ar"), &data, 4, 4096, true)),
+            4,
+        ),
+        (
+            "dpsgd",
+            Job::Dpsgd(dpsgd_job(&cfg("dp"), &data, 4, Topology::Ring)),
+            4,
+        ),
+        ("adpsgd", Job::Adpsgd(adpsgd_job(&cfg("ad"), &data, 4)), 4),
+    ];
+    for (name, job, world) in &jobs {
+        let real = run(job, *world, false, layers);
+        let phantom = run(job, *world, true, layers);
+        let (r, p) = (&real.summary, &phantom.summary);
+        eprintln!(
+            "{name}: computing {:.4} s, phantom {:.4} s of virtual time; {} vs {} bytes",
+            real.virtual_seconds,
+            phantom.virtual_seconds,
+            bytes(r),
+            bytes(p)
+        );
+        assert!(real.virtual_seconds > 0.0, "{name}");
+        let rel = (real.virtual_seconds - phantom.virtual_seconds).abs() / real.virtual_seconds;
+        assert!(rel < 1e-4, "{name}: virtual time differs by {rel:e}");
+        assert_eq!(r.steps, p.steps, "{name}");
+        assert_eq!(r.samples, p.samples, "{name}");
+        // Control messages carry measurements (CPU time, memory) whose encodings differ by a
+        // few bytes between runs; tensors must match exactly.
+        let (rb, pb) = (bytes(r) as f64, bytes(p) as f64);
+        assert!((rb - pb).abs() / rb < 1e-4, "{name}: {rb} vs {pb} bytes");
+        for (a, b) in r.per_node.iter().zip(&p.per_node) {
+            let diff = (a.compute_seconds - b.compute_seconds).abs();
+            assert!(diff < 1e-6, "{name}: rank {} compute {diff}", a.rank);
+        }
+    }
+}
