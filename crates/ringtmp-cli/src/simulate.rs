@@ -66,6 +66,10 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
     let mut train = train;
     train.threads = Some(train.threads.unwrap_or(1));
     let data = load_dataset(&train, true)?;
+    if train.eval_every.is_none() {
+        // Evaluations take no virtual time (see the assumptions): none but the final one.
+        train.eval_every = Some(0);
+    }
     let mut cfg = train.resolve(data.classes)?;
     if train.out.is_none() {
         cfg.out = PathBuf::from(format!("runs/simulate-{}-n{nodes}", train.strategy()));

@@ -110,6 +110,15 @@ pub fn take() -> Work {
     WORK.with_borrow_mut(std::mem::take)
 }
 
+/// Runs `f`, leaving out of the record the work it does (evaluations: the simulator does not
+/// charge them to the training compute that follows).
+pub fn unmetered<R>(f: impl FnOnce() -> R) -> R {
+    let before = take();
+    let result = f();
+    WORK.with_borrow_mut(|w| *w = before);
+    result
+}
+
 /// Whether this thread runs in phantom mode (sizes only, no arithmetic).
 pub fn phantom() -> bool {
     PHANTOM.get()

@@ -38,7 +38,8 @@ use crate::job::{Job, NodeCx};
 pub const ASSUMPTIONS: &str = "compute: each layer pass costs its profiled time per row × rows \
 (profiled at the job's micro-batch on the cost model's machine, divided by the node's speed); \
 optimizer steps per parameter and tensor encode/decode per value likewise; the loss, data \
-loading and bookkeeping are free; every node has its own cores. network: one egress budget per \
+loading, bookkeeping and evaluations are free (time with --eval-every 0); every node has its \
+own cores. network: one egress budget per \
 node (--bandwidth-mbit), latency per message (--latency-ms), per-link FIFO, no TCP congestion \
 control. accuracy: not simulated (tensors carry sizes only)";
 

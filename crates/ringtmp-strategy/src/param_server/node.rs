@@ -2,7 +2,6 @@
 //! share of every global batch, and server 0 collects every node's report into `summary.json`.
 
 use std::collections::BTreeSet;
-use std::time::Instant;
 
 use ringtmp_data::Dataset;
 use ringtmp_metrics::{NodeSummary, Summary, resources};
@@ -92,7 +91,9 @@ fn report_error(e: impl std::fmt::Display) -> Error {
 
 /// Runs this node's part of a parameter-server job; server 0 returns the run's summary.
 fn run(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
-    let started = Instant::now();
+    // The node's clock (virtual in simulation), never `Instant`: the transport's contract.
+    let time = cx.net.clock();
+    let started = time.now();
     if (rank as usize) < job.servers {
         let net = &mut *cx.net;
         // Server 0 reports the run: its log exists from the start.
@@ -152,7 +153,7 @@ fn run(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
             job,
             &mut recorder,
             per_node,
-            started.elapsed().as_secs_f64(),
+            (time.now() - started).as_secs_f64(),
         )?;
         summary.dropped_nodes = outcome.dropped.clone();
         recorder.finish(&summary)?;
@@ -168,17 +169,17 @@ fn run(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
     // clock that excludes the evaluations themselves.
     let eval_every = job.spec.eval_every;
     let (mut evaluations, mut eval_seconds) = (Vec::new(), 0.0f64);
-    let clock = Instant::now();
+    let clock = time.now();
     let mut last = job.first_step();
     let mut evaluate = |t: u64, stage: &mut ringtmp_model::Stage| -> Result<()> {
         let crossed = |every: u64| every > 0 && t / every > last / every;
         let due = crossed(job.spec.steps_per_epoch) || crossed(eval_every);
         last = last.max(t);
         if w == 0 && due {
-            let started = Instant::now();
+            let started = time.now();
             let (accuracy, _) = crate::local::evaluate(stage, &data.test, data.classes)?;
-            eval_seconds += started.elapsed().as_secs_f64();
-            evaluations.push((t, accuracy, clock.elapsed().as_secs_f64() - eval_seconds));
+            eval_seconds += (time.now() - started).as_secs_f64();
+            evaluations.push((t, accuracy, (time.now() - clock).as_secs_f64() - eval_seconds));
             eprintln!("eval iteration {t}: test accuracy {:.2}%", accuracy * 100.0);
         }
         Ok(())
@@ -186,7 +187,7 @@ fn run(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
     let (outcome, mut stage) = run_worker(job, w, data, speed, net, &mut evaluate)?;
     // The final replica (the last pull's parameters) is an evaluation point too: a run that
     // reaches the target only at its end has reached it, at that time.
-    let finished_at = clock.elapsed().as_secs_f64() - eval_seconds;
+    let finished_at = (time.now() - clock).as_secs_f64() - eval_seconds;
     let mut own = base_summary(rank, "worker", stage.params().len() as u64, net);
     own.iterations = outcome.iterations;
     own.wait_seconds = outcome.wait_seconds;
