@@ -134,6 +134,10 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
                 .insert(rank as u32, (cores / threads as f64).min(1.0));
         }
     }
+    // Only logits keep their values (the loss reads them): an evaluation chunk's (250 rows) or a
+    // batch's, whichever is larger. Everything larger travels as sizes, so no node's buffers
+    // ever hold a model's worth of values.
+    sim.phantom_inline_values = 250.max(spec.config.batch_size) * spec.classes;
     sim.peer_timeout = spec.recv_timeout();
     sim.time_limit = Duration::from_secs(30 * 24 * 3600);
     print_inputs(&costs, &sim, nodes, &job);

@@ -348,6 +348,9 @@ fn rings_of_rings_equal_one_process_with_their_global_batch() {
     for (rings, stages, bounds) in [
         (2usize, 3usize, &[0, 5, 11, 16][..]),
         (3, 2, &[0, 7, 16][..]),
+        // Four rings: ring 2's master is not a stage-group neighbour of rank 0, yet reports to
+        // it (found by `ringtmp simulate` on 64 rings).
+        (4, 2, &[0, 7, 16][..]),
     ] {
         let global = 12 * rings;
         let mut local_cfg = config(deep_mlp(7, 16), global, steps, &tmp.path().join("local"));

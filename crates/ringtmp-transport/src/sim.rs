@@ -206,11 +206,36 @@ struct State {
     shutdown: bool,
     /// Why each dead node died.
     deaths: BTreeMap<u32, String>,
+    /// Deaths every waiting thread has been woken for.
+    deaths_woken: usize,
 }
 
 struct Shared {
     state: Mutex<State>,
-    turn: Condvar,
+    /// One per rank, and the supervisor's last: a handoff wakes only the node that gets the
+    /// baton (waking all of them made every event cost O(nodes) context switches).
+    turns: Vec<Condvar>,
+}
+
+impl Shared {
+    /// Rank `r`'s condition variable (the supervisor's is `turns.len() - 1`).
+    fn turn(&self, r: usize) -> &Condvar {
+        &self.turns[r]
+    }
+
+    /// After a change of turn: wakes the node that holds the baton now and the supervisor; and
+    /// every node after a death (a node killed while waiting must see it).
+    fn wake(&self, st: &mut State) {
+        if let Some(r) = st.running {
+            self.turns[r as usize].notify_one();
+        }
+        if st.deaths.len() != st.deaths_woken || st.shutdown {
+            st.deaths_woken = st.deaths.len();
+            self.turns.iter().for_each(Condvar::notify_all);
+        } else if let Some(supervisor) = self.turns.last() {
+            supervisor.notify_all();
+        }
+    }
 }
 
 /// A simulated network: create it, take one [`SimNode`] per rank (or use [`SimNetwork::run`]).
@@ -286,10 +311,11 @@ impl SimNetwork {
             events: 0,
             shutdown: false,
             deaths: BTreeMap::new(),
+            deaths_woken: 0,
         };
         let shared = Arc::new(Shared {
             state: Mutex::new(state),
-            turn: Condvar::new(),
+            turns: (0..=world).map(|_| Condvar::new()).collect(),
         });
         // The first turn goes to rank 0 at time 0, whenever its thread gets there.
         {
@@ -345,10 +371,14 @@ impl SimNetwork {
                         .all(|s| matches!(s, Status::Finished | Status::Dead | Status::Stalled));
                     if settled {
                         st.shutdown = true;
-                        self.shared.turn.notify_all();
+                        self.shared.wake(&mut st);
                         break;
                     }
-                    st = self.shared.turn.wait(st).unwrap_or_else(|e| e.into_inner());
+                    st = self
+                        .shared
+                        .turn(self.world as usize)
+                        .wait(st)
+                        .unwrap_or_else(|e| e.into_inner());
                 }
             }
             handles
@@ -614,7 +644,7 @@ fn acquire<'a>(
             held.set(true);
             return Ok(st);
         }
-        st = shared.turn.wait(st).unwrap_or_else(|e| e.into_inner());
+        st = shared.turn(r).wait(st).unwrap_or_else(|e| e.into_inner());
     }
 }
 
@@ -642,7 +672,7 @@ fn wait_as<'a>(
     st.status[rank as usize] = status;
     held.set(false);
     schedule(&mut st);
-    shared.turn.notify_all();
+    shared.wake(&mut st);
     acquire(shared, rank, held, st)
 }
 
@@ -900,7 +930,7 @@ impl Transport for SimNode {
         st.running = None;
         schedule(&mut st);
         self.held.set(false);
-        self.shared.turn.notify_all();
+        self.shared.wake(&mut st);
         Ok(())
     }
 
@@ -931,7 +961,7 @@ impl Drop for SimNode {
             st.running = None;
             schedule(&mut st);
         }
-        self.shared.turn.notify_all();
+        self.shared.wake(&mut st);
     }
 }
 
@@ -952,7 +982,11 @@ impl Clock for SimClock {
             if matches!(st.status[r], Status::Dead | Status::Finished) || st.shutdown {
                 return;
             }
-            st = self.shared.turn.wait(st).unwrap_or_else(|e| e.into_inner());
+            st = self
+                .shared
+                .turn(r)
+                .wait(st)
+                .unwrap_or_else(|e| e.into_inner());
         }
         let work = ringtmp_meter::take();
         let base = match &st.cfg.compute {
@@ -970,11 +1004,15 @@ impl Clock for SimClock {
             until: st.now[r] + cost,
         };
         schedule(&mut st);
-        self.shared.turn.notify_all();
+        self.shared.wake(&mut st);
         // Back when the scheduler says so (or at the end, for a node that was killed meanwhile).
         while st.running != Some(self.rank) && !matches!(st.status[r], Status::Dead) && !st.shutdown
         {
-            st = self.shared.turn.wait(st).unwrap_or_else(|e| e.into_inner());
+            st = self
+                .shared
+                .turn(r)
+                .wait(st)
+                .unwrap_or_else(|e| e.into_inner());
         }
     }
 }

@@ -220,10 +220,16 @@ impl Reducer {
                 continue;
             }
             let local = bucket.range.start - offset..bucket.range.end - offset;
-            bucket.values.clear();
-            bucket.values.extend_from_slice(&tail[local]);
-            if b == 0 && self.extra > 0 {
-                bucket.values.push(loss);
+            if ringtmp_meter::phantom() {
+                // Sizes only: the bucket holds no values (its chunks' sizes come from
+                // `bucket.chunks`), so no node ever holds a model's worth of them.
+                bucket.values.clear();
+            } else {
+                bucket.values.clear();
+                bucket.values.extend_from_slice(&tail[local]);
+                if b == 0 && self.extra > 0 {
+                    bucket.values.push(loss);
+                }
             }
             bucket.step = Some(0);
             self.send(b, net)?;
@@ -239,10 +245,16 @@ impl Reducer {
         let Some(s) = bucket.step.filter(|s| *s < self.plan.steps()) else {
             return Ok(());
         };
-        let chunk = &mut bucket.values[bucket.chunks[self.plan.send_chunk(s)].clone()];
+        let range = bucket.chunks[self.plan.send_chunk(s)].clone();
+        let phantom = bucket.values.is_empty() && ringtmp_meter::phantom();
+        let chunk: &mut [f32] = if phantom {
+            &mut []
+        } else {
+            &mut bucket.values[range.clone()]
+        };
         let mut payload = net.buffers().take(chunk.len() * wire.size() as usize);
         tensor_bytes_into(chunk, wire, &mut payload);
-        if s >= all_gather && wire != Dtype::F32 {
+        if s >= all_gather && wire != Dtype::F32 && !phantom {
             // A complete chunk leaves rounded to the wire type; its owner keeps the same
             // rounded values, so every replica applies the same bits.
             tensor_values_into(&payload, wire, chunk);
@@ -253,7 +265,7 @@ impl Reducer {
             micro_batch: chunk_id(self.generation, b, s),
             tag: TensorTag::ParamGrads,
             dtype: wire,
-            shape: vec![chunk.len() as u32],
+            shape: vec![range.len() as u32],
         };
         match net.send(self.succ, Message::Tensor(header, payload)) {
             Ok(()) => Ok(()),
@@ -271,10 +283,15 @@ impl Reducer {
             let Some(values) = bucket.early.remove(&s) else {
                 return Ok(());
             };
-            let target = &mut bucket.values[bucket.chunks[self.plan.recv_chunk(s)].clone()];
             // A phantom run's chunks (sizes only, `ringtmp_meter`) carry no values to combine.
             let elided = values.is_empty() && ringtmp_meter::phantom();
-            if values.len() != target.len() && !elided {
+            let range = bucket.chunks[self.plan.recv_chunk(s)].clone();
+            let target: &mut [f32] = if elided {
+                &mut []
+            } else {
+                &mut bucket.values[range.clone()]
+            };
+            if values.len() != range.len() && !elided {
                 return Err(Error::protocol(
                     "all-reduce",
                     net,
@@ -282,7 +299,7 @@ impl Reducer {
                     &format!(
                         "a chunk of {} values where {} were due",
                         values.len(),
-                        target.len()
+                        range.len()
                     ),
                 ));
             }
@@ -783,7 +800,7 @@ pub fn run_worker(
         // The mean of the workers' gradients, then the same step on every replica.
         let scale = 1.0 / m as f32;
         let mut step_loss = 0.0f64;
-        {
+        if !ringtmp_meter::phantom() {
             let grads = stage.grads_mut();
             for (b, (range, sums)) in reduced.iter().enumerate() {
                 let len = range.len();

@@ -90,15 +90,25 @@ impl Strategy for RingJob {
             let stages = self.partition.len() as u32;
             let (ring, stage) = (rank / stages, rank % stages);
             let rings = world / stages;
-            return [
+            let mut links: BTreeSet<u32> = [
                 ring * stages + (stage + 1) % stages,
                 ring * stages + (stage + stages - 1) % stages,
                 ((ring + 1) % rings) * stages + stage,
                 ((ring + rings - 1) % rings) * stages + stage,
             ]
             .into_iter()
-            .filter(|r| *r != rank)
             .collect();
+            // Every ring's master reports its summary to rank 0 (with three rings or more,
+            // not all of them are rank 0's neighbours in the stage group).
+            match (rank, stage) {
+                (0, _) => links.extend((1..rings).map(|r| r * stages)),
+                (_, 0) => {
+                    links.insert(0);
+                }
+                _ => {}
+            }
+            links.remove(&rank);
+            return links;
         }
         if self.replica_every > 0 {
             // Healing closes the ring around any node and the master re-forms it: every node
