@@ -126,7 +126,8 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
                 .insert(rank as u32, (mbit * 1e6).round() as u64);
         }
     }
-    let quotas = crate::cgroup::parse_node_cpu(train.node_cpu.as_deref().unwrap_or_default(), nodes)?;
+    let quotas =
+        crate::cgroup::parse_node_cpu(train.node_cpu.as_deref().unwrap_or_default(), nodes)?;
     for (rank, quota) in quotas.iter().enumerate() {
         if let Some(cores) = quota {
             // A quota of `cores` cores for a node whose cost model ran on `threads` of them.
@@ -172,7 +173,11 @@ fn print_inputs(costs: &CostModel, sim: &ringtmp_transport::sim::SimConfig, node
     println!(
         "simulating {} on {nodes} nodes ({}): model {}, batch {}, {} step(s)",
         job.name(),
-        if sim.phantom { "sizes only" } else { "computing" },
+        if sim.phantom {
+            "sizes only"
+        } else {
+            "computing"
+        },
         spec.config.model.name,
         spec.config.batch_size,
         spec.total_steps
@@ -192,7 +197,10 @@ fn print_inputs(costs: &CostModel, sim: &ringtmp_transport::sim::SimConfig, node
         "network: {} per node, {} ms one-way latency; node speeds {}",
         match bandwidths.len() {
             0 => "unlimited bandwidth".to_string(),
-            1 => format!("{} Mbit/s", bandwidths.first().copied().unwrap_or(0) as f64 / 1e6),
+            1 => format!(
+                "{} Mbit/s",
+                bandwidths.first().copied().unwrap_or(0) as f64 / 1e6
+            ),
             _ => "per-node bandwidths (--link)".to_string(),
         },
         sim.latency.as_secs_f64() * 1e3,
@@ -208,8 +216,7 @@ fn print_inputs(costs: &CostModel, sim: &ringtmp_transport::sim::SimConfig, node
 fn print_results(ran: &Simulated, job: &Job, nodes: u32) {
     let s = &ran.summary;
     let spec = job.spec();
-    let epoch_samples = spec.steps_per_epoch as f64
-        * (s.samples as f64 / s.steps.max(1) as f64);
+    let epoch_samples = spec.steps_per_epoch as f64 * (s.samples as f64 / s.steps.max(1) as f64);
     println!(
         "simulated: {:.0} samples/s; {:.1} s of training for {} samples ({} steps); an epoch \
          ({:.0} samples) would take {:.1} s",
@@ -255,7 +262,10 @@ fn print_results(ran: &Simulated, job: &Job, nodes: u32) {
         );
     }
     if nodes > 16 {
-        println!("  … {} nodes in all (every one in summary.json)", s.per_node.len());
+        println!(
+            "  … {} nodes in all (every one in summary.json)",
+            s.per_node.len()
+        );
     }
     println!(
         "state MB: parameters, optimizer state and stashed activations a node must hold \

@@ -65,7 +65,12 @@ fn simulate_prints_its_inputs_and_results_and_sizes_only_agrees_with_computing()
         };
         let said = text(&first);
         assert!(first.status.success(), "{strategy}: {said}");
-        for needle in ["cost model:", "network: 100 Mbit/s", "assumes:", "simulated:"] {
+        for needle in [
+            "cost model:",
+            "network: 100 Mbit/s",
+            "assumes:",
+            "simulated:",
+        ] {
             assert!(said.contains(needle), "{strategy}: no {needle:?} in {said}");
         }
         let record: serde_json::Value = serde_json::from_str(

@@ -387,7 +387,10 @@ impl Stage {
             ringtmp_meter::layer(self.layers[i].index, ringtmp_meter::Pass::Backward, rows);
             if phantom {
                 if want_dx {
-                    set_len(&mut self.input_grads[i], rows * self.layers[i].input.numel());
+                    set_len(
+                        &mut self.input_grads[i],
+                        rows * self.layers[i].input.numel(),
+                    );
                 }
                 self.grads_written[i] = true;
                 continue;

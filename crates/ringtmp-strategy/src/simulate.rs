@@ -141,7 +141,11 @@ impl CostModel {
             let mid = Instant::now();
             bytes.clear();
             ringtmp_wire::message::tensor_bytes_into(&params, ringtmp_wire::Dtype::F32, &mut bytes);
-            ringtmp_wire::message::tensor_values_into(&bytes, ringtmp_wire::Dtype::F32, &mut params);
+            ringtmp_wire::message::tensor_values_into(
+                &bytes,
+                ringtmp_wire::Dtype::F32,
+                &mut params,
+            );
             if rep > 0 {
                 update.push((mid - t).as_secs_f64());
                 // Two passes: an encode and a decode.

@@ -268,8 +268,14 @@ fn stale_parameter_servers_default_to_less_momentum() {
         }
     };
     for consistency in ["asp", "ssp:3", "dssp:1:4"] {
-        assert!((momentum(consistency, 4, true) - 0.7).abs() < 1e-6, "{consistency}");
-        assert!((momentum(consistency, 6, true) - 0.5).abs() < 1e-6, "{consistency}");
+        assert!(
+            (momentum(consistency, 4, true) - 0.7).abs() < 1e-6,
+            "{consistency}"
+        );
+        assert!(
+            (momentum(consistency, 6, true) - 0.5).abs() < 1e-6,
+            "{consistency}"
+        );
         assert_eq!(momentum(consistency, 4, false), 0.9, "the user's choice");
     }
     assert_eq!(momentum("bsp", 4, true), 0.9);

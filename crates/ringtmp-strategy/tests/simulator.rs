@@ -53,12 +53,24 @@ fn phantom_runs_take_the_time_and_bytes_of_computing_runs_for_every_strategy() {
     let jobs: Vec<(&str, Job, u32)> = vec![
         (
             "ring async",
-            Job::Ring(ring_job(&cfg("ra"), &data, &[0, 3, 6, layers], Schedule::Async, 1)),
+            Job::Ring(ring_job(
+                &cfg("ra"),
+                &data,
+                &[0, 3, 6, layers],
+                Schedule::Async,
+                1,
+            )),
             3,
         ),
         (
             "ring 1f1b",
-            Job::Ring(ring_job(&cfg("r1"), &data, &[0, 4, layers], Schedule::OneFOneB, 4)),
+            Job::Ring(ring_job(
+                &cfg("r1"),
+                &data,
+                &[0, 4, layers],
+                Schedule::OneFOneB,
+                4,
+            )),
             2,
         ),
         (
@@ -68,7 +80,13 @@ fn phantom_runs_take_the_time_and_bytes_of_computing_runs_for_every_strategy() {
         ),
         (
             "ps ssp",
-            Job::Ps(ps_job(&cfg("ps"), &data, 2, 2, Consistency::Ssp { staleness: 2 })),
+            Job::Ps(ps_job(
+                &cfg("ps"),
+                &data,
+                2,
+                2,
+                Consistency::Ssp { staleness: 2 },
+            )),
             4,
         ),
         (

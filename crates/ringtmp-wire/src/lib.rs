@@ -30,7 +30,7 @@ pub mod message;
 
 pub use error::DecodeError;
 pub use frame::{
-    Head, Limits, MAGIC, PREFIX_LEN, PROTOCOL_VERSION, decode, decode_head, encode,
+    Head, Limits, MAGIC, PREFIX_LEN, PROTOCOL_VERSION, declared_len, decode, decode_head, encode,
     encode_tensor_prefix, encoded_len, frame_len, head_len,
 };
 pub use message::{Control, Dtype, Message, NodeAddr, TensorHeader, TensorTag};

@@ -182,8 +182,7 @@ impl Worker<'_> {
     fn handle(&mut self, net: &mut dyn Transport, from: u32, message: Message) -> Result<()> {
         match message {
             Message::Tensor(h, bytes)
-                if h.tag == TensorTag::Params
-                    && super::holds(&h, self.model.len()) =>
+                if h.tag == TensorTag::Params && super::holds(&h, self.model.len()) =>
             {
                 tensor_values(&bytes, h.dtype, &mut self.received);
                 net.buffers().give(bytes);

@@ -179,7 +179,11 @@ fn run(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
             let started = time.now();
             let (accuracy, _) = crate::local::evaluate(stage, &data.test, data.classes)?;
             eval_seconds += (time.now() - started).as_secs_f64();
-            evaluations.push((t, accuracy, (time.now() - clock).as_secs_f64() - eval_seconds));
+            evaluations.push((
+                t,
+                accuracy,
+                (time.now() - clock).as_secs_f64() - eval_seconds,
+            ));
             eprintln!("eval iteration {t}: test accuracy {:.2}%", accuracy * 100.0);
         }
         Ok(())

@@ -64,8 +64,8 @@ pub fn plan(
         // (docs/BENCHMARKS.md). Adam's steps do not scale with the batch, so it keeps its default.
         cfg.lr *= workers as f32;
     }
-    let stale_momentum = (consistency != Consistency::Bsp && cfg.default_momentum)
-        .then(|| stale_momentum(workers));
+    let stale_momentum =
+        (consistency != Consistency::Bsp && cfg.default_momentum).then(|| stale_momentum(workers));
     if let (Some(m), OptimizerConfig::Sgd { momentum, .. }) = (stale_momentum, &mut cfg.optimizer) {
         *momentum = m;
     }

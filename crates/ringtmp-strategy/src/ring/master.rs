@@ -909,7 +909,7 @@ fn evaluate(
                 out,
                 Dtype::F32,
             );
-            *eval_bytes += ringtmp_wire::encoded_len(&message) as u64;
+            *eval_bytes += ringtmp_wire::declared_len(&message) as u64;
             Ok(message)
         },
         &mut |net, message| match message {

@@ -287,7 +287,7 @@ impl RingNode {
             &snapshot.to_values(),
             Dtype::F32,
         );
-        replicas.bytes_sent += ringtmp_wire::encoded_len(&message) as u64;
+        replicas.bytes_sent += ringtmp_wire::declared_len(&message) as u64;
         replicas.keep_own(snapshot);
         net.send(self.pred, message)?;
         net.send(self.pred, Message::Control(Control::Replicate { step }))?;
@@ -333,7 +333,7 @@ impl RingNode {
                     &out,
                     Dtype::F32,
                 );
-                self.clock.eval_bytes += ringtmp_wire::encoded_len(&message) as u64;
+                self.clock.eval_bytes += ringtmp_wire::declared_len(&message) as u64;
                 net.send(self.succ, message)?;
                 Ok(false)
             }
