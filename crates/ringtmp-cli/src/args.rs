@@ -524,7 +524,11 @@ impl TrainArgs {
                 nodes.saturating_sub(self.ps.servers.unwrap_or(1)).max(1)
             }
             "allreduce" | "dpsgd" | "adpsgd" => self.nodes.unwrap_or(4) as usize,
-            "ring" => self.ring.replicas.unwrap_or(1).max(1),
+            "ring" => self
+                .ring
+                .rings(self.nodes.unwrap_or(4))
+                .map_err(|e| UsageError(e.to_string()))?
+                .max(1),
             _ => 1,
         };
         if manifest.batch_size % workers != 0 {

@@ -76,6 +76,11 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
     }
     crate::run_dir::prepare(&cfg.out, None, train.overwrite.unwrap_or(false))?;
     let job = plan(&train, cfg, &data, nodes)?;
+    // As `train` writes it (compare reads it beside the summary).
+    let plan_path = job.spec().config.out.join("job.json");
+    std::fs::create_dir_all(&job.spec().config.out)?;
+    std::fs::write(&plan_path, serde_json::to_string_pretty(&job)?)
+        .map_err(|e| anyhow::anyhow!("{}: {e}", plan_path.display()))?;
     let spec = job.spec();
     let layers = spec.layers()?;
     let threads = spec.config.threads.max(1);

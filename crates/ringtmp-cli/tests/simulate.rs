@@ -123,3 +123,50 @@ fn simulate_refuses_what_it_cannot_simulate() {
     let checkpoint = simulate("ring", &tmp.path().join("c"), &["--checkpoint-every", "5"]);
     assert_eq!(checkpoint.status.code(), Some(2), "{}", text(&checkpoint));
 }
+
+/// Issue 15.4's tool: `compare --simulate` sweeps node counts through the simulator, with one
+/// cost model, and reports throughput without accuracy.
+#[test]
+fn compare_simulates_a_sweep_of_node_counts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("study");
+    let run = ringtmp(&[
+        "compare",
+        "--simulate",
+        "--strategies",
+        "ring+ring-nodes=2,allreduce",
+        "--nodes",
+        "2,4",
+        "--dataset",
+        "digits",
+        "--model",
+        "mlp",
+        "--max-steps",
+        "6",
+        "--bandwidth-mbit",
+        "100",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(run.status.success(), "{}", text(&run));
+    let results = std::fs::read_to_string(out.join("results.jsonl")).unwrap();
+    assert_eq!(results.lines().count(), 4, "{results}");
+    assert!(out.join("cost-model.json").is_file());
+    assert!(out.join("plots/scaling.svg").is_file());
+    assert!(!out.join("plots/accuracy_vs_time.svg").exists());
+    let report = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(report.contains("SIMULATED"), "{report}");
+    // Two rings of two nodes on 4: rings of rings.
+    let job = std::fs::read_to_string(out.join("runs/ring_ring-nodes2-n4-r0/job.json"))
+        .unwrap_or_else(|_| {
+            let names: Vec<_> = std::fs::read_dir(out.join("runs"))
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect();
+            panic!("runs: {names:?}")
+        });
+    assert!(
+        job.contains("\"replicas\": 2") || job.contains("\"replicas\":2"),
+        "{job}"
+    );
+}

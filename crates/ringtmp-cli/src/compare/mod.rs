@@ -64,7 +64,7 @@ pub fn run(raw: &[String]) -> Result<()> {
         }
         eprintln!("compare: {label} …");
         let started = Instant::now();
-        let status = run_one(&exe, plan, &dir)?;
+        let status = run_one(&exe, &options, plan, &dir)?;
         let took = started.elapsed().as_secs_f64();
         match report::read_summary(&dir) {
             Some(s) if status.success() => eprintln!(
@@ -89,14 +89,33 @@ pub fn run(raw: &[String]) -> Result<()> {
 }
 
 /// Runs one `ringtmp train` into `dir`, its output in `dir.log`.
-fn run_one(exe: &Path, plan: &RunPlan, dir: &Path) -> Result<std::process::ExitStatus> {
+fn run_one(
+    exe: &Path,
+    options: &CompareOptions,
+    plan: &RunPlan,
+    dir: &Path,
+) -> Result<std::process::ExitStatus> {
     let log_path = dir.with_extension("log");
     let log = std::fs::File::create(&log_path)
         .with_context(|| format!("creating {}", log_path.display()))?;
     let mut command = Command::new(exe);
     command
-        .arg("train")
-        .args(&plan.args)
+        .arg(if options.simulate {
+            "simulate"
+        } else {
+            "train"
+        })
+        .args(&plan.args);
+    if options.simulate {
+        // One cost model for every run: the user's, or the one the first run measures.
+        let measured = options.out.join("cost-model.json");
+        match &options.cost_model {
+            Some(path) => command.arg("--cost-model").arg(path),
+            None if measured.is_file() => command.arg("--cost-model").arg(&measured),
+            None => command.arg("--save-cost-model").arg(&measured),
+        };
+    }
+    command
         .arg("--out")
         .arg(dir)
         .stdin(Stdio::null())
@@ -133,7 +152,16 @@ fn check(options: &CompareOptions, runs: &[RunPlan]) -> Result<()> {
         let cores =
             crate::cgroup::parse_node_cpu(args.node_cpu.as_deref().unwrap_or_default(), plan.nodes)
                 .with_context(|| what.clone())?;
-        crate::cgroup::NodeCgroups::check(&cores, &[])?;
+        if options.simulate {
+            if plan.strategy == "local" {
+                return Err(UsageError(
+                    "compare --simulate: local is not simulated (it trains in one process)".into(),
+                )
+                .into());
+            }
+        } else {
+            crate::cgroup::NodeCgroups::check(&cores, &[])?;
+        }
         if data.is_none() {
             data = Some(crate::plan::load_dataset(&args, false)?);
         }
@@ -141,6 +169,5 @@ fn check(options: &CompareOptions, runs: &[RunPlan]) -> Result<()> {
         let cfg = args.resolve(data.classes).with_context(|| what.clone())?;
         crate::plan::plan(&args, cfg, data, plan.nodes).with_context(|| what.clone())?;
     }
-    let _ = options;
     Ok(())
 }

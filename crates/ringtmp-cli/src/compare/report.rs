@@ -225,7 +225,7 @@ pub fn write(options: &CompareOptions) -> Result<usize> {
     }
     std::fs::write(out.join("results.jsonl"), lines).context("writing results.jsonl")?;
     let rows = rows(&finished);
-    let plots = plots(&finished, &rows)?;
+    let plots = plots(&finished, &rows, options.simulate)?;
     let plots_dir = out.join("plots");
     std::fs::create_dir_all(&plots_dir)?;
     for (name, _, svg) in &plots {
@@ -257,8 +257,8 @@ const COLUMNS: [&str; 9] = [
     "idle % of training time",
 ];
 
-fn cells(row: &Row, target: f64) -> Vec<String> {
-    vec![
+fn cells(row: &Row, target: f64, simulated: bool) -> Vec<String> {
+    let mut cells = vec![
         if row.repeats > 1 {
             format!("{} ({} runs)", row.label, row.repeats)
         } else {
@@ -282,7 +282,14 @@ fn cells(row: &Row, target: f64) -> Vec<String> {
         show(row.busiest_bytes_per_sample, 0, 1.0),
         show(row.peak_rss_mb, 0, 1.0),
         show(row.idle_fraction, 1, 100.0),
-    ]
+    ];
+    if simulated {
+        // Sizes-only runs compute no accuracy, and their memory is the simulator's.
+        for i in [1, 2, 3, 7] {
+            cells[i] = "—".into();
+        }
+    }
+    cells
 }
 
 fn settings(options: &CompareOptions, finished: &[Finished]) -> String {
@@ -299,8 +306,15 @@ fn settings(options: &CompareOptions, finished: &[Finished]) -> String {
         Some((None, epochs)) => format!("{epochs} epoch(s)"),
         None => "? epoch(s)".into(),
     };
+    let simulated = if options.simulate {
+        "SIMULATED with `ringtmp simulate` (the strategies' own code on the simulated network, \
+         compute priced by the cost model in cost-model.json, tensors as sizes): accuracy and \
+         memory are not simulated; "
+    } else {
+        ""
+    };
     format!(
-        "model {}, dataset {}, {length}, seed {}; shared options: `{}`{share}",
+        "{simulated}model {}, dataset {}, {length}, seed {}; shared options: `{}`{share}",
         first.map_or("?", |s| s.model.as_str()),
         first.map_or("?", |s| s.dataset.as_str()),
         first.map_or(0, |s| s.seed),
@@ -320,7 +334,11 @@ fn markdown(
     let _ = writeln!(md, "| {} |", COLUMNS.join(" | "));
     let _ = writeln!(md, "|{}", "---|".repeat(COLUMNS.len()));
     for row in rows {
-        let _ = writeln!(md, "| {} |", cells(row, target).join(" | "));
+        let _ = writeln!(
+            md,
+            "| {} |",
+            cells(row, target, options.simulate).join(" | ")
+        );
     }
     let _ = writeln!(
         md,
@@ -330,6 +348,13 @@ fn markdown(
     );
     for (name, title, _) in plots {
         let _ = writeln!(md, "## {title}\n\n![{title}](plots/{name}.svg)\n");
+    }
+    if options.simulate {
+        let _ = writeln!(
+            md,
+            "The four claims need accuracy: not judged on simulated runs."
+        );
+        return md;
     }
     let _ = writeln!(md, "## The four claims\n");
     for c in claims(finished, rows) {
@@ -375,7 +400,7 @@ fn html(
     h.push_str("</tr>\n");
     for row in rows {
         h.push_str("<tr>");
-        for c in cells(row, target) {
+        for c in cells(row, target, options.simulate) {
             let _ = write!(h, "<td>{}</td>", escape(&c));
         }
         h.push_str("</tr>\n");
@@ -398,8 +423,14 @@ fn html(
             body.trim()
         );
     }
-    h.push_str("<h2>The four claims</h2>\n");
-    for c in claims(finished, rows) {
+    let claims = if options.simulate {
+        h.push_str("<p>The four claims need accuracy: not judged on simulated runs.</p>\n");
+        Vec::new()
+    } else {
+        h.push_str("<h2>The four claims</h2>\n");
+        claims(finished, rows)
+    };
+    for c in claims {
         let _ = write!(
             h,
             "<h3>{} — {}</h3>\n<ul><li>measured: {}</li><li>predicted: {}</li></ul>\n",
@@ -697,9 +728,21 @@ fn claims(finished: &[Finished], rows: &[Row]) -> Vec<Claim> {
 }
 
 /// (file name, title, SVG document) of every plot.
-fn plots(finished: &[Finished], rows: &[Row]) -> Result<Vec<(String, String, String)>> {
+fn plots(
+    finished: &[Finished],
+    rows: &[Row],
+    simulated: bool,
+) -> Result<Vec<(String, String, String)>> {
     let first: Vec<&Finished> = finished.iter().filter(|f| f.plan.repeat == 0).collect();
     let mut out = Vec::new();
+    if simulated {
+        // No accuracy, no memory of their own: throughput, bytes, compute and idle only.
+        let all = plots(finished, rows, false)?;
+        return Ok(all
+            .into_iter()
+            .filter(|(name, ..)| !name.starts_with("accuracy") && name != "peak_memory")
+            .collect());
+    }
     out.push((
         "accuracy_vs_time".into(),
         "Test accuracy against training time".into(),

@@ -30,6 +30,10 @@ pub struct CompareOptions {
     pub out: PathBuf,
     /// The shared `ringtmp train` arguments.
     pub train: Vec<String>,
+    /// Runs `ringtmp simulate` instead of `train` (a study of clusters this machine lacks).
+    pub simulate: bool,
+    /// The simulations' cost model (`None`: measured once, by the first run).
+    pub cost_model: Option<PathBuf>,
 }
 
 /// The TOML form: `strategies`, `nodes`, `repeats`, `out`, and a `[train]` table of `ringtmp
@@ -50,7 +54,7 @@ Run several strategies on the same model, data, seed and emulated cluster, one a
 and write a side-by-side report (results.jsonl, report.md, report.html with plots).
 
 Usage: ringtmp compare [--strategies LIST] [--nodes N[,N...]] [--repeats K] [--out DIR]
-                       [--config FILE] [TRAIN OPTIONS...]
+                       [--config FILE] [--simulate [--cost-model FILE]] [TRAIN OPTIONS...]
 
 Options:
   --strategies LIST   comma-separated: ring[:SCHEDULE], ps:bsp, ps:ssp:S, ps:asp, ps:dssp:L:U,
@@ -63,6 +67,9 @@ Options:
   --out DIR           output directory; runs already finished there are not run again
                       [default: runs/<time>-compare]
   --config FILE       a TOML file: strategies, nodes, repeats, out, and a [train] table
+  --simulate          run `ringtmp simulate` instead of `train`: clusters this machine lacks
+                      (no accuracy; one cost model for every run, measured by the first)
+  --cost-model FILE   with --simulate: the cost model to use (from `simulate --save-cost-model`)
   -h, --help          this help
 Every other option is a `ringtmp train` option shared by all runs, e.g.
   ringtmp compare --strategies ring,ps:bsp,allreduce --nodes 4 --bandwidth-mbit 100 \\
@@ -91,6 +98,12 @@ pub fn parse(raw: &[String]) -> Result<Option<CompareOptions>> {
             "--repeats" => "repeats",
             "--out" => "out",
             "--config" => "config",
+            "--cost-model" => "cost-model",
+            "--simulate" => {
+                own.insert("simulate", "true".into());
+                i += 1;
+                continue;
+            }
             "--strategy" => {
                 return Err(UsageError(
                     "compare takes --strategies (a list), not --strategy".into(),
@@ -185,12 +198,19 @@ pub fn parse(raw: &[String]) -> Result<Option<CompareOptions>> {
         .map(PathBuf::from)
         .or(file.out)
         .unwrap_or_else(|| crate::run_dir::default_out("compare"));
+    let simulate = own.contains_key("simulate");
+    let cost_model = own.get("cost-model").map(PathBuf::from);
+    if cost_model.is_some() && !simulate {
+        return Err(UsageError("--cost-model applies to --simulate only".into()).into());
+    }
     Ok(Some(CompareOptions {
         strategies,
         nodes,
         repeats,
         out,
         train: all_train,
+        simulate,
+        cost_model,
     }))
 }
 
@@ -276,7 +296,8 @@ pub fn runs(options: &CompareOptions) -> Result<Vec<RunPlan>> {
     let base = TrainArgs::parse_train(&options.train)?;
     let seed = base.seed.unwrap_or(42);
     let mut runs = Vec::new();
-    let share = if base.node_cpu.is_none() {
+    let share = if base.node_cpu.is_none() && !options.simulate {
+        // (Simulated nodes have their own cores.)
         sweep_share(options)
     } else {
         None

@@ -43,6 +43,10 @@ pub struct RingOptions {
     /// average their gradients (ring all-reduce) before their step [default: 1].
     #[arg(long, value_name = "R")]
     pub replicas: Option<usize>,
+    /// Ring: rings of S nodes each (rings of rings, as --replicas --nodes/S): the form that
+    /// stays valid across a sweep of node counts.
+    #[arg(long, value_name = "S", conflicts_with = "replicas")]
+    pub ring_nodes: Option<usize>,
     /// Ring: every node also keeps its successor's block and optimizer state, refreshed every K
     /// mini-batches [default K: 20]; when a non-master node dies, its predecessor takes its
     /// layers over and the ring closes around it, without a restart or a checkpoint.
@@ -59,8 +63,26 @@ crate::job::options_merge!(
     defer_weight_grads,
     master_holds_head,
     replicas,
+    ring_nodes,
     stage_replicas
 );
+
+impl RingOptions {
+    /// Rings side by side on `nodes` nodes: `--replicas`, or `--nodes` / `--ring-nodes`.
+    pub fn rings(&self, nodes: u32) -> Result<usize> {
+        match (self.replicas, self.ring_nodes) {
+            (Some(_), Some(_)) => Err(Error::Config(
+                "--replicas and --ring-nodes say the same thing: give one".into(),
+            )),
+            (None, Some(s)) if s < 2 || nodes as usize % s != 0 => Err(Error::Config(format!(
+                "--ring-nodes {s}: --nodes {nodes} must split into rings of at least 2 nodes \
+                 each"
+            ))),
+            (None, Some(s)) => Ok(nodes as usize / s),
+            (r, None) => Ok(r.unwrap_or(1)),
+        }
+    }
+}
 
 impl RingOptions {
     /// Refuses settings that cannot work whatever the model.
@@ -115,7 +137,7 @@ pub fn plan(
     }
     args.check()?;
     // Rings of rings: the partition is planned once for one ring of `nodes / R`.
-    let replicas = args.replicas.unwrap_or(1);
+    let replicas = args.rings(nodes)?;
     if replicas == 0 || nodes as usize % replicas != 0 || nodes as usize / replicas < 2 {
         return Err(Error::Config(format!(
             "--replicas {replicas}: --nodes {nodes} must split into rings of at least 2 nodes \
