@@ -521,7 +521,11 @@ impl TrainArgs {
         let workers = match self.strategy() {
             "ps" => {
                 let nodes = self.nodes.unwrap_or(4) as usize;
-                nodes.saturating_sub(self.ps.servers.unwrap_or(1)).max(1)
+                let servers = self
+                    .ps
+                    .server_count(nodes as u32)
+                    .map_err(|e| UsageError(e.to_string()))?;
+                nodes.saturating_sub(servers).max(1)
             }
             "allreduce" | "dpsgd" | "adpsgd" => self.nodes.unwrap_or(4) as usize,
             "ring" => self

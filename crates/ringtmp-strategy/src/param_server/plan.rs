@@ -18,6 +18,10 @@ pub struct PsOptions {
     /// Parameter server: server nodes (the rest are workers) [default: 1].
     #[arg(long)]
     pub servers: Option<usize>,
+    /// Parameter server: one server per K nodes (`--nodes` / K of them, at least 1): the form
+    /// that stays sharded across a sweep of node counts.
+    #[arg(long, value_name = "K", conflicts_with = "servers")]
+    pub server_every: Option<usize>,
     /// Parameter server: bsp, ssp:S, asp or dssp:L:U [default: bsp].
     #[arg(long, value_name = "MODEL")]
     pub consistency: Option<String>,
@@ -26,7 +30,27 @@ pub struct PsOptions {
     pub drop_dead_workers: Option<bool>,
 }
 
-crate::job::options_merge!(PsOptions, servers, consistency, drop_dead_workers);
+crate::job::options_merge!(
+    PsOptions,
+    servers,
+    server_every,
+    consistency,
+    drop_dead_workers
+);
+
+impl PsOptions {
+    /// Server nodes of a run on `nodes` nodes: `--servers`, or one per `--server-every` nodes.
+    pub fn server_count(&self, nodes: u32) -> Result<usize> {
+        match (self.servers, self.server_every) {
+            (Some(_), Some(_)) => Err(Error::Config(
+                "--servers and --server-every say the same thing: give one".into(),
+            )),
+            (None, Some(0)) => Err(Error::Config("--server-every must be at least 1".into())),
+            (None, Some(k)) => Ok((nodes as usize / k).max(1)),
+            (s, None) => Ok(s.unwrap_or(1)),
+        }
+    }
+}
 
 /// Plans the job for `cluster.nodes` nodes (`--servers` of them servers).
 pub fn plan(
@@ -36,7 +60,7 @@ pub fn plan(
     data: &Dataset,
 ) -> Result<PsJob> {
     let nodes = cluster.nodes;
-    let servers = args.servers.unwrap_or(1);
+    let servers = args.server_count(nodes)?;
     if servers == 0 || servers as u32 >= nodes {
         return Err(Error::Config(format!(
             "--servers must be between 1 and {} (--nodes {nodes} includes the workers)",
