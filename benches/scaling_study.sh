@@ -25,10 +25,12 @@ for model in ${MODELS:-mlp-deep mlp-100m}; do
         *) echo "unknown model $model" >&2; exit 2 ;;
     esac
     # Per-node batch 16, so that 1,024 data-parallel workers (a global batch of 16,384) still
-    # fit MNIST's 60,000 examples; 3 global batches of the largest sweep in every run.
+    # fit MNIST's 60,000 examples; 3 global batches of the largest sweep in every run. A
+    # receive may wait long at 100 Mbit/s with 1,024 nodes: a day of virtual time, not 300 s.
     # shellcheck disable=SC2086 # the option lists are meant to split
     "$RINGTMP" compare --simulate \
         --strategies ring+ring-nodes=8,ps:bsp+server-every=8,allreduce,adpsgd \
         --nodes "$NODES" $what $LINKS --batch-size 16 --train-samples 49152 \
+        --recv-timeout 86400 \
         --out "$OUT/$model"
 done

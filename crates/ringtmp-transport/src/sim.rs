@@ -735,6 +735,7 @@ impl SimNode {
         let r = self.rank as usize;
         let shared = Arc::clone(&self.shared);
         let mut st = enter(&shared, self.rank, &self.held)?;
+        let started = st.now[r];
         loop {
             while let Some(event) = Self::arrived(&mut st, r) {
                 match event {
@@ -770,7 +771,7 @@ impl SimNode {
                 }
             }
             if st.now[r] >= deadline {
-                let waited = deadline.saturating_sub(st.now[r]);
+                let waited = st.now[r].saturating_sub(started);
                 return Err(TransportError::Timeout {
                     what: "a message".into(),
                     from: match awaited {

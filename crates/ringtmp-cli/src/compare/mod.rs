@@ -67,6 +67,10 @@ pub fn run(raw: &[String]) -> Result<()> {
         let status = run_one(&exe, &options, plan, &dir)?;
         let took = started.elapsed().as_secs_f64();
         match report::read_summary(&dir) {
+            Some(s) if status.success() && options.simulate => eprintln!(
+                "compare: {label}: {:.0} samples/s simulated ({:.1} s of training), {took:.1} s",
+                s.samples_per_second, s.train_seconds
+            ),
             Some(s) if status.success() => eprintln!(
                 "compare: {label}: {:.2}% final ({:.2}% best), {:.0} samples/s, {took:.1} s",
                 100.0 * s.final_test_accuracy,

@@ -295,10 +295,14 @@ fn cells(row: &Row, target: f64, simulated: bool) -> Vec<String> {
 fn settings(options: &CompareOptions, finished: &[Finished]) -> String {
     let first = finished.first().map(|f| &f.summary);
     let share = match super::spec::sweep_share(options) {
-        Some(share) if !options.train.iter().any(|a| a.starts_with("--node-cpu")) => format!(
-            "; every node of the sweep under a CPU quota of {share} core(s) (--node-cpu), the \
-             same at every node count"
-        ),
+        Some(share)
+            if !options.simulate && !options.train.iter().any(|a| a.starts_with("--node-cpu")) =>
+        {
+            format!(
+                "; every node of the sweep under a CPU quota of {share} core(s) (--node-cpu), \
+                 the same at every node count"
+            )
+        }
         _ => String::new(),
     };
     let length = match first.map(|s| (s.train_samples, s.epochs)) {
