@@ -320,7 +320,12 @@ impl Compute<'_> {
         clock: &dyn ringtmp_transport::Clock,
     ) -> Result<f64> {
         let wall = Instant::now();
-        self.stage.params_mut().copy_from_slice(model);
+        // One pass over the model (recorded for the simulator's cost model; skipped in its
+        // sizes-only runs, where the copy would back every node's model with memory).
+        ringtmp_meter::elementwise(model.len());
+        if !ringtmp_meter::phantom() {
+            self.stage.params_mut().copy_from_slice(model);
+        }
         let loss = crate::data_parallel::forward_share(
             self.spec,
             &mut self.plan,
@@ -374,7 +379,12 @@ pub fn run_worker(
         rank,
         active: !colours[rank as usize],
         near: mixing::bipartite_neighbours(rank, n),
-        model: initial.map_or_else(|| compute.stage.params().to_vec(), <[f32]>::to_vec),
+        model: match initial {
+            Some(model) => model.to_vec(),
+            // A sizes-only run's model: zeroed, never written, so never backed by memory.
+            None if ringtmp_meter::phantom() => vec![0.0; compute.stage.params().len()],
+            None => compute.stage.params().to_vec(),
+        },
         stop: false,
         allowed: Coordinator::initial_grant(n, spec.first_step(), spec.total_steps),
         finished: BTreeSet::new(),
@@ -486,8 +496,7 @@ pub fn run_worker(
             loss
         } else {
             // Virtual time: compute, account it, then answer what arrived meanwhile.
-            let model = me.model.clone();
-            let loss = compute.gradient(&model, step, clock.as_ref())?;
+            let loss = compute.gradient(&me.model, step, clock.as_ref())?;
             compute_seconds += (clock.now() - t0).as_secs_f64();
             loss
         };
@@ -530,7 +539,9 @@ pub fn run_worker(
     // Rank 0's evaluations pause it alone while the others train on: its wall time counts.
     let train_seconds = (clock.now() - started).as_secs_f64();
     let mut stage = compute.stage;
-    stage.params_mut().copy_from_slice(&me.model);
+    if !ringtmp_meter::phantom() {
+        stage.params_mut().copy_from_slice(&me.model);
+    }
     let (own_accuracy, _) = crate::local::evaluate(&mut stage, &data.test, data.classes)?;
     let own = NodeSummary {
         test_accuracy: Some(own_accuracy),

@@ -257,7 +257,10 @@ pub fn run_worker_from(
             }
         }
         gossip_wait += (clock.now() - waited).as_secs_f64();
-        mix(stage.params_mut(), degree, &received[..heard]);
+        if !ringtmp_meter::phantom() {
+            // (A sizes-only run's models carry no values: mixing would only write memory.)
+            mix(stage.params_mut(), degree, &received[..heard]);
+        }
         let lr = spec.lr_at(step);
         let (t1, wall) = (clock.now(), Instant::now());
         stage.step(&mut optimizer, lr);
