@@ -48,7 +48,10 @@ pub struct StagePlan {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum PlanError {
     /// More nodes than layers: some stage would be empty.
-    #[error("{nodes} nodes but only {layers} layers: every node needs at least one layer")]
+    #[error(
+        "{nodes} nodes but only {layers} layers to place (the first node's block runs up to the \
+         first layer with parameters): every node needs at least one layer"
+    )]
     TooManyNodes {
         /// Nodes.
         nodes: usize,
@@ -82,10 +85,12 @@ pub fn plan(
     first_param_layer: usize,
 ) -> Result<Vec<StagePlan>, PlanError> {
     let (l, n) = (costs.len(), nodes.len());
-    if n > l {
+    // Stage 0 holds every layer up to the first with parameters: the others count as one.
+    let blocks = l - first_param_layer.min(l.saturating_sub(1));
+    if n > blocks {
         return Err(PlanError::TooManyNodes {
             nodes: n,
-            layers: l,
+            layers: blocks,
         });
     }
     let prefix_t: Vec<f64> = std::iter::once(0.0)
