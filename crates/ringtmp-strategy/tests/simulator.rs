@@ -74,6 +74,16 @@ fn phantom_runs_take_the_time_and_bytes_of_computing_runs_for_every_strategy() {
             2,
         ),
         (
+            "rings of rings",
+            {
+                let mut ring = ring_job(&cfg("rr"), &data, &[0, 4, layers], Schedule::OneFOneB, 4);
+                ring.spec = ringtmp_strategy::RunSpec::new(cfg("rr"), &data, 64).unwrap();
+                ring.replicas = 2;
+                Job::Ring(ring)
+            },
+            4,
+        ),
+        (
             "ps bsp",
             Job::Ps(ps_job(&cfg("pb"), &data, 1, 4, Consistency::Bsp)),
             5,

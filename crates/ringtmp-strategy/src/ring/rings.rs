@@ -189,6 +189,8 @@ impl Transport for RingsView<'_> {
             .position(|p| *p == self.inner.rank())
             .unwrap_or(0);
         let (right, left) = (group[(me + 1) % n], group[(me + n - 1) % n]);
+        // A sizes-only run's chunks carry no values: nothing to add, copy or scale.
+        let phantom = ringtmp_meter::phantom();
         let parts = chunks(values.len(), n);
         let send = |this: &Self, tag: u64, data: &[f32]| {
             let header = TensorHeader {
@@ -199,7 +201,9 @@ impl Transport for RingsView<'_> {
                 dtype: Dtype::F32,
                 shape: vec![data.len() as u32],
             };
-            let bytes = data.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let mut bytes = Vec::new();
+            // (Empty in a sizes-only run: the header says the size.)
+            ringtmp_wire::message::tensor_bytes_into(data, Dtype::F32, &mut bytes);
             this.inner.send(right, Message::Tensor(header, bytes))
         };
         // Reduce-scatter: after round k, chunk (me − k − 1) holds k + 2 copies' sum.
@@ -209,6 +213,9 @@ impl Transport for RingsView<'_> {
             let into = (me + n - k - 1) % n;
             let got = self.group_tensor(left, step, GROUP | k as u64)?;
             let range = parts[into].clone();
+            if phantom && got.is_empty() {
+                continue;
+            }
             if got.len() != range.len() {
                 return Err(group_error(self, left, "a chunk of the wrong size"));
             }
@@ -225,13 +232,18 @@ impl Transport for RingsView<'_> {
             let into = (me + n - k) % n;
             let got = self.group_tensor(left, step, tag)?;
             let range = parts[into].clone();
+            if phantom && got.is_empty() {
+                continue;
+            }
             if got.len() != range.len() {
                 return Err(group_error(self, left, "a chunk of the wrong size"));
             }
             values[range].copy_from_slice(&got);
         }
-        let scale = 1.0 / n as f32;
-        values.iter_mut().for_each(|v| *v *= scale);
+        if !phantom {
+            let scale = 1.0 / n as f32;
+            values.iter_mut().for_each(|v| *v *= scale);
+        }
         Ok(())
     }
 }
