@@ -864,7 +864,7 @@ async fn writer<W: tokio::io::AsyncWrite + Unpin>(
             }
         };
         if !cfg.shaping.latency.is_zero() {
-            sleep_until(tokio::time::Instant::from_std(
+            emulated_wait(tokio::time::Instant::from_std(
                 enqueued + cfg.shaping.latency,
             ))
             .await;
@@ -940,10 +940,26 @@ async fn write_frame_paced<W: tokio::io::AsyncWrite + Unpin>(
         .chunks(PACING_CHUNK)
         .chain(payload.chunks(PACING_CHUNK))
     {
-        sleep_until(nic.reserve(piece.len(), bits_per_second)).await;
+        emulated_wait(nic.reserve(piece.len(), bits_per_second)).await;
         stream.write_all(piece).await?;
     }
     Ok(scratch.len() + payload.len())
+}
+
+/// Waits until `deadline` as well as a millisecond timer can. Tokio's timers wake about a
+/// millisecond tick after their deadline, so every emulated wait overshot, twice a message (its
+/// latency, then its pieces on the card): a 2 ms link measured 8.36 ms of round trip instead of
+/// about 4.1, and pipelines of small micro-batches ran a third slower than the simulator
+/// predicted (docs/BENCHMARKS.md, session 7). A wait shorter than a tick is not slept (the
+/// card's ledger still counts the time, so the rate holds over any longer interval), and a
+/// longer one aims a tick early: `ringtmp selftest --nodes 2 --bandwidth-mbit 100
+/// --latency-ms 2` now measures 4.23 ms (5 ms: 10.30 ms), at the same 12.4 MB/s.
+async fn emulated_wait(deadline: tokio::time::Instant) {
+    const TICK: Duration = Duration::from_millis(1);
+    let now = tokio::time::Instant::now();
+    if deadline.saturating_duration_since(now) > TICK {
+        sleep_until(deadline - TICK).await;
+    }
 }
 
 async fn watchdog(
