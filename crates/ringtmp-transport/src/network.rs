@@ -425,6 +425,16 @@ impl Network {
 
     /// Tells every peer that this node is giving up (best effort, bounded), so they stop too.
     pub fn abort(&self, reason: &str) {
+        // Per link, the count of written frames at which the abort is on the wire: those written
+        // so far, those queued before it, and itself.
+        let written_at: Vec<u64> = self
+            .links
+            .values()
+            .map(|l| {
+                let queued = (SEND_QUEUE - l.queue.capacity()) as u64;
+                l.counters.messages_sent.load(Ordering::Relaxed) + queued + 1
+            })
+            .collect();
         self.broadcast_except(
             u32::MAX,
             Control::Abort {
@@ -433,10 +443,17 @@ impl Network {
             },
         );
         // Give the writers a moment to put the frames on the wire before the process exits.
+        // Taken from the queue is not enough: a writer still encrypting or flushing the abort
+        // when the process ended left the peer a closed connection instead of the reason (the
+        // peer then named this node, not the one that failed).
         self.runtime.block_on(async {
             let flush = async {
-                for link in self.links.values() {
-                    let _ = link.queue.reserve_many(SEND_QUEUE).await;
+                for (link, target) in self.links.values().zip(&written_at) {
+                    while link.counters.messages_sent.load(Ordering::Relaxed) < *target
+                        && !link.queue.is_closed()
+                    {
+                        tokio::time::sleep(Duration::from_millis(1)).await;
+                    }
                 }
             };
             let _ = timeout(Duration::from_millis(500), flush).await;
