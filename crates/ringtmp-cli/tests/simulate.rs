@@ -83,8 +83,11 @@ fn simulate_prints_its_inputs_and_results_and_sizes_only_agrees_with_computing()
         assert!(second.status.success(), "{strategy}: {}", text(&second));
         let (p, c) = (samples_per_second(&phantom), samples_per_second(&computing));
         assert!(p > 0.0, "{strategy}");
+        // Not bit-equal through the binary: the nodes' reports carry measured CPU time and
+        // memory, whose encodings differ by a few bytes between runs and can reorder two events
+        // of the async ring (CI once saw 1.6%). `tests/simulator.rs` checks equality exactly.
         assert!(
-            (p - c).abs() / c < 1e-3,
+            (p - c).abs() / c < 0.05,
             "{strategy}: sizes only {p} samples/s, computing {c}"
         );
     }
