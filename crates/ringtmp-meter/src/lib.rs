@@ -52,23 +52,6 @@ impl Work {
             && self.forward_rows.iter().all(|r| *r == 0)
             && self.backward_rows.iter().all(|r| *r == 0)
     }
-
-    /// Adds `other` to this record.
-    pub fn add(&mut self, other: &Work) {
-        add_rows(&mut self.forward_rows, &other.forward_rows);
-        add_rows(&mut self.backward_rows, &other.backward_rows);
-        self.updated_params += other.updated_params;
-        self.elementwise += other.elementwise;
-    }
-}
-
-fn add_rows(to: &mut Vec<u64>, from: &[u64]) {
-    if to.len() < from.len() {
-        to.resize(from.len(), 0);
-    }
-    for (t, f) in to.iter_mut().zip(from) {
-        *t += f;
-    }
 }
 
 /// In phantom mode, tensors up to this many values still carry them by default (see
