@@ -57,6 +57,12 @@ pub struct NodeSummary {
     /// its own starts, as server 0 saw them.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub staleness_histogram: Vec<u64>,
+    /// Parameter servers under ASP, SSP and DSSP, on a server: how many applied pushes had each
+    /// update staleness (index = pushes this server applied between sending the worker the
+    /// parameters it computed from and applying its gradient; the last index also counts larger
+    /// ones).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub update_staleness_histogram: Vec<u64>,
     /// Parameter servers: workers dropped after dying.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dropped_workers: Vec<u32>,

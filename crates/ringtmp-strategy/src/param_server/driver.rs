@@ -103,8 +103,66 @@ pub struct ServerOutcome {
     pub dropped: Vec<ringtmp_metrics::DroppedNode>,
     /// Per worker, its observed staleness histogram at this server.
     pub worker_staleness: Vec<Vec<u64>>,
+    /// Update staleness of the pushes applied one at a time (not under BSP).
+    pub update_staleness: UpdateStaleness,
     /// End-of-run reports (JSON) that workers sent while this server was still serving others.
     pub reports: Vec<String>,
+}
+
+/// How stale the gradients a server applies are, counted in its own updates: a push computed from
+/// the parameters sent when the server had applied `a` pushes, applied when it has applied `b`,
+/// has staleness `b - a`. Under ASP, SSP and DSSP each push is one update; under BSP an update is
+/// a whole iteration and nothing is recorded. The histogram is bounded: the last bucket holds
+/// everything at or above it.
+#[derive(Clone, Debug, Default)]
+pub struct UpdateStaleness {
+    /// Pushes applied so far.
+    applied: u64,
+    /// Per worker, `applied` when it was last sent this shard.
+    sent_at: Vec<u64>,
+    /// Index = staleness, value = pushes.
+    pub histogram: Vec<u64>,
+}
+
+impl UpdateStaleness {
+    /// Buckets kept; the last one counts every larger staleness too.
+    const BUCKETS: usize = 64;
+
+    fn new(workers: usize) -> Self {
+        Self {
+            applied: 0,
+            sent_at: vec![0; workers],
+            histogram: Vec::new(),
+        }
+    }
+
+    fn sent(&mut self, w: usize) {
+        self.sent_at[w] = self.applied;
+    }
+
+    /// Worker `w`'s push is being applied; returns its staleness.
+    fn applying(&mut self, w: usize) -> u64 {
+        let tau = self.applied - self.sent_at[w];
+        let bucket = (tau as usize).min(Self::BUCKETS - 1);
+        if self.histogram.len() <= bucket {
+            self.histogram.resize(bucket + 1, 0);
+        }
+        self.histogram[bucket] += 1;
+        self.applied += 1;
+        tau
+    }
+
+    /// Mean staleness of the pushes applied so far (0 when none were).
+    pub fn mean(&self) -> f64 {
+        let n: u64 = self.histogram.iter().sum();
+        let total: u64 = self
+            .histogram
+            .iter()
+            .enumerate()
+            .map(|(t, c)| t as u64 * c)
+            .sum();
+        total as f64 / n.max(1) as f64
+    }
 }
 
 /// A tensor message of `values` in a buffer from the node's pool: a gradient push (`step` the
@@ -177,6 +235,7 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
     let mut bsp = BspSum::new(job.workers, params.len(), job.spec.lr);
     let (mut values, mut scratch) = (Vec::new(), Vec::new());
     let scale = 1.0 / job.workers as f32;
+    let mut updates = UpdateStaleness::new(job.workers);
     while finished.len() + dropped.len() < job.workers {
         let (from, message) = match net.recv(job.timeout()) {
             Ok(m) => m,
@@ -210,7 +269,14 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
                 ) {
                     checkpoints.iteration_done(job, s, &model, &params, &optimizer, net)?;
                 }
-                send_replies(replies, &params, job.servers, job.spec.wire_dtype, net)?;
+                send_replies(
+                    replies,
+                    &params,
+                    job.servers,
+                    job.spec.wire_dtype,
+                    &mut updates,
+                    net,
+                )?;
                 continue;
             }
         };
@@ -227,7 +293,14 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
                     settled,
                 }) if from == 0 && (worker as usize) < job.workers => {
                     let replies = pulls.grant(worker as usize, unit, settled, now());
-                    send_replies(replies, &params, job.servers, job.spec.wire_dtype, net)?;
+                    send_replies(
+                        replies,
+                        &params,
+                        job.servers,
+                        job.spec.wire_dtype,
+                        &mut updates,
+                        net,
+                    )?;
                 }
                 _ => {
                     return Err(Error::Config(format!(
@@ -251,6 +324,7 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
                     &params,
                     job.servers,
                     job.spec.wire_dtype,
+                    &mut updates,
                     net,
                 )?;
             }
@@ -283,11 +357,19 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
                     values.clear();
                     values.extend(grads.iter().map(|g| g * scale));
                     net.buffers().give(bytes);
+                    updates.applying(w);
                     optimizer.step(&mut params, &values, lr, 1);
                     checkpoints.push_applied(job, s, &model, &params, &optimizer, net)?;
                 }
                 let replies = pulls.pushed(w, h.micro_batch, now());
-                send_replies(replies, &params, job.servers, job.spec.wire_dtype, net)?;
+                send_replies(
+                    replies,
+                    &params,
+                    job.servers,
+                    job.spec.wire_dtype,
+                    &mut updates,
+                    net,
+                )?;
             }
             Message::Control(Control::Report { nodes }) => reports.extend(nodes),
             Message::Control(Control::Finished { .. }) => {
@@ -297,6 +379,7 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
                     &params,
                     job.servers,
                     job.spec.wire_dtype,
+                    &mut updates,
                     net,
                 )?;
             }
@@ -341,6 +424,7 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
         worker_staleness: (0..job.workers)
             .map(|w| pulls.gate().worker_staleness(w).to_vec())
             .collect(),
+        update_staleness: updates,
         dropped: drops,
         reports,
     })
@@ -352,6 +436,7 @@ fn send_replies(
     params: &[f32],
     servers: usize,
     dtype: Dtype,
+    staleness: &mut UpdateStaleness,
     net: &mut dyn Transport,
 ) -> Result<()> {
     for reply in replies {
@@ -360,7 +445,10 @@ fn send_replies(
                 worker,
                 clock,
                 unit,
-            } => send_params(worker, clock, unit, params, servers, dtype, net)?,
+            } => {
+                staleness.sent(worker);
+                send_params(worker, clock, unit, params, servers, dtype, net)?
+            }
             Reply::Grant {
                 to,
                 worker,

@@ -110,6 +110,13 @@ fn run(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
         let outcome = run_server(job, rank as usize, net)?;
         let mut own = base_summary(rank, "server", outcome.params.len() as u64, net);
         own.staleness_histogram = outcome.staleness;
+        own.update_staleness_histogram = outcome.update_staleness.histogram.clone();
+        if job.consistency != Consistency::Bsp {
+            tracing::info!(
+                "server {rank}: mean update staleness {:.2} pushes",
+                outcome.update_staleness.mean()
+            );
+        }
         own.dropped_workers = outcome.dropped.iter().map(|d| d.rank).collect();
         own.optimizer_bytes = own.param_bytes * optimizer_copies(job);
         if rank != 0 {

@@ -112,8 +112,10 @@ pub fn plan(
     );
     if let Some(m) = stale_momentum {
         eprintln!(
-            "stale updates from {workers} workers: SGD momentum {m:.2} (the default for stale \
-             consistency models, 1 - {workers}/10; --momentum sets it)"
+            "stale updates from {workers} workers: SGD momentum {m:.1} (the default for stale \
+             consistency models: the most that keeps a fifth of synchronous SGD's stability \
+             margin under a delay of {} updates; --momentum sets it)",
+            workers.saturating_sub(1)
         );
     }
     let mut spec = RunSpec::new(cfg.clone(), data, global)?;
@@ -152,14 +154,71 @@ pub fn plan(
 /// SGD's momentum for a stale consistency model run by `workers` workers, when the user gives
 /// none.
 ///
-/// Under ASP, SSP and DSSP each worker's gradient lands on the server about `workers - 1`
-/// updates after the parameters it was computed from, and staleness acts as momentum of its own
-/// (Mitliagkas et al., "Asynchrony begets momentum", 2016: about `1 - 1/W` for W asynchronous
-/// workers). SGD's 0.9 averages over the last 10 updates; with W workers in flight, the updates
-/// already overlap W at a time, so the explicit momentum keeps an average over 10/W of them:
-/// `1 - W/10`. Measured on 3 workers (docs/BENCHMARKS.md, "stale parameter-server momentum"):
-/// at 0.9 the cnn diverged under asp and dssp (11% after 24,000 samples); at 0.7 it reached
-/// 95–96% and the mlp models kept their accuracy.
+/// Under ASP, SSP and DSSP each push is one update of `lr/W`, and a worker's gradient lands
+/// about `W − 1` updates after the parameters it was computed from (measured: every push of the
+/// 3-worker cnn at 100 Mbit/s had staleness exactly 2; on loopback 1.97 on average, spread over
+/// 0–4). Delay and momentum together make SGD oscillate: on a quadratic of curvature `λ` the
+/// update `x ← x + μ(x − x₋₁) − a·x₋τ` (with `a = lr·λ/W`) diverges at a much smaller `a` than
+/// synchronous SGD does. The default is the largest momentum (in steps of 0.1) that keeps at
+/// least a fifth of synchronous SGD's margin at 0.9 under a constant delay of `W − 1`
+/// ([`delayed_margin`]): 0.9 for one worker, 0.6 for two, 0.5 for three and more. Measured
+/// (docs/BENCHMARKS.md, "stale parameter-server momentum"): the 3-worker cnn under DSSP at
+/// 100 Mbit/s reached 64% and 77% at 0.7 (diverging), 92.5% at 0.5, 94.1% at 0.3; on loopback
+/// 0.5 gave the cnn 95.8% (0.7: 95.2%), mlp-deep 85.5% (0.7: 76.8%), and cost the mlp 1.3 points
+/// (91.7% against 93.0%).
 pub fn stale_momentum(workers: usize) -> f32 {
-    (1.0 - workers as f32 / 10.0).max(0.0)
+    let delay = workers.saturating_sub(1);
+    (0..=9)
+        .rev()
+        .map(|tenths| tenths as f64 / 10.0)
+        .find(|&momentum| delayed_margin(momentum, delay, workers.max(1)) >= 0.2)
+        .unwrap_or(0.0) as f32
+}
+
+/// How much of synchronous SGD's stability margin at momentum 0.9 is left to `workers` workers
+/// whose pushes each apply `1/workers` of an iteration's rate with momentum `momentum`, `delay`
+/// updates late: the largest stable `a` of `x ← x + μ(x − x₋₁) − a·x₋delay`, times `workers`,
+/// over synchronous heavy-ball's `2(1 + 0.9)`. 1 for one worker at 0.9; below 1 is less margin.
+pub fn delayed_margin(momentum: f64, delay: usize, workers: usize) -> f64 {
+    let stable = |a: f64| delayed_recurrence_decays(momentum, delay, a);
+    let (mut lo, mut hi) = (0.0f64, 4.0f64);
+    for _ in 0..40 {
+        let mid = 0.5 * (lo + hi);
+        if stable(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo * workers as f64 / (2.0 * 1.9)
+}
+
+/// Whether `x_{t+1} = (1 + μ)x_t − μ·x_{t−1} − a·x_{t−delay}` decays: its growth per step over
+/// the second half of a long run, from an impulse, renormalised so that nothing overflows.
+fn delayed_recurrence_decays(momentum: f64, delay: usize, a: f64) -> bool {
+    const STEPS: usize = 40_000;
+    let len = delay.max(1) + 1;
+    // history[i] = x_{t-i}
+    let mut history = vec![0.0f64; len];
+    history[0] = 1.0;
+    let mut log_scale = 0.0f64;
+    let mut log_at_half = 0.0f64;
+    for step in 0..STEPS {
+        let next = (1.0 + momentum) * history[0] - momentum * history[1] - a * history[delay];
+        history.rotate_right(1);
+        history[0] = next;
+        if step % 64 == 63 {
+            let norm = history.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+            if norm == 0.0 || !norm.is_finite() {
+                return norm == 0.0;
+            }
+            log_scale += norm.ln();
+            history.iter_mut().for_each(|x| *x /= norm);
+        }
+        if step == STEPS / 2 {
+            log_at_half = log_scale;
+        }
+    }
+    let norm = history.iter().fold(0.0f64, |m, x| m.max(x.abs()));
+    log_scale + norm.ln() < log_at_half
 }
