@@ -1149,6 +1149,73 @@ fn compare_writes_the_report_and_skips_finished_runs() {
     }
 }
 
+// Issue 13.5: a sample budget cuts the faster strategies short, so `compare --train-seconds T`
+// gives every run the same training time instead: a probe run per configuration measures its
+// samples/s, and the run trains on T times that many samples.
+#[test]
+fn compare_at_equal_time_gives_every_run_the_budget_its_probe_measured() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("eq").display().to_string();
+    let seconds = 1.5;
+    let child = ringtmp()
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+        .args([
+            "compare",
+            "--strategies",
+            "ring,allreduce",
+            "--nodes",
+            "2",
+            "--train-seconds",
+            &seconds.to_string(),
+            "--out",
+            &out,
+            "--dataset",
+            "digits",
+            "--model-file",
+            "examples/models/lenet-dropout.toml",
+            "--batch-size",
+            "16",
+            "--eval-every",
+            "0",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let output = finish(child, Duration::from_secs(240)).0;
+    let err = stderr(&output);
+    assert!(output.status.success(), "{err}");
+    let dir = tmp.path().join("eq");
+    let summary = |run: &str| -> serde_json::Value {
+        serde_json::from_str(
+            &std::fs::read_to_string(dir.join(format!("runs/{run}/summary.json"))).unwrap(),
+        )
+        .unwrap()
+    };
+    for strategy in ["ring", "allreduce"] {
+        let probe = summary(&format!("{strategy}-n2-probe"));
+        assert_eq!(probe["train_samples"], 4096, "{probe}");
+        let rate = probe["samples_per_second"].as_f64().unwrap();
+        let expected = ((rate * seconds).ceil() as u64).max(4096);
+        let run = summary(&format!("{strategy}-n2-r0"));
+        assert_eq!(run["train_samples"].as_u64(), Some(expected), "{strategy}");
+        assert!(
+            err.contains(&format!("so {expected} samples for {seconds} s")),
+            "{err}"
+        );
+    }
+    let md = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    assert!(
+        md.contains("equal training time: about 1.5 s per run"),
+        "{md}"
+    );
+    assert!(md.contains("training time (s)"), "{md}");
+    // The probes are not runs of the report.
+    let results = std::fs::read_to_string(dir.join("results.jsonl")).unwrap();
+    assert_eq!(results.lines().count(), 2, "{results}");
+    assert!(!results.contains("probe"), "{results}");
+}
+
 // Issue 13.2: --node-cpu puts a local node under a kernel CPU quota (cgroups); where no cgroup
 // controller is writable the run is refused before it starts, saying what is missing. The group
 // is removed after the run.

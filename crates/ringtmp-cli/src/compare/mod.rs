@@ -62,9 +62,15 @@ pub fn run(raw: &[String]) -> Result<()> {
             eprintln!("compare: {label}: finished before, kept");
             continue;
         }
+        let mut plan = plan.clone();
+        if let Some(seconds) = options.train_seconds {
+            let samples = budget_for(&exe, &options, &plan, seconds, &label)?;
+            plan.args
+                .extend(["--train-samples".into(), samples.to_string()]);
+        }
         eprintln!("compare: {label} …");
         let started = Instant::now();
-        let status = run_one(&exe, &options, plan, &dir)?;
+        let status = run_one(&exe, &options, &plan, &dir)?;
         let took = started.elapsed().as_secs_f64();
         match report::read_summary(&dir) {
             Some(s) if status.success() && options.simulate => eprintln!(
@@ -90,6 +96,53 @@ pub fn run(raw: &[String]) -> Result<()> {
         options.out.join("report.html").display()
     );
     Ok(())
+}
+
+/// The sample budget that gives `plan` about `seconds` of training: its probe run's samples/s
+/// (measured once per configuration, kept under `runs/<config>-probe`) times `seconds`, at
+/// least the probe's own samples.
+fn budget_for(
+    exe: &Path,
+    options: &CompareOptions,
+    plan: &RunPlan,
+    seconds: f64,
+    label: &str,
+) -> Result<u64> {
+    let probe = RunPlan {
+        name: spec::probe_name(plan),
+        args: spec::probe_args(plan),
+        ..plan.clone()
+    };
+    let dir = options.out.join("runs").join(&probe.name);
+    if report::read_summary(&dir).is_none() {
+        eprintln!(
+            "compare: {label}: probe of {} samples for its samples/s …",
+            spec::PROBE_SAMPLES
+        );
+        let status = run_one(exe, options, &probe, &dir)?;
+        if !status.success() {
+            anyhow::bail!(
+                "compare: the probe run of {} failed ({status}); see {}.log",
+                plan.strategy,
+                dir.display()
+            );
+        }
+    }
+    let Some(summary) = report::read_summary(&dir) else {
+        anyhow::bail!("compare: the probe run {} wrote no summary", dir.display());
+    };
+    let rate = summary.samples_per_second;
+    if !(rate.is_finite() && rate > 0.0) {
+        anyhow::bail!(
+            "compare: the probe run {} measured {rate} samples/s",
+            dir.display()
+        );
+    }
+    let samples = ((rate * seconds).ceil() as u64).max(spec::PROBE_SAMPLES);
+    eprintln!(
+        "compare: {label}: {rate:.0} samples/s in its probe, so {samples} samples for {seconds} s"
+    );
+    Ok(samples)
 }
 
 /// Runs one `ringtmp train` into `dir`, its output in `dir.log`.

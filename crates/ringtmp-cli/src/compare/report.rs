@@ -115,6 +115,7 @@ struct Row {
     busiest_bytes_per_sample: Option<(f64, f64, f64)>,
     peak_rss_mb: Option<(f64, f64, f64)>,
     idle_fraction: Option<(f64, f64, f64)>,
+    train_seconds: Option<(f64, f64, f64)>,
 }
 
 fn rows(finished: &[Finished]) -> Vec<Row> {
@@ -156,6 +157,7 @@ fn rows(finished: &[Finished]) -> Vec<Row> {
                     .filter(|r| r.summary.time_to_target_seconds.is_some())
                     .count(),
                 samples_per_second: of(&|r| r.summary.samples_per_second),
+                train_seconds: of(&|r| r.summary.train_seconds),
                 bytes_per_sample: of(&|r| r.summary.bytes_per_sample),
                 busiest_bytes_per_sample: of(&|r| {
                     r.busiest_bytes() as f64 / r.summary.samples.max(1) as f64
@@ -206,7 +208,7 @@ pub fn write(options: &CompareOptions) -> Result<usize> {
         let line = json!({
             "run": f.plan.name, "strategy": f.plan.strategy, "nodes": f.plan.nodes,
             "repeat": f.plan.repeat, "seed": s.seed, "model": s.model, "dataset": s.dataset,
-            "steps": s.steps, "samples": s.samples,
+            "steps": s.steps, "samples": s.samples, "train_samples": s.train_samples,
             "final_test_accuracy": s.final_test_accuracy,
             "best_test_accuracy": s.best_test_accuracy,
             "target_accuracy": s.target_accuracy,
@@ -245,7 +247,7 @@ pub fn write(options: &CompareOptions) -> Result<usize> {
     Ok(finished.len())
 }
 
-const COLUMNS: [&str; 9] = [
+const COLUMNS: [&str; 10] = [
     "run",
     "final accuracy %",
     "best %",
@@ -255,6 +257,7 @@ const COLUMNS: [&str; 9] = [
     "bytes/sample (busiest node)",
     "peak RSS, largest node (MB)",
     "idle % of training time",
+    "training time (s)",
 ];
 
 fn cells(row: &Row, target: f64, simulated: bool) -> Vec<String> {
@@ -282,6 +285,7 @@ fn cells(row: &Row, target: f64, simulated: bool) -> Vec<String> {
         show(row.busiest_bytes_per_sample, 0, 1.0),
         show(row.peak_rss_mb, 0, 1.0),
         show(row.idle_fraction, 1, 100.0),
+        show(row.train_seconds, 1, 1.0),
     ];
     if simulated {
         // Sizes-only runs compute no accuracy, and their memory is the simulator's.
@@ -306,6 +310,13 @@ fn settings(options: &CompareOptions, finished: &[Finished]) -> String {
         _ => String::new(),
     };
     let length = match first.map(|s| (s.train_samples, s.epochs)) {
+        _ if options.train_seconds.is_some() => format!(
+            "equal training time: about {} s per run (each run's sample budget is that time × \
+             the samples/s of a probe run of {} samples of its own configuration, under \
+             runs/*-probe)",
+            options.train_seconds.unwrap_or_default(),
+            super::spec::PROBE_SAMPLES
+        ),
         Some((Some(samples), _)) => format!("{samples} training samples"),
         Some((None, epochs)) => format!("{epochs} epoch(s)"),
         None => "? epoch(s)".into(),
@@ -706,13 +717,38 @@ fn claims(finished: &[Finished], rows: &[Row]) -> Vec<Claim> {
                     r.strategy
                 ))
             );
+            // A run that stopped training before the other side reached the target was not
+            // given the time: it decides nothing (a sample budget cuts the faster strategies
+            // short; --train-seconds gives every run the same time).
+            let trained = |r: &Row| r.train_seconds.map_or(0.0, |t| t.0);
+            let cut_short = |rows: &[&Row], reached_at: f64| -> Vec<String> {
+                rows.iter()
+                    .filter(|r| r.time_to_target.is_none() && trained(r) < 0.9 * reached_at)
+                    .map(|r| format!("{} ({:.1} s)", r.strategy, trained(r)))
+                    .collect()
+            };
             let verdict = match (ring_time, best_other) {
                 (Some(t), Some((o, _)))
                     if t <= o * 1.1 && ring_accuracy >= best_accuracy - 0.005 =>
                 {
                     "holds".to_string()
                 }
-                (Some(_), None) => "holds: only the ring reached the target".to_string(),
+                (Some(t), None) => match cut_short(&others, t) {
+                    short if short.is_empty() => {
+                        "holds: only the ring reached the target".to_string()
+                    }
+                    short => format!(
+                        "not decided: {} stopped training before the ring reached the target \
+                         ({t:.1} s); compare at equal time (--train-seconds)",
+                        short.join(", ")
+                    ),
+                },
+                (None, Some((o, _))) if trained(ring) < 0.9 * o => format!(
+                    "not decided: {} stopped training after {:.1} s, before the others reached \
+                     the target ({o:.1} s); compare at equal time (--train-seconds)",
+                    ring.strategy,
+                    trained(ring)
+                ),
                 (None, None) => "not decided: no strategy reached the target".to_string(),
                 _ => "does not hold".to_string(),
             };

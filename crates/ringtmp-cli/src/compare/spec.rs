@@ -34,7 +34,15 @@ pub struct CompareOptions {
     pub simulate: bool,
     /// The simulations' cost model (`None`: measured once, by the first run).
     pub cost_model: Option<PathBuf>,
+    /// Equal training time: every run trains for about this many seconds on its own training
+    /// clock (its sample budget from a probe run's samples/s), instead of one sample budget.
+    pub train_seconds: Option<f64>,
 }
+
+/// Samples a probe run of `--train-seconds` trains on to measure its configuration's samples/s:
+/// enough steps that start-up (the first allocations, a pipeline's fill) weighs little, few
+/// enough to cost a fraction of the runs themselves.
+pub const PROBE_SAMPLES: u64 = 4096;
 
 /// The TOML form: `strategies`, `nodes`, `repeats`, `out`, and a `[train]` table of `ringtmp
 /// train` keys.
@@ -45,6 +53,7 @@ struct CompareFile {
     nodes: Option<Vec<u32>>,
     repeats: Option<u32>,
     out: Option<PathBuf>,
+    train_seconds: Option<f64>,
     train: Option<toml::Table>,
 }
 
@@ -54,7 +63,8 @@ Run several strategies on the same model, data, seed and emulated cluster, one a
 and write a side-by-side report (results.jsonl, report.md, report.html with plots).
 
 Usage: ringtmp compare [--strategies LIST] [--nodes N[,N...]] [--repeats K] [--out DIR]
-                       [--config FILE] [--simulate [--cost-model FILE]] [TRAIN OPTIONS...]
+                       [--train-seconds T] [--config FILE] [--simulate [--cost-model FILE]]
+                       [TRAIN OPTIONS...]
 
 Options:
   --strategies LIST   comma-separated: ring[:SCHEDULE], ps:bsp, ps:ssp:S, ps:asp, ps:dssp:L:U,
@@ -66,7 +76,11 @@ Options:
                       the range [default: 1]
   --out DIR           output directory; runs already finished there are not run again
                       [default: runs/<time>-compare]
-  --config FILE       a TOML file: strategies, nodes, repeats, out, and a [train] table
+  --train-seconds T   equal time instead of equal samples: every run trains for about T seconds
+                      (its sample budget is T × the samples/s of a probe run of 4096 samples,
+                      kept under runs/ as <run>-probe); replaces --epochs and --train-samples
+  --config FILE       a TOML file: strategies, nodes, repeats, out, train_seconds, and a
+                      [train] table
   --simulate          run `ringtmp simulate` instead of `train`: clusters this machine lacks
                       (no accuracy; one cost model for every run, measured by the first)
   --cost-model FILE   with --simulate: the cost model to use (from `simulate --save-cost-model`)
@@ -99,6 +113,7 @@ pub fn parse(raw: &[String]) -> Result<Option<CompareOptions>> {
             "--out" => "out",
             "--config" => "config",
             "--cost-model" => "cost-model",
+            "--train-seconds" => "train-seconds",
             "--simulate" => {
                 own.insert("simulate", "true".into());
                 i += 1;
@@ -203,6 +218,36 @@ pub fn parse(raw: &[String]) -> Result<Option<CompareOptions>> {
     if cost_model.is_some() && !simulate {
         return Err(UsageError("--cost-model applies to --simulate only".into()).into());
     }
+    let train_seconds = match own.get("train-seconds") {
+        Some(t) => Some(
+            t.parse::<f64>()
+                .ok()
+                .filter(|t| t.is_finite() && *t > 0.0)
+                .ok_or_else(|| {
+                    UsageError(format!("--train-seconds {t:?}: expected seconds > 0"))
+                })?,
+        ),
+        None => file.train_seconds,
+    };
+    if train_seconds.is_some() {
+        if simulate {
+            return Err(UsageError(
+                "--train-seconds applies to real runs (a simulation has no accuracy to compare \
+                 at equal time)"
+                    .into(),
+            )
+            .into());
+        }
+        if let Some(flag) = all_train
+            .iter()
+            .find(|a| ["--epochs", "--train-samples"].contains(&a.split('=').next().unwrap_or("")))
+        {
+            return Err(UsageError(format!(
+                "--train-seconds and {flag} both say how long to train; give one"
+            ))
+            .into());
+        }
+    }
     Ok(Some(CompareOptions {
         strategies,
         nodes,
@@ -211,6 +256,7 @@ pub fn parse(raw: &[String]) -> Result<Option<CompareOptions>> {
         train: all_train,
         simulate,
         cost_model,
+        train_seconds,
     }))
 }
 
@@ -355,18 +401,44 @@ pub fn sweep_share(options: &CompareOptions) -> Option<f64> {
 
 /// `args` without a `--seed` option (a repeat sets its own).
 fn without_seed(args: &[String]) -> Vec<String> {
+    without_option(args, "--seed")
+}
+
+/// `args` without option `flag` and its value (either `--flag V` or `--flag=V`).
+pub fn without_option(args: &[String], flag: &str) -> Vec<String> {
     let mut out = Vec::new();
     let mut skip = false;
     for a in args {
         if skip {
             skip = false;
-        } else if a == "--seed" {
+        } else if a == flag {
             skip = true;
-        } else if !a.starts_with("--seed=") {
+        } else if !a.starts_with(&format!("{flag}=")) {
             out.push(a.clone());
         }
     }
     out
+}
+
+/// The name of the probe run that measures `plan`'s configuration for `--train-seconds` (one
+/// for all its repeats).
+pub fn probe_name(plan: &RunPlan) -> String {
+    match plan.name.rsplit_once("-r") {
+        Some((config, _)) => format!("{config}-probe"),
+        None => format!("{}-probe", plan.name),
+    }
+}
+
+/// `plan`'s arguments for its probe run: `PROBE_SAMPLES` samples, no evaluation.
+pub fn probe_args(plan: &RunPlan) -> Vec<String> {
+    let mut args = without_option(&without_seed(&plan.args), "--eval-every");
+    args.extend([
+        "--train-samples".into(),
+        PROBE_SAMPLES.to_string(),
+        "--eval-every".into(),
+        "0".into(),
+    ]);
+    args
 }
 
 impl TrainArgs {
@@ -465,5 +537,46 @@ mod tests {
         assert_eq!(runs[1].args.iter().filter(|a| *a == "--seed").count(), 1);
         assert!(runs[1].args.ends_with(&strings(&["--seed", "8"])));
         assert!(parse(&strings(&["--nodes", "0"])).is_err());
+    }
+
+    #[test]
+    fn equal_time_replaces_the_sample_budget_and_probes_once_per_configuration() {
+        let o = parse(&strings(&[
+            "--strategies",
+            "ring",
+            "--repeats",
+            "2",
+            "--train-seconds",
+            "90",
+            "--eval-every",
+            "5",
+        ]))
+        .unwrap()
+        .unwrap();
+        assert_eq!(o.train_seconds, Some(90.0));
+        let runs = runs(&o).unwrap();
+        // Both repeats share one probe, which trains PROBE_SAMPLES and never evaluates.
+        assert_eq!(probe_name(&runs[0]), "ring-n4-probe");
+        assert_eq!(probe_name(&runs[1]), "ring-n4-probe");
+        let probe = probe_args(&runs[1]);
+        assert!(probe.ends_with(&strings(&[
+            "--train-samples",
+            &PROBE_SAMPLES.to_string(),
+            "--eval-every",
+            "0"
+        ])));
+        assert_eq!(probe.iter().filter(|a| *a == "--eval-every").count(), 1);
+        assert!(!probe.contains(&"--seed".to_string()));
+        for bad in [
+            vec!["--train-seconds", "0"],
+            vec!["--train-seconds", "-3"],
+            vec!["--train-seconds", "soon"],
+            vec!["--train-seconds", "60", "--epochs", "2"],
+            vec!["--train-seconds", "60", "--train-samples=900"],
+            vec!["--train-seconds", "60", "--simulate"],
+        ] {
+            let err = parse(&strings(&bad)).unwrap_err().to_string();
+            assert!(err.contains("--train-seconds"), "{bad:?}: {err}");
+        }
     }
 }
