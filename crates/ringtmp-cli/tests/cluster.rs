@@ -1214,6 +1214,20 @@ fn compare_at_equal_time_gives_every_run_the_budget_its_probe_measured() {
     let results = std::fs::read_to_string(dir.join("results.jsonl")).unwrap();
     assert_eq!(results.lines().count(), 2, "{results}");
     assert!(!results.contains("probe"), "{results}");
+    for line in results.lines() {
+        let line: serde_json::Value = serde_json::from_str(line).unwrap();
+        let args: Vec<&str> = line["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap())
+            .collect();
+        let budget = line["train_samples"].as_u64().unwrap().to_string();
+        assert!(
+            args.ends_with(&["--train-samples", budget.as_str()]),
+            "the run's budget is in its arguments: {line}"
+        );
+    }
 }
 
 // Issue 13.2: --node-cpu puts a local node under a kernel CPU quota (cgroups); where no cgroup

@@ -183,6 +183,16 @@ fn rows(finished: &[Finished]) -> Vec<Row> {
         .collect()
 }
 
+/// The `ringtmp train` arguments run `f` had: its plan's, and under `--train-seconds` the sample
+/// budget its probe gave it (its summary's).
+fn run_args(options: &CompareOptions, f: &Finished) -> Vec<String> {
+    let mut args = f.plan.args.clone();
+    if let (Some(_), Some(samples)) = (options.train_seconds, f.summary.train_samples) {
+        args.extend(["--train-samples".into(), samples.to_string()]);
+    }
+    args
+}
+
 /// Writes results.jsonl, the plots, report.md and report.html; returns the runs reported.
 pub fn write(options: &CompareOptions) -> Result<usize> {
     let out = &options.out;
@@ -221,7 +231,7 @@ pub fn write(options: &CompareOptions) -> Result<usize> {
             "compute_seconds": s.per_node.iter().map(|n| n.compute_seconds).collect::<Vec<_>>(),
             "idle_seconds": s.per_node.iter().map(|n| n.idle_seconds).collect::<Vec<_>>(),
             "dropped_nodes": s.dropped_nodes.iter().map(|d| d.rank).collect::<Vec<_>>(),
-            "args": f.plan.args,
+            "args": run_args(options, f),
         });
         writeln!(lines, "{line}").expect("writing to a String");
     }
