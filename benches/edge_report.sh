@@ -1,10 +1,12 @@
 #!/bin/sh
 # The published edge-profile report (issue 13.7): every strategy on 4 local nodes, each with a
 # 100 Mbit/s emulated card, 2 ms one-way latency and half a core (a kernel CPU quota), for the
-# mlp, mlp-deep and cnn presets, on one sample budget per model (steps differ in size between
-# strategies, samples do not). Writes docs/reports/edge-4x100mbit/<model>/ (report.md,
-# report.html, plots/, results.jsonl, and every run's directory). About 90 minutes on 2 cores;
-# needs a writable cgroup cpu controller (run as root, or where cgroups are delegated).
+# mlp, mlp-deep and cnn presets, at equal training time per model (`compare --train-seconds`:
+# each strategy's sample budget is that time × its own samples/s, measured by a probe run, so a
+# fast strategy is not cut short by a budget a slow one needs). Writes
+# docs/reports/edge-4x100mbit/<model>/ (report.md, report.html, plots/, results.jsonl, and every
+# run's directory). About 80 minutes on 2 cores; needs a writable cgroup cpu controller (run as
+# root, or where cgroups are delegated).
 #
 #   benches/edge_report.sh                 # all three models
 #   MODELS=cnn benches/edge_report.sh      # one of them
@@ -20,12 +22,12 @@ PROFILE="--nodes 4 --bandwidth-mbit 100 --latency-ms 2 --node-cpu 0:0.5,1:0.5,2:
 STRATEGIES=ring,ring:1f1b,ps:bsp,ps:bsp+servers=2,ps:dssp:1:4,allreduce,dpsgd,adpsgd
 for model in ${MODELS:-mlp mlp-deep cnn}; do
     case $model in
-        mlp) length="--train-samples 24000 --target-accuracy 0.95 --eval-every 30" ;;
-        mlp-deep) length="--train-samples 9600 --target-accuracy 0.90 --eval-every 30" ;;
+        mlp) length="--train-seconds 120 --target-accuracy 0.95 --eval-every 50" ;;
+        mlp-deep) length="--train-seconds 120 --target-accuracy 0.90 --eval-every 50" ;;
         # The cnn's activations are large (100 KB a sample after its first convolution): one
         # evaluation pass of the 10,000 test images around the ring takes 80 s at 100 Mbit/s,
         # so the cnn is evaluated once, at the end.
-        cnn) length="--train-samples 24000 --target-accuracy 0.97 --eval-every 0" ;;
+        cnn) length="--train-seconds 180 --target-accuracy 0.97 --eval-every 0" ;;
         *) echo "unknown model $model" >&2; exit 2 ;;
     esac
     # shellcheck disable=SC2086 # the option lists are meant to split

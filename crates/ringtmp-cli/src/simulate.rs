@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use anyhow::Result;
 use ringtmp_strategy::Job;
+use ringtmp_strategy::failures::{self, FailureModel};
 use ringtmp_strategy::simulate::{ASSUMPTIONS, CostModel, Simulated, priced, simulate};
 
 use crate::args::TrainArgs;
@@ -34,6 +35,59 @@ pub struct SimulateArgs {
     /// sizes-only run takes the same time and bytes).
     #[arg(long)]
     pub compute: bool,
+    /// Nodes fail at this rate (failures per node and hour): one failure is injected into the
+    /// strategy's own protocol to measure its recovery, then a long training (--horizon-hours)
+    /// is followed through failures of every node, and the useful fraction of its time printed.
+    #[arg(long, value_name = "RATE")]
+    pub failures_per_node_hour: Option<f64>,
+    /// With failures: seconds from a failure that ends the run to the restarted run training
+    /// again from its newest checkpoint (the launcher's --max-restarts) [default: 60].
+    #[arg(long, value_name = "SECONDS")]
+    pub restart_seconds: Option<f64>,
+    /// With failures: the speed each node writes its checkpoint at, MB/s [default: 50].
+    #[arg(long, value_name = "MB_PER_S")]
+    pub disk_mbyte_s: Option<f64>,
+    /// With failures: length of the training the useful fraction is for, hours [default: 24].
+    #[arg(long, value_name = "HOURS")]
+    pub horizon_hours: Option<f64>,
+}
+
+/// The failure model `args` ask for (`None` without --failures-per-node-hour), checked.
+fn failure_model(args: &SimulateArgs, seed: u64) -> Result<Option<FailureModel>> {
+    let positive = |flag: &str, value: Option<f64>, default: f64| -> Result<f64> {
+        match value {
+            None => Ok(default),
+            Some(v) if v.is_finite() && v > 0.0 => Ok(v),
+            Some(v) => Err(UsageError(format!("{flag} {v}: expected a number > 0")).into()),
+        }
+    };
+    let Some(rate) = args.failures_per_node_hour else {
+        for (flag, given) in [
+            ("--restart-seconds", args.restart_seconds.is_some()),
+            ("--disk-mbyte-s", args.disk_mbyte_s.is_some()),
+            ("--horizon-hours", args.horizon_hours.is_some()),
+        ] {
+            if given {
+                return Err(UsageError(format!("{flag} needs --failures-per-node-hour")).into());
+            }
+        }
+        return Ok(None);
+    };
+    if !(rate.is_finite() && rate >= 0.0) {
+        return Err(UsageError(format!(
+            "--failures-per-node-hour {rate}: expected a rate ≥ 0"
+        ))
+        .into());
+    }
+    Ok(Some(FailureModel {
+        per_node_hour: rate,
+        restart_seconds: positive("--restart-seconds", args.restart_seconds, 60.0)?,
+        disk_bytes_per_second: positive("--disk-mbyte-s", args.disk_mbyte_s, 50.0)? * 1e6,
+        horizon_seconds: positive("--horizon-hours", args.horizon_hours, 24.0)? * 3600.0,
+        trials: 200,
+        seed,
+        checkpoint_seconds: None,
+    }))
 }
 
 /// `ringtmp simulate`.
@@ -61,6 +115,7 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
         }
     }
     let nodes = train.nodes.unwrap_or(4);
+    let failure_model = failure_model(args, train.seed.unwrap_or(42))?;
     // A simulated node has its own cores: one thread each unless told otherwise (the cost
     // model is measured with the same count).
     let mut train = train;
@@ -149,6 +204,10 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
     print_inputs(&costs, &sim, nodes, &job);
     let ran = simulate(&job, nodes, &data, sim.clone())?;
     print_results(&ran, &job, nodes);
+    let failures = match &failure_model {
+        Some(model) => Some(study_failures(model, &job, nodes, &data, &sim, &ran)),
+        None => None,
+    };
     let record = serde_json::json!({
         "nodes": nodes,
         "strategy": job.name(),
@@ -164,12 +223,78 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
         "samples_per_second": ran.summary.samples_per_second,
         "train_seconds": ran.summary.train_seconds,
         "total_bytes_sent": ran.summary.total_bytes_sent,
+        "failures": failures,
     });
     let path = job.spec().config.out.join("simulation.json");
     std::fs::write(&path, serde_json::to_string_pretty(&record)? + "\n")
         .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     println!("written: {} and summary.json beside it", path.display());
     Ok(())
+}
+
+/// Injects one failure into the protocol, follows a long training through failures, prints
+/// what it found and returns it for simulation.json.
+fn study_failures(
+    model: &FailureModel,
+    job: &Job,
+    nodes: u32,
+    data: &ringtmp_data::Dataset,
+    sim: &ringtmp_transport::sim::SimConfig,
+    ran: &Simulated,
+) -> serde_json::Value {
+    let probe = failures::probe_recovery(job, nodes, data, sim.clone(), ran);
+    let expendable = (0..nodes).filter(|r| job.expendable(*r)).count() as u32;
+    let (tolerated, cost) = match &probe {
+        Some(p) if p.recovered => (expendable, p.extra_seconds),
+        _ => (0, 0.0),
+    };
+    match &probe {
+        Some(p) if p.recovered => println!(
+            "failure of rank {} at {:.1} s (injected into the protocol): recovered, the run took \
+             {:.1} s longer; {expendable} of {nodes} nodes can fail without a restart",
+            p.rank, p.at_seconds, p.extra_seconds
+        ),
+        Some(p) => println!(
+            "failure of rank {} at {:.1} s (injected into the protocol): the run ended ({}); \
+             every failure needs a restart",
+            p.rank,
+            p.at_seconds,
+            p.error.as_deref().unwrap_or("?")
+        ),
+        None => println!("{}: every node's failure needs a restart", job.name()),
+    }
+    let state = ran
+        .summary
+        .per_node
+        .iter()
+        .map(|n| n.param_bytes + n.optimizer_bytes)
+        .max()
+        .unwrap_or(0);
+    let study = failures::study(model, nodes, tolerated, cost, state);
+    println!(
+        "with {} failures per node-hour over {:.0} h ({} trials): useful fraction {:.1}% \
+         (5–95%: {:.1}–{:.1}%), {:.2} failures and {:.2} restarts an hour; checkpoint every \
+         {:.0} s of training ({:.2} s to write {:.1} MB), restart {:.0} s",
+        model.per_node_hour,
+        model.horizon_seconds / 3600.0,
+        model.trials,
+        study.useful_fraction * 100.0,
+        study.useful_fraction_p05 * 100.0,
+        study.useful_fraction_p95 * 100.0,
+        study.failures_per_hour,
+        study.restarts_per_hour,
+        study.checkpoint_interval_seconds,
+        study.checkpoint_write_seconds,
+        state as f64 / 1e6,
+        model.restart_seconds
+    );
+    println!("assumes: {}", failures::ASSUMPTIONS);
+    serde_json::json!({
+        "model": model,
+        "probe": probe,
+        "study": study,
+        "assumptions": failures::ASSUMPTIONS,
+    })
 }
 
 fn print_inputs(costs: &CostModel, sim: &ringtmp_transport::sim::SimConfig, nodes: u32, job: &Job) {

@@ -1194,9 +1194,9 @@ fn compare_at_equal_time_gives_every_run_the_budget_its_probe_measured() {
     };
     for strategy in ["ring", "allreduce"] {
         let probe = summary(&format!("{strategy}-n2-probe"));
-        assert_eq!(probe["train_samples"], 4096, "{probe}");
+        assert_eq!(probe["train_samples"], 2048, "{probe}");
         let rate = probe["samples_per_second"].as_f64().unwrap();
-        let expected = ((rate * seconds).ceil() as u64).max(4096);
+        let expected = ((rate * seconds).ceil() as u64).max(2048);
         let run = summary(&format!("{strategy}-n2-r0"));
         assert_eq!(run["train_samples"].as_u64(), Some(expected), "{strategy}");
         assert!(

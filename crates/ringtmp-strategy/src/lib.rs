@@ -19,11 +19,14 @@
 //! - [`selftest`]: connectivity and link measurements on a ring of nodes.
 //! - [`simulate`]: the strategies on the simulated network with compute priced by a cost model
 //!   and tensors as sizes (`ringtmp simulate`).
+//! - [`failures`]: a simulated run's useful fraction of time when nodes fail at a given rate,
+//!   with the strategy's own recovery (`ringtmp simulate --failures-per-node-hour`).
 
 pub mod allreduce;
 pub mod config;
 pub mod data_parallel;
 mod error;
+pub mod failures;
 pub mod gossip;
 pub mod job;
 pub mod local;

@@ -246,6 +246,10 @@ pub struct Simulated {
     pub wall_seconds: f64,
     /// Messages the simulated network carried.
     pub messages: u64,
+    /// Virtual time training started at (0 where no rank announced it).
+    pub training_started: f64,
+    /// Virtual time of the last step any rank announced (`None` where none did).
+    pub training_ended: Option<f64>,
 }
 
 /// Runs `job` (planned for `world` nodes) on a simulated network configured by `sim` (links, node speeds, faults; its
@@ -256,9 +260,27 @@ pub fn simulate(job: &Job, world: u32, data: &Dataset, sim: SimConfig) -> Result
     let links: Vec<BTreeSet<u32>> = (0..world).map(|r| job.neighbours(r, world)).collect();
     let started = Instant::now();
     let net = SimNetwork::new(sim, links);
+    // The virtual times training starts at (the earliest `Started` of any rank) and ends at
+    // (the latest `Step`).
+    let training_started = std::sync::Mutex::new(f64::INFINITY);
+    let training_ended = std::sync::Mutex::new(f64::NEG_INFINITY);
     let results = net.run(|mut node| {
         let rank = node.rank();
-        let mut on_event = |_: &crate::Event| {};
+        let clock = node.clock();
+        let mut on_event = |event: &crate::Event| {
+            let now = clock.now().as_secs_f64();
+            match event {
+                crate::Event::Started { .. } => {
+                    let mut first = training_started.lock().unwrap_or_else(|e| e.into_inner());
+                    *first = first.min(now);
+                }
+                crate::Event::Step { .. } => {
+                    let mut last = training_ended.lock().unwrap_or_else(|e| e.into_inner());
+                    *last = last.max(now);
+                }
+                _ => {}
+            }
+        };
         let mut cx = NodeCx {
             net: &mut node,
             data: job.needs_data(rank).then_some(data),
@@ -293,6 +315,20 @@ pub fn simulate(job: &Job, world: u32, data: &Dataset, sim: SimConfig) -> Result
             virtual_seconds: net.elapsed().as_secs_f64(),
             wall_seconds: started.elapsed().as_secs_f64(),
             messages: net.events(),
+            // Strategies that announce no start begin training at once.
+            training_started: Some(
+                training_started
+                    .into_inner()
+                    .unwrap_or_else(|e| e.into_inner()),
+            )
+            .filter(|t| t.is_finite())
+            .unwrap_or(0.0),
+            training_ended: Some(
+                training_ended
+                    .into_inner()
+                    .unwrap_or_else(|e| e.into_inner()),
+            )
+            .filter(|t| t.is_finite()),
         }),
         _ => Err(Error::Config(format!(
             "the simulated run failed: {}",

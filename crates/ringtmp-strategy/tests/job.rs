@@ -234,9 +234,10 @@ fn the_async_ring_defaults_to_less_momentum() {
     assert_eq!(momentum(Schedule::OneFOneB, true), 0.9);
 }
 
-/// Issue 13.5: the stale parameter-server models lower SGD's default momentum to what keeps a
-/// fifth of synchronous SGD's stability margin under a delay of W − 1 updates (0.9 made the cnn
-/// diverge under asp and dssp, 0.7 still did at 100 Mbit/s); BSP and a user's choice keep theirs.
+/// Issue 13.5: the stale parameter-server models lower SGD's default momentum to what keeps 30%
+/// of synchronous SGD's stability margin under a delay of W − 1 updates (0.9 made the cnn
+/// diverge under asp and dssp, 0.7 and 0.5 still did at 100 Mbit/s); BSP and a user's choice
+/// keep theirs.
 #[test]
 fn stale_parameter_servers_default_to_less_momentum() {
     use ringtmp_model::OptimizerConfig;
@@ -269,15 +270,15 @@ fn stale_parameter_servers_default_to_less_momentum() {
     };
     for consistency in ["asp", "ssp:3", "dssp:1:4"] {
         assert!(
-            (momentum(consistency, 4, true) - 0.5).abs() < 1e-6,
+            (momentum(consistency, 4, true) - 0.3).abs() < 1e-6,
             "{consistency}"
         );
         assert!(
-            (momentum(consistency, 3, true) - 0.6).abs() < 1e-6,
+            (momentum(consistency, 3, true) - 0.4).abs() < 1e-6,
             "{consistency}"
         );
         assert!(
-            (momentum(consistency, 6, true) - 0.5).abs() < 1e-6,
+            (momentum(consistency, 9, true) - 0.2).abs() < 1e-6,
             "{consistency}"
         );
         assert_eq!(momentum(consistency, 4, false), 0.9, "the user's choice");
@@ -287,7 +288,7 @@ fn stale_parameter_servers_default_to_less_momentum() {
         (stale_momentum(1) - 0.9).abs() < 1e-6,
         "no delay: SGD's own"
     );
-    assert!((stale_momentum(64) - 0.5).abs() < 1e-6);
+    assert!((stale_momentum(64) - 0.2).abs() < 1e-6);
 }
 
 /// The stability margin behind the stale default, against the roots of the characteristic

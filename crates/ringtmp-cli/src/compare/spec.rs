@@ -42,7 +42,7 @@ pub struct CompareOptions {
 /// Samples a probe run of `--train-seconds` trains on to measure its configuration's samples/s:
 /// enough steps that start-up (the first allocations, a pipeline's fill) weighs little, few
 /// enough to cost a fraction of the runs themselves.
-pub const PROBE_SAMPLES: u64 = 4096;
+pub const PROBE_SAMPLES: u64 = 2048;
 
 /// The TOML form: `strategies`, `nodes`, `repeats`, `out`, and a `[train]` table of `ringtmp
 /// train` keys.
@@ -77,7 +77,7 @@ Options:
   --out DIR           output directory; runs already finished there are not run again
                       [default: runs/<time>-compare]
   --train-seconds T   equal time instead of equal samples: every run trains for about T seconds
-                      (its sample budget is T × the samples/s of a probe run of 4096 samples,
+                      (its sample budget is T × the samples/s of a probe run of 2048 samples,
                       kept under runs/ as <run>-probe); replaces --epochs and --train-samples
   --config FILE       a TOML file: strategies, nodes, repeats, out, train_seconds, and a
                       [train] table

@@ -618,17 +618,20 @@ fn follow_regroup(
             ));
         }
     };
-    stage.params_mut().copy_from_slice(&state[..params]);
-    let mut at = params;
-    let tensors: Vec<(&str, Vec<f32>)> = shapes
-        .iter()
-        .map(|(name, len)| {
-            let t = (*name, state[at..at + len].to_vec());
-            at += len;
-            t
-        })
-        .collect();
-    optimizer.load_state(&tensors, order.optimizer_steps)?;
+    // A phantom run (the simulator's sizes-only mode) carries the state's size, not its values.
+    if !(state.is_empty() && ringtmp_meter::phantom()) {
+        stage.params_mut().copy_from_slice(&state[..params]);
+        let mut at = params;
+        let tensors: Vec<(&str, Vec<f32>)> = shapes
+            .iter()
+            .map(|(name, len)| {
+                let t = (*name, state[at..at + len].to_vec());
+                at += len;
+                t
+            })
+            .collect();
+        optimizer.load_state(&tensors, order.optimizer_steps)?;
+    }
     stage.zero_grad();
     for (from, message) in newer.into_iter().rev() {
         net.unread(from, message);

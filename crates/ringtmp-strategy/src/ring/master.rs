@@ -173,6 +173,9 @@ pub fn run_master_with(
                 on_event,
             )?;
         }
+        // Checkpoints and replication rounds are the run's own cost (a fault-tolerance setting
+        // that halves throughput must show it): on the training clock, unlike evaluations.
+        let upkeep = time.now();
         if job.ring == 0 && job.checkpoint_due(done) {
             // Around the ring: each node writes its stage file and appends its entry; the
             // manifest comes last, so an interrupted checkpoint leaves the previous one intact.
@@ -221,6 +224,7 @@ pub fn run_master_with(
                 timeout,
             )?;
         }
+        train_seconds += (time.now() - upkeep).as_secs_f64();
     }
     // A run resumed at its very end (a node died after the last step, before the summary) has
     // trained nothing here: it still evaluates, so its summary says where the run ended.
