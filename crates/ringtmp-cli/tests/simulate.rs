@@ -148,12 +148,29 @@ fn compare_simulates_a_sweep_of_node_counts() {
         "6",
         "--bandwidth-mbit",
         "100",
+        "--failures-per-node-hour",
+        "0.5",
+        "--horizon-hours",
+        "2",
         "--out",
         out.to_str().unwrap(),
     ]);
     assert!(run.status.success(), "{}", text(&run));
     let results = std::fs::read_to_string(out.join("results.jsonl")).unwrap();
     assert_eq!(results.lines().count(), 4, "{results}");
+    // The failure study: in every run's simulation.json, in the table and in two plots.
+    let report = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(
+        report.contains("useful % of time with failures"),
+        "{report}"
+    );
+    assert!(out.join("plots/useful_fraction.svg").is_file());
+    assert!(out.join("plots/effective_scaling.svg").is_file());
+    let simulation: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("runs/allreduce-n4-r0/simulation.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(simulation["failures"]["model"]["per_node_hour"], 0.5);
     assert!(out.join("cost-model.json").is_file());
     assert!(out.join("plots/scaling.svg").is_file());
     assert!(!out.join("plots/accuracy_vs_time.svg").exists());
@@ -172,4 +189,72 @@ fn compare_simulates_a_sweep_of_node_counts() {
         job.contains("\"replicas\": 2") || job.contains("\"replicas\":2"),
         "{job}"
     );
+}
+
+/// Issue 15.4: `--failures-per-node-hour` injects one failure into the strategy's own protocol
+/// (the highest rank it can lose) to measure its recovery, then follows a long training through
+/// failures: a plain ring must restart for any node, a ring with stage replicas heals around a
+/// non-master node, an asynchronous parameter server drops a worker.
+#[test]
+fn failures_are_injected_into_the_protocol_and_give_a_useful_fraction() {
+    let tmp = tempfile::tempdir().unwrap();
+    let study = |name: &str, strategy: &str, extra: &[&str]| -> serde_json::Value {
+        let out = tmp.path().join(name);
+        let mut args = vec![
+            "--failures-per-node-hour",
+            "1",
+            "--horizon-hours",
+            "4",
+            "--restart-seconds",
+            "30",
+        ];
+        args.extend(extra);
+        let run = simulate(strategy, &out, &args);
+        assert!(run.status.success(), "{name}: {}", text(&run));
+        assert!(text(&run).contains("useful fraction"), "{}", text(&run));
+        let record: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("simulation.json")).unwrap())
+                .unwrap();
+        let fraction = record["failures"]["study"]["useful_fraction"]
+            .as_f64()
+            .unwrap();
+        assert!(fraction > 0.0 && fraction <= 1.0, "{name}: {record}");
+        record["failures"].clone()
+    };
+    let plain = study("ring", "ring", &[]);
+    assert!(
+        plain["probe"].is_null(),
+        "a plain ring can lose no node: {plain}"
+    );
+    assert_eq!(plain["study"]["critical_nodes"], 3);
+    let healed = study("healed", "ring", &["--stage-replicas", "2"]);
+    assert_eq!(healed["probe"]["recovered"], true, "{healed}");
+    assert_eq!(healed["probe"]["rank"], 2);
+    assert_eq!(healed["study"]["critical_nodes"], 1, "only the master");
+    let ps = study("ps", "ps", &["--consistency", "asp"]);
+    assert_eq!(ps["probe"]["recovered"], true, "{ps}");
+    assert_eq!(ps["study"]["critical_nodes"], 1, "only the server");
+    // Restarting for every failure costs more of the time than losing a worker does.
+    assert!(
+        plain["study"]["restarts_per_hour"].as_f64().unwrap()
+            > healed["study"]["restarts_per_hour"].as_f64().unwrap()
+    );
+    for (extra, needle) in [
+        (
+            vec!["--restart-seconds", "5"],
+            "needs --failures-per-node-hour",
+        ),
+        (
+            vec!["--failures-per-node-hour=-1"],
+            "--failures-per-node-hour",
+        ),
+        (
+            vec!["--failures-per-node-hour", "1", "--horizon-hours", "0"],
+            "--horizon-hours",
+        ),
+    ] {
+        let run = simulate("ring", &tmp.path().join("bad"), &extra);
+        assert_eq!(run.status.code(), Some(2), "{extra:?}: {}", text(&run));
+        assert!(text(&run).contains(needle), "{extra:?}: {}", text(&run));
+    }
 }

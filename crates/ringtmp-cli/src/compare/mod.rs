@@ -171,6 +171,7 @@ fn run_one(
             None if measured.is_file() => command.arg("--cost-model").arg(&measured),
             None => command.arg("--save-cost-model").arg(&measured),
         };
+        command.args(&options.failure_args);
     }
     command
         .arg("--out")

@@ -30,6 +30,8 @@ struct Finished {
     job: Option<ringtmp_strategy::Job>,
     /// (training seconds, samples, test accuracy) at every evaluation.
     curve: Vec<(f64, f64, f64)>,
+    /// A simulated run's useful fraction of time with failures (simulation.json), if studied.
+    useful_fraction: Option<f64>,
 }
 
 impl Finished {
@@ -116,6 +118,9 @@ struct Row {
     peak_rss_mb: Option<(f64, f64, f64)>,
     idle_fraction: Option<(f64, f64, f64)>,
     train_seconds: Option<(f64, f64, f64)>,
+    /// With failures (simulated): the useful fraction of time, and samples/s times it.
+    useful_fraction: Option<(f64, f64, f64)>,
+    effective_samples_per_second: Option<(f64, f64, f64)>,
 }
 
 fn rows(finished: &[Finished]) -> Vec<Row> {
@@ -158,6 +163,12 @@ fn rows(finished: &[Finished]) -> Vec<Row> {
                     .count(),
                 samples_per_second: of(&|r| r.summary.samples_per_second),
                 train_seconds: of(&|r| r.summary.train_seconds),
+                useful_fraction: spread(g.iter().filter_map(|r| r.useful_fraction).collect()),
+                effective_samples_per_second: spread(
+                    g.iter()
+                        .filter_map(|r| r.useful_fraction.map(|u| u * r.summary.samples_per_second))
+                        .collect(),
+                ),
                 bytes_per_sample: of(&|r| r.summary.bytes_per_sample),
                 busiest_bytes_per_sample: of(&|r| {
                     r.busiest_bytes() as f64 / r.summary.samples.max(1) as f64
@@ -201,6 +212,10 @@ pub fn write(options: &CompareOptions) -> Result<usize> {
         let dir = out.join("runs").join(&plan.name);
         if let Some(summary) = read_summary(&dir) {
             let curve = curve(&dir, &summary);
+            let useful_fraction = std::fs::read_to_string(dir.join("simulation.json"))
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .and_then(|v| v["failures"]["study"]["useful_fraction"].as_f64());
             let job = std::fs::read_to_string(dir.join("job.json"))
                 .ok()
                 .and_then(|t| serde_json::from_str(&t).ok());
@@ -209,6 +224,7 @@ pub fn write(options: &CompareOptions) -> Result<usize> {
                 summary,
                 job,
                 curve,
+                useful_fraction,
             });
         }
     }
@@ -270,7 +286,21 @@ const COLUMNS: [&str; 10] = [
     "training time (s)",
 ];
 
-fn cells(row: &Row, target: f64, simulated: bool) -> Vec<String> {
+/// The table's columns: [`COLUMNS`], and the failure study's where runs have one.
+fn columns(failures: bool) -> Vec<&'static str> {
+    let mut columns = COLUMNS.to_vec();
+    if failures {
+        columns.extend(["useful % of time with failures", "effective samples/s"]);
+    }
+    columns
+}
+
+/// Whether any row has a failure study.
+fn with_failures(rows: &[Row]) -> bool {
+    rows.iter().any(|r| r.useful_fraction.is_some())
+}
+
+fn cells(row: &Row, target: f64, simulated: bool, failures: bool) -> Vec<String> {
     let mut cells = vec![
         if row.repeats > 1 {
             format!("{} ({} runs)", row.label, row.repeats)
@@ -302,6 +332,10 @@ fn cells(row: &Row, target: f64, simulated: bool) -> Vec<String> {
         for i in [1, 2, 3, 7] {
             cells[i] = "—".into();
         }
+    }
+    if failures {
+        cells.push(show(row.useful_fraction, 1, 100.0));
+        cells.push(show(row.effective_samples_per_second, 0, 1.0));
     }
     cells
 }
@@ -338,8 +372,18 @@ fn settings(options: &CompareOptions, finished: &[Finished]) -> String {
     } else {
         ""
     };
+    let failures = if options.failure_args.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "with failures `{}` (each run injects one failure into its strategy's protocol to \
+             measure the recovery, then follows a long training through failures of every node: \
+             its simulation.json holds the inputs and the assumptions); ",
+            options.failure_args.join(" ")
+        )
+    };
     format!(
-        "{simulated}model {}, dataset {}, {length}, seed {}; shared options: `{}`{share}",
+        "{simulated}{failures}model {}, dataset {}, {length}, seed {}; shared options: `{}`{share}",
         first.map_or("?", |s| s.model.as_str()),
         first.map_or("?", |s| s.dataset.as_str()),
         first.map_or(0, |s| s.seed),
@@ -356,13 +400,15 @@ fn markdown(
     let target = finished.first().map_or(0.97, |f| f.summary.target_accuracy);
     let mut md = String::new();
     let _ = writeln!(md, "# ringtmp compare\n\n{}\n", settings(options, finished));
-    let _ = writeln!(md, "| {} |", COLUMNS.join(" | "));
-    let _ = writeln!(md, "|{}", "---|".repeat(COLUMNS.len()));
+    let failures = with_failures(rows);
+    let columns = columns(failures);
+    let _ = writeln!(md, "| {} |", columns.join(" | "));
+    let _ = writeln!(md, "|{}", "---|".repeat(columns.len()));
     for row in rows {
         let _ = writeln!(
             md,
             "| {} |",
-            cells(row, target, options.simulate).join(" | ")
+            cells(row, target, options.simulate, failures).join(" | ")
         );
     }
     let _ = writeln!(
@@ -419,13 +465,14 @@ fn html(
          <h1>ringtmp compare</h1>\n<p>{}</p>\n<table>\n<tr>",
         escape(&settings(options, finished))
     );
-    for c in COLUMNS {
+    let failures = with_failures(rows);
+    for c in columns(failures) {
         let _ = write!(h, "<th>{}</th>", escape(c));
     }
     h.push_str("</tr>\n");
     for row in rows {
         h.push_str("<tr>");
-        for c in cells(row, target, options.simulate) {
+        for c in cells(row, target, options.simulate, failures) {
             let _ = write!(h, "<td>{}</td>", escape(&c));
         }
         h.push_str("</tr>\n");
@@ -930,6 +977,39 @@ fn plots(
             "Samples per second against nodes".into(),
             lines(Axis::Linear("nodes"), "samples/s", &by_strategy)?,
         ));
+        if with_failures(rows) {
+            let series = |value: &dyn Fn(&Row) -> Option<f64>| {
+                let mut by_strategy: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+                for row in rows {
+                    let Some(v) = value(row) else { continue };
+                    let point = (f64::from(row.nodes), v);
+                    match by_strategy.iter_mut().find(|s| s.0 == row.strategy) {
+                        Some(s) => s.1.push(point),
+                        None => by_strategy.push((row.strategy.clone(), vec![point])),
+                    }
+                }
+                by_strategy
+            };
+            out.push((
+                "useful_fraction".into(),
+                "Useful fraction of time with failures, against nodes".into(),
+                lines(
+                    Axis::Linear("nodes"),
+                    "useful time (%)",
+                    &series(&|r| r.useful_fraction.map(|u| u.0 * 100.0)),
+                )?,
+            ));
+            out.push((
+                "effective_scaling".into(),
+                "Samples per second with failures (samples/s × useful fraction), against nodes"
+                    .into(),
+                lines(
+                    Axis::Linear("nodes"),
+                    "samples/s",
+                    &series(&|r| r.effective_samples_per_second.map(|e| e.0)),
+                )?,
+            ));
+        }
     }
     Ok(out)
 }

@@ -34,6 +34,9 @@ pub struct CompareOptions {
     pub simulate: bool,
     /// The simulations' cost model (`None`: measured once, by the first run).
     pub cost_model: Option<PathBuf>,
+    /// `ringtmp simulate`'s failure options (`--failures-per-node-hour` and its companions),
+    /// passed to every simulated run.
+    pub failure_args: Vec<String>,
     /// Equal training time: every run trains for about this many seconds on its own training
     /// clock (its sample budget from a probe run's samples/s), instead of one sample budget.
     pub train_seconds: Option<f64>,
@@ -84,6 +87,10 @@ Options:
   --simulate          run `ringtmp simulate` instead of `train`: clusters this machine lacks
                       (no accuracy; one cost model for every run, measured by the first)
   --cost-model FILE   with --simulate: the cost model to use (from `simulate --save-cost-model`)
+  --failures-per-node-hour RATE, --restart-seconds S, --disk-mbyte-s MB, --horizon-hours H
+                      with --simulate: every run's useful fraction of time when nodes fail
+                      (see `ringtmp simulate --help`); the report adds it and the effective
+                      samples/s
   -h, --help          this help
 Every other option is a `ringtmp train` option shared by all runs, e.g.
   ringtmp compare --strategies ring,ps:bsp,allreduce --nodes 4 --bandwidth-mbit 100 \\
@@ -113,6 +120,10 @@ pub fn parse(raw: &[String]) -> Result<Option<CompareOptions>> {
             "--out" => "out",
             "--config" => "config",
             "--cost-model" => "cost-model",
+            "--failures-per-node-hour" => "failures-per-node-hour",
+            "--restart-seconds" => "restart-seconds",
+            "--disk-mbyte-s" => "disk-mbyte-s",
+            "--horizon-hours" => "horizon-hours",
             "--train-seconds" => "train-seconds",
             "--simulate" => {
                 own.insert("simulate", "true".into());
@@ -218,6 +229,20 @@ pub fn parse(raw: &[String]) -> Result<Option<CompareOptions>> {
     if cost_model.is_some() && !simulate {
         return Err(UsageError("--cost-model applies to --simulate only".into()).into());
     }
+    let mut failure_args = Vec::new();
+    for key in [
+        "failures-per-node-hour",
+        "restart-seconds",
+        "disk-mbyte-s",
+        "horizon-hours",
+    ] {
+        if let Some(value) = own.get(key) {
+            if !simulate {
+                return Err(UsageError(format!("--{key} applies to --simulate only")).into());
+            }
+            failure_args.extend([format!("--{key}"), value.clone()]);
+        }
+    }
     let train_seconds = match own.get("train-seconds") {
         Some(t) => Some(
             t.parse::<f64>()
@@ -256,6 +281,7 @@ pub fn parse(raw: &[String]) -> Result<Option<CompareOptions>> {
         train: all_train,
         simulate,
         cost_model,
+        failure_args,
         train_seconds,
     }))
 }
