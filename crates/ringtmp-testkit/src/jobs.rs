@@ -43,6 +43,7 @@ pub fn ring_job(
         in_flight: 0,
         replica_every: 0,
         replicas: 1,
+        average_every: 0,
         ring: 0,
     }
 }

@@ -72,9 +72,30 @@ pub struct RingJob {
     /// global batch of R × `batch_size`, corresponding stages averaging their gradients.
     #[serde(default = "one")]
     pub replicas: usize,
+    /// Rings of rings: 0 = the copies of a stage average their gradients before every step;
+    /// K = each ring steps on its own and the copies average their parameters every K
+    /// mini-batches and after the last.
+    #[serde(default)]
+    pub average_every: u64,
     /// Which of those rings this node's is (set by each node at run time from its rank).
     #[serde(skip)]
     pub ring: usize,
+}
+
+impl RingJob {
+    /// Whether the copies of a stage average their gradients before the step of every
+    /// mini-batch (rings of rings under `--replica-sync gradients`).
+    pub fn averages_gradients(&self) -> bool {
+        self.replicas > 1 && self.average_every == 0
+    }
+
+    /// Whether the copies of a stage average their parameters after mini-batch `step` is
+    /// complete (rings of rings under `--replica-sync every:K`: every K-th and the last).
+    pub fn averages_params_after(&self, step: u64) -> bool {
+        self.replicas > 1
+            && self.average_every > 0
+            && ((step + 1) % self.average_every == 0 || step + 1 == self.spec.total_steps)
+    }
 }
 
 fn one() -> usize {

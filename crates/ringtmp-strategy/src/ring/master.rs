@@ -848,6 +848,9 @@ impl MasterPipe {
                             // Each async micro-batch is its own weight version and step.
                             let lr = job.lr_at(id / m);
                             clock.run(|| stage.step(optimizer, lr));
+                            if (id + 1) % m == 0 && job.averages_params_after(id / m) {
+                                net.average_with_replicas(id / m, stage.params_mut())?;
+                            }
                         }
                     }
                 }
@@ -863,10 +866,15 @@ impl MasterPipe {
         }
         if flushed.is_some() {
             let lr = job.lr_at(step);
-            net.average_with_replicas(step, stage.grads_mut())?;
+            if job.averages_gradients() {
+                net.average_with_replicas(step, stage.grads_mut())?;
+            }
             clock.run(|| stage.step(optimizer, lr));
             if let Some(h) = head {
                 clock.run(|| h.stage.step(&mut h.optimizer, lr));
+            }
+            if job.averages_params_after(step) {
+                net.average_with_replicas(step, stage.params_mut())?;
             }
         }
         Ok((

@@ -47,6 +47,13 @@ pub struct RingOptions {
     /// stays valid across a sweep of node counts.
     #[arg(long, value_name = "S", conflicts_with = "replicas")]
     pub ring_nodes: Option<usize>,
+    /// Ring, rings of rings: how the copies of a stage stay together. `gradients` (default):
+    /// they average their gradients before every step (a flushed schedule; exactly one ring of
+    /// the global batch). `every:K`: each ring trains on its own (any schedule, async by
+    /// default) and the copies average their parameters every K mini-batches and at the end
+    /// (periodic model averaging, "local SGD": K times fewer synchronisations).
+    #[arg(long, value_name = "gradients|every:K")]
+    pub replica_sync: Option<String>,
     /// Ring: every node also keeps its successor's block and optimizer state, refreshed every K
     /// mini-batches [default K: 20]; when a non-master node dies, its predecessor takes its
     /// layers over and the ring closes around it, without a restart or a checkpoint.
@@ -64,6 +71,7 @@ crate::job::options_merge!(
     master_holds_head,
     replicas,
     ring_nodes,
+    replica_sync,
     stage_replicas
 );
 
@@ -146,11 +154,40 @@ pub fn plan(
     }
     let all_nodes = nodes;
     let nodes = nodes / replicas as u32;
+    let average_every = match args.replica_sync.as_deref() {
+        None | Some("gradients") => 0,
+        Some(text) => text
+            .strip_prefix("every:")
+            .and_then(|k| k.parse::<u64>().ok())
+            .filter(|k| *k >= 1)
+            .ok_or_else(|| {
+                Error::Config(format!(
+                    "--replica-sync {text:?}: expected gradients or every:K with K ≥ 1"
+                ))
+            })?,
+    };
+    if average_every > 0 && replicas < 2 {
+        return Err(Error::Config(
+            "--replica-sync every:K keeps rings of rings together: it needs --replicas or \
+             --ring-nodes with two rings or more"
+                .into(),
+        ));
+    }
     let schedule = match (args.schedule, replicas) {
+        (s, r) if r > 1 && average_every > 0 => {
+            let schedule = s.unwrap_or(Schedule::Async);
+            eprintln!(
+                "--replicas {r}: each ring trains on its own ({} schedule) and the copies of a \
+                 stage average their parameters every {average_every} mini-batch(es)",
+                schedule.name()
+            );
+            schedule
+        }
         (Some(Schedule::Async), r) if r > 1 => {
             return Err(Error::Config(
                 "--replicas averages each stage's gradients at a flush: it needs --schedule \
-                 1f1b or gpipe (asynchronous replicas are not built yet)"
+                 1f1b or gpipe, or --replica-sync every:K (rings that train on their own and \
+                 average their parameters every K mini-batches)"
                     .into(),
             ));
         }
@@ -167,6 +204,7 @@ pub fn plan(
         ));
     }
     if replicas > 1
+        && average_every == 0
         && cfg.default_lr
         && matches!(cfg.optimizer, ringtmp_model::OptimizerConfig::Sgd { .. })
     {
@@ -348,9 +386,14 @@ pub fn plan(
     if replicas > 1 {
         eprintln!(
             "rings of rings: {replicas} rings of {nodes} nodes ({all_nodes} in all), each on {} \
-             of every global batch of {}, stages averaging their gradients; learning rate {}",
+             of every global batch of {}, stages averaging their {}; learning rate {}",
             cfg.batch_size,
             cfg.batch_size * replicas,
+            if average_every == 0 {
+                "gradients before every step".to_string()
+            } else {
+                format!("parameters every {average_every} mini-batch(es)")
+            },
             cfg.lr
         );
     }
@@ -383,6 +426,7 @@ pub fn plan(
         in_flight: args.in_flight.unwrap_or(0),
         replica_every: args.stage_replicas.unwrap_or(0),
         replicas,
+        average_every,
         ring: 0,
     };
     if job.replica_every > 0 {

@@ -65,6 +65,12 @@ pub fn run_worker_with(
                 node.backward(net, id, policy.backward_step(id), &dy)?;
                 if let Some(step) = policy.record(Action::Backward, id) {
                     node.step(job, net, step)?;
+                    // Async steps every micro-batch; a mini-batch ends with its last one.
+                    let minibatch_done = job.schedule != Schedule::Async
+                        || (id + 1) % job.micro_batches.max(1) as u64 == 0;
+                    if minibatch_done && job.averages_params_after(step) {
+                        net.average_with_replicas(step, node.stage.params_mut())?;
+                    }
                 }
             }
             None => match arrived.map_or_else(|| net.recv(timeout), Ok)? {
@@ -299,7 +305,7 @@ impl RingNode {
         let lr = job.lr_at(step);
         // Rings of rings average the stage's gradients with its copies first (flushed
         // schedules: one step per mini-batch, the same on every copy).
-        if job.replicas > 1 {
+        if job.averages_gradients() {
             net.average_with_replicas(step, self.stage.grads_mut())?;
         }
         let (stage, optimizer) = (&mut self.stage, &mut self.optimizer);
