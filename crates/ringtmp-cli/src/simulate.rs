@@ -204,10 +204,9 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
     print_inputs(&costs, &sim, nodes, &job);
     let ran = simulate(&job, nodes, &data, sim.clone())?;
     print_results(&ran, &job, nodes);
-    let failures = match &failure_model {
-        Some(model) => Some(study_failures(model, &job, nodes, &data, &sim, &ran)),
-        None => None,
-    };
+    let failures = failure_model
+        .as_ref()
+        .map(|model| study_failures(model, &job, nodes, &data, &sim, &ran));
     let record = serde_json::json!({
         "nodes": nodes,
         "strategy": job.name(),
