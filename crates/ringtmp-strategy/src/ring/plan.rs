@@ -166,13 +166,13 @@ pub fn plan(
                 ))
             })?,
     };
-    if average_every > 0 && replicas < 2 {
-        return Err(Error::Config(
-            "--replica-sync every:K keeps rings of rings together: it needs --replicas or \
-             --ring-nodes with two rings or more"
-                .into(),
-        ));
-    }
+    let average_every = if average_every > 0 && replicas < 2 {
+        // One ring (a sweep's smallest count under --ring-nodes): nothing to keep together.
+        eprintln!("--replica-sync: one ring, no copies to keep together");
+        0
+    } else {
+        average_every
+    };
     let schedule = match (args.schedule, replicas) {
         (s, r) if r > 1 && average_every > 0 => {
             let schedule = s.unwrap_or(Schedule::Async);
