@@ -225,6 +225,15 @@ pub enum Control {
         /// Iterations this worker may complete in this run.
         iterations: u64,
     },
+    /// All-reduce, the answer to a `Regroup`: the sender has completed `optimizer_steps` steps.
+    /// Replicas that completed the same steps hold the same bits, so rank 0 sends its state only
+    /// to a member whose count differs from its own.
+    Holding {
+        /// The generation of the `Regroup` answered.
+        generation: u64,
+        /// The sender's optimizer step count.
+        optimizer_steps: u64,
+    },
 }
 
 /// A decoded frame.

@@ -448,10 +448,14 @@ fn flat_state(stage: &Stage, optimizer: &Optimizer) -> Vec<f32> {
     state
 }
 
-/// Rank 0 re-forms the ring without `dead`: every other member gets the order and rank 0's
-/// state, and all go on from `step` (rank 0 abandons the step in progress, so it has completed
-/// exactly the steps before it; a worker that completed one more redoes it, one that completed
-/// one fewer catches up). A member that dies meanwhile is left out as well.
+/// Rank 0 re-forms the ring without `dead`: every other member gets the order and answers with
+/// the steps it has completed (`Holding`); rank 0 sends its state only to the members whose count
+/// differs from its own — replicas that completed the same steps hold the same bits, so in the
+/// usual case no state travels at all, where sending it to every survivor over rank 0's one card
+/// cost 5 s per survivor at 100 Mbit/s (docs/BENCHMARKS.md, "Failures per node-hour"). All go on
+/// from `step` (rank 0 abandons the step in progress, so it has completed exactly the steps
+/// before it; a worker that completed one more redoes it, one that completed one fewer catches
+/// up). A member that dies meanwhile is left out as well, and the order goes out again.
 #[allow(clippy::too_many_arguments)]
 fn reform_ring(
     net: &mut dyn Transport,
@@ -462,8 +466,10 @@ fn reform_ring(
     stage: &Stage,
     optimizer: &Optimizer,
     dropped: &mut Vec<DroppedNode>,
+    timeout: Duration,
 ) -> Result<()> {
-    let state = flat_state(stage, optimizer);
+    let mut state: Option<Vec<f32>> = None;
+    let mine = optimizer.steps();
     let mut lost = vec![(dead, reason)];
     while !lost.is_empty() {
         for (dead, reason) in lost.drain(..) {
@@ -488,23 +494,67 @@ fn reform_ring(
                 "all-reduce: every worker but rank 0 has died; nothing left to reduce with".into(),
             ));
         }
+        let note = |e: TransportError, lost: &mut Vec<(u32, String)>| match e.failed_peer() {
+            Some(other) if other != 0 => {
+                lost.push((other, e.to_string()));
+                Ok(())
+            }
+            _ => Err(Error::from(e)),
+        };
         // Everyone hears the newest ring; a member found dead meanwhile means another round.
-        for &r in ring.members.iter().filter(|r| **r != 0) {
+        let others: Vec<u32> = ring.members.iter().copied().filter(|r| *r != 0).collect();
+        for &r in &others {
             let order = Control::Regroup {
                 generation: ring.generation,
                 members: ring.members.clone(),
                 step,
-                optimizer_steps: optimizer.steps(),
+                optimizer_steps: mine,
             };
-            let sent = net.send(r, Message::Control(order)).and_then(|()| {
+            if let Err(e) = net.send(r, Message::Control(order)) {
+                note(e, &mut lost)?;
+            }
+        }
+        if !lost.is_empty() {
+            continue;
+        }
+        // Each answers with its steps; what arrives before that on its link is the abandoned
+        // attempt's (chunks, an older generation's answer).
+        for &r in &others {
+            let held = loop {
+                match net.recv_from(r, timeout) {
+                    Ok(Message::Control(Control::Holding {
+                        generation,
+                        optimizer_steps,
+                    })) if generation == ring.generation => break Some(optimizer_steps),
+                    Ok(Message::Control(Control::Holding { generation, .. }))
+                        if generation < ring.generation => {}
+                    Ok(Message::Tensor(h, bytes)) if h.tag == TensorTag::ParamGrads => {
+                        net.buffers().give(bytes);
+                    }
+                    Ok(_) => {
+                        return Err(Error::protocol(
+                            "all-reduce",
+                            net,
+                            r,
+                            "message instead of its steps while the ring is re-formed",
+                        ));
+                    }
+                    Err(e) => {
+                        note(e, &mut lost)?;
+                        break None;
+                    }
+                }
+            };
+            if let Some(steps) = held.filter(|steps| *steps != mine) {
+                eprintln!(
+                    "all-reduce: rank {r} had completed {steps} step(s), rank 0 {mine}: it takes \
+                     rank 0's state"
+                );
+                let values = state.get_or_insert_with(|| flat_state(stage, optimizer));
                 let message =
-                    crate::gossip::model_message(net, &state, step, ring.generation, Dtype::F32);
-                net.send(r, message)
-            });
-            if let Err(e) = sent {
-                match e.failed_peer() {
-                    Some(other) if other != 0 => lost.push((other, e.to_string())),
-                    _ => return Err(e.into()),
+                    crate::gossip::model_message(net, values, step, ring.generation, Dtype::F32);
+                if let Err(e) = net.send(r, message) {
+                    note(e, &mut lost)?;
                 }
             }
         }
@@ -512,8 +562,9 @@ fn reform_ring(
     Ok(())
 }
 
-/// A worker other than rank 0 waits for rank 0's order to go on (unless it has it already) and
-/// takes rank 0's state. Returns the step to run next.
+/// A worker other than rank 0 waits for rank 0's order to go on (unless it has it already),
+/// answers with the steps it has completed, and takes rank 0's state where they differ. Returns
+/// the step to run next.
 fn follow_regroup(
     net: &mut dyn Transport,
     rank: u32,
@@ -574,12 +625,7 @@ fn follow_regroup(
             },
         }
     }
-    let order = order.expect("set above");
-    if !order.members.contains(&rank) {
-        return Err(Error::Config(format!(
-            "all-reduce: rank 0 re-formed the ring without rank {rank} (it took it for dead)"
-        )));
-    }
+    let mut order = order.expect("set above");
     let params = stage.params().len();
     let shapes: Vec<(&'static str, usize)> = optimizer
         .state()
@@ -587,50 +633,85 @@ fn follow_regroup(
         .map(|(name, v)| (*name, v.len()))
         .collect();
     let expected = params + shapes.iter().map(|s| s.1).sum::<usize>();
-    // The state follows the order on rank 0's link; a dead worker's link may report its failure
-    // meanwhile, which is old news here.
-    let message = loop {
-        match net.recv_from(0, timeout) {
-            Ok(message) => break message,
-            Err(e) => match e.failed_peer() {
-                Some(dead) if dead != 0 && dead != rank => {}
-                _ => return Err(e.into()),
-            },
+    loop {
+        if !order.members.contains(&rank) {
+            return Err(Error::Config(format!(
+                "all-reduce: rank 0 re-formed the ring without rank {rank} (it took it for dead)"
+            )));
         }
-    };
-    let state = match message {
-        Message::Tensor(h, bytes)
-            if h.tag == TensorTag::Params
-                && h.micro_batch == order.generation
-                && h.elements() == Some(expected as u64) =>
-        {
-            let mut values = Vec::new();
-            tensor_values(&bytes, h.dtype, &mut values);
-            net.buffers().give(bytes);
-            values
+        // Rank 0 sends its state only if this replica completed other steps than its own.
+        let held = optimizer.steps();
+        net.send(
+            0,
+            Message::Control(Control::Holding {
+                generation: order.generation,
+                optimizer_steps: held,
+            }),
+        )?;
+        if held == order.optimizer_steps {
+            break;
         }
-        _ => {
-            return Err(Error::protocol(
-                "all-reduce",
-                net,
-                0,
-                "message instead of its state",
-            ));
+        // The state follows on rank 0's link (or a newer order, if a member died meanwhile);
+        // a dead worker's link may report its failure meanwhile, which is old news here.
+        let message = loop {
+            match net.recv_from(0, timeout) {
+                Ok(message) => break message,
+                Err(e) => match e.failed_peer() {
+                    Some(dead) if dead != 0 && dead != rank => {}
+                    _ => return Err(e.into()),
+                },
+            }
+        };
+        let state = match message {
+            Message::Tensor(h, bytes)
+                if h.tag == TensorTag::Params
+                    && h.micro_batch == order.generation
+                    && h.elements() == Some(expected as u64) =>
+            {
+                let mut values = Vec::new();
+                tensor_values(&bytes, h.dtype, &mut values);
+                net.buffers().give(bytes);
+                values
+            }
+            Message::Control(Control::Regroup {
+                generation,
+                members,
+                step,
+                optimizer_steps,
+            }) if generation > order.generation => {
+                order = Regroup {
+                    generation,
+                    members,
+                    step,
+                    optimizer_steps,
+                };
+                continue;
+            }
+            _ => {
+                return Err(Error::protocol(
+                    "all-reduce",
+                    net,
+                    0,
+                    "message instead of its state",
+                ));
+            }
+        };
+        // A phantom run (the simulator's sizes-only mode) carries the state's size, not its
+        // values.
+        if !(state.is_empty() && ringtmp_meter::phantom()) {
+            stage.params_mut().copy_from_slice(&state[..params]);
+            let mut at = params;
+            let tensors: Vec<(&str, Vec<f32>)> = shapes
+                .iter()
+                .map(|(name, len)| {
+                    let t = (*name, state[at..at + len].to_vec());
+                    at += len;
+                    t
+                })
+                .collect();
+            optimizer.load_state(&tensors, order.optimizer_steps)?;
         }
-    };
-    // A phantom run (the simulator's sizes-only mode) carries the state's size, not its values.
-    if !(state.is_empty() && ringtmp_meter::phantom()) {
-        stage.params_mut().copy_from_slice(&state[..params]);
-        let mut at = params;
-        let tensors: Vec<(&str, Vec<f32>)> = shapes
-            .iter()
-            .map(|(name, len)| {
-                let t = (*name, state[at..at + len].to_vec());
-                at += len;
-                t
-            })
-            .collect();
-        optimizer.load_state(&tensors, order.optimizer_steps)?;
+        break;
     }
     stage.zero_grad();
     for (from, message) in newer.into_iter().rev() {
@@ -767,6 +848,7 @@ pub fn run_worker(
                             &stage,
                             &optimizer,
                             &mut dropped,
+                            spec.recv_timeout(),
                         )?;
                         if let Some(recorder) = recorder.as_mut() {
                             recorder.write(json!({"event": "dropped", "rank": dead,
