@@ -1198,6 +1198,67 @@ fn bars(y_label: &str, labels: &[String], series: &[(&str, Vec<f64>)]) -> Result
 mod tests {
     use super::*;
 
+    /// A finished run of `strategy` on 4 nodes with the given accuracy, time to the target and
+    /// training time.
+    fn finished(strategy: &str, accuracy: f64, to_target: Option<f64>, trained: f64) -> Finished {
+        Finished {
+            plan: RunPlan {
+                strategy: strategy.into(),
+                nodes: 4,
+                repeat: 0,
+                name: format!("{strategy}-n4-r0"),
+                args: Vec::new(),
+            },
+            summary: Summary {
+                strategy: strategy.into(),
+                nodes: 4,
+                final_test_accuracy: accuracy,
+                best_test_accuracy: accuracy,
+                target_accuracy: 0.97,
+                time_to_target_seconds: to_target,
+                train_seconds: trained,
+                samples: 1000,
+                samples_per_second: 1000.0 / trained,
+                ..Default::default()
+            },
+            job: None,
+            curve: Vec::new(),
+            useful_fraction: None,
+        }
+    }
+
+    fn claim_d(runs: &[Finished]) -> String {
+        claims(runs, &rows(runs))
+            .into_iter()
+            .find(|c| c.title.starts_with("(d)"))
+            .expect("claim (d)")
+            .verdict
+    }
+
+    /// Claim (d) judges equal time: a strategy that stopped training before the ring reached the
+    /// target decides nothing (the edge report's cnn: all-reduce stopped after 34 s at 87%, the
+    /// ring reached 97% after 178 s, and the verdict had read "holds").
+    #[test]
+    fn claim_d_is_not_decided_by_a_run_cut_short() {
+        let ring = || finished("ring", 0.975, Some(178.0), 240.0);
+        let verdict = claim_d(&[ring(), finished("allreduce", 0.874, None, 34.0)]);
+        assert!(verdict.starts_with("not decided"), "{verdict}");
+        assert!(verdict.contains("allreduce (34.0 s)"), "{verdict}");
+        let verdict = claim_d(&[ring(), finished("allreduce", 0.95, None, 240.0)]);
+        assert_eq!(verdict, "holds: only the ring reached the target");
+        let verdict = claim_d(&[ring(), finished("allreduce", 0.98, Some(100.0), 240.0)]);
+        assert_eq!(verdict, "does not hold");
+        // The ring stopped early while the other reached the target later.
+        let verdict = claim_d(&[
+            finished("ring", 0.90, None, 30.0),
+            finished("allreduce", 0.975, Some(150.0), 240.0),
+        ]);
+        assert!(
+            verdict.starts_with("not decided: ring stopped"),
+            "{verdict}"
+        );
+    }
+
     #[test]
     fn the_median_and_the_range() {
         assert_eq!(spread(vec![3.0, 1.0, 2.0]), Some((2.0, 1.0, 3.0)));
