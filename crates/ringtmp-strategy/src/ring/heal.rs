@@ -2,12 +2,15 @@
 //! a checkpoint (after Bamboo, NSDI 2023, which keeps such replicas for preemptible pipelines).
 //!
 //! Every K mini-batches, at a point where the pipeline is empty, the master starts a replication
-//! round: a `Replicate` token travels backwards (master → N−1 → … → 1 → master); each node, when
-//! it gets the token, snapshots its own stage and optimizer state in memory and sends that
-//! snapshot to its predecessor *before* passing the token on over the same link, so when the token
-//! reaches a node, its successor's replica has already arrived (links are FIFO). The round is
-//! complete when the token is back at the master. Every node keeps its last two snapshots and
-//! replicas: a round that a failure interrupts may be half done, the one before it is whole.
+//! round: it sends `Replicate` to every node at once; each node snapshots its own stage and
+//! optimizer state in memory and sends that snapshot to its predecessor, followed by a
+//! `Replicate` token over the same link, so when a node has its successor's token, it has its
+//! successor's replica (links are FIFO) — and says so to the master with a `Replicate` of its own.
+//! The round is complete when the master has node 1's replica and every node's word. (Until
+//! session 8 the token travelled backwards master → N−1 → … → 1 → master, each node sending its
+//! snapshot on receiving it: a round took the sum of all the stages' transfers instead of the
+//! largest.) Every node keeps its last two snapshots and replicas: a round that a failure
+//! interrupts may be half done, the one before it is whole.
 //!
 //! When a non-master node `j` dies, the master (linked to every node, as they all are to each
 //! other under this option) picks the last complete round `s`, drops `j` and gives its layers to

@@ -330,8 +330,11 @@ fn evaluate_and_record(
     Ok(())
 }
 
-/// A replication round after mini-batch `done` (see `heal`): the master keeps its own snapshot,
-/// sends the token backwards to node N−1, and waits for node 1's replica and then the token.
+/// A replication round after mini-batch `done` (see `heal`): the master keeps its own snapshot
+/// and orders every node at once to send its snapshot to its predecessor; the round is complete
+/// when node 1's replica (then its token) is in and every node has said that its successor's
+/// replica reached it. All links carry their snapshot at the same time, so a round takes about
+/// the largest stage's transfer, not the sum of all of them.
 fn replicate(
     job: &RingJob,
     net: &mut dyn Transport,
@@ -342,14 +345,22 @@ fn replicate(
 ) -> Result<()> {
     let n = job.partition.len() as u32;
     replicas.keep_own(Snapshot::take(done, plan.start..plan.end, stage, optimizer));
-    net.send(n - 1, Message::Control(Control::Replicate { step: done }))?;
+    for r in 1..n {
+        net.send(r, Message::Control(Control::Replicate { step: done }))?;
+    }
     let next = &job.partition[1];
     let layers = job.layers()?;
     let mut replica = false;
-    loop {
-        match net.recv_from(1, timeout)? {
-            Message::Tensor(h, bytes)
-                if h.tag == TensorTag::Params && h.micro_batch == REPLICA && h.step == done =>
+    // Node 1 sends its token (after its replica) and its own word; every other node its word.
+    let mut said = vec![0u32; n as usize];
+    let expected = |r: usize| if r == 1 { 2 } else { 1 };
+    while !(replica && (1..n as usize).all(|r| said[r] == expected(r))) {
+        match net.recv(timeout)? {
+            (1, Message::Tensor(h, bytes))
+                if h.tag == TensorTag::Params
+                    && h.micro_batch == REPLICA
+                    && h.step == done
+                    && !replica =>
             {
                 let mut values = Vec::new();
                 tensor_values(&bytes, h.dtype, &mut values);
@@ -365,8 +376,15 @@ fn replicate(
                 replicas.keep_succ(snapshot);
                 replica = true;
             }
-            Message::Control(Control::Replicate { step }) if step == done && replica => break,
-            _ => return Err(protocol(net, 1, "message during a replication round")),
+            (from, Message::Control(Control::Replicate { step }))
+                if step == done
+                    && (1..n).contains(&from)
+                    && said[from as usize] < expected(from as usize)
+                    && (from != 1 || replica) =>
+            {
+                said[from as usize] += 1;
+            }
+            (from, _) => return Err(protocol(net, from, "message during a replication round")),
         }
     }
     replicas.completed = Some(done);

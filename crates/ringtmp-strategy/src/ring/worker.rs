@@ -109,8 +109,19 @@ pub fn run_worker_with(
                     .ok_or_else(|| protocol(net, from, "replica of the wrong size"))?;
                     replicas.keep_succ(snapshot);
                 }
-                (from, Message::Control(Control::Replicate { step })) if from == node.succ => {
+                // A replication round: the master's order reaches every node at once; each sends
+                // its snapshot to its predecessor, and tells the master once its successor's
+                // snapshot is in (the successor's token follows it on the same link). The last
+                // node's successor is the master, whose stage is not replicated.
+                (0, Message::Control(Control::Replicate { step })) if node.succ == 0 => {
                     node.replicate(net, step, replicas)?;
+                    net.send(0, Message::Control(Control::Replicate { step }))?;
+                }
+                (0, Message::Control(Control::Replicate { step })) => {
+                    node.replicate(net, step, replicas)?;
+                }
+                (from, Message::Control(Control::Replicate { step })) if from == node.succ => {
+                    net.send(0, Message::Control(Control::Replicate { step }))?;
                 }
                 (
                     0,
