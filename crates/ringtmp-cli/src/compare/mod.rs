@@ -5,6 +5,8 @@
 //! ```text
 //! <out>/runs/<strategy>-n<nodes>-r<repeat>/   every run's own directory (ringtmp train --out)
 //! <out>/runs/<...>.log                         what the run printed
+//! <out>/runs/<strategy>-n<nodes>-probe/        with --train-seconds: the run that measured the
+//!                                              configuration's samples/s (one for its repeats)
 //! <out>/results.jsonl                          one line per finished run, from its summary.json
 //! <out>/report.md, <out>/report.html           the report (plots inline in the HTML)
 //! <out>/plots/*.svg                            the plots
@@ -64,9 +66,16 @@ pub fn run(raw: &[String]) -> Result<()> {
         }
         let mut plan = plan.clone();
         if let Some(seconds) = options.train_seconds {
-            let samples = budget_for(&exe, &options, &plan, seconds, &label)?;
-            plan.args
-                .extend(["--train-samples".into(), samples.to_string()]);
+            match budget_for(&exe, &options, &plan, seconds, &label) {
+                Ok(samples) => plan
+                    .args
+                    .extend(["--train-samples".into(), samples.to_string()]),
+                Err(e) => {
+                    // As a failed run: said, left out of the report, the others go on.
+                    eprintln!("compare: {label}: FAILED: {e:#} — the report leaves it out");
+                    continue;
+                }
+            }
         }
         eprintln!("compare: {label} …");
         let started = Instant::now();
