@@ -1197,11 +1197,17 @@ fn compare_at_equal_time_gives_every_run_the_budget_its_probe_measured() {
         assert_eq!(probe["train_samples"], 2048, "{probe}");
         let rate = probe["samples_per_second"].as_f64().unwrap();
         let expected = ((rate * seconds).ceil() as u64).max(2048);
-        let run = summary(&format!("{strategy}-n2-r0"));
-        assert_eq!(run["train_samples"].as_u64(), Some(expected), "{strategy}");
         assert!(
             err.contains(&format!("so {expected} samples for {seconds} s")),
             "{err}"
+        );
+        // A run that missed the time by more than 15% ran once more on a corrected budget.
+        let run = summary(&format!("{strategy}-n2-r0"));
+        let trained = run["train_samples"].as_u64().unwrap();
+        let again = format!("on {expected} samples; once more on {trained}");
+        assert!(
+            trained == expected || err.contains(&again),
+            "{strategy}: {trained} samples against the probe's {expected}: {err}"
         );
     }
     let md = std::fs::read_to_string(dir.join("report.md")).unwrap();

@@ -81,7 +81,9 @@ Options:
                       [default: runs/<time>-compare]
   --train-seconds T   equal time instead of equal samples: every run trains for about T seconds
                       (its sample budget is T × the samples/s of a probe run of 2048 samples,
-                      kept under runs/ as <run>-probe); replaces --epochs and --train-samples
+                      kept under runs/ as <run>-probe; a run that misses T by more than 15%
+                      runs once more, its budget scaled by the miss); replaces --epochs and
+                      --train-samples
   --config FILE       a TOML file: strategies, nodes, repeats, out, train_seconds, and a
                       [train] table
   --simulate          run `ringtmp simulate` instead of `train`: clusters this machine lacks
