@@ -964,39 +964,23 @@ fn plots(
     ));
     let counts: std::collections::BTreeSet<u32> = rows.iter().map(|r| r.nodes).collect();
     if counts.len() > 1 {
-        let mut by_strategy: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
-        for row in rows {
-            let point = (f64::from(row.nodes), median(row.samples_per_second));
-            match by_strategy.iter_mut().find(|s| s.0 == row.strategy) {
-                Some(s) => s.1.push(point),
-                None => by_strategy.push((row.strategy.clone(), vec![point])),
-            }
-        }
         out.push((
             "scaling".into(),
             "Samples per second against nodes".into(),
-            lines(Axis::Linear("nodes"), "samples/s", &by_strategy)?,
+            lines(
+                Axis::Linear("nodes"),
+                "samples/s",
+                &against_nodes(rows, &|r| Some(median(r.samples_per_second))),
+            )?,
         ));
         if with_failures(rows) {
-            let series = |value: &dyn Fn(&Row) -> Option<f64>| {
-                let mut by_strategy: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
-                for row in rows {
-                    let Some(v) = value(row) else { continue };
-                    let point = (f64::from(row.nodes), v);
-                    match by_strategy.iter_mut().find(|s| s.0 == row.strategy) {
-                        Some(s) => s.1.push(point),
-                        None => by_strategy.push((row.strategy.clone(), vec![point])),
-                    }
-                }
-                by_strategy
-            };
             out.push((
                 "useful_fraction".into(),
                 "Useful fraction of time with failures, against nodes".into(),
                 lines(
                     Axis::Linear("nodes"),
                     "useful time (%)",
-                    &series(&|r| r.useful_fraction.map(|u| u.0 * 100.0)),
+                    &against_nodes(rows, &|r| r.useful_fraction.map(|u| u.0 * 100.0)),
                 )?,
             ));
             out.push((
@@ -1006,12 +990,29 @@ fn plots(
                 lines(
                     Axis::Linear("nodes"),
                     "samples/s",
-                    &series(&|r| r.effective_samples_per_second.map(|e| e.0)),
+                    &against_nodes(rows, &|r| r.effective_samples_per_second.map(|e| e.0)),
                 )?,
             ));
         }
     }
     Ok(out)
+}
+
+/// One line per strategy through `(nodes, value)` of its rows (rows without a value left out).
+fn against_nodes(
+    rows: &[Row],
+    value: &dyn Fn(&Row) -> Option<f64>,
+) -> Vec<(String, Vec<(f64, f64)>)> {
+    let mut by_strategy: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    for row in rows {
+        let Some(v) = value(row) else { continue };
+        let point = (f64::from(row.nodes), v);
+        match by_strategy.iter_mut().find(|s| s.0 == row.strategy) {
+            Some(s) => s.1.push(point),
+            None => by_strategy.push((row.strategy.clone(), vec![point])),
+        }
+    }
+    by_strategy
 }
 
 const SIZE: (u32, u32) = (860, 420);
