@@ -167,6 +167,8 @@ struct Worker<'a> {
     allowed: u64,
     /// Passive: active neighbours that have finished.
     finished: BTreeSet<u32>,
+    /// Ranks whose death this worker has noticed.
+    gone: BTreeSet<u32>,
     /// Averagings this worker took part in.
     averagings: u64,
     /// Rank 0: the run's bookkeeping.
@@ -180,6 +182,15 @@ struct Worker<'a> {
 impl Worker<'_> {
     /// Acts on one message.
     fn handle(&mut self, net: &mut dyn Transport, from: u32, message: Message) -> Result<()> {
+        if self.gone.contains(&from) {
+            // Sent before it died, read after its death was noticed (a link's closure can be
+            // reported while waiting on another link, ahead of what is still queued on its own):
+            // old news, like everything else of the dead.
+            if let Message::Tensor(_, bytes) = message {
+                net.buffers().give(bytes);
+            }
+            return Ok(());
+        }
         match message {
             Message::Tensor(h, bytes)
                 if h.tag == TensorTag::Params && super::holds(&h, self.model.len()) =>
@@ -263,6 +274,7 @@ impl Worker<'_> {
         let Some(dead) = e.failed_peer().filter(|r| *r != 0 && *r != self.rank) else {
             return Err(e.into());
         };
+        self.gone.insert(dead);
         let newly = self.near.remove(&dead) | self.finished.insert(dead);
         let reported = match self.coordinator.as_mut() {
             Some(c) => c.drop_worker(dead, e.to_string()),
@@ -388,6 +400,7 @@ pub fn run_worker(
         stop: false,
         allowed: Coordinator::initial_grant(n, spec.first_step(), spec.total_steps),
         finished: BTreeSet::new(),
+        gone: BTreeSet::new(),
         averagings: 0,
         coordinator: (rank == 0).then(|| Coordinator::new(n, spec.first_step(), spec.total_steps)),
         finals: Vec::new(),
