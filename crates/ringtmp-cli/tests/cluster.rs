@@ -1844,10 +1844,49 @@ fn rings_of_rings_run_on_local_nodes_and_refuse_what_cannot_work() {
     // 46 steps of 2 × 16 rows.
     assert_eq!(summary["samples"], 46 * 32, "{summary}");
     assert!(out.join("rings/ring-1/summary.json").is_file());
+    // The same rings gossiping their stages' parameters (real processes: the passive copies'
+    // end, which puts its ring's messages back, runs on sockets here).
+    let gossip_out = tmp.path().join("gossip");
+    let mut gossip = args.to_vec();
+    gossip.extend(["--replica-sync", "adpsgd"]);
+    let output = train_into(&gossip, &gossip_out);
+    let err = stderr(&output);
+    assert!(output.status.success(), "{err}");
+    assert!(err.contains("gossip their parameters"), "{err}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(gossip_out.join("summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(summary["samples"], 46 * 32, "{summary}");
+    assert!(
+        summary["final_test_accuracy"].as_f64().unwrap() > 0.5,
+        "{summary}"
+    );
     for (extra, needle) in [
         (
             &["--nodes", "4", "--replicas", "3"][..],
             "must split into rings",
+        ),
+        (
+            &[
+                "--nodes",
+                "6",
+                "--replicas",
+                "3",
+                "--replica-sync",
+                "adpsgd",
+            ][..],
+            "needs an even number of rings",
+        ),
+        (
+            &[
+                "--nodes",
+                "4",
+                "--replicas",
+                "2",
+                "--replica-sync",
+                "adpsgd:0",
+            ][..],
+            "expected gradients, every:K, adpsgd or adpsgd:K",
         ),
         (
             &["--nodes", "4", "--replicas", "2", "--schedule", "async"][..],

@@ -44,6 +44,7 @@ pub fn ring_job(
         replica_every: 0,
         replicas: 1,
         average_every: 0,
+        gossip_every: 0,
         ring: 0,
     }
 }

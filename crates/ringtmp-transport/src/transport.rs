@@ -61,6 +61,19 @@ pub trait Transport: Send {
         let _ = (step, values);
         Ok(())
     }
+    /// Rings of rings under `--replica-sync adpsgd`: the safe point after mini-batch `step`,
+    /// where the copies of this node's stage exchange parameters (`values`) asynchronously;
+    /// after the `last` mini-batch the copies finish their exchanges and average once. A node
+    /// without copies has nothing to do.
+    fn gossip_with_replicas(
+        &mut self,
+        step: u64,
+        values: &mut [f32],
+        last: bool,
+    ) -> Result<(), TransportError> {
+        let _ = (step, values, last);
+        Ok(())
+    }
 }
 
 /// A node's clock: wall time on real networks, virtual time in simulation.

@@ -77,6 +77,12 @@ pub struct RingJob {
     /// mini-batches and after the last.
     #[serde(default)]
     pub average_every: u64,
+    /// Rings of rings under `--replica-sync adpsgd:K`: the copies of a stage gossip their
+    /// parameters asynchronously (an active copy starts an exchange after every K-th
+    /// mini-batch, a passive one answers after every mini-batch) and average once at the end;
+    /// 0 = no gossip.
+    #[serde(default)]
+    pub gossip_every: u64,
     /// Which of those rings this node's is (set by each node at run time from its rank).
     #[serde(skip)]
     pub ring: usize,
@@ -86,7 +92,29 @@ impl RingJob {
     /// Whether the copies of a stage average their gradients before the step of every
     /// mini-batch (rings of rings under `--replica-sync gradients`).
     pub fn averages_gradients(&self) -> bool {
-        self.replicas > 1 && self.average_every == 0
+        self.replicas > 1 && self.average_every == 0 && self.gossip_every == 0
+    }
+
+    /// Whether the copies of a stage gossip at the end of every mini-batch (rings of rings
+    /// under `--replica-sync adpsgd`).
+    pub fn gossips_params(&self) -> bool {
+        self.replicas > 1 && self.gossip_every > 0
+    }
+
+    /// Rings of rings: what the copies of a stage do once mini-batch `step` is complete
+    /// (average their parameters under `every:K`, gossip under `adpsgd`).
+    pub(super) fn after_minibatch(
+        &self,
+        net: &mut dyn Transport,
+        step: u64,
+        params: &mut [f32],
+    ) -> std::result::Result<(), TransportError> {
+        if self.averages_params_after(step) {
+            net.average_with_replicas(step, params)?;
+        } else if self.gossips_params() {
+            net.gossip_with_replicas(step, params, step + 1 == self.spec.total_steps)?;
+        }
+        Ok(())
     }
 
     /// Whether the copies of a stage average their parameters after mini-batch `step` is

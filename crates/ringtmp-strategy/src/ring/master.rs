@@ -866,8 +866,8 @@ impl MasterPipe {
                             // Each async micro-batch is its own weight version and step.
                             let lr = job.lr_at(id / m);
                             clock.run(|| stage.step(optimizer, lr));
-                            if (id + 1) % m == 0 && job.averages_params_after(id / m) {
-                                net.average_with_replicas(id / m, stage.params_mut())?;
+                            if (id + 1) % m == 0 {
+                                job.after_minibatch(net, id / m, stage.params_mut())?;
                             }
                         }
                     }
@@ -891,9 +891,7 @@ impl MasterPipe {
             if let Some(h) = head {
                 clock.run(|| h.stage.step(&mut h.optimizer, lr));
             }
-            if job.averages_params_after(step) {
-                net.average_with_replicas(step, stage.params_mut())?;
-            }
+            job.after_minibatch(net, step, stage.params_mut())?;
         }
         Ok((
             self.side.losses.remove(&step).unwrap_or(f64::NAN),

@@ -13,7 +13,8 @@
 //!   node.
 //! - [`partition`]: the planner that splits layers into stages.
 //! - [`rings`]: rings of rings (`--replicas R`): the view that runs one ring of several and
-//!   averages each stage with its copies.
+//!   averages each stage with its copies; `replica_gossip`: their asynchronous gossip
+//!   (`--replica-sync adpsgd`).
 //! - [`plan`]: `--strategy ring` options into the job every node runs.
 //! - [`node`]: the strategy's shape: a rank's role and the job's checks.
 
@@ -24,6 +25,7 @@ pub mod node;
 pub mod partition;
 pub mod plan;
 pub mod profile;
+mod replica_gossip;
 pub mod rings;
 pub mod schedule;
 mod worker;

@@ -98,6 +98,14 @@ impl Strategy for RingJob {
             ]
             .into_iter()
             .collect();
+            if self.gossips_params() {
+                // The stage's copies' gossip graph.
+                links.extend(
+                    crate::gossip::mixing::bipartite_neighbours(ring, rings)
+                        .into_iter()
+                        .map(|r| r * stages + stage),
+                );
+            }
             // Every ring's master reports its summary to rank 0 (with three rings or more,
             // not all of them are rank 0's neighbours in the stage group).
             match (rank, stage) {

@@ -51,8 +51,11 @@ pub struct RingOptions {
     /// they average their gradients before every step (a flushed schedule; exactly one ring of
     /// the global batch). `every:K`: each ring trains on its own (any schedule, async by
     /// default) and the copies average their parameters every K mini-batches and at the end
-    /// (periodic model averaging, "local SGD": K times fewer synchronisations).
-    #[arg(long, value_name = "gradients|every:K")]
+    /// (periodic model averaging, "local SGD": K times fewer synchronisations). `adpsgd[:K]`:
+    /// each ring trains on its own and the copies gossip their parameters (AD-PSGD's bipartite
+    /// pairs, an exchange started every K mini-batches [default: 1], no ring waiting for
+    /// another; an even number of rings) and average once at the end.
+    #[arg(long, value_name = "gradients|every:K|adpsgd[:K]")]
     pub replica_sync: Option<String>,
     /// Ring: every node also keeps its successor's block and optimizer state, refreshed every K
     /// mini-batches [default K: 20]; when a non-master node dies, its predecessor takes its
@@ -154,31 +157,56 @@ pub fn plan(
     }
     let all_nodes = nodes;
     let nodes = nodes / replicas as u32;
-    let average_every = match args.replica_sync.as_deref() {
-        None | Some("gradients") => 0,
-        Some(text) => text
-            .strip_prefix("every:")
-            .and_then(|k| k.parse::<u64>().ok())
-            .filter(|k| *k >= 1)
-            .ok_or_else(|| {
-                Error::Config(format!(
-                    "--replica-sync {text:?}: expected gradients or every:K with K ≥ 1"
-                ))
-            })?,
+    let (average_every, gossip_every) = match args.replica_sync.as_deref() {
+        None | Some("gradients") => (0, 0),
+        Some(text) => {
+            let k = |prefix: &str| {
+                text.strip_prefix(prefix)
+                    .and_then(|k| k.parse::<u64>().ok())
+                    .filter(|k| *k >= 1)
+            };
+            match (k("every:"), text == "adpsgd", k("adpsgd:")) {
+                (Some(k), _, _) => (k, 0),
+                (_, true, _) => (0, 1),
+                (_, _, Some(k)) => (0, k),
+                _ => {
+                    return Err(Error::Config(format!(
+                        "--replica-sync {text:?}: expected gradients, every:K, adpsgd or \
+                         adpsgd:K (K ≥ 1)"
+                    )));
+                }
+            }
+        }
     };
-    let average_every = if average_every > 0 && replicas < 2 {
+    let (average_every, gossip_every) = if (average_every > 0 || gossip_every > 0) && replicas < 2 {
         // One ring (a sweep's smallest count under --ring-nodes): nothing to keep together.
         eprintln!("--replica-sync: one ring, no copies to keep together");
-        0
+        (0, 0)
     } else {
-        average_every
+        (average_every, gossip_every)
     };
+    let gossip = gossip_every > 0;
+    if gossip && replicas % 2 != 0 {
+        return Err(Error::Config(format!(
+            "--replica-sync adpsgd: the copies of a stage gossip on AD-PSGD's bipartite graph \
+             (copies in even rings ask, those in odd rings answer), which needs an even number \
+             of rings, not {replicas}; use every:K for an odd number"
+        )));
+    }
     let schedule = match (args.schedule, replicas) {
-        (s, r) if r > 1 && average_every > 0 => {
+        (s, r) if r > 1 && (average_every > 0 || gossip) => {
             let schedule = s.unwrap_or(Schedule::Async);
+            let how = if gossip {
+                format!(
+                    "gossip their parameters (AD-PSGD's pairs, an exchange started every \
+                     {gossip_every} mini-batch(es), nobody waiting) and average at the end"
+                )
+            } else {
+                format!("average their parameters every {average_every} mini-batch(es)")
+            };
             eprintln!(
                 "--replicas {r}: each ring trains on its own ({} schedule) and the copies of a \
-                 stage average their parameters every {average_every} mini-batch(es)",
+                 stage {how}",
                 schedule.name()
             );
             schedule
@@ -205,6 +233,7 @@ pub fn plan(
     }
     if replicas > 1
         && average_every == 0
+        && !gossip
         && cfg.default_lr
         && matches!(cfg.optimizer, ringtmp_model::OptimizerConfig::Sgd { .. })
     {
@@ -389,7 +418,9 @@ pub fn plan(
              of every global batch of {}, stages averaging their {}; learning rate {}",
             cfg.batch_size,
             cfg.batch_size * replicas,
-            if average_every == 0 {
+            if gossip {
+                "parameters by asynchronous gossip".to_string()
+            } else if average_every == 0 {
                 "gradients before every step".to_string()
             } else {
                 format!("parameters every {average_every} mini-batch(es)")
@@ -427,6 +458,7 @@ pub fn plan(
         replica_every: args.stage_replicas.unwrap_or(0),
         replicas,
         average_every,
+        gossip_every,
         ring: 0,
     };
     if job.replica_every > 0 {

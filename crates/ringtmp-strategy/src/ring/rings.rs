@@ -20,6 +20,7 @@ use ringtmp_transport::{Clock, LinkStats, PeerName, Transport, TransportError};
 use ringtmp_wire::message::tensor_values;
 use ringtmp_wire::{Dtype, Message, TensorHeader, TensorTag};
 
+use super::replica_gossip::{self, ANSWER, DONE, REQUEST, ReplicaGossip};
 use crate::allreduce::ring::chunks;
 
 /// `micro_batch` of the all-reduce's tensors: this marker, the phase (0 reduce-scatter, 1
@@ -36,6 +37,8 @@ pub struct RingsView<'a> {
     group_inbox: VecDeque<(u32, Message)>,
     /// How long an all-reduce waits for a copy.
     timeout: Duration,
+    /// `--replica-sync adpsgd`: this copy's side of its group's gossip.
+    gossip: Option<ReplicaGossip>,
 }
 
 impl<'a> RingsView<'a> {
@@ -49,7 +52,23 @@ impl<'a> RingsView<'a> {
             rings,
             group_inbox: VecDeque::new(),
             timeout,
+            gossip: None,
         }
+    }
+
+    /// The copies of this node's stage gossip (`--replica-sync adpsgd`) instead of averaging on
+    /// a schedule; `seed` makes the partners replay.
+    pub fn with_gossip(mut self, seed: u64, every: u64) -> Self {
+        let rank = self.inner.rank();
+        self.gossip = Some(ReplicaGossip::new(
+            self.ring,
+            self.rings,
+            rank % self.stages,
+            self.stages,
+            seed,
+            every,
+        ));
+        self
     }
 
     fn physical(&self, k: u32) -> u32 {
@@ -97,6 +116,210 @@ impl<'a> RingsView<'a> {
             // A later all-reduce's tensor from a copy that is ahead: keep it for then.
             self.group_inbox.push_back((from, message));
         }
+    }
+
+    /// Moves what the group's `peers` have sent so far into the group inbox, without waiting.
+    fn poll_group(&mut self, peers: &[u32]) -> Result<(), TransportError> {
+        for &p in peers {
+            loop {
+                match self.inner.recv_from(p, Duration::ZERO) {
+                    Ok(message) => self.group_inbox.push_back((p, message)),
+                    Err(TransportError::Timeout { .. }) => break,
+                    Err(e) => return Err(e),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes the first gossip tensor of kind `tag` (from `from`, if given) out of the inbox.
+    fn take_gossip(&mut self, tag: u64, from: Option<u32>) -> Option<(u32, u64, Vec<f32>)> {
+        let i = self.group_inbox.iter().position(|(f, m)| {
+            from.is_none_or(|x| x == *f)
+                && matches!(m, Message::Tensor(h, _) if h.micro_batch == tag)
+        })?;
+        match self.group_inbox.remove(i) {
+            Some((f, Message::Tensor(h, bytes))) => {
+                let mut values = Vec::new();
+                tensor_values(&bytes, h.dtype, &mut values);
+                Some((f, h.step, values))
+            }
+            _ => None,
+        }
+    }
+
+    fn send_group(&self, to: u32, step: u64, tag: u64, data: &[f32]) -> Result<(), TransportError> {
+        let header = TensorHeader {
+            run_id: 0,
+            step,
+            micro_batch: tag,
+            tag: TensorTag::Params,
+            dtype: Dtype::F32,
+            shape: vec![data.len() as u32],
+        };
+        let mut bytes = Vec::new();
+        ringtmp_wire::message::tensor_bytes_into(data, Dtype::F32, &mut bytes);
+        self.inner.send(to, Message::Tensor(header, bytes))
+    }
+
+    /// Whether `got` may be combined with `params`: the same length, or a sizes-only run's
+    /// empty payload (then there is nothing to combine).
+    fn combinable(&self, from: u32, got: &[f32], params: &[f32]) -> Result<bool, TransportError> {
+        if got.is_empty() && ringtmp_meter::phantom() {
+            return Ok(false);
+        }
+        if got.len() != params.len() {
+            return Err(group_error(self, from, "parameters of the wrong size"));
+        }
+        Ok(true)
+    }
+
+    /// A passive copy answers every request that has arrived.
+    fn answer_requests(
+        &mut self,
+        g: &mut ReplicaGossip,
+        params: &mut [f32],
+    ) -> Result<(), TransportError> {
+        while let Some((from, step, request)) = self.take_gossip(REQUEST, None) {
+            if !g.neighbours.contains(&from) {
+                return Err(group_error(
+                    self,
+                    from,
+                    "a gossip request from a copy that is not a neighbour",
+                ));
+            }
+            let before = if self.combinable(from, &request, params)? {
+                replica_gossip::answer(params, &request)
+            } else {
+                Vec::new()
+            };
+            // (A sizes-only run sends the size without the values.)
+            let reply: &[f32] = if before.is_empty() { params } else { &before };
+            self.send_group(from, step, ANSWER, reply)?;
+            g.exchanges += 1;
+        }
+        Ok(())
+    }
+
+    /// An active copy applies an answer `answer` from `from` to its outstanding exchange.
+    fn apply(
+        &mut self,
+        g: &mut ReplicaGossip,
+        from: u32,
+        answer: &[f32],
+        params: &mut [f32],
+    ) -> Result<(), TransportError> {
+        match g.outstanding.take() {
+            Some((peer, _, sent)) if peer == from => {
+                if !sent.is_empty() && self.combinable(from, answer, params)? {
+                    replica_gossip::apply_answer(params, &sent, answer);
+                }
+                g.exchanges += 1;
+                Ok(())
+            }
+            _ => Err(group_error(self, from, "a gossip answer to no request")),
+        }
+    }
+
+    /// One safe point of the group's gossip (see [`replica_gossip`]).
+    fn gossip_round(
+        &mut self,
+        g: &mut ReplicaGossip,
+        step: u64,
+        params: &mut [f32],
+        last: bool,
+    ) -> Result<(), TransportError> {
+        let peers = g.neighbours.clone();
+        self.poll_group(&peers)?;
+        if !g.active {
+            self.answer_requests(g, params)?;
+            if last {
+                self.serve_until_done(g, params)?;
+            }
+            return Ok(());
+        }
+        if let Some(peer) = g.outstanding.as_ref().map(|o| o.0)
+            && let Some((from, _, answer)) = self.take_gossip(ANSWER, Some(peer))
+        {
+            self.apply(g, from, &answer, params)?;
+        }
+        if last {
+            if let Some((peer, sent_step)) = g.outstanding.as_ref().map(|o| (o.0, o.1)) {
+                let answer = self.group_tensor(peer, sent_step, ANSWER)?;
+                self.apply(g, peer, &answer, params)?;
+            }
+            for &p in &peers {
+                self.send_group(p, step, DONE, &[])?;
+            }
+            return Ok(());
+        }
+        if g.outstanding.is_none()
+            && (step + 1) % g.every == 0
+            && let Some(peer) = g.pick()
+        {
+            self.send_group(peer, step, REQUEST, params)?;
+            // A sizes-only run's copy would be empty anyway; it is not kept.
+            let sent = if ringtmp_meter::phantom() {
+                Vec::new()
+            } else {
+                params.to_vec()
+            };
+            g.outstanding = Some((peer, step, sent));
+        }
+        Ok(())
+    }
+
+    /// A passive copy's end: it answers requests until every active neighbour is done. What its
+    /// own ring sends meanwhile is put back, in order, for the ring.
+    fn serve_until_done(
+        &mut self,
+        g: &mut ReplicaGossip,
+        params: &mut [f32],
+    ) -> Result<(), TransportError> {
+        let mut waiting: Vec<u32> = g.neighbours.clone();
+        let mut held: Vec<(u32, Message)> = Vec::new();
+        let clock = self.inner.clock();
+        let result = (|| {
+            while !waiting.is_empty() {
+                self.answer_requests(g, params)?;
+                while let Some((from, _, _)) = self.take_gossip(DONE, None) {
+                    waiting.retain(|p| *p != from);
+                }
+                if waiting.is_empty() {
+                    break;
+                }
+                // Any group message resets the wait: a slow copy is still training.
+                let deadline = clock.now() + self.timeout;
+                loop {
+                    let left = deadline.saturating_sub(clock.now());
+                    let (from, message) = match self.inner.recv(left) {
+                        Err(TransportError::Timeout { .. }) => {
+                            return Err(TransportError::Timeout {
+                                waited: self.timeout,
+                                what: "a gossip request or its end".into(),
+                                from: waiting
+                                    .iter()
+                                    .map(|p| self.inner.peer_name(*p).to_string())
+                                    .collect::<Vec<_>>()
+                                    .join(", "),
+                            });
+                        }
+                        other => other?,
+                    };
+                    if self.in_ring(from) {
+                        held.push((from, message));
+                    } else {
+                        self.group_inbox.push_back((from, message));
+                        break;
+                    }
+                }
+            }
+            Ok(())
+        })();
+        for (from, message) in held.into_iter().rev() {
+            self.inner.unread(from, message);
+        }
+        result
     }
 }
 
@@ -246,6 +469,24 @@ impl Transport for RingsView<'_> {
         }
         Ok(())
     }
+    fn gossip_with_replicas(
+        &mut self,
+        step: u64,
+        values: &mut [f32],
+        last: bool,
+    ) -> Result<(), TransportError> {
+        let Some(mut gossip) = self.gossip.take() else {
+            return Ok(());
+        };
+        let result = self.gossip_round(&mut gossip, step, values, last);
+        self.gossip = Some(gossip);
+        result?;
+        if last {
+            // One model from the rings: the copies average once, exactly.
+            self.average_with_replicas(step, values)?;
+        }
+        Ok(())
+    }
 }
 
 fn group_error(view: &RingsView<'_>, from: u32, what: &str) -> TransportError {
@@ -276,6 +517,9 @@ pub fn run(
     let timeout = job.recv_timeout();
     let data = if stage == 0 { Some(cx.data()?) } else { None };
     let mut view = RingsView::new(&mut *cx.net, stages, rings, timeout);
+    if job.gossip_every > 0 {
+        view = view.with_gossip(job.spec.seed, job.gossip_every);
+    }
     if stage != 0 {
         super::driver::run_worker(&job, &mut view)?;
         return Ok(None);

@@ -68,8 +68,8 @@ pub fn run_worker_with(
                     // Async steps every micro-batch; a mini-batch ends with its last one.
                     let minibatch_done = job.schedule != Schedule::Async
                         || (id + 1) % job.micro_batches.max(1) as u64 == 0;
-                    if minibatch_done && job.averages_params_after(step) {
-                        net.average_with_replicas(step, node.stage.params_mut())?;
+                    if minibatch_done {
+                        job.after_minibatch(net, step, node.stage.params_mut())?;
                     }
                 }
             }
