@@ -1,7 +1,8 @@
 #!/bin/sh
 # The scaling study (issue 15.4), made with the simulator: mlp-deep and the 107 M-parameter
 # mlp-100m (examples/models/mlp-100m.toml) on 8 to NODES_MAX edge nodes with 100 Mbit/s cards
-# and 2 ms latency — one ring, then rings of rings (8 nodes a ring for mlp-deep, 4 for mlp-100m), a
+# and 2 ms latency — one ring, then rings of rings (8 nodes a ring for mlp-deep, 4 for mlp-100m;
+# their stages' copies averaging gradients every step, or gossiping their parameters), a
 # sharded parameter server (one server per 8 nodes), ring all-reduce and AD-PSGD. Each model's
 # cost model is measured once on this machine (run it idle) and shared by every run; to use
 # another, put it at <out>/<model>/cost-model.json first. Writes
@@ -32,7 +33,7 @@ for model in ${MODELS:-mlp-deep mlp-100m}; do
     # receive may wait long at 100 Mbit/s with 1,024 nodes: a day of virtual time, not 300 s.
     # shellcheck disable=SC2086 # the option lists are meant to split
     "$RINGTMP" compare --simulate \
-        --strategies "ring+ring-nodes=$ring,ps:bsp+server-every=8,allreduce,adpsgd" \
+        --strategies "ring+ring-nodes=$ring,ring+ring-nodes=$ring+replica-sync=adpsgd,ps:bsp+server-every=8,allreduce,adpsgd" \
         --nodes "$NODES" $what $LINKS --batch-size 16 --train-samples 49152 \
         --recv-timeout 86400 \
         --out "$OUT/$model"

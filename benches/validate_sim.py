@@ -9,6 +9,8 @@ machine: the measurement is what the simulator charges).
 
     benches/validate_sim.py docs/reports/edge-4x100mbit            # every model in the report
     RINGTMP=target/release/ringtmp benches/validate_sim.py DIR mlp  # one model
+    COSTS=/tmp/costs benches/validate_sim.py DIR  # keep the cost models in /tmp/costs/<model>.json
+                                                  # and reuse them (two binaries, one measurement)
 
 Writes DIR/<model>/simulated.jsonl (one line per run) and prints a markdown table.
 """
@@ -51,6 +53,9 @@ def main():
         results = [json.loads(l) for l in open(os.path.join(report, model, "results.jsonl"))]
         work = tempfile.mkdtemp(prefix=f"validate-{model}-")
         costs = os.path.join(work, "cost-model.json")
+        if os.environ.get("COSTS"):
+            os.makedirs(os.environ["COSTS"], exist_ok=True)
+            costs = os.path.join(os.environ["COSTS"], f"{model}.json")
         simulated = []
         for r in results:
             args = simulate_args(r["args"])

@@ -50,6 +50,10 @@ pub struct SimulateArgs {
     /// With failures: length of the training the useful fraction is for, hours [default: 24].
     #[arg(long, value_name = "HOURS")]
     pub horizon_hours: Option<f64>,
+    /// Each compute takes its priced time times a seeded factor in [1 − J, 1 + J]: real compute
+    /// varies, and identical simulated nodes would otherwise stay in lockstep (0: exact).
+    #[arg(long, value_name = "J", default_value_t = 0.05)]
+    pub compute_jitter: f64,
 }
 
 /// The failure model `args` ask for (`None` without --failures-per-node-hour), checked.
@@ -171,6 +175,14 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
         eprintln!("cost model written to {}", path.display());
     }
     let mut sim = priced(spec.config.seed, costs.clone(), !args.compute);
+    if !(0.0..1.0).contains(&args.compute_jitter) {
+        return Err(UsageError(format!(
+            "--compute-jitter {}: expected a fraction in [0, 1)",
+            args.compute_jitter
+        ))
+        .into());
+    }
+    sim.compute_jitter = args.compute_jitter;
     let links = train.node_links(nodes)?;
     sim.latency = Duration::from_secs_f64(links[0].1 / 1e3);
     if links.iter().any(|l| *l != links[0]) {

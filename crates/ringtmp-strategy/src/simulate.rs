@@ -14,8 +14,9 @@
 //! a layer's pass costs its profiled time per row times the rows it runs (the profile is taken
 //! at the job's micro-batch); the loss, data loading and bookkeeping cost nothing; encoding or
 //! decoding a tensor costs one element-wise pass; each node owns its compute threads (no two
-//! simulated nodes share a core); links are the simulated network's (one egress budget per
-//! node, latency per message, TCP's per-link order), not TCP's congestion control.
+//! simulated nodes share a core), and varies by a seeded ±J (`--compute-jitter`); links are the
+//! simulated network's (one egress budget per node shared fairly by its busy links, latency per
+//! message, TCP's per-link order), not TCP's congestion control.
 //! Accuracy is not simulated: phantom runs compute no values.
 
 use std::collections::BTreeSet;
@@ -39,9 +40,10 @@ pub const ASSUMPTIONS: &str = "compute: each layer pass costs its profiled time 
 (profiled at the job's micro-batch on the cost model's machine, divided by the node's speed); \
 optimizer steps per parameter and tensor encode/decode per value likewise; the loss, data \
 loading, bookkeeping and evaluations are free (time with --eval-every 0); every node has its \
-own cores. network: one egress budget per \
-node (--bandwidth-mbit), latency per message (--latency-ms), per-link FIFO, no TCP congestion \
-control. accuracy: not simulated (tensors carry sizes only)";
+own cores; each compute takes its price times a seeded factor in [1 − J, 1 + J] \
+(--compute-jitter). network: one egress budget per node (--bandwidth-mbit) shared equally by \
+the links that have bytes queued (a fluid fair queue), latency per message (--latency-ms), \
+per-link FIFO, no TCP congestion control. accuracy: not simulated (tensors carry sizes only)";
 
 /// Per-unit compute costs of one model on one machine (a node of speed 1).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

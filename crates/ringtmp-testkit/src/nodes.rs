@@ -8,6 +8,8 @@ use ringtmp_transport::sim::{SimConfig, SimNetwork};
 use ringtmp_transport::{Network, SentRecord, Transport, TransportConfig, bind_listener};
 
 /// Which network the nodes of a test run on.
+// (Built once per test and passed by reference: boxing the configuration would only add noise.)
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Debug)]
 pub enum Backend {
     /// Authenticated TCP links on 127.0.0.1, one thread per node.

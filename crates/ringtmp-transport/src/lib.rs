@@ -31,6 +31,7 @@ pub mod pool;
 pub mod secure;
 pub mod shaper;
 pub mod sim;
+mod sim_card;
 pub mod transport;
 
 pub use config::{Shaping, TransportConfig};

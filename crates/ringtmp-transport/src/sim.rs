@@ -10,10 +10,11 @@
 //! function of its inputs and a failing seed replays (`RINGTMP_SEED`).
 //!
 //! The model:
-//! - A message leaves when the sender's network card is free (one egress budget per node, shared
-//!   by all its links), takes `bytes × 8 / bandwidth` on the wire, then the link's latency plus a
-//!   seeded jitter; messages on one link keep their order (as TCP does), messages on different
-//!   links may overtake each other.
+//! - A node's network card (one egress budget per node) is shared fairly by the links that have
+//!   bytes queued, each link a FIFO ([`crate::sim_card`]; as the emulated card on real links
+//!   shares it in pieces); a message arrives when the card has sent it plus the link's latency
+//!   and a seeded jitter; messages on one link keep their order (as TCP does), messages on
+//!   different links may overtake each other.
 //! - Compute takes virtual time only as a node accounts for it ([`Clock::computed`]): a fixed cost
 //!   per call, the measured time, or nothing ([`ComputeCost`]), divided by the node's speed.
 //! - Faults at chosen virtual times: a node that dies (its neighbours see the connection close),
@@ -118,6 +119,10 @@ pub struct SimConfig {
     pub node_speed: BTreeMap<u32, f64>,
     /// What compute costs in virtual time.
     pub compute: ComputeCost,
+    /// Each accounted compute takes its cost times a seeded factor drawn uniformly from
+    /// [1 − j, 1 + j] (0: exactly its cost). Real compute varies; without it, identical
+    /// nodes stay in lockstep forever, which real ones do not.
+    pub compute_jitter: f64,
     /// Silence after which a node's neighbours declare it dead.
     pub peer_timeout: Duration,
     /// Faults to inject.
@@ -143,6 +148,7 @@ impl SimConfig {
             node_bandwidth_bps: BTreeMap::new(),
             node_speed: BTreeMap::new(),
             compute: ComputeCost::Fixed(Duration::from_millis(1)),
+            compute_jitter: 0.0,
             peer_timeout: Duration::from_secs(5),
             faults: Vec::new(),
             time_limit: Duration::from_secs(3600),
@@ -195,7 +201,10 @@ struct State {
     /// Events per node, by (arrival time, sequence number).
     inbox: Vec<BTreeMap<(Duration, u64), Event>>,
     seq: u64,
-    nic_free: Vec<Duration>,
+    /// Every node's card (egress shared by its links).
+    cards: Vec<crate::sim_card::Card>,
+    /// Messages still on a card: their link, arrival as scheduled, and latency after the card.
+    flights: BTreeMap<u64, (u32, u32, Duration, Duration)>,
     link_last: BTreeMap<(u32, u32), Duration>,
     running: Option<u32>,
     rng: u64,
@@ -303,7 +312,8 @@ impl SimNetwork {
             status: vec![Status::Ready; n],
             inbox: (0..n).map(|_| BTreeMap::new()).collect(),
             seq: 0,
-            nic_free: vec![Duration::ZERO; n],
+            cards: (0..n).map(|_| crate::sim_card::Card::default()).collect(),
+            flights: BTreeMap::new(),
             link_last: BTreeMap::new(),
             running: None,
             rng,
@@ -454,11 +464,6 @@ impl State {
             .get(&from)
             .copied()
             .or(self.cfg.bandwidth_bps);
-        let depart = now.max(self.nic_free[from as usize]);
-        let wire = bandwidth.map_or(Duration::ZERO, |bps| {
-            Duration::from_secs_f64(bytes as f64 * 8.0 / bps.max(1) as f64)
-        });
-        self.nic_free[from as usize] = depart + wire;
         let jitter = if self.cfg.jitter.is_zero() {
             Duration::ZERO
         } else {
@@ -480,9 +485,18 @@ impl State {
                 _ => None,
             })
             .sum();
+        let tail = self.cfg.latency + jitter + extra;
+        self.seq += 1;
+        let seq = self.seq;
+        // When the card has sent it (the links with bytes queued share the card), then the
+        // link's latency; other messages still on the card may now leave later.
+        let sent = match bandwidth {
+            None => now,
+            Some(bps) => self.on_card(from, to, now, bytes, bps, seq, tail),
+        };
         let last = self.link_last.get(&(from, to)).copied().unwrap_or_default();
         // TCP keeps a link's order: a message never overtakes the one before it.
-        let arrival = (depart + wire + self.cfg.latency + jitter + extra).max(last);
+        let arrival = (sent + tail).max(last);
         self.link_last.insert((from, to), arrival);
         let kind: u8 = match &message {
             Message::Control(_) => 0,
@@ -500,9 +514,61 @@ impl State {
             s.bytes_sent += bytes;
             s.messages_sent += 1;
         }
-        if !matches!(self.status[to as usize], Status::Dead) {
-            self.push(to, arrival, Event::Message(from, message));
+        if bandwidth.is_some() {
+            self.flights.insert(seq, (from, to, arrival, tail));
         }
+        if !matches!(self.status[to as usize], Status::Dead) {
+            self.inbox[to as usize].insert((arrival, seq), Event::Message(from, message));
+        }
+    }
+
+    /// Queues a message of `bytes` from `from` to `to` on `from`'s card at `now`; returns when
+    /// the card will have sent it, and moves the arrival of every message the new one delays
+    /// (later, never earlier, each link's in its order).
+    #[allow(clippy::too_many_arguments)]
+    fn on_card(
+        &mut self,
+        from: u32,
+        to: u32,
+        now: Duration,
+        bytes: u64,
+        bps: u64,
+        seq: u64,
+        tail: Duration,
+    ) -> Duration {
+        let (finished, times) =
+            self.cards[from as usize].send(now, bps.max(1) as f64, to, bytes as f64 * 8.0, seq);
+        for id in finished {
+            self.flights.remove(&id);
+        }
+        let mut sent_new = now;
+        let mut previous: Option<(u32, Duration)> = None;
+        for (link, id, done) in times {
+            if id == seq {
+                sent_new = done;
+                previous = Some((link, done + tail));
+                continue;
+            }
+            let Some(&(f, t, old, tail)) = self.flights.get(&id) else {
+                continue;
+            };
+            let mut arrival = (done + tail).max(old);
+            if let Some((l, a)) = previous
+                && l == link
+            {
+                arrival = arrival.max(a);
+            }
+            previous = Some((link, arrival));
+            if arrival != old {
+                if let Some(event) = self.inbox[t as usize].remove(&(old, id)) {
+                    self.inbox[t as usize].insert((arrival, id), event);
+                }
+                self.flights.insert(id, (f, t, arrival, tail));
+                let last = self.link_last.entry((f, t)).or_default();
+                *last = (*last).max(arrival);
+            }
+        }
+        sent_new
     }
 
     /// When something sent on `from → to` at `at` arrives after `delay`: never before what the
@@ -997,7 +1063,12 @@ impl Clock for SimClock {
             ComputeCost::Priced(model) => model.price(&work),
         };
         let speed = (speed * st.speed(self.rank)).clamp(1e-6, 1.0e6);
-        let cost = base.div_f64(speed);
+        let mut cost = base.div_f64(speed);
+        let jitter = st.cfg.compute_jitter.clamp(0.0, 1.0);
+        if jitter > 0.0 && !cost.is_zero() {
+            let u = (st.random() >> 11) as f64 / (1u64 << 53) as f64;
+            cost = cost.mul_f64(1.0 + jitter * (2.0 * u - 1.0));
+        }
         if cost.is_zero() {
             return;
         }
@@ -1119,6 +1190,36 @@ mod tests {
         assert_eq!(times[0], Duration::from_secs(1));
         assert_eq!(times[1], Duration::from_secs(4));
         assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    #[test]
+    fn compute_jitter_stays_in_its_bounds_and_replays() {
+        let run = |seed: u64| {
+            let mut cfg = SimConfig::new(seed);
+            cfg.compute = ComputeCost::Fixed(Duration::from_millis(10));
+            cfg.compute_jitter = 0.1;
+            SimNetwork::new(cfg, ring(2)).run(|mut node| {
+                let clock = node.clock();
+                let mut each = Vec::new();
+                for _ in 0..100 {
+                    let before = clock.now();
+                    clock.computed(Duration::ZERO, 1.0);
+                    each.push(clock.now() - before);
+                }
+                node.close().unwrap();
+                each
+            })
+        };
+        let a = run(test_seed(5));
+        assert_eq!(a, run(test_seed(5)), "a seed replays");
+        for each in &a {
+            assert!(each.iter().all(|d| (9..=11).contains(&d.as_millis())), "{each:?}");
+            let total: Duration = each.iter().sum();
+            // Uniform in [9, 11] ms: 100 of them sum to 1 s ± a few ms, and differ.
+            assert!(total.abs_diff(Duration::from_secs(1)) < Duration::from_millis(40));
+            assert!(each.windows(2).any(|w| w[0] != w[1]));
+        }
+        assert_ne!(a[0], a[1], "each node draws its own");
     }
 
     #[test]
