@@ -61,6 +61,7 @@ pub fn plan(args: &TrainArgs, cfg: TrainConfig, data: &Dataset, nodes: u32) -> R
         .and_then(|c| c.with_memory_limits(args.node_memory_limit.as_deref()))
         .map_err(|e| UsageError(e.to_string()))?;
     cluster.threads = args.threads;
+    cluster.links = args.node_links(nodes)?;
     let job = Job::plan(
         args.strategy(),
         cfg,

@@ -1944,3 +1944,57 @@ fn a_ring_resumed_at_its_end_reports_its_final_accuracy() {
         "{summary}"
     );
 }
+
+// Issue 16.1: the planner counts the links. At 100 Mbit/s every cut of the digits mlp sends a
+// 1,024-wide activation, so a third node only adds a card that carries one each way: the plan
+// takes two of the three nodes (the third waits the run out) unless told to use all, and the
+// printed plan shows each node's card time.
+#[test]
+fn the_ring_planner_counts_links_and_leaves_a_node_out_when_fewer_train_faster() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = [
+        "--strategy",
+        "ring",
+        "--nodes",
+        "3",
+        "--dataset",
+        "digits",
+        "--model",
+        "mlp",
+        "--epochs",
+        "1",
+        "--eval-every",
+        "0",
+        "--bandwidth-mbit",
+        "100",
+        "--latency-ms",
+        "1",
+    ];
+    let out = tmp.path().join("fewer");
+    let output = train_into(&base, &out);
+    let err = stderr(&output);
+    assert!(output.status.success(), "{err}");
+    assert!(err.contains("the plan uses 2 of the 3 nodes"), "{err}");
+    assert!(err.contains("its card"), "{err}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(
+        summary["per_node"].as_array().unwrap().len(),
+        2,
+        "{summary}"
+    );
+    let mut all = base.to_vec();
+    all.push("--use-all-nodes");
+    let out = tmp.path().join("all");
+    let output = train_into(&all, &out);
+    let err = stderr(&output);
+    assert!(output.status.success(), "{err}");
+    assert!(!err.contains("the plan uses"), "{err}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(
+        summary["per_node"].as_array().unwrap().len(),
+        3,
+        "{summary}"
+    );
+}

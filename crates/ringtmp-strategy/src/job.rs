@@ -40,6 +40,9 @@ pub struct Cluster {
     pub threads: Option<usize>,
     /// Cores of the machine the local nodes share.
     pub cores: usize,
+    /// Per rank, its card's bandwidth in Mbit/s (`None`: not known) and its links' latency in
+    /// ms (`--bandwidth-mbit`, `--latency-ms`, `--link`): what planners count links with.
+    pub links: Vec<(Option<f64>, f64)>,
 }
 
 impl Cluster {
@@ -53,6 +56,7 @@ impl Cluster {
             cores: std::thread::available_parallelism()
                 .map(|n| n.get())
                 .unwrap_or(1),
+            links: vec![(None, 0.0); nodes as usize],
         }
     }
 

@@ -332,6 +332,7 @@ fn master_holding_the_head_equals_local_and_keeps_the_logits() {
             end: 10,
             predicted_seconds: 0.0,
             predicted_bytes: 0,
+            predicted_link_seconds: 0.0,
         });
         let out = tmp.path().join(format!("head-{}", schedule.name()));
         let (params, summary) = ring_params(&j, &data, &out);

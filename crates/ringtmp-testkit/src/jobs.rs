@@ -35,6 +35,7 @@ pub fn ring_job(
                 end: w[1],
                 predicted_seconds: 0.0,
                 predicted_bytes: 0,
+                predicted_link_seconds: 0.0,
             })
             .collect(),
         head: None,
@@ -44,6 +45,7 @@ pub fn ring_job(
         replica_every: 0,
         replicas: 1,
         average_every: 0,
+        idle_nodes: 0,
         gossip_every: 0,
         ring: 0,
     }

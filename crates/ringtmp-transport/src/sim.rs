@@ -1213,7 +1213,10 @@ mod tests {
         let a = run(test_seed(5));
         assert_eq!(a, run(test_seed(5)), "a seed replays");
         for each in &a {
-            assert!(each.iter().all(|d| (9..=11).contains(&d.as_millis())), "{each:?}");
+            assert!(
+                each.iter().all(|d| (9..=11).contains(&d.as_millis())),
+                "{each:?}"
+            );
             let total: Duration = each.iter().sum();
             // Uniform in [9, 11] ms: 100 of them sum to 1 s ± a few ms, and differ.
             assert!(total.abs_diff(Duration::from_secs(1)) < Duration::from_millis(40));

@@ -160,7 +160,9 @@ mod tests {
         let mut queued_bits = 0.0;
         let mut state = 12345u64;
         let mut next = || {
-            state = state.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
             (state >> 33) as f64 / (1u64 << 31) as f64
         };
         let mut now = 0.0;
@@ -177,13 +179,19 @@ mod tests {
             }
             for (_, i, at) in &times {
                 if let Some(before) = promised.get(i) {
-                    assert!(*at + Duration::from_nanos(1) >= *before, "{i} moved earlier");
+                    assert!(
+                        *at + Duration::from_nanos(1) >= *before,
+                        "{i} moved earlier"
+                    );
                 }
                 promised.insert(*i, *at);
             }
             let last = times.iter().map(|t| secs(t.2)).fold(0.0, f64::max);
             // Everything sent by `last` cannot exceed the rate.
-            assert!(queued_bits / 1e6 <= last + 1e-6, "{queued_bits} bits by {last}");
+            assert!(
+                queued_bits / 1e6 <= last + 1e-6,
+                "{queued_bits} bits by {last}"
+            );
         }
     }
 }

@@ -65,6 +65,9 @@ pub struct RingJob {
     /// (0 = the number of nodes).
     #[serde(default)]
     pub in_flight: usize,
+    /// Nodes of the run the plan leaves out (ranks after the ring's): they wait the run out.
+    #[serde(default)]
+    pub idle_nodes: u32,
     /// Stage replicas: mini-batches between replication rounds (0 = no replicas).
     #[serde(default)]
     pub replica_every: u64,

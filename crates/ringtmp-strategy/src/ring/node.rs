@@ -34,8 +34,13 @@ impl Strategy for RingJob {
         validate_shared(
             &self.spec,
             world,
-            self.partition.len() * self.replicas.max(1),
+            self.partition.len() * self.replicas.max(1) + self.idle_nodes as usize,
         )?;
+        if self.idle_nodes > 0 && (self.replicas > 1 || self.replica_every > 0) {
+            return Err(Error::Config(
+                "invalid job: idle nodes with rings of rings or stage replicas".into(),
+            ));
+        }
         let bad = |what: String| Err(Error::Config(format!("invalid job: {what}")));
         if self.micro_batches == 0 || self.micro_batches > self.spec.batch_size {
             return bad(format!(
@@ -123,7 +128,12 @@ impl Strategy for RingJob {
             // is linked to every other from the start.
             return (0..world).filter(|r| *r != rank).collect();
         }
-        ring_neighbours(rank, world)
+        let ring = self.partition.len() as u32;
+        if rank >= ring {
+            // Left out by the plan.
+            return BTreeSet::new();
+        }
+        ring_neighbours(rank, world.min(ring))
     }
 
     fn expendable(&self, rank: u32) -> bool {
@@ -131,8 +141,9 @@ impl Strategy for RingJob {
     }
 
     fn needs_data(&self, rank: u32) -> bool {
-        // Every ring's master (rings of rings).
+        // Every ring's master (rings of rings); not a node the plan leaves out.
         rank as usize % self.partition.len().max(1) == 0
+            && (rank as usize) < self.partition.len() * self.replicas.max(1)
     }
 
     fn run(&self, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
@@ -141,6 +152,13 @@ impl Strategy for RingJob {
         }
         if self.replica_every > 0 {
             return crate::ring::heal::run(self, rank, cx);
+        }
+        if rank as usize >= self.partition.len() {
+            tracing::debug!(
+                "rank {rank}: the plan uses {} nodes; this one waits the run out",
+                self.partition.len()
+            );
+            return Ok(None);
         }
         if rank != 0 {
             run_worker(self, cx.net)?;

@@ -1,11 +1,22 @@
 //! Partitioning a model's layers into contiguous stages, one per ring node.
 //!
-//! The planner takes each layer's measured forward+backward time on one micro-batch and its memory
-//! (parameters, optimizer state, stashed activations for the in-flight micro-batches), each node's
-//! relative speed and memory limit, and finds by dynamic programming the contiguous split that
-//! minimises the slowest stage's time, `max_s Σ t_l / speed_s`, subject to every node's memory
-//! limit. Stage 0 always contains the model's first layer with parameters, so what leaves the
-//! master is never the raw input (a flatten alone would send the pixels).
+//! The planner takes each layer's measured forward+backward time on one micro-batch, its memory
+//! (parameters, optimizer state, stashed activations for the in-flight micro-batches) and the
+//! size of its output, each node's relative speed, memory limit and card (bandwidth and latency,
+//! when known), and finds by dynamic programming the contiguous split that minimises the
+//! pipeline's bottleneck: the largest, over the nodes, of the node's compute
+//! `Σ t_l / speed_s` and the time its card takes to send what it sends per micro-batch (its
+//! output activation to its successor, its input's gradient to its predecessor; the master also
+//! the logits' gradient), which overlap. Stage 0 always contains the model's first layer with
+//! parameters, so what leaves the master is never the raw input (a flatten alone would send the
+//! pixels), and every other stage contains a layer with parameters: a stage without any would
+//! only relay, paying its card twice per micro-batch for nothing.
+//!
+//! [`plan_best`] also tries fewer nodes than given (the first `m`): on slow links a cut at a wide
+//! activation can cost more than the compute another node saves, and a model has only so many
+//! layers with parameters. Counting links, it takes the fewest nodes within 2% of the best
+//! bottleneck (fewer hops, a smaller window, less staleness); on compute alone, every node that
+//! can hold a layer with parameters.
 
 use serde::{Deserialize, Serialize};
 
@@ -17,6 +28,17 @@ pub struct LayerCost {
     /// Bytes the layer costs its node: parameters, gradients, optimizer state and stashed
     /// activations for the in-flight micro-batches.
     pub bytes: u64,
+    /// Bytes of the layer's output for one micro-batch (what a cut after it sends forward, and
+    /// its gradient backward).
+    #[serde(default)]
+    pub out_bytes: u64,
+    /// Whether the layer has parameters.
+    #[serde(default = "yes")]
+    pub has_params: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// A node's capacity.
@@ -26,6 +48,31 @@ pub struct NodeCapacity {
     pub speed: f64,
     /// Most bytes the node may hold (`None` = unlimited).
     pub memory_limit: Option<u64>,
+    /// What its card sends, bytes per second (`None`: not known, links not counted).
+    #[serde(default)]
+    pub card_bytes_per_second: Option<f64>,
+    /// One-way latency of its links, seconds.
+    #[serde(default)]
+    pub latency_seconds: f64,
+}
+
+impl NodeCapacity {
+    /// A node of `speed` with no memory limit and links not counted.
+    pub fn with_speed(speed: f64) -> Self {
+        Self {
+            speed,
+            memory_limit: None,
+            card_bytes_per_second: None,
+            latency_seconds: 0.0,
+        }
+    }
+
+    /// Seconds its card takes for `bytes` (0 when its rate is not known).
+    fn send_seconds(&self, bytes: u64) -> f64 {
+        self.card_bytes_per_second
+            .filter(|r| *r > 0.0)
+            .map_or(0.0, |r| bytes as f64 / r)
+    }
 }
 
 /// One stage of a plan.
@@ -42,6 +89,45 @@ pub struct StagePlan {
     pub predicted_seconds: f64,
     /// Predicted bytes on that node.
     pub predicted_bytes: u64,
+    /// Predicted seconds per micro-batch its card sends (0 when links are not counted).
+    #[serde(default)]
+    pub predicted_link_seconds: f64,
+}
+
+impl StagePlan {
+    /// What limits this stage's pace: its compute or its card, whichever is longer.
+    pub fn bottleneck(&self) -> f64 {
+        self.predicted_seconds.max(self.predicted_link_seconds)
+    }
+}
+
+/// A plan with what it predicts.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Plan {
+    /// One stage per node the plan uses (ranks 0…m−1).
+    pub stages: Vec<StagePlan>,
+    /// The slowest stage's pace (compute or card), seconds per micro-batch.
+    pub bottleneck: f64,
+    /// A micro-batch's trip around the ring and back: every stage's compute, and every
+    /// activation and gradient on its link (card time and latency), seconds.
+    pub round_trip: f64,
+    /// The bottleneck with each number of nodes that has a plan (nodes, seconds).
+    pub by_nodes: Vec<(usize, f64)>,
+}
+
+impl Plan {
+    /// Micro-batches that must be in flight to keep the slowest stage busy: the round trip
+    /// over the bottleneck, at least one per node. Where links are counted, one more: the
+    /// model leaves out what each message costs beyond its card time and latency (encoding,
+    /// the emulator's timer ticks, waiting behind the micro-batch before it on a card) — on a
+    /// 2-node ring at 100 Mbit/s the round trip measured 84 ms against 57 ms predicted
+    /// (docs/BENCHMARKS.md, session 9).
+    pub fn window(&self, links_counted: bool) -> usize {
+        let covering = (self.round_trip / self.bottleneck.max(1e-12))
+            .ceil()
+            .min(1e6) as usize;
+        (covering + usize::from(links_counted)).max(self.stages.len())
+    }
 }
 
 /// Why no plan exists.
@@ -49,8 +135,9 @@ pub struct StagePlan {
 pub enum PlanError {
     /// More nodes than layers: some stage would be empty.
     #[error(
-        "{nodes} nodes but only {layers} layers to place (the first node's block runs up to the \
-         first layer with parameters): every node needs at least one layer"
+        "{nodes} nodes but only {layers} blocks of layers with parameters to place (the first \
+         node's block runs up to the first layer with parameters; a node without parameters \
+         would only relay): every node needs at least one layer with parameters"
     )]
     TooManyNodes {
         /// Nodes.
@@ -78,30 +165,146 @@ pub enum PlanError {
     },
 }
 
-/// Finds the plan minimising the slowest stage. `first_param_layer` must fall into stage 0.
+/// Per-micro-batch cost of stage `s` of `n` holding layers `i..j`: (compute seconds, card
+/// seconds). What its card sends: its output (to its successor, or the logits to the master),
+/// its input's gradient (to its predecessor) unless it is the master, and on the master the
+/// gradient of what came back to it (the same size as the last layer's output).
+fn stage_costs(
+    costs: &[LayerCost],
+    node: &NodeCapacity,
+    s: usize,
+    i: usize,
+    j: usize,
+) -> (f64, f64) {
+    let compute = costs[i..j].iter().map(|c| c.seconds).sum::<f64>() / node.speed;
+    let mut sent = costs[j - 1].out_bytes;
+    if s > 0 {
+        sent += costs[i - 1].out_bytes;
+    } else if let Some(last) = costs.last() {
+        sent += last.out_bytes;
+    }
+    (compute, node.send_seconds(sent))
+}
+
+/// Finds the plan minimising the pipeline's bottleneck on every node given. `first_param_layer`
+/// must fall into stage 0.
 pub fn plan(
     costs: &[LayerCost],
     nodes: &[NodeCapacity],
     first_param_layer: usize,
 ) -> Result<Vec<StagePlan>, PlanError> {
+    split(costs, nodes, first_param_layer).map(|(stages, _)| stages)
+}
+
+/// The best plan on the first `m` nodes for every `m` from 2 to all of them (all of them only
+/// when `use_all`), taking the fewest nodes whose bottleneck is within 2% of the best.
+pub fn plan_best(
+    costs: &[LayerCost],
+    nodes: &[NodeCapacity],
+    first_param_layer: usize,
+    use_all: bool,
+) -> Result<Plan, PlanError> {
+    let counts: Vec<usize> = if use_all || nodes.len() < 3 {
+        vec![nodes.len()]
+    } else {
+        (2..=nodes.len()).collect()
+    };
+    let mut found: Vec<(Vec<StagePlan>, f64)> = Vec::new();
+    let mut first_error = None;
+    for m in counts {
+        match split(costs, &nodes[..m], first_param_layer) {
+            Ok(p) => found.push(p),
+            Err(e) => {
+                // Fewer nodes may not fit where more do, and more may have nothing to hold.
+                if m == nodes.len() || first_error.is_none() {
+                    first_error = Some(e);
+                }
+            }
+        }
+    }
+    let best = found.iter().map(|(_, b)| *b).fold(f64::INFINITY, f64::min);
+    let by_nodes: Vec<(usize, f64)> = found.iter().map(|(p, b)| (p.len(), *b)).collect();
+    // Counting the cards, fewer nodes mean fewer hops, a smaller window and less staleness:
+    // the fewest within 2% of the best. Without them (compute alone), splitting a stage never
+    // slows the slowest one, so every node that can hold parameters is used.
+    let links_counted = nodes.iter().any(|c| c.card_bytes_per_second.is_some());
+    let near_best = |b: &f64| *b <= best * 1.02;
+    let chosen = if links_counted {
+        found.into_iter().find(|(_, b)| near_best(b))
+    } else {
+        found.into_iter().rev().find(|(_, b)| near_best(b))
+    };
+    let Some((stages, bottleneck)) = chosen else {
+        return Err(first_error.unwrap_or(PlanError::TooManyNodes {
+            nodes: nodes.len(),
+            layers: 0,
+        }));
+    };
+    let round_trip = round_trip(costs, &stages, nodes);
+    Ok(Plan {
+        stages,
+        bottleneck,
+        round_trip,
+        by_nodes,
+    })
+}
+
+/// A micro-batch's round trip through `stages`: their compute, and each activation and gradient
+/// on the sending node's card plus its latency.
+pub fn round_trip(costs: &[LayerCost], stages: &[StagePlan], nodes: &[NodeCapacity]) -> f64 {
+    let n = stages.len();
+    let mut total = 0.0;
+    for (s, st) in stages.iter().enumerate() {
+        total += st.predicted_seconds;
+        let node = &nodes[s];
+        let out = costs[st.end - 1].out_bytes;
+        // Forward: its output to the next node (or the logits to the master).
+        total += node.send_seconds(out) + node.latency_seconds;
+        // Backward: the gradient of its input to the previous node; the master's is the
+        // gradient of what came back to it, to the last node.
+        let back = if s > 0 {
+            costs[st.start - 1].out_bytes
+        } else {
+            costs.last().map_or(0, |c| c.out_bytes)
+        };
+        if n > 1 {
+            total += node.send_seconds(back) + node.latency_seconds;
+        }
+    }
+    total
+}
+
+/// The dynamic programme: the split of `costs` over exactly `nodes.len()` stages with the
+/// smallest bottleneck, and that bottleneck.
+fn split(
+    costs: &[LayerCost],
+    nodes: &[NodeCapacity],
+    first_param_layer: usize,
+) -> Result<(Vec<StagePlan>, f64), PlanError> {
     let (l, n) = (costs.len(), nodes.len());
-    // Stage 0 holds every layer up to the first with parameters: the others count as one.
-    let blocks = l - first_param_layer.min(l.saturating_sub(1));
-    if n > blocks {
+    // Stage 0 holds every layer up to the first with parameters; every other stage holds one
+    // with parameters.
+    let params_after = costs
+        .iter()
+        .skip(first_param_layer.min(l) + 1)
+        .filter(|c| c.has_params)
+        .count();
+    let blocks = params_after + 1;
+    if n > blocks || l == 0 {
         return Err(PlanError::TooManyNodes {
             nodes: n,
             layers: blocks,
         });
     }
-    let prefix_t: Vec<f64> = std::iter::once(0.0)
-        .chain(costs.iter().scan(0.0, |a, c| {
-            *a += c.seconds;
-            Some(*a)
-        }))
-        .collect();
     let prefix_b: Vec<u64> = std::iter::once(0)
         .chain(costs.iter().scan(0, |a, c| {
             *a += c.bytes;
+            Some(*a)
+        }))
+        .collect();
+    let prefix_p: Vec<usize> = std::iter::once(0)
+        .chain(costs.iter().scan(0, |a, c| {
+            *a += usize::from(c.has_params);
             Some(*a)
         }))
         .collect();
@@ -110,7 +313,12 @@ pub fn plan(
         if nodes[s].memory_limit.is_some_and(|m| bytes > m) {
             return None;
         }
-        Some((prefix_t[j] - prefix_t[i]) / nodes[s].speed)
+        if s > 0 && prefix_p[j] == prefix_p[i] {
+            // Only relays.
+            return None;
+        }
+        let (compute, link) = stage_costs(costs, &nodes[s], s, i, j);
+        Some(compute.max(link))
     };
     // best[s][j]: minimal max-stage time placing layers 0..j on stages 0..s (stage s ends at j).
     let inf = f64::INFINITY;
@@ -155,7 +363,7 @@ pub fn plan(
     }
     bounds.push(0);
     bounds.reverse();
-    Ok(stages_from_bounds(&bounds, costs, nodes))
+    Ok((stages_from_bounds(&bounds, costs, nodes), best[n - 1][l]))
 }
 
 /// A plan from explicit layer boundaries (`--partition 0:3,3:7,7:10`), validated.
@@ -234,13 +442,16 @@ fn stages_from_bounds(
     bounds
         .windows(2)
         .enumerate()
-        .map(|(s, w)| StagePlan {
-            rank: s as u32,
-            start: w[0],
-            end: w[1],
-            predicted_seconds: costs[w[0]..w[1]].iter().map(|c| c.seconds).sum::<f64>()
-                / nodes[s].speed,
-            predicted_bytes: costs[w[0]..w[1]].iter().map(|c| c.bytes).sum(),
+        .map(|(s, w)| {
+            let (compute, link) = stage_costs(costs, &nodes[s], s, w[0], w[1]);
+            StagePlan {
+                rank: s as u32,
+                start: w[0],
+                end: w[1],
+                predicted_seconds: compute,
+                predicted_bytes: costs[w[0]..w[1]].iter().map(|c| c.bytes).sum(),
+                predicted_link_seconds: link,
+            }
         })
         .collect()
 }
@@ -254,18 +465,14 @@ mod tests {
             .map(|&t| LayerCost {
                 seconds: t,
                 bytes: (t * 100.0) as u64,
+                out_bytes: 0,
+                has_params: true,
             })
             .collect()
     }
 
     fn free(n: usize) -> Vec<NodeCapacity> {
-        vec![
-            NodeCapacity {
-                speed: 1.0,
-                memory_limit: None
-            };
-            n
-        ]
+        vec![NodeCapacity::with_speed(1.0); n]
     }
 
     fn bounds(p: &[StagePlan]) -> Vec<(usize, usize)> {
@@ -294,8 +501,8 @@ mod tests {
     fn memory_limits_are_respected_or_reported() {
         let nodes = vec![
             NodeCapacity {
-                speed: 1.0,
-                memory_limit: Some(250)
+                memory_limit: Some(250),
+                ..NodeCapacity::with_speed(1.0)
             };
             3
         ];
@@ -303,8 +510,8 @@ mod tests {
         assert!(p.iter().all(|s| s.predicted_bytes <= 250), "{p:?}");
         let tight = vec![
             NodeCapacity {
-                speed: 1.0,
-                memory_limit: Some(150)
+                memory_limit: Some(150),
+                ..NodeCapacity::with_speed(1.0)
             };
             3
         ];
@@ -320,6 +527,111 @@ mod tests {
         let p = plan(&costs(&[0.0, 5.0, 5.0]), &free(2), 1).unwrap();
         assert_eq!(bounds(&p), [(0, 2), (2, 3)]);
         assert!(from_spec("0:1,1:3", &costs(&[0.0, 5.0, 5.0]), &free(2), 1).is_err());
+    }
+
+    fn layers(seconds: &[f64], out_bytes: &[u64], params: &[bool]) -> Vec<LayerCost> {
+        seconds
+            .iter()
+            .zip(out_bytes)
+            .zip(params)
+            .map(|((&t, &out), &p)| LayerCost {
+                seconds: t,
+                bytes: 0,
+                out_bytes: out,
+                has_params: p,
+            })
+            .collect()
+    }
+
+    fn carded(n: usize, bytes_per_second: f64, latency: f64) -> Vec<NodeCapacity> {
+        vec![
+            NodeCapacity {
+                card_bytes_per_second: Some(bytes_per_second),
+                latency_seconds: latency,
+                ..NodeCapacity::with_speed(1.0)
+            };
+            n
+        ]
+    }
+
+    /// Issue 16.1, by hand: four layers of 1, 1, 1 and 1.5 ms whose outputs are 10, 1000, 10
+    /// and 10 bytes, on two nodes whose cards send 100,000 bytes/s (1000 bytes: 10 ms).
+    /// Compute alone cuts after layer 2 (2 ms | 2.5 ms). Counting the cards, that cut sends
+    /// the wide activation (10 ms + the logits' gradient's 0.1 ms on node 0), while a cut
+    /// after layer 3 sends 10 bytes each way: node 0 computes 3 ms and sends 0.2 ms, node 1
+    /// computes 1.5 ms and sends 0.2 ms — a bottleneck of 3 ms.
+    #[test]
+    fn counting_the_links_moves_the_cut_to_the_narrow_activation() {
+        let c = layers(&[1e-3, 1e-3, 1e-3, 1.5e-3], &[10, 1000, 10, 10], &[true; 4]);
+        assert_eq!(bounds(&plan(&c, &free(2), 0).unwrap()), [(0, 2), (2, 4)]);
+        let nodes = carded(2, 1e5, 0.002);
+        let p = plan(&c, &nodes, 0).unwrap();
+        assert_eq!(bounds(&p), [(0, 3), (3, 4)]);
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert!(close(p[0].predicted_seconds, 3e-3), "{p:?}");
+        assert!(close(p[0].predicted_link_seconds, 2e-4), "{p:?}");
+        assert!(close(p[1].predicted_seconds, 1.5e-3), "{p:?}");
+        assert!(close(p[1].predicted_link_seconds, 2e-4), "{p:?}");
+        // Round trip: 4.5 ms of compute, four messages of 10 bytes (0.1 ms each) and four
+        // latencies of 2 ms: 12.9 ms; over the 3 ms bottleneck, 5 micro-batches (4.3, and one
+        // more for what the model leaves out).
+        let best = plan_best(&c, &nodes, 0, false).unwrap();
+        assert!(close(best.round_trip, 12.9e-3), "{best:?}");
+        assert!(close(best.bottleneck, 3e-3), "{best:?}");
+        assert_eq!(best.window(true), 6);
+        assert_eq!(best.window(false), 5);
+    }
+
+    /// A node holding only a ReLU would relay every activation and gradient for nothing: no
+    /// plan gives one, and more nodes than blocks with parameters is refused.
+    #[test]
+    fn no_stage_only_relays() {
+        // linear, relu (heavy, say, on a slow kernel), linear, relu, linear.
+        let c = layers(
+            &[1.0, 5.0, 1.0, 0.1, 1.0],
+            &[1; 5],
+            &[true, false, true, false, true],
+        );
+        let p = plan(&c, &free(3), 0).unwrap();
+        for st in &p[1..] {
+            assert!(c[st.start..st.end].iter().any(|l| l.has_params), "{p:?}");
+        }
+        // Without the rule, [linear] [relu] [linear relu linear] would win at 5.
+        let slowest = p.iter().map(StagePlan::bottleneck).fold(0.0, f64::max);
+        assert!((slowest - 6.0).abs() < 1e-12, "{p:?}");
+        assert!(matches!(
+            plan(&c, &free(4), 0),
+            Err(PlanError::TooManyNodes {
+                nodes: 4,
+                layers: 3
+            })
+        ));
+    }
+
+    /// On slow cards a third node only adds a card that sends a wide activation both ways:
+    /// two nodes train faster, and the plan takes them unless told to use all.
+    #[test]
+    fn fewer_nodes_are_planned_when_they_train_faster() {
+        let c = layers(&[1e-3; 4], &[1000, 1000, 1000, 10], &[true; 4]);
+        let nodes = carded(3, 1e5, 0.0);
+        let best = plan_best(&c, &nodes, 0, false).unwrap();
+        assert_eq!(best.stages.len(), 2, "{best:?}");
+        // Node 0 sends 1000 + 10 bytes, node 1 10 + 1000: 10.1 ms each.
+        assert!((best.bottleneck - 10.1e-3).abs() < 1e-12, "{best:?}");
+        assert_eq!(best.by_nodes.len(), 2);
+        // With three, the middle node sends 1000 bytes each way: 20 ms.
+        let all = plan_best(&c, &nodes, 0, true).unwrap();
+        assert_eq!(all.stages.len(), 3);
+        assert!((all.bottleneck - 20e-3).abs() < 1e-12, "{all:?}");
+        // Without cards, every node that can hold parameters (splitting never slows the
+        // slowest stage): all three of three, three of five when only three layers have
+        // parameters.
+        assert_eq!(plan_best(&c, &free(3), 0, false).unwrap().stages.len(), 3);
+        let three = layers(&[1e-3; 4], &[1; 4], &[true, false, true, true]);
+        assert_eq!(
+            plan_best(&three, &free(5), 0, false).unwrap().stages.len(),
+            3
+        );
     }
 
     #[test]

@@ -24,9 +24,16 @@ pub struct RingOptions {
     /// Ring: micro-batches per mini-batch [default: 1 under async, else the number of nodes].
     #[arg(long)]
     pub micro_batches: Option<usize>,
-    /// Ring, async schedule: most micro-batches in flight [default: the number of nodes].
+    /// Ring, async schedule: most micro-batches in flight [default: enough to cover a
+    /// micro-batch's round trip (compute and links) at the slowest stage's pace, at least one
+    /// per node].
     #[arg(long, value_name = "W")]
     pub in_flight: Option<usize>,
+    /// Ring: use every node given even when the plan predicts fewer train as fast (within 2%)
+    /// or faster [default: false — the plan uses the fewest nodes that train fastest, and the
+    /// others wait the run out idle].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub use_all_nodes: Option<bool>,
     /// Ring: layer ranges per node instead of the planner, e.g. `0:4,4:8,8:10`.
     #[arg(long, value_name = "RANGES")]
     pub partition: Option<String>,
@@ -69,6 +76,7 @@ crate::job::options_merge!(
     schedule,
     micro_batches,
     in_flight,
+    use_all_nodes,
     partition,
     defer_weight_grads,
     master_holds_head,
@@ -309,9 +317,15 @@ pub fn plan(
     let capacities: Vec<NodeCapacity> = speeds
         .iter()
         .zip(&limits)
-        .map(|(&speed, &memory_limit)| NodeCapacity {
-            speed,
-            memory_limit,
+        .enumerate()
+        .map(|(rank, (&speed, &memory_limit))| {
+            let (mbit, ms) = cluster.links.get(rank).copied().unwrap_or((None, 0.0));
+            NodeCapacity {
+                speed,
+                memory_limit,
+                card_bytes_per_second: mbit.map(|m| m * 1e6 / 8.0),
+                latency_seconds: ms / 1e3,
+            }
         })
         .collect();
     let first_param = layers
@@ -365,9 +379,23 @@ pub fn plan(
         layers.len()
     };
     let body = &costs[..head_start];
-    let plan = match &args.partition {
-        Some(spec) => partition::from_spec(spec, body, &capacities, first_param),
-        None => partition::plan(body, &capacities, first_param),
+    // Fewer nodes than given only for one plain ring: rings of rings are laid out by --nodes,
+    // and stage replicas heal among all of them.
+    let may_use_fewer =
+        replicas == 1 && args.stage_replicas.is_none() && !args.use_all_nodes.unwrap_or(false);
+    let links_counted = capacities.iter().any(|c| c.card_bytes_per_second.is_some());
+    let planned = match &args.partition {
+        Some(spec) => partition::from_spec(spec, body, &capacities, first_param).map(|stages| {
+            let bottleneck = stages.iter().map(|s| s.bottleneck()).fold(0.0, f64::max);
+            let round_trip = partition::round_trip(body, &stages, &capacities);
+            partition::Plan {
+                by_nodes: vec![(stages.len(), bottleneck)],
+                stages,
+                bottleneck,
+                round_trip,
+            }
+        }),
+        None => partition::plan_best(body, &capacities, first_param, !may_use_fewer),
     }
     .map_err(|e| match (&e, schedule) {
         (partition::PlanError::DoesNotFit { .. }, Schedule::Async) => Error::Config(format!(
@@ -376,12 +404,66 @@ pub fn plan(
         )),
         _ => Error::Config(e.to_string()),
     })?;
+    let plan = planned.stages.clone();
+    let used = plan.len() as u32;
+    let idle_nodes = nodes - used;
+    if idle_nodes > 0 {
+        let by: Vec<String> = planned
+            .by_nodes
+            .iter()
+            .map(|(m, b)| format!("{m}: {:.2} ms", b * 1e3))
+            .collect();
+        let most = planned.by_nodes.iter().map(|(m, _)| *m).max().unwrap_or(0);
+        let why = if most < nodes as usize {
+            format!("more than {most} would have a node without parameters, which only relays")
+        } else {
+            "more would not train faster (within 2%)".to_string()
+        };
+        eprintln!(
+            "the plan uses {used} of the {nodes} nodes: {why} (the slowest stage per \
+             micro-batch with {}; --use-all-nodes insists on all); nodes {}..{} stay idle",
+            by.join(", "),
+            used,
+            nodes - 1
+        );
+    }
+    let speeds: Vec<f64> = speeds.into_iter().take(used as usize).collect();
+    // The async window: enough micro-batches in flight to cover one's round trip at the
+    // slowest stage's pace; the memory of each stage was profiled for `in_flight` of them.
+    let in_flight = match (schedule, args.in_flight) {
+        (Schedule::Async, None) => {
+            let window = planned.window(links_counted);
+            let capped = if window > in_flight && limits.iter().any(Option::is_some) {
+                eprintln!(
+                    "async window: {window} micro-batches would cover the round trip, kept at \
+                     {in_flight} for the memory limits (--in-flight sets it)"
+                );
+                in_flight
+            } else {
+                window
+            };
+            if capped > used as usize {
+                eprintln!(
+                    "async window: {capped} micro-batches in flight (a round trip of {:.2} ms over \
+                     the slowest stage's {:.2} ms): gradients up to {} mini-batches stale, where \
+                     one per node would leave the links idle part of the time (--in-flight sets \
+                     it)",
+                    planned.round_trip * 1e3,
+                    planned.bottleneck * 1e3,
+                    capped - 1
+                );
+            }
+            capped
+        }
+        (_, w) => w.unwrap_or(in_flight),
+    };
     let head = (head_start < layers.len()).then(|| partition::StagePlan {
         rank: 0,
         start: head_start,
         end: layers.len(),
         predicted_seconds: costs[head_start..].iter().map(|c| c.seconds).sum::<f64>() / speeds[0],
         predicted_bytes: costs[head_start..].iter().map(|c| c.bytes).sum(),
+        predicted_link_seconds: 0.0,
     });
     if let Some(h) = &head {
         eprintln!(
@@ -390,18 +472,29 @@ pub fn plan(
         );
     }
     eprintln!(
-        "partition ({} nodes, {} schedule, {micro_batches} micro-batch{}):",
-        nodes,
+        "partition ({} nodes, {} schedule, {micro_batches} micro-batch{}; {}):",
+        used,
         schedule.name(),
-        if micro_batches == 1 { "" } else { "es" }
+        if micro_batches == 1 { "" } else { "es" },
+        if links_counted {
+            "links counted at each node's card"
+        } else {
+            "links not counted: no bandwidth given (--bandwidth-mbit or --link)"
+        }
     );
     for s in &plan {
         let kinds: Vec<&str> = layers[s.start..s.end]
             .iter()
             .map(|l| l.kind_name())
             .collect();
+        let link = if links_counted {
+            format!(", its card {:.2} ms", s.predicted_link_seconds * 1e3)
+        } else {
+            String::new()
+        };
         eprintln!(
-            "  node {}: layers {}..{} [{}], predicted {:.2} ms per micro-batch, {:.1} MB",
+            "  node {}: layers {}..{} [{}], predicted {:.2} ms of compute per micro-batch{link}, \
+             {:.1} MB",
             s.rank,
             s.start,
             s.end,
@@ -454,7 +547,12 @@ pub fn plan(
         head,
         node_speeds: speeds,
         defer_weight_grads: args.defer_weight_grads.unwrap_or(true),
-        in_flight: args.in_flight.unwrap_or(0),
+        in_flight: if schedule == Schedule::Async {
+            in_flight
+        } else {
+            args.in_flight.unwrap_or(0)
+        },
+        idle_nodes,
         replica_every: args.stage_replicas.unwrap_or(0),
         replicas,
         average_every,

@@ -94,6 +94,8 @@ pub fn profile_layers(
                 seconds: median(&mut times) + median(&mut step_times) * steps_per_micro_batch,
                 bytes: params * (2 + state_copies + extra_weight_versions as u64)
                     + per_micro * in_flight as u64,
+                out_bytes: (rows * layer.output.numel() * 4) as u64,
+                has_params: layer.param_count() > 0,
             }
         })
         .collect()
