@@ -43,6 +43,114 @@ pub struct BenchArgs {
     /// Also write the results as JSON to this file.
     #[arg(long, value_name = "FILE")]
     pub json: Option<std::path::PathBuf>,
+    /// Compares each result with the figures stored in FILE for this machine's kind (its SIMD
+    /// level), as throughput per GFLOP/s of a reference GEMM timed in the same run, so a
+    /// machine slower today than on the day they were stored does not read as a regression;
+    /// fails when one is below `1 − --tolerance` of its stored figure.
+    #[arg(long, value_name = "FILE")]
+    pub baseline: Option<std::path::PathBuf>,
+    /// Stores this run's figures in FILE as the baseline of this machine's kind (replacing the
+    /// kind's previous ones, keeping the other kinds').
+    #[arg(long, value_name = "FILE")]
+    pub save_baseline: Option<std::path::PathBuf>,
+    /// Largest shortfall against the baseline that is not a regression.
+    #[arg(long, default_value_t = 0.15)]
+    pub tolerance: f64,
+}
+
+/// One machine kind's stored figures (`--save-baseline`).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct KindBaseline {
+    /// `kernels::simd_level()` of the machine they were measured on.
+    simd: String,
+    /// Its CPU model name.
+    machine: String,
+    /// Its reference GEMM then, GFLOP/s.
+    reference_gflops: f64,
+    /// (model, threads, batch) → samples/s per reference GFLOP/s.
+    results: Vec<BaselineEntry>,
+}
+
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct BaselineEntry {
+    model: String,
+    threads: usize,
+    batch_size: usize,
+    samples_per_second: f64,
+    per_reference_gflop: f64,
+}
+
+fn read_baselines(path: &std::path::Path) -> Result<Vec<KindBaseline>> {
+    if !path.exists() {
+        return Ok(Vec::new());
+    }
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a baseline file", path.display()))
+}
+
+/// Compares `current` with `path`'s figures of the same kind; an error names every regression.
+fn check_baseline(
+    path: &std::path::Path,
+    simd: &str,
+    current: &[BaselineEntry],
+    tolerance: f64,
+) -> Result<()> {
+    let kinds = read_baselines(path)?;
+    let Some(stored) = kinds.iter().find(|k| k.simd == simd) else {
+        println!(
+            "baseline {}: no figures for {simd} machines (kinds stored: {}); --save-baseline \
+             stores this run's",
+            path.display(),
+            kinds
+                .iter()
+                .map(|k| k.simd.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        return Ok(());
+    };
+    println!(
+        "against {} ({}, {:.1} reference GFLOP/s then):",
+        path.display(),
+        stored.machine,
+        stored.reference_gflops
+    );
+    let mut regressions = Vec::new();
+    for c in current {
+        let Some(s) = stored
+            .results
+            .iter()
+            .find(|s| s.model == c.model && s.threads == c.threads && s.batch_size == c.batch_size)
+        else {
+            continue;
+        };
+        let ratio = c.per_reference_gflop / s.per_reference_gflop;
+        let verdict = if ratio < 1.0 - tolerance {
+            regressions.push(format!(
+                "{} on {} thread(s): {ratio:.2}×",
+                c.model, c.threads
+            ));
+            "REGRESSION"
+        } else {
+            "ok"
+        };
+        println!(
+            "  {:<10} {:>2} thread(s): {:.2}× the stored figure per reference GFLOP/s ({:.0} \
+             samples/s now, {:.0} then) {verdict}",
+            c.model, c.threads, ratio, c.samples_per_second, s.samples_per_second
+        );
+    }
+    if regressions.is_empty() {
+        Ok(())
+    } else {
+        anyhow::bail!(
+            "below the baseline by more than {:.0}%: {}",
+            tolerance * 100.0,
+            regressions.join(", ")
+        )
+    }
 }
 
 /// Prints milliseconds per step for each layer's forward and backward and the optimizer.
@@ -84,6 +192,15 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let data = ringtmp_data::load(&args.dataset, None)?;
     let (h, w, c) = data.input;
     let mut results = Vec::new();
+    let simd = ringtmp_model::kernels::simd_level();
+    let machine = ringtmp_strategy::simulate::machine_name();
+    let reference = ringtmp_model::kernels::reference_gflops();
+    println!(
+        "machine: {machine}; SIMD: {simd} (element-wise and pooling kernels); GEMM: {}; \
+         reference 256³ GEMM on one thread: {reference:.1} GFLOP/s",
+        ringtmp_model::kernels::gemm_kernel()
+    );
+    let mut entries = Vec::new();
     println!(
         "{:<10} {:>7} {:>6} {:>14} {:>14}",
         "model", "threads", "batch", "samples/s", "(min..max)"
@@ -175,13 +292,88 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             results.push(
                 json!({"model": model, "threads": threads, "batch_size": args.batch_size,
                 "steps": args.steps, "repeats": args.repeats, "samples_per_second_median": median,
-                "samples_per_second_runs": rates}),
+                "samples_per_second_runs": rates, "simd": simd, "machine": machine,
+                "reference_gflops": reference}),
             );
+            entries.push(BaselineEntry {
+                model: model.clone(),
+                threads,
+                batch_size: args.batch_size,
+                samples_per_second: median,
+                per_reference_gflop: median / reference,
+            });
         }
     }
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&results)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
     }
+    if let Some(path) = &args.save_baseline {
+        let mut kinds = read_baselines(path)?;
+        kinds.retain(|k| k.simd != simd);
+        kinds.push(KindBaseline {
+            simd: simd.to_string(),
+            machine: machine.clone(),
+            reference_gflops: reference,
+            results: entries.clone(),
+        });
+        kinds.sort_by(|a, b| a.simd.cmp(&b.simd));
+        std::fs::write(path, serde_json::to_string_pretty(&kinds)? + "\n")
+            .with_context(|| format!("writing {}", path.display()))?;
+        println!("baseline for {simd} machines written to {}", path.display());
+    }
+    if let Some(path) = &args.baseline {
+        check_baseline(path, simd, &entries, args.tolerance)?;
+    }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(model: &str, per_reference_gflop: f64) -> BaselineEntry {
+        BaselineEntry {
+            model: model.into(),
+            threads: 1,
+            batch_size: 64,
+            samples_per_second: per_reference_gflop * 50.0,
+            per_reference_gflop,
+        }
+    }
+
+    #[test]
+    fn a_baseline_is_compared_per_kind_and_names_each_regression() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("baseline.json");
+        let stored = vec![KindBaseline {
+            simd: "avx512".into(),
+            machine: "test".into(),
+            reference_gflops: 50.0,
+            results: vec![entry("mlp", 100.0), entry("cnn", 10.0)],
+        }];
+        std::fs::write(&path, serde_json::to_string(&stored).unwrap()).unwrap();
+        // 10% and 5% below: within 15%.
+        assert!(
+            check_baseline(
+                &path,
+                "avx512",
+                &[entry("mlp", 90.0), entry("cnn", 9.5)],
+                0.15
+            )
+            .is_ok()
+        );
+        // The cnn 20% below: a regression, named.
+        let err = check_baseline(
+            &path,
+            "avx512",
+            &[entry("mlp", 99.0), entry("cnn", 8.0)],
+            0.15,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("cnn") && !err.contains("mlp"), "{err}");
+        // Another kind's figures are never compared.
+        assert!(check_baseline(&path, "avx2+fma", &[entry("cnn", 1.0)], 0.15).is_ok());
+    }
 }

@@ -319,6 +319,72 @@ pub fn flush_denormals() {
     }
 }
 
+/// The instruction set this CPU runs the kernels with, as both dispatchers choose it at run
+/// time: the element-wise and pooling loops (`multiversion`, targets below) and the `gemm`
+/// crate's f32 micro-kernels (built with its `x86-v4` feature, so AVX-512 where the CPU has it).
+/// Both take the widest of AVX-512 (F, VL, DQ), AVX2 with FMA, and NEON, else the baseline.
+pub fn simd_level() -> &'static str {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512vl")
+            && std::arch::is_x86_feature_detected!("avx512dq")
+        {
+            return "avx512";
+        }
+        if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+        {
+            return "avx2+fma";
+        }
+        "sse2"
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        if std::arch::is_aarch64_feature_detected!("neon") {
+            return "neon";
+        }
+        "baseline"
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        "baseline"
+    }
+}
+
+/// What [`simd_level`] means for the GEMMs: the `gemm` crate's f32 register width.
+pub fn gemm_kernel() -> &'static str {
+    match simd_level() {
+        "avx512" => "gemm 0.19, AVX-512 micro-kernels (16 f32 lanes)",
+        "avx2+fma" => "gemm 0.19, AVX2+FMA micro-kernels (8 f32 lanes)",
+        "neon" => "gemm 0.19, NEON micro-kernels (4 f32 lanes)",
+        _ => "gemm 0.19, baseline micro-kernels",
+    }
+}
+
+/// Single-thread GFLOP/s of a fixed 256 × 256 × 256 GEMM (median of 15 after a warm-up): a
+/// yardstick of this machine's speed right now, so that throughput stored on one day can be
+/// compared with throughput measured on another on the same kind of machine, as a ratio to it.
+pub fn reference_gflops() -> f64 {
+    const N: usize = 256;
+    let a: Vec<f32> = (0..N * N)
+        .map(|i| ((i * 7) % 13) as f32 / 13.0 - 0.5)
+        .collect();
+    let b: Vec<f32> = (0..N * N)
+        .map(|i| ((i * 5) % 11) as f32 / 11.0 - 0.5)
+        .collect();
+    let mut c = vec![0.0f32; N * N];
+    let mut times = Vec::new();
+    for rep in 0..16 {
+        let t = std::time::Instant::now();
+        matmul(&mut c, N, N, N, &a, Op::N, &b, Op::N, false, 1);
+        if rep > 0 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    2.0 * (N * N * N) as f64 / times[times.len() / 2] / 1e9
+}
+
 // Element-wise kernels. The crate is compiled for the baseline x86-64 (SSE2) so the binary runs on
 // any machine; `multiversion` compiles these loops again for AVX2 and AVX-512 and picks the best
 // at run time. Before this, ReLU's backward ran as scalar branchy code at ~3 ns per element.
