@@ -97,19 +97,29 @@ impl Conv2d {
         let rows = n * self.positions();
         let (fan_in, oc) = (self.fan_in(), self.out_channels);
         let (gw, gb) = g.split_at_mut(self.weight_len());
-        // dW[oc, fan_in] = dyᵀ[oc, rows] · cols[rows, fan_in]
+        // dWᵀ[fan_in, oc] = colsᵀ[fan_in, rows] · dy[rows, oc], then transposed into dW[oc,
+        // fan_in]: `gemm` runs this orientation faster than dW = dyᵀ · cols (the cnn's second
+        // conv, one thread, AVX-512: 2.16 ms against 2.56 ms; the transpose of 51 k values is
+        // noise). `scratch` is free until the input gradient below.
+        set_len(scratch, fan_in * oc);
         matmul(
-            gw,
-            oc,
+            scratch,
             fan_in,
+            oc,
             rows,
-            dy,
-            Op::T,
             &aux.values,
+            Op::T,
+            dy,
             Op::N,
-            accumulate,
+            false,
             threads,
         );
+        for (o, row) in gw.chunks_exact_mut(fan_in).enumerate() {
+            for (f, v) in row.iter_mut().enumerate() {
+                let t = scratch[f * oc + o];
+                *v = if accumulate { *v + t } else { t };
+            }
+        }
         column_sums(gb, dy, accumulate);
         if let Some(dx) = dx {
             self.input_gradient(&p[..self.weight_len()], dy, n, dx, scratch, threads);
