@@ -191,6 +191,24 @@ impl Conv2d {
     fn im2col_sample(&self, x: &[f32], cols: &mut [f32]) {
         let c = self.in_channels;
         let run = self.kernel * c;
+        if self.padding == 0 && run <= 16 {
+            // Few channels (the first conv of a grey or colour image): kernel rows of a few
+            // values, copied row of kernel by row of kernel with the output column innermost,
+            // without the per-copy bookkeeping below (the cnn's first conv: 0.43 ms a step).
+            let (k, ow, s) = (self.kernel, self.out_width, self.stride);
+            let row_len = self.in_width * c;
+            for oy in 0..self.out_height {
+                for ky in 0..k {
+                    let src = &x[(oy * s + ky) * row_len..][..row_len];
+                    for ox in 0..ow {
+                        let at = ((oy * ow + ox) * k + ky) * run;
+                        let from = ox * s * c;
+                        cols[at..at + run].copy_from_slice(&src[from..from + run]);
+                    }
+                }
+            }
+            return;
+        }
         let mut out = cols.chunks_exact_mut(run);
         for oy in 0..self.out_height {
             for ox in 0..self.out_width {
@@ -204,9 +222,18 @@ impl Conv2d {
                     let first = ox * self.stride;
                     if first >= self.padding && first + self.kernel - self.padding <= self.in_width
                     {
-                        // Whole kernel row inside the image: one contiguous copy.
+                        // Whole kernel row inside the image: one contiguous copy. Short runs
+                        // (a single-channel image's 5 values) copy element by element: a
+                        // `memcpy` call per 20 bytes cost the cnn's first conv 0.6 ms a step.
                         let start = (row + first - self.padding) * c;
-                        dst.copy_from_slice(&x[start..start + run]);
+                        let src = &x[start..start + run];
+                        if run <= 16 {
+                            for (d, s) in dst.iter_mut().zip(src) {
+                                *d = *s;
+                            }
+                        } else {
+                            dst.copy_from_slice(src);
+                        }
                     } else {
                         for (kx, d) in dst.chunks_exact_mut(c).enumerate() {
                             match self.source(ox, kx, self.in_width) {

@@ -156,7 +156,7 @@ fn linear_gradients_match_finite_differences() {
 
 #[test]
 fn conv2d_gradients_match_finite_differences_with_stride_and_padding() {
-    for (stride, padding) in [(1, 0), (2, 1), (1, 2)] {
+    for (stride, padding) in [(1, 0), (2, 0), (2, 1), (1, 2)] {
         let l = layer(
             LayerSpec::Conv2d {
                 out_channels: 3,
