@@ -310,6 +310,12 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
             }
             continue;
         }
+        if dropped.contains(&from) {
+            // What a worker sent before it died, read after its death was noticed (a link's
+            // closure can be reported while the server waits on another link, ahead of what is
+            // still queued on its own): it is no longer part of the run.
+            continue;
+        }
         let w = worker(from);
         match message {
             Message::Control(Control::Pull { clock }) => {
