@@ -369,3 +369,34 @@ fn both_ends_must_agree_on_plaintext() {
     nets[1].send(0, tensor(1000)).unwrap();
     assert!(nets[0].recv_from(1, Duration::from_secs(10)).is_ok());
 }
+
+/// A measurement, not a check (run with `--ignored --nocapture`): node 1's card at 8 Mbit/s
+/// sends 1 MB to node 0 and 1 MB to node 2 at once. A card that shares itself between its links
+/// (as the emulated one does, piece by piece) delivers both after about 2 s; one that sends whole
+/// frames in order would deliver one after 1 s. The simulator's card model follows this
+/// (docs/BENCHMARKS.md, session 9).
+#[test]
+#[ignore]
+fn two_links_share_one_card() {
+    let mut shaped = config(1);
+    shaped.shaping = Shaping {
+        bandwidth_bps: Some(8_000_000),
+        latency: Duration::ZERO,
+    };
+    let mut nets: Vec<Network> = start(vec![config(0), shaped, config(2)], &[(0, 1), (1, 2)])
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let started = Instant::now();
+    nets[1].send(0, tensor(250_000)).unwrap();
+    nets[1].send(2, tensor(250_000)).unwrap();
+    let mut n2 = nets.pop().unwrap();
+    let other = thread::spawn(move || {
+        n2.recv_from(1, Duration::from_secs(10)).unwrap();
+        started.elapsed()
+    });
+    nets[0].recv_from(1, Duration::from_secs(10)).unwrap();
+    let to_0 = started.elapsed();
+    let to_2 = other.join().unwrap();
+    println!("1 MB to rank 0 after {to_0:?}, 1 MB to rank 2 after {to_2:?}");
+}
