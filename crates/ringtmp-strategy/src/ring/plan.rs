@@ -338,7 +338,9 @@ pub fn plan(
     let in_flight = match schedule {
         Schedule::Gpipe => micro_batches,
         Schedule::OneFOneB => (nodes as usize).min(micro_batches),
-        Schedule::Async => args.in_flight.unwrap_or(nodes as usize),
+        // The default window: one per node and one more (`Plan::window`), unless links ask
+        // for more.
+        Schedule::Async => args.in_flight.unwrap_or(nodes as usize + 1),
     };
     eprintln!(
         "profiling {} layers on micro-batches of {rows} rows for the partition plan",
@@ -432,7 +434,7 @@ pub fn plan(
     // slowest stage's pace; the memory of each stage was profiled for `in_flight` of them.
     let in_flight = match (schedule, args.in_flight) {
         (Schedule::Async, None) => {
-            let window = planned.window(links_counted);
+            let window = planned.window();
             let capped = if window > in_flight && limits.iter().any(Option::is_some) {
                 eprintln!(
                     "async window: {window} micro-batches would cover the round trip, kept at \
@@ -444,10 +446,9 @@ pub fn plan(
             };
             if capped > used as usize {
                 eprintln!(
-                    "async window: {capped} micro-batches in flight (a round trip of {:.2} ms over \
-                     the slowest stage's {:.2} ms): gradients up to {} mini-batches stale, where \
-                     one per node would leave the links idle part of the time (--in-flight sets \
-                     it)",
+                    "async window: {capped} micro-batches in flight (a predicted round trip of \
+                     {:.2} ms over the slowest stage's {:.2} ms, and one for what the prediction \
+                     leaves out): gradients up to {} mini-batches stale (--in-flight sets it)",
                     planned.round_trip * 1e3,
                     planned.bottleneck * 1e3,
                     capped - 1
