@@ -11,7 +11,7 @@
 //!
 //! The model:
 //! - A node's network card (one egress budget per node) is shared fairly by the links that have
-//!   bytes queued, each link a FIFO ([`crate::sim_card`]; as the emulated card on real links
+//!   bytes queued, each link a FIFO (`sim_card`; as the emulated card on real links
 //!   shares it in pieces); a message arrives when the card has sent it plus the link's latency
 //!   and a seeded jitter; messages on one link keep their order (as TCP does), messages on
 //!   different links may overtake each other.
