@@ -178,13 +178,26 @@ fn stage_costs(
     j: usize,
 ) -> (f64, f64) {
     let compute = costs[i..j].iter().map(|c| c.seconds).sum::<f64>() / node.speed;
-    let mut sent = costs[j - 1].out_bytes;
-    if s > 0 {
-        sent += costs[i - 1].out_bytes;
-    } else if let Some(last) = costs.last() {
-        sent += last.out_bytes;
-    }
-    (compute, node.send_seconds(sent))
+    let (forward, backward) = sent_bytes(costs, s, i, j);
+    (compute, node.send_seconds(forward + backward))
+}
+
+/// Bytes stage `s` holding layers `i..j` sends per micro-batch: forward, its output (to its
+/// successor, or the logits to the master); backward, the gradient of its input (to its
+/// predecessor) or, on the master, the gradient of what came back to it (the size of the last
+/// layer's output).
+fn sent_bytes(costs: &[LayerCost], s: usize, i: usize, j: usize) -> (u64, u64) {
+    let backward = if s > 0 {
+        costs[i - 1].out_bytes
+    } else {
+        costs.last().map_or(0, |c| c.out_bytes)
+    };
+    (costs[j - 1].out_bytes, backward)
+}
+
+/// Whether any node's card is known, so that links count in the plan.
+pub fn links_counted(nodes: &[NodeCapacity]) -> bool {
+    nodes.iter().any(|c| c.card_bytes_per_second.is_some())
 }
 
 /// Finds the plan minimising the pipeline's bottleneck on every node given. `first_param_layer`
@@ -228,7 +241,7 @@ pub fn plan_best(
     // Counting the cards, fewer nodes mean fewer hops, a smaller window and less staleness:
     // the fewest within 2% of the best. Without them (compute alone), splitting a stage never
     // slows the slowest one, so every node that can hold parameters is used.
-    let links_counted = nodes.iter().any(|c| c.card_bytes_per_second.is_some());
+    let links_counted = links_counted(nodes);
     let near_best = |b: &f64| *b <= best * 1.02;
     let chosen = if links_counted {
         found.into_iter().find(|(_, b)| near_best(b))
@@ -258,18 +271,10 @@ pub fn round_trip(costs: &[LayerCost], stages: &[StagePlan], nodes: &[NodeCapaci
     for (s, st) in stages.iter().enumerate() {
         total += st.predicted_seconds;
         let node = &nodes[s];
-        let out = costs[st.end - 1].out_bytes;
-        // Forward: its output to the next node (or the logits to the master).
-        total += node.send_seconds(out) + node.latency_seconds;
-        // Backward: the gradient of its input to the previous node; the master's is the
-        // gradient of what came back to it, to the last node.
-        let back = if s > 0 {
-            costs[st.start - 1].out_bytes
-        } else {
-            costs.last().map_or(0, |c| c.out_bytes)
-        };
+        let (forward, backward) = sent_bytes(costs, s, st.start, st.end);
+        total += node.send_seconds(forward) + node.latency_seconds;
         if n > 1 {
-            total += node.send_seconds(back) + node.latency_seconds;
+            total += node.send_seconds(backward) + node.latency_seconds;
         }
     }
     total

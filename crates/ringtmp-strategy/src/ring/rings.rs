@@ -148,12 +148,21 @@ impl<'a> RingsView<'a> {
         }
     }
 
-    fn send_group(&self, to: u32, step: u64, tag: u64, data: &[f32]) -> Result<(), TransportError> {
+    /// Sends `data` to copy `to` as group tensor `tag` of mini-batch `step` (empty in a
+    /// sizes-only run: the header says the size).
+    fn send_group(
+        &self,
+        to: u32,
+        step: u64,
+        tag: u64,
+        kind: TensorTag,
+        data: &[f32],
+    ) -> Result<(), TransportError> {
         let header = TensorHeader {
             run_id: 0,
             step,
             micro_batch: tag,
-            tag: TensorTag::Params,
+            tag: kind,
             dtype: Dtype::F32,
             shape: vec![data.len() as u32],
         };
@@ -195,7 +204,7 @@ impl<'a> RingsView<'a> {
             };
             // (A sizes-only run sends the size without the values.)
             let reply: &[f32] = if before.is_empty() { params } else { &before };
-            self.send_group(from, step, ANSWER, reply)?;
+            self.send_group(from, step, ANSWER, TensorTag::Params, reply)?;
             g.exchanges += 1;
         }
         Ok(())
@@ -249,7 +258,7 @@ impl<'a> RingsView<'a> {
                 self.apply(g, peer, &answer, params)?;
             }
             for &p in &peers {
-                self.send_group(p, step, DONE, &[])?;
+                self.send_group(p, step, DONE, TensorTag::Params, &[])?;
             }
             return Ok(());
         }
@@ -257,7 +266,7 @@ impl<'a> RingsView<'a> {
             && (step + 1) % g.every == 0
             && let Some(peer) = g.pick()
         {
-            self.send_group(peer, step, REQUEST, params)?;
+            self.send_group(peer, step, REQUEST, TensorTag::Params, params)?;
             // A sizes-only run's copy would be empty anyway; it is not kept.
             let sent = if ringtmp_meter::phantom() {
                 Vec::new()
@@ -415,24 +424,11 @@ impl Transport for RingsView<'_> {
         // A sizes-only run's chunks carry no values: nothing to add, copy or scale.
         let phantom = ringtmp_meter::phantom();
         let parts = chunks(values.len(), n);
-        let send = |this: &Self, tag: u64, data: &[f32]| {
-            let header = TensorHeader {
-                run_id: 0,
-                step,
-                micro_batch: tag,
-                tag: TensorTag::Gradient,
-                dtype: Dtype::F32,
-                shape: vec![data.len() as u32],
-            };
-            let mut bytes = Vec::new();
-            // (Empty in a sizes-only run: the header says the size.)
-            ringtmp_wire::message::tensor_bytes_into(data, Dtype::F32, &mut bytes);
-            this.inner.send(right, Message::Tensor(header, bytes))
-        };
         // Reduce-scatter: after round k, chunk (me − k − 1) holds k + 2 copies' sum.
         for k in 0..n - 1 {
             let out = (me + n - k) % n;
-            send(self, GROUP | k as u64, &values[parts[out].clone()])?;
+            let chunk = &values[parts[out].clone()];
+            self.send_group(right, step, GROUP | k as u64, TensorTag::Gradient, chunk)?;
             let into = (me + n - k - 1) % n;
             let got = self.group_tensor(left, step, GROUP | k as u64)?;
             let range = parts[into].clone();
@@ -451,7 +447,8 @@ impl Transport for RingsView<'_> {
         for k in 0..n - 1 {
             let tag = GROUP | 1 << 16 | k as u64;
             let out = (me + 1 + n - k) % n;
-            send(self, tag, &values[parts[out].clone()])?;
+            let chunk = &values[parts[out].clone()];
+            self.send_group(right, step, tag, TensorTag::Gradient, chunk)?;
             let into = (me + n - k) % n;
             let got = self.group_tensor(left, step, tag)?;
             let range = parts[into].clone();
