@@ -9,7 +9,9 @@ use anyhow::{Context, Result, anyhow};
 use clap::{Args, ValueEnum};
 use ringtmp_cluster::launch::{LaunchFlags, resolve};
 use ringtmp_cluster::node::{JoinOptions, join};
+use ringtmp_cluster::rendezvous::{FromAnswers, Offer};
 use ringtmp_strategy::job::ring_neighbours;
+use ringtmp_strategy::ring::node_profile::{self, ProfileReply};
 use ringtmp_strategy::selftest::{self, SelftestConfig};
 use ringtmp_strategy::{Job, NodeCx};
 use ringtmp_transport::{Shaping, TransportConfig};
@@ -71,6 +73,16 @@ pub struct JobArgs {
     #[arg(long, value_name = "FILE", hide = true)]
     #[serde(skip)]
     pub job_file: Option<PathBuf>,
+    /// Train, ring: plan from rank 0's profile alone (scaled by `--node-speed`), without asking
+    /// every node to time the model on its own hardware at rendezvous; rank 0 only.
+    #[arg(long)]
+    #[serde(skip)]
+    pub no_node_profile: bool,
+    /// Train, ring: seconds each node may spend timing the model at rendezvous (after one
+    /// warm-up pass per layer); rank 0 only.
+    #[arg(long, default_value_t = 3.0, value_name = "SECONDS")]
+    #[serde(skip)]
+    pub profile_budget: f64,
 }
 
 /// How this node connects.
@@ -116,6 +128,10 @@ pub struct ConnectArgs {
     /// Pin this process to one CPU core.
     #[arg(long)]
     pub cpu: Option<usize>,
+    /// Time the model again when rank 0 asks, instead of answering from this machine's profile
+    /// cache ($RINGTMP_CACHE_DIR/profiles, else ~/.cache/ringtmp/profiles).
+    #[arg(long)]
+    pub fresh_profile: bool,
     /// Send frames in the clear after the authenticated greeting (links are encrypted and
     /// authenticated by default); every node of the run must say the same.
     #[arg(long)]
@@ -216,33 +232,33 @@ pub fn run(args: &NodeArgs) -> Result<()> {
         transport,
     };
     // Rank 0 decides what everybody runs; the others' job options are ignored.
-    let settings = if placement.rank == 0 {
+    let offer = if placement.rank == 0 {
         match args.job.job {
-            NodeJob::Selftest => Settings::Selftest {
+            NodeJob::Selftest => Offer::Settings(encode(&Settings::Selftest {
                 size_mib: args.job.size_mib,
                 rounds: args.job.rounds,
                 pings: args.job.pings,
-            },
-            NodeJob::Train => Settings::Train(Box::new(rank0_job(args, placement.world_size)?)),
+            })?),
+            NodeJob::Train => rank0_offer(args, placement.world_size)?,
         }
     } else {
-        Settings::Selftest {
-            size_mib: 0.0,
-            rounds: 0,
-            pings: 0,
-        }
+        Offer::Settings(String::new())
     };
-    let settings = serde_json::to_string(&settings).context("encoding the job settings")?;
-    let (table, mut net) =
-        join(
-            &placement,
-            &options,
-            settings,
-            |rank, world, settings| match serde_json::from_str::<Settings>(settings) {
-                Ok(Settings::Train(job)) => job.neighbours(rank, world),
-                _ => ring_neighbours(rank, world),
-            },
-        )?;
+    let cache = ringtmp_strategy::ring::node_profile::default_cache_dir();
+    let fresh = c.fresh_profile;
+    let answer = move |request: &str| {
+        ringtmp_strategy::ring::node_profile::answer(request, cache.as_deref(), fresh)
+    };
+    let (table, mut net) = join(
+        &placement,
+        &options,
+        offer,
+        &answer,
+        |rank, world, settings| match serde_json::from_str::<Settings>(settings) {
+            Ok(Settings::Train(job)) => job.neighbours(rank, world),
+            _ => ring_neighbours(rank, world),
+        },
+    )?;
     // Injected faults count from when the links are up, so they strike the run itself
     // however long starting took.
     if let Some(ms) = c.crash_after_ms {
@@ -304,9 +320,88 @@ pub fn run(args: &NodeArgs) -> Result<()> {
     }
 }
 
-/// Rank 0's job: read from the local launcher's job file (the plan it printed), or planned here
+fn encode(settings: &Settings) -> Result<String> {
+    serde_json::to_string(settings).context("encoding the job settings")
+}
+
+/// What rank 0 offers at rendezvous for a training job: the local launcher's job file as it is
+/// (its nodes share this machine, planned before they started); under an external launcher
+/// the plan from `--config`, made once every node has timed the model on its own hardware
+/// (issue 17.2) unless `--no-node-profile` or the strategy does not use it.
+fn rank0_offer(args: &NodeArgs, world: u32) -> Result<Offer> {
+    let prepared = match rank0_job(args, world)? {
+        Rank0Job::Planned(job) => return Ok(Offer::Settings(encode(&Settings::Train(job))?)),
+        Rank0Job::Prepared(p) => p,
+    };
+    let Prepared {
+        train_args,
+        cfg,
+        data,
+    } = *prepared;
+    let request = if args.job.no_node_profile || world < 2 {
+        None
+    } else {
+        crate::plan::profile_request(
+            &train_args,
+            cfg.clone(),
+            &data,
+            world,
+            args.job.profile_budget,
+        )?
+    };
+    let Some(request) = request else {
+        let job = crate::plan::plan(&train_args, cfg, &data, world)?;
+        return Ok(Offer::Settings(encode(&Settings::Train(Box::new(job)))?));
+    };
+    eprintln!(
+        "asking the {} other node(s) to time the model on their own hardware (up to {} s each; \
+         --no-node-profile plans from this node's profile alone)",
+        world - 1,
+        args.job.profile_budget
+    );
+    let then: FromAnswers =
+        Box::new(move |answers| {
+            let profiles = answers
+            .into_iter()
+            .enumerate()
+            .map(|(rank, answer)| match answer.map(|a| node_profile::parse_reply(&a)) {
+                Some(ProfileReply::Measured(p)) => Some(p),
+                Some(ProfileReply::Failed(why)) => {
+                    eprintln!(
+                        "WARNING: node {rank} could not time the model ({why}); it is planned \
+                         from this node's profile"
+                    );
+                    None
+                }
+                None => None,
+            })
+            .collect();
+            crate::plan::plan_with_profiles(&train_args, cfg, &data, world, profiles)
+                .and_then(|job| encode(&Settings::Train(Box::new(job))))
+                .map_err(|e| crate::error::describe(&e))
+        });
+    Ok(Offer::Ask {
+        request: serde_json::to_string(&request).context("encoding the profile request")?,
+        then,
+    })
+}
+
+/// What rank 0 has before rendezvous: the launcher's plan, or what to plan with.
+enum Rank0Job {
+    Planned(Box<Job>),
+    Prepared(Box<Prepared>),
+}
+
+/// The options, configuration and data set a plan is made from.
+struct Prepared {
+    train_args: TrainArgs,
+    cfg: ringtmp_strategy::TrainConfig,
+    data: ringtmp_data::Dataset,
+}
+
+/// Rank 0's job: read from the local launcher's job file (the plan it printed), or prepared here
 /// from the `--config` options under an external launcher.
-fn rank0_job(args: &NodeArgs, world: u32) -> Result<Job> {
+fn rank0_job(args: &NodeArgs, world: u32) -> Result<Rank0Job> {
     let path = args
         .job
         .config
@@ -319,7 +414,7 @@ fn rank0_job(args: &NodeArgs, world: u32) -> Result<Job> {
             .map_err(|e| UsageError(format!("{} is not a job file: {e}", file.display())))?;
         job.validate(world)
             .map_err(|e| UsageError(format!("{}: {e}", file.display())))?;
-        return Ok(job);
+        return Ok(Rank0Job::Planned(Box::new(job)));
     }
     let mut train_args = TrainArgs {
         config: Some(path),
@@ -353,7 +448,11 @@ fn rank0_job(args: &NodeArgs, world: u32) -> Result<Job> {
         train_args.overwrite.unwrap_or(false),
     )?;
     train_args.out = Some(cfg.out.clone());
-    crate::plan::plan(&train_args, cfg, &data, world)
+    Ok(Rank0Job::Prepared(Box::new(Prepared {
+        train_args,
+        cfg,
+        data,
+    })))
 }
 
 /// Runs this node's part of a training job; the rank that returns the summary prints it.

@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use ringtmp_data::{Dataset, FileCheck};
+use ringtmp_strategy::ring::node_profile::{NodeProfile, ProfileRequest};
 use ringtmp_strategy::{Cluster, Job, TrainConfig};
 
 use crate::args::TrainArgs;
@@ -56,12 +57,51 @@ pub fn load_dataset(args: &TrainArgs, announce: bool) -> Result<Dataset> {
 /// Plans the job of `args`'s strategy for `nodes` nodes from the resolved configuration: the one
 /// place where flags become a job, for the local launcher and external launchers alike.
 pub fn plan(args: &TrainArgs, cfg: TrainConfig, data: &Dataset, nodes: u32) -> Result<Job> {
+    plan_with_profiles(args, cfg, data, nodes, Vec::new())
+}
+
+/// The machines of a run of `nodes` nodes as the options describe them.
+pub fn cluster(args: &TrainArgs, nodes: u32) -> Result<Cluster> {
     let mut cluster = Cluster::local(nodes)
         .with_speeds(args.node_speed.as_deref().unwrap_or_default())
         .and_then(|c| c.with_memory_limits(args.node_memory_limit.as_deref()))
         .map_err(|e| UsageError(e.to_string()))?;
     cluster.threads = args.threads;
     cluster.links = args.node_links(nodes)?;
+    Ok(cluster)
+}
+
+/// What every node should time at rendezvous for this plan (issue 17.2), or `None` when the
+/// strategy's plan does not use the nodes' speeds.
+pub fn profile_request(
+    args: &TrainArgs,
+    cfg: TrainConfig,
+    data: &Dataset,
+    nodes: u32,
+    budget_seconds: f64,
+) -> Result<Option<ProfileRequest>> {
+    let cluster = cluster(args, nodes)?;
+    Ok(Job::profile_request(
+        args.strategy(),
+        cfg,
+        &args.strategy_options(),
+        &cluster,
+        data,
+        budget_seconds,
+    )?)
+}
+
+/// [`plan`] with every node's own profile from rendezvous (by rank; `None`: planned from rank
+/// 0's profile).
+pub fn plan_with_profiles(
+    args: &TrainArgs,
+    cfg: TrainConfig,
+    data: &Dataset,
+    nodes: u32,
+    profiles: Vec<Option<NodeProfile>>,
+) -> Result<Job> {
+    let mut cluster = cluster(args, nodes)?;
+    cluster.node_profiles = profiles;
     let job = Job::plan(
         args.strategy(),
         cfg,

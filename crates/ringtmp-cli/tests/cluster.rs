@@ -12,6 +12,11 @@ const SECRET: &str = "0123456789abcdef-test-secret";
 fn ringtmp() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_ringtmp"));
     c.env("RINGTMP_LOG", "warn");
+    // Nodes' profile caches (issue 17.2) stay inside the build tree.
+    c.env(
+        "RINGTMP_CACHE_DIR",
+        concat!(env!("CARGO_TARGET_TMPDIR"), "/ringtmp-cache"),
+    );
     c
 }
 
@@ -1997,4 +2002,77 @@ fn the_ring_planner_counts_links_and_leaves_a_node_out_when_fewer_train_faster()
         3,
         "{summary}"
     );
+}
+
+/// `world` nodes under an external launcher's variables, training `config`, each with its
+/// profile cache in `cache`.
+fn profiled_nodes(world: u32, config: &str, cache: &std::path::Path, rank0: &[&str]) -> Vec<Child> {
+    let port = free_port();
+    (0..world)
+        .map(|rank| {
+            let mut cmd = ringtmp();
+            cmd.current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+                .args(["node", "--job", "train", "--connect-timeout", "30"])
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("RINGTMP_SECRET", SECRET)
+                .env("RINGTMP_CACHE_DIR", cache)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            if rank == 0 {
+                cmd.args(["--config", config]).args(rank0);
+            }
+            cmd.spawn().unwrap()
+        })
+        .collect()
+}
+
+// Issue 17.2: under an external launcher every node times the model on its own hardware at
+// rendezvous, rank 0 plans from the figures and prints each node's speed; a restart answers
+// from the cache; `--no-node-profile` keeps the rank-0-only plan.
+#[test]
+fn every_node_profiles_itself_at_rendezvous_and_a_restart_answers_from_its_cache() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cache = tmp.path().join("cache");
+    let config = tmp.path().join("train.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "strategy = \"ring\"\ndataset = \"digits\"\nmodel = \"mlp\"\nbatch-size = 32\n\
+             max-steps = 4\neval-every = 0\nout = {:?}\noverwrite = true\n",
+            tmp.path().join("run").display().to_string()
+        ),
+    )
+    .unwrap();
+    let config = config.to_str().unwrap();
+    let run = |rank0: &[&str]| -> String {
+        let outputs: Vec<_> = profiled_nodes(3, config, &cache, rank0)
+            .into_iter()
+            .map(|c| finish(c, Duration::from_secs(120)).0)
+            .collect();
+        for (rank, o) in outputs.iter().enumerate() {
+            assert!(o.status.success(), "rank {rank}: {}", stderr(o));
+        }
+        stderr(&outputs[0])
+    };
+    let first = run(&[]);
+    assert!(first.contains("nodes' own profiles"), "{first}");
+    for rank in [1, 2] {
+        let line = first
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("node {rank}: ")) && l.contains("speed"))
+            .unwrap_or_else(|| panic!("no profile line for node {rank}: {first}"));
+        assert!(
+            line.contains("× rank 0's speed") && line.contains("measured in"),
+            "{line}"
+        );
+    }
+    let files = std::fs::read_dir(cache.join("profiles")).unwrap().count();
+    assert_eq!(files, 1, "one request on one machine: one cache entry");
+    let again = run(&[]);
+    assert_eq!(again.matches("from its cache").count(), 2, "{again}");
+    let without = run(&["--no-node-profile"]);
+    assert!(!without.contains("own profiles"), "{without}");
 }

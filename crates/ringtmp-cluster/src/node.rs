@@ -6,7 +6,7 @@ use std::time::Duration;
 use ringtmp_transport::{Network, TransportConfig, TransportError, bind_listener};
 
 use crate::launch::Placement;
-use crate::rendezvous::{self, Table};
+use crate::rendezvous::{self, Offer, Table};
 
 /// How a node joins its run.
 #[derive(Clone, Debug)]
@@ -21,13 +21,15 @@ pub struct JoinOptions {
     pub transport: TransportConfig,
 }
 
-/// Joins the run: rendezvous (rank 0 serves `settings`; the others receive rank 0's), then links
+/// Joins the run: rendezvous (rank 0 serves its `offer`, asking the others first when it has a
+/// request, which they answer with `answer`; the others receive rank 0's settings), then links
 /// to `neighbours(rank, world_size, settings)` — the topology may depend on the job. Returns the table (with the settings every node must use)
 /// and the network.
 pub fn join(
     placement: &Placement,
     options: &JoinOptions,
-    settings: String,
+    offer: Offer,
+    answer: &dyn Fn(&str) -> String,
     neighbours: impl Fn(u32, u32, &str) -> BTreeSet<u32>,
 ) -> Result<(Table, Network), TransportError> {
     let listener = bind_listener(&format!("{}:0", options.listen_host))?;
@@ -42,7 +44,7 @@ pub fn join(
             &bind,
             placement.world_size,
             own,
-            settings,
+            offer,
             &options.secret,
             options.connect_timeout,
         )?
@@ -53,6 +55,7 @@ pub fn join(
             own,
             &options.secret,
             options.connect_timeout,
+            answer,
         )?
     };
     let mut addresses = BTreeMap::new();

@@ -42,13 +42,32 @@ impl Table {
     }
 }
 
+/// Settings made from the nodes' answers; an `Err` is the reason every node is told.
+pub type FromAnswers = Box<dyn FnOnce(Vec<Option<String>>) -> Result<String, String>>;
+
+/// What rank 0 hands out at rendezvous.
+pub enum Offer {
+    /// The run's settings, ready.
+    Settings(String),
+    /// Ask every other node `request` first (issue 17.2: time the model on your hardware),
+    /// then make the settings from the answers (indexed by rank; rank 0's is `None`).
+    Ask {
+        /// The request (JSON), sent to every registered node.
+        request: String,
+        /// Makes the settings from the answers.
+        then: FromAnswers,
+    },
+}
+
 /// Rank 0's side: listens on `bind`, waits for the `world_size - 1` other nodes to register
-/// (within `cfg.connect_timeout`), and sends each the table. `own` is rank 0's peer address.
+/// (within `wait`), asks them the offer's request if it has one (their answers within `wait`
+/// again), and sends each the table. `own` is rank 0's peer address. When anything fails, the
+/// registered nodes are told why (an abort) instead of waiting out their own timeouts.
 pub fn serve(
     bind: &str,
     world_size: u32,
     own: SocketAddr,
-    settings: String,
+    offer: Offer,
     secret: &[u8],
     wait: Duration,
 ) -> Result<Table, TransportError> {
@@ -61,7 +80,7 @@ pub fn serve(
         let deadline = Instant::now() + wait;
         let mut nodes: Vec<Option<NodeAddr>> = vec![None; world_size as usize];
         nodes[0] = Some(NodeAddr { rank: 0, addr: own.to_string() });
-        let mut streams: Vec<(TcpStream, PeerName, Option<Session>)> = Vec::new();
+        let mut streams: Vec<Registered> = Vec::new();
         let mut refused: Vec<String> = Vec::new();
         let mut pending = tokio::task::JoinSet::new();
         while nodes.iter().any(Option::is_none) {
@@ -73,10 +92,7 @@ pub fn serve(
                             let error = TransportError::RendezvousIncomplete { missing, waited: wait, refused };
                             // The nodes that did register would otherwise wait out their own
                             // timeout for a table that never comes: tell them why.
-                            let abort = Message::Control(Control::Abort { origin: 0, reason: error.to_string() });
-                            for (mut stream, _, session) in streams {
-                                let _ = tokio::time::timeout(Duration::from_secs(1), write_one_frame(&mut stream, session.as_ref(), &abort)).await;
-                            }
+                            abort(streams, &error.to_string()).await;
                             return Err(error);
                         }
                         Ok(Err(e)) => return Err(TransportError::Io { context: "rendezvous accept".into(), source: e }),
@@ -106,6 +122,25 @@ pub fn serve(
                 },
             }
         }
+        let settings = match offer {
+            Offer::Settings(settings) => settings,
+            Offer::Ask { request, then } => {
+                let answers = match ask(&mut streams, &request, world_size, wait, &cfg).await {
+                    Ok(answers) => answers,
+                    Err(error) => {
+                        abort(streams, &error.to_string()).await;
+                        return Err(error);
+                    }
+                };
+                match then(answers) {
+                    Ok(settings) => settings,
+                    Err(reason) => {
+                        abort(streams, &reason).await;
+                        return Err(TransportError::Aborted { origin: 0, reason });
+                    }
+                }
+            }
+        };
         let table = Table { run_id: rand::random(), nodes: nodes.into_iter().flatten().collect(), settings };
         let message = Message::Control(Control::Table { run_id: table.run_id, nodes: table.nodes.clone(), settings: table.settings.clone() });
         for (mut stream, peer, session) in streams {
@@ -115,6 +150,107 @@ pub fn serve(
         }
         Ok(table)
     })
+}
+
+/// A registered node's connection.
+type Registered = (TcpStream, PeerName, Option<Session>);
+
+/// Tells every registered node why the rendezvous failed (best effort, a second each).
+async fn abort(streams: Vec<Registered>, reason: &str) {
+    let abort = Message::Control(Control::Abort {
+        origin: 0,
+        reason: reason.to_string(),
+    });
+    for (mut stream, _, session) in streams {
+        let _ = tokio::time::timeout(
+            Duration::from_secs(1),
+            write_one_frame(&mut stream, session.as_ref(), &abort),
+        )
+        .await;
+    }
+}
+
+/// Sends `request` to every registered node and collects their answers (all within `wait`):
+/// by rank, rank 0's `None`. A node that closes, sends anything else or is late fails the
+/// rendezvous, named.
+async fn ask(
+    streams: &mut [Registered],
+    request: &str,
+    world_size: u32,
+    wait: Duration,
+    cfg: &TransportConfig,
+) -> Result<Vec<Option<String>>, TransportError> {
+    let message = Message::Control(Control::ProfileRequest {
+        request: request.to_string(),
+    });
+    for (stream, peer, session) in streams.iter_mut() {
+        write_one_frame(stream, session.as_ref(), &message)
+            .await
+            .map_err(|e| TransportError::PeerClosed {
+                peer: peer.clone(),
+                reason: format!("sending the profile request failed: {e}"),
+            })?;
+    }
+    tracing::info!(
+        "rendezvous: asked {} node(s) to profile the model",
+        streams.len()
+    );
+    // The nodes work at once; their answers wait in the sockets while earlier ones are read.
+    let deadline = Instant::now() + wait;
+    let mut answers = vec![None; world_size as usize];
+    for (stream, peer, session) in streams.iter_mut() {
+        let rank = peer.rank.unwrap_or(0);
+        match timeout_at(
+            deadline,
+            read_one_frame(stream, session.as_ref(), &cfg.limits),
+        )
+        .await
+        {
+            Ok(Ok((Message::Control(Control::Profile { rank: from, report }), _)))
+                if from == rank =>
+            {
+                answers[rank as usize] = Some(report);
+            }
+            Ok(Ok((other, _))) => {
+                return Err(TransportError::Handshake {
+                    peer: peer.clone(),
+                    reason: format!("expected its profile, got {}", describe(&other)),
+                });
+            }
+            Ok(Err(ReadError::Decode(e))) => {
+                return Err(TransportError::Decode {
+                    peer: peer.clone(),
+                    source: e,
+                });
+            }
+            Ok(Err(_)) => {
+                return Err(TransportError::PeerClosed {
+                    peer: peer.clone(),
+                    reason: "closed before sending its profile".into(),
+                });
+            }
+            Err(_) => {
+                return Err(TransportError::Timeout {
+                    what: "its profile of the model (--no-node-profile plans from rank 0's)".into(),
+                    from: peer.to_string(),
+                    waited: wait,
+                });
+            }
+        }
+    }
+    Ok(answers)
+}
+
+/// A message's kind, for errors.
+fn describe(message: &Message) -> String {
+    match message {
+        Message::Control(c) => format!("{c:?}")
+            .split([' ', '{', '('])
+            .next()
+            .unwrap_or("?")
+            .to_string(),
+        Message::Tensor(h, _) => format!("a {:?} tensor", h.tag),
+    }
 }
 
 async fn register(
@@ -155,13 +291,16 @@ async fn register(
 }
 
 /// A non-zero rank's side: connects to rank 0 at `master` (retrying until `wait` runs out),
-/// registers `own` as this node's peer address and waits for the table.
+/// registers `own` as this node's peer address and waits for the table. When rank 0 asks for a
+/// profile first, `answer` makes it (from the request's JSON); the wait for the table starts
+/// again once it is sent.
 pub fn join(
     master: &str,
     rank: u32,
     own: SocketAddr,
     secret: &[u8],
     wait: Duration,
+    answer: &dyn Fn(&str) -> String,
 ) -> Result<Table, TransportError> {
     let runtime = runtime()?;
     runtime.block_on(async {
@@ -223,13 +362,38 @@ pub fn join(
             })?;
         // A little past our own deadline: when rank 0 gives up at the same moment, its reason
         // (an abort naming the missing ranks) arrives instead of a bare timeout.
-        let table_deadline = deadline + Duration::from_secs(2);
-        match timeout_at(
-            table_deadline,
-            read_one_frame(&mut stream, session.as_ref(), &cfg.limits),
-        )
-        .await
-        {
+        let mut table_deadline = deadline + Duration::from_secs(2);
+        let mut answered = false;
+        let reply = loop {
+            let reply = timeout_at(
+                table_deadline,
+                read_one_frame(&mut stream, session.as_ref(), &cfg.limits),
+            )
+            .await;
+            let Ok(Ok((Message::Control(Control::ProfileRequest { request }), _))) = &reply else {
+                break reply;
+            };
+            if answered {
+                return Err(TransportError::Handshake {
+                    peer,
+                    reason: "asked for a second profile".into(),
+                });
+            }
+            answered = true;
+            tracing::info!("rendezvous: rank 0 asked for this node's profile of the model");
+            let report = answer(request);
+            let message = Message::Control(Control::Profile { rank, report });
+            write_one_frame(&mut stream, session.as_ref(), &message)
+                .await
+                .map_err(|e| TransportError::PeerClosed {
+                    peer: peer.clone(),
+                    reason: format!("sending this node's profile failed: {e}"),
+                })?;
+            // Rank 0 now waits for the slowest node's profile and plans: its own deadline for
+            // the answers, and as long again for the table.
+            table_deadline = Instant::now() + wait * 2 + Duration::from_secs(2);
+        };
+        match reply {
             Ok(Ok((
                 Message::Control(Control::Table {
                     run_id,
@@ -277,6 +441,10 @@ fn runtime() -> Result<tokio::runtime::Runtime, TransportError> {
 mod tests {
     use super::*;
 
+    fn no_request(_: &str) -> String {
+        panic!("no profile was requested")
+    }
+
     #[test]
     fn four_nodes_meet_and_agree_on_the_table() {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -292,7 +460,7 @@ mod tests {
                 &m,
                 4,
                 own(0),
-                "job = \"selftest\"\n".into(),
+                Offer::Settings("job = \"selftest\"\n".into()),
                 b"s",
                 Duration::from_secs(10),
             )
@@ -300,7 +468,9 @@ mod tests {
         let joiners: Vec<_> = (1..4)
             .map(|r| {
                 let m = master.clone();
-                std::thread::spawn(move || join(&m, r, own(r), b"s", Duration::from_secs(10)))
+                std::thread::spawn(move || {
+                    join(&m, r, own(r), b"s", Duration::from_secs(10), &no_request)
+                })
             })
             .collect();
         let table = host.join().unwrap().unwrap();
@@ -329,14 +499,21 @@ mod tests {
                 &m,
                 2,
                 own,
-                String::new(),
+                Offer::Settings(String::new()),
                 b"right",
                 Duration::from_millis(1500),
             )
         });
-        let intruder = join(&master, 1, own, b"wrong", Duration::from_secs(5))
-            .unwrap_err()
-            .to_string();
+        let intruder = join(
+            &master,
+            1,
+            own,
+            b"wrong",
+            Duration::from_secs(5),
+            &no_request,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(intruder.contains("secret"), "{intruder}");
         let err = host.join().unwrap().unwrap_err().to_string();
         assert!(
@@ -367,15 +544,24 @@ mod tests {
                 &m,
                 3,
                 own,
-                String::new(),
+                Offer::Settings(String::new()),
                 b"right",
                 Duration::from_millis(1500),
             )
         });
         let started = std::time::Instant::now();
         let m = master.clone();
-        let good = std::thread::spawn(move || join(&m, 1, own, b"right", Duration::from_secs(20)));
-        let _ = join(&master, 2, own, b"wrong", Duration::from_secs(5));
+        let good = std::thread::spawn(move || {
+            join(&m, 1, own, b"right", Duration::from_secs(20), &no_request)
+        });
+        let _ = join(
+            &master,
+            2,
+            own,
+            b"wrong",
+            Duration::from_secs(5),
+            &no_request,
+        );
         let err = good.join().unwrap().unwrap_err().to_string();
         assert!(
             err.contains("rank 0 aborted the run") && err.contains("ranks [2]"),
@@ -387,5 +573,105 @@ mod tests {
             started.elapsed()
         );
         assert!(host.join().unwrap().is_err());
+    }
+
+    fn free_master() -> String {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        format!("127.0.0.1:{port}")
+    }
+
+    // Issue 17.2: rank 0 asks every node first, and plans from their answers.
+    #[test]
+    fn rank_0_asks_every_node_and_makes_the_settings_from_the_answers() {
+        let master = free_master();
+        let own = |r: u32| -> SocketAddr { format!("127.0.0.1:{}", 5000 + r).parse().unwrap() };
+        let m = master.clone();
+        let host = std::thread::spawn(move || {
+            let then: FromAnswers = Box::new(|answers| {
+                Ok(answers
+                    .iter()
+                    .map(|a| a.clone().unwrap_or_else(|| "-".into()))
+                    .collect::<Vec<_>>()
+                    .join(","))
+            });
+            serve(
+                &m,
+                3,
+                own(0),
+                Offer::Ask {
+                    request: "time it".into(),
+                    then,
+                },
+                b"s",
+                Duration::from_secs(10),
+            )
+        });
+        let joiners: Vec<_> = (1..3)
+            .map(|r| {
+                let m = master.clone();
+                std::thread::spawn(move || {
+                    let answer = move |q: &str| format!("{q} on {r}");
+                    join(&m, r, own(r), b"s", Duration::from_secs(10), &answer)
+                })
+            })
+            .collect();
+        let table = host.join().unwrap().unwrap();
+        assert_eq!(table.settings, "-,time it on 1,time it on 2");
+        for j in joiners {
+            assert_eq!(j.join().unwrap().unwrap(), table);
+        }
+    }
+
+    // A plan that fails on the answers, or a node that does not answer in time, ends the
+    // rendezvous on every node with the reason, not a hang.
+    #[test]
+    fn a_failed_plan_or_a_silent_node_is_everyone_s_error() {
+        let master = free_master();
+        let own: SocketAddr = "127.0.0.1:5000".parse().unwrap();
+        let m = master.clone();
+        let host = std::thread::spawn(move || {
+            let then: FromAnswers = Box::new(|_| Err("node 1 is too slow for any plan".into()));
+            let offer = Offer::Ask {
+                request: "q".into(),
+                then,
+            };
+            serve(&m, 2, own, offer, b"s", Duration::from_secs(10))
+        });
+        let err = join(&master, 1, own, b"s", Duration::from_secs(10), &|_| {
+            "a".into()
+        })
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("too slow for any plan"), "{err}");
+        assert!(host.join().unwrap().is_err());
+
+        let master = free_master();
+        let m = master.clone();
+        let started = std::time::Instant::now();
+        let host = std::thread::spawn(move || {
+            let then: FromAnswers = Box::new(|_| Ok(String::new()));
+            let offer = Offer::Ask {
+                request: "q".into(),
+                then,
+            };
+            serve(&m, 2, own, offer, b"s", Duration::from_millis(1500))
+        });
+        let slow = |_: &str| {
+            std::thread::sleep(Duration::from_secs(3));
+            "late".to_string()
+        };
+        let node = join(&master, 1, own, b"s", Duration::from_millis(1500), &slow);
+        let err = host.join().unwrap().unwrap_err().to_string();
+        assert!(err.contains("profile") && err.contains("rank 1"), "{err}");
+        assert!(node.is_err());
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{:?}",
+            started.elapsed()
+        );
     }
 }

@@ -453,6 +453,83 @@ pub fn set_len(v: &mut Vec<f32>, len: usize) {
 mod tests {
     use super::*;
 
+    // Issue 17.1: the dispatchers choose the widest instruction set the CPU has, and on aarch64
+    // (a board, or qemu-user in CI) that is NEON: the paths checked below are its own there.
+    #[test]
+    fn simd_level_is_the_widest_this_cpu_has() {
+        let level = simd_level();
+        #[cfg(target_arch = "aarch64")]
+        assert_eq!(level, "neon", "every aarch64 Linux CPU has Advanced SIMD");
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = std::arch::is_x86_feature_detected!("avx2")
+                && std::arch::is_x86_feature_detected!("fma");
+            let avx512 = std::arch::is_x86_feature_detected!("avx512f")
+                && std::arch::is_x86_feature_detected!("avx512vl")
+                && std::arch::is_x86_feature_detected!("avx512dq");
+            let expected = match (avx512, avx2) {
+                (true, _) => "avx512",
+                (false, true) => "avx2+fma",
+                _ => "sse2",
+            };
+            assert_eq!(level, expected);
+        }
+        assert!(gemm_kernel().starts_with("gemm 0.19"), "{}", gemm_kernel());
+    }
+
+    /// Values with both signs, zeros of both signs and magnitudes far apart.
+    fn mixed(len: usize, salt: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| match (i * 7 + salt) % 11 {
+                0 => 0.0,
+                1 => -0.0,
+                r => (r as f32 - 5.5) * 10f32.powi((i % 5) as i32 - 2),
+            })
+            .collect()
+    }
+
+    // Issue 17.1: the element-wise kernels, at whatever SIMD level runs them (AVX-512, AVX2,
+    // NEON), equal the plain scalar loop bit for bit at every tail length of every vector width.
+    #[test]
+    fn element_wise_kernels_match_the_scalar_loop_at_every_tail_length() {
+        for len in 0..70 {
+            let (x, g) = (mixed(len, 0), mixed(len, 3));
+            let mut y = vec![f32::NAN; len];
+            relu_forward(&x, &mut y);
+            let want: Vec<f32> = x.iter().map(|v| if *v > 0.0 { *v } else { 0.0 }).collect();
+            assert_eq!(bits(&y), bits(&want), "relu_forward, {len} values");
+            let mut dx = vec![f32::NAN; len];
+            relu_backward(&x, &g, &mut dx);
+            let want: Vec<f32> = x
+                .iter()
+                .zip(&g)
+                .map(|(o, d)| if *o > 0.0 { *d } else { 0.0 })
+                .collect();
+            assert_eq!(bits(&dx), bits(&want), "relu_backward, {len} values");
+            let mut out = vec![f32::NAN; len];
+            multiply(&x, &g, &mut out);
+            let want: Vec<f32> = x.iter().zip(&g).map(|(a, b)| a * b).collect();
+            assert_eq!(bits(&out), bits(&want), "multiply, {len} values");
+            for cols in [1, 3, 16, 17] {
+                let rows = len / cols;
+                let m = &x[..rows * cols];
+                let mut sums = vec![1.0f32; cols];
+                column_sums(&mut sums, m, true);
+                let mut want = vec![1.0f32; cols];
+                for row in m.chunks_exact(cols) {
+                    for (w, v) in want.iter_mut().zip(row) {
+                        *w += v;
+                    }
+                }
+                assert_eq!(bits(&sums), bits(&want), "column_sums, {rows}×{cols}");
+            }
+        }
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
     fn naive(m: usize, n: usize, k: usize, a: &[f32], ta: Op, b: &[f32], tb: Op) -> Vec<f32> {
         let mut c = vec![0.0f32; m * n];
         for i in 0..m {

@@ -425,6 +425,68 @@ impl LrSchedule {
 mod tests {
     use super::*;
 
+    // Issue 17.1: the optimizer kernels, at whatever SIMD level runs them (AVX-512, AVX2, NEON),
+    // equal the scalar formulas bit for bit at every tail length.
+    #[test]
+    fn optimizer_kernels_match_the_scalar_formulas_at_every_tail_length() {
+        let sgd = SgdStep {
+            lr: 0.05,
+            momentum: 0.9,
+            weight_decay: 1e-3,
+        };
+        let adam = AdamStep {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 1e-3,
+            step_size: 0.01 / 0.1,
+            inv_sqrt_c2: 1.0 / 0.001f32.sqrt(),
+        };
+        for len in 0..70 {
+            let p: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin()).collect();
+            let g: Vec<f32> = (0..len).map(|i| (i as f32 * 0.73).cos() * 0.1).collect();
+            let state: Vec<f32> = (0..len).map(|i| (i % 7) as f32 * 0.01).collect();
+            // SGD, in place and into another buffer.
+            let (mut p1, mut v1) = (p.clone(), state.clone());
+            sgd_chunk(&mut p1, &g, &mut v1, &sgd);
+            let (mut p2, mut v2) = (vec![f32::NAN; len], state.clone());
+            sgd_chunk_into(&p, &mut p2, &g, &mut v2, &sgd);
+            let (mut want, mut wv) = (p.clone(), state.clone());
+            for i in 0..len {
+                want[i] = sgd_one(want[i], g[i], &mut wv[i], &sgd);
+            }
+            assert_eq!(bits(&p1), bits(&want), "sgd, {len} values");
+            assert_eq!(bits(&p2), bits(&want), "sgd into, {len} values");
+            assert_eq!(bits(&v1), bits(&wv), "sgd velocity, {len} values");
+            assert_eq!(bits(&v2), bits(&wv), "sgd velocity into, {len} values");
+            // Adam, in place and into another buffer.
+            let (mut p1, mut m1, mut s1) = (p.clone(), state.clone(), state.clone());
+            adam_chunk(&mut p1, &g, &mut m1, &mut s1, &adam);
+            let (mut p2, mut m2, mut s2) = (vec![f32::NAN; len], state.clone(), state.clone());
+            adam_chunk_into(&p, &mut p2, &g, &mut m2, &mut s2, &adam);
+            let (mut want, mut wm, mut ws) = (p.clone(), state.clone(), state.clone());
+            for i in 0..len {
+                want[i] = adam_one(want[i], g[i], &mut wm[i], &mut ws[i], &adam);
+            }
+            assert_eq!(bits(&p1), bits(&want), "adam, {len} values");
+            assert_eq!(bits(&p2), bits(&want), "adam into, {len} values");
+            assert_eq!(
+                (bits(&m1), bits(&s1)),
+                (bits(&wm), bits(&ws)),
+                "adam state, {len}"
+            );
+            assert_eq!(
+                (bits(&m2), bits(&s2)),
+                (bits(&wm), bits(&ws)),
+                "adam state into"
+            );
+        }
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|x| x.to_bits()).collect()
+    }
+
     #[test]
     fn step_into_is_bit_identical_to_an_in_place_step_and_leaves_the_source_alone() {
         let configs = [

@@ -43,6 +43,10 @@ pub struct Cluster {
     /// Per rank, its card's bandwidth in Mbit/s (`None`: not known) and its links' latency in
     /// ms (`--bandwidth-mbit`, `--latency-ms`, `--link`): what planners count links with.
     pub links: Vec<(Option<f64>, f64)>,
+    /// Per rank, the node's own profile from rendezvous (issue 17.2), when it sent one: the
+    /// ring's planner uses its layer times and free memory instead of rank 0's profile scaled
+    /// by its speed. Empty, or `None` for a rank: planned from rank 0's profile.
+    pub node_profiles: Vec<Option<crate::ring::node_profile::NodeProfile>>,
 }
 
 impl Cluster {
@@ -57,6 +61,7 @@ impl Cluster {
                 .map(|n| n.get())
                 .unwrap_or(1),
             links: vec![(None, 0.0); nodes as usize],
+            node_profiles: Vec::new(),
         }
     }
 
@@ -232,6 +237,30 @@ impl Job {
                 )));
             }
         })
+    }
+
+    /// What every node should time at rendezvous so that `name`'s plan can use its own
+    /// figures (issue 17.2): the ring's partition only; `None` for strategies whose plan does
+    /// not depend on the nodes' speeds.
+    pub fn profile_request(
+        name: &str,
+        config: TrainConfig,
+        options: &StrategyOptions,
+        cluster: &Cluster,
+        data: &Dataset,
+        budget_seconds: f64,
+    ) -> Result<Option<crate::ring::node_profile::ProfileRequest>> {
+        match name {
+            RingJob::NAME => crate::ring::plan::profile_request(
+                config,
+                &options.ring,
+                cluster,
+                data,
+                budget_seconds,
+            )
+            .map(Some),
+            _ => Ok(None),
+        }
     }
 
     /// The strategy's name.

@@ -234,6 +234,20 @@ pub enum Control {
         /// The sender's optimizer step count.
         optimizer_steps: u64,
     },
+    /// Rendezvous: rank 0 asks every registered node to time the model's layers on its own
+    /// hardware before it plans (JSON: the model and the micro-batch to time).
+    ProfileRequest {
+        /// What to profile (JSON).
+        request: String,
+    },
+    /// Rendezvous: a node's answer to a `ProfileRequest` (JSON: its layer times and free
+    /// memory, or why it could not profile).
+    Profile {
+        /// The answering rank.
+        rank: u32,
+        /// The report (JSON).
+        report: String,
+    },
 }
 
 /// A decoded frame.

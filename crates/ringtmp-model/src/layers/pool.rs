@@ -110,3 +110,30 @@ fn max_into(ys: &mut [f32], idx: &mut [u32], xs: &[f32], first: u32) {
         *i = if better { first + ch as u32 } else { *i };
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // Issue 17.1: the pooling kernel, at whatever SIMD level runs it (AVX-512, AVX2, NEON),
+    // equals the scalar loop at every tail length, ties keeping the first maximum.
+    #[test]
+    fn max_into_matches_the_scalar_loop_at_every_tail_length() {
+        for len in 0..70 {
+            let ys0: Vec<f32> = (0..len).map(|i| ((i * 5) % 7) as f32 - 3.0).collect();
+            let xs: Vec<f32> = (0..len).map(|i| ((i * 3) % 7) as f32 - 3.0).collect();
+            let idx0: Vec<u32> = (0..len as u32).map(|i| 1000 + i).collect();
+            let (mut ys, mut idx) = (ys0.clone(), idx0.clone());
+            max_into(&mut ys, &mut idx, &xs, 7);
+            for ch in 0..len {
+                let better = xs[ch] > ys0[ch];
+                assert_eq!(ys[ch], if better { xs[ch] } else { ys0[ch] }, "{len}/{ch}");
+                assert_eq!(
+                    idx[ch],
+                    if better { 7 + ch as u32 } else { idx0[ch] },
+                    "{len}/{ch}"
+                );
+            }
+        }
+    }
+}

@@ -15,6 +15,7 @@
 //! - [`rings`]: rings of rings (`--replicas R`): the view that runs one ring of several and
 //!   averages each stage with its copies; `replica_gossip`: their asynchronous gossip
 //!   (`--replica-sync adpsgd`).
+//! - [`node_profile`]: every node times the layers on its own hardware at rendezvous.
 //! - [`plan`]: `--strategy ring` options into the job every node runs.
 //! - [`node`]: the strategy's shape: a rank's role and the job's checks.
 
@@ -22,6 +23,7 @@ pub mod driver;
 pub mod heal;
 mod master;
 pub mod node;
+pub mod node_profile;
 pub mod partition;
 pub mod plan;
 pub mod profile;

@@ -2,8 +2,8 @@
 //!
 //! The planner takes each layer's measured forward+backward time on one micro-batch, its memory
 //! (parameters, optimizer state, stashed activations for the in-flight micro-batches) and the
-//! size of its output, each node's relative speed, memory limit and card (bandwidth and latency,
-//! when known), and finds by dynamic programming the contiguous split that minimises the
+//! size of its output, each node's relative speed (or its own measured time per layer, issue
+//! 17.2), memory limit and card (bandwidth and latency, when known), and finds by dynamic programming the contiguous split that minimises the
 //! pipeline's bottleneck: the largest, over the nodes, of the node's compute
 //! `Σ t_l / speed_s` and the time its card takes to send what it sends per micro-batch (its
 //! output activation to its successor, its input's gradient to its predecessor; the master also
@@ -42,7 +42,7 @@ fn yes() -> bool {
 }
 
 /// A node's capacity.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct NodeCapacity {
     /// Relative speed in (0, 1]; a node at 0.5 takes twice as long for the same work.
     pub speed: f64,
@@ -54,6 +54,11 @@ pub struct NodeCapacity {
     /// One-way latency of its links, seconds.
     #[serde(default)]
     pub latency_seconds: f64,
+    /// The node's own measured seconds per layer (its profile at rendezvous), used instead of
+    /// the shared costs' seconds when there is one per layer; still divided by `speed` (an
+    /// emulated slowdown on top of the hardware).
+    #[serde(default)]
+    pub layer_seconds: Option<Vec<f64>>,
 }
 
 impl NodeCapacity {
@@ -64,7 +69,18 @@ impl NodeCapacity {
             memory_limit: None,
             card_bytes_per_second: None,
             latency_seconds: 0.0,
+            layer_seconds: None,
         }
+    }
+
+    /// Seconds of compute for layers `i..j` of `costs` on this node: its own measured figures
+    /// when it has one per layer, else the shared costs; divided by its speed.
+    fn compute_seconds(&self, costs: &[LayerCost], i: usize, j: usize) -> f64 {
+        let seconds: f64 = match &self.layer_seconds {
+            Some(own) if own.len() == costs.len() => own[i..j].iter().sum(),
+            _ => costs[i..j].iter().map(|c| c.seconds).sum(),
+        };
+        seconds / self.speed
     }
 
     /// Seconds its card takes for `bytes` (0 when its rate is not known).
@@ -177,7 +193,7 @@ fn stage_costs(
     i: usize,
     j: usize,
 ) -> (f64, f64) {
-    let compute = costs[i..j].iter().map(|c| c.seconds).sum::<f64>() / node.speed;
+    let compute = node.compute_seconds(costs, i, j);
     let (forward, backward) = sent_bytes(costs, s, i, j);
     (compute, node.send_seconds(forward + backward))
 }
@@ -501,6 +517,30 @@ mod tests {
         nodes[1].speed = 0.25;
         let p = plan(&costs(&[1.0; 10]), &nodes, 0).unwrap();
         assert_eq!(bounds(&p), [(0, 8), (8, 10)]);
+    }
+
+    // Issue 17.2: a node's own profile replaces the shared costs, layer by layer: a board
+    // whose second layer is 4× slower than on the master (but whose others are as fast) gets
+    // the split that keeps that layer off it, which no single speed factor would find.
+    #[test]
+    fn own_layer_seconds_replace_the_shared_costs_per_node() {
+        let shared = costs(&[1.0, 1.0, 1.0, 1.0]);
+        let mut nodes = free(2);
+        let p = plan(&shared, &nodes, 0).unwrap();
+        assert_eq!(bounds(&p), [(0, 2), (2, 4)]);
+        nodes[1].layer_seconds = Some(vec![1.0, 1.0, 4.0, 1.0]);
+        let p = plan(&shared, &nodes, 0).unwrap();
+        assert_eq!(bounds(&p), [(0, 3), (3, 4)]);
+        assert_eq!((p[0].predicted_seconds, p[1].predicted_seconds), (3.0, 1.0));
+        // With a speed on top (an emulated slowdown), both count.
+        nodes[1].speed = 0.5;
+        let p = plan(&shared, &nodes, 0).unwrap();
+        assert_eq!(p[1].predicted_seconds, 2.0);
+        // A profile of another model (wrong length) is not used.
+        nodes[1].layer_seconds = Some(vec![9.0; 3]);
+        nodes[1].speed = 1.0;
+        let p = plan(&shared, &nodes, 0).unwrap();
+        assert_eq!(bounds(&p), [(0, 2), (2, 4)]);
     }
 
     #[test]

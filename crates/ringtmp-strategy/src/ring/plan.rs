@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::job::Cluster;
 use crate::ring::driver::RingJob;
+use crate::ring::node_profile::ProfileRequest;
 use crate::ring::partition::{self, NodeCapacity};
 use crate::ring::profile::{ProfileSettings, profile_layers};
 use crate::ring::schedule::Schedule;
@@ -201,6 +202,7 @@ pub fn plan(
              of rings, not {replicas}; use every:K for an odd number"
         )));
     }
+    let chosen = chosen_schedule(args, replicas);
     let schedule = match (args.schedule, replicas) {
         (s, r) if r > 1 && (average_every > 0 || gossip) => {
             let schedule = s.unwrap_or(Schedule::Async);
@@ -233,6 +235,10 @@ pub fn plan(
         }
         (s, _) => s.unwrap_or(Schedule::Async),
     };
+    debug_assert_eq!(
+        schedule, chosen,
+        "profile_request must time what the plan runs"
+    );
     if replicas > 1 && (args.master_holds_head == Some(true) || args.stage_replicas.is_some()) {
         return Err(Error::Config(
             "--replicas does not go together with --master-holds-head or --stage-replicas yet"
@@ -314,7 +320,7 @@ pub fn plan(
             Ok(Some(limit - needs))
         })
         .collect::<Result<_>>()?;
-    let capacities: Vec<NodeCapacity> = speeds
+    let mut capacities: Vec<NodeCapacity> = speeds
         .iter()
         .zip(&limits)
         .enumerate()
@@ -325,6 +331,7 @@ pub fn plan(
                 memory_limit,
                 card_bytes_per_second: mbit.map(|m| m * 1e6 / 8.0),
                 latency_seconds: ms / 1e3,
+                layer_seconds: None,
             }
         })
         .collect();
@@ -362,6 +369,17 @@ pub fn plan(
             extra_weight_versions,
             steps_per_micro_batch,
             repeats: 9,
+        },
+    );
+    use_own_profiles(
+        cluster,
+        &mut capacities,
+        &OwnProfileCheck {
+            rows,
+            threads: cfg.threads,
+            steps_per_micro_batch,
+            costs: &costs,
+            overhead: |rank| process_overhead(rank == 0, data, &layers),
         },
     );
     // With the head on the master, the last layer with parameters (and what follows it) stays
@@ -569,6 +587,135 @@ pub fn plan(
         );
     }
     Ok(job)
+}
+
+/// The schedule `plan` chooses for these options with `replicas` rings (without its checks).
+fn chosen_schedule(args: &RingOptions, replicas: usize) -> Schedule {
+    let syncing = replicas > 1
+        && args
+            .replica_sync
+            .as_deref()
+            .is_some_and(|s| s != "gradients");
+    match (args.schedule, replicas) {
+        (s, _) if syncing => s.unwrap_or(Schedule::Async),
+        (None, r) if r > 1 => Schedule::OneFOneB,
+        (s, _) => s.unwrap_or(Schedule::Async),
+    }
+}
+
+/// What every node times at rendezvous for this plan (issue 17.2): the model, micro-batches of
+/// the rows and threads [`plan`] will choose, and the optimizer, within `budget_seconds`.
+pub fn profile_request(
+    mut cfg: TrainConfig,
+    args: &RingOptions,
+    cluster: &Cluster,
+    data: &Dataset,
+    budget_seconds: f64,
+) -> Result<ProfileRequest> {
+    let nodes = cluster.nodes.max(1);
+    if cluster.threads.is_none() {
+        cfg.threads = (cluster.cores / nodes as usize).max(1);
+    }
+    let replicas = args.rings(nodes)?.max(1);
+    let micro_batches = args
+        .micro_batches
+        .unwrap_or(match chosen_schedule(args, replicas) {
+            Schedule::Async => 1,
+            _ => nodes as usize / replicas,
+        })
+        .max(1);
+    let (h, w, c) = data.input;
+    Ok(ProfileRequest {
+        model: cfg.model.clone(),
+        input: (h, w, c),
+        classes: data.classes,
+        optimizer: cfg.optimizer.clone(),
+        rows: cfg.batch_size.div_ceil(micro_batches),
+        threads: cfg.threads,
+        budget_seconds,
+    })
+}
+
+/// What a node's own profile must match to be used, and what its figures are compared with.
+struct OwnProfileCheck<'a, F: Fn(u32) -> u64> {
+    rows: usize,
+    threads: usize,
+    steps_per_micro_batch: f64,
+    /// Rank 0's profile of the same layers.
+    costs: &'a [partition::LayerCost],
+    /// The process overhead of a rank (taken from its free memory).
+    overhead: F,
+}
+
+/// Puts every node's own profile (issue 17.2) into its capacity: its seconds per layer, and its
+/// free memory (less its process overhead) as a memory limit where that is tighter than the
+/// given one; prints each node's measured speed relative to rank 0 on this model. A profile of
+/// other rows, threads or layers is set aside with a warning (the node is then planned from
+/// rank 0's profile and its `--node-speed`).
+fn use_own_profiles<F: Fn(u32) -> u64>(
+    cluster: &Cluster,
+    capacities: &mut [NodeCapacity],
+    check: &OwnProfileCheck<'_, F>,
+) {
+    if cluster.node_profiles.iter().all(Option::is_none) {
+        return;
+    }
+    let reference: f64 = check.costs.iter().map(|c| c.seconds).sum();
+    eprintln!(
+        "nodes' own profiles (seconds per micro-batch of {} rows, the whole model, {} \
+         thread(s)):",
+        check.rows, check.threads
+    );
+    eprintln!(
+        "  node 0: {:.2} ms — {} (rank 0, plans)",
+        reference * 1e3,
+        crate::ring::node_profile::machine_description()
+    );
+    for (rank, capacity) in capacities.iter_mut().enumerate().skip(1) {
+        let Some(Some(profile)) = cluster.node_profiles.get(rank) else {
+            eprintln!("  node {rank}: no profile of its own: planned from rank 0's");
+            continue;
+        };
+        if profile.rows != check.rows
+            || profile.threads != check.threads
+            || profile.layers.len() != check.costs.len()
+        {
+            eprintln!(
+                "  node {rank}: its profile ({} rows, {} threads, {} layers) is not of this plan's \
+                 micro-batch ({} rows, {} threads, {} layers): planned from rank 0's",
+                profile.rows,
+                profile.threads,
+                profile.layers.len(),
+                check.rows,
+                check.threads,
+                check.costs.len()
+            );
+            continue;
+        }
+        let own = profile.seconds(check.steps_per_micro_batch);
+        let total: f64 = own.iter().sum();
+        let free = profile
+            .available_memory
+            .map(|m| m.saturating_sub((check.overhead)(rank as u32)));
+        if let Some(free) = free {
+            capacity.memory_limit = Some(capacity.memory_limit.map_or(free, |m| m.min(free)));
+        }
+        eprintln!(
+            "  node {rank}: {:.2} ms, {:.2}× rank 0's speed — {}{}{}",
+            total * 1e3,
+            reference / total.max(1e-12),
+            profile.machine,
+            profile
+                .available_memory
+                .map_or(String::new(), |m| format!(", {} free", show_bytes(m))),
+            if profile.cached {
+                ", from its cache".to_string()
+            } else {
+                format!(", measured in {:.1} s", profile.took_seconds)
+            }
+        );
+        capacity.layer_seconds = Some(own);
+    }
 }
 
 /// What a node process needs besides its stage's parameters, gradients, optimizer state and

@@ -3,7 +3,9 @@
 //! time, so the profiler never holds the whole model (the point of model parallelism is that it
 //! may not fit).
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
 
 use ringtmp_model::{Layer, Optimizer, OptimizerConfig, Pass, Stage};
 
@@ -49,10 +51,53 @@ pub fn profile_layers(
         OptimizerConfig::Sgd { .. } => 1,
         OptimizerConfig::Adam { .. } => 2,
     };
+    time_layers(layers, optimizer, rows, threads, repeats, None)
+        .into_iter()
+        .zip(layers)
+        .map(|(timing, layer)| {
+            let params = layer.param_count() as u64 * 4;
+            LayerCost {
+                seconds: timing.compute_seconds + timing.step_seconds * steps_per_micro_batch,
+                bytes: params * (2 + state_copies + extra_weight_versions as u64)
+                    + timing.stash_bytes * in_flight as u64,
+                out_bytes: (rows * layer.output.numel() * 4) as u64,
+                has_params: layer.param_count() > 0,
+            }
+        })
+        .collect()
+}
+
+/// One layer's measured times.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LayerTiming {
+    /// Forward + backward of one micro-batch, seconds (median).
+    pub compute_seconds: f64,
+    /// One optimizer step over the layer's parameters, seconds (median).
+    pub step_seconds: f64,
+    /// Bytes the layer stashes per micro-batch beyond its input (outputs and side data).
+    pub stash_bytes: u64,
+}
+
+/// Times each layer alone (built one at a time: the profiler never holds the whole model) on
+/// micro-batches of `rows`: one warm-up run, then up to `repeats` timed runs, the median
+/// counting. With a `budget`, a layer gets at most its share of it (by parameter and activation
+/// size) after the warm-up, and at least one timed run: a weak board times the model in a few
+/// seconds.
+pub fn time_layers(
+    layers: &[Layer],
+    optimizer: &OptimizerConfig,
+    rows: usize,
+    threads: usize,
+    repeats: usize,
+    budget: Option<Duration>,
+) -> Vec<LayerTiming> {
+    let weight = |l: &Layer| (l.param_count() + rows * (l.input.numel() + l.output.numel())) as f64;
+    let total_weight: f64 = layers.iter().map(weight).sum::<f64>().max(1.0);
     layers
         .iter()
         .enumerate()
         .map(|(i, layer)| {
+            let share = budget.map(|b| b.as_secs_f64() * weight(layer) / total_weight);
             let mut stage = Stage::new(layers, i..i + 1, 0, threads);
             stage.set_input_grad(i > 0);
             let x: Vec<f32> = (0..rows * layer.input.numel())
@@ -69,7 +114,11 @@ pub fn profile_layers(
             let (mut times, mut step_times) =
                 (Vec::with_capacity(repeats), Vec::with_capacity(repeats));
             let mut stash = 0usize;
-            for rep in 0..=repeats {
+            let started = Instant::now();
+            for rep in 0..=repeats.max(1) {
+                if rep > 1 && share.is_some_and(|s| started.elapsed().as_secs_f64() > s) {
+                    break;
+                }
                 let t = Instant::now();
                 let _ = stage.forward(rep as u64, &x, rows, &pass);
                 stash = stash.max(stage.stash_bytes());
@@ -87,15 +136,12 @@ pub fn profile_layers(
                 v.sort_by(f64::total_cmp);
                 v.get(v.len() / 2).copied().unwrap_or(0.0)
             };
-            let params = layer.param_count() as u64 * 4;
-            // The stage input is stashed once per stage, not per layer: count outputs and side data.
-            let per_micro = stash.saturating_sub(x.len() * 4) as u64;
-            LayerCost {
-                seconds: median(&mut times) + median(&mut step_times) * steps_per_micro_batch,
-                bytes: params * (2 + state_copies + extra_weight_versions as u64)
-                    + per_micro * in_flight as u64,
-                out_bytes: (rows * layer.output.numel() * 4) as u64,
-                has_params: layer.param_count() > 0,
+            LayerTiming {
+                compute_seconds: median(&mut times),
+                step_seconds: median(&mut step_times),
+                // The stage input is stashed once per stage, not per layer: count outputs and
+                // side data.
+                stash_bytes: stash.saturating_sub(x.len() * 4) as u64,
             }
         })
         .collect()

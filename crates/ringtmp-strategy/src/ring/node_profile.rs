@@ -1,0 +1,379 @@
+//! Every node's own profile (issue 17.2). At rendezvous rank 0 asks each node to time the
+//! model's layers on its own hardware ([`ProfileRequest`]: the model, the micro-batch, the
+//! threads, a time budget); each answers with a [`ProfileReply`]: its layer times, its free
+//! memory and what machine it is. The planner then splits the model from every node's own
+//! figures instead of rank 0's profile scaled by `--node-speed` guesses.
+//!
+//! Invariants: answering never panics and never hangs past the budget by more than one warm-up
+//! pass per layer (a node that cannot profile says why, and rank 0 plans it from its own
+//! profile); a profile is used only for the request it answers (rows, threads and layer count
+//! are checked by the planner); the cache is keyed by the request, the machine and the binary's
+//! version, and a cached file is used only if it parses and names the same request and machine.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use ringtmp_model::{ModelSpec, OptimizerConfig, Shape};
+use serde::{Deserialize, Serialize};
+
+use super::profile::{LayerTiming, time_layers};
+
+/// What rank 0 asks every node to time.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProfileRequest {
+    /// The model.
+    pub model: ModelSpec,
+    /// Input shape of one example (height, width, channels).
+    pub input: (usize, usize, usize),
+    /// Classes of the data set.
+    pub classes: usize,
+    /// The optimizer (its step is timed per layer).
+    pub optimizer: OptimizerConfig,
+    /// Rows per micro-batch.
+    pub rows: usize,
+    /// Compute threads each node runs with.
+    pub threads: usize,
+    /// Seconds the timed runs may take in all, after one warm-up run per layer.
+    pub budget_seconds: f64,
+}
+
+/// A node's measurements.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NodeProfile {
+    /// What the node is: CPU model, SIMD level, cores (`AMD EPYC, avx512, 2 cores`).
+    pub machine: String,
+    /// Rows per micro-batch it was timed at.
+    pub rows: usize,
+    /// Compute threads it was timed with.
+    pub threads: usize,
+    /// One timing per layer of the model.
+    pub layers: Vec<LayerTiming>,
+    /// Memory the node can still use, bytes (`MemAvailable`, or its cgroup's limit less its
+    /// usage when lower); `None` where it cannot tell.
+    pub available_memory: Option<u64>,
+    /// Seconds the measurement took (0 when it came from the cache).
+    pub took_seconds: f64,
+    /// Whether it came from the node's cache.
+    #[serde(default)]
+    pub cached: bool,
+}
+
+impl NodeProfile {
+    /// Seconds per micro-batch of layers `i..j`, with `steps_per_micro_batch` optimizer steps.
+    pub fn seconds(&self, steps_per_micro_batch: f64) -> Vec<f64> {
+        self.layers
+            .iter()
+            .map(|t| t.compute_seconds + t.step_seconds * steps_per_micro_batch)
+            .collect()
+    }
+}
+
+/// A node's answer.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ProfileReply {
+    /// It timed the model (or found it in its cache).
+    Measured(NodeProfile),
+    /// It could not, and why.
+    Failed(String),
+}
+
+/// What this machine is, as a profile names it.
+pub fn machine_description() -> String {
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    format!(
+        "{}, {}, {cores} core{}",
+        crate::simulate::machine_name(),
+        ringtmp_model::kernels::simd_level(),
+        if cores == 1 { "" } else { "s" }
+    )
+}
+
+/// Memory this process may still use: `MemAvailable` from `/proc/meminfo`, lowered to its
+/// cgroup's limit less its usage (v2 `memory.max`, v1 `memory.limit_in_bytes`) when that is
+/// smaller. `None` where neither can be read.
+pub fn available_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find(|l| l.starts_with("MemAvailable:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+                .map(|kb| kb * 1024)
+        });
+    let read = |path: &str| -> Option<u64> {
+        std::fs::read_to_string(path)
+            .ok()
+            .and_then(|t| t.trim().parse::<u64>().ok())
+    };
+    let cgroup = read("/sys/fs/cgroup/memory.max")
+        .zip(read("/sys/fs/cgroup/memory.current"))
+        .or_else(|| {
+            read("/sys/fs/cgroup/memory/memory.limit_in_bytes")
+                .zip(read("/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+        })
+        // v1 says "no limit" with a huge number.
+        .filter(|(limit, _)| *limit < 1 << 60)
+        .map(|(limit, used)| limit.saturating_sub(used));
+    match (meminfo, cgroup) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// Times the request's model on this machine.
+pub fn measure(request: &ProfileRequest) -> Result<NodeProfile, String> {
+    if request.rows == 0 || request.threads == 0 || request.budget_seconds.is_nan() || request.budget_seconds < 0.0 {
+        return Err(format!(
+            "a request for {} rows on {} threads with a budget of {} s",
+            request.rows, request.threads, request.budget_seconds
+        ));
+    }
+    let (h, w, c) = request.input;
+    let layers = request
+        .model
+        .build(&Shape::image(h, w, c), request.classes)
+        .map_err(|e| e.to_string())?;
+    let started = Instant::now();
+    let budget = Duration::try_from_secs_f64(request.budget_seconds).unwrap_or(Duration::ZERO);
+    let layers = time_layers(
+        &layers,
+        &request.optimizer,
+        request.rows,
+        request.threads,
+        9,
+        Some(budget),
+    );
+    Ok(NodeProfile {
+        machine: machine_description(),
+        rows: request.rows,
+        threads: request.threads,
+        layers,
+        available_memory: available_memory(),
+        took_seconds: started.elapsed().as_secs_f64(),
+        cached: false,
+    })
+}
+
+/// Where profiles are cached: `$RINGTMP_CACHE_DIR/profiles`, else `$XDG_CACHE_HOME/ringtmp/
+/// profiles`, else `~/.cache/ringtmp/profiles`.
+pub fn default_cache_dir() -> Option<PathBuf> {
+    let env = |k: &str| {
+        std::env::var_os(k)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    env("RINGTMP_CACHE_DIR")
+        .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("ringtmp")))
+        .or_else(|| env("HOME").map(|d| d.join(".cache/ringtmp")))
+        .map(|d| d.join("profiles"))
+}
+
+/// What a cache file holds: the request and machine it answers, so that a file is never used
+/// for another (a stale or colliding file is measured again).
+#[derive(Serialize, Deserialize)]
+struct CacheEntry {
+    version: String,
+    machine: String,
+    request: ProfileRequest,
+    profile: NodeProfile,
+}
+
+/// FNV-1a, 64 bits: a stable key for the file name (std's hasher may change between releases).
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Largest cache file read (a profile of a 1,000-layer model is ~100 KB).
+const CACHE_FILE_LIMIT: u64 = 4 << 20;
+
+/// Answers rank 0's request (JSON in, JSON out; never panics): from `cache` when it holds this
+/// request on this machine and `fresh` is false, else measured (and stored there).
+pub fn answer(request_json: &str, cache: Option<&Path>, fresh: bool) -> String {
+    let reply = match serde_json::from_str::<ProfileRequest>(request_json) {
+        Err(e) => ProfileReply::Failed(format!("the request does not parse: {e}")),
+        Ok(request) => {
+            let machine = machine_description();
+            let version = env!("CARGO_PKG_VERSION").to_string();
+            let key = fnv1a(format!("{version}\n{machine}\n{request_json}").as_bytes());
+            let file = cache.map(|d| d.join(format!("{key:016x}.json")));
+            let cached = file
+                .as_ref()
+                .filter(|_| !fresh)
+                .and_then(|f| read_cached(f, &version, &machine, &request));
+            match cached {
+                Some(mut profile) => {
+                    profile.cached = true;
+                    profile.took_seconds = 0.0;
+                    profile.available_memory = available_memory();
+                    ProfileReply::Measured(profile)
+                }
+                None => match measure(&request) {
+                    Ok(profile) => {
+                        if let Some(f) = &file {
+                            store(f, &version, &machine, &request, &profile);
+                        }
+                        ProfileReply::Measured(profile)
+                    }
+                    Err(e) => ProfileReply::Failed(e),
+                },
+            }
+        }
+    };
+    serde_json::to_string(&reply).unwrap_or_else(|e| format!("{{\"failed\":\"{e}\"}}"))
+}
+
+fn read_cached(
+    file: &Path,
+    version: &str,
+    machine: &str,
+    request: &ProfileRequest,
+) -> Option<NodeProfile> {
+    let len = std::fs::metadata(file).ok()?.len();
+    if len > CACHE_FILE_LIMIT {
+        tracing::warn!(
+            "profile cache: {} is {len} bytes; measuring again",
+            file.display()
+        );
+        return None;
+    }
+    let text = std::fs::read_to_string(file).ok()?;
+    match serde_json::from_str::<CacheEntry>(&text) {
+        Ok(e) if e.version == version && e.machine == machine && e.request == *request => {
+            Some(e.profile)
+        }
+        Ok(_) => None,
+        Err(e) => {
+            tracing::warn!(
+                "profile cache: {} does not parse ({e}); measuring again",
+                file.display()
+            );
+            None
+        }
+    }
+}
+
+/// Stores a profile (temporary file, then rename: a reader never sees half a file). A cache
+/// that cannot be written costs the next start a measurement, nothing more.
+fn store(
+    file: &Path,
+    version: &str,
+    machine: &str,
+    request: &ProfileRequest,
+    profile: &NodeProfile,
+) {
+    let entry = CacheEntry {
+        version: version.into(),
+        machine: machine.into(),
+        request: request.clone(),
+        profile: profile.clone(),
+    };
+    let result = (|| -> std::io::Result<()> {
+        let dir = file.parent().unwrap_or(Path::new("."));
+        std::fs::create_dir_all(dir)?;
+        let tmp = file.with_extension(format!("tmp{}", std::process::id()));
+        std::fs::write(
+            &tmp,
+            serde_json::to_vec(&entry).map_err(std::io::Error::other)?,
+        )?;
+        std::fs::rename(&tmp, file)
+    })();
+    if let Err(e) = result {
+        tracing::warn!("profile cache: cannot write {}: {e}", file.display());
+    }
+}
+
+/// Parses a node's reply (JSON from the network: any text is an answer, never a panic).
+pub fn parse_reply(text: &str) -> ProfileReply {
+    serde_json::from_str(text)
+        .unwrap_or_else(|e| ProfileReply::Failed(format!("its reply does not parse: {e}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn request() -> ProfileRequest {
+        ProfileRequest {
+            model: ModelSpec::preset("mlp", 10).unwrap(),
+            input: (28, 28, 1),
+            classes: 10,
+            optimizer: OptimizerConfig::Sgd {
+                momentum: 0.9,
+                weight_decay: 0.0,
+            },
+            rows: 16,
+            threads: 1,
+            budget_seconds: 0.2,
+        }
+    }
+
+    fn layer_count() -> usize {
+        let r = request();
+        r.model.build(&Shape::image(28, 28, 1), 10).unwrap().len()
+    }
+
+    #[test]
+    fn a_node_measures_every_layer_then_answers_from_its_cache() {
+        let dir = tempfile::tempdir().unwrap();
+        let json = serde_json::to_string(&request()).unwrap();
+        let first = parse_reply(&answer(&json, Some(dir.path()), false));
+        let ProfileReply::Measured(first) = first else {
+            panic!("{first:?}")
+        };
+        assert!(!first.cached && first.took_seconds > 0.0);
+        assert_eq!(first.layers.len(), layer_count());
+        assert!(first.layers.iter().all(|t| t.compute_seconds > 0.0));
+        assert_eq!((first.rows, first.threads), (16, 1));
+        let again = parse_reply(&answer(&json, Some(dir.path()), false));
+        let ProfileReply::Measured(again) = again else {
+            panic!("{again:?}")
+        };
+        assert!(again.cached);
+        assert_eq!(again.layers, first.layers);
+        // Another request (rows) is not answered from that file; `fresh` measures again.
+        let mut other = request();
+        other.rows = 8;
+        let other = parse_reply(&answer(
+            &serde_json::to_string(&other).unwrap(),
+            Some(dir.path()),
+            false,
+        ));
+        assert!(matches!(other, ProfileReply::Measured(p) if !p.cached && p.rows == 8));
+        let fresh = parse_reply(&answer(&json, Some(dir.path()), true));
+        assert!(matches!(fresh, ProfileReply::Measured(p) if !p.cached));
+        // A corrupt cache file is measured over, not trusted and not a panic.
+        for entry in std::fs::read_dir(dir.path()).unwrap() {
+            std::fs::write(entry.unwrap().path(), b"{\"version\": 3").unwrap();
+        }
+        let over = parse_reply(&answer(&json, Some(dir.path()), false));
+        assert!(matches!(over, ProfileReply::Measured(p) if !p.cached));
+    }
+
+    #[test]
+    fn bad_requests_and_replies_are_answers_not_panics() {
+        assert!(
+            matches!(parse_reply(&answer("{", None, false)), ProfileReply::Failed(e) if e.contains("parse"))
+        );
+        let mut bad = request();
+        bad.rows = 0;
+        let reply = parse_reply(&answer(&serde_json::to_string(&bad).unwrap(), None, false));
+        assert!(matches!(reply, ProfileReply::Failed(e) if e.contains("0 rows")));
+        assert!(matches!(parse_reply("not json"), ProfileReply::Failed(_)));
+    }
+
+    #[test]
+    fn the_budget_bounds_the_timed_runs() {
+        // A zero budget still times each layer once after its warm-up.
+        let mut quick = request();
+        quick.budget_seconds = 0.0;
+        let p = measure(&quick).unwrap();
+        assert_eq!(p.layers.len(), layer_count());
+        assert!(p.layers.iter().all(|t| t.compute_seconds > 0.0));
+    }
+}
