@@ -724,6 +724,7 @@ fn start_link(
     let epoch = Instant::now();
     let last_byte = Arc::new(AtomicU64::new(0));
     let finished = Arc::new(AtomicBool::new(false));
+    let peer_said_goodbye = Arc::new(AtomicBool::new(false));
     // Liveness counts the bytes that arrive, sealed or not.
     let activity = Activity {
         inner: read_half,
@@ -735,6 +736,7 @@ fn start_link(
         counters: counters.clone(),
         inbox: inbox.clone(),
         buffers: buffers.clone(),
+        peer_said_goodbye,
     };
     let (reader, writer) = match session {
         Some(session) => (
@@ -783,6 +785,9 @@ struct LinkEnds {
     counters: Arc<Counters>,
     inbox: mpsc::Sender<Inbound>,
     buffers: BufferPool,
+    /// Set by the reader when the peer's goodbye arrives: the writer's failures after it are
+    /// the peer having gone, as it said it would, not a fault.
+    peer_said_goodbye: Arc<AtomicBool>,
 }
 
 async fn reader<R: AsyncRead + Unpin>(
@@ -796,6 +801,7 @@ async fn reader<R: AsyncRead + Unpin>(
         counters,
         inbox,
         buffers,
+        peer_said_goodbye,
     } = ends;
     let rank = peer.rank.unwrap_or(u32::MAX);
     let mut buf = Vec::new();
@@ -808,6 +814,7 @@ async fn reader<R: AsyncRead + Unpin>(
                 match message {
                     Message::Control(Control::Heartbeat { .. }) => {}
                     Message::Control(Control::Goodbye) => {
+                        peer_said_goodbye.store(true, Ordering::Release);
                         finished.store(true, Ordering::Relaxed);
                         let _ = inbox.send(Inbound::Goodbye(rank)).await;
                         return;
@@ -864,6 +871,7 @@ async fn writer<W: tokio::io::AsyncWrite + Unpin>(
         counters,
         inbox,
         buffers,
+        peer_said_goodbye,
     } = ends;
     let mut scratch = Vec::new();
     let mut heartbeat = tokio::time::interval(cfg.heartbeat_interval);
@@ -906,12 +914,21 @@ async fn writer<W: tokio::io::AsyncWrite + Unpin>(
                 }
             }
             Err(e) => {
-                let _ = inbox
-                    .send(Inbound::Failed(TransportError::PeerClosed {
-                        peer,
-                        reason: format!("sending failed: {e}"),
-                    }))
-                    .await;
+                // A peer that said goodbye and closed makes our next write (a heartbeat, say)
+                // fail, possibly before our reader has read its goodbye: give the reader a
+                // moment. Seen with slow (emulated) nodes ending a parameter-server run.
+                let deadline = Instant::now() + GOODBYE_GRACE;
+                while !peer_said_goodbye.load(Ordering::Acquire) && Instant::now() < deadline {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                if !peer_said_goodbye.load(Ordering::Acquire) {
+                    let _ = inbox
+                        .send(Inbound::Failed(TransportError::PeerClosed {
+                            peer,
+                            reason: format!("sending failed: {e}"),
+                        }))
+                        .await;
+                }
                 return;
             }
         }
@@ -924,6 +941,10 @@ async fn writer<W: tokio::io::AsyncWrite + Unpin>(
         }
     }
 }
+
+/// How long a writer whose send failed waits for the peer's goodbye to be read before it
+/// reports the failure.
+const GOODBYE_GRACE: Duration = Duration::from_millis(500);
 
 /// What the emulated card sends at a time: each piece reserves the card when it asks and goes
 /// to the socket when its last bit would have left.

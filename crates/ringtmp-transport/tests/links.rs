@@ -188,6 +188,32 @@ fn killed_peer_is_reported_by_name() {
     println!("detected in {:?}: {text}", started.elapsed());
 }
 
+// A peer that said goodbye and closed is not a failure, even when our next heartbeat finds its
+// socket gone (seen in issue 17.3: slow emulated workers ending a parameter-server run made
+// the server fail with "sending failed: Broken pipe").
+#[test]
+fn a_peer_that_said_goodbye_and_left_is_not_a_failure() {
+    let mut fast = config(0);
+    fast.heartbeat_interval = Duration::from_millis(5);
+    let mut leaving = config(1);
+    leaving.peer_timeout = Duration::from_millis(300);
+    let mut nets: Vec<Network> = start(vec![fast, leaving], &[(0, 1)])
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let mut gone = nets.pop().unwrap();
+    // Says goodbye, waits out its peer_timeout for ours, then its sockets close.
+    gone.close().unwrap();
+    drop(gone);
+    let until = Instant::now() + Duration::from_millis(800);
+    while Instant::now() < until {
+        if let Err(e) = nets[0].try_recv() {
+            panic!("a peer that said goodbye was reported as a failure: {e}");
+        }
+        thread::sleep(Duration::from_millis(10));
+    }
+}
+
 #[test]
 fn silent_peer_is_declared_dead_by_the_watchdog() {
     let mut quiet = config(1);

@@ -441,10 +441,13 @@ pub fn plan(
         };
         eprintln!(
             "the plan uses {used} of the {nodes} nodes: {why} (the slowest stage per \
-             micro-batch with {}; --use-all-nodes insists on all); nodes {}..{} stay idle",
+             micro-batch with {}; --use-all-nodes insists on all); {} idle",
             by.join(", "),
-            used,
-            nodes - 1
+            if idle_nodes == 1 {
+                format!("node {used} stays")
+            } else {
+                format!("nodes {used}..{} stay", nodes - 1)
+            }
         );
     }
     let speeds: Vec<f64> = speeds.into_iter().take(used as usize).collect();

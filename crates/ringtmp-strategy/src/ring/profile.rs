@@ -80,9 +80,9 @@ pub struct LayerTiming {
 
 /// Times each layer alone (built one at a time: the profiler never holds the whole model) on
 /// micro-batches of `rows`: one warm-up run, then up to `repeats` timed runs, the median
-/// counting. With a `budget`, a layer gets at most its share of it (by parameter and activation
-/// size) after the warm-up, and at least one timed run: a weak board times the model in a few
-/// seconds.
+/// counting. With a `budget`, a layer gets its share of it (by parameter and activation size):
+/// timed runs stop once the share is spent, and a warm-up that alone spent it is the one
+/// measurement; a weak board times the model in about the budget (or one pass, if longer).
 pub fn time_layers(
     layers: &[Layer],
     optimizer: &OptimizerConfig,
@@ -127,9 +127,15 @@ pub fn time_layers(
                 let t = Instant::now();
                 // A tiny rate: the profile must not blow the parameters up over the repeats.
                 stage.step(&mut optim, 1e-6);
-                if rep > 0 {
+                // A warm-up that alone took the layer's share (a weak board) is the measurement:
+                // a second pass would double the time for little accuracy.
+                let over = rep == 0 && share.is_some_and(|s| started.elapsed().as_secs_f64() > s);
+                if rep > 0 || over {
                     times.push(compute);
                     step_times.push(t.elapsed().as_secs_f64());
+                }
+                if over {
+                    break;
                 }
             }
             let median = |v: &mut Vec<f64>| {
