@@ -6,6 +6,7 @@
 
 use std::time::Instant;
 
+use crate::error::UsageError;
 use anyhow::{Context, Result};
 use clap::Args;
 use ringtmp_data::BatchPlan;
@@ -97,6 +98,14 @@ fn check_baseline(
     current: &[BaselineEntry],
     tolerance: f64,
 ) -> Result<()> {
+    if !path.is_file() {
+        // A typo must not read as "nothing stored for this kind" and pass.
+        return Err(UsageError(format!(
+            "--baseline {}: no such file (--save-baseline {0} writes one)",
+            path.display()
+        ))
+        .into());
+    }
     let kinds = read_baselines(path)?;
     let Some(stored) = kinds.iter().find(|k| k.simd == simd) else {
         println!(
@@ -375,5 +384,14 @@ mod tests {
         assert!(err.contains("cnn") && !err.contains("mlp"), "{err}");
         // Another kind's figures are never compared.
         assert!(check_baseline(&path, "avx2+fma", &[entry("cnn", 1.0)], 0.15).is_ok());
+        // A file that is not there is an error naming it, not a pass.
+        let missing = dir.path().join("typo.json");
+        let err = check_baseline(&missing, "avx512", &[entry("cnn", 1.0)], 0.15)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("typo.json") && err.contains("no such file"),
+            "{err}"
+        );
     }
 }

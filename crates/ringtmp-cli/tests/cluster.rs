@@ -2065,7 +2065,7 @@ fn every_node_profiles_itself_at_rendezvous_and_a_restart_answers_from_its_cache
             .find(|l| l.trim_start().starts_with(&format!("node {rank}: ")) && l.contains("speed"))
             .unwrap_or_else(|| panic!("no profile line for node {rank}: {first}"));
         assert!(
-            line.contains("× rank 0's speed") && line.contains("measured in"),
+            line.contains("rank 0's speed") && line.contains("measured in"),
             "{line}"
         );
     }

@@ -126,7 +126,11 @@ pub fn available_memory() -> Option<u64> {
 
 /// Times the request's model on this machine.
 pub fn measure(request: &ProfileRequest) -> Result<NodeProfile, String> {
-    if request.rows == 0 || request.threads == 0 || request.budget_seconds.is_nan() || request.budget_seconds < 0.0 {
+    if request.rows == 0
+        || request.threads == 0
+        || request.budget_seconds.is_nan()
+        || request.budget_seconds < 0.0
+    {
         return Err(format!(
             "a request for {} rows on {} threads with a budget of {} s",
             request.rows, request.threads, request.budget_seconds

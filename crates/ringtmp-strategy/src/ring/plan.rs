@@ -703,10 +703,15 @@ fn use_own_profiles<F: Fn(u32) -> u64>(
         if let Some(free) = free {
             capacity.memory_limit = Some(capacity.memory_limit.map_or(free, |m| m.min(free)));
         }
+        let ratio = reference / total.max(1e-12);
+        let speed = if ratio >= 0.095 {
+            format!("{ratio:.2}× rank 0's speed")
+        } else {
+            format!("1/{:.0} of rank 0's speed", 1.0 / ratio.max(1e-12))
+        };
         eprintln!(
-            "  node {rank}: {:.2} ms, {:.2}× rank 0's speed — {}{}{}",
+            "  node {rank}: {:.2} ms, {speed} — {}{}{}",
             total * 1e3,
-            reference / total.max(1e-12),
             profile.machine,
             profile
                 .available_memory
