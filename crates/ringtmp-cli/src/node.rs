@@ -338,6 +338,13 @@ fn rank0_offer(args: &NodeArgs, world: u32) -> Result<Offer> {
         cfg,
         data,
     } = *prepared;
+    let budget = args.job.profile_budget;
+    if !budget.is_finite() || budget < 0.0 {
+        return Err(UsageError(format!(
+            "--profile-budget must be a number of seconds ≥ 0, not {budget}"
+        ))
+        .into());
+    }
     let request = if args.job.no_node_profile || world < 2 {
         None
     } else {
@@ -359,31 +366,31 @@ fn rank0_offer(args: &NodeArgs, world: u32) -> Result<Offer> {
         world - 1,
         args.job.profile_budget
     );
-    let then: FromAnswers =
-        Box::new(move |answers| {
-            let profiles = answers
-            .into_iter()
-            .enumerate()
-            .map(|(rank, answer)| match answer.map(|a| node_profile::parse_reply(&a)) {
-                Some(ProfileReply::Measured(p)) => Some(p),
-                Some(ProfileReply::Failed(why)) => {
-                    eprintln!(
-                        "WARNING: node {rank} could not time the model ({why}); it is planned \
-                         from this node's profile"
-                    );
-                    None
-                }
-                None => None,
-            })
-            .collect();
-            crate::plan::plan_with_profiles(&train_args, cfg, &data, world, profiles)
-                .and_then(|job| encode(&Settings::Train(Box::new(job))))
-                .map_err(|e| crate::error::describe(&e))
-        });
+    let then: FromAnswers = Box::new(move |answers| {
+        let profiles = answers.into_iter().enumerate().map(profile_of).collect();
+        crate::plan::plan_with_profiles(&train_args, cfg, &data, world, profiles)
+            .and_then(|job| encode(&Settings::Train(Box::new(job))))
+            .map_err(|e| crate::error::describe(&e))
+    });
     Ok(Offer::Ask {
         request: serde_json::to_string(&request).context("encoding the profile request")?,
         then,
     })
+}
+
+/// Rank `rank`'s profile from its answer at rendezvous; a node that could not profile is
+/// planned from rank 0's profile, with a warning saying why.
+fn profile_of((rank, answer): (usize, Option<String>)) -> Option<node_profile::NodeProfile> {
+    match node_profile::parse_reply(&answer?) {
+        ProfileReply::Measured(profile) => Some(profile),
+        ProfileReply::Failed(why) => {
+            eprintln!(
+                "WARNING: node {rank} could not time the model ({why}); it is planned from \
+                 this node's profile"
+            );
+            None
+        }
+    }
 }
 
 /// What rank 0 has before rendezvous: the launcher's plan, or what to plan with.

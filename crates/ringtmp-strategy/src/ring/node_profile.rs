@@ -361,9 +361,8 @@ mod tests {
 
     #[test]
     fn bad_requests_and_replies_are_answers_not_panics() {
-        assert!(
-            matches!(parse_reply(&answer("{", None, false)), ProfileReply::Failed(e) if e.contains("parse"))
-        );
+        let reply = parse_reply(&answer("{", None, false));
+        assert!(matches!(reply, ProfileReply::Failed(e) if e.contains("parse")));
         let mut bad = request();
         bad.rows = 0;
         let reply = parse_reply(&answer(&serde_json::to_string(&bad).unwrap(), None, false));
