@@ -246,8 +246,9 @@ pub fn run(args: &NodeArgs) -> Result<()> {
     };
     let cache = ringtmp_strategy::ring::node_profile::default_cache_dir();
     let fresh = c.fresh_profile;
+    let card = (c.bandwidth_mbit.filter(|m| *m > 0.0), c.latency_ms);
     let answer = move |request: &str| {
-        ringtmp_strategy::ring::node_profile::answer(request, cache.as_deref(), fresh)
+        ringtmp_strategy::ring::node_profile::answer(request, cache.as_deref(), fresh, card)
     };
     let (table, mut net) = join(
         &placement,
@@ -334,10 +335,27 @@ fn rank0_offer(args: &NodeArgs, world: u32) -> Result<Offer> {
         Rank0Job::Prepared(p) => p,
     };
     let Prepared {
-        train_args,
+        mut train_args,
         cfg,
         data,
     } = *prepared;
+    // Rank 0's own card (its command line's) counts like the other nodes' (they report theirs
+    // with their profiles) where the run's options name none.
+    let declared = train_args.bandwidth_mbit.is_some()
+        || train_args
+            .link
+            .iter()
+            .flatten()
+            .flat_map(|e| e.split(','))
+            .any(|part| part.trim().starts_with("0:"));
+    if let Some(mbit) = args.connect.bandwidth_mbit.filter(|m| *m > 0.0)
+        && !declared
+        && !args.job.no_node_profile
+        && train_args.strategy() == "ring"
+    {
+        let link = format!("0:{mbit}:{}", args.connect.latency_ms);
+        train_args.link.get_or_insert_with(Vec::new).push(link);
+    }
     let budget = args.job.profile_budget;
     if !budget.is_finite() || budget < 0.0 {
         return Err(UsageError(format!(

@@ -2006,7 +2006,13 @@ fn the_ring_planner_counts_links_and_leaves_a_node_out_when_fewer_train_faster()
 
 /// `world` nodes under an external launcher's variables, training `config`, each with its
 /// profile cache in `cache`.
-fn profiled_nodes(world: u32, config: &str, cache: &std::path::Path, rank0: &[&str]) -> Vec<Child> {
+fn profiled_nodes(
+    world: u32,
+    config: &str,
+    cache: &std::path::Path,
+    rank0: &[&str],
+    every: &[&str],
+) -> Vec<Child> {
     let port = free_port();
     (0..world)
         .map(|rank| {
@@ -2024,6 +2030,7 @@ fn profiled_nodes(world: u32, config: &str, cache: &std::path::Path, rank0: &[&s
             if rank == 0 {
                 cmd.args(["--config", config]).args(rank0);
             }
+            cmd.args(every);
             cmd.spawn().unwrap()
         })
         .collect()
@@ -2047,8 +2054,8 @@ fn every_node_profiles_itself_at_rendezvous_and_a_restart_answers_from_its_cache
     )
     .unwrap();
     let config = config.to_str().unwrap();
-    let run = |rank0: &[&str]| -> String {
-        let outputs: Vec<_> = profiled_nodes(3, config, &cache, rank0)
+    let run = |rank0: &[&str], every: &[&str]| -> String {
+        let outputs: Vec<_> = profiled_nodes(3, config, &cache, rank0, every)
             .into_iter()
             .map(|c| finish(c, Duration::from_secs(120)).0)
             .collect();
@@ -2057,7 +2064,7 @@ fn every_node_profiles_itself_at_rendezvous_and_a_restart_answers_from_its_cache
         }
         stderr(&outputs[0])
     };
-    let first = run(&[]);
+    let first = run(&[], &[]);
     assert!(first.contains("nodes' own profiles"), "{first}");
     for rank in [1, 2] {
         let line = first
@@ -2071,8 +2078,15 @@ fn every_node_profiles_itself_at_rendezvous_and_a_restart_answers_from_its_cache
     }
     let files = std::fs::read_dir(cache.join("profiles")).unwrap().count();
     assert_eq!(files, 1, "one request on one machine: one cache entry");
-    let again = run(&[]);
+    let again = run(&[], &[]);
     assert_eq!(again.matches("from its cache").count(), 2, "{again}");
-    let without = run(&["--no-node-profile"]);
+    let without = run(&["--no-node-profile"], &[]);
     assert!(!without.contains("own profiles"), "{without}");
+    // Each node's own (emulated) card comes with its profile, and the plan counts the links.
+    let cards = run(&[], &["--bandwidth-mbit", "100"]);
+    assert_eq!(cards.matches("its card 100 Mbit/s,").count(), 2, "{cards}");
+    assert!(
+        cards.contains("links counted at each node's card"),
+        "{cards}"
+    );
 }

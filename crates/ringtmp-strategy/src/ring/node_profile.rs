@@ -56,6 +56,13 @@ pub struct NodeProfile {
     /// Whether it came from the node's cache.
     #[serde(default)]
     pub cached: bool,
+    /// The node's own network card as it knows it (its emulated card, `--bandwidth-mbit` on
+    /// its command line), Mbit/s; `None` when not known.
+    #[serde(default)]
+    pub card_mbit: Option<f64>,
+    /// One-way latency its links add (`--latency-ms` on its command line), ms.
+    #[serde(default)]
+    pub latency_ms: f64,
 }
 
 impl NodeProfile {
@@ -159,6 +166,8 @@ pub fn measure(request: &ProfileRequest) -> Result<NodeProfile, String> {
         available_memory: available_memory(),
         took_seconds: started.elapsed().as_secs_f64(),
         cached: false,
+        card_mbit: None,
+        latency_ms: 0.0,
     })
 }
 
@@ -196,9 +205,13 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 /// Largest cache file read (a profile of a 1,000-layer model is ~100 KB).
 const CACHE_FILE_LIMIT: u64 = 4 << 20;
 
+/// What a node knows of its own card: bandwidth in Mbit/s (`None`: not known) and latency in ms.
+pub type Card = (Option<f64>, f64);
+
 /// Answers rank 0's request (JSON in, JSON out; never panics): from `cache` when it holds this
-/// request on this machine and `fresh` is false, else measured (and stored there).
-pub fn answer(request_json: &str, cache: Option<&Path>, fresh: bool) -> String {
+/// request on this machine and `fresh` is false, else measured (and stored there); with the
+/// node's own `card`.
+pub fn answer(request_json: &str, cache: Option<&Path>, fresh: bool, card: Card) -> String {
     let reply = match serde_json::from_str::<ProfileRequest>(request_json) {
         Err(e) => ProfileReply::Failed(format!("the request does not parse: {e}")),
         Ok(request) => {
@@ -228,6 +241,13 @@ pub fn answer(request_json: &str, cache: Option<&Path>, fresh: bool) -> String {
                 },
             }
         }
+    };
+    let reply = match reply {
+        ProfileReply::Measured(mut profile) => {
+            (profile.card_mbit, profile.latency_ms) = card;
+            ProfileReply::Measured(profile)
+        }
+        failed => failed,
     };
     serde_json::to_string(&reply).unwrap_or_else(|e| format!("{{\"failed\":\"{e}\"}}"))
 }
@@ -317,6 +337,8 @@ mod tests {
         }
     }
 
+    const NO_CARD: Card = (None, 0.0);
+
     fn layer_count() -> usize {
         let r = request();
         r.model.build(&Shape::image(28, 28, 1), 10).unwrap().len()
@@ -326,7 +348,7 @@ mod tests {
     fn a_node_measures_every_layer_then_answers_from_its_cache() {
         let dir = tempfile::tempdir().unwrap();
         let json = serde_json::to_string(&request()).unwrap();
-        let first = parse_reply(&answer(&json, Some(dir.path()), false));
+        let first = parse_reply(&answer(&json, Some(dir.path()), false, NO_CARD));
         let ProfileReply::Measured(first) = first else {
             panic!("{first:?}")
         };
@@ -334,7 +356,7 @@ mod tests {
         assert_eq!(first.layers.len(), layer_count());
         assert!(first.layers.iter().all(|t| t.compute_seconds > 0.0));
         assert_eq!((first.rows, first.threads), (16, 1));
-        let again = parse_reply(&answer(&json, Some(dir.path()), false));
+        let again = parse_reply(&answer(&json, Some(dir.path()), false, NO_CARD));
         let ProfileReply::Measured(again) = again else {
             panic!("{again:?}")
         };
@@ -347,25 +369,34 @@ mod tests {
             &serde_json::to_string(&other).unwrap(),
             Some(dir.path()),
             false,
+            (Some(100.0), 2.0),
         ));
-        assert!(matches!(other, ProfileReply::Measured(p) if !p.cached && p.rows == 8));
-        let fresh = parse_reply(&answer(&json, Some(dir.path()), true));
+        assert!(
+            matches!(other, ProfileReply::Measured(p) if !p.cached && p.rows == 8
+            && p.card_mbit == Some(100.0) && p.latency_ms == 2.0)
+        );
+        let fresh = parse_reply(&answer(&json, Some(dir.path()), true, NO_CARD));
         assert!(matches!(fresh, ProfileReply::Measured(p) if !p.cached));
         // A corrupt cache file is measured over, not trusted and not a panic.
         for entry in std::fs::read_dir(dir.path()).unwrap() {
             std::fs::write(entry.unwrap().path(), b"{\"version\": 3").unwrap();
         }
-        let over = parse_reply(&answer(&json, Some(dir.path()), false));
+        let over = parse_reply(&answer(&json, Some(dir.path()), false, NO_CARD));
         assert!(matches!(over, ProfileReply::Measured(p) if !p.cached));
     }
 
     #[test]
     fn bad_requests_and_replies_are_answers_not_panics() {
-        let reply = parse_reply(&answer("{", None, false));
+        let reply = parse_reply(&answer("{", None, false, NO_CARD));
         assert!(matches!(reply, ProfileReply::Failed(e) if e.contains("parse")));
         let mut bad = request();
         bad.rows = 0;
-        let reply = parse_reply(&answer(&serde_json::to_string(&bad).unwrap(), None, false));
+        let reply = parse_reply(&answer(
+            &serde_json::to_string(&bad).unwrap(),
+            None,
+            false,
+            NO_CARD,
+        ));
         assert!(matches!(reply, ProfileReply::Failed(e) if e.contains("0 rows")));
         assert!(matches!(parse_reply("not json"), ProfileReply::Failed(_)));
     }

@@ -703,6 +703,17 @@ fn use_own_profiles<F: Fn(u32) -> u64>(
         if let Some(free) = free {
             capacity.memory_limit = Some(capacity.memory_limit.map_or(free, |m| m.min(free)));
         }
+        // The node's own card (its command line's), where the run's options name none for it.
+        let mut card = String::new();
+        if capacity.card_bytes_per_second.is_none()
+            && let Some(mbit) = profile.card_mbit.filter(|m| m.is_finite() && *m > 0.0)
+        {
+            capacity.card_bytes_per_second = Some(mbit * 1e6 / 8.0);
+            card = format!(", its card {mbit} Mbit/s");
+        }
+        if capacity.latency_seconds == 0.0 && profile.latency_ms.is_finite() {
+            capacity.latency_seconds = profile.latency_ms.max(0.0) / 1e3;
+        }
         let ratio = reference / total.max(1e-12);
         let speed = if ratio >= 0.095 {
             format!("{ratio:.2}× rank 0's speed")
@@ -710,7 +721,7 @@ fn use_own_profiles<F: Fn(u32) -> u64>(
             format!("1/{:.0} of rank 0's speed", 1.0 / ratio.max(1e-12))
         };
         eprintln!(
-            "  node {rank}: {:.2} ms, {speed} — {}{}{}",
+            "  node {rank}: {:.2} ms, {speed} — {}{card}{}{}",
             total * 1e3,
             profile.machine,
             profile
