@@ -246,14 +246,18 @@ pub fn run(args: &NodeArgs) -> Result<()> {
     };
     let cache = node_profile::default_cache_dir();
     let fresh = c.fresh_profile;
-    let card = (c.bandwidth_mbit.filter(|m| *m > 0.0), c.latency_ms);
+    let links = node_profile::OwnLinks {
+        card_mbit: c.bandwidth_mbit.filter(|m| *m > 0.0),
+        latency_ms: c.latency_ms,
+        encrypt: !c.insecure_plaintext,
+    };
     let answer = move |request: &str| {
         // The compute pool is sized once per process: size it for the job (the request's
         // threads are the job's) before the profile's kernels first use it.
         if let Ok(r) = serde_json::from_str::<node_profile::ProfileRequest>(request) {
             let _ = crate::plan::init_threads(r.threads);
         }
-        node_profile::answer(request, cache.as_deref(), fresh, card)
+        node_profile::answer(request, cache.as_deref(), fresh, links)
     };
     let (table, mut net) = join(
         &placement,

@@ -14,6 +14,7 @@
 //!
 //! # Layout
 //! - [`config`]: timeouts, limits, shaping.
+//! - [`link_cost`]: what a link costs a node's CPU per byte (framing, sealing, opening).
 //! - [`framed`]: reading and writing frames on a socket.
 //! - [`handshake`]: the authenticated greeting.
 //! - [`network`]: establishing links and the blocking node-facing API ([`Network`]).
@@ -26,6 +27,7 @@ pub mod config;
 mod error;
 pub mod framed;
 pub mod handshake;
+pub mod link_cost;
 pub mod network;
 pub mod pool;
 pub mod secure;

@@ -63,6 +63,14 @@ pub struct NodeProfile {
     /// One-way latency its links add (`--latency-ms` on its command line), ms.
     #[serde(default)]
     pub latency_ms: f64,
+    /// CPU seconds per byte its links cost it (framing, and sealing and opening records on a
+    /// private link; sending and receiving counted), measured with frames of its largest
+    /// activation; `None` where the measurement failed.
+    #[serde(default)]
+    pub link_seconds_per_byte: Option<f64>,
+    /// Cores this process may run on.
+    #[serde(default)]
+    pub cores: usize,
 }
 
 impl NodeProfile {
@@ -131,8 +139,9 @@ pub fn available_memory() -> Option<u64> {
     }
 }
 
-/// Times the request's model on this machine.
-pub fn measure(request: &ProfileRequest) -> Result<NodeProfile, String> {
+/// Times the request's model on this machine, and what its links (private when `encrypt`) cost
+/// it per byte.
+pub fn measure(request: &ProfileRequest, encrypt: bool) -> Result<NodeProfile, String> {
     if request.rows == 0
         || request.threads == 0
         || request.budget_seconds.is_nan()
@@ -150,7 +159,14 @@ pub fn measure(request: &ProfileRequest) -> Result<NodeProfile, String> {
         .map_err(|e| e.to_string())?;
     let started = Instant::now();
     let budget = Duration::try_from_secs_f64(request.budget_seconds).unwrap_or(Duration::ZERO);
-    let layers = time_layers(
+    // Frames of the largest activation (at most 4 MiB), for a tenth of the budget.
+    let frame_bytes = layers
+        .iter()
+        .map(|l| request.rows * l.output.numel() * 4)
+        .max()
+        .unwrap_or(4)
+        .min(4 << 20);
+    let timings = time_layers(
         &layers,
         &request.optimizer,
         request.rows,
@@ -158,16 +174,24 @@ pub fn measure(request: &ProfileRequest) -> Result<NodeProfile, String> {
         9,
         Some(budget),
     );
+    let link = ringtmp_transport::link_cost::seconds_per_byte(encrypt, frame_bytes, budget / 10);
+    if let Err(e) = &link {
+        tracing::warn!("could not time this node's link work: {e}");
+    }
     Ok(NodeProfile {
         machine: machine_description(),
         rows: request.rows,
         threads: request.threads,
-        layers,
+        layers: timings,
         available_memory: available_memory(),
         took_seconds: started.elapsed().as_secs_f64(),
         cached: false,
         card_mbit: None,
         latency_ms: 0.0,
+        link_seconds_per_byte: link.ok(),
+        cores: std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1),
     })
 }
 
@@ -205,19 +229,29 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 /// Largest cache file read (a profile of a 1,000-layer model is ~100 KB).
 const CACHE_FILE_LIMIT: u64 = 4 << 20;
 
-/// What a node knows of its own card: bandwidth in Mbit/s (`None`: not known) and latency in ms.
-pub type Card = (Option<f64>, f64);
+/// What a node knows of its own links from its command line.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct OwnLinks {
+    /// Its (emulated) card, Mbit/s; `None`: not known.
+    pub card_mbit: Option<f64>,
+    /// One-way latency its links add, ms.
+    pub latency_ms: f64,
+    /// Whether its links are private (sealed records), as by default.
+    pub encrypt: bool,
+}
 
 /// Answers rank 0's request (JSON in, JSON out; never panics): from `cache` when it holds this
-/// request on this machine and `fresh` is false, else measured (and stored there); with the
-/// node's own `card`.
-pub fn answer(request_json: &str, cache: Option<&Path>, fresh: bool, card: Card) -> String {
+/// request on this machine and `fresh` is false, else measured (and stored there); with what
+/// the node knows of its own `links`.
+pub fn answer(request_json: &str, cache: Option<&Path>, fresh: bool, links: OwnLinks) -> String {
     let reply = match serde_json::from_str::<ProfileRequest>(request_json) {
         Err(e) => ProfileReply::Failed(format!("the request does not parse: {e}")),
         Ok(request) => {
             let machine = machine_description();
             let version = env!("CARGO_PKG_VERSION").to_string();
-            let key = fnv1a(format!("{version}\n{machine}\n{request_json}").as_bytes());
+            let key = fnv1a(
+                format!("{version}\n{machine}\n{}\n{request_json}", links.encrypt).as_bytes(),
+            );
             let file = cache.map(|d| d.join(format!("{key:016x}.json")));
             let cached = file
                 .as_ref()
@@ -230,7 +264,12 @@ pub fn answer(request_json: &str, cache: Option<&Path>, fresh: bool, card: Card)
                     profile.available_memory = available_memory();
                     ProfileReply::Measured(profile)
                 }
-                None => match measure(&request) {
+                // A bug in timing must cost the plan this node's figures, not the node.
+                None => match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    measure(&request, links.encrypt)
+                }))
+                .unwrap_or_else(|_| Err("timing the model panicked".into()))
+                {
                     Ok(profile) => {
                         if let Some(f) = &file {
                             store(f, &version, &machine, &request, &profile);
@@ -244,7 +283,7 @@ pub fn answer(request_json: &str, cache: Option<&Path>, fresh: bool, card: Card)
     };
     let reply = match reply {
         ProfileReply::Measured(mut profile) => {
-            (profile.card_mbit, profile.latency_ms) = card;
+            (profile.card_mbit, profile.latency_ms) = (links.card_mbit, links.latency_ms);
             ProfileReply::Measured(profile)
         }
         failed => failed,
@@ -337,7 +376,11 @@ mod tests {
         }
     }
 
-    const NO_CARD: Card = (None, 0.0);
+    const NO_CARD: OwnLinks = OwnLinks {
+        card_mbit: None,
+        latency_ms: 0.0,
+        encrypt: true,
+    };
 
     fn layer_count() -> usize {
         let r = request();
@@ -355,6 +398,7 @@ mod tests {
         assert!(!first.cached && first.took_seconds > 0.0);
         assert_eq!(first.layers.len(), layer_count());
         assert!(first.layers.iter().all(|t| t.compute_seconds > 0.0));
+        assert!(first.link_seconds_per_byte.is_some_and(|s| s > 0.0) && first.cores >= 1);
         assert_eq!((first.rows, first.threads), (16, 1));
         let again = parse_reply(&answer(&json, Some(dir.path()), false, NO_CARD));
         let ProfileReply::Measured(again) = again else {
@@ -369,7 +413,11 @@ mod tests {
             &serde_json::to_string(&other).unwrap(),
             Some(dir.path()),
             false,
-            (Some(100.0), 2.0),
+            OwnLinks {
+                card_mbit: Some(100.0),
+                latency_ms: 2.0,
+                encrypt: true,
+            },
         ));
         assert!(
             matches!(other, ProfileReply::Measured(p) if !p.cached && p.rows == 8
@@ -406,7 +454,7 @@ mod tests {
         // A zero budget still times each layer once after its warm-up.
         let mut quick = request();
         quick.budget_seconds = 0.0;
-        let p = measure(&quick).unwrap();
+        let p = measure(&quick, true).unwrap();
         assert_eq!(p.layers.len(), layer_count());
         assert!(p.layers.iter().all(|t| t.compute_seconds > 0.0));
     }

@@ -59,6 +59,11 @@ pub struct NodeCapacity {
     /// emulated slowdown on top of the hardware).
     #[serde(default)]
     pub layer_seconds: Option<Vec<f64>>,
+    /// CPU seconds per byte its links take from its compute (framing, sealing and opening;
+    /// counted where the node has no core to spare for them): added to its compute for what
+    /// it sends and receives per micro-batch. 0: not counted.
+    #[serde(default)]
+    pub link_cpu_seconds_per_byte: f64,
 }
 
 impl NodeCapacity {
@@ -70,6 +75,7 @@ impl NodeCapacity {
             card_bytes_per_second: None,
             latency_seconds: 0.0,
             layer_seconds: None,
+            link_cpu_seconds_per_byte: 0.0,
         }
     }
 
@@ -193,8 +199,10 @@ fn stage_costs(
     i: usize,
     j: usize,
 ) -> (f64, f64) {
-    let compute = node.compute_seconds(costs, i, j);
     let (forward, backward) = sent_bytes(costs, s, i, j);
+    // It receives as many bytes as it sends (an activation for each gradient, and back).
+    let link_work = (forward + backward) as f64 * node.link_cpu_seconds_per_byte;
+    let compute = node.compute_seconds(costs, i, j) + link_work;
     (compute, node.send_seconds(forward + backward))
 }
 
@@ -536,6 +544,16 @@ mod tests {
         nodes[1].speed = 0.5;
         let p = plan(&shared, &nodes, 0).unwrap();
         assert_eq!(p[1].predicted_seconds, 2.0);
+        // The node's link work counts with its compute: 10 bytes out of layer 2 and 10 into
+        // it, at 0.05 s per byte, on top of layer 3's 1.0.
+        nodes[1].link_cpu_seconds_per_byte = 0.05;
+        let mut sized = shared.clone();
+        for c in &mut sized {
+            c.out_bytes = 10;
+        }
+        let p = plan(&sized, &nodes, 0).unwrap();
+        assert_eq!(p[1].predicted_seconds, 2.0 + 20.0 * 0.05);
+        nodes[1].link_cpu_seconds_per_byte = 0.0;
         // A profile of another model (wrong length) is not used.
         nodes[1].layer_seconds = Some(vec![9.0; 3]);
         nodes[1].speed = 1.0;

@@ -332,6 +332,7 @@ pub fn plan(
                 card_bytes_per_second: mbit.map(|m| m * 1e6 / 8.0),
                 latency_seconds: ms / 1e3,
                 layer_seconds: None,
+                link_cpu_seconds_per_byte: 0.0,
             }
         })
         .collect();
@@ -714,6 +715,23 @@ fn use_own_profiles<F: Fn(u32) -> u64>(
         if capacity.latency_seconds == 0.0 && profile.latency_ms.is_finite() {
             capacity.latency_seconds = profile.latency_ms.max(0.0) / 1e3;
         }
+        // Its links' CPU work takes from its compute where no core is left over for it.
+        let mut link = String::new();
+        if let Some(per_byte) = profile.link_seconds_per_byte.filter(|s| s.is_finite()) {
+            let counted = profile.cores <= check.threads;
+            if counted {
+                capacity.link_cpu_seconds_per_byte = per_byte.max(0.0);
+            }
+            link = format!(
+                ", its links {:.2} ms of CPU per MB{}",
+                per_byte * 1e9,
+                if counted {
+                    " (counted: no core to spare)"
+                } else {
+                    ""
+                }
+            );
+        }
         let ratio = reference / total.max(1e-12);
         let speed = if ratio >= 0.095 {
             format!("{ratio:.2}× rank 0's speed")
@@ -721,7 +739,7 @@ fn use_own_profiles<F: Fn(u32) -> u64>(
             format!("1/{:.0} of rank 0's speed", 1.0 / ratio.max(1e-12))
         };
         eprintln!(
-            "  node {rank}: {:.2} ms, {speed} — {}{card}{}{}",
+            "  node {rank}: {:.2} ms, {speed} — {}{card}{link}{}{}",
             total * 1e3,
             profile.machine,
             profile
