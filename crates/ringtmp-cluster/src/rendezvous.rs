@@ -1,7 +1,9 @@
 //! Rendezvous: rank 0 listens at the rendezvous address and collects every node's peer-listening
-//! address; it then hands every node the address table, a fresh run id and the run's settings (so
-//! nodes cannot disagree about what they run). Every connection is authenticated with the run's
-//! shared secret; every wait is bounded.
+//! address; when its settings depend on the nodes ([`Offer::Ask`]: the ring's plan from every
+//! node's own profile), it asks every node and waits for all the answers; it then hands every
+//! node the address table, a fresh run id and the run's settings (so nodes cannot disagree about
+//! what they run). Every connection is authenticated with the run's shared secret; every wait is
+//! bounded, and a failure on rank 0's side is told to every registered node.
 
 use std::net::SocketAddr;
 use std::time::Duration;
