@@ -1742,21 +1742,34 @@ fn chaos_kills_during_runs_cost_restarts_not_results() {
 
 /// Starts `world` training nodes as an external launcher would (torchrun's variables), rank 0
 /// with `rank0_extra` after the config; returns them in rank order.
+/// `ringtmp node --job train` as rank `rank` of `world` under torchrun's variables, from the
+/// repository root, its output captured.
+fn torchrun_node(rank: u32, world: u32, port: u16, connect_timeout: &str) -> Command {
+    let mut cmd = ringtmp();
+    cmd.current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+        .args([
+            "node",
+            "--job",
+            "train",
+            "--connect-timeout",
+            connect_timeout,
+        ])
+        .env("RANK", rank.to_string())
+        .env("WORLD_SIZE", world.to_string())
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", port.to_string())
+        .env("RINGTMP_SECRET", SECRET)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    cmd
+}
+
 fn external_train_nodes(world: u32, config: &str, rank0_extra: &[&str]) -> Vec<Child> {
     let port = free_port();
     (0..world)
         .map(|rank| {
-            let mut cmd = ringtmp();
-            cmd.current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
-                .args(["node", "--job", "train", "--latency-ms", "5"])
-                .args(["--connect-timeout", "20"])
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("RINGTMP_SECRET", SECRET)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
+            let mut cmd = torchrun_node(rank, world, port, "20");
+            cmd.args(["--latency-ms", "5"]);
             if rank == 0 {
                 cmd.args(["--config", config]).args(rank0_extra);
             }
@@ -2016,17 +2029,8 @@ fn profiled_nodes(
     let port = free_port();
     (0..world)
         .map(|rank| {
-            let mut cmd = ringtmp();
-            cmd.current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
-                .args(["node", "--job", "train", "--connect-timeout", "30"])
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", port.to_string())
-                .env("RINGTMP_SECRET", SECRET)
-                .env("RINGTMP_CACHE_DIR", cache)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
+            let mut cmd = torchrun_node(rank, world, port, "30");
+            cmd.env("RINGTMP_CACHE_DIR", cache);
             if rank == 0 {
                 cmd.args(["--config", config]).args(rank0);
             }

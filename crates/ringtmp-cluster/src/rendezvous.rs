@@ -447,14 +447,19 @@ mod tests {
         panic!("no profile was requested")
     }
 
-    #[test]
-    fn four_nodes_meet_and_agree_on_the_table() {
+    /// A rendezvous address on loopback with a port free right now.
+    fn free_master() -> String {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
             .unwrap()
             .port();
-        let master = format!("127.0.0.1:{port}");
+        format!("127.0.0.1:{port}")
+    }
+
+    #[test]
+    fn four_nodes_meet_and_agree_on_the_table() {
+        let master = free_master();
         let own = |r: u32| -> SocketAddr { format!("127.0.0.1:{}", 5000 + r).parse().unwrap() };
         let m = master.clone();
         let host = std::thread::spawn(move || {
@@ -488,12 +493,7 @@ mod tests {
 
     #[test]
     fn wrong_secret_cannot_register_and_missing_nodes_time_out() {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let master = format!("127.0.0.1:{port}");
+        let master = free_master();
         let m = master.clone();
         let own: SocketAddr = "127.0.0.1:5000".parse().unwrap();
         let host = std::thread::spawn(move || {
@@ -533,12 +533,7 @@ mod tests {
     // its own timeout.
     #[test]
     fn r10_registered_ranks_hear_why_rendezvous_failed() {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let master = format!("127.0.0.1:{port}");
+        let master = free_master();
         let own: SocketAddr = "127.0.0.1:5000".parse().unwrap();
         let m = master.clone();
         let host = std::thread::spawn(move || {
@@ -575,15 +570,6 @@ mod tests {
             started.elapsed()
         );
         assert!(host.join().unwrap().is_err());
-    }
-
-    fn free_master() -> String {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        format!("127.0.0.1:{port}")
     }
 
     // Issue 17.2: rank 0 asks every node first, and plans from their answers.

@@ -292,20 +292,25 @@ fn shaping_adds_latency_and_limits_bandwidth() {
     );
 }
 
-#[test]
-fn a_shaped_frame_longer_than_the_peer_timeout_streams_and_links_interleave() {
-    // Node 1's card sends 1 MB/s; a 3 MB frame to node 0 takes 3 s, longer than the 2 s peer
-    // timeout. Its bytes must flow as they leave (node 0 hears a busy peer, not a silent one), and
-    // a small message to node 2 asked for after it must not wait for the whole frame.
+/// A line 0 — 1 — 2 whose middle node's card sends 8 Mbit/s (1 MB/s).
+fn line_with_a_shaped_middle() -> Vec<Network> {
     let mut shaped = config(1);
     shaped.shaping = Shaping {
         bandwidth_bps: Some(8_000_000),
         latency: Duration::ZERO,
     };
-    let mut nets: Vec<Network> = start(vec![config(0), shaped, config(2)], &[(0, 1), (1, 2)])
+    start(vec![config(0), shaped, config(2)], &[(0, 1), (1, 2)])
         .into_iter()
         .map(Result::unwrap)
-        .collect();
+        .collect()
+}
+
+#[test]
+fn a_shaped_frame_longer_than_the_peer_timeout_streams_and_links_interleave() {
+    // Node 1's card sends 1 MB/s; a 3 MB frame to node 0 takes 3 s, longer than the 2 s peer
+    // timeout. Its bytes must flow as they leave (node 0 hears a busy peer, not a silent one), and
+    // a small message to node 2 asked for after it must not wait for the whole frame.
+    let mut nets = line_with_a_shaped_middle();
     nets[1].send(0, tensor(750_000)).unwrap();
     nets[1].send(2, tensor(10)).unwrap();
     nets[2].recv_from(1, Duration::from_secs(10)).unwrap();
@@ -404,15 +409,7 @@ fn both_ends_must_agree_on_plaintext() {
 #[test]
 #[ignore]
 fn two_links_share_one_card() {
-    let mut shaped = config(1);
-    shaped.shaping = Shaping {
-        bandwidth_bps: Some(8_000_000),
-        latency: Duration::ZERO,
-    };
-    let mut nets: Vec<Network> = start(vec![config(0), shaped, config(2)], &[(0, 1), (1, 2)])
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    let mut nets = line_with_a_shaped_middle();
     let started = Instant::now();
     nets[1].send(0, tensor(250_000)).unwrap();
     nets[1].send(2, tensor(250_000)).unwrap();
