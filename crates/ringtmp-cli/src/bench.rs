@@ -204,8 +204,13 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     let simd = ringtmp_model::kernels::simd_level();
     let machine = ringtmp_strategy::simulate::machine_name();
     let reference = ringtmp_model::kernels::reference_gflops();
+    let capped = if ringtmp_model::kernels::simd_capped_by_build() {
+        " (capped: this CPU has AVX-512, the binary was built without the avx512 feature)"
+    } else {
+        ""
+    };
     println!(
-        "machine: {machine}; SIMD: {simd} (element-wise and pooling kernels); GEMM: {}; \
+        "machine: {machine}; SIMD: {simd}{capped} (element-wise and pooling kernels); GEMM: {}; \
          reference 256³ GEMM on one thread: {reference:.1} GFLOP/s",
         ringtmp_model::kernels::gemm_kernel()
     );

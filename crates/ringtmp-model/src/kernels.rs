@@ -322,11 +322,13 @@ pub fn flush_denormals() {
 /// The instruction set this CPU runs the kernels with, as both dispatchers choose it at run
 /// time: the element-wise and pooling loops (`multiversion`, targets below) and the `gemm`
 /// crate's f32 micro-kernels (built with its `x86-v4` feature, so AVX-512 where the CPU has it).
-/// Both take the widest of AVX-512 (F, VL, DQ), AVX2 with FMA, and NEON, else the baseline.
+/// Both take the widest of AVX-512 (F, VL, DQ), AVX2 with FMA, and NEON, else the baseline; a
+/// build without the `avx512` feature stops at AVX2 with FMA on any CPU.
 pub fn simd_level() -> &'static str {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx512f")
+        if cfg!(feature = "avx512")
+            && std::arch::is_x86_feature_detected!("avx512f")
             && std::arch::is_x86_feature_detected!("avx512vl")
             && std::arch::is_x86_feature_detected!("avx512dq")
         {
@@ -348,6 +350,19 @@ pub fn simd_level() -> &'static str {
     #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     {
         "baseline"
+    }
+}
+
+/// Whether this CPU has AVX-512 that the build leaves unused (built without the `avx512`
+/// feature, to measure the AVX2 kind's code paths here).
+pub fn simd_capped_by_build() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        !cfg!(feature = "avx512") && std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
     }
 }
 
@@ -387,10 +402,19 @@ pub fn reference_gflops() -> f64 {
 
 // Element-wise kernels. The crate is compiled for the baseline x86-64 (SSE2) so the binary runs on
 // any machine; `multiversion` compiles these loops again for AVX2 and AVX-512 and picks the best
-// at run time. Before this, ReLU's backward ran as scalar branchy code at ~3 ns per element.
+// at run time. Before this, ReLU's backward ran as scalar branchy code at ~3 ns per element. The
+// AVX-512 versions are compiled only with the `avx512` feature (on by default), so that one
+// machine can also measure the code an AVX2-only CPU runs.
 
 /// `y = max(x, 0)`.
-#[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))]
+#[cfg_attr(
+    feature = "avx512",
+    multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))
+)]
+#[cfg_attr(
+    not(feature = "avx512"),
+    multiversion(targets("x86_64+avx2+fma", "aarch64+neon"))
+)]
 pub fn relu_forward(x: &[f32], y: &mut [f32]) {
     for (o, i) in y.iter_mut().zip(x) {
         *o = i.max(0.0);
@@ -399,7 +423,14 @@ pub fn relu_forward(x: &[f32], y: &mut [f32]) {
 
 /// `dx = dy` where the ReLU's output `y` is positive, else 0 (written branch-free so it
 /// vectorises).
-#[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))]
+#[cfg_attr(
+    feature = "avx512",
+    multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))
+)]
+#[cfg_attr(
+    not(feature = "avx512"),
+    multiversion(targets("x86_64+avx2+fma", "aarch64+neon"))
+)]
 pub fn relu_backward(y: &[f32], dy: &[f32], dx: &mut [f32]) {
     for ((d, g), o) in dx.iter_mut().zip(dy).zip(y) {
         let keep = u32::from(*o > 0.0).wrapping_neg();
@@ -408,7 +439,14 @@ pub fn relu_backward(y: &[f32], dy: &[f32], dx: &mut [f32]) {
 }
 
 /// `out = a ⊙ b`.
-#[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))]
+#[cfg_attr(
+    feature = "avx512",
+    multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))
+)]
+#[cfg_attr(
+    not(feature = "avx512"),
+    multiversion(targets("x86_64+avx2+fma", "aarch64+neon"))
+)]
 pub fn multiply(a: &[f32], b: &[f32], out: &mut [f32]) {
     for ((o, x), y) in out.iter_mut().zip(a).zip(b) {
         *o = x * y;
@@ -423,7 +461,14 @@ pub fn broadcast_rows(dst: &mut [f32], bias: &[f32]) {
 }
 
 /// `out[j] = (accumulate ? out[j] : 0) + Σ_i m[i, j]` for a row-major `m` with `out.len()` columns.
-#[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))]
+#[cfg_attr(
+    feature = "avx512",
+    multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))
+)]
+#[cfg_attr(
+    not(feature = "avx512"),
+    multiversion(targets("x86_64+avx2+fma", "aarch64+neon"))
+)]
 pub fn column_sums(out: &mut [f32], m: &[f32], accumulate: bool) {
     if !accumulate {
         out.fill(0.0);
@@ -467,6 +512,7 @@ mod tests {
             let avx512 = std::arch::is_x86_feature_detected!("avx512f")
                 && std::arch::is_x86_feature_detected!("avx512vl")
                 && std::arch::is_x86_feature_detected!("avx512dq");
+            let avx512 = avx512 && cfg!(feature = "avx512");
             let expected = match (avx512, avx2) {
                 (true, _) => "avx512",
                 (false, true) => "avx2+fma",

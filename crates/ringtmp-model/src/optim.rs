@@ -287,7 +287,14 @@ fn sgd_one(p: f32, g: f32, v: &mut f32, h: &SgdStep) -> f32 {
 }
 
 /// SGD over a chunk, in place; compiled per SIMD level (see `kernels`).
-#[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))]
+#[cfg_attr(
+    feature = "avx512",
+    multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))
+)]
+#[cfg_attr(
+    not(feature = "avx512"),
+    multiversion(targets("x86_64+avx2+fma", "aarch64+neon"))
+)]
 fn sgd_chunk(p: &mut [f32], g: &[f32], v: &mut [f32], h: &SgdStep) {
     for ((p, g), v) in p.iter_mut().zip(g).zip(v.iter_mut()) {
         *p = sgd_one(*p, *g, v, h);
@@ -295,7 +302,14 @@ fn sgd_chunk(p: &mut [f32], g: &[f32], v: &mut [f32], h: &SgdStep) {
 }
 
 /// SGD over a chunk from `from` into `to`.
-#[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))]
+#[cfg_attr(
+    feature = "avx512",
+    multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))
+)]
+#[cfg_attr(
+    not(feature = "avx512"),
+    multiversion(targets("x86_64+avx2+fma", "aarch64+neon"))
+)]
 fn sgd_chunk_into(from: &[f32], to: &mut [f32], g: &[f32], v: &mut [f32], h: &SgdStep) {
     // Equal lengths up front let the compiler drop bounds checks and vectorise.
     let n = to.len();
@@ -327,7 +341,14 @@ fn adam_one(p: f32, g: f32, m: &mut f32, v: &mut f32, h: &AdamStep) -> f32 {
 }
 
 /// Adam over a chunk, in place; compiled per SIMD level like [`sgd_chunk`].
-#[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))]
+#[cfg_attr(
+    feature = "avx512",
+    multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))
+)]
+#[cfg_attr(
+    not(feature = "avx512"),
+    multiversion(targets("x86_64+avx2+fma", "aarch64+neon"))
+)]
 fn adam_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamStep) {
     for (((p, g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
         *p = adam_one(*p, *g, m, v, h);
@@ -335,7 +356,14 @@ fn adam_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamSt
 }
 
 /// Adam over a chunk from `from` into `to`.
-#[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))]
+#[cfg_attr(
+    feature = "avx512",
+    multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))
+)]
+#[cfg_attr(
+    not(feature = "avx512"),
+    multiversion(targets("x86_64+avx2+fma", "aarch64+neon"))
+)]
 fn adam_chunk_into(
     from: &[f32],
     to: &mut [f32],

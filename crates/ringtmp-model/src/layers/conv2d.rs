@@ -1,15 +1,37 @@
-//! 2-D convolution over channels-last images, as im2col followed by one GEMM per pass.
+//! 2-D convolution over channels-last images, as im2col followed by GEMMs, a few samples at a
+//! time.
 //!
 //! With NHWC activations, a column row `(b, oy, ox)` is `kernel` runs of `kernel × in_channels`
 //! contiguous values, and the GEMM output `[b·oh·ow, out_channels]` *is* the NHWC output: no
 //! transposes anywhere. The weights are stored `[out_channels, kernel, kernel, in_channels]`.
-//! The columns are kept in [`Aux`] so the backward pass reuses them instead of rebuilding them.
+//!
+//! The columns of a whole batch are 25× the input for a 5×5 kernel (13 MB for the cnn's second
+//! conv at batch 64): written once to memory and read back by the GEMM, they cost the forward a
+//! third of its time, and kept for the backward they made the conv's stash per micro-batch in
+//! flight 11× its input. Instead each pass builds the columns of a group of samples that fits
+//! in cache ([`GROUP_COLUMNS`]), runs its GEMMs on them and reuses the buffer; the backward
+//! builds them again from the stashed input. Nothing is stashed beyond the layer's input.
+
+use std::cell::RefCell;
 
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use super::Aux;
 use crate::kernels::{Op, broadcast_rows, column_sums, matmul, set_len};
+
+/// Column values one group of samples may fill (256 KB): within a core's L2 on both x86
+/// machine kinds, so the GEMM reads the columns from cache right after they are written.
+const GROUP_COLUMNS: usize = 64 * 1024;
+
+/// One thread's share of a backward pass: its samples' input, output gradient and input
+/// gradient (empty when none is wanted), and its scratch space.
+type Part<'a> = (((&'a [f32], &'a [f32]), &'a mut [f32]), &'a mut [f32]);
+
+thread_local! {
+    /// The forward's column buffer, one per thread (kept between calls: no allocation in the
+    /// steady state).
+    static GROUP_COLS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
 
 /// Convolution geometry (square kernel, equal stride and zero padding on both axes).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -54,114 +76,127 @@ impl Conv2d {
         self.out_height * self.out_width
     }
 
-    pub(crate) fn forward(
-        &self,
-        p: &[f32],
-        x: &[f32],
-        n: usize,
-        y: &mut [f32],
-        aux: &mut Aux,
-        threads: usize,
-    ) {
-        let rows = n * self.positions();
-        set_len(&mut aux.values, rows * self.fan_in());
-        self.im2col(x, &mut aux.values, threads);
-        let (w, b) = p.split_at(self.weight_len());
-        broadcast_rows(y, b);
-        matmul(
-            y,
-            rows,
-            self.out_channels,
-            self.fan_in(),
-            &aux.values,
-            Op::N,
-            w,
-            Op::T,
-            true,
-            threads,
-        );
+    /// Samples whose columns one group builds at a time: as many as fit [`GROUP_COLUMNS`], at
+    /// least one.
+    fn samples_per_group(&self) -> usize {
+        (GROUP_COLUMNS / (self.positions() * self.fan_in()).max(1)).max(1)
     }
 
+    pub(crate) fn forward(&self, p: &[f32], x: &[f32], n: usize, y: &mut [f32], threads: usize) {
+        let (positions, fan_in, oc) = (self.positions(), self.fan_in(), self.out_channels);
+        let sample_in = self.in_height * self.in_width * self.in_channels;
+        let per = self.samples_per_group();
+        let (w, b) = p.split_at(self.weight_len());
+        broadcast_rows(y, b);
+        let group = |(xs, ys): (&[f32], &mut [f32])| {
+            let rows = ys.len() / oc;
+            GROUP_COLS.with_borrow_mut(|cols| {
+                set_len(cols, rows * fan_in);
+                self.im2col(xs, cols);
+                matmul(ys, rows, oc, fan_in, cols, Op::N, w, Op::T, true, 1);
+            });
+        };
+        let x = &x[..n * sample_in];
+        let (parts_in, parts_out) = (per * sample_in, per * positions * oc);
+        if threads > 1 && n > per {
+            x.par_chunks(parts_in)
+                .zip(y.par_chunks_mut(parts_out))
+                .for_each(group);
+        } else {
+            x.chunks(parts_in)
+                .zip(y.chunks_mut(parts_out))
+                .for_each(group);
+        }
+    }
+
+    /// Weight, bias and (when `dx` is given) input gradients from `dy`, rebuilding the columns
+    /// of `x` group by group as the forward did. The samples are split into one contiguous part
+    /// per thread; each part sums its own `dWᵀ[fan_in, oc] = colsᵀ · dy` over its groups, and
+    /// for each sample turns `dcols[positions, fan_in] = dy · W` back into pixels right away, in
+    /// the same cache-resident buffer. The parts' sums are added and transposed into `dW[oc,
+    /// fan_in]` at the end (`gemm` runs `colsᵀ · dy` faster than `dyᵀ · cols`: the cnn's second
+    /// conv, one thread, AVX-512: 2.16 ms against 2.56 ms).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn backward(
         &self,
         p: &[f32],
         g: &mut [f32],
         accumulate: bool,
-        aux: &Aux,
+        x: &[f32],
         dy: &[f32],
         n: usize,
         dx: Option<&mut Vec<f32>>,
         scratch: &mut Vec<f32>,
         threads: usize,
     ) {
-        let rows = n * self.positions();
-        let (fan_in, oc) = (self.fan_in(), self.out_channels);
+        let (positions, fan_in, oc) = (self.positions(), self.fan_in(), self.out_channels);
+        let sample_in = self.in_height * self.in_width * self.in_channels;
+        let sample_out = positions * oc;
+        let per = self.samples_per_group();
+        let parts = threads.clamp(1, n.max(1));
+        let per_part = n.div_ceil(parts).max(1);
+        let part_scratch = fan_in * oc + per * positions * fan_in;
+        set_len(scratch, parts * part_scratch);
+        let w = &p[..self.weight_len()];
+        let want_dx = dx.is_some();
+        let part = |(((xs, dys), dxs), space): Part<'_>| {
+            let (dwt, cols) = space.split_at_mut(fan_in * oc);
+            let samples = dys.len() / sample_out;
+            for (k, first) in (0..samples).step_by(per).enumerate() {
+                let count = per.min(samples - first);
+                let rows = count * positions;
+                let cols = &mut cols[..rows * fan_in];
+                self.im2col(&xs[first * sample_in..(first + count) * sample_in], cols);
+                let dy_group = &dys[first * sample_out..(first + count) * sample_out];
+                matmul(
+                    dwt,
+                    fan_in,
+                    oc,
+                    rows,
+                    cols,
+                    Op::T,
+                    dy_group,
+                    Op::N,
+                    k > 0,
+                    1,
+                );
+                if want_dx {
+                    // The columns are consumed: the same buffer takes each sample's `dcols`.
+                    let dcols = &mut cols[..positions * fan_in];
+                    for s in first..first + count {
+                        let dy1 = &dys[s * sample_out..(s + 1) * sample_out];
+                        matmul(dcols, positions, fan_in, oc, dy1, Op::N, w, Op::N, false, 1);
+                        self.col2im_sample(dcols, &mut dxs[s * sample_in..(s + 1) * sample_in]);
+                    }
+                }
+            }
+        };
+        let dx_parts: Vec<&mut [f32]> = match dx {
+            Some(dx) => dx.chunks_mut(per_part * sample_in).collect(),
+            None => (0..parts).map(|_| &mut [][..]).collect(),
+        };
+        let work: Vec<Part<'_>> = x[..n * sample_in]
+            .chunks(per_part * sample_in)
+            .zip(dy.chunks(per_part * sample_out))
+            .zip(dx_parts)
+            .zip(scratch.chunks_exact_mut(part_scratch))
+            .collect();
+        let used = work.len();
+        if used > 1 {
+            work.into_par_iter().for_each(part);
+        } else {
+            work.into_iter().for_each(part);
+        }
         let (gw, gb) = g.split_at_mut(self.weight_len());
-        // dWᵀ[fan_in, oc] = colsᵀ[fan_in, rows] · dy[rows, oc], then transposed into dW[oc,
-        // fan_in]: `gemm` runs this orientation faster than dW = dyᵀ · cols (the cnn's second
-        // conv, one thread, AVX-512: 2.16 ms against 2.56 ms; the transpose of 51 k values is
-        // noise). `scratch` is free until the input gradient below.
-        set_len(scratch, fan_in * oc);
-        matmul(
-            scratch,
-            fan_in,
-            oc,
-            rows,
-            &aux.values,
-            Op::T,
-            dy,
-            Op::N,
-            false,
-            threads,
-        );
         for (o, row) in gw.chunks_exact_mut(fan_in).enumerate() {
             for (f, v) in row.iter_mut().enumerate() {
-                let t = scratch[f * oc + o];
+                let t: f32 = (0..used)
+                    .map(|q| scratch[q * part_scratch + f * oc + o])
+                    .sum();
                 *v = if accumulate { *v + t } else { t };
             }
         }
         column_sums(gb, dy, accumulate);
-        if let Some(dx) = dx {
-            self.input_gradient(&p[..self.weight_len()], dy, n, dx, scratch, threads);
-        }
-    }
-
-    /// `dx` from `dy`: per sample, `dcols[positions, fan_in] = dy · W`, scattered back to pixels
-    /// right away. Working one sample at a time keeps `dcols` (200 KB for the cnn's second conv)
-    /// in cache instead of writing and re-reading the whole batch's 13 MB; samples are split into
-    /// one contiguous group per thread, each with its own slice of `scratch`.
-    fn input_gradient(
-        &self,
-        w: &[f32],
-        dy: &[f32],
-        n: usize,
-        dx: &mut [f32],
-        scratch: &mut Vec<f32>,
-        threads: usize,
-    ) {
-        let (positions, fan_in, oc) = (self.positions(), self.fan_in(), self.out_channels);
-        let sample_in = self.in_height * self.in_width * self.in_channels;
-        let groups = threads.clamp(1, n.max(1));
-        let per_group = n.div_ceil(groups);
-        set_len(scratch, groups * positions * fan_in);
-        let group = |((dys, dxs), dcols): ((&[f32], &mut [f32]), &mut [f32])| {
-            for (dy1, dx1) in dys
-                .chunks_exact(positions * oc)
-                .zip(dxs.chunks_exact_mut(sample_in))
-            {
-                matmul(dcols, positions, fan_in, oc, dy1, Op::N, w, Op::N, false, 1);
-                self.col2im_sample(dcols, dx1);
-            }
-        };
-        let parts = dy
-            .chunks(per_group * positions * oc)
-            .zip(dx.chunks_mut(per_group * sample_in))
-            .zip(scratch.chunks_exact_mut(positions * fan_in));
-        if groups > 1 {
-            parts.collect::<Vec<_>>().into_par_iter().for_each(group);
-        } else {
-            parts.for_each(group);
-        }
     }
 
     /// Input pixel `(iy, ix)` for output position `(oy, ox)` and kernel offset `(ky, kx)`, or
@@ -173,18 +208,15 @@ impl Conv2d {
             .filter(|&i| i < size)
     }
 
-    fn im2col(&self, x: &[f32], cols: &mut [f32], threads: usize) {
+    /// The columns of the samples in `x` (as many as `cols` has room for).
+    fn im2col(&self, x: &[f32], cols: &mut [f32]) {
         let sample_in = self.in_height * self.in_width * self.in_channels;
         let sample_cols = self.positions() * self.fan_in();
-        let one = |(xs, cs): (&[f32], &mut [f32])| self.im2col_sample(xs, cs);
-        if threads > 1 {
-            x.par_chunks_exact(sample_in)
-                .zip(cols.par_chunks_exact_mut(sample_cols))
-                .for_each(one);
-        } else {
-            x.chunks_exact(sample_in)
-                .zip(cols.chunks_exact_mut(sample_cols))
-                .for_each(one);
+        for (xs, cs) in x
+            .chunks_exact(sample_in)
+            .zip(cols.chunks_exact_mut(sample_cols))
+        {
+            self.im2col_sample(xs, cs);
         }
     }
 

@@ -6,7 +6,7 @@
 //!
 //! Invariants every layer keeps:
 //! - `forward` overwrites all of `y` and records in [`Aux`] whatever `backward` needs besides the
-//!   layer's input and output (pooling indices, dropout masks, im2col columns).
+//!   layer's input and output (pooling indices, dropout masks).
 //! - `backward` either overwrites (`accumulate == false`) or adds to its parameter gradients, and
 //!   overwrites all of `dx` when one is asked for.
 //! - Nothing depends on state left by a previous micro-batch, so forwards and backwards of
@@ -33,7 +33,7 @@ use crate::shape::Shape;
 /// Per-micro-batch side data a layer's backward needs (beyond its input and output).
 #[derive(Debug, Default)]
 pub struct Aux {
-    /// Float side data: im2col columns (conv), the scaled keep-mask (dropout).
+    /// Float side data: the scaled keep-mask (dropout).
     pub values: Vec<f32>,
     /// Integer side data: argmax positions (max-pooling).
     pub indices: Vec<u32>,
@@ -182,7 +182,7 @@ impl Layer {
         set_len(y, n * self.output.numel());
         match &self.kind {
             LayerKind::Linear(l) => l.forward(params, x, n, y, threads),
-            LayerKind::Conv2d(c) => c.forward(params, x, n, y, aux, threads),
+            LayerKind::Conv2d(c) => c.forward(params, x, n, y, threads),
             LayerKind::MaxPool2d(p) => p.forward(x, n, y, aux, threads),
             LayerKind::Relu => kernels::relu_forward(x, y),
             LayerKind::Flatten => y.copy_from_slice(x),
@@ -214,7 +214,7 @@ impl Layer {
         match &self.kind {
             LayerKind::Linear(l) => l.backward(params, grads, accumulate, x, dy, n, dx, threads),
             LayerKind::Conv2d(c) => {
-                c.backward(params, grads, accumulate, aux, dy, n, dx, scratch, threads)
+                c.backward(params, grads, accumulate, x, dy, n, dx, scratch, threads)
             }
             LayerKind::MaxPool2d(_) => {
                 if let Some(dx) = dx {

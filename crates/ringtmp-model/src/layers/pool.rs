@@ -102,7 +102,14 @@ impl MaxPool2d {
 
 /// `ys = max(ys, xs)` per channel, recording `first + ch` where `xs` wins. Strict `>` keeps the
 /// first maximum, like the common frameworks. Branch-free so it vectorises.
-#[multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))]
+#[cfg_attr(
+    feature = "avx512",
+    multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))
+)]
+#[cfg_attr(
+    not(feature = "avx512"),
+    multiversion(targets("x86_64+avx2+fma", "aarch64+neon"))
+)]
 fn max_into(ys: &mut [f32], idx: &mut [u32], xs: &[f32], first: u32) {
     for (ch, ((y, i), x)) in ys.iter_mut().zip(idx.iter_mut()).zip(xs).enumerate() {
         let better = *x > *y;
