@@ -421,6 +421,18 @@ pub fn relu_forward(x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// `y = max(y, 0)` in place.
+#[cfg_attr(
+    feature = "avx512",
+    multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))
+)]
+#[cfg_attr(not(feature = "avx512"), multiversion(targets("x86_64+avx2+fma", "aarch64+neon")))]
+pub fn relu_in_place(y: &mut [f32]) {
+    for v in y.iter_mut() {
+        *v = v.max(0.0);
+    }
+}
+
 /// `dx = dy` where the ReLU's output `y` is positive, else 0 (written branch-free so it
 /// vectorises).
 #[cfg_attr(
@@ -544,6 +556,9 @@ mod tests {
             relu_forward(&x, &mut y);
             let want: Vec<f32> = x.iter().map(|v| if *v > 0.0 { *v } else { 0.0 }).collect();
             assert_eq!(bits(&y), bits(&want), "relu_forward, {len} values");
+            let mut z = x.clone();
+            relu_in_place(&mut z);
+            assert_eq!(bits(&z), bits(&want), "relu_in_place, {len} values");
             let mut dx = vec![f32::NAN; len];
             relu_backward(&x, &g, &mut dx);
             let want: Vec<f32> = x

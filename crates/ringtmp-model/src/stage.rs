@@ -74,6 +74,11 @@ pub struct Stage {
     profile: Option<Vec<LayerTime>>,
     /// Per layer, rows waiting for a deferred weight gradient (when deferral is on).
     deferred: Option<Vec<Pending>>,
+    /// Per layer: a convolution whose next layer, in this stage, is a ReLU. The conv applies it
+    /// to each group of its output while in cache (forward) and masks its output gradient the
+    /// same way (backward); the ReLU layer itself then does nothing, and the conv's raw output
+    /// is never kept. Bit for bit the same results as the two layers apart.
+    fused_relu: Vec<bool>,
 }
 
 /// Inputs and output gradients kept for a deferred weight gradient.
@@ -126,6 +131,12 @@ impl Stage {
             }
         }
         let n = layers.len();
+        let fused_relu = (0..n)
+            .map(|i| {
+                matches!(layers[i].kind, LayerKind::Conv2d(_))
+                    && layers.get(i + 1).is_some_and(|l| l.kind == LayerKind::Relu)
+            })
+            .collect();
         Self {
             layers,
             offsets,
@@ -143,6 +154,7 @@ impl Stage {
             eval: Stash::default(),
             profile: None,
             deferred: None,
+            fused_relu,
         }
     }
 
@@ -299,6 +311,7 @@ impl Stage {
         copy_input(&mut stash.acts[0], x, rows * self.input_len());
         run_forward(
             &self.layers,
+            &self.fused_relu,
             &self.offsets,
             &self.params,
             &mut stash,
@@ -321,6 +334,7 @@ impl Stage {
         copy_input(&mut eval.acts[0], x, rows * self.layers[0].input.numel());
         run_forward(
             &self.layers,
+            &self.fused_relu,
             &self.offsets,
             &self.params,
             eval,
@@ -395,12 +409,44 @@ impl Stage {
                 self.grads_written[i] = true;
                 continue;
             }
+            if i > 0 && self.fused_relu[i - 1] {
+                // This ReLU's backward runs inside the conv's below.
+                self.grads_written[i] = true;
+                continue;
+            }
             let (this, later) = self.input_grads.split_at_mut(i + 1);
-            let upstream = if i == last { dy } else { &later[0] };
+            let fused = self.fused_relu[i];
+            // A fused conv takes the gradient of its ReLU's output.
+            let after = if fused { i + 1 } else { i };
+            let upstream = if after == last {
+                dy
+            } else {
+                &later[after - i]
+            };
             let range = self.offsets[i]..self.offsets[i + 1];
             let accumulate = self.grads_written[i];
             let started = self.profile.is_some().then(std::time::Instant::now);
             match (&self.layers[i].kind, self.deferred.as_mut()) {
+                (LayerKind::Conv2d(conv), _) if fused => {
+                    let dx = want_dx.then_some(&mut this[i]);
+                    let dx = dx.map(|dx| {
+                        set_len(dx, rows * self.layers[i].input.numel());
+                        dx
+                    });
+                    conv.backward(
+                        &weights[range.clone()],
+                        &mut self.grads[range],
+                        accumulate,
+                        &stash.acts[i],
+                        upstream,
+                        Some(&stash.acts[i + 2]),
+                        rows,
+                        dx,
+                        &mut self.scratch,
+                        self.threads,
+                    );
+                    self.grads_written[i] = true;
+                }
                 (LayerKind::Linear(linear), Some(deferred)) => {
                     // Keep this micro-batch's rows; the weight gradient of the whole mini-batch is
                     // one GEMM at the step (see `set_deferred_weight_grads`).
@@ -533,8 +579,10 @@ impl Stage {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 fn run_forward(
     layers: &[Layer],
+    fused_relu: &[bool],
     offsets: &[usize],
     params: &[f32],
     stash: &mut Stash,
@@ -553,17 +601,30 @@ fn run_forward(
             set_len(&mut stash.acts[i + 1], stash.rows * layer.output.numel());
             continue;
         }
+        if i > 0 && fused_relu[i - 1] {
+            // The conv before applied this ReLU to its output.
+            continue;
+        }
         let started = profile.is_some().then(std::time::Instant::now);
         let (done, rest) = stash.acts.split_at_mut(i + 1);
-        layer.forward(
-            &params[offsets[i]..offsets[i + 1]],
-            &done[i],
-            stash.rows,
-            &mut rest[0],
-            &mut stash.aux[i],
-            pass,
-            threads,
-        );
+        match &layer.kind {
+            LayerKind::Conv2d(conv) if fused_relu[i] => {
+                // Straight into the ReLU's output; the conv's own is not kept.
+                rest[0].clear();
+                set_len(&mut rest[1], stash.rows * layer.output.numel());
+                let params = &params[offsets[i]..offsets[i + 1]];
+                conv.forward(params, &done[i], stash.rows, &mut rest[1], true, threads);
+            }
+            _ => layer.forward(
+                &params[offsets[i]..offsets[i + 1]],
+                &done[i],
+                stash.rows,
+                &mut rest[0],
+                &mut stash.aux[i],
+                pass,
+                threads,
+            ),
+        }
         if let (Some(t), Some(p)) = (started, profile.as_deref_mut()) {
             p[i].forward_seconds += t.elapsed().as_secs_f64();
         }

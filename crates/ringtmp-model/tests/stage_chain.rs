@@ -332,3 +332,49 @@ fn deferred_weight_gradients_equal_the_unsplit_model() {
         assert!(d < 1e-5 && max_rel_diff(&got.dx, &oracle.dx) < 1e-5);
     }
 }
+
+// Within one stage the conv → ReLU pair runs fused (the ReLU applied to each group of the conv's
+// output while in cache, its backward masked the same way, the conv's raw output never kept);
+// cut between the two they run as two layers. Both give the same bits — outputs, input gradients,
+// parameter gradients — at one and two threads, and the fused stage keeps one activation less.
+#[test]
+fn a_fused_conv_and_relu_equal_the_two_layers_apart_bit_for_bit() {
+    let layers = layers();
+    let (x, _) = data();
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    let pass = Pass {
+        train: true,
+        seed: SEED,
+        step: 0,
+        row_offset: 0,
+    };
+    for threads in [1, 2] {
+        let mut fused = Stage::new(&layers, 0..3, SEED, threads);
+        fused.set_input_grad(true);
+        let mut conv = Stage::new(&layers, 0..1, SEED, threads);
+        conv.set_input_grad(true);
+        let mut rest = Stage::new(&layers, 1..3, SEED, threads);
+        let y = fused.forward(0, &x, ROWS, &pass).unwrap().to_vec();
+        let mid = conv.forward(0, &x, ROWS, &pass).unwrap().to_vec();
+        let apart = rest.forward(0, &mid, ROWS, &pass).unwrap().to_vec();
+        assert_eq!(bits(&y), bits(&apart), "outputs, {threads} thread(s)");
+        assert!(mid.iter().any(|v| *v < 0.0) && y.iter().any(|v| *v == 0.0));
+        assert_eq!(
+            fused.stash_bytes() + 2 * mid.len() * 4,
+            conv.stash_bytes() + rest.stash_bytes(),
+            "the fused stage keeps neither the conv's raw output nor a copy of it"
+        );
+        let dy: Vec<f32> = (0..y.len())
+            .map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0)
+            .collect();
+        let dx = fused.backward(0, &dy).unwrap().unwrap().to_vec();
+        let dmid = rest.backward(0, &dy).unwrap().unwrap().to_vec();
+        let dx_apart = conv.backward(0, &dmid).unwrap().unwrap().to_vec();
+        assert_eq!(bits(&dx), bits(&dx_apart), "input gradients, {threads} thread(s)");
+        assert_eq!(
+            bits(fused.grads()),
+            bits(conv.grads()),
+            "parameter gradients, {threads} thread(s)"
+        );
+    }
+}

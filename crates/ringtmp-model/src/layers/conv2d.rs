@@ -17,15 +17,27 @@ use std::cell::RefCell;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use crate::kernels::{Op, broadcast_rows, column_sums, matmul, set_len};
+use crate::kernels::{
+    Op, broadcast_rows, column_sums, matmul, relu_backward, relu_in_place, set_len,
+};
 
 /// Column values one group of samples may fill (256 KB): within a core's L2 on both x86
 /// machine kinds, so the GEMM reads the columns from cache right after they are written.
 const GROUP_COLUMNS: usize = 64 * 1024;
 
-/// One thread's share of a backward pass: its samples' input, output gradient and input
-/// gradient (empty when none is wanted), and its scratch space.
-type Part<'a> = (((&'a [f32], &'a [f32]), &'a mut [f32]), &'a mut [f32]);
+/// One thread's share of a backward pass.
+struct Part<'a> {
+    /// Its samples' input.
+    x: &'a [f32],
+    /// Their output gradient.
+    dy: &'a [f32],
+    /// Their fused ReLU's output (empty without one).
+    relu_out: &'a [f32],
+    /// Their input gradient (empty when none is wanted).
+    dx: &'a mut [f32],
+    /// Its scratch space: `dWᵀ` and bias sums, a group's columns, a group's masked `dy`.
+    space: &'a mut [f32],
+}
 
 thread_local! {
     /// The forward's column buffer, one per thread (kept between calls: no allocation in the
@@ -82,7 +94,18 @@ impl Conv2d {
         (GROUP_COLUMNS / (self.positions() * self.fan_in()).max(1)).max(1)
     }
 
-    pub(crate) fn forward(&self, p: &[f32], x: &[f32], n: usize, y: &mut [f32], threads: usize) {
+    /// `y = conv(x)` for `n` samples, or `relu(conv(x))` when `relu` (a ReLU right after the
+    /// conv in the same stage: applied to each group's output while it is in cache, instead of
+    /// another pass over the whole output).
+    pub(crate) fn forward(
+        &self,
+        p: &[f32],
+        x: &[f32],
+        n: usize,
+        y: &mut [f32],
+        relu: bool,
+        threads: usize,
+    ) {
         let (positions, fan_in, oc) = (self.positions(), self.fan_in(), self.out_channels);
         let sample_in = self.in_height * self.in_width * self.in_channels;
         let per = self.samples_per_group();
@@ -95,6 +118,9 @@ impl Conv2d {
                 self.im2col(xs, cols);
                 matmul(ys, rows, oc, fan_in, cols, Op::N, w, Op::T, true, 1);
             });
+            if relu {
+                relu_in_place(ys);
+            }
         };
         let x = &x[..n * sample_in];
         let (parts_in, parts_out) = (per * sample_in, per * positions * oc);
@@ -110,11 +136,15 @@ impl Conv2d {
     }
 
     /// Weight, bias and (when `dx` is given) input gradients from `dy`, rebuilding the columns
-    /// of `x` group by group as the forward did. The samples are split into one contiguous part
-    /// per thread; each part sums its own `dWᵀ[fan_in, oc] = colsᵀ · dy` over its groups, and
-    /// for each sample turns `dcols[positions, fan_in] = dy · W` back into pixels right away, in
-    /// the same cache-resident buffer. The parts' sums are added and transposed into `dW[oc,
-    /// fan_in]` at the end (`gemm` runs `colsᵀ · dy` faster than `dyᵀ · cols`: the cnn's second
+    /// of `x` group by group as the forward did. With `relu_out` (the forward ran with `relu`,
+    /// and this is its output), `dy` is the ReLU's output gradient and each group masks it in
+    /// cache first.
+    ///
+    /// The samples are split into one contiguous part per thread; each part sums its own
+    /// `dWᵀ[fan_in, oc] = colsᵀ · dy` and bias gradient over its groups, and for each sample
+    /// turns `dcols[positions, fan_in] = dy · W` back into pixels right away, in the same
+    /// cache-resident buffer. The parts' sums are added (and `dWᵀ` transposed into `dW[oc,
+    /// fan_in]`) at the end: `gemm` runs `colsᵀ · dy` faster than `dyᵀ · cols` (the cnn's second
     /// conv, one thread, AVX-512: 2.16 ms against 2.56 ms).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn backward(
@@ -124,6 +154,7 @@ impl Conv2d {
         accumulate: bool,
         x: &[f32],
         dy: &[f32],
+        relu_out: Option<&[f32]>,
         n: usize,
         dx: Option<&mut Vec<f32>>,
         scratch: &mut Vec<f32>,
@@ -135,19 +166,31 @@ impl Conv2d {
         let per = self.samples_per_group();
         let parts = threads.clamp(1, n.max(1));
         let per_part = n.div_ceil(parts).max(1);
-        let part_scratch = fan_in * oc + per * positions * fan_in;
+        let masked_len = if relu_out.is_some() { per * sample_out } else { 0 };
+        let part_scratch = fan_in * oc + oc + per * positions * fan_in + masked_len;
         set_len(scratch, parts * part_scratch);
         let w = &p[..self.weight_len()];
         let want_dx = dx.is_some();
-        let part = |(((xs, dys), dxs), space): Part<'_>| {
-            let (dwt, cols) = space.split_at_mut(fan_in * oc);
-            let samples = dys.len() / sample_out;
+        let part = |part: Part<'_>| {
+            let (dwt, rest) = part.space.split_at_mut(fan_in * oc);
+            let (db, rest) = rest.split_at_mut(oc);
+            let (cols, masked) = rest.split_at_mut(per * positions * fan_in);
+            let samples = part.dy.len() / sample_out;
             for (k, first) in (0..samples).step_by(per).enumerate() {
                 let count = per.min(samples - first);
                 let rows = count * positions;
+                let outputs = first * sample_out..(first + count) * sample_out;
+                let dy_group = match relu_out {
+                    Some(_) => {
+                        let masked = &mut masked[..rows * oc];
+                        relu_backward(&part.relu_out[outputs.clone()], &part.dy[outputs], masked);
+                        &*masked
+                    }
+                    None => &part.dy[outputs],
+                };
+                column_sums(db, dy_group, k > 0);
                 let cols = &mut cols[..rows * fan_in];
-                self.im2col(&xs[first * sample_in..(first + count) * sample_in], cols);
-                let dy_group = &dys[first * sample_out..(first + count) * sample_out];
+                self.im2col(&part.x[first * sample_in..(first + count) * sample_in], cols);
                 matmul(
                     dwt,
                     fan_in,
@@ -163,23 +206,35 @@ impl Conv2d {
                 if want_dx {
                     // The columns are consumed: the same buffer takes each sample's `dcols`.
                     let dcols = &mut cols[..positions * fan_in];
-                    for s in first..first + count {
-                        let dy1 = &dys[s * sample_out..(s + 1) * sample_out];
+                    for (s, dy1) in (first..).zip(dy_group.chunks_exact(sample_out)) {
                         matmul(dcols, positions, fan_in, oc, dy1, Op::N, w, Op::N, false, 1);
-                        self.col2im_sample(dcols, &mut dxs[s * sample_in..(s + 1) * sample_in]);
+                        let dx1 = &mut part.dx[s * sample_in..(s + 1) * sample_in];
+                        self.col2im_sample(dcols, dx1);
                     }
                 }
             }
         };
-        let dx_parts: Vec<&mut [f32]> = match dx {
+        let mut dx_parts: Vec<&mut [f32]> = match dx {
             Some(dx) => dx.chunks_mut(per_part * sample_in).collect(),
-            None => (0..parts).map(|_| &mut [][..]).collect(),
+            None => Vec::new(),
         };
+        dx_parts.resize_with(parts, || &mut [][..]);
+        let relu_out = relu_out.unwrap_or_default();
         let work: Vec<Part<'_>> = x[..n * sample_in]
             .chunks(per_part * sample_in)
             .zip(dy.chunks(per_part * sample_out))
             .zip(dx_parts)
             .zip(scratch.chunks_exact_mut(part_scratch))
+            .enumerate()
+            .map(|(q, (((x, dy), dx), space))| Part {
+                x,
+                dy,
+                relu_out: relu_out
+                    .get(q * per_part * sample_out..q * per_part * sample_out + dy.len())
+                    .unwrap_or_default(),
+                dx,
+                space,
+            })
             .collect();
         let used = work.len();
         if used > 1 {
@@ -188,15 +243,17 @@ impl Conv2d {
             work.into_iter().for_each(part);
         }
         let (gw, gb) = g.split_at_mut(self.weight_len());
+        let sum = |at: usize| -> f32 { (0..used).map(|q| scratch[q * part_scratch + at]).sum() };
         for (o, row) in gw.chunks_exact_mut(fan_in).enumerate() {
             for (f, v) in row.iter_mut().enumerate() {
-                let t: f32 = (0..used)
-                    .map(|q| scratch[q * part_scratch + f * oc + o])
-                    .sum();
+                let t = sum(f * oc + o);
                 *v = if accumulate { *v + t } else { t };
             }
         }
-        column_sums(gb, dy, accumulate);
+        for (o, v) in gb.iter_mut().enumerate() {
+            let t = sum(fan_in * oc + o);
+            *v = if accumulate { *v + t } else { t };
+        }
     }
 
     /// Input pixel `(iy, ix)` for output position `(oy, ox)` and kernel offset `(ky, kx)`, or

@@ -182,7 +182,7 @@ impl Layer {
         set_len(y, n * self.output.numel());
         match &self.kind {
             LayerKind::Linear(l) => l.forward(params, x, n, y, threads),
-            LayerKind::Conv2d(c) => c.forward(params, x, n, y, threads),
+            LayerKind::Conv2d(c) => c.forward(params, x, n, y, false, threads),
             LayerKind::MaxPool2d(p) => p.forward(x, n, y, aux, threads),
             LayerKind::Relu => kernels::relu_forward(x, y),
             LayerKind::Flatten => y.copy_from_slice(x),
@@ -214,7 +214,7 @@ impl Layer {
         match &self.kind {
             LayerKind::Linear(l) => l.backward(params, grads, accumulate, x, dy, n, dx, threads),
             LayerKind::Conv2d(c) => {
-                c.backward(params, grads, accumulate, x, dy, n, dx, scratch, threads)
+                c.backward(params, grads, accumulate, x, dy, None, n, dx, scratch, threads)
             }
             LayerKind::MaxPool2d(_) => {
                 if let Some(dx) = dx {
