@@ -426,7 +426,10 @@ pub fn relu_forward(x: &[f32], y: &mut [f32]) {
     feature = "avx512",
     multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))
 )]
-#[cfg_attr(not(feature = "avx512"), multiversion(targets("x86_64+avx2+fma", "aarch64+neon")))]
+#[cfg_attr(
+    not(feature = "avx512"),
+    multiversion(targets("x86_64+avx2+fma", "aarch64+neon"))
+)]
 pub fn relu_in_place(y: &mut [f32]) {
     for v in y.iter_mut() {
         *v = v.max(0.0);

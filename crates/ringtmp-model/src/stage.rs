@@ -418,21 +418,16 @@ impl Stage {
             let fused = self.fused_relu[i];
             // A fused conv takes the gradient of its ReLU's output.
             let after = if fused { i + 1 } else { i };
-            let upstream = if after == last {
-                dy
-            } else {
-                &later[after - i]
-            };
+            let upstream = if after == last { dy } else { &later[after - i] };
             let range = self.offsets[i]..self.offsets[i + 1];
             let accumulate = self.grads_written[i];
             let started = self.profile.is_some().then(std::time::Instant::now);
             match (&self.layers[i].kind, self.deferred.as_mut()) {
                 (LayerKind::Conv2d(conv), _) if fused => {
+                    if want_dx {
+                        set_len(&mut this[i], rows * self.layers[i].input.numel());
+                    }
                     let dx = want_dx.then_some(&mut this[i]);
-                    let dx = dx.map(|dx| {
-                        set_len(dx, rows * self.layers[i].input.numel());
-                        dx
-                    });
                     conv.backward(
                         &weights[range.clone()],
                         &mut self.grads[range],

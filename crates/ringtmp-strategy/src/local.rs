@@ -116,7 +116,7 @@ pub enum Event {
 }
 
 /// Rows per evaluation forward pass: large enough for efficient GEMMs, small enough that the
-/// cnn's im2col buffers stay around 70 MB.
+/// activations of one pass stay a few tens of MB.
 const EVAL_ROWS: usize = 250;
 
 /// Trains `cfg.model` on `data` in this process and writes `metrics.jsonl`, `summary.json` and

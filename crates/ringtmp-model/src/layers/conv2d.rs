@@ -166,7 +166,11 @@ impl Conv2d {
         let per = self.samples_per_group();
         let parts = threads.clamp(1, n.max(1));
         let per_part = n.div_ceil(parts).max(1);
-        let masked_len = if relu_out.is_some() { per * sample_out } else { 0 };
+        let masked_len = if relu_out.is_some() {
+            per * sample_out
+        } else {
+            0
+        };
         let part_scratch = fan_in * oc + oc + per * positions * fan_in + masked_len;
         set_len(scratch, parts * part_scratch);
         let w = &p[..self.weight_len()];
@@ -190,7 +194,10 @@ impl Conv2d {
                 };
                 column_sums(db, dy_group, k > 0);
                 let cols = &mut cols[..rows * fan_in];
-                self.im2col(&part.x[first * sample_in..(first + count) * sample_in], cols);
+                self.im2col(
+                    &part.x[first * sample_in..(first + count) * sample_in],
+                    cols,
+                );
                 matmul(
                     dwt,
                     fan_in,

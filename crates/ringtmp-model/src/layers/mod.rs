@@ -213,9 +213,9 @@ impl Layer {
         }
         match &self.kind {
             LayerKind::Linear(l) => l.backward(params, grads, accumulate, x, dy, n, dx, threads),
-            LayerKind::Conv2d(c) => {
-                c.backward(params, grads, accumulate, x, dy, None, n, dx, scratch, threads)
-            }
+            LayerKind::Conv2d(c) => c.backward(
+                params, grads, accumulate, x, dy, None, n, dx, scratch, threads,
+            ),
             LayerKind::MaxPool2d(_) => {
                 if let Some(dx) = dx {
                     pool::MaxPool2d::backward(aux, dy, dx);
