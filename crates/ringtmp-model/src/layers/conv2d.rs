@@ -17,6 +17,7 @@ use std::cell::RefCell;
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use super::conv_direct;
 use crate::kernels::{
     Op, broadcast_rows, column_sums, matmul, relu_backward, relu_in_place, set_len,
 };
@@ -110,6 +111,25 @@ impl Conv2d {
         let sample_in = self.in_height * self.in_width * self.in_channels;
         let per = self.samples_per_group();
         let (w, b) = p.split_at(self.weight_len());
+        if conv_direct::applies(self) {
+            let mut wt = Vec::new();
+            conv_direct::transpose_weights(self, w, &mut wt);
+            let sample = |(xs, ys): (&[f32], &mut [f32])| {
+                conv_direct::forward_sample(self, &wt, b, xs, ys, relu);
+            };
+            let x = &x[..n * sample_in];
+            let sample_out = positions * oc;
+            if threads > 1 && n > 1 {
+                x.par_chunks_exact(sample_in)
+                    .zip(y.par_chunks_exact_mut(sample_out))
+                    .for_each(sample);
+            } else {
+                x.chunks_exact(sample_in)
+                    .zip(y.chunks_exact_mut(sample_out))
+                    .for_each(sample);
+            }
+            return;
+        }
         broadcast_rows(y, b);
         let group = |(xs, ys): (&[f32], &mut [f32])| {
             let rows = ys.len() / oc;
@@ -166,17 +186,27 @@ impl Conv2d {
         let per = self.samples_per_group();
         let parts = threads.clamp(1, n.max(1));
         let per_part = n.div_ceil(parts).max(1);
+        let direct = conv_direct::applies(self);
+        // `dWᵀ` rows: the direct kernels' padded width, or the GEMM's.
+        let dwt_width = if direct {
+            conv_direct::padded_channels(self)
+        } else {
+            oc
+        };
         let masked_len = if relu_out.is_some() {
             per * sample_out
         } else {
             0
         };
-        let part_scratch = fan_in * oc + oc + per * positions * fan_in + masked_len;
+        let part_scratch = fan_in * dwt_width + oc + per * positions * fan_in + masked_len;
         set_len(scratch, parts * part_scratch);
         let w = &p[..self.weight_len()];
         let want_dx = dx.is_some();
         let part = |part: Part<'_>| {
-            let (dwt, rest) = part.space.split_at_mut(fan_in * oc);
+            let (dwt, rest) = part.space.split_at_mut(fan_in * dwt_width);
+            if direct {
+                dwt.fill(0.0);
+            }
             let (db, rest) = rest.split_at_mut(oc);
             let (cols, masked) = rest.split_at_mut(per * positions * fan_in);
             let samples = part.dy.len() / sample_out;
@@ -194,22 +224,29 @@ impl Conv2d {
                 };
                 column_sums(db, dy_group, k > 0);
                 let cols = &mut cols[..rows * fan_in];
-                self.im2col(
-                    &part.x[first * sample_in..(first + count) * sample_in],
-                    cols,
-                );
-                matmul(
-                    dwt,
-                    fan_in,
-                    oc,
-                    rows,
-                    cols,
-                    Op::T,
-                    dy_group,
-                    Op::N,
-                    k > 0,
-                    1,
-                );
+                if direct {
+                    for (s, dy1) in (first..).zip(dy_group.chunks_exact(sample_out)) {
+                        let x1 = &part.x[s * sample_in..(s + 1) * sample_in];
+                        conv_direct::add_weight_grad_sample(self, x1, dy1, dwt);
+                    }
+                } else {
+                    self.im2col(
+                        &part.x[first * sample_in..(first + count) * sample_in],
+                        cols,
+                    );
+                    matmul(
+                        dwt,
+                        fan_in,
+                        oc,
+                        rows,
+                        cols,
+                        Op::T,
+                        dy_group,
+                        Op::N,
+                        k > 0,
+                        1,
+                    );
+                }
                 if want_dx {
                     // The columns are consumed: the same buffer takes each sample's `dcols`.
                     let dcols = &mut cols[..positions * fan_in];
@@ -253,12 +290,12 @@ impl Conv2d {
         let sum = |at: usize| -> f32 { (0..used).map(|q| scratch[q * part_scratch + at]).sum() };
         for (o, row) in gw.chunks_exact_mut(fan_in).enumerate() {
             for (f, v) in row.iter_mut().enumerate() {
-                let t = sum(f * oc + o);
+                let t = sum(f * dwt_width + o);
                 *v = if accumulate { *v + t } else { t };
             }
         }
         for (o, v) in gb.iter_mut().enumerate() {
-            let t = sum(fan_in * oc + o);
+            let t = sum(fan_in * dwt_width + o);
             *v = if accumulate { *v + t } else { t };
         }
     }

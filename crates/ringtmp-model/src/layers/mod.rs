@@ -13,6 +13,7 @@
 //!   different micro-batches may interleave in any order.
 
 mod conv2d;
+mod conv_direct;
 mod dropout;
 mod linear;
 mod pool;

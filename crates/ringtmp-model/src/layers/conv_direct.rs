@@ -1,0 +1,339 @@
+//! Direct kernels for a convolution with short kernel rows — the first conv of a grey or colour
+//! image, whose kernel row is 5 or 15 values — without im2col.
+//!
+//! Through im2col such a conv copies 25 (or 75) values per output pixel and then runs a GEMM
+//! whose inner dimension is only 25: on the cnn's first conv the copy took half the forward and
+//! the GEMM ran at a third of its peak. Here each output pixel reads its input in place:
+//! - forward: a block of [`PIXELS`] neighbouring output pixels × [`LANES`] output channels is
+//!   held in registers, and every tap (kernel position and input channel) adds one input value
+//!   per pixel times [`LANES`] weights;
+//! - weight gradient: for each kernel row, the `run = kernel × in_channels` weights of that row
+//!   × [`LANES`] output channels are held in registers over all of a sample's output pixels (the
+//!   input values of a kernel row are contiguous in NHWC).
+//!
+//! Only for geometries without padding and with `run ≤ MAX_RUN`; the others take im2col. The
+//! weights are used transposed, `[fan_in, oc_pad]`, with `oc_pad` the output channels rounded up
+//! to [`LANES`] (zeros in the padding), so every block loads whole vectors. The sums run in a
+//! different order than the GEMM's, so results agree to rounding, not bit for bit (tested).
+
+use multiversion::multiversion;
+
+use super::Conv2d;
+
+/// Output channels per register block: one AVX-512 vector, two AVX2 or four NEON vectors.
+pub(super) const LANES: usize = 16;
+/// Neighbouring output pixels per forward block.
+const PIXELS: usize = 4;
+/// Longest kernel row (kernel × in_channels values) the direct kernels take.
+pub(super) const MAX_RUN: usize = 16;
+
+/// Whether the direct kernels handle this convolution.
+pub(super) fn applies(conv: &Conv2d) -> bool {
+    conv.padding == 0 && conv.kernel * conv.in_channels <= MAX_RUN
+}
+
+/// Output channels rounded up to whole blocks.
+pub(super) fn padded_channels(conv: &Conv2d) -> usize {
+    conv.out_channels.div_ceil(LANES) * LANES
+}
+
+/// `wt[f, o] = w[o, f]` for the weights `w[oc, fan_in]`, zero for `o ≥ oc`.
+pub(super) fn transpose_weights(conv: &Conv2d, w: &[f32], wt: &mut Vec<f32>) {
+    let (fan_in, oc, oc_pad) = (conv.fan_in(), conv.out_channels, padded_channels(conv));
+    wt.clear();
+    wt.resize(fan_in * oc_pad, 0.0);
+    for (o, row) in w.chunks_exact(fan_in).enumerate().take(oc) {
+        for (f, v) in row.iter().enumerate() {
+            wt[f * oc_pad + o] = *v;
+        }
+    }
+}
+
+/// One sample's output `y[positions, oc] = bias + conv(x)` (then ReLU when `relu`), from the
+/// transposed weights `wt`.
+#[cfg_attr(
+    feature = "avx512",
+    multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))
+)]
+#[cfg_attr(
+    not(feature = "avx512"),
+    multiversion(targets("x86_64+avx2+fma", "aarch64+neon"))
+)]
+pub(super) fn forward_sample(
+    conv: &Conv2d,
+    wt: &[f32],
+    bias: &[f32],
+    x: &[f32],
+    y: &mut [f32],
+    relu: bool,
+) {
+    let (k, c, s) = (conv.kernel, conv.in_channels, conv.stride);
+    let (oc, oc_pad) = (conv.out_channels, padded_channels(conv));
+    let row_len = conv.in_width * c;
+    let mut taps = [0usize; MAX_RUN * MAX_RUN];
+    let taps = &mut taps[..k * k * c];
+    for (f, t) in taps.iter_mut().enumerate() {
+        let (ky, q) = (f / (k * c), f % (k * c));
+        *t = ky * row_len + q;
+    }
+    let mut lanes_bias = [0.0f32; LANES];
+    for ob in (0..oc).step_by(LANES) {
+        let width = LANES.min(oc - ob);
+        lanes_bias[..width].copy_from_slice(&bias[ob..ob + width]);
+        for oy in 0..conv.out_height {
+            let mut ox = 0;
+            while ox < conv.out_width {
+                let pixels = if ox + PIXELS <= conv.out_width {
+                    PIXELS
+                } else {
+                    1
+                };
+                let mut acc = [lanes_bias; PIXELS];
+                let origin = (oy * s) * row_len + ox * s * c;
+                for (f, &t) in taps.iter().enumerate() {
+                    let w: &[f32; LANES] = wt[f * oc_pad + ob..][..LANES]
+                        .try_into()
+                        .expect("LANES values");
+                    for (j, acc) in acc.iter_mut().enumerate().take(pixels) {
+                        let a = x[origin + j * s * c + t];
+                        for l in 0..LANES {
+                            acc[l] = a.mul_add(w[l], acc[l]);
+                        }
+                    }
+                }
+                for (j, acc) in acc.iter().enumerate().take(pixels) {
+                    let at = (oy * conv.out_width + ox + j) * oc + ob;
+                    for (o, v) in y[at..at + width].iter_mut().zip(acc) {
+                        *o = if relu { v.max(0.0) } else { *v };
+                    }
+                }
+                ox += pixels;
+            }
+        }
+    }
+}
+
+/// Adds one sample's weight gradient to `dwt[fan_in, oc_pad]` (transposed, as the weights
+/// `forward_sample` uses), from its input `x` and output gradient `dy[positions, oc]`.
+#[cfg_attr(
+    feature = "avx512",
+    multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))
+)]
+#[cfg_attr(
+    not(feature = "avx512"),
+    multiversion(targets("x86_64+avx2+fma", "aarch64+neon"))
+)]
+pub(super) fn add_weight_grad_sample(conv: &Conv2d, x: &[f32], dy: &[f32], dwt: &mut [f32]) {
+    macro_rules! run_lengths {
+        ($($n:literal)*) => {
+            match conv.kernel * conv.in_channels {
+                $($n => weight_grad_rows::<$n>(conv, x, dy, dwt),)*
+                other => unreachable!("kernel row of {other} values: `applies` admits 1..=16"),
+            }
+        };
+    }
+    run_lengths!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16);
+}
+
+#[inline(always)]
+fn weight_grad_rows<const RUN: usize>(conv: &Conv2d, x: &[f32], dy: &[f32], dwt: &mut [f32]) {
+    let (s, c) = (conv.stride, conv.in_channels);
+    let (oc, oc_pad) = (conv.out_channels, padded_channels(conv));
+    let row_len = conv.in_width * c;
+    for ob in (0..oc).step_by(LANES) {
+        let width = LANES.min(oc - ob);
+        for ky in 0..conv.kernel {
+            let mut acc = [[0.0f32; LANES]; RUN];
+            let mut g = [0.0f32; LANES];
+            for oy in 0..conv.out_height {
+                for ox in 0..conv.out_width {
+                    let p = oy * conv.out_width + ox;
+                    g[..width].copy_from_slice(&dy[p * oc + ob..p * oc + ob + width]);
+                    let origin = (oy * s + ky) * row_len + ox * s * c;
+                    let xs: &[f32; RUN] = x[origin..origin + RUN].try_into().expect("RUN values");
+                    for (acc, a) in acc.iter_mut().zip(xs) {
+                        for l in 0..LANES {
+                            acc[l] = a.mul_add(g[l], acc[l]);
+                        }
+                    }
+                }
+            }
+            for (q, acc) in acc.iter().enumerate() {
+                let at = (ky * RUN + q) * oc_pad + ob;
+                for (d, v) in dwt[at..at + LANES].iter_mut().zip(acc) {
+                    *d += v;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn geometry(size: (usize, usize, usize), oc: usize, k: usize, s: usize, p: usize) -> Conv2d {
+        let (h, w, c) = size;
+        Conv2d {
+            in_height: h,
+            in_width: w,
+            in_channels: c,
+            out_channels: oc,
+            kernel: k,
+            stride: s,
+            padding: p,
+            out_height: (h + 2 * p - k) / s + 1,
+            out_width: (w + 2 * p - k) / s + 1,
+        }
+    }
+
+    fn values(len: usize, salt: usize) -> Vec<f32> {
+        (0..len)
+            .map(|i| (((i * 7919 + salt * 104_729) % 211) as f32 - 105.0) / 53.0)
+            .collect()
+    }
+
+    /// The convolution by its definition, in f64: `(y, dW, db, dx)` for `n` samples.
+    fn reference(
+        conv: &Conv2d,
+        w: &[f32],
+        b: &[f32],
+        x: &[f32],
+        dy: &[f32],
+        n: usize,
+    ) -> (Vec<f64>, Vec<f64>, Vec<f64>, Vec<f64>) {
+        let (h, wd, c, oc, k) = (
+            conv.in_height,
+            conv.in_width,
+            conv.in_channels,
+            conv.out_channels,
+            conv.kernel,
+        );
+        let (oh, ow) = (conv.out_height, conv.out_width);
+        let mut y = vec![0.0; n * oh * ow * oc];
+        let mut dw = vec![0.0; w.len()];
+        let mut db = vec![0.0; oc];
+        let mut dx = vec![0.0; x.len()];
+        for bi in 0..n {
+            for oy in 0..oh {
+                for ox in 0..ow {
+                    for o in 0..oc {
+                        let at = ((bi * oh + oy) * ow + ox) * oc + o;
+                        let g = dy[at] as f64;
+                        let mut sum = b[o] as f64;
+                        db[o] += g;
+                        for ky in 0..k {
+                            for kx in 0..k {
+                                let iy = (oy * conv.stride + ky) as isize - conv.padding as isize;
+                                let ix = (ox * conv.stride + kx) as isize - conv.padding as isize;
+                                if iy < 0 || ix < 0 || iy >= h as isize || ix >= wd as isize {
+                                    continue;
+                                }
+                                for ci in 0..c {
+                                    let xi = ((bi * h + iy as usize) * wd + ix as usize) * c + ci;
+                                    let wi = ((o * k + ky) * k + kx) * c + ci;
+                                    sum += x[xi] as f64 * w[wi] as f64;
+                                    dw[wi] += g * x[xi] as f64;
+                                    dx[xi] += g * w[wi] as f64;
+                                }
+                            }
+                        }
+                        y[at] = sum;
+                    }
+                }
+            }
+        }
+        (y, dw, db, dx)
+    }
+
+    fn assert_close(got: &[f32], want: &[f64], what: &str) {
+        assert_eq!(got.len(), want.len(), "{what}: length");
+        let scale = want.iter().fold(1.0f64, |m, v| m.max(v.abs()));
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert!(
+                (*g as f64 - w).abs() <= 1e-5 * scale,
+                "{what}[{i}]: got {g}, want {w}"
+            );
+        }
+    }
+
+    // Both paths — the direct kernels (no padding, short kernel rows) and grouped im2col + GEMM
+    // (the rest) — against the convolution's definition: outputs, the fused ReLU, weight, bias
+    // and input gradients, at one and two threads, for channel counts that fill the register
+    // blocks and counts that leave a tail.
+    #[test]
+    fn both_conv_paths_match_the_definition() {
+        let cases = [
+            (geometry((12, 11, 1), 32, 5, 1, 0), true),
+            (geometry((9, 13, 3), 20, 5, 2, 0), true),
+            (geometry((7, 8, 2), 17, 4, 1, 0), true),
+            (geometry((6, 6, 1), 5, 1, 1, 0), true),
+            (geometry((8, 8, 3), 7, 3, 1, 1), false),
+            (geometry((8, 9, 8), 10, 3, 2, 0), false),
+        ];
+        for (conv, direct) in cases {
+            assert_eq!(applies(&conv), direct, "{conv:?}");
+            let n = 5;
+            let sample_in = conv.in_height * conv.in_width * conv.in_channels;
+            let out = n * conv.out_height * conv.out_width * conv.out_channels;
+            let p = values(conv.param_count(), 1);
+            let (w, b) = p.split_at(conv.weight_len());
+            let x = values(n * sample_in, 2);
+            let dy = values(out, 3);
+            let (y_ref, dw_ref, db_ref, dx_ref) = reference(&conv, w, b, &x, &dy, n);
+            for threads in [1, 2] {
+                let what = |part: &str| format!("{part}, direct {direct}, {threads} thread(s)");
+                let mut y = vec![f32::NAN; out];
+                conv.forward(&p, &x, n, &mut y, false, threads);
+                assert_close(&y, &y_ref, &what("y"));
+                let mut g = vec![f32::NAN; p.len()];
+                let (mut dx, mut scratch) = (Vec::new(), Vec::new());
+                dx.resize(x.len(), f32::NAN);
+                conv.backward(
+                    &p,
+                    &mut g,
+                    false,
+                    &x,
+                    &dy,
+                    None,
+                    n,
+                    Some(&mut dx),
+                    &mut scratch,
+                    threads,
+                );
+                let (gw, gb) = g.split_at(conv.weight_len());
+                assert_close(gw, &dw_ref, &what("dW"));
+                assert_close(gb, &db_ref, &what("db"));
+                assert_close(&dx, &dx_ref, &what("dx"));
+
+                // With the ReLU fused: its output, and the gradient masked by it.
+                let mut r = vec![f32::NAN; out];
+                conv.forward(&p, &x, n, &mut r, true, threads);
+                let relu_ref: Vec<f64> = y_ref.iter().map(|v| v.max(0.0)).collect();
+                assert_close(&r, &relu_ref, &what("relu(y)"));
+                let masked: Vec<f32> = dy
+                    .iter()
+                    .zip(&r)
+                    .map(|(g, y)| if *y > 0.0 { *g } else { 0.0 })
+                    .collect();
+                let (_, dw_m, db_m, dx_m) = reference(&conv, w, b, &x, &masked, n);
+                conv.backward(
+                    &p,
+                    &mut g,
+                    false,
+                    &x,
+                    &dy,
+                    Some(&r),
+                    n,
+                    Some(&mut dx),
+                    &mut scratch,
+                    threads,
+                );
+                let (gw, gb) = g.split_at(conv.weight_len());
+                assert_close(gw, &dw_m, &what("dW under the ReLU"));
+                assert_close(gb, &db_m, &what("db under the ReLU"));
+                assert_close(&dx, &dx_m, &what("dx under the ReLU"));
+            }
+        }
+    }
+}
