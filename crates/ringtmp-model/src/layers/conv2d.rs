@@ -113,7 +113,7 @@ impl Conv2d {
         let (w, b) = p.split_at(self.weight_len());
         if conv_direct::applies(self) {
             let mut wt = Vec::new();
-            conv_direct::transpose_weights(self, w, &mut wt);
+            conv_direct::block_weights(self, w, &mut wt);
             let sample = |(xs, ys): (&[f32], &mut [f32])| {
                 conv_direct::forward_sample(self, &wt, b, xs, ys, relu);
             };

@@ -37,20 +37,46 @@ pub(super) fn padded_channels(conv: &Conv2d) -> usize {
     conv.out_channels.div_ceil(LANES) * LANES
 }
 
-/// `wt[f, o] = w[o, f]` for the weights `w[oc, fan_in]`, zero for `o ≥ oc`.
-pub(super) fn transpose_weights(conv: &Conv2d, w: &[f32], wt: &mut Vec<f32>) {
-    let (fan_in, oc, oc_pad) = (conv.fan_in(), conv.out_channels, padded_channels(conv));
+/// The weights `w[oc, fan_in]` as blocks of [`LANES`] output channels:
+/// `wt[block · fan_in + f][l] = w[block · LANES + l, f]`, zero past the last channel.
+pub(super) fn block_weights(conv: &Conv2d, w: &[f32], wt: &mut Vec<[f32; LANES]>) {
+    let (fan_in, oc) = (conv.fan_in(), conv.out_channels);
     wt.clear();
-    wt.resize(fan_in * oc_pad, 0.0);
+    wt.resize(oc.div_ceil(LANES) * fan_in, [0.0; LANES]);
     for (o, row) in w.chunks_exact(fan_in).enumerate().take(oc) {
         for (f, v) in row.iter().enumerate() {
-            wt[f * oc_pad + o] = *v;
+            wt[(o / LANES) * fan_in + f][o % LANES] = *v;
         }
     }
 }
 
+/// Calls `$f::<RUN>($args)` with the convolution's kernel row length as the constant `RUN`.
+macro_rules! with_run {
+    ($conv:expr, $f:ident($($arg:expr),*)) => {
+        match $conv.kernel * $conv.in_channels {
+            1 => $f::<1>($($arg),*),
+            2 => $f::<2>($($arg),*),
+            3 => $f::<3>($($arg),*),
+            4 => $f::<4>($($arg),*),
+            5 => $f::<5>($($arg),*),
+            6 => $f::<6>($($arg),*),
+            7 => $f::<7>($($arg),*),
+            8 => $f::<8>($($arg),*),
+            9 => $f::<9>($($arg),*),
+            10 => $f::<10>($($arg),*),
+            11 => $f::<11>($($arg),*),
+            12 => $f::<12>($($arg),*),
+            13 => $f::<13>($($arg),*),
+            14 => $f::<14>($($arg),*),
+            15 => $f::<15>($($arg),*),
+            16 => $f::<16>($($arg),*),
+            other => unreachable!("a kernel row of {other} values: `applies` admits 1..=16"),
+        }
+    };
+}
+
 /// One sample's output `y[positions, oc] = bias + conv(x)` (then ReLU when `relu`), from the
-/// transposed weights `wt`.
+/// blocked weights of [`block_weights`].
 #[cfg_attr(
     feature = "avx512",
     multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))
@@ -61,60 +87,122 @@ pub(super) fn transpose_weights(conv: &Conv2d, w: &[f32], wt: &mut Vec<f32>) {
 )]
 pub(super) fn forward_sample(
     conv: &Conv2d,
-    wt: &[f32],
+    wt: &[[f32; LANES]],
     bias: &[f32],
     x: &[f32],
     y: &mut [f32],
     relu: bool,
 ) {
-    let (k, c, s) = (conv.kernel, conv.in_channels, conv.stride);
-    let (oc, oc_pad) = (conv.out_channels, padded_channels(conv));
+    with_run!(conv, forward_rows(conv, wt, bias, x, y, relu));
+}
+
+#[inline(always)]
+fn forward_rows<const RUN: usize>(
+    conv: &Conv2d,
+    wt: &[[f32; LANES]],
+    bias: &[f32],
+    x: &[f32],
+    y: &mut [f32],
+    relu: bool,
+) {
+    let (s, c, oc, fan_in) = (
+        conv.stride,
+        conv.in_channels,
+        conv.out_channels,
+        conv.fan_in(),
+    );
     let row_len = conv.in_width * c;
-    let mut taps = [0usize; MAX_RUN * MAX_RUN];
-    let taps = &mut taps[..k * k * c];
-    for (f, t) in taps.iter_mut().enumerate() {
-        let (ky, q) = (f / (k * c), f % (k * c));
-        *t = ky * row_len + q;
-    }
-    let mut lanes_bias = [0.0f32; LANES];
-    for ob in (0..oc).step_by(LANES) {
+    let mut init = [0.0f32; LANES];
+    for (block, ob) in (0..oc).step_by(LANES).enumerate() {
         let width = LANES.min(oc - ob);
-        lanes_bias[..width].copy_from_slice(&bias[ob..ob + width]);
+        init[..width].copy_from_slice(&bias[ob..ob + width]);
+        let block = Block::<RUN> {
+            x,
+            wt: &wt[block * fan_in..(block + 1) * fan_in],
+            row_len,
+            step: s * c,
+            kernel: conv.kernel,
+        };
         for oy in 0..conv.out_height {
             let mut ox = 0;
             while ox < conv.out_width {
-                let pixels = if ox + PIXELS <= conv.out_width {
-                    PIXELS
+                let origin = oy * s * row_len + ox * s * c;
+                let at = (oy * conv.out_width + ox) * oc + ob;
+                if ox + PIXELS <= conv.out_width {
+                    let acc = block.sums::<PIXELS>(origin, init);
+                    store(&acc, &mut y[at..], oc, width, relu);
+                    ox += PIXELS;
                 } else {
-                    1
-                };
-                let mut acc = [lanes_bias; PIXELS];
-                let origin = (oy * s) * row_len + ox * s * c;
-                for (f, &t) in taps.iter().enumerate() {
-                    let w: &[f32; LANES] = wt[f * oc_pad + ob..][..LANES]
-                        .try_into()
-                        .expect("LANES values");
-                    for (j, acc) in acc.iter_mut().enumerate().take(pixels) {
-                        let a = x[origin + j * s * c + t];
-                        for l in 0..LANES {
-                            acc[l] = a.mul_add(w[l], acc[l]);
-                        }
-                    }
+                    let acc = block.sums::<1>(origin, init);
+                    store(&acc, &mut y[at..], oc, width, relu);
+                    ox += 1;
                 }
-                for (j, acc) in acc.iter().enumerate().take(pixels) {
-                    let at = (oy * conv.out_width + ox + j) * oc + ob;
-                    for (o, v) in y[at..at + width].iter_mut().zip(acc) {
-                        *o = if relu { v.max(0.0) } else { *v };
-                    }
-                }
-                ox += pixels;
             }
         }
     }
 }
 
-/// Adds one sample's weight gradient to `dwt[fan_in, oc_pad]` (transposed, as the weights
-/// `forward_sample` uses), from its input `x` and output gradient `dy[positions, oc]`.
+/// What a forward block reads: the sample's input and one block of output channels' weights.
+struct Block<'a, const RUN: usize> {
+    x: &'a [f32],
+    /// `[fan_in]` vectors of [`LANES`] weights.
+    wt: &'a [[f32; LANES]],
+    /// Input values in one image row.
+    row_len: usize,
+    /// Input values between neighbouring output pixels.
+    step: usize,
+    kernel: usize,
+}
+
+impl<const RUN: usize> Block<'_, RUN> {
+    /// Sums for `P` neighbouring output pixels, the first of which reads its input from
+    /// `origin`, starting from `init`. Kernel row by kernel row: each pixel's `RUN` input values
+    /// are contiguous, and with `P` and `RUN` constant the sums stay in registers and the
+    /// indices need no checks inside the row.
+    #[inline(always)]
+    fn sums<const P: usize>(&self, origin: usize, init: [f32; LANES]) -> [[f32; LANES]; P] {
+        let mut acc = [init; P];
+        for ky in 0..self.kernel {
+            let w: &[[f32; LANES]; RUN] = self.wt[ky * RUN..(ky + 1) * RUN]
+                .try_into()
+                .expect("RUN weight vectors");
+            let base = origin + ky * self.row_len;
+            let xs: [&[f32; RUN]; P] = std::array::from_fn(|j| {
+                let at = base + j * self.step;
+                self.x[at..at + RUN].try_into().expect("RUN input values")
+            });
+            for (q, w) in w.iter().enumerate() {
+                for (acc, xs) in acc.iter_mut().zip(&xs) {
+                    let a = xs[q];
+                    for l in 0..LANES {
+                        acc[l] = a.mul_add(w[l], acc[l]);
+                    }
+                }
+            }
+        }
+        acc
+    }
+}
+
+/// Writes `P` pixels' sums (`width` channels of each, ReLU applied when `relu`) to `y`, whose
+/// pixels are `oc` values apart.
+#[inline(always)]
+fn store<const P: usize>(
+    acc: &[[f32; LANES]; P],
+    y: &mut [f32],
+    oc: usize,
+    width: usize,
+    relu: bool,
+) {
+    for (j, acc) in acc.iter().enumerate() {
+        for (o, v) in y[j * oc..j * oc + width].iter_mut().zip(acc) {
+            *o = if relu { v.max(0.0) } else { *v };
+        }
+    }
+}
+
+/// Adds one sample's weight gradient to `dwt[fan_in, oc_pad]` (`oc_pad` =
+/// [`padded_channels`]), from its input `x` and output gradient `dy[positions, oc]`.
 #[cfg_attr(
     feature = "avx512",
     multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))
@@ -124,44 +212,71 @@ pub(super) fn forward_sample(
     multiversion(targets("x86_64+avx2+fma", "aarch64+neon"))
 )]
 pub(super) fn add_weight_grad_sample(conv: &Conv2d, x: &[f32], dy: &[f32], dwt: &mut [f32]) {
-    macro_rules! run_lengths {
-        ($($n:literal)*) => {
-            match conv.kernel * conv.in_channels {
-                $($n => weight_grad_rows::<$n>(conv, x, dy, dwt),)*
-                other => unreachable!("kernel row of {other} values: `applies` admits 1..=16"),
-            }
-        };
-    }
-    run_lengths!(1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16);
+    with_run!(conv, weight_grad_rows(conv, x, dy, dwt));
 }
 
+/// For each block of output channels and each kernel row, the `RUN` weights of that row are
+/// summed in registers over all the sample's output pixels, two pixels at a time into two sets
+/// of sums (one set would wait on the previous pixel's multiply-add every time).
 #[inline(always)]
 fn weight_grad_rows<const RUN: usize>(conv: &Conv2d, x: &[f32], dy: &[f32], dwt: &mut [f32]) {
     let (s, c) = (conv.stride, conv.in_channels);
     let (oc, oc_pad) = (conv.out_channels, padded_channels(conv));
-    let row_len = conv.in_width * c;
+    let (ow, row_len, step) = (conv.out_width, conv.in_width * c, conv.stride * c);
+    let input = |at: usize| -> &[f32; RUN] { x[at..at + RUN].try_into().expect("RUN values") };
     for ob in (0..oc).step_by(LANES) {
         let width = LANES.min(oc - ob);
-        for ky in 0..conv.kernel {
-            let mut acc = [[0.0f32; LANES]; RUN];
-            let mut g = [0.0f32; LANES];
-            for oy in 0..conv.out_height {
-                for ox in 0..conv.out_width {
-                    let p = oy * conv.out_width + ox;
-                    g[..width].copy_from_slice(&dy[p * oc + ob..p * oc + ob + width]);
-                    let origin = (oy * s + ky) * row_len + ox * s * c;
-                    let xs: &[f32; RUN] = x[origin..origin + RUN].try_into().expect("RUN values");
-                    for (acc, a) in acc.iter_mut().zip(xs) {
-                        for l in 0..LANES {
-                            acc[l] = a.mul_add(g[l], acc[l]);
+        if width < LANES {
+            // A last partial block of channels: plainly, value by value.
+            for p in 0..conv.out_height * ow {
+                let (oy, ox) = (p / ow, p % ow);
+                for ky in 0..conv.kernel {
+                    let xs = input((oy * s + ky) * row_len + ox * step);
+                    for (q, a) in xs.iter().enumerate() {
+                        let at = (ky * RUN + q) * oc_pad + ob;
+                        for (d, g) in dwt[at..at + width].iter_mut().zip(&dy[p * oc + ob..]) {
+                            *d = a.mul_add(*g, *d);
                         }
                     }
                 }
             }
-            for (q, acc) in acc.iter().enumerate() {
+            continue;
+        }
+        let gradient = |p: usize| -> &[f32; LANES] {
+            dy[p * oc + ob..p * oc + ob + LANES]
+                .try_into()
+                .expect("LANES values")
+        };
+        for ky in 0..conv.kernel {
+            let mut even = [[0.0f32; LANES]; RUN];
+            let mut odd = [[0.0f32; LANES]; RUN];
+            for oy in 0..conv.out_height {
+                let row = (oy * s + ky) * row_len;
+                let mut ox = 0;
+                while ox + 2 <= ow {
+                    let (g0, g1) = (gradient(oy * ow + ox), gradient(oy * ow + ox + 1));
+                    let (x0, x1) = (input(row + ox * step), input(row + (ox + 1) * step));
+                    for ((e, o), (a0, a1)) in even.iter_mut().zip(&mut odd).zip(x0.iter().zip(x1)) {
+                        for l in 0..LANES {
+                            e[l] = a0.mul_add(g0[l], e[l]);
+                            o[l] = a1.mul_add(g1[l], o[l]);
+                        }
+                    }
+                    ox += 2;
+                }
+                if ox < ow {
+                    let (g0, x0) = (gradient(oy * ow + ox), input(row + ox * step));
+                    for (e, a0) in even.iter_mut().zip(x0) {
+                        for l in 0..LANES {
+                            e[l] = a0.mul_add(g0[l], e[l]);
+                        }
+                    }
+                }
+            }
+            for (q, (e, o)) in even.iter().zip(&odd).enumerate() {
                 let at = (ky * RUN + q) * oc_pad + ob;
-                for (d, v) in dwt[at..at + LANES].iter_mut().zip(acc) {
-                    *d += v;
+                for (l, d) in dwt[at..at + LANES].iter_mut().enumerate() {
+                    *d += e[l] + o[l];
                 }
             }
         }
