@@ -22,9 +22,12 @@ use crate::kernels::{
     Op, broadcast_rows, column_sums, matmul, relu_backward, relu_in_place, set_len,
 };
 
-/// Column values one group of samples may fill (256 KB): within a core's L2 on both x86
-/// machine kinds, so the GEMM reads the columns from cache right after they are written.
-const GROUP_COLUMNS: usize = 64 * 1024;
+/// Column values one group of samples may fill (512 KB): within a core's L2, so the GEMM reads
+/// the columns from cache right after they are written. For the cnn's second conv that is two
+/// samples, 128 rows per GEMM; half that (one sample, 64 rows) ran the cnn 1–6% slower at one
+/// thread and 3–4% at two (AMD EPYC, AVX-512, session 11, three alternating runs of
+/// `bench-compute --models cnn --threads 1,2`).
+const GROUP_COLUMNS: usize = 128 * 1024;
 
 /// One thread's share of a backward pass.
 struct Part<'a> {
