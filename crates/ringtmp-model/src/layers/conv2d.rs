@@ -1,5 +1,6 @@
 //! 2-D convolution over channels-last images, as im2col followed by GEMMs, a few samples at a
-//! time.
+//! time — or, for short kernel rows (an image's first conv), the direct kernels of
+//! `conv_direct`.
 //!
 //! With NHWC activations, a column row `(b, oy, ox)` is `kernel` runs of `kernel × in_channels`
 //! contiguous values, and the GEMM output `[b·oh·ow, out_channels]` *is* the NHWC output: no
@@ -159,7 +160,8 @@ impl Conv2d {
     }
 
     /// Weight, bias and (when `dx` is given) input gradients from `dy`, rebuilding the columns
-    /// of `x` group by group as the forward did. With `relu_out` (the forward ran with `relu`,
+    /// of `x` group by group as the forward did (or, where the direct kernels apply, summing the
+    /// weight gradient from `x` in place). With `relu_out` (the forward ran with `relu`,
     /// and this is its output), `dy` is the ReLU's output gradient and each group masks it in
     /// cache first.
     ///
