@@ -170,8 +170,17 @@ fn print_profile(stage: &Stage, optimizer_seconds: f64, total: f64, steps: usize
     let ms = |s: f64| s * 1e3 / steps as f64;
     println!("  profile, {threads} thread(s), ms per step (share of the step):");
     let mut accounted = optimizer_seconds;
-    for (layer, t) in stage.layers().iter().zip(times) {
+    for (i, (layer, t)) in stage.layers().iter().zip(times).enumerate() {
         accounted += t.forward_seconds + t.backward_seconds;
+        if let Some(conv) = stage.fused_into(i) {
+            println!(
+                "    {:>2} {:<10} {:>14} runs inside layer {conv} (fused)",
+                layer.index,
+                layer.kind_name(),
+                layer.output.to_string(),
+            );
+            continue;
+        }
         println!(
             "    {:>2} {:<10} {:>14} fwd {:>6.3} ({:>4.1}%)  bwd {:>6.3} ({:>4.1}%)",
             layer.index,

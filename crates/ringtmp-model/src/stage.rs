@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::kernels::set_len;
-use crate::layers::{Aux, Layer, LayerKind, Pass};
+use crate::layers::{Aux, Fused, Layer, LayerKind, OutputGrad, Pass};
 use crate::optim::Optimizer;
 
 /// Released weight versions kept for reuse. Two suffice for a steady pipeline: the step that
@@ -74,11 +74,54 @@ pub struct Stage {
     profile: Option<Vec<LayerTime>>,
     /// Per layer, rows waiting for a deferred weight gradient (when deferral is on).
     deferred: Option<Vec<Pending>>,
-    /// Per layer: a convolution whose next layer, in this stage, is a ReLU. The conv applies it
-    /// to each group of its output while in cache (forward) and masks its output gradient the
-    /// same way (backward); the ReLU layer itself then does nothing, and the conv's raw output
-    /// is never kept. Bit for bit the same results as the two layers apart.
-    fused_relu: Vec<bool>,
+    /// Per layer: which of the layers after a convolution, in this stage, run inside it (see
+    /// [`Fusion`]). Bit for bit the same results as the layers apart.
+    fusion: Vec<Fusion>,
+}
+
+/// The layers after a convolution, in the same stage, that the convolution runs itself.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fusion {
+    /// Not a conv, or nothing fused.
+    None,
+    /// conv → ReLU: the conv applies the ReLU to each group of its output while in cache
+    /// (forward) and masks its output gradient the same way (backward); the ReLU layer itself
+    /// does nothing, and the conv's raw output is never kept.
+    Relu,
+    /// conv → ReLU → max-pool: the conv also pools each group in cache; neither its output nor
+    /// the ReLU's is ever written, the pool's output and indices are stashed as usual, and the
+    /// backward scatters the pool's output gradient into each group's in cache.
+    ReluPool,
+}
+
+impl Fusion {
+    /// What follows layer `i` of `layers`.
+    fn of(layers: &[Layer], i: usize) -> Self {
+        let kind = |k: usize| layers.get(k).map(|l| &l.kind);
+        match (kind(i), kind(i + 1), kind(i + 2)) {
+            (Some(LayerKind::Conv2d(_)), Some(LayerKind::Relu), Some(LayerKind::MaxPool2d(_))) => {
+                Fusion::ReluPool
+            }
+            (Some(LayerKind::Conv2d(_)), Some(LayerKind::Relu), _) => Fusion::Relu,
+            _ => Fusion::None,
+        }
+    }
+
+    /// The stage position of the conv that runs layer `i`, if an earlier conv runs it.
+    fn runner(fusion: &[Fusion], i: usize) -> Option<usize> {
+        if i >= 1 && fusion[i - 1] != Fusion::None {
+            Some(i - 1)
+        } else if i >= 2 && fusion[i - 2] == Fusion::ReluPool {
+            Some(i - 2)
+        } else {
+            None
+        }
+    }
+
+    /// Whether layer `i` runs inside an earlier conv.
+    fn absorbs(fusion: &[Fusion], i: usize) -> bool {
+        Self::runner(fusion, i).is_some()
+    }
 }
 
 /// Inputs and output gradients kept for a deferred weight gradient.
@@ -131,12 +174,7 @@ impl Stage {
             }
         }
         let n = layers.len();
-        let fused_relu = (0..n)
-            .map(|i| {
-                matches!(layers[i].kind, LayerKind::Conv2d(_))
-                    && layers.get(i + 1).is_some_and(|l| l.kind == LayerKind::Relu)
-            })
-            .collect();
+        let fusion = (0..n).map(|i| Fusion::of(&layers, i)).collect();
         Self {
             layers,
             offsets,
@@ -154,7 +192,7 @@ impl Stage {
             eval: Stash::default(),
             profile: None,
             deferred: None,
-            fused_relu,
+            fusion,
         }
     }
 
@@ -172,6 +210,12 @@ impl Stage {
     /// The layers of this stage.
     pub fn layers(&self) -> &[Layer] {
         &self.layers
+    }
+
+    /// For the stage's layer `i`: the model index of the convolution that runs it fused (a ReLU
+    /// or max-pool after a conv in this stage), or `None` when it runs itself.
+    pub fn fused_into(&self, i: usize) -> Option<usize> {
+        Fusion::runner(&self.fusion, i).map(|k| self.layers[k].index)
     }
 
     /// Index of the first layer in the whole model.
@@ -311,7 +355,7 @@ impl Stage {
         copy_input(&mut stash.acts[0], x, rows * self.input_len());
         run_forward(
             &self.layers,
-            &self.fused_relu,
+            &self.fusion,
             &self.offsets,
             &self.params,
             &mut stash,
@@ -334,7 +378,7 @@ impl Stage {
         copy_input(&mut eval.acts[0], x, rows * self.layers[0].input.numel());
         run_forward(
             &self.layers,
-            &self.fused_relu,
+            &self.fusion,
             &self.offsets,
             &self.params,
             eval,
@@ -409,32 +453,49 @@ impl Stage {
                 self.grads_written[i] = true;
                 continue;
             }
-            if i > 0 && self.fused_relu[i - 1] {
-                // This ReLU's backward runs inside the conv's below.
+            if Fusion::absorbs(&self.fusion, i) {
+                // This layer's backward runs inside the conv's below.
                 self.grads_written[i] = true;
                 continue;
             }
             let (this, later) = self.input_grads.split_at_mut(i + 1);
-            let fused = self.fused_relu[i];
-            // A fused conv takes the gradient of its ReLU's output.
-            let after = if fused { i + 1 } else { i };
+            let fusion = self.fusion[i];
+            // A fused conv takes the gradient of the last fused layer's output.
+            let after = match fusion {
+                Fusion::None => i,
+                Fusion::Relu => i + 1,
+                Fusion::ReluPool => i + 2,
+            };
             let upstream = if after == last { dy } else { &later[after - i] };
             let range = self.offsets[i]..self.offsets[i + 1];
             let accumulate = self.grads_written[i];
             let started = self.profile.is_some().then(std::time::Instant::now);
             match (&self.layers[i].kind, self.deferred.as_mut()) {
-                (LayerKind::Conv2d(conv), _) if fused => {
+                (LayerKind::Conv2d(conv), _) if fusion != Fusion::None => {
                     if want_dx {
                         set_len(&mut this[i], rows * self.layers[i].input.numel());
                     }
                     let dx = want_dx.then_some(&mut this[i]);
+                    let grad = match self.layers.get(i + 2).map(|l| &l.kind) {
+                        Some(LayerKind::MaxPool2d(pool)) if fusion == Fusion::ReluPool => {
+                            OutputGrad::ReluPool {
+                                pool,
+                                dy: upstream,
+                                pooled: &stash.acts[i + 3],
+                                indices: &stash.aux[i + 2].indices,
+                            }
+                        }
+                        _ => OutputGrad::Relu {
+                            dy: upstream,
+                            relu_out: &stash.acts[i + 2],
+                        },
+                    };
                     conv.backward(
                         &weights[range.clone()],
                         &mut self.grads[range],
                         accumulate,
                         &stash.acts[i],
-                        upstream,
-                        Some(&stash.acts[i + 2]),
+                        grad,
                         rows,
                         dx,
                         &mut self.scratch,
@@ -577,7 +638,7 @@ impl Stage {
 #[allow(clippy::too_many_arguments)]
 fn run_forward(
     layers: &[Layer],
-    fused_relu: &[bool],
+    fusion: &[Fusion],
     offsets: &[usize],
     params: &[f32],
     stash: &mut Stash,
@@ -596,22 +657,50 @@ fn run_forward(
             set_len(&mut stash.acts[i + 1], stash.rows * layer.output.numel());
             continue;
         }
-        if i > 0 && fused_relu[i - 1] {
-            // The conv before applied this ReLU to its output.
+        if Fusion::absorbs(fusion, i) {
+            // The conv before ran this layer.
             continue;
         }
         let started = profile.is_some().then(std::time::Instant::now);
         let (done, rest) = stash.acts.split_at_mut(i + 1);
-        match &layer.kind {
-            LayerKind::Conv2d(conv) if fused_relu[i] => {
+        let params_i = &params[offsets[i]..offsets[i + 1]];
+        match (&layer.kind, fusion[i]) {
+            (LayerKind::Conv2d(conv), Fusion::Relu) => {
                 // Straight into the ReLU's output; the conv's own is not kept.
                 rest[0].clear();
-                set_len(&mut rest[1], stash.rows * layer.output.numel());
-                let params = &params[offsets[i]..offsets[i + 1]];
-                conv.forward(params, &done[i], stash.rows, &mut rest[1], true, threads);
+                set_len(&mut rest[1], stash.rows * layers[i + 1].output.numel());
+                let indices = &mut stash.aux[i].indices;
+                conv.forward(
+                    params_i,
+                    &done[i],
+                    stash.rows,
+                    &mut rest[1],
+                    Fused::Relu,
+                    indices,
+                    threads,
+                );
+            }
+            (LayerKind::Conv2d(conv), Fusion::ReluPool) => {
+                // Straight into the pool's output; neither the conv's nor the ReLU's is kept.
+                let LayerKind::MaxPool2d(pool) = &layers[i + 2].kind else {
+                    unreachable!("Fusion::of checked the pool");
+                };
+                rest[0].clear();
+                rest[1].clear();
+                set_len(&mut rest[2], stash.rows * layers[i + 2].output.numel());
+                let indices = &mut stash.aux[i + 2].indices;
+                conv.forward(
+                    params_i,
+                    &done[i],
+                    stash.rows,
+                    &mut rest[2],
+                    Fused::ReluPool(pool),
+                    indices,
+                    threads,
+                );
             }
             _ => layer.forward(
-                &params[offsets[i]..offsets[i + 1]],
+                params_i,
                 &done[i],
                 stash.rows,
                 &mut rest[0],

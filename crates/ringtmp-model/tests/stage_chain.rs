@@ -333,14 +333,34 @@ fn deferred_weight_gradients_equal_the_unsplit_model() {
     }
 }
 
-// Within one stage the conv → ReLU pair runs fused (the ReLU applied to each group of the conv's
-// output while in cache, its backward masked the same way, the conv's raw output never kept);
-// cut between the two they run as two layers. Both give the same bits — outputs, input gradients,
-// parameter gradients — at one and two threads, and the fused stage keeps one activation less.
+// Within one stage a conv → ReLU → max-pool runs fused (the ReLU and the pool applied to each
+// group of the conv's output while in cache, the pool's gradient scattered into each group's in
+// the backward, neither the conv's nor the ReLU's output ever kept), and a conv → ReLU whose pool
+// is in the next stage fuses the ReLU alone. Cut apart, the layers run one by one. Every way
+// gives the same bits — outputs, input gradients, parameter gradients — at one and two threads,
+// for the GEMM path (padding) and the direct kernels (none) with several groups, with pooling
+// windows apart and overlapping; and the fused stages keep less.
 #[test]
-fn a_fused_conv_and_relu_equal_the_two_layers_apart_bit_for_bit() {
-    let layers = layers();
-    let (x, _) = data();
+fn fused_conv_relu_and_pool_equal_the_layers_apart_bit_for_bit() {
+    const FUSED: &str = r#"
+name = "fused-test"
+[[layer]]
+type = "conv2d"
+out_channels = 6
+kernel = KERNEL
+padding = PADDING
+[[layer]]
+type = "relu"
+[[layer]]
+type = "max_pool2d"
+kernel = POOL
+stride = 2
+[[layer]]
+type = "flatten"
+[[layer]]
+type = "linear"
+out = 10
+"#;
     let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
     let pass = Pass {
         train: true,
@@ -348,37 +368,90 @@ fn a_fused_conv_and_relu_equal_the_two_layers_apart_bit_for_bit() {
         step: 0,
         row_offset: 0,
     };
-    for threads in [1, 2] {
-        let mut fused = Stage::new(&layers, 0..3, SEED, threads);
-        fused.set_input_grad(true);
-        let mut conv = Stage::new(&layers, 0..1, SEED, threads);
-        conv.set_input_grad(true);
-        let mut rest = Stage::new(&layers, 1..3, SEED, threads);
-        let y = fused.forward(0, &x, ROWS, &pass).unwrap().to_vec();
-        let mid = conv.forward(0, &x, ROWS, &pass).unwrap().to_vec();
-        let apart = rest.forward(0, &mid, ROWS, &pass).unwrap().to_vec();
-        assert_eq!(bits(&y), bits(&apart), "outputs, {threads} thread(s)");
-        assert!(mid.iter().any(|v| *v < 0.0) && y.contains(&0.0));
-        assert_eq!(
-            fused.stash_bytes() + 2 * mid.len() * 4,
-            conv.stash_bytes() + rest.stash_bytes(),
-            "the fused stage keeps neither the conv's raw output nor a copy of it"
-        );
-        let dy: Vec<f32> = (0..y.len())
-            .map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0)
-            .collect();
-        let dx = fused.backward(0, &dy).unwrap().unwrap().to_vec();
-        let dmid = rest.backward(0, &dy).unwrap().unwrap().to_vec();
-        let dx_apart = conv.backward(0, &dmid).unwrap().unwrap().to_vec();
-        assert_eq!(
-            bits(&dx),
-            bits(&dx_apart),
-            "input gradients, {threads} thread(s)"
-        );
-        assert_eq!(
-            bits(fused.grads()),
-            bits(conv.grads()),
-            "parameter gradients, {threads} thread(s)"
-        );
+    let rows = 40;
+    // (kernel, padding): im2col + GEMM in groups of 12 samples; the direct kernels.
+    for (kernel, padding) in [(5, 2), (3, 0)] {
+        for pool in [2, 3] {
+            let toml = FUSED
+                .replace("KERNEL", &kernel.to_string())
+                .replace("PADDING", &padding.to_string())
+                .replace("POOL", &pool.to_string());
+            let layers = ModelSpec::from_toml(&toml, "fused-test")
+                .unwrap()
+                .build(&Shape::image(12, 12, 3), 10)
+                .unwrap();
+            // Every fifth sample blank: its windows pool to zero (the biases start at zero),
+            // so the pooled gradient is masked there.
+            let x: Vec<f32> = (0..rows * 12 * 12 * 3)
+                .map(|i| match i / (12 * 12 * 3) % 5 {
+                    0 => 0.0,
+                    _ => ((i * 7919 % 101) as f32 / 50.0) - 1.0,
+                })
+                .collect();
+            for threads in [1, 2] {
+                let what = format!("kernel {kernel}, padding {padding}, pool {pool}, {threads}t");
+                let stages = |cuts: &[usize]| -> Vec<Stage> {
+                    cuts.windows(2)
+                        .map(|w| {
+                            let mut stage = Stage::new(&layers, w[0]..w[1], SEED, threads);
+                            stage.set_input_grad(true);
+                            stage
+                        })
+                        .collect()
+                };
+                let mut ways = [stages(&[0, 3]), stages(&[0, 2, 3]), stages(&[0, 1, 2, 3])];
+                let mut outputs = Vec::new();
+                let mut inputs = Vec::new();
+                for way in &mut ways {
+                    let mut h = x.clone();
+                    let mut acts = Vec::new();
+                    for stage in way.iter_mut() {
+                        h = stage.forward(0, &h, rows, &pass).unwrap().to_vec();
+                        acts.push(h.clone());
+                    }
+                    outputs.push(h);
+                    inputs.push(acts);
+                }
+                let y = &outputs[0];
+                let zeros = y.iter().filter(|v| **v == 0.0).count();
+                assert!(zeros > 0 && zeros < y.len(), "{what}: pooled zeros {zeros}");
+                for (k, other) in outputs.iter().enumerate().skip(1) {
+                    assert_eq!(bits(y), bits(other), "{what}: outputs, way {k}");
+                }
+                // Kept per way: the input, the pooled output and its indices (u32), plus, by
+                // the layers each cut makes visible, the conv's and the ReLU's outputs.
+                let conv_out = inputs[2][0].len() * 4;
+                let kept: Vec<usize> = ways
+                    .iter()
+                    .map(|w| w.iter().map(Stage::stash_bytes).sum())
+                    .collect();
+                assert_eq!(kept[1], kept[0] + 2 * conv_out, "{what}: relu fused alone");
+                assert_eq!(kept[2], kept[0] + 4 * conv_out, "{what}: nothing fused");
+
+                let dy: Vec<f32> = (0..y.len())
+                    .map(|i| ((i * 31 % 17) as f32 - 8.0) / 8.0)
+                    .collect();
+                let mut input_grads = Vec::new();
+                for way in &mut ways {
+                    let mut g = dy.clone();
+                    for stage in way.iter_mut().rev() {
+                        g = stage.backward(0, &g).unwrap().unwrap().to_vec();
+                    }
+                    input_grads.push(g);
+                }
+                for k in 1..3 {
+                    assert_eq!(
+                        bits(&input_grads[0]),
+                        bits(&input_grads[k]),
+                        "{what}: input gradients, way {k}"
+                    );
+                    assert_eq!(
+                        bits(ways[0][0].grads()),
+                        bits(ways[k][0].grads()),
+                        "{what}: parameter gradients, way {k}"
+                    );
+                }
+            }
+        }
     }
 }

@@ -12,13 +12,21 @@
 //! flight 11× its input. Instead each pass builds the columns of a group of samples that fits
 //! in cache ([`GROUP_COLUMNS`]), runs its GEMMs on them and reuses the buffer; the backward
 //! builds them again from the stashed input. Nothing is stashed beyond the layer's input.
+//!
+//! What follows a conv in the same stage may run inside it ([`Fused`]): a ReLU is applied to
+//! each group's output while it is in cache, and a ReLU then a max-pool also pools it there, so
+//! the conv's full-size output is never written at all; the backward rebuilds each group's
+//! output gradient from the pool's (scattered to the recorded winners where the pooled value is
+//! positive). The results are bit for bit those of the layers run one after the other.
 
 use std::cell::RefCell;
+use std::ops::Range;
 
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use super::conv_direct;
+use super::pool::PooledGrad;
+use super::{MaxPool2d, conv_direct};
 use crate::kernels::{
     Op, broadcast_rows, column_sums, matmul, relu_backward, relu_in_place, set_len,
 };
@@ -30,24 +38,126 @@ use crate::kernels::{
 /// `bench-compute --models cnn --threads 1,2`).
 const GROUP_COLUMNS: usize = 128 * 1024;
 
+/// The layers after a conv, in the same stage, that run inside it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Fused<'a> {
+    /// None: the output is the conv's.
+    Nothing,
+    /// A ReLU: the output is `relu(conv(x))`.
+    Relu,
+    /// A ReLU then this max-pool: the output is `pool(relu(conv(x)))`, and the pool's argmax
+    /// indices (into the batch's `relu(conv(x))`, as [`MaxPool2d`] records them) go to the
+    /// forward's `indices`.
+    ReluPool(&'a MaxPool2d),
+}
+
+/// The gradient a backward starts from: of the conv's own output, or of the last fused layer's.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum OutputGrad<'a> {
+    /// `dL/dy` of the conv's output.
+    Plain(&'a [f32]),
+    /// `dL/d relu(y)`, with the ReLU's output (its mask).
+    Relu {
+        /// The ReLU's output gradient.
+        dy: &'a [f32],
+        /// The ReLU's output.
+        relu_out: &'a [f32],
+    },
+    /// `dL/d pool(relu(y))`, with what the fused forward produced.
+    ReluPool {
+        /// The pool.
+        pool: &'a MaxPool2d,
+        /// The pool's output gradient.
+        dy: &'a [f32],
+        /// The pool's output.
+        pooled: &'a [f32],
+        /// The pool's argmax indices.
+        indices: &'a [u32],
+    },
+}
+
+impl OutputGrad<'_> {
+    /// Whether the conv's output gradient must be built in a buffer (anything but `Plain`).
+    fn builds(&self) -> bool {
+        !matches!(self, OutputGrad::Plain(_))
+    }
+
+    /// The gradient of the conv's output for `samples` (of `sample_out` values each): a slice of
+    /// `dy` itself, or built in `buffer`. For the pool, exactly what its backward followed by the
+    /// ReLU's would give: each pooled gradient added (in output order) at its winner, where the
+    /// winner — the pooled value — is positive; zero elsewhere.
+    fn samples<'b>(
+        &'b self,
+        samples: Range<usize>,
+        sample_out: usize,
+        buffer: &'b mut [f32],
+    ) -> &'b [f32] {
+        let outputs = samples.start * sample_out..samples.end * sample_out;
+        match *self {
+            OutputGrad::Plain(dy) => &dy[outputs],
+            OutputGrad::Relu { dy, relu_out } => {
+                let buffer = &mut buffer[..outputs.len()];
+                relu_backward(&relu_out[outputs.clone()], &dy[outputs], buffer);
+                buffer
+            }
+            OutputGrad::ReluPool {
+                pool,
+                dy,
+                pooled,
+                indices,
+            } => {
+                let buffer = &mut buffer[..outputs.len()];
+                let pooled_len = pool.sample_out();
+                for (s, dx) in samples.zip(buffer.chunks_exact_mut(sample_out)) {
+                    let of_sample = s * pooled_len..(s + 1) * pooled_len;
+                    let grad = PooledGrad {
+                        dy: &dy[of_sample.clone()],
+                        pooled: &pooled[of_sample.clone()],
+                        indices: &indices[of_sample],
+                    };
+                    pool.relu_backward_sample(grad, (s * sample_out) as u32, dx);
+                }
+                buffer
+            }
+        }
+    }
+}
+
 /// One thread's share of a backward pass.
 struct Part<'a> {
+    /// Its first sample's position in the batch.
+    first: usize,
     /// Its samples' input.
     x: &'a [f32],
-    /// Their output gradient.
-    dy: &'a [f32],
-    /// Their fused ReLU's output (empty without one).
-    relu_out: &'a [f32],
     /// Their input gradient (empty when none is wanted).
     dx: &'a mut [f32],
-    /// Its scratch space: `dWᵀ` and bias sums, a group's columns, a group's masked `dy`.
+    /// Its scratch space: `dWᵀ` and bias sums, a group's columns, a group's output gradient.
     space: &'a mut [f32],
 }
 
+/// One group of samples in a forward pass.
+struct Group<'a> {
+    /// Its first sample's position in the batch.
+    first: usize,
+    /// Its samples' input.
+    x: &'a [f32],
+    /// Their output (pooled, with a fused pool).
+    y: &'a mut [f32],
+    /// Their pool's argmax indices (empty without a fused pool).
+    indices: &'a mut [u32],
+}
+
+/// A forward's per-thread buffers, kept between calls (no allocation in the steady state).
+#[derive(Default)]
+struct ForwardBuffers {
+    /// A group's columns.
+    cols: Vec<f32>,
+    /// A group's conv output, when a fused pool reduces it before it is stored.
+    out: Vec<f32>,
+}
+
 thread_local! {
-    /// The forward's column buffer, one per thread (kept between calls: no allocation in the
-    /// steady state).
-    static GROUP_COLS: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static FORWARD_BUFFERS: RefCell<ForwardBuffers> = RefCell::new(ForwardBuffers::default());
 }
 
 /// Convolution geometry (square kernel, equal stride and zero padding on both axes).
@@ -99,75 +209,137 @@ impl Conv2d {
         (GROUP_COLUMNS / (self.positions() * self.fan_in()).max(1)).max(1)
     }
 
-    /// `y = conv(x)` for `n` samples, or `relu(conv(x))` when `relu` (a ReLU right after the
-    /// conv in the same stage: applied to each group's output while it is in cache, instead of
-    /// another pass over the whole output).
+    /// `y = conv(x)` for `n` samples, followed by what `fused` names (see [`Fused`]). With a
+    /// fused pool `y` is the pool's output, and `indices` receives its argmax positions.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward(
         &self,
         p: &[f32],
         x: &[f32],
         n: usize,
         y: &mut [f32],
-        relu: bool,
+        fused: Fused<'_>,
+        indices: &mut Vec<u32>,
         threads: usize,
     ) {
-        let (positions, fan_in, oc) = (self.positions(), self.fan_in(), self.out_channels);
+        let (positions, oc) = (self.positions(), self.out_channels);
         let sample_in = self.in_height * self.in_width * self.in_channels;
-        let per = self.samples_per_group();
-        let (w, b) = p.split_at(self.weight_len());
-        if conv_direct::applies(self) {
-            let mut wt = Vec::new();
-            conv_direct::block_weights(self, w, &mut wt);
-            let sample = |(xs, ys): (&[f32], &mut [f32])| {
-                conv_direct::forward_sample(self, &wt, b, xs, ys, relu);
-            };
-            let x = &x[..n * sample_in];
-            let sample_out = positions * oc;
-            if threads > 1 && n > 1 {
-                x.par_chunks_exact(sample_in)
-                    .zip(y.par_chunks_exact_mut(sample_out))
-                    .for_each(sample);
-            } else {
-                x.chunks_exact(sample_in)
-                    .zip(y.chunks_exact_mut(sample_out))
-                    .for_each(sample);
-            }
-            return;
-        }
-        broadcast_rows(y, b);
-        let group = |(xs, ys): (&[f32], &mut [f32])| {
-            let rows = ys.len() / oc;
-            GROUP_COLS.with_borrow_mut(|cols| {
-                set_len(cols, rows * fan_in);
-                self.im2col(xs, cols);
-                matmul(ys, rows, oc, fan_in, cols, Op::N, w, Op::T, true, 1);
-            });
-            if relu {
-                relu_in_place(ys);
-            }
+        let pool = match fused {
+            Fused::ReluPool(pool) => Some(pool),
+            _ => None,
         };
-        let x = &x[..n * sample_in];
-        let (parts_in, parts_out) = (per * sample_in, per * positions * oc);
-        if threads > 1 && n > per {
-            x.par_chunks(parts_in)
-                .zip(y.par_chunks_mut(parts_out))
-                .for_each(group);
+        let relu = !matches!(fused, Fused::Nothing);
+        let sample_y = pool.map_or(positions * oc, MaxPool2d::sample_out);
+        let direct = conv_direct::applies(self);
+        let (w, b) = p.split_at(self.weight_len());
+        let mut blocked = Vec::new();
+        if direct {
+            conv_direct::block_weights(self, w, &mut blocked);
+        }
+        let blocked = direct.then_some(blocked.as_slice());
+        // The GEMM path's groups are the cache-sized ones; the direct kernels work a sample at
+        // a time, so their groups only spread the samples over the threads.
+        let per = if direct {
+            n.div_ceil(threads.max(1)).max(1)
         } else {
-            x.chunks(parts_in)
-                .zip(y.chunks_mut(parts_out))
-                .for_each(group);
+            self.samples_per_group()
+        };
+        indices.resize(if pool.is_some() { n * sample_y } else { 0 }, 0);
+        let mut index_parts = indices.chunks_mut(per * sample_y);
+        let groups: Vec<Group<'_>> = x[..n * sample_in]
+            .chunks(per * sample_in)
+            .zip(y[..n * sample_y].chunks_mut(per * sample_y))
+            .enumerate()
+            .map(|(g, (x, y))| Group {
+                first: g * per,
+                x,
+                y,
+                indices: index_parts.next().unwrap_or_default(),
+            })
+            .collect();
+        let run = |group: Group<'_>| {
+            FORWARD_BUFFERS.with_borrow_mut(|buffers| {
+                let count = group.x.len() / sample_in;
+                let Some(pool) = pool else {
+                    self.forward_group(w, b, blocked, group.x, group.y, relu, &mut buffers.cols);
+                    return;
+                };
+                // The GEMM's rows are the group's; the direct kernels go a sample at a time, so
+                // the conv's output is pooled while still in L1/L2.
+                let sample_out = positions * oc;
+                let at_once = if blocked.is_some() { 1 } else { count };
+                let out = &mut buffers.out;
+                set_len(out, at_once * sample_out);
+                let inputs = group.x.chunks(at_once * sample_in);
+                let outputs = group.y.chunks_mut(at_once * sample_y);
+                let indices = group.indices.chunks_mut(at_once * sample_y);
+                for (k, (x, (y, indices))) in inputs.zip(outputs.zip(indices)).enumerate() {
+                    self.forward_group(w, b, blocked, x, out, relu, &mut buffers.cols);
+                    let first = group.first + k * at_once;
+                    for (j, (o, (y, i))) in out
+                        .chunks_exact(sample_out)
+                        .zip(
+                            y.chunks_exact_mut(sample_y)
+                                .zip(indices.chunks_exact_mut(sample_y)),
+                        )
+                        .enumerate()
+                    {
+                        pool.forward_sample(o, y, i, ((first + j) * sample_out) as u32);
+                    }
+                }
+            });
+        };
+        if threads > 1 && groups.len() > 1 {
+            groups.into_par_iter().for_each(run);
+        } else {
+            groups.into_iter().for_each(run);
         }
     }
 
-    /// Weight, bias and (when `dx` is given) input gradients from `dy`, rebuilding the columns
-    /// of `x` group by group as the forward did (or, where the direct kernels apply, summing the
-    /// weight gradient from `x` in place). With `relu_out` (the forward ran with `relu`,
-    /// and this is its output), `dy` is the ReLU's output gradient and each group masks it in
-    /// cache first.
+    /// The conv (and the ReLU, when `relu`) of the samples in `x` into `y`: the direct kernels
+    /// when `blocked` holds their weights, else im2col and a GEMM with `cols` as the buffer.
+    #[allow(clippy::too_many_arguments)]
+    fn forward_group(
+        &self,
+        w: &[f32],
+        b: &[f32],
+        blocked: Option<&[[f32; conv_direct::LANES]]>,
+        x: &[f32],
+        y: &mut [f32],
+        relu: bool,
+        cols: &mut Vec<f32>,
+    ) {
+        let sample_in = self.in_height * self.in_width * self.in_channels;
+        let (fan_in, oc) = (self.fan_in(), self.out_channels);
+        if let Some(blocked) = blocked {
+            let sample_out = self.positions() * oc;
+            for (xs, ys) in x
+                .chunks_exact(sample_in)
+                .zip(y.chunks_exact_mut(sample_out))
+            {
+                conv_direct::forward_sample(self, blocked, b, xs, ys, relu);
+            }
+            return;
+        }
+        let rows = y.len() / oc;
+        broadcast_rows(y, b);
+        set_len(cols, rows * fan_in);
+        self.im2col(x, cols);
+        matmul(y, rows, oc, fan_in, cols, Op::N, w, Op::T, true, 1);
+        if relu {
+            relu_in_place(y);
+        }
+    }
+
+    /// Weight, bias and (when `dx` is given) input gradients from `grad` (the conv's output
+    /// gradient, or that of the fused layers after it: see [`OutputGrad`]), rebuilding the
+    /// columns of `x` group by group as the forward did (or, where the direct kernels apply,
+    /// summing the weight gradient from `x` in place). Each group's output gradient is built in
+    /// cache when it has to be (a fused ReLU's mask, a fused pool's scatter).
     ///
     /// The samples are split into one contiguous part per thread; each part sums its own
-    /// `dWᵀ[fan_in, oc] = colsᵀ · dy` and bias gradient over its groups, and for each sample
-    /// turns `dcols[positions, fan_in] = dy · W` back into pixels right away, in the same
+    /// `dWᵀ[fan_in, oc] = colsᵀ · dy` and bias gradient over its groups, and for each group
+    /// turns `dcols[rows, fan_in] = dy · W` back into pixels right away, in the same
     /// cache-resident buffer. The parts' sums are added (and `dWᵀ` transposed into `dW[oc,
     /// fan_in]`) at the end: `gemm` runs `colsᵀ · dy` faster than `dyᵀ · cols` (the cnn's second
     /// conv, one thread, AVX-512: 2.16 ms against 2.56 ms).
@@ -178,8 +350,7 @@ impl Conv2d {
         g: &mut [f32],
         accumulate: bool,
         x: &[f32],
-        dy: &[f32],
-        relu_out: Option<&[f32]>,
+        grad: OutputGrad<'_>,
         n: usize,
         dx: Option<&mut Vec<f32>>,
         scratch: &mut Vec<f32>,
@@ -198,12 +369,8 @@ impl Conv2d {
         } else {
             oc
         };
-        let masked_len = if relu_out.is_some() {
-            per * sample_out
-        } else {
-            0
-        };
-        let part_scratch = fan_in * dwt_width + oc + per * positions * fan_in + masked_len;
+        let built_len = if grad.builds() { per * sample_out } else { 0 };
+        let part_scratch = fan_in * dwt_width + oc + per * positions * fan_in + built_len;
         set_len(scratch, parts * part_scratch);
         let w = &p[..self.weight_len()];
         let want_dx = dx.is_some();
@@ -213,20 +380,13 @@ impl Conv2d {
                 dwt.fill(0.0);
             }
             let (db, rest) = rest.split_at_mut(oc);
-            let (cols, masked) = rest.split_at_mut(per * positions * fan_in);
-            let samples = part.dy.len() / sample_out;
+            let (cols, built) = rest.split_at_mut(per * positions * fan_in);
+            let samples = part.x.len() / sample_in;
             for (k, first) in (0..samples).step_by(per).enumerate() {
                 let count = per.min(samples - first);
                 let rows = count * positions;
-                let outputs = first * sample_out..(first + count) * sample_out;
-                let dy_group = match relu_out {
-                    Some(_) => {
-                        let masked = &mut masked[..rows * oc];
-                        relu_backward(&part.relu_out[outputs.clone()], &part.dy[outputs], masked);
-                        &*masked
-                    }
-                    None => &part.dy[outputs],
-                };
+                let at = part.first + first;
+                let dy_group = grad.samples(at..at + count, sample_out, built);
                 column_sums(db, dy_group, k > 0);
                 let cols = &mut cols[..rows * fan_in];
                 if direct {
@@ -253,12 +413,14 @@ impl Conv2d {
                     );
                 }
                 if want_dx {
-                    // The columns are consumed: the same buffer takes each sample's `dcols`.
-                    let dcols = &mut cols[..positions * fan_in];
-                    for (s, dy1) in (first..).zip(dy_group.chunks_exact(sample_out)) {
-                        matmul(dcols, positions, fan_in, oc, dy1, Op::N, w, Op::N, false, 1);
+                    // The columns are consumed: the same buffer takes the group's `dcols`, one
+                    // GEMM for the whole group.
+                    let dcols = &mut cols[..rows * fan_in];
+                    matmul(dcols, rows, fan_in, oc, dy_group, Op::N, w, Op::N, false, 1);
+                    let sample_cols = positions * fan_in;
+                    for (s, dcols1) in (first..).zip(dcols.chunks_exact(sample_cols)) {
                         let dx1 = &mut part.dx[s * sample_in..(s + 1) * sample_in];
-                        self.col2im_sample(dcols, dx1);
+                        self.col2im_sample(dcols1, dx1);
                     }
                 }
             }
@@ -268,19 +430,14 @@ impl Conv2d {
             None => Vec::new(),
         };
         dx_parts.resize_with(parts, || &mut [][..]);
-        let relu_out = relu_out.unwrap_or_default();
         let work: Vec<Part<'_>> = x[..n * sample_in]
             .chunks(per_part * sample_in)
-            .zip(dy.chunks(per_part * sample_out))
             .zip(dx_parts)
             .zip(scratch.chunks_exact_mut(part_scratch))
             .enumerate()
-            .map(|(q, (((x, dy), dx), space))| Part {
+            .map(|(q, ((x, dx), space))| Part {
+                first: q * per_part,
                 x,
-                dy,
-                relu_out: relu_out
-                    .get(q * per_part * sample_out..q * per_part * sample_out + dy.len())
-                    .unwrap_or_default(),
                 dx,
                 space,
             })

@@ -286,6 +286,7 @@ fn weight_grad_rows<const RUN: usize>(conv: &Conv2d, x: &[f32], dy: &[f32], dwt:
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::layers::{Aux, Fused, MaxPool2d, OutputGrad};
 
     fn geometry(size: (usize, usize, usize), oc: usize, k: usize, s: usize, p: usize) -> Conv2d {
         let (h, w, c) = size;
@@ -399,7 +400,8 @@ mod tests {
             for threads in [1, 2] {
                 let what = |part: &str| format!("{part}, direct {direct}, {threads} thread(s)");
                 let mut y = vec![f32::NAN; out];
-                conv.forward(&p, &x, n, &mut y, false, threads);
+                let mut indices = Vec::new();
+                conv.forward(&p, &x, n, &mut y, Fused::Nothing, &mut indices, threads);
                 assert_close(&y, &y_ref, &what("y"));
                 let mut g = vec![f32::NAN; p.len()];
                 let (mut dx, mut scratch) = (Vec::new(), Vec::new());
@@ -409,8 +411,7 @@ mod tests {
                     &mut g,
                     false,
                     &x,
-                    &dy,
-                    None,
+                    OutputGrad::Plain(&dy),
                     n,
                     Some(&mut dx),
                     &mut scratch,
@@ -423,7 +424,7 @@ mod tests {
 
                 // With the ReLU fused: its output, and the gradient masked by it.
                 let mut r = vec![f32::NAN; out];
-                conv.forward(&p, &x, n, &mut r, true, threads);
+                conv.forward(&p, &x, n, &mut r, Fused::Relu, &mut indices, threads);
                 let relu_ref: Vec<f64> = y_ref.iter().map(|v| v.max(0.0)).collect();
                 assert_close(&r, &relu_ref, &what("relu(y)"));
                 let masked: Vec<f32> = dy
@@ -437,8 +438,10 @@ mod tests {
                     &mut g,
                     false,
                     &x,
-                    &dy,
-                    Some(&r),
+                    OutputGrad::Relu {
+                        dy: &dy,
+                        relu_out: &r,
+                    },
                     n,
                     Some(&mut dx),
                     &mut scratch,
@@ -448,7 +451,94 @@ mod tests {
                 assert_close(gw, &dw_m, &what("dW under the ReLU"));
                 assert_close(gb, &db_m, &what("db under the ReLU"));
                 assert_close(&dx, &dx_m, &what("dx under the ReLU"));
+
+                // With the ReLU and a max-pool fused (windows apart and overlapping): the same
+                // bits as the pool run on the fused ReLU's output, and as the ReLU-fused backward
+                // from the pool's own backward. The biases are lowered by the median window
+                // maximum, so that whole windows are negative (pooled to zero, their gradient
+                // masked) and others are not.
+                for (kernel, stride) in [(2, 2), (3, 2)] {
+                    let what = |part: &str| what(&format!("{part}, pool {kernel}/{stride}"));
+                    let pool = pool_after(&conv, kernel, stride);
+                    let pooled_len = n * pool.sample_out();
+                    let (mut want, mut aux) = (vec![f32::NAN; pooled_len], Aux::default());
+                    pool.forward(&y, n, &mut want, &mut aux, 1);
+                    want.sort_by(f32::total_cmp);
+                    let mut p = p.clone();
+                    let median = want[pooled_len / 2];
+                    p[conv.weight_len()..].iter_mut().for_each(|b| *b -= median);
+                    conv.forward(&p, &x, n, &mut r, Fused::Relu, &mut indices, threads);
+                    pool.forward(&r, n, &mut want, &mut aux, 1);
+                    let mut pooled = vec![f32::NAN; pooled_len];
+                    let fused = Fused::ReluPool(&pool);
+                    conv.forward(&p, &x, n, &mut pooled, fused, &mut indices, threads);
+                    assert_eq!(bits(&pooled), bits(&want), "{}", what("pooled"));
+                    assert_eq!(indices, aux.indices, "{}", what("pool indices"));
+                    let zeros = pooled.iter().filter(|v| **v == 0.0).count();
+                    assert!(
+                        zeros > 0 && zeros < pooled_len,
+                        "{zeros}/{pooled_len} {conv:?}"
+                    );
+                    let dpooled = values(pooled_len, 4);
+                    let mut drelu = vec![f32::NAN; out];
+                    MaxPool2d::backward(&aux, &dpooled, &mut drelu);
+                    let grad = OutputGrad::Relu {
+                        dy: &drelu,
+                        relu_out: &r,
+                    };
+                    let mut dx_apart = vec![f32::NAN; x.len()];
+                    conv.backward(
+                        &p,
+                        &mut g,
+                        false,
+                        &x,
+                        grad,
+                        n,
+                        Some(&mut dx_apart),
+                        &mut scratch,
+                        threads,
+                    );
+                    let g_apart = g.clone();
+                    g.fill(f32::NAN);
+                    dx.fill(f32::NAN);
+                    let grad = OutputGrad::ReluPool {
+                        pool: &pool,
+                        dy: &dpooled,
+                        pooled: &pooled,
+                        indices: &indices,
+                    };
+                    conv.backward(
+                        &p,
+                        &mut g,
+                        false,
+                        &x,
+                        grad,
+                        n,
+                        Some(&mut dx),
+                        &mut scratch,
+                        threads,
+                    );
+                    assert_eq!(bits(&g), bits(&g_apart), "{}", what("gradients"));
+                    assert_eq!(bits(&dx), bits(&dx_apart), "{}", what("dx"));
+                }
             }
+        }
+    }
+
+    fn bits(v: &[f32]) -> Vec<u32> {
+        v.iter().map(|f| f.to_bits()).collect()
+    }
+
+    /// A max-pool over `conv`'s output.
+    fn pool_after(conv: &Conv2d, kernel: usize, stride: usize) -> MaxPool2d {
+        MaxPool2d {
+            in_height: conv.out_height,
+            in_width: conv.out_width,
+            channels: conv.out_channels,
+            kernel,
+            stride,
+            out_height: (conv.out_height - kernel) / stride + 1,
+            out_width: (conv.out_width - kernel) / stride + 1,
         }
     }
 }

@@ -19,6 +19,7 @@ mod linear;
 mod pool;
 
 pub use conv2d::Conv2d;
+pub(crate) use conv2d::{Fused, OutputGrad};
 pub use dropout::Dropout;
 pub use linear::Linear;
 pub use pool::MaxPool2d;
@@ -183,7 +184,15 @@ impl Layer {
         set_len(y, n * self.output.numel());
         match &self.kind {
             LayerKind::Linear(l) => l.forward(params, x, n, y, threads),
-            LayerKind::Conv2d(c) => c.forward(params, x, n, y, false, threads),
+            LayerKind::Conv2d(c) => c.forward(
+                params,
+                x,
+                n,
+                y,
+                conv2d::Fused::Nothing,
+                &mut aux.indices,
+                threads,
+            ),
             LayerKind::MaxPool2d(p) => p.forward(x, n, y, aux, threads),
             LayerKind::Relu => kernels::relu_forward(x, y),
             LayerKind::Flatten => y.copy_from_slice(x),
@@ -215,7 +224,15 @@ impl Layer {
         match &self.kind {
             LayerKind::Linear(l) => l.backward(params, grads, accumulate, x, dy, n, dx, threads),
             LayerKind::Conv2d(c) => c.backward(
-                params, grads, accumulate, x, dy, None, n, dx, scratch, threads,
+                params,
+                grads,
+                accumulate,
+                x,
+                conv2d::OutputGrad::Plain(dy),
+                n,
+                dx,
+                scratch,
+                threads,
             ),
             LayerKind::MaxPool2d(_) => {
                 if let Some(dx) = dx {
