@@ -166,56 +166,32 @@ impl Optimizer {
         lr: f32,
         threads: usize,
     ) {
-        ringtmp_meter::update(params.len());
-        if ringtmp_meter::phantom() {
-            // Sizes only (the simulator): the step is recorded, not computed; `grads` may be
-            // an empty view of a payload that never carried values.
-            self.steps += 1;
-            return;
+        if !ringtmp_meter::phantom() {
+            assert_eq!(
+                params.len(),
+                self.state_a.len(),
+                "optimizer built for another size"
+            );
         }
-        assert_eq!(
-            params.len(),
-            grads.len(),
-            "params and grads differ in length"
-        );
-        assert_eq!(
-            params.len(),
-            self.state_a.len(),
-            "optimizer built for another size"
-        );
+        let step = self.begin_step(lr);
+        self.update_range(&step, 0, from, params, grads, threads);
+    }
+
+    /// Starts a step at learning rate `lr`, to be applied piece by piece with
+    /// [`Optimizer::update_range`] (every parameter once): a stage updates each layer right after
+    /// its backward, while its weights and gradient are still in cache. The pieces together are
+    /// bit for bit [`Optimizer::step`].
+    pub fn begin_step(&mut self, lr: f32) -> StepConstants {
         self.steps += 1;
-        match self.config {
+        StepConstants(match self.config {
             OptimizerConfig::Sgd {
                 momentum,
                 weight_decay,
-            } => {
-                let hyper = SgdStep {
-                    lr,
-                    momentum,
-                    weight_decay,
-                };
-                let update = |(k, (p, v)): (usize, (&mut [f32], &mut [f32]))| {
-                    let range = k * CHUNK..k * CHUNK + p.len();
-                    let g = &grads[range.clone()];
-                    match from {
-                        Some(from) => sgd_chunk_into(&from[range], p, g, v, &hyper),
-                        None => sgd_chunk(p, g, v, &hyper),
-                    }
-                };
-                if threads > 1 {
-                    params
-                        .par_chunks_mut(CHUNK)
-                        .zip(self.state_a.par_chunks_mut(CHUNK))
-                        .enumerate()
-                        .for_each(update);
-                } else {
-                    params
-                        .chunks_mut(CHUNK)
-                        .zip(self.state_a.chunks_mut(CHUNK))
-                        .enumerate()
-                        .for_each(update);
-                }
-            }
+            } => Hyper::Sgd(SgdStep {
+                lr,
+                momentum,
+                weight_decay,
+            }),
             OptimizerConfig::Adam {
                 beta1,
                 beta2,
@@ -225,42 +201,98 @@ impl Optimizer {
                 let t = self.steps as i32;
                 let c1 = 1.0 - beta1.powi(t);
                 let c2 = 1.0 - beta2.powi(t);
-                let step_size = lr / c1;
-                let inv_sqrt_c2 = 1.0 / c2.sqrt();
-                let hyper = AdamStep {
+                Hyper::Adam(AdamStep {
                     beta1,
                     beta2,
                     eps,
                     weight_decay,
-                    step_size,
-                    inv_sqrt_c2,
+                    step_size: lr / c1,
+                    inv_sqrt_c2: 1.0 / c2.sqrt(),
+                })
+            }
+        })
+    }
+
+    /// Applies `step` to the parameters `start..start + params.len()`: `params` and `grads` are
+    /// that range of the whole buffers (and `from`, when given, the range of the version read,
+    /// as in [`Optimizer::step_into`]).
+    ///
+    /// # Panics
+    /// If the lengths differ or the range is outside the optimizer's (a programmer error).
+    pub fn update_range(
+        &mut self,
+        step: &StepConstants,
+        start: usize,
+        from: Option<&[f32]>,
+        params: &mut [f32],
+        grads: &[f32],
+        threads: usize,
+    ) {
+        ringtmp_meter::update(params.len());
+        if ringtmp_meter::phantom() {
+            // Sizes only (the simulator): the step is recorded, not computed; `grads` may be
+            // an empty view of a payload that never carried values.
+            return;
+        }
+        assert_eq!(
+            params.len(),
+            grads.len(),
+            "params and grads differ in length"
+        );
+        assert!(
+            start + params.len() <= self.state_a.len(),
+            "optimizer built for another size"
+        );
+        let range = start..start + params.len();
+        match &step.0 {
+            Hyper::Sgd(hyper) => {
+                let update = |(k, (p, v)): (usize, (&mut [f32], &mut [f32]))| {
+                    let range = k * CHUNK..k * CHUNK + p.len();
+                    let g = &grads[range.clone()];
+                    match from {
+                        Some(from) => sgd_chunk_into(&from[range], p, g, v, hyper),
+                        None => sgd_chunk(p, g, v, hyper),
+                    }
                 };
+                let velocity = &mut self.state_a[range];
+                if threads > 1 {
+                    params
+                        .par_chunks_mut(CHUNK)
+                        .zip(velocity.par_chunks_mut(CHUNK))
+                        .enumerate()
+                        .for_each(update);
+                } else {
+                    params
+                        .chunks_mut(CHUNK)
+                        .zip(velocity.chunks_mut(CHUNK))
+                        .enumerate()
+                        .for_each(update);
+                }
+            }
+            Hyper::Adam(hyper) => {
                 let update = |(k, (p, (m, v))): AdamChunk<'_>| {
                     let range = k * CHUNK..k * CHUNK + p.len();
                     let g = &grads[range.clone()];
                     match from {
-                        Some(from) => adam_chunk_into(&from[range], p, g, m, v, &hyper),
-                        None => adam_chunk(p, g, m, v, &hyper),
+                        Some(from) => adam_chunk_into(&from[range], p, g, m, v, hyper),
+                        None => adam_chunk(p, g, m, v, hyper),
                     }
                 };
+                let (first, second) = (&mut self.state_a[range.clone()], &mut self.state_b[range]);
                 if threads > 1 {
                     params
                         .par_chunks_mut(CHUNK)
                         .zip(
-                            self.state_a
+                            first
                                 .par_chunks_mut(CHUNK)
-                                .zip(self.state_b.par_chunks_mut(CHUNK)),
+                                .zip(second.par_chunks_mut(CHUNK)),
                         )
                         .enumerate()
                         .for_each(update);
                 } else {
                     params
                         .chunks_mut(CHUNK)
-                        .zip(
-                            self.state_a
-                                .chunks_mut(CHUNK)
-                                .zip(self.state_b.chunks_mut(CHUNK)),
-                        )
+                        .zip(first.chunks_mut(CHUNK).zip(second.chunks_mut(CHUNK)))
                         .enumerate()
                         .for_each(update);
                 }
@@ -269,7 +301,19 @@ impl Optimizer {
     }
 }
 
+/// A step's constants (the learning rate, Adam's bias corrections), from
+/// [`Optimizer::begin_step`].
+#[derive(Clone, Copy, Debug)]
+pub struct StepConstants(Hyper);
+
+#[derive(Clone, Copy, Debug)]
+enum Hyper {
+    Sgd(SgdStep),
+    Adam(AdamStep),
+}
+
 /// SGD's per-step constants.
+#[derive(Clone, Copy, Debug)]
 struct SgdStep {
     lr: f32,
     momentum: f32,
@@ -320,6 +364,7 @@ fn sgd_chunk_into(from: &[f32], to: &mut [f32], g: &[f32], v: &mut [f32], h: &Sg
 }
 
 /// Adam's per-step constants.
+#[derive(Clone, Copy, Debug)]
 struct AdamStep {
     beta1: f32,
     beta2: f32,

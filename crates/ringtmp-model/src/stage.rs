@@ -124,6 +124,14 @@ impl Fusion {
     }
 }
 
+/// Where a step taken inside the backward writes each layer's update.
+enum UpdateTarget {
+    /// Into the current version (nothing else holds it).
+    InPlace,
+    /// Into the next version, read from the current one (held by a micro-batch in flight).
+    Next(Vec<f32>),
+}
+
 /// Inputs and output gradients kept for a deferred weight gradient.
 #[derive(Debug, Default)]
 struct Pending {
@@ -420,6 +428,42 @@ impl Stage {
         dy: &[f32],
         done: &mut dyn FnMut(usize, &[f32]),
     ) -> Result<Option<&[f32]>> {
+        self.backward_impl(micro_batch, dy, done, None)
+    }
+
+    /// [`Stage::backward`] of the micro-batch that completes a step's gradients, followed by
+    /// [`Stage::step`] — bit for bit — but with each layer updated right after its own backward
+    /// (its weight and input gradients both done), while its weights and fresh gradient are
+    /// still in cache: the separate step streamed all parameters, gradients and optimizer state
+    /// from memory again (14% of an `mlp-deep` step on one core). With deferred weight gradients
+    /// (or sizes only) it is the backward, then the step. `between` runs after every layer but
+    /// the last, as in [`Stage::backward_with`].
+    pub fn backward_and_step(
+        &mut self,
+        micro_batch: u64,
+        dy: &[f32],
+        optimizer: &mut Optimizer,
+        lr: f32,
+        between: &mut dyn FnMut(),
+    ) -> Result<Option<&[f32]>> {
+        if self.deferred.is_some() || ringtmp_meter::phantom() {
+            self.backward_with(micro_batch, dy, between)?;
+            self.step(optimizer, lr);
+            return Ok(self.input_grad.then_some(self.input_grads[0].as_slice()));
+        }
+        let done = &mut |_: usize, _: &[f32]| between();
+        self.backward_impl(micro_batch, dy, done, Some((optimizer, lr)))?;
+        self.zero_grad();
+        Ok(self.input_grad.then_some(self.input_grads[0].as_slice()))
+    }
+
+    fn backward_impl(
+        &mut self,
+        micro_batch: u64,
+        dy: &[f32],
+        done: &mut dyn FnMut(usize, &[f32]),
+        step: Option<(&mut Optimizer, f32)>,
+    ) -> Result<Option<&[f32]>> {
         let Some(stash) = self.in_flight.get(&micro_batch) else {
             return Err(Error::UnknownMicroBatch {
                 stage: self.first_layer(),
@@ -430,10 +474,34 @@ impl Stage {
         let mut stash = self.in_flight.remove(&micro_batch).expect("checked above");
         let rows = stash.rows;
         // The weights this micro-batch's forward used (stashed), or the current ones.
-        let weights = stash
-            .weights
-            .take()
-            .unwrap_or_else(|| Arc::clone(&self.params));
+        let mut weights = Some(
+            stash
+                .weights
+                .take()
+                .unwrap_or_else(|| Arc::clone(&self.params)),
+        );
+        // With the step in the backward: where each layer's update goes.
+        let mut step = step.map(|(optimizer, lr)| {
+            let constants = optimizer.begin_step(lr);
+            if weights
+                .as_ref()
+                .is_some_and(|w| Arc::ptr_eq(w, &self.params))
+            {
+                // The backward reads the current version itself, not a handle on it, so an
+                // update in place is possible.
+                weights = None;
+            }
+            let target = if Arc::strong_count(&self.params) == 1 {
+                UpdateTarget::InPlace
+            } else {
+                // Another micro-batch in flight holds the current version: the update writes
+                // the next one, as `step` does.
+                let mut next = self.spare_params.pop().unwrap_or_default();
+                set_len(&mut next, self.params.len());
+                UpdateTarget::Next(next)
+            };
+            (optimizer, constants, target)
+        });
         let last = self.layers.len() - 1;
         let phantom = ringtmp_meter::phantom();
         for i in (0..self.layers.len()).rev() {
@@ -468,6 +536,7 @@ impl Stage {
             };
             let upstream = if after == last { dy } else { &later[after - i] };
             let range = self.offsets[i]..self.offsets[i + 1];
+            let read: &[f32] = weights.as_deref().unwrap_or(&self.params);
             let accumulate = self.grads_written[i];
             let started = self.profile.is_some().then(std::time::Instant::now);
             match (&self.layers[i].kind, self.deferred.as_mut()) {
@@ -491,8 +560,8 @@ impl Stage {
                         },
                     };
                     conv.backward(
-                        &weights[range.clone()],
-                        &mut self.grads[range],
+                        &read[range.clone()],
+                        &mut self.grads[range.clone()],
                         accumulate,
                         &stash.acts[i],
                         grad,
@@ -513,7 +582,7 @@ impl Stage {
                     if want_dx {
                         set_len(&mut this[i], rows * linear.in_features);
                         linear.input_grad(
-                            &weights[range],
+                            &read[range.clone()],
                             upstream,
                             rows,
                             &mut this[i],
@@ -523,8 +592,8 @@ impl Stage {
                 }
                 _ => {
                     self.layers[i].backward(
-                        &weights[range.clone()],
-                        &mut self.grads[range],
+                        &read[range.clone()],
+                        &mut self.grads[range.clone()],
                         accumulate,
                         &stash.acts[i],
                         &stash.acts[i + 1],
@@ -538,12 +607,46 @@ impl Stage {
                     self.grads_written[i] = true;
                 }
             }
+            if let Some((optimizer, constants, target)) = step.as_mut() {
+                if !range.is_empty() {
+                    let grads = &self.grads[range.clone()];
+                    match target {
+                        UpdateTarget::InPlace => {
+                            let params = Arc::get_mut(&mut self.params)
+                                .expect("checked: nothing else holds the current version");
+                            let params = &mut params[range.clone()];
+                            optimizer.update_range(
+                                constants,
+                                range.start,
+                                None,
+                                params,
+                                grads,
+                                self.threads,
+                            );
+                        }
+                        UpdateTarget::Next(next) => optimizer.update_range(
+                            constants,
+                            range.start,
+                            Some(&self.params[range.clone()]),
+                            &mut next[range.clone()],
+                            grads,
+                            self.threads,
+                        ),
+                    }
+                }
+            }
             if let (Some(t), Some(p)) = (started, self.profile.as_mut()) {
                 p[i].backward_seconds += t.elapsed().as_secs_f64();
             }
         }
         self.free_stashes.push(stash);
-        self.recycle(weights);
+        if let Some(weights) = weights {
+            self.recycle(weights);
+        }
+        if let Some((_, _, UpdateTarget::Next(next))) = step {
+            let previous = std::mem::replace(&mut self.params, Arc::new(next));
+            self.recycle(previous);
+        }
         Ok(self.input_grad.then_some(self.input_grads[0].as_slice()))
     }
 

@@ -179,11 +179,10 @@ pub fn train_local(
         dlogits.resize(logits.len(), 0.0);
         let out =
             loss::softmax_cross_entropy(logits, &y, classes, 1.0 / rows as f32, &mut dlogits)?;
-        model.backward(0, &dlogits)?;
         let lr = cfg
             .schedule
             .rate(cfg.lr, step, schedule_steps, per_epoch, cfg.warmup_steps);
-        model.step(&mut optimizer, lr);
+        model.backward_and_step(0, &dlogits, &mut optimizer, lr, &mut || {})?;
         compute_seconds += t_compute.elapsed().as_secs_f64();
         train_seconds += t_batch.elapsed().as_secs_f64();
 

@@ -854,7 +854,18 @@ impl MasterPipe {
                 Some(Action::Backward) => {
                     let (id, dy) = self.side.grads.pop_front().expect("next() saw a gradient");
                     let mut service = servicer(&mut self.side, job, net, &mut head, &mut failure);
-                    clock.run(|| stage.backward_with(id, &dy, &mut service).map(|_| ()))?;
+                    if flushed.is_some() {
+                        clock.run(|| stage.backward_with(id, &dy, &mut service).map(|_| ()))?;
+                    } else {
+                        // Each async micro-batch is its own weight version and step, taken
+                        // layer by layer in its backward.
+                        let lr = job.lr_at(id / m);
+                        clock.run(|| {
+                            stage
+                                .backward_and_step(id, &dy, optimizer, lr, &mut service)
+                                .map(|_| ())
+                        })?;
+                    }
                     drop(service);
                     if let Some(e) = failure {
                         return Err(e);
@@ -863,9 +874,6 @@ impl MasterPipe {
                     match flushed.as_mut() {
                         Some(state) => state.record(Action::Backward),
                         None => {
-                            // Each async micro-batch is its own weight version and step.
-                            let lr = job.lr_at(id / m);
-                            clock.run(|| stage.step(optimizer, lr));
                             if (id + 1) % m == 0 {
                                 job.after_minibatch(net, id / m, stage.params_mut())?;
                             }

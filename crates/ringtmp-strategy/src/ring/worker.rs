@@ -62,9 +62,18 @@ pub fn run_worker_with(
             }
             Some(Action::Backward) => {
                 let (id, dy) = grads.pop_front().expect("next() saw a gradient");
-                node.backward(net, id, policy.backward_step(id), &dy)?;
+                // A backward that completes a step takes it layer by layer, unless the gradients
+                // must first be averaged with the stage's copies (rings of rings).
+                let mut probe = policy;
+                let closes = probe
+                    .record(Action::Backward, id)
+                    .filter(|_| !job.averages_gradients());
+                let header = policy.backward_step(id);
+                node.backward(job, net, id, header, &dy, closes)?;
                 if let Some(step) = policy.record(Action::Backward, id) {
-                    node.step(job, net, step)?;
+                    if closes.is_none() {
+                        node.step(job, net, step)?;
+                    }
                     // Async steps every micro-batch; a mini-batch ends with its last one.
                     let minibatch_done = job.schedule != Schedule::Async
                         || (id + 1) % job.micro_batches.max(1) as u64 == 0;
@@ -259,18 +268,27 @@ impl RingNode {
     }
 
     /// Backward of stage micro-batch `id`; sends the input gradient back tagged
-    /// (`header_step`, `id`).
+    /// (`header_step`, `id`). With `step`, the backward completes that mini-batch's gradients
+    /// and takes its optimizer step on the way ([`Stage::backward_and_step`]).
     fn backward(
         &mut self,
+        job: &RingJob,
         net: &mut dyn Transport,
         id: u64,
         header_step: u64,
         dy: &[f32],
+        step: Option<u64>,
     ) -> Result<()> {
-        let stage = &mut self.stage;
-        let dx = self
-            .clock
-            .run(|| stage.backward(id, dy).map(|d| d.map(<[f32]>::to_vec)))?;
+        let (stage, optimizer) = (&mut self.stage, &mut self.optimizer);
+        let dx = self.clock.run(|| {
+            let dx = match step {
+                Some(step) => {
+                    stage.backward_and_step(id, dy, optimizer, job.lr_at(step), &mut || {})
+                }
+                None => stage.backward(id, dy),
+            };
+            dx.map(|d| d.map(<[f32]>::to_vec))
+        })?;
         let dx = dx.expect("input gradients are on for non-master stages");
         // From the input gradient, which the stage sizes itself: a phantom run's `dy` (sizes
         // only, `ringtmp_meter`) may have arrived empty.
