@@ -192,7 +192,13 @@ fn print_profile(stage: &Stage, total: f64, steps: usize, threads: usize) {
             100.0 * t.backward_seconds / total
         );
     }
-    println!("    optimizer step: inside each layer's backward, as in training (timed with it)");
+    let updates: f64 = times.iter().map(|t| t.update_seconds).sum();
+    println!(
+        "    optimizer updates (inside each layer's backward, as in training; counted there) \
+         {:.3} ({:.1}%)",
+        ms(updates),
+        100.0 * updates / total
+    );
     println!(
         "    rest (batch gathering, loss) {:.3} ({:.1}%); step total {:.3}",
         ms(total - accounted),

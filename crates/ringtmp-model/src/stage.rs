@@ -153,8 +153,11 @@ impl Pending {
 pub struct LayerTime {
     /// Seconds in forward passes (training micro-batches only).
     pub forward_seconds: f64,
-    /// Seconds in backward passes.
+    /// Seconds in backward passes (with the layer's optimizer update when the step runs inside
+    /// the backward).
     pub backward_seconds: f64,
+    /// Of `backward_seconds`, the optimizer update (steps taken inside the backward only).
+    pub update_seconds: f64,
 }
 
 impl Stage {
@@ -608,6 +611,7 @@ impl Stage {
                 }
             }
             if let Some((optimizer, constants, target)) = step.as_mut() {
+                let updating = self.profile.is_some().then(std::time::Instant::now);
                 if !range.is_empty() {
                     let grads = &self.grads[range.clone()];
                     match target {
@@ -633,6 +637,9 @@ impl Stage {
                             self.threads,
                         ),
                     }
+                }
+                if let (Some(t), Some(p)) = (updating, self.profile.as_mut()) {
+                    p[i].update_seconds += t.elapsed().as_secs_f64();
                 }
             }
             if let (Some(t), Some(p)) = (started, self.profile.as_mut()) {
