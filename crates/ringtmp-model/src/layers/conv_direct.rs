@@ -403,20 +403,7 @@ mod tests {
                 let mut indices = Vec::new();
                 conv.forward(&p, &x, n, &mut y, Fused::Nothing, &mut indices, threads);
                 assert_close(&y, &y_ref, &what("y"));
-                let mut g = vec![f32::NAN; p.len()];
-                let (mut dx, mut scratch) = (Vec::new(), Vec::new());
-                dx.resize(x.len(), f32::NAN);
-                conv.backward(
-                    &p,
-                    &mut g,
-                    false,
-                    &x,
-                    OutputGrad::Plain(&dy),
-                    n,
-                    Some(&mut dx),
-                    &mut scratch,
-                    threads,
-                );
+                let (g, dx) = gradients(&conv, &p, &x, OutputGrad::Plain(&dy), n, threads);
                 let (gw, gb) = g.split_at(conv.weight_len());
                 assert_close(gw, &dw_ref, &what("dW"));
                 assert_close(gb, &db_ref, &what("db"));
@@ -433,20 +420,11 @@ mod tests {
                     .map(|(g, y)| if *y > 0.0 { *g } else { 0.0 })
                     .collect();
                 let (_, dw_m, db_m, dx_m) = reference(&conv, w, b, &x, &masked, n);
-                conv.backward(
-                    &p,
-                    &mut g,
-                    false,
-                    &x,
-                    OutputGrad::Relu {
-                        dy: &dy,
-                        relu_out: &r,
-                    },
-                    n,
-                    Some(&mut dx),
-                    &mut scratch,
-                    threads,
-                );
+                let grad = OutputGrad::Relu {
+                    dy: &dy,
+                    relu_out: &r,
+                };
+                let (g, dx) = gradients(&conv, &p, &x, grad, n, threads);
                 let (gw, gb) = g.split_at(conv.weight_len());
                 assert_close(gw, &dw_m, &what("dW under the ReLU"));
                 assert_close(gb, &db_m, &what("db under the ReLU"));
@@ -486,43 +464,45 @@ mod tests {
                         dy: &drelu,
                         relu_out: &r,
                     };
-                    let mut dx_apart = vec![f32::NAN; x.len()];
-                    conv.backward(
-                        &p,
-                        &mut g,
-                        false,
-                        &x,
-                        grad,
-                        n,
-                        Some(&mut dx_apart),
-                        &mut scratch,
-                        threads,
-                    );
-                    let g_apart = g.clone();
-                    g.fill(f32::NAN);
-                    dx.fill(f32::NAN);
+                    let (g_apart, dx_apart) = gradients(&conv, &p, &x, grad, n, threads);
                     let grad = OutputGrad::ReluPool {
                         pool: &pool,
                         dy: &dpooled,
                         pooled: &pooled,
                         indices: &indices,
                     };
-                    conv.backward(
-                        &p,
-                        &mut g,
-                        false,
-                        &x,
-                        grad,
-                        n,
-                        Some(&mut dx),
-                        &mut scratch,
-                        threads,
-                    );
+                    let (g, dx) = gradients(&conv, &p, &x, grad, n, threads);
                     assert_eq!(bits(&g), bits(&g_apart), "{}", what("gradients"));
                     assert_eq!(bits(&dx), bits(&dx_apart), "{}", what("dx"));
                 }
             }
         }
+    }
+
+    /// `conv`'s parameter and input gradients from `grad`, into buffers filled with NaN first
+    /// (so a value the backward did not write shows).
+    fn gradients(
+        conv: &Conv2d,
+        p: &[f32],
+        x: &[f32],
+        grad: OutputGrad<'_>,
+        n: usize,
+        threads: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let (mut g, mut dx) = (vec![f32::NAN; p.len()], vec![f32::NAN; x.len()]);
+        let mut scratch = Vec::new();
+        conv.backward(
+            p,
+            &mut g,
+            false,
+            x,
+            grad,
+            n,
+            Some(&mut dx),
+            &mut scratch,
+            threads,
+        );
+        (g, dx)
     }
 
     fn bits(v: &[f32]) -> Vec<u32> {
