@@ -611,9 +611,10 @@ impl TrainArgs {
         let schedule = LrSchedule::parse(self.lr_schedule.as_deref().unwrap_or("constant"))
             .map_err(|e| UsageError(format!("--lr-schedule: {e}")))?;
         let strategy = self.strategy();
-        let out = self.out.clone().unwrap_or_else(|| {
-            crate::run_dir::default_out(&format!("{strategy:?}").to_lowercase())
-        });
+        let out = self
+            .out
+            .clone()
+            .unwrap_or_else(|| crate::run_dir::default_out(strategy));
         let threads = self.threads.unwrap_or_else(|| {
             std::thread::available_parallelism()
                 .map(|n| n.get())
@@ -717,5 +718,22 @@ mod tests {
         };
         args.without_rank(0);
         assert_eq!(args.node_memory_limit.as_deref(), Some("256M"));
+    }
+
+    #[test]
+    fn a_default_run_directory_is_named_after_the_strategy_without_quotes() {
+        let args = TrainArgs {
+            strategy: Some("local".into()),
+            ..Default::default()
+        };
+        let config = args.resolve(10).unwrap();
+        let name = config
+            .out
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        assert!(name.ends_with("-local"), "{name}");
+        assert!(config.out.starts_with("runs"), "{}", config.out.display());
     }
 }
