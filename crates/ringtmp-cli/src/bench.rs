@@ -194,8 +194,8 @@ fn print_profile(stage: &Stage, total: f64, steps: usize, threads: usize) {
     }
     let updates: f64 = times.iter().map(|t| t.update_seconds).sum();
     println!(
-        "    optimizer updates (inside each layer's backward, as in training; counted there) \
-         {:.3} ({:.1}%)",
+        "    optimizer updates (inside each layer's backward, as in training; counted there; a \
+         linear layer's with its weight gradient, made block by block inside it) {:.3} ({:.1}%)",
         ms(updates),
         100.0 * updates / total
     );

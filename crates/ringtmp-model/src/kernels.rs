@@ -153,6 +153,59 @@ pub fn matmul(
     });
 }
 
+/// Rows `rows` of `c[m×n] (+)= aᵀ·b`, for `a` stored `[k, m]` and `b` stored `[k, n]`, into
+/// `c_rows` (`rows.len() × n`, row-major), on the calling thread. Each value is the same sum in
+/// the same order as the whole product's ([`matmul`] with [`Op::T`], [`Op::N`]), so a weight
+/// gradient made block by block has the bits of one made at once.
+///
+/// # Panics
+/// If a slice is shorter than its dimensions require or `rows` ends past `m`.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul_tn_rows(
+    c_rows: &mut [f32],
+    rows: std::ops::Range<usize>,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    b: &[f32],
+    accumulate: bool,
+) {
+    let height = rows.len();
+    assert!(
+        rows.end <= m && c_rows.len() >= height * n && a.len() >= k * m && b.len() >= k * n,
+        "matmul_tn_rows: bad lengths"
+    );
+    if height == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            c_rows[..height * n].fill(0.0);
+        }
+        return;
+    }
+    // SAFETY: logical row i < height of aᵀ starts at a[rows.start + i] with columns m apart, the
+    // last element read being a[(k−1)·m + rows.end − 1] < k·m ≤ a.len(); `b` and `c_rows` were
+    // checked above; `c_rows` is uniquely borrowed and does not alias `a` or `b`.
+    unsafe {
+        gemm_raw(
+            height,
+            n,
+            k,
+            c_rows.as_mut_ptr(),
+            n,
+            a.as_ptr().add(rows.start),
+            1,
+            m,
+            b.as_ptr(),
+            n,
+            1,
+            accumulate,
+        )
+    };
+}
+
 /// Rows up to which [`linear_forward`] computes through a column-major temporary (faster at 16,
 /// 64 and 256 rows on these machines, slower at 1,024: `ringtmp bench-compute --batch-size N`).
 pub const FEW_ROWS: usize = 512;

@@ -21,7 +21,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::kernels::set_len;
+use crate::kernels::{column_sums, set_len};
 use crate::layers::{Aux, Fused, Layer, LayerKind, OutputGrad, Pass};
 use crate::optim::Optimizer;
 
@@ -156,7 +156,8 @@ pub struct LayerTime {
     /// Seconds in backward passes (with the layer's optimizer update when the step runs inside
     /// the backward).
     pub backward_seconds: f64,
-    /// Of `backward_seconds`, the optimizer update (steps taken inside the backward only).
+    /// Of `backward_seconds`, the optimizer update (steps taken inside the backward only); for a
+    /// linear layer it includes the weight gradient, made block by block inside the update.
     pub update_seconds: f64,
 }
 
@@ -507,6 +508,8 @@ impl Stage {
         });
         let last = self.layers.len() - 1;
         let phantom = ringtmp_meter::phantom();
+        // Layers whose update ran inside their backward's own code (linear layers, by blocks).
+        let mut updated = vec![false; self.layers.len()];
         for i in (0..self.layers.len()).rev() {
             if i < last {
                 let offset = self.offsets[i + 1];
@@ -575,6 +578,66 @@ impl Stage {
                     );
                     self.grads_written[i] = true;
                 }
+                (LayerKind::Linear(linear), None) if step.is_some() => {
+                    // The update in the backward, by blocks of the weight gradient: each block is
+                    // made and applied while in cache (`Optimizer::update_blocks`). The input
+                    // gradient reads the weights first, as an update in place overwrites them.
+                    if want_dx {
+                        set_len(&mut this[i], rows * linear.in_features);
+                        linear.input_grad(
+                            &read[range.clone()],
+                            upstream,
+                            rows,
+                            &mut this[i],
+                            self.threads,
+                        );
+                    }
+                    let (optimizer, constants, target) = step.as_mut().expect("matched");
+                    let updating = self.profile.is_some().then(std::time::Instant::now);
+                    let weights_len = linear.in_features * linear.out_features;
+                    let (grad_w, grad_b) = self.grads[range.clone()].split_at_mut(weights_len);
+                    column_sums(grad_b, upstream, accumulate);
+                    let accumulated = accumulate.then_some(&*grad_w);
+                    let x = &stash.acts[i];
+                    let gradient = |r: std::ops::Range<usize>, out: &mut [f32]| {
+                        let acc = accumulated.map(|a| &a[r.clone()]);
+                        linear.weight_grad_block(r, out, acc, x, upstream, rows);
+                    };
+                    let (w_at, b_at) = (range.start, range.start + weights_len);
+                    let (from, to): (Option<&[f32]>, &mut [f32]) = match target {
+                        UpdateTarget::InPlace => (
+                            None,
+                            &mut Arc::get_mut(&mut self.params)
+                                .expect("checked: nothing else holds the current version")
+                                [range.clone()],
+                        ),
+                        UpdateTarget::Next(next) => {
+                            (Some(&self.params[range.clone()]), &mut next[range.clone()])
+                        }
+                    };
+                    let (to_w, to_b) = to.split_at_mut(weights_len);
+                    let (from_w, from_b) = match from {
+                        Some(f) => (Some(&f[..weights_len]), Some(&f[weights_len..])),
+                        None => (None, None),
+                    };
+                    optimizer.update_blocks(
+                        constants,
+                        w_at,
+                        from_w,
+                        to_w,
+                        linear.grad_block(),
+                        self.threads,
+                        gradient,
+                    );
+                    optimizer.update_range(constants, b_at, from_b, to_b, grad_b, self.threads);
+                    if let (Some(t), Some(p)) = (updating, self.profile.as_mut()) {
+                        p[i].update_seconds += t.elapsed().as_secs_f64();
+                    }
+                    // The weight gradient itself was never written: only the step reads it, and
+                    // `backward_and_step` forgets it right after.
+                    self.grads_written[i] = true;
+                    updated[i] = true;
+                }
                 (LayerKind::Linear(linear), Some(deferred)) => {
                     // Keep this micro-batch's rows; the weight gradient of the whole mini-batch is
                     // one GEMM at the step (see `set_deferred_weight_grads`).
@@ -610,7 +673,7 @@ impl Stage {
                     self.grads_written[i] = true;
                 }
             }
-            if let Some((optimizer, constants, target)) = step.as_mut() {
+            if let Some((optimizer, constants, target)) = step.as_mut().filter(|_| !updated[i]) {
                 let updating = self.profile.is_some().then(std::time::Instant::now);
                 if !range.is_empty() {
                     let grads = &self.grads[range.clone()];

@@ -47,6 +47,32 @@ fn layers() -> Vec<Layer> {
         .unwrap()
 }
 
+/// Linear layers wide enough to be updated in several blocks (see the step-in-backward test).
+fn wide_layers() -> Vec<Layer> {
+    let spec = r#"
+name = "wide"
+[[layer]]
+type = "flatten"
+[[layer]]
+type = "linear"
+out = 1100
+[[layer]]
+type = "relu"
+[[layer]]
+type = "linear"
+out = 300
+[[layer]]
+type = "relu"
+[[layer]]
+type = "linear"
+out = 10
+"#;
+    ModelSpec::from_toml(spec, "wide")
+        .unwrap()
+        .build(&Shape::image(8, 8, 1), 10)
+        .unwrap()
+}
+
 fn data() -> (Vec<f32>, Vec<u32>) {
     let x = (0..ROWS * 64)
         .map(|i| ((i * 7919 % 101) as f32 / 50.0) - 1.0)
@@ -465,137 +491,141 @@ out = 10
 #[test]
 fn a_step_inside_the_backward_equals_backward_then_step_bit_for_bit() {
     use ringtmp_model::{Optimizer, OptimizerConfig};
-    let layers = layers();
     let (x, labels) = data();
-    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-    let configs = [
-        OptimizerConfig::Sgd {
-            momentum: 0.9,
-            weight_decay: 1e-3,
-        },
-        OptimizerConfig::Adam {
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 1e-3,
-        },
-    ];
-    let half = ROWS / 2 * 64;
-    for config in configs {
-        for threads in [1, 2] {
-            for stashing in [false, true] {
-                let what = format!("{config:?}, {threads} thread(s), stashing {stashing}");
-                let mut stages = [0, 1].map(|_| {
-                    let mut stage = Stage::new(&layers, 0..layers.len(), SEED, threads);
-                    stage.set_input_grad(true);
-                    stage.set_weight_stashing(stashing);
-                    stage
-                });
-                let mut optimizers =
-                    [0, 1].map(|_| Optimizer::new(config.clone(), stages[0].params().len()));
-                for step in 0..6u64 {
-                    let mut input_grads = Vec::new();
-                    for (k, (stage, optimizer)) in
-                        stages.iter_mut().zip(&mut optimizers).enumerate()
-                    {
-                        let pass = |row_offset| Pass {
-                            train: true,
-                            seed: SEED,
-                            step,
-                            row_offset,
-                        };
-                        // Two micro-batches of half the rows; with stashing the second of the
-                        // previous step is still in flight (its backward comes now).
-                        let mut grads = Vec::new();
-                        for (half_index, id) in [(0, 10 * step), (1, 10 * step + 1)] {
-                            let rows = &x[half_index * half..(half_index + 1) * half];
-                            let logits = stage
-                                .forward(id, rows, ROWS / 2, &pass(half_index * ROWS / 2))
+    // The chain-test model's linear layers are one block of `Optimizer::update_blocks` each;
+    // the wide one's are two (1,100 rows of 64 inputs: 1,024 + 76) and five (300 rows of 1,100:
+    // 4 × 64 + 44), so blocks, their tails and threads sharing them are all exercised.
+    for layers in [layers(), wide_layers()] {
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        let configs = [
+            OptimizerConfig::Sgd {
+                momentum: 0.9,
+                weight_decay: 1e-3,
+            },
+            OptimizerConfig::Adam {
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 1e-3,
+            },
+        ];
+        let half = ROWS / 2 * 64;
+        for config in configs {
+            for threads in [1, 2] {
+                for stashing in [false, true] {
+                    let what = format!("{config:?}, {threads} thread(s), stashing {stashing}");
+                    let mut stages = [0, 1].map(|_| {
+                        let mut stage = Stage::new(&layers, 0..layers.len(), SEED, threads);
+                        stage.set_input_grad(true);
+                        stage.set_weight_stashing(stashing);
+                        stage
+                    });
+                    let mut optimizers =
+                        [0, 1].map(|_| Optimizer::new(config.clone(), stages[0].params().len()));
+                    for step in 0..6u64 {
+                        let mut input_grads = Vec::new();
+                        for (k, (stage, optimizer)) in
+                            stages.iter_mut().zip(&mut optimizers).enumerate()
+                        {
+                            let pass = |row_offset| Pass {
+                                train: true,
+                                seed: SEED,
+                                step,
+                                row_offset,
+                            };
+                            // Two micro-batches of half the rows; with stashing the second of the
+                            // previous step is still in flight (its backward comes now).
+                            let mut grads = Vec::new();
+                            for (half_index, id) in [(0, 10 * step), (1, 10 * step + 1)] {
+                                let rows = &x[half_index * half..(half_index + 1) * half];
+                                let logits = stage
+                                    .forward(id, rows, ROWS / 2, &pass(half_index * ROWS / 2))
+                                    .unwrap()
+                                    .to_vec();
+                                let labels = &labels[half_index * ROWS / 2..][..ROWS / 2];
+                                let mut d = vec![0.0; logits.len()];
+                                let scale = 1.0 / ROWS as f32;
+                                loss::softmax_cross_entropy(&logits, labels, 10, scale, &mut d)
+                                    .unwrap();
+                                grads.push(d);
+                            }
+                            // With stashing, by step: 0 — the step closes with a micro-batch on
+                            // the current version, and one more is forwarded and held across it
+                            // (the update goes to the next version); 1 — the step closes with the
+                            // micro-batch held back last step (on the previous version) while a new
+                            // one holds the current version; 2 — it closes with the held-back one
+                            // and nothing holds the current version (the update goes in place).
+                            let held = |step: u64| 10 * step + 2;
+                            let lr = 0.05 / (step + 1) as f32;
+                            let dx0 = stage
+                                .backward(10 * step, &grads[0])
+                                .unwrap()
                                 .unwrap()
                                 .to_vec();
-                            let labels = &labels[half_index * ROWS / 2..][..ROWS / 2];
-                            let mut d = vec![0.0; logits.len()];
-                            let scale = 1.0 / ROWS as f32;
-                            loss::softmax_cross_entropy(&logits, labels, 10, scale, &mut d)
-                                .unwrap();
-                            grads.push(d);
-                        }
-                        // With stashing, by step: 0 — the step closes with a micro-batch on
-                        // the current version, and one more is forwarded and held across it
-                        // (the update goes to the next version); 1 — the step closes with the
-                        // micro-batch held back last step (on the previous version) while a new
-                        // one holds the current version; 2 — it closes with the held-back one
-                        // and nothing holds the current version (the update goes in place).
-                        let held = |step: u64| 10 * step + 2;
-                        let lr = 0.05 / (step + 1) as f32;
-                        let dx0 = stage
-                            .backward(10 * step, &grads[0])
-                            .unwrap()
-                            .unwrap()
-                            .to_vec();
-                        let (closing, closing_dy) = match (stashing, step % 3) {
-                            (true, 1 | 2) if step > 0 => {
-                                stage.backward(10 * step + 1, &grads[1]).unwrap();
-                                (held(step - 1), vec![0.01; 10 * ROWS / 2])
-                            }
-                            _ => {
-                                if stashing && step > 0 && (step - 1) % 3 != 2 {
-                                    let d = vec![0.01; 10 * ROWS / 2];
-                                    stage.backward(held(step - 1), &d).unwrap();
+                            let (closing, closing_dy) = match (stashing, step % 3) {
+                                (true, 1 | 2) if step > 0 => {
+                                    stage.backward(10 * step + 1, &grads[1]).unwrap();
+                                    (held(step - 1), vec![0.01; 10 * ROWS / 2])
                                 }
-                                (10 * step + 1, grads[1].clone())
+                                _ => {
+                                    if stashing && step > 0 && (step - 1) % 3 != 2 {
+                                        let d = vec![0.01; 10 * ROWS / 2];
+                                        stage.backward(held(step - 1), &d).unwrap();
+                                    }
+                                    (10 * step + 1, grads[1].clone())
+                                }
+                            };
+                            if stashing && step % 3 != 2 {
+                                let rows = &x[..half];
+                                stage.forward(held(step), rows, ROWS / 2, &pass(0)).unwrap();
                             }
-                        };
-                        if stashing && step % 3 != 2 {
-                            let rows = &x[..half];
-                            stage.forward(held(step), rows, ROWS / 2, &pass(0)).unwrap();
+                            let dx1 = if k == 0 {
+                                let dx = stage.backward_and_step(
+                                    closing,
+                                    &closing_dy,
+                                    optimizer,
+                                    lr,
+                                    &mut || {},
+                                );
+                                dx.unwrap().unwrap().to_vec()
+                            } else {
+                                let dx = stage.backward(closing, &closing_dy).unwrap();
+                                let dx = dx.unwrap().to_vec();
+                                stage.step(optimizer, lr);
+                                dx
+                            };
+                            input_grads.push((dx0, dx1));
                         }
-                        let dx1 = if k == 0 {
-                            let dx = stage.backward_and_step(
-                                closing,
-                                &closing_dy,
-                                optimizer,
-                                lr,
-                                &mut || {},
-                            );
-                            dx.unwrap().unwrap().to_vec()
-                        } else {
-                            let dx = stage.backward(closing, &closing_dy).unwrap();
-                            let dx = dx.unwrap().to_vec();
-                            stage.step(optimizer, lr);
-                            dx
-                        };
-                        input_grads.push((dx0, dx1));
+                        assert_eq!(
+                            bits(stages[0].params()),
+                            bits(stages[1].params()),
+                            "{what}: parameters after step {step}"
+                        );
+                        assert_eq!(
+                            (bits(&input_grads[0].0), bits(&input_grads[0].1)),
+                            (bits(&input_grads[1].0), bits(&input_grads[1].1)),
+                            "{what}: input gradients at step {step}"
+                        );
+                        assert_eq!(
+                            stages[0].weight_versions(),
+                            stages[1].weight_versions(),
+                            "{what}: weight versions"
+                        );
                     }
-                    assert_eq!(
-                        bits(stages[0].params()),
-                        bits(stages[1].params()),
-                        "{what}: parameters after step {step}"
-                    );
-                    assert_eq!(
-                        (bits(&input_grads[0].0), bits(&input_grads[0].1)),
-                        (bits(&input_grads[1].0), bits(&input_grads[1].1)),
-                        "{what}: input gradients at step {step}"
-                    );
-                    assert_eq!(
-                        stages[0].weight_versions(),
-                        stages[1].weight_versions(),
-                        "{what}: weight versions"
+                    let outputs = stages
+                        .each_mut()
+                        .map(|s| s.infer(&x, ROWS).unwrap().to_vec());
+                    assert_eq!(bits(&outputs[0]), bits(&outputs[1]), "{what}: outputs");
+                    assert_ne!(
+                        bits(&outputs[0]),
+                        bits(
+                            Stage::new(&layers, 0..layers.len(), SEED, 1)
+                                .infer(&x, ROWS)
+                                .unwrap()
+                        ),
+                        "{what}: the steps changed the model"
                     );
                 }
-                let outputs = stages
-                    .each_mut()
-                    .map(|s| s.infer(&x, ROWS).unwrap().to_vec());
-                assert_eq!(bits(&outputs[0]), bits(&outputs[1]), "{what}: outputs");
-                assert_ne!(
-                    bits(&outputs[0]),
-                    bits(
-                        Stage::new(&layers, 0..layers.len(), SEED, 1)
-                            .infer(&x, ROWS)
-                            .unwrap()
-                    ),
-                    "{what}: the steps changed the model"
-                );
             }
         }
     }

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::kernels::{Op, column_sums, linear_forward, matmul};
+use crate::kernels::{Op, column_sums, linear_forward, matmul, matmul_tn_rows};
 
 /// Fully connected layer geometry.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -56,6 +56,37 @@ impl Linear {
         let (gw, gb) = g.split_at_mut(fi * fo);
         matmul(gw, fo, fi, n, dy, Op::T, x, Op::N, accumulate, threads);
         column_sums(gb, dy, accumulate);
+    }
+
+    /// Parameters per block of [`Linear::weight_grad_block`]: whole rows of `W`, about 256 KB of
+    /// gradient (in L2 while its update reads it), in rows of a multiple of 64 — the AVX-512
+    /// GEMM's micro-tile height — where the layer has that many.
+    pub(crate) fn grad_block(&self) -> usize {
+        let rows = ((64 * 1024 / self.in_features.max(1)) / 64 * 64).max(64);
+        rows.min(self.out_features).max(1) * self.in_features
+    }
+
+    /// The weight gradient's values `range` (whole rows of `dW[out, in]`, a range given by
+    /// [`Linear::grad_block`]'s blocks) into `out`: `dy[:, rows]ᵀ · x`, plus `acc` (the gradient
+    /// accumulated so far, the same range) when given. The bits of [`Linear::weight_grad`].
+    pub(crate) fn weight_grad_block(
+        &self,
+        range: std::ops::Range<usize>,
+        out: &mut [f32],
+        acc: Option<&[f32]>,
+        x: &[f32],
+        dy: &[f32],
+        n: usize,
+    ) {
+        let fi = self.in_features;
+        debug_assert!(
+            range.start % fi == 0 && range.end % fi == 0 && range.end <= fi * self.out_features
+        );
+        if let Some(acc) = acc {
+            out.copy_from_slice(acc);
+        }
+        let rows = range.start / fi..range.end / fi;
+        matmul_tn_rows(out, rows, self.out_features, fi, n, dy, x, acc.is_some());
     }
 
     /// `dx[n, in] = dy[n, out] · W[out, in]`.
