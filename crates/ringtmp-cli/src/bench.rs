@@ -44,8 +44,8 @@ pub struct BenchArgs {
     /// Also write the results as JSON to this file.
     #[arg(long, value_name = "FILE")]
     pub json: Option<std::path::PathBuf>,
-    /// Compares each result with the figures stored in FILE for this machine's kind (its SIMD
-    /// level), as throughput per GFLOP/s of a reference GEMM timed in the same run, so a
+    /// Compares each result with the figures stored in FILE for this machine's kind (its CPU
+    /// model and SIMD level), as throughput per GFLOP/s of a reference GEMM timed in the same run, so a
     /// machine slower today than on the day they were stored does not read as a regression;
     /// fails when one is below `1 − --tolerance` of its stored figure.
     #[arg(long, value_name = "FILE")]
@@ -91,10 +91,18 @@ fn read_baselines(path: &std::path::Path) -> Result<Vec<KindBaseline>> {
         .with_context(|| format!("{} is not a baseline file", path.display()))
 }
 
+/// A machine kind: its CPU model and SIMD level. Two kinds with the same SIMD level (an
+/// AVX-512 Xeon and an AVX-512 EPYC) differ in caches and memory enough that their figures per
+/// reference GFLOP/s differ too, so each keeps its own.
+fn same_kind(stored: &KindBaseline, simd: &str, machine: &str) -> bool {
+    stored.simd == simd && stored.machine == machine
+}
+
 /// Compares `current` with `path`'s figures of the same kind; an error names every regression.
 fn check_baseline(
     path: &std::path::Path,
     simd: &str,
+    machine: &str,
     current: &[BaselineEntry],
     tolerance: f64,
 ) -> Result<()> {
@@ -107,14 +115,14 @@ fn check_baseline(
         .into());
     }
     let kinds = read_baselines(path)?;
-    let Some(stored) = kinds.iter().find(|k| k.simd == simd) else {
+    let Some(stored) = kinds.iter().find(|k| same_kind(k, simd, machine)) else {
         println!(
-            "baseline {}: no figures for {simd} machines (kinds stored: {}); --save-baseline \
-             stores this run's",
+            "baseline {}: no figures for this kind ({machine}, {simd}; kinds stored: {}); \
+             --save-baseline stores this run's",
             path.display(),
             kinds
                 .iter()
-                .map(|k| k.simd.as_str())
+                .map(|k| format!("{} ({})", k.machine, k.simd))
                 .collect::<Vec<_>>()
                 .join(", ")
         );
@@ -330,20 +338,23 @@ pub fn run(args: &BenchArgs) -> Result<()> {
     }
     if let Some(path) = &args.save_baseline {
         let mut kinds = read_baselines(path)?;
-        kinds.retain(|k| k.simd != simd);
+        kinds.retain(|k| !same_kind(k, simd, &machine));
         kinds.push(KindBaseline {
             simd: simd.to_string(),
             machine: machine.clone(),
             reference_gflops: reference,
             results: entries.clone(),
         });
-        kinds.sort_by(|a, b| a.simd.cmp(&b.simd));
+        kinds.sort_by(|a, b| (&a.simd, &a.machine).cmp(&(&b.simd, &b.machine)));
         std::fs::write(path, serde_json::to_string_pretty(&kinds)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
-        println!("baseline for {simd} machines written to {}", path.display());
+        println!(
+            "baseline for this kind ({machine}, {simd}) written to {}",
+            path.display()
+        );
     }
     if let Some(path) = &args.baseline {
-        check_baseline(path, simd, &entries, args.tolerance)?;
+        check_baseline(path, simd, &machine, &entries, args.tolerance)?;
     }
     Ok(())
 }
@@ -378,6 +389,7 @@ mod tests {
             check_baseline(
                 &path,
                 "avx512",
+                "test",
                 &[entry("mlp", 90.0), entry("cnn", 9.5)],
                 0.15
             )
@@ -387,17 +399,20 @@ mod tests {
         let err = check_baseline(
             &path,
             "avx512",
+            "test",
             &[entry("mlp", 99.0), entry("cnn", 8.0)],
             0.15,
         )
         .unwrap_err()
         .to_string();
         assert!(err.contains("cnn") && !err.contains("mlp"), "{err}");
-        // Another kind's figures are never compared.
-        assert!(check_baseline(&path, "avx2+fma", &[entry("cnn", 1.0)], 0.15).is_ok());
+        // Another kind's figures are never compared: another SIMD level, or another CPU model
+        // at the same level.
+        assert!(check_baseline(&path, "avx2+fma", "test", &[entry("cnn", 1.0)], 0.15).is_ok());
+        assert!(check_baseline(&path, "avx512", "other", &[entry("cnn", 1.0)], 0.15).is_ok());
         // A file that is not there is an error naming it, not a pass.
         let missing = dir.path().join("typo.json");
-        let err = check_baseline(&missing, "avx512", &[entry("cnn", 1.0)], 0.15)
+        let err = check_baseline(&missing, "avx512", "test", &[entry("cnn", 1.0)], 0.15)
             .unwrap_err()
             .to_string();
         assert!(
