@@ -45,9 +45,9 @@ pub struct BenchArgs {
     #[arg(long, value_name = "FILE")]
     pub json: Option<std::path::PathBuf>,
     /// Compares each result with the figures stored in FILE for this machine's kind (its CPU
-    /// model and SIMD level), as throughput per GFLOP/s of a reference GEMM timed in the same run, so a
-    /// machine slower today than on the day they were stored does not read as a regression;
-    /// fails when one is below `1 − --tolerance` of its stored figure.
+    /// model and SIMD level), as throughput per GFLOP/s of a reference GEMM timed right before
+    /// each repeat, so a machine slower today than on the day they were stored does not read as
+    /// a regression; fails when one is below `1 − --tolerance` of its stored figure.
     #[arg(long, value_name = "FILE")]
     pub baseline: Option<std::path::PathBuf>,
     /// Stores this run's figures in FILE as the baseline of this machine's kind (replacing the
@@ -234,6 +234,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         ringtmp_model::kernels::gemm_kernel()
     );
     let mut entries = Vec::new();
+    let mut all_references = Vec::new();
     println!(
         "{:<10} {:>7} {:>6} {:>14} {:>14}",
         "model", "threads", "batch", "samples/s", "(min..max)"
@@ -248,6 +249,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 .start_handler(|_| ringtmp_model::kernels::flush_denormals())
                 .build()
                 .context("thread pool")?;
+            let mut references = Vec::new();
             let rates = pool.install(|| -> Result<Vec<f64>> {
                 let mut stage = Stage::new(&layers, 0..layers.len(), 1, threads);
                 let mut opt = Optimizer::new(
@@ -289,6 +291,10 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 }
                 let mut rates = Vec::new();
                 for _ in 0..args.repeats {
+                    // The yardstick right before each repeat: on a shared machine whose speed
+                    // drifts within seconds, one taken at the start (a few ms) can be 2× off
+                    // from the speed a repeat ran at later (seen on the Xeon kind, session 13).
+                    references.push(ringtmp_model::kernels::reference_gflops_of(15));
                     let t = Instant::now();
                     for _ in 0..args.steps {
                         one_step(&mut stage, step)?;
@@ -311,6 +317,12 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             let mut sorted = rates.clone();
             sorted.sort_by(f64::total_cmp);
             let median = sorted[sorted.len() / 2];
+            // Each repeat against the yardstick taken next to it, then the median.
+            let mut per_reference: Vec<f64> =
+                rates.iter().zip(&references).map(|(r, g)| r / g).collect();
+            per_reference.sort_by(f64::total_cmp);
+            let per_reference_gflop = per_reference[per_reference.len() / 2];
+            all_references.extend_from_slice(&references);
             println!(
                 "{model:<10} {threads:>7} {:>6} {median:>14.0} {:>7.0}..{:<7.0}",
                 args.batch_size,
@@ -328,7 +340,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 threads,
                 batch_size: args.batch_size,
                 samples_per_second: median,
-                per_reference_gflop: median / reference,
+                per_reference_gflop,
             });
         }
     }
@@ -336,6 +348,12 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         std::fs::write(path, serde_json::to_string_pretty(&results)? + "\n")
             .with_context(|| format!("writing {}", path.display()))?;
     }
+    // The yardstick over the whole run (what a stored baseline records).
+    all_references.sort_by(f64::total_cmp);
+    let reference = all_references
+        .get(all_references.len() / 2)
+        .copied()
+        .unwrap_or(reference);
     if let Some(path) = &args.save_baseline {
         let mut kinds = read_baselines(path)?;
         kinds.retain(|k| !same_kind(k, simd, &machine));

@@ -433,6 +433,13 @@ pub fn gemm_kernel() -> &'static str {
 /// yardstick of this machine's speed right now, so that throughput stored on one day can be
 /// compared with throughput measured on another on the same kind of machine, as a ratio to it.
 pub fn reference_gflops() -> f64 {
+    reference_gflops_of(15)
+}
+
+/// [`reference_gflops`] over `repeats` timed products (0.2–0.4 ms each here): short enough to
+/// be taken next to every timed repeat of a benchmark, on machines whose speed drifts within
+/// seconds.
+pub fn reference_gflops_of(repeats: usize) -> f64 {
     const N: usize = 256;
     let a: Vec<f32> = (0..N * N)
         .map(|i| ((i * 7) % 13) as f32 / 13.0 - 0.5)
@@ -442,7 +449,7 @@ pub fn reference_gflops() -> f64 {
         .collect();
     let mut c = vec![0.0f32; N * N];
     let mut times = Vec::new();
-    for rep in 0..16 {
+    for rep in 0..=repeats.max(1) {
         let t = std::time::Instant::now();
         matmul(&mut c, N, N, N, &a, Op::N, &b, Op::N, false, 1);
         if rep > 0 {
