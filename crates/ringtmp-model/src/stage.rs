@@ -583,8 +583,7 @@ impl Stage {
                     // made and applied while in cache (`Optimizer::update_blocks`). The input
                     // gradient reads the weights first, as an update in place overwrites them.
                     if want_dx {
-                        set_len(&mut this[i], rows * linear.in_features);
-                        linear.input_grad(
+                        linear.input_grad_into(
                             &read[range.clone()],
                             upstream,
                             rows,
@@ -646,8 +645,7 @@ impl Stage {
                     pending.dy.extend_from_slice(upstream);
                     pending.rows += rows;
                     if want_dx {
-                        set_len(&mut this[i], rows * linear.in_features);
-                        linear.input_grad(
+                        linear.input_grad_into(
                             &read[range.clone()],
                             upstream,
                             rows,

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::kernels::{Op, column_sums, linear_forward, matmul, matmul_tn_rows};
+use crate::kernels::{Op, column_sums, linear_forward, matmul, matmul_tn_rows, set_len};
 
 /// Fully connected layer geometry.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -87,6 +87,19 @@ impl Linear {
         }
         let rows = range.start / fi..range.end / fi;
         matmul_tn_rows(out, rows, self.out_features, fi, n, dy, x, acc.is_some());
+    }
+
+    /// [`Linear::input_grad`] into `dx` resized to `n × in`.
+    pub(crate) fn input_grad_into(
+        &self,
+        p: &[f32],
+        dy: &[f32],
+        n: usize,
+        dx: &mut Vec<f32>,
+        threads: usize,
+    ) {
+        set_len(dx, n * self.in_features);
+        self.input_grad(p, dy, n, dx, threads);
     }
 
     /// `dx[n, in] = dy[n, out] · W[out, in]`.
