@@ -41,7 +41,12 @@ const ROWS: usize = 12;
 const MICRO: usize = 3;
 
 fn layers() -> Vec<Layer> {
-    ModelSpec::from_toml(MODEL, "chain-test")
+    build(MODEL)
+}
+
+/// A model spec's layers for 8×8 one-channel inputs and 10 classes.
+fn build(spec: &str) -> Vec<Layer> {
+    ModelSpec::from_toml(spec, "stage-chain")
         .unwrap()
         .build(&Shape::image(8, 8, 1), 10)
         .unwrap()
@@ -67,10 +72,7 @@ type = "relu"
 type = "linear"
 out = 10
 "#;
-    ModelSpec::from_toml(spec, "wide")
-        .unwrap()
-        .build(&Shape::image(8, 8, 1), 10)
-        .unwrap()
+    build(spec)
 }
 
 fn data() -> (Vec<f32>, Vec<u32>) {
