@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::Result;
 use ringtmp_data::{Dataset, FileCheck};
 use ringtmp_strategy::ring::node_profile::{NodeProfile, ProfileRequest};
-use ringtmp_strategy::{Cluster, Job, TrainConfig};
+use ringtmp_strategy::{Cluster, Job, SharedMachine, TrainConfig};
 
 use crate::args::TrainArgs;
 use crate::error::UsageError;
@@ -102,14 +102,38 @@ pub fn plan_with_profiles(
 ) -> Result<Job> {
     let mut cluster = cluster(args, nodes)?;
     cluster.node_profiles = profiles;
+    plan_on(args, cfg, data, &cluster)
+}
+
+/// [`plan`] for the local launcher's nodes, processes on this machine: unless they run under
+/// CPU quotas of their own (`--node-cpu`, given here per rank), they share its cores, and the
+/// planner counts what they all compute and what their links cost the CPU against them.
+pub fn plan_here(
+    args: &TrainArgs,
+    cfg: TrainConfig,
+    data: &Dataset,
+    nodes: u32,
+    cpu_quotas: &[Option<f64>],
+) -> Result<Job> {
+    let mut cluster = cluster(args, nodes)?;
+    if cpu_quotas.iter().all(Option::is_none) {
+        cluster.shared_machine = Some(SharedMachine {
+            cores: cluster.cores,
+            private_links: !args.insecure_plaintext.unwrap_or(false),
+        });
+    }
+    plan_on(args, cfg, data, &cluster)
+}
+
+fn plan_on(args: &TrainArgs, cfg: TrainConfig, data: &Dataset, cluster: &Cluster) -> Result<Job> {
     let job = Job::plan(
         args.strategy(),
         cfg,
         &args.strategy_options(),
-        &cluster,
+        cluster,
         data,
     )?;
-    job.validate(nodes)?;
+    job.validate(cluster.nodes)?;
     Ok(job)
 }
 

@@ -11,7 +11,7 @@ use std::time::SystemTime;
 use ringtmp_metrics::Restart;
 
 use crate::error::{NodeFailed, UsageError};
-use crate::plan::{init_threads, load_dataset, plan};
+use crate::plan::{init_threads, load_dataset, plan, plan_here};
 
 /// `ringtmp validate-config`: resolves everything a run would, without training.
 pub fn validate(args: &TrainArgs) -> Result<()> {
@@ -269,7 +269,7 @@ fn launch_once(args: &mut TrainArgs, cluster: &LocalCluster, attempt: usize) -> 
     // (exit 2) of this command, and the plan printed is the one the nodes run.
     let data = load_dataset(args, first)?;
     let cfg = args.resolve(data.classes)?;
-    let mut job = plan(args, cfg, &data, nodes)?;
+    let mut job = plan_here(args, cfg, &data, nodes, cores)?;
     drop(data);
     if args.max_restarts.unwrap_or(0) > 0 {
         crate::restart::choose_checkpoints(args, &mut job, first);

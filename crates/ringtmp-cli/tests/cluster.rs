@@ -206,6 +206,8 @@ fn ring_training_on_three_local_nodes_writes_the_output_contract() {
         "ring",
         "--nodes",
         "3",
+        // Every node, though on a machine of 2 cores the plan would take fewer.
+        "--use-all-nodes",
         "--schedule",
         "1f1b",
         "--micro-batches",
@@ -250,6 +252,8 @@ fn ring_node_crash_stops_the_run_and_keeps_the_last_checkpoint() {
         "ring",
         "--nodes",
         "3",
+        // Rank 2 must hold a stage to crash mid-run.
+        "--use-all-nodes",
         "--dataset",
         "digits",
         "--model-file",
@@ -1413,6 +1417,8 @@ fn a_failed_ring_node_restarts_the_run_from_its_checkpoint_and_ends_where_an_unb
         "1f1b",
         "--nodes",
         "4",
+        // The node that dies must hold a stage (the plan would take fewer on 2 cores).
+        "--use-all-nodes",
         "--dataset",
         "digits",
         "--model-file",
@@ -1679,7 +1685,15 @@ fn chaos_kills_during_runs_cost_restarts_not_results() {
     for (name, strategy, latency, plan) in [
         (
             "ring",
-            &["--strategy", "ring", "--schedule", "1f1b", "--epochs", "2"][..],
+            &[
+                "--strategy",
+                "ring",
+                "--use-all-nodes",
+                "--schedule",
+                "1f1b",
+                "--epochs",
+                "2",
+            ][..],
             "5",
             plan.as_str(),
         ),

@@ -47,6 +47,20 @@ pub struct Cluster {
     /// ring's planner uses its layer times and free memory instead of rank 0's profile scaled
     /// by its speed. Empty, or `None` for a rank: planned from rank 0's profile.
     pub node_profiles: Vec<Option<crate::ring::node_profile::NodeProfile>>,
+    /// Set when every node is a process on this machine, sharing its `cores` without CPU
+    /// quotas (the local launcher): what all the nodes compute, and what their links cost the
+    /// CPU, must then fit into those cores, which a planner counts. `None`: every node has
+    /// its own machine (or its own CPU quota).
+    pub shared_machine: Option<SharedMachine>,
+}
+
+/// Nodes that share one machine's cores (see [`Cluster::shared_machine`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedMachine {
+    /// Cores the nodes share.
+    pub cores: usize,
+    /// Whether their links are private (sealed records, the default), which costs CPU per byte.
+    pub private_links: bool,
 }
 
 impl Cluster {
@@ -62,6 +76,7 @@ impl Cluster {
                 .unwrap_or(1),
             links: vec![(None, 0.0); nodes as usize],
             node_profiles: Vec::new(),
+            shared_machine: None,
         }
     }
 

@@ -39,6 +39,6 @@ mod spec;
 
 pub use config::{DEFAULT_RECV_TIMEOUT_SECS, TrainConfig};
 pub use error::{Error, Result};
-pub use job::{Cluster, Job, NodeCx, Strategy, StrategyOptions};
+pub use job::{Cluster, Job, NodeCx, SharedMachine, Strategy, StrategyOptions};
 pub use local::{Event, LocalJob, train_local};
 pub use spec::{ResumePoint, RunSpec};

@@ -312,3 +312,38 @@ fn the_delayed_momentum_margin_matches_the_characteristic_roots() {
         );
     }
 }
+
+/// Issue 16.1: the local launcher's nodes share this machine's cores. On one core every stage's
+/// compute and every link's CPU queue for it, so more nodes only add link work: the plan takes
+/// fewer nodes than given (and says so in `idle_nodes`), unless told to use all.
+#[test]
+fn nodes_sharing_one_core_are_planned_onto_fewer_of_them() {
+    use ringtmp_strategy::ring::plan::RingOptions;
+    let data = digits();
+    let plan = |use_all_nodes: bool| {
+        let mut cluster = ringtmp_strategy::Cluster::local(4);
+        cluster.cores = 1;
+        cluster.shared_machine = Some(ringtmp_strategy::SharedMachine {
+            cores: 1,
+            private_links: true,
+        });
+        let options = ringtmp_strategy::StrategyOptions {
+            ring: RingOptions {
+                use_all_nodes: Some(use_all_nodes),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        match Job::plan("ring", config(), &options, &cluster, &data).unwrap() {
+            Job::Ring(job) => job,
+            other => panic!("{other:?}"),
+        }
+    };
+    let fewer = plan(false);
+    assert!(fewer.partition.len() < 4, "{:?}", fewer.partition);
+    assert_eq!(fewer.idle_nodes as usize, 4 - fewer.partition.len());
+    assert_eq!(check(&Job::Ring(fewer), 4), Ok(()));
+    let all = plan(true);
+    assert_eq!(all.partition.len(), 4, "{:?}", all.partition);
+    assert_eq!(all.idle_nodes, 0);
+}

@@ -14,9 +14,12 @@
 //!
 //! [`plan_best`] also tries fewer nodes than given (the first `m`): on slow links a cut at a wide
 //! activation can cost more than the compute another node saves, and a model has only so many
-//! layers with parameters. Counting links, it takes the fewest nodes within 2% of the best
-//! bottleneck (fewer hops, a smaller window, less staleness); on compute alone, every node that
-//! can hold a layer with parameters.
+//! layers with parameters. Nodes that share one machine's cores ([`SharedCores`], the local
+//! launcher's processes) add a second bound: every stage's CPU per micro-batch, and what each
+//! link costs the CPU at both ends, summed over the nodes and divided by the cores — more nodes
+//! than cores only add link work there. Counting links or shared cores, it takes the fewest
+//! nodes within 2% of the best bottleneck (fewer hops, a smaller window, less staleness); on
+//! compute alone, every node that can hold a layer with parameters.
 
 use serde::{Deserialize, Serialize};
 
@@ -94,6 +97,38 @@ impl NodeCapacity {
         self.card_bytes_per_second
             .filter(|r| *r > 0.0)
             .map_or(0.0, |r| bytes as f64 / r)
+    }
+}
+
+/// Nodes that share one machine's cores without CPU quotas: together they cannot go faster
+/// than their summed CPU per micro-batch over the cores allows.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SharedCores {
+    /// Cores the nodes share.
+    pub cores: f64,
+    /// Compute threads per node: a stage's compute seconds keep that many cores busy.
+    pub threads: usize,
+    /// CPU seconds per byte a link costs, its two ends together (framing, sealing and
+    /// opening; `link_cost`), for what every stage sends per micro-batch.
+    pub link_cpu_seconds_per_byte: f64,
+}
+
+impl SharedCores {
+    /// Seconds per micro-batch the shared cores need for `stages`: every stage's predicted
+    /// compute times its threads, and every byte its links carry, over the cores. (A stage's
+    /// predicted seconds already hold its node's own link work where its profile counted it;
+    /// the local launcher's nodes have no profiles of their own, so nothing is counted twice.)
+    pub fn pace(&self, costs: &[LayerCost], stages: &[StagePlan]) -> f64 {
+        let cpu: f64 = stages
+            .iter()
+            .enumerate()
+            .map(|(s, st)| {
+                let (forward, backward) = sent_bytes(costs, s, st.start, st.end);
+                st.predicted_seconds * self.threads.max(1) as f64
+                    + (forward + backward) as f64 * self.link_cpu_seconds_per_byte
+            })
+            .sum();
+        cpu / self.cores.max(1e-9)
     }
 }
 
@@ -235,12 +270,16 @@ pub fn plan(
 }
 
 /// The best plan on the first `m` nodes for every `m` from 2 to all of them (all of them only
-/// when `use_all`), taking the fewest nodes whose bottleneck is within 2% of the best.
+/// when `use_all`), taking the fewest nodes whose bottleneck is within 2% of the best. With
+/// `shared` cores a plan's bottleneck is also at least their [`SharedCores::pace`]: the
+/// programme balances the stages of each `m`, then the cores cap its pace (of what the cores
+/// carry, only the links' bytes depend on where the cuts fall, a few percent of it).
 pub fn plan_best(
     costs: &[LayerCost],
     nodes: &[NodeCapacity],
     first_param_layer: usize,
     use_all: bool,
+    shared: Option<&SharedCores>,
 ) -> Result<Plan, PlanError> {
     let counts: Vec<usize> = if use_all || nodes.len() < 3 {
         vec![nodes.len()]
@@ -251,7 +290,10 @@ pub fn plan_best(
     let mut first_error = None;
     for m in counts {
         match split(costs, &nodes[..m], first_param_layer) {
-            Ok(p) => found.push(p),
+            Ok((stages, bottleneck)) => {
+                let cores = shared.map_or(0.0, |c| c.pace(costs, &stages));
+                found.push((stages, bottleneck.max(cores)));
+            }
             Err(e) => {
                 // Fewer nodes may not fit where more do, and more may have nothing to hold.
                 if m == nodes.len() || first_error.is_none() {
@@ -262,12 +304,12 @@ pub fn plan_best(
     }
     let best = found.iter().map(|(_, b)| *b).fold(f64::INFINITY, f64::min);
     let by_nodes: Vec<(usize, f64)> = found.iter().map(|(p, b)| (p.len(), *b)).collect();
-    // Counting the cards, fewer nodes mean fewer hops, a smaller window and less staleness:
-    // the fewest within 2% of the best. Without them (compute alone), splitting a stage never
-    // slows the slowest one, so every node that can hold parameters is used.
-    let links_counted = links_counted(nodes);
+    // Counting the cards or shared cores, fewer nodes mean fewer hops, a smaller window and
+    // less staleness: the fewest within 2% of the best. Without them (compute alone), splitting
+    // a stage never slows the slowest one, so every node that can hold parameters is used.
+    let fewest = links_counted(nodes) || shared.is_some();
     let near_best = |b: &f64| *b <= best * 1.02;
-    let chosen = if links_counted {
+    let chosen = if fewest {
         found.into_iter().find(|(_, b)| near_best(b))
     } else {
         found.into_iter().rev().find(|(_, b)| near_best(b))
@@ -639,7 +681,7 @@ mod tests {
         // Round trip: 4.5 ms of compute, four messages of 10 bytes (0.1 ms each) and four
         // latencies of 2 ms: 12.9 ms; over the 3 ms bottleneck, 5 micro-batches (4.3, and one
         // more for what the model leaves out).
-        let best = plan_best(&c, &nodes, 0, false).unwrap();
+        let best = plan_best(&c, &nodes, 0, false, None).unwrap();
         assert!(close(best.round_trip, 12.9e-3), "{best:?}");
         assert!(close(best.bottleneck, 3e-3), "{best:?}");
         assert_eq!(best.window(), 6);
@@ -677,24 +719,82 @@ mod tests {
     fn fewer_nodes_are_planned_when_they_train_faster() {
         let c = layers(&[1e-3; 4], &[1000, 1000, 1000, 10], &[true; 4]);
         let nodes = carded(3, 1e5, 0.0);
-        let best = plan_best(&c, &nodes, 0, false).unwrap();
+        let best = plan_best(&c, &nodes, 0, false, None).unwrap();
         assert_eq!(best.stages.len(), 2, "{best:?}");
         // Node 0 sends 1000 + 10 bytes, node 1 10 + 1000: 10.1 ms each.
         assert!((best.bottleneck - 10.1e-3).abs() < 1e-12, "{best:?}");
         assert_eq!(best.by_nodes.len(), 2);
         // With three, the middle node sends 1000 bytes each way: 20 ms.
-        let all = plan_best(&c, &nodes, 0, true).unwrap();
+        let all = plan_best(&c, &nodes, 0, true, None).unwrap();
         assert_eq!(all.stages.len(), 3);
         assert!((all.bottleneck - 20e-3).abs() < 1e-12, "{all:?}");
         // Without cards, every node that can hold parameters (splitting never slows the
         // slowest stage): all three of three, three of five when only three layers have
         // parameters.
-        assert_eq!(plan_best(&c, &free(3), 0, false).unwrap().stages.len(), 3);
-        let three = layers(&[1e-3; 4], &[1; 4], &[true, false, true, true]);
         assert_eq!(
-            plan_best(&three, &free(5), 0, false).unwrap().stages.len(),
+            plan_best(&c, &free(3), 0, false, None)
+                .unwrap()
+                .stages
+                .len(),
             3
         );
+        let three = layers(&[1e-3; 4], &[1; 4], &[true, false, true, true]);
+        assert_eq!(
+            plan_best(&three, &free(5), 0, false, None)
+                .unwrap()
+                .stages
+                .len(),
+            3
+        );
+    }
+
+    /// Nodes sharing one machine's cores, by hand: layers of 2, 2, 2 and 0.2 ms whose outputs
+    /// are 1000, 1000, 1000 and 10 bytes; links cost 1 µs of CPU a byte (both ends); 2 cores,
+    /// 1 thread a node. On their own the nodes would split four ways (2 ms a stage). Sharing
+    /// the cores: two nodes cut after layer 2 (4 ms | 2.2 ms of compute) and send 1000 + 10
+    /// and 10 + 1000 bytes, 8.22 ms of CPU in all, 4.11 ms on 2 cores; three nodes compute
+    /// 6.2 ms and send 4020 bytes, 5.11 ms; four send 6020 bytes, 6.11 ms. Two are planned.
+    #[test]
+    fn nodes_sharing_cores_are_planned_from_their_summed_cpu() {
+        let c = layers(
+            &[2e-3, 2e-3, 2e-3, 0.2e-3],
+            &[1000, 1000, 1000, 10],
+            &[true; 4],
+        );
+        let alone = plan_best(&c, &free(4), 0, false, None).unwrap();
+        assert_eq!(alone.stages.len(), 4, "{alone:?}");
+        let shared = SharedCores {
+            cores: 2.0,
+            threads: 1,
+            link_cpu_seconds_per_byte: 1e-6,
+        };
+        let best = plan_best(&c, &free(4), 0, false, Some(&shared)).unwrap();
+        assert_eq!(bounds(&best.stages), [(0, 2), (2, 4)]);
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        assert!(close(best.bottleneck, 4.11e-3), "{best:?}");
+        let expected = [(2, 4.11e-3), (3, 5.11e-3), (4, 6.11e-3)];
+        assert_eq!(best.by_nodes.len(), 3);
+        for ((m, b), (em, eb)) in best.by_nodes.iter().zip(expected) {
+            assert!(*m == em && close(*b, eb), "{:?}", best.by_nodes);
+        }
+        // Two threads a node double what each stage's compute keeps busy.
+        let two = SharedCores {
+            threads: 2,
+            ..shared
+        };
+        assert!(close(
+            two.pace(&c, &best.stages),
+            (2.0 * 6.2e-3 + 2.02e-3) / 2.0
+        ));
+        // With the cores to spare, the stages' own pace rules and the fewest nodes within 2%
+        // of it are taken (four: 2 ms; three: 2.2 ms).
+        let many = SharedCores {
+            cores: 64.0,
+            ..shared
+        };
+        let spare = plan_best(&c, &free(4), 0, false, Some(&many)).unwrap();
+        assert_eq!(spare.stages.len(), 4, "{spare:?}");
+        assert!(close(spare.bottleneck, 2e-3), "{spare:?}");
     }
 
     #[test]

@@ -8,9 +8,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::job::Cluster;
+use crate::job::SharedMachine;
 use crate::ring::driver::RingJob;
 use crate::ring::node_profile::ProfileRequest;
-use crate::ring::partition::{self, NodeCapacity};
+use crate::ring::partition::{self, LayerCost, NodeCapacity, SharedCores};
 use crate::ring::profile::{ProfileSettings, profile_layers};
 use crate::ring::schedule::Schedule;
 use crate::{ResumePoint, RunSpec, TrainConfig};
@@ -405,9 +406,16 @@ pub fn plan(
     let may_use_fewer =
         replicas == 1 && args.stage_replicas.is_none() && !args.use_all_nodes.unwrap_or(false);
     let links_counted = capacities.iter().any(|c| c.card_bytes_per_second.is_some());
+    let shared = cluster
+        .shared_machine
+        .map(|machine| shared_cores(machine, body, cfg.threads));
     let planned = match &args.partition {
         Some(spec) => partition::from_spec(spec, body, &capacities, first_param).map(|stages| {
-            let bottleneck = stages.iter().map(|s| s.bottleneck()).fold(0.0, f64::max);
+            let bottleneck = stages
+                .iter()
+                .map(|s| s.bottleneck())
+                .fold(0.0, f64::max)
+                .max(shared.map_or(0.0, |c| c.pace(body, &stages)));
             let round_trip = partition::round_trip(body, &stages, &capacities);
             partition::Plan {
                 by_nodes: vec![(stages.len(), bottleneck)],
@@ -416,7 +424,13 @@ pub fn plan(
                 round_trip,
             }
         }),
-        None => partition::plan_best(body, &capacities, first_param, !may_use_fewer),
+        None => partition::plan_best(
+            body,
+            &capacities,
+            first_param,
+            !may_use_fewer,
+            shared.as_ref(),
+        ),
     }
     .map_err(|e| match (&e, schedule) {
         (partition::PlanError::DoesNotFit { .. }, Schedule::Async) => Error::Config(format!(
@@ -437,6 +451,12 @@ pub fn plan(
         let most = planned.by_nodes.iter().map(|(m, _)| *m).max().unwrap_or(0);
         let why = if most < nodes as usize {
             format!("more than {most} would have a node without parameters, which only relays")
+        } else if let Some(shared) = &shared {
+            format!(
+                "more would not train faster (within 2%) on the {} cores they share, where \
+                 every further node adds link work",
+                shared.cores
+            )
         } else {
             "more would not train faster (within 2%)".to_string()
         };
@@ -499,10 +519,19 @@ pub fn plan(
         used,
         schedule.name(),
         if micro_batches == 1 { "" } else { "es" },
-        if links_counted {
-            "links counted at each node's card"
-        } else {
-            "links not counted: no bandwidth given (--bandwidth-mbit or --link)"
+        match (links_counted, &shared) {
+            (true, _) => "links counted at each node's card".to_string(),
+            (false, Some(shared)) => format!(
+                "the nodes share this machine's {} cores: each stage's compute and its links' \
+                 CPU ({:.2} ms per MB, both ends) count against them, {:.2} ms per micro-batch \
+                 in all; no bandwidth given (--bandwidth-mbit or --link)",
+                shared.cores,
+                shared.link_cpu_seconds_per_byte * 1e9,
+                shared.pace(body, &plan) * 1e3
+            ),
+            (false, None) => {
+                "links not counted: no bandwidth given (--bandwidth-mbit or --link)".to_string()
+            }
         }
     );
     for s in &plan {
@@ -752,6 +781,39 @@ fn use_own_profiles<F: Fn(u32) -> u64>(
             }
         );
         capacity.layer_seconds = Some(own);
+    }
+}
+
+/// The bound of nodes that share `machine`'s cores: what a link costs the CPU per byte is
+/// measured here, on frames of the widest activation a cut can send (as every node measures its
+/// own at rendezvous, `node_profile`), in about a tenth of a second.
+fn shared_cores(machine: SharedMachine, costs: &[LayerCost], threads: usize) -> SharedCores {
+    let frame = costs
+        .iter()
+        .map(|c| c.out_bytes)
+        .max()
+        .unwrap_or(4)
+        .clamp(4, 4 << 20) as usize;
+    let budget = std::time::Duration::from_millis(100);
+    let per_byte = match ringtmp_transport::link_cost::seconds_per_byte(
+        machine.private_links,
+        frame,
+        budget,
+    ) {
+        Ok(s) if s.is_finite() => s.max(0.0),
+        Ok(s) => {
+            tracing::warn!("the links' CPU cost measured {s} s per byte; not counted");
+            0.0
+        }
+        Err(e) => {
+            tracing::warn!("could not time the links' CPU cost ({e}); not counted");
+            0.0
+        }
+    };
+    SharedCores {
+        cores: machine.cores.max(1) as f64,
+        threads,
+        link_cpu_seconds_per_byte: per_byte,
     }
 }
 
