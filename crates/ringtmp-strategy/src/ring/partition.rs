@@ -123,12 +123,16 @@ impl SharedCores {
             .iter()
             .enumerate()
             .map(|(s, st)| {
-                let (forward, backward) = sent_bytes(costs, s, st.start, st.end);
-                st.predicted_seconds * self.threads.max(1) as f64
-                    + (forward + backward) as f64 * self.link_cpu_seconds_per_byte
+                st.predicted_seconds * self.threads.max(1) as f64 + self.link_seconds(costs, s, st)
             })
             .sum();
         cpu / self.cores.max(1e-9)
+    }
+
+    /// CPU seconds per micro-batch that what stage `s` sends costs at both ends of its links.
+    pub fn link_seconds(&self, costs: &[LayerCost], s: usize, stage: &StagePlan) -> f64 {
+        let (forward, backward) = sent_bytes(costs, s, stage.start, stage.end);
+        (forward + backward) as f64 * self.link_cpu_seconds_per_byte
     }
 }
 

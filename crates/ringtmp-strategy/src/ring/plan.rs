@@ -534,15 +534,22 @@ pub fn plan(
             }
         }
     );
-    for s in &plan {
+    for (i, s) in plan.iter().enumerate() {
         let kinds: Vec<&str> = layers[s.start..s.end]
             .iter()
             .map(|l| l.kind_name())
             .collect();
-        let link = if links_counted {
+        let card = if links_counted {
             format!(", its card {:.2} ms", s.predicted_link_seconds * 1e3)
         } else {
             String::new()
+        };
+        let link = match &shared {
+            Some(shared) => format!(
+                "{card}, its links {:.2} ms of CPU",
+                shared.link_seconds(body, i, s) * 1e3
+            ),
+            None => card,
         };
         eprintln!(
             "  node {}: layers {}..{} [{}], predicted {:.2} ms of compute per micro-batch{link}, \
