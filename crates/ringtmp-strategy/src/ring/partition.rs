@@ -129,6 +129,15 @@ impl SharedCores {
         cpu / self.cores.max(1e-9)
     }
 
+    /// The cores, for a message: `1 core`, `2 cores`.
+    pub fn cores_named(&self) -> String {
+        if self.cores == 1.0 {
+            "1 core".to_string()
+        } else {
+            format!("{} cores", self.cores)
+        }
+    }
+
     /// CPU seconds per micro-batch that what stage `s` sends costs at both ends of its links.
     pub fn link_seconds(&self, costs: &[LayerCost], s: usize, stage: &StagePlan) -> f64 {
         let (forward, backward) = sent_bytes(costs, s, stage.start, stage.end);

@@ -7,8 +7,7 @@ use ringtmp_model::{LayerKind, Shape};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::job::Cluster;
-use crate::job::SharedMachine;
+use crate::job::{Cluster, SharedMachine};
 use crate::ring::driver::RingJob;
 use crate::ring::node_profile::ProfileRequest;
 use crate::ring::partition::{self, LayerCost, NodeCapacity, SharedCores};
@@ -453,9 +452,9 @@ pub fn plan(
             format!("more than {most} would have a node without parameters, which only relays")
         } else if let Some(shared) = &shared {
             format!(
-                "more would not train faster (within 2%) on the {} cores they share, where \
-                 every further node adds link work",
-                shared.cores
+                "more would not train faster (within 2%) on the {} they share, where every \
+                 further node adds link work",
+                shared.cores_named()
             )
         } else {
             "more would not train faster (within 2%)".to_string()
@@ -522,10 +521,10 @@ pub fn plan(
         match (links_counted, &shared) {
             (true, _) => "links counted at each node's card".to_string(),
             (false, Some(shared)) => format!(
-                "the nodes share this machine's {} cores: each stage's compute and its links' \
-                 CPU ({:.2} ms per MB, both ends) count against them, {:.2} ms per micro-batch \
-                 in all; no bandwidth given (--bandwidth-mbit or --link)",
-                shared.cores,
+                "the nodes share this machine's {}: each stage's compute and its links' CPU \
+                 ({:.2} ms per MB, both ends) count against them, {:.2} ms per micro-batch in \
+                 all; no bandwidth given (--bandwidth-mbit or --link)",
+                shared.cores_named(),
                 shared.link_cpu_seconds_per_byte * 1e9,
                 shared.pace(body, &plan) * 1e3
             ),
