@@ -4,7 +4,7 @@
 //! All matrices are row-major `f32` slices. Transposes are expressed through strides, which `gemm`
 //! accepts directly, so no layer ever materialises a transposed copy.
 
-use gemm::Parallelism;
+use gemm_common::Parallelism;
 use multiversion::multiversion;
 use rayon::prelude::*;
 
@@ -15,15 +15,6 @@ pub enum Op {
     N,
     /// Use the transpose of the stored matrix.
     T,
-}
-
-/// The `gemm` parallelism for a thread budget: one thread means no rayon dispatch at all.
-pub fn parallelism(threads: usize) -> Parallelism {
-    if threads <= 1 {
-        Parallelism::None
-    } else {
-        Parallelism::Rayon(threads)
-    }
 }
 
 /// `c[m×n] = (accumulate ? c : 0) + op_a(a)[m×k] · op_b(b)[k×n]`.
@@ -257,7 +248,7 @@ pub fn linear_forward(
             // SAFETY: column blocks j0..j1 of the m×n column-major temporary are disjoint per task;
             // x is m×k row-major, w rows j0..j1 lie inside `w` (checked above).
             unsafe {
-                gemm::gemm(
+                gemm_f32(
                     m,
                     j1 - j0,
                     k,
@@ -326,7 +317,7 @@ unsafe fn gemm_raw(
 ) {
     // SAFETY: forwarded from the caller.
     unsafe {
-        gemm::gemm(
+        gemm_f32(
             m,
             n,
             k,
@@ -347,6 +338,91 @@ unsafe fn gemm_raw(
             false,
             Parallelism::None,
         );
+    }
+}
+
+/// `dst := (read_dst ? dst : 0) + lhs · rhs` through `gemm`'s f32 kernels (`gemm-f32`), with the
+/// one normalisation of `gemm::gemm` that these strides need: a destination laid out by rows is
+/// computed as its transpose, since the micro-kernels write columns. The same kernel and the same
+/// operands as `gemm::gemm::<f32>` with alpha 1 and beta 1, so the same bits; every stride here
+/// is non-negative.
+///
+/// # Safety
+/// Every element addressed through the strides must be valid, and `dst` must not alias `lhs` or
+/// `rhs`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn gemm_f32(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_cs: isize,
+    dst_rs: isize,
+    read_dst: bool,
+    lhs: *const f32,
+    lhs_cs: isize,
+    lhs_rs: isize,
+    rhs: *const f32,
+    rhs_cs: isize,
+    rhs_rs: isize,
+    alpha: f32,
+    beta: f32,
+    conj_dst: bool,
+    conj_lhs: bool,
+    conj_rhs: bool,
+    parallelism: Parallelism,
+) {
+    debug_assert!(dst_cs >= 0 && dst_rs >= 0 && lhs_cs >= 0 && lhs_rs >= 0);
+    debug_assert!(rhs_cs >= 0 && rhs_rs >= 0);
+    let kernel = gemm_f32::gemm::f32::get_gemm_fn();
+    // SAFETY: forwarded from the caller; transposing swaps the operands and their strides, so
+    // the same elements are addressed.
+    unsafe {
+        if dst_cs < dst_rs {
+            kernel(
+                n,
+                m,
+                k,
+                dst,
+                dst_rs,
+                dst_cs,
+                read_dst,
+                rhs,
+                rhs_rs,
+                rhs_cs,
+                lhs,
+                lhs_rs,
+                lhs_cs,
+                alpha,
+                beta,
+                conj_dst,
+                conj_rhs,
+                conj_lhs,
+                parallelism,
+            )
+        } else {
+            kernel(
+                m,
+                n,
+                k,
+                dst,
+                dst_cs,
+                dst_rs,
+                read_dst,
+                lhs,
+                lhs_cs,
+                lhs_rs,
+                rhs,
+                rhs_cs,
+                rhs_rs,
+                alpha,
+                beta,
+                conj_dst,
+                conj_lhs,
+                conj_rhs,
+                parallelism,
+            )
+        }
     }
 }
 
