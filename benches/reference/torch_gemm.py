@@ -26,7 +26,7 @@ SHAPES = [
     ("cnn conv2 forward, two samples", 128, 64, 800),
     ("cnn conv2 weight gradient, two samples", 800, 64, 128),
     ("cnn conv2 column gradient, two samples", 128, 800, 64),
-    ("mlp-deep linear forward, batch 64", 64, 1024, 1024),
+    ("linear input gradient 1024->1024, batch 64", 64, 1024, 1024),
 ]
 
 

@@ -249,25 +249,14 @@ pub fn linear_forward(
             // x is m×k row-major, w rows j0..j1 lie inside `w` (checked above).
             unsafe {
                 gemm_f32(
-                    m,
-                    j1 - j0,
-                    k,
+                    (m, j1 - j0, k),
                     t_ptr.0.add(j0 * m),
-                    m as isize,
-                    1,
+                    (m as isize, 1),
                     false,
                     x_ptr.0,
-                    1,
-                    k as isize,
+                    (1, k as isize),
                     w_ptr.0.add(j0 * k),
-                    k as isize,
-                    1,
-                    1.0,
-                    1.0,
-                    false,
-                    false,
-                    false,
-                    Parallelism::None,
+                    (k as isize, 1),
                 );
             }
         };
@@ -318,109 +307,52 @@ unsafe fn gemm_raw(
     // SAFETY: forwarded from the caller.
     unsafe {
         gemm_f32(
-            m,
-            n,
-            k,
+            (m, n, k),
             c,
-            1,
-            c_rs as isize,
+            (1, c_rs as isize),
             accumulate,
             a,
-            a_cs as isize,
-            a_rs as isize,
+            (a_cs as isize, a_rs as isize),
             b,
-            b_cs as isize,
-            b_rs as isize,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            Parallelism::None,
+            (b_cs as isize, b_rs as isize),
         );
     }
 }
 
-/// `dst := (read_dst ? dst : 0) + lhs · rhs` through `gemm`'s f32 kernels (`gemm-f32`), with the
-/// one normalisation of `gemm::gemm` that these strides need: a destination laid out by rows is
-/// computed as its transpose, since the micro-kernels write columns. The same kernel and the same
-/// operands as `gemm::gemm::<f32>` with alpha 1 and beta 1, so the same bits; every stride here
-/// is non-negative.
+/// `dst := (read_dst ? dst : 0) + lhs · rhs` on the calling thread, through `gemm`'s f32 kernels
+/// (`gemm-f32`), with the one normalisation of `gemm::gemm` that these strides need: a
+/// destination laid out by rows is computed as its transpose, since the micro-kernels write
+/// columns. The same kernel and the same operands as `gemm::gemm::<f32>` with alpha and beta 1,
+/// so the same bits. Strides are element counts, none negative.
 ///
 /// # Safety
 /// Every element addressed through the strides must be valid, and `dst` must not alias `lhs` or
 /// `rhs`.
 #[allow(clippy::too_many_arguments)]
 unsafe fn gemm_f32(
-    m: usize,
-    n: usize,
-    k: usize,
+    (m, n, k): (usize, usize, usize),
     dst: *mut f32,
-    dst_cs: isize,
-    dst_rs: isize,
+    (dst_cs, dst_rs): (isize, isize),
     read_dst: bool,
     lhs: *const f32,
-    lhs_cs: isize,
-    lhs_rs: isize,
+    (lhs_cs, lhs_rs): (isize, isize),
     rhs: *const f32,
-    rhs_cs: isize,
-    rhs_rs: isize,
-    alpha: f32,
-    beta: f32,
-    conj_dst: bool,
-    conj_lhs: bool,
-    conj_rhs: bool,
-    parallelism: Parallelism,
+    (rhs_cs, rhs_rs): (isize, isize),
 ) {
-    debug_assert!(dst_cs >= 0 && dst_rs >= 0 && lhs_cs >= 0 && lhs_rs >= 0);
-    debug_assert!(rhs_cs >= 0 && rhs_rs >= 0);
     let kernel = gemm_f32::gemm::f32::get_gemm_fn();
-    // SAFETY: forwarded from the caller; transposing swaps the operands and their strides, so
+    let none = Parallelism::None;
+    // SAFETY: forwarded from the caller; the transpose swaps the operands and their strides, so
     // the same elements are addressed.
     unsafe {
         if dst_cs < dst_rs {
             kernel(
-                n,
-                m,
-                k,
-                dst,
-                dst_rs,
-                dst_cs,
-                read_dst,
-                rhs,
-                rhs_rs,
-                rhs_cs,
-                lhs,
-                lhs_rs,
-                lhs_cs,
-                alpha,
-                beta,
-                conj_dst,
-                conj_rhs,
-                conj_lhs,
-                parallelism,
+                n, m, k, dst, dst_rs, dst_cs, read_dst, rhs, rhs_rs, rhs_cs, lhs, lhs_rs, lhs_cs,
+                1.0, 1.0, false, false, false, none,
             )
         } else {
             kernel(
-                m,
-                n,
-                k,
-                dst,
-                dst_cs,
-                dst_rs,
-                read_dst,
-                lhs,
-                lhs_cs,
-                lhs_rs,
-                rhs,
-                rhs_cs,
-                rhs_rs,
-                alpha,
-                beta,
-                conj_dst,
-                conj_lhs,
-                conj_rhs,
-                parallelism,
+                m, n, k, dst, dst_cs, dst_rs, read_dst, lhs, lhs_cs, lhs_rs, rhs, rhs_cs, rhs_rs,
+                1.0, 1.0, false, false, false, none,
             )
         }
     }
