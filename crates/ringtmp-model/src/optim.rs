@@ -422,7 +422,18 @@ fn sgd_chunk(p: &mut [f32], g: &[f32], v: &mut [f32], h: &SgdStep) {
     }
 }
 
-/// SGD over a chunk from `from` into `to`.
+/// SGD over a chunk from `from` into `to`: with streaming stores on x86-64 (see [`streaming`]).
+fn sgd_chunk_into(from: &[f32], to: &mut [f32], g: &[f32], v: &mut [f32], h: &SgdStep) {
+    #[cfg(target_arch = "x86_64")]
+    if streaming::available() {
+        // SAFETY: `available` checked that this CPU has AVX.
+        unsafe { streaming::sgd_into(from, to, g, v, h) };
+        return;
+    }
+    sgd_chunk_into_cached(from, to, g, v, h);
+}
+
+/// [`sgd_chunk_into`] with ordinary stores (where streaming stores are not available).
 #[cfg_attr(
     feature = "avx512",
     multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))
@@ -431,7 +442,7 @@ fn sgd_chunk(p: &mut [f32], g: &[f32], v: &mut [f32], h: &SgdStep) {
     not(feature = "avx512"),
     multiversion(targets("x86_64+avx2+fma", "aarch64+neon"))
 )]
-fn sgd_chunk_into(from: &[f32], to: &mut [f32], g: &[f32], v: &mut [f32], h: &SgdStep) {
+fn sgd_chunk_into_cached(from: &[f32], to: &mut [f32], g: &[f32], v: &mut [f32], h: &SgdStep) {
     // Equal lengths up front let the compiler drop bounds checks and vectorise.
     let n = to.len();
     let (from, g, v) = (&from[..n], &g[..n], &mut v[..n]);
@@ -477,7 +488,25 @@ fn adam_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamSt
     }
 }
 
-/// Adam over a chunk from `from` into `to`.
+/// Adam over a chunk from `from` into `to`: with streaming stores on x86-64 (see [`streaming`]).
+fn adam_chunk_into(
+    from: &[f32],
+    to: &mut [f32],
+    g: &[f32],
+    m: &mut [f32],
+    v: &mut [f32],
+    h: &AdamStep,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if streaming::available() {
+        // SAFETY: `available` checked that this CPU has AVX.
+        unsafe { streaming::adam_into(from, to, g, m, v, h) };
+        return;
+    }
+    adam_chunk_into_cached(from, to, g, m, v, h);
+}
+
+/// [`adam_chunk_into`] with ordinary stores (where streaming stores are not available).
 #[cfg_attr(
     feature = "avx512",
     multiversion(targets("x86_64+avx512f+avx512vl+avx512dq", "x86_64+avx2+fma", "aarch64+neon"))
@@ -486,7 +515,7 @@ fn adam_chunk(p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32], h: &AdamSt
     not(feature = "avx512"),
     multiversion(targets("x86_64+avx2+fma", "aarch64+neon"))
 )]
-fn adam_chunk_into(
+fn adam_chunk_into_cached(
     from: &[f32],
     to: &mut [f32],
     g: &[f32],
@@ -571,6 +600,150 @@ impl LrSchedule {
     }
 }
 
+/// The update into a new weight version with streaming (non-temporal) stores.
+///
+/// Writing a new version with ordinary stores first reads every destination line into the cache
+/// (a read for ownership) only to overwrite all of it: for SGD that is 24 bytes of memory
+/// traffic per parameter against 16 for the update in place. Streaming stores write whole lines
+/// without reading them, which brings the update into a new version back to the in-place
+/// update's traffic. What they give up, the new version staying in cache, is worth little here:
+/// the versions a ring node writes are a stage's whole weights, larger than its core's cache,
+/// and the next forward reads them after the rest of the stage has passed through.
+///
+/// AVX (256-bit) on every x86-64 CPU that has it, AVX-512 ones included: the loop is bound by
+/// memory, not by vector width. The arithmetic is the scalar functions' ([`sgd_one`],
+/// [`adam_one`]) operation by operation, never fused, so the results are bit for bit theirs.
+#[cfg(target_arch = "x86_64")]
+mod streaming {
+    use std::arch::x86_64::*;
+
+    use super::{AdamStep, SgdStep, adam_one, sgd_one};
+
+    /// Floats in one AVX register.
+    const LANES: usize = 8;
+
+    /// Whether this CPU has the instructions below.
+    pub(super) fn available() -> bool {
+        std::arch::is_x86_feature_detected!("avx")
+    }
+
+    /// Elements of `to` before its first 32-byte-aligned one (a streaming store needs the
+    /// alignment), at most `to.len()`.
+    fn unaligned_head(to: &[f32]) -> usize {
+        let misaligned = to.as_ptr() as usize % (LANES * 4);
+        if misaligned == 0 {
+            0
+        } else {
+            ((LANES * 4 - misaligned) / 4).min(to.len())
+        }
+    }
+
+    /// [`super::sgd_chunk_into`] with streaming stores to `to`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX ([`available`]).
+    #[target_feature(enable = "avx")]
+    pub(super) unsafe fn sgd_into(
+        from: &[f32],
+        to: &mut [f32],
+        g: &[f32],
+        v: &mut [f32],
+        h: &SgdStep,
+    ) {
+        let n = to.len();
+        let (from, g, v) = (&from[..n], &g[..n], &mut v[..n]);
+        let head = unaligned_head(to);
+        for i in 0..head {
+            to[i] = sgd_one(from[i], g[i], &mut v[i], h);
+        }
+        let body_end = head + (n - head) / LANES * LANES;
+        let weight_decay = _mm256_set1_ps(h.weight_decay);
+        let momentum = _mm256_set1_ps(h.momentum);
+        let lr = _mm256_set1_ps(h.lr);
+        let mut i = head;
+        while i < body_end {
+            // SAFETY: `i + LANES <= n` for all four slices (equal lengths), and `to + i` is
+            // 32-byte aligned (`head` reached the alignment, steps are whole registers).
+            unsafe {
+                let p = _mm256_loadu_ps(from.as_ptr().add(i));
+                let grad = _mm256_loadu_ps(g.as_ptr().add(i));
+                let vel = _mm256_loadu_ps(v.as_ptr().add(i));
+                let d = _mm256_add_ps(grad, _mm256_mul_ps(weight_decay, p));
+                let vel = _mm256_add_ps(_mm256_mul_ps(momentum, vel), d);
+                _mm256_storeu_ps(v.as_mut_ptr().add(i), vel);
+                _mm256_stream_ps(
+                    to.as_mut_ptr().add(i),
+                    _mm256_sub_ps(p, _mm256_mul_ps(lr, vel)),
+                );
+            }
+            i += LANES;
+        }
+        for i in body_end..n {
+            to[i] = sgd_one(from[i], g[i], &mut v[i], h);
+        }
+        // Streaming stores are weakly ordered: fence them before anything reads the version.
+        _mm_sfence();
+    }
+
+    /// [`super::adam_chunk_into`] with streaming stores to `to`.
+    ///
+    /// # Safety
+    /// The CPU must have AVX ([`available`]).
+    #[target_feature(enable = "avx")]
+    pub(super) unsafe fn adam_into(
+        from: &[f32],
+        to: &mut [f32],
+        g: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+        h: &AdamStep,
+    ) {
+        let n = to.len();
+        let (from, g, m, v) = (&from[..n], &g[..n], &mut m[..n], &mut v[..n]);
+        let head = unaligned_head(to);
+        for i in 0..head {
+            to[i] = adam_one(from[i], g[i], &mut m[i], &mut v[i], h);
+        }
+        let body_end = head + (n - head) / LANES * LANES;
+        let weight_decay = _mm256_set1_ps(h.weight_decay);
+        let beta1 = _mm256_set1_ps(h.beta1);
+        let one_minus_beta1 = _mm256_set1_ps(1.0 - h.beta1);
+        let beta2 = _mm256_set1_ps(h.beta2);
+        let one_minus_beta2 = _mm256_set1_ps(1.0 - h.beta2);
+        let eps = _mm256_set1_ps(h.eps);
+        let step_size = _mm256_set1_ps(h.step_size);
+        let inv_sqrt_c2 = _mm256_set1_ps(h.inv_sqrt_c2);
+        let mut i = head;
+        while i < body_end {
+            // SAFETY: as in `sgd_into`.
+            unsafe {
+                let p = _mm256_loadu_ps(from.as_ptr().add(i));
+                let grad = _mm256_loadu_ps(g.as_ptr().add(i));
+                let d = _mm256_add_ps(grad, _mm256_mul_ps(weight_decay, p));
+                let first = _mm256_add_ps(
+                    _mm256_mul_ps(beta1, _mm256_loadu_ps(m.as_ptr().add(i))),
+                    _mm256_mul_ps(one_minus_beta1, d),
+                );
+                let second = _mm256_add_ps(
+                    _mm256_mul_ps(beta2, _mm256_loadu_ps(v.as_ptr().add(i))),
+                    _mm256_mul_ps(_mm256_mul_ps(one_minus_beta2, d), d),
+                );
+                _mm256_storeu_ps(m.as_mut_ptr().add(i), first);
+                _mm256_storeu_ps(v.as_mut_ptr().add(i), second);
+                let denominator =
+                    _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(second), inv_sqrt_c2), eps);
+                let step = _mm256_div_ps(_mm256_mul_ps(step_size, first), denominator);
+                _mm256_stream_ps(to.as_mut_ptr().add(i), _mm256_sub_ps(p, step));
+            }
+            i += LANES;
+        }
+        for i in body_end..n {
+            to[i] = adam_one(from[i], g[i], &mut m[i], &mut v[i], h);
+        }
+        _mm_sfence();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -599,37 +772,77 @@ mod tests {
             // SGD, in place and into another buffer.
             let (mut p1, mut v1) = (p.clone(), state.clone());
             sgd_chunk(&mut p1, &g, &mut v1, &sgd);
-            let (mut p2, mut v2) = (vec![f32::NAN; len], state.clone());
-            sgd_chunk_into(&p, &mut p2, &g, &mut v2, &sgd);
             let (mut want, mut wv) = (p.clone(), state.clone());
             for i in 0..len {
                 want[i] = sgd_one(want[i], g[i], &mut wv[i], &sgd);
             }
             assert_eq!(bits(&p1), bits(&want), "sgd, {len} values");
-            assert_eq!(bits(&p2), bits(&want), "sgd into, {len} values");
             assert_eq!(bits(&v1), bits(&wv), "sgd velocity, {len} values");
-            assert_eq!(bits(&v2), bits(&wv), "sgd velocity into, {len} values");
+            // Into another buffer: the streaming stores (x86-64) and the ordinary ones, with the
+            // destination at every offset from a 32-byte boundary (the streaming kernel's head).
+            let into = [
+                sgd_chunk_into as fn(&[f32], &mut [f32], &[f32], &mut [f32], &SgdStep),
+                sgd_chunk_into_cached,
+            ];
+            for (kernel, offset) in into.iter().flat_map(|k| (0..8).map(move |o| (k, o))) {
+                let mut buffer = AlignedDestination::new(len + offset);
+                let (p2, mut v2) = (&mut buffer.slice()[offset..], state.clone());
+                kernel(&p, p2, &g, &mut v2, &sgd);
+                assert_eq!(bits(p2), bits(&want), "sgd into, {len} values at {offset}");
+                assert_eq!(bits(&v2), bits(&wv), "sgd velocity into, {len} at {offset}");
+            }
             // Adam, in place and into another buffer.
             let (mut p1, mut m1, mut s1) = (p.clone(), state.clone(), state.clone());
             adam_chunk(&mut p1, &g, &mut m1, &mut s1, &adam);
-            let (mut p2, mut m2, mut s2) = (vec![f32::NAN; len], state.clone(), state.clone());
-            adam_chunk_into(&p, &mut p2, &g, &mut m2, &mut s2, &adam);
             let (mut want, mut wm, mut ws) = (p.clone(), state.clone(), state.clone());
             for i in 0..len {
                 want[i] = adam_one(want[i], g[i], &mut wm[i], &mut ws[i], &adam);
             }
             assert_eq!(bits(&p1), bits(&want), "adam, {len} values");
-            assert_eq!(bits(&p2), bits(&want), "adam into, {len} values");
             assert_eq!(
                 (bits(&m1), bits(&s1)),
                 (bits(&wm), bits(&ws)),
                 "adam state, {len}"
             );
-            assert_eq!(
-                (bits(&m2), bits(&s2)),
-                (bits(&wm), bits(&ws)),
-                "adam state into"
-            );
+            type AdamInto = fn(&[f32], &mut [f32], &[f32], &mut [f32], &mut [f32], &AdamStep);
+            let into = [adam_chunk_into as AdamInto, adam_chunk_into_cached];
+            for (kernel, offset) in into.iter().flat_map(|k| (0..8).map(move |o| (k, o))) {
+                let mut buffer = AlignedDestination::new(len + offset);
+                let p2 = &mut buffer.slice()[offset..];
+                let (mut m2, mut s2) = (state.clone(), state.clone());
+                kernel(&p, p2, &g, &mut m2, &mut s2, &adam);
+                assert_eq!(bits(p2), bits(&want), "adam into, {len} values at {offset}");
+                assert_eq!(
+                    (bits(&m2), bits(&s2)),
+                    (bits(&wm), bits(&ws)),
+                    "adam state into, {len} at {offset}"
+                );
+            }
+        }
+    }
+
+    /// A NaN-filled destination whose first value sits on a 32-byte boundary, so that an offset
+    /// into it places the kernel's destination at a known misalignment.
+    struct AlignedDestination {
+        storage: Vec<f32>,
+        start: usize,
+        len: usize,
+    }
+
+    impl AlignedDestination {
+        fn new(len: usize) -> Self {
+            let storage = vec![f32::NAN; len + 8];
+            let start = storage.as_ptr().align_offset(32);
+            assert!(start < 8, "a Vec<f32> is at least 4-byte aligned");
+            Self {
+                storage,
+                start,
+                len,
+            }
+        }
+
+        fn slice(&mut self) -> &mut [f32] {
+            &mut self.storage[self.start..self.start + self.len]
         }
     }
 
