@@ -603,7 +603,7 @@ impl LrSchedule {
 /// The update into a new weight version with streaming (non-temporal) stores.
 ///
 /// Writing a new version with ordinary stores first reads every destination line into the cache
-/// (a read for ownership) only to overwrite all of it: for SGD that is 24 bytes of memory
+/// (a read for ownership) only to overwrite all of it: for SGD that is 20 bytes of memory
 /// traffic per parameter against 16 for the update in place. Streaming stores write whole lines
 /// without reading them, which brings the update into a new version back to the in-place
 /// update's traffic. What they give up, the new version staying in cache, is worth little here:
