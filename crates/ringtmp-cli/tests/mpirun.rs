@@ -6,6 +6,8 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use ringtmp_testkit::process::free_port;
+
 #[test]
 fn mpirun_starts_a_three_node_selftest() {
     let Ok(found) = Command::new("mpirun")
@@ -22,11 +24,9 @@ fn mpirun_starts_a_three_node_selftest() {
         return;
     };
     assert!(found.success());
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    // Below the ephemeral range (testkit's rule): a port handed out for `:0` was taken once, in
+    // CI, by one of mpirun's own PMIx sockets before rank 0 could bind it.
+    let port = free_port();
     let mut child = Command::new("mpirun")
         .args([
             "--allow-run-as-root",
