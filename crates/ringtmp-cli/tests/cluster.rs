@@ -1406,7 +1406,9 @@ fn final_hashes(out: &std::path::Path) -> Vec<String> {
 // that verifies, and the run ends with the parameters of one that was never interrupted (a
 // synchronous schedule); a disk that fills up mid-checkpoint loses nothing written before;
 // `--resume auto` passes over a damaged checkpoint, naming the file; the master's death is not
-// restarted.
+// restarted. The runs that do not depend on one another run at once: most of their time is the
+// links' latency and the failure detection's waits, not CPU (7 s of CPU in 51 s of wall, one
+// after another).
 #[test]
 fn a_failed_ring_node_restarts_the_run_from_its_checkpoint_and_ends_where_an_unbroken_run_does() {
     let tmp = tempfile::tempdir().unwrap();
@@ -1432,40 +1434,81 @@ fn a_failed_ring_node_restarts_the_run_from_its_checkpoint_and_ends_where_an_unb
         "--checkpoint-every",
         "10",
     ];
-    let unbroken = tmp.path().join("unbroken");
-    let mut args = common.to_vec();
-    args.extend(["--out", unbroken.to_str().unwrap()]);
-    let (output, _) = finish(spawn_train(&args), Duration::from_secs(120));
-    assert!(output.status.success(), "{}", stderr(&output));
-
-    // 5 ms links make a step take tens of milliseconds in any build, so the crash at 1.5 s
-    // falls inside the run.
-    let restarted = tmp.path().join("restarted");
-    let mut args = common.to_vec();
-    args.extend([
+    let out = |name: &str| tmp.path().join(name);
+    let train = |extra: &[&str], out: &std::path::Path| {
+        let mut args = common.to_vec();
+        args.extend(extra);
+        args.extend(["--out", out.to_str().unwrap()]);
+        spawn_train(&args)
+    };
+    // 5 ms links make a step take tens of milliseconds in any build, so a crash at 1.5 s falls
+    // inside the run (the clock starts when the links are up).
+    let crash_node_2 = [
         "--latency-ms",
         "5",
-        "--max-restarts",
-        "1",
         "--crash-rank",
         "2",
         "--crash-after-ms",
         "1500",
-        "--out",
-        restarted.to_str().unwrap(),
-    ]);
-    let (output, _) = finish(spawn_train(&args), Duration::from_secs(180));
+    ];
+    let with = |extra: &[&'static str]| [&crash_node_2[..], extra].concat();
+    let unbroken = train(&[], &out("unbroken"));
+    // A node restarted with the run.
+    let restarted = train(&with(&["--max-restarts", "1"]), &out("restarted"));
+    // A board that is gone for good: the run goes on without it, planned again on 3 nodes from
+    // the checkpoint, and ends where the unbroken run does (1f1b is exact SGD on any partition).
+    let shrunk = train(
+        &with(&["--max-restarts", "1", "--shrink-on-failure"]),
+        &out("shrunk"),
+    );
+    // Issue 14.2: with stage replicas the ring heals around the dead node in place — no
+    // restart, no checkpoint read — and still ends where the unbroken run does.
+    let healed = train(&with(&["--stage-replicas", "10"]), &out("healed"));
+    // A disk that fills up while step 20's checkpoint is written.
+    let full_out = out("full");
+    let mut args = common.to_vec();
+    args.extend(["--out", full_out.to_str().unwrap()]);
+    let full = ringtmp()
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+        .env("RINGTMP_FAULT_ENOSPC", "step-000000020")
+        .arg("train")
+        .args(&args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The master holds the data: its death ends the run, restarts or not.
+    let master = train(
+        &[
+            "--latency-ms",
+            "5",
+            "--max-restarts",
+            "3",
+            "--crash-rank",
+            "0",
+            "--crash-after-ms",
+            "1000",
+        ],
+        &out("master"),
+    );
+
+    let limit = Duration::from_secs(180);
+    let (output, _) = finish(unbroken, limit);
+    assert!(output.status.success(), "{}", stderr(&output));
+    let unbroken_hashes = final_hashes(&out("unbroken"));
+    let unbroken_summary = summary(&out("unbroken"));
+    let accuracy = |s: &serde_json::Value| s["final_test_accuracy"].as_f64().unwrap();
+
+    let (output, _) = finish(restarted, limit);
     let err = stderr(&output);
     assert!(output.status.success(), "{err}");
     assert!(
         err.contains("launcher: restart 1/1: node 2 failed"),
         "{err}"
     );
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(restarted.join("summary.json")).unwrap())
-            .unwrap();
-    let restart = &summary["restarts"][0];
-    assert_eq!(restart["rank"], 2, "{summary}");
+    let restarted_summary = summary(&out("restarted"));
+    let restart = &restarted_summary["restarts"][0];
+    assert_eq!(restart["rank"], 2, "{restarted_summary}");
     let (failed, resumed) = (
         restart["failed_at_step"].as_u64().unwrap(),
         restart["resumed_from_step"].as_u64().unwrap(),
@@ -1476,77 +1519,36 @@ fn a_failed_ring_node_restarts_the_run_from_its_checkpoint_and_ends_where_an_unb
         restart["downtime_seconds"].as_f64().unwrap() > 0.0,
         "{restart}"
     );
-    assert_eq!(summary["steps"], 186, "{summary}");
+    assert_eq!(restarted_summary["steps"], 186, "{restarted_summary}");
     assert_eq!(
-        final_hashes(&restarted),
-        final_hashes(&unbroken),
+        final_hashes(&out("restarted")),
+        unbroken_hashes,
         "the restarted run ends with the unbroken run's parameters"
     );
 
-    // A board that is gone for good: the run goes on without it, planned again on 3 nodes from
-    // the checkpoint, and ends where the unbroken run does (1f1b is exact SGD on any partition).
-    let shrunk = tmp.path().join("shrunk");
-    let mut args = common.to_vec();
-    args.extend([
-        "--latency-ms",
-        "5",
-        "--max-restarts",
-        "1",
-        "--shrink-on-failure",
-        "--crash-rank",
-        "2",
-        "--crash-after-ms",
-        "1500",
-        "--out",
-        shrunk.to_str().unwrap(),
-    ]);
-    let (output, _) = finish(spawn_train(&args), Duration::from_secs(180));
+    let (output, _) = finish(shrunk, limit);
     let err = stderr(&output);
     assert!(output.status.success(), "{err}");
     assert!(
         err.contains("on 3 nodes") && err.contains("partition (3 nodes"),
         "{err}"
     );
-    let shrunk: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(shrunk.join("summary.json")).unwrap())
-            .unwrap();
-    let unbroken_summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(unbroken.join("summary.json")).unwrap())
-            .unwrap();
+    let shrunk = summary(&out("shrunk"));
     assert_eq!(shrunk["nodes"], 3, "{shrunk}");
     assert_eq!(shrunk["restarts"][0]["nodes"], 3, "{shrunk}");
-    let accuracy = |s: &serde_json::Value| s["final_test_accuracy"].as_f64().unwrap();
     assert!(
         (accuracy(&shrunk) - accuracy(&unbroken_summary)).abs() < 0.01,
         "{shrunk}"
     );
 
-    // Issue 14.2: with stage replicas the ring heals around the dead node in place — no
-    // restart, no checkpoint read — and still ends where the unbroken run does.
-    let healed = tmp.path().join("healed");
-    let mut args = common.to_vec();
-    args.extend([
-        "--latency-ms",
-        "5",
-        "--stage-replicas",
-        "10",
-        "--crash-rank",
-        "2",
-        "--crash-after-ms",
-        "1500",
-        "--out",
-        healed.to_str().unwrap(),
-    ]);
-    let (output, _) = finish(spawn_train(&args), Duration::from_secs(180));
+    let (output, _) = finish(healed, limit);
     let err = stderr(&output);
     assert!(output.status.success(), "{err}");
     assert!(
         err.contains("ring: rank 2 left") && !err.contains("launcher: restart"),
         "{err}"
     );
-    let healed: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(healed.join("summary.json")).unwrap())
-            .unwrap();
+    let healed = summary(&out("healed"));
     assert_eq!(healed["heals"][0]["rank"], 2, "{healed}");
     assert_eq!(healed["nodes"], 3, "{healed}");
     assert_eq!(
@@ -1555,39 +1557,31 @@ fn a_failed_ring_node_restarts_the_run_from_its_checkpoint_and_ends_where_an_unb
         "exact SGD on any partition: {healed}"
     );
 
-    // A disk that fills up while step 20's checkpoint is written: the run ends naming the file,
-    // the partial checkpoint goes, step 10's still verifies, and the run resumes from it to the
-    // unbroken run's end.
-    let full = tmp.path().join("full");
-    let mut args = common.to_vec();
-    args.extend(["--out", full.to_str().unwrap()]);
-    let output = ringtmp()
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
-        .env("RINGTMP_FAULT_ENOSPC", "step-000000020")
-        .arg("train")
-        .args(&args)
-        .output()
-        .unwrap();
+    let (output, _) = finish(master, limit);
+    let err = stderr(&output);
+    assert_eq!(output.status.code(), Some(1), "{err}");
+    assert!(err.contains("does not restart without it"), "{err}");
+
+    // The full disk: the run ends naming the file, the partial checkpoint goes, step 10's still
+    // verifies, and the run resumes from it to the unbroken run's end.
+    let (output, _) = finish(full, limit);
     let err = stderr(&output);
     assert_eq!(output.status.code(), Some(1), "{err}");
     assert!(
         err.contains("No space left on device") && err.contains("step-000000020/stage-"),
         "{err}"
     );
-    assert!(!full.join("checkpoints/step-000000020").exists(), "{err}");
-    let mut args = common.to_vec();
-    args.extend(["--resume", "auto", "--out", full.to_str().unwrap()]);
-    let (output, _) = finish(spawn_train(&args), Duration::from_secs(120));
-    let err = stderr(&output);
-    assert!(output.status.success(), "{err}");
-    assert!(err.contains("step-000000010 (step 10)"), "{err}");
-    assert_eq!(final_hashes(&full), final_hashes(&unbroken));
+    assert!(
+        !out("full").join("checkpoints/step-000000020").exists(),
+        "{err}"
+    );
+    let full_resumed = train(&["--resume", "auto"], &out("full"));
 
     // `--resume auto` on the unbroken run, one epoch longer: its newest checkpoint (the end) is
     // damaged, so it goes on from the one before, naming the file it passed over.
-    let latest = std::fs::read_to_string(unbroken.join("checkpoints/latest")).unwrap();
-    let damaged = unbroken.join("checkpoints").join(latest.trim());
-    let stage = damaged.join("stage-1.safetensors");
+    let checkpoints = out("unbroken").join("checkpoints");
+    let latest = std::fs::read_to_string(checkpoints.join("latest")).unwrap();
+    let stage = checkpoints.join(latest.trim()).join("stage-1.safetensors");
     let mut bytes = std::fs::read(&stage).unwrap();
     let last = bytes.len() - 1;
     bytes[last] ^= 0xff;
@@ -1596,9 +1590,18 @@ fn a_failed_ring_node_restarts_the_run_from_its_checkpoint_and_ends_where_an_unb
         .iter()
         .map(|a| if *a == "2" { "3" } else { a })
         .collect();
+    let unbroken_out = out("unbroken");
     args.extend(["--resume", "auto", "--max-steps", "190", "--out"]);
-    args.push(unbroken.to_str().unwrap());
-    let (output, _) = finish(spawn_train(&args), Duration::from_secs(120));
+    args.push(unbroken_out.to_str().unwrap());
+    let passed_over = spawn_train(&args);
+
+    let (output, _) = finish(full_resumed, limit);
+    let err = stderr(&output);
+    assert!(output.status.success(), "{err}");
+    assert!(err.contains("step-000000010 (step 10)"), "{err}");
+    assert_eq!(final_hashes(&out("full")), unbroken_hashes);
+
+    let (output, _) = finish(passed_over, limit);
     let err = stderr(&output);
     assert!(output.status.success(), "{err}");
     assert!(
@@ -1609,26 +1612,11 @@ fn a_failed_ring_node_restarts_the_run_from_its_checkpoint_and_ends_where_an_unb
         err.contains("--resume auto: resuming from") && err.contains("step-000000180"),
         "{err}"
     );
+}
 
-    // The master holds the data: its death ends the run, restarts or not.
-    let mut args = common.to_vec();
-    let master = tmp.path().join("master");
-    args.extend([
-        "--latency-ms",
-        "5",
-        "--max-restarts",
-        "3",
-        "--crash-rank",
-        "0",
-        "--crash-after-ms",
-        "1000",
-        "--out",
-        master.to_str().unwrap(),
-    ]);
-    let (output, _) = finish(spawn_train(&args), Duration::from_secs(120));
-    let err = stderr(&output);
-    assert_eq!(output.status.code(), Some(1), "{err}");
-    assert!(err.contains("does not restart without it"), "{err}");
+/// A finished run's summary.json.
+fn summary(out: &std::path::Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap()
 }
 
 /// Trains `args` into `out` and returns the output (bounded).
@@ -1681,7 +1669,9 @@ fn chaos_kills_during_runs_cost_restarts_not_results() {
         "10",
     ];
     // Slow links make every run last seconds in any build, so the kills fall inside it: a ring
-    // step crosses 14 links, a parameter-server step 4.
+    // step crosses 14 links, a parameter-server step 4. The four runs go at once (their time is
+    // mostly the links' latency and the restarts' waits), the checks after.
+    let mut runs = Vec::new();
     for (name, strategy, latency, plan) in [
         (
             "ring",
@@ -1708,8 +1698,9 @@ fn chaos_kills_during_runs_cost_restarts_not_results() {
         let mut args = digits.to_vec();
         args.extend(strategy);
         let unbroken = tmp.path().join(format!("{name}-unbroken"));
-        let output = train_into(&args, &unbroken);
-        assert!(output.status.success(), "{}", stderr(&output));
+        let mut all = args.clone();
+        all.extend(["--out", unbroken.to_str().unwrap()]);
+        let unbroken_run = spawn_train(&all);
         args.extend([
             "--latency-ms",
             latency,
@@ -1719,7 +1710,15 @@ fn chaos_kills_during_runs_cost_restarts_not_results() {
             plan,
         ]);
         let chaos = tmp.path().join(format!("{name}-chaos"));
-        let output = train_into(&args, &chaos);
+        args.extend(["--out", chaos.to_str().unwrap()]);
+        let chaos_run = spawn_train(&args);
+        runs.push((name, plan, unbroken, unbroken_run, chaos, chaos_run));
+    }
+    for (name, plan, unbroken, unbroken_run, chaos, chaos_run) in runs {
+        let limit = Duration::from_secs(180);
+        let (output, _) = finish(unbroken_run, limit);
+        assert!(output.status.success(), "{}", stderr(&output));
+        let (output, _) = finish(chaos_run, limit);
         let err = stderr(&output);
         assert!(output.status.success(), "{name}, seed {seed}: {err}");
         let summary: serde_json::Value =
