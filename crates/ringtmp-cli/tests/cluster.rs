@@ -5,7 +5,7 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ringtmp_testkit::process::{finish, free_port, stderr};
+use ringtmp_testkit::process::{Running, finish, free_port, stderr};
 
 const SECRET: &str = "0123456789abcdef-test-secret";
 
@@ -1439,7 +1439,7 @@ fn a_failed_ring_node_restarts_the_run_from_its_checkpoint_and_ends_where_an_unb
         let mut args = common.to_vec();
         args.extend(extra);
         args.extend(["--out", out.to_str().unwrap()]);
-        spawn_train(&args)
+        Running::new(spawn_train(&args))
     };
     // 5 ms links make a step take tens of milliseconds in any build, so a crash at 1.5 s falls
     // inside the run (the clock starts when the links are up).
@@ -1468,15 +1468,17 @@ fn a_failed_ring_node_restarts_the_run_from_its_checkpoint_and_ends_where_an_unb
     let full_out = out("full");
     let mut args = common.to_vec();
     args.extend(["--out", full_out.to_str().unwrap()]);
-    let full = ringtmp()
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
-        .env("RINGTMP_FAULT_ENOSPC", "step-000000020")
-        .arg("train")
-        .args(&args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let full = Running::new(
+        ringtmp()
+            .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
+            .env("RINGTMP_FAULT_ENOSPC", "step-000000020")
+            .arg("train")
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    );
     // The master holds the data: its death ends the run, restarts or not.
     let master = train(
         &[
@@ -1493,13 +1495,13 @@ fn a_failed_ring_node_restarts_the_run_from_its_checkpoint_and_ends_where_an_unb
     );
 
     let limit = Duration::from_secs(180);
-    let (output, _) = finish(unbroken, limit);
+    let (output, _) = unbroken.finish(limit);
     assert!(output.status.success(), "{}", stderr(&output));
     let unbroken_hashes = final_hashes(&out("unbroken"));
     let unbroken_summary = summary(&out("unbroken"));
     let accuracy = |s: &serde_json::Value| s["final_test_accuracy"].as_f64().unwrap();
 
-    let (output, _) = finish(restarted, limit);
+    let (output, _) = restarted.finish(limit);
     let err = stderr(&output);
     assert!(output.status.success(), "{err}");
     assert!(
@@ -1526,7 +1528,7 @@ fn a_failed_ring_node_restarts_the_run_from_its_checkpoint_and_ends_where_an_unb
         "the restarted run ends with the unbroken run's parameters"
     );
 
-    let (output, _) = finish(shrunk, limit);
+    let (output, _) = shrunk.finish(limit);
     let err = stderr(&output);
     assert!(output.status.success(), "{err}");
     assert!(
@@ -1541,7 +1543,7 @@ fn a_failed_ring_node_restarts_the_run_from_its_checkpoint_and_ends_where_an_unb
         "{shrunk}"
     );
 
-    let (output, _) = finish(healed, limit);
+    let (output, _) = healed.finish(limit);
     let err = stderr(&output);
     assert!(output.status.success(), "{err}");
     assert!(
@@ -1557,14 +1559,14 @@ fn a_failed_ring_node_restarts_the_run_from_its_checkpoint_and_ends_where_an_unb
         "exact SGD on any partition: {healed}"
     );
 
-    let (output, _) = finish(master, limit);
+    let (output, _) = master.finish(limit);
     let err = stderr(&output);
     assert_eq!(output.status.code(), Some(1), "{err}");
     assert!(err.contains("does not restart without it"), "{err}");
 
     // The full disk: the run ends naming the file, the partial checkpoint goes, step 10's still
     // verifies, and the run resumes from it to the unbroken run's end.
-    let (output, _) = finish(full, limit);
+    let (output, _) = full.finish(limit);
     let err = stderr(&output);
     assert_eq!(output.status.code(), Some(1), "{err}");
     assert!(
@@ -1593,15 +1595,15 @@ fn a_failed_ring_node_restarts_the_run_from_its_checkpoint_and_ends_where_an_unb
     let unbroken_out = out("unbroken");
     args.extend(["--resume", "auto", "--max-steps", "190", "--out"]);
     args.push(unbroken_out.to_str().unwrap());
-    let passed_over = spawn_train(&args);
+    let passed_over = Running::new(spawn_train(&args));
 
-    let (output, _) = finish(full_resumed, limit);
+    let (output, _) = full_resumed.finish(limit);
     let err = stderr(&output);
     assert!(output.status.success(), "{err}");
     assert!(err.contains("step-000000010 (step 10)"), "{err}");
     assert_eq!(final_hashes(&out("full")), unbroken_hashes);
 
-    let (output, _) = finish(passed_over, limit);
+    let (output, _) = passed_over.finish(limit);
     let err = stderr(&output);
     assert!(output.status.success(), "{err}");
     assert!(
@@ -1700,7 +1702,7 @@ fn chaos_kills_during_runs_cost_restarts_not_results() {
         let unbroken = tmp.path().join(format!("{name}-unbroken"));
         let mut all = args.clone();
         all.extend(["--out", unbroken.to_str().unwrap()]);
-        let unbroken_run = spawn_train(&all);
+        let unbroken_run = Running::new(spawn_train(&all));
         args.extend([
             "--latency-ms",
             latency,
@@ -1711,14 +1713,14 @@ fn chaos_kills_during_runs_cost_restarts_not_results() {
         ]);
         let chaos = tmp.path().join(format!("{name}-chaos"));
         args.extend(["--out", chaos.to_str().unwrap()]);
-        let chaos_run = spawn_train(&args);
+        let chaos_run = Running::new(spawn_train(&args));
         runs.push((name, plan, unbroken, unbroken_run, chaos, chaos_run));
     }
     for (name, plan, unbroken, unbroken_run, chaos, chaos_run) in runs {
         let limit = Duration::from_secs(180);
-        let (output, _) = finish(unbroken_run, limit);
+        let (output, _) = unbroken_run.finish(limit);
         assert!(output.status.success(), "{}", stderr(&output));
-        let (output, _) = finish(chaos_run, limit);
+        let (output, _) = chaos_run.finish(limit);
         let err = stderr(&output);
         assert!(output.status.success(), "{name}, seed {seed}: {err}");
         let summary: serde_json::Value =

@@ -24,6 +24,34 @@ pub fn finish(mut child: Child, limit: Duration) -> (Output, Duration) {
     )
 }
 
+/// A child that is killed when dropped unfinished: where a test runs several processes at once,
+/// a failed assertion on one must not leave the others running.
+pub struct Running(Option<Child>);
+
+impl Running {
+    /// Takes charge of `child`.
+    pub fn new(child: Child) -> Self {
+        Self(Some(child))
+    }
+
+    /// [`finish`]: waits for the child at most `limit`, killing it then.
+    ///
+    /// # Panics
+    /// If waiting for the process fails.
+    pub fn finish(mut self, limit: Duration) -> (Output, Duration) {
+        finish(self.0.take().expect("a child not yet finished"), limit)
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.0.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 /// The standard error of a finished process, as text.
 pub fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
