@@ -2,9 +2,9 @@
 //! loopback. Two in-process endpoints (threads) exchange
 //! - large tensors (`--size-mib`, default 4) one way: plain `std::net::TcpStream` copy vs ringtmp
 //!   links (framing, reader/writer tasks, accounting), with `--insecure-plaintext` and private
-//!   (every record encrypted and authenticated, the default), on loopback and through an emulated
-//!   card (`--emulated-mbit`, default 1000);
-//! - small messages as ping/pong round trips: plain TCP vs ringtmp control frames, both kinds.
+//!   (every record encrypted and authenticated, the default) with each of the two ciphers, on
+//!   loopback and through an emulated card (`--emulated-mbit`, default 1000);
+//! - small messages as ping/pong round trips: plain TCP vs ringtmp control frames, every kind.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
 use clap::Args;
+use ringtmp_transport::secure::Cipher;
 use ringtmp_transport::{Network, TransportConfig, bind_listener};
 use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
 
@@ -37,32 +38,71 @@ pub struct BenchTransportArgs {
     pub emulated_mbit: f64,
 }
 
+/// How a measured link carries its bytes.
+#[derive(Clone, Copy)]
+enum Sealing {
+    /// `--insecure-plaintext`.
+    Plain,
+    /// A private link sealed with this cipher.
+    Private(Cipher),
+}
+
+impl Sealing {
+    /// The kinds measured: plaintext, then both ciphers.
+    const ALL: [Sealing; 3] = [
+        Sealing::Plain,
+        Sealing::Private(Cipher::AesGcm),
+        Sealing::Private(Cipher::ChaChaPoly),
+    ];
+
+    /// The row's label, padded to one width; the default here is marked.
+    fn label(self) -> String {
+        let name = match self {
+            Sealing::Plain => "ringtmp, --insecure-plaintext".to_string(),
+            Sealing::Private(c) if c == Cipher::between_two_like_this() => {
+                format!("ringtmp, {} (default)", c.name())
+            }
+            Sealing::Private(c) => format!("ringtmp, {}", c.name()),
+        };
+        format!("{name:<37}")
+    }
+}
+
 /// Runs the benchmark and prints the comparison.
 pub fn run(args: &BenchTransportArgs) -> Result<()> {
     let size = ((args.size_mib * 1024.0 * 1024.0) as usize / 4) * 4;
     let mut raw_rates = Vec::new();
-    let (mut plain_rates, mut private_rates) = (Vec::new(), Vec::new());
-    let (mut pa, mut pb) = pair(false, None)?;
-    let (mut sa, mut sb) = pair(true, None)?;
-    // Interleaved, so drift on a shared machine falls on all three alike.
+    let mut pairs = Sealing::ALL
+        .iter()
+        .map(|&s| pair(s, None))
+        .collect::<Result<Vec<_>>>()?;
+    let mut rates = vec![Vec::new(); pairs.len()];
+    // Interleaved, so drift on a shared machine falls on all of them alike.
     for _ in 0..args.repeats {
         raw_rates.push(raw_throughput(size, args.count)?);
-        plain_rates.push(ringtmp_throughput(&mut pa, &mut pb, size, args.count)?);
-        private_rates.push(ringtmp_throughput(&mut sa, &mut sb, size, args.count)?);
+        for ((a, b), rates) in pairs.iter_mut().zip(&mut rates) {
+            rates.push(ringtmp_throughput(a, b, size, args.count)?);
+        }
     }
     let raw = median(&mut raw_rates);
     println!(
-        "throughput on loopback, {} × {:.1} MiB one way, median of {}:",
-        args.count, args.size_mib, args.repeats
+        "throughput on loopback, {} × {:.1} MiB one way, median of {} (private links use \
+         AES-256-GCM when both ends have AES instructions{}):",
+        args.count,
+        args.size_mib,
+        args.repeats,
+        if Cipher::aes_is_fast_here() {
+            ", as this machine does"
+        } else {
+            "; this machine has none"
+        }
     );
-    println!("  plain TCP socket copy        {:>8.0} MB/s", raw / 1e6);
-    for (name, rates) in [
-        ("ringtmp, --insecure-plaintext", &mut plain_rates),
-        ("ringtmp, private (default)   ", &mut private_rates),
-    ] {
+    println!("  {:<37} {:>8.0} MB/s", "plain TCP socket copy", raw / 1e6);
+    for (sealing, rates) in Sealing::ALL.iter().zip(&mut rates) {
         let rate = median(rates);
         println!(
-            "  {name} {:>8.0} MB/s  ({:.0}% of plain TCP)",
+            "  {} {:>8.0} MB/s  ({:.0}% of plain TCP)",
+            sealing.label(),
             rate / 1e6,
             100.0 * rate / raw
         );
@@ -70,18 +110,21 @@ pub fn run(args: &BenchTransportArgs) -> Result<()> {
     let raw_rtt = raw_round_trips(args.pings)?;
     println!("round trip of a small message, {} pings:", args.pings);
     println!(
-        "  plain TCP                    p50 {:>6.1} µs  p99 {:>6.1} µs",
-        raw_rtt.0, raw_rtt.1
+        "  {:<37} p50 {:>6.1} µs  p99 {:>6.1} µs",
+        "plain TCP", raw_rtt.0, raw_rtt.1
     );
-    for (name, a, b) in [
-        ("ringtmp, --insecure-plaintext", &mut pa, &mut pb),
-        ("ringtmp, private (default)   ", &mut sa, &mut sb),
-    ] {
+    for (sealing, (a, b)) in Sealing::ALL.iter().zip(&mut pairs) {
         let rtt = ringtmp_round_trips(a, b, args.pings)?;
-        println!("  {name} p50 {:>6.1} µs  p99 {:>6.1} µs", rtt.0, rtt.1);
+        println!(
+            "  {} p50 {:>6.1} µs  p99 {:>6.1} µs",
+            sealing.label(),
+            rtt.0,
+            rtt.1
+        );
     }
-    close(pa, pb);
-    close(sa, sb);
+    for (a, b) in pairs {
+        close(a, b);
+    }
     if args.emulated_mbit > 0.0 {
         let bps = (args.emulated_mbit * 1e6) as u64;
         // Enough tensors for a second or so per repeat at the card's rate.
@@ -94,26 +137,28 @@ pub fn run(args: &BenchTransportArgs) -> Result<()> {
             args.size_mib,
             args.repeats
         );
-        let (mut pa, mut pb) = pair(false, Some(bps))?;
-        let (mut sa, mut sb) = pair(true, Some(bps))?;
-        let (mut plain, mut private) = (Vec::new(), Vec::new());
+        let mut pairs = Sealing::ALL
+            .iter()
+            .map(|&s| pair(s, Some(bps)))
+            .collect::<Result<Vec<_>>>()?;
+        let mut rates = vec![Vec::new(); pairs.len()];
         for _ in 0..args.repeats {
-            plain.push(ringtmp_throughput(&mut pa, &mut pb, size, count)?);
-            private.push(ringtmp_throughput(&mut sa, &mut sb, size, count)?);
+            for ((a, b), rates) in pairs.iter_mut().zip(&mut rates) {
+                rates.push(ringtmp_throughput(a, b, size, count)?);
+            }
         }
-        for (name, rates) in [
-            ("ringtmp, --insecure-plaintext", &mut plain),
-            ("ringtmp, private (default)   ", &mut private),
-        ] {
+        for (sealing, rates) in Sealing::ALL.iter().zip(&mut rates) {
             let rate = median(rates);
             println!(
-                "  {name} {:>8.1} MB/s  ({:.1}% of the card)",
+                "  {} {:>8.1} MB/s  ({:.1}% of the card)",
+                sealing.label(),
                 rate / 1e6,
                 100.0 * rate * 8.0 / bps as f64
             );
         }
-        close(pa, pb);
-        close(sa, sb);
+        for (a, b) in pairs {
+            close(a, b);
+        }
     }
     Ok(())
 }
@@ -125,8 +170,8 @@ fn close(mut a: Network, mut b: Network) {
     });
 }
 
-/// Two connected endpoints, private or not, with node 0's card at `bandwidth_bps`.
-fn pair(encrypt: bool, bandwidth_bps: Option<u64>) -> Result<(Network, Network)> {
+/// Two connected endpoints sealed as `sealing` says, with node 0's card at `bandwidth_bps`.
+fn pair(sealing: Sealing, bandwidth_bps: Option<u64>) -> Result<(Network, Network)> {
     let secret = b"bench-transport-secret".to_vec();
     let (la, lb) = (bind_listener("127.0.0.1:0")?, bind_listener("127.0.0.1:0")?);
     let addresses = BTreeMap::from([(0, la.local_addr()?), (1, lb.local_addr()?)]);
@@ -134,7 +179,12 @@ fn pair(encrypt: bool, bandwidth_bps: Option<u64>) -> Result<(Network, Network)>
         TransportConfig::new(1, 0, secret.clone()),
         TransportConfig::new(1, 1, secret),
     );
+    let (encrypt, aes) = match sealing {
+        Sealing::Plain => (false, false),
+        Sealing::Private(cipher) => (true, cipher == Cipher::AesGcm),
+    };
     (ca.encrypt, cb.encrypt) = (encrypt, encrypt);
+    (ca.aes, cb.aes) = (aes, aes);
     ca.shaping.bandwidth_bps = bandwidth_bps;
     let addr_b = addresses.clone();
     let hb = thread::spawn(move || Network::connect(cb, lb, &addr_b, &BTreeSet::from([0])));

@@ -40,6 +40,10 @@ pub struct TransportConfig {
     /// Encrypt and authenticate every frame after the greeting ([`crate::secure`]); off only
     /// with `--insecure-plaintext`. Both ends of a link must agree.
     pub encrypt: bool,
+    /// Whether this node would seal its private links with AES-256-GCM (by default: whether its
+    /// CPU has AES instructions, [`crate::secure::Cipher::aes_is_fast_here`]); a link uses it
+    /// when both ends would, else ChaCha20-Poly1305.
+    pub aes: bool,
 }
 
 impl TransportConfig {
@@ -58,6 +62,7 @@ impl TransportConfig {
             send_timeout: Duration::from_secs(30),
             shaping: Shaping::default(),
             encrypt: true,
+            aes: crate::secure::Cipher::aes_is_fast_here(),
         }
     }
 }

@@ -1,10 +1,10 @@
 //! The authenticated greeting on a fresh connection. Both sides send `Hello` (run id, rank, a
-//! random nonce, whether they encrypt), then `Proof` (an HMAC over both nonces and ranks); each
+//! random nonce, whether they encrypt and whether they would use AES), then `Proof` (an HMAC over both nonces and ranks); each
 //! verifies the other before anything else is read. A wrong protocol version shows up as a frame
 //! the decoder refuses; a wrong run id, an unexpected rank, a bad proof or a disagreement about
 //! encryption is refused here. Then, unless both run with `--insecure-plaintext`, the Noise
-//! handshake of [`crate::secure`] (bound to this greeting by its prologue) makes the session every
-//! later byte travels in. Every read has a deadline.
+//! handshake of [`crate::secure`] (bound to this greeting by its prologue, with the cipher both
+//! greetings agree on) makes the session every later byte travels in. Every read has a deadline.
 
 use std::net::SocketAddr;
 
@@ -38,20 +38,22 @@ pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
         rank: cfg.rank,
         nonce,
         encrypted: cfg.encrypt,
+        aes: cfg.aes,
     });
     let mut scratch = Vec::new();
     write_frame(stream, &hello, &mut scratch)
         .await
         .map_err(|e| refused(&peer, format!("cannot send hello: {e}")))?;
 
-    let (their_run, their_rank, their_nonce, their_encryption) =
+    let (their_run, their_rank, their_nonce, their_encryption, their_aes) =
         match next(stream, &peer, cfg).await? {
             Message::Control(Control::Hello {
                 run_id,
                 rank,
                 nonce,
                 encrypted,
-            }) => (run_id, rank, nonce, encrypted),
+                aes,
+            }) => (run_id, rank, nonce, encrypted, aes),
             other => {
                 return Err(refused(
                     &peer,
@@ -142,6 +144,12 @@ pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
         prologue.extend_from_slice(&rank.to_le_bytes());
         prologue.extend_from_slice(nonce.as_slice());
     }
+    let cipher = crate::secure::Cipher::agreed(cfg.aes, their_aes);
+    tracing::debug!(
+        peer = their_rank,
+        cipher = cipher.name(),
+        "sealing the link"
+    );
     let session = timeout(
         cfg.handshake_timeout,
         crate::secure::establish(
@@ -149,6 +157,7 @@ pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
             initiator,
             &crate::secure::psk(&cfg.secret),
             &prologue,
+            cipher,
         ),
     )
     .await

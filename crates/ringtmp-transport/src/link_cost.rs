@@ -11,12 +11,13 @@ use ringtmp_wire::{Dtype, Limits, Message, TensorHeader, TensorTag};
 use tokio::io::AsyncWriteExt;
 
 use crate::framed::{read_frame, write_frame};
-use crate::secure::{SecureReader, SecureWriter, establish, psk};
+use crate::secure::{Cipher, SecureReader, SecureWriter, establish, psk};
 
 /// Seconds of CPU per byte for sending a frame on one node and receiving it on another, both
 /// counted (a node sends and receives as many bytes as each other per micro-batch), measured
 /// with frames of `frame_bytes` for about `budget` (at least one frame). `encrypt`: a private
-/// link (the default) or plain frames (`--insecure-plaintext`).
+/// link (the default; sealed with the cipher of a link between two nodes like this one,
+/// [`Cipher::between_two_like_this`]) or plain frames (`--insecure-plaintext`).
 pub fn seconds_per_byte(
     encrypt: bool,
     frame_bytes: usize,
@@ -40,9 +41,10 @@ fn probe(encrypt: bool, frame_bytes: usize, budget: Duration) -> Result<f64, Str
         let (mut a, mut b) = tokio::io::duplex(1 << 20);
         let sessions = if encrypt {
             let key = psk(b"link cost probe");
+            let cipher = Cipher::between_two_like_this();
             let (sa, sb) = tokio::join!(
-                establish(&mut a, true, &key, b"probe"),
-                establish(&mut b, false, &key, b"probe")
+                establish(&mut a, true, &key, b"probe", cipher),
+                establish(&mut b, false, &key, b"probe", cipher)
             );
             Some((sa?, sb?))
         } else {

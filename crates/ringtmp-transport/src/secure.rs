@@ -2,14 +2,21 @@
 //! messages (the Noise Protocol Framework, through the `snow` crate), so nobody on the path can
 //! read a model or a gradient, or inject, replay or reorder a frame.
 //!
-//! The session comes from a `Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s` handshake: ephemeral
+//! The session comes from a `Noise_NNpsk0_25519_<cipher>_BLAKE2s` handshake: ephemeral
 //! Diffie-Hellman keys on both sides (forward secrecy: a secret that leaks later does not open
 //! recorded traffic) mixed with a pre-shared key derived from the run's shared secret (only nodes
 //! that hold it complete the handshake), and a prologue binding it to the greeting it follows (run
-//! id, both ranks and both nonces). ChaCha20-Poly1305 rather than AES-GCM because the boards
-//! ringtmp is for often lack AES instructions (a Raspberry Pi 4 has none), where ChaCha is several
-//! times faster; on x86 both exceed what the links carry (`ringtmp bench-transport`). The cipher
-//! runs on `ring`'s assembly (snow's `ring-accelerated`), the same bytes as the pure-Rust crates'.
+//! id, both ranks and both nonces).
+//!
+//! The cipher is chosen per link ([`Cipher::agreed`]): AES-256-GCM when both ends have AES
+//! instructions (x86-64 with AES-NI and carry-less multiply, ARMv8 with its crypto extension),
+//! ChaCha20-Poly1305 otherwise — a Raspberry Pi 4 has no AES instructions, and there ChaCha is
+//! several times faster. On a machine with them AES-GCM costs about half of ChaCha's CPU per byte
+//! (`ringtmp bench-transport` measures both), and on loopback or a fast network that CPU is taken
+//! from the node's training. Each side says in its greeting whether it would use AES; the
+//! protocol name is hashed into the handshake, so two ends that disagreed could not complete it.
+//! Both ciphers run on `ring`'s assembly (snow's `ring-accelerated`), the same bytes as the
+//! pure-Rust crates'.
 //!
 //! On the wire a record is `[u32 LE ciphertext length][ciphertext ≤ 65,535 bytes]`, a Noise
 //! transport message. Each direction numbers its records 0, 1, 2, … and the receiver decrypts
@@ -24,8 +31,69 @@ use std::task::{Context, Poll, ready};
 use snow::StatelessTransportState;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 
-/// The Noise protocol every link speaks after the greeting.
-pub const NOISE_PATTERN: &str = "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s";
+/// The authenticated cipher that seals a private link's records.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cipher {
+    /// ChaCha20-Poly1305: fast everywhere, including CPUs without AES instructions.
+    ChaChaPoly,
+    /// AES-256-GCM: about half of ChaCha's CPU per byte where the CPU has AES instructions.
+    AesGcm,
+}
+
+impl Cipher {
+    /// Whether this CPU has the instructions that make AES-256-GCM the cheaper cipher: AES and
+    /// carry-less multiplication (x86-64 AES-NI and PCLMULQDQ, ARMv8 AES and PMULL). Without them
+    /// `ring` falls back to a constant-time AES several times slower than ChaCha.
+    pub fn aes_is_fast_here() -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            std::arch::is_x86_feature_detected!("aes")
+                && std::arch::is_x86_feature_detected!("pclmulqdq")
+        }
+        #[cfg(target_arch = "aarch64")]
+        {
+            std::arch::is_aarch64_feature_detected!("aes")
+                && std::arch::is_aarch64_feature_detected!("pmull")
+        }
+        #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+        {
+            false
+        }
+    }
+
+    /// The cipher of a link whose two ends would (`true`) or would not use AES: AES-256-GCM only
+    /// when both would, so a board without AES instructions never runs the slow one. Symmetric,
+    /// so both ends reach the same choice from the two greetings.
+    pub fn agreed(mine: bool, theirs: bool) -> Self {
+        if mine && theirs {
+            Self::AesGcm
+        } else {
+            Self::ChaChaPoly
+        }
+    }
+
+    /// The cipher of a link between two nodes like this one.
+    pub fn between_two_like_this() -> Self {
+        let here = Self::aes_is_fast_here();
+        Self::agreed(here, here)
+    }
+
+    /// The Noise protocol name a link with this cipher speaks after the greeting.
+    pub fn noise_pattern(self) -> &'static str {
+        match self {
+            Self::ChaChaPoly => "Noise_NNpsk0_25519_ChaChaPoly_BLAKE2s",
+            Self::AesGcm => "Noise_NNpsk0_25519_AESGCM_BLAKE2s",
+        }
+    }
+
+    /// Its usual name.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::ChaChaPoly => "ChaCha20-Poly1305",
+            Self::AesGcm => "AES-256-GCM",
+        }
+    }
+}
 /// Largest Noise message.
 const MAX_RECORD: usize = 65_535;
 /// Authentication tag per record.
@@ -47,22 +115,33 @@ pub fn psk(secret: &[u8]) -> [u8; 32] {
     h.finalize().into()
 }
 
-/// Runs the Noise handshake on `stream`: the `initiator` sends `-> psk, e`, the responder
-/// answers `<- e, ee`. Errors are the reason, for the caller to wrap with the peer's name.
+/// Runs the Noise handshake on `stream` for a link sealed with `cipher`: the `initiator` sends
+/// `-> psk, e`, the responder answers `<- e, ee`. Errors are the reason, for the caller to wrap
+/// with the peer's name.
 pub async fn establish<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     initiator: bool,
     psk: &[u8; 32],
     prologue: &[u8],
+    cipher: Cipher,
 ) -> Result<Session, String> {
-    establish_with(stream, initiator, psk, prologue, Primitives::Fastest).await
+    establish_with(
+        stream,
+        initiator,
+        psk,
+        prologue,
+        cipher,
+        Primitives::Fastest,
+    )
+    .await
 }
 
 /// Whose implementation of the Noise primitives a session uses. Both speak the same bytes.
 #[derive(Clone, Copy, Debug)]
 enum Primitives {
-    /// `ring`'s assembly where it has them (ChaCha20-Poly1305: 1.2–1.4× the throughput of a
-    /// private link on loopback, `ringtmp bench-transport`), the pure-Rust crates for the rest.
+    /// `ring`'s assembly where it has them (both ciphers; ChaCha20-Poly1305 gave 1.2–1.4× the
+    /// throughput of a private link on loopback, `ringtmp bench-transport`), the pure-Rust crates
+    /// for the rest.
     Fastest,
     /// The pure-Rust crates only (what builds before this session's used; the interop test's
     /// other side).
@@ -75,9 +154,11 @@ async fn establish_with<S: AsyncRead + AsyncWrite + Unpin>(
     initiator: bool,
     psk: &[u8; 32],
     prologue: &[u8],
+    cipher: Cipher,
     primitives: Primitives,
 ) -> Result<Session, String> {
-    let params = NOISE_PATTERN
+    let params = cipher
+        .noise_pattern()
         .parse()
         .map_err(|e| format!("noise parameters: {e}"))?;
     let builder = match primitives {
@@ -343,18 +424,28 @@ pub async fn read_one_frame<S: AsyncRead + Unpin>(
 mod tests {
     use super::*;
 
-    /// Two sessions of one handshake over an in-memory pipe.
-    async fn pair(
-        secret_a: &[u8],
-        secret_b: &[u8],
+    const CIPHERS: [Cipher; 2] = [Cipher::ChaChaPoly, Cipher::AesGcm];
+
+    /// Two sessions of one handshake over an in-memory pipe, each side with its own cipher.
+    async fn pair_with(
+        (secret_a, cipher_a): (&[u8], Cipher),
+        (secret_b, cipher_b): (&[u8], Cipher),
     ) -> (Result<Session, String>, Result<Session, String>) {
         let (mut a, mut b) = tokio::io::duplex(1 << 20);
         let (pa, pb) = (psk(secret_a), psk(secret_b));
         // Each side closes its end when it is done, as a link does, so a refusal is not a hang.
         tokio::join!(
-            async move { establish(&mut a, true, &pa, b"prologue").await },
-            async move { establish(&mut b, false, &pb, b"prologue").await }
+            async move { establish(&mut a, true, &pa, b"prologue", cipher_a).await },
+            async move { establish(&mut b, false, &pb, b"prologue", cipher_b).await }
         )
+    }
+
+    async fn pair(
+        secret_a: &[u8],
+        secret_b: &[u8],
+        cipher: Cipher,
+    ) -> (Result<Session, String>, Result<Session, String>) {
+        pair_with((secret_a, cipher), (secret_b, cipher)).await
     }
 
     /// `records` sealed by a writer of `session`, as they travel.
@@ -385,49 +476,81 @@ mod tests {
 
     #[tokio::test]
     async fn a_node_on_rings_primitives_and_one_on_the_pure_rust_ones_understand_each_other() {
-        // A node built before `ring`'s ChaCha20-Poly1305 was switched on, or on a platform
-        // where it falls back, must still join: the handshake and records in both directions.
-        for initiator_primitives in [Primitives::Fastest, Primitives::PureRust] {
-            let responder_primitives = match initiator_primitives {
-                Primitives::Fastest => Primitives::PureRust,
-                Primitives::PureRust => Primitives::Fastest,
-            };
-            let (mut x, mut y) = tokio::io::duplex(1 << 20);
-            let key = psk(b"s");
-            let (a, b) = tokio::join!(
-                async move { establish_with(&mut x, true, &key, b"p", initiator_primitives).await },
-                async move { establish_with(&mut y, false, &key, b"p", responder_primitives).await }
-            );
-            let (a, b) = (a.unwrap(), b.unwrap());
-            let big: Vec<u8> = (0..150_000u32).map(|i| (i % 241) as u8).collect();
-            let there = read_all(&b, &sealed(&a, &[b"ping", &big]).await)
-                .await
-                .unwrap();
-            assert_eq!((&there[..4], &there[4..]), (&b"ping"[..], &big[..]));
-            let back = read_all(&a, &sealed(&b, &[&big]).await).await.unwrap();
-            assert_eq!(back, big, "{initiator_primitives:?} initiator");
+        // A node built before `ring`'s ciphers were switched on, or on a platform where it falls
+        // back, must still join: the handshake and records in both directions, both ciphers.
+        for cipher in CIPHERS {
+            for initiator_primitives in [Primitives::Fastest, Primitives::PureRust] {
+                let responder_primitives = match initiator_primitives {
+                    Primitives::Fastest => Primitives::PureRust,
+                    Primitives::PureRust => Primitives::Fastest,
+                };
+                let (mut x, mut y) = tokio::io::duplex(1 << 20);
+                let key = psk(b"s");
+                let (a, b) = tokio::join!(
+                    async move {
+                        establish_with(&mut x, true, &key, b"p", cipher, initiator_primitives).await
+                    },
+                    async move {
+                        establish_with(&mut y, false, &key, b"p", cipher, responder_primitives)
+                            .await
+                    }
+                );
+                let (a, b) = (a.unwrap(), b.unwrap());
+                let big: Vec<u8> = (0..150_000u32).map(|i| (i % 241) as u8).collect();
+                let there = read_all(&b, &sealed(&a, &[b"ping", &big]).await)
+                    .await
+                    .unwrap();
+                assert_eq!((&there[..4], &there[4..]), (&b"ping"[..], &big[..]));
+                let back = read_all(&a, &sealed(&b, &[&big]).await).await.unwrap();
+                assert_eq!(back, big, "{cipher:?}, {initiator_primitives:?} initiator");
+            }
+        }
+    }
+
+    #[test]
+    fn aes_only_when_both_ends_have_it() {
+        assert_eq!(Cipher::agreed(true, true), Cipher::AesGcm);
+        for (mine, theirs) in [(true, false), (false, true), (false, false)] {
+            assert_eq!(Cipher::agreed(mine, theirs), Cipher::ChaChaPoly);
         }
     }
 
     #[tokio::test]
+    async fn ends_that_disagree_on_the_cipher_cannot_complete_the_key_exchange() {
+        // The greeting makes both ends choose alike; were one of them to choose otherwise (a bug,
+        // or a greeting altered in transit), the protocol names differ and the handshake fails
+        // instead of sealing records that the other end cannot open.
+        let (a, b) = pair_with((b"s", Cipher::AesGcm), (b"s", Cipher::ChaChaPoly)).await;
+        assert!(a.is_err() || b.is_err(), "one side must refuse");
+    }
+
+    #[tokio::test]
     async fn records_round_trip_and_large_writes_split() {
-        let (a, b) = pair(b"s", b"s").await;
-        let (a, b) = (a.unwrap(), b.unwrap());
-        let big: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
-        let records = sealed(&a, &[b"hello", &big]).await;
-        assert_eq!(records.len(), 1 + big.len().div_ceil(MAX_PLAIN));
-        assert!(
-            !records.concat().windows(5).any(|w| w == b"hello"),
-            "the plaintext is not on the wire"
-        );
-        let got = read_all(&b, &records).await.unwrap();
-        assert_eq!(&got[..5], b"hello");
-        assert_eq!(&got[5..], &big[..]);
+        for cipher in CIPHERS {
+            let (a, b) = pair(b"s", b"s", cipher).await;
+            let (a, b) = (a.unwrap(), b.unwrap());
+            let big: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+            let records = sealed(&a, &[b"hello", &big]).await;
+            assert_eq!(records.len(), 1 + big.len().div_ceil(MAX_PLAIN));
+            assert!(
+                !records.concat().windows(5).any(|w| w == b"hello"),
+                "the plaintext is not on the wire ({cipher:?})"
+            );
+            let got = read_all(&b, &records).await.unwrap();
+            assert_eq!(&got[..5], b"hello");
+            assert_eq!(&got[5..], &big[..]);
+        }
     }
 
     #[tokio::test]
     async fn forged_replayed_reordered_and_dropped_records_are_refused() {
-        let (a, b) = pair(b"s", b"s").await;
+        for cipher in CIPHERS {
+            forged_replayed_reordered_and_dropped_records_are_refused_with(cipher).await;
+        }
+    }
+
+    async fn forged_replayed_reordered_and_dropped_records_are_refused_with(cipher: Cipher) {
+        let (a, b) = pair(b"s", b"s", cipher).await;
         let (a, b) = (a.unwrap(), b.unwrap());
         let records = sealed(&a, &[b"one", b"two", b"three"]).await;
         let mut flipped = records.clone();
@@ -443,7 +566,11 @@ mod tests {
             ("dropped", dropped),
         ] {
             let e = read_all(&b, &wire).await.unwrap_err();
-            assert_eq!(e.kind(), std::io::ErrorKind::InvalidData, "{what}");
+            assert_eq!(
+                e.kind(),
+                std::io::ErrorKind::InvalidData,
+                "{what}, {cipher:?}"
+            );
         }
         // And the other direction's key does not open these.
         assert!(read_all(&a, &records).await.is_err());
@@ -451,7 +578,12 @@ mod tests {
 
     #[tokio::test]
     async fn a_different_secret_fails_the_key_exchange() {
-        let (a, b) = pair(b"secret one", b"secret two").await;
-        assert!(a.is_err() || b.is_err(), "one side must refuse");
+        for cipher in CIPHERS {
+            let (a, b) = pair(b"secret one", b"secret two", cipher).await;
+            assert!(
+                a.is_err() || b.is_err(),
+                "one side must refuse ({cipher:?})"
+            );
+        }
     }
 }

@@ -146,6 +146,7 @@ fn wrong_version_and_garbage_are_refused_without_stopping_the_run() {
             rank: 1,
             nonce: [0; 32],
             encrypted: true,
+            aes: true,
         }),
         &mut frame,
     );
@@ -399,6 +400,26 @@ fn both_ends_must_agree_on_plaintext() {
         .collect();
     nets[1].send(0, tensor(1000)).unwrap();
     assert!(nets[0].recv_from(1, Duration::from_secs(10)).is_ok());
+}
+
+#[test]
+fn nodes_with_and_without_aes_instructions_share_private_links() {
+    // Each pair of ends agrees on a cipher from the greetings (AES-256-GCM only when both would
+    // use it); every combination carries tensors both ways, sealed.
+    for (aes_0, aes_1) in [(true, true), (true, false), (false, true), (false, false)] {
+        let (mut a, mut b) = (config(0), config(1));
+        (a.aes, b.aes) = (aes_0, aes_1);
+        let mut nets: Vec<Network> = start(vec![a, b], &[(0, 1)])
+            .into_iter()
+            .map(Result::unwrap)
+            .collect();
+        nets[1].send(0, tensor(70_000)).unwrap();
+        nets[0].send(1, tensor(70_000)).unwrap();
+        for (to, from) in [(0, 1), (1, 0)] {
+            let got = nets[to].recv_from(from, Duration::from_secs(10));
+            assert!(got.is_ok(), "aes {aes_0}/{aes_1}, {from}→{to}: {got:?}");
+        }
+    }
 }
 
 /// A measurement, not a check (run with `--ignored --nocapture`): node 1's card at 8 Mbit/s

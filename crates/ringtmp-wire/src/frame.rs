@@ -10,7 +10,7 @@ use crate::message::{Control, Message, TensorHeader};
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"RTMP";
 /// The protocol version this build speaks; peers must match exactly.
-pub const PROTOCOL_VERSION: u16 = 5;
+pub const PROTOCOL_VERSION: u16 = 6;
 /// Bytes before the header.
 pub const PREFIX_LEN: usize = 20;
 
@@ -297,6 +297,7 @@ mod tests {
                 rank: 3,
                 nonce: [9; 32],
                 encrypted: true,
+                aes: false,
             }),
             Message::Control(Control::Abort {
                 origin: 2,

@@ -133,6 +133,10 @@ pub enum Control {
         nonce: [u8; 32],
         /// Whether the sender encrypts the link after the greeting (both sides must agree).
         encrypted: bool,
+        /// Whether the sender would seal the link's records with AES-256-GCM (it has AES
+        /// instructions): a private link uses AES-256-GCM when both ends would, else
+        /// ChaCha20-Poly1305.
+        aes: bool,
     },
     /// Round-trip probe.
     Ping {

@@ -54,6 +54,7 @@ fn messages() -> Vec<(&'static str, Message)> {
                 rank: 1,
                 nonce: [0xa5; 32],
                 encrypted: true,
+                aes: true,
             },
         ),
         ("ping", Control::Ping { seq: 300 }),
