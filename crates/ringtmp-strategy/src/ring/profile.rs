@@ -78,11 +78,27 @@ pub struct LayerTiming {
     pub stash_bytes: u64,
 }
 
-/// Times each layer alone (built one at a time: the profiler never holds the whole model) on
-/// micro-batches of `rows`: one warm-up run, then up to `repeats` timed runs, the median
-/// counting. With a `budget`, a layer gets its share of it (by parameter and activation size):
-/// timed runs stop once the share is spent, and a warm-up that alone spent it is the one
-/// measurement; a weak board times the model in about the budget (or one pass, if longer).
+/// Most bytes of layers (parameters, gradients, optimizer state, a micro-batch's activations)
+/// the profiler holds at once: the layers of a window this size are timed in turns, larger
+/// models window by window, so that the profiler never needs the whole model.
+const INTERLEAVED_BYTES: usize = 256 << 20;
+
+/// Times each layer on micro-batches of `rows`: one warm-up run, then up to `repeats` timed
+/// runs, the median counting. With a `budget`, a layer gets its share of it (by parameter and
+/// activation size): its timed runs stop once its share is spent, and a warm-up that alone spent
+/// it is the one measurement; a weak board times the model in about the budget (or one pass, if
+/// longer).
+///
+/// The layers take turns — a run of each, then the next run of each — within windows of
+/// [`INTERLEAVED_BYTES`] (every preset is one window): a machine that slows down for a while
+/// (another tenant, a frequency change) then slows every layer's runs alike, and the plan's
+/// balance, which depends only on the layers' relative costs, does not move. Timed one layer
+/// after another, a slow second fell on a few layers only: the same model planned 0..6, 0..8 or
+/// 0..10 on consecutive runs (docs/BENCHMARKS.md, session 18).
+///
+/// A layer at or below the model's first one with parameters is timed without its input
+/// gradient: the planner keeps it on the master (raw inputs never leave it), where nothing
+/// below it needs one.
 pub fn time_layers(
     layers: &[Layer],
     optimizer: &OptimizerConfig,
@@ -93,62 +109,207 @@ pub fn time_layers(
 ) -> Vec<LayerTiming> {
     let weight = |l: &Layer| (l.param_count() + rows * (l.input.numel() + l.output.numel())) as f64;
     let total_weight: f64 = layers.iter().map(weight).sum::<f64>().max(1.0);
-    layers
-        .iter()
-        .enumerate()
-        .map(|(i, layer)| {
-            let share = budget.map(|b| b.as_secs_f64() * weight(layer) / total_weight);
-            let mut stage = Stage::new(layers, i..i + 1, 0, threads);
-            stage.set_input_grad(i > 0);
-            let x: Vec<f32> = (0..rows * layer.input.numel())
-                .map(|k| ((k * 7919) % 17) as f32 / 17.0 - 0.5)
-                .collect();
-            let dy = vec![0.01f32; rows * layer.output.numel()];
-            let pass = Pass {
-                train: true,
-                seed: 0,
-                step: 0,
-                row_offset: 0,
-            };
-            let mut optim = Optimizer::new(optimizer.clone(), stage.params().len());
-            let (mut times, mut step_times) =
-                (Vec::with_capacity(repeats), Vec::with_capacity(repeats));
-            let mut stash = 0usize;
-            let started = Instant::now();
-            for rep in 0..=repeats.max(1) {
-                if rep > 1 && share.is_some_and(|s| started.elapsed().as_secs_f64() > s) {
-                    break;
-                }
-                let t = Instant::now();
-                let _ = stage.forward(rep as u64, &x, rows, &pass);
-                stash = stash.max(stage.stash_bytes());
-                let _ = stage.backward(rep as u64, &dy);
-                let compute = t.elapsed().as_secs_f64();
-                let t = Instant::now();
-                // A tiny rate: the profile must not blow the parameters up over the repeats.
-                stage.step(&mut optim, 1e-6);
-                // A warm-up that alone took the layer's share (a weak board) is the measurement:
-                // a second pass would double the time for little accuracy.
-                let over = rep == 0 && share.is_some_and(|s| started.elapsed().as_secs_f64() > s);
-                if rep > 0 || over {
-                    times.push(compute);
-                    step_times.push(t.elapsed().as_secs_f64());
-                }
-                if over {
-                    break;
+    let first_param = layers.iter().position(|l| l.param_count() > 0);
+    let mut timings = Vec::with_capacity(layers.len());
+    for window in windows(layers, rows, INTERLEAVED_BYTES) {
+        let mut benches: Vec<LayerBench> = window
+            .map(|i| {
+                let share = budget.map(|b| b.as_secs_f64() * weight(&layers[i]) / total_weight);
+                let input_grad = first_param.is_some_and(|f| i > f);
+                LayerBench::new(layers, i, optimizer, rows, threads, input_grad, share)
+            })
+            .collect();
+        for rep in 0..=repeats.max(1) {
+            let mut any = false;
+            for bench in benches.iter_mut().filter(|b| !b.done) {
+                bench.run(rep);
+                any = true;
+            }
+            if !any {
+                break;
+            }
+        }
+        timings.extend(benches.into_iter().map(LayerBench::timing));
+    }
+    timings
+}
+
+/// Consecutive runs of layers that the profiler holds at once: each as long as its layers'
+/// parameters, gradients, two optimizer states and a micro-batch of `rows` activations (in and
+/// out, with their gradients) fit in `bound` bytes together, and at least one layer.
+fn windows(layers: &[Layer], rows: usize, bound: usize) -> Vec<std::ops::Range<usize>> {
+    let held = |l: &Layer| 16 * l.param_count() + 8 * rows * (l.input.numel() + l.output.numel());
+    let mut windows = Vec::new();
+    let mut start = 0;
+    while start < layers.len() {
+        let (mut end, mut bytes) = (start + 1, held(&layers[start]));
+        while end < layers.len() && bytes + held(&layers[end]) <= bound {
+            bytes += held(&layers[end]);
+            end += 1;
+        }
+        windows.push(start..end);
+        start = end;
+    }
+    windows
+}
+
+/// One layer under the profiler: its own one-layer stage, inputs and optimizer, and its runs.
+struct LayerBench {
+    stage: Stage,
+    x: Vec<f32>,
+    dy: Vec<f32>,
+    rows: usize,
+    optim: Optimizer,
+    /// Its share of the budget, seconds.
+    share: Option<f64>,
+    /// Seconds its runs took so far, the warm-up included.
+    spent: f64,
+    times: Vec<f64>,
+    step_times: Vec<f64>,
+    stash: usize,
+    /// No more runs: the share is spent.
+    done: bool,
+}
+
+impl LayerBench {
+    fn new(
+        layers: &[Layer],
+        i: usize,
+        optimizer: &OptimizerConfig,
+        rows: usize,
+        threads: usize,
+        input_grad: bool,
+        share: Option<f64>,
+    ) -> Self {
+        let layer = &layers[i];
+        let mut stage = Stage::new(layers, i..i + 1, 0, threads);
+        stage.set_input_grad(input_grad);
+        let x: Vec<f32> = (0..rows * layer.input.numel())
+            .map(|k| ((k * 7919) % 17) as f32 / 17.0 - 0.5)
+            .collect();
+        let dy = vec![0.01f32; rows * layer.output.numel()];
+        let optim = Optimizer::new(optimizer.clone(), stage.params().len());
+        Self {
+            stage,
+            x,
+            dy,
+            rows,
+            optim,
+            share,
+            spent: 0.0,
+            times: Vec::new(),
+            step_times: Vec::new(),
+            stash: 0,
+            done: false,
+        }
+    }
+
+    /// Run `rep` (0: the warm-up): forward, backward and the optimizer step.
+    fn run(&mut self, rep: usize) {
+        if rep > 1 && self.share.is_some_and(|s| self.spent > s) {
+            self.done = true;
+            return;
+        }
+        let pass = Pass {
+            train: true,
+            seed: 0,
+            step: 0,
+            row_offset: 0,
+        };
+        let t = Instant::now();
+        let _ = self.stage.forward(rep as u64, &self.x, self.rows, &pass);
+        self.stash = self.stash.max(self.stage.stash_bytes());
+        let _ = self.stage.backward(rep as u64, &self.dy);
+        let compute = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        // A tiny rate: the profile must not blow the parameters up over the repeats.
+        self.stage.step(&mut self.optim, 1e-6);
+        let step = t.elapsed().as_secs_f64();
+        self.spent += compute + step;
+        // A warm-up that alone took the layer's share (a weak board) is the measurement: a
+        // second pass would double the time for little accuracy.
+        let over = rep == 0 && self.share.is_some_and(|s| self.spent > s);
+        if rep > 0 || over {
+            self.times.push(compute);
+            self.step_times.push(step);
+        }
+        if over {
+            self.done = true;
+        }
+    }
+
+    fn timing(mut self) -> LayerTiming {
+        let median = |v: &mut Vec<f64>| {
+            v.sort_by(f64::total_cmp);
+            v.get(v.len() / 2).copied().unwrap_or(0.0)
+        };
+        LayerTiming {
+            compute_seconds: median(&mut self.times),
+            step_seconds: median(&mut self.step_times),
+            // The stage input is stashed once per stage, not per layer: count outputs and side
+            // data.
+            stash_bytes: self.stash.saturating_sub(self.x.len() * 4) as u64,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use ringtmp_model::{ModelSpec, Shape};
+
+    use super::*;
+
+    fn mlp_deep() -> Vec<Layer> {
+        ModelSpec::preset("mlp-deep", 10)
+            .unwrap()
+            .build(&Shape::image(28, 28, 1), 10)
+            .unwrap()
+    }
+
+    #[test]
+    fn a_preset_is_one_window_and_a_tight_bound_windows_every_layer_once() {
+        let layers = mlp_deep();
+        assert_eq!(
+            windows(&layers, 64, INTERLEAVED_BYTES),
+            vec![0..layers.len()]
+        );
+        // A bound below two hidden layers' 16 MB each: each large layer alone, the small ones
+        // (activations, the output layer) grouped with their neighbours; every layer in exactly
+        // one window, in order.
+        let tight = windows(&layers, 64, 20 << 20);
+        for w in &tight {
+            let large = layers[w.clone()]
+                .iter()
+                .filter(|l| l.param_count() > 1 << 20)
+                .count();
+            assert!(large <= 1, "{tight:?}");
+        }
+        let mut next = 0;
+        for w in &tight {
+            assert_eq!(w.start, next, "{tight:?}");
+            assert!(w.end > w.start, "{tight:?}");
+            next = w.end;
+        }
+        assert_eq!(next, layers.len());
+        // A bound below any layer still times each, one at a time.
+        assert_eq!(windows(&layers, 64, 1).len(), layers.len());
+    }
+
+    #[test]
+    fn every_layer_is_timed_once_with_a_budget_and_without() {
+        let layers = mlp_deep();
+        let sgd = OptimizerConfig::Sgd {
+            momentum: 0.9,
+            weight_decay: 0.0,
+        };
+        for budget in [None, Some(Duration::from_millis(20))] {
+            let timings = time_layers(&layers, &sgd, 8, 1, 2, budget);
+            assert_eq!(timings.len(), layers.len());
+            for (t, l) in timings.iter().zip(&layers) {
+                if l.param_count() > 0 {
+                    assert!(t.compute_seconds > 0.0 && t.step_seconds > 0.0, "{t:?}");
                 }
             }
-            let median = |v: &mut Vec<f64>| {
-                v.sort_by(f64::total_cmp);
-                v.get(v.len() / 2).copied().unwrap_or(0.0)
-            };
-            LayerTiming {
-                compute_seconds: median(&mut times),
-                step_seconds: median(&mut step_times),
-                // The stage input is stashed once per stage, not per layer: count outputs and
-                // side data.
-                stash_bytes: stash.saturating_sub(x.len() * 4) as u64,
-            }
-        })
-        .collect()
+        }
+    }
 }
