@@ -3,8 +3,8 @@
 # against the same model trained by `local` on one pinned core (`taskset -c 0`), one epoch, no
 # evaluations, alternating so that a slow minute of a shared machine slows both sides alike.
 # Needs 2 free cores and python3. Prints, per round, both throughputs, their ratio, each node's
-# compute and non-compute seconds (`idle` in summary.json: waiting plus the work of sending and
-# receiving) and CPU seconds, and at the end the medians. With CANDIDATE set to a second ringtmp
+# layers, compute and non-compute seconds (`idle` in summary.json: waiting plus the work of sending
+# and receiving) and CPU seconds, and at the end the medians. With CANDIDATE set to a second ringtmp
 # binary, each round also runs the ring with it (an A/B of a change, local from the first).
 #
 #   benches/pair.sh                     # 3 rounds, mlp-deep
@@ -49,7 +49,8 @@ for r in range(1, rounds + 1):
         ratios[k].append(ratio)
         rates[k].append(run["samples_per_second"])
         nodes = "; ".join(
-            f"node {n['rank']} compute {n['compute_seconds']:.2f} s, non-compute "
+            f"node {n['rank']} layers {n['layers'][0]}..{n['layers'][1]} compute "
+            f"{n['compute_seconds']:.2f} s, non-compute "
             f"{n['idle_seconds']:.2f} s, CPU {n['cpu_seconds']:.2f} s"
             for n in run["per_node"])
         print(f"  {k:9} {run['samples_per_second']:.0f} samples/s, {ratio:.2f}x local, "

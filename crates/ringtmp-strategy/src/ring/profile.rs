@@ -25,14 +25,14 @@ pub struct ProfileSettings {
     /// Optimizer steps per micro-batch: 1 under async (a step after every backward), `1 / M`
     /// under the flushed schedules.
     pub steps_per_micro_batch: f64,
-    /// Timed runs per layer (the median counts), after one warm-up.
+    /// Timed runs per layer (the lower quartile counts), after one warm-up.
     pub repeats: usize,
 }
 
 /// Times every layer's forward + backward on a micro-batch, plus its share of the optimizer
-/// step (median of `repeats` runs after one warm-up), and estimates its memory: parameters,
-/// gradients, optimizer state and stashed weight versions, plus stashed activations for the
-/// micro-batches in flight.
+/// step (lower quartile of `repeats` runs after one warm-up), and estimates its memory:
+/// parameters, gradients, optimizer state and stashed weight versions, plus stashed activations
+/// for the micro-batches in flight.
 pub fn profile_layers(
     layers: &[Layer],
     optimizer: &OptimizerConfig,
@@ -70,9 +70,9 @@ pub fn profile_layers(
 /// One layer's measured times.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct LayerTiming {
-    /// Forward + backward of one micro-batch, seconds (median).
+    /// Forward + backward of one micro-batch, seconds (lower quartile of the runs).
     pub compute_seconds: f64,
-    /// One optimizer step over the layer's parameters, seconds (median).
+    /// One optimizer step over the layer's parameters, seconds (lower quartile of the runs).
     pub step_seconds: f64,
     /// Bytes the layer stashes per micro-batch beyond its input (outputs and side data).
     pub stash_bytes: u64,
@@ -84,17 +84,17 @@ pub struct LayerTiming {
 const INTERLEAVED_BYTES: usize = 256 << 20;
 
 /// Times each layer on micro-batches of `rows`: one warm-up run, then up to `repeats` timed
-/// runs, the median counting. With a `budget`, a layer gets its share of it (by parameter and
-/// activation size): its timed runs stop once its share is spent, and a warm-up that alone spent
-/// it is the one measurement; a weak board times the model in about the budget (or one pass, if
-/// longer).
+/// runs, their lower quartile counting. With a `budget`, a layer gets its share of it (by
+/// parameter and activation size): its timed runs stop once its share is spent, and a warm-up
+/// that alone spent it is the one measurement; a weak board times the model in about the budget
+/// (or one pass, if longer).
 ///
 /// The layers take turns — a run of each, then the next run of each — within windows of
 /// [`INTERLEAVED_BYTES`] (every preset is one window): a machine that slows down for a while
 /// (another tenant, a frequency change) then slows every layer's runs alike, and the plan's
 /// balance, which depends only on the layers' relative costs, does not move. Timed one layer
-/// after another, a slow second fell on a few layers only: the same model planned 0..6, 0..8 or
-/// 0..10 on consecutive runs (docs/BENCHMARKS.md, session 18).
+/// after another, a slow second fell on a few layers only: the same model planned 0..9 and
+/// 0..10 on consecutive runs (docs/architecture.md §30).
 ///
 /// A layer at or below the model's first one with parameters is timed without its input
 /// gradient: the planner keeps it on the master (raw inputs never leave it), where nothing
@@ -239,13 +239,15 @@ impl LayerBench {
     }
 
     fn timing(mut self) -> LayerTiming {
-        let median = |v: &mut Vec<f64>| {
+        // The lower quartile: a busy host only ever adds time, and the median of a layer whose
+        // runs fell half in a slow stretch and half outside is whichever half it tips to.
+        let lower_quartile = |v: &mut Vec<f64>| {
             v.sort_by(f64::total_cmp);
-            v.get(v.len() / 2).copied().unwrap_or(0.0)
+            v.get(v.len().saturating_sub(1) / 4).copied().unwrap_or(0.0)
         };
         LayerTiming {
-            compute_seconds: median(&mut self.times),
-            step_seconds: median(&mut self.step_times),
+            compute_seconds: lower_quartile(&mut self.times),
+            step_seconds: lower_quartile(&mut self.step_times),
             // The stage input is stashed once per stage, not per layer: count outputs and side
             // data.
             stash_bytes: self.stash.saturating_sub(self.x.len() * 4) as u64,
