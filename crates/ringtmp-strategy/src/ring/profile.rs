@@ -90,7 +90,7 @@ const INTERLEAVED_BYTES: usize = 256 << 20;
 /// (or one pass, if longer).
 ///
 /// The layers take turns — a run of each, then the next run of each — within windows of
-/// [`INTERLEAVED_BYTES`] (every preset is one window): a machine that slows down for a while
+/// 256 MB (`INTERLEAVED_BYTES`; every preset is one window): a machine that slows down for a while
 /// (another tenant, a frequency change) then slows every layer's runs alike, and the plan's
 /// balance, which depends only on the layers' relative costs, does not move. Timed one layer
 /// after another, a slow second fell on a few layers only: the same model planned 0..9 and
