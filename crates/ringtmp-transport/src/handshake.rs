@@ -1,10 +1,14 @@
 //! The authenticated greeting on a fresh connection. Both sides send `Hello` (run id, rank, a
-//! random nonce, whether they encrypt and whether they would use AES), then `Proof` (an HMAC over both nonces and ranks); each
-//! verifies the other before anything else is read. A wrong protocol version shows up as a frame
-//! the decoder refuses; a wrong run id, an unexpected rank, a bad proof or a disagreement about
-//! encryption is refused here. Then, unless both run with `--insecure-plaintext`, the Noise
-//! handshake of [`crate::secure`] (bound to this greeting by its prologue, with the cipher both
-//! greetings agree on) makes the session every later byte travels in. Every read has a deadline.
+//! random nonce, whether they encrypt and whether they would use AES), then `Proof` (an HMAC over
+//! both nonces and ranks); each verifies the other before anything else is read. A wrong protocol
+//! version shows up as a frame the decoder refuses; a wrong run id, an unexpected rank, a bad
+//! proof or a disagreement about encryption is refused here. Then, unless both run with
+//! `--insecure-plaintext`, the Noise handshake of [`crate::secure`] (bound to this greeting by its
+//! prologue, with the cipher both greetings agree on) makes the session every later byte travels
+//! in. The `aes` flags are not under the proof: someone on the path who flips one makes the two
+//! ends choose different ciphers, and the key exchange fails — no more than cutting the
+//! connection, which they can do anyway — and flipping both only swaps one sound cipher for the
+//! other. Every read has a deadline.
 
 use std::net::SocketAddr;
 
