@@ -80,8 +80,18 @@ pub struct LayerTiming {
 
 /// Most bytes of layers (parameters, gradients, optimizer state, a micro-batch's activations)
 /// the profiler holds at once: the layers of a window this size are timed in turns, larger
-/// models window by window, so that the profiler never needs the whole model.
+/// models window by window, so that the profiler never needs the whole model. Never more than an
+/// eighth of the memory this process may still use (a board, or a node under
+/// `--node-memory-limit`).
 const INTERLEAVED_BYTES: usize = 256 << 20;
+
+/// The window's bound here: [`INTERLEAVED_BYTES`], or an eighth of the available memory when
+/// that is less.
+fn interleaved_bytes() -> usize {
+    super::node_profile::available_memory().map_or(INTERLEAVED_BYTES, |free| {
+        INTERLEAVED_BYTES.min(usize::try_from(free / 8).unwrap_or(usize::MAX))
+    })
+}
 
 /// Times each layer on micro-batches of `rows`: one warm-up run, then up to `repeats` timed
 /// runs, their lower quartile counting. With a `budget`, a layer gets its share of it (by
@@ -90,7 +100,7 @@ const INTERLEAVED_BYTES: usize = 256 << 20;
 /// (or one pass, if longer).
 ///
 /// The layers take turns — a run of each, then the next run of each — within windows of
-/// 256 MB (`INTERLEAVED_BYTES`; every preset is one window): a machine that slows down for a while
+/// 256 MB (less on a node with little memory; every preset is one window): a machine that slows down for a while
 /// (another tenant, a frequency change) then slows every layer's runs alike, and the plan's
 /// balance, which depends only on the layers' relative costs, does not move. Timed one layer
 /// after another, a slow second fell on a few layers only: the same model planned 0..9 and
@@ -111,7 +121,7 @@ pub fn time_layers(
     let total_weight: f64 = layers.iter().map(weight).sum::<f64>().max(1.0);
     let first_param = layers.iter().position(|l| l.param_count() > 0);
     let mut timings = Vec::with_capacity(layers.len());
-    for window in windows(layers, rows, INTERLEAVED_BYTES) {
+    for window in windows(layers, rows, interleaved_bytes()) {
         let mut benches: Vec<LayerBench> = window
             .map(|i| {
                 let share = budget.map(|b| b.as_secs_f64() * weight(&layers[i]) / total_weight);
