@@ -51,7 +51,9 @@ for r in range(1, rounds + 1):
         nodes = "; ".join(
             f"node {n['rank']} layers {n['layers'][0]}..{n['layers'][1]} compute "
             f"{n['compute_seconds']:.2f} s, non-compute "
-            f"{n['idle_seconds']:.2f} s, CPU {n['cpu_seconds']:.2f} s"
+            f"{n['idle_seconds']:.2f} s (waits: activation "
+            f"{n.get('wait_activation_seconds', 0):.2f} s, gradient "
+            f"{n.get('wait_gradient_seconds', 0):.2f} s), CPU {n['cpu_seconds']:.2f} s"
             for n in run["per_node"])
         print(f"  {k:9} {run['samples_per_second']:.0f} samples/s, {ratio:.2f}x local, "
               f"accuracy {run['final_test_accuracy']:.4f} ({nodes})")

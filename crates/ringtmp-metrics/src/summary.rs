@@ -48,9 +48,17 @@ pub struct NodeSummary {
     /// Data-parallel workers: iterations completed.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub iterations: u64,
-    /// Data-parallel workers: seconds waiting for parameters (gates and links).
+    /// Seconds blocked waiting: data-parallel workers for parameters (gates and links); ring
+    /// nodes for any message (the sum of the two below and of the waits for anything else).
     #[serde(default, skip_serializing_if = "is_zero_f64")]
     pub wait_seconds: f64,
+    /// Ring nodes: of `wait_seconds`, the waits that ended with an activation (a non-master's
+    /// input; the master's: the last node's output coming back to the loss).
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
+    pub wait_activation_seconds: f64,
+    /// Ring nodes: of `wait_seconds`, the waits that ended with a gradient from the successor.
+    #[serde(default, skip_serializing_if = "is_zero_f64")]
+    pub wait_gradient_seconds: f64,
     /// Parameter servers: how many iteration starts saw each staleness (index = global iterations
     /// between the unit started and the oldest unit still in progress; under BSP, iterations the
     /// worker was ahead of the slowest). On a server: all workers' starts it gated; on a worker:

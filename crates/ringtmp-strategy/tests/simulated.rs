@@ -471,3 +471,36 @@ fn rings_of_rings_averaging_every_k_mini_batches_or_gossiping_learn_like_one_rin
         );
     }
 }
+
+#[test]
+fn ring_nodes_report_what_they_waited_for_around_a_straggler() {
+    // Rank 2 at a twentieth of the speed: the node after it waits for its activations, the node
+    // before it for its gradients; the master, on both sides of the ring, for both.
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = config(deep_mlp(7, 128), 32, 12, tmp.path());
+    let job = ring_job(&cfg, &data, &[0, 5, 9, 13, 16], Schedule::Async, 1);
+    let mut sim = SimConfig::new(test_seed(33));
+    sim.node_speed.insert(2, 0.05);
+    let ran = run::ring_nodes(&Backend::Sim(sim), &job, &data, tmp.path(), 0);
+    let (_, summary) = run::ring_params(ran.results);
+    for n in &summary.per_node {
+        println!(
+            "node {}: waited {:.4} s (activation {:.4}, gradient {:.4}), idle {:.4} s",
+            n.rank,
+            n.wait_seconds,
+            n.wait_activation_seconds,
+            n.wait_gradient_seconds,
+            n.idle_seconds
+        );
+        assert!(n.wait_activation_seconds + n.wait_gradient_seconds <= n.wait_seconds + 1e-9);
+        assert!(
+            n.wait_seconds <= n.idle_seconds + 1e-6,
+            "waits are not compute"
+        );
+    }
+    let (before, after) = (&summary.per_node[1], &summary.per_node[3]);
+    assert!(before.wait_gradient_seconds > 3.0 * before.wait_activation_seconds);
+    assert!(after.wait_activation_seconds > 3.0 * after.wait_gradient_seconds);
+    assert!(summary.per_node[2].wait_seconds < before.wait_seconds.min(after.wait_seconds));
+}

@@ -277,6 +277,9 @@ pub(super) struct NodeClock {
     pub(super) eval_bytes: u64,
     pub(super) peak_stash: usize,
     pub(super) speed: f64,
+    /// Seconds blocked in receives, by what ended the wait: an activation, a gradient, anything
+    /// else (the loop had nothing to do until it came).
+    pub(super) waited: Waits,
     /// The network's clock (wall or virtual): emulated slowness and compute time go through it.
     pub(super) time: Arc<dyn Clock>,
 }
@@ -288,6 +291,7 @@ impl NodeClock {
             eval_bytes: 0,
             peak_stash: 0,
             speed,
+            waited: Waits::default(),
             time: net.clock(),
         }
     }
@@ -299,6 +303,35 @@ impl NodeClock {
         self.time.computed(wall.elapsed(), self.speed);
         self.compute += (self.time.now() - t).as_secs_f64();
         out
+    }
+}
+
+/// Seconds a node spent blocked in receives, split by what ended the wait.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Waits {
+    pub(super) activation: f64,
+    pub(super) gradient: f64,
+    pub(super) other: f64,
+}
+
+impl NodeClock {
+    /// Blocks for the next message (at most `timeout`), counting the wait by what it was for.
+    pub(super) fn recv(
+        &mut self,
+        net: &mut dyn Transport,
+        timeout: Duration,
+    ) -> Result<(u32, Message)> {
+        let t = self.time.now();
+        let arrived = net.recv(timeout)?;
+        let waited = (self.time.now() - t).as_secs_f64();
+        match &arrived.1 {
+            Message::Tensor(h, _) if h.tag == TensorTag::Activation => {
+                self.waited.activation += waited
+            }
+            Message::Tensor(h, _) if h.tag == TensorTag::Gradient => self.waited.gradient += waited,
+            _ => self.waited.other += waited,
+        }
+        Ok(arrived)
     }
 }
 
@@ -375,6 +408,9 @@ pub(super) fn node_summary(
         messages_sent: links.iter().map(|l| l.messages_sent).sum(),
         compute_seconds: clock.compute,
         idle_seconds: (train_seconds - clock.compute).max(0.0),
+        wait_seconds: clock.waited.activation + clock.waited.gradient + clock.waited.other,
+        wait_activation_seconds: clock.waited.activation,
+        wait_gradient_seconds: clock.waited.gradient,
         cpu_seconds: resources::cpu_seconds(),
         bubble_fraction: ((train_seconds - clock.compute) / train_seconds.max(1e-9))
             .clamp(0.0, 1.0),

@@ -882,7 +882,7 @@ impl MasterPipe {
                 }
                 None => {
                     let (from, message) =
-                        arrived.map_or_else(|| net.recv(job.recv_timeout()), Ok)?;
+                        arrived.map_or_else(|| clock.recv(net, job.recv_timeout()), Ok)?;
                     let side = &mut self.side;
                     clock.run(|| {
                         side.handle_and_send(job, net, head.as_deref_mut(), from, message)

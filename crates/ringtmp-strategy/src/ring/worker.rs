@@ -82,7 +82,7 @@ pub fn run_worker_with(
                     }
                 }
             }
-            None => match arrived.map_or_else(|| net.recv(timeout), Ok)? {
+            None => match arrived.map_or_else(|| node.clock.recv(net, timeout), Ok)? {
                 (from, Message::Tensor(h, bytes))
                     if from == node.pred
                         && h.tag == TensorTag::Activation
