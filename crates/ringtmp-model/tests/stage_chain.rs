@@ -632,3 +632,45 @@ fn a_step_inside_the_backward_equals_backward_then_step_bit_for_bit() {
         }
     }
 }
+
+// A step inside the backward gives its caller a word between every two layers, as the plain
+// backward does, and also within a linear layer: after its input gradient and between parts of
+// its update (the master of a ring answers a returning micro-batch's loss there instead of
+// after the whole layer). The wide model: 5 gaps between its 6 layers; an input gradient in each
+// of its 3 linear layers (the stage's own input gradient is on); the 1100→300 layer's 330,000
+// weights are updated in two parts (262,144 at most each), so one word between them.
+#[test]
+fn a_step_inside_the_backward_gives_way_within_large_layers() {
+    use ringtmp_model::{Optimizer, OptimizerConfig};
+    let (x, _) = data();
+    let layers = wide_layers();
+    let mut stage = Stage::new(&layers, 0..layers.len(), SEED, 1);
+    stage.set_input_grad(true);
+    let mut optimizer = Optimizer::new(
+        OptimizerConfig::Sgd {
+            momentum: 0.9,
+            weight_decay: 0.0,
+        },
+        stage.params().len(),
+    );
+    let pass = Pass {
+        train: true,
+        seed: SEED,
+        step: 0,
+        row_offset: 0,
+    };
+    let dy = vec![0.01; ROWS * 10];
+    let mut words = [0usize; 2];
+    for (k, words) in words.iter_mut().enumerate() {
+        stage.forward(k as u64, &x, ROWS, &pass).unwrap();
+        let between = &mut || *words += 1;
+        if k == 0 {
+            stage.backward_with(0, &dy, between).unwrap();
+        } else {
+            stage
+                .backward_and_step(1, &dy, &mut optimizer, 0.1, between)
+                .unwrap();
+        }
+    }
+    assert_eq!(words, [5, 5 + 3 + 1]);
+}
