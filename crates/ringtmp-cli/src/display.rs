@@ -150,12 +150,14 @@ pub fn print_summary(s: &Summary, out: &std::path::Path) {
         );
     }
     println!(
-        "{:>4} {:<7} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9}",
-        "rank", "role", "params", "peak RSS", "sent", "compute", "idle", "cpu"
+        "{:>4} {:<7} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9}",
+        "rank", "role", "params", "peak RSS", "sent", "compute", "idle", "waited", "cpu"
     );
     for n in &s.per_node {
+        // `idle` is everything but compute; `waited`, the part of it blocked on the network
+        // (on a ring node: for an input, a gradient, or anything else).
         println!(
-            "{:>4} {:<7} {:>10} {:>8.1}MB {:>10} {:>8.1}s {:>8.1}s {:>8.1}s",
+            "{:>4} {:<7} {:>10} {:>8.1}MB {:>10} {:>8.1}s {:>8.1}s {:>8.1}s {:>8.1}s",
             n.rank,
             n.role,
             n.params,
@@ -163,6 +165,7 @@ pub fn print_summary(s: &Summary, out: &std::path::Path) {
             n.bytes_sent,
             n.compute_seconds,
             n.idle_seconds,
+            n.wait_seconds,
             n.cpu_seconds
         );
     }
