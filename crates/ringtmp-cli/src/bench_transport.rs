@@ -4,7 +4,10 @@
 //!   links (framing, reader/writer tasks, accounting), with `--insecure-plaintext` and private
 //!   (every record encrypted and authenticated, the default) with each of the two ciphers, on
 //!   loopback and through an emulated card (`--emulated-mbit`, default 1000);
-//! - small messages as ping/pong round trips: plain TCP vs ringtmp control frames, every kind.
+//! - small messages as ping/pong round trips: plain TCP vs ringtmp control frames, every kind;
+//! - tensors between two pinned nodes (`--busy-tensors`; each endpoint and its I/O thread on one
+//!   core): the one-way latency of an activation-sized tensor and of a small reply when "compute"
+//!   keeps both cores busy, as a pinned ring node's does, and when they are otherwise idle.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
@@ -36,6 +39,10 @@ pub struct BenchTransportArgs {
     /// Also measure through an emulated card of this many Mbit/s (0: loopback only).
     #[arg(long, default_value_t = 1000.0)]
     pub emulated_mbit: f64,
+    /// Tensors of 256 KiB (an `mlp-deep` micro-batch's activation) sent to a busy node per
+    /// repeat, each answered with one of 2.5 KiB (0: skip; needs two cores).
+    #[arg(long, default_value_t = 400)]
+    pub busy_tensors: usize,
 }
 
 /// How a measured link carries its bytes.
@@ -125,6 +132,9 @@ pub fn run(args: &BenchTransportArgs) -> Result<()> {
     for (a, b) in pairs {
         close(a, b);
     }
+    if args.busy_tensors > 0 {
+        busy_latencies(args)?;
+    }
     if args.emulated_mbit > 0.0 {
         let bps = (args.emulated_mbit * 1e6) as u64;
         // Enough tensors for a second or so per repeat at the card's rate.
@@ -161,6 +171,171 @@ pub fn run(args: &BenchTransportArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The one-way latencies between two pinned endpoints whose cores their "compute" keeps busy,
+/// and between the same two idle, interleaved over the repeats; prints mean, median and 90th
+/// percentile of each.
+fn busy_latencies(args: &BenchTransportArgs) -> Result<()> {
+    if thread::available_parallelism().map_or(1, usize::from) < 2 {
+        println!("tensors between two busy nodes: skipped (needs two cores)");
+        return Ok(());
+    }
+    // [busy?][256 KiB, 2.5 KiB] latencies in µs, over all repeats.
+    let mut all = [[Vec::new(), Vec::new()], [Vec::new(), Vec::new()]];
+    for _ in 0..args.repeats {
+        for busy in [false, true] {
+            let (mut a, mut b) = pinned_pair()?;
+            let [big, small] = pinned_exchange(&mut a, &mut b, args.busy_tensors, busy)?;
+            close(a, b);
+            all[usize::from(busy)][0].extend(big);
+            all[usize::from(busy)][1].extend(small);
+        }
+    }
+    println!(
+        "one-way latency between two pinned nodes, each with its I/O thread on its core ({} × \
+         256 KiB, each answered with 2.5 KiB, {} repeats; default link sealing):",
+        args.busy_tensors, args.repeats
+    );
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len().max(1) as f64;
+    for (busy, [big, small]) in all.iter_mut().enumerate() {
+        let label = if busy == 1 {
+            "cores kept busy by compute"
+        } else {
+            "cores otherwise idle"
+        };
+        println!(
+            "  {label:<27} 256 KiB mean {:>5.0} µs p50 {:>5.0} p90 {:>5.0};  2.5 KiB mean {:>5.0} \
+             µs p50 {:>5.0} p90 {:>5.0}",
+            mean(big),
+            percentile(big, 0.5),
+            percentile(big, 0.9),
+            mean(small),
+            percentile(small, 0.5),
+            percentile(small, 0.9)
+        );
+    }
+    Ok(())
+}
+
+/// Two connected endpoints, each made on a thread pinned to its own core (0 and 1), so that its
+/// I/O thread is pinned there too.
+fn pinned_pair() -> Result<(Network, Network)> {
+    let secret = b"bench-transport-secret".to_vec();
+    let (la, lb) = (bind_listener("127.0.0.1:0")?, bind_listener("127.0.0.1:0")?);
+    let addresses = BTreeMap::from([(0, la.local_addr()?), (1, lb.local_addr()?)]);
+    let endpoint = |rank: u32, listener| {
+        let (secret, addresses) = (secret.clone(), addresses.clone());
+        thread::spawn(move || -> Result<Network> {
+            crate::node::pin_to_core(rank as usize)?;
+            let cfg = TransportConfig::new(1, rank, secret);
+            Ok(Network::connect(
+                cfg,
+                listener,
+                &addresses,
+                &BTreeSet::from([1 - rank]),
+            )?)
+        })
+    };
+    let (ha, hb) = (endpoint(0, la), endpoint(1, lb));
+    let joined = |h: thread::JoinHandle<Result<Network>>| {
+        h.join()
+            .map_err(|_| anyhow::anyhow!("connect thread panicked"))?
+    };
+    Ok((joined(ha)?, joined(hb)?))
+}
+
+/// Endpoint 0 sends `count` tensors of 256 KiB, one every 2 ms, to endpoint 1, which answers each
+/// with 2.5 KiB; both look at their inbox every 50 µs, pinned to their cores, and in between
+/// "compute" (spin) when `busy`, else sleep. Returns the one-way latencies in µs: 256 KiB from
+/// `send` to its taking at the other end, and the same for the replies.
+fn pinned_exchange(
+    a: &mut Network,
+    b: &mut Network,
+    count: usize,
+    busy: bool,
+) -> Result<[Vec<f64>; 2]> {
+    const CHUNK: Duration = Duration::from_micros(50);
+    const PERIOD: Duration = Duration::from_millis(2);
+    let tensor = |seq: u64, bytes: usize| {
+        let header = TensorHeader {
+            run_id: 1,
+            step: 0,
+            micro_batch: seq,
+            tag: TensorTag::Probe,
+            dtype: Dtype::F32,
+            shape: vec![(bytes / 4) as u32],
+        };
+        Message::Tensor(header, vec![7u8; bytes])
+    };
+    let spin = || {
+        if !busy {
+            return thread::sleep(CHUNK);
+        }
+        let t = Instant::now();
+        while t.elapsed() < CHUNK {
+            std::hint::spin_loop();
+        }
+    };
+    let sent_big = std::sync::Mutex::new(vec![None::<Instant>; count]);
+    let sent_small = std::sync::Mutex::new(vec![None::<Instant>; count]);
+    let deadline = Instant::now() + Duration::from_secs(30) + PERIOD * count as u32;
+    let took = |sent: &std::sync::Mutex<Vec<Option<Instant>>>, m: &Message| -> Result<f64> {
+        let Message::Tensor(h, _) = m else {
+            anyhow::bail!("unexpected message {m:?}");
+        };
+        let at = sent.lock().expect("no panics while held")[h.micro_batch as usize]
+            .context("a tensor before its send")?;
+        Ok(at.elapsed().as_secs_f64() * 1e6)
+    };
+    thread::scope(|s| -> Result<[Vec<f64>; 2]> {
+        let answering = s.spawn(|| -> Result<Vec<f64>> {
+            crate::node::pin_to_core(1)?;
+            let mut big = Vec::with_capacity(count);
+            while big.len() < count {
+                anyhow::ensure!(
+                    Instant::now() < deadline,
+                    "pinned exchange: endpoint 1 timed out"
+                );
+                spin();
+                while let Some((_, m)) = b.try_recv()? {
+                    big.push(took(&sent_big, &m)?);
+                    let seq = big.len() as u64 - 1;
+                    sent_small.lock().expect("no panics while held")[seq as usize] =
+                        Some(Instant::now());
+                    b.send(0, tensor(seq, 2560))?;
+                }
+            }
+            Ok(big)
+        });
+        // On a thread of its own, so that the caller's affinity stays as it was.
+        let asking = s.spawn(|| -> Result<Vec<f64>> {
+            crate::node::pin_to_core(0)?;
+            let (mut small, mut next, mut sent) = (Vec::with_capacity(count), Instant::now(), 0);
+            while small.len() < count {
+                anyhow::ensure!(
+                    Instant::now() < deadline,
+                    "pinned exchange: endpoint 0 timed out"
+                );
+                spin();
+                if sent < count && Instant::now() >= next {
+                    sent_big.lock().expect("no panics while held")[sent] = Some(Instant::now());
+                    a.send(1, tensor(sent as u64, 256 * 1024))?;
+                    (sent, next) = (sent + 1, next + PERIOD);
+                }
+                while let Some((_, m)) = a.try_recv()? {
+                    small.push(took(&sent_small, &m)?);
+                }
+            }
+            Ok(small)
+        });
+        let joined = |h: thread::ScopedJoinHandle<'_, Result<Vec<f64>>>| {
+            h.join()
+                .map_err(|_| anyhow::anyhow!("an endpoint panicked"))?
+        };
+        let (small, big) = (joined(asking)?, joined(answering)?);
+        Ok([big, small])
+    })
 }
 
 fn close(mut a: Network, mut b: Network) {

@@ -539,3 +539,51 @@ fn bad_link_specs_are_usage_errors() {
         "--link applies to",
     );
 }
+
+// `bench-transport` at toy sizes: every section runs and reports numbers, the latency between two
+// pinned nodes among them (idle and busy, each direction's size), or says why it was skipped.
+#[test]
+fn bench_transport_reports_throughput_round_trips_and_latency_between_pinned_nodes() {
+    let out = ringtmp(&[
+        "bench-transport",
+        "--size-mib",
+        "0.1",
+        "--count",
+        "2",
+        "--repeats",
+        "1",
+        "--pings",
+        "5",
+        "--emulated-mbit",
+        "0",
+        "--busy-tensors",
+        "20",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("plain TCP socket copy"), "{stdout}");
+    if std::thread::available_parallelism().map_or(1, usize::from) < 2 {
+        assert!(stdout.contains("skipped (needs two cores)"), "{stdout}");
+        return;
+    }
+    for row in ["cores otherwise idle", "cores kept busy by compute"] {
+        let line = stdout
+            .lines()
+            .find(|l| l.contains(row))
+            .unwrap_or_else(|| panic!("no {row:?} row in {stdout}"));
+        let numbers: Vec<f64> = line
+            .split_whitespace()
+            .filter_map(|w| w.trim_end_matches(';').parse().ok())
+            .collect();
+        // 256 KiB: mean, p50, p90; 2.5 KiB: the same; latencies are positive and ordered.
+        assert_eq!(numbers.len(), 8, "{line}");
+        let (big, small) = (&numbers[1..4], &numbers[5..8]);
+        for [mean, p50, p90] in [[big[0], big[1], big[2]], [small[0], small[1], small[2]]] {
+            assert!(mean > 0.0 && p50 > 0.0 && p90 >= p50, "{line}");
+        }
+    }
+}
