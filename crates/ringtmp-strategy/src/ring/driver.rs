@@ -304,17 +304,7 @@ impl NodeClock {
         self.compute += (self.time.now() - t).as_secs_f64();
         out
     }
-}
 
-/// Seconds a node spent blocked in receives, split by what ended the wait.
-#[derive(Clone, Copy, Debug, Default)]
-pub(super) struct Waits {
-    pub(super) activation: f64,
-    pub(super) gradient: f64,
-    pub(super) other: f64,
-}
-
-impl NodeClock {
     /// Blocks for the next message (at most `timeout`), counting the wait by what it was for.
     pub(super) fn recv(
         &mut self,
@@ -333,6 +323,14 @@ impl NodeClock {
         }
         Ok(arrived)
     }
+}
+
+/// Seconds a node spent blocked in receives, split by what ended the wait.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Waits {
+    pub(super) activation: f64,
+    pub(super) gradient: f64,
+    pub(super) other: f64,
 }
 
 /// A tensor of `rows` rows of `values`, as `dtype` on the wire.
