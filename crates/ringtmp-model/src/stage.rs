@@ -146,6 +146,22 @@ enum UpdateTarget {
     Next(Vec<f32>),
 }
 
+/// Where a split backward hands the stage's input gradient ([`Stage::backward_sending`]).
+type SendInputGrad<'a> = &'a mut dyn FnMut(&[f32]);
+
+/// Which part of each layer's backward a pass over the layers does.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    /// Everything, layer by layer.
+    All,
+    /// Everything but the linear layers' weight gradients and the updates: the chain of input
+    /// gradients down to the stage's own, as early as it can be had (a convolution's weight
+    /// gradient comes with its input gradient, from the same pass over its rows).
+    Inputs,
+    /// The linear layers' weight gradients and every layer's update, after [`Phase::Inputs`].
+    Weights,
+}
+
 /// Inputs and output gradients kept for a deferred weight gradient.
 #[derive(Debug, Default)]
 struct Pending {
@@ -455,6 +471,7 @@ impl Stage {
                 }
             },
             None,
+            None,
         )
     }
 
@@ -481,9 +498,61 @@ impl Stage {
             self.step(optimizer, lr);
             return Ok(self.input_grad.then_some(self.input_grads[0].as_slice()));
         }
-        self.backward_impl(micro_batch, dy, &mut |_| between(), Some((optimizer, lr)))?;
+        self.backward_impl(
+            micro_batch,
+            dy,
+            &mut |_| between(),
+            Some((optimizer, lr)),
+            None,
+        )?;
         self.zero_grad();
         Ok(self.input_grad.then_some(self.input_grads[0].as_slice()))
+    }
+
+    /// [`Stage::backward`] (`step` `None`) or [`Stage::backward_and_step`] (`step` the optimizer
+    /// and rate) that hands the stage's input gradient to `send` as soon as the chain of input
+    /// gradients reaches it, before any update or linear layer's weight gradient: the stage
+    /// before this one in a pipeline starts its own backward while this one finishes (the
+    /// backward's B/W split of zero-bubble pipelines). The results are bit for bit those of the
+    /// other two: each layer's input gradient reads the weights its forward used whichever part
+    /// runs first, and each weight gradient and update reads only what the chain left. `send`
+    /// is called exactly once, with the input gradient (never where this stage makes none).
+    /// `between` runs as in [`Stage::backward_and_step`].
+    pub fn backward_sending(
+        &mut self,
+        micro_batch: u64,
+        dy: &[f32],
+        step: Option<(&mut Optimizer, f32)>,
+        between: &mut dyn FnMut(),
+        send: &mut dyn FnMut(&[f32]),
+    ) -> Result<()> {
+        if !self.input_grad || self.deferred.is_some() {
+            let dx = match step {
+                Some((optimizer, lr)) => {
+                    self.backward_and_step(micro_batch, dy, optimizer, lr, between)?
+                }
+                None => self.backward_with(micro_batch, dy, between)?,
+            };
+            if let Some(dx) = dx {
+                send(dx);
+            }
+            return Ok(());
+        }
+        if ringtmp_meter::phantom() {
+            // Sizes only: the phases record the backward's work, the step its updates, in the
+            // order of the split that computes (where a simulated network times what is sent).
+            self.backward_impl(micro_batch, dy, &mut |_| between(), None, Some(send))?;
+            if let Some((optimizer, lr)) = step {
+                self.step(optimizer, lr);
+            }
+            return Ok(());
+        }
+        let stepped = step.is_some();
+        self.backward_impl(micro_batch, dy, &mut |_| between(), step, Some(send))?;
+        if stepped {
+            self.zero_grad();
+        }
+        Ok(())
     }
 
     fn backward_impl(
@@ -492,6 +561,7 @@ impl Stage {
         dy: &[f32],
         done: &mut dyn FnMut(Progress<'_>),
         step: Option<(&mut Optimizer, f32)>,
+        send: Option<SendInputGrad<'_>>,
     ) -> Result<Option<&[f32]>> {
         let Some(stash) = self.in_flight.get(&micro_batch) else {
             return Err(Error::UnknownMicroBatch {
@@ -535,225 +605,282 @@ impl Stage {
         let phantom = ringtmp_meter::phantom();
         // Layers whose update ran inside their backward's own code (linear layers, by blocks).
         let mut updated = vec![false; self.layers.len()];
-        for i in (0..self.layers.len()).rev() {
-            if i < last {
-                let offset = self.offsets[i + 1];
-                done(Progress::Layer(offset, &self.grads[offset..]));
+        // With `send`: the input gradients first, then the linear layers' weights.
+        let phases: &[Phase] = match send {
+            Some(_) => &[Phase::Inputs, Phase::Weights],
+            None => &[Phase::All],
+        };
+        let mut send = send;
+        for &phase in phases {
+            if phase == Phase::Weights {
+                let send = send.take().expect("a split backward has `send`");
+                send(&self.input_grads[0]);
             }
-            // A layer's input gradient is wanted when a layer below it has parameters, or the
-            // stage's own input gradient is (a ring's later stages). Below the first layer with
-            // parameters nothing is: the model's first linear after a `flatten` made a 64×784
-            // input gradient every step that no one read (7% of the first ring stage's GEMM
-            // work in `mlp-deep`), and the parameter-free layers under it had no work at all.
-            let want_dx = self.input_grad || self.offsets[i] > 0;
-            if !want_dx && self.offsets[i + 1] == self.offsets[i] {
-                self.grads_written[i] = true;
-                continue;
-            }
-            ringtmp_meter::layer(self.layers[i].index, ringtmp_meter::Pass::Backward, rows);
-            if phantom {
-                if want_dx {
-                    set_len(
-                        &mut self.input_grads[i],
-                        rows * self.layers[i].input.numel(),
-                    );
+            for i in (0..self.layers.len()).rev() {
+                let linear = matches!(self.layers[i].kind, LayerKind::Linear(_));
+                if phase == Phase::Weights && self.offsets[i + 1] == self.offsets[i] {
+                    continue;
                 }
-                self.grads_written[i] = true;
-                continue;
-            }
-            if Fusion::absorbs(&self.fusion, i) {
-                // This layer's backward runs inside the conv's below.
-                self.grads_written[i] = true;
-                continue;
-            }
-            let (this, later) = self.input_grads.split_at_mut(i + 1);
-            let fusion = self.fusion[i];
-            // A fused conv takes the gradient of the last fused layer's output.
-            let after = match fusion {
-                Fusion::None => i,
-                Fusion::Relu => i + 1,
-                Fusion::ReluPool => i + 2,
-            };
-            let upstream = if after == last { dy } else { &later[after - i] };
-            let range = self.offsets[i]..self.offsets[i + 1];
-            let read: &[f32] = weights.as_deref().unwrap_or(&self.params);
-            let accumulate = self.grads_written[i];
-            let started = self.profile.is_some().then(std::time::Instant::now);
-            match (&self.layers[i].kind, self.deferred.as_mut()) {
-                (LayerKind::Conv2d(conv), _) if fusion != Fusion::None => {
-                    if want_dx {
-                        set_len(&mut this[i], rows * self.layers[i].input.numel());
-                    }
-                    let dx = want_dx.then_some(&mut this[i]);
-                    let grad = match self.layers.get(i + 2).map(|l| &l.kind) {
-                        Some(LayerKind::MaxPool2d(pool)) if fusion == Fusion::ReluPool => {
-                            OutputGrad::ReluPool {
-                                pool,
-                                dy: upstream,
-                                pooled: &stash.acts[i + 3],
-                                indices: &stash.aux[i + 2].indices,
-                            }
-                        }
-                        _ => OutputGrad::Relu {
-                            dy: upstream,
-                            relu_out: &stash.acts[i + 2],
-                        },
-                    };
-                    conv.backward(
-                        &read[range.clone()],
-                        &mut self.grads[range.clone()],
-                        accumulate,
-                        &stash.acts[i],
-                        grad,
-                        rows,
-                        dx,
-                        &mut self.scratch,
-                        self.threads,
-                    );
+                if i < last {
+                    let offset = self.offsets[i + 1];
+                    done(match phase {
+                        Phase::All => Progress::Layer(offset, &self.grads[offset..]),
+                        // Gradients complete from an offset on exist only layer by layer.
+                        Phase::Inputs | Phase::Weights => Progress::Within,
+                    });
+                }
+                // A layer's input gradient is wanted when a layer below it has parameters, or the
+                // stage's own input gradient is (a ring's later stages). Below the first layer with
+                // parameters nothing is: the model's first linear after a `flatten` made a 64×784
+                // input gradient every step that no one read (7% of the first ring stage's GEMM
+                // work in `mlp-deep`), and the parameter-free layers under it had no work at all.
+                let want_dx = self.input_grad || self.offsets[i] > 0;
+                if !want_dx && self.offsets[i + 1] == self.offsets[i] {
                     self.grads_written[i] = true;
+                    continue;
                 }
-                (LayerKind::Linear(linear), None) if step.is_some() => {
-                    // The update in the backward, by blocks of the weight gradient: each block is
-                    // made and applied while in cache (`Optimizer::update_blocks`). The input
-                    // gradient reads the weights first, as an update in place overwrites them.
+                if phase != Phase::Weights {
+                    ringtmp_meter::layer(self.layers[i].index, ringtmp_meter::Pass::Backward, rows);
+                }
+                if phantom {
                     if want_dx {
-                        linear.input_grad_into(
-                            &read[range.clone()],
-                            upstream,
-                            rows,
-                            &mut this[i],
-                            self.threads,
+                        set_len(
+                            &mut self.input_grads[i],
+                            rows * self.layers[i].input.numel(),
                         );
-                        done(Progress::Within);
                     }
-                    let (optimizer, constants, target) = step.as_mut().expect("matched");
-                    let updating = self.profile.is_some().then(std::time::Instant::now);
-                    let weights_len = linear.in_features * linear.out_features;
-                    let (grad_w, grad_b) = self.grads[range.clone()].split_at_mut(weights_len);
-                    column_sums(grad_b, upstream, accumulate);
-                    let accumulated = accumulate.then_some(&*grad_w);
-                    let x = &stash.acts[i];
-                    let gradient = |r: std::ops::Range<usize>, out: &mut [f32]| {
-                        let acc = accumulated.map(|a| &a[r.clone()]);
-                        linear.weight_grad_block(r, out, acc, x, upstream, rows);
-                    };
-                    let (w_at, b_at) = (range.start, range.start + weights_len);
-                    let (from, to): (Option<&[f32]>, &mut [f32]) = match target {
-                        UpdateTarget::InPlace => (
-                            None,
-                            &mut Arc::get_mut(&mut self.params)
-                                .expect("checked: nothing else holds the current version")
-                                [range.clone()],
-                        ),
-                        UpdateTarget::Next(next) => {
-                            (Some(&self.params[range.clone()]), &mut next[range.clone()])
+                    self.grads_written[i] = true;
+                    continue;
+                }
+                if Fusion::absorbs(&self.fusion, i) {
+                    // This layer's backward runs inside the conv's below.
+                    self.grads_written[i] = true;
+                    continue;
+                }
+                let (this, later) = self.input_grads.split_at_mut(i + 1);
+                let fusion = self.fusion[i];
+                // A fused conv takes the gradient of the last fused layer's output.
+                let after = match fusion {
+                    Fusion::None => i,
+                    Fusion::Relu => i + 1,
+                    Fusion::ReluPool => i + 2,
+                };
+                let upstream = if after == last { dy } else { &later[after - i] };
+                let range = self.offsets[i]..self.offsets[i + 1];
+                let read: &[f32] = weights.as_deref().unwrap_or(&self.params);
+                let accumulate = self.grads_written[i];
+                let started = self.profile.is_some().then(std::time::Instant::now);
+                match (&self.layers[i].kind, self.deferred.as_mut()) {
+                    // Its gradients came with the input gradients; its update is below.
+                    _ if phase == Phase::Weights && !linear => {}
+                    (LayerKind::Conv2d(conv), _) if fusion != Fusion::None => {
+                        if want_dx {
+                            set_len(&mut this[i], rows * self.layers[i].input.numel());
                         }
-                    };
-                    let (to_w, to_b) = to.split_at_mut(weights_len);
-                    let (from_w, from_b) = match from {
-                        Some(f) => (Some(&f[..weights_len]), Some(&f[weights_len..])),
-                        None => (None, None),
-                    };
-                    // In parts of whole blocks (each block is made and applied on its own, so
-                    // the bits are those of one call), with a word to the caller after each.
-                    let block = linear.grad_block();
-                    let part = (POLL_PARAMS / block).max(1) * block;
-                    let mut at = 0;
-                    while at < weights_len {
-                        let end = (at + part).min(weights_len);
-                        optimizer.update_blocks(
-                            constants,
-                            w_at + at,
-                            from_w.map(|f| &f[at..end]),
-                            &mut to_w[at..end],
-                            block,
-                            self.threads,
-                            |r: std::ops::Range<usize>, out: &mut [f32]| {
-                                gradient(r.start + at..r.end + at, out)
+                        let dx = want_dx.then_some(&mut this[i]);
+                        let grad = match self.layers.get(i + 2).map(|l| &l.kind) {
+                            Some(LayerKind::MaxPool2d(pool)) if fusion == Fusion::ReluPool => {
+                                OutputGrad::ReluPool {
+                                    pool,
+                                    dy: upstream,
+                                    pooled: &stash.acts[i + 3],
+                                    indices: &stash.aux[i + 2].indices,
+                                }
+                            }
+                            _ => OutputGrad::Relu {
+                                dy: upstream,
+                                relu_out: &stash.acts[i + 2],
                             },
+                        };
+                        conv.backward(
+                            &read[range.clone()],
+                            &mut self.grads[range.clone()],
+                            accumulate,
+                            &stash.acts[i],
+                            grad,
+                            rows,
+                            dx,
+                            &mut self.scratch,
+                            self.threads,
                         );
-                        at = end;
-                        if at < weights_len {
+                        self.grads_written[i] = true;
+                    }
+                    (LayerKind::Linear(linear), None) if step.is_some() => {
+                        // The update in the backward, by blocks of the weight gradient: each block is
+                        // made and applied while in cache (`Optimizer::update_blocks`). The input
+                        // gradient reads the weights first, as an update in place overwrites them.
+                        if want_dx && phase != Phase::Weights {
+                            linear.input_grad_into(
+                                &read[range.clone()],
+                                upstream,
+                                rows,
+                                &mut this[i],
+                                self.threads,
+                            );
                             done(Progress::Within);
                         }
-                    }
-                    optimizer.update_range(constants, b_at, from_b, to_b, grad_b, self.threads);
-                    if let (Some(t), Some(p)) = (updating, self.profile.as_mut()) {
-                        p[i].update_seconds += t.elapsed().as_secs_f64();
-                    }
-                    // The weight gradient itself was never written: only the step reads it, and
-                    // `backward_and_step` forgets it right after.
-                    self.grads_written[i] = true;
-                    updated[i] = true;
-                }
-                (LayerKind::Linear(linear), Some(deferred)) => {
-                    // Keep this micro-batch's rows; the weight gradient of the whole mini-batch is
-                    // one GEMM at the step (see `set_deferred_weight_grads`).
-                    let pending = &mut deferred[i];
-                    pending.x.extend_from_slice(&stash.acts[i]);
-                    pending.dy.extend_from_slice(upstream);
-                    pending.rows += rows;
-                    if want_dx {
-                        linear.input_grad_into(
-                            &read[range.clone()],
-                            upstream,
-                            rows,
-                            &mut this[i],
-                            self.threads,
-                        );
-                    }
-                }
-                _ => {
-                    self.layers[i].backward(
-                        &read[range.clone()],
-                        &mut self.grads[range.clone()],
-                        accumulate,
-                        &stash.acts[i],
-                        &stash.acts[i + 1],
-                        &stash.aux[i],
-                        upstream,
-                        rows,
-                        want_dx.then_some(&mut this[i]),
-                        &mut self.scratch,
-                        self.threads,
-                    );
-                    self.grads_written[i] = true;
-                }
-            }
-            if let Some((optimizer, constants, target)) = step.as_mut().filter(|_| !updated[i]) {
-                let updating = self.profile.is_some().then(std::time::Instant::now);
-                if !range.is_empty() {
-                    let grads = &self.grads[range.clone()];
-                    match target {
-                        UpdateTarget::InPlace => {
-                            let params = Arc::get_mut(&mut self.params)
-                                .expect("checked: nothing else holds the current version");
-                            let params = &mut params[range.clone()];
-                            optimizer.update_range(
-                                constants,
-                                range.start,
+                        if phase == Phase::Inputs {
+                            if let (Some(t), Some(p)) = (started, self.profile.as_mut()) {
+                                p[i].backward_seconds += t.elapsed().as_secs_f64();
+                            }
+                            continue;
+                        }
+                        let (optimizer, constants, target) = step.as_mut().expect("matched");
+                        let updating = self.profile.is_some().then(std::time::Instant::now);
+                        let weights_len = linear.in_features * linear.out_features;
+                        let (grad_w, grad_b) = self.grads[range.clone()].split_at_mut(weights_len);
+                        column_sums(grad_b, upstream, accumulate);
+                        let accumulated = accumulate.then_some(&*grad_w);
+                        let x = &stash.acts[i];
+                        let gradient = |r: std::ops::Range<usize>, out: &mut [f32]| {
+                            let acc = accumulated.map(|a| &a[r.clone()]);
+                            linear.weight_grad_block(r, out, acc, x, upstream, rows);
+                        };
+                        let (w_at, b_at) = (range.start, range.start + weights_len);
+                        let (from, to): (Option<&[f32]>, &mut [f32]) = match target {
+                            UpdateTarget::InPlace => (
                                 None,
-                                params,
-                                grads,
+                                &mut Arc::get_mut(&mut self.params)
+                                    .expect("checked: nothing else holds the current version")
+                                    [range.clone()],
+                            ),
+                            UpdateTarget::Next(next) => {
+                                (Some(&self.params[range.clone()]), &mut next[range.clone()])
+                            }
+                        };
+                        let (to_w, to_b) = to.split_at_mut(weights_len);
+                        let (from_w, from_b) = match from {
+                            Some(f) => (Some(&f[..weights_len]), Some(&f[weights_len..])),
+                            None => (None, None),
+                        };
+                        // In parts of whole blocks (each block is made and applied on its own, so
+                        // the bits are those of one call), with a word to the caller after each.
+                        let block = linear.grad_block();
+                        let part = (POLL_PARAMS / block).max(1) * block;
+                        let mut at = 0;
+                        while at < weights_len {
+                            let end = (at + part).min(weights_len);
+                            optimizer.update_blocks(
+                                constants,
+                                w_at + at,
+                                from_w.map(|f| &f[at..end]),
+                                &mut to_w[at..end],
+                                block,
+                                self.threads,
+                                |r: std::ops::Range<usize>, out: &mut [f32]| {
+                                    gradient(r.start + at..r.end + at, out)
+                                },
+                            );
+                            at = end;
+                            if at < weights_len {
+                                done(Progress::Within);
+                            }
+                        }
+                        optimizer.update_range(constants, b_at, from_b, to_b, grad_b, self.threads);
+                        if let (Some(t), Some(p)) = (updating, self.profile.as_mut()) {
+                            p[i].update_seconds += t.elapsed().as_secs_f64();
+                        }
+                        // The weight gradient itself was never written: only the step reads it, and
+                        // `backward_and_step` forgets it right after.
+                        self.grads_written[i] = true;
+                        updated[i] = true;
+                    }
+                    (LayerKind::Linear(linear), None) if phase != Phase::All => {
+                        // A split backward without the step: the input gradient in the first pass,
+                        // the weight gradient (accumulated as `Linear::backward` does) in the second.
+                        if phase == Phase::Inputs {
+                            if want_dx {
+                                linear.input_grad_into(
+                                    &read[range.clone()],
+                                    upstream,
+                                    rows,
+                                    &mut this[i],
+                                    self.threads,
+                                );
+                            }
+                        } else {
+                            linear.weight_grad(
+                                &mut self.grads[range.clone()],
+                                accumulate,
+                                &stash.acts[i],
+                                upstream,
+                                rows,
+                                self.threads,
+                            );
+                            self.grads_written[i] = true;
+                        }
+                    }
+                    (LayerKind::Linear(linear), Some(deferred)) => {
+                        // Keep this micro-batch's rows; the weight gradient of the whole mini-batch is
+                        // one GEMM at the step (see `set_deferred_weight_grads`).
+                        let pending = &mut deferred[i];
+                        pending.x.extend_from_slice(&stash.acts[i]);
+                        pending.dy.extend_from_slice(upstream);
+                        pending.rows += rows;
+                        if want_dx {
+                            linear.input_grad_into(
+                                &read[range.clone()],
+                                upstream,
+                                rows,
+                                &mut this[i],
                                 self.threads,
                             );
                         }
-                        UpdateTarget::Next(next) => optimizer.update_range(
-                            constants,
-                            range.start,
-                            Some(&self.params[range.clone()]),
-                            &mut next[range.clone()],
-                            grads,
+                    }
+                    _ => {
+                        self.layers[i].backward(
+                            &read[range.clone()],
+                            &mut self.grads[range.clone()],
+                            accumulate,
+                            &stash.acts[i],
+                            &stash.acts[i + 1],
+                            &stash.aux[i],
+                            upstream,
+                            rows,
+                            want_dx.then_some(&mut this[i]),
+                            &mut self.scratch,
                             self.threads,
-                        ),
+                        );
+                        self.grads_written[i] = true;
                     }
                 }
-                if let (Some(t), Some(p)) = (updating, self.profile.as_mut()) {
-                    p[i].update_seconds += t.elapsed().as_secs_f64();
+                let update_here = !updated[i] && phase != Phase::Inputs;
+                if let Some((optimizer, constants, target)) = step.as_mut().filter(|_| update_here)
+                {
+                    let updating = self.profile.is_some().then(std::time::Instant::now);
+                    if !range.is_empty() {
+                        let grads = &self.grads[range.clone()];
+                        match target {
+                            UpdateTarget::InPlace => {
+                                let params = Arc::get_mut(&mut self.params)
+                                    .expect("checked: nothing else holds the current version");
+                                let params = &mut params[range.clone()];
+                                optimizer.update_range(
+                                    constants,
+                                    range.start,
+                                    None,
+                                    params,
+                                    grads,
+                                    self.threads,
+                                );
+                            }
+                            UpdateTarget::Next(next) => optimizer.update_range(
+                                constants,
+                                range.start,
+                                Some(&self.params[range.clone()]),
+                                &mut next[range.clone()],
+                                grads,
+                                self.threads,
+                            ),
+                        }
+                    }
+                    if let (Some(t), Some(p)) = (updating, self.profile.as_mut()) {
+                        p[i].update_seconds += t.elapsed().as_secs_f64();
+                    }
                 }
-            }
-            if let (Some(t), Some(p)) = (started, self.profile.as_mut()) {
-                p[i].backward_seconds += t.elapsed().as_secs_f64();
+                if let (Some(t), Some(p)) = (started, self.profile.as_mut()) {
+                    p[i].backward_seconds += t.elapsed().as_secs_f64();
+                }
             }
         }
         self.free_stashes.push(stash);

@@ -516,14 +516,16 @@ fn a_step_inside_the_backward_equals_backward_then_step_bit_for_bit() {
             for threads in [1, 2] {
                 for stashing in [false, true] {
                     let what = format!("{config:?}, {threads} thread(s), stashing {stashing}");
-                    let mut stages = [0, 1].map(|_| {
+                    // 0: the step inside the backward; 1: backward, then step; 2: both split,
+                    // the input gradient handed out before the weights (`backward_sending`).
+                    let mut stages = [0, 1, 2].map(|_| {
                         let mut stage = Stage::new(&layers, 0..layers.len(), SEED, threads);
                         stage.set_input_grad(true);
                         stage.set_weight_stashing(stashing);
                         stage
                     });
                     let mut optimizers =
-                        [0, 1].map(|_| Optimizer::new(config.clone(), stages[0].params().len()));
+                        [0, 1, 2].map(|_| Optimizer::new(config.clone(), stages[0].params().len()));
                     for step in 0..6u64 {
                         let mut input_grads = Vec::new();
                         for (k, (stage, optimizer)) in
@@ -559,20 +561,29 @@ fn a_step_inside_the_backward_equals_backward_then_step_bit_for_bit() {
                             // and nothing holds the current version (the update goes in place).
                             let held = |step: u64| 10 * step + 2;
                             let lr = 0.05 / (step + 1) as f32;
-                            let dx0 = stage
-                                .backward(10 * step, &grads[0])
-                                .unwrap()
-                                .unwrap()
-                                .to_vec();
+                            // A backward without the step, as variant `k` makes it.
+                            let backward = |stage: &mut Stage, id: u64, dy: &[f32]| {
+                                if k < 2 {
+                                    return stage.backward(id, dy).unwrap().unwrap().to_vec();
+                                }
+                                let mut sent = Vec::new();
+                                let send = &mut |dx: &[f32]| sent.push(dx.to_vec());
+                                stage
+                                    .backward_sending(id, dy, None, &mut || {}, send)
+                                    .unwrap();
+                                assert_eq!(sent.len(), 1, "{what}: one input gradient sent");
+                                sent.pop().unwrap()
+                            };
+                            let dx0 = backward(stage, 10 * step, &grads[0]);
                             let (closing, closing_dy) = match (stashing, step % 3) {
                                 (true, 1 | 2) if step > 0 => {
-                                    stage.backward(10 * step + 1, &grads[1]).unwrap();
+                                    backward(stage, 10 * step + 1, &grads[1]);
                                     (held(step - 1), vec![0.01; 10 * ROWS / 2])
                                 }
                                 _ => {
                                     if stashing && step > 0 && (step - 1) % 3 != 2 {
                                         let d = vec![0.01; 10 * ROWS / 2];
-                                        stage.backward(held(step - 1), &d).unwrap();
+                                        backward(stage, held(step - 1), &d);
                                     }
                                     (10 * step + 1, grads[1].clone())
                                 }
@@ -590,34 +601,46 @@ fn a_step_inside_the_backward_equals_backward_then_step_bit_for_bit() {
                                     &mut || {},
                                 );
                                 dx.unwrap().unwrap().to_vec()
-                            } else {
+                            } else if k == 1 {
                                 let dx = stage.backward(closing, &closing_dy).unwrap();
                                 let dx = dx.unwrap().to_vec();
                                 stage.step(optimizer, lr);
                                 dx
+                            } else {
+                                let mut sent = Vec::new();
+                                let send = &mut |dx: &[f32]| sent.push(dx.to_vec());
+                                let step = Some((&mut *optimizer, lr));
+                                stage
+                                    .backward_sending(closing, &closing_dy, step, &mut || {}, send)
+                                    .unwrap();
+                                assert_eq!(sent.len(), 1, "{what}: one input gradient sent");
+                                sent.pop().unwrap()
                             };
                             input_grads.push((dx0, dx1));
                         }
-                        assert_eq!(
-                            bits(stages[0].params()),
-                            bits(stages[1].params()),
-                            "{what}: parameters after step {step}"
-                        );
-                        assert_eq!(
-                            (bits(&input_grads[0].0), bits(&input_grads[0].1)),
-                            (bits(&input_grads[1].0), bits(&input_grads[1].1)),
-                            "{what}: input gradients at step {step}"
-                        );
-                        assert_eq!(
-                            stages[0].weight_versions(),
-                            stages[1].weight_versions(),
-                            "{what}: weight versions"
-                        );
+                        for k in [1, 2] {
+                            assert_eq!(
+                                bits(stages[0].params()),
+                                bits(stages[k].params()),
+                                "{what}: parameters after step {step}, variant {k}"
+                            );
+                            assert_eq!(
+                                (bits(&input_grads[0].0), bits(&input_grads[0].1)),
+                                (bits(&input_grads[k].0), bits(&input_grads[k].1)),
+                                "{what}: input gradients at step {step}, variant {k}"
+                            );
+                            assert_eq!(
+                                stages[0].weight_versions(),
+                                stages[k].weight_versions(),
+                                "{what}: weight versions, variant {k}"
+                            );
+                        }
                     }
                     let outputs = stages
                         .each_mut()
                         .map(|s| s.infer(&x, ROWS).unwrap().to_vec());
                     assert_eq!(bits(&outputs[0]), bits(&outputs[1]), "{what}: outputs");
+                    assert_eq!(bits(&outputs[0]), bits(&outputs[2]), "{what}: outputs");
                     assert_ne!(
                         bits(&outputs[0]),
                         bits(
@@ -673,4 +696,76 @@ fn a_step_inside_the_backward_gives_way_within_large_layers() {
         }
     }
     assert_eq!(words, [5, 5 + 3 + 1]);
+}
+
+// A split backward hands out the stage's input gradient before any linear layer's weight
+// gradient or update: counted in the words it gives its caller. The wide model (flatten, 1100,
+// relu, 300, relu, 10): with the step, the chain of input gradients gives the 5 gaps between
+// its layers and a word after each of the 3 linear layers' input gradients, then the input
+// gradient goes out, then the weights: a gap before each of the 2 lower linear layers and one
+// between the two parts of the 1100→300 layer's update. Without the step: the 5 gaps, the send,
+// 2 gaps. The gradient sent is the one the backward returns whole.
+#[test]
+fn a_split_backward_sends_the_input_gradient_before_the_weights() {
+    use ringtmp_model::{Optimizer, OptimizerConfig};
+    use std::cell::Cell;
+    let (x, _) = data();
+    let layers = wide_layers();
+    let new_stage = || {
+        let mut stage = Stage::new(&layers, 0..layers.len(), SEED, 1);
+        stage.set_input_grad(true);
+        stage
+    };
+    let config = OptimizerConfig::Sgd {
+        momentum: 0.9,
+        weight_decay: 0.0,
+    };
+    let pass = Pass {
+        train: true,
+        seed: SEED,
+        step: 0,
+        row_offset: 0,
+    };
+    let dy = vec![0.01; ROWS * 10];
+    let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+    for with_step in [true, false] {
+        let mut whole = new_stage();
+        let mut optimizer = Optimizer::new(config.clone(), whole.params().len());
+        whole.forward(0, &x, ROWS, &pass).unwrap();
+        let expected = match with_step {
+            true => whole.backward_and_step(0, &dy, &mut optimizer, 0.1, &mut || {}),
+            false => whole.backward(0, &dy),
+        };
+        let expected = bits(expected.unwrap().unwrap());
+
+        let mut split = new_stage();
+        let mut optimizer = Optimizer::new(config.clone(), split.params().len());
+        split.forward(0, &x, ROWS, &pass).unwrap();
+        let words = Cell::new(0usize);
+        let mut sent = Vec::new();
+        let step = with_step.then_some((&mut optimizer, 0.1));
+        split
+            .backward_sending(
+                0,
+                &dy,
+                step,
+                &mut || words.set(words.get() + 1),
+                &mut |dx| sent.push((words.get(), bits(dx))),
+            )
+            .unwrap();
+        let (before, after) = if with_step { (8, 3) } else { (5, 2) };
+        assert_eq!(sent.len(), 1, "step {with_step}: one input gradient");
+        assert_eq!(
+            (sent[0].0, words.get() - sent[0].0),
+            (before, after),
+            "step {with_step}: words before and after the input gradient went out"
+        );
+        assert_eq!(sent[0].1, expected, "step {with_step}: the input gradient");
+        assert_eq!(
+            bits(split.params()),
+            bits(whole.params()),
+            "step {with_step}"
+        );
+        assert_eq!(bits(split.grads()), bits(whole.grads()), "step {with_step}");
+    }
 }

@@ -12,8 +12,10 @@
 //!
 //! What the simulation assumes (printed with every result by the CLI, see [`ASSUMPTIONS`]):
 //! a layer's pass costs its profiled time per row times the rows it runs (the profile is taken
-//! at the job's micro-batch); the loss, data loading and bookkeeping cost nothing; encoding or
-//! decoding a tensor costs one element-wise pass; each node owns its compute threads (no two
+//! at the job's micro-batch), and a ring stage's input gradient leaves once its layers' whole
+//! backward is priced (the weight gradients that in fact follow it are priced before it); the
+//! loss, data loading and bookkeeping cost nothing; encoding or decoding a tensor costs one
+//! element-wise pass; each node owns its compute threads (no two
 //! simulated nodes share a core), and varies by a seeded ±J (`--compute-jitter`); links are the
 //! simulated network's (one egress budget per node shared fairly by its busy links, latency per
 //! message, TCP's per-link order), not TCP's congestion control.
@@ -38,8 +40,9 @@ use crate::job::{Job, NodeCx};
 /// What a simulation assumes; printed with its results.
 pub const ASSUMPTIONS: &str = "compute: each layer pass costs its profiled time per row × rows \
 (profiled at the job's micro-batch on the cost model's machine, divided by the node's speed); \
-optimizer steps per parameter and tensor encode/decode per value likewise; the loss, data \
-loading, bookkeeping and evaluations are free (time with --eval-every 0); every node has its \
+optimizer steps per parameter and tensor encode/decode per value likewise; a ring stage's \
+input gradient leaves after its layers' whole backward is priced (in fact their weight \
+gradients follow it); the loss, data loading, bookkeeping and evaluations are free (time with --eval-every 0); every node has its \
 own cores; each compute takes its price times a seeded factor in [1 − J, 1 + J] \
 (--compute-jitter). network: one egress budget per node (--bandwidth-mbit) shared equally by \
 the links that have bytes queued (a fluid fair queue), latency per message (--latency-ms), \

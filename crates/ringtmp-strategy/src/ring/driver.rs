@@ -298,11 +298,28 @@ impl NodeClock {
 
     /// Times `f` and accounts for it on the network's clock (which emulates a slower node).
     pub(super) fn run<T>(&mut self, f: impl FnOnce() -> T) -> T {
-        let (t, wall) = (self.time.now(), Instant::now());
+        let mut lap = self.lap();
         let out = f();
-        self.time.computed(wall.elapsed(), self.speed);
-        self.compute += (self.time.now() - t).as_secs_f64();
+        self.settle(&mut lap);
         out
+    }
+
+    /// Starts timing compute that [`NodeClock::settle`] accounts for: [`NodeClock::run`] in
+    /// parts, for compute that acts on the network midway (a split backward sends its input
+    /// gradient before its weights), so that what it sends leaves at the right time on an
+    /// emulated slower node or a virtual clock.
+    pub(super) fn lap(&self) -> Lap {
+        Lap {
+            at: self.time.now(),
+            wall: Instant::now(),
+        }
+    }
+
+    /// Accounts for the compute since `lap` started, as [`NodeClock::run`] does.
+    pub(super) fn settle(&mut self, lap: &mut Lap) {
+        self.time.computed(lap.wall.elapsed(), self.speed);
+        self.compute += (self.time.now() - lap.at).as_secs_f64();
+        *lap = self.lap();
     }
 
     /// Blocks for the next message (at most `timeout`), counting the wait by what it was for.
@@ -323,6 +340,12 @@ impl NodeClock {
         }
         Ok(arrived)
     }
+}
+
+/// Where a part of a node's compute started, on the network's clock and the wall's.
+pub(super) struct Lap {
+    at: Duration,
+    wall: Instant,
 }
 
 /// Seconds a node spent blocked in receives, split by what ended the wait.

@@ -268,8 +268,9 @@ impl RingNode {
     }
 
     /// Backward of stage micro-batch `id`; sends the input gradient back tagged
-    /// (`header_step`, `id`). With `step`, the backward completes that mini-batch's gradients
-    /// and takes its optimizer step on the way ([`Stage::backward_and_step`]).
+    /// (`header_step`, `id`) before the weight gradients ([`Stage::backward_sending`]). With
+    /// `step`, the backward completes that mini-batch's gradients and takes its optimizer step
+    /// on the way.
     fn backward(
         &mut self,
         job: &RingJob,
@@ -279,24 +280,39 @@ impl RingNode {
         dy: &[f32],
         step: Option<u64>,
     ) -> Result<()> {
-        let (stage, optimizer) = (&mut self.stage, &mut self.optimizer);
-        let dx = self.clock.run(|| {
-            let dx = match step {
-                Some(step) => {
-                    stage.backward_and_step(id, dy, optimizer, job.lr_at(step), &mut || {})
-                }
-                None => stage.backward(id, dy),
-            };
-            dx.map(|d| d.map(<[f32]>::to_vec))
-        })?;
-        let dx = dx.expect("input gradients are on for non-master stages");
-        // From the input gradient, which the stage sizes itself: a phantom run's `dy` (sizes
-        // only, `ringtmp_meter`) may have arrived empty.
-        let rows = dx.len() / self.stage.input_len().max(1);
-        net.send(
-            self.pred,
-            tensor(TensorTag::Gradient, header_step, id, rows, &dx, self.wire),
-        )?;
+        let Self {
+            stage,
+            optimizer,
+            clock,
+            pred,
+            wire,
+            ..
+        } = self;
+        let input_len = stage.input_len().max(1);
+        // The input gradient goes to the predecessor as soon as it is complete, and the weight
+        // gradients and updates follow while it travels and the predecessor starts its own
+        // backward: the ring's backward chain waits for no weight gradient.
+        let mut sent = None;
+        let mut lap = clock.lap();
+        let computed = stage.backward_sending(
+            id,
+            dy,
+            step.map(|step| (&mut *optimizer, job.lr_at(step))),
+            &mut || {},
+            &mut |dx| {
+                clock.settle(&mut lap);
+                // From the input gradient, which the stage sizes itself: a phantom run's `dy`
+                // (sizes only, `ringtmp_meter`) may have arrived empty.
+                let rows = dx.len() / input_len;
+                let gradient = tensor(TensorTag::Gradient, header_step, id, rows, dx, *wire);
+                sent = Some(net.send(*pred, gradient));
+                // Sending is not compute.
+                lap = clock.lap();
+            },
+        );
+        clock.settle(&mut lap);
+        computed?;
+        sent.expect("input gradients are on for non-master stages")?;
         Ok(())
     }
 
