@@ -29,6 +29,12 @@ pub enum Pass {
     Forward,
     /// Backward: input and parameter gradients.
     Backward,
+    /// The first part of a split backward (a ring stage's, which sends its input gradient before
+    /// it makes its weight gradients): the layer's input gradient, and any parameter gradients
+    /// made with it (a convolution's).
+    InputGrad,
+    /// The second part of a split backward: a linear layer's weight gradients.
+    WeightGrad,
 }
 
 /// Work a thread did since the last [`take`].
@@ -38,6 +44,10 @@ pub struct Work {
     pub forward_rows: Vec<u64>,
     /// Rows run through each layer's backward pass, by the layer's index in the model.
     pub backward_rows: Vec<u64>,
+    /// Rows run through the input-gradient part of a split backward ([`Pass::InputGrad`]).
+    pub input_grad_rows: Vec<u64>,
+    /// Rows run through the weight-gradient part of a split backward ([`Pass::WeightGrad`]).
+    pub weight_grad_rows: Vec<u64>,
     /// Parameters updated by optimizer steps.
     pub updated_params: u64,
     /// Floats passed over element-wise: sums and averages, copies to and from the wire.
@@ -51,6 +61,8 @@ impl Work {
             && self.elementwise == 0
             && self.forward_rows.iter().all(|r| *r == 0)
             && self.backward_rows.iter().all(|r| *r == 0)
+            && self.input_grad_rows.iter().all(|r| *r == 0)
+            && self.weight_grad_rows.iter().all(|r| *r == 0)
     }
 }
 
@@ -70,6 +82,8 @@ pub fn layer(index: usize, pass: Pass, rows: usize) {
         let per_layer = match pass {
             Pass::Forward => &mut w.forward_rows,
             Pass::Backward => &mut w.backward_rows,
+            Pass::InputGrad => &mut w.input_grad_rows,
+            Pass::WeightGrad => &mut w.weight_grad_rows,
         };
         if per_layer.len() <= index {
             per_layer.resize(index + 1, 0);
@@ -131,6 +145,8 @@ mod tests {
         layer(2, Pass::Forward, 64);
         layer(2, Pass::Forward, 32);
         layer(0, Pass::Backward, 8);
+        layer(1, Pass::InputGrad, 4);
+        layer(3, Pass::WeightGrad, 2);
         update(100);
         elementwise(10);
         std::thread::spawn(|| layer(5, Pass::Forward, 1))
@@ -139,6 +155,8 @@ mod tests {
         let w = take();
         assert_eq!(w.forward_rows, vec![0, 0, 96]);
         assert_eq!(w.backward_rows, vec![8]);
+        assert_eq!(w.input_grad_rows, vec![0, 4]);
+        assert_eq!(w.weight_grad_rows, vec![0, 0, 0, 2]);
         assert_eq!((w.updated_params, w.elementwise), (100, 10));
         assert!(take().is_empty(), "taking starts a new record");
     }

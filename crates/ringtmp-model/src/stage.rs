@@ -639,8 +639,16 @@ impl Stage {
                     self.grads_written[i] = true;
                     continue;
                 }
-                if phase != Phase::Weights {
-                    ringtmp_meter::layer(self.layers[i].index, ringtmp_meter::Pass::Backward, rows);
+                // Recorded as it runs, for the simulator's clock: a split's input gradient is priced
+                // before the send and a linear layer's weight gradient after it.
+                let metered = match phase {
+                    Phase::All => Some(ringtmp_meter::Pass::Backward),
+                    Phase::Inputs if linear => Some(ringtmp_meter::Pass::InputGrad),
+                    Phase::Inputs => Some(ringtmp_meter::Pass::Backward),
+                    Phase::Weights => linear.then_some(ringtmp_meter::Pass::WeightGrad),
+                };
+                if let Some(pass) = metered {
+                    ringtmp_meter::layer(self.layers[i].index, pass, rows);
                 }
                 if phantom {
                     if want_dx {

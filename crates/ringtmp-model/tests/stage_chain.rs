@@ -744,15 +744,48 @@ fn a_split_backward_sends_the_input_gradient_before_the_weights() {
         let words = Cell::new(0usize);
         let mut sent = Vec::new();
         let step = with_step.then_some((&mut optimizer, 0.1));
+        ringtmp_meter::take();
+        let mut metered_before_send = None;
         split
             .backward_sending(
                 0,
                 &dy,
                 step,
                 &mut || words.set(words.get() + 1),
-                &mut |dx| sent.push((words.get(), bits(dx))),
+                &mut |dx| {
+                    sent.push((words.get(), bits(dx)));
+                    metered_before_send = Some(ringtmp_meter::take());
+                },
             )
             .unwrap();
+        // The work recorded for the simulator's clock, in the order it ran: the linear layers'
+        // (1, 3, 5) input gradients and the other layers' backwards before the send, the linear
+        // layers' weight gradients after it.
+        let (before_send, after_send) = (metered_before_send.unwrap(), ringtmp_meter::take());
+        let r = ROWS as u64;
+        assert_eq!(
+            before_send.backward_rows,
+            [r, 0, r, 0, r],
+            "step {with_step}"
+        );
+        assert_eq!(
+            before_send.input_grad_rows,
+            [0, r, 0, r, 0, r],
+            "step {with_step}"
+        );
+        assert!(before_send.weight_grad_rows.iter().all(|n| *n == 0));
+        assert_eq!(
+            after_send.weight_grad_rows,
+            [0, r, 0, r, 0, r],
+            "step {with_step}"
+        );
+        assert!(
+            after_send
+                .backward_rows
+                .iter()
+                .chain(&after_send.input_grad_rows)
+                .all(|n| *n == 0)
+        );
         let (before, after) = if with_step { (8, 3) } else { (5, 2) };
         assert_eq!(sent.len(), 1, "step {with_step}: one input gradient");
         assert_eq!(

@@ -2,7 +2,8 @@
 //! priced by a cost model and tensors carried as sizes (phantom mode), so that clusters far
 //! larger than this machine run in seconds to minutes.
 //!
-//! - [`CostModel`]: per layer, forward and backward seconds per row; optimizer seconds per
+//! - [`CostModel`]: per layer, forward and backward seconds per row (and how much of the
+//!   backward comes before the input gradient); optimizer seconds per
 //!   parameter; element-wise seconds per float. Measured on this machine
 //!   ([`CostModel::measure`]) or read from a file measured on another (JSON,
 //!   `ringtmp simulate --save-cost-model`).
@@ -12,8 +13,8 @@
 //!
 //! What the simulation assumes (printed with every result by the CLI, see [`ASSUMPTIONS`]):
 //! a layer's pass costs its profiled time per row times the rows it runs (the profile is taken
-//! at the job's micro-batch), and a ring stage's input gradient leaves once its layers' whole
-//! backward is priced (the weight gradients that in fact follow it are priced before it); the
+//! at the job's micro-batch), and a ring stage's input gradient leaves once its layers' input
+//! gradients are priced, its linear layers' weight gradients after it, as the code runs them; the
 //! loss, data loading and bookkeeping cost nothing; encoding or decoding a tensor costs one
 //! element-wise pass; each node owns its compute threads (no two
 //! simulated nodes share a core), and varies by a seeded ±J (`--compute-jitter`); links are the
@@ -41,8 +42,9 @@ use crate::job::{Job, NodeCx};
 pub const ASSUMPTIONS: &str = "compute: each layer pass costs its profiled time per row × rows \
 (profiled at the job's micro-batch on the cost model's machine, divided by the node's speed); \
 optimizer steps per parameter and tensor encode/decode per value likewise; a ring stage's \
-input gradient leaves after its layers' whole backward is priced (in fact their weight \
-gradients follow it); the loss, data loading, bookkeeping and evaluations are free (time with --eval-every 0); every node has its \
+input gradient leaves once its layers' input gradients are priced, and its linear layers' \
+weight gradients are priced after it, as they run (a cost model without the input gradients' \
+share prices the whole backward before it); the loss, data loading, bookkeeping and evaluations are free (time with --eval-every 0); every node has its \
 own cores; each compute takes its price times a seeded factor in [1 − J, 1 + J] \
 (--compute-jitter). network: one egress budget per node (--bandwidth-mbit) shared equally by \
 the links that have bytes queued (a fluid fair queue), latency per message (--latency-ms), \
@@ -63,6 +65,12 @@ pub struct CostModel {
     pub forward_seconds_per_row: Vec<f64>,
     /// Per layer, backward seconds per row (input and weight gradients).
     pub backward_seconds_per_row: Vec<f64>,
+    /// Per layer, of its backward, the seconds per row until its input gradient is made: a ring
+    /// stage sends its input gradient then, and makes a linear layer's weight gradient after it
+    /// (the rest of `backward_seconds_per_row`). Empty (cost models written before it was
+    /// measured): the whole backward is priced before the send.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub input_grad_seconds_per_row: Vec<f64>,
     /// Optimizer seconds per parameter updated.
     pub update_seconds_per_param: f64,
     /// Seconds per value of an element-wise pass (sum, average, encode, decode).
@@ -77,8 +85,22 @@ impl Pricing for CostModel {
                 .map(|(r, s)| *r as f64 * s)
                 .sum::<f64>()
         };
+        // A split backward's two parts: the input gradient's share of the layer's backward, and
+        // the rest.
+        let split: f64 = (0..work.input_grad_rows.len().max(work.weight_grad_rows.len()))
+            .map(|l| {
+                let whole = self.backward_seconds_per_row.get(l).copied().unwrap_or(0.0);
+                let input = self
+                    .input_grad_seconds_per_row
+                    .get(l)
+                    .map_or(whole, |s| s.min(whole));
+                let rows = |r: &[u64]| r.get(l).copied().unwrap_or(0) as f64;
+                rows(&work.input_grad_rows) * input + rows(&work.weight_grad_rows) * (whole - input)
+            })
+            .sum();
         let seconds = layers(&work.forward_rows, &self.forward_seconds_per_row)
             + layers(&work.backward_rows, &self.backward_seconds_per_row)
+            + split
             + work.updated_params as f64 * self.update_seconds_per_param
             + work.elementwise as f64 * self.elementwise_seconds_per_value;
         Duration::from_secs_f64(seconds.max(0.0))
@@ -109,7 +131,7 @@ impl CostModel {
             step: 0,
             row_offset: 0,
         };
-        let (mut forward, mut backward) = (Vec::new(), Vec::new());
+        let (mut forward, mut backward, mut input_grad) = (Vec::new(), Vec::new(), Vec::new());
         for (i, layer) in layers.iter().enumerate() {
             let mut stage = Stage::new(layers, i..i + 1, 0, threads);
             stage.set_input_grad(i > 0);
@@ -117,20 +139,29 @@ impl CostModel {
                 .map(|k| ((k * 7919) % 17) as f32 / 17.0 - 0.5)
                 .collect();
             let dy = vec![0.01f32; rows * layer.output.numel()];
-            let (mut f, mut b) = (Vec::new(), Vec::new());
+            let (mut f, mut b, mut d) = (Vec::new(), Vec::new(), Vec::new());
             for rep in 0..=repeats {
                 let t = Instant::now();
                 let _ = stage.forward(rep as u64, &x, rows, &pass);
                 let mid = Instant::now();
-                let _ = stage.backward(rep as u64, &dy);
+                // Split as a ring stage runs it: the input gradient, handed out, then the weight
+                // gradient (a layer without one, or the first, which makes no input gradient,
+                // runs whole).
+                let mut sent = None;
+                let _ = stage.backward_sending(rep as u64, &dy, None, &mut || {}, &mut |_| {
+                    sent = Some(Instant::now())
+                });
+                let end = Instant::now();
                 if rep > 0 {
                     f.push((mid - t).as_secs_f64());
-                    b.push(mid.elapsed().as_secs_f64());
+                    b.push((end - mid).as_secs_f64());
+                    d.push((sent.unwrap_or(end) - mid).as_secs_f64());
                 }
                 stage.zero_grad();
             }
             forward.push(median(f) / rows as f64);
             backward.push(median(b) / rows as f64);
+            input_grad.push(median(d) / rows as f64);
         }
         // An update and an element-wise pass over 4 M values: past the caches, as the models'
         // are.
@@ -164,6 +195,7 @@ impl CostModel {
             threads,
             forward_seconds_per_row: forward,
             backward_seconds_per_row: backward,
+            input_grad_seconds_per_row: input_grad,
             update_seconds_per_param: median(update) / n as f64,
             elementwise_seconds_per_value: median(elementwise) / n as f64,
         }
@@ -176,18 +208,22 @@ impl CostModel {
         let model: Self = serde_json::from_str(&text)
             .map_err(|e| Error::Config(format!("cost model {}: {e}", path.display())))?;
         let finite = |v: f64| v.is_finite() && v >= 0.0;
-        if model.forward_seconds_per_row.len() != model.backward_seconds_per_row.len()
+        let layers = model.forward_seconds_per_row.len();
+        if model.backward_seconds_per_row.len() != layers
+            || (!model.input_grad_seconds_per_row.is_empty()
+                && model.input_grad_seconds_per_row.len() != layers)
             || !model
                 .forward_seconds_per_row
                 .iter()
                 .chain(&model.backward_seconds_per_row)
+                .chain(&model.input_grad_seconds_per_row)
                 .all(|v| finite(*v))
             || !finite(model.update_seconds_per_param)
             || !finite(model.elementwise_seconds_per_value)
         {
             return Err(Error::Config(format!(
-                "cost model {}: per-layer costs must be two lists of equal length, and every \
-                 cost a finite number ≥ 0",
+                "cost model {}: per-layer costs must be lists of one entry per layer (the \
+                 input-gradient costs may be left out), and every cost a finite number ≥ 0",
                 path.display()
             )));
         }

@@ -22,13 +22,18 @@ fn costs(layers: usize) -> CostModel {
         threads: 1,
         forward_seconds_per_row: (0..layers).map(|i| 1e-6 * (1 + i % 3) as f64).collect(),
         backward_seconds_per_row: (0..layers).map(|i| 2e-6 * (1 + i % 3) as f64).collect(),
+        input_grad_seconds_per_row: Vec::new(),
         update_seconds_per_param: 1e-9,
         elementwise_seconds_per_value: 5e-10,
     }
 }
 
 fn run(job: &Job, world: u32, phantom: bool, layers: usize) -> Simulated {
-    let mut sim = priced(7, costs(layers), phantom);
+    run_priced(job, world, phantom, costs(layers))
+}
+
+fn run_priced(job: &Job, world: u32, phantom: bool, costs: CostModel) -> Simulated {
+    let mut sim = priced(7, costs, phantom);
     sim.bandwidth_bps = Some(100_000_000);
     sim.latency = Duration::from_millis(2);
     sim.time_limit = Duration::from_secs(600);
@@ -135,5 +140,55 @@ fn phantom_runs_take_the_time_and_bytes_of_computing_runs_for_every_strategy() {
             let diff = (a.compute_seconds - b.compute_seconds).abs();
             assert!(diff < 1e-6, "{name}: rank {} compute {diff}", a.rank);
         }
+    }
+}
+
+// A ring stage's split backward is priced as it runs (issue 16.2): its input gradient leaves once
+// the layers' input gradients are priced, and its linear layers' weight gradients are priced
+// after the send. Splitting the price moves when the gradient leaves, not how much compute
+// there is: every node's compute is the same, and the master waits less for gradients than when
+// the whole backward is priced before the send (a cost model without the input gradients'
+// share, as those written before it was measured). Computing and phantom runs alike.
+#[test]
+fn a_ring_stage_prices_its_weight_gradients_after_its_input_gradient_leaves() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let layers = 10;
+    let cfg = train_config(deep_mlp(4, 96), 32, 12, &tmp.path().join("split"));
+    let job = Job::Ring(ring_job(
+        &cfg,
+        &data,
+        &[0, 3, 6, layers],
+        Schedule::Async,
+        1,
+    ));
+    let whole = costs(layers);
+    let mut split = costs(layers);
+    // A quarter of each layer's backward comes before its input gradient.
+    split.input_grad_seconds_per_row = whole
+        .backward_seconds_per_row
+        .iter()
+        .map(|s| s / 4.0)
+        .collect();
+    for phantom in [false, true] {
+        let before = run_priced(&job, 3, phantom, whole.clone()).summary;
+        let after = run_priced(&job, 3, phantom, split.clone()).summary;
+        assert_eq!((before.steps, bytes(&before)), (after.steps, bytes(&after)));
+        for (a, b) in before.per_node.iter().zip(&after.per_node) {
+            let diff = (a.compute_seconds - b.compute_seconds).abs();
+            assert!(
+                diff < 1e-9,
+                "phantom {phantom}: rank {} compute differs by {diff}",
+                a.rank
+            );
+        }
+        let waits = |s: &ringtmp_metrics::Summary| s.per_node[0].wait_gradient_seconds;
+        eprintln!(
+            "phantom {phantom}: the master waited {:.6} s for gradients with the whole backward \
+             before the send, {:.6} s with the split",
+            waits(&before),
+            waits(&after)
+        );
+        assert!(waits(&after) < waits(&before), "phantom {phantom}");
     }
 }
