@@ -240,6 +240,11 @@ pub struct OwnLinks {
     pub encrypt: bool,
 }
 
+/// What a profile measures, in the cache's key beside the binary's version: a profile cached
+/// before a change to it is measured again rather than read without the new figures (2: each
+/// layer's time after its input gradient, `LayerTiming::after_send_seconds`).
+const PROFILE_FORMAT: u32 = 2;
+
 /// Answers rank 0's request (JSON in, JSON out; never panics): from `cache` when it holds this
 /// request on this machine and `fresh` is false, else measured (and stored there); with what
 /// the node knows of its own `links`.
@@ -248,7 +253,7 @@ pub fn answer(request_json: &str, cache: Option<&Path>, fresh: bool, links: OwnL
         Err(e) => ProfileReply::Failed(format!("the request does not parse: {e}")),
         Ok(request) => {
             let machine = machine_description();
-            let version = env!("CARGO_PKG_VERSION").to_string();
+            let version = format!("{}/{PROFILE_FORMAT}", env!("CARGO_PKG_VERSION"));
             // The link cost depends on the cipher too (a profile measured before AES-GCM was
             // chosen where the CPU has AES priced ChaCha's sealing).
             let sealing = if links.encrypt {

@@ -38,6 +38,10 @@ pub struct LayerCost {
     /// Whether the layer has parameters.
     #[serde(default = "yes")]
     pub has_params: bool,
+    /// Of `seconds`, what a stage that sends its input gradient runs after the send: the
+    /// layer's weight gradient and its share of the optimizer step (0 where not measured).
+    #[serde(default)]
+    pub after_send_seconds: f64,
 }
 
 fn yes() -> bool {
@@ -88,6 +92,26 @@ impl NodeCapacity {
         let seconds: f64 = match &self.layer_seconds {
             Some(own) if own.len() == costs.len() => own[i..j].iter().sum(),
             _ => costs[i..j].iter().map(|c| c.seconds).sum(),
+        };
+        seconds / self.speed
+    }
+
+    /// Of [`NodeCapacity::compute_seconds`] for layers `i..j`, what runs after the stage has
+    /// sent its input gradient: each layer's share of it in the shared costs, applied to this
+    /// node's own figures where it has them.
+    fn after_send_seconds(&self, costs: &[LayerCost], i: usize, j: usize) -> f64 {
+        let share = |c: &LayerCost| {
+            if c.seconds > 0.0 {
+                (c.after_send_seconds / c.seconds).clamp(0.0, 1.0)
+            } else {
+                0.0
+            }
+        };
+        let seconds: f64 = match &self.layer_seconds {
+            Some(own) if own.len() == costs.len() => {
+                (i..j).map(|l| own[l] * share(&costs[l])).sum()
+            }
+            _ => costs[i..j].iter().map(|c| c.seconds * share(c)).sum(),
         };
         seconds / self.speed
     }
@@ -343,12 +367,17 @@ pub fn plan_best(
 }
 
 /// A micro-batch's round trip through `stages`: their compute, and each activation and gradient
-/// on the sending node's card plus its latency.
+/// on the sending node's card plus its latency. A stage after the master sends its input
+/// gradient before its weight gradients and step (`Stage::backward_sending`): those are off the
+/// trip.
 pub fn round_trip(costs: &[LayerCost], stages: &[StagePlan], nodes: &[NodeCapacity]) -> f64 {
     let n = stages.len();
     let mut total = 0.0;
     for (s, st) in stages.iter().enumerate() {
         total += st.predicted_seconds;
+        if s > 0 {
+            total -= nodes[s].after_send_seconds(costs, st.start, st.end);
+        }
         let node = &nodes[s];
         let (forward, backward) = sent_bytes(costs, s, st.start, st.end);
         total += node.send_seconds(forward) + node.latency_seconds;
@@ -552,6 +581,7 @@ mod tests {
                 bytes: (t * 100.0) as u64,
                 out_bytes: 0,
                 has_params: true,
+                after_send_seconds: 0.0,
             })
             .collect()
     }
@@ -658,6 +688,7 @@ mod tests {
                 bytes: 0,
                 out_bytes: out,
                 has_params: p,
+                after_send_seconds: 0.0,
             })
             .collect()
     }
@@ -698,6 +729,28 @@ mod tests {
         assert!(close(best.round_trip, 12.9e-3), "{best:?}");
         assert!(close(best.bottleneck, 3e-3), "{best:?}");
         assert_eq!(best.window(), 6);
+    }
+
+    /// Issue 16.2: a stage after the master hands its input gradient back before its weight
+    /// gradients and step, so those are off a micro-batch's round trip; the master's own are on
+    /// it (its backward ends the trip). The case above with layer 3 (node 1's) running 0.5 of
+    /// its 1.5 ms after the send and layer 0 (the master's) 0.4 of its 1 ms: 12.9 − 0.5 =
+    /// 12.4 ms. A node with its own figure for layer 3 (3 ms) keeps the layer's share, a third:
+    /// 3 + 3 − 1 ms of compute and the same 8.4 ms of links, 13.4 ms.
+    #[test]
+    fn a_later_stages_weight_gradients_are_off_the_round_trip() {
+        let mut c = layers(&[1e-3, 1e-3, 1e-3, 1.5e-3], &[10, 1000, 10, 10], &[true; 4]);
+        c[0].after_send_seconds = 0.4e-3;
+        c[3].after_send_seconds = 0.5e-3;
+        let mut nodes = carded(2, 1e5, 0.002);
+        let close = |a: f64, b: f64| (a - b).abs() < 1e-12;
+        let best = plan_best(&c, &nodes, 0, false, None).unwrap();
+        assert_eq!(bounds(&best.stages), [(0, 3), (3, 4)]);
+        assert!(close(best.round_trip, 12.4e-3), "{best:?}");
+        nodes[1].layer_seconds = Some(vec![1e-3, 1e-3, 1e-3, 3e-3]);
+        let stages = plan(&c, &nodes, 0).unwrap();
+        assert_eq!(bounds(&stages), [(0, 3), (3, 4)]);
+        assert!(close(round_trip(&c, &stages, &nodes), 13.4e-3));
     }
 
     /// A node holding only a ReLU would relay every activation and gradient for nothing: no

@@ -56,8 +56,10 @@ pub fn profile_layers(
         .zip(layers)
         .map(|(timing, layer)| {
             let params = layer.param_count() as u64 * 4;
+            let step = timing.step_seconds * steps_per_micro_batch;
             LayerCost {
-                seconds: timing.compute_seconds + timing.step_seconds * steps_per_micro_batch,
+                seconds: timing.compute_seconds + step,
+                after_send_seconds: timing.after_send_seconds + step,
                 bytes: params * (2 + state_copies + extra_weight_versions as u64)
                     + timing.stash_bytes * in_flight as u64,
                 out_bytes: (rows * layer.output.numel() * 4) as u64,
@@ -74,6 +76,11 @@ pub struct LayerTiming {
     pub compute_seconds: f64,
     /// One optimizer step over the layer's parameters, seconds (lower quartile of the runs).
     pub step_seconds: f64,
+    /// Of `compute_seconds`, the part a split backward runs after it has handed out the
+    /// layer's input gradient (a linear layer's weight gradient; lower quartile of the runs). 0
+    /// for a layer that makes no input gradient, and in profiles from before it was measured.
+    #[serde(default)]
+    pub after_send_seconds: f64,
     /// Bytes the layer stashes per micro-batch beyond its input (outputs and side data).
     pub stash_bytes: u64,
 }
@@ -176,6 +183,7 @@ struct LayerBench {
     spent: f64,
     times: Vec<f64>,
     step_times: Vec<f64>,
+    after_send_times: Vec<f64>,
     stash: usize,
     /// No more runs: the share is spent.
     done: bool,
@@ -209,6 +217,7 @@ impl LayerBench {
             spent: 0.0,
             times: Vec::new(),
             step_times: Vec::new(),
+            after_send_times: Vec::new(),
             stash: 0,
             done: false,
         }
@@ -229,8 +238,19 @@ impl LayerBench {
         let t = Instant::now();
         let _ = self.stage.forward(rep as u64, &self.x, self.rows, &pass);
         self.stash = self.stash.max(self.stage.stash_bytes());
-        let _ = self.stage.backward(rep as u64, &self.dy);
+        // Split as a ring stage runs it: the input gradient handed out, then the weight gradient
+        // (a layer that makes no input gradient runs whole).
+        let mut sent = None;
+        let _ = self
+            .stage
+            .backward_sending(rep as u64, &self.dy, None, &mut || {}, &mut |_| {
+                sent = Some(Instant::now())
+            });
         let compute = t.elapsed().as_secs_f64();
+        // A layer without parameters has nothing after the send but the loop's overhead.
+        let after_send = sent
+            .filter(|_| !self.stage.params().is_empty())
+            .map_or(0.0, |at| at.elapsed().as_secs_f64());
         let t = Instant::now();
         // A tiny rate: the profile must not blow the parameters up over the repeats.
         self.stage.step(&mut self.optim, 1e-6);
@@ -242,6 +262,7 @@ impl LayerBench {
         if rep > 0 || over {
             self.times.push(compute);
             self.step_times.push(step);
+            self.after_send_times.push(after_send);
         }
         if over {
             self.done = true;
@@ -258,6 +279,7 @@ impl LayerBench {
         LayerTiming {
             compute_seconds: lower_quartile(&mut self.times),
             step_seconds: lower_quartile(&mut self.step_times),
+            after_send_seconds: lower_quartile(&mut self.after_send_times),
             // The stage input is stashed once per stage, not per layer: count outputs and side
             // data.
             stash_bytes: self.stash.saturating_sub(self.x.len() * 4) as u64,
@@ -317,9 +339,18 @@ mod tests {
         for budget in [None, Some(Duration::from_millis(20))] {
             let timings = time_layers(&layers, &sgd, 8, 1, 2, budget);
             assert_eq!(timings.len(), layers.len());
-            for (t, l) in timings.iter().zip(&layers) {
+            for (i, (t, l)) in timings.iter().zip(&layers).enumerate() {
                 if l.param_count() > 0 {
                     assert!(t.compute_seconds > 0.0 && t.step_seconds > 0.0, "{t:?}");
+                }
+                // A linear layer that makes its input gradient has a weight gradient after
+                // it; the first (layer 1, above the flatten) makes none and runs whole, and a
+                // layer without parameters has nothing after it.
+                if l.param_count() > 0 && i > 1 {
+                    assert!(t.after_send_seconds > 0.0, "layer {i}: {t:?}");
+                    assert!(t.after_send_seconds < t.compute_seconds, "layer {i}: {t:?}");
+                } else {
+                    assert_eq!(t.after_send_seconds, 0.0, "layer {i}: {t:?}");
                 }
             }
         }
