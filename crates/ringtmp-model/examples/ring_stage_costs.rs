@@ -1,0 +1,211 @@
+//! What a ring stage's step costs outside the ring, for comparing with a ring node's measured
+//! compute: `mlp-deep` on two nodes is cut after layer 9 (flatten, 784→1024 and three
+//! 1024→1024 layers with their ReLUs | four 1024→1024 layers with ReLUs and the 10-way output),
+//! 64 rows, SGD with momentum 0.8, one thread. Each mode alternates its variants within one
+//! process, so that a noisy machine slows them alike.
+//!
+//! ```sh
+//! taskset -c 1 cargo run --release -p ringtmp-model --example ring_stage_costs -- MODE [STEPS]
+//! ```
+//! - `stages`: the whole model's step against the two stages' steps, in turn (their sum over the
+//!   whole's is what cutting the model costs by itself).
+//! - `stash`: the second stage with four micro-batches in flight, without and with weight
+//!   stashing (a new weight version per step, as an async ring node keeps them), in turn.
+//! - `gaps`: the second stage's step, in blocks of four steps followed by 3 ms of sleep against
+//!   blocks without (a ring node idles between micro-batches; does the next step pay for it?).
+//! - `contend`: the second stage's step while a second thread runs the first stage's steps,
+//!   against while that thread sleeps, in blocks of 20 steps (run without `taskset`: the two
+//!   threads then take a core each, as two pinned ring nodes do).
+//!
+//! Prints ms per step for each variant and their ratio.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use ringtmp_model::{Layer, ModelSpec, Optimizer, OptimizerConfig, Pass, Shape, Stage};
+
+const ROWS: usize = 64;
+const CUT: usize = 9;
+const WARMUP: u64 = 20;
+
+/// A stage of `layers[range]` with its optimizer.
+struct Run {
+    stage: Stage,
+    optimizer: Optimizer,
+    x: Vec<f32>,
+    dy: Vec<f32>,
+}
+
+impl Run {
+    fn new(layers: &[Layer], range: std::ops::Range<usize>, input_grad: bool) -> Self {
+        let (first, last) = (&layers[range.start], &layers[range.end - 1]);
+        let mut stage = Stage::new(layers, range, 1, 1);
+        stage.set_input_grad(input_grad);
+        let config = OptimizerConfig::Sgd {
+            momentum: 0.8,
+            weight_decay: 0.0,
+        };
+        let optimizer = Optimizer::new(config, stage.params().len());
+        let x = (0..ROWS * first.input.numel())
+            .map(|i| (i % 17) as f32 * 0.01)
+            .collect();
+        let dy = vec![1e-4; ROWS * last.output.numel()];
+        Self {
+            stage,
+            optimizer,
+            x,
+            dy,
+        }
+    }
+
+    fn forward(&mut self, id: u64) {
+        let pass = Pass {
+            train: true,
+            seed: 1,
+            step: 0,
+            row_offset: 0,
+        };
+        self.stage
+            .forward(id, &self.x, ROWS, &pass)
+            .expect("forward");
+    }
+
+    fn backward(&mut self, id: u64) {
+        self.stage
+            .backward_and_step(id, &self.dy, &mut self.optimizer, 1e-4, &mut || {})
+            .expect("backward");
+    }
+
+    /// Forward, backward and step of one micro-batch, in seconds.
+    fn step(&mut self, id: u64) -> f64 {
+        let started = Instant::now();
+        self.forward(id);
+        self.backward(id);
+        started.elapsed().as_secs_f64()
+    }
+}
+
+/// Mean ms per step of each variant, and the second's over the first's.
+fn report(names: [&str; 2], sums: [f64; 2], counts: [usize; 2]) {
+    let ms = |k: usize| sums[k] / counts[k].max(1) as f64 * 1e3;
+    println!(
+        "{}: {:.3} ms a step, {}: {:.3} ms a step, ratio {:.3}",
+        names[0],
+        ms(0),
+        names[1],
+        ms(1),
+        ms(1) / ms(0)
+    );
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let mode = args.next().unwrap_or_else(|| "stages".into());
+    let steps: u64 = args.next().map_or(400, |s| s.parse().expect("STEPS"));
+    let layers = ModelSpec::preset("mlp-deep", 10)
+        .expect("preset")
+        .build(&Shape::flat(784), 10)
+        .expect("layers");
+    let n = layers.len();
+    match mode.as_str() {
+        "stages" => {
+            let mut whole = Run::new(&layers, 0..n, false);
+            let mut first = Run::new(&layers, 0..CUT, false);
+            let mut second = Run::new(&layers, CUT..n, true);
+            let mut sums = [0.0; 3];
+            for id in 0..WARMUP + steps {
+                let t = [whole.step(id), first.step(id), second.step(id)];
+                if id >= WARMUP {
+                    sums.iter_mut().zip(t).for_each(|(s, t)| *s += t);
+                }
+            }
+            let ms = |s: f64| s / steps as f64 * 1e3;
+            println!(
+                "whole: {:.3} ms a step; first stage {:.3}, second {:.3}, together {:.3} \
+                 ({:.3} of the whole)",
+                ms(sums[0]),
+                ms(sums[1]),
+                ms(sums[2]),
+                ms(sums[1] + sums[2]),
+                (sums[1] + sums[2]) / sums[0]
+            );
+        }
+        "stash" => {
+            let window = 4;
+            let mut runs = [
+                Run::new(&layers, CUT..n, true),
+                Run::new(&layers, CUT..n, true),
+            ];
+            runs[1].stage.set_weight_stashing(true);
+            let (mut sums, mut counts) = ([0.0; 2], [0; 2]);
+            for k in 0..steps + window - 1 {
+                for (v, run) in runs.iter_mut().enumerate() {
+                    let started = Instant::now();
+                    if k < steps {
+                        run.forward(k);
+                    }
+                    if k + 1 >= window {
+                        run.backward(k + 1 - window);
+                    }
+                    if k >= WARMUP {
+                        sums[v] += started.elapsed().as_secs_f64();
+                        counts[v] += 1;
+                    }
+                }
+            }
+            report(["plain", "stashing"], sums, counts);
+        }
+        "gaps" => {
+            let mut run = Run::new(&layers, CUT..n, true);
+            let (mut sums, mut counts) = ([0.0; 2], [0; 2]);
+            for id in 0..WARMUP + steps {
+                let gappy = (id / 4) % 2;
+                let t = run.step(id);
+                if id >= WARMUP {
+                    sums[gappy as usize] += t;
+                    counts[gappy as usize] += 1;
+                }
+                if gappy == 1 {
+                    std::thread::sleep(Duration::from_millis(3));
+                }
+            }
+            report(["no gaps", "3 ms gaps"], sums, counts);
+        }
+        "contend" => {
+            let busy = Arc::new(AtomicBool::new(false));
+            let stop = Arc::new(AtomicBool::new(false));
+            let other = {
+                let (busy, stop) = (Arc::clone(&busy), Arc::clone(&stop));
+                let mut first = Run::new(&layers, 0..CUT, false);
+                std::thread::spawn(move || {
+                    let mut id = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        if busy.load(Ordering::Relaxed) {
+                            first.step(id);
+                            id += 1;
+                        } else {
+                            std::thread::sleep(Duration::from_micros(200));
+                        }
+                    }
+                })
+            };
+            let mut second = Run::new(&layers, CUT..n, true);
+            let (mut sums, mut counts) = ([0.0; 2], [0; 2]);
+            for id in 0..WARMUP + steps {
+                let on = (id / 20) % 2;
+                busy.store(on == 1, Ordering::Relaxed);
+                let t = second.step(id);
+                // The first steps of a block run while the other thread changes over.
+                if id >= WARMUP && id % 20 >= 3 {
+                    sums[on as usize] += t;
+                    counts[on as usize] += 1;
+                }
+            }
+            stop.store(true, Ordering::Relaxed);
+            other.join().expect("the other stage's thread");
+            report(["other core idle", "other core busy"], sums, counts);
+        }
+        other => panic!("unknown mode {other}: stages, stash, gaps or contend"),
+    }
+}
