@@ -246,11 +246,12 @@ impl LayerBench {
             .backward_sending(rep as u64, &self.dy, None, &mut || {}, &mut |_| {
                 sent = Some(Instant::now())
             });
-        let compute = t.elapsed().as_secs_f64();
+        let end = Instant::now();
+        let compute = (end - t).as_secs_f64();
         // A layer without parameters has nothing after the send but the loop's overhead.
         let after_send = sent
             .filter(|_| !self.stage.params().is_empty())
-            .map_or(0.0, |at| at.elapsed().as_secs_f64());
+            .map_or(0.0, |at| (end - at).as_secs_f64());
         let t = Instant::now();
         // A tiny rate: the profile must not blow the parameters up over the repeats.
         self.stage.step(&mut self.optim, 1e-6);
