@@ -6,6 +6,8 @@
 # layers, compute and non-compute seconds (`idle` in summary.json: waiting plus the work of sending
 # and receiving) and CPU seconds, and at the end the medians. With CANDIDATE set to a second ringtmp
 # binary, each round also runs the ring with it (an A/B of a change, local from the first).
+# Each run also prints the steal time of the machine's cores during it (`/proc/stat`: time the
+# hypervisor gave a core to someone else; a run with steal was not measured on whole cores).
 #
 #   benches/pair.sh                     # 3 rounds, mlp-deep
 #   ROUNDS=7 MODEL=mlp benches/pair.sh
@@ -20,20 +22,31 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 common="--model $MODEL --epochs 1 --eval-every 0 --threads 1"
 lscpu | grep 'Model name' || true
+# The steal column (the 8th value) of /proc/stat's `cpu` line, in clock ticks.
+steal() { awk '$1 == "cpu" { print $9 }' /proc/stat; }
+# Runs "$@" with its output in $WORK/$1's run directory, and the steal during it beside it.
+run() {
+    out=$1
+    shift
+    before=$(steal)
+    "$@" --out "$WORK/$out" >/dev/null 2>&1
+    echo "$(( $(steal) - before ))" >"$WORK/$out.steal"
+}
 round=1
 while [ "$round" -le "$ROUNDS" ]; do
-    "$RINGTMP" train --strategy ring --nodes 2 --pin $common --out "$WORK/$round-ring" >/dev/null 2>&1
+    run "$round-ring" "$RINGTMP" train --strategy ring --nodes 2 --pin $common
     if [ -n "${CANDIDATE:-}" ]; then
-        "$CANDIDATE" train --strategy ring --nodes 2 --pin $common --out "$WORK/$round-candidate" \
-            >/dev/null 2>&1
+        run "$round-candidate" "$CANDIDATE" train --strategy ring --nodes 2 --pin $common
     fi
-    taskset -c 0 "$RINGTMP" train --strategy local $common --out "$WORK/$round-local" >/dev/null 2>&1
+    run "$round-local" taskset -c 0 "$RINGTMP" train --strategy local $common
     round=$((round + 1))
 done
 python3 - "$WORK" "$ROUNDS" <<'EOF'
 import json, os, statistics, sys
 
 work, rounds = sys.argv[1], int(sys.argv[2])
+tick = os.sysconf("SC_CLK_TCK")
+steal = lambda r, k: int(open(f"{work}/{r}-{k}.steal").read()) / tick
 kinds = [k for k in ("ring", "candidate") if os.path.exists(f"{work}/1-{k}")]
 ratios = {k: [] for k in kinds}
 rates = {k: [] for k in kinds + ["local"]}
@@ -42,7 +55,8 @@ for r in range(1, rounds + 1):
     local = load("local")
     rates["local"].append(local["samples_per_second"])
     print(f"round {r}: local {local['samples_per_second']:.0f} samples/s, "
-          f"compute {local['per_node'][0]['compute_seconds']:.2f} s")
+          f"compute {local['per_node'][0]['compute_seconds']:.2f} s, "
+          f"steal {steal(r, 'local'):.2f} s")
     for k in kinds:
         run = load(k)
         ratio = run["samples_per_second"] / local["samples_per_second"]
@@ -56,7 +70,7 @@ for r in range(1, rounds + 1):
             f"{n.get('wait_gradient_seconds', 0):.2f} s), CPU {n['cpu_seconds']:.2f} s"
             for n in run["per_node"])
         print(f"  {k:9} {run['samples_per_second']:.0f} samples/s, {ratio:.2f}x local, "
-              f"accuracy {run['final_test_accuracy']:.4f} ({nodes})")
+              f"accuracy {run['final_test_accuracy']:.4f}, steal {steal(r, k):.2f} s ({nodes})")
 print("medians: local %.0f samples/s" % statistics.median(rates["local"]))
 for k in kinds:
     print(f"  {k:9} {statistics.median(rates[k]):.0f} samples/s, "
