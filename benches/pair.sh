@@ -6,6 +6,7 @@
 # layers, compute and non-compute seconds (`idle` in summary.json: waiting plus the work of sending
 # and receiving) and CPU seconds, and at the end the medians. With CANDIDATE set to a second ringtmp
 # binary, each round also runs the ring with it (an A/B of a change, local from the first).
+# Each ring node's forward and backward seconds stand beside those of the same layers in local.
 # Each run also prints the steal time of the machine's cores during it (`/proc/stat`: time the
 # hypervisor gave a core to someone else; a run with steal was not measured on whole cores).
 #
@@ -62,9 +63,17 @@ for r in range(1, rounds + 1):
         ratio = run["samples_per_second"] / local["samples_per_second"]
         ratios[k].append(ratio)
         rates[k].append(run["samples_per_second"])
+        # Forward and backward seconds of a node's layers, and of the same layers in local.
+        def passes(summary_node, lo, hi):
+            times = [t for t in summary_node.get("layer_seconds", []) if lo <= t[0] < hi]
+            return sum(t[1] for t in times), sum(t[2] for t in times)
+        def split(n):
+            lo, hi = n["layers"]
+            (f, b), (lf, lb) = passes(n, lo, hi), passes(local["per_node"][0], lo, hi)
+            return f"forward {f:.2f} s (local {lf:.2f}), backward {b:.2f} s (local {lb:.2f}), "
         nodes = "; ".join(
             f"node {n['rank']} layers {n['layers'][0]}..{n['layers'][1]} compute "
-            f"{n['compute_seconds']:.2f} s, non-compute "
+            f"{n['compute_seconds']:.2f} s: {split(n)}non-compute "
             f"{n['idle_seconds']:.2f} s (waits: activation "
             f"{n.get('wait_activation_seconds', 0):.2f} s, gradient "
             f"{n.get('wait_gradient_seconds', 0):.2f} s), CPU {n['cpu_seconds']:.2f} s"

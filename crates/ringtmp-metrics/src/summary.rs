@@ -80,6 +80,12 @@ pub struct NodeSummary {
     /// Test accuracy of this node's final replica, when it evaluated one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub test_accuracy: Option<f64>,
+    /// Ring and local: per layer this node trains, `(layer index in the model, seconds of its
+    /// training forward passes, seconds of its backward passes with its update where the step
+    /// runs inside them)`, on the wall clock — where the node's compute went, comparable layer by
+    /// layer between a ring node and `local`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layer_seconds: Vec<(usize, f64, f64)>,
     /// Per-link traffic: `(peer rank, bytes sent, bytes received)`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub links: Vec<(u32, u64, u64)>,

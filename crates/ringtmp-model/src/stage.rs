@@ -249,6 +249,19 @@ impl Stage {
         self.profile.as_deref()
     }
 
+    /// Per layer of this stage, with profiling on ([`Stage::set_profiling`]): its index in the
+    /// model, and the seconds its training forward passes and its backward passes (with its
+    /// update when the step runs inside the backward) took. Empty with profiling off.
+    pub fn layer_seconds(&self) -> Vec<(usize, f64, f64)> {
+        self.profile.as_deref().map_or_else(Vec::new, |times| {
+            self.layers
+                .iter()
+                .zip(times)
+                .map(|(l, t)| (l.index, t.forward_seconds, t.backward_seconds))
+                .collect()
+        })
+    }
+
     /// The layers of this stage.
     pub fn layers(&self) -> &[Layer] {
         &self.layers

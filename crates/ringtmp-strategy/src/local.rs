@@ -130,6 +130,8 @@ pub fn train_local(
     let (h, w, c) = data.input;
     let layers = cfg.model.build(&Shape::image(h, w, c), data.classes)?;
     let mut model = Stage::new(&layers, 0..layers.len(), cfg.seed, cfg.threads);
+    // Per-layer times for the summary: two clock reads per layer and pass.
+    model.set_profiling(true);
     let mut optimizer = Optimizer::new(cfg.optimizer.clone(), model.params().len());
     let mut plan = BatchPlan::new(data.train.len(), cfg.batch_size, cfg.seed)?;
     let per_epoch = plan.batches_per_epoch() as u64;
@@ -250,6 +252,7 @@ pub fn train_local(
         compute_seconds,
         idle_seconds: (train_seconds - compute_seconds).max(0.0),
         cpu_seconds: resources::cpu_seconds(),
+        layer_seconds: model.layer_seconds(),
         ..Default::default()
     };
     let summary = Summary {

@@ -107,6 +107,10 @@ fn local_training_learns_digits_and_writes_the_output_contract() {
     let node = &s.per_node[0];
     assert!(node.peak_rss_bytes > 0 && node.cpu_seconds > 0.0 && node.compute_seconds > 0.0);
     assert_eq!(node.param_bytes, node.params * 4);
+    // Every layer's times, in order; the passes of the layers with parameters took some.
+    let layers: Vec<usize> = node.layer_seconds.iter().map(|l| l.0).collect();
+    assert_eq!(layers, (0..cfg.model.layers.len()).collect::<Vec<_>>());
+    assert!(node.layer_seconds.iter().any(|l| l.1 > 0.0 && l.2 > 0.0));
 
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(tmp.path().join("summary.json")).unwrap())

@@ -147,6 +147,9 @@ impl RingJob {
         let (mut stage, plan) = self.stage_unconfigured(rank)?;
         stage
             .set_deferred_weight_grads(self.defer_weight_grads && self.schedule != Schedule::Async);
+        // Per-layer times for the summary: two clock reads per layer and pass (none in phantom
+        // runs, whose passes do no arithmetic).
+        stage.set_profiling(!ringtmp_meter::phantom());
         Ok((stage, plan))
     }
 
@@ -437,6 +440,7 @@ pub(super) fn node_summary(
             .clamp(0.0, 1.0),
         peak_stash_bytes: clock.peak_stash as u64,
         layers: Some((plan.start, plan.end)),
+        layer_seconds: stage.layer_seconds(),
         links: links
             .iter()
             .map(|l| (l.peer, l.bytes_sent, l.bytes_received))
