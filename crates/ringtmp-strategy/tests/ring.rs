@@ -191,11 +191,16 @@ fn gpipe_and_1f1b_equal_local_on_2_3_and_4_nodes() {
                 );
                 assert_eq!(summary.steps, STEPS);
                 assert_eq!(summary.per_node.len(), bounds.len() - 1);
-                // Each node holds only its own stage's parameters, and reports the times of
-                // exactly its layers (each node's passes took some time).
+                // Each node holds only its own stage's parameters, and on real links reports
+                // the times of exactly its layers (each node's passes took some time); a
+                // simulated node's compute is priced, not timed, and reports none.
                 for (node, w) in summary.per_node.iter().zip(bounds.windows(2)) {
                     assert_eq!(node.layers, Some((w[0], w[1])));
                     let layers: Vec<usize> = node.layer_seconds.iter().map(|l| l.0).collect();
+                    if matches!(backend, Backend::Sim(_)) {
+                        assert!(layers.is_empty(), "{node:?}");
+                        continue;
+                    }
                     assert_eq!(layers, (w[0]..w[1]).collect::<Vec<_>>());
                     let sum = |pass: fn(&(usize, f64, f64)) -> f64| {
                         node.layer_seconds.iter().map(pass).sum::<f64>()

@@ -1033,6 +1033,10 @@ impl Drop for SimNode {
 }
 
 impl Clock for SimClock {
+    fn is_virtual(&self) -> bool {
+        true
+    }
+
     fn overlaps_compute(&self) -> bool {
         false
     }

@@ -91,6 +91,11 @@ pub trait Clock: Send + Sync {
     fn overlaps_compute(&self) -> bool {
         true
     }
+    /// Whether this is a simulated network's virtual clock, where compute is priced rather than
+    /// timed (wall-clock figures of the node's compute describe no simulated machine).
+    fn is_virtual(&self) -> bool {
+        false
+    }
 }
 
 /// The wall clock of a node on a real network.

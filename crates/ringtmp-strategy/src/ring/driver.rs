@@ -147,9 +147,8 @@ impl RingJob {
         let (mut stage, plan) = self.stage_unconfigured(rank)?;
         stage
             .set_deferred_weight_grads(self.defer_weight_grads && self.schedule != Schedule::Async);
-        // Per-layer times for the summary: two clock reads per layer and pass (none in phantom
-        // runs, whose passes do no arithmetic).
-        stage.set_profiling(!ringtmp_meter::phantom());
+        // Per-layer times for the summary: two clock reads per layer and pass.
+        stage.set_profiling(true);
         Ok((stage, plan))
     }
 
@@ -440,7 +439,14 @@ pub(super) fn node_summary(
             .clamp(0.0, 1.0),
         peak_stash_bytes: clock.peak_stash as u64,
         layers: Some((plan.start, plan.end)),
-        layer_seconds: stage.layer_seconds(),
+        // Wall-clock times describe no simulated machine, and would make a computing simulated
+        // run's reports longer than a phantom one's (the simulator's phantom-equals-computing
+        // invariant counts their bytes on the simulated links).
+        layer_seconds: if clock.time.is_virtual() {
+            Vec::new()
+        } else {
+            stage.layer_seconds()
+        },
         links: links
             .iter()
             .map(|l| (l.peer, l.bytes_sent, l.bytes_received))
