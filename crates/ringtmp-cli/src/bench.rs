@@ -45,7 +45,7 @@ pub struct BenchArgs {
     #[arg(long, value_name = "FILE")]
     pub json: Option<std::path::PathBuf>,
     /// Compares each result with the figures stored in FILE for this machine's kind (its CPU
-    /// model and SIMD level), as throughput per GFLOP/s of a reference GEMM timed right before
+    /// model name, family and model numbers, and SIMD level), as throughput per GFLOP/s of a reference GEMM timed right before
     /// each repeat, so a machine slower today than on the day they were stored does not read as
     /// a regression; fails when one is below `1 − --tolerance` of its stored figure.
     #[arg(long, value_name = "FILE")]
@@ -91,9 +91,10 @@ fn read_baselines(path: &std::path::Path) -> Result<Vec<KindBaseline>> {
         .with_context(|| format!("{} is not a baseline file", path.display()))
 }
 
-/// A machine kind: its CPU model and SIMD level. Two kinds with the same SIMD level (an
-/// AVX-512 Xeon and an AVX-512 EPYC) differ in caches and memory enough that their figures per
-/// reference GFLOP/s differ too, so each keeps its own.
+/// A machine kind: its CPU (`machine_name`: model name, family and model numbers) and SIMD
+/// level. Two kinds with the same SIMD level (an AVX-512 Xeon and an AVX-512 EPYC, or two EPYC
+/// generations that a hypervisor names alike) differ in caches, memory and vector units enough
+/// that their figures per reference GFLOP/s differ too, so each keeps its own.
 fn same_kind(stored: &KindBaseline, simd: &str, machine: &str) -> bool {
     stored.simd == simd && stored.machine == machine
 }

@@ -262,17 +262,43 @@ impl CostModel {
     }
 }
 
-/// The CPU's model name from `/proc/cpuinfo`, or `unknown`.
+/// The CPU's model name from `/proc/cpuinfo` with its family and model numbers where the file
+/// gives them ("AMD EPYC (family 25 model 17)"), or `unknown`. Under a hypervisor the name alone
+/// can be as bare as "AMD EPYC" for CPUs generations apart (a Zen 4 with AVX-512 on half-width
+/// units, a Zen 5 with full-width ones), and what is keyed by the machine (stored compute
+/// baselines, cached node profiles) must tell them apart.
 pub fn machine_name() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|text| {
-            text.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, name)| name.trim().to_string())
-        })
-        .unwrap_or_else(|| "unknown".into())
+        .map(|text| machine_name_from_cpuinfo(&text))
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// `machine_name` of a `/proc/cpuinfo` text: its first processor's fields (x86's `model name`,
+/// `cpu family`, `model`; ARM's `CPU implementer`, `CPU part`).
+fn machine_name_from_cpuinfo(text: &str) -> String {
+    let field = |key: &str| {
+        text.lines()
+            .filter_map(|l| l.split_once(':'))
+            .find(|(k, _)| k.trim() == key)
+            .map(|(_, v)| v.trim().to_string())
+            .filter(|v| !v.is_empty())
+    };
+    let name = field("model name");
+    let signature = match (field("cpu family"), field("model")) {
+        (Some(family), Some(model)) => Some(format!("family {family} model {model}")),
+        _ => match (field("CPU implementer"), field("CPU part")) {
+            (Some(implementer), Some(part)) => {
+                Some(format!("implementer {implementer} part {part}"))
+            }
+            _ => None,
+        },
+    };
+    match (name, signature) {
+        (Some(name), Some(signature)) => format!("{name} ({signature})"),
+        (Some(name), None) => name,
+        (None, Some(signature)) => signature,
+        (None, None) => "unknown".into(),
+    }
 }
 
 /// What a simulation returns.
@@ -388,5 +414,30 @@ pub fn priced(seed: u64, costs: CostModel, phantom: bool) -> SimConfig {
         compute: ComputeCost::Priced(Arc::new(costs)),
         phantom,
         ..SimConfig::new(seed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::machine_name_from_cpuinfo;
+
+    #[test]
+    fn a_machine_is_named_with_its_cpu_family_and_model() {
+        let epyc = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n\
+                    model name\t: AMD EPYC\nstepping\t: 1\n\nprocessor\t: 1\ncpu family\t: 25\n";
+        assert_eq!(
+            machine_name_from_cpuinfo(epyc),
+            "AMD EPYC (family 25 model 17)"
+        );
+        let arm = "processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\nCPU part\t: 0xd0c\n";
+        assert_eq!(
+            machine_name_from_cpuinfo(arm),
+            "implementer 0x41 part 0xd0c"
+        );
+        assert_eq!(
+            machine_name_from_cpuinfo("model name : Some CPU\n"),
+            "Some CPU"
+        );
+        assert_eq!(machine_name_from_cpuinfo(""), "unknown");
     }
 }
