@@ -690,6 +690,11 @@ impl Stage {
                 let range = self.offsets[i]..self.offsets[i + 1];
                 let read: &[f32] = weights.as_deref().unwrap_or(&self.params);
                 let accumulate = self.grads_written[i];
+                let threads = self.threads;
+                // `dx = dy · W` of a linear layer, the same call in each of its arms below.
+                let input_grad = |linear: &crate::layers::Linear, dx: &mut Vec<f32>| {
+                    linear.input_grad_into(&read[range.clone()], upstream, rows, dx, threads)
+                };
                 let started = self.profile.is_some().then(std::time::Instant::now);
                 match (&self.layers[i].kind, self.deferred.as_mut()) {
                     // Its gradients came with the input gradients; its update is below.
@@ -731,13 +736,7 @@ impl Stage {
                         // made and applied while in cache (`Optimizer::update_blocks`). The input
                         // gradient reads the weights first, as an update in place overwrites them.
                         if want_dx && phase != Phase::Weights {
-                            linear.input_grad_into(
-                                &read[range.clone()],
-                                upstream,
-                                rows,
-                                &mut this[i],
-                                self.threads,
-                            );
+                            input_grad(linear, &mut this[i]);
                             done(Progress::Within);
                         }
                         if phase == Phase::Inputs {
@@ -811,13 +810,7 @@ impl Stage {
                         // the weight gradient (accumulated as `Linear::backward` does) in the second.
                         if phase == Phase::Inputs {
                             if want_dx {
-                                linear.input_grad_into(
-                                    &read[range.clone()],
-                                    upstream,
-                                    rows,
-                                    &mut this[i],
-                                    self.threads,
-                                );
+                                input_grad(linear, &mut this[i]);
                             }
                         } else {
                             linear.weight_grad(
@@ -839,13 +832,7 @@ impl Stage {
                         pending.dy.extend_from_slice(upstream);
                         pending.rows += rows;
                         if want_dx {
-                            linear.input_grad_into(
-                                &read[range.clone()],
-                                upstream,
-                                rows,
-                                &mut this[i],
-                                self.threads,
-                            );
+                            input_grad(linear, &mut this[i]);
                         }
                     }
                     _ => {
