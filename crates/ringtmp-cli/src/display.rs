@@ -149,15 +149,32 @@ pub fn print_summary(s: &Summary, out: &std::path::Path) {
             d.rank, d.step, d.reason
         );
     }
+    // Under `--node-cpu`, the seconds each quota held a node off the CPU: its compute and waits
+    // include them, so the column says whose wall time a quota stretched.
+    let throttling = s.per_node.iter().any(|n| n.throttled_seconds.is_some());
     println!(
-        "{:>4} {:<7} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9}",
-        "rank", "role", "params", "peak RSS", "sent", "compute", "idle", "waited", "cpu"
+        "{:>4} {:<7} {:>10} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9}{}",
+        "rank",
+        "role",
+        "params",
+        "peak RSS",
+        "sent",
+        "compute",
+        "idle",
+        "waited",
+        "cpu",
+        if throttling { "  throttled" } else { "" }
     );
     for n in &s.per_node {
         // `idle` is everything but compute; `waited`, the part of it blocked on the network
         // (on a ring node: for an input, a gradient, or anything else).
+        let throttled = match (throttling, n.throttled_seconds) {
+            (true, Some(t)) => format!(" {t:>9.1}s"),
+            (true, None) => format!(" {:>10}", "-"),
+            (false, _) => String::new(),
+        };
         println!(
-            "{:>4} {:<7} {:>10} {:>8.1}MB {:>10} {:>8.1}s {:>8.1}s {:>8.1}s {:>8.1}s",
+            "{:>4} {:<7} {:>10} {:>8.1}MB {:>10} {:>8.1}s {:>8.1}s {:>8.1}s {:>8.1}s{throttled}",
             n.rank,
             n.role,
             n.params,

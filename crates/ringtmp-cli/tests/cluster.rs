@@ -1285,6 +1285,18 @@ fn node_cpu_puts_a_node_under_a_quota_or_says_why_not() {
         err.contains("node 1 runs under a CPU quota of 0.5 core(s)"),
         "{err}"
     );
+    // The limited node reports how long its quota held it off the CPU; the others had none.
+    let summary = summary(&tmp.path().join("q"));
+    for node in summary["per_node"].as_array().unwrap() {
+        let throttled = &node["throttled_seconds"];
+        if node["rank"] == 1 {
+            assert!(throttled.as_f64().is_some_and(|t| t >= 0.0), "{node}");
+        } else {
+            assert!(throttled.is_null(), "{node}");
+        }
+    }
+    let printed = String::from_utf8_lossy(&output.stdout) + err.as_str();
+    assert!(printed.contains("throttled"), "{printed}");
     let prefix = format!("ringtmp-{launcher}-");
     let leftovers: Vec<_> = ["/sys/fs/cgroup/cpu", "/sys/fs/cgroup"]
         .iter()

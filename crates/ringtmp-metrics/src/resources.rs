@@ -22,6 +22,65 @@ pub fn cpu_seconds() -> f64 {
     secs(usage.ru_utime) + secs(usage.ru_stime)
 }
 
+/// Seconds the kernel held this process off the CPU for exceeding its cgroup's CPU quota (the
+/// CFS bandwidth limit `--node-cpu` sets), since the group was made: `throttled_time` of cgroup
+/// v1's `cpu.stat`, `throttled_usec` of v2's. `None` where the process's group has no CPU quota.
+///
+/// Under a quota, the wall time of a node's compute includes the periods its group was held off
+/// (every thread stops until the next period), so a node's compute can read twice its CPU time
+/// while another's, throttled during its waits instead, does not: this figure says which.
+pub fn quota_throttled_seconds() -> Option<f64> {
+    let cgroups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    throttled_seconds_of(&cgroups, |path| std::fs::read_to_string(path).ok())
+}
+
+/// [`quota_throttled_seconds`] from the text of `/proc/self/cgroup` and a file reader.
+fn throttled_seconds_of(
+    proc_cgroup: &str,
+    read: impl Fn(&std::path::Path) -> Option<String>,
+) -> Option<f64> {
+    let root = std::path::Path::new("/sys/fs/cgroup");
+    let stat_value = |dir: &std::path::Path, key: &str| -> Option<f64> {
+        read(&dir.join("cpu.stat"))?
+            .lines()
+            .find_map(|l| l.strip_prefix(key)?.trim().parse::<f64>().ok())
+    };
+    for line in proc_cgroup.lines() {
+        let mut fields = line.splitn(3, ':');
+        let (Some(id), Some(controllers), Some(path)) =
+            (fields.next(), fields.next(), fields.next())
+        else {
+            continue;
+        };
+        let path = path.trim_start_matches('/');
+        if id != "0" && controllers.split(',').any(|c| c == "cpu") {
+            // v1: the cpu hierarchy, mounted under its controllers' names ("cpu,cpuacct" where
+            // the two share one) or "cpu".
+            for mount in [controllers, "cpu"] {
+                let dir = root.join(mount).join(path);
+                let quota = read(&dir.join("cpu.cfs_quota_us"));
+                if let Some(quota) = quota {
+                    let limited = quota.trim().parse::<i64>().is_ok_and(|q| q > 0);
+                    return if limited {
+                        stat_value(&dir, "throttled_time ").map(|ns| ns / 1e9)
+                    } else {
+                        None
+                    };
+                }
+            }
+        } else if id == "0" && controllers.is_empty() {
+            // v2: one hierarchy; `cpu.max` is "max 100000" without a quota.
+            let dir = root.join(path);
+            if let Some(max) = read(&dir.join("cpu.max")) {
+                if max.split_whitespace().next().is_some_and(|q| q != "max") {
+                    return stat_value(&dir, "throttled_usec ").map(|us| us / 1e6);
+                }
+            }
+        }
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -37,5 +96,53 @@ mod tests {
         }
         std::hint::black_box(x);
         assert!(cpu_seconds() > before);
+    }
+
+    #[test]
+    fn throttling_is_read_from_the_quota_group_of_either_cgroup_version() {
+        use std::collections::HashMap;
+        let files = |entries: &[(&str, &str)]| {
+            let map: HashMap<std::path::PathBuf, String> = entries
+                .iter()
+                .map(|(p, t)| (std::path::PathBuf::from(p), t.to_string()))
+                .collect();
+            move |p: &std::path::Path| map.get(p).cloned()
+        };
+        let v1_stat = "nr_periods 860\nnr_throttled 855\nthrottled_time 42603524116\nnr_bursts 0\n";
+        // v1, a group of its own with a quota (a hybrid machine also lists the empty v2 line).
+        let v1 = "2:cpuacct:/\n1:cpu:/ringtmp-7-1\n0::/\n";
+        let limited = files(&[
+            ("/sys/fs/cgroup/cpu/ringtmp-7-1/cpu.cfs_quota_us", "50000\n"),
+            ("/sys/fs/cgroup/cpu/ringtmp-7-1/cpu.stat", v1_stat),
+        ]);
+        let seconds = throttled_seconds_of(v1, &limited).unwrap();
+        assert!((seconds - 42.603524116).abs() < 1e-9, "{seconds}");
+        // The same group without a quota, and the root group: nothing to report.
+        let unlimited = files(&[
+            ("/sys/fs/cgroup/cpu/ringtmp-7-1/cpu.cfs_quota_us", "-1\n"),
+            ("/sys/fs/cgroup/cpu/ringtmp-7-1/cpu.stat", v1_stat),
+        ]);
+        assert_eq!(throttled_seconds_of(v1, &unlimited), None);
+        assert_eq!(throttled_seconds_of("1:cpu:/\n0::/\n", &limited), None);
+        // v1 with cpu and cpuacct mounted together.
+        let shared = files(&[
+            ("/sys/fs/cgroup/cpu,cpuacct/g/cpu.cfs_quota_us", "25000"),
+            ("/sys/fs/cgroup/cpu,cpuacct/g/cpu.stat", v1_stat),
+        ]);
+        assert!(throttled_seconds_of("3:cpu,cpuacct:/g\n", &shared).is_some());
+        // v2.
+        let v2 = "0::/ringtmp-7-1\n";
+        let stat = "usage_usec 5\nnr_periods 9\nnr_throttled 3\nthrottled_usec 2500000\n";
+        let quota = files(&[
+            ("/sys/fs/cgroup/ringtmp-7-1/cpu.max", "50000 100000\n"),
+            ("/sys/fs/cgroup/ringtmp-7-1/cpu.stat", stat),
+        ]);
+        assert_eq!(throttled_seconds_of(v2, &quota), Some(2.5));
+        let no_quota = files(&[
+            ("/sys/fs/cgroup/ringtmp-7-1/cpu.max", "max 100000\n"),
+            ("/sys/fs/cgroup/ringtmp-7-1/cpu.stat", stat),
+        ]);
+        assert_eq!(throttled_seconds_of(v2, &no_quota), None);
+        assert_eq!(throttled_seconds_of("garbage\n", &quota), None);
     }
 }

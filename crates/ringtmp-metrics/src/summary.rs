@@ -36,6 +36,10 @@ pub struct NodeSummary {
     pub idle_seconds: f64,
     /// CPU seconds (user + system) of the node's process.
     pub cpu_seconds: f64,
+    /// Seconds the kernel held the node's process off the CPU for its CPU quota (`--node-cpu`;
+    /// cgroup `cpu.stat`); absent where the node had no quota. Its compute and waits include them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub throttled_seconds: Option<f64>,
     /// `idle_seconds / train_seconds` of this node: its share of pipeline bubbles and waiting.
     #[serde(default)]
     pub bubble_fraction: f64,

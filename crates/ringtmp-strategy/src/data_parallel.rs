@@ -180,6 +180,9 @@ pub fn worker_summary(
         idle_seconds: idle,
         wait_seconds: clock.wait_seconds,
         cpu_seconds: resources::cpu_seconds(),
+        throttled_seconds: (!net.clock().is_virtual())
+            .then(resources::quota_throttled_seconds)
+            .flatten(),
         iterations: clock.iterations,
         bubble_fraction: if clock.train_seconds > 0.0 {
             idle / clock.train_seconds

@@ -435,6 +435,9 @@ pub(super) fn node_summary(
         wait_activation_seconds: clock.waited.activation,
         wait_gradient_seconds: clock.waited.gradient,
         cpu_seconds: resources::cpu_seconds(),
+        throttled_seconds: (!clock.time.is_virtual())
+            .then(resources::quota_throttled_seconds)
+            .flatten(),
         bubble_fraction: ((train_seconds - clock.compute) / train_seconds.max(1e-9))
             .clamp(0.0, 1.0),
         peak_stash_bytes: clock.peak_stash as u64,
