@@ -1,13 +1,12 @@
 #!/bin/sh
 # Issue 16.2's scaling curve under CPU quotas: rings of 2, 3, 4 … nodes of CORES core each
-# (`--node-cpu`, a kernel CFS quota per node process) against `local` in a group of the same
-# quota, mlp-deep, SAMPLES training samples, no evaluations. Each node's compute, CPU and
+# (`--node-cpu`, a kernel CFS quota per node process) against `local` under the same quota
+# (`--node-cpu 0:CORES`), mlp-deep, SAMPLES training samples, no evaluations. Each node's compute, CPU and
 # throttled seconds (how long its quota held it off the CPU) come with each run: under a quota a
 # node's compute wall time includes its throttled periods, so the busiest node is the one whose
 # throttled time is largest, whatever its compute reads.
 #
-# Needs root and a writable cgroup cpu controller (v2 `cpu.max` or v1 `cpu.cfs_quota_us`), as
-# `--node-cpu` does; `local` runs inside a group this script makes and removes.
+# Needs root or a delegated cgroup with the cpu controller, as `--node-cpu` does.
 #
 #   benches/quota_curve.sh                       # 2 rounds of 2, 3, 4 nodes of half a core
 #   ROUNDS=1 NODES="2 4" CORES=0.25 benches/quota_curve.sh
@@ -20,20 +19,7 @@ NODES=${NODES:-2 3 4}
 CORES=${CORES:-0.5}
 SAMPLES=${SAMPLES:-30000}
 WORK=$(mktemp -d)
-quota=$(python3 -c "print(round($CORES * 100000))")
-# A fresh group for each local run (a group's throttled time counts from its making).
-if [ -w /sys/fs/cgroup/cgroup.subtree_control ] && grep -qw cpu /sys/fs/cgroup/cgroup.controllers; then
-    echo +cpu >/sys/fs/cgroup/cgroup.subtree_control
-    GROUP=/sys/fs/cgroup/ringtmp-quota-curve-$$
-    make_group() { mkdir "$GROUP" && echo "$quota 100000" >"$GROUP/cpu.max"; }
-else
-    GROUP=/sys/fs/cgroup/cpu/ringtmp-quota-curve-$$
-    make_group() {
-        mkdir "$GROUP" && echo 100000 >"$GROUP/cpu.cfs_period_us" &&
-            echo "$quota" >"$GROUP/cpu.cfs_quota_us"
-    }
-fi
-trap 'rm -rf "$WORK"; [ ! -d "$GROUP" ] || rmdir "$GROUP"' EXIT
+trap 'rm -rf "$WORK"' EXIT
 common="--model mlp-deep --threads 1 --train-samples $SAMPLES --eval-every 0"
 lscpu | grep 'Model name' || true
 report() {
@@ -57,10 +43,8 @@ EOF
 round=1
 while [ "$round" -le "$ROUNDS" ]; do
     echo "round $round ($CORES core a node):"
-    make_group
-    sh -c "echo \$\$ >$GROUP/cgroup.procs && exec $RINGTMP train --strategy local $common \
-        --out $WORK/$round-local" >/dev/null 2>&1
-    rmdir "$GROUP"
+    "$RINGTMP" train --strategy local --node-cpu "0:$CORES" $common --out "$WORK/$round-local" \
+        >/dev/null 2>&1
     report "$WORK/$round-local" local
     for n in $NODES; do
         cpu=$(python3 -c "print(','.join(f'{r}:$CORES' for r in range($n)))")

@@ -82,7 +82,8 @@ pub struct TrainArgs {
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub enforce_memory_limit: Option<bool>,
     /// Real CPU limits: RANK:CORES puts that local node under a kernel CPU quota of CORES
-    /// (fractional) cores through cgroups (repeatable or comma-separated).
+    /// (fractional) cores through cgroups (repeatable or comma-separated). With --strategy local,
+    /// 0:CORES puts the training process itself under it: a one-board baseline on a node's share.
     #[arg(long, value_name = "RANK:CORES")]
     pub node_cpu: Option<Vec<String>>,
     /// Pin each local node process to its own core (when there are enough cores).
@@ -387,7 +388,6 @@ impl TrainArgs {
             ("bandwidth-mbit", self.bandwidth_mbit.is_some()),
             ("latency-ms", self.latency_ms.is_some()),
             ("link", self.link.is_some()),
-            ("node-cpu", self.node_cpu.is_some()),
             ("node-memory-limit", self.node_memory_limit.is_some()),
             ("enforce-memory-limit", self.enforce_memory_limit.is_some()),
             ("pin", self.pin.is_some()),

@@ -268,6 +268,66 @@ fn show(bytes: u64) -> String {
     }
 }
 
+/// `--strategy local --node-cpu 0:CORES`: this process under a quota of its own for the run, as
+/// a node process would be, so a one-board baseline runs on the same share as each ring node.
+/// Dropping it moves the process back to the group it came from and removes the quota's group.
+#[derive(Debug)]
+pub struct ProcessQuota {
+    groups: NodeCgroups,
+    /// The `cgroup.procs` of the group the process was in.
+    home: PathBuf,
+}
+
+impl ProcessQuota {
+    /// Moves this process into a new group with a quota of `cores` cores.
+    pub fn apply(cores: f64) -> Result<Self> {
+        NodeCgroups::check(&[Some(cores)], &[None])?;
+        let (_, version) =
+            parent(Controller::Cpu).map_err(|tried| anyhow::anyhow!("cgroups: {tried}"))?;
+        let home = home_group(version).ok_or_else(|| {
+            anyhow::anyhow!("cgroups: this process's own cpu group is not in /proc/self/cgroup")
+        })?;
+        let mut groups = NodeCgroups::default();
+        groups.limit(0, std::process::id(), cores)?;
+        Ok(Self {
+            groups,
+            home: home.join("cgroup.procs"),
+        })
+    }
+}
+
+impl Drop for ProcessQuota {
+    fn drop(&mut self) {
+        // A group with a process in it cannot be removed: leave it first.
+        if let Err(e) = std::fs::write(&self.home, std::process::id().to_string()) {
+            eprintln!(
+                "could not leave the quota's cgroup for {}: {e}",
+                self.home.display()
+            );
+        }
+        drop(std::mem::take(&mut self.groups));
+    }
+}
+
+/// The directory of this process's own group in the hierarchy of `version`'s cpu controller.
+fn home_group(version: Version) -> Option<PathBuf> {
+    let cgroups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    cgroups.lines().find_map(|line| {
+        let mut fields = line.splitn(3, ':');
+        let (id, controllers, path) = (fields.next()?, fields.next()?, fields.next()?);
+        let path = path.trim_start_matches('/');
+        match version {
+            Version::V2 if id == "0" && controllers.is_empty() => {
+                Some(Path::new("/sys/fs/cgroup").join(path))
+            }
+            Version::V1 if controllers.split(',').any(|c| c == "cpu") => {
+                Some(Path::new("/sys/fs/cgroup/cpu").join(path))
+            }
+            _ => None,
+        }
+    })
+}
+
 impl Drop for NodeCgroups {
     fn drop(&mut self) {
         for (rank, dir, _) in self.groups.drain(..) {

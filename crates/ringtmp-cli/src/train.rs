@@ -60,6 +60,16 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if args.strategy() != "local" {
         return launch_nodes(args);
     }
+    // `--node-cpu 0:CORES`: the whole run (data loading too) on that share, as a node's would be.
+    let cores = crate::cgroup::parse_node_cpu(args.node_cpu.as_deref().unwrap_or_default(), 1)?;
+    let _quota = match cores[0] {
+        Some(cores) => {
+            let quota = crate::cgroup::ProcessQuota::apply(cores)?;
+            eprintln!("runs under a CPU quota of {cores} core(s)");
+            Some(quota)
+        }
+        None => None,
+    };
     let data = load_dataset(&args, true)?;
     let cfg = args.resolve(data.classes)?;
     crate::run_dir::prepare(

@@ -1308,6 +1308,57 @@ fn node_cpu_puts_a_node_under_a_quota_or_says_why_not() {
     assert!(leftovers.is_empty(), "groups left behind: {leftovers:?}");
 }
 
+// --strategy local --node-cpu 0:CORES trains in a group of that quota (a one-board baseline on a
+// ring node's share): the run reports its throttled time and leaves no group behind.
+#[test]
+fn local_under_node_cpu_runs_in_a_quota_of_its_own() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("l");
+    let child = spawn_train(&[
+        "--strategy",
+        "local",
+        "--dataset",
+        "digits",
+        "--max-steps",
+        "10",
+        "--eval-every",
+        "0",
+        "--node-cpu",
+        "0:0.5",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let pid = child.id();
+    let (output, _) = finish(child, Duration::from_secs(120));
+    let err = stderr(&output);
+    if output.status.code() == Some(2) {
+        assert!(
+            err.contains("needs a writable cgroup cpu controller"),
+            "{err}"
+        );
+        return;
+    }
+    assert!(output.status.success(), "{err}");
+    assert!(
+        err.contains("runs under a CPU quota of 0.5 core(s)"),
+        "{err}"
+    );
+    let node = &summary(&out)["per_node"][0];
+    assert!(
+        node["throttled_seconds"].as_f64().is_some_and(|t| t >= 0.0),
+        "{node}"
+    );
+    let prefix = format!("ringtmp-{pid}-");
+    let leftovers: Vec<_> = ["/sys/fs/cgroup/cpu", "/sys/fs/cgroup"]
+        .iter()
+        .filter_map(|root| std::fs::read_dir(root).ok())
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .collect();
+    assert!(leftovers.is_empty(), "groups left behind: {leftovers:?}");
+}
+
 // Issue 13.2: --enforce-memory-limit holds each node process to --node-memory-limit; a strategy
 // whose node does not fit fails as a board with that memory would, and the run says which rank
 // exceeded which limit.
