@@ -239,6 +239,12 @@ fn check(options: &CompareOptions, runs: &[RunPlan]) -> Result<()> {
             .into());
         }
         if plan.strategy == "local" {
+            if !options.simulate {
+                let cores =
+                    crate::cgroup::parse_node_cpu(args.node_cpu.as_deref().unwrap_or_default(), 1)
+                        .with_context(|| what.clone())?;
+                crate::cgroup::NodeCgroups::check(&cores, &[])?;
+            }
             continue;
         }
         args.node_links(plan.nodes).with_context(|| what.clone())?;

@@ -380,12 +380,14 @@ pub fn runs(options: &CompareOptions) -> Result<Vec<RunPlan>> {
         for strategy in &options.strategies {
             let mut args = strategy_args(strategy)?;
             args.extend(options.train.iter().cloned());
+            // `local` is one node: on the same share, it is the sweep's one-node point.
+            let ranks = if strategy == "local" { 1 } else { nodes };
             if strategy != "local" {
                 args.extend(["--nodes".into(), nodes.to_string()]);
-                if let Some(share) = share {
-                    let every: Vec<String> = (0..nodes).map(|r| format!("{r}:{share}")).collect();
-                    args.extend(["--node-cpu".into(), every.join(",")]);
-                }
+            }
+            if let Some(share) = share {
+                let every: Vec<String> = (0..ranks).map(|r| format!("{r}:{share}")).collect();
+                args.extend(["--node-cpu".into(), every.join(",")]);
             }
             for repeat in 0..options.repeats {
                 let mut args = args.clone();
@@ -415,7 +417,7 @@ pub fn runs(options: &CompareOptions) -> Result<Vec<RunPlan>> {
 
 /// In a sweep of node counts, the CPU share every node gets so that it is the same at every
 /// count: the machine's cores over the largest count (at most one core), applied through
-/// `--node-cpu` unless the user set it. `None` for one node count.
+/// `--node-cpu` unless the user set it (to `local`'s one process too). `None` for one node count.
 pub fn sweep_share(options: &CompareOptions) -> Option<f64> {
     if options.nodes.len() < 2 {
         return None;
@@ -555,6 +557,15 @@ mod tests {
         assert!(share > 0.0 && share <= 1.0);
         let cpu = runs[0].args.iter().position(|a| a == "--node-cpu").unwrap();
         assert_eq!(runs[0].args[cpu + 1], format!("0:{share},1:{share}"));
+        // `local`, the one-node point of the sweep, on the same share.
+        let with_local = parse(&strings(&["--strategies", "local,ring", "--nodes=2,4"]))
+            .unwrap()
+            .unwrap();
+        let local = &super::runs(&with_local).unwrap()[0];
+        assert_eq!(local.strategy, "local");
+        let cpu = local.args.iter().position(|a| a == "--node-cpu").unwrap();
+        assert_eq!(local.args[cpu + 1], format!("0:{share}"));
+        assert!(!local.args.contains(&"--nodes".to_string()));
         assert_eq!(runs[0].name, "ring-n2-r0");
         assert!(runs[1].args.ends_with(&strings(&["--seed", "43"])));
         assert!(parse(&strings(&["--strategy", "ring"])).is_err());
