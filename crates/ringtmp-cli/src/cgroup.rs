@@ -309,23 +309,18 @@ impl Drop for ProcessQuota {
     }
 }
 
-/// The directory of this process's own group in the hierarchy of `version`'s cpu controller.
+/// The directory of this process's own group in the hierarchy of `version`'s cpu controller
+/// (the launcher makes v1 groups under `/sys/fs/cgroup/cpu`).
 fn home_group(version: Version) -> Option<PathBuf> {
     let cgroups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
-    cgroups.lines().find_map(|line| {
-        let mut fields = line.splitn(3, ':');
-        let (id, controllers, path) = (fields.next()?, fields.next()?, fields.next()?);
-        let path = path.trim_start_matches('/');
-        match version {
-            Version::V2 if id == "0" && controllers.is_empty() => {
-                Some(Path::new("/sys/fs/cgroup").join(path))
-            }
-            Version::V1 if controllers.split(',').any(|c| c == "cpu") => {
-                Some(Path::new("/sys/fs/cgroup/cpu").join(path))
-            }
-            _ => None,
-        }
-    })
+    let v1_root = Path::new("/sys/fs/cgroup/cpu");
+    ringtmp_metrics::resources::cpu_group_candidates(&cgroups)
+        .into_iter()
+        .find(|(dir, v1)| match version {
+            Version::V1 => *v1 && dir.starts_with(v1_root),
+            Version::V2 => !*v1,
+        })
+        .map(|(dir, _)| dir)
 }
 
 impl Drop for NodeCgroups {

@@ -34,17 +34,15 @@ pub fn quota_throttled_seconds() -> Option<f64> {
     throttled_seconds_of(&cgroups, |path| std::fs::read_to_string(path).ok())
 }
 
-/// [`quota_throttled_seconds`] from the text of `/proc/self/cgroup` and a file reader.
-fn throttled_seconds_of(
-    proc_cgroup: &str,
-    read: impl Fn(&std::path::Path) -> Option<String>,
-) -> Option<f64> {
+/// Where this process's group of the cpu controller may be, from the text of
+/// `/proc/self/cgroup`: cgroup v1's directories (true: v1) under the hierarchy's mount, named by
+/// its controllers ("cpu,cpuacct" where the two share one) or "cpu", then v2's (false) in its
+/// single hierarchy. Several may be listed (a hybrid machine has both); the first that exists
+/// with the files wanted is the group.
+pub fn cpu_group_candidates(proc_cgroup: &str) -> Vec<(std::path::PathBuf, bool)> {
     let root = std::path::Path::new("/sys/fs/cgroup");
-    let stat_value = |dir: &std::path::Path, key: &str| -> Option<f64> {
-        read(&dir.join("cpu.stat"))?
-            .lines()
-            .find_map(|l| l.strip_prefix(key)?.trim().parse::<f64>().ok())
-    };
+    let mut v1 = Vec::new();
+    let mut v2 = Vec::new();
     for line in proc_cgroup.lines() {
         let mut fields = line.splitn(3, ':');
         let (Some(id), Some(controllers), Some(path)) =
@@ -54,27 +52,42 @@ fn throttled_seconds_of(
         };
         let path = path.trim_start_matches('/');
         if id != "0" && controllers.split(',').any(|c| c == "cpu") {
-            // v1: the cpu hierarchy, mounted under its controllers' names ("cpu,cpuacct" where
-            // the two share one) or "cpu".
-            for mount in [controllers, "cpu"] {
-                let dir = root.join(mount).join(path);
-                let quota = read(&dir.join("cpu.cfs_quota_us"));
-                if let Some(quota) = quota {
-                    let limited = quota.trim().parse::<i64>().is_ok_and(|q| q > 0);
-                    return if limited {
-                        stat_value(&dir, "throttled_time ").map(|ns| ns / 1e9)
-                    } else {
-                        None
-                    };
-                }
+            v1.push((root.join(controllers).join(path), true));
+            if controllers != "cpu" {
+                v1.push((root.join("cpu").join(path), true));
             }
         } else if id == "0" && controllers.is_empty() {
-            // v2: one hierarchy; `cpu.max` is "max 100000" without a quota.
-            let dir = root.join(path);
-            if let Some(max) = read(&dir.join("cpu.max")) {
-                if max.split_whitespace().next().is_some_and(|q| q != "max") {
-                    return stat_value(&dir, "throttled_usec ").map(|us| us / 1e6);
-                }
+            v2.push((root.join(path), false));
+        }
+    }
+    v1.extend(v2);
+    v1
+}
+
+/// [`quota_throttled_seconds`] from the text of `/proc/self/cgroup` and a file reader.
+fn throttled_seconds_of(
+    proc_cgroup: &str,
+    read: impl Fn(&std::path::Path) -> Option<String>,
+) -> Option<f64> {
+    let stat_value = |dir: &std::path::Path, key: &str| -> Option<f64> {
+        read(&dir.join("cpu.stat"))?
+            .lines()
+            .find_map(|l| l.strip_prefix(key)?.trim().parse::<f64>().ok())
+    };
+    for (dir, v1) in cpu_group_candidates(proc_cgroup) {
+        if v1 {
+            // No quota: -1.
+            if let Some(quota) = read(&dir.join("cpu.cfs_quota_us")) {
+                let limited = quota.trim().parse::<i64>().is_ok_and(|q| q > 0);
+                return limited
+                    .then(|| stat_value(&dir, "throttled_time "))
+                    .flatten()
+                    .map(|ns| ns / 1e9);
+            }
+        } else if let Some(max) = read(&dir.join("cpu.max")) {
+            // No quota: "max 100000".
+            if max.split_whitespace().next().is_some_and(|q| q != "max") {
+                return stat_value(&dir, "throttled_usec ").map(|us| us / 1e6);
             }
         }
     }

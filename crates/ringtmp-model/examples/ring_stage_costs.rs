@@ -16,6 +16,13 @@
 //! - `contend`: the second stage's step while a second thread runs the first stage's steps,
 //!   against while that thread sleeps, in blocks of 20 steps (run without `taskset`: the two
 //!   threads then take a core each, as two pinned ring nodes do).
+//! - `pipeline`: the two stages as an async ring of two runs them, in one process — a thread each
+//!   (run without `taskset`), the first keeping three micro-batches in flight, activations and
+//!   input gradients passed through channels, weight stashing on — against each stage's step
+//!   alone on one thread, in alternating rounds. No sockets, sealing, I/O threads or processes:
+//!   where a ring node's compute exceeds its stage's alone and this mode's does not, the extra
+//!   is in what the mode leaves out; where this mode's does too, it is in two stages computing
+//!   at once.
 //!
 //! Prints ms per step for each variant and their ratio.
 
@@ -206,6 +213,132 @@ fn main() {
             other.join().expect("the other stage's thread");
             report(["other core idle", "other core busy"], sums, counts);
         }
-        other => panic!("unknown mode {other}: stages, stash, gaps or contend"),
+        "pipeline" => {
+            for round in 1..=3 {
+                let mut alone = [
+                    Run::new(&layers, 0..CUT, false),
+                    Run::new(&layers, CUT..n, true),
+                ];
+                let mut sums = [0.0; 2];
+                for run in &mut alone {
+                    run.stage.set_weight_stashing(true);
+                }
+                for id in 0..WARMUP + steps {
+                    for (k, run) in alone.iter_mut().enumerate() {
+                        let t = run.step(id);
+                        if id >= WARMUP {
+                            sums[k] += t;
+                        }
+                    }
+                }
+                let alone_ms = sums.map(|s| s / steps as f64 * 1e3);
+                let (computed, wall) = pipeline(&layers, steps);
+                let piped_ms = computed.map(|s| s / steps as f64 * 1e3);
+                println!(
+                    "round {round}: alone {:.3} + {:.3} ms a step; in the pipeline {:.3} + {:.3} \
+                     ({:.3}x, {:.3}x); pipeline {:.3} ms a micro-batch, {:.2}x the two alone in \
+                     turn",
+                    alone_ms[0],
+                    alone_ms[1],
+                    piped_ms[0],
+                    piped_ms[1],
+                    piped_ms[0] / alone_ms[0],
+                    piped_ms[1] / alone_ms[1],
+                    wall / steps as f64 * 1e3,
+                    (alone_ms[0] + alone_ms[1]) / (wall / steps as f64 * 1e3)
+                );
+            }
+        }
+        other => panic!("unknown mode {other}: stages, stash, gaps, contend or pipeline"),
     }
+}
+
+/// A training pass of mini-batch 0.
+fn pass() -> Pass {
+    Pass {
+        train: true,
+        seed: 1,
+        step: 0,
+        row_offset: 0,
+    }
+}
+
+/// Two stages on a thread each, as an async ring of two: the first keeps `WINDOW` micro-batches
+/// in flight and steps on each returning input gradient, the second runs forward, then backward
+/// and step, sending its input gradient before its weight gradients. Returns each stage's
+/// compute seconds (the copies into messages included, as a node's encoding is) over the `steps`
+/// after the warm-up, and the wall seconds those took.
+fn pipeline(layers: &[Layer], steps: u64) -> ([f64; 2], f64) {
+    const WINDOW: u64 = 3;
+    let total = WARMUP + steps;
+    let (to_second, from_first) = std::sync::mpsc::channel::<(u64, Vec<f32>)>();
+    let (to_first, from_second) = std::sync::mpsc::channel::<(u64, Vec<f32>)>();
+    std::thread::scope(|scope| {
+        let second = scope.spawn(move || {
+            let mut run = Run::new(layers, CUT..layers.len(), true);
+            run.stage.set_weight_stashing(true);
+            let mut seconds = 0.0;
+            while let Ok((id, x)) = from_first.recv() {
+                let started = Instant::now();
+                run.stage.forward(id, &x, ROWS, &pass()).expect("forward");
+                let mut sent = None;
+                run.stage
+                    .backward_sending(
+                        id,
+                        &run.dy,
+                        Some((&mut run.optimizer, 1e-4)),
+                        &mut || {},
+                        &mut |dx| sent = Some(dx.to_vec()),
+                    )
+                    .expect("backward");
+                if id >= WARMUP {
+                    seconds += started.elapsed().as_secs_f64();
+                }
+                let dx = sent.expect("the second stage makes an input gradient");
+                if to_first.send((id, dx)).is_err() {
+                    break;
+                }
+            }
+            seconds
+        });
+        let mut run = Run::new(layers, 0..CUT, false);
+        run.stage.set_weight_stashing(true);
+        let mut seconds = 0.0;
+        let mut timed_from = Instant::now();
+        let backward = |run: &mut Run, seconds: &mut f64| {
+            let (id, dy) = from_second.recv().expect("the second stage's gradient");
+            let started = Instant::now();
+            run.stage
+                .backward_and_step(id, &dy, &mut run.optimizer, 1e-4, &mut || {})
+                .expect("backward");
+            if id >= WARMUP {
+                *seconds += started.elapsed().as_secs_f64();
+            }
+        };
+        for id in 0..total {
+            if id >= WINDOW {
+                backward(&mut run, &mut seconds);
+            }
+            if id == WARMUP {
+                timed_from = Instant::now();
+            }
+            let started = Instant::now();
+            let output = run
+                .stage
+                .forward(id, &run.x, ROWS, &pass())
+                .expect("forward");
+            let message = (id, output.to_vec());
+            if id >= WARMUP {
+                seconds += started.elapsed().as_secs_f64();
+            }
+            to_second.send(message).expect("the second stage");
+        }
+        for _ in 0..WINDOW.min(total) {
+            backward(&mut run, &mut seconds);
+        }
+        let wall = timed_from.elapsed().as_secs_f64();
+        drop(to_second);
+        let other = second.join().expect("the second stage's thread");
+        ([seconds, other], wall)
+    })
 }
