@@ -189,6 +189,29 @@ fn compare_simulates_a_sweep_of_node_counts() {
         job.contains("\"replicas\": 2") || job.contains("\"replicas\":2"),
         "{job}"
     );
+    // `local` is not simulated: refused before anything runs, not left out of the report.
+    let with_local = tmp.path().join("with-local");
+    let refused = ringtmp(&[
+        "compare",
+        "--simulate",
+        "--strategies",
+        "local,ring",
+        "--nodes",
+        "2",
+        "--dataset",
+        "digits",
+        "--max-steps",
+        "2",
+        "--out",
+        with_local.to_str().unwrap(),
+    ]);
+    assert_eq!(refused.status.code(), Some(2), "{}", text(&refused));
+    assert!(
+        text(&refused).contains("local is not simulated"),
+        "{}",
+        text(&refused)
+    );
+    assert!(!with_local.join("runs").exists());
 }
 
 /// Issue 15.4: `--failures-per-node-hour` injects one failure into the strategy's own protocol

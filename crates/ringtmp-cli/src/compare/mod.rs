@@ -239,26 +239,23 @@ fn check(options: &CompareOptions, runs: &[RunPlan]) -> Result<()> {
             .into());
         }
         if plan.strategy == "local" {
-            if !options.simulate {
-                let cores =
-                    crate::cgroup::parse_node_cpu(args.node_cpu.as_deref().unwrap_or_default(), 1)
-                        .with_context(|| what.clone())?;
-                crate::cgroup::NodeCgroups::check(&cores, &[])?;
+            if options.simulate {
+                return Err(UsageError(
+                    "compare --simulate: local is not simulated (it trains in one process)".into(),
+                )
+                .into());
             }
+            let cores =
+                crate::cgroup::parse_node_cpu(args.node_cpu.as_deref().unwrap_or_default(), 1)
+                    .with_context(|| what.clone())?;
+            crate::cgroup::NodeCgroups::check(&cores, &[])?;
             continue;
         }
         args.node_links(plan.nodes).with_context(|| what.clone())?;
         let cores =
             crate::cgroup::parse_node_cpu(args.node_cpu.as_deref().unwrap_or_default(), plan.nodes)
                 .with_context(|| what.clone())?;
-        if options.simulate {
-            if plan.strategy == "local" {
-                return Err(UsageError(
-                    "compare --simulate: local is not simulated (it trains in one process)".into(),
-                )
-                .into());
-            }
-        } else {
+        if !options.simulate {
             crate::cgroup::NodeCgroups::check(&cores, &[])?;
         }
         if data.is_none() {
