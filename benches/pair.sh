@@ -8,7 +8,8 @@
 # binary, each round also runs the ring with it (an A/B of a change, local from the first).
 # Each ring node's forward and backward seconds stand beside those of the same layers in local.
 # Each run also prints the steal time of the machine's cores during it (`/proc/stat`: time the
-# hypervisor gave a core to someone else; a run with steal was not measured on whole cores).
+# hypervisor gave a core to someone else; a run with steal was not measured on whole cores), and
+# each ring node the steal on its own core (`steal_seconds`).
 #
 #   benches/pair.sh                     # 3 rounds, mlp-deep
 #   ROUNDS=7 MODEL=mlp benches/pair.sh
@@ -76,7 +77,8 @@ for r in range(1, rounds + 1):
             f"{n['compute_seconds']:.2f} s: {split(n)}non-compute "
             f"{n['idle_seconds']:.2f} s (waits: activation "
             f"{n.get('wait_activation_seconds', 0):.2f} s, gradient "
-            f"{n.get('wait_gradient_seconds', 0):.2f} s), CPU {n['cpu_seconds']:.2f} s"
+            f"{n.get('wait_gradient_seconds', 0):.2f} s), CPU {n['cpu_seconds']:.2f} s, "
+            f"steal on its core {n.get('steal_seconds') or 0:.2f} s"
             for n in run["per_node"])
         print(f"  {k:9} {run['samples_per_second']:.0f} samples/s, {ratio:.2f}x local, "
               f"accuracy {run['final_test_accuracy']:.4f}, steal {steal(r, k):.2f} s ({nodes})")

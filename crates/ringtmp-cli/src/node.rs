@@ -183,6 +183,8 @@ pub fn run(args: &NodeArgs) -> Result<()> {
     if let Some(core) = c.cpu {
         pin_to_core(core)?;
     }
+    // The hypervisor's steal on the node's core counts from here (`steal_seconds`).
+    ringtmp_metrics::resources::mark_start();
     let flags = LaunchFlags {
         rank: c.rank,
         world_size: c.world_size,

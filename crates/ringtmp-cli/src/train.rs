@@ -60,6 +60,8 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     if args.strategy() != "local" {
         return launch_nodes(args);
     }
+    // Under `taskset`, the hypervisor's steal on its cores counts from here (`steal_seconds`).
+    ringtmp_metrics::resources::mark_start();
     // `--node-cpu 0:CORES`: the whole run (data loading too) on that share, as a node's would be.
     let cores = crate::cgroup::parse_node_cpu(args.node_cpu.as_deref().unwrap_or_default(), 1)?;
     let _quota = match cores[0] {

@@ -1308,6 +1308,43 @@ fn node_cpu_puts_a_node_under_a_quota_or_says_why_not() {
     assert!(leftovers.is_empty(), "groups left behind: {leftovers:?}");
 }
 
+// A pinned node reports the hypervisor's steal on its core during its run; an unpinned one has
+// no core of its own to report (its steal would be the machine's).
+#[test]
+fn pinned_nodes_report_their_cores_steal() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, pin) in [("pinned", true), ("free", false)] {
+        let mut args = vec![
+            "--strategy",
+            "ring",
+            "--nodes",
+            "2",
+            "--dataset",
+            "digits",
+            "--model-file",
+            "examples/models/lenet-dropout.toml",
+            "--max-steps",
+            "4",
+            "--eval-every",
+            "0",
+        ];
+        if pin {
+            args.push("--pin");
+        }
+        let output = train_into(&args, &tmp.path().join(name));
+        assert!(output.status.success(), "{}", stderr(&output));
+        let summary = summary(&tmp.path().join(name));
+        for node in summary["per_node"].as_array().unwrap() {
+            let steal = &node["steal_seconds"];
+            if pin {
+                assert!(steal.as_f64().is_some_and(|s| s >= 0.0), "{node}");
+            } else {
+                assert!(steal.is_null(), "{node}");
+            }
+        }
+    }
+}
+
 // --strategy local --node-cpu 0:CORES trains in a group of that quota (a one-board baseline on a
 // ring node's share): the run reports its throttled time and leaves no group behind.
 #[test]

@@ -22,6 +22,76 @@ pub fn cpu_seconds() -> f64 {
     secs(usage.ru_utime) + secs(usage.ru_stime)
 }
 
+/// The cores this process is held to and their steal (seconds) when [`mark_start`] ran.
+static START: std::sync::OnceLock<(Vec<usize>, Option<f64>)> = std::sync::OnceLock::new();
+
+/// Notes the hypervisor's steal on this process's cores now, for [`steal_seconds`]; call it once
+/// the process is on its cores (a node after pinning itself). Later calls do nothing.
+pub fn mark_start() {
+    START.get_or_init(|| {
+        let cores = held_cores();
+        let steal = proc_stat_steal(&cores);
+        (cores, steal)
+    });
+}
+
+/// Seconds a hypervisor gave this process's cores to other guests since [`mark_start`]
+/// (`/proc/stat`'s steal column, summed over the cores): time the node's code could not run
+/// though it was not waiting, so its compute and waits include it. `None` where the process may
+/// run on every core (its steal is then the machine's, not its own), or `mark_start` never ran.
+pub fn steal_seconds() -> Option<f64> {
+    let (cores, start) = START.get()?;
+    if cores.is_empty() {
+        return None;
+    }
+    Some((proc_stat_steal(cores)? - (*start)?).max(0.0))
+}
+
+/// The cores this process may run on, where that is fewer than the machine's online cores;
+/// empty otherwise.
+fn held_cores() -> Vec<usize> {
+    // SAFETY: sched_getaffinity writes into the zero-initialised set we pass, of its size;
+    // sysconf only reads.
+    let (set, online) = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Vec::new();
+        }
+        (set, libc::sysconf(libc::_SC_NPROCESSORS_ONLN))
+    };
+    let cores: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+        // SAFETY: `core` is below CPU_SETSIZE, the set's size.
+        .filter(|&core| unsafe { libc::CPU_ISSET(core, &set) })
+        .collect();
+    if online > 0 && (cores.len() as i64) < online as i64 {
+        cores
+    } else {
+        Vec::new()
+    }
+}
+
+/// Steal seconds of `cores` so far, from `/proc/stat`.
+fn proc_stat_steal(cores: &[usize]) -> Option<f64> {
+    let text = std::fs::read_to_string("/proc/stat").ok()?;
+    // SAFETY: sysconf only reads.
+    let ticks = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    steal_of(&text, cores, if ticks > 0 { ticks as f64 } else { 100.0 })
+}
+
+/// Steal seconds of `cores` in a `/proc/stat` text (the 8th value of each `cpuN` line, in clock
+/// ticks of `ticks_per_second`); `None` where a core's line is missing or short.
+fn steal_of(proc_stat: &str, cores: &[usize], ticks_per_second: f64) -> Option<f64> {
+    let mut ticks = 0u64;
+    for core in cores {
+        let label = format!("cpu{core}");
+        let line = proc_stat
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(label.as_str()))?;
+        ticks += line.split_whitespace().nth(8)?.parse::<u64>().ok()?;
+    }
+    Some(ticks as f64 / ticks_per_second)
+}
+
 /// Seconds the kernel held this process off the CPU for exceeding its cgroup's CPU quota (the
 /// CFS bandwidth limit `--node-cpu` sets), since the group was made: `throttled_time` of cgroup
 /// v1's `cpu.stat`, `throttled_usec` of v2's. `None` where the process's group has no CPU quota.
@@ -109,6 +179,20 @@ mod tests {
         }
         std::hint::black_box(x);
         assert!(cpu_seconds() > before);
+    }
+
+    #[test]
+    fn steal_is_summed_over_the_given_cores() {
+        let stat = "cpu  647502 0 61923 506893 8387 0 2570 974 0 0\n\
+                    cpu0 320842 0 27027 262632 1682 0 1166 489 0 0\n\
+                    cpu1 326660 0 34895 244261 6704 0 1404 485 0 0\n";
+        assert_eq!(steal_of(stat, &[0], 100.0), Some(4.89));
+        assert_eq!(steal_of(stat, &[1], 100.0), Some(4.85));
+        assert_eq!(steal_of(stat, &[0, 1], 100.0), Some(9.74));
+        assert_eq!(steal_of(stat, &[2], 100.0), None);
+        assert_eq!(steal_of("cpu0 1 2 3\n", &[0], 100.0), None);
+        // Not marked in this test process: nothing to report.
+        assert_eq!(steal_seconds(), None);
     }
 
     #[test]

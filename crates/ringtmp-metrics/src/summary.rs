@@ -40,6 +40,11 @@ pub struct NodeSummary {
     /// cgroup `cpu.stat`); absent where the node had no quota. Its compute and waits include them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub throttled_seconds: Option<f64>,
+    /// Seconds the hypervisor gave the cores of a pinned node (`--pin`, or `local` under
+    /// `taskset`) to other guests during its run (`/proc/stat`'s steal); absent for a node that
+    /// may run on every core. Its compute and waits include them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub steal_seconds: Option<f64>,
     /// `idle_seconds / train_seconds` of this node: its share of pipeline bubbles and waiting.
     #[serde(default)]
     pub bubble_fraction: f64,

@@ -180,6 +180,7 @@ pub fn worker_summary(
         idle_seconds: idle,
         wait_seconds: clock.wait_seconds,
         cpu_seconds: resources::cpu_seconds(),
+        steal_seconds: resources::steal_seconds(),
         throttled_seconds: (!net.clock().is_virtual())
             .then(resources::quota_throttled_seconds)
             .flatten(),

@@ -252,6 +252,7 @@ pub fn train_local(
         compute_seconds,
         idle_seconds: (train_seconds - compute_seconds).max(0.0),
         cpu_seconds: resources::cpu_seconds(),
+        steal_seconds: resources::steal_seconds(),
         throttled_seconds: resources::quota_throttled_seconds(),
         layer_seconds: model.layer_seconds(),
         ..Default::default()

@@ -240,6 +240,7 @@ fn base_summary(rank: u32, role: &str, params: u64, net: &dyn Transport) -> Node
         bytes_received: links.iter().map(|l| l.bytes_received).sum(),
         messages_sent: links.iter().map(|l| l.messages_sent).sum(),
         cpu_seconds: resources::cpu_seconds(),
+        steal_seconds: resources::steal_seconds(),
         throttled_seconds: (!net.clock().is_virtual())
             .then(resources::quota_throttled_seconds)
             .flatten(),

@@ -435,6 +435,7 @@ pub(super) fn node_summary(
         wait_activation_seconds: clock.waited.activation,
         wait_gradient_seconds: clock.waited.gradient,
         cpu_seconds: resources::cpu_seconds(),
+        steal_seconds: resources::steal_seconds(),
         throttled_seconds: (!clock.time.is_virtual())
             .then(resources::quota_throttled_seconds)
             .flatten(),
