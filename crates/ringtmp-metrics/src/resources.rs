@@ -63,7 +63,7 @@ fn held_cores() -> Vec<usize> {
         // SAFETY: `core` is below CPU_SETSIZE, the set's size.
         .filter(|&core| unsafe { libc::CPU_ISSET(core, &set) })
         .collect();
-    if online > 0 && (cores.len() as i64) < online as i64 {
+    if usize::try_from(online).is_ok_and(|online| cores.len() < online) {
         cores
     } else {
         Vec::new()
