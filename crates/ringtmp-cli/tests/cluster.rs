@@ -1270,17 +1270,9 @@ fn node_cpu_puts_a_node_under_a_quota_or_says_why_not() {
         "--out",
         &out,
     ]);
-    let launcher = child.id();
-    let (output, _) = finish(child, Duration::from_secs(120));
-    let err = stderr(&output);
-    if output.status.code() == Some(2) {
-        assert!(
-            err.contains("needs a writable cgroup cpu controller"),
-            "{err}"
-        );
+    let Some((launcher, output, err)) = finish_under_quota(child) else {
         return;
-    }
-    assert!(output.status.success(), "{err}");
+    };
     assert!(
         err.contains("node 1 runs under a CPU quota of 0.5 core(s)"),
         "{err}"
@@ -1297,15 +1289,7 @@ fn node_cpu_puts_a_node_under_a_quota_or_says_why_not() {
     }
     let printed = String::from_utf8_lossy(&output.stdout) + err.as_str();
     assert!(printed.contains("throttled"), "{printed}");
-    let prefix = format!("ringtmp-{launcher}-");
-    let leftovers: Vec<_> = ["/sys/fs/cgroup/cpu", "/sys/fs/cgroup"]
-        .iter()
-        .filter_map(|root| std::fs::read_dir(root).ok())
-        .flatten()
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
-        .collect();
-    assert!(leftovers.is_empty(), "groups left behind: {leftovers:?}");
+    assert_no_quota_groups_left(launcher);
 }
 
 // A pinned node reports the hypervisor's steal on its core during its run; an unpinned one has
@@ -1365,17 +1349,9 @@ fn local_under_node_cpu_runs_in_a_quota_of_its_own() {
         "--out",
         out.to_str().unwrap(),
     ]);
-    let pid = child.id();
-    let (output, _) = finish(child, Duration::from_secs(120));
-    let err = stderr(&output);
-    if output.status.code() == Some(2) {
-        assert!(
-            err.contains("needs a writable cgroup cpu controller"),
-            "{err}"
-        );
+    let Some((pid, _, err)) = finish_under_quota(child) else {
         return;
-    }
-    assert!(output.status.success(), "{err}");
+    };
     assert!(
         err.contains("runs under a CPU quota of 0.5 core(s)"),
         "{err}"
@@ -1385,15 +1361,7 @@ fn local_under_node_cpu_runs_in_a_quota_of_its_own() {
         node["throttled_seconds"].as_f64().is_some_and(|t| t >= 0.0),
         "{node}"
     );
-    let prefix = format!("ringtmp-{pid}-");
-    let leftovers: Vec<_> = ["/sys/fs/cgroup/cpu", "/sys/fs/cgroup"]
-        .iter()
-        .filter_map(|root| std::fs::read_dir(root).ok())
-        .flatten()
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
-        .collect();
-    assert!(leftovers.is_empty(), "groups left behind: {leftovers:?}");
+    assert_no_quota_groups_left(pid);
 }
 
 // Issue 13.2: --enforce-memory-limit holds each node process to --node-memory-limit; a strategy
@@ -1714,6 +1682,37 @@ fn a_failed_ring_node_restarts_the_run_from_its_checkpoint_and_ends_where_an_unb
         err.contains("--resume auto: resuming from") && err.contains("step-000000180"),
         "{err}"
     );
+}
+
+/// Waits for a `train` run with `--node-cpu` (bounded): `None` where it was refused because no
+/// cgroup cpu controller is writable here (checking that it said so), else its pid, output and
+/// stderr, after checking that it succeeded.
+fn finish_under_quota(child: Child) -> Option<(u32, std::process::Output, String)> {
+    let pid = child.id();
+    let (output, _) = finish(child, Duration::from_secs(120));
+    let err = stderr(&output);
+    if output.status.code() == Some(2) {
+        assert!(
+            err.contains("needs a writable cgroup cpu controller"),
+            "{err}"
+        );
+        return None;
+    }
+    assert!(output.status.success(), "{err}");
+    Some((pid, output, err))
+}
+
+/// Asserts that launcher `pid` left no quota group behind (v1 or v2).
+fn assert_no_quota_groups_left(pid: u32) {
+    let prefix = format!("ringtmp-{pid}-");
+    let leftovers: Vec<_> = ["/sys/fs/cgroup/cpu", "/sys/fs/cgroup"]
+        .iter()
+        .filter_map(|root| std::fs::read_dir(root).ok())
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+        .collect();
+    assert!(leftovers.is_empty(), "groups left behind: {leftovers:?}");
 }
 
 /// A finished run's summary.json.
