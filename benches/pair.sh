@@ -9,7 +9,9 @@
 # Each ring node's forward and backward seconds stand beside those of the same layers in local.
 # Each run also prints the steal time of the machine's cores during it (`/proc/stat`: time the
 # hypervisor gave a core to someone else; a run with steal was not measured on whole cores), and
-# each ring node the steal on its own core (`steal_seconds`).
+# each ring node the steal on its own core (`steal_seconds`). First, `ringtmp bench-cores` on
+# CPUs 0,1 says what the two cores cost each other computing at once: the ceiling of any ring of
+# two on them, and whether they are whole cores (SKIP_CORES=1 leaves it out).
 #
 #   benches/pair.sh                     # 3 rounds, mlp-deep
 #   ROUNDS=7 MODEL=mlp benches/pair.sh
@@ -24,6 +26,9 @@ WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 common="--model $MODEL --epochs 1 --eval-every 0 --threads 1"
 lscpu | grep 'Model name' || true
+if [ -z "${SKIP_CORES:-}" ]; then
+    "$RINGTMP" bench-cores --cpus 0,1
+fi
 # The steal column (the 8th value) of /proc/stat's `cpu` line, in clock ticks.
 steal() { awk '$1 == "cpu" { print $9 }' /proc/stat; }
 # Runs "$@" with its output in $WORK/$1's run directory, and the steal during it beside it.

@@ -6,6 +6,7 @@
 
 mod args;
 mod bench;
+mod bench_cores;
 mod bench_transport;
 mod cgroup;
 mod compare;
@@ -44,6 +45,9 @@ enum Command {
     Train(args::TrainArgs),
     /// Measure training throughput of the compute engine (samples/s per model and thread count).
     BenchCompute(bench::BenchArgs),
+    /// Measure what this machine's CPUs cost each other when they compute at once (the ceiling
+    /// of a ring of processes pinned one to a core).
+    BenchCores(bench_cores::BenchCoresArgs),
     /// Measure the transport against plain TCP on loopback (throughput and round trips).
     BenchTransport(bench_transport::BenchTransportArgs),
     /// Check training options or a model file without training.
@@ -138,6 +142,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Train(a) => train::run(&a),
         Command::BenchCompute(a) => bench::run(&a),
+        Command::BenchCores(a) => bench_cores::run(&a),
         Command::ValidateConfig(a) => train::validate(&a),
         Command::Node(a) => node::run(&a),
         Command::BenchTransport(a) => bench_transport::run(&a),

@@ -587,3 +587,71 @@ fn bench_transport_reports_throughput_round_trips_and_latency_between_pinned_nod
         }
     }
 }
+
+// `bench-cores` at toy durations: each probe reports a rate per CPU alone and together, the JSON
+// holds the same, and the verdict gives the ceiling of a ring on those CPUs. One CPU, a repeated
+// CPU or a CPU the process may not use is a usage error naming it.
+#[test]
+fn bench_cores_reports_each_probe_alone_and_together_and_the_ring_ceiling() {
+    assert_usage_error(
+        &ringtmp(&["bench-cores", "--cpus", "0"]),
+        "at least two distinct CPUs",
+    );
+    assert_usage_error(
+        &ringtmp(&["bench-cores", "--cpus", "0,0"]),
+        "at least two distinct CPUs",
+    );
+    assert_usage_error(
+        &ringtmp(&["bench-cores", "--cpus", "0,100000"]),
+        "may not run on CPU 100000",
+    );
+    let allowed = ringtmp_metrics::resources::allowed_cores();
+    if allowed.len() < 2 {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("cores.json");
+    let cpus = format!("{},{}", allowed[0], allowed[1]);
+    let out = ringtmp(&[
+        "bench-cores",
+        "--cpus",
+        &cpus,
+        "--seconds",
+        "0.02",
+        "--rounds",
+        "1",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains(&format!("ring nodes pinned to CPUs {cpus} compute at")),
+        "{stdout}"
+    );
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let probes = report["probes"].as_array().unwrap();
+    let names: Vec<&str> = probes
+        .iter()
+        .map(|p| p["probe"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["arithmetic", "ring stage", "memory"]);
+    for p in probes {
+        for key in ["alone", "together", "together_over_alone"] {
+            let values = p[key].as_array().unwrap();
+            assert_eq!(values.len(), 2, "{p}");
+            assert!(
+                values
+                    .iter()
+                    .all(|v| v.as_f64().is_some_and(|v| v > 0.0 && v.is_finite())),
+                "{p}"
+            );
+        }
+    }
+    assert!(!report["verdict"].as_array().unwrap().is_empty());
+}

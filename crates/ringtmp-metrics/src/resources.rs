@@ -47,22 +47,36 @@ pub fn steal_seconds() -> Option<f64> {
     Some((proc_stat_steal(cores)? - (*start)?).max(0.0))
 }
 
-/// The cores this process may run on, where that is fewer than the machine's online cores;
-/// empty otherwise.
-fn held_cores() -> Vec<usize> {
-    // SAFETY: sched_getaffinity writes into the zero-initialised set we pass, of its size;
-    // sysconf only reads.
-    let (set, online) = unsafe {
+/// Steal seconds of `cores` since boot (`/proc/stat`); the difference of two readings is the
+/// time the hypervisor gave those cores to other guests in between. `None` where a core's line
+/// is missing (not Linux, or no such core).
+pub fn cores_steal_seconds(cores: &[usize]) -> Option<f64> {
+    proc_stat_steal(cores)
+}
+
+/// Every core this process may run on (its affinity mask), in order; empty where the mask
+/// cannot be read.
+pub fn allowed_cores() -> Vec<usize> {
+    // SAFETY: sched_getaffinity writes into the zero-initialised set we pass, of its size.
+    let set = unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
             return Vec::new();
         }
-        (set, libc::sysconf(libc::_SC_NPROCESSORS_ONLN))
+        set
     };
-    let cores: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+    (0..libc::CPU_SETSIZE as usize)
         // SAFETY: `core` is below CPU_SETSIZE, the set's size.
         .filter(|&core| unsafe { libc::CPU_ISSET(core, &set) })
-        .collect();
+        .collect()
+}
+
+/// The cores this process may run on, where that is fewer than the machine's online cores;
+/// empty otherwise.
+fn held_cores() -> Vec<usize> {
+    let cores = allowed_cores();
+    // SAFETY: sysconf only reads.
+    let online = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) };
     if usize::try_from(online).is_ok_and(|online| cores.len() < online) {
         cores
     } else {
