@@ -319,6 +319,77 @@ fn verdict(results: &[ProbeResult], cpus: &[usize], steal: Option<f64>) -> Vec<S
     lines
 }
 
+/// Every probe's medians on `cpus`, and the steal while they ran together.
+struct Measured {
+    results: Vec<ProbeResult>,
+    /// Steal on `cpus` during the together phases; `None` where `/proc/stat` has no figure.
+    steal_together: Option<f64>,
+    together_seconds: f64,
+}
+
+/// Runs every probe on `cpus` (validated: distinct, allowed) for `rounds` rounds of `seconds`.
+fn measure(cpus: &[usize], seconds: f64, rounds: usize) -> Result<Measured> {
+    let layers = Arc::new(
+        ModelSpec::preset("mlp-deep", 10)?
+            .build(&Shape::flat(784), 10)
+            .context("mlp-deep")?,
+    );
+    let mut results = Vec::new();
+    let mut steal_together = Some(0.0);
+    let mut together_seconds = 0.0;
+    for probe in Probe::ALL {
+        let mut alone = vec![Vec::new(); cpus.len()];
+        let mut together = vec![Vec::new(); cpus.len()];
+        for _ in 0..rounds {
+            for (k, &cpu) in cpus.iter().enumerate() {
+                alone[k].extend(phase(probe, &[cpu], seconds, &layers)?);
+            }
+            let before = ringtmp_metrics::resources::cores_steal_seconds(cpus);
+            let rates = phase(probe, cpus, seconds, &layers)?;
+            let after = ringtmp_metrics::resources::cores_steal_seconds(cpus);
+            steal_together = match (steal_together, before, after) {
+                (Some(s), Some(b), Some(a)) => Some(s + (a - b).max(0.0)),
+                _ => None,
+            };
+            together_seconds += seconds;
+            for (k, rate) in rates.into_iter().enumerate() {
+                together[k].push(rate);
+            }
+        }
+        results.push(ProbeResult {
+            probe,
+            alone: alone.iter_mut().map(|v| median(v)).collect(),
+            together: together.iter_mut().map(|v| median(v)).collect(),
+        });
+    }
+    Ok(Measured {
+        results,
+        steal_together,
+        together_seconds,
+    })
+}
+
+/// `selftest --pin`'s short look at the cores its nodes were pinned to (one round of 0.2 s per
+/// probe, a few seconds in all): one line of ratios and the verdict's lines.
+pub fn selftest_line(cpus: &[usize]) -> Result<Vec<String>> {
+    let m = measure(cpus, 0.2, 1)?;
+    let ratio = |p: Probe| {
+        m.results
+            .iter()
+            .find(|r| r.probe == p)
+            .map_or(f64::NAN, ProbeResult::worst_ratio)
+    };
+    let mut lines = vec![format!(
+        "cores {cpus:?} computing at once, each against alone (slowest): arithmetic {:.2}×, ring \
+         stage {:.2}×, memory {:.2}× (`ringtmp bench-cores` measures longer)",
+        ratio(Probe::Arithmetic),
+        ratio(Probe::RingStage),
+        ratio(Probe::Memory)
+    )];
+    lines.extend(verdict(&m.results, cpus, m.steal_together));
+    Ok(lines)
+}
+
 /// Runs the probes and prints a table and the verdict.
 pub fn run(args: &BenchCoresArgs) -> Result<()> {
     let allowed = ringtmp_metrics::resources::allowed_cores();
@@ -346,11 +417,6 @@ pub fn run(args: &BenchCoresArgs) -> Result<()> {
     if !(args.seconds > 0.0 && args.seconds.is_finite()) || args.rounds == 0 {
         return Err(UsageError("--seconds must be above 0 and --rounds at least 1".into()).into());
     }
-    let layers = Arc::new(
-        ModelSpec::preset("mlp-deep", 10)?
-            .build(&Shape::flat(784), 10)
-            .context("mlp-deep")?,
-    );
     println!(
         "machine: {}; SIMD: {}; CPUs {cpus:?}; {} round(s) of {} s per probe: each CPU alone in \
          turn, then all together",
@@ -359,34 +425,11 @@ pub fn run(args: &BenchCoresArgs) -> Result<()> {
         args.rounds,
         args.seconds
     );
-    let mut results = Vec::new();
-    let mut steal_together = Some(0.0);
-    let mut together_seconds = 0.0;
-    for probe in Probe::ALL {
-        let mut alone = vec![Vec::new(); cpus.len()];
-        let mut together = vec![Vec::new(); cpus.len()];
-        for _ in 0..args.rounds {
-            for (k, &cpu) in cpus.iter().enumerate() {
-                alone[k].extend(phase(probe, &[cpu], args.seconds, &layers)?);
-            }
-            let before = ringtmp_metrics::resources::cores_steal_seconds(&cpus);
-            let rates = phase(probe, &cpus, args.seconds, &layers)?;
-            let after = ringtmp_metrics::resources::cores_steal_seconds(&cpus);
-            steal_together = match (steal_together, before, after) {
-                (Some(s), Some(b), Some(a)) => Some(s + (a - b).max(0.0)),
-                _ => None,
-            };
-            together_seconds += args.seconds;
-            for (k, rate) in rates.into_iter().enumerate() {
-                together[k].push(rate);
-            }
-        }
-        results.push(ProbeResult {
-            probe,
-            alone: alone.iter_mut().map(|v| median(v)).collect(),
-            together: together.iter_mut().map(|v| median(v)).collect(),
-        });
-    }
+    let Measured {
+        results,
+        steal_together,
+        together_seconds,
+    } = measure(&cpus, args.seconds, args.rounds)?;
     print_table(&results, &cpus);
     match steal_together {
         Some(s) => println!(

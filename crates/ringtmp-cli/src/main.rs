@@ -124,8 +124,19 @@ fn selftest(a: &SelftestArgs) -> anyhow::Result<()> {
             args.push("--insecure-plaintext".into());
         }
         args
-    })
-    .map(|_| ())
+    })?;
+    // Pinned nodes ran on cores 0..nodes (the launcher pins rank r to core r where there are
+    // enough): whether those cores slow each other down is the other half of a ring's fitness.
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    if a.pin && a.crash_rank.is_none() && a.nodes as usize <= cores {
+        let cpus: Vec<usize> = (0..a.nodes as usize).collect();
+        // A note, not a failure: the links' test above is what selftest answers for.
+        match bench_cores::selftest_line(&cpus) {
+            Ok(lines) => lines.iter().for_each(|l| println!("[selftest] {l}")),
+            Err(e) => println!("[selftest] cores {cpus:?} not measured: {e:#}"),
+        }
+    }
+    Ok(())
 }
 
 fn main() -> ExitCode {

@@ -89,6 +89,47 @@ fn local_launcher_runs_a_selftest_ring() {
     );
 }
 
+// With `--pin`, selftest also says what the nodes' cores cost each other computing at once.
+#[test]
+fn pinned_selftest_also_reports_what_its_cores_cost_each_other() {
+    if std::thread::available_parallelism().map_or(1, usize::from) < 2 {
+        return;
+    }
+    let child = ringtmp()
+        .args([
+            "selftest",
+            "--nodes",
+            "2",
+            "--pin",
+            "--size-mib",
+            "0.25",
+            "--rounds",
+            "2",
+            "--pings",
+            "10",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (out, _) = finish(child, Duration::from_secs(60));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout.contains("selftest ok: 2 node(s)"), "{stdout}");
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("[selftest] cores [0, 1] computing at once"))
+        .unwrap_or_else(|| panic!("no cores line in {stdout}"));
+    assert!(
+        line.contains("arithmetic") && line.contains("memory"),
+        "{line}"
+    );
+    assert!(
+        stdout.contains("[selftest] 2 ring nodes pinned to CPUs 0,1 compute at"),
+        "{stdout}"
+    );
+}
+
 #[test]
 fn launcher_reports_a_crashed_node_and_exits_non_zero() {
     let child = ringtmp()
