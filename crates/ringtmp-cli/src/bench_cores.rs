@@ -312,7 +312,7 @@ fn verdict(results: &[ProbeResult], cpus: &[usize], steal: Option<f64>) -> Vec<S
     }
     if let Some(memory) = ratio_of(Probe::Memory).filter(|&r| r < SHARED_BELOW) {
         let stage = ratio_of(Probe::RingStage).map_or(String::new(), |s| {
-            format!(" (the ring stage probe, which reads its 17 MB of weights and momentum every step, ran at {s:.2}×)")
+            format!(" (the ring stage probe, which reads its 17 MB of weights and 17 MB of momentum every step, ran at {s:.2}×)")
         });
         lines.push(format!(
             "memory bandwidth together is {memory:.2}× alone per CPU: stages bound by memory \
