@@ -1004,7 +1004,8 @@ fn allreduce_goes_on_without_a_killed_worker() {
 
 // Issue 13.4: `ringtmp compare` runs each configuration into its own directory and writes
 // results.jsonl, report.md, the SVG plots and report.html; a second call into the same
-// directory runs nothing again; bad specs are exit 2 before anything runs.
+// directory runs nothing again; `local`, the same one process at both node counts, runs once;
+// bad specs are exit 2 before anything runs.
 #[test]
 fn compare_writes_the_report_and_skips_finished_runs() {
     let tmp = tempfile::tempdir().unwrap();
@@ -1012,7 +1013,7 @@ fn compare_writes_the_report_and_skips_finished_runs() {
     let args = [
         "compare",
         "--strategies",
-        "ring,ps:bsp,allreduce",
+        "ring,ps:bsp,allreduce,local",
         "--nodes",
         "2,3",
         "--out",
@@ -1049,15 +1050,30 @@ fn compare_writes_the_report_and_skips_finished_runs() {
         return;
     }
     assert!(output.status.success(), "{err}");
+    assert!(err.contains("8 run(s)"), "{err}");
+    let dir = tmp.path().join("cmp");
+    // `local` ran on 2 nodes' share; on 3 it had the same arguments and was not run again.
+    assert_eq!(err.matches("the same arguments as").count(), 1, "{err}");
     assert!(
-        err.contains("2 run(s)") || err.contains("6 run(s)"),
+        err.contains("local on 3 node(s), repeat 1: the same arguments as local-n2-r0"),
         "{err}"
     );
-    let dir = tmp.path().join("cmp");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("runs/local-n3-r0/same-as")).unwrap(),
+        "local-n2-r0\n"
+    );
+    assert_eq!(
+        std::fs::read(dir.join("runs/local-n3-r0/summary.json")).unwrap(),
+        std::fs::read(dir.join("runs/local-n2-r0/summary.json")).unwrap()
+    );
     let md_settings = std::fs::read_to_string(dir.join("report.md")).unwrap();
     assert!(
         md_settings.contains("under a CPU quota of"),
         "the sweep's equal share is stated: {md_settings}"
+    );
+    assert!(
+        md_settings.contains("runs with the same arguments ran once (local ×3 is local ×2's run)"),
+        "{md_settings}"
     );
     let job: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(dir.join("runs/ring-n2-r0/train.toml"))
@@ -1074,10 +1090,12 @@ fn compare_writes_the_report_and_skips_finished_runs() {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect();
-    assert_eq!(lines.len(), 6, "{results}");
+    assert_eq!(lines.len(), 8, "{results}");
     for line in &lines {
         assert!(line["samples_per_second"].as_f64().unwrap() > 0.0, "{line}");
-        assert!(line["bytes_per_sample"].as_f64().unwrap() > 0.0, "{line}");
+        // One process sends nothing; every distributed strategy does.
+        let sends = line["bytes_per_sample"].as_f64().unwrap() > 0.0;
+        assert_eq!(sends, line["strategy"] != "local", "{line}");
     }
     // The table comes from the summaries: the parameter server's busiest node is its server.
     let ps = lines.iter().find(|l| l["run"] == "ps_bsp-n3-r0").unwrap();
@@ -1168,7 +1186,7 @@ fn compare_writes_the_report_and_skips_finished_runs() {
     let output = run();
     let err = stderr(&output);
     assert!(output.status.success(), "{err}");
-    assert_eq!(err.matches("finished before, kept").count(), 6, "{err}");
+    assert_eq!(err.matches("finished before, kept").count(), 8, "{err}");
 
     // Bad specs: exit 2, named, before any run.
     for (extra, needle) in [

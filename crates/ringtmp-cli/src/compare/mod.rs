@@ -64,6 +64,26 @@ pub fn run(raw: &[String]) -> Result<()> {
             eprintln!("compare: {label}: finished before, kept");
             continue;
         }
+        // `local` is one process at every node count of a sweep, so its runs there have the
+        // same arguments: run once, its results stand at each count (`same-as` says whose).
+        if let Some(same) = runs[..i].iter().find(|p| p.args == plan.args) {
+            let source = options.out.join("runs").join(&same.name);
+            if source.join("summary.json").is_file() {
+                copy_dir(&source, &dir)?;
+                let log = source.with_extension("log");
+                if log.is_file() {
+                    std::fs::copy(&log, dir.with_extension("log"))
+                        .with_context(|| format!("copying {}", log.display()))?;
+                }
+                std::fs::write(dir.join("same-as"), format!("{}\n", same.name))
+                    .with_context(|| format!("writing {}", dir.join("same-as").display()))?;
+                eprintln!(
+                    "compare: {label}: the same arguments as {}: its results, not run again",
+                    same.name
+                );
+                continue;
+            }
+        }
         let mut budget = None;
         if let Some(seconds) = options.train_seconds {
             match budget_for(&exe, &options, plan, seconds, &label) {
@@ -120,6 +140,25 @@ pub fn run(raw: &[String]) -> Result<()> {
         written,
         options.out.join("report.html").display()
     );
+    Ok(())
+}
+
+/// Copies directory `from` (files and subdirectories) to `to`, replacing what `to` held.
+fn copy_dir(from: &Path, to: &Path) -> Result<()> {
+    if to.exists() {
+        std::fs::remove_dir_all(to).with_context(|| format!("clearing {}", to.display()))?;
+    }
+    std::fs::create_dir_all(to).with_context(|| format!("creating {}", to.display()))?;
+    for entry in std::fs::read_dir(from).with_context(|| format!("reading {}", from.display()))? {
+        let entry = entry?;
+        let target = to.join(entry.file_name());
+        if entry.file_type()?.is_dir() {
+            copy_dir(&entry.path(), &target)?;
+        } else {
+            std::fs::copy(entry.path(), &target)
+                .with_context(|| format!("copying {}", entry.path().display()))?;
+        }
+    }
     Ok(())
 }
 

@@ -382,8 +382,29 @@ fn settings(options: &CompareOptions, finished: &[Finished]) -> String {
             options.failure_args.join(" ")
         )
     };
+    // Runs with the same arguments as an earlier one (`local` at each count of a sweep) ran once.
+    let reused: Vec<String> = finished
+        .iter()
+        .filter_map(|f| {
+            let same = std::fs::read_to_string(
+                options.out.join("runs").join(&f.plan.name).join("same-as"),
+            )
+            .ok()?;
+            let source = finished.iter().find(|g| g.plan.name == same.trim())?;
+            Some(format!("{} is {}'s run", f.label(), source.label()))
+        })
+        .collect();
+    let reused = if reused.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "; runs with the same arguments ran once ({})",
+            reused.join(", ")
+        )
+    };
     format!(
-        "{simulated}{failures}model {}, dataset {}, {length}, seed {}; shared options: `{}`{share}",
+        "{simulated}{failures}model {}, dataset {}, {length}, seed {}; shared options: \
+         `{}`{share}{reused}",
         first.map_or("?", |s| s.model.as_str()),
         first.map_or("?", |s| s.dataset.as_str()),
         first.map_or(0, |s| s.seed),
