@@ -14,7 +14,8 @@
 //! - *ring stage*: a ring node's work, the training step (forward, backward with the input
 //!   gradient, SGD-momentum update) of `mlp-deep`'s second stage on two nodes (four 1024×1024
 //!   layers and the output layer, 64 rows; 17 MB of weights and 17 MB of momentum);
-//! - *memory*: copying 64 MiB to another 64 MiB (read plus written bytes counted).
+//! - *memory*: copying a buffer of twice the last-level cache (at least 64 MiB) to another (read
+//!   plus written bytes counted), so that it streams from memory on a machine with a large L3.
 //!
 //! Invariants: every thread is pinned to its CPU before it allocates or warms up; the timed parts
 //! of one phase start together (a barrier) and each thread's rate is its own work over its own
@@ -69,11 +70,11 @@ impl Probe {
         }
     }
 
-    fn what(self) -> &'static str {
+    fn what(self, setup: &Setup) -> String {
         match self {
-            Probe::Arithmetic => "64³ GEMM, operands in L1/L2",
-            Probe::RingStage => "mlp-deep's 2nd of 2 stages, 64 rows",
-            Probe::Memory => "64 MiB copy",
+            Probe::Arithmetic => "64³ GEMM, operands in L1/L2".into(),
+            Probe::RingStage => "mlp-deep's 2nd of 2 stages, 64 rows".into(),
+            Probe::Memory => format!("{} MiB copy", setup.copy_floats * 4 >> 20),
         }
     }
 
@@ -102,7 +103,6 @@ enum Work {
 }
 
 const GEMM_N: usize = 64;
-const COPY_FLOATS: usize = 16 << 20;
 const ROWS: usize = 64;
 /// `mlp-deep` on two nodes is cut before this layer (as the planner cuts it).
 const CUT: usize = 9;
@@ -155,8 +155,64 @@ impl StageStep {
     }
 }
 
+/// What every probe thread builds its work from.
+struct Setup {
+    /// `mlp-deep`'s layers (the ring stage probe takes its second stage on two nodes).
+    layers: Vec<Layer>,
+    /// Floats in each of the memory probe's two buffers: twice the last-level cache, so that the
+    /// copy streams from memory rather than from the cache (a Xeon of this project's machines
+    /// lists 300 MB of L3), at least 64 MiB, and small enough that every thread's two buffers
+    /// take at most half of the memory available.
+    copy_floats: usize,
+}
+
+impl Setup {
+    fn new(threads: usize) -> Result<Self> {
+        let layers = ModelSpec::preset("mlp-deep", 10)?
+            .build(&Shape::flat(784), 10)
+            .context("mlp-deep")?;
+        let last_level = last_level_cache_bytes().unwrap_or(32 << 20);
+        let wanted = (2 * last_level).max(64 << 20);
+        let room = available_memory_bytes().map_or(usize::MAX, |b| b / (4 * threads.max(1)));
+        let bytes = wanted.min(room).max(16 << 20);
+        Ok(Self {
+            layers,
+            copy_floats: bytes / std::mem::size_of::<f32>(),
+        })
+    }
+}
+
+/// The size of the largest cache level CPU 0 lists (`/sys/devices/system/cpu/cpu0/cache`).
+fn last_level_cache_bytes() -> Option<usize> {
+    let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
+    dir.filter_map(|entry| {
+        let size = std::fs::read_to_string(entry.ok()?.path().join("size")).ok()?;
+        parse_cache_size(size.trim())
+    })
+    .max()
+}
+
+/// "32768K", "300M" or "1024" (bytes) as bytes.
+fn parse_cache_size(text: &str) -> Option<usize> {
+    let (digits, unit) = match text.chars().last()? {
+        'K' => (&text[..text.len() - 1], 1 << 10),
+        'M' => (&text[..text.len() - 1], 1 << 20),
+        'G' => (&text[..text.len() - 1], 1 << 30),
+        _ => (text, 1),
+    };
+    digits.parse::<usize>().ok()?.checked_mul(unit)
+}
+
+/// `MemAvailable` of `/proc/meminfo`, bytes.
+fn available_memory_bytes() -> Option<usize> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 impl Work {
-    fn new(probe: Probe, layers: &[Layer]) -> Self {
+    fn new(probe: Probe, setup: &Setup) -> Self {
         match probe {
             Probe::Arithmetic => Work::Arithmetic {
                 a: (0..GEMM_N * GEMM_N)
@@ -167,10 +223,10 @@ impl Work {
                     .collect(),
                 c: vec![0.0; GEMM_N * GEMM_N],
             },
-            Probe::RingStage => Work::RingStage(Box::new(StageStep::new(layers))),
+            Probe::RingStage => Work::RingStage(Box::new(StageStep::new(&setup.layers))),
             Probe::Memory => Work::Memory {
-                from: (0..COPY_FLOATS).map(|i| (i % 251) as f32).collect(),
-                to: vec![0.0; COPY_FLOATS],
+                from: (0..setup.copy_floats).map(|i| (i % 251) as f32).collect(),
+                to: vec![0.0; setup.copy_floats],
             },
         }
     }
@@ -201,7 +257,7 @@ impl Work {
                 to.copy_from_slice(from);
                 // Reads and writes; keep the copy from being elided.
                 std::hint::black_box(&to);
-                (2 * COPY_FLOATS * std::mem::size_of::<f32>()) as f64
+                (2 * to.len() * std::mem::size_of::<f32>()) as f64
             }
         })
     }
@@ -209,13 +265,13 @@ impl Work {
 
 /// Runs `probe` on each of `cpus` at once (one pinned thread each) for `seconds`; returns each
 /// CPU's rate in the probe's unit.
-fn phase(probe: Probe, cpus: &[usize], seconds: f64, layers: &Arc<Vec<Layer>>) -> Result<Vec<f64>> {
+fn phase(probe: Probe, cpus: &[usize], seconds: f64, setup: &Arc<Setup>) -> Result<Vec<f64>> {
     let barrier = Arc::new(Barrier::new(cpus.len()));
     let threads: Vec<_> = cpus
         .iter()
         .map(|&cpu| {
             let barrier = Arc::clone(&barrier);
-            let layers = Arc::clone(layers);
+            let setup = Arc::clone(setup);
             std::thread::Builder::new()
                 .name(format!("probe-cpu{cpu}"))
                 .spawn(move || -> Result<f64> {
@@ -223,7 +279,7 @@ fn phase(probe: Probe, cpus: &[usize], seconds: f64, layers: &Arc<Vec<Layer>>) -
                     // are kept until after it.
                     let ready = crate::node::pin_to_core(cpu).map(|()| {
                         kernels::flush_denormals();
-                        let mut work = Work::new(probe, &layers);
+                        let mut work = Work::new(probe, &setup);
                         work.unit().map(|_| work)
                     });
                     barrier.wait();
@@ -331,12 +387,7 @@ struct Measured {
 }
 
 /// Runs every probe on `cpus` (validated: distinct, allowed) for `rounds` rounds of `seconds`.
-fn measure(cpus: &[usize], seconds: f64, rounds: usize) -> Result<Measured> {
-    let layers = Arc::new(
-        ModelSpec::preset("mlp-deep", 10)?
-            .build(&Shape::flat(784), 10)
-            .context("mlp-deep")?,
-    );
+fn measure(cpus: &[usize], seconds: f64, rounds: usize, setup: &Arc<Setup>) -> Result<Measured> {
     let mut results = Vec::new();
     let mut steal_together = Some(0.0);
     let mut together_seconds = 0.0;
@@ -345,10 +396,10 @@ fn measure(cpus: &[usize], seconds: f64, rounds: usize) -> Result<Measured> {
         let mut together = vec![Vec::new(); cpus.len()];
         for _ in 0..rounds {
             for (k, &cpu) in cpus.iter().enumerate() {
-                alone[k].extend(phase(probe, &[cpu], seconds, &layers)?);
+                alone[k].extend(phase(probe, &[cpu], seconds, setup)?);
             }
             let before = ringtmp_metrics::resources::cores_steal_seconds(cpus);
-            let rates = phase(probe, cpus, seconds, &layers)?;
+            let rates = phase(probe, cpus, seconds, setup)?;
             let after = ringtmp_metrics::resources::cores_steal_seconds(cpus);
             steal_together = match (steal_together, before, after) {
                 (Some(s), Some(b), Some(a)) => Some(s + (a - b).max(0.0)),
@@ -375,7 +426,7 @@ fn measure(cpus: &[usize], seconds: f64, rounds: usize) -> Result<Measured> {
 /// `selftest --pin`'s short look at the cores its nodes were pinned to (one round of 0.2 s per
 /// probe, a few seconds in all): one line of ratios and the verdict's lines.
 pub fn selftest_line(cpus: &[usize]) -> Result<Vec<String>> {
-    let m = measure(cpus, 0.2, 1)?;
+    let m = measure(cpus, 0.2, 1, &Arc::new(Setup::new(cpus.len())?))?;
     let ratio = |p: Probe| {
         m.results
             .iter()
@@ -420,9 +471,12 @@ pub fn run(args: &BenchCoresArgs) -> Result<()> {
     if !(args.seconds > 0.0 && args.seconds.is_finite()) || args.rounds == 0 {
         return Err(UsageError("--seconds must be above 0 and --rounds at least 1".into()).into());
     }
+    let setup = Arc::new(Setup::new(cpus.len())?);
+    // Each round: every CPU alone, then all together, for each probe.
+    let estimate = (Probe::ALL.len() * args.rounds * (cpus.len() + 1)) as f64 * args.seconds;
     println!(
         "machine: {}; SIMD: {}; CPUs {cpus:?}; {} round(s) of {} s per probe: each CPU alone in \
-         turn, then all together",
+         turn, then all together (about {estimate:.0} s)",
         ringtmp_strategy::simulate::machine_name(),
         kernels::simd_level(),
         args.rounds,
@@ -432,8 +486,8 @@ pub fn run(args: &BenchCoresArgs) -> Result<()> {
         results,
         steal_together,
         together_seconds,
-    } = measure(&cpus, args.seconds, args.rounds)?;
-    print_table(&results, &cpus);
+    } = measure(&cpus, args.seconds, args.rounds, &setup)?;
+    print_table(&results, &cpus, &setup);
     match steal_together {
         Some(s) => println!(
             "steal on these CPUs while together: {s:.2} s in {together_seconds:.1} s of \
@@ -448,7 +502,7 @@ pub fn run(args: &BenchCoresArgs) -> Result<()> {
         let probes: Vec<_> = results
             .iter()
             .map(|r| {
-                json!({"probe": r.probe.name(), "what": r.probe.what(), "unit": r.probe.unit(),
+                json!({"probe": r.probe.name(), "what": r.probe.what(&setup), "unit": r.probe.unit(),
                     "alone": r.alone, "together": r.together, "together_over_alone": r.ratios()})
             })
             .collect();
@@ -462,7 +516,7 @@ pub fn run(args: &BenchCoresArgs) -> Result<()> {
     Ok(())
 }
 
-fn print_table(results: &[ProbeResult], cpus: &[usize]) {
+fn print_table(results: &[ProbeResult], cpus: &[usize], setup: &Setup) {
     println!(
         "{:<11} {:<36} {:>8} {:>4} {:>8} {:>9} {:>15}",
         "probe", "work", "unit", "cpu", "alone", "together", "together/alone"
@@ -470,9 +524,9 @@ fn print_table(results: &[ProbeResult], cpus: &[usize]) {
     for r in results {
         for (k, cpu) in cpus.iter().enumerate() {
             let (label, what, unit) = if k == 0 {
-                (r.probe.name(), r.probe.what(), r.probe.unit())
+                (r.probe.name(), r.probe.what(setup), r.probe.unit())
             } else {
-                ("", "", "")
+                ("", String::new(), "")
             };
             println!(
                 "{label:<11} {what:<36} {unit:>8} {cpu:>4} {:>8.1} {:>9.1} {:>14.2}×",
@@ -494,6 +548,16 @@ mod tests {
             alone: alone.to_vec(),
             together: together.to_vec(),
         }
+    }
+
+    #[test]
+    fn cache_sizes_parse_as_sysfs_writes_them() {
+        assert_eq!(parse_cache_size("32768K"), Some(32 << 20));
+        assert_eq!(parse_cache_size("300M"), Some(300 << 20));
+        assert_eq!(parse_cache_size("1024"), Some(1024));
+        assert_eq!(parse_cache_size("K"), None);
+        assert_eq!(parse_cache_size(""), None);
+        assert_eq!(parse_cache_size("12Q"), None);
     }
 
     #[test]
