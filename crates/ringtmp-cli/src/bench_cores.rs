@@ -74,7 +74,7 @@ impl Probe {
         match self {
             Probe::Arithmetic => "64³ GEMM, operands in L1/L2".into(),
             Probe::RingStage => "mlp-deep's 2nd of 2 stages, 64 rows".into(),
-            Probe::Memory => format!("{} MiB copy", setup.copy_floats * 4 >> 20),
+            Probe::Memory => format!("{} MiB copy", (setup.copy_floats * 4) >> 20),
         }
     }
 
