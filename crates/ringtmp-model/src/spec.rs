@@ -340,6 +340,8 @@ fn output_shape(kind: &LayerKind, input: &Shape) -> Shape {
         LayerKind::MaxPool2d(p) => Shape::image(p.out_height, p.out_width, p.channels),
         LayerKind::Flatten => Shape::flat(input.numel()),
         LayerKind::Relu | LayerKind::Dropout(_) => input.clone(),
+        LayerKind::LinearHead(p) => Shape::flat(p.in_features + p.split),
+        LayerKind::LinearTail(p) => Shape::flat(p.out_features),
     }
 }
 

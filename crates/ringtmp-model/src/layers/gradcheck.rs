@@ -155,6 +155,17 @@ fn linear_gradients_match_finite_differences() {
 }
 
 #[test]
+fn a_cut_linear_layers_head_and_tail_gradients_match_finite_differences() {
+    let whole = layer(LayerSpec::Linear { out: 5 }, Shape::flat(7));
+    for split in [1, 2, 4] {
+        let cut = super::cut_linear(std::slice::from_ref(&whole), 0, split).unwrap();
+        for part in cut {
+            Case::new(part, 3, 1, normal).check(0.25, 1e-4);
+        }
+    }
+}
+
+#[test]
 fn conv2d_gradients_match_finite_differences_with_stride_and_padding() {
     for (stride, padding) in [(1, 0), (2, 0), (2, 1), (1, 2)] {
         let l = layer(

@@ -16,12 +16,14 @@ mod conv2d;
 mod conv_direct;
 mod dropout;
 mod linear;
+mod linear_part;
 mod pool;
 
 pub use conv2d::Conv2d;
 pub(crate) use conv2d::{Fused, OutputGrad};
 pub use dropout::Dropout;
 pub use linear::Linear;
+pub use linear_part::{LinearPart, cut_linear};
 pub use pool::MaxPool2d;
 
 use rand::SeedableRng;
@@ -82,6 +84,11 @@ pub enum LayerKind {
     Flatten,
     /// Inverted dropout.
     Dropout(Dropout),
+    /// The first output features of a linear layer cut in two (see [`LinearPart`]): passes its
+    /// input on with them.
+    LinearHead(LinearPart),
+    /// The rest of a linear layer cut in two: the whole layer's output from the head's.
+    LinearTail(LinearPart),
 }
 
 /// One layer of a model, with its place in the model and its shapes.
@@ -110,6 +117,8 @@ impl Layer {
             LayerKind::Relu => "relu",
             LayerKind::Flatten => "flatten",
             LayerKind::Dropout(_) => "dropout",
+            LayerKind::LinearHead(_) => "linear_head",
+            LayerKind::LinearTail(_) => "linear_tail",
         }
     }
 
@@ -118,15 +127,25 @@ impl Layer {
         match &self.kind {
             LayerKind::Linear(l) => l.param_count(),
             LayerKind::Conv2d(c) => c.param_count(),
+            LayerKind::LinearHead(p) => p.head_param_count(),
+            LayerKind::LinearTail(p) => p.tail_param_count(),
             _ => 0,
         }
     }
 
-    /// `(weight_len, fan_in)` for layers with weights.
-    fn weight_geometry(&self) -> Option<(usize, usize)> {
+    /// `(skipped, weight_len, fan_in)` for layers with weights: the layer's weights are values
+    /// `skipped..skipped + weight_len` of the whole layer's (a cut linear layer's tail skips the
+    /// head's rows).
+    fn weight_geometry(&self) -> Option<(usize, usize, usize)> {
         match &self.kind {
-            LayerKind::Linear(l) => Some((l.in_features * l.out_features, l.in_features)),
-            LayerKind::Conv2d(c) => Some((c.weight_len(), c.fan_in())),
+            LayerKind::Linear(l) => Some((0, l.in_features * l.out_features, l.in_features)),
+            LayerKind::Conv2d(c) => Some((0, c.weight_len(), c.fan_in())),
+            LayerKind::LinearHead(p) => Some((0, p.split * p.in_features, p.in_features)),
+            LayerKind::LinearTail(p) => Some((
+                p.split * p.in_features,
+                (p.out_features - p.split) * p.in_features,
+                p.in_features,
+            )),
             _ => None,
         }
     }
@@ -148,6 +167,33 @@ impl Layer {
                 ),
                 (format!("layers.{}.bias", self.index), vec![c.out_channels]),
             ],
+            // The rows of the whole layer's tensors each part holds.
+            LayerKind::LinearHead(p) => vec![
+                (
+                    format!("layers.{}.weight[0..{}]", self.index, p.split),
+                    vec![p.split, p.in_features],
+                ),
+                (
+                    format!("layers.{}.bias[0..{}]", self.index, p.split),
+                    vec![p.split],
+                ),
+            ],
+            LayerKind::LinearTail(p) => vec![
+                (
+                    format!(
+                        "layers.{}.weight[{}..{}]",
+                        self.index, p.split, p.out_features
+                    ),
+                    vec![p.out_features - p.split, p.in_features],
+                ),
+                (
+                    format!(
+                        "layers.{}.bias[{}..{}]",
+                        self.index, p.split, p.out_features
+                    ),
+                    vec![p.out_features - p.split],
+                ),
+            ],
             _ => vec![],
         }
     }
@@ -157,11 +203,14 @@ impl Layer {
     /// starts bit-identical to the whole model.
     pub fn init(&self, params: &mut [f32], seed: u64) {
         debug_assert_eq!(params.len(), self.param_count());
-        let Some((weight_len, fan_in)) = self.weight_geometry() else {
+        let Some((skipped, weight_len, fan_in)) = self.weight_geometry() else {
             return;
         };
         let std = (self.init_gain / fan_in as f32).sqrt();
         let mut rng = ChaCha8Rng::seed_from_u64(mix(seed, self.index as u64));
+        for _ in 0..skipped {
+            let _: f32 = StandardNormal.sample(&mut rng);
+        }
         let (w, b) = params.split_at_mut(weight_len);
         for v in w {
             let z: f32 = StandardNormal.sample(&mut rng);
@@ -197,6 +246,8 @@ impl Layer {
             LayerKind::Relu => kernels::relu_forward(x, y),
             LayerKind::Flatten => y.copy_from_slice(x),
             LayerKind::Dropout(d) => d.forward(self.index, x, n, y, aux, pass),
+            LayerKind::LinearHead(p) => p.head_forward(params, x, n, y, threads),
+            LayerKind::LinearTail(p) => p.tail_forward(params, x, n, y, &mut aux.values, threads),
         }
     }
 
@@ -253,6 +304,12 @@ impl Layer {
                 if let Some(dx) = dx {
                     Dropout::backward(aux, dy, dx);
                 }
+            }
+            LayerKind::LinearHead(p) => {
+                p.head_backward(params, grads, accumulate, x, dy, n, dx, threads);
+            }
+            LayerKind::LinearTail(p) => {
+                p.tail_backward(params, grads, accumulate, &aux.values, dy, n, dx, threads);
             }
         }
     }
