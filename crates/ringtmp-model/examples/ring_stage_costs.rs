@@ -24,6 +24,11 @@
 //!   is in what the mode leaves out; where this mode's does too, it is in two stages computing
 //!   at once.
 //!
+//! - `cut [STEPS] [SPLIT]`: `pipeline`'s two stages against the same with the second stage's
+//!   first layer cut inside after SPLIT of its outputs (default 320), its head joining the
+//!   first stage (`ringtmp_model::layers::cut_linear`), in alternating rounds: what a finer cut
+//!   than whole layers would give the pair.
+//!
 //! Prints ms per step for each variant and their ratio.
 
 use std::sync::Arc;
@@ -232,7 +237,7 @@ fn main() {
                     }
                 }
                 let alone_ms = sums.map(|s| s / steps as f64 * 1e3);
-                let (computed, wall) = pipeline(&layers, steps);
+                let (computed, wall) = pipeline(&layers, CUT, steps);
                 let piped_ms = computed.map(|s| s / steps as f64 * 1e3);
                 println!(
                     "round {round}: alone {:.3} + {:.3} ms a step; in the pipeline {:.3} + {:.3} \
@@ -249,7 +254,30 @@ fn main() {
                 );
             }
         }
-        other => panic!("unknown mode {other}: stages, stash, gaps, contend or pipeline"),
+        "cut" => {
+            // The first layer of the second stage cut after `split` of its outputs: the head
+            // joins the first stage, the tail starts the second.
+            let split: usize = args.next().map_or(320, |s| s.parse().expect("SPLIT"));
+            let cut_layers = ringtmp_model::layers::cut_linear(&layers, CUT, split).expect("cut");
+            for round in 1..=3 {
+                let (whole_computed, whole_wall) = pipeline(&layers, CUT, steps);
+                let (cut_computed, cut_wall) = pipeline(&cut_layers, CUT + 1, steps);
+                let ms = |s: f64| s / steps as f64 * 1e3;
+                println!(
+                    "round {round}: whole-layer cut {:.3} + {:.3} ms a step, {:.3} ms a \
+                     micro-batch; cut inside layer {CUT} after {split} outputs {:.3} + {:.3} ms, \
+                     {:.3} ms a micro-batch: {:.3}x",
+                    ms(whole_computed[0]),
+                    ms(whole_computed[1]),
+                    ms(whole_wall),
+                    ms(cut_computed[0]),
+                    ms(cut_computed[1]),
+                    ms(cut_wall),
+                    whole_wall / cut_wall
+                );
+            }
+        }
+        other => panic!("unknown mode {other}: stages, stash, gaps, contend, pipeline or cut"),
     }
 }
 
@@ -268,14 +296,14 @@ fn pass() -> Pass {
 /// and step, sending its input gradient before its weight gradients. Returns each stage's
 /// compute seconds (the copies into messages included, as a node's encoding is) over the `steps`
 /// after the warm-up, and the wall seconds those took.
-fn pipeline(layers: &[Layer], steps: u64) -> ([f64; 2], f64) {
+fn pipeline(layers: &[Layer], cut: usize, steps: u64) -> ([f64; 2], f64) {
     const WINDOW: u64 = 3;
     let total = WARMUP + steps;
     let (to_second, from_first) = std::sync::mpsc::channel::<(u64, Vec<f32>)>();
     let (to_first, from_second) = std::sync::mpsc::channel::<(u64, Vec<f32>)>();
     std::thread::scope(|scope| {
         let second = scope.spawn(move || {
-            let mut run = Run::new(layers, CUT..layers.len(), true);
+            let mut run = Run::new(layers, cut..layers.len(), true);
             run.stage.set_weight_stashing(true);
             let mut seconds = 0.0;
             while let Ok((id, x)) = from_first.recv() {
@@ -301,7 +329,7 @@ fn pipeline(layers: &[Layer], steps: u64) -> ([f64; 2], f64) {
             }
             seconds
         });
-        let mut run = Run::new(layers, 0..CUT, false);
+        let mut run = Run::new(layers, 0..cut, false);
         run.stage.set_weight_stashing(true);
         let mut seconds = 0.0;
         let mut timed_from = Instant::now();
