@@ -261,8 +261,9 @@ pub fn read_stage(
     stage: &mut Stage,
     optimizer: &mut Optimizer,
 ) -> Result<()> {
+    // In the model's layer indices (a cut layer's head and tail share one).
     let first = stage.first_layer();
-    let last = first + stage.layers().len();
+    let last = stage.layers().last().map_or(first, |l| l.index + 1);
     let tensors = named_tensors(stage);
     let len = stage.params().len();
     let mut params = vec![0.0; len];
@@ -346,17 +347,48 @@ fn load_tensors(
                 .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
                 .collect::<Vec<f32>>())
         };
-    // A tensor whole under its name, or assembled from `<name>@<offset>` pieces (shards).
+    // A tensor whole under its name, or its values cut from the whole tensor or assembled from
+    // `<name>@<offset>` pieces (shards, or the parts of a cut linear layer). A name that is
+    // itself a piece (`<base>@<offset>`, a cut layer's part) wants values `offset..offset + len`
+    // of its base, found the same ways.
     let find = |name: &str, shape: &[usize]| -> Result<Vec<f32>> {
-        for (path, file) in &parsed {
-            if let Ok(view) = file.tensor(name) {
-                return values_of(path, name, &view, shape);
+        let len: usize = shape.iter().product();
+        let (base, from) = match name.rsplit_once('@').map(|(b, o)| (b, o.parse::<usize>())) {
+            Some((base, Ok(offset))) => (base, offset),
+            _ => (name, 0),
+        };
+        if base == name {
+            for (path, file) in &parsed {
+                if let Ok(view) = file.tensor(name) {
+                    return values_of(path, name, &view, shape);
+                }
             }
         }
-        let len: usize = shape.iter().product();
+        let wanted = from..from + len;
+        if base != name {
+            for (path, file) in &parsed {
+                if let Ok(view) = file.tensor(base) {
+                    let whole: usize = view.shape().iter().product();
+                    if view.dtype() != Dtype::F32 || whole < wanted.end {
+                        return Err(Error::CheckpointMismatch {
+                            path: path.to_path_buf(),
+                            reason: format!(
+                                "tensor {base} is {:?} {:?}, too small for values {}..{}",
+                                view.dtype(),
+                                view.shape(),
+                                wanted.start,
+                                wanted.end
+                            ),
+                        });
+                    }
+                    let values = values_of(path, base, &view, view.shape())?;
+                    return Ok(values[wanted].to_vec());
+                }
+            }
+        }
         let mut out = vec![0.0f32; len];
         let mut covered = 0usize;
-        let prefix = format!("{name}@");
+        let prefix = format!("{base}@");
         for (path, file) in &parsed {
             for piece in file.names() {
                 let Some(offset) = piece.strip_prefix(&prefix) else {
@@ -371,15 +403,21 @@ fn load_tensors(
                     .map_err(|_| bad("the offset is not a number".into()))?;
                 let view = file.tensor(piece).map_err(|e| safetensors_error(path, e))?;
                 let piece_len = view.shape().iter().product::<usize>();
-                if view.shape().len() != 1 || offset + piece_len > len {
-                    return Err(bad(format!(
-                        "shape {:?} at offset {offset} does not fit a tensor of {len} values",
-                        view.shape()
-                    )));
+                if view.shape().len() != 1 {
+                    return Err(bad(format!("shape {:?} is not flat", view.shape())));
+                }
+                // The part of the piece inside the wanted values.
+                let (start, end) = (
+                    offset.max(wanted.start),
+                    (offset + piece_len).min(wanted.end),
+                );
+                if start >= end {
+                    continue;
                 }
                 let values = values_of(path, piece, &view, &[piece_len])?;
-                out[offset..offset + piece_len].copy_from_slice(&values);
-                covered += piece_len;
+                out[start - wanted.start..end - wanted.start]
+                    .copy_from_slice(&values[start - offset..end - offset]);
+                covered += end - start;
             }
         }
         if covered == len {

@@ -271,3 +271,125 @@ fn the_newest_verified_checkpoint_skips_damaged_ones_with_the_file_named() {
     let (found, skipped) = checkpoint::newest_verified(&root);
     assert!(found.is_none() && skipped.len() == 4);
 }
+
+/// The values a stage of a model cut inside its layers holds, taken from the unsplit model's
+/// flat vector `whole` (laid out as `whole_stage`): whole layers' ranges, and a head's or a
+/// tail's rows of its layer's weight and bias.
+fn rows_of(stage: &Stage, whole_stage: &Stage, whole: &[f32]) -> Vec<f32> {
+    use ringtmp_model::LayerKind;
+    let range_of = |index: usize| {
+        whole_stage
+            .param_ranges()
+            .find(|(l, _)| l.index == index)
+            .map(|(_, r)| r)
+            .unwrap()
+    };
+    let mut out = Vec::new();
+    for (layer, _) in stage.param_ranges() {
+        let r = range_of(layer.index);
+        let part = |p: &ringtmp_model::layers::LinearPart, head: bool| {
+            let (w, b) = whole[r.clone()].split_at(p.in_features * p.out_features);
+            let rows = if head {
+                0..p.split
+            } else {
+                p.split..p.out_features
+            };
+            let mut v = w[rows.start * p.in_features..rows.end * p.in_features].to_vec();
+            v.extend_from_slice(&b[rows]);
+            v
+        };
+        match &layer.kind {
+            LayerKind::LinearHead(p) => out.extend(part(p, true)),
+            LayerKind::LinearTail(p) => out.extend(part(p, false)),
+            _ => out.extend_from_slice(&whole[r]),
+        }
+    }
+    out
+}
+
+/// Writes each stage's file and the manifest (layer ranges in the model's indices).
+fn write_stages(dir: &std::path::Path, stages: &[(&Stage, &Optimizer)], spec: &ModelSpec) {
+    let (mut files, mut partition) = (Vec::new(), Vec::new());
+    for (s, (stage, opt)) in stages.iter().enumerate() {
+        files.push(
+            checkpoint::write_stage(dir, &format!("stage-{s}.safetensors"), stage, opt).unwrap(),
+        );
+        let last = stage.layers().last().unwrap().index + 1;
+        partition.push((stage.first_layer(), last));
+    }
+    let manifest = Manifest {
+        format: checkpoint::MANIFEST_FORMAT,
+        strategy: "ring".into(),
+        step: 2,
+        epoch: 0,
+        batch_in_epoch: 2,
+        dataset: "test".into(),
+        batch_size: 8,
+        seed: 3,
+        model: spec.clone(),
+        partition,
+        optimizer: adam(),
+        files,
+        replicas: Vec::new(),
+    };
+    checkpoint::write_manifest(dir, &manifest).unwrap();
+}
+
+/// Reads `range` of `layers` from `dir` into a fresh stage and its optimizer.
+fn read(
+    dir: &std::path::Path,
+    layers: &[ringtmp_model::Layer],
+    range: std::ops::Range<usize>,
+) -> (Stage, Optimizer) {
+    let manifest = checkpoint::read_manifest(dir).unwrap();
+    let mut stage = Stage::new(layers, range, 99, 1);
+    let mut opt = Optimizer::new(adam(), stage.params().len());
+    checkpoint::read_stage(dir, &manifest, &mut stage, &mut opt).unwrap();
+    (stage, opt)
+}
+
+// A model cut inside a linear layer (the ring's finer cut) checkpoints as the unsplit model: its
+// head and tail store their rows as pieces of the layer's tensors, which an unsplit model, or one
+// cut elsewhere, reads back exactly (values and optimizer state), and it reads an unsplit
+// model's checkpoint.
+#[test]
+fn a_model_cut_inside_a_layer_checkpoints_as_the_unsplit_model() {
+    let (whole, opt, layers, spec) = trained();
+    let state =
+        |o: &Optimizer| -> Vec<Vec<f32>> { o.state().iter().map(|(_, v)| v.to_vec()).collect() };
+    let tmp = tempfile::tempdir().unwrap();
+    // The whole model's checkpoint, read into two stages cut inside layer 2 (7 → 5) after 2 rows.
+    let unsplit = tmp.path().join("unsplit");
+    write_stages(&unsplit, &[(&whole, &opt)], &spec);
+    let cut = ringtmp_model::layers::cut_linear(&layers, 2, 2).unwrap();
+    let mut stages = Vec::new();
+    for range in [0..3, 3..cut.len()] {
+        let (stage, stage_opt) = read(&unsplit, &cut, range);
+        assert_eq!(
+            stage.params(),
+            rows_of(&stage, &whole, whole.params()).as_slice()
+        );
+        for (got, want) in state(&stage_opt).iter().zip(state(&opt)) {
+            assert_eq!(got, &rows_of(&stage, &whole, &want));
+        }
+        stages.push((stage, stage_opt));
+    }
+    // Those two stages' checkpoint, read into the unsplit model and into one cut after 3 rows.
+    let split = tmp.path().join("split");
+    let refs: Vec<(&Stage, &Optimizer)> = stages.iter().map(|(s, o)| (s, o)).collect();
+    write_stages(&split, &refs, &spec);
+    let (back, back_opt) = read(&split, &layers, 0..layers.len());
+    assert_eq!(back.params(), whole.params());
+    assert_eq!(state(&back_opt), state(&opt));
+    let other = ringtmp_model::layers::cut_linear(&layers, 2, 3).unwrap();
+    for range in [0..3, 3..other.len()] {
+        let (stage, stage_opt) = read(&split, &other, range);
+        assert_eq!(
+            stage.params(),
+            rows_of(&stage, &whole, whole.params()).as_slice()
+        );
+        for (got, want) in state(&stage_opt).iter().zip(state(&opt)) {
+            assert_eq!(got, &rows_of(&stage, &whole, &want));
+        }
+    }
+}

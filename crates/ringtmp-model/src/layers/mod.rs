@@ -150,7 +150,8 @@ impl Layer {
         }
     }
 
-    /// Names and shapes of the parameter tensors, for checkpoints.
+    /// Names and shapes of the parameter tensors, for checkpoints. A part of a cut linear layer
+    /// names its share of the whole layer's tensors as a piece: `<name>@<offset>`, flat.
     pub fn param_tensors(&self) -> Vec<(String, Vec<usize>)> {
         match &self.kind {
             LayerKind::Linear(l) => vec![
@@ -167,30 +168,22 @@ impl Layer {
                 ),
                 (format!("layers.{}.bias", self.index), vec![c.out_channels]),
             ],
-            // The rows of the whole layer's tensors each part holds.
+            // The rows of the whole layer's tensors each part holds, as pieces of them
+            // (`<name>@<offset>`, flat): a checkpoint of a cut model is one of the unsplit model.
             LayerKind::LinearHead(p) => vec![
                 (
-                    format!("layers.{}.weight[0..{}]", self.index, p.split),
-                    vec![p.split, p.in_features],
+                    format!("layers.{}.weight@0", self.index),
+                    vec![p.split * p.in_features],
                 ),
-                (
-                    format!("layers.{}.bias[0..{}]", self.index, p.split),
-                    vec![p.split],
-                ),
+                (format!("layers.{}.bias@0", self.index), vec![p.split]),
             ],
             LayerKind::LinearTail(p) => vec![
                 (
-                    format!(
-                        "layers.{}.weight[{}..{}]",
-                        self.index, p.split, p.out_features
-                    ),
-                    vec![p.out_features - p.split, p.in_features],
+                    format!("layers.{}.weight@{}", self.index, p.split * p.in_features),
+                    vec![(p.out_features - p.split) * p.in_features],
                 ),
                 (
-                    format!(
-                        "layers.{}.bias[{}..{}]",
-                        self.index, p.split, p.out_features
-                    ),
+                    format!("layers.{}.bias@{}", self.index, p.split),
                     vec![p.out_features - p.split],
                 ),
             ],
