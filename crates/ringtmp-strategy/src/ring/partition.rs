@@ -570,6 +570,202 @@ fn stages_from_bounds(
         .collect()
 }
 
+/// A linear layer cut by its output features between two adjacent stages (its head ends one,
+/// its tail starts the next; `ringtmp_model::layers::cut_linear`): a finer cut than whole layers,
+/// for a balance whole layers cannot give.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CutInside {
+    /// The layer's position in the model's (uncut) layer list.
+    pub layer: usize,
+    /// Output features its head computes.
+    pub split: usize,
+}
+
+/// A linear layer's geometry, where the planner may cut inside it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cuttable {
+    /// Input features.
+    pub in_features: usize,
+    /// Output features.
+    pub out_features: usize,
+}
+
+/// Splits granularity: a cut falls after a multiple of this many output features (the GEMM
+/// kernels' tile height, so neither half runs a ragged tile more than the whole did).
+pub const CUT_GRANULE: usize = 64;
+
+/// A plan refined by cuts inside layers: the cuts, and the costs of the cut model's layers
+/// (what the plan's stage bounds index).
+#[derive(Clone, Debug, PartialEq)]
+pub struct RefinedPlan {
+    /// The plan over the cut model's layers.
+    pub plan: Plan,
+    /// The cuts, in the model's layer positions, ascending.
+    pub cuts: Vec<CutInside>,
+    /// Per layer of the cut model, its cost.
+    pub costs: Vec<LayerCost>,
+}
+
+/// `costs` (and `geometry`, `origin`: per layer, whether it may be cut, and its position in the
+/// uncut model) with layer `at` replaced by its head and tail cut after `split` outputs: each
+/// gets its share of the layer's compute and state by rows; the head's output is the layer's
+/// input and the head's outputs (`[x | y_A]`, what the cut sends forward and its gradient back).
+fn cut_costs(
+    costs: &mut Vec<LayerCost>,
+    geometry: &mut Vec<Option<Cuttable>>,
+    origin: &mut Vec<usize>,
+    at: usize,
+    split: usize,
+) {
+    let Some(g) = geometry[at] else { return };
+    let c = costs[at];
+    let share = split as f64 / g.out_features as f64;
+    let input_bytes = if at > 0 { costs[at - 1].out_bytes } else { 0 };
+    let part = |f: f64, out_bytes: u64| LayerCost {
+        seconds: c.seconds * f,
+        bytes: (c.bytes as f64 * f).round() as u64,
+        out_bytes,
+        has_params: true,
+        after_send_seconds: c.after_send_seconds * f,
+    };
+    let head = part(
+        share,
+        input_bytes + (c.out_bytes as f64 * share).round() as u64,
+    );
+    let tail = part(1.0 - share, c.out_bytes);
+    costs.splice(at..=at, [head, tail]);
+    geometry.splice(at..=at, [None, None]);
+    let o = origin[at];
+    origin.splice(at..=at, [o, o]);
+}
+
+/// `nodes` with their own per-layer seconds cut as [`cut_costs`] cuts the shared ones.
+fn cut_nodes(nodes: &mut [NodeCapacity], at: usize, share: f64) {
+    for node in nodes {
+        if let Some(own) = node.layer_seconds.as_mut() {
+            if at < own.len() {
+                let t = own[at];
+                own.splice(at..=at, [t * share, t * (1.0 - share)]);
+            }
+        }
+    }
+}
+
+/// Refines `plan` (whole layers, on the first `plan.stages.len()` of `nodes`) by cutting linear
+/// layers inside where that lowers the bottleneck: at each boundary at most one cut, of the last
+/// linear layer before it (its tail and the parameter-free layers after it move to the next
+/// stage) or of the first one after it (the parameter-free layers before it and its head move to
+/// the previous stage), after a multiple of [`CUT_GRANULE`] outputs. Greedy: the cut that lowers
+/// the bottleneck most, then again, until none lowers it by 1% more. Never cuts the first layer
+/// with parameters before its input leaves the master (the cut would send that input, the raw
+/// data). `None` when no cut helps.
+pub fn cut_inside(
+    costs: &[LayerCost],
+    geometry: &[Option<Cuttable>],
+    nodes: &[NodeCapacity],
+    plan: &Plan,
+    first_param_layer: usize,
+    shared: Option<&SharedCores>,
+) -> Option<RefinedPlan> {
+    let m = plan.stages.len();
+    let mut work = costs.to_vec();
+    let mut geom = geometry.to_vec();
+    let mut origin: Vec<usize> = (0..costs.len()).collect();
+    let mut caps: Vec<NodeCapacity> = nodes[..m].to_vec();
+    let mut bounds: Vec<usize> = std::iter::once(0)
+        .chain(plan.stages.iter().map(|s| s.end))
+        .collect();
+    let mut cuts = Vec::new();
+    let evaluate = |work: &[LayerCost],
+                    caps: &[NodeCapacity],
+                    bounds: &[usize]|
+     -> Option<(Vec<StagePlan>, f64)> {
+        let stages = stages_from_bounds(bounds, work, caps);
+        for (s, st) in stages.iter().enumerate() {
+            let has_params = work[st.start..st.end].iter().any(|c| c.has_params);
+            let fits = caps[s]
+                .memory_limit
+                .is_none_or(|limit| st.predicted_bytes <= limit);
+            if !has_params || !fits {
+                return None;
+            }
+        }
+        let slowest = stages.iter().map(StagePlan::bottleneck).fold(0.0, f64::max);
+        let pace = shared.map_or(0.0, |c| c.pace(work, &stages));
+        Some((stages, slowest.max(pace)))
+    };
+    let (_, mut current) = evaluate(&work, &caps, &bounds)?;
+    loop {
+        let mut best: Option<(f64, usize, usize, usize)> = None; // (bottleneck, boundary, layer, split)
+        for k in 1..m {
+            let (lo, j, hi) = (bounds[k - 1], bounds[k], bounds[k + 1]);
+            // The last layer with parameters before the boundary, with nothing but
+            // parameter-free layers after it in its stage; the first after it, likewise.
+            let before = (lo..j).rev().find(|&l| work[l].has_params);
+            let after = (j..hi).find(|&l| work[l].has_params);
+            for layer in [before, after].into_iter().flatten() {
+                let Some(g) = geom[layer] else { continue };
+                if origin[layer] == first_param_layer && layer < j && k == 1 {
+                    // Stage 0 would send this layer's input: the raw data.
+                    continue;
+                }
+                for split in (CUT_GRANULE..g.out_features).step_by(CUT_GRANULE) {
+                    let (mut w, mut gm, mut o) = (work.clone(), geom.clone(), origin.clone());
+                    cut_costs(&mut w, &mut gm, &mut o, layer, split);
+                    let mut c = caps.clone();
+                    cut_nodes(&mut c, layer, split as f64 / g.out_features as f64);
+                    // The boundary falls between head and tail; later bounds shift by one.
+                    let mut b: Vec<usize> = bounds
+                        .iter()
+                        .map(|&x| if x > layer { x + 1 } else { x })
+                        .collect();
+                    b[k] = layer + 1;
+                    if let Some((_, bottleneck)) = evaluate(&w, &c, &b) {
+                        if best.is_none_or(|(v, ..)| bottleneck < v) {
+                            best = Some((bottleneck, k, layer, split));
+                        }
+                    }
+                }
+            }
+        }
+        match best {
+            Some((bottleneck, k, layer, split)) if bottleneck < current * 0.99 => {
+                let g = geom[layer].expect("a candidate is cuttable");
+                cuts.push(CutInside {
+                    layer: origin[layer],
+                    split,
+                });
+                cut_costs(&mut work, &mut geom, &mut origin, layer, split);
+                cut_nodes(&mut caps, layer, split as f64 / g.out_features as f64);
+                for x in bounds.iter_mut() {
+                    if *x > layer {
+                        *x += 1;
+                    }
+                }
+                bounds[k] = layer + 1;
+                current = bottleneck;
+            }
+            _ => break,
+        }
+    }
+    if cuts.is_empty() {
+        return None;
+    }
+    let (stages, bottleneck) = evaluate(&work, &caps, &bounds)?;
+    let round_trip = round_trip(&work, &stages, &caps);
+    cuts.sort_by_key(|c| c.layer);
+    Some(RefinedPlan {
+        plan: Plan {
+            stages,
+            bottleneck,
+            round_trip,
+            by_nodes: plan.by_nodes.clone(),
+        },
+        cuts,
+        costs: work,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -877,5 +1073,111 @@ mod tests {
             plan(&c, &free(6), 0),
             Err(PlanError::TooManyNodes { .. })
         ));
+    }
+
+    /// Three linear layers of 1,024 outputs (1 s each, 4 KB out) with a ReLU after each.
+    fn three_linears() -> (Vec<LayerCost>, Vec<Option<Cuttable>>) {
+        let linear = LayerCost {
+            seconds: 1.0,
+            bytes: 1000,
+            out_bytes: 4096,
+            has_params: true,
+            after_send_seconds: 0.5,
+        };
+        let relu = LayerCost {
+            seconds: 0.0,
+            bytes: 0,
+            out_bytes: 4096,
+            has_params: false,
+            after_send_seconds: 0.0,
+        };
+        let g = Some(Cuttable {
+            in_features: 1024,
+            out_features: 1024,
+        });
+        (
+            vec![linear, relu, linear, relu, linear, relu],
+            vec![g, None, g, None, g, None],
+        )
+    }
+
+    // The hand-computed case: two nodes and three equal layers; whole layers give 2 s against
+    // 1 s, a cut of the middle layer after 512 of its outputs 1.5 s each. The head ends stage
+    // 0, the tail starts stage 1, and the first layer (its input is the raw data) is never cut.
+    #[test]
+    fn a_cut_inside_the_middle_layer_balances_two_stages() {
+        let (costs, geometry) = three_linears();
+        let nodes = free(2);
+        let whole = plan_best(&costs, &nodes, 0, true, None).unwrap();
+        assert!((whole.bottleneck - 2.0).abs() < 1e-9);
+        let refined = cut_inside(&costs, &geometry, &nodes, &whole, 0, None).unwrap();
+        assert_eq!(
+            refined.cuts,
+            [CutInside {
+                layer: 2,
+                split: 512
+            }]
+        );
+        assert!((refined.plan.bottleneck - 1.5).abs() < 1e-9, "{refined:?}");
+        assert_eq!(bounds(&refined.plan.stages), [(0, 3), (3, 7)]);
+        assert_eq!(refined.costs.len(), costs.len() + 1);
+        // The head's share of the layer, and what the cut sends: the layer's input and the
+        // head's outputs.
+        let (head, tail) = (refined.costs[2], refined.costs[3]);
+        assert!((head.seconds - 0.5).abs() < 1e-12 && (tail.seconds - 0.5).abs() < 1e-12);
+        assert!((head.after_send_seconds - 0.25).abs() < 1e-12);
+        assert_eq!(head.out_bytes, 4096 + 2048);
+        assert_eq!(tail.out_bytes, 4096);
+        assert_eq!(head.bytes + tail.bytes, 1000);
+    }
+
+    // A cut that would not lower the bottleneck by 1% is not made; a node's own per-layer
+    // figures are cut with the shared ones; and on slow links the larger boundary weighs in.
+    #[test]
+    fn a_cut_is_made_only_where_it_lowers_the_bottleneck_links_counted() {
+        let (costs, geometry) = three_linears();
+        // Three nodes: one layer each, already balanced.
+        let nodes = free(3);
+        let whole = plan_best(&costs, &nodes, 0, true, None).unwrap();
+        assert!(cut_inside(&costs, &geometry, &nodes, &whole, 0, None).is_none());
+        // Node 0 runs a layer in 0.4 s (its own figures), node 1 in 1 s: whole layers give
+        // [L0 L2 | L4], 0.8 against 1 s; the head of L4 moves to node 0. After 128 of its
+        // outputs: 0.8 + 0.05 against 0.875 s (192 ties at 0.875, 64 gives 0.94).
+        let mut own = free(2);
+        own[0].layer_seconds = Some(costs.iter().map(|c| c.seconds * 0.4).collect());
+        let whole = plan_best(&costs, &own, 0, true, None).unwrap();
+        assert!((whole.bottleneck - 1.0).abs() < 1e-9);
+        let r = cut_inside(&costs, &geometry, &own, &whole, 0, None).unwrap();
+        assert_eq!(
+            r.cuts,
+            [CutInside {
+                layer: 4,
+                split: 128
+            }]
+        );
+        assert!((r.plan.bottleneck - 0.875).abs() < 1e-9, "{r:?}");
+        assert!(
+            (r.plan.stages[0].predicted_seconds - 0.85).abs() < 1e-9,
+            "{r:?}"
+        );
+        assert_eq!(bounds(&r.plan.stages), [(0, 5), (5, 7)]);
+        // Cards of 5 KB/s: the whole-layer cut sends 4 KB each way (1.64 s of card against 2 s
+        // of compute). Cutting L2 after s outputs sends 4 s more bytes: 512 (compute 1.5 s a
+        // stage) would take 2.05 s of card; 192 gives 1.81 s of compute against 1.79 of card.
+        let mut slow = free(2);
+        for n in &mut slow {
+            n.card_bytes_per_second = Some(5_000.0);
+        }
+        let whole = plan_best(&costs, &slow, 0, true, None).unwrap();
+        assert!((whole.bottleneck - 2.0).abs() < 1e-9);
+        let r = cut_inside(&costs, &geometry, &slow, &whole, 0, None).unwrap();
+        assert_eq!(
+            r.cuts,
+            [CutInside {
+                layer: 2,
+                split: 192
+            }]
+        );
+        assert!((r.plan.bottleneck - 1.8125).abs() < 1e-9, "{r:?}");
     }
 }
