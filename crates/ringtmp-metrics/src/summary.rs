@@ -51,7 +51,8 @@ pub struct NodeSummary {
     /// Most bytes of stashed activations held at once (pipeline strategies).
     #[serde(default)]
     pub peak_stash_bytes: u64,
-    /// Layers `[start, end)` this node holds (pipeline strategies).
+    /// Layers `[start, end)` this node holds (pipeline strategies), in the model's indices: a
+    /// layer the ring cut inside (its head on one node, its tail on the next) is in both.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layers: Option<(usize, usize)>,
     /// Data-parallel workers: iterations completed.

@@ -98,7 +98,8 @@ fn ring_params(job: &RingJob, data: &Dataset, out: &Path) -> (Vec<f32>, ringtmp_
 /// rank 1) or the logits' gradient (to the last rank): never raw inputs, never labels.
 fn audit_master(sent: &[ringtmp_transport::SentRecord], job: &RingJob, data: &Dataset) {
     use ringtmp_wire::TensorTag;
-    let layers = job.spec.model.build(&Shape::image(8, 8, 1), 10).unwrap();
+    // The layers the stages hold (a cut inside a layer sends its input and its head's outputs).
+    let layers = job.layers().unwrap();
     let stage0_width = layers[job.partition[0].end - 1].output.numel() as u32;
     let n = job.partition.len() as u32;
     let raw_width = data.train.features() as u32;
@@ -212,6 +213,70 @@ fn gpipe_and_1f1b_equal_local_on_2_3_and_4_nodes() {
                     oracle.len() as u64
                 );
             }
+        }
+    }
+}
+
+// Cuts inside layers (architecture.md §35): a linear layer's head ends one stage and its tail
+// starts the next. The ring computes the unsplit model: its final checkpoint, read into the
+// whole model, holds local's parameters — on 2 nodes with one cut and on 3 with two, under
+// 1f1b and gpipe, on real links and on the simulated network.
+#[test]
+fn a_ring_cut_inside_layers_equals_local() {
+    use ringtmp_strategy::ring::partition::CutInside;
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let oracle = local_params(&data, &tmp.path().join("local"));
+    let layers = model().build(&Shape::image(8, 8, 1), 10).unwrap();
+    let cases: [(&[CutInside], &[usize], Schedule); 2] = [
+        // Layer 7 (48 → 32) after 12 outputs: [conv … head | tail relu linear].
+        (
+            &[CutInside {
+                layer: 7,
+                split: 12,
+            }],
+            &[0, 8, 11],
+            Schedule::OneFOneB,
+        ),
+        // Layer 4 (96 → 48) after 20 and layer 7 after 12: three stages.
+        (
+            &[
+                CutInside {
+                    layer: 4,
+                    split: 20,
+                },
+                CutInside {
+                    layer: 7,
+                    split: 12,
+                },
+            ],
+            &[0, 5, 9, 12],
+            Schedule::Gpipe,
+        ),
+    ];
+    for backend in [Backend::Tcp, Backend::sim(test_seed(3))] {
+        for (k, (cuts, bounds, schedule)) in cases.iter().enumerate() {
+            let out = tmp.path().join(format!("cut-{k}-{}", backend.name()));
+            let mut j = job(bounds, *schedule, 4);
+            j.cuts_inside = cuts.to_vec();
+            j.spec.config.checkpoint_every = STEPS;
+            j.spec.config.out = out.clone();
+            assert_eq!(j.layers().unwrap().len(), layers.len() + cuts.len());
+            let (_, summary) = ring_params_on(&backend, &j, &data, &out);
+            assert_eq!(summary.steps, STEPS);
+            let dir = checkpoint::resolve(&out).unwrap();
+            let manifest = checkpoint::read_manifest(&dir).unwrap();
+            let mut whole = ringtmp_model::Stage::new(&layers, 0..layers.len(), 1, 1);
+            let mut opt = ringtmp_model::Optimizer::new(optimizer(), whole.params().len());
+            checkpoint::read_stage(&dir, &manifest, &mut whole, &mut opt).unwrap();
+            let diff = max_rel_diff(whole.params(), &oracle);
+            println!(
+                "{} cut(s) on {} nodes ({}): max |Δparam| / max |param| = {diff:.2e}",
+                cuts.len(),
+                bounds.len() - 1,
+                backend.name()
+            );
+            assert!(diff < 1e-4, "cut ring differs from local by {diff}");
         }
     }
 }

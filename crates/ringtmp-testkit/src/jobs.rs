@@ -38,6 +38,7 @@ pub fn ring_job(
                 predicted_link_seconds: 0.0,
             })
             .collect(),
+        cuts_inside: Vec::new(),
         head: None,
         node_speeds: vec![1.0; bounds.len() - 1],
         defer_weight_grads: false,

@@ -28,7 +28,7 @@ use ringtmp_wire::message::{tensor_bytes, tensor_values};
 use ringtmp_wire::{Dtype, Message, TensorHeader, TensorTag};
 use serde::{Deserialize, Serialize};
 
-use super::partition::StagePlan;
+use super::partition::{CutInside, StagePlan};
 use super::schedule::Schedule;
 use crate::error::{Error, Result};
 use crate::spec::{ResumePoint, RunSpec};
@@ -49,8 +49,13 @@ pub struct RingJob {
     pub micro_batches: usize,
     /// Pipeline schedule.
     pub schedule: Schedule,
-    /// Stages, one per rank.
+    /// Stages, one per rank, over the layers of [`RingJob::layers`] (the model's, with the
+    /// `cuts_inside` made).
     pub partition: Vec<StagePlan>,
+    /// Linear layers cut by their output features between two stages (the planner's finer
+    /// cuts, architecture.md §35), in the model's layer positions.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cuts_inside: Vec<CutInside>,
     /// The last block of layers, when the master holds it as well (U-shaped ring).
     #[serde(default)]
     pub head: Option<StagePlan>,
@@ -139,8 +144,27 @@ impl RingJob {
         self.spec.lr_at(step)
     }
 
-    pub(super) fn layers(&self) -> Result<Vec<Layer>> {
-        self.spec.layers()
+    /// The layers the stages hold: the model's, with every cut inside a layer made (a head
+    /// and a tail in the layer's place).
+    pub fn layers(&self) -> Result<Vec<Layer>> {
+        let mut layers = self.spec.layers()?;
+        let mut cuts = self.cuts_inside.clone();
+        // From the last, so that each cut's position in the model is still its position here.
+        cuts.sort_by_key(|c| std::cmp::Reverse(c.layer));
+        for cut in cuts {
+            layers = ringtmp_model::layers::cut_linear(&layers, cut.layer, cut.split)
+                .map_err(|e| Error::Config(format!("invalid job: {e}")))?;
+        }
+        Ok(layers)
+    }
+
+    /// A stage's layers `[start, end)` in the model's indices (a cut layer's head and tail
+    /// share one): what a checkpoint's manifest records.
+    pub fn model_layers(layers: &[Layer], plan: &StagePlan) -> (usize, usize) {
+        match (layers.get(plan.start), layers.get(plan.end.wrapping_sub(1))) {
+            (Some(first), Some(last)) => (first.index, last.index + 1),
+            _ => (plan.start, plan.end),
+        }
     }
 
     pub(super) fn stage(&self, rank: u32) -> Result<(Stage, StagePlan)> {
@@ -254,12 +278,14 @@ impl RingJob {
             batch_size: self.spec.batch_size * self.replicas.max(1),
             seed: self.spec.seed,
             model: self.spec.model.clone(),
-            partition: self
-                .partition
-                .iter()
-                .chain(&self.head)
-                .map(|p| (p.start, p.end))
-                .collect(),
+            partition: {
+                let layers = self.layers()?;
+                self.partition
+                    .iter()
+                    .chain(&self.head)
+                    .map(|p| Self::model_layers(&layers, p))
+                    .collect()
+            },
             optimizer: self.spec.optimizer.clone(),
             files,
             replicas: Vec::new(),
@@ -442,7 +468,12 @@ pub(super) fn node_summary(
         bubble_fraction: ((train_seconds - clock.compute) / train_seconds.max(1e-9))
             .clamp(0.0, 1.0),
         peak_stash_bytes: clock.peak_stash as u64,
-        layers: Some((plan.start, plan.end)),
+        // In the model's layer indices: a layer cut inside (its head here, its tail on the next
+        // node) appears in both nodes' ranges.
+        layers: Some((
+            stage.first_layer(),
+            stage.layers().last().map_or(plan.end, |l| l.index + 1),
+        )),
         // Wall-clock times describe no simulated machine, and would make a computing simulated
         // run's reports longer than a phantom one's (the simulator's phantom-equals-computing
         // invariant counts their bytes on the simulated links).

@@ -49,7 +49,7 @@ impl Strategy for RingJob {
             ));
         }
         // The stages (and the head on the master) must cover the model's layers once, in order.
-        let layers = self.spec.layers()?.len();
+        let layers = self.layers()?.len();
         let mut at = 0;
         for (rank, stage) in self.partition.iter().enumerate() {
             if stage.rank as usize != rank || stage.start != at || stage.end <= stage.start {

@@ -70,6 +70,12 @@ pub struct RingOptions {
     /// layers over and the ring closes around it, without a restart or a checkpoint.
     #[arg(long, value_name = "K", num_args = 0..=1, default_missing_value = "20")]
     pub stage_replicas: Option<u64>,
+    /// Ring: let the planner cut a linear layer by its output features between two stages
+    /// where whole layers cannot balance them (its head ends one stage, its tail starts the
+    /// next) [default: true; not with --partition, --master-holds-head, --replicas or
+    /// --stage-replicas, nor in `ringtmp simulate`].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub cut_inside: Option<bool>,
 }
 
 crate::job::options_merge!(
@@ -84,7 +90,8 @@ crate::job::options_merge!(
     replicas,
     ring_nodes,
     replica_sync,
-    stage_replicas
+    stage_replicas,
+    cut_inside
 );
 
 impl RingOptions {
@@ -438,6 +445,63 @@ pub fn plan(
         )),
         _ => Error::Config(e.to_string()),
     })?;
+    // Finer cuts than whole layers where they balance the stages better (architecture.md §35).
+    let cuts_allowed = args.cut_inside.unwrap_or(true)
+        && args.partition.is_none()
+        && replicas == 1
+        && head_start == layers.len()
+        && args.stage_replicas.is_none();
+    let geometry: Vec<Option<partition::Cuttable>> = layers[..head_start]
+        .iter()
+        .map(|l| match &l.kind {
+            LayerKind::Linear(linear) => Some(partition::Cuttable {
+                in_features: linear.in_features,
+                out_features: linear.out_features,
+            }),
+            _ => None,
+        })
+        .collect();
+    let refined = if cuts_allowed {
+        partition::cut_inside(
+            body,
+            &geometry,
+            &capacities,
+            &planned,
+            first_param,
+            shared.as_ref(),
+        )
+    } else {
+        None
+    };
+    let (planned, cuts_inside, body) = match refined {
+        Some(refined) => {
+            for cut in &refined.cuts {
+                let g = geometry[cut.layer].expect("only linear layers are cut");
+                eprintln!(
+                    "cut inside layer {} (linear {}→{}) after {} of its outputs: whole layers \
+                     could not balance the stages (the slowest {:.2} ms a micro-batch, {:.2} ms \
+                     with the cut; --cut-inside false keeps whole layers)",
+                    cut.layer,
+                    g.in_features,
+                    g.out_features,
+                    cut.split,
+                    planned.bottleneck * 1e3,
+                    refined.plan.bottleneck * 1e3
+                );
+            }
+            (refined.plan, refined.cuts, refined.costs)
+        }
+        None => (planned, Vec::new(), body.to_vec()),
+    };
+    let body = body.as_slice();
+    // The layers the stages index: the model's with the cuts made.
+    let staged_layers = {
+        let mut cut = layers.clone();
+        for c in cuts_inside.iter().rev() {
+            cut = ringtmp_model::layers::cut_linear(&cut, c.layer, c.split)?;
+        }
+        cut
+    };
     let plan = planned.stages.clone();
     let used = plan.len() as u32;
     let idle_nodes = nodes - used;
@@ -534,7 +598,7 @@ pub fn plan(
         }
     );
     for (i, s) in plan.iter().enumerate() {
-        let kinds: Vec<&str> = layers[s.start..s.end]
+        let kinds: Vec<&str> = staged_layers[s.start..s.end]
             .iter()
             .map(|l| l.kind_name())
             .collect();
@@ -602,6 +666,7 @@ pub fn plan(
         micro_batches,
         schedule,
         partition: plan,
+        cuts_inside,
         head,
         node_speeds: speeds,
         defer_weight_grads: args.defer_weight_grads.unwrap_or(true),
