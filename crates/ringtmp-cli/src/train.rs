@@ -211,6 +211,7 @@ fn plan_restart(
             (0, attempt_started)
         }
     };
+    keep_cuts(args, out);
     let restart = Restart {
         rank: failed.rank,
         reason: failed.message.clone(),
@@ -227,6 +228,37 @@ fn plan_restart(
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64());
     (restart, unix)
+}
+
+/// A restarted ring cuts inside layers where the failed attempt did (`job.json`'s
+/// `cuts_inside`), or nowhere when it did not: its stages may fall elsewhere, but it computes bit
+/// for bit what the first attempt did (a cut layer's input gradient is summed in two parts, so a
+/// cut chosen anew — on a timing that differs by noise — would differ by rounding). Cuts the
+/// user gave, or `--cut-inside false`, stand as given.
+fn keep_cuts(args: &mut TrainArgs, out: &std::path::Path) {
+    use ringtmp_strategy::ring::plan::CutInsideChoice;
+    if args.strategy() != "ring"
+        || args
+            .ring
+            .cut_inside
+            .as_ref()
+            .is_some_and(|c| *c != CutInsideChoice::Planner(true))
+    {
+        return;
+    }
+    let Some(job) = std::fs::read_to_string(out.join("job.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+    else {
+        return;
+    };
+    let cuts: Vec<ringtmp_strategy::ring::partition::CutInside> =
+        serde_json::from_value(job["cuts_inside"].clone()).unwrap_or_default();
+    args.ring.cut_inside = Some(if cuts.is_empty() {
+        CutInsideChoice::Planner(false)
+    } else {
+        CutInsideChoice::At(cuts)
+    });
 }
 
 /// What the local nodes run on: each one's emulated card, CPU share and memory limit, checked
@@ -381,4 +413,49 @@ fn launch_once(args: &mut TrainArgs, cluster: &LocalCluster, attempt: usize) -> 
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ringtmp_strategy::ring::partition::CutInside;
+    use ringtmp_strategy::ring::plan::CutInsideChoice;
+
+    // A restart keeps the failed attempt's cuts inside layers (or none), unless the user said
+    // which; other strategies are left alone.
+    #[test]
+    fn a_restarted_ring_keeps_the_cuts_of_its_first_attempt() {
+        let dir = tempfile::tempdir().unwrap();
+        let ring = || TrainArgs {
+            strategy: Some("ring".into()),
+            ..TrainArgs::default()
+        };
+        std::fs::write(
+            dir.path().join("job.json"),
+            r#"{"partition": [], "cuts_inside": [{"layer": 9, "split": 320}]}"#,
+        )
+        .unwrap();
+        let mut args = ring();
+        keep_cuts(&mut args, dir.path());
+        let cut = vec![CutInside {
+            layer: 9,
+            split: 320,
+        }];
+        assert_eq!(args.ring.cut_inside, Some(CutInsideChoice::At(cut)));
+        let mut told = ring();
+        told.ring.cut_inside = Some(CutInsideChoice::Planner(false));
+        keep_cuts(&mut told, dir.path());
+        assert_eq!(told.ring.cut_inside, Some(CutInsideChoice::Planner(false)));
+        // A first attempt without cuts: whole layers again.
+        std::fs::write(dir.path().join("job.json"), r#"{"partition": []}"#).unwrap();
+        let mut args = ring();
+        keep_cuts(&mut args, dir.path());
+        assert_eq!(args.ring.cut_inside, Some(CutInsideChoice::Planner(false)));
+        let mut ps = TrainArgs {
+            strategy: Some("ps".into()),
+            ..TrainArgs::default()
+        };
+        keep_cuts(&mut ps, dir.path());
+        assert_eq!(ps.ring.cut_inside, None);
+    }
 }

@@ -655,3 +655,36 @@ fn bench_cores_reports_each_probe_alone_and_together_and_the_ring_ceiling() {
     }
     assert!(!report["verdict"].as_array().unwrap().is_empty());
 }
+
+// `--cut-inside` names what is wrong with a cut before anything runs: the first layer with
+// parameters (its input is the raw data), a layer that is not linear, a part left empty, a
+// layer cut twice, flags it does not go with, and text that is not a cut.
+#[test]
+fn a_bad_cut_inside_is_a_usage_error_naming_the_layer() {
+    let ring = |cut: &str, extra: &[&str]| {
+        let mut args = vec![
+            "train",
+            "--strategy",
+            "ring",
+            "--nodes",
+            "2",
+            "--model",
+            "mlp-deep",
+            "--dataset",
+            "digits",
+            "--cut-inside",
+            cut,
+        ];
+        args.extend_from_slice(extra);
+        ringtmp(&args)
+    };
+    assert_usage_error(&ring("1:256", &[]), "layer 1 is the first with parameters");
+    assert_usage_error(&ring("2:256", &[]), "layer 2 (relu): only a linear layer");
+    assert_usage_error(&ring("3:1024", &[]), "leaves a part empty");
+    assert_usage_error(&ring("3:64,3:128", &[]), "layer 3 is cut twice");
+    assert_usage_error(
+        &ring("3:64", &["--partition", "0:9,9:18"]),
+        "do not go with --partition",
+    );
+    assert_usage_error(&ring("3:x", &[]), "expected true, false or LAYER:SPLIT");
+}

@@ -594,6 +594,49 @@ pub struct Cuttable {
 /// kernels' tile height, so neither half runs a ragged tile more than the whole did).
 pub const CUT_GRANULE: usize = 64;
 
+/// Layers with fewer output features are not cut: a few granules leave too coarse a choice to
+/// balance anything, and such layers are too small to be a bottleneck worth a second message
+/// part.
+pub const MIN_CUT_FEATURES: usize = 4 * CUT_GRANULE;
+
+/// A cut must lower the bottleneck by this share...
+const MIN_CUT_GAIN: f64 = 0.02;
+
+/// ...and by at least this many seconds a micro-batch: a message's fixed cost on loopback is
+/// about a tenth of a millisecond (`ringtmp selftest`: round trips of 0.10 ms at the median), so a
+/// smaller predicted gain is inside what the model leaves out — and a plan that flips on timing
+/// noise would make two runs of one configuration compute (by rounding) differently.
+const MIN_CUT_SECONDS: f64 = 1e-4;
+
+/// `costs` and `nodes` (their own per-layer figures) with `cuts` made, as [`cut_inside`] prices
+/// them: what a plan over the cut model's layers is found on.
+///
+/// # Panics
+/// If a cut's layer is not in `geometry` as cuttable (a programmer error: callers validate).
+pub fn apply_cuts(
+    costs: &[LayerCost],
+    geometry: &[Option<Cuttable>],
+    nodes: &[NodeCapacity],
+    cuts: &[CutInside],
+) -> (Vec<LayerCost>, Vec<NodeCapacity>) {
+    let (mut work, mut geom) = (costs.to_vec(), geometry.to_vec());
+    let mut origin: Vec<usize> = (0..costs.len()).collect();
+    let mut caps = nodes.to_vec();
+    let mut sorted = cuts.to_vec();
+    // From the last, so that each cut's model position is still its position in the list.
+    sorted.sort_by_key(|c| std::cmp::Reverse(c.layer));
+    for cut in sorted {
+        let g = geom[cut.layer].expect("a validated cut is of a linear layer");
+        cut_costs(&mut work, &mut geom, &mut origin, cut.layer, cut.split);
+        cut_nodes(
+            &mut caps,
+            cut.layer,
+            cut.split as f64 / g.out_features as f64,
+        );
+    }
+    (work, caps)
+}
+
 /// A plan refined by cuts inside layers: the cuts, and the costs of the cut model's layers
 /// (what the plan's stage bounds index).
 #[derive(Clone, Debug, PartialEq)]
@@ -656,7 +699,8 @@ fn cut_nodes(nodes: &mut [NodeCapacity], at: usize, share: f64) {
 /// linear layer before it (its tail and the parameter-free layers after it move to the next
 /// stage) or of the first one after it (the parameter-free layers before it and its head move to
 /// the previous stage), after a multiple of [`CUT_GRANULE`] outputs. Greedy: the cut that lowers
-/// the bottleneck most, then again, until none lowers it by 1% more. Never cuts the first layer
+/// the bottleneck most, then again, while one lowers it by 2% and 0.1 ms more; only layers of
+/// at least [`MIN_CUT_FEATURES`] outputs. Never cuts the first layer
 /// with parameters before its input leaves the master (the cut would send that input, the raw
 /// data). `None` when no cut helps.
 pub fn cut_inside(
@@ -704,7 +748,9 @@ pub fn cut_inside(
             let before = (lo..j).rev().find(|&l| work[l].has_params);
             let after = (j..hi).find(|&l| work[l].has_params);
             for layer in [before, after].into_iter().flatten() {
-                let Some(g) = geom[layer] else { continue };
+                let Some(g) = geom[layer].filter(|g| g.out_features >= MIN_CUT_FEATURES) else {
+                    continue;
+                };
                 if origin[layer] == first_param_layer && layer < j && k == 1 {
                     // Stage 0 would send this layer's input: the raw data.
                     continue;
@@ -729,7 +775,10 @@ pub fn cut_inside(
             }
         }
         match best {
-            Some((bottleneck, k, layer, split)) if bottleneck < current * 0.99 => {
+            Some((bottleneck, k, layer, split))
+                if bottleneck < current * (1.0 - MIN_CUT_GAIN)
+                    && current - bottleneck >= MIN_CUT_SECONDS =>
+            {
                 let g = geom[layer].expect("a candidate is cuttable");
                 cuts.push(CutInside {
                     layer: origin[layer],

@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::job::{Cluster, SharedMachine};
 use crate::ring::driver::RingJob;
 use crate::ring::node_profile::ProfileRequest;
-use crate::ring::partition::{self, LayerCost, NodeCapacity, SharedCores};
+use crate::ring::partition::{self, CutInside, LayerCost, NodeCapacity, SharedCores};
 use crate::ring::profile::{ProfileSettings, profile_layers};
 use crate::ring::schedule::Schedule;
 use crate::{ResumePoint, RunSpec, TrainConfig};
@@ -72,10 +72,12 @@ pub struct RingOptions {
     pub stage_replicas: Option<u64>,
     /// Ring: let the planner cut a linear layer by its output features between two stages
     /// where whole layers cannot balance them (its head ends one stage, its tail starts the
-    /// next) [default: true; not with --partition, --master-holds-head, --replicas or
-    /// --stage-replicas, nor in `ringtmp simulate`].
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub cut_inside: Option<bool>,
+    /// next): `true`, `false`, or the cuts to make, `LAYER:SPLIT[,LAYER:SPLIT]` (layer `LAYER`
+    /// after `SPLIT` of its outputs; the planner then places the stages around them) [default:
+    /// true; not with --partition, --master-holds-head, --replicas or --stage-replicas, nor in
+    /// `ringtmp simulate`].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "true|false|L:S,...")]
+    pub cut_inside: Option<CutInsideChoice>,
 }
 
 crate::job::options_merge!(
@@ -139,6 +141,82 @@ impl RingOptions {
             }
         }
         Ok(())
+    }
+}
+
+/// `--cut-inside`: whether the planner may cut inside linear layers, or the cuts to make.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CutInsideChoice {
+    /// The planner decides (`true`) or keeps whole layers (`false`).
+    Planner(bool),
+    /// These cuts, made whatever the planner would choose (a restarted run keeps its first
+    /// attempt's, so that it computes bit for bit what an uninterrupted run does).
+    At(Vec<CutInside>),
+}
+
+impl std::str::FromStr for CutInsideChoice {
+    type Err = String;
+
+    fn from_str(text: &str) -> std::result::Result<Self, String> {
+        match text.trim() {
+            "true" | "on" => return Ok(Self::Planner(true)),
+            "false" | "off" => return Ok(Self::Planner(false)),
+            _ => {}
+        }
+        let cuts = text
+            .split(',')
+            .map(|part| {
+                let parsed = part.split_once(':').and_then(|(l, s)| {
+                    Some(CutInside {
+                        layer: l.trim().parse().ok()?,
+                        split: s.trim().parse().ok()?,
+                    })
+                });
+                parsed.ok_or_else(|| {
+                    format!("{part:?}: expected true, false or LAYER:SPLIT[,LAYER:SPLIT]")
+                })
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        Ok(Self::At(cuts))
+    }
+}
+
+impl std::fmt::Display for CutInsideChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Planner(on) => write!(f, "{on}"),
+            Self::At(cuts) => {
+                let parts: Vec<String> = cuts
+                    .iter()
+                    .map(|c| format!("{}:{}", c.layer, c.split))
+                    .collect();
+                write!(f, "{}", parts.join(","))
+            }
+        }
+    }
+}
+
+impl Serialize for CutInsideChoice {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
+        match self {
+            Self::Planner(on) => s.serialize_bool(*on),
+            Self::At(_) => s.serialize_str(&self.to_string()),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for CutInsideChoice {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            On(bool),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::On(on) => Ok(Self::Planner(on)),
+            Raw::Text(text) => text.parse().map_err(serde::de::Error::custom),
+        }
     }
 }
 
@@ -446,11 +524,19 @@ pub fn plan(
         _ => Error::Config(e.to_string()),
     })?;
     // Finer cuts than whole layers where they balance the stages better (architecture.md §35).
-    let cuts_allowed = args.cut_inside.unwrap_or(true)
-        && args.partition.is_none()
-        && replicas == 1
-        && head_start == layers.len()
-        && args.stage_replicas.is_none();
+    let choice = args
+        .cut_inside
+        .clone()
+        .unwrap_or(CutInsideChoice::Planner(true));
+    let not_with = [
+        ("--partition", args.partition.is_some()),
+        ("--master-holds-head", head_start < layers.len()),
+        ("--replicas", replicas > 1),
+        ("--stage-replicas", args.stage_replicas.is_some()),
+    ]
+    .into_iter()
+    .find(|(_, given)| *given)
+    .map(|(flag, _)| flag);
     let geometry: Vec<Option<partition::Cuttable>> = layers[..head_start]
         .iter()
         .map(|l| match &l.kind {
@@ -461,37 +547,77 @@ pub fn plan(
             _ => None,
         })
         .collect();
-    let refined = if cuts_allowed {
-        partition::cut_inside(
-            body,
-            &geometry,
-            &capacities,
-            &planned,
-            first_param,
-            shared.as_ref(),
-        )
-    } else {
-        None
-    };
-    let (planned, cuts_inside, body) = match refined {
-        Some(refined) => {
-            for cut in &refined.cuts {
-                let g = geometry[cut.layer].expect("only linear layers are cut");
-                eprintln!(
-                    "cut inside layer {} (linear {}→{}) after {} of its outputs: whole layers \
-                     could not balance the stages (the slowest {:.2} ms a micro-batch, {:.2} ms \
-                     with the cut; --cut-inside false keeps whole layers)",
-                    cut.layer,
-                    g.in_features,
-                    g.out_features,
-                    cut.split,
-                    planned.bottleneck * 1e3,
-                    refined.plan.bottleneck * 1e3
-                );
-            }
-            (refined.plan, refined.cuts, refined.costs)
+    let (planned, cuts_inside, body) = match (choice, not_with) {
+        (CutInsideChoice::At(cuts), Some(flag)) if !cuts.is_empty() => {
+            return Err(Error::Config(format!(
+                "--cut-inside {}: cuts inside layers do not go with {flag} yet",
+                CutInsideChoice::At(cuts)
+            )));
         }
-        None => (planned, Vec::new(), body.to_vec()),
+        (CutInsideChoice::At(cuts), None) if !cuts.is_empty() => {
+            for cut in &cuts {
+                if cut.layer == first_param {
+                    return Err(Error::Config(format!(
+                        "--cut-inside {}:{}: layer {} is the first with parameters, whose input \
+                         (the raw data) a cut would send to the next node",
+                        cut.layer, cut.split, cut.layer
+                    )));
+                }
+                if cuts.iter().filter(|c| c.layer == cut.layer).count() > 1 {
+                    return Err(Error::Config(format!(
+                        "--cut-inside: layer {} is cut twice",
+                        cut.layer
+                    )));
+                }
+                // Names the layer and what is wrong (not linear, a part left empty).
+                ringtmp_model::layers::cut_linear(&layers[..head_start], cut.layer, cut.split)
+                    .map_err(|e| Error::Config(format!("--cut-inside: {e}")))?;
+            }
+            let (work, caps) = partition::apply_cuts(body, &geometry, &capacities, &cuts);
+            let before = cuts.iter().filter(|c| c.layer < first_param).count();
+            let planned = partition::plan_best(
+                &work,
+                &caps,
+                first_param + before,
+                !may_use_fewer,
+                shared.as_ref(),
+            )
+            .map_err(|e| Error::Config(e.to_string()))?;
+            let mut sorted = cuts;
+            sorted.sort_by_key(|c| c.layer);
+            (planned, sorted, work)
+        }
+        (CutInsideChoice::Planner(true), None) => {
+            match partition::cut_inside(
+                body,
+                &geometry,
+                &capacities,
+                &planned,
+                first_param,
+                shared.as_ref(),
+            ) {
+                Some(refined) => {
+                    for cut in &refined.cuts {
+                        let g = geometry[cut.layer].expect("only linear layers are cut");
+                        eprintln!(
+                            "cut inside layer {} (linear {}→{}) after {} of its outputs: whole \
+                             layers could not balance the stages (the slowest {:.2} ms a \
+                             micro-batch, {:.2} ms with the cut; --cut-inside false keeps whole \
+                             layers)",
+                            cut.layer,
+                            g.in_features,
+                            g.out_features,
+                            cut.split,
+                            planned.bottleneck * 1e3,
+                            refined.plan.bottleneck * 1e3
+                        );
+                    }
+                    (refined.plan, refined.cuts, refined.costs)
+                }
+                None => (planned, Vec::new(), body.to_vec()),
+            }
+        }
+        _ => (planned, Vec::new(), body.to_vec()),
     };
     let body = body.as_slice();
     // The layers the stages index: the model's with the cuts made.
@@ -972,6 +1098,35 @@ fn parse_bytes(text: &str) -> Result<u64> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn cut_inside_reads_as_a_flag_a_config_value_or_a_list_of_cuts() {
+        use CutInsideChoice::{At, Planner};
+        assert_eq!("true".parse(), Ok(Planner(true)));
+        assert_eq!("off".parse(), Ok(Planner(false)));
+        let cuts = At(vec![
+            CutInside {
+                layer: 9,
+                split: 320,
+            },
+            CutInside {
+                layer: 13,
+                split: 64,
+            },
+        ]);
+        assert_eq!("9:320, 13:64".parse(), Ok(cuts.clone()));
+        assert!("9".parse::<CutInsideChoice>().is_err());
+        assert!("9:-1".parse::<CutInsideChoice>().is_err());
+        // A config file's `cut-inside = false` and `cut-inside = "9:320,13:64"` (a boolean or a
+        // string, whatever the format).
+        let off: CutInsideChoice = serde_json::from_str("false").unwrap();
+        assert_eq!(off, Planner(false));
+        let at: CutInsideChoice = serde_json::from_str("\"9:320,13:64\"").unwrap();
+        assert_eq!(at, cuts);
+        assert_eq!(serde_json::to_string(&at).unwrap(), "\"9:320,13:64\"");
+        assert_eq!(serde_json::to_string(&off).unwrap(), "false");
+    }
+
     use super::*;
 
     #[test]
