@@ -86,12 +86,24 @@ fn write_shards(
         );
         partition.push(checkpoint::range_layers(stage, &range));
     }
+    write_manifest(dir, "ps", opt.steps(), spec, partition, files);
+}
+
+/// Writes the manifest of a test checkpoint of `files` (layer ranges `partition`) at `step`.
+fn write_manifest(
+    dir: &std::path::Path,
+    strategy: &str,
+    step: u64,
+    spec: &ModelSpec,
+    partition: Vec<(usize, usize)>,
+    files: Vec<checkpoint::FileEntry>,
+) {
     let manifest = Manifest {
         format: checkpoint::MANIFEST_FORMAT,
-        strategy: "ps".into(),
-        step: opt.steps(),
+        strategy: strategy.into(),
+        step,
         epoch: 0,
-        batch_in_epoch: opt.steps(),
+        batch_in_epoch: step,
         dataset: "test".into(),
         batch_size: 8,
         seed: 3,
@@ -317,22 +329,7 @@ fn write_stages(dir: &std::path::Path, stages: &[(&Stage, &Optimizer)], spec: &M
         let last = stage.layers().last().unwrap().index + 1;
         partition.push((stage.first_layer(), last));
     }
-    let manifest = Manifest {
-        format: checkpoint::MANIFEST_FORMAT,
-        strategy: "ring".into(),
-        step: 2,
-        epoch: 0,
-        batch_in_epoch: 2,
-        dataset: "test".into(),
-        batch_size: 8,
-        seed: 3,
-        model: spec.clone(),
-        partition,
-        optimizer: adam(),
-        files,
-        replicas: Vec::new(),
-    };
-    checkpoint::write_manifest(dir, &manifest).unwrap();
+    write_manifest(dir, "ring", 2, spec, partition, files);
 }
 
 /// Reads `range` of `layers` from `dir` into a fresh stage and its optimizer.
