@@ -220,7 +220,8 @@ fn gpipe_and_1f1b_equal_local_on_2_3_and_4_nodes() {
 // Cuts inside layers (architecture.md §35): a linear layer's head ends one stage and its tail
 // starts the next. The ring computes the unsplit model: its final checkpoint, read into the
 // whole model, holds local's parameters — on 2 nodes with one cut and on 3 with two, under
-// 1f1b and gpipe, on real links and on the simulated network.
+// 1f1b and gpipe (with the whole linear layers' weight gradients deferred), on real links and on
+// the simulated network.
 #[test]
 fn a_ring_cut_inside_layers_equals_local() {
     use ringtmp_strategy::ring::partition::CutInside;
@@ -259,6 +260,8 @@ fn a_ring_cut_inside_layers_equals_local() {
             let out = tmp.path().join(format!("cut-{k}-{}", backend.name()));
             let mut j = job(bounds, *schedule, 4);
             j.cuts_inside = cuts.to_vec();
+            // The whole linear layers' deferred weight gradients beside the halves' own.
+            j.defer_weight_grads = k == 1;
             j.spec.config.checkpoint_every = STEPS;
             j.spec.config.out = out.clone();
             assert_eq!(j.layers().unwrap().len(), layers.len() + cuts.len());
