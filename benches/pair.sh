@@ -6,7 +6,9 @@
 # layers, compute and non-compute seconds (`idle` in summary.json: waiting plus the work of sending
 # and receiving) and CPU seconds, and at the end the medians. With CANDIDATE set to a second ringtmp
 # binary, each round also runs the ring with it (an A/B of a change, local from the first).
-# Each ring node's forward and backward seconds stand beside those of the same layers in local.
+# Each ring node's forward and backward seconds stand beside those of the same layers in local
+# (a layer the planner cut inside, `cuts_inside` in the ring's job.json, is in both nodes' ranges:
+# its whole local time stands beside each).
 # Each run also prints the steal time of the machine's cores during it (`/proc/stat`: time the
 # hypervisor gave a core to someone else; a run with steal was not measured on whole cores), and
 # each ring node the steal on its own core (`steal_seconds`). First, `ringtmp bench-cores` on
