@@ -124,23 +124,6 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
     // model is measured with the same count).
     let mut train = train;
     train.threads = Some(train.threads.unwrap_or(1));
-    // The cost model prices each of the model's layers whole (the meter records a cut layer's
-    // head and tail each as the whole layer): the simulated ring keeps whole layers.
-    if train
-        .ring
-        .cut_inside
-        .as_ref()
-        .is_some_and(|c| *c != ringtmp_strategy::ring::plan::CutInsideChoice::Planner(false))
-    {
-        return Err(UsageError(
-            "--cut-inside does not apply to a simulated run (its cost model prices whole layers)"
-                .into(),
-        )
-        .into());
-    }
-    train.ring.cut_inside = Some(ringtmp_strategy::ring::plan::CutInsideChoice::Planner(
-        false,
-    ));
     let data = load_dataset(&train, true)?;
     if train.eval_every.is_none() {
         // Evaluations take no virtual time (see the assumptions): none but the final one.

@@ -661,7 +661,11 @@ impl Stage {
                     Phase::Weights => linear.then_some(ringtmp_meter::Pass::WeightGrad),
                 };
                 if let Some(pass) = metered {
-                    ringtmp_meter::layer(self.layers[i].index, pass, rows);
+                    ringtmp_meter::layer(
+                        self.layers[i].index,
+                        pass,
+                        self.layers[i].metered_rows(rows),
+                    );
                 }
                 if phantom {
                     if want_dx {
@@ -1007,7 +1011,11 @@ fn run_forward(
         if i > 0 {
             between();
         }
-        ringtmp_meter::layer(layer.index, ringtmp_meter::Pass::Forward, stash.rows);
+        ringtmp_meter::layer(
+            layer.index,
+            ringtmp_meter::Pass::Forward,
+            layer.metered_rows(stash.rows),
+        );
         if phantom {
             set_len(&mut stash.acts[i + 1], stash.rows * layer.output.numel());
             continue;

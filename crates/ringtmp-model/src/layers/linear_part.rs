@@ -329,8 +329,10 @@ mod tests {
 
         let mut whole = Stage::new(&layers, 0..layers.len(), 9, 1);
         whole.set_input_grad(true);
+        ringtmp_meter::take();
         let y_whole = whole.forward(0, &x, rows, &pass).unwrap().to_vec();
         let dx_whole = whole.backward(0, &dy).unwrap().unwrap().to_vec();
+        let metered_whole = ringtmp_meter::take();
 
         // Two stages cut between the head (ends the first) and the tail (starts the second).
         let mut first = Stage::new(&cut, 0..at + 1, 9, 1);
@@ -342,6 +344,12 @@ mod tests {
         let y_cut = second.forward(0, &u, rows, &pass).unwrap().to_vec();
         let du = second.backward(0, &dy).unwrap().unwrap().to_vec();
         let dx_cut = first.backward(0, &du).unwrap().unwrap().to_vec();
+        // The simulator's meter counts the halves' rows as their shares of the whole layer's.
+        let metered_cut = ringtmp_meter::take();
+        assert_eq!(metered_cut.forward_rows, metered_whole.forward_rows);
+        assert_eq!(metered_cut.backward_rows, metered_whole.backward_rows);
+        assert_eq!(cut[at].metered_rows(64), 24);
+        assert_eq!(cut[at + 1].metered_rows(64), 40);
 
         let close = |a: &[f32], b: &[f32], what: &str| {
             assert_eq!(a.len(), b.len(), "{what}");

@@ -122,6 +122,19 @@ impl Layer {
         }
     }
 
+    /// The rows a pass of `rows` rows counts for in the meter, which prices work by the model's
+    /// layer (the simulator's cost model): `rows`, or for a part of a cut linear layer its share
+    /// of them by output features — the head's rounded, the tail's the rest, so that the two
+    /// count for exactly the whole layer's rows.
+    pub fn metered_rows(&self, rows: usize) -> usize {
+        let head = |p: &LinearPart| (rows * p.split + p.out_features / 2) / p.out_features.max(1);
+        match &self.kind {
+            LayerKind::LinearHead(p) => head(p),
+            LayerKind::LinearTail(p) => rows - head(p),
+            _ => rows,
+        }
+    }
+
     /// Number of trainable parameters (weights then biases, in that order in the flat buffer).
     pub fn param_count(&self) -> usize {
         match &self.kind {

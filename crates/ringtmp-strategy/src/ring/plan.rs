@@ -74,8 +74,7 @@ pub struct RingOptions {
     /// where whole layers cannot balance them (its head ends one stage, its tail starts the
     /// next): `true`, `false`, or the cuts to make, `LAYER:SPLIT[,LAYER:SPLIT]` (layer `LAYER`
     /// after `SPLIT` of its outputs; the planner then places the stages around them) [default:
-    /// true; not with --partition, --master-holds-head, --replicas or --stage-replicas, nor in
-    /// `ringtmp simulate`].
+    /// true; not with --partition, --master-holds-head, --replicas or --stage-replicas].
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "true|false|L:S,...")]
     pub cut_inside: Option<CutInsideChoice>,
 }
