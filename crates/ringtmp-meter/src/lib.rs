@@ -35,6 +35,9 @@ pub enum Pass {
     InputGrad,
     /// The second part of a split backward: a linear layer's weight gradients.
     WeightGrad,
+    /// A linear layer's backward without its input gradient (no one reads it: the model's first
+    /// layer with parameters): its weight gradients alone.
+    WeightGradAlone,
 }
 
 /// Work a thread did since the last [`take`].
@@ -48,6 +51,8 @@ pub struct Work {
     pub input_grad_rows: Vec<u64>,
     /// Rows run through the weight-gradient part of a split backward ([`Pass::WeightGrad`]).
     pub weight_grad_rows: Vec<u64>,
+    /// Rows run through a backward that made weight gradients alone ([`Pass::WeightGradAlone`]).
+    pub weight_grad_alone_rows: Vec<u64>,
     /// Parameters updated by optimizer steps.
     pub updated_params: u64,
     /// Floats passed over element-wise: sums and averages, copies to and from the wire.
@@ -63,6 +68,7 @@ impl Work {
             && self.backward_rows.iter().all(|r| *r == 0)
             && self.input_grad_rows.iter().all(|r| *r == 0)
             && self.weight_grad_rows.iter().all(|r| *r == 0)
+            && self.weight_grad_alone_rows.iter().all(|r| *r == 0)
     }
 }
 
@@ -84,6 +90,7 @@ pub fn layer(index: usize, pass: Pass, rows: usize) {
             Pass::Backward => &mut w.backward_rows,
             Pass::InputGrad => &mut w.input_grad_rows,
             Pass::WeightGrad => &mut w.weight_grad_rows,
+            Pass::WeightGradAlone => &mut w.weight_grad_alone_rows,
         };
         if per_layer.len() <= index {
             per_layer.resize(index + 1, 0);

@@ -654,10 +654,18 @@ impl Stage {
                 }
                 // Recorded as it runs, for the simulator's clock: a split's input gradient is priced
                 // before the send and a linear layer's weight gradient after it.
+                // A linear layer whose input gradient no one reads (the model's first, on the
+                // master) makes its weight gradient alone, and is priced so: before, the simulator
+                // charged it the input gradient's GEMM too (1 ms a micro-batch of `mlp-deep`'s
+                // master, measured against the planner's prediction).
                 let metered = match phase {
+                    Phase::All if linear && !want_dx => Some(ringtmp_meter::Pass::WeightGradAlone),
                     Phase::All => Some(ringtmp_meter::Pass::Backward),
-                    Phase::Inputs if linear => Some(ringtmp_meter::Pass::InputGrad),
+                    Phase::Inputs if linear => want_dx.then_some(ringtmp_meter::Pass::InputGrad),
                     Phase::Inputs => Some(ringtmp_meter::Pass::Backward),
+                    Phase::Weights if linear && !want_dx => {
+                        Some(ringtmp_meter::Pass::WeightGradAlone)
+                    }
                     Phase::Weights => linear.then_some(ringtmp_meter::Pass::WeightGrad),
                 };
                 if let Some(pass) = metered {

@@ -86,16 +86,25 @@ impl Pricing for CostModel {
                 .sum::<f64>()
         };
         // A split backward's two parts: the input gradient's share of the layer's backward, and
-        // the rest.
-        let split: f64 = (0..work.input_grad_rows.len().max(work.weight_grad_rows.len()))
+        // the rest; and a backward that made the rest alone (its input gradient unread). A cost
+        // model stored without the shares prices a split backward whole before the send, and a
+        // backward alone whole.
+        let rows = |r: &[u64], l: usize| r.get(l).copied().unwrap_or(0) as f64;
+        let parts = work
+            .input_grad_rows
+            .len()
+            .max(work.weight_grad_rows.len())
+            .max(work.weight_grad_alone_rows.len());
+        let split: f64 = (0..parts)
             .map(|l| {
                 let whole = self.backward_seconds_per_row.get(l).copied().unwrap_or(0.0);
-                let input = self
-                    .input_grad_seconds_per_row
-                    .get(l)
-                    .map_or(whole, |s| s.min(whole));
-                let rows = |r: &[u64]| r.get(l).copied().unwrap_or(0) as f64;
-                rows(&work.input_grad_rows) * input + rows(&work.weight_grad_rows) * (whole - input)
+                let (input, rest_alone) = match self.input_grad_seconds_per_row.get(l) {
+                    Some(s) => (s.min(whole), whole - s.min(whole)),
+                    None => (whole, whole),
+                };
+                rows(&work.input_grad_rows, l) * input
+                    + rows(&work.weight_grad_rows, l) * (whole - input)
+                    + rows(&work.weight_grad_alone_rows, l) * rest_alone
             })
             .sum();
         let seconds = layers(&work.forward_rows, &self.forward_seconds_per_row)
