@@ -147,13 +147,21 @@ impl RingJob {
     /// The layers the stages hold: the model's, with every cut inside a layer made (a head
     /// and a tail in the layer's place).
     pub fn layers(&self) -> Result<Vec<Layer>> {
-        let mut layers = self.spec.layers()?;
-        let mut cuts = self.cuts_inside.clone();
+        Self::cut_layers(self.spec.layers()?, &self.cuts_inside)
+            .map_err(|e| Error::Config(format!("invalid job: {e}")))
+    }
+
+    /// `layers` (a model's) with every cut of `cuts` made: each cut layer replaced by its head
+    /// and tail.
+    pub fn cut_layers(
+        mut layers: Vec<Layer>,
+        cuts: &[CutInside],
+    ) -> ringtmp_model::Result<Vec<Layer>> {
+        let mut cuts = cuts.to_vec();
         // From the last, so that each cut's position in the model is still its position here.
         cuts.sort_by_key(|c| std::cmp::Reverse(c.layer));
         for cut in cuts {
-            layers = ringtmp_model::layers::cut_linear(&layers, cut.layer, cut.split)
-                .map_err(|e| Error::Config(format!("invalid job: {e}")))?;
+            layers = ringtmp_model::layers::cut_linear(&layers, cut.layer, cut.split)?;
         }
         Ok(layers)
     }

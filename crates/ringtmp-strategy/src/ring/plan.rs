@@ -573,15 +573,10 @@ pub fn plan(
                     .map_err(|e| Error::Config(format!("--cut-inside: {e}")))?;
             }
             let (work, caps) = partition::apply_cuts(body, &geometry, &capacities, &cuts);
-            let before = cuts.iter().filter(|c| c.layer < first_param).count();
-            let planned = partition::plan_best(
-                &work,
-                &caps,
-                first_param + before,
-                !may_use_fewer,
-                shared.as_ref(),
-            )
-            .map_err(|e| Error::Config(e.to_string()))?;
+            // No linear layer comes before the first with parameters, so no cut shifts it.
+            let planned =
+                partition::plan_best(&work, &caps, first_param, !may_use_fewer, shared.as_ref())
+                    .map_err(|e| Error::Config(e.to_string()))?;
             let mut sorted = cuts;
             sorted.sort_by_key(|c| c.layer);
             (planned, sorted, work)
@@ -620,13 +615,7 @@ pub fn plan(
     };
     let body = body.as_slice();
     // The layers the stages index: the model's with the cuts made.
-    let staged_layers = {
-        let mut cut = layers.clone();
-        for c in cuts_inside.iter().rev() {
-            cut = ringtmp_model::layers::cut_linear(&cut, c.layer, c.split)?;
-        }
-        cut
-    };
+    let staged_layers = RingJob::cut_layers(layers.clone(), &cuts_inside)?;
     let plan = planned.stages.clone();
     let used = plan.len() as u32;
     let idle_nodes = nodes - used;
