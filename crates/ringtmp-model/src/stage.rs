@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::kernels::{column_sums, set_len};
-use crate::layers::{Aux, Fused, Layer, LayerKind, OutputGrad, Pass};
+use crate::layers::{Aux, Fused, Layer, LayerKind, OutputGrad, Pass, Side};
 use crate::optim::Optimizer;
 
 /// Released weight versions kept for reuse. Two suffice for a steady pipeline: the step that
@@ -68,6 +68,8 @@ pub struct Stage {
     /// cnn ~15% of its step time in zero-fills.
     input_grads: Vec<Vec<f32>>,
     scratch: Vec<f32>,
+    /// The own output gradient of a part of a cut linear layer, gathered for its backward.
+    part_grad: Vec<f32>,
     /// Buffers for evaluation passes, which stash nothing.
     eval: Stash,
     /// Per-layer time accounting, when enabled (for `ringtmp bench-compute --profile`).
@@ -231,6 +233,7 @@ impl Stage {
             threads: threads.max(1),
             input_grads: vec![Vec::new(); n],
             scratch: Vec::new(),
+            part_grad: Vec::new(),
             eval: Stash::default(),
             profile: None,
             deferred: None,
@@ -630,7 +633,21 @@ impl Stage {
                 send(&self.input_grads[0]);
             }
             for i in (0..self.layers.len()).rev() {
-                let linear = matches!(self.layers[i].kind, LayerKind::Linear(_));
+                // A linear layer, or a part of a cut one (its rows of the layer, whose backward
+                // is a linear layer's on gathered operands): both fuse the weight gradient into
+                // the update and split the input gradient from the weight gradient alike. Parts
+                // keep their whole backward in one with deferred weight gradients.
+                let part = match &self.layers[i].kind {
+                    LayerKind::LinearHead(p) => Some((p, Side::Head)),
+                    LayerKind::LinearTail(p) => Some((p, Side::Tail)),
+                    _ => None,
+                };
+                let rows_view = match &self.layers[i].kind {
+                    LayerKind::Linear(l) => Some(l.clone()),
+                    _ if self.deferred.is_some() => None,
+                    _ => part.map(|(p, side)| p.rows_of(side)),
+                };
+                let linear = rows_view.is_some() || part.is_some();
                 if phase == Phase::Weights && self.offsets[i + 1] == self.offsets[i] {
                     continue;
                 }
@@ -704,8 +721,27 @@ impl Stage {
                 let accumulate = self.grads_written[i];
                 let threads = self.threads;
                 // `dx = dy · W` of a linear layer, the same call in each of its arms below.
-                let input_grad = |linear: &crate::layers::Linear, dx: &mut Vec<f32>| {
-                    linear.input_grad_into(&read[range.clone()], upstream, rows, dx, threads)
+                // A part's own output gradient (`dy_A` of the head, `dy_B` of the tail), which
+                // its weight gradient reads, and its input (the tail keeps `x` in its aux).
+                let (own_dy, x): (&[f32], &[f32]) = match part {
+                    Some((p, side)) if rows_view.is_some() => {
+                        p.own_output_grad(side, upstream, rows, &mut self.part_grad);
+                        let x = match side {
+                            Side::Head => &stash.acts[i],
+                            Side::Tail => &stash.aux[i].values,
+                        };
+                        (&self.part_grad, x)
+                    }
+                    _ => (upstream, &stash.acts[i]),
+                };
+                // `dx = dy · W` of a linear layer (the part's input gradient of a part), the same
+                // call in each of its arms below.
+                let input_grad = |linear: &crate::layers::Linear, dx: &mut Vec<f32>| match part {
+                    Some((p, side)) => {
+                        let w = &read[range.clone()];
+                        p.input_grad_into(side, w, upstream, own_dy, rows, dx, threads)
+                    }
+                    None => linear.input_grad_into(&read[range.clone()], upstream, rows, dx, threads),
                 };
                 let started = self.profile.is_some().then(std::time::Instant::now);
                 match (&self.layers[i].kind, self.deferred.as_mut()) {
@@ -743,7 +779,8 @@ impl Stage {
                         );
                         self.grads_written[i] = true;
                     }
-                    (LayerKind::Linear(linear), None) if step.is_some() => {
+                    (_, None) if step.is_some() && rows_view.is_some() => {
+                        let linear = rows_view.as_ref().expect("matched");
                         // The update in the backward, by blocks of the weight gradient: each block is
                         // made and applied while in cache (`Optimizer::update_blocks`). The input
                         // gradient reads the weights first, as an update in place overwrites them.
@@ -761,12 +798,11 @@ impl Stage {
                         let updating = self.profile.is_some().then(std::time::Instant::now);
                         let weights_len = linear.in_features * linear.out_features;
                         let (grad_w, grad_b) = self.grads[range.clone()].split_at_mut(weights_len);
-                        column_sums(grad_b, upstream, accumulate);
+                        column_sums(grad_b, own_dy, accumulate);
                         let accumulated = accumulate.then_some(&*grad_w);
-                        let x = &stash.acts[i];
                         let gradient = |r: std::ops::Range<usize>, out: &mut [f32]| {
                             let acc = accumulated.map(|a| &a[r.clone()]);
-                            linear.weight_grad_block(r, out, acc, x, upstream, rows);
+                            linear.weight_grad_block(r, out, acc, x, own_dy, rows);
                         };
                         let (w_at, b_at) = (range.start, range.start + weights_len);
                         let (from, to): (Option<&[f32]>, &mut [f32]) = match target {
@@ -817,7 +853,8 @@ impl Stage {
                         self.grads_written[i] = true;
                         updated[i] = true;
                     }
-                    (LayerKind::Linear(linear), None) if phase != Phase::All => {
+                    (_, None) if phase != Phase::All && rows_view.is_some() => {
+                        let linear = rows_view.as_ref().expect("matched");
                         // A split backward without the step: the input gradient in the first pass,
                         // the weight gradient (accumulated as `Linear::backward` does) in the second.
                         if phase == Phase::Inputs {
@@ -828,8 +865,8 @@ impl Stage {
                             linear.weight_grad(
                                 &mut self.grads[range.clone()],
                                 accumulate,
-                                &stash.acts[i],
-                                upstream,
+                                x,
+                                own_dy,
                                 rows,
                                 self.threads,
                             );

@@ -497,7 +497,15 @@ fn a_step_inside_the_backward_equals_backward_then_step_bit_for_bit() {
     // The chain-test model's linear layers are one block of `Optimizer::update_blocks` each;
     // the wide one's are two (1,100 rows of 64 inputs: 1,024 + 76) and five (300 rows of 1,100:
     // 4 × 64 + 44), so blocks, their tails and threads sharing them are all exercised.
-    for layers in [layers(), wide_layers()] {
+    // The wide model with two layers cut inside (`cut_linear`): its parts take the same fused
+    // update and split backward as whole linear layers, on their gathered operands — the 1100→300
+    // layer after 128 outputs (a tail of 172 rows: three blocks), the 64→1100 after 1,024.
+    let cut = {
+        let wide = wide_layers();
+        let once = ringtmp_model::layers::cut_linear(&wide, 3, 128).unwrap();
+        ringtmp_model::layers::cut_linear(&once, 1, 1024).unwrap()
+    };
+    for layers in [layers(), wide_layers(), cut] {
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         let configs = [
             OptimizerConfig::Sgd {

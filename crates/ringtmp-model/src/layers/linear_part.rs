@@ -34,6 +34,8 @@ pub struct LinearPart {
 thread_local! {
     /// Gathered operands of the GEMMs (a part's rows are strided in its tensors).
     static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+    /// A side's own output gradient in [`LinearPart::backward`].
+    static OWN_GRAD: std::cell::Cell<Vec<f32>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 /// Copies `width` values at `offset` of each `stride`-wide row of `from` into `to` (`n × width`).
@@ -119,63 +121,98 @@ impl LinearPart {
         });
     }
 
-    /// Head backward from `du = [dx_pass | dy_A]`: `dW_A`, `db_A` (+)= from `dy_A` and `x`; `dx =
-    /// dx_pass + dy_A · W_A`.
+    /// The rows of `W` (and `b`) one side holds, as a plain linear layer: its parameters are laid
+    /// out as that layer's, and its weight gradient is that layer's from `x` and the side's own
+    /// output gradient ([`LinearPart::own_output_grad`]).
+    pub(crate) fn rows_of(&self, side: Side) -> Linear {
+        match side {
+            Side::Head => self.head(),
+            Side::Tail => self.tail(),
+        }
+    }
+
+    /// The gradient of the side's own outputs, gathered from the gradient of its whole output
+    /// (`[dx_pass | dy_A]` for the head: `dy_A`; `[dy_A | dy_B]` for the tail: `dy_B`) into `to`.
+    pub(crate) fn own_output_grad(&self, side: Side, upstream: &[f32], n: usize, to: &mut Vec<f32>) {
+        let (fi, fo, s) = (self.in_features, self.out_features, self.split);
+        match side {
+            Side::Head => gather(to, upstream, n, fi + s, fi, s),
+            Side::Tail => gather(to, upstream, n, fo, s, fo - s),
+        }
+    }
+
+    /// The side's input gradient into `dx` from the gradient of its whole output (`upstream`) and
+    /// its own part of it (`own`, from [`LinearPart::own_output_grad`]): the head's is
+    /// `dx_pass + dy_A · W_A` (`n × in`), the tail's `[dy_B · W_B | dy_A]` (`n × (in + split)`).
+    /// Reads only the weights, so it may run before the side's weight gradient and update.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn head_backward(
+    pub(crate) fn input_grad_into(
         &self,
+        side: Side,
+        p: &[f32],
+        upstream: &[f32],
+        own: &[f32],
+        n: usize,
+        dx: &mut Vec<f32>,
+        threads: usize,
+    ) {
+        let (fi, fo, s) = (self.in_features, self.out_features, self.split);
+        match side {
+            Side::Head => {
+                self.head().input_grad_into(p, own, n, dx, threads);
+                for (row, d) in dx.chunks_exact_mut(fi).enumerate().take(n) {
+                    let pass = &upstream[row * (fi + s)..][..fi];
+                    d.iter_mut().zip(pass).for_each(|(d, q)| *d += q);
+                }
+            }
+            Side::Tail => {
+                set_len(dx, n * (fi + s));
+                SCRATCH.with_borrow_mut(|(dx_b, _)| {
+                    self.tail().input_grad_into(p, own, n, dx_b, threads);
+                    scatter(dx, dx_b, n, fi + s, 0, fi);
+                });
+                // dy_A passes through to the head.
+                for row in 0..n {
+                    dx[row * (fi + s) + fi..][..s].copy_from_slice(&upstream[row * fo..][..s]);
+                }
+            }
+        }
+    }
+
+    /// One side's backward as one call (the stage runs the parts itself where it fuses the
+    /// update or sends the input gradient first): the weight gradient (+)= from `x` (the head's
+    /// input; the tail's kept `x`) and the side's own output gradient, then the input gradient.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn backward(
+        &self,
+        side: Side,
         p: &[f32],
         g: &mut [f32],
         accumulate: bool,
         x: &[f32],
-        du: &[f32],
+        upstream: &[f32],
         n: usize,
         dx: Option<&mut Vec<f32>>,
         threads: usize,
     ) {
-        let (fi, s) = (self.in_features, self.split);
-        let head = self.head();
-        SCRATCH.with_borrow_mut(|(dy_a, pass)| {
-            gather(dy_a, du, n, fi + s, fi, s);
-            head.weight_grad(g, accumulate, x, dy_a, n, threads);
-            if let Some(dx) = dx {
-                head.input_grad_into(p, dy_a, n, dx, threads);
-                gather(pass, du, n, fi + s, 0, fi);
-                dx.iter_mut().zip(pass.iter()).for_each(|(d, q)| *d += q);
-            }
-        });
+        let mut own = OWN_GRAD.take();
+        self.own_output_grad(side, upstream, n, &mut own);
+        self.rows_of(side)
+            .weight_grad(g, accumulate, x, &own, n, threads);
+        if let Some(dx) = dx {
+            self.input_grad_into(side, p, upstream, &own, n, dx, threads);
+        }
+        OWN_GRAD.set(own);
     }
+}
 
-    /// Tail backward from `dy = [dy_A | dy_B]`, with `x_kept` from its forward: `dW_B`, `db_B`
-    /// (+)= from `dy_B` and `x`; `du = [dy_B · W_B | dy_A]`.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn tail_backward(
-        &self,
-        p: &[f32],
-        g: &mut [f32],
-        accumulate: bool,
-        x_kept: &[f32],
-        dy: &[f32],
-        n: usize,
-        du: Option<&mut Vec<f32>>,
-        threads: usize,
-    ) {
-        let (fi, fo, s) = (self.in_features, self.out_features, self.split);
-        let tail = self.tail();
-        SCRATCH.with_borrow_mut(|(dy_b, dx_b)| {
-            gather(dy_b, dy, n, fo, s, fo - s);
-            tail.weight_grad(g, accumulate, x_kept, dy_b, n, threads);
-            if let Some(du) = du {
-                tail.input_grad_into(p, dy_b, n, dx_b, threads);
-                set_len(du, n * (fi + s));
-                scatter(du, dx_b, n, fi + s, 0, fi);
-                // dy_A passes through to the head.
-                for row in 0..n {
-                    du[row * (fi + s) + fi..][..s].copy_from_slice(&dy[row * fo..][..s]);
-                }
-            }
-        });
-    }
+/// Which part of a cut linear layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Side {
+    /// Rows `0..split`: maps `x` to `[x | y_A]`.
+    Head,
+    /// Rows `split..out`: maps `[x | y_A]` to `[y_A | y_B]`.
+    Tail,
 }
 
 /// `layers` with linear layer `at` cut after output feature `split`: a head and a tail in its

@@ -24,6 +24,7 @@ pub(crate) use conv2d::{Fused, OutputGrad};
 pub use dropout::Dropout;
 pub use linear::Linear;
 pub use linear_part::{LinearPart, cut_linear};
+pub(crate) use linear_part::Side;
 pub use pool::MaxPool2d;
 
 use rand::SeedableRng;
@@ -312,10 +313,11 @@ impl Layer {
                 }
             }
             LayerKind::LinearHead(p) => {
-                p.head_backward(params, grads, accumulate, x, dy, n, dx, threads);
+                p.backward(Side::Head, params, grads, accumulate, x, dy, n, dx, threads);
             }
             LayerKind::LinearTail(p) => {
-                p.tail_backward(params, grads, accumulate, &aux.values, dy, n, dx, threads);
+                let x = &aux.values;
+                p.backward(Side::Tail, params, grads, accumulate, x, dy, n, dx, threads);
             }
         }
     }
