@@ -741,7 +741,9 @@ impl Stage {
                         let w = &read[range.clone()];
                         p.input_grad_into(side, w, upstream, own_dy, rows, dx, threads)
                     }
-                    None => linear.input_grad_into(&read[range.clone()], upstream, rows, dx, threads),
+                    None => {
+                        linear.input_grad_into(&read[range.clone()], upstream, rows, dx, threads)
+                    }
                 };
                 let started = self.profile.is_some().then(std::time::Instant::now);
                 match (&self.layers[i].kind, self.deferred.as_mut()) {

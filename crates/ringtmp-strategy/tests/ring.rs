@@ -220,8 +220,8 @@ fn gpipe_and_1f1b_equal_local_on_2_3_and_4_nodes() {
 // Cuts inside layers (architecture.md §35): a linear layer's head ends one stage and its tail
 // starts the next. The ring computes the unsplit model: its final checkpoint, read into the
 // whole model, holds local's parameters — on 2 nodes with one cut and on 3 with two, under
-// 1f1b and gpipe (with the whole linear layers' weight gradients deferred), on real links and on
-// the simulated network.
+// 1f1b and gpipe (with the whole linear layers' weight gradients deferred), and on 2 with the
+// head on the master after the cut, on real links and on the simulated network.
 #[test]
 fn a_ring_cut_inside_layers_equals_local() {
     use ringtmp_strategy::ring::partition::CutInside;
@@ -229,7 +229,7 @@ fn a_ring_cut_inside_layers_equals_local() {
     let tmp = tempfile::tempdir().unwrap();
     let oracle = local_params(&data, &tmp.path().join("local"));
     let layers = model().build(&Shape::image(8, 8, 1), 10).unwrap();
-    let cases: [(&[CutInside], &[usize], Schedule); 2] = [
+    let cases: [(&[CutInside], &[usize], Schedule, bool); 3] = [
         // Layer 7 (48 → 32) after 12 outputs: [conv … head | tail relu linear].
         (
             &[CutInside {
@@ -238,6 +238,7 @@ fn a_ring_cut_inside_layers_equals_local() {
             }],
             &[0, 8, 11],
             Schedule::OneFOneB,
+            false,
         ),
         // Layer 4 (96 → 48) after 20 and layer 7 after 12: three stages.
         (
@@ -253,13 +254,34 @@ fn a_ring_cut_inside_layers_equals_local() {
             ],
             &[0, 5, 9, 12],
             Schedule::Gpipe,
+            false,
+        ),
+        // The same cut, the last linear layer (10 of the cut model) back on the master.
+        (
+            &[CutInside {
+                layer: 7,
+                split: 12,
+            }],
+            &[0, 8, 10],
+            Schedule::OneFOneB,
+            true,
         ),
     ];
     for backend in [Backend::Tcp, Backend::sim(test_seed(3))] {
-        for (k, (cuts, bounds, schedule)) in cases.iter().enumerate() {
+        for (k, (cuts, bounds, schedule, head)) in cases.iter().enumerate() {
             let out = tmp.path().join(format!("cut-{k}-{}", backend.name()));
             let mut j = job(bounds, *schedule, 4);
             j.cuts_inside = cuts.to_vec();
+            if *head {
+                j.head = Some(StagePlan {
+                    rank: 0,
+                    start: 10,
+                    end: 11,
+                    predicted_seconds: 0.0,
+                    predicted_bytes: 0,
+                    predicted_link_seconds: 0.0,
+                });
+            }
             // The whole linear layers' deferred weight gradients beside the halves' own.
             j.defer_weight_grads = k == 1;
             j.spec.config.checkpoint_every = STEPS;
@@ -274,9 +296,14 @@ fn a_ring_cut_inside_layers_equals_local() {
             checkpoint::read_stage(&dir, &manifest, &mut whole, &mut opt).unwrap();
             let diff = max_rel_diff(whole.params(), &oracle);
             println!(
-                "{} cut(s) on {} nodes ({}): max |Δparam| / max |param| = {diff:.2e}",
+                "{} cut(s) on {} nodes{} ({}): max |Δparam| / max |param| = {diff:.2e}",
                 cuts.len(),
                 bounds.len() - 1,
+                if *head {
+                    ", the head on the master"
+                } else {
+                    ""
+                },
                 backend.name()
             );
             assert!(diff < 1e-4, "cut ring differs from local by {diff}");

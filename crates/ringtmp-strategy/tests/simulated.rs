@@ -270,71 +270,96 @@ fn bounded_staleness_outpaces_bsp_with_a_straggler_in_virtual_time() {
 /// Issue 14.2: a ring with stage replicas loses a node mid-run (dead, or frozen until the
 /// heartbeat gives up on it); its predecessor takes its layers from the replica, the ring closes
 /// around it and trains on from the last replication round — and, the schedule being exact SGD
-/// on any partition, ends with the parameters of one process training alone.
+/// on any partition, ends with the parameters of one process training alone. So does a ring cut
+/// inside two layers (architecture.md §35), whose heals merge a tail, whole layers and a head
+/// into one stage.
 #[test]
 fn a_ring_with_stage_replicas_heals_around_a_lost_node_and_still_equals_local() {
+    use ringtmp_strategy::ring::partition::CutInside;
     let data = digits();
     let tmp = tempfile::tempdir().unwrap();
     let mut cfg = config(deep_mlp(7, 16), 32, 40, &tmp.path().join("local"));
     cfg.checkpoint_every = 40;
     let oracle = oracle::local_params(&cfg, &data);
-    let bounds = [0, 3, 5, 7, 9, 11, 16];
     let seed = test_seed(14);
-    let mut job = ring_job(&cfg, &data, &bounds, Schedule::OneFOneB, 4);
-    job.replica_every = 5;
-    let whole =
-        run::healing_ring_nodes(&Backend::sim(seed), &job, &data, &tmp.path().join("w")).elapsed;
-    for (i, fault) in [
-        Fault::Die {
-            rank: 3,
-            at: whole / 2,
-        },
-        Fault::Stall {
-            rank: 1,
-            at: whole / 3,
-        },
-        Fault::Die {
-            rank: 5,
-            at: whole * 3 / 4,
-        },
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let mut sim = SimConfig::new(seed);
-        sim.faults.push(fault);
-        let out = tmp.path().join(format!("heal-{i}"));
-        let ran = run::healing_ring_nodes(&Backend::Sim(sim), &job, &data, &out);
-        let (lost, summary) = match fault {
-            Fault::Die { rank, .. } | Fault::Stall { rank, .. } => (
-                rank,
-                ran.results[0]
-                    .clone()
-                    .unwrap_or_else(|e| panic!("{fault:?}: the master failed: {e}"))
-                    .expect("the master reports"),
-            ),
-            Fault::Delay { .. } => unreachable!(),
-        };
-        for (r, result) in ran.results.iter().enumerate() {
-            if r as u32 != lost {
-                assert!(result.is_ok(), "{fault:?}: rank {r}: {result:?}");
+    // Whole layers; then layers 5 and 9 (16 → 16) cut after 8 and 4 outputs, each head ending a
+    // stage and its tail starting the next (two more layers, so the bounds move).
+    let cuts = [
+        CutInside { layer: 5, split: 8 },
+        CutInside { layer: 9, split: 4 },
+    ];
+    let cases: [(&[CutInside], &[usize]); 2] = [
+        (&[], &[0, 3, 5, 7, 9, 11, 16]),
+        (&cuts, &[0, 3, 6, 8, 11, 13, 18]),
+    ];
+    for (k, (cuts, bounds)) in cases.into_iter().enumerate() {
+        let mut job = ring_job(&cfg, &data, bounds, Schedule::OneFOneB, 4);
+        job.cuts_inside = cuts.to_vec();
+        job.replica_every = 5;
+        let whole = run::healing_ring_nodes(
+            &Backend::sim(seed),
+            &job,
+            &data,
+            &tmp.path().join(format!("w-{k}")),
+        )
+        .elapsed;
+        for (i, fault) in [
+            Fault::Die {
+                rank: 3,
+                at: whole / 2,
+            },
+            Fault::Stall {
+                rank: 1,
+                at: whole / 3,
+            },
+            Fault::Die {
+                rank: 5,
+                at: whole * 3 / 4,
+            },
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let mut sim = SimConfig::new(seed);
+            sim.faults.push(fault);
+            let out = tmp.path().join(format!("heal-{k}-{i}"));
+            let ran = run::healing_ring_nodes(&Backend::Sim(sim), &job, &data, &out);
+            let (lost, summary) = match fault {
+                Fault::Die { rank, .. } | Fault::Stall { rank, .. } => (
+                    rank,
+                    ran.results[0]
+                        .clone()
+                        .unwrap_or_else(|e| panic!("{fault:?}: the master failed: {e}"))
+                        .expect("the master reports"),
+                ),
+                Fault::Delay { .. } => unreachable!(),
+            };
+            for (r, result) in ran.results.iter().enumerate() {
+                if r as u32 != lost {
+                    assert!(result.is_ok(), "{fault:?}: rank {r}: {result:?}");
+                }
             }
+            assert_eq!(summary.heals.len(), 1, "{fault:?}: {summary:?}");
+            let heal = &summary.heals[0];
+            assert_eq!(heal.rank, lost);
+            assert!(
+                heal.resumed_from_step % 5 == 0 && heal.resumed_from_step <= heal.failed_at_step
+            );
+            assert_eq!(summary.per_node.len(), 5, "the survivors report");
+            assert!(summary.per_node.iter().all(|n| n.rank != lost));
+            assert_eq!(summary.dropped_nodes[0].rank, lost);
+            let params = oracle::checkpoint_params(&out, &cfg, &data);
+            let diff = max_rel_diff(&params, &oracle);
+            println!(
+                "{} cut(s), {fault:?}: healed from mini-batch {} (failed at {}), {:?} virtual; max \
+             |Δparam| / max |param| against local = {diff:.2e}",
+                cuts.len(),
+                heal.resumed_from_step,
+                heal.failed_at_step,
+                ran.elapsed
+            );
+            assert!(diff < 1e-4, "{} cut(s), {fault:?}: {diff}", cuts.len());
         }
-        assert_eq!(summary.heals.len(), 1, "{fault:?}: {summary:?}");
-        let heal = &summary.heals[0];
-        assert_eq!(heal.rank, lost);
-        assert!(heal.resumed_from_step % 5 == 0 && heal.resumed_from_step <= heal.failed_at_step);
-        assert_eq!(summary.per_node.len(), 5, "the survivors report");
-        assert!(summary.per_node.iter().all(|n| n.rank != lost));
-        assert_eq!(summary.dropped_nodes[0].rank, lost);
-        let params = oracle::checkpoint_params(&out, &cfg, &data);
-        let diff = max_rel_diff(&params, &oracle);
-        println!(
-            "{fault:?}: healed from mini-batch {} (failed at {}), {:?} virtual; max |Δparam| / \
-             max |param| against local = {diff:.2e}",
-            heal.resumed_from_step, heal.failed_at_step, ran.elapsed
-        );
-        assert!(diff < 1e-4, "{fault:?}: {diff}");
     }
 }
 
@@ -342,20 +367,28 @@ fn a_ring_with_stage_replicas_heals_around_a_lost_node_and_still_equals_local() 
 /// step, compute what one process does with batch R·b (flushed schedules). So do rings that
 /// average their parameters after every step (`--replica-sync every:1`): SGD with momentum is
 /// linear in the gradient, so the mean of the R copies' steps from the same parameters is the
-/// step of the mean gradient.
+/// step of the mean gradient. Rings cut inside layers too (every ring the same cuts).
 #[test]
 fn rings_of_rings_equal_one_process_with_their_global_batch() {
+    use ringtmp_strategy::ring::partition::CutInside;
     let data = digits();
     let tmp = tempfile::tempdir().unwrap();
     let steps = 12;
-    for (rings, stages, bounds, average_every) in [
-        (2usize, 3usize, &[0, 5, 11, 16][..], 0u64),
-        (3, 2, &[0, 7, 16][..], 0),
+    // Layers 5 and 9 (16 → 16) cut after 8 and 4 outputs: heads end stages 0 and 1.
+    let cuts = [
+        CutInside { layer: 5, split: 8 },
+        CutInside { layer: 9, split: 4 },
+    ];
+    for (rings, stages, bounds, average_every, cuts) in [
+        (2usize, 3usize, &[0, 5, 11, 16][..], 0u64, &[][..]),
+        (3, 2, &[0, 7, 16][..], 0, &[]),
         // Four rings: ring 2's master is not a stage-group neighbour of rank 0, yet reports to
         // it (found by `ringtmp simulate` on 64 rings).
-        (4, 2, &[0, 7, 16][..], 0),
-        (2, 3, &[0, 5, 11, 16][..], 1),
-        (3, 2, &[0, 7, 16][..], 1),
+        (4, 2, &[0, 7, 16][..], 0, &[]),
+        (2, 3, &[0, 5, 11, 16][..], 1, &[]),
+        (3, 2, &[0, 7, 16][..], 1, &[]),
+        (2, 3, &[0, 6, 11, 18][..], 0, &cuts[..]),
+        (2, 3, &[0, 6, 11, 18][..], 1, &cuts[..]),
     ] {
         let global = 12 * rings;
         let mut local_cfg = config(deep_mlp(7, 16), global, steps, &tmp.path().join("local"));
@@ -369,9 +402,11 @@ fn rings_of_rings_equal_one_process_with_their_global_batch() {
         job.spec = ringtmp_strategy::RunSpec::new(ring_cfg.clone(), &data, global).unwrap();
         job.replicas = rings;
         job.average_every = average_every;
-        let out = tmp
-            .path()
-            .join(format!("rings-{rings}x{stages}-{average_every}"));
+        job.cuts_inside = cuts.to_vec();
+        let out = tmp.path().join(format!(
+            "rings-{rings}x{stages}-{average_every}-{}",
+            cuts.len()
+        ));
         let ran = run::healing_ring_nodes(&Backend::sim(test_seed(15)), &job, &data, &out);
         let summary = ran.results[0]
             .clone()
@@ -385,13 +420,15 @@ fn rings_of_rings_equal_one_process_with_their_global_batch() {
         let params = oracle::checkpoint_params(&out, &local_cfg, &data);
         let diff = max_rel_diff(&params, &oracle);
         println!(
-            "{rings} rings of {stages} (average every {average_every}): max |Δparam| / max \
-             |param| against local with batch {global} = {diff:.2e}, {:?} virtual",
+            "{rings} rings of {stages} (average every {average_every}, {} cut(s)): max \
+             |Δparam| / max |param| against local with batch {global} = {diff:.2e}, {:?} virtual",
+            cuts.len(),
             ran.elapsed
         );
         assert!(
             diff < 1e-4,
-            "{rings} rings of {stages}, every {average_every}: {diff}"
+            "{rings} rings of {stages}, every {average_every}, {} cut(s): {diff}",
+            cuts.len()
         );
     }
 }

@@ -133,7 +133,13 @@ impl LinearPart {
 
     /// The gradient of the side's own outputs, gathered from the gradient of its whole output
     /// (`[dx_pass | dy_A]` for the head: `dy_A`; `[dy_A | dy_B]` for the tail: `dy_B`) into `to`.
-    pub(crate) fn own_output_grad(&self, side: Side, upstream: &[f32], n: usize, to: &mut Vec<f32>) {
+    pub(crate) fn own_output_grad(
+        &self,
+        side: Side,
+        upstream: &[f32],
+        n: usize,
+        to: &mut Vec<f32>,
+    ) {
         let (fi, fo, s) = (self.in_features, self.out_features, self.split);
         match side {
             Side::Head => gather(to, upstream, n, fi + s, fi, s),

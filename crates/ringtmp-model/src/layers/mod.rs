@@ -23,8 +23,8 @@ pub use conv2d::Conv2d;
 pub(crate) use conv2d::{Fused, OutputGrad};
 pub use dropout::Dropout;
 pub use linear::Linear;
-pub use linear_part::{LinearPart, cut_linear};
 pub(crate) use linear_part::Side;
+pub use linear_part::{LinearPart, cut_linear};
 pub use pool::MaxPool2d;
 
 use rand::SeedableRng;

@@ -74,7 +74,7 @@ pub struct RingOptions {
     /// where whole layers cannot balance them (its head ends one stage, its tail starts the
     /// next): `true`, `false`, or the cuts to make, `LAYER:SPLIT[,LAYER:SPLIT]` (layer `LAYER`
     /// after `SPLIT` of its outputs; the planner then places the stages around them) [default:
-    /// true; not with --partition, --master-holds-head, --replicas or --stage-replicas].
+    /// true; not with --partition].
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "true|false|L:S,...")]
     pub cut_inside: Option<CutInsideChoice>,
 }
@@ -527,15 +527,8 @@ pub fn plan(
         .cut_inside
         .clone()
         .unwrap_or(CutInsideChoice::Planner(true));
-    let not_with = [
-        ("--partition", args.partition.is_some()),
-        ("--master-holds-head", head_start < layers.len()),
-        ("--replicas", replicas > 1),
-        ("--stage-replicas", args.stage_replicas.is_some()),
-    ]
-    .into_iter()
-    .find(|(_, given)| *given)
-    .map(|(flag, _)| flag);
+    // A given partition places whole layers where the user said.
+    let not_with = args.partition.is_some().then_some("--partition");
     let geometry: Vec<Option<partition::Cuttable>> = layers[..head_start]
         .iter()
         .map(|l| match &l.kind {
@@ -562,6 +555,15 @@ pub fn plan(
                         cut.layer, cut.split, cut.layer
                     )));
                 }
+                if cut.layer >= head_start && cut.layer < layers.len() {
+                    return Err(Error::Config(format!(
+                        "--cut-inside {}:{}: layer {} is in the head the master holds                          (--master-holds-head: layers {head_start}..{})",
+                        cut.layer,
+                        cut.split,
+                        cut.layer,
+                        layers.len()
+                    )));
+                }
                 if cuts.iter().filter(|c| c.layer == cut.layer).count() > 1 {
                     return Err(Error::Config(format!(
                         "--cut-inside: layer {} is cut twice",
@@ -579,6 +581,18 @@ pub fn plan(
                     .map_err(|e| Error::Config(e.to_string()))?;
             let mut sorted = cuts;
             sorted.sort_by_key(|c| c.layer);
+            // The stages are placed around the cuts, not at them: say where a cut's head and
+            // tail share a stage (the same work as the whole layer, in two GEMMs).
+            for (k, cut) in sorted.iter().enumerate() {
+                let between = cut.layer + k + 1;
+                if !planned.stages.iter().any(|s| s.end == between) {
+                    eprintln!(
+                        "--cut-inside {}:{}: the best plan around the cuts keeps this layer's \
+                         head and tail in one stage, where the cut changes nothing",
+                        cut.layer, cut.split
+                    );
+                }
+            }
             (planned, sorted, work)
         }
         (CutInsideChoice::Planner(true), None) => {
@@ -677,10 +691,11 @@ pub fn plan(
         }
         (_, w) => w.unwrap_or(in_flight),
     };
+    // In the cut layers' positions: every cut is before the head, and each adds a layer.
     let head = (head_start < layers.len()).then(|| partition::StagePlan {
         rank: 0,
-        start: head_start,
-        end: layers.len(),
+        start: head_start + cuts_inside.len(),
+        end: staged_layers.len(),
         predicted_seconds: costs[head_start..].iter().map(|c| c.seconds).sum::<f64>() / speeds[0],
         predicted_bytes: costs[head_start..].iter().map(|c| c.bytes).sum(),
         predicted_link_seconds: 0.0,
@@ -797,7 +812,7 @@ pub fn plan(
         ring: 0,
     };
     if job.replica_every > 0 {
-        crate::ring::heal::check_replicas_fit(&job, &layers, &limits)?;
+        crate::ring::heal::check_replicas_fit(&job, &staged_layers, &limits)?;
         eprintln!(
             "stage replicas: every node keeps its successor's block, refreshed every {} \
              mini-batches (a non-master node's death is healed without a restart)",
