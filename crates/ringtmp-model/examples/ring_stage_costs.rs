@@ -29,6 +29,11 @@
 //!   first stage (`ringtmp_model::layers::cut_linear`), in alternating rounds: what a finer cut
 //!   than whole layers would give the pair.
 //!
+//! - `parts [STEPS] [SPLIT]`: layer 9 cut after SPLIT outputs (default 320), its head and its
+//!   tail each a stage of one layer, against plain linear layers of the same shapes (1024 →
+//!   SPLIT, 1024 → 1024 − SPLIT) and the whole 1024 → 1024 layer, in alternating rounds: what
+//!   the parts' gathers and copies cost beside the GEMMs, with nothing else in cache's way.
+//!
 //! Prints ms per step for each variant and their ratio.
 
 use std::sync::Arc;
@@ -277,7 +282,55 @@ fn main() {
                 );
             }
         }
-        other => panic!("unknown mode {other}: stages, stash, gaps, contend, pipeline or cut"),
+        "parts" => {
+            let split: usize = args.next().map_or(320, |s| s.parse().expect("SPLIT"));
+            let cut_layers = ringtmp_model::layers::cut_linear(&layers, CUT, split).expect("cut");
+            // A model of one linear layer 1024 → `out` (its own output the classes).
+            let plain = |out: usize| {
+                let spec = format!("name = \"plain\"\n[[layer]]\ntype = \"linear\"\nout = {out}\n");
+                ModelSpec::from_toml(&spec, "plain")
+                    .expect("spec")
+                    .build(&Shape::flat(1024), out)
+                    .expect("layers")
+            };
+            let (whole, head_plain, tail_plain) = (plain(1024), plain(split), plain(1024 - split));
+            let mut runs = [
+                Run::new(&whole, 0..1, true),
+                Run::new(&cut_layers, CUT..CUT + 1, true),
+                Run::new(&head_plain, 0..1, true),
+                Run::new(&cut_layers, CUT + 1..CUT + 2, true),
+                Run::new(&tail_plain, 0..1, true),
+            ];
+            for round in 1..=3 {
+                let mut sums = [0.0; 5];
+                for (run, sum) in runs.iter_mut().zip(&mut sums) {
+                    for id in 0..WARMUP + steps {
+                        let t = run.step(id);
+                        if id >= WARMUP {
+                            *sum += t;
+                        }
+                    }
+                }
+                let ms = |k: usize| sums[k] / steps as f64 * 1e3;
+                let share = |rows: usize| ms(0) * rows as f64 / 1024.0;
+                println!(
+                    "round {round}: whole layer {:.3} ms a step; head {:.3} ({:.2}x a plain \
+                     1024→{split}, {:.2}x its share of the whole); tail {:.3} ({:.2}x a plain \
+                     1024→{}, {:.2}x its share)",
+                    ms(0),
+                    ms(1),
+                    ms(1) / ms(2),
+                    ms(1) / share(split),
+                    ms(3),
+                    ms(3) / ms(4),
+                    1024 - split,
+                    ms(3) / share(1024 - split)
+                );
+            }
+        }
+        other => {
+            panic!("unknown mode {other}: stages, stash, gaps, contend, pipeline, cut or parts")
+        }
     }
 }
 
