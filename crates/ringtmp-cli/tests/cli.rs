@@ -658,8 +658,8 @@ fn bench_cores_reports_each_probe_alone_and_together_and_the_ring_ceiling() {
 
 // `--cut-inside` names what is wrong with a cut before anything runs: the first layer with
 // parameters (its input is the raw data), a layer that is not linear, a part left empty, a
-// layer cut twice, a layer of the head the master holds, the flag it does not go with, and text
-// that is not a cut.
+// layer cut twice, more cuts than the ring has boundaries, a layer of the head the master holds,
+// the flag it does not go with, and text that is not a cut.
 #[test]
 fn a_bad_cut_inside_is_a_usage_error_naming_the_layer() {
     let ring = |cut: &str, extra: &[&str]| {
@@ -688,6 +688,7 @@ fn a_bad_cut_inside_is_a_usage_error_naming_the_layer() {
         "do not go with --partition",
     );
     assert_usage_error(&ring("3:x", &[]), "expected true, false or LAYER:SPLIT");
+    assert_usage_error(&ring("3:64,5:64", &[]), "2 cut(s) need 3 stages");
     assert_usage_error(
         &ring("17:5", &["--master-holds-head"]),
         "layer 17 is in the head the master holds",

@@ -303,7 +303,7 @@ pub fn plan(
     nodes: &[NodeCapacity],
     first_param_layer: usize,
 ) -> Result<Vec<StagePlan>, PlanError> {
-    split(costs, nodes, first_param_layer).map(|(stages, _)| stages)
+    split(costs, nodes, first_param_layer, &[]).map(|(stages, _)| stages)
 }
 
 /// The best plan on the first `m` nodes for every `m` from 2 to all of them (all of them only
@@ -318,6 +318,20 @@ pub fn plan_best(
     use_all: bool,
     shared: Option<&SharedCores>,
 ) -> Result<Plan, PlanError> {
+    plan_best_around(costs, nodes, first_param_layer, use_all, shared, &[])
+}
+
+/// [`plan_best`] with a stage boundary at each of `bounds` (layer positions: a stage ends before
+/// each), as the cuts a user gives inside layers need (`--cut-inside L:S`: the head ends one
+/// stage, the tail starts the next). Node counts too small for them are not tried.
+pub fn plan_best_around(
+    costs: &[LayerCost],
+    nodes: &[NodeCapacity],
+    first_param_layer: usize,
+    use_all: bool,
+    shared: Option<&SharedCores>,
+    bounds: &[usize],
+) -> Result<Plan, PlanError> {
     let counts: Vec<usize> = if use_all || nodes.len() < 3 {
         vec![nodes.len()]
     } else {
@@ -325,8 +339,8 @@ pub fn plan_best(
     };
     let mut found: Vec<(Vec<StagePlan>, f64)> = Vec::new();
     let mut first_error = None;
-    for m in counts {
-        match split(costs, &nodes[..m], first_param_layer) {
+    for m in counts.into_iter().filter(|m| *m > bounds.len()) {
+        match split(costs, &nodes[..m], first_param_layer, bounds) {
             Ok((stages, bottleneck)) => {
                 let cores = shared.map_or(0.0, |c| c.pace(costs, &stages));
                 found.push((stages, bottleneck.max(cores)));
@@ -394,6 +408,7 @@ fn split(
     costs: &[LayerCost],
     nodes: &[NodeCapacity],
     first_param_layer: usize,
+    bounds: &[usize],
 ) -> Result<(Vec<StagePlan>, f64), PlanError> {
     let (l, n) = (costs.len(), nodes.len());
     // Stage 0 holds every layer up to the first with parameters; every other stage holds one
@@ -423,6 +438,10 @@ fn split(
         }))
         .collect();
     let stage_cost = |s: usize, i: usize, j: usize| -> Option<f64> {
+        if bounds.iter().any(|b| i < *b && *b < j) {
+            // A stage across a boundary that must be.
+            return None;
+        }
         let bytes = prefix_b[j] - prefix_b[i];
         if nodes[s].memory_limit.is_some_and(|m| bytes > m) {
             return None;
@@ -837,6 +856,27 @@ mod tests {
 
     fn bounds(p: &[StagePlan]) -> Vec<(usize, usize)> {
         p.iter().map(|s| (s.start, s.end)).collect()
+    }
+
+    /// Boundaries that must be (a user's cuts inside layers) hold even where the best plan
+    /// without them lies elsewhere: [1 1 1 1 4 1 1] on 3 nodes is best cut 0..4 | 4..5 | 5..7
+    /// (4.0); with a boundary before layer 2 a stage ends there and the bottleneck is 6.0 (layers
+    /// 2..5 or 4..7 together); with boundaries before 2 and 5 the plan is 0..2 | 2..5 | 5..7.
+    /// Two boundaries need three nodes.
+    #[test]
+    fn given_boundaries_are_kept() {
+        let c = costs(&[1.0, 1.0, 1.0, 1.0, 4.0, 1.0, 1.0]);
+        let free_plan = plan_best(&c, &free(3), 0, true, None).unwrap();
+        assert_eq!(bounds(&free_plan.stages), [(0, 4), (4, 5), (5, 7)]);
+        let held = plan_best_around(&c, &free(3), 0, true, None, &[2]).unwrap();
+        assert!(held.stages.iter().any(|s| s.end == 2), "{held:?}");
+        assert_eq!(held.bottleneck, 6.0);
+        let two = plan_best_around(&c, &free(3), 0, true, None, &[2, 5]).unwrap();
+        assert_eq!(bounds(&two.stages), [(0, 2), (2, 5), (5, 7)]);
+        // Fewer nodes allowed: none below the boundaries' count is tried.
+        let fewer = plan_best_around(&c, &free(3), 0, false, None, &[2, 5]).unwrap();
+        assert_eq!(fewer.stages.len(), 3);
+        assert!(plan_best_around(&c, &free(2), 0, true, None, &[2, 5]).is_err());
     }
 
     #[test]

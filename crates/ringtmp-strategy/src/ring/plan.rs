@@ -73,7 +73,8 @@ pub struct RingOptions {
     /// Ring: let the planner cut a linear layer by its output features between two stages
     /// where whole layers cannot balance them (its head ends one stage, its tail starts the
     /// next): `true`, `false`, or the cuts to make, `LAYER:SPLIT[,LAYER:SPLIT]` (layer `LAYER`
-    /// after `SPLIT` of its outputs; the planner then places the stages around them) [default:
+    /// after `SPLIT` of its outputs, each a boundary between two stages; the planner places the
+    /// others) [default:
     /// true; not with --partition].
     #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "true|false|L:S,...")]
     pub cut_inside: Option<CutInsideChoice>,
@@ -557,7 +558,8 @@ pub fn plan(
                 }
                 if cut.layer >= head_start && cut.layer < layers.len() {
                     return Err(Error::Config(format!(
-                        "--cut-inside {}:{}: layer {} is in the head the master holds                          (--master-holds-head: layers {head_start}..{})",
+                        "--cut-inside {}:{}: layer {} is in the head the master holds \
+                         (--master-holds-head: layers {head_start}..{})",
                         cut.layer,
                         cut.split,
                         cut.layer,
@@ -574,25 +576,36 @@ pub fn plan(
                 ringtmp_model::layers::cut_linear(&layers[..head_start], cut.layer, cut.split)
                     .map_err(|e| Error::Config(format!("--cut-inside: {e}")))?;
             }
+            if cuts.len() >= capacities.len() {
+                return Err(Error::Config(format!(
+                    "--cut-inside {}: {} cut(s) need {} stages, one more than the cuts, and the \
+                     ring has {} node(s)",
+                    CutInsideChoice::At(cuts.clone()),
+                    cuts.len(),
+                    cuts.len() + 1,
+                    capacities.len()
+                )));
+            }
             let (work, caps) = partition::apply_cuts(body, &geometry, &capacities, &cuts);
-            // No linear layer comes before the first with parameters, so no cut shifts it.
-            let planned =
-                partition::plan_best(&work, &caps, first_param, !may_use_fewer, shared.as_ref())
-                    .map_err(|e| Error::Config(e.to_string()))?;
             let mut sorted = cuts;
             sorted.sort_by_key(|c| c.layer);
-            // The stages are placed around the cuts, not at them: say where a cut's head and
-            // tail share a stage (the same work as the whole layer, in two GEMMs).
-            for (k, cut) in sorted.iter().enumerate() {
-                let between = cut.layer + k + 1;
-                if !planned.stages.iter().any(|s| s.end == between) {
-                    eprintln!(
-                        "--cut-inside {}:{}: the best plan around the cuts keeps this layer's \
-                         head and tail in one stage, where the cut changes nothing",
-                        cut.layer, cut.split
-                    );
-                }
-            }
+            // Each head ends a stage and its tail starts the next: in the cut layers' positions,
+            // after the k-th cut's head (the k cuts before it each add a layer).
+            let bounds: Vec<usize> = sorted
+                .iter()
+                .enumerate()
+                .map(|(k, cut)| cut.layer + k + 1)
+                .collect();
+            // No linear layer comes before the first with parameters, so no cut shifts it.
+            let planned = partition::plan_best_around(
+                &work,
+                &caps,
+                first_param,
+                !may_use_fewer,
+                shared.as_ref(),
+                &bounds,
+            )
+            .map_err(|e| Error::Config(e.to_string()))?;
             (planned, sorted, work)
         }
         (CutInsideChoice::Planner(true), None) => {
