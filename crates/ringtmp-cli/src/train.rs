@@ -234,17 +234,23 @@ fn plan_restart(
 /// `cuts_inside`), or nowhere when it did not: its stages may fall elsewhere, but it computes bit
 /// for bit what the first attempt did (a cut layer's input gradient is summed in two parts, so a
 /// cut chosen anew — on a timing that differs by noise — would differ by rounding). Cuts the
-/// user gave, or `--cut-inside false`, stand as given.
+/// user gave, or `--cut-inside false`, stand as given. Either way the cuts are stage boundaries
+/// only where they fit: a ring shrunk by a lost node may have fewer.
 fn keep_cuts(args: &mut TrainArgs, out: &std::path::Path) {
     use ringtmp_strategy::ring::plan::CutInsideChoice;
-    if args.strategy() != "ring"
-        || args
-            .ring
-            .cut_inside
-            .as_ref()
-            .is_some_and(|c| *c != CutInsideChoice::Planner(true))
-    {
+    if args.strategy() != "ring" {
         return;
+    }
+    match args.ring.cut_inside.take() {
+        Some(CutInsideChoice::At(cuts) | CutInsideChoice::Kept(cuts)) => {
+            args.ring.cut_inside = Some(CutInsideChoice::Kept(cuts));
+            return;
+        }
+        Some(CutInsideChoice::Planner(false)) => {
+            args.ring.cut_inside = Some(CutInsideChoice::Planner(false));
+            return;
+        }
+        Some(CutInsideChoice::Planner(true)) | None => {}
     }
     let Some(job) = std::fs::read_to_string(out.join("job.json"))
         .ok()
@@ -257,7 +263,7 @@ fn keep_cuts(args: &mut TrainArgs, out: &std::path::Path) {
     args.ring.cut_inside = Some(if cuts.is_empty() {
         CutInsideChoice::Planner(false)
     } else {
-        CutInsideChoice::At(cuts)
+        CutInsideChoice::Kept(cuts)
     });
 }
 
@@ -421,8 +427,8 @@ mod tests {
     use ringtmp_strategy::ring::partition::CutInside;
     use ringtmp_strategy::ring::plan::CutInsideChoice;
 
-    // A restart keeps the failed attempt's cuts inside layers (or none), unless the user said
-    // which; other strategies are left alone.
+    // A restart keeps the failed attempt's cuts inside layers (or none), or the user's; other
+    // strategies are left alone.
     #[test]
     fn a_restarted_ring_keeps_the_cuts_of_its_first_attempt() {
         let dir = tempfile::tempdir().unwrap();
@@ -441,11 +447,20 @@ mod tests {
             layer: 9,
             split: 320,
         }];
-        assert_eq!(args.ring.cut_inside, Some(CutInsideChoice::At(cut)));
+        assert_eq!(args.ring.cut_inside, Some(CutInsideChoice::Kept(cut)));
         let mut told = ring();
         told.ring.cut_inside = Some(CutInsideChoice::Planner(false));
         keep_cuts(&mut told, dir.path());
         assert_eq!(told.ring.cut_inside, Some(CutInsideChoice::Planner(false)));
+        // Cuts the user gave are kept as they are, boundaries only where they fit.
+        let mut given = ring();
+        let other = vec![CutInside {
+            layer: 5,
+            split: 64,
+        }];
+        given.ring.cut_inside = Some(CutInsideChoice::At(other.clone()));
+        keep_cuts(&mut given, dir.path());
+        assert_eq!(given.ring.cut_inside, Some(CutInsideChoice::Kept(other)));
         // A first attempt without cuts: whole layers again.
         std::fs::write(dir.path().join("job.json"), r#"{"partition": []}"#).unwrap();
         let mut args = ring();

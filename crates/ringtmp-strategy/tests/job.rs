@@ -347,3 +347,58 @@ fn nodes_sharing_one_core_are_planned_onto_fewer_of_them() {
     assert_eq!(all.partition.len(), 4, "{:?}", all.partition);
     assert_eq!(all.idle_nodes, 0);
 }
+
+/// Cuts inside layers given by the user are stage boundaries (`--cut-inside L:S`): one more
+/// stage than cuts, or a usage error naming the count; a restart's kept cuts (its first
+/// attempt's, on a ring maybe shrunk by a lost node) are made in any case, boundaries where
+/// they fit.
+#[test]
+fn given_cuts_are_boundaries_and_kept_ones_fit_a_shrunk_ring() {
+    use ringtmp_strategy::ring::partition::CutInside;
+    use ringtmp_strategy::ring::plan::{CutInsideChoice, RingOptions};
+    let data = digits();
+    // The test model's linear layers 4 (96 → 48) and 7 (48 → 32).
+    let two = vec![
+        CutInside {
+            layer: 4,
+            split: 20,
+        },
+        CutInside {
+            layer: 7,
+            split: 12,
+        },
+    ];
+    let plan = |choice: CutInsideChoice, nodes: u32| {
+        let options = ringtmp_strategy::StrategyOptions {
+            ring: RingOptions {
+                schedule: Some(Schedule::OneFOneB),
+                cut_inside: Some(choice),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let cluster = ringtmp_strategy::Cluster::local(nodes);
+        match Job::plan("ring", config(), &options, &cluster, &data) {
+            Ok(Job::Ring(job)) => Ok(job),
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => Err(e.to_string()),
+        }
+    };
+    let one = plan(CutInsideChoice::At(two[1..].to_vec()), 2).unwrap();
+    assert_eq!(one.cuts_inside, two[1..]);
+    // The head of layer 7 is the cut model's layer 7: a stage ends after it.
+    assert_eq!(one.partition[0].end, 8, "{:?}", one.partition);
+    let err = plan(CutInsideChoice::At(two.clone()), 2).unwrap_err();
+    assert!(err.contains("2 cut(s) need 3 stages"), "{err}");
+    let both = plan(CutInsideChoice::At(two.clone()), 3).unwrap();
+    let ends: Vec<usize> = both.partition.iter().map(|s| s.end).collect();
+    assert_eq!(
+        ends,
+        [5, 9, 12],
+        "heads of layers 4 and 7 end stages 0 and 1"
+    );
+    let kept = plan(CutInsideChoice::Kept(two.clone()), 2).unwrap();
+    assert_eq!(kept.cuts_inside, two);
+    assert_eq!(kept.partition.len(), 2);
+    assert_eq!(kept.layers().unwrap().len(), 12);
+}

@@ -149,9 +149,12 @@ impl RingOptions {
 pub enum CutInsideChoice {
     /// The planner decides (`true`) or keeps whole layers (`false`).
     Planner(bool),
-    /// These cuts, made whatever the planner would choose (a restarted run keeps its first
-    /// attempt's, so that it computes bit for bit what an uninterrupted run does).
+    /// These cuts, made whatever the planner would choose, each a boundary between two stages.
     At(Vec<CutInside>),
+    /// A restarted run's cuts (its first attempt's, so that it computes bit for bit what an
+    /// uninterrupted run does): made, and boundaries only where they fit — a ring shrunk by a
+    /// lost node may have fewer boundaries than cuts. Written and read back as `At`.
+    Kept(Vec<CutInside>),
 }
 
 impl std::str::FromStr for CutInsideChoice {
@@ -185,7 +188,7 @@ impl std::fmt::Display for CutInsideChoice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Self::Planner(on) => write!(f, "{on}"),
-            Self::At(cuts) => {
+            Self::At(cuts) | Self::Kept(cuts) => {
                 let parts: Vec<String> = cuts
                     .iter()
                     .map(|c| format!("{}:{}", c.layer, c.split))
@@ -200,7 +203,7 @@ impl Serialize for CutInsideChoice {
     fn serialize<S: serde::Serializer>(&self, s: S) -> std::result::Result<S::Ok, S::Error> {
         match self {
             Self::Planner(on) => s.serialize_bool(*on),
-            Self::At(_) => s.serialize_str(&self.to_string()),
+            Self::At(_) | Self::Kept(_) => s.serialize_str(&self.to_string()),
         }
     }
 }
@@ -540,6 +543,11 @@ pub fn plan(
             _ => None,
         })
         .collect();
+    // A restart's kept cuts are made as given ones are, boundaries where they fit.
+    let (choice, kept) = match choice {
+        CutInsideChoice::Kept(cuts) => (CutInsideChoice::At(cuts), true),
+        other => (other, false),
+    };
     let (planned, cuts_inside, body) = match (choice, not_with) {
         (CutInsideChoice::At(cuts), Some(flag)) if !cuts.is_empty() => {
             return Err(Error::Config(format!(
@@ -576,7 +584,8 @@ pub fn plan(
                 ringtmp_model::layers::cut_linear(&layers[..head_start], cut.layer, cut.split)
                     .map_err(|e| Error::Config(format!("--cut-inside: {e}")))?;
             }
-            if cuts.len() >= capacities.len() {
+            let fit = cuts.len() < capacities.len();
+            if !fit && !kept {
                 return Err(Error::Config(format!(
                     "--cut-inside {}: {} cut(s) need {} stages, one more than the cuts, and the \
                      ring has {} node(s)",
@@ -594,6 +603,7 @@ pub fn plan(
             let bounds: Vec<usize> = sorted
                 .iter()
                 .enumerate()
+                .filter(|_| fit)
                 .map(|(k, cut)| cut.layer + k + 1)
                 .collect();
             // No linear layer comes before the first with parameters, so no cut shifts it.
