@@ -635,8 +635,8 @@ impl Stage {
             for i in (0..self.layers.len()).rev() {
                 // A linear layer, or a part of a cut one (its rows of the layer, whose backward
                 // is a linear layer's on gathered operands): both fuse the weight gradient into
-                // the update and split the input gradient from the weight gradient alike. Parts
-                // keep their whole backward in one with deferred weight gradients.
+                // the update, split the input gradient from the weight gradient and defer the
+                // weight gradient alike.
                 let part = match &self.layers[i].kind {
                     LayerKind::LinearHead(p) => Some((p, Side::Head)),
                     LayerKind::LinearTail(p) => Some((p, Side::Tail)),
@@ -644,10 +644,9 @@ impl Stage {
                 };
                 let rows_view = match &self.layers[i].kind {
                     LayerKind::Linear(l) => Some(l.clone()),
-                    _ if self.deferred.is_some() => None,
                     _ => part.map(|(p, side)| p.rows_of(side)),
                 };
-                let linear = rows_view.is_some() || part.is_some();
+                let linear = rows_view.is_some();
                 if phase == Phase::Weights && self.offsets[i + 1] == self.offsets[i] {
                     continue;
                 }
@@ -724,7 +723,7 @@ impl Stage {
                 // A part's own output gradient (`dy_A` of the head, `dy_B` of the tail), which
                 // its weight gradient reads, and its input (the tail keeps `x` in its aux).
                 let (own_dy, x): (&[f32], &[f32]) = match part {
-                    Some((p, side)) if rows_view.is_some() => {
+                    Some((p, side)) => {
                         p.own_output_grad(side, upstream, rows, &mut self.part_grad);
                         let x = match side {
                             Side::Head => &stash.acts[i],
@@ -875,12 +874,13 @@ impl Stage {
                             self.grads_written[i] = true;
                         }
                     }
-                    (LayerKind::Linear(linear), Some(deferred)) => {
+                    (_, Some(deferred)) if rows_view.is_some() => {
                         // Keep this micro-batch's rows; the weight gradient of the whole mini-batch is
                         // one GEMM at the step (see `set_deferred_weight_grads`).
+                        let linear = rows_view.as_ref().expect("matched");
                         let pending = &mut deferred[i];
-                        pending.x.extend_from_slice(&stash.acts[i]);
-                        pending.dy.extend_from_slice(upstream);
+                        pending.x.extend_from_slice(x);
+                        pending.dy.extend_from_slice(own_dy);
                         pending.rows += rows;
                         if want_dx {
                             input_grad(linear, &mut this[i]);
@@ -1017,7 +1017,13 @@ impl Stage {
                 if pending.rows == 0 {
                     continue;
                 }
-                if let LayerKind::Linear(linear) = &self.layers[i].kind {
+                let linear = match &self.layers[i].kind {
+                    LayerKind::Linear(linear) => Some(linear.clone()),
+                    LayerKind::LinearHead(part) => Some(part.rows_of(Side::Head)),
+                    LayerKind::LinearTail(part) => Some(part.rows_of(Side::Tail)),
+                    _ => None,
+                };
+                if let Some(linear) = linear {
                     let g = &mut self.grads[self.offsets[i]..self.offsets[i + 1]];
                     linear.weight_grad(
                         g,

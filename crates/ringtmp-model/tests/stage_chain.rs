@@ -116,10 +116,13 @@ fn chained(bounds: &[usize]) -> Result {
 }
 
 fn chained_with(bounds: &[usize], defer: bool) -> Result {
-    let layers = layers();
+    chained_on(&layers(), bounds, defer)
+}
+
+fn chained_on(layers: &[Layer], bounds: &[usize], defer: bool) -> Result {
     let mut stages: Vec<Stage> = bounds
         .windows(2)
-        .map(|w| Stage::new(&layers, w[0]..w[1], SEED, 2))
+        .map(|w| Stage::new(layers, w[0]..w[1], SEED, 2))
         .collect();
     stages[0].set_input_grad(true);
     for s in stages.iter_mut() {
@@ -358,6 +361,22 @@ fn deferred_weight_gradients_equal_the_unsplit_model() {
         let d = max_rel_diff(&got.grads, &oracle.grads);
         println!("deferred, stages {bounds:?}: max |Δ|/max|ref| param grads {d:.1e}");
         assert!(d < 1e-5 && max_rel_diff(&got.dx, &oracle.dx) < 1e-5);
+    }
+    // Cut inside layers 4 (after 12 of 32 outputs) and 7 (after 6 of 16): the parts defer
+    // their weight gradients too (one GEMM over the mini-batch's rows of `x` and their own
+    // output gradient), against the same stages without deferral, heads ending stages.
+    let cut = {
+        let once = ringtmp_model::layers::cut_linear(&layers(), 7, 6).unwrap();
+        ringtmp_model::layers::cut_linear(&once, 4, 12).unwrap()
+    };
+    let n = cut.len();
+    for bounds in [vec![0, 5, 9, n], vec![0, n]] {
+        let plain = chained_on(&cut, &bounds, false);
+        let got = chained_on(&cut, &bounds, true);
+        let d = max_rel_diff(&got.grads, &plain.grads);
+        println!("deferred, cut, stages {bounds:?}: max |Δ|/max|ref| param grads {d:.1e}");
+        assert!(d < 1e-5 && max_rel_diff(&got.dx, &plain.dx) < 1e-5, "{d}");
+        assert_eq!(got.logits, plain.logits);
     }
 }
 

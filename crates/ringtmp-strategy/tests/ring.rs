@@ -220,7 +220,7 @@ fn gpipe_and_1f1b_equal_local_on_2_3_and_4_nodes() {
 // Cuts inside layers (architecture.md §35): a linear layer's head ends one stage and its tail
 // starts the next. The ring computes the unsplit model: its final checkpoint, read into the
 // whole model, holds local's parameters — on 2 nodes with one cut and on 3 with two, under
-// 1f1b and gpipe (with the whole linear layers' weight gradients deferred), and on 2 with the
+// 1f1b and gpipe (with the linear layers' weight gradients deferred, the parts' too), and on 2 with the
 // head on the master after the cut, on real links and on the simulated network.
 #[test]
 fn a_ring_cut_inside_layers_equals_local() {
@@ -282,7 +282,7 @@ fn a_ring_cut_inside_layers_equals_local() {
                     predicted_link_seconds: 0.0,
                 });
             }
-            // The whole linear layers' deferred weight gradients beside the halves' own.
+            // Deferred weight gradients, the parts' among the whole linear layers'.
             j.defer_weight_grads = k == 1;
             j.spec.config.checkpoint_every = STEPS;
             j.spec.config.out = out.clone();
