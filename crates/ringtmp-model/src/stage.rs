@@ -719,7 +719,6 @@ impl Stage {
                 let read: &[f32] = weights.as_deref().unwrap_or(&self.params);
                 let accumulate = self.grads_written[i];
                 let threads = self.threads;
-                // `dx = dy · W` of a linear layer, the same call in each of its arms below.
                 // A part's own output gradient (`dy_A` of the head, `dy_B` of the tail), which
                 // its weight gradient reads, and its input (the tail keeps `x` in its aux).
                 let (own_dy, x): (&[f32], &[f32]) = match part {
