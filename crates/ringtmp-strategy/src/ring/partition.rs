@@ -834,6 +834,60 @@ pub fn cut_inside(
     })
 }
 
+/// A plan with cuts inside layers where they help, over every node count [`plan_best`] weighs:
+/// each count's best whole-layer plan refined by [`cut_inside`], then the same choice among the
+/// counts as [`plan_best`]'s (the fewest within 2% of the best where links or shared cores are
+/// counted, else the most). Refining only the count whole layers chose missed the better plan:
+/// on two shared cores, whole layers put the default run on 3 nodes (2.98 ms against 3.28 ms a
+/// micro-batch on 2), where 2 nodes with a cut do as well (2.98 ms) — and ran 15,120 samples/s
+/// against 13,666 (docs/BENCHMARKS.md, "Session 24"). `whole` is [`plan_best`]'s plan for the
+/// same arguments; `None` where the choice is `whole` itself.
+pub fn plan_best_cut(
+    costs: &[LayerCost],
+    geometry: &[Option<Cuttable>],
+    nodes: &[NodeCapacity],
+    whole: &Plan,
+    first_param_layer: usize,
+    shared: Option<&SharedCores>,
+) -> Option<RefinedPlan> {
+    // (nodes, whole-layer plan, its refinement)
+    let mut tried: Vec<(usize, Plan, Option<RefinedPlan>)> = Vec::new();
+    for &(m, _) in &whole.by_nodes {
+        let at_m = if m == whole.stages.len() {
+            Ok(whole.clone())
+        } else {
+            plan_best(costs, &nodes[..m], first_param_layer, true, shared)
+        };
+        let Ok(at_m) = at_m else { continue };
+        let refined = cut_inside(costs, geometry, nodes, &at_m, first_param_layer, shared);
+        tried.push((m, at_m, refined));
+    }
+    let bottleneck = |t: &(usize, Plan, Option<RefinedPlan>)| {
+        t.2.as_ref().map_or(t.1.bottleneck, |r| r.plan.bottleneck)
+    };
+    let best = tried.iter().map(bottleneck).fold(f64::INFINITY, f64::min);
+    let by_nodes: Vec<(usize, f64)> = tried.iter().map(|t| (t.0, bottleneck(t))).collect();
+    let fewest = links_counted(nodes) || shared.is_some();
+    let near_best = |t: &&(usize, Plan, Option<RefinedPlan>)| bottleneck(t) <= best * 1.02;
+    let chosen = if fewest {
+        tried.iter().find(near_best)
+    } else {
+        tried.iter().rev().find(near_best)
+    }?;
+    let mut refined = match &chosen.2 {
+        Some(refined) => refined.clone(),
+        None if chosen.0 == whole.stages.len() => return None,
+        // Whole layers on another count: some count's cut lowered the best.
+        None => RefinedPlan {
+            plan: chosen.1.clone(),
+            cuts: Vec::new(),
+            costs: costs.to_vec(),
+        },
+    };
+    refined.plan.by_nodes = by_nodes;
+    Some(refined)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1218,6 +1272,43 @@ mod tests {
         assert_eq!(head.out_bytes, 4096 + 2048);
         assert_eq!(tail.out_bytes, 4096);
         assert_eq!(head.bytes + tail.bytes, 1000);
+    }
+
+    // The node count is chosen after the cuts: three equal layers, the last not cuttable, on
+    // three nodes of which the third runs at 2/3 speed, links counted (cards too fast to
+    // matter). Whole layers: 2 s on 2 nodes, 1.5 s on 3 (the slow node's layer; no cut helps
+    // there) — 3 nodes. With a cut of the middle layer after 512, 2 nodes also make 1.5 s: the
+    // fewest within 2% of the best, as `plan_best` chooses, is 2 nodes with the cut.
+    #[test]
+    fn the_node_count_is_chosen_with_the_cuts() {
+        let (costs, mut geometry) = three_linears();
+        geometry[4] = None;
+        let mut nodes = carded(3, 1e15, 0.0);
+        nodes[2].speed = 2.0 / 3.0;
+        let whole = plan_best(&costs, &nodes, 0, false, None).unwrap();
+        assert_eq!(whole.stages.len(), 3, "{whole:?}");
+        assert!((whole.bottleneck - 1.5).abs() < 1e-6);
+        assert!(cut_inside(&costs, &geometry, &nodes, &whole, 0, None).is_none());
+        let refined = plan_best_cut(&costs, &geometry, &nodes, &whole, 0, None).unwrap();
+        assert_eq!(refined.plan.stages.len(), 2, "{refined:?}");
+        assert_eq!(
+            refined.cuts,
+            [CutInside {
+                layer: 2,
+                split: 512
+            }]
+        );
+        let by: Vec<(usize, f64)> = refined.plan.by_nodes.clone();
+        assert_eq!(by.len(), 2);
+        assert!(by.iter().all(|(_, b)| (b - 1.5).abs() < 1e-6), "{by:?}");
+        // Counting compute alone, the most nodes within 2% are used: 3, whole — `None`.
+        let free_nodes = {
+            let mut n = free(3);
+            n[2].speed = 2.0 / 3.0;
+            n
+        };
+        let whole = plan_best(&costs, &free_nodes, 0, false, None).unwrap();
+        assert!(plan_best_cut(&costs, &geometry, &free_nodes, &whole, 0, None).is_none());
     }
 
     // A cut that would not lower the bottleneck by 1% is not made; a node's own per-layer

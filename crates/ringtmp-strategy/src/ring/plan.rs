@@ -619,7 +619,7 @@ pub fn plan(
             (planned, sorted, work)
         }
         (CutInsideChoice::Planner(true), None) => {
-            match partition::cut_inside(
+            match partition::plan_best_cut(
                 body,
                 &geometry,
                 &capacities,
@@ -628,6 +628,13 @@ pub fn plan(
                 shared.as_ref(),
             ) {
                 Some(refined) => {
+                    // What whole layers do on as many nodes as the cut plan uses.
+                    let m = refined.plan.stages.len();
+                    let whole_at_m = planned
+                        .by_nodes
+                        .iter()
+                        .find(|(n, _)| *n == m)
+                        .map_or(planned.bottleneck, |(_, b)| *b);
                     for cut in &refined.cuts {
                         let g = geometry[cut.layer].expect("only linear layers are cut");
                         eprintln!(
@@ -639,7 +646,7 @@ pub fn plan(
                             g.in_features,
                             g.out_features,
                             cut.split,
-                            planned.bottleneck * 1e3,
+                            whole_at_m * 1e3,
                             refined.plan.bottleneck * 1e3
                         );
                     }
