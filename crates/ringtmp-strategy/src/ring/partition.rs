@@ -839,9 +839,9 @@ pub fn cut_inside(
 /// counts as [`plan_best`]'s (the fewest within 2% of the best where links or shared cores are
 /// counted, else the most). Refining only the count whole layers chose missed the better plan:
 /// on two shared cores, whole layers put the default run on 3 nodes (2.98 ms against 3.28 ms a
-/// micro-batch on 2), where 2 nodes with a cut do as well (2.98 ms) — and ran 15,120 samples/s
-/// against 13,666 (docs/BENCHMARKS.md, "Session 24"). `whole` is [`plan_best`]'s plan for the
-/// same arguments; `None` where the choice is `whole` itself.
+/// micro-batch on 2), where 2 nodes with a cut do as well (2.93 ms) — and train 8–13% faster
+/// (docs/BENCHMARKS.md, "Session 24"). `whole` is [`plan_best`]'s plan for the same arguments;
+/// `None` where the choice is `whole` itself.
 pub fn plan_best_cut(
     costs: &[LayerCost],
     geometry: &[Option<Cuttable>],
