@@ -302,7 +302,15 @@ fn check(options: &CompareOptions, runs: &[RunPlan]) -> Result<()> {
         }
         let data = data.as_ref().expect("loaded above");
         let cfg = args.resolve(data.classes).with_context(|| what.clone())?;
-        crate::plan::plan(&args, cfg, data, plan.nodes).with_context(|| what.clone())?;
+        // Planned as the run will be: the local launcher's nodes share this machine's cores
+        // unless they have quotas (the check once planned them as separate machines, and
+        // printed a plan the run did not use).
+        if options.simulate {
+            crate::plan::plan(&args, cfg, data, plan.nodes).with_context(|| what.clone())?;
+        } else {
+            crate::plan::plan_here(&args, cfg, data, plan.nodes, &cores)
+                .with_context(|| what.clone())?;
+        }
     }
     Ok(())
 }
