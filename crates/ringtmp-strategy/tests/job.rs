@@ -401,4 +401,24 @@ fn given_cuts_are_boundaries_and_kept_ones_fit_a_shrunk_ring() {
     assert_eq!(kept.cuts_inside, two);
     assert_eq!(kept.partition.len(), 2);
     assert_eq!(kept.layers().unwrap().len(), 12);
+    // With the head on the master (the last linear layer, 9, and what follows): the head's
+    // layers move by one a cut, and the job validates.
+    let options = ringtmp_strategy::StrategyOptions {
+        ring: RingOptions {
+            schedule: Some(Schedule::OneFOneB),
+            cut_inside: Some(CutInsideChoice::At(two[1..].to_vec())),
+            master_holds_head: Some(true),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let cluster = ringtmp_strategy::Cluster::local(2);
+    let job = Job::plan("ring", config(), &options, &cluster, &data).unwrap();
+    assert_eq!(check(&job, 2), Ok(()));
+    let Job::Ring(ring) = job else {
+        panic!("a ring job")
+    };
+    let head = ring.head.expect("the head on the master");
+    assert_eq!((head.start, head.end), (10, 11));
+    assert_eq!(ring.partition.last().unwrap().end, 10);
 }
