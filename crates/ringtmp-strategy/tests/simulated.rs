@@ -118,7 +118,7 @@ fn a_ring_node_that_dies_or_freezes_mid_step_is_named_by_every_node() {
         // Within the heartbeat timeout of the fault, in virtual time.
         let at = match fault {
             Fault::Die { at, .. } | Fault::Stall { at, .. } => at,
-            Fault::Delay { .. } => unreachable!(),
+            Fault::Delay { .. } | Fault::OnSend { .. } => unreachable!(),
         };
         assert!(
             ran.elapsed <= at + sim.peer_timeout + Duration::from_secs(1),
@@ -332,7 +332,7 @@ fn a_ring_with_stage_replicas_heals_around_a_lost_node_and_still_equals_local() 
                         .unwrap_or_else(|e| panic!("{fault:?}: the master failed: {e}"))
                         .expect("the master reports"),
                 ),
-                Fault::Delay { .. } => unreachable!(),
+                Fault::Delay { .. } | Fault::OnSend { .. } => unreachable!(),
             };
             for (r, result) in ran.results.iter().enumerate() {
                 if r as u32 != lost {

@@ -87,6 +87,20 @@ pub enum Fault {
         /// When.
         at: Duration,
     },
+    /// The node dies (or, with `stall`, freezes) `after` the message `trigger` describes is
+    /// sent: a fault placed at a point of a protocol rather than at a time. With `after` zero
+    /// and the node the trigger's sender, that message leaves and nothing the node sends after
+    /// it does (a process killed between two writes).
+    OnSend {
+        /// The node.
+        rank: u32,
+        /// Freeze instead of dying.
+        stall: bool,
+        /// The message.
+        trigger: SendTrigger,
+        /// How long after it was sent.
+        after: Duration,
+    },
     /// Messages sent from `from` to `to` in `[start, end)` take `extra` longer.
     Delay {
         /// Sender.
@@ -100,6 +114,20 @@ pub enum Fault {
         /// Added latency.
         extra: Duration,
     },
+}
+
+/// The `nth` message (from 1) that `from` sends (to `to`, when given) whose
+/// [`Message::describe`] starts with `what`: `"Replicate"`, `"Params tensor"`, …
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SendTrigger {
+    /// Sender.
+    pub from: u32,
+    /// Receiver, or any.
+    pub to: Option<u32>,
+    /// How its description starts.
+    pub what: &'static str,
+    /// Which of the matching messages.
+    pub nth: u32,
 }
 
 /// A simulated cluster: links, compute cost, faults and the seed.
@@ -453,8 +481,63 @@ impl State {
         z ^ (z >> 31)
     }
 
+    /// Whether `rank` has died or frozen by now (a node runs on until it next yields the baton;
+    /// what it sends after its fault's time never leaves).
+    fn faulted(&self, rank: u32) -> bool {
+        let now = self.now[rank as usize];
+        self.cfg.faults.iter().any(|f| {
+            matches!(*f, Fault::Die { rank: x, at } | Fault::Stall { rank: x, at }
+                if x == rank && at <= now)
+        })
+    }
+
+    /// Turns the send-triggered faults that `message` (from `from` to `to`, now) fires into
+    /// faults at a time.
+    fn trigger_faults(&mut self, from: u32, to: u32, message: &Message) {
+        let now = self.now[from as usize];
+        let mut description: Option<String> = None;
+        for fault in &mut self.cfg.faults {
+            let Fault::OnSend {
+                rank,
+                stall,
+                trigger,
+                after,
+            } = fault
+            else {
+                continue;
+            };
+            if trigger.from != from || trigger.to.is_some_and(|t| t != to) {
+                continue;
+            }
+            let text = description.get_or_insert_with(|| message.describe());
+            if !text.starts_with(trigger.what) {
+                continue;
+            }
+            trigger.nth = trigger.nth.saturating_sub(1);
+            if trigger.nth == 0 {
+                let (rank, at) = (*rank, now + *after);
+                *fault = if *stall {
+                    Fault::Stall { rank, at }
+                } else {
+                    Fault::Die { rank, at }
+                };
+            }
+        }
+    }
+
     /// Puts `message` on the wire from `from` to `to` at `from`'s current time.
     fn transmit(&mut self, from: u32, to: u32, message: Message) {
+        if self.faulted(from) {
+            return;
+        }
+        if self
+            .cfg
+            .faults
+            .iter()
+            .any(|f| matches!(f, Fault::OnSend { .. }))
+        {
+            self.trigger_faults(from, to, &message);
+        }
         // Declared, not held: a phantom tensor carries no values but costs its size.
         let bytes = ringtmp_wire::frame::declared_len(&message) as u64;
         let now = self.now[from as usize];
@@ -1276,6 +1359,47 @@ mod tests {
             let detected = net.node_time(3);
             let bound = Duration::from_millis(50) + cfg.peer_timeout + Duration::from_millis(10);
             assert!(detected <= bound, "{detected:?}");
+        }
+    }
+
+    /// A fault placed at a message: killed or frozen right after its second send, rank 1's third
+    /// never leaves (a process stopped between two writes), though its thread runs on until it
+    /// waits; killed 10 ms after it, all three had left by then.
+    #[test]
+    fn a_fault_at_a_message_fires_between_two_sends() {
+        for (stall, after, expect) in [
+            (false, Duration::ZERO, vec![0, 1]),
+            (true, Duration::ZERO, vec![0, 1]),
+            (false, Duration::from_millis(10), vec![0, 1, 2]),
+        ] {
+            let mut cfg = SimConfig::new(test_seed(12));
+            cfg.faults.push(Fault::OnSend {
+                rank: 1,
+                stall,
+                trigger: SendTrigger {
+                    from: 1,
+                    to: Some(0),
+                    what: "Activation tensor",
+                    nth: 2,
+                },
+                after,
+            });
+            let net = SimNetwork::new(cfg, ring(2));
+            let results = net.run(|mut node| -> Vec<u64> {
+                if node.rank() == 1 {
+                    for step in 0..3 {
+                        let _ = node.send(0, tensor(step, 4));
+                    }
+                    let _ = node.recv(Duration::from_secs(30));
+                    return Vec::new();
+                }
+                let mut got = Vec::new();
+                while let Ok(Message::Tensor(h, _)) = node.recv_from(1, Duration::from_secs(30)) {
+                    got.push(h.step);
+                }
+                got
+            });
+            assert_eq!(results[0], expect, "stall {stall}, {after:?} after");
         }
     }
 

@@ -263,6 +263,37 @@ pub enum Message {
     Tensor(TensorHeader, Vec<u8>),
 }
 
+impl Message {
+    /// A short description for error messages: a tensor's tag, step, micro-batch and shape (not
+    /// its payload), a control message's variant and fields, cut to a line.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Tensor(h, _) => {
+                let shape: Vec<String> = h.shape.iter().map(u32::to_string).collect();
+                format!(
+                    "{:?} tensor (step {}, micro-batch {}, shape [{}])",
+                    h.tag,
+                    h.step,
+                    h.micro_batch,
+                    shape.join(", ")
+                )
+            }
+            Self::Control(c) => {
+                let mut text = format!("{c:?}");
+                if text.len() > 120 {
+                    let cut = (0..=117)
+                        .rev()
+                        .find(|&i| text.is_char_boundary(i))
+                        .unwrap_or(0);
+                    text.truncate(cut);
+                    text.push_str("...");
+                }
+                text
+            }
+        }
+    }
+}
+
 /// Appends the little-endian bytes of `values` as `dtype` to `out` (e.g. a recycled buffer),
 /// converting from f32; f16 and bf16 round to nearest even.
 ///

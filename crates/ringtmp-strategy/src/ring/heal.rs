@@ -335,6 +335,56 @@ pub struct Members<'a> {
     ready: BTreeSet<u32>,
     /// Messages put back by `unread`, by logical sender.
     unread: VecDeque<(u32, Message)>,
+    /// What arrived early of a later generation.
+    early: Early,
+}
+
+/// What a survivor that heard of a re-formation first sends the others while they still run
+/// the old ring (or wait for the master's word): its marker of the new generation, then the new
+/// ring's messages (they travel on other links than the master's `Regroup`, so they may overtake
+/// it). The next view needs both, in order.
+#[derive(Debug, Default)]
+pub struct Early {
+    /// The marker's generation, by physical peer.
+    markers: BTreeMap<u32, u64>,
+    /// Messages from those peers after their marker, in arrival order (physical senders).
+    held: Vec<(u32, Message)>,
+}
+
+impl Early {
+    /// Takes what `from` sent when it belongs to a generation later than `generation` (a
+    /// marker, or anything after one), which the current ring must not see; gives anything else
+    /// back.
+    fn keep(&mut self, generation: u64, from: u32, message: Message) -> Option<Message> {
+        match message {
+            Message::Control(Control::Rejoined { generation: g }) if g > generation => {
+                self.markers.insert(from, g);
+                None
+            }
+            message if self.markers.contains_key(&from) => {
+                self.held.push((from, message));
+                None
+            }
+            message => Some(message),
+        }
+    }
+
+    /// The peers whose marker of `generation` arrived; their held messages go back into `net`
+    /// (to be received again, in order), those of other generations are dropped.
+    fn release(self, generation: u64, net: &mut dyn Transport) -> BTreeSet<u32> {
+        let ready: BTreeSet<u32> = self
+            .markers
+            .iter()
+            .filter(|&(_, g)| *g == generation)
+            .map(|(p, _)| *p)
+            .collect();
+        for (from, message) in self.held.into_iter().rev() {
+            if ready.contains(&from) {
+                net.unread(from, message);
+            }
+        }
+        ready
+    }
 }
 
 impl<'a> Members<'a> {
@@ -373,7 +423,13 @@ impl<'a> Members<'a> {
             generation,
             ready,
             unread: VecDeque::new(),
+            early: Early::default(),
         }
+    }
+
+    /// What arrived of later generations while this view was in use.
+    pub fn take_early(&mut self) -> Early {
+        std::mem::take(&mut self.early)
     }
 
     /// Whether `e` is the failure of a node that is no longer in the ring (its links report
@@ -402,6 +458,7 @@ impl<'a> Members<'a> {
     /// generation, `None` when it is dropped (and a marker is taken note of).
     fn admit(&mut self, from: u32, message: Message) -> Option<(u32, Message)> {
         let &k = self.logical.get(&from)?;
+        let message = self.early.keep(self.generation, from, message)?;
         match &message {
             Message::Control(Control::Rejoined { generation })
                 if *generation == self.generation =>
@@ -409,6 +466,7 @@ impl<'a> Members<'a> {
                 self.ready.insert(from);
                 None
             }
+            Message::Control(Control::Rejoined { .. }) => None,
             Message::Control(Control::Regroup { generation, .. })
                 if from == self.members[0] && *generation == self.generation =>
             {
@@ -589,6 +647,7 @@ pub fn run(job: &RingJob, rank: u32, cx: &mut crate::job::NodeCx<'_>) -> Result<
         } else {
             run_worker_with(&job, &mut view, initial.as_ref(), &mut replicas).map(|_| None)
         };
+        let mut early = view.take_early();
         let failure = match outcome {
             Ok(Some(mut summary)) => {
                 if !heals.is_empty() {
@@ -613,6 +672,9 @@ pub fn run(job: &RingJob, rank: u32, cx: &mut crate::job::NodeCx<'_>) -> Result<
             Err(e) => e,
         };
         let detected = clock.now();
+        if std::env::var("HEAL_DEBUG").is_ok() {
+            eprintln!("[{rank} @{detected:?}] gen {generation} failure: {failure}");
+        }
         detected_at = detected;
         let regroup = if rank == 0 {
             let Some(dead) = failed_member(&failure, &members) else {
@@ -680,11 +742,17 @@ pub fn run(job: &RingJob, rank: u32, cx: &mut crate::job::NodeCx<'_>) -> Result<
                     step,
                 },
                 e if failed_member(&e, &members).is_some() => {
-                    await_regroup(cx.net, generation, timeout, &e)?
+                    await_regroup(cx.net, generation, timeout, &e, &mut early)?
                 }
                 e => return Err(e),
             }
         };
+        if std::env::var("HEAL_DEBUG").is_ok() {
+            eprintln!(
+                "[{rank}] regroup gen {} members {:?} step {}",
+                regroup.generation, regroup.members, regroup.step
+            );
+        }
         // Every survivor: the state of the round, the predecessor of a dead node with its replica.
         let step = regroup.step;
         let own = replicas.own_at(step).cloned().ok_or_else(|| {
@@ -727,6 +795,7 @@ pub fn run(job: &RingJob, rank: u32, cx: &mut crate::job::NodeCx<'_>) -> Result<
         } else {
             BTreeSet::from([0, rank])
         };
+        ready.extend(early.release(generation, cx.net));
         job.spec.resume_from = Some(crate::ResumePoint {
             dir: std::path::PathBuf::new(),
             step,
@@ -752,12 +821,14 @@ fn view_step(_heals: &[Restart], replicas: &Replicas, round: u64) -> u64 {
 }
 
 /// A worker that saw a peer die waits for the master's re-formation (newer than `generation`),
-/// dropping everything else; other peers' failures are the master's to handle.
+/// dropping everything else but the markers of survivors that heard of it first (kept in
+/// `early`); other peers' failures are the master's to handle.
 fn await_regroup(
     net: &mut dyn Transport,
     generation: u64,
     timeout: Duration,
     cause: &Error,
+    early: &mut Early,
 ) -> Result<Regroup> {
     let clock = net.clock();
     let deadline = clock.now() + timeout;
@@ -784,7 +855,10 @@ fn await_regroup(
                     step,
                 });
             }
-            Ok(_) => {}
+            Ok((from, message)) => {
+                // Everything else of the old ring is dropped.
+                let _ = early.keep(generation, from, message);
+            }
             Err(e) if e.failed_peer().is_some_and(|r| r != 0) => {}
             Err(e) => return Err(e.into()),
         }

@@ -352,6 +352,10 @@ fn replicate(
     let layers = job.layers()?;
     let mut replica = false;
     // Node 1 sends its token (after its replica) and its own word; every other node its word.
+    // Node 1's word may come first: its successor's token can reach it before this order does
+    // (they travel on different links), and it passes the word on at once. Its token cannot
+    // overtake its replica (one link), so two Replicates and the replica, in any order of word
+    // and replica, complete its part.
     let mut said = vec![0u32; n as usize];
     let expected = |r: usize| if r == 1 { 2 } else { 1 };
     while !(replica && (1..n as usize).all(|r| said[r] == expected(r))) {
@@ -379,12 +383,20 @@ fn replicate(
             (from, Message::Control(Control::Replicate { step }))
                 if step == done
                     && (1..n).contains(&from)
-                    && said[from as usize] < expected(from as usize)
-                    && (from != 1 || replica) =>
+                    && said[from as usize] < expected(from as usize) =>
             {
                 said[from as usize] += 1;
             }
-            (from, _) => return Err(protocol(net, from, "message during a replication round")),
+            (from, message) => {
+                return Err(protocol(
+                    net,
+                    from,
+                    &format!(
+                        "{} during the replication round of mini-batch {done}",
+                        message.describe()
+                    ),
+                ));
+            }
         }
     }
     replicas.completed = Some(done);
@@ -625,7 +637,7 @@ impl LossSide {
                 self.grads.push_back((h.micro_batch, dy));
                 Ok(None)
             }
-            _ => Err(protocol(net, from, "message")),
+            other => Err(protocol(net, from, &other.describe())),
         }
     }
 }

@@ -164,14 +164,7 @@ pub fn run_worker_with(
                         return Ok(node.stage);
                     }
                 }
-                (from, Message::Tensor(h, _)) => {
-                    return Err(protocol(
-                        net,
-                        from,
-                        &format!("{:?} tensor for step {}", h.tag, h.step),
-                    ));
-                }
-                (from, _) => return Err(protocol(net, from, "message")),
+                (from, message) => return Err(protocol(net, from, &message.describe())),
             },
         }
     }
