@@ -34,6 +34,11 @@ impl Running {
         Self(Some(child))
     }
 
+    /// The child's process id.
+    pub fn id(&self) -> u32 {
+        self.0.as_ref().map_or(0, Child::id)
+    }
+
     /// [`finish`]: waits for the child at most `limit`, killing it then.
     ///
     /// # Panics
