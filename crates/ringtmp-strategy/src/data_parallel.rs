@@ -273,16 +273,19 @@ pub fn run_summary(
     per_node: Vec<NodeSummary>,
 ) -> ringtmp_metrics::Summary {
     let total_bytes_sent: u64 = per_node.iter().map(|p| p.bytes_sent).sum();
-    let samples = totals.samples;
+    // The whole run's clocks and samples (a restarted run's earlier attempts included); the
+    // bytes are this attempt's nodes', so they are per this attempt's samples.
+    let carried = recorder.carried();
+    let (train_seconds, samples) = recorder.run_figures(totals.train_seconds, totals.samples);
     ringtmp_metrics::Summary {
         model_params: totals.params,
         steps: totals.steps,
         samples,
-        wall_seconds: totals.wall_seconds,
-        train_seconds: totals.train_seconds,
-        samples_per_second: samples as f64 / totals.train_seconds.max(1e-9),
+        wall_seconds: carried.wall_seconds + totals.wall_seconds,
+        train_seconds,
+        samples_per_second: samples as f64 / train_seconds.max(1e-9),
         total_bytes_sent,
-        bytes_per_sample: total_bytes_sent as f64 / samples.max(1) as f64,
+        bytes_per_sample: total_bytes_sent as f64 / totals.samples.max(1) as f64,
         per_node,
         ..recorder.summary(strategy, nodes)
     }

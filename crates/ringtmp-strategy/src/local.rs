@@ -197,8 +197,8 @@ pub fn train_local(
         }
         step += 1;
         samples += rows as u64;
-        let sps = (step - first_step) as f64 * cfg.batch_size as f64 / train_seconds.max(1e-9);
-        recorder.step(step, mean_loss, lr, train_seconds)?;
+        let sps = samples as f64 / train_seconds.max(1e-9);
+        recorder.step(step, mean_loss, lr, (train_seconds, samples))?;
         on_event(&Event::Step {
             step,
             epoch,
@@ -236,7 +236,7 @@ pub fn train_local(
             step,
             accuracy,
             Some(test_loss),
-            0.0,
+            train_seconds,
             wall.elapsed().as_secs_f64(),
         )?;
     }
@@ -257,13 +257,15 @@ pub fn train_local(
         layer_seconds: model.layer_seconds(),
         ..Default::default()
     };
+    let (run_seconds, run_samples) = recorder.run_figures(train_seconds, samples);
     let summary = Summary {
         model_params: params,
         steps: step,
-        samples,
-        wall_seconds: wall.elapsed().as_secs_f64(),
-        train_seconds,
-        samples_per_second: samples as f64 / train_seconds.max(1e-9),
+        // The whole run's (a restarted run's earlier attempts included).
+        samples: run_samples,
+        wall_seconds: recorder.carried().wall_seconds + wall.elapsed().as_secs_f64(),
+        train_seconds: run_seconds,
+        samples_per_second: run_samples as f64 / run_seconds.max(1e-9),
         per_node: vec![node],
         ..recorder.summary("local", 1)
     };

@@ -57,6 +57,69 @@ fn unix_now() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
+/// What the run's earlier attempts (processes a launcher restarted) recorded in its event log:
+/// a resumed run's record goes on from it, so `summary.json` describes the whole run, not the
+/// part after the last restart.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Carried {
+    /// Training seconds already spent (steps trained again after a failure included).
+    pub train_seconds: f64,
+    /// Samples already trained (the same).
+    pub samples: u64,
+    /// Wall seconds since the run first started (downtime between attempts included).
+    pub wall_seconds: f64,
+}
+
+impl Carried {
+    /// Reads the events of an earlier attempt from `log` (one JSON object a line): nothing when
+    /// there is none. The steps of the current attempt start after `first_step`.
+    fn from_log(log: &str, tracker: &mut Tracker, epoch: &mut (f64, u64), spec: &RunSpec) -> Self {
+        let mut carried = Self::default();
+        let mut first_start: Option<f64> = None;
+        let first_step = spec.first_step();
+        let epoch_start = first_step / spec.steps_per_epoch.max(1) * spec.steps_per_epoch.max(1);
+        // The latest loss of each step of the epoch being resumed (a failure's redone steps
+        // appear twice; the later counts).
+        let mut losses = std::collections::BTreeMap::new();
+        for event in log
+            .lines()
+            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        {
+            let seconds = event["train_seconds"].as_f64();
+            match event["event"].as_str() {
+                Some("start") => {
+                    first_start = first_start.or(event["unix_time"].as_f64());
+                }
+                Some("step") => {
+                    carried.train_seconds = seconds.unwrap_or(carried.train_seconds);
+                    carried.samples = event["samples"].as_u64().unwrap_or(carried.samples);
+                    if let (Some(step), Some(loss)) =
+                        (event["step"].as_u64(), event["loss"].as_f64())
+                        && step > epoch_start
+                        && step <= first_step
+                    {
+                        losses.insert(step, loss);
+                    }
+                }
+                Some("eval") => {
+                    if let (Some(step), Some(accuracy)) =
+                        (event["step"].as_u64(), event["test_accuracy"].as_f64())
+                        && step <= first_step
+                    {
+                        tracker.record(accuracy, step, seconds.unwrap_or(carried.train_seconds));
+                    }
+                }
+                _ => {}
+            }
+        }
+        *epoch = (losses.values().sum(), losses.len() as u64);
+        if let Some(start) = first_start {
+            carried.wall_seconds = (unix_now() - start).max(0.0);
+        }
+        carried
+    }
+}
+
 /// Writes a run's events and summary (on the rank that reports the run).
 pub struct RunRecorder {
     log: EventLog,
@@ -68,6 +131,7 @@ pub struct RunRecorder {
     epoch_loss: f64,
     epoch_steps: u64,
     last_epoch_loss: f64,
+    carried: Carried,
 }
 
 impl RunRecorder {
@@ -80,7 +144,16 @@ impl RunRecorder {
             source: e,
         })?;
         let path = out.join("metrics.jsonl");
-        let log = EventLog::create(&path, spec.first_step() > 0).map_err(|e| Error::Io {
+        let resumed = spec.first_step() > 0;
+        let mut tracker = Tracker::new(spec.target_accuracy);
+        let mut epoch = (0.0, 0);
+        // A restarted attempt of this run (its log is here) goes on with its record; a run
+        // resumed into a new directory starts its own.
+        let carried = match resumed.then(|| std::fs::read_to_string(&path)) {
+            Some(Ok(log)) => Carried::from_log(&log, &mut tracker, &mut epoch, spec),
+            _ => Carried::default(),
+        };
+        let log = EventLog::create(&path, resumed).map_err(|e| Error::Io {
             path: path.clone(),
             source: e,
         })?;
@@ -88,17 +161,20 @@ impl RunRecorder {
             log,
             path,
             out,
-            tracker: Tracker::new(spec.target_accuracy),
+            tracker,
             spec: spec.clone(),
             steps_per_epoch: spec.steps_per_epoch.max(1),
-            epoch_loss: 0.0,
-            epoch_steps: 0,
+            epoch_loss: epoch.0,
+            epoch_steps: epoch.1,
             last_epoch_loss: f64::NAN,
+            carried,
         };
         let mut event = json!({"event": "start", "strategy": strategy, "model": spec.model.name,
             "dataset": spec.dataset, "batch_size": spec.batch_size, "seed": spec.seed,
             "threads": spec.threads, "first_step": spec.first_step(),
-            "total_steps": spec.total_steps, "unix_time": unix_now()});
+            "total_steps": spec.total_steps, "unix_time": unix_now(),
+            "carried_train_seconds": carried.train_seconds, "carried_samples": carried.samples,
+            "carried_wall_seconds": carried.wall_seconds});
         if let (Some(e), Value::Object(extra)) = (event.as_object_mut(), start) {
             e.extend(extra);
         }
@@ -119,8 +195,30 @@ impl RunRecorder {
         self.spec.eval_due(done)
     }
 
-    /// Records a finished step (`done` steps complete) and its mean training loss.
-    pub fn step(&mut self, done: u64, loss: f64, lr: f32, train_seconds: f64) -> Result<()> {
+    /// What earlier attempts of this run recorded: the driver's clocks and counters start from
+    /// it.
+    pub fn carried(&self) -> Carried {
+        self.carried
+    }
+
+    /// The run's training seconds and samples, from this attempt's.
+    pub fn run_figures(&self, train_seconds: f64, samples: u64) -> (f64, u64) {
+        (
+            self.carried.train_seconds + train_seconds,
+            self.carried.samples + samples,
+        )
+    }
+
+    /// Records a finished step (`done` steps complete), its mean training loss, and this
+    /// attempt's training seconds and samples so far (the log holds the run's).
+    pub fn step(
+        &mut self,
+        done: u64,
+        loss: f64,
+        lr: f32,
+        (train_seconds, samples): (f64, u64),
+    ) -> Result<()> {
+        let (train_seconds, samples) = self.run_figures(train_seconds, samples);
         let epoch = (done - 1) / self.steps_per_epoch;
         self.epoch_loss += loss;
         self.epoch_steps += 1;
@@ -130,11 +228,12 @@ impl RunRecorder {
         }
         self.write(
             json!({"event": "step", "step": done, "epoch": epoch, "loss": loss, "lr": lr,
-            "train_seconds": train_seconds}),
+            "train_seconds": train_seconds, "samples": samples}),
         )
     }
 
-    /// Records an evaluation after `done` steps.
+    /// Records an evaluation after `done` steps, at this attempt's training and wall seconds
+    /// (the log and the time to target hold the run's).
     pub fn eval(
         &mut self,
         done: u64,
@@ -143,6 +242,8 @@ impl RunRecorder {
         train_seconds: f64,
         wall_seconds: f64,
     ) -> Result<()> {
+        let train_seconds = self.carried.train_seconds + train_seconds;
+        let wall_seconds = self.carried.wall_seconds + wall_seconds;
         self.tracker.record(accuracy, done, train_seconds);
         let epoch = done.saturating_sub(1) / self.steps_per_epoch;
         self.write(json!({"event": "eval", "step": done, "epoch": epoch,

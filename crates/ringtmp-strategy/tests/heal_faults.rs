@@ -9,8 +9,9 @@
 //! leaves or while it is still on the link, as a death or as a freeze. Links carry a seeded
 //! jitter, so orders across links differ from case to case (a node's successor's token may reach
 //! it before the master's order does). Every case must heal: the master and every survivor end
-//! well, one heal is recorded naming the lost node, and with a synchronous schedule the healed
-//! run computes what one process computes alone.
+//! well, one heal is recorded naming the lost node, the run's record (`summary.json`,
+//! `metrics.jsonl`) covers the whole run with the heal marked, and with a synchronous schedule
+//! the healed run computes what one process computes alone.
 //!
 //! The cases are a grid over those points (every message of the second round, every victim,
 //! both kinds of fault, both offsets) for each schedule; the jitter of each case derives from
@@ -175,6 +176,23 @@ fn check(
         return Err(format!(
             "expected one heal around rank {victim}: {:?}",
             summary.heals
+        ));
+    }
+    // The record covers the whole run: every mini-batch's samples (those trained again after
+    // the heal too), one start and the heal in one event log.
+    if summary.samples < 24 * 32 {
+        return Err(format!(
+            "summary.json counts {} samples of 768",
+            summary.samples
+        ));
+    }
+    let log = std::fs::read_to_string(out.join("metrics.jsonl")).map_err(|e| e.to_string())?;
+    let count = |kind: &str| log.matches(&format!("\"event\":\"{kind}\"")).count();
+    if (count("start"), count("heal")) != (1, 1) {
+        return Err(format!(
+            "metrics.jsonl holds {} start and {} heal events",
+            count("start"),
+            count("heal")
         ));
     }
     if !summary.final_train_loss.is_finite() {

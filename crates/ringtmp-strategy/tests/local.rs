@@ -151,6 +151,20 @@ fn resume_after_k_steps_equals_uninterrupted_training() {
         second.resume = Some(split_dir.path().to_path_buf());
         let s = train_local(&second, &data, &mut |_| {}).unwrap();
         assert_eq!(s.steps, k + j);
+        // Issue 40.3: its record is the whole run's — every sample, and the training and wall
+        // time of both attempts — not the part after the resume.
+        let log = std::fs::read_to_string(split_dir.path().join("metrics.jsonl")).unwrap();
+        let last_of_first = log
+            .lines()
+            .find(|l| l.contains("\"event\":\"step\"") && l.contains(&format!("\"step\":{k},")))
+            .unwrap();
+        let first_seconds =
+            serde_json::from_str::<serde_json::Value>(last_of_first).unwrap()["train_seconds"]
+                .as_f64()
+                .unwrap();
+        assert_eq!(s.samples, (k + j) * first.batch_size as u64, "{s:?}");
+        assert!(s.train_seconds > first_seconds, "{s:?}");
+        assert!(s.wall_seconds >= s.train_seconds, "{s:?}");
 
         let a = final_params(whole_dir.path(), &whole, &data);
         let b = final_params(split_dir.path(), &second, &data);

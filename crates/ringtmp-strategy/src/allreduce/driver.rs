@@ -916,7 +916,7 @@ pub fn run_worker(
         let Some(recorder) = recorder.as_mut() else {
             continue;
         };
-        recorder.step(done, step_loss, lr, train_seconds)?;
+        recorder.step(done, step_loss, lr, (train_seconds, samples))?;
         on_event(&crate::Event::Step {
             step: done,
             epoch,

@@ -682,8 +682,8 @@ fn coordinate(
         match action {
             Action::Record { step, loss } => {
                 let lr = spec.lr_at(step - 1);
-                r0.recorder.step(step, loss, lr, elapsed())?;
                 let samples = me.coordinator_mut().iterations() * spec.batch_size as u64;
+                r0.recorder.step(step, loss, lr, (elapsed(), samples))?;
                 on_event(&crate::Event::Step {
                     step,
                     epoch: (step - 1) / spec.steps_per_epoch,

@@ -276,7 +276,7 @@ pub fn run_worker_from(
         }
         let done = step + 1;
         if let Some(recorder) = recorder.as_mut() {
-            recorder.step(done, step_loss, lr, train_seconds)?;
+            recorder.step(done, step_loss, lr, (train_seconds, samples))?;
             on_event(&crate::Event::Step {
                 step: done,
                 epoch,

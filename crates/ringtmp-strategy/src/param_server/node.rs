@@ -292,7 +292,7 @@ fn summarize(
         consistency: Some(job.consistency.name()),
         model_params,
         steps: job.spec.total_steps,
-        samples,
+        samples: recorder.run_figures(wall, samples).1,
         final_train_loss: if units == 0 {
             f64::NAN
         } else {
@@ -302,9 +302,14 @@ fn summarize(
             .iter()
             .find_map(|n| n.test_accuracy)
             .unwrap_or(recorder.tracker().last),
-        wall_seconds: wall,
-        train_seconds: wall,
-        samples_per_second: samples as f64 / wall.max(1e-9),
+        // The whole run's (a restarted run's earlier attempts included); the bytes are this
+        // attempt's nodes', per its samples.
+        wall_seconds: recorder.carried().wall_seconds + wall,
+        train_seconds: recorder.run_figures(wall, samples).0,
+        samples_per_second: {
+            let (seconds, samples) = recorder.run_figures(wall, samples);
+            samples as f64 / seconds.max(1e-9)
+        },
         total_bytes_sent,
         bytes_per_sample: total_bytes_sent as f64 / samples.max(1) as f64,
         per_node,

@@ -618,6 +618,8 @@ pub fn run(job: &RingJob, rank: u32, cx: &mut crate::job::NodeCx<'_>) -> Result<
     let mut heals: Vec<Restart> = Vec::new();
     let mut dropped: Vec<DroppedNode> = Vec::new();
     let mut detected_at = Duration::ZERO;
+    // The master's record of the run, one across every ring a heal forms.
+    let mut record = super::master::RunRecord::default();
     loop {
         let mut view = Members::regrouped(cx.net, members.clone(), generation, ready.clone());
         let outcome = if rank == 0 {
@@ -642,6 +644,7 @@ pub fn run(job: &RingJob, rank: u32, cx: &mut crate::job::NodeCx<'_>) -> Result<
                 &mut events,
                 initial.as_ref(),
                 &mut replicas,
+                &mut record,
             )
             .map(|o| Some(o.summary))
         } else {

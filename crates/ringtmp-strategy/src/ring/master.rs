@@ -11,7 +11,7 @@ use ringtmp_model::{Optimizer, Pass, Stage, loss};
 use ringtmp_transport::Transport;
 use ringtmp_wire::message::tensor_values;
 use ringtmp_wire::{Control, Dtype, Message, TensorTag};
-use serde_json::json;
+use serde_json::{Value, json};
 
 use super::driver::{EVAL_ROWS, NodeClock, RingJob, micro_offset, node_summary, protocol, tensor};
 use super::heal::{REPLICA, Replicas, Snapshot};
@@ -44,11 +44,34 @@ pub fn run_master(
     net: &mut dyn Transport,
     on_event: &mut dyn FnMut(&Event),
 ) -> Result<MasterOutcome> {
-    run_master_with(job, setup, net, on_event, None, &mut Replicas::default())
+    let mut record = RunRecord::default();
+    run_master_with(
+        job,
+        setup,
+        net,
+        on_event,
+        None,
+        &mut Replicas::default(),
+        &mut record,
+    )
+}
+
+/// The run's record on the master, kept across the rings a heal forms (`heal::run` owns it):
+/// one event log, and clocks and counters that cover the whole run.
+#[derive(Default)]
+pub struct RunRecord {
+    recorder: Option<RunRecorder>,
+    /// The run's start on the master's clock.
+    started: Option<std::time::Duration>,
+    /// This process's training seconds and samples so far (steps trained again after a heal
+    /// included; the recorder adds a restarted run's earlier attempts).
+    train_seconds: f64,
+    samples: u64,
 }
 
 /// [`run_master`] from `initial` (a healed ring's in-memory state) instead of the job's start or
-/// checkpoint, running replication rounds into `replicas` (`--stage-replicas`).
+/// checkpoint, running replication rounds into `replicas` (`--stage-replicas`) and continuing
+/// `record` (a healed ring's: a `heal` event instead of a new start).
 pub fn run_master_with(
     job: &RingJob,
     setup: &MasterSetup<'_>,
@@ -56,9 +79,10 @@ pub fn run_master_with(
     on_event: &mut dyn FnMut(&Event),
     initial: Option<&Snapshot>,
     replicas: &mut Replicas,
+    record: &mut RunRecord,
 ) -> Result<MasterOutcome> {
     let time = net.clock();
-    let wall = time.now();
+    let wall = *record.started.get_or_insert_with(|| time.now());
     let n = job.partition.len() as u32;
     let pred = n - 1;
     let (mut stage, plan) = job.stage(0)?;
@@ -94,12 +118,25 @@ pub fn run_master_with(
         job.spec.seed,
     )?;
     let mut clock = NodeClock::new(net, job.node_speeds.first().copied().unwrap_or(1.0));
-    let mut recorder = RunRecorder::open(
-        &job.spec,
-        "ring",
-        json!({"schedule": job.schedule.name(), "nodes": n,
-            "micro_batches": job.micro_batches, "partition": job.partition}),
-    )?;
+    let ring = json!({"schedule": job.schedule.name(), "nodes": n,
+        "micro_batches": job.micro_batches, "partition": job.partition});
+    let recorder = match &mut record.recorder {
+        Some(recorder) => {
+            let carried = recorder.carried();
+            let mut event = json!({"event": "heal", "first_step": job.first_step(),
+                "train_seconds": carried.train_seconds + record.train_seconds,
+                "wall_seconds": carried.wall_seconds + (time.now() - wall).as_secs_f64()});
+            if let (Some(e), Value::Object(extra)) = (event.as_object_mut(), ring) {
+                e.extend(extra);
+            }
+            recorder.write(event)?;
+            recorder
+        }
+        None => record
+            .recorder
+            .insert(RunRecorder::open(&job.spec, "ring", ring)?),
+    };
+    let wall_seconds = |now: std::time::Duration| (now - wall).as_secs_f64();
     let layers = job.layers()?;
     let count = |start: usize, end: usize| -> usize {
         layers[start..end].iter().map(|l| l.param_count()).sum()
@@ -123,7 +160,8 @@ pub fn run_master_with(
 
     let timeout = job.recv_timeout();
     let mut pipe = MasterPipe::new(job);
-    let (mut train_seconds, mut samples) = (0.0f64, 0u64);
+    let (mut train_seconds, mut samples) = (record.train_seconds, record.samples);
+    let attempt_from = train_seconds;
     for step in job.first_step()..job.spec.total_steps {
         let t_step = time.now();
         let epoch = step / job.spec.steps_per_epoch;
@@ -150,7 +188,8 @@ pub fn run_master_with(
             });
         }
         let done = step + 1;
-        recorder.step(done, mean_loss, lr, train_seconds)?;
+        (record.train_seconds, record.samples) = (train_seconds, samples);
+        recorder.step(done, mean_loss, lr, (train_seconds, samples))?;
         on_event(&Event::Step {
             step: done,
             epoch,
@@ -159,8 +198,7 @@ pub fn run_master_with(
         });
         // Rings of rings: the rings are identical, so the first evaluates and checkpoints.
         if job.ring == 0 && job.spec.eval_due(done) {
-            let wall_seconds = (time.now() - wall).as_secs_f64();
-            let at = (done, train_seconds, wall_seconds);
+            let at = (done, train_seconds, wall_seconds(time.now()));
             evaluate_and_record(
                 job,
                 setup.data,
@@ -169,7 +207,7 @@ pub fn run_master_with(
                 net,
                 &mut clock,
                 at,
-                &mut recorder,
+                recorder,
                 on_event,
             )?;
         }
@@ -225,12 +263,16 @@ pub fn run_master_with(
             )?;
         }
         train_seconds += (time.now() - upkeep).as_secs_f64();
+        record.train_seconds = train_seconds;
     }
     // A run resumed at its very end (a node died after the last step, before the summary) has
     // trained nothing here: it still evaluates, so its summary says where the run ended.
     if job.first_step() == job.spec.total_steps && job.ring == 0 && job.spec.total_steps > 0 {
-        let wall_seconds = (time.now() - wall).as_secs_f64();
-        let at = (job.spec.total_steps, train_seconds, wall_seconds);
+        let at = (
+            job.spec.total_steps,
+            train_seconds,
+            wall_seconds(time.now()),
+        );
         evaluate_and_record(
             job,
             setup.data,
@@ -239,7 +281,7 @@ pub fn run_master_with(
             net,
             &mut clock,
             at,
-            &mut recorder,
+            recorder,
             on_event,
         )?;
     }
@@ -251,7 +293,7 @@ pub fn run_master_with(
         &optimizer,
         &plan,
         &clock,
-        train_seconds,
+        train_seconds - attempt_from,
         &net.stats(),
     );
     if let Some(h) = &head {
@@ -277,15 +319,18 @@ pub fn run_master_with(
     let per_node_eval: u64 = per_node.iter().map(|p| p.eval_bytes_sent).sum();
     let model_params = job.layers()?.iter().map(|l| l.param_count() as u64).sum();
     let (m, nn) = (job.micro_batches as f64, f64::from(n));
+    // The whole run's clocks and samples: every ring a heal formed in this process, and a
+    // restarted run's earlier attempts (the bytes are this process's, so per its samples).
+    let (run_seconds, run_samples) = recorder.run_figures(train_seconds, samples);
     let summary = Summary {
         schedule: Some(job.schedule.name().into()),
         model_params,
         micro_batches: job.micro_batches as u32,
         steps: job.spec.total_steps,
-        samples,
-        wall_seconds: (time.now() - wall).as_secs_f64(),
-        train_seconds,
-        samples_per_second: samples as f64 / train_seconds.max(1e-9),
+        samples: run_samples,
+        wall_seconds: recorder.carried().wall_seconds + wall_seconds(time.now()),
+        train_seconds: run_seconds,
+        samples_per_second: run_samples as f64 / run_seconds.max(1e-9),
         total_bytes_sent,
         bytes_per_sample: (total_bytes_sent - per_node_eval) as f64 / samples.max(1) as f64,
         theoretical_bubble_fraction: Some((nn - 1.0) / (m + nn - 1.0)),
@@ -297,7 +342,9 @@ pub fn run_master_with(
         per_node,
         ..recorder.summary("ring", n)
     };
-    recorder.finish(&summary)?;
+    if let Some(recorder) = record.recorder.take() {
+        recorder.finish(&summary)?;
+    }
     Ok(MasterOutcome {
         summary,
         stage,
