@@ -611,10 +611,12 @@ impl TrainArgs {
         let schedule = LrSchedule::parse(self.lr_schedule.as_deref().unwrap_or("constant"))
             .map_err(|e| UsageError(format!("--lr-schedule: {e}")))?;
         let strategy = self.strategy();
+        // `train` chooses (and creates) the default directory before resolving; a run that
+        // writes nothing (validate-config) has nothing to choose.
         let out = self
             .out
             .clone()
-            .unwrap_or_else(|| crate::run_dir::default_out(strategy));
+            .unwrap_or_else(|| crate::run_dir::default_name(strategy));
         let threads = self.threads.unwrap_or_else(|| {
             std::thread::available_parallelism()
                 .map(|n| n.get())

@@ -20,21 +20,39 @@ pub const RUN_FILES: [&str; 5] = [
     "checkpoints",
 ];
 
-/// `runs/<time>-<strategy>`, with `-2`, `-3`, … appended when a run started in the same second.
+/// `runs/<time>-<strategy>`, with `-2`, `-3`, … appended when a run started in the same second;
+/// created here, so it is this run's alone.
 pub fn default_out(strategy: &str) -> PathBuf {
     fresh_in(Path::new("runs"), strategy)
 }
 
-fn fresh_in(root: &Path, strategy: &str) -> PathBuf {
+/// `runs/<time>-<strategy>`, not created: what a command that writes nothing shows.
+pub fn default_name(strategy: &str) -> PathBuf {
+    name_in(Path::new("runs"), strategy)
+}
+
+fn name_in(root: &Path, strategy: &str) -> PathBuf {
     let stamp = humantime::format_rfc3339_seconds(std::time::SystemTime::now())
         .to_string()
         .replace(':', "");
-    let base = root.join(format!("{stamp}-{strategy}"));
+    root.join(format!("{stamp}-{strategy}"))
+}
+
+/// Creates and returns the first free `<time>-<strategy>[-N]` under `root`. Creating is the
+/// test: of runs started at once, each gets the name whose creation succeeded for it (a check
+/// before creating let two take the same name). Where nothing can be created the name is
+/// returned as it is, and [`prepare`] says why.
+fn fresh_in(root: &Path, strategy: &str) -> PathBuf {
+    let base = name_in(root, strategy);
+    let _ = std::fs::create_dir_all(root);
     let mut candidate = base.clone();
-    let mut n = 2;
-    while candidate.exists() {
-        candidate = PathBuf::from(format!("{}-{n}", base.display()));
-        n += 1;
+    for n in 2..10_000 {
+        match std::fs::create_dir(&candidate) {
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                candidate = PathBuf::from(format!("{}-{n}", base.display()));
+            }
+            _ => break,
+        }
     }
     candidate
 }
@@ -128,12 +146,21 @@ mod tests {
         assert!(out.join("notes.txt").exists());
     }
 
+    /// Issue 40.6: eight runs choosing at once each get a directory of their own, created.
     #[test]
     fn default_directories_are_never_shared() {
         let tmp = tempfile::tempdir().unwrap();
-        let a = fresh_in(tmp.path(), "ring");
-        std::fs::create_dir_all(&a).unwrap();
-        let b = fresh_in(tmp.path(), "ring");
-        assert_ne!(a, b);
+        let chosen: Vec<PathBuf> = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..8)
+                .map(|_| scope.spawn(|| fresh_in(tmp.path(), "ring")))
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let distinct: std::collections::BTreeSet<&PathBuf> = chosen.iter().collect();
+        assert_eq!(distinct.len(), 8, "{chosen:?}");
+        for dir in &chosen {
+            assert!(dir.is_dir(), "{}", dir.display());
+            prepare(dir, None, false).unwrap();
+        }
     }
 }

@@ -57,6 +57,25 @@ pub fn run(args: &TrainArgs) -> Result<()> {
     args.check_applicable()?;
     args.resolve_auto_resume()?;
     args.adopt_checkpoint_batch()?;
+    // The default directory is created as it is chosen (runs started in the same second each
+    // get their own); one that a refused run leaves empty goes again.
+    let reserved = match &args.out {
+        Some(_) => None,
+        None => {
+            let out = crate::run_dir::default_out(args.strategy());
+            args.out = Some(out.clone());
+            Some(out)
+        }
+    };
+    let result = run_resolved(args);
+    if let (Err(_), Some(out)) = (&result, reserved) {
+        let _ = std::fs::remove_dir(out);
+    }
+    result
+}
+
+/// `ringtmp train` once the options are checked and the output directory chosen.
+fn run_resolved(args: TrainArgs) -> Result<()> {
     if args.strategy() != "local" {
         return launch_nodes(args);
     }

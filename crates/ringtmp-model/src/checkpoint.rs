@@ -478,13 +478,32 @@ fn named_tensors(stage: &Stage) -> Vec<(String, Vec<usize>, std::ops::Range<usiz
     out
 }
 
-/// Writes the manifest (after the stage files) and points `latest` at this checkpoint.
-pub fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<()> {
-    let text = serde_json::to_vec_pretty(manifest).map_err(|e| Error::CheckpointMismatch {
-        path: dir.to_path_buf(),
+/// The manifest's own checksum: SHA-256 of its compact JSON (the struct's field order), stored
+/// beside its fields as `integrity`, so an edited manifest (a step changed by hand) is refused
+/// rather than trusted. It guards against edits and damage, not against someone who recomputes
+/// it: the links' secret, not the files, authenticates a run.
+fn manifest_digest(manifest: &Manifest, path: &Path) -> Result<String> {
+    let compact = serde_json::to_vec(manifest).map_err(|e| Error::CheckpointMismatch {
+        path: path.to_path_buf(),
         reason: format!("cannot encode manifest: {e}"),
     })?;
-    write_atomic(&dir.join("manifest.json"), &text)?;
+    Ok(sha256_hex(&compact))
+}
+
+/// Writes the manifest (after the stage files) with its checksum, and points `latest` at this
+/// checkpoint.
+pub fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<()> {
+    let path = dir.join("manifest.json");
+    let encode = |e: serde_json::Error| Error::CheckpointMismatch {
+        path: path.clone(),
+        reason: format!("cannot encode manifest: {e}"),
+    };
+    let mut value = serde_json::to_value(manifest).map_err(encode)?;
+    if let Some(fields) = value.as_object_mut() {
+        fields.insert("integrity".into(), manifest_digest(manifest, &path)?.into());
+    }
+    let text = serde_json::to_vec_pretty(&value).map_err(encode)?;
+    write_atomic(&path, &text)?;
     if let (Some(parent), Some(name)) = (dir.parent(), dir.file_name()) {
         write_atomic(&parent.join("latest"), name.to_string_lossy().as_bytes())?;
     }
@@ -638,11 +657,43 @@ pub fn retain_newest(root: &Path, keep: usize) -> Result<Vec<PathBuf>> {
 pub fn read_manifest(dir: &Path) -> Result<Manifest> {
     let path = dir.join("manifest.json");
     let text = fs::read(&path).map_err(|e| Error::io(&path, e))?;
-    let manifest: Manifest =
-        serde_json::from_slice(&text).map_err(|e| Error::CheckpointMismatch {
-            path: path.clone(),
-            reason: format!("invalid manifest: {e}"),
-        })?;
+    let invalid = |e: serde_json::Error| Error::CheckpointMismatch {
+        path: path.clone(),
+        reason: format!("invalid manifest: {e}"),
+    };
+    let manifest: Manifest = serde_json::from_slice(&text).map_err(invalid)?;
+    let recorded =
+        serde_json::from_slice::<serde_json::Value>(&text).map_err(invalid)?["integrity"]
+            .as_str()
+            .map(str::to_string);
+    // Manifests without a checksum (older files) are read on their stage files' hashes alone.
+    if let Some(recorded) = recorded {
+        let got = manifest_digest(&manifest, &path)?;
+        if got != recorded {
+            return Err(Error::CheckpointMismatch {
+                path,
+                reason: format!(
+                    "the manifest was changed after it was written (its checksum is {got}, it \
+                     records {recorded}): its step, data cursor or files cannot be trusted"
+                ),
+            });
+        }
+    }
+    // Its directory is named for its step.
+    if let Some(name) = dir.file_name().and_then(|n| n.to_str())
+        && let Some(step) = name
+            .strip_prefix("step-")
+            .and_then(|s| s.parse::<u64>().ok())
+        && step != manifest.step
+    {
+        return Err(Error::CheckpointMismatch {
+            path,
+            reason: format!(
+                "the manifest says step {} but its directory is {name}",
+                manifest.step
+            ),
+        });
+    }
     if manifest.format != MANIFEST_FORMAT {
         return Err(Error::CheckpointMismatch {
             path,

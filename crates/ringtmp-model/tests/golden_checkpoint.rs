@@ -109,3 +109,48 @@ fn a_checkpoint_is_the_same_bytes_on_every_machine_and_loads_from_them() {
         assert_eq!(bits(got), bits(want));
     }
 }
+
+/// Issue 40.8: a manifest edited by hand (its step changed) is refused, naming what is wrong; so
+/// is one whose checksum was removed too but whose step no longer matches its directory. One
+/// without a checksum that is otherwise whole still reads.
+#[test]
+fn an_edited_manifest_is_refused() {
+    let (stage, opt, _) = stepped();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp
+        .path()
+        .join(checkpoint::checkpoint_dir_name(opt.steps()));
+    std::fs::create_dir_all(&dir).unwrap();
+    write(&dir, &stage, &opt);
+    checkpoint::verify(&dir).unwrap();
+    let path = dir.join("manifest.json");
+    let original: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    let rewrite = |edit: &dyn Fn(&mut serde_json::Map<String, serde_json::Value>)| {
+        let mut value = original.clone();
+        edit(value.as_object_mut().unwrap());
+        std::fs::write(&path, serde_json::to_vec_pretty(&value).unwrap()).unwrap();
+        checkpoint::verify(&dir)
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+    let earlier = opt.steps() - 1;
+    let err = rewrite(&|m| {
+        m.insert("step".into(), earlier.into());
+    })
+    .unwrap_err();
+    assert!(err.contains("changed after it was written"), "{err}");
+    let err = rewrite(&|m| {
+        m.insert("step".into(), earlier.into());
+        m.remove("integrity");
+    })
+    .unwrap_err();
+    assert!(
+        err.contains(&format!("says step {earlier}")) && err.contains("step-0"),
+        "{err}"
+    );
+    rewrite(&|m| {
+        m.remove("integrity");
+    })
+    .unwrap();
+}
