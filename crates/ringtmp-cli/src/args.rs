@@ -554,6 +554,16 @@ impl TrainArgs {
             }
         );
         self.batch_size = Some(batch);
+        // The same global batch, the same rate: a default scaled by this strategy's workers
+        // would multiply the checkpoint's rate (a ring's 0.01 for 64 examples became 0.04 on 4
+        // all-reduce workers sharing those 64).
+        if let (None, Some(lr)) = (self.lr, manifest.lr) {
+            eprintln!(
+                "resuming with the checkpoint's learning rate of {lr} for that batch (--lr sets \
+                 another)"
+            );
+            self.lr = Some(lr);
+        }
         Ok(())
     }
 

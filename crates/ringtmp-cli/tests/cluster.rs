@@ -715,6 +715,12 @@ fn r10_a_resume_carries_the_global_batch_across_strategies() {
         )
         .unwrap();
         assert_eq!(summary["batch_size"], batch, "{summary}");
+        // Issue 40.4: and the rate of that batch, not the default scaled by the workers.
+        assert!(
+            err.contains("checkpoint's learning rate of 0.01"),
+            "{strategy}: {err}"
+        );
+        assert_eq!(summary["lr"].as_f64(), Some(0.01), "{summary}");
     }
 }
 

@@ -66,6 +66,10 @@ pub struct Manifest {
     pub partition: Vec<(usize, usize)>,
     /// The optimizer and its hyper-parameters.
     pub optimizer: OptimizerConfig,
+    /// The base learning rate the run used for its global batch (scaled as its strategy
+    /// scaled it): a resume that keeps the global batch keeps this rate unless told another.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lr: Option<f32>,
     /// One file per stage, in stage order.
     pub files: Vec<FileEntry>,
     /// Decentralised strategies: each worker's own model (`replica-<rank>.safetensors`,

@@ -70,6 +70,7 @@ fn write(dir: &Path, stage: &Stage, opt: &Optimizer) {
         partition: vec![(0, stage.layers().len())],
         optimizer: sgd(),
         files: vec![file],
+        lr: None,
         replicas: Vec::new(),
     };
     checkpoint::write_manifest(dir, &manifest).unwrap();

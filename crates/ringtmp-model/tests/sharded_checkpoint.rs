@@ -86,7 +86,12 @@ fn write_shards(
         );
         partition.push(checkpoint::range_layers(stage, &range));
     }
-    write_manifest(dir, "ps", opt.steps(), spec, partition, files);
+    // A checkpoint directory is named for its step, and its manifest must say the same.
+    let step = dir
+        .file_name()
+        .and_then(|n| n.to_str()?.strip_prefix("step-")?.parse().ok())
+        .unwrap_or(opt.steps());
+    write_manifest(dir, "ps", step, spec, partition, files);
 }
 
 /// Writes the manifest of a test checkpoint of `files` (layer ranges `partition`) at `step`.
@@ -111,6 +116,7 @@ fn write_manifest(
         partition,
         optimizer: adam(),
         files,
+        lr: None,
         replicas: Vec::new(),
     };
     checkpoint::write_manifest(dir, &manifest).unwrap();
@@ -265,7 +271,7 @@ fn the_newest_verified_checkpoint_skips_damaged_ones_with_the_file_named() {
     let (found, skipped) = checkpoint::newest_verified(&root);
     let (dir, manifest) = found.expect("step 10 is whole");
     assert_eq!(dir, root.join(checkpoint::checkpoint_dir_name(10)));
-    assert_eq!(manifest.step, opt.steps());
+    assert_eq!(manifest.step, 10);
     assert_eq!(skipped.len(), 3, "{skipped:?}");
     assert!(skipped[0].contains("manifest.json"), "{}", skipped[0]);
     assert!(

@@ -341,6 +341,7 @@ fn write_checkpoint(
         model: cfg.model.clone(),
         partition: vec![(0, model.layers().len())],
         optimizer: cfg.optimizer.clone(),
+        lr: Some(cfg.lr),
         files: vec![file],
         replicas: Vec::new(),
     };

@@ -1049,6 +1049,7 @@ pub fn write_model(
             model: spec.model.clone(),
             partition: vec![(0, stage.layers().len())],
             optimizer: spec.optimizer.clone(),
+            lr: Some(spec.lr),
             files: vec![file],
             replicas,
         };

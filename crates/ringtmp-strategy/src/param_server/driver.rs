@@ -680,6 +680,7 @@ impl Checkpoints {
                 .map(|s| checkpoint::range_layers(model, &shard_range(total, job.servers, s)))
                 .collect(),
             optimizer: job.spec.optimizer.clone(),
+            lr: Some(job.spec.lr),
             files,
             replicas: Vec::new(),
         };

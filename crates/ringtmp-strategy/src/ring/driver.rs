@@ -295,6 +295,7 @@ impl RingJob {
                     .collect()
             },
             optimizer: self.spec.optimizer.clone(),
+            lr: Some(self.spec.lr),
             files,
             replicas: Vec::new(),
         };
