@@ -39,8 +39,13 @@ pub fn run(raw: &[String]) -> Result<()> {
     };
     let runs = spec::runs(&options)?;
     check(&options, &runs)?;
-    std::fs::create_dir_all(options.out.join("runs"))
-        .with_context(|| format!("creating {}", options.out.display()))?;
+    // A directory that cannot be made is the user's to fix, as `train` says it (exit 2).
+    std::fs::create_dir_all(options.out.join("runs")).map_err(|e| {
+        crate::error::UsageError(format!(
+            "cannot create the output directory {}: {e}",
+            options.out.display()
+        ))
+    })?;
     eprintln!(
         "compare: {} run(s) ({} strategies × {} node count(s) × {} repeat(s)); output in {}",
         runs.len(),

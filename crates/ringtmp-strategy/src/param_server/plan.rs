@@ -129,7 +129,7 @@ pub fn plan(
         };
         let (dir, manifest) = crate::local::check_resume(path, &global_cfg)?;
         eprintln!(
-            "resuming from {} at iteration {} (written by {} on {} node(s))",
+            "resuming from {} at iteration {} (written by {}, its parameters in {} file(s))",
             dir.display(),
             manifest.step,
             manifest.strategy,

@@ -809,7 +809,7 @@ pub fn plan(
         };
         let (dir, manifest) = crate::local::check_resume(path, &global)?;
         eprintln!(
-            "resuming from {} at step {} (written by {} on {} node(s))",
+            "resuming from {} at step {} (written by {}, its parameters in {} file(s))",
             dir.display(),
             manifest.step,
             manifest.strategy,
