@@ -141,9 +141,14 @@ fn selftest(a: &SelftestArgs) -> anyhow::Result<()> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    // Logs (refused peers, bound addresses) go to stderr; RINGTMP_LOG overrides the level.
+    // Logs (refused peers, bound addresses) go to stderr; RINGTMP_LOG overrides the level. A
+    // benchmark's own links would log every connection among its results: warnings only there.
+    let level = match cli.command {
+        Command::BenchTransport(_) => "warn",
+        _ => "info",
+    };
     let filter = tracing_subscriber::EnvFilter::try_from_env("RINGTMP_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(level));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
