@@ -675,9 +675,7 @@ pub fn run(job: &RingJob, rank: u32, cx: &mut crate::job::NodeCx<'_>) -> Result<
             Err(e) => e,
         };
         let detected = clock.now();
-        if std::env::var("HEAL_DEBUG").is_ok() {
-            eprintln!("[{rank} @{detected:?}] gen {generation} failure: {failure}");
-        }
+        let failure_text = failure.to_string();
         detected_at = detected;
         let regroup = if rank == 0 {
             let Some(dead) = failed_member(&failure, &members) else {
@@ -750,12 +748,13 @@ pub fn run(job: &RingJob, rank: u32, cx: &mut crate::job::NodeCx<'_>) -> Result<
                 e => return Err(e),
             }
         };
-        if std::env::var("HEAL_DEBUG").is_ok() {
-            eprintln!(
-                "[{rank}] regroup gen {} members {:?} step {}",
-                regroup.generation, regroup.members, regroup.step
-            );
-        }
+        tracing::debug!(
+            rank,
+            generation = regroup.generation,
+            members = ?regroup.members,
+            step = regroup.step,
+            "re-forming the ring after: {failure_text}"
+        );
         // Every survivor: the state of the round, the predecessor of a dead node with its replica.
         let step = regroup.step;
         let own = replicas.own_at(step).cloned().ok_or_else(|| {
