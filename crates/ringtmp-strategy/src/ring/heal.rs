@@ -6,10 +6,9 @@
 //! optimizer state in memory and sends that snapshot to its predecessor, followed by a
 //! `Replicate` token over the same link, so when a node has its successor's token, it has its
 //! successor's replica (links are FIFO) — and says so to the master with a `Replicate` of its own.
-//! The round is complete when the master has node 1's replica and every node's word. (Until
-//! session 8 the token travelled backwards master → N−1 → … → 1 → master, each node sending its
-//! snapshot on receiving it: a round took the sum of all the stages' transfers instead of the
-//! largest.) Every node keeps its last two snapshots and replicas: a round that a failure
+//! The round is complete when the master has node 1's replica and every node's word: all links
+//! carry their snapshot at once, so a round takes the largest stage's transfer, not the sum of
+//! them. Every node keeps its last two snapshots and replicas: a round that a failure
 //! interrupts may be half done, the one before it is whole.
 //!
 //! When a non-master node `j` dies, the master (linked to every node, as they all are to each
