@@ -350,8 +350,20 @@ fn launch_once(args: &mut TrainArgs, cluster: &LocalCluster, attempt: usize) -> 
     )?;
     // The nodes see the directory as prepared; they must not refuse or clear it again.
     args.overwrite = None;
+    let idle = match &job {
+        ringtmp_strategy::Job::Ring(ring) if ring.idle_nodes > 0 => format!(
+            " ({} in the ring; {} once it has formed)",
+            nodes - ring.idle_nodes,
+            if ring.idle_nodes == 1 {
+                "the one it leaves idle leaves".to_string()
+            } else {
+                format!("the {} it leaves idle leave", ring.idle_nodes)
+            }
+        ),
+        _ => String::new(),
+    };
     eprintln!(
-        "training with strategy {name} on {nodes} local node processes; output in {}",
+        "training with strategy {name} on {nodes} local node processes{idle}; output in {}",
         out.display()
     );
     let config = out.join("train.toml");

@@ -2253,10 +2253,47 @@ fn a_ring_resumed_at_its_end_reports_its_final_accuracy() {
     );
 }
 
+// Issue 40.7: the async window, and with it each stage's stashed weights and activations,
+// follows the ring the plan chooses, not the nodes given. 64 nodes under a 120 MB limit each
+// were refused ("only 4 blocks of layers") because every stage was counted with 65 micro-batches
+// in flight; the plan uses 2 and counts 3, and the 62 idle nodes leave.
+#[test]
+fn idle_nodes_cost_the_ring_no_memory_in_the_plan() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("wide");
+    let output = train_into(
+        &[
+            "--strategy",
+            "ring",
+            "--nodes",
+            "64",
+            "--dataset",
+            "digits",
+            "--model",
+            "mlp",
+            "--node-memory-limit",
+            "120M",
+            "--max-steps",
+            "2",
+            "--eval-every",
+            "0",
+        ],
+        &out,
+    );
+    let err = stderr(&output);
+    assert!(output.status.success(), "{err}");
+    assert!(err.contains("of the 64 nodes"), "{err}");
+    assert!(err.contains("(one per node and one more)"), "{err}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
+    let used = summary["per_node"].as_array().unwrap().len();
+    assert!((2..=4).contains(&used), "{summary}");
+}
+
 // Issue 16.1: the planner counts the links. At 100 Mbit/s every cut of the digits mlp sends a
 // 1,024-wide activation, so a third node only adds a card that carries one each way: the plan
-// takes two of the three nodes (the third waits the run out) unless told to use all, and the
-// printed plan shows each node's card time.
+// takes two of the three nodes (the third leaves once the ring has formed, and the launcher
+// says so) unless told to use all, and the printed plan shows each node's card time.
 #[test]
 fn the_ring_planner_counts_links_and_leaves_a_node_out_when_fewer_train_faster() {
     let tmp = tempfile::tempdir().unwrap();
@@ -2283,6 +2320,10 @@ fn the_ring_planner_counts_links_and_leaves_a_node_out_when_fewer_train_faster()
     let err = stderr(&output);
     assert!(output.status.success(), "{err}");
     assert!(err.contains("the plan uses 2 of the 3 nodes"), "{err}");
+    assert!(
+        err.contains("3 local node processes (2 in the ring; the one it leaves idle leaves"),
+        "{err}"
+    );
     assert!(err.contains("its card"), "{err}");
     let summary: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();

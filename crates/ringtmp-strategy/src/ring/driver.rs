@@ -70,7 +70,8 @@ pub struct RingJob {
     /// (0 = the number of nodes).
     #[serde(default)]
     pub in_flight: usize,
-    /// Nodes of the run the plan leaves out (ranks after the ring's): they wait the run out.
+    /// Nodes of the run the plan leaves out (ranks after the ring's): they join the rendezvous
+    /// and leave.
     #[serde(default)]
     pub idle_nodes: u32,
     /// Stage replicas: mini-batches between replication rounds (0 = no replicas).

@@ -155,7 +155,7 @@ impl Strategy for RingJob {
         }
         if rank as usize >= self.partition.len() {
             tracing::debug!(
-                "rank {rank}: the plan uses {} nodes; this one waits the run out",
+                "rank {rank}: the plan uses {} nodes; this one leaves",
                 self.partition.len()
             );
             return Ok(None);

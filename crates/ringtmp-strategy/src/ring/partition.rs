@@ -28,9 +28,15 @@ use serde::{Deserialize, Serialize};
 pub struct LayerCost {
     /// Seconds for forward + backward of one micro-batch.
     pub seconds: f64,
-    /// Bytes the layer costs its node: parameters, gradients, optimizer state and stashed
-    /// activations for the in-flight micro-batches.
+    /// Bytes the layer costs its node whatever the ring's size: parameters, gradients,
+    /// optimizer state, and the stashed activations (and weight versions) of the micro-batches
+    /// in flight that do not follow the ring's size.
     pub bytes: u64,
+    /// Bytes the layer costs its node for each node of the ring: under the async schedule's
+    /// default window (one micro-batch in flight per node, and one more) each node adds a
+    /// micro-batch's stashed activations and weight version. 0 where the window is fixed.
+    #[serde(default)]
+    pub bytes_per_node: u64,
     /// Bytes of the layer's output for one micro-batch (what a cut after it sends forward, and
     /// its gradient backward).
     #[serde(default)]
@@ -46,6 +52,13 @@ pub struct LayerCost {
 
 fn yes() -> bool {
     true
+}
+
+impl LayerCost {
+    /// What the layer costs its node in a ring of `nodes`.
+    pub fn bytes_in_ring(&self, nodes: usize) -> u64 {
+        self.bytes + self.bytes_per_node * nodes as u64
+    }
 }
 
 /// A node's capacity.
@@ -346,8 +359,10 @@ pub fn plan_best_around(
                 found.push((stages, bottleneck.max(cores)));
             }
             Err(e) => {
-                // Fewer nodes may not fit where more do, and more may have nothing to hold.
-                if m == nodes.len() || first_error.is_none() {
+                // Fewer nodes may not fit where more do, and more may have nothing to hold:
+                // the error of the most nodes that had layers to hold says why.
+                let too_many = matches!(e, PlanError::TooManyNodes { .. });
+                if first_error.is_none() || !too_many {
                     first_error = Some(e);
                 }
             }
@@ -427,7 +442,7 @@ fn split(
     }
     let prefix_b: Vec<u64> = std::iter::once(0)
         .chain(costs.iter().scan(0, |a, c| {
-            *a += c.bytes;
+            *a += c.bytes_in_ring(n);
             Some(*a)
         }))
         .collect();
@@ -582,7 +597,10 @@ fn stages_from_bounds(
                 start: w[0],
                 end: w[1],
                 predicted_seconds: compute,
-                predicted_bytes: costs[w[0]..w[1]].iter().map(|c| c.bytes).sum(),
+                predicted_bytes: costs[w[0]..w[1]]
+                    .iter()
+                    .map(|c| c.bytes_in_ring(bounds.len() - 1))
+                    .sum(),
                 predicted_link_seconds: link,
             }
         })
@@ -686,6 +704,7 @@ fn cut_costs(
     let part = |f: f64, out_bytes: u64| LayerCost {
         seconds: c.seconds * f,
         bytes: (c.bytes as f64 * f).round() as u64,
+        bytes_per_node: (c.bytes_per_node as f64 * f).round() as u64,
         out_bytes,
         has_params: true,
         after_send_seconds: c.after_send_seconds * f,
@@ -897,6 +916,7 @@ mod tests {
             .map(|&t| LayerCost {
                 seconds: t,
                 bytes: (t * 100.0) as u64,
+                bytes_per_node: 0,
                 out_bytes: 0,
                 has_params: true,
                 after_send_seconds: 0.0,
@@ -1010,6 +1030,47 @@ mod tests {
     }
 
     #[test]
+    fn memory_that_follows_the_ring_size_is_counted_for_the_nodes_used() {
+        // Each node of a ring adds 10 bytes a layer (the async window's micro-batch). Counted
+        // for all 64 nodes given, a layer would need 740 bytes and nothing would fit 400; the
+        // rings that can hold parameters (2..6 nodes) fit, and a plan's figures are for the
+        // ring it chose.
+        let per_node: Vec<LayerCost> = costs(&[1.0; 6])
+            .into_iter()
+            .map(|c| LayerCost {
+                bytes_per_node: 10,
+                ..c
+            })
+            .collect();
+        let limited = |limit: u64| {
+            vec![
+                NodeCapacity {
+                    memory_limit: Some(limit),
+                    ..NodeCapacity::with_speed(1.0)
+                };
+                64
+            ]
+        };
+        let best = plan_best(&per_node, &limited(400), 0, false, None).unwrap();
+        let m = best.stages.len();
+        assert!((2..=6).contains(&m), "{best:?}");
+        for st in &best.stages {
+            let layers = (st.end - st.start) as u64;
+            assert_eq!(
+                st.predicted_bytes,
+                layers * (100 + 10 * m as u64),
+                "{best:?}"
+            );
+            assert!(st.predicted_bytes <= 400, "{best:?}");
+        }
+        // A layer a node needs 160 bytes on six nodes, more on fewer: 150 is refused.
+        assert!(matches!(
+            plan_best(&per_node, &limited(150), 0, false, None),
+            Err(PlanError::DoesNotFit { .. })
+        ));
+    }
+
+    #[test]
     fn stage_zero_keeps_the_first_parametric_layer() {
         // Layer 0 is a cheap flatten; layer 1 the first linear: stage 0 must not be just layer 0.
         let p = plan(&costs(&[0.0, 5.0, 5.0]), &free(2), 1).unwrap();
@@ -1025,6 +1086,7 @@ mod tests {
             .map(|((&t, &out), &p)| LayerCost {
                 seconds: t,
                 bytes: 0,
+                bytes_per_node: 0,
                 out_bytes: out,
                 has_params: p,
                 after_send_seconds: 0.0,
@@ -1223,6 +1285,7 @@ mod tests {
         let linear = LayerCost {
             seconds: 1.0,
             bytes: 1000,
+            bytes_per_node: 0,
             out_bytes: 4096,
             has_params: true,
             after_send_seconds: 0.5,
@@ -1230,6 +1293,7 @@ mod tests {
         let relu = LayerCost {
             seconds: 0.0,
             bytes: 0,
+            bytes_per_node: 0,
             out_bytes: 4096,
             has_params: false,
             after_send_seconds: 0.0,

@@ -11,7 +11,7 @@ use crate::job::{Cluster, SharedMachine};
 use crate::ring::driver::RingJob;
 use crate::ring::node_profile::ProfileRequest;
 use crate::ring::partition::{self, CutInside, LayerCost, NodeCapacity, SharedCores};
-use crate::ring::profile::{ProfileSettings, profile_layers};
+use crate::ring::profile::{InFlight, ProfileSettings, profile_layers};
 use crate::ring::schedule::Schedule;
 use crate::{ResumePoint, RunSpec, TrainConfig};
 
@@ -32,7 +32,7 @@ pub struct RingOptions {
     pub in_flight: Option<usize>,
     /// Ring: use every node given even when the plan predicts fewer train as fast (within 2%)
     /// or faster [default: false — the plan uses the fewest nodes that train fastest, and the
-    /// others wait the run out idle].
+    /// others leave once the ring has formed].
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub use_all_nodes: Option<bool>,
     /// Ring: layer ranges per node instead of the planner, e.g. `0:4,4:8,8:10`.
@@ -434,19 +434,22 @@ pub fn plan(
     let in_flight = match schedule {
         Schedule::Gpipe => micro_batches,
         Schedule::OneFOneB => (nodes as usize).min(micro_batches),
-        // The default window: one per node and one more (`Plan::window`), unless links ask
-        // for more.
         Schedule::Async => args.in_flight.unwrap_or(nodes as usize + 1),
+    };
+    // Memory is planned for the window the chosen ring keeps: the async default, one
+    // micro-batch per node and one more (`Plan::window`), follows the number of nodes used, so
+    // idle nodes cost the others nothing.
+    let in_flight_planned = match (schedule, args.in_flight) {
+        (Schedule::Async, None) => InFlight::PerNode { plus: 1 },
+        _ => InFlight::Fixed(in_flight),
     };
     eprintln!(
         "profiling {} layers on micro-batches of {rows} rows for the partition plan",
         layers.len()
     );
-    let (extra_weight_versions, steps_per_micro_batch) = match schedule {
-        // Weight stashing: a version per micro-batch in flight, plus up to two released buffers
-        // kept for reuse (`Stage::step`).
-        Schedule::Async => (in_flight + 2, 1.0),
-        Schedule::Gpipe | Schedule::OneFOneB => (0, 1.0 / micro_batches as f64),
+    let steps_per_micro_batch = match schedule {
+        Schedule::Async => 1.0,
+        Schedule::Gpipe | Schedule::OneFOneB => 1.0 / micro_batches as f64,
     };
     let costs = profile_layers(
         &layers,
@@ -454,8 +457,8 @@ pub fn plan(
         &ProfileSettings {
             rows,
             threads: cfg.threads,
-            in_flight,
-            extra_weight_versions,
+            in_flight: in_flight_planned,
+            stashes_weights: schedule == Schedule::Async,
             steps_per_micro_batch,
             repeats: 9,
         },
@@ -521,8 +524,12 @@ pub fn plan(
     }
     .map_err(|e| match (&e, schedule) {
         (partition::PlanError::DoesNotFit { .. }, Schedule::Async) => Error::Config(format!(
-            "{e}; the async schedule counts {extra_weight_versions} stashed weight versions per \
-             stage: --schedule 1f1b needs none"
+            "{e}; the async schedule stashes a version of each stage's weights per micro-batch \
+             in flight{}: --schedule 1f1b needs none",
+            match args.in_flight {
+                Some(w) => format!(" ({w}, and two spare)"),
+                None => " (one per node and one more, and two spare)".to_string(),
+            }
         )),
         _ => Error::Config(e.to_string()),
     })?;
@@ -693,27 +700,69 @@ pub fn plan(
         );
     }
     let speeds: Vec<f64> = speeds.into_iter().take(used as usize).collect();
+    // In the cut layers' positions: every cut is before the head, and each adds a layer.
+    let head = (head_start < layers.len()).then(|| partition::StagePlan {
+        rank: 0,
+        start: head_start + cuts_inside.len(),
+        end: staged_layers.len(),
+        predicted_seconds: costs[head_start..].iter().map(|c| c.seconds).sum::<f64>() / speeds[0],
+        predicted_bytes: costs[head_start..]
+            .iter()
+            .map(|c| c.bytes_in_ring(used as usize))
+            .sum(),
+        predicted_link_seconds: 0.0,
+    });
     // The async window: enough micro-batches in flight to cover one's round trip at the
-    // slowest stage's pace; the memory of each stage was profiled for `in_flight` of them.
+    // slowest stage's pace, as far as the memory limits allow (the plan counted one per node
+    // and one more).
     let in_flight = match (schedule, args.in_flight) {
         (Schedule::Async, None) => {
             let window = planned.window();
-            let capped = if window > in_flight && limits.iter().any(Option::is_some) {
+            let fitting = plan
+                .iter()
+                .filter_map(|st| {
+                    let limit = limits[st.rank as usize]?;
+                    let on_node = |costs: &[LayerCost]| -> (u64, u64) {
+                        costs.iter().fold((0, 0), |(b, p), c| {
+                            (b + c.bytes_in_ring(used as usize), p + c.bytes_per_node)
+                        })
+                    };
+                    let (mut bytes, mut per_micro_batch) = on_node(&body[st.start..st.end]);
+                    if st.rank == 0 && head.is_some() {
+                        let (b, p) = on_node(&costs[head_start..]);
+                        bytes += b;
+                        per_micro_batch += p;
+                    }
+                    let spare = limit.saturating_sub(bytes);
+                    Some(
+                        (used as usize + 1)
+                            .saturating_add((spare / per_micro_batch.max(1)) as usize),
+                    )
+                })
+                .min()
+                .unwrap_or(usize::MAX);
+            let capped = window.min(fitting);
+            if capped < window {
                 eprintln!(
                     "async window: {window} micro-batches would cover the round trip, kept at \
-                     {in_flight} for the memory limits (--in-flight sets it)"
+                     {capped} for the memory limits (--in-flight sets it)"
                 );
-                in_flight
-            } else {
-                window
-            };
-            if capped > used as usize {
+            }
+            let covering = window - 1;
+            if covering > used as usize && capped == window {
                 eprintln!(
-                    "async window: {capped} micro-batches in flight (a predicted round trip of \
-                     {:.2} ms over the slowest stage's {:.2} ms, and one for what the prediction \
-                     leaves out): gradients up to {} mini-batches stale (--in-flight sets it)",
+                    "async window: {capped} micro-batches in flight: a micro-batch's predicted \
+                     round trip of {:.2} ms spans {covering} of the slowest stage's {:.2} ms \
+                     turns, and one more for what the prediction leaves out; gradients up to {} \
+                     mini-batches stale (--in-flight sets it)",
                     planned.round_trip * 1e3,
                     planned.bottleneck * 1e3,
+                    capped - 1
+                );
+            } else if capped > used as usize {
+                eprintln!(
+                    "async window: {capped} micro-batches in flight (one per node and one more): \
+                     gradients up to {} mini-batches stale (--in-flight sets it)",
                     capped - 1
                 );
             }
@@ -721,15 +770,6 @@ pub fn plan(
         }
         (_, w) => w.unwrap_or(in_flight),
     };
-    // In the cut layers' positions: every cut is before the head, and each adds a layer.
-    let head = (head_start < layers.len()).then(|| partition::StagePlan {
-        rank: 0,
-        start: head_start + cuts_inside.len(),
-        end: staged_layers.len(),
-        predicted_seconds: costs[head_start..].iter().map(|c| c.seconds).sum::<f64>() / speeds[0],
-        predicted_bytes: costs[head_start..].iter().map(|c| c.bytes).sum(),
-        predicted_link_seconds: 0.0,
-    });
     if let Some(h) = &head {
         eprintln!(
             "  node 0 also holds the head: layers {}..{} (the logits never leave it)",

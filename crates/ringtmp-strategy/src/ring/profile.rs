@@ -11,6 +11,19 @@ use ringtmp_model::{Layer, Optimizer, OptimizerConfig, Pass, Stage};
 
 use super::partition::LayerCost;
 
+/// How many micro-batches a stage holds at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum InFlight {
+    /// A set number, whatever the ring's size.
+    Fixed(usize),
+    /// One per node of the ring and `plus` more (the async schedule's default window): a stage's
+    /// memory then follows the size of the ring the planner chooses, not the nodes given.
+    PerNode {
+        /// Micro-batches beyond one per node.
+        plus: usize,
+    },
+}
+
 /// What the profiler must assume about the schedule.
 #[derive(Clone, Debug)]
 pub struct ProfileSettings {
@@ -19,9 +32,10 @@ pub struct ProfileSettings {
     /// Compute threads per node.
     pub threads: usize,
     /// Micro-batches whose activations a stage may hold at once.
-    pub in_flight: usize,
-    /// Extra copies of a stage's parameters it may hold: stashed weight versions (async).
-    pub extra_weight_versions: usize,
+    pub in_flight: InFlight,
+    /// Whether a stage keeps a copy of its parameters for each micro-batch in flight, and two
+    /// released copies for reuse (the async schedule's weight stashing, `Stage::step`).
+    pub stashes_weights: bool,
     /// Optimizer steps per micro-batch: 1 under async (a step after every backward), `1 / M`
     /// under the flushed schedules.
     pub steps_per_micro_batch: f64,
@@ -42,7 +56,7 @@ pub fn profile_layers(
         rows,
         threads,
         in_flight,
-        extra_weight_versions,
+        stashes_weights,
         steps_per_micro_batch,
         repeats,
     } = *settings;
@@ -57,11 +71,24 @@ pub fn profile_layers(
         .map(|(timing, layer)| {
             let params = layer.param_count() as u64 * 4;
             let step = timing.step_seconds * steps_per_micro_batch;
+            // Parameters, gradients and optimizer state; with weight stashing, two released
+            // versions kept for reuse and one per micro-batch in flight.
+            let (held, per_micro_batch) = if stashes_weights {
+                (params * (4 + state_copies), params + timing.stash_bytes)
+            } else {
+                (params * (2 + state_copies), timing.stash_bytes)
+            };
+            let (bytes, bytes_per_node) = match in_flight {
+                InFlight::Fixed(w) => (held + per_micro_batch * w as u64, 0),
+                InFlight::PerNode { plus } => {
+                    (held + per_micro_batch * plus as u64, per_micro_batch)
+                }
+            };
             LayerCost {
                 seconds: timing.compute_seconds + step,
                 after_send_seconds: timing.after_send_seconds + step,
-                bytes: params * (2 + state_copies + extra_weight_versions as u64)
-                    + timing.stash_bytes * in_flight as u64,
+                bytes,
+                bytes_per_node,
                 out_bytes: (rows * layer.output.numel() * 4) as u64,
                 has_params: layer.param_count() > 0,
             }
