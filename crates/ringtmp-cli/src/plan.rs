@@ -134,7 +134,39 @@ fn plan_on(args: &TrainArgs, cfg: TrainConfig, data: &Dataset, cluster: &Cluster
         data,
     )?;
     job.validate(cluster.nodes)?;
+    refuse_nothing_to_train(job.spec())?;
     Ok(job)
+}
+
+/// A checkpoint of a run's last step, resumed into another directory, would train nothing
+/// there and report a run of no samples: refused, saying so. Resumed in its own directory it
+/// reports the finished run again.
+fn refuse_nothing_to_train(spec: &ringtmp_strategy::RunSpec) -> Result<()> {
+    let Some(resume) = spec.config.resume.as_deref() else {
+        return Ok(());
+    };
+    if spec.first_step() < spec.total_steps
+        || crate::run_dir::resumes_from(&spec.config.out, Some(resume))
+    {
+        return Ok(());
+    }
+    Err(UsageError(format!(
+        "--resume {}: the checkpoint is at step {}, where this run ends ({} steps: {}); nothing \
+         is left to train into {}. Give more --epochs or --max-steps to go on, or resume into \
+         the run's own directory to report it again",
+        resume.display(),
+        spec.first_step(),
+        spec.total_steps,
+        match spec.config.max_steps {
+            Some(m) if m == spec.total_steps => format!("--max-steps {m}"),
+            _ => format!(
+                "{} epoch(s) of {} steps",
+                spec.config.epochs, spec.steps_per_epoch
+            ),
+        },
+        spec.config.out.display()
+    ))
+    .into())
 }
 
 /// Sizes rayon's global pool (through which the kernels parallelise) to the thread budget, and

@@ -110,7 +110,7 @@ pub fn prepare(out: &Path, resume: Option<&Path>, overwrite: bool) -> Result<()>
 }
 
 /// Whether `resume` names `out` or something inside it (its checkpoints).
-fn resumes_from(out: &Path, resume: Option<&Path>) -> bool {
+pub fn resumes_from(out: &Path, resume: Option<&Path>) -> bool {
     let Some(resume) = resume else { return false };
     match (out.canonicalize(), resume.canonicalize()) {
         (Ok(out), Ok(resume)) => resume.starts_with(out),

@@ -93,6 +93,10 @@ fn run_resolved(args: TrainArgs) -> Result<()> {
     };
     let data = load_dataset(&args, true)?;
     let cfg = args.resolve(data.classes)?;
+    let Job::Local(job) = plan(&args, cfg, &data, 1)? else {
+        unreachable!("--strategy local plans a local job")
+    };
+    let cfg = &job.spec.config;
     crate::run_dir::prepare(
         &cfg.out,
         cfg.resume.as_deref(),
@@ -107,9 +111,6 @@ fn run_resolved(args: TrainArgs) -> Result<()> {
         cfg.threads,
         cfg.out.display()
     );
-    let Job::Local(job) = plan(&args, cfg, &data, 1)? else {
-        unreachable!("--strategy local plans a local job")
-    };
     let mut display = Display::new();
     let summary = train_local(&job.spec.config, &data, &mut |e| display.event(e))?;
     display.finish();

@@ -307,6 +307,51 @@ fn r10_out_refuses_an_existing_run() {
     );
 }
 
+// Issue 40.9: a finished run's last checkpoint resumed into another directory trained nothing
+// there and reported a run of no samples ("46613588.0 bytes per sample"): it is refused, before
+// that directory exists, for every strategy; in its own directory it reports the run again.
+#[test]
+fn resuming_a_finished_run_elsewhere_says_there_is_nothing_to_train() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run").display().to_string();
+    let first = tiny_local_run(&out, &["--checkpoint-every", "2"]);
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    for strategy in ["local", "ring", "allreduce", "ps"] {
+        let elsewhere = tmp.path().join(format!("again-{strategy}"));
+        let mut args = vec![
+            "train",
+            "--strategy",
+            strategy,
+            "--dataset",
+            "digits",
+            "--model-file",
+            "examples/models/lenet-dropout.toml",
+            "--max-steps",
+            "4",
+            "--resume",
+            &out,
+            "--out",
+            elsewhere.to_str().unwrap(),
+        ];
+        if strategy != "local" {
+            args.extend(["--nodes", "2"]);
+        }
+        let again = ringtmp(&args);
+        assert_usage_error(&again, "where this run ends (4 steps: --max-steps 4)");
+        assert_usage_error(&again, "nothing is left to train");
+        assert!(!elsewhere.exists(), "{strategy}: nothing was written");
+    }
+    let own = tiny_local_run(&out, &["--resume", &out]);
+    let err = String::from_utf8_lossy(&own.stderr);
+    assert!(own.status.success(), "{err}");
+    let report = String::from_utf8_lossy(&own.stdout);
+    assert!(report.contains("after 4 steps"), "{report}");
+}
+
 // Issue 10.7: user mistakes exit 2 with one message that names the file.
 #[test]
 fn r10_missing_files_and_unwritable_out_are_usage_errors_said_once() {

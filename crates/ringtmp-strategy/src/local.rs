@@ -43,9 +43,17 @@ impl Strategy for LocalJob {
             ));
         }
         let batch = config.batch_size;
-        Ok(Self {
-            spec: RunSpec::new(config, data, batch)?,
-        })
+        let mut spec = RunSpec::new(config, data, batch)?;
+        // Checked here, before the run starts, so that a checkpoint that does not fit (or has
+        // nothing left to train) is refused before any output is written.
+        if let Some(path) = spec.config.resume.clone() {
+            let (dir, manifest) = check_resume(&path, &spec.config)?;
+            spec.resume_from = Some(crate::ResumePoint {
+                dir: std::path::absolute(&dir).unwrap_or(dir),
+                step: manifest.step.min(spec.total_steps),
+            });
+        }
+        Ok(Self { spec })
     }
 
     fn spec(&self) -> &RunSpec {
