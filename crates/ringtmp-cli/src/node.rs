@@ -514,8 +514,9 @@ fn run_training(
         None
     };
     let mut display = crate::display::Display::new();
+    let shows_progress = rank == job.progress_rank();
     let mut on_event = |e: &ringtmp_strategy::Event| {
-        if rank == 0 {
+        if shows_progress {
             display.event(e)
         }
     };

@@ -401,6 +401,25 @@ fn parameter_server_on_local_nodes_writes_the_output_contract() {
     assert_eq!(events.last().unwrap()["event"], "end");
     let evals = events.iter().filter(|e| e["event"] == "eval").count();
     assert_eq!(evals, evaluated.len(), "{events:?}");
+    // Issue 40.9: and its steps (worker 0's units, every one of a run this short), in order,
+    // with their losses; worker 0 (rank 2) shows the progress.
+    let steps: Vec<u64> = events
+        .iter()
+        .filter(|e| e["event"] == "step")
+        .map(|e| {
+            assert!(e["loss"].as_f64().unwrap().is_finite(), "{e}");
+            e["step"].as_u64().unwrap()
+        })
+        .collect();
+    assert!(steps.len() > 10, "{events:?}");
+    assert!(steps.windows(2).all(|p| p[0] < p[1]), "{steps:?}");
+    assert!(*steps.last().unwrap() <= summary["steps"].as_u64().unwrap());
+    assert!(worker0.get("steps").is_none(), "{worker0}");
+    let err = stderr(&output);
+    assert!(
+        err.contains("[node 2] 22602 parameters; steps 0.."),
+        "{err}"
+    );
     let nodes = summary["per_node"].as_array().unwrap();
     assert_eq!(nodes.len(), 4);
     assert_eq!(nodes.iter().filter(|n| n["role"] == "server").count(), 2);

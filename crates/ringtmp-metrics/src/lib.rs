@@ -13,4 +13,4 @@
 pub mod resources;
 mod summary;
 
-pub use summary::{DroppedNode, EventLog, NodeSummary, Restart, Summary};
+pub use summary::{DroppedNode, EventLog, MAX_REPORTED_STEPS, NodeSummary, Restart, Summary};

@@ -6,6 +6,10 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+/// Most step records a node sends in its end-of-run report ([`NodeSummary::steps`]): every
+/// k-th step and the last, so that a report stays well inside a control frame.
+pub const MAX_REPORTED_STEPS: u64 = 512;
+
 /// Per-node measurements.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct NodeSummary {
@@ -87,6 +91,11 @@ pub struct NodeSummary {
     /// Evaluations this node made: `(iteration, test accuracy, training seconds)`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub evaluations: Vec<(u64, f64, f64)>,
+    /// Steps this node recorded for the run's log, `(steps done, training loss, learning rate,
+    /// training seconds)`: the parameter server's worker 0 sends them to server 0 in its report
+    /// (at most [`MAX_REPORTED_STEPS`] a run). Not kept in summary.json.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub steps: Vec<(u64, f64, f32, f64)>,
     /// Test accuracy of this node's final replica, when it evaluated one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub test_accuracy: Option<f64>,

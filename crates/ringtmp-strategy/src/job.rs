@@ -321,6 +321,15 @@ impl Job {
         each!(self, j => j.expendable(rank))
     }
 
+    /// The rank whose progress events (steps, evaluations) a launcher shows: the master, or
+    /// the parameter server's worker 0 (the servers see no losses).
+    pub fn progress_rank(&self) -> u32 {
+        match self {
+            Job::Ps(job) => job.servers as u32,
+            _ => 0,
+        }
+    }
+
     /// See [`Strategy::run`].
     pub fn run(&self, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
         each!(self, j => j.run(rank, cx))

@@ -154,7 +154,7 @@ pub fn ps_nodes_audited(
         } else {
             let w = r as usize - job.servers;
             let speed = speeds.get(w).copied().unwrap_or(1.0);
-            let result = run_worker(job, w, data, speed, net, &mut |_, _| Ok(())).and_then(
+            let result = run_worker(job, w, data, speed, net, &mut |_| Ok(())).and_then(
                 |(outcome, mut stage)| {
                     let (accuracy, _) =
                         ringtmp_strategy::local::evaluate(&mut stage, &data.test, data.classes)?;

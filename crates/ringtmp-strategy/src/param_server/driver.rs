@@ -51,7 +51,7 @@ pub struct PsJob {
 }
 
 impl PsJob {
-    fn layers(&self) -> Result<Vec<ringtmp_model::Layer>> {
+    pub(crate) fn layers(&self) -> Result<Vec<ringtmp_model::Layer>> {
         self.spec.layers()
     }
 
@@ -709,18 +709,38 @@ pub struct WorkerOutcome {
     pub final_epoch_units: u64,
 }
 
+/// What a worker tells its caller as it goes.
+pub enum WorkerEvent<'a> {
+    /// A pull brought work: the replica, and the global iteration of the unit it brought
+    /// (under BSP the iterations the parameters hold), e.g. to evaluate it.
+    Pulled {
+        /// Global iteration of the unit.
+        iteration: u64,
+        /// The replica as pulled.
+        stage: &'a mut Stage,
+    },
+    /// The worker pushed its gradient for a unit of global iteration `iteration`.
+    Pushed {
+        /// Global iteration of the unit.
+        iteration: u64,
+        /// Mean training loss of the unit's examples.
+        loss: f64,
+        /// The learning rate the servers apply to it.
+        lr: f32,
+    },
+}
+
 /// Runs worker `w` (rank `servers + w`) for the job's iterations on its share of every global
 /// batch (the units server 0 assigns); `speed` < 1 emulates a slower node. The returned replica
-/// holds the parameters of the last pull (under BSP, the final ones). `on_pulled` sees the replica
-/// after every pull that brought work, with the global iteration of the unit it brought (under
-/// BSP the iterations the parameters hold), e.g. to evaluate it.
+/// holds the parameters of the last pull (under BSP, the final ones). `on_event` sees every pull
+/// that brought work and every push.
 pub fn run_worker(
     job: &PsJob,
     w: usize,
     data: &Dataset,
     speed: f64,
     net: &mut dyn Transport,
-    on_pulled: &mut dyn FnMut(u64, &mut Stage) -> Result<()>,
+    on_event: &mut dyn FnMut(WorkerEvent<'_>) -> Result<()>,
 ) -> Result<(WorkerOutcome, Stage)> {
     let layers = job.layers()?;
     let mut stage = Stage::new(&layers, 0..layers.len(), job.spec.seed, job.spec.threads);
@@ -784,7 +804,10 @@ pub fn run_worker(
         }
         let workers = job.workers as u64;
         let (global, share) = (unit / workers, (unit % workers) as usize);
-        on_pulled(global, &mut stage)?;
+        on_event(WorkerEvent::Pulled {
+            iteration: global,
+            stage: &mut stage,
+        })?;
         let computed = Instant::now();
         let computed_at = clock.now();
         let epoch = global / job.spec.steps_per_epoch;
@@ -831,6 +854,11 @@ pub fn run_worker(
         stage.zero_grad();
         out.iterations += 1;
         out.samples += y.len() as u64;
+        on_event(WorkerEvent::Pushed {
+            iteration: global,
+            loss: unit_loss.loss_sum / y.len() as f64,
+            lr: job.lr_at_unit(unit),
+        })?;
     }
     for s in 0..job.servers {
         net.send(

@@ -12,7 +12,7 @@ use crate::TrainConfig;
 use crate::error::{Error, Result};
 use crate::job::{Cluster, NodeCx, Strategy, validate_shared};
 use crate::param_server::consistency::Consistency;
-use crate::param_server::driver::{PsJob, run_server, run_worker};
+use crate::param_server::driver::{PsJob, WorkerEvent, run_server, run_worker};
 use crate::param_server::plan::PsOptions;
 use crate::recorder::RunRecorder;
 use crate::spec::RunSpec;
@@ -169,33 +169,87 @@ fn run(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
     // A worker.
     let data = cx.data()?;
     let net = &mut *cx.net;
+    let on_event = &mut *cx.on_event;
     let w = rank as usize - job.servers;
     let speed = job.node_speeds.get(rank as usize).copied().unwrap_or(1.0);
-    // Worker 0 evaluates its replica at the first pull at or past every `eval_every`-th global
-    // iteration and every epoch end (under dynamic assignment its units skip iterations), on a
-    // clock that excludes the evaluations themselves.
+    // Worker 0 reports the run's progress (the servers see no losses): its units' losses as
+    // step lines, and it evaluates its replica at the first pull at or past every
+    // `eval_every`-th global iteration and every epoch end (under dynamic assignment its units
+    // skip iterations), on a clock that excludes the evaluations themselves.
+    let reports = w == 0;
     let eval_every = job.spec.eval_every;
     let (mut evaluations, mut eval_seconds) = (Vec::new(), 0.0f64);
+    let mut steps = Vec::new();
+    let first = job.first_step();
+    let total = job.spec.total_steps;
+    let record_every = total
+        .saturating_sub(first)
+        .div_ceil(ringtmp_metrics::MAX_REPORTED_STEPS)
+        .max(1);
+    let global_batch = (job.spec.batch_size * job.workers) as u64;
     let clock = time.now();
-    let mut last = job.first_step();
-    let mut evaluate = |t: u64, stage: &mut ringtmp_model::Stage| -> Result<()> {
-        let crossed = |every: u64| every > 0 && t / every > last / every;
-        let due = crossed(job.spec.steps_per_epoch) || crossed(eval_every);
-        last = last.max(t);
-        if w == 0 && due {
-            let started = time.now();
-            let (accuracy, _) = crate::local::evaluate(stage, &data.test, data.classes)?;
-            eval_seconds += (time.now() - started).as_secs_f64();
-            evaluations.push((
-                t,
-                accuracy,
-                (time.now() - clock).as_secs_f64() - eval_seconds,
-            ));
-            eprintln!("eval iteration {t}: test accuracy {:.2}%", accuracy * 100.0);
+    let (mut last, mut last_step) = (first, first);
+    if reports {
+        on_event(&crate::Event::Started {
+            total_steps: total,
+            first_step: first,
+            params: job.layers()?.iter().map(|l| l.param_count()).sum(),
+            stage_params: Vec::new(),
+        });
+    }
+    let mut worker_event = |event: WorkerEvent<'_>| -> Result<()> {
+        if !reports {
+            return Ok(());
+        }
+        let train_seconds = (time.now() - clock).as_secs_f64() - eval_seconds;
+        match event {
+            WorkerEvent::Pulled {
+                iteration: t,
+                stage,
+            } => {
+                let crossed = |every: u64| every > 0 && t / every > last / every;
+                let due = crossed(job.spec.steps_per_epoch) || crossed(eval_every);
+                last = last.max(t);
+                if due {
+                    let started = time.now();
+                    let (accuracy, loss) = crate::local::evaluate(stage, &data.test, data.classes)?;
+                    eval_seconds += (time.now() - started).as_secs_f64();
+                    evaluations.push((t, accuracy, train_seconds));
+                    on_event(&crate::Event::Eval {
+                        step: t,
+                        epoch: t.saturating_sub(1) / job.spec.steps_per_epoch.max(1),
+                        accuracy,
+                        loss,
+                    });
+                }
+            }
+            WorkerEvent::Pushed {
+                iteration,
+                loss,
+                lr,
+            } => {
+                let done = iteration + 1;
+                // Under dynamic assignment a worker may take two units of one iteration: its
+                // first counts.
+                if done <= last_step {
+                    return Ok(());
+                }
+                last_step = done;
+                if (done - first.min(done)) % record_every == 0 || done == total {
+                    steps.push((done, loss, lr, train_seconds));
+                }
+                let samples = done.saturating_sub(first) * global_batch;
+                on_event(&crate::Event::Step {
+                    step: done,
+                    epoch: iteration / job.spec.steps_per_epoch.max(1),
+                    loss,
+                    samples_per_second: samples as f64 / train_seconds.max(1e-9),
+                });
+            }
         }
         Ok(())
     };
-    let (outcome, mut stage) = run_worker(job, w, data, speed, net, &mut evaluate)?;
+    let (outcome, mut stage) = run_worker(job, w, data, speed, net, &mut worker_event)?;
     // The final replica (the last pull's parameters) is an evaluation point too: a run that
     // reaches the target only at its end has reached it, at that time.
     let finished_at = (time.now() - clock).as_secs_f64() - eval_seconds;
@@ -216,6 +270,7 @@ fn run(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
             evaluations.push((end, accuracy, finished_at));
         }
         own.evaluations = evaluations;
+        own.steps = steps;
     }
     report(net, &own)?;
     Ok(None)
@@ -263,7 +318,7 @@ fn report(net: &mut dyn Transport, own: &NodeSummary) -> Result<()> {
 fn summarize(
     job: &PsJob,
     recorder: &mut RunRecorder,
-    per_node: Vec<NodeSummary>,
+    mut per_node: Vec<NodeSummary>,
     wall: f64,
 ) -> Result<Summary> {
     let samples: u64 = per_node
@@ -277,8 +332,24 @@ fn summarize(
         .flat_map(|n| n.evaluations.clone())
         .collect();
     evaluations.sort_by_key(|e| e.0);
+    // Worker 0's step records, each before the evaluations after it; not kept in the summary.
+    let mut steps: Vec<(u64, f64, f32, f64)> = per_node
+        .iter_mut()
+        .flat_map(|n| std::mem::take(&mut n.steps))
+        .collect();
+    steps.sort_by_key(|s| s.0);
+    let global_batch = (job.spec.batch_size * job.workers) as u64;
+    let mut steps = steps.into_iter().peekable();
     for &(iteration, accuracy, seconds) in &evaluations {
+        while let Some((done, loss, lr, seconds)) = steps.next_if(|s| s.0 <= iteration) {
+            let samples = done.saturating_sub(job.first_step()) * global_batch;
+            recorder.step(done, loss, lr, (seconds, samples))?;
+        }
         recorder.eval(iteration, accuracy, None, seconds, seconds)?;
+    }
+    for (done, loss, lr, seconds) in steps {
+        let samples = done.saturating_sub(job.first_step()) * global_batch;
+        recorder.step(done, loss, lr, (seconds, samples))?;
     }
     let model_params = per_node
         .iter()
