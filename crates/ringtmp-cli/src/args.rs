@@ -189,6 +189,15 @@ pub struct TrainArgs {
     #[arg(long, hide = true)]
     #[serde(skip)]
     pub freeze_after_ms: Option<u64>,
+    /// Fault injection for tests: this rank of a local run stops training (its thread blocks)
+    /// while its links stay alive: the stall the step bound exists for.
+    #[arg(long, hide = true)]
+    #[serde(skip)]
+    pub hang_rank: Option<u32>,
+    /// Fault injection for tests: milliseconds before the hang.
+    #[arg(long, hide = true)]
+    #[serde(skip)]
+    pub hang_after_ms: Option<u64>,
     /// Stop after N optimizer steps in total.
     #[arg(long, value_name = "N")]
     pub max_steps: Option<u64>,
@@ -199,6 +208,11 @@ pub struct TrainArgs {
     /// Seconds a node waits for any one message before giving up on the run [default: 300].
     #[arg(long, value_name = "SECONDS")]
     pub recv_timeout: Option<f64>,
+    /// Seconds rank 0 may wait without a step completing before it ends the run, naming what
+    /// every node waits for; 20 × the slowest step so far (or the plan's predicted step) when
+    /// that is longer [default: 30, and at least 6 × the links' peer timeout].
+    #[arg(long, value_name = "SECONDS")]
+    pub stall_timeout: Option<f64>,
     /// What tensors travel as between nodes: f32, bf16 or f16 (computation stays f32)
     /// [default: f32].
     #[arg(long, value_name = "DTYPE")]
@@ -217,6 +231,8 @@ macro_rules! layer_options {
             crash_plan: $flags.crash_plan.clone(),
             freeze_rank: $flags.freeze_rank,
             freeze_after_ms: $flags.freeze_after_ms,
+            hang_rank: $flags.hang_rank,
+            hang_after_ms: $flags.hang_after_ms,
             ring: $flags.ring.merged_over(&$file.ring),
             ps: $flags.ps.merged_over(&$file.ps),
             allreduce: $flags.allreduce.merged_over(&$file.allreduce),
@@ -294,6 +310,7 @@ impl TrainArgs {
             insecure_plaintext,
             train_samples,
             recv_timeout,
+            stall_timeout,
             wire_dtype,
             verbose
         ))
@@ -667,6 +684,7 @@ impl TrainArgs {
             recv_timeout_secs: self
                 .recv_timeout
                 .unwrap_or(ringtmp_strategy::DEFAULT_RECV_TIMEOUT_SECS),
+            stall_timeout_secs: self.stall_timeout,
             default_lr: self.lr.is_none(),
             default_schedule: self.lr_schedule.is_none(),
             default_momentum: self.momentum.is_none(),

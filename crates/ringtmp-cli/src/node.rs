@@ -144,6 +144,10 @@ pub struct ConnectArgs {
     /// milliseconds after the links are up.
     #[arg(long, hide = true)]
     pub freeze_after_ms: Option<u64>,
+    /// Fault injection for tests: block this process's main thread (its training) this many
+    /// milliseconds after the links are up, leaving its links alive (heartbeats go on).
+    #[arg(long, hide = true)]
+    pub hang_after_ms: Option<u64>,
 }
 
 /// `ringtmp node` options.
@@ -287,6 +291,9 @@ pub fn run(args: &NodeArgs) -> Result<()> {
             // SAFETY: raise(3) signals this process only.
             unsafe { libc::raise(libc::SIGSTOP) };
         });
+    }
+    if let Some(ms) = c.hang_after_ms {
+        hang_main_thread_after(Duration::from_millis(ms));
     }
     // What rank 0 handed out is checked before anything uses it: a bad job is rank 0's
     // protocol violation (exit status 1), named as such.
@@ -513,6 +520,18 @@ fn run_training(
     } else {
         None
     };
+    // Rank 0 keeps the run's steps (the parameter server's server 0 counts its iterations): a
+    // run in which it waits longer than the step bound for anything ends, naming every node's
+    // wait.
+    if rank == 0 {
+        let peer_timeout = Duration::try_from_secs_f64(args.connect.peer_timeout)
+            .unwrap_or(Duration::from_secs(5));
+        let mut bound = ringtmp_transport::StepBound::new(peer_timeout, job.predicted_step());
+        if let Some(floor) = spec.config.stall_timeout_secs {
+            bound.floor = Duration::try_from_secs_f64(floor).unwrap_or(bound.floor);
+        }
+        net.watch_steps(bound);
+    }
     let mut display = crate::display::Display::new();
     let shows_progress = rank == job.progress_rank();
     let mut on_event = |e: &ringtmp_strategy::Event| {
@@ -576,4 +595,26 @@ pub fn pin_to_core(core: usize) -> Result<()> {
         ))
         .into())
     }
+}
+
+/// Fault injection: `after` from now, the calling thread (the node's training) blocks for good
+/// in a signal handler, while the I/O runtime's threads keep its links and heartbeats alive.
+fn hang_main_thread_after(after: Duration) {
+    extern "C" fn hang(_: libc::c_int) {
+        loop {
+            // SAFETY: pause(2) is async-signal-safe; it returns only when another signal
+            // is handled, and this handler waits again.
+            unsafe { libc::pause() };
+        }
+    }
+    // SAFETY: pthread_self has no preconditions.
+    let main = unsafe { libc::pthread_self() };
+    // SAFETY: the handler only calls pause(2), which is async-signal-safe.
+    unsafe { libc::signal(libc::SIGUSR2, hang as *const () as libc::sighandler_t) };
+    std::thread::spawn(move || {
+        std::thread::sleep(after);
+        eprintln!("fault injection: the training thread hangs (links stay alive)");
+        // SAFETY: `main` is this process's thread that called us, alive for the run.
+        unsafe { libc::pthread_kill(main, libc::SIGUSR2) };
+    });
 }

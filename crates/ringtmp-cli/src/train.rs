@@ -409,6 +409,10 @@ fn launch_once(args: &mut TrainArgs, cluster: &LocalCluster, attempt: usize) -> 
             let after = args.freeze_after_ms.unwrap_or(1000).to_string();
             node_args.extend(["--freeze-after-ms".into(), after]);
         }
+        if first && args.hang_rank == Some(rank) {
+            let after = args.hang_after_ms.unwrap_or(1000).to_string();
+            node_args.extend(["--hang-after-ms".into(), after]);
+        }
         node_args
     };
     let cgroups = std::cell::RefCell::new(crate::cgroup::NodeCgroups::default());

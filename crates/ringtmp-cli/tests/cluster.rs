@@ -2272,6 +2272,64 @@ fn a_ring_resumed_at_its_end_reports_its_final_accuracy() {
     );
 }
 
+// Issue 40.2: a node whose training thread hangs while its links stay alive (heartbeats go on,
+// so no link fails) stopped every run until the 300 s receive timeout. Rank 0 now ends a run
+// that completes no step within its step bound (here --stall-timeout 3), naming what it waited
+// for, and every other node says what it was waiting for when the abort came.
+#[test]
+fn a_run_that_makes_no_progress_ends_at_the_step_bound_naming_every_wait() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cases: [(&str, &[&str], &[u32]); 2] = [
+        ("ring", &["--nodes", "4", "--use-all-nodes"], &[1, 3]),
+        ("ps", &["--nodes", "4", "--servers", "1"], &[1, 3]),
+    ];
+    for (strategy, extra, waiting) in cases {
+        let out = tmp.path().join(strategy);
+        let mut args = vec![
+            "--strategy",
+            strategy,
+            "--dataset",
+            "digits",
+            "--epochs",
+            "500",
+            "--eval-every",
+            "0",
+            "--hang-rank",
+            "2",
+            "--hang-after-ms",
+            "1500",
+            "--stall-timeout",
+            "3",
+            "--out",
+            out.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        let started = std::time::Instant::now();
+        let (output, _) = finish(spawn_train(&args), Duration::from_secs(120));
+        let err = stderr(&output);
+        assert_eq!(output.status.code(), Some(1), "{strategy}: {err}");
+        assert!(
+            started.elapsed() < Duration::from_secs(100),
+            "{strategy}: {err}"
+        );
+        assert!(
+            err.contains("[node 0] error: no step completed for") && err.contains("rank 0 waited"),
+            "{strategy}: {err}"
+        );
+        for rank in waiting {
+            let line = err
+                .lines()
+                .find(|l| l.starts_with(&format!("[node {rank}] error:")))
+                .unwrap_or_else(|| panic!("{strategy}: node {rank} said nothing: {err}"));
+            assert!(
+                line.contains("rank 0 aborted the run: no step completed")
+                    && line.contains("(while waiting for a message from"),
+                "{strategy}: {line}"
+            );
+        }
+    }
+}
+
 // Issue 40.7: the async window, and with it each stage's stashed weights and activations,
 // follows the ring the plan chooses, not the nodes given. 64 nodes under a 120 MB limit each
 // were refused ("only 4 blocks of layers") because every stage was counted with 65 micro-batches

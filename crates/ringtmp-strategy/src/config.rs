@@ -86,6 +86,10 @@ pub struct TrainConfig {
     /// Seconds a node waits for any one message before it gives up on the run.
     #[serde(default = "default_recv_timeout")]
     pub recv_timeout_secs: f64,
+    /// Seconds rank 0 may go without a step before it ends the run (or 20 × the slowest step,
+    /// if longer); `None`: 30, and at least six times the links' peer timeout.
+    #[serde(default)]
+    pub stall_timeout_secs: Option<f64>,
 }
 
 impl TrainConfig {
@@ -118,6 +122,13 @@ impl TrainConfig {
             return bad(format!(
                 "--recv-timeout must be a positive number of seconds, got {}",
                 self.recv_timeout_secs
+            ));
+        }
+        if let Some(s) = self.stall_timeout_secs
+            && !(s.is_finite() && s > 0.0)
+        {
+            return bad(format!(
+                "--stall-timeout must be a positive number of seconds, got {s}"
             ));
         }
         if self.keep_checkpoints == Some(0) {

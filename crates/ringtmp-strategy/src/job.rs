@@ -330,6 +330,25 @@ impl Job {
         }
     }
 
+    /// The plan's prediction of one step, where the strategy plans one: what bounds the wait
+    /// for progress until steps have been measured ([`ringtmp_transport::progress`]).
+    pub fn predicted_step(&self) -> Option<std::time::Duration> {
+        match self {
+            Job::Ring(job) => {
+                // Every stage's compute and card in turn, for each micro-batch: a step's length
+                // with no overlap at all, so a bound above it.
+                let one: f64 = job
+                    .partition
+                    .iter()
+                    .map(|s| s.predicted_seconds + s.predicted_link_seconds)
+                    .sum();
+                let step = one * job.micro_batches as f64;
+                (step.is_finite() && step > 0.0).then(|| std::time::Duration::from_secs_f64(step))
+            }
+            _ => None,
+        }
+    }
+
     /// See [`Strategy::run`].
     pub fn run(&self, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
         each!(self, j => j.run(rank, cx))

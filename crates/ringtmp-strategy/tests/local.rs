@@ -64,6 +64,7 @@ fn config(out: &Path, optimizer: OptimizerConfig) -> TrainConfig {
         max_steps: None,
         train_samples: None,
         recv_timeout_secs: 30.0,
+        stall_timeout_secs: None,
         default_lr: false,
         default_schedule: false,
         default_momentum: false,

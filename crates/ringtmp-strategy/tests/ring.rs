@@ -56,6 +56,7 @@ fn config(out: &Path) -> TrainConfig {
         max_steps: Some(STEPS),
         train_samples: None,
         recv_timeout_secs: 30.0,
+        stall_timeout_secs: None,
         default_lr: false,
         default_schedule: false,
         default_momentum: false,

@@ -139,5 +139,6 @@ pub fn train_config(
         max_steps: Some(steps),
         train_samples: None,
         recv_timeout_secs: 30.0,
+        stall_timeout_secs: None,
     }
 }

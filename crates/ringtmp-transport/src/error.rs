@@ -113,6 +113,26 @@ pub enum TransportError {
         /// Connections refused while waiting: `peer: reason`.
         refused: Vec<String>,
     },
+    /// The node that keeps the run's steps waited longer than its step bound
+    /// ([`crate::progress`]): the run makes no progress, though every link is alive.
+    #[error(
+        "no step completed for {:.1} s: rank {rank} waited {:.1} s for {waiting_for} (the bound: \
+         {why})",
+        since_step.as_secs_f64(),
+        waited.as_secs_f64()
+    )]
+    NoProgress {
+        /// The node that keeps the steps.
+        rank: u32,
+        /// Time since the last step.
+        since_step: Duration,
+        /// How long this receive waited.
+        waited: Duration,
+        /// What it waited for.
+        waiting_for: String,
+        /// How the bound was derived.
+        why: String,
+    },
     /// Another node aborted the run.
     #[error("rank {origin} aborted the run: {reason}")]
     Aborted {
@@ -145,6 +165,15 @@ pub enum TransportError {
 }
 
 impl TransportError {
+    /// The failure itself, without the [`TransportError::WhileWaiting`] that says what the node
+    /// was waiting for when it came.
+    pub fn root(&self) -> &TransportError {
+        match self {
+            Self::WhileWaiting { cause, .. } => cause.root(),
+            other => other,
+        }
+    }
+
     /// The rank of the peer this failure says is gone (closed, broken or silent), if it names
     /// one: what a strategy that survives dead peers checks to decide whom to drop.
     pub fn failed_peer(&self) -> Option<u32> {

@@ -131,6 +131,14 @@ pub struct Network {
     goodbyes: BTreeSet<u32>,
     buffers: BufferPool,
     clock: Arc<crate::transport::WallClock>,
+    steps: Option<crate::progress::StepWatch>,
+}
+
+/// A receive's end: the caller's deadline, or the step bound's when that comes first.
+struct Deadline {
+    at: Instant,
+    /// Set when the step bound ends the wait: its length and how it was derived.
+    stall: Option<(Duration, String)>,
 }
 
 /// Binds a listener on `addr` (use port 0 for any free port) and logs what was bound.
@@ -200,6 +208,7 @@ impl Network {
             goodbyes: BTreeSet::new(),
             buffers,
             clock: Arc::new(crate::transport::WallClock::new()),
+            steps: None,
         })
     }
 
@@ -282,8 +291,36 @@ impl Network {
         if let Some(m) = self.pending.pop_front() {
             return Ok(m);
         }
-        let deadline = Instant::now() + wait;
-        self.next_inbound(deadline, None)
+        let deadline = self.deadline(wait);
+        self.next_inbound(&deadline, None)
+    }
+
+    /// Arms the run-wide bound on waiting without a step ([`crate::progress`]).
+    pub fn watch_steps(&mut self, bound: crate::progress::StepBound) {
+        self.steps = Some(crate::progress::StepWatch::new(bound));
+    }
+
+    /// A step of the run completed (see [`Network::watch_steps`]).
+    pub fn step_done(&mut self) {
+        let now = crate::transport::Clock::now(&*self.clock);
+        if let Some(steps) = &mut self.steps {
+            steps.step_done(now);
+        }
+    }
+
+    /// When a receive that may wait `wait` from now must end.
+    fn deadline(&self, wait: Duration) -> Deadline {
+        let now = Instant::now();
+        match self.steps.as_ref().and_then(|s| s.limit()) {
+            Some((limit, why)) if limit < wait => Deadline {
+                at: now + limit,
+                stall: Some((limit, why)),
+            },
+            _ => Deadline {
+                at: now + wait,
+                stall: None,
+            },
+        }
     }
 
     /// A message that has already arrived, without waiting (`Ok(None)` when there is none).
@@ -337,9 +374,9 @@ impl Network {
         if !self.links.contains_key(&from) {
             return Err(TransportError::NoLink(from));
         }
-        let deadline = Instant::now() + wait;
+        let deadline = self.deadline(wait);
         loop {
-            let (r, m) = self.next_inbound(deadline, Some(from))?;
+            let (r, m) = self.next_inbound(&deadline, Some(from))?;
             if r == from {
                 return Ok(m);
             }
@@ -349,12 +386,20 @@ impl Network {
 
     fn next_inbound(
         &mut self,
-        deadline: Instant,
+        deadline: &Deadline,
         awaited: Option<u32>,
     ) -> Result<(u32, Message), TransportError> {
+        let waiting_since = Instant::now();
+        let waiting_for = |net: &Self| match awaited {
+            Some(r) => format!("a message from {}", net.peer_name(r)),
+            None => format!(
+                "a message from any of ranks {:?}",
+                net.links.keys().collect::<Vec<_>>()
+            ),
+        };
         loop {
             let started = Instant::now();
-            let left = deadline.saturating_duration_since(started);
+            let left = deadline.at.saturating_duration_since(started);
             let got = self
                 .runtime
                 .block_on(async { timeout(left, self.inbox.recv()).await });
@@ -364,6 +409,20 @@ impl Network {
                     .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
             }
             match got {
+                Err(_) if deadline.stall.is_some() => {
+                    let (_, why) = deadline.stall.clone().unwrap_or_default();
+                    let now = crate::transport::Clock::now(&*self.clock);
+                    return Err(TransportError::NoProgress {
+                        rank: self.cfg.rank,
+                        since_step: self
+                            .steps
+                            .as_ref()
+                            .map_or(Duration::ZERO, |s| s.since_last_step(now)),
+                        waited: waiting_since.elapsed(),
+                        waiting_for: waiting_for(self),
+                        why,
+                    });
+                }
                 Err(_) => {
                     return Err(TransportError::Timeout {
                         what: "a message".into(),
@@ -416,7 +475,16 @@ impl Network {
                             reason: reason.clone(),
                         },
                     );
-                    return Err(TransportError::Aborted { origin, reason });
+                    // Said with what this node was waiting for: after a stall, every node's
+                    // report then names its own wait.
+                    return Err(TransportError::WhileWaiting {
+                        waiting_for: format!(
+                            "{}, for {:.1} s",
+                            waiting_for(self),
+                            waiting_since.elapsed().as_secs_f64()
+                        ),
+                        cause: Box::new(TransportError::Aborted { origin, reason }),
+                    });
                 }
                 Ok(Some(Inbound::Message(from, m))) => return Ok((from, m)),
             }
@@ -588,6 +656,14 @@ impl crate::transport::Transport for Network {
 
     fn clock(&self) -> Arc<dyn crate::transport::Clock> {
         self.clock.clone()
+    }
+
+    fn watch_steps(&mut self, bound: crate::progress::StepBound) {
+        Network::watch_steps(self, bound)
+    }
+
+    fn step_done(&mut self) {
+        Network::step_done(self)
     }
 }
 

@@ -49,6 +49,12 @@ pub trait Transport: Send {
     fn close(&mut self) -> Result<(), TransportError>;
     /// This node's clock.
     fn clock(&self) -> Arc<dyn Clock>;
+    /// Arms the run-wide bound on waiting without a step ([`crate::progress`]) on the node that
+    /// keeps the run's steps. A transport without one (the simulator, whose deadlocks end at
+    /// its receive timeouts in virtual time) ignores it.
+    fn watch_steps(&mut self, _bound: crate::progress::StepBound) {}
+    /// A step of the run completed (see [`Transport::watch_steps`]).
+    fn step_done(&mut self) {}
     /// Rings of rings: replaces `values` (a stage's gradients after mini-batch `step`) by their
     /// mean over the copies of this node's stage in the other rings, before the optimizer step.
     /// A node that has no such copies (every transport but a ring-of-rings view) has nothing

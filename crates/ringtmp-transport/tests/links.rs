@@ -242,13 +242,13 @@ fn abort_propagates_along_a_line() {
     nets[2].abort("disk full");
     let err1 = nets[1].recv(Duration::from_secs(5)).unwrap_err();
     assert!(
-        matches!(&err1, TransportError::Aborted { origin: 2, reason } if reason == "disk full"),
+        matches!(err1.root(), TransportError::Aborted { origin: 2, reason } if reason == "disk full"),
         "{err1}"
     );
     // Rank 0 is not linked to rank 2; it hears of the abort through rank 1.
     let err0 = nets[0].recv(Duration::from_secs(5)).unwrap_err();
     assert!(
-        matches!(&err0, TransportError::Aborted { origin: 2, .. }),
+        matches!(err0.root(), TransportError::Aborted { origin: 2, .. }),
         "{err0}"
     );
 }
@@ -443,4 +443,58 @@ fn two_links_share_one_card() {
     let to_0 = started.elapsed();
     let to_2 = other.join().unwrap();
     println!("1 MB to rank 0 after {to_0:?}, 1 MB to rank 2 after {to_2:?}");
+}
+
+// Issue 40.2: every link alive, no step: the node that keeps the steps ends its wait at the
+// step bound (not the caller's long receive timeout) and names what it waited for; the abort
+// it sends makes each other node say what it was waiting for.
+#[test]
+fn a_wait_past_the_step_bound_is_a_stall_that_every_node_names() {
+    use ringtmp_transport::StepBound;
+    let mut nets: Vec<Network> = start((0..3).map(config).collect(), &[(0, 1), (1, 2)])
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let bound = StepBound {
+        floor: Duration::from_millis(300),
+        factor: 20,
+        predicted_step: Some(Duration::from_millis(1)),
+    };
+    nets[0].watch_steps(bound);
+    nets[0].step_done();
+    let started = std::time::Instant::now();
+    let err = nets[0].recv(Duration::from_secs(60)).unwrap_err();
+    let waited = started.elapsed();
+    assert!(
+        matches!(err, TransportError::NoProgress { rank: 0, .. }),
+        "{err}"
+    );
+    assert!(waited < Duration::from_secs(10), "{waited:?}");
+    let said = err.to_string();
+    assert!(said.contains("a message from any of ranks [1]"), "{said}");
+    assert!(said.contains("20 × the plan's predicted step"), "{said}");
+    // A caller's own shorter wait stands.
+    let err = nets[0].recv(Duration::from_millis(50)).unwrap_err();
+    assert!(matches!(err, TransportError::Timeout { .. }), "{err}");
+    nets[0].abort(&said);
+    let err1 = nets[1].recv(Duration::from_secs(60)).unwrap_err();
+    assert!(
+        matches!(err1.root(), TransportError::Aborted { origin: 0, .. }),
+        "{err1}"
+    );
+    assert!(
+        err1.to_string()
+            .contains("while waiting for a message from any of ranks [0, 2]"),
+        "{err1}"
+    );
+    // Rank 2 hears of it through rank 1 and names its own wait.
+    let err2 = nets[2].recv_from(1, Duration::from_secs(60)).unwrap_err();
+    assert!(err2.to_string().contains("no step completed"), "{err2}");
+    assert!(
+        err2.to_string()
+            .contains("while waiting for a message from rank 1"),
+        "{err2}"
+    );
+    // Nodes that do not keep the steps are not bounded.
+    assert!(nets[1].recv(Duration::from_millis(400)).is_err());
 }

@@ -913,6 +913,7 @@ pub fn run_worker(
         }
         step += 1;
         let done = step;
+        net.step_done();
         let Some(recorder) = recorder.as_mut() else {
             continue;
         };

@@ -683,6 +683,7 @@ fn coordinate(
             Action::Record { step, loss } => {
                 let lr = spec.lr_at(step - 1);
                 let samples = me.coordinator_mut().iterations() * spec.batch_size as u64;
+                net.step_done();
                 r0.recorder.step(step, loss, lr, (elapsed(), samples))?;
                 on_event(&crate::Event::Step {
                     step,

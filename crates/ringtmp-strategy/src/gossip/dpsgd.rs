@@ -275,6 +275,7 @@ pub fn run_worker_from(
             });
         }
         let done = step + 1;
+        net.step_done();
         if let Some(recorder) = recorder.as_mut() {
             recorder.step(done, step_loss, lr, (train_seconds, samples))?;
             on_event(&crate::Event::Step {

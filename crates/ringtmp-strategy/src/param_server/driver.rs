@@ -604,6 +604,9 @@ impl Checkpoints {
         net: &mut dyn Transport,
     ) -> Result<()> {
         self.iterations += 1;
+        if s == 0 {
+            net.step_done();
+        }
         let step = job.first_step() + self.iterations;
         if !job.checkpoint_due(step) {
             return Ok(());

@@ -589,6 +589,14 @@ impl Transport for Members<'_> {
     fn clock(&self) -> Arc<dyn Clock> {
         self.inner.clock()
     }
+
+    fn watch_steps(&mut self, bound: ringtmp_transport::StepBound) {
+        self.inner.watch_steps(bound)
+    }
+
+    fn step_done(&mut self) {
+        self.inner.step_done()
+    }
 }
 
 /// A re-formation decided by the master.

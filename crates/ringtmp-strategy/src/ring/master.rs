@@ -188,6 +188,7 @@ pub fn run_master_with(
             });
         }
         let done = step + 1;
+        net.step_done();
         (record.train_seconds, record.samples) = (train_seconds, samples);
         recorder.step(done, mean_loss, lr, (train_seconds, samples))?;
         on_event(&Event::Step {

@@ -404,6 +404,14 @@ impl Transport for RingsView<'_> {
         self.inner.clock()
     }
 
+    fn watch_steps(&mut self, bound: ringtmp_transport::StepBound) {
+        self.inner.watch_steps(bound)
+    }
+
+    fn step_done(&mut self) {
+        self.inner.step_done()
+    }
+
     /// Ring all-reduce among the copies of this stage (reduce-scatter, then all-gather, over
     /// R chunks), then the mean. Every copy adds the same chunks in the same ring order.
     fn average_with_replicas(
