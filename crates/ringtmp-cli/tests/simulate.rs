@@ -281,3 +281,96 @@ fn failures_are_injected_into_the_protocol_and_give_a_useful_fraction() {
         assert!(text(&run).contains(needle), "{extra:?}: {}", text(&run));
     }
 }
+
+/// Issue 40.5: a simulated node is a coroutine, not a thread, and holds a stack only while it
+/// is alive. `simulate --nodes 100000` aborted near 17,500 threads (exit 134); a ring that
+/// leaves all but a few nodes idle now runs them all, with at most a handful alive at once.
+#[test]
+fn a_hundred_thousand_nodes_simulate_without_a_thread_each() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("wide");
+    let run = ringtmp(&[
+        "simulate",
+        "--nodes",
+        "100000",
+        "--dataset",
+        "digits",
+        "--model",
+        "mlp",
+        "--max-steps",
+        "3",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(run.status.success(), "{}", text(&run));
+    let record: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("simulation.json")).unwrap())
+            .unwrap();
+    assert_eq!(record["nodes"], 100000);
+    let alive = record["most_alive"].as_u64().unwrap();
+    assert!((2..=16).contains(&alive), "{record}");
+    assert!(
+        text(&run).contains(&format!(
+            "at most {alive} of the 100000 nodes alive at once"
+        )),
+        "{}",
+        text(&run)
+    );
+}
+
+/// Issue 40.5: an AD-PSGD worker whose grant is used up waits minutes of virtual time at
+/// 100 Mbit/s; the simulator timed it out after 300 s of virtual time. Simulated waits are
+/// bounded by the simulation's time limit (a simulated node fails only where a fault says so).
+/// And a run that does fail is a row of `compare --simulate`'s report that says so.
+#[test]
+fn long_simulated_waits_are_not_failures_and_failed_runs_are_rows() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("slow");
+    let run = ringtmp(&[
+        "simulate",
+        "--strategy",
+        "adpsgd",
+        "--nodes",
+        "8",
+        "--model",
+        "mlp-deep",
+        "--bandwidth-mbit",
+        "100",
+        "--batch-size",
+        "16",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    assert!(run.status.success(), "{}", text(&run));
+    let study = tmp.path().join("study");
+    let compare = ringtmp(&[
+        "compare",
+        "--simulate",
+        "--strategies",
+        "ring,adpsgd+recv-timeout=0.01",
+        "--nodes",
+        "4",
+        "--dataset",
+        "digits",
+        "--model",
+        "mlp",
+        "--max-steps",
+        "6",
+        "--bandwidth-mbit",
+        "100",
+        "--out",
+        study.to_str().unwrap(),
+    ]);
+    assert!(compare.status.success(), "{}", text(&compare));
+    assert!(text(&compare).contains("1 run(s) in the report, and 1 that failed"));
+    for report in ["report.md", "report.html"] {
+        let report = std::fs::read_to_string(study.join(report)).unwrap();
+        assert!(report.contains("ring ×4"), "{report}");
+        assert!(
+            report.contains("adpsgd+recv-timeout=0.01 ×4")
+                && report.contains("FAILED: the simulated run failed")
+                && report.contains("timed out after 10ms"),
+            "{report}"
+        );
+    }
+}

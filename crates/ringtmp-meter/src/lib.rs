@@ -114,6 +114,17 @@ pub fn take() -> Work {
     WORK.with_borrow_mut(std::mem::take)
 }
 
+/// Puts back a record [`take`] returned, in place of this thread's (the simulator runs many
+/// nodes on one thread, each with its own record, swapped in as it runs).
+pub fn restore(work: Work) {
+    WORK.with_borrow_mut(|w| *w = work);
+}
+
+/// This thread's phantom settings: `(on, inline values)` (see [`set_phantom`]).
+pub fn phantom_settings() -> (bool, usize) {
+    (PHANTOM.get(), INLINE.get())
+}
+
 /// Runs `f`, leaving out of the record the work it does (evaluations: the simulator does not
 /// charge them to the training compute that follows).
 pub fn unmetered<R>(f: impl FnOnce() -> R) -> R {

@@ -322,6 +322,9 @@ pub struct Simulated {
     pub wall_seconds: f64,
     /// Messages the simulated network carried.
     pub messages: u64,
+    /// The most nodes alive at once (started and not ended: each holds a stack and its
+    /// state), the simulation's cost in memory.
+    pub most_alive: usize,
     /// Virtual time training started at (0 where no rank announced it).
     pub training_started: f64,
     /// Virtual time of the last step any rank announced (`None` where none did).
@@ -329,7 +332,7 @@ pub struct Simulated {
 }
 
 /// Runs `job` (planned for `world` nodes) on a simulated network configured by `sim` (links, node speeds, faults; its
-/// compute cost and phantom mode as given), every rank on its own thread through the
+/// compute cost and phantom mode as given), every rank a coroutine running the
 /// strategy's own code; returns the summary the job's summary-writing rank returned.
 pub fn simulate(job: &Job, world: u32, data: &Dataset, sim: SimConfig) -> Result<Simulated> {
     job.validate(world)?;
@@ -340,41 +343,43 @@ pub fn simulate(job: &Job, world: u32, data: &Dataset, sim: SimConfig) -> Result
     // (the latest `Step`).
     let training_started = std::sync::Mutex::new(f64::INFINITY);
     let training_ended = std::sync::Mutex::new(f64::NEG_INFINITY);
-    let results = net.run(|mut node| {
-        let rank = node.rank();
-        let clock = node.clock();
-        let mut on_event = |event: &crate::Event| {
-            let now = clock.now().as_secs_f64();
-            match event {
-                crate::Event::Started { .. } => {
-                    let mut first = training_started.lock().unwrap_or_else(|e| e.into_inner());
-                    *first = first.min(now);
+    let results = net
+        .try_run(|mut node| {
+            let rank = node.rank();
+            let clock = node.clock();
+            let mut on_event = |event: &crate::Event| {
+                let now = clock.now().as_secs_f64();
+                match event {
+                    crate::Event::Started { .. } => {
+                        let mut first = training_started.lock().unwrap_or_else(|e| e.into_inner());
+                        *first = first.min(now);
+                    }
+                    crate::Event::Step { .. } => {
+                        let mut last = training_ended.lock().unwrap_or_else(|e| e.into_inner());
+                        *last = last.max(now);
+                    }
+                    _ => {}
                 }
-                crate::Event::Step { .. } => {
-                    let mut last = training_ended.lock().unwrap_or_else(|e| e.into_inner());
-                    *last = last.max(now);
+            };
+            let mut cx = NodeCx {
+                net: &mut node,
+                data: job.needs_data(rank).then_some(data),
+                on_event: &mut on_event,
+            };
+            let result = job.run(rank, &mut cx);
+            match result {
+                Ok(summary) => node
+                    .close()
+                    .map(|()| summary)
+                    .map_err(|e| format!("rank {rank}: {e}")),
+                Err(e) => {
+                    let text = format!("rank {rank}: {e}");
+                    node.abort(&text);
+                    Err(text)
                 }
-                _ => {}
             }
-        };
-        let mut cx = NodeCx {
-            net: &mut node,
-            data: job.needs_data(rank).then_some(data),
-            on_event: &mut on_event,
-        };
-        let result = job.run(rank, &mut cx);
-        match result {
-            Ok(summary) => node
-                .close()
-                .map(|()| summary)
-                .map_err(|e| format!("rank {rank}: {e}")),
-            Err(e) => {
-                let text = format!("rank {rank}: {e}");
-                node.abort(&text);
-                Err(text)
-            }
-        }
-    });
+        })
+        .map_err(|e| Error::Config(e.to_string()))?;
     let mut summary = None;
     let mut failures = Vec::new();
     for (rank, result) in results.into_iter().enumerate() {
@@ -391,6 +396,7 @@ pub fn simulate(job: &Job, world: u32, data: &Dataset, sim: SimConfig) -> Result
             virtual_seconds: net.elapsed().as_secs_f64(),
             wall_seconds: started.elapsed().as_secs_f64(),
             messages: net.events(),
+            most_alive: net.most_alive(),
             // Strategies that announce no start begin training at once.
             training_started: Some(
                 training_started

@@ -94,8 +94,13 @@ pub fn run(raw: &[String]) -> Result<()> {
             match budget_for(&exe, &options, plan, seconds, &label) {
                 Ok(samples) => budget = Some(samples),
                 Err(e) => {
-                    // As a failed run: said, left out of the report, the others go on.
-                    eprintln!("compare: {label}: FAILED: {e:#} — the report leaves it out");
+                    // As a failed run: said, a row of the report that says so (from its log),
+                    // and the others go on.
+                    eprintln!("compare: {label}: FAILED: {e:#} — a failed row in the report");
+                    let log = dir.with_extension("log");
+                    std::fs::create_dir_all(options.out.join("runs"))?;
+                    std::fs::write(&log, format!("error: {e:#}\n"))
+                        .with_context(|| format!("writing {}", log.display()))?;
                     continue;
                 }
             }
@@ -134,15 +139,20 @@ pub fn run(raw: &[String]) -> Result<()> {
                 s.samples_per_second
             ),
             _ => eprintln!(
-                "compare: {label}: FAILED ({status}); see {}.log — the report leaves it out",
+                "compare: {label}: FAILED ({status}); see {}.log — a failed row in the report",
                 dir.display()
             ),
         }
     }
-    let written = report::write(&options)?;
+    let (written, failed) = report::write(&options)?;
     eprintln!(
-        "compare: {} run(s) in the report: {}",
+        "compare: {} run(s) in the report{}: {}",
         written,
+        if failed > 0 {
+            format!(", and {failed} that failed")
+        } else {
+            String::new()
+        },
         options.out.join("report.html").display()
     );
     Ok(())

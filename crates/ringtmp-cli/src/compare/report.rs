@@ -204,13 +204,52 @@ fn run_args(options: &CompareOptions, f: &Finished) -> Vec<String> {
     args
 }
 
-/// Writes results.jsonl, the plots, report.md and report.html; returns the runs reported.
-pub fn write(options: &CompareOptions) -> Result<usize> {
+/// A run that ran and left no summary: its label and why, from the last error its log holds.
+pub struct Failed {
+    /// `strategy ×nodes`, as the table's rows.
+    pub label: String,
+    /// Its directory name under `runs/`.
+    pub name: String,
+    /// The error it ended with.
+    pub reason: String,
+}
+
+/// Why the run logged in `log` failed: its last `error:` line (a node's own error lines are
+/// prefixed `[node N]`), else that it left no summary.
+fn failure_reason(log: &str) -> String {
+    log.lines()
+        .rev()
+        .find_map(|l| {
+            let l = l.trim();
+            l.strip_prefix("error: ")
+                .or_else(|| l.split_once("] error: ").map(|(_, e)| e))
+        })
+        .map_or_else(
+            || "it ended without a summary".to_string(),
+            |e| e.trim().to_string(),
+        )
+}
+
+/// Writes results.jsonl, the plots, report.md and report.html; returns the runs reported and
+/// those that failed (each a row of the table that says so).
+pub fn write(options: &CompareOptions) -> Result<(usize, usize)> {
     let out = &options.out;
     let mut finished = Vec::new();
+    let mut failed = Vec::new();
     for plan in runs(options)? {
         let dir = out.join("runs").join(&plan.name);
-        if let Some(summary) = read_summary(&dir) {
+        let Some(summary) = read_summary(&dir) else {
+            // Ran (its log exists) and left no summary: a failed run.
+            if let Ok(log) = std::fs::read_to_string(dir.with_extension("log")) {
+                failed.push(Failed {
+                    label: format!("{} ×{}", plan.strategy, plan.nodes),
+                    name: plan.name.clone(),
+                    reason: failure_reason(&log),
+                });
+            }
+            continue;
+        };
+        {
             let curve = curve(&dir, &summary);
             let useful_fraction = std::fs::read_to_string(dir.join("simulation.json"))
                 .ok()
@@ -262,15 +301,25 @@ pub fn write(options: &CompareOptions) -> Result<usize> {
     }
     std::fs::write(
         out.join("report.md"),
-        markdown(options, &finished, &rows, &plots),
+        markdown(options, &finished, &rows, &failed, &plots),
     )
     .context("writing report.md")?;
     std::fs::write(
         out.join("report.html"),
-        html(options, &finished, &rows, &plots),
+        html(options, &finished, &rows, &failed, &plots),
     )
     .context("writing report.html")?;
-    Ok(finished.len())
+    Ok((finished.len(), failed.len()))
+}
+
+/// A failed run's row: its label, then what it ended with across the other columns' first.
+fn failed_cells(f: &Failed, columns: usize) -> Vec<String> {
+    let mut cells = vec![
+        format!("{} ({})", f.label, f.name),
+        format!("FAILED: {}", f.reason),
+    ];
+    cells.resize(columns.max(2), "—".to_string());
+    cells
 }
 
 const COLUMNS: [&str; 10] = [
@@ -416,6 +465,7 @@ fn markdown(
     options: &CompareOptions,
     finished: &[Finished],
     rows: &[Row],
+    failed: &[Failed],
     plots: &[(String, String, String)],
 ) -> String {
     let target = finished.first().map_or(0.97, |f| f.summary.target_accuracy);
@@ -431,6 +481,13 @@ fn markdown(
             "| {} |",
             cells(row, target, options.simulate, failures).join(" | ")
         );
+    }
+    for f in failed {
+        let cells: Vec<String> = failed_cells(f, columns.len())
+            .into_iter()
+            .map(|c| c.replace('|', "\\|"))
+            .collect();
+        let _ = writeln!(md, "| {} |", cells.join(" | "));
     }
     let _ = writeln!(
         md,
@@ -470,6 +527,7 @@ fn html(
     options: &CompareOptions,
     finished: &[Finished],
     rows: &[Row],
+    failed: &[Failed],
     plots: &[(String, String, String)],
 ) -> String {
     let target = finished.first().map_or(0.97, |f| f.summary.target_accuracy);
@@ -494,6 +552,13 @@ fn html(
     for row in rows {
         h.push_str("<tr>");
         for c in cells(row, target, options.simulate, failures) {
+            let _ = write!(h, "<td>{}</td>", escape(&c));
+        }
+        h.push_str("</tr>\n");
+    }
+    for f in failed {
+        h.push_str("<tr class=\"failed\">");
+        for c in failed_cells(f, columns(failures).len()) {
             let _ = write!(h, "<td>{}</td>", escape(&c));
         }
         h.push_str("</tr>\n");
