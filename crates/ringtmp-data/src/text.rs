@@ -1,0 +1,691 @@
+//! Text for language models: a corpus read into token ids, the vocabulary that made them, and
+//! windows of `seq_len + 1` tokens — a model's inputs and, shifted by one, their next-token
+//! targets — drawn by a seeded sampler.
+//!
+//! Two sources:
+//! - **UTF-8 text** (one or several files, raw or `.gz`): a character vocabulary built from the
+//!   training split (the first `1 − validation` of the characters), sorted by code point, so the
+//!   same text always gives the same ids. A character of the validation split that the training
+//!   split lacks is an error naming it and its place: the model could never predict it.
+//! - **Pre-tokenised `.bin` files**: nanoGPT's layout (little-endian `u16` ids, nothing else) or
+//!   llm.c's (a header of 256 little-endian `i32`: magic 20240520, version 1, the token count;
+//!   then `u16` ids). Their vocabulary is a size (GPT-2's 50,257 by default); an id at or past it
+//!   is an error naming the file and the token's position.
+//!
+//! Invariants: every id in a split is below the vocabulary's size; a window's start leaves room
+//! for its `seq_len` inputs and the target after the last (`start + seq_len < len`); the windows
+//! of training step `s` are a function of `(seed, s)` alone, so every process and a resumed run
+//! draw the same ones without communicating; the validation windows are fixed (contiguous,
+//! non-overlapping, from the split's start), so validation losses of different runs compare.
+
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use sha2::{Digest, Sha256};
+
+use crate::error::{Error, Result};
+
+/// GPT-2's vocabulary size: the default for `.bin` files (nanoGPT's OpenWebText and
+/// Shakespeare-BPE preparations).
+pub const GPT2_VOCAB: usize = 50_257;
+
+/// llm.c's `.bin` header: 256 `i32`, of which the first three are the magic, the version and the
+/// token count.
+const LLMC_MAGIC: i32 = 20_240_520;
+const LLMC_HEADER_BYTES: usize = 256 * 4;
+
+/// The bundled corpus's text: its file name and the SHA-256 of its (uncompressed) content.
+pub const SHAKESPEARE: (&str, &str) = (
+    "shakespeare.txt",
+    "d5bf167794872ce98da053751709efb6ef7638efee765516cb28c79e89592378",
+);
+
+/// How token ids map to text.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Vocabulary {
+    /// One token per character: id `i` is `chars[i]` (sorted by code point).
+    Chars(Vec<char>),
+    /// Ids from a tokenizer elsewhere (a `.bin` file): only the size is known here.
+    Ids {
+        /// Number of ids.
+        size: usize,
+    },
+}
+
+impl Vocabulary {
+    /// Number of token ids.
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Chars(chars) => chars.len(),
+            Self::Ids { size } => *size,
+        }
+    }
+
+    /// Whether it has no ids.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The text of token ids (characters; `None` for a vocabulary of bare ids or an id past it).
+    pub fn decode(&self, ids: &[u32]) -> Option<String> {
+        match self {
+            Self::Chars(chars) => ids
+                .iter()
+                .map(|&i| chars.get(i as usize).copied())
+                .collect(),
+            Self::Ids { .. } => None,
+        }
+    }
+
+    /// The ids of `text`, or the first character the vocabulary lacks (with its character
+    /// position).
+    pub fn encode(&self, text: &str) -> std::result::Result<Vec<u32>, (char, usize)> {
+        let Self::Chars(chars) = self else {
+            return Err(text.chars().next().map_or(('\0', 0), |c| (c, 0)));
+        };
+        text.chars()
+            .enumerate()
+            .map(|(at, c)| {
+                chars
+                    .binary_search(&c)
+                    .map(|i| i as u32)
+                    .map_err(|_| (c, at))
+            })
+            .collect()
+    }
+
+    /// The vocabulary as one line of text to store with a run and its checkpoints:
+    /// `chars:` and the characters, or `ids:` and the size.
+    pub fn to_line(&self) -> String {
+        match self {
+            Self::Chars(chars) => {
+                let escaped: String = chars
+                    .iter()
+                    .map(|c| match c {
+                        '\\' => "\\\\".to_string(),
+                        '\n' => "\\n".to_string(),
+                        '\r' => "\\r".to_string(),
+                        '\t' => "\\t".to_string(),
+                        c => c.to_string(),
+                    })
+                    .collect();
+                format!("chars:{escaped}")
+            }
+            Self::Ids { size } => format!("ids:{size}"),
+        }
+    }
+
+    /// Reads what [`Vocabulary::to_line`] wrote (`what` names where it came from in errors).
+    pub fn from_line(line: &str, what: &str) -> Result<Self> {
+        let bad = |reason: String| Error::Batching(format!("{what}: {reason}"));
+        if let Some(size) = line.strip_prefix("ids:") {
+            let size: usize = size
+                .trim()
+                .parse()
+                .map_err(|_| bad(format!("vocabulary size {size:?} is not a number")))?;
+            return Ok(Self::Ids { size });
+        }
+        let Some(escaped) = line.strip_prefix("chars:") else {
+            return Err(bad("a vocabulary starts with `chars:` or `ids:`".into()));
+        };
+        let mut chars = Vec::new();
+        let mut it = escaped.chars();
+        while let Some(c) = it.next() {
+            chars.push(match c {
+                '\\' => match it.next() {
+                    Some('\\') => '\\',
+                    Some('n') => '\n',
+                    Some('r') => '\r',
+                    Some('t') => '\t',
+                    other => return Err(bad(format!("unknown escape \\{other:?}"))),
+                },
+                c => c,
+            });
+        }
+        if chars.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(bad("the characters are not sorted and distinct".into()));
+        }
+        Ok(Self::Chars(chars))
+    }
+
+    /// Checks that a checkpoint's vocabulary (`self`) is the data's: the same ids for the same
+    /// text. Names the first difference.
+    pub fn check_matches(&self, data: &Vocabulary) -> std::result::Result<(), String> {
+        match (self, data) {
+            (Self::Chars(a), Self::Chars(b)) => {
+                if let Some(i) = (0..a.len().max(b.len())).find(|&i| a.get(i) != b.get(i)) {
+                    return Err(format!(
+                        "the checkpoint's vocabulary of {} characters and the data's of {} differ \
+                         at id {i} ({} against {})",
+                        a.len(),
+                        b.len(),
+                        a.get(i).map_or("none".into(), |c| format!("{c:?}")),
+                        b.get(i).map_or("none".into(), |c| format!("{c:?}"))
+                    ));
+                }
+                Ok(())
+            }
+            (Self::Ids { size: a }, Self::Ids { size: b }) if a == b => Ok(()),
+            (a, b) => Err(format!(
+                "the checkpoint's vocabulary ({}) is not the data's ({})",
+                a.describe(),
+                b.describe()
+            )),
+        }
+    }
+
+    /// In words, for messages.
+    pub fn describe(&self) -> String {
+        match self {
+            Self::Chars(c) => format!("{} characters", c.len()),
+            Self::Ids { size } => format!("{size} token ids"),
+        }
+    }
+}
+
+/// One split's tokens.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Tokens {
+    ids: Vec<u32>,
+}
+
+impl Tokens {
+    /// Tokens in the split.
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Whether the split is empty.
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// The ids.
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    /// Windows of `seq_len` inputs (and a target after the last) that fit: their starts are
+    /// `0..windows(seq_len)`.
+    pub fn windows(&self, seq_len: usize) -> usize {
+        self.ids.len().saturating_sub(seq_len)
+    }
+
+    /// Writes the windows starting at `starts`: inputs `[starts.len(), seq_len]` as `f32` ids
+    /// (exact below 2^24) into `x`, and each input's next token into `y`, reusing their
+    /// allocations.
+    ///
+    /// # Panics
+    /// If a window does not fit (starts come from [`WindowSampler`] or
+    /// [`Tokens::validation_starts`]).
+    pub fn gather(&self, starts: &[u32], seq_len: usize, x: &mut Vec<f32>, y: &mut Vec<u32>) {
+        x.clear();
+        y.clear();
+        for &s in starts {
+            let s = s as usize;
+            let window = &self.ids[s..s + seq_len + 1];
+            x.extend(window[..seq_len].iter().map(|&t| t as f32));
+            y.extend_from_slice(&window[1..]);
+        }
+    }
+
+    /// The fixed validation windows: contiguous and non-overlapping from the split's start, at
+    /// most `most` of them.
+    pub fn validation_starts(&self, seq_len: usize, most: usize) -> Vec<u32> {
+        let fit = self.windows(seq_len).div_ceil(seq_len.max(1));
+        (0..fit.min(most))
+            .map(|k| (k * seq_len.max(1)) as u32)
+            .collect()
+    }
+}
+
+/// A corpus ready to train on.
+#[derive(Clone, Debug)]
+pub struct TextCorpus {
+    /// How ids map to text.
+    pub vocab: Vocabulary,
+    /// The training split.
+    pub train: Tokens,
+    /// The validation split.
+    pub validation: Tokens,
+    /// The files read, in order.
+    pub files: Vec<PathBuf>,
+}
+
+impl TextCorpus {
+    /// Checks that windows of `seq_len` fit both splits; names the split and file.
+    pub fn check_seq_len(&self, seq_len: usize) -> Result<()> {
+        if seq_len == 0 {
+            return Err(Error::Batching("--seq-len must be at least 1".into()));
+        }
+        for (name, split) in [("training", &self.train), ("validation", &self.validation)] {
+            if split.windows(seq_len) == 0 {
+                return Err(Error::Batching(format!(
+                    "--seq-len {seq_len} does not fit the {name} split of {}: it holds {} \
+                     token(s), and a window needs {} (its inputs and the next token)",
+                    self.describe_files(),
+                    split.len(),
+                    seq_len + 1
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn describe_files(&self) -> String {
+        self.files
+            .iter()
+            .map(|f| f.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// The training windows of each step: `batch` starts drawn uniformly (with replacement, as
+/// nanoGPT does) by ChaCha8 seeded with the run's seed on the step's stream.
+#[derive(Clone, Copy, Debug)]
+pub struct WindowSampler {
+    seed: u64,
+    windows: usize,
+}
+
+impl WindowSampler {
+    /// A sampler over `split`'s windows of `seq_len`.
+    pub fn new(split: &Tokens, seq_len: usize, seed: u64) -> Result<Self> {
+        let windows = split.windows(seq_len);
+        if windows == 0 {
+            return Err(Error::Batching(format!(
+                "no window of {seq_len} tokens fits a split of {}",
+                split.len()
+            )));
+        }
+        Ok(Self { seed, windows })
+    }
+
+    /// The starts of step `step`'s `batch` windows.
+    pub fn batch(&self, step: u64, batch: usize) -> Vec<u32> {
+        let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ 0x7e47_5eed);
+        rng.set_stream(step);
+        // Multiply-shift of 64 random bits: identical on every platform.
+        (0..batch)
+            .map(|_| ((u128::from(rng.next_u64()) * self.windows as u128) >> 64) as u32)
+            .collect()
+    }
+}
+
+/// Reads a file, raw or gzip-compressed (by its `.gz` name).
+fn read_bytes(path: &Path) -> Result<Vec<u8>> {
+    let io = |source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let file = std::fs::File::open(path).map_err(io)?;
+    let mut bytes = Vec::new();
+    if path.extension().is_some_and(|e| e == "gz") {
+        flate2::read::GzDecoder::new(file)
+            .read_to_end(&mut bytes)
+            .map_err(io)?;
+    } else {
+        std::io::BufReader::new(file)
+            .read_to_end(&mut bytes)
+            .map_err(io)?;
+    }
+    Ok(bytes)
+}
+
+/// Reads UTF-8 text from `files` (concatenated in order) and makes a character-level corpus:
+/// the last `validation` of the characters validate. Returns it and, per file, the SHA-256 of
+/// its text (to check a known corpus against).
+pub fn load_text(files: &[PathBuf], validation: f64) -> Result<(TextCorpus, Vec<String>)> {
+    if files.is_empty() {
+        return Err(Error::Batching(
+            "--dataset text needs --data-file FILE (one or several)".into(),
+        ));
+    }
+    if !(validation > 0.0 && validation < 1.0) {
+        return Err(Error::Batching(format!(
+            "the validation fraction must be in (0, 1), got {validation}"
+        )));
+    }
+    let mut text = String::new();
+    let mut hashes = Vec::new();
+    for path in files {
+        let bytes = read_bytes(path)?;
+        if bytes.is_empty() {
+            return Err(Error::Format {
+                path: path.clone(),
+                offset: 0,
+                reason: "the file is empty".into(),
+            });
+        }
+        hashes.push(hex::encode(Sha256::digest(&bytes)));
+        match std::str::from_utf8(&bytes) {
+            Ok(s) => text.push_str(s),
+            Err(e) => {
+                let at = e.valid_up_to();
+                return Err(Error::Format {
+                    path: path.clone(),
+                    offset: at as u64,
+                    reason: format!(
+                        "not UTF-8 text: byte 0x{:02x} (line {}) does not start or continue a \
+                         character",
+                        bytes[at],
+                        bytes[..at].iter().filter(|&&b| b == b'\n').count() + 1
+                    ),
+                });
+            }
+        }
+    }
+    let chars: Vec<char> = text.chars().collect();
+    let cut = ((chars.len() as f64) * (1.0 - validation)).floor() as usize;
+    let (train, valid) = chars.split_at(cut.min(chars.len()));
+    let mut vocab: Vec<char> = train.to_vec();
+    vocab.sort_unstable();
+    vocab.dedup();
+    let encode = |part: &[char], offset: usize| -> Result<Vec<u32>> {
+        part.iter()
+            .enumerate()
+            .map(|(i, c)| match vocab.binary_search(c) {
+                Ok(id) => Ok(id as u32),
+                Err(_) => Err(Error::Inconsistent {
+                    dataset: "text".into(),
+                    reason: format!(
+                        "character {c:?} (U+{:04X}) at character {} of the text is in the \
+                         validation split only: the training split never shows it, so the model \
+                         could not predict it (move the split with the validation fraction, or \
+                         remove it)",
+                        *c as u32,
+                        offset + i
+                    ),
+                }),
+            })
+            .collect()
+    };
+    let corpus = TextCorpus {
+        train: Tokens {
+            ids: encode(train, 0)?,
+        },
+        validation: Tokens {
+            ids: encode(valid, cut)?,
+        },
+        vocab: Vocabulary::Chars(vocab),
+        files: files.to_vec(),
+    };
+    Ok((corpus, hashes))
+}
+
+/// Reads one pre-tokenised `.bin` file (nanoGPT's bare `u16` ids, or llm.c's header and ids);
+/// every id must be below `vocab`.
+pub fn read_token_bin(path: &Path, vocab: usize) -> Result<Tokens> {
+    let bytes = read_bytes(path)?;
+    let format = |offset: usize, reason: String| Error::Format {
+        path: path.to_path_buf(),
+        offset: offset as u64,
+        reason,
+    };
+    let header = |i: usize| -> Option<i32> {
+        bytes
+            .get(i * 4..i * 4 + 4)
+            .map(|b| i32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    };
+    let body = if header(0) == Some(LLMC_MAGIC) {
+        if bytes.len() < LLMC_HEADER_BYTES {
+            return Err(format(
+                bytes.len(),
+                format!("llm.c header cut short: {LLMC_HEADER_BYTES} bytes expected"),
+            ));
+        }
+        if header(1) != Some(1) {
+            return Err(format(
+                4,
+                format!(
+                    "llm.c version {} (only version 1, u16 tokens, is read)",
+                    header(1).unwrap_or(0)
+                ),
+            ));
+        }
+        let count = header(2).unwrap_or(-1);
+        let body = &bytes[LLMC_HEADER_BYTES..];
+        if count < 0 || body.len() != count as usize * 2 {
+            return Err(format(
+                8,
+                format!(
+                    "the header says {count} tokens, the file holds {} bytes of them",
+                    body.len()
+                ),
+            ));
+        }
+        (body, LLMC_HEADER_BYTES)
+    } else {
+        (&bytes[..], 0)
+    };
+    let (body, start) = body;
+    if body.is_empty() {
+        return Err(format(start, "no tokens".into()));
+    }
+    if body.len() % 2 != 0 {
+        return Err(format(
+            start + body.len() - 1,
+            "an odd number of bytes: tokens are u16".into(),
+        ));
+    }
+    let ids: Vec<u32> = body
+        .chunks_exact(2)
+        .map(|b| u32::from(u16::from_le_bytes([b[0], b[1]])))
+        .collect();
+    if let Some(i) = ids.iter().position(|&t| t as usize >= vocab) {
+        return Err(format(
+            start + 2 * i,
+            format!(
+                "token {i} is id {}, past the vocabulary of {vocab} (--vocab-size sets it)",
+                ids[i]
+            ),
+        ));
+    }
+    Ok(Tokens { ids })
+}
+
+/// A corpus from `.bin` files: `train` and, if given, `validation` (else the last `validation`
+/// fraction of `train`'s tokens).
+pub fn load_token_bins(
+    train: &Path,
+    validation_file: Option<&Path>,
+    validation: f64,
+    vocab: usize,
+) -> Result<TextCorpus> {
+    let train_tokens = read_token_bin(train, vocab)?;
+    let (train_tokens, validation_tokens, files) = match validation_file {
+        Some(v) => (
+            train_tokens,
+            read_token_bin(v, vocab)?,
+            vec![train.to_path_buf(), v.to_path_buf()],
+        ),
+        None => {
+            if !(validation > 0.0 && validation < 1.0) {
+                return Err(Error::Batching(format!(
+                    "the validation fraction must be in (0, 1), got {validation}"
+                )));
+            }
+            let cut = ((train_tokens.len() as f64) * (1.0 - validation)).floor() as usize;
+            let (a, b) = train_tokens.ids.split_at(cut);
+            (
+                Tokens { ids: a.to_vec() },
+                Tokens { ids: b.to_vec() },
+                vec![train.to_path_buf()],
+            )
+        }
+    };
+    Ok(TextCorpus {
+        vocab: Vocabulary::Ids { size: vocab },
+        train: train_tokens,
+        validation: validation_tokens,
+        files,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
+        let path = dir.join(name);
+        std::fs::write(&path, bytes).unwrap();
+        path
+    }
+
+    #[test]
+    fn characters_become_sorted_ids_and_windows_pair_inputs_with_next_tokens() {
+        let tmp = tempfile::tempdir().unwrap();
+        let a = write(tmp.path(), "a.txt", "hello world\n".as_bytes());
+        let b = write(tmp.path(), "b.txt", "low hole, old owl".as_bytes());
+        let (corpus, hashes) = load_text(&[a, b], 0.1).unwrap();
+        assert_eq!(hashes.len(), 2);
+        let Vocabulary::Chars(chars) = &corpus.vocab else {
+            panic!()
+        };
+        assert!(chars.windows(2).all(|w| w[0] < w[1]), "{chars:?}");
+        // 29 characters: 26 train, 3 validate ("owl" is all known characters).
+        assert_eq!((corpus.train.len(), corpus.validation.len()), (26, 3));
+        assert_eq!(
+            corpus.vocab.decode(corpus.train.ids()).unwrap(),
+            "hello world\nlow hole, old "
+        );
+        let (mut x, mut y) = (Vec::new(), Vec::new());
+        corpus.train.gather(&[0, 6], 4, &mut x, &mut y);
+        let ids = |s: &str| corpus.vocab.encode(s).unwrap();
+        let as_f32 = |v: Vec<u32>| v.into_iter().map(|t| t as f32).collect::<Vec<_>>();
+        assert_eq!(x, [as_f32(ids("hell")), as_f32(ids("worl"))].concat());
+        assert_eq!(y, [ids("ello"), ids("orld")].concat());
+        // The vocabulary's line survives newlines and backslashes.
+        let line = corpus.vocab.to_line();
+        assert!(!line.contains('\n'));
+        assert_eq!(Vocabulary::from_line(&line, "test").unwrap(), corpus.vocab);
+        let odd = Vocabulary::Chars(vec!['\t', '\n', '\\', 'é']);
+        assert_eq!(Vocabulary::from_line(&odd.to_line(), "t").unwrap(), odd);
+    }
+
+    #[test]
+    fn windows_are_a_function_of_seed_and_step_and_always_fit() {
+        let tokens = Tokens {
+            ids: (0..100).collect(),
+        };
+        let s = WindowSampler::new(&tokens, 8, 42).unwrap();
+        let first = s.batch(3, 64);
+        assert_eq!(
+            first,
+            WindowSampler::new(&tokens, 8, 42).unwrap().batch(3, 64)
+        );
+        assert_ne!(first, s.batch(4, 64));
+        assert_ne!(
+            first,
+            WindowSampler::new(&tokens, 8, 7).unwrap().batch(3, 64)
+        );
+        for step in 0..50 {
+            assert!(s.batch(step, 64).iter().all(|&st| st as usize + 8 < 100));
+        }
+        // Every start is drawn sometime (uniform over the 92 that fit).
+        let seen: std::collections::BTreeSet<u32> =
+            (0..200).flat_map(|step| s.batch(step, 16)).collect();
+        assert_eq!(seen.len(), 92);
+        let v = tokens.validation_starts(8, 1000);
+        assert_eq!(v.len(), 12);
+        assert!(v.windows(2).all(|w| w[1] - w[0] == 8));
+        assert_eq!(tokens.validation_starts(8, 5).len(), 5);
+        assert!(WindowSampler::new(&tokens, 100, 1).is_err());
+    }
+
+    #[test]
+    fn bad_text_is_an_error_naming_the_file_and_the_place() {
+        let tmp = tempfile::tempdir().unwrap();
+        let empty = write(tmp.path(), "empty.txt", b"");
+        let e = load_text(&[empty], 0.1).unwrap_err().to_string();
+        assert!(e.contains("empty.txt") && e.contains("empty"), "{e}");
+        let latin1 = write(tmp.path(), "latin1.txt", b"ab\ncaf\xe9 au lait\n");
+        let e = load_text(&[latin1], 0.1).unwrap_err().to_string();
+        assert!(
+            e.contains("latin1.txt") && e.contains("at byte 6") && e.contains("0xe9"),
+            "{e}"
+        );
+        assert!(e.contains("line 2"), "{e}");
+        let unseen = write(tmp.path(), "unseen.txt", "aaaaaaaaab".as_bytes());
+        let e = load_text(&[unseen], 0.1).unwrap_err().to_string();
+        assert!(e.contains("'b'") && e.contains("character 9"), "{e}");
+        let missing = tmp.path().join("nope.txt");
+        let e = load_text(&[missing], 0.1).unwrap_err().to_string();
+        assert!(e.contains("nope.txt"), "{e}");
+        let short = write(tmp.path(), "short.txt", "abcabcabcabc".as_bytes());
+        let (corpus, _) = load_text(&[short], 0.5).unwrap();
+        let e = corpus.check_seq_len(6).unwrap_err().to_string();
+        assert!(
+            e.contains("--seq-len 6") && e.contains("short.txt") && e.contains("6 token(s)"),
+            "{e}"
+        );
+        corpus.check_seq_len(5).unwrap();
+    }
+
+    #[test]
+    fn token_bins_in_both_layouts_and_ids_past_the_vocabulary() {
+        let tmp = tempfile::tempdir().unwrap();
+        let ids: Vec<u16> = (0..1000).map(|i| (i * 7 % 300) as u16).collect();
+        let raw: Vec<u8> = ids.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let nano = write(tmp.path(), "train.bin", &raw);
+        let mut llmc: Vec<u8> = Vec::new();
+        let mut header = [0i32; 256];
+        header[0] = LLMC_MAGIC;
+        header[1] = 1;
+        header[2] = ids.len() as i32;
+        llmc.extend(header.iter().flat_map(|h| h.to_le_bytes()));
+        llmc.extend(&raw);
+        let llmc = write(tmp.path(), "llmc.bin", &llmc);
+        let a = read_token_bin(&nano, 300).unwrap();
+        let b = read_token_bin(&llmc, 300).unwrap();
+        assert_eq!(a, b);
+        assert_eq!(a.ids()[..3], [0, 7, 14]);
+        let corpus = load_token_bins(&nano, None, 0.1, GPT2_VOCAB).unwrap();
+        assert_eq!((corpus.train.len(), corpus.validation.len()), (900, 100));
+        let e = read_token_bin(&nano, 200).unwrap_err().to_string();
+        // The first id ≥ 200: token 29 (29 · 7 = 203).
+        assert!(
+            e.contains("train.bin") && e.contains("token 29 is id 203") && e.contains("byte 58"),
+            "{e}"
+        );
+        let e = read_token_bin(&write(tmp.path(), "odd.bin", &[1, 2, 3]), 300)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("odd number of bytes"), "{e}");
+        let mut cut = std::fs::read(&llmc).unwrap();
+        cut.truncate(LLMC_HEADER_BYTES + 10);
+        let e = read_token_bin(&write(tmp.path(), "cut.bin", &cut), 300)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("the header says 1000 tokens"), "{e}");
+    }
+
+    #[test]
+    fn a_checkpoints_vocabulary_must_be_the_datas() {
+        let a = Vocabulary::Chars(vec!['a', 'b', 'c']);
+        let b = Vocabulary::Chars(vec!['a', 'c', 'd']);
+        a.check_matches(&a).unwrap();
+        let e = a.check_matches(&b).unwrap_err();
+        assert!(e.contains("at id 1 ('b' against 'c')"), "{e}");
+        let e = a.check_matches(&Vocabulary::Ids { size: 3 }).unwrap_err();
+        assert!(
+            e.contains("3 characters") && e.contains("3 token ids"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn the_bundled_shakespeare_is_the_checksummed_corpus() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../data/shakespeare")
+            .join(format!("{}.gz", SHAKESPEARE.0));
+        let (corpus, hashes) = load_text(&[path], 0.1).unwrap();
+        assert_eq!(hashes, [SHAKESPEARE.1]);
+        assert_eq!(corpus.vocab.len(), 77);
+        assert_eq!(corpus.train.len() + corpus.validation.len(), 4_804_246);
+        assert_eq!(corpus.validation.len(), 480_425);
+    }
+}
