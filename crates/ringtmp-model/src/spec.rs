@@ -18,13 +18,17 @@
 //! type = "linear"
 //! out = 10
 //! ```
+//!
+//! Layer types: `linear` (`out`), `conv2d` (`out_channels`, `kernel`, `stride`, `padding`),
+//! `max_pool2d` (`kernel`, `stride`), `relu`, `gelu` (tanh form), `layer_norm` and `rms_norm`
+//! (over the last dimension), `flatten`, `dropout` (`p`).
 
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::layers::{Conv2d, Dropout, Layer, LayerKind, Linear, MaxPool2d};
+use crate::layers::{Conv2d, Dropout, Layer, LayerKind, Linear, MaxPool2d, Norm, NormKind};
 use crate::shape::Shape;
 
 /// One layer as written in a model description (shapes not yet known).
@@ -66,6 +70,12 @@ pub enum LayerSpec {
         /// Probability of dropping a value.
         p: f32,
     },
+    /// LayerNorm over the last dimension (`γ`, `β`).
+    LayerNorm,
+    /// RMSNorm over the last dimension (`γ`).
+    RmsNorm,
+    /// GELU (tanh form).
+    Gelu,
 }
 
 fn one() -> usize {
@@ -323,6 +333,25 @@ fn build_kind(index: usize, spec: &LayerSpec, input: &Shape) -> Result<LayerKind
             })
         }
         LayerSpec::Relu => LayerKind::Relu,
+        LayerSpec::Gelu => LayerKind::Gelu,
+        LayerSpec::LayerNorm | LayerSpec::RmsNorm => {
+            let kind = if matches!(spec, LayerSpec::LayerNorm) {
+                NormKind::Layer
+            } else {
+                NormKind::Rms
+            };
+            let Some(&features) = input.0.last().filter(|f| **f > 0) else {
+                return Err(shape_err(
+                    if kind == NormKind::Layer {
+                        "layer_norm"
+                    } else {
+                        "rms_norm"
+                    },
+                    "needs an input with a last dimension to normalise".into(),
+                ));
+            };
+            LayerKind::Norm(Norm { kind, features })
+        }
         LayerSpec::Flatten => LayerKind::Flatten,
         LayerSpec::Dropout { p } => {
             if !(0.0..1.0).contains(&p) {
@@ -339,7 +368,9 @@ fn output_shape(kind: &LayerKind, input: &Shape) -> Shape {
         LayerKind::Conv2d(c) => Shape::image(c.out_height, c.out_width, c.out_channels),
         LayerKind::MaxPool2d(p) => Shape::image(p.out_height, p.out_width, p.channels),
         LayerKind::Flatten => Shape::flat(input.numel()),
-        LayerKind::Relu | LayerKind::Dropout(_) => input.clone(),
+        LayerKind::Relu | LayerKind::Dropout(_) | LayerKind::Norm(_) | LayerKind::Gelu => {
+            input.clone()
+        }
         LayerKind::LinearHead(p) => Shape::flat(p.in_features + p.split),
         LayerKind::LinearTail(p) => Shape::flat(p.out_features),
     }

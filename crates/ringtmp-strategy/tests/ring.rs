@@ -456,3 +456,46 @@ fn master_holding_the_head_equals_local_and_keeps_the_logits() {
         );
     }
 }
+
+/// An MLP with LayerNorm, RMSNorm and GELU between its linear layers (the element-wise parts of
+/// a transformer block, issue 41.1), split over 2 and 3 nodes: the ring computes the unsplit
+/// model (1F1B, exact SGD), so its parameters after the run are local's.
+const NORM_MODEL: &str = r#"
+name = "norm-test"
+[[layer]]
+type = "flatten"
+[[layer]]
+type = "linear"
+out = 24
+[[layer]]
+type = "layer_norm"
+[[layer]]
+type = "gelu"
+[[layer]]
+type = "linear"
+out = 16
+[[layer]]
+type = "rms_norm"
+[[layer]]
+type = "gelu"
+[[layer]]
+type = "linear"
+out = 10
+"#;
+
+#[test]
+fn norms_and_gelu_split_over_a_ring_equal_local() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = config(&tmp.path().join("local"));
+    cfg.model = ringtmp_testkit::fixtures::model(NORM_MODEL, "norm-test");
+    let oracle = oracle::local_params(&cfg, &data);
+    for bounds in [&[0, 3, 8][..], &[0, 2, 5, 8]] {
+        let out = tmp.path().join(format!("ring-{}", bounds.len()));
+        let job = ring_job(&cfg, &data, bounds, Schedule::OneFOneB, 4);
+        let (params, summary) = ring_params_on(&Backend::sim(test_seed(3)), &job, &data, &out);
+        let diff = max_rel_diff(&params, &oracle);
+        assert!(diff < 1e-4, "{bounds:?}: differs from local by {diff}");
+        assert_eq!(summary.steps, STEPS);
+    }
+}

@@ -182,6 +182,65 @@ fn conv2d_gradients_match_finite_differences_with_stride_and_padding() {
 }
 
 #[test]
+fn norm_gradients_match_finite_differences_per_row_of_the_last_dimension() {
+    // Two samples of three rows of 8: statistics per row, γ and β shared by every row.
+    for spec in [LayerSpec::LayerNorm, LayerSpec::RmsNorm] {
+        let l = layer(spec, Shape(vec![3, 8]));
+        let mut case = Case::new(l, 2, 5, normal);
+        // γ away from 1, so the check sees it scale.
+        for (i, p) in case.params.iter_mut().take(8).enumerate() {
+            *p = 0.5 + 0.1 * i as f32;
+        }
+        case.check(1e-2, 2e-3);
+    }
+}
+
+#[test]
+fn norms_normalise_each_row_as_pytorch_does() {
+    let l = layer(LayerSpec::LayerNorm, Shape(vec![2, 4]));
+    let mut params = vec![0.0; 8];
+    l.init(&mut params, 0);
+    assert_eq!(params, [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]);
+    let x = [1.0, 2.0, 3.0, 4.0, -2.0, 0.0, 2.0, 4.0];
+    let (mut y, mut aux) = (Vec::new(), Aux::default());
+    l.forward(&params, &x, 1, &mut y, &mut aux, &Pass::eval(), 1);
+    // torch.nn.functional.layer_norm([1, 2, 3, 4], [4]) = ±1.3416, ±0.4472.
+    let expected = [-1.341_636, -0.447_212, 0.447_212, 1.341_636];
+    for (a, b) in y[..4]
+        .iter()
+        .zip(expected)
+        .chain(y[4..].iter().zip(expected))
+    {
+        assert!((a - b).abs() < 1e-5, "{y:?}");
+    }
+    let rms = layer(LayerSpec::RmsNorm, Shape::flat(2));
+    let mut params = vec![0.0; 2];
+    rms.init(&mut params, 0);
+    rms.forward(&params, &[3.0, 4.0], 1, &mut y, &mut aux, &Pass::eval(), 1);
+    // rms = sqrt((9 + 16) / 2): [3, 4] / 3.5355.
+    assert!(
+        (y[0] - 0.848_528).abs() < 1e-5 && (y[1] - 1.131_371).abs() < 1e-5,
+        "{y:?}"
+    );
+    assert_eq!(
+        rms.param_tensors(),
+        [("layers.0.weight".to_string(), vec![2])]
+    );
+}
+
+#[test]
+fn gelu_gradients_match_finite_differences_and_its_values_pytorchs() {
+    let l = layer(LayerSpec::Gelu, Shape::flat(11));
+    Case::new(l, 3, 6, |rng| (rng.random::<f32>() - 0.5) * 6.0).check(1e-2, 1e-3);
+    let mut y = [0.0; 3];
+    super::gelu_forward(&[-1.0, 0.5, 2.0], &mut y);
+    // torch.nn.functional.gelu(x, approximate="tanh").
+    for (a, b) in y.iter().zip([-0.158_808, 0.345_714, 1.954_598]) {
+        assert!((a - b).abs() < 1e-5, "{y:?}");
+    }
+}
+
+#[test]
 fn relu_gradients_match_finite_differences() {
     let l = layer(LayerSpec::Relu, Shape::flat(11));
     Case::new(l, 3, 3, away_from_zero).check(0.01, 1e-4);

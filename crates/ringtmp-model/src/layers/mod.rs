@@ -17,6 +17,7 @@ mod conv_direct;
 mod dropout;
 mod linear;
 mod linear_part;
+mod norm;
 mod pool;
 
 pub use conv2d::Conv2d;
@@ -25,6 +26,7 @@ pub use dropout::Dropout;
 pub use linear::Linear;
 pub(crate) use linear_part::Side;
 pub use linear_part::{LinearPart, cut_linear};
+pub use norm::{NORM_EPS, Norm, NormKind, gelu_backward, gelu_forward};
 pub use pool::MaxPool2d;
 
 use rand::SeedableRng;
@@ -90,6 +92,10 @@ pub enum LayerKind {
     LinearHead(LinearPart),
     /// The rest of a linear layer cut in two: the whole layer's output from the head's.
     LinearTail(LinearPart),
+    /// LayerNorm or RMSNorm over the last dimension.
+    Norm(Norm),
+    /// GELU, tanh form.
+    Gelu,
 }
 
 /// One layer of a model, with its place in the model and its shapes.
@@ -120,6 +126,15 @@ impl Layer {
             LayerKind::Dropout(_) => "dropout",
             LayerKind::LinearHead(_) => "linear_head",
             LayerKind::LinearTail(_) => "linear_tail",
+            LayerKind::Norm(Norm {
+                kind: NormKind::Layer,
+                ..
+            }) => "layer_norm",
+            LayerKind::Norm(Norm {
+                kind: NormKind::Rms,
+                ..
+            }) => "rms_norm",
+            LayerKind::Gelu => "gelu",
         }
     }
 
@@ -143,6 +158,7 @@ impl Layer {
             LayerKind::Conv2d(c) => c.param_count(),
             LayerKind::LinearHead(p) => p.head_param_count(),
             LayerKind::LinearTail(p) => p.tail_param_count(),
+            LayerKind::Norm(n) => n.param_count(),
             _ => 0,
         }
     }
@@ -201,6 +217,14 @@ impl Layer {
                     vec![p.out_features - p.split],
                 ),
             ],
+            // PyTorch's names: `weight` (γ) and, for LayerNorm, `bias` (β).
+            LayerKind::Norm(n) => {
+                let mut t = vec![(format!("layers.{}.weight", self.index), vec![n.features])];
+                if n.kind == NormKind::Layer {
+                    t.push((format!("layers.{}.bias", self.index), vec![n.features]));
+                }
+                t
+            }
             _ => vec![],
         }
     }
@@ -210,6 +234,10 @@ impl Layer {
     /// starts bit-identical to the whole model.
     pub fn init(&self, params: &mut [f32], seed: u64) {
         debug_assert_eq!(params.len(), self.param_count());
+        if let LayerKind::Norm(n) = &self.kind {
+            n.init(params);
+            return;
+        }
         let Some((skipped, weight_len, fan_in)) = self.weight_geometry() else {
             return;
         };
@@ -255,6 +283,8 @@ impl Layer {
             LayerKind::Dropout(d) => d.forward(self.index, x, n, y, aux, pass),
             LayerKind::LinearHead(p) => p.head_forward(params, x, n, y, threads),
             LayerKind::LinearTail(p) => p.tail_forward(params, x, n, y, &mut aux.values, threads),
+            LayerKind::Norm(norm) => norm.forward(params, x, y, aux, threads),
+            LayerKind::Gelu => gelu_forward(x, y),
         }
     }
 
@@ -318,6 +348,12 @@ impl Layer {
             LayerKind::LinearTail(p) => {
                 let x = &aux.values;
                 p.backward(Side::Tail, params, grads, accumulate, x, dy, n, dx, threads);
+            }
+            LayerKind::Norm(norm) => norm.backward(params, grads, accumulate, x, aux, dy, dx),
+            LayerKind::Gelu => {
+                if let Some(dx) = dx {
+                    gelu_backward(x, dy, dx);
+                }
             }
         }
     }

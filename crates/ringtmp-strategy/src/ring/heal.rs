@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ringtmp_metrics::{DroppedNode, Restart, Summary};
-use ringtmp_model::{Layer, LayerKind, Optimizer, OptimizerConfig, Stage};
+use ringtmp_model::{Layer, Optimizer, OptimizerConfig, Stage};
 use ringtmp_transport::{Clock, LinkStats, PeerName, Transport, TransportError};
 use ringtmp_wire::{Control, Message};
 
@@ -255,10 +255,7 @@ pub fn check_replicas_fit(
                 .into(),
         ));
     }
-    if !layers
-        .iter()
-        .any(|l| matches!(l.kind, LayerKind::Linear(_) | LayerKind::Conv2d(_)))
-    {
+    if !layers.iter().any(|l| l.param_count() > 0) {
         return Ok(());
     }
     let n = job.partition.len();

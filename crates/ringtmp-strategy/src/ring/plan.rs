@@ -426,7 +426,7 @@ pub fn plan(
         .collect();
     let first_param = layers
         .iter()
-        .position(|l| matches!(l.kind, LayerKind::Linear(_) | LayerKind::Conv2d(_)))
+        .position(|l| l.param_count() > 0)
         .ok_or_else(|| {
             Error::Config("the ring needs a model with at least one linear or conv layer".into())
         })?;
@@ -479,7 +479,7 @@ pub fn plan(
     let head_start = if args.master_holds_head.unwrap_or(false) {
         let last_param = layers
             .iter()
-            .rposition(|l| matches!(l.kind, LayerKind::Linear(_) | LayerKind::Conv2d(_)))
+            .rposition(|l| l.param_count() > 0)
             .unwrap_or(0);
         if last_param <= first_param {
             return Err(Error::Config(
@@ -1101,7 +1101,7 @@ pub const PROCESS_BASELINE_BYTES: u64 = 32 << 20;
 pub fn process_overhead(master: bool, data: &Dataset, layers: &[ringtmp_model::Layer]) -> u64 {
     let workspace = layers
         .iter()
-        .filter(|l| matches!(l.kind, LayerKind::Linear(_) | LayerKind::Conv2d(_)))
+        .filter(|l| l.param_count() > 0)
         .map(|l| l.param_count() as u64 * 4)
         .max()
         .unwrap_or(0);
