@@ -21,14 +21,17 @@
 //!
 //! Layer types: `linear` (`out`), `conv2d` (`out_channels`, `kernel`, `stride`, `padding`),
 //! `max_pool2d` (`kernel`, `stride`), `relu`, `gelu` (tanh form), `layer_norm` and `rms_norm`
-//! (over the last dimension), `flatten`, `dropout` (`p`).
+//! (over the last dimension), `causal_self_attention` (`heads`; over a `[positions, width]`
+//! sequence), `flatten`, `dropout` (`p`).
 
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::layers::{Conv2d, Dropout, Layer, LayerKind, Linear, MaxPool2d, Norm, NormKind};
+use crate::layers::{
+    CausalSelfAttention, Conv2d, Dropout, Layer, LayerKind, Linear, MaxPool2d, Norm, NormKind,
+};
 use crate::shape::Shape;
 
 /// One layer as written in a model description (shapes not yet known).
@@ -76,6 +79,11 @@ pub enum LayerSpec {
     RmsNorm,
     /// GELU (tanh form).
     Gelu,
+    /// Causal multi-head self-attention over a sequence `[seq, width]`.
+    CausalSelfAttention {
+        /// Heads (dividing the width).
+        heads: usize,
+    },
 }
 
 fn one() -> usize {
@@ -334,6 +342,21 @@ fn build_kind(index: usize, spec: &LayerSpec, input: &Shape) -> Result<LayerKind
         }
         LayerSpec::Relu => LayerKind::Relu,
         LayerSpec::Gelu => LayerKind::Gelu,
+        LayerSpec::CausalSelfAttention { heads } => {
+            let [seq, width] = input.0[..] else {
+                return Err(shape_err(
+                    "causal_self_attention",
+                    "needs a sequence input [positions, width]".into(),
+                ));
+            };
+            if heads == 0 || width == 0 || width % heads != 0 {
+                return Err(shape_err(
+                    "causal_self_attention",
+                    format!("{heads} heads must divide the width {width}"),
+                ));
+            }
+            LayerKind::CausalSelfAttention(CausalSelfAttention { seq, width, heads })
+        }
         LayerSpec::LayerNorm | LayerSpec::RmsNorm => {
             let kind = if matches!(spec, LayerSpec::LayerNorm) {
                 NormKind::Layer
@@ -368,9 +391,11 @@ fn output_shape(kind: &LayerKind, input: &Shape) -> Shape {
         LayerKind::Conv2d(c) => Shape::image(c.out_height, c.out_width, c.out_channels),
         LayerKind::MaxPool2d(p) => Shape::image(p.out_height, p.out_width, p.channels),
         LayerKind::Flatten => Shape::flat(input.numel()),
-        LayerKind::Relu | LayerKind::Dropout(_) | LayerKind::Norm(_) | LayerKind::Gelu => {
-            input.clone()
-        }
+        LayerKind::Relu
+        | LayerKind::Dropout(_)
+        | LayerKind::Norm(_)
+        | LayerKind::Gelu
+        | LayerKind::CausalSelfAttention(_) => input.clone(),
         LayerKind::LinearHead(p) => Shape::flat(p.in_features + p.split),
         LayerKind::LinearTail(p) => Shape::flat(p.out_features),
     }

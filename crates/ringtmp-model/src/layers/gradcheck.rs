@@ -241,6 +241,63 @@ fn gelu_gradients_match_finite_differences_and_its_values_pytorchs() {
 }
 
 #[test]
+fn causal_self_attention_gradients_match_finite_differences() {
+    // Two samples of 5 positions of width 8 in 2 heads (d = 4); small weights keep the
+    // softmax away from saturation, where a finite difference would say little.
+    for heads in [1, 2] {
+        let mut l = layer(LayerSpec::CausalSelfAttention { heads }, Shape(vec![5, 8]));
+        l.init_gain = 1.0;
+        let case = Case::new(l, 2, 8 + heads as u64, normal);
+        case.check(1e-2, 2e-3);
+    }
+}
+
+#[test]
+fn attention_is_causal_and_the_same_on_any_thread_count() {
+    let l = layer(
+        LayerSpec::CausalSelfAttention { heads: 2 },
+        Shape(vec![6, 8]),
+    );
+    let case = Case::new(l, 3, 11, normal);
+    let run = |x: &[f32], threads: usize| {
+        let (mut y, mut aux) = (Vec::new(), Aux::default());
+        case.layer
+            .forward(&case.params, x, 3, &mut y, &mut aux, &Pass::eval(), threads);
+        y
+    };
+    let y = run(&case.x, 1);
+    assert_eq!(y, run(&case.x, 4), "threads change nothing");
+    // A change at position 4 of sample 1 moves that sample's positions 4 and 5 only.
+    let mut x = case.x.clone();
+    x[6 * 8 + 4 * 8 + 3] += 0.5;
+    let moved = run(&x, 1);
+    for (i, (a, b)) in y.iter().zip(&moved).enumerate() {
+        let (sample, position) = (i / 48, i / 8 % 6);
+        let may_move = sample == 1 && position >= 4;
+        assert!(
+            may_move || a == b,
+            "value {i} (sample {sample}, position {position}) moved"
+        );
+    }
+    assert!(y[48 + 4 * 8..48 + 6 * 8] != moved[48 + 4 * 8..48 + 6 * 8]);
+    let names: Vec<String> = case
+        .layer
+        .param_tensors()
+        .into_iter()
+        .map(|t| t.0)
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "layers.0.c_attn.weight",
+            "layers.0.c_attn.bias",
+            "layers.0.c_proj.weight",
+            "layers.0.c_proj.bias"
+        ]
+    );
+}
+
+#[test]
 fn relu_gradients_match_finite_differences() {
     let l = layer(LayerSpec::Relu, Shape::flat(11));
     Case::new(l, 3, 3, away_from_zero).check(0.01, 1e-4);

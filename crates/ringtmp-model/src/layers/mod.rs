@@ -12,6 +12,7 @@
 //! - Nothing depends on state left by a previous micro-batch, so forwards and backwards of
 //!   different micro-batches may interleave in any order.
 
+mod attention;
 mod conv2d;
 mod conv_direct;
 mod dropout;
@@ -20,6 +21,7 @@ mod linear_part;
 mod norm;
 mod pool;
 
+pub use attention::CausalSelfAttention;
 pub use conv2d::Conv2d;
 pub(crate) use conv2d::{Fused, OutputGrad};
 pub use dropout::Dropout;
@@ -96,6 +98,8 @@ pub enum LayerKind {
     Norm(Norm),
     /// GELU, tanh form.
     Gelu,
+    /// Causal multi-head self-attention over `[seq, width]`.
+    CausalSelfAttention(CausalSelfAttention),
 }
 
 /// One layer of a model, with its place in the model and its shapes.
@@ -135,6 +139,7 @@ impl Layer {
                 ..
             }) => "rms_norm",
             LayerKind::Gelu => "gelu",
+            LayerKind::CausalSelfAttention(_) => "causal_self_attention",
         }
     }
 
@@ -159,6 +164,7 @@ impl Layer {
             LayerKind::LinearHead(p) => p.head_param_count(),
             LayerKind::LinearTail(p) => p.tail_param_count(),
             LayerKind::Norm(n) => n.param_count(),
+            LayerKind::CausalSelfAttention(a) => a.param_count(),
             _ => 0,
         }
     }
@@ -225,6 +231,19 @@ impl Layer {
                 }
                 t
             }
+            // GPT-2's (nanoGPT's) names, under the layer's.
+            LayerKind::CausalSelfAttention(a) => {
+                let c = a.width;
+                vec![
+                    (
+                        format!("layers.{}.c_attn.weight", self.index),
+                        vec![3 * c, c],
+                    ),
+                    (format!("layers.{}.c_attn.bias", self.index), vec![3 * c]),
+                    (format!("layers.{}.c_proj.weight", self.index), vec![c, c]),
+                    (format!("layers.{}.c_proj.bias", self.index), vec![c]),
+                ]
+            }
             _ => vec![],
         }
     }
@@ -236,6 +255,22 @@ impl Layer {
         debug_assert_eq!(params.len(), self.param_count());
         if let LayerKind::Norm(n) = &self.kind {
             n.init(params);
+            return;
+        }
+        if let LayerKind::CausalSelfAttention(a) = &self.kind {
+            // Both projections' weights normal with `std = sqrt(gain / width)`, biases zero.
+            let std = (self.init_gain / a.width as f32).sqrt();
+            let mut rng = ChaCha8Rng::seed_from_u64(mix(seed, self.index as u64));
+            let [wqkv, bqkv, wproj, bproj] = a.tensors();
+            for (o, l) in [wqkv, wproj] {
+                for v in &mut params[o..o + l] {
+                    let z: f32 = StandardNormal.sample(&mut rng);
+                    *v = z * std;
+                }
+            }
+            for (o, l) in [bqkv, bproj] {
+                params[o..o + l].fill(0.0);
+            }
             return;
         }
         let Some((skipped, weight_len, fan_in)) = self.weight_geometry() else {
@@ -285,6 +320,7 @@ impl Layer {
             LayerKind::LinearTail(p) => p.tail_forward(params, x, n, y, &mut aux.values, threads),
             LayerKind::Norm(norm) => norm.forward(params, x, y, aux, threads),
             LayerKind::Gelu => gelu_forward(x, y),
+            LayerKind::CausalSelfAttention(a) => a.forward(params, x, n, y, aux, threads),
         }
     }
 
@@ -354,6 +390,11 @@ impl Layer {
                 if let Some(dx) = dx {
                     gelu_backward(x, dy, dx);
                 }
+            }
+            LayerKind::CausalSelfAttention(a) => {
+                a.backward(
+                    params, grads, accumulate, x, aux, dy, n, dx, scratch, threads,
+                );
             }
         }
     }

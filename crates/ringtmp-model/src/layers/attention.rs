@@ -1,0 +1,243 @@
+//! Causal multi-head self-attention over a sample's sequence `[seq, width]`, as GPT-2's
+//! `c_attn` → scaled dot product under the causal mask → `c_proj`:
+//!
+//! `qkv = x·W_qkvᵀ + b_qkv` (`[seq, 3·width]`: queries, keys, values side by side), per head `h`
+//! of `d = width / heads` columns `o_t = Σ_{j ≤ t} softmax_j(q_t·k_j / √d) · v_j`, the heads'
+//! outputs side by side, then `y = o·W_projᵀ + b_proj`.
+//!
+//! Memory: the score matrix is never held for a batch, nor even for a head: each query's row
+//! of scores is made, used and dropped (`seq` values), and the forward keeps only each row's
+//! log-sum-exp. The backward makes each row's probabilities again from it (as FlashAttention
+//! does), so a micro-batch's stash is its `qkv`, its heads' outputs and `heads · seq` numbers per
+//! sample, linear in the sequence length.
+//!
+//! Work splits over threads by sample; within a sample the heads and rows run in order, so the
+//! results do not depend on the thread count.
+
+use rayon::prelude::*;
+use serde::{Deserialize, Serialize};
+
+use super::Aux;
+use crate::kernels::{Op, column_sums, linear_forward, matmul, set_len};
+
+/// Causal self-attention geometry.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CausalSelfAttention {
+    /// Positions per sample.
+    pub seq: usize,
+    /// Values per position.
+    pub width: usize,
+    /// Heads (dividing `width`).
+    pub heads: usize,
+}
+
+impl CausalSelfAttention {
+    /// `W_qkv`, `b_qkv`, `W_proj`, `b_proj`.
+    pub fn param_count(&self) -> usize {
+        let c = self.width;
+        3 * c * c + 3 * c + c * c + c
+    }
+
+    /// `(offset, len)` of `W_qkv`, `b_qkv`, `W_proj` and `b_proj` in the layer's parameters.
+    pub fn tensors(&self) -> [(usize, usize); 4] {
+        let c = self.width;
+        [
+            (0, 3 * c * c),
+            (3 * c * c, 3 * c),
+            (3 * c * c + 3 * c, c * c),
+            (4 * c * c + 3 * c, c),
+        ]
+    }
+
+    fn head_dim(&self) -> usize {
+        self.width / self.heads.max(1)
+    }
+
+    /// `y` (`[n·seq, width]`) from `x`; stashes `qkv`, the heads' outputs and every row's
+    /// log-sum-exp in `aux.values`.
+    pub(crate) fn forward(
+        &self,
+        p: &[f32],
+        x: &[f32],
+        n: usize,
+        y: &mut [f32],
+        aux: &mut Aux,
+        threads: usize,
+    ) {
+        let (t, c, h) = (self.seq, self.width, self.heads);
+        let rows = n * t;
+        let [wqkv, bqkv, wproj, bproj] = self.tensors().map(|(o, l)| &p[o..o + l]);
+        let stash = &mut aux.values;
+        set_len(stash, rows * 3 * c + rows * c + n * h * t);
+        let (qkv, rest) = stash.split_at_mut(rows * 3 * c);
+        let (att, lse) = rest.split_at_mut(rows * c);
+        linear_forward(qkv, rows, 3 * c, c, x, wqkv, bqkv, threads);
+        let qkv = &*qkv;
+        let work = |(s, (att, lse)): (usize, (&mut [f32], &mut [f32]))| {
+            self.attend(&qkv[s * t * 3 * c..(s + 1) * t * 3 * c], att, lse);
+        };
+        let parts = att.chunks_mut(t * c).zip(lse.chunks_mut(h * t)).enumerate();
+        if threads > 1 && n > 1 {
+            parts.par_bridge().for_each(work);
+        } else {
+            parts.for_each(work);
+        }
+        linear_forward(y, rows, c, c, att, wproj, bproj, threads);
+    }
+
+    /// One sample: its heads' outputs `att` (`[seq, width]`) and each row's log-sum-exp `lse`
+    /// (`[heads, seq]`) from its `qkv` (`[seq, 3·width]`).
+    fn attend(&self, qkv: &[f32], att: &mut [f32], lse: &mut [f32]) {
+        let (t, c, d) = (self.seq, self.width, self.head_dim());
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut scores = vec![0.0f32; t];
+        for head in 0..self.heads {
+            let col = head * d;
+            for i in 0..t {
+                let q = &qkv[i * 3 * c + col..i * 3 * c + col + d];
+                let mut max = f32::NEG_INFINITY;
+                for (j, s) in scores[..=i].iter_mut().enumerate() {
+                    let k = &qkv[j * 3 * c + c + col..j * 3 * c + c + col + d];
+                    *s = dot(q, k) * scale;
+                    max = max.max(*s);
+                }
+                let mut sum = 0.0f32;
+                for s in &mut scores[..=i] {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                }
+                let out = &mut att[i * c + col..i * c + col + d];
+                out.fill(0.0);
+                for (j, &e) in scores[..=i].iter().enumerate() {
+                    let v = &qkv[j * 3 * c + 2 * c + col..j * 3 * c + 2 * c + col + d];
+                    let w = e / sum;
+                    for (o, &v) in out.iter_mut().zip(v) {
+                        *o += w * v;
+                    }
+                }
+                lse[head * t + i] = max + sum.ln();
+            }
+        }
+    }
+
+    /// Parameter gradients (added, or overwritten when `!accumulate`) and, when asked, `dx`.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn backward(
+        &self,
+        p: &[f32],
+        g: &mut [f32],
+        accumulate: bool,
+        x: &[f32],
+        aux: &Aux,
+        dy: &[f32],
+        n: usize,
+        dx: Option<&mut Vec<f32>>,
+        scratch: &mut Vec<f32>,
+        threads: usize,
+    ) {
+        let (t, c, h) = (self.seq, self.width, self.heads);
+        let rows = n * t;
+        let [wqkv, _, wproj, _] = self.tensors().map(|(o, l)| &p[o..o + l]);
+        let (qkv, rest) = aux.values.split_at(rows * 3 * c);
+        let (att, lse) = rest.split_at(rows * c);
+        let [gwqkv, gbqkv, gwproj, gbproj] = {
+            let (a, rest) = g.split_at_mut(3 * c * c);
+            let (b, rest) = rest.split_at_mut(3 * c);
+            let (w, b2) = rest.split_at_mut(c * c);
+            [a, b, w, b2]
+        };
+        // The projection: dW_proj (+)= dyᵀ·o, db_proj (+)= Σ dy, do = dy·W_proj.
+        matmul(
+            gwproj,
+            c,
+            c,
+            rows,
+            dy,
+            Op::T,
+            att,
+            Op::N,
+            accumulate,
+            threads,
+        );
+        column_sums(gbproj, dy, accumulate);
+        set_len(scratch, rows * c + rows * 3 * c);
+        let (datt, dqkv) = scratch.split_at_mut(rows * c);
+        matmul(datt, rows, c, c, dy, Op::N, wproj, Op::N, false, threads);
+        let datt = &*datt;
+        let work = |(s, dqkv): (usize, &mut [f32])| {
+            let span = |w: usize| s * t * w..(s + 1) * t * w;
+            self.attend_backward(
+                &qkv[span(3 * c)],
+                &att[span(c)],
+                &lse[s * h * t..(s + 1) * h * t],
+                &datt[span(c)],
+                dqkv,
+            );
+        };
+        let parts = dqkv.chunks_mut(t * 3 * c).enumerate();
+        if threads > 1 && n > 1 {
+            parts.par_bridge().for_each(work);
+        } else {
+            parts.for_each(work);
+        }
+        let dqkv = &*dqkv;
+        // The input projection: dW_qkv (+)= dqkvᵀ·x, db_qkv (+)= Σ dqkv, dx = dqkv·W_qkv.
+        matmul(
+            gwqkv,
+            3 * c,
+            c,
+            rows,
+            dqkv,
+            Op::T,
+            x,
+            Op::N,
+            accumulate,
+            threads,
+        );
+        column_sums(gbqkv, dqkv, accumulate);
+        if let Some(dx) = dx {
+            matmul(dx, rows, c, 3 * c, dqkv, Op::N, wqkv, Op::N, false, threads);
+        }
+    }
+
+    /// One sample's `dqkv` from its stash and `datt`: with `P` made again from the scores and
+    /// the log-sum-exp, `dV = Pᵀ·dO`, `dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O))`, `dQ = dS·K/√d`,
+    /// `dK = dSᵀ·Q/√d`.
+    fn attend_backward(
+        &self,
+        qkv: &[f32],
+        att: &[f32],
+        lse: &[f32],
+        datt: &[f32],
+        dqkv: &mut [f32],
+    ) {
+        let (t, c, d) = (self.seq, self.width, self.head_dim());
+        let scale = 1.0 / (d as f32).sqrt();
+        dqkv.fill(0.0);
+        for head in 0..self.heads {
+            let col = head * d;
+            for i in 0..t {
+                let q = &qkv[i * 3 * c + col..i * 3 * c + col + d];
+                let d_out = &datt[i * c + col..i * c + col + d];
+                let out = &att[i * c + col..i * c + col + d];
+                let delta = dot(d_out, out);
+                let l = lse[head * t + i];
+                for j in 0..=i {
+                    let k = &qkv[j * 3 * c + c + col..j * 3 * c + c + col + d];
+                    let v = &qkv[j * 3 * c + 2 * c + col..j * 3 * c + 2 * c + col + d];
+                    let prob = (dot(q, k) * scale - l).exp();
+                    let ds = prob * (dot(d_out, v) - delta) * scale;
+                    for e in 0..d {
+                        dqkv[i * 3 * c + col + e] += ds * k[e];
+                        dqkv[j * 3 * c + c + col + e] += ds * q[e];
+                        dqkv[j * 3 * c + 2 * c + col + e] += prob * d_out[e];
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| x * y).sum()
+}
