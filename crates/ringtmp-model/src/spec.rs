@@ -22,7 +22,8 @@
 //! Layer types: `linear` (`out`), `conv2d` (`out_channels`, `kernel`, `stride`, `padding`),
 //! `max_pool2d` (`kernel`, `stride`), `relu`, `gelu` (tanh form), `layer_norm` and `rms_norm`
 //! (over the last dimension), `causal_self_attention` (`heads`; over a `[positions, width]`
-//! sequence), `flatten`, `dropout` (`p`).
+//! sequence), `embedding` (`vocab`, `width`; token ids to a sequence), `flatten`, `dropout`
+//! (`p`).
 
 use std::path::Path;
 
@@ -30,7 +31,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::layers::{
-    CausalSelfAttention, Conv2d, Dropout, Layer, LayerKind, Linear, MaxPool2d, Norm, NormKind,
+    CausalSelfAttention, Conv2d, Dropout, Embedding, Layer, LayerKind, Linear, MaxPool2d, Norm,
+    NormKind,
 };
 use crate::shape::Shape;
 
@@ -83,6 +85,14 @@ pub enum LayerSpec {
     CausalSelfAttention {
         /// Heads (dividing the width).
         heads: usize,
+    },
+    /// Token and learned position embeddings: a sequence of `[seq]` token ids to
+    /// `[seq, width]`.
+    Embedding {
+        /// Token ids (the vocabulary's size).
+        vocab: usize,
+        /// Values per position.
+        width: usize,
     },
 }
 
@@ -357,6 +367,21 @@ fn build_kind(index: usize, spec: &LayerSpec, input: &Shape) -> Result<LayerKind
             }
             LayerKind::CausalSelfAttention(CausalSelfAttention { seq, width, heads })
         }
+        LayerSpec::Embedding { vocab, width } => {
+            let Some(seq) = input.as_flat() else {
+                return Err(shape_err(
+                    "embedding",
+                    "needs a sequence of token ids [positions]".into(),
+                ));
+            };
+            if vocab == 0 || width == 0 || seq == 0 {
+                return Err(shape_err(
+                    "embedding",
+                    "vocab, width and the positions must be at least 1".into(),
+                ));
+            }
+            LayerKind::Embedding(Embedding { vocab, seq, width })
+        }
         LayerSpec::LayerNorm | LayerSpec::RmsNorm => {
             let kind = if matches!(spec, LayerSpec::LayerNorm) {
                 NormKind::Layer
@@ -396,6 +421,7 @@ fn output_shape(kind: &LayerKind, input: &Shape) -> Shape {
         | LayerKind::Norm(_)
         | LayerKind::Gelu
         | LayerKind::CausalSelfAttention(_) => input.clone(),
+        LayerKind::Embedding(e) => Shape(vec![e.seq, e.width]),
         LayerKind::LinearHead(p) => Shape::flat(p.in_features + p.split),
         LayerKind::LinearTail(p) => Shape::flat(p.out_features),
     }

@@ -99,6 +99,11 @@ impl Case {
 
     /// Checks every parameter and input gradient against central differences with step `h`.
     fn check(&self, h: f32, tol: f64) {
+        self.check_inputs(h, tol, true);
+    }
+
+    /// [`Case::check`], the inputs too when `inputs` (not for token ids, which have none).
+    fn check_inputs(&self, h: f32, tol: f64, inputs: bool) {
         let (grads, dx) = self.analytic();
         let mut worst = 0.0f64;
         for i in 0..self.params.len() {
@@ -116,7 +121,7 @@ impl Case {
                 grads[i]
             );
         }
-        for i in 0..self.x.len() {
+        for i in (0..self.x.len()).filter(|_| inputs) {
             let (mut plus, mut minus) = (self.x.clone(), self.x.clone());
             plus[i] += h;
             minus[i] -= h;
@@ -295,6 +300,32 @@ fn attention_is_causal_and_the_same_on_any_thread_count() {
             "layers.0.c_proj.bias"
         ]
     );
+}
+
+#[test]
+fn embedding_gradients_match_finite_differences_and_sum_over_repeated_tokens() {
+    // Two samples of 6 token ids from a vocabulary of 5 (so ids repeat): their rows of `wte`
+    // gather every position's gradient, `wpe`'s rows every sample's.
+    let l = layer(LayerSpec::Embedding { vocab: 5, width: 3 }, Shape::flat(6));
+    let case = Case::new(l, 2, 12, |rng| (rng.random::<u32>() % 5) as f32);
+    case.check_inputs(0.25, 1e-4, false);
+    let (_, dx) = case.analytic();
+    assert!(dx.iter().all(|&d| d == 0.0), "ids have no gradient");
+    let (mut y, mut aux) = (Vec::new(), Aux::default());
+    case.layer.forward(
+        &case.params,
+        &[2.0, 0.0, 2.0, 4.0, 1.0, 3.0],
+        1,
+        &mut y,
+        &mut aux,
+        &Pass::eval(),
+        1,
+    );
+    // Position 2's output: token 2's row plus position 2's row.
+    let (wte, wpe) = case.params.split_at(15);
+    for e in 0..3 {
+        assert_eq!(y[2 * 3 + e], wte[2 * 3 + e] + wpe[2 * 3 + e]);
+    }
 }
 
 #[test]

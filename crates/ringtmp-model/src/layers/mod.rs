@@ -16,6 +16,7 @@ mod attention;
 mod conv2d;
 mod conv_direct;
 mod dropout;
+mod embedding;
 mod linear;
 mod linear_part;
 mod norm;
@@ -25,6 +26,7 @@ pub use attention::CausalSelfAttention;
 pub use conv2d::Conv2d;
 pub(crate) use conv2d::{Fused, OutputGrad};
 pub use dropout::Dropout;
+pub use embedding::Embedding;
 pub use linear::Linear;
 pub(crate) use linear_part::Side;
 pub use linear_part::{LinearPart, cut_linear};
@@ -100,6 +102,8 @@ pub enum LayerKind {
     Gelu,
     /// Causal multi-head self-attention over `[seq, width]`.
     CausalSelfAttention(CausalSelfAttention),
+    /// Token and position embeddings: `[seq]` ids to `[seq, width]`.
+    Embedding(Embedding),
 }
 
 /// One layer of a model, with its place in the model and its shapes.
@@ -140,6 +144,7 @@ impl Layer {
             }) => "rms_norm",
             LayerKind::Gelu => "gelu",
             LayerKind::CausalSelfAttention(_) => "causal_self_attention",
+            LayerKind::Embedding(_) => "embedding",
         }
     }
 
@@ -165,6 +170,7 @@ impl Layer {
             LayerKind::LinearTail(p) => p.tail_param_count(),
             LayerKind::Norm(n) => n.param_count(),
             LayerKind::CausalSelfAttention(a) => a.param_count(),
+            LayerKind::Embedding(e) => e.param_count(),
             _ => 0,
         }
     }
@@ -244,6 +250,16 @@ impl Layer {
                     (format!("layers.{}.c_proj.bias", self.index), vec![c]),
                 ]
             }
+            LayerKind::Embedding(e) => vec![
+                (
+                    format!("layers.{}.wte.weight", self.index),
+                    vec![e.vocab, e.width],
+                ),
+                (
+                    format!("layers.{}.wpe.weight", self.index),
+                    vec![e.seq, e.width],
+                ),
+            ],
             _ => vec![],
         }
     }
@@ -270,6 +286,15 @@ impl Layer {
             }
             for (o, l) in [bqkv, bproj] {
                 params[o..o + l].fill(0.0);
+            }
+            return;
+        }
+        if let LayerKind::Embedding(_) = &self.kind {
+            // GPT-2's: normal with standard deviation 0.02, both tables.
+            let mut rng = ChaCha8Rng::seed_from_u64(mix(seed, self.index as u64));
+            for v in params.iter_mut() {
+                let z: f32 = StandardNormal.sample(&mut rng);
+                *v = z * 0.02;
             }
             return;
         }
@@ -321,6 +346,7 @@ impl Layer {
             LayerKind::Norm(norm) => norm.forward(params, x, y, aux, threads),
             LayerKind::Gelu => gelu_forward(x, y),
             LayerKind::CausalSelfAttention(a) => a.forward(params, x, n, y, aux, threads),
+            LayerKind::Embedding(e) => e.forward(params, x, y),
         }
     }
 
@@ -396,6 +422,7 @@ impl Layer {
                     params, grads, accumulate, x, aux, dy, n, dx, scratch, threads,
                 );
             }
+            LayerKind::Embedding(e) => e.backward(grads, accumulate, x, dy, dx),
         }
     }
 }
