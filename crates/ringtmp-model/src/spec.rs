@@ -22,8 +22,8 @@
 //! Layer types: `linear` (`out`), `conv2d` (`out_channels`, `kernel`, `stride`, `padding`),
 //! `max_pool2d` (`kernel`, `stride`), `relu`, `gelu` (tanh form), `layer_norm` and `rms_norm`
 //! (over the last dimension), `causal_self_attention` (`heads`; over a `[positions, width]`
-//! sequence), `embedding` (`vocab`, `width`; token ids to a sequence), `flatten`, `dropout`
-//! (`p`).
+//! sequence), `block` (`heads`, `mlp_ratio`: a pre-norm transformer block over a sequence),
+//! `embedding` (`vocab`, `width`; token ids to a sequence), `flatten`, `dropout` (`p`).
 
 use std::path::Path;
 
@@ -31,8 +31,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::layers::{
-    CausalSelfAttention, Conv2d, Dropout, Embedding, Layer, LayerKind, Linear, MaxPool2d, Norm,
-    NormKind,
+    Block, CausalSelfAttention, Conv2d, Dropout, Embedding, Layer, LayerKind, Linear, MaxPool2d,
+    Norm, NormKind,
 };
 use crate::shape::Shape;
 
@@ -86,6 +86,15 @@ pub enum LayerSpec {
         /// Heads (dividing the width).
         heads: usize,
     },
+    /// A pre-norm transformer block over a sequence `[seq, width]`: attention and an MLP of
+    /// `mlp_ratio · width` hidden values, each with its residual.
+    Block {
+        /// Attention heads (dividing the width).
+        heads: usize,
+        /// The MLP's hidden width over the block's (default 4).
+        #[serde(default = "four")]
+        mlp_ratio: usize,
+    },
     /// Token and learned position embeddings: a sequence of `[seq]` token ids to
     /// `[seq, width]`.
     Embedding {
@@ -98,6 +107,10 @@ pub enum LayerSpec {
 
 fn one() -> usize {
     1
+}
+
+fn four() -> usize {
+    4
 }
 
 /// An ordered list of layers with a name.
@@ -367,6 +380,28 @@ fn build_kind(index: usize, spec: &LayerSpec, input: &Shape) -> Result<LayerKind
             }
             LayerKind::CausalSelfAttention(CausalSelfAttention { seq, width, heads })
         }
+        LayerSpec::Block { heads, mlp_ratio } => {
+            let [seq, width] = input.0[..] else {
+                return Err(shape_err(
+                    "block",
+                    "needs a sequence input [positions, width]".into(),
+                ));
+            };
+            if heads == 0 || width == 0 || width % heads != 0 || mlp_ratio == 0 {
+                return Err(shape_err(
+                    "block",
+                    format!(
+                        "{heads} heads must divide the width {width}, and mlp_ratio be at least 1"
+                    ),
+                ));
+            }
+            LayerKind::Block(Block {
+                seq,
+                width,
+                heads,
+                mlp_ratio,
+            })
+        }
         LayerSpec::Embedding { vocab, width } => {
             let Some(seq) = input.as_flat() else {
                 return Err(shape_err(
@@ -420,7 +455,8 @@ fn output_shape(kind: &LayerKind, input: &Shape) -> Shape {
         | LayerKind::Dropout(_)
         | LayerKind::Norm(_)
         | LayerKind::Gelu
-        | LayerKind::CausalSelfAttention(_) => input.clone(),
+        | LayerKind::CausalSelfAttention(_)
+        | LayerKind::Block(_) => input.clone(),
         LayerKind::Embedding(e) => Shape(vec![e.seq, e.width]),
         LayerKind::LinearHead(p) => Shape::flat(p.in_features + p.split),
         LayerKind::LinearTail(p) => Shape::flat(p.out_features),

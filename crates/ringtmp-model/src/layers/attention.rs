@@ -17,7 +17,6 @@
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use super::Aux;
 use crate::kernels::{Op, column_sums, linear_forward, matmul, set_len};
 
 /// Causal self-attention geometry.
@@ -49,26 +48,31 @@ impl CausalSelfAttention {
         ]
     }
 
+    /// Values a micro-batch of `n` samples stashes for the backward: its `qkv`, its heads'
+    /// outputs, and each row's log-sum-exp per head.
+    pub fn stash_len(&self, n: usize) -> usize {
+        let rows = n * self.seq;
+        rows * 3 * self.width + rows * self.width + n * self.heads * self.seq
+    }
+
     fn head_dim(&self) -> usize {
         self.width / self.heads.max(1)
     }
 
     /// `y` (`[n·seq, width]`) from `x`; stashes `qkv`, the heads' outputs and every row's
-    /// log-sum-exp in `aux.values`.
+    /// log-sum-exp in `stash` ([`CausalSelfAttention::stash_len`] values).
     pub(crate) fn forward(
         &self,
         p: &[f32],
         x: &[f32],
         n: usize,
         y: &mut [f32],
-        aux: &mut Aux,
+        stash: &mut [f32],
         threads: usize,
     ) {
         let (t, c, h) = (self.seq, self.width, self.heads);
         let rows = n * t;
         let [wqkv, bqkv, wproj, bproj] = self.tensors().map(|(o, l)| &p[o..o + l]);
-        let stash = &mut aux.values;
-        set_len(stash, rows * 3 * c + rows * c + n * h * t);
         let (qkv, rest) = stash.split_at_mut(rows * 3 * c);
         let (att, lse) = rest.split_at_mut(rows * c);
         linear_forward(qkv, rows, 3 * c, c, x, wqkv, bqkv, threads);
@@ -128,17 +132,17 @@ impl CausalSelfAttention {
         g: &mut [f32],
         accumulate: bool,
         x: &[f32],
-        aux: &Aux,
+        stash: &[f32],
         dy: &[f32],
         n: usize,
-        dx: Option<&mut Vec<f32>>,
+        dx: Option<&mut [f32]>,
         scratch: &mut Vec<f32>,
         threads: usize,
     ) {
         let (t, c, h) = (self.seq, self.width, self.heads);
         let rows = n * t;
         let [wqkv, _, wproj, _] = self.tensors().map(|(o, l)| &p[o..o + l]);
-        let (qkv, rest) = aux.values.split_at(rows * 3 * c);
+        let (qkv, rest) = stash.split_at(rows * 3 * c);
         let (att, lse) = rest.split_at(rows * c);
         let [gwqkv, gbqkv, gwproj, gbproj] = {
             let (a, rest) = g.split_at_mut(3 * c * c);

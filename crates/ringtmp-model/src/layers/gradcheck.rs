@@ -329,6 +329,35 @@ fn embedding_gradients_match_finite_differences_and_sum_over_repeated_tokens() {
 }
 
 #[test]
+fn transformer_block_gradients_match_finite_differences() {
+    // Two samples of 4 positions of width 8, 2 heads, an MLP of 16: every parameter of both
+    // norms, the attention and the MLP, and every input, through both residuals.
+    let mut l = layer(
+        LayerSpec::Block {
+            heads: 2,
+            mlp_ratio: 2,
+        },
+        Shape(vec![4, 8]),
+    );
+    l.init_gain = 1.0;
+    let mut case = Case::new(l, 2, 21, normal);
+    // The projections' weights (GPT-2's 0.02) ten times larger, so that the MLP and the
+    // attention are not hidden behind the residuals; γ stays 1, the biases and β random.
+    for p in case.params.iter_mut().filter(|p| p.abs() < 0.1) {
+        *p *= 10.0;
+    }
+    case.check(1e-2, 2e-3);
+    let names = case.layer.param_tensors();
+    assert_eq!(names.len(), 12);
+    assert_eq!(
+        names[8],
+        ("layers.0.mlp.c_fc.weight".to_string(), vec![16, 8])
+    );
+    let total: usize = names.iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+    assert_eq!(total, case.layer.param_count());
+}
+
+#[test]
 fn relu_gradients_match_finite_differences() {
     let l = layer(LayerSpec::Relu, Shape::flat(11));
     Case::new(l, 3, 3, away_from_zero).check(0.01, 1e-4);

@@ -13,6 +13,7 @@
 //!   different micro-batches may interleave in any order.
 
 mod attention;
+mod block;
 mod conv2d;
 mod conv_direct;
 mod dropout;
@@ -23,6 +24,7 @@ mod norm;
 mod pool;
 
 pub use attention::CausalSelfAttention;
+pub use block::Block;
 pub use conv2d::Conv2d;
 pub(crate) use conv2d::{Fused, OutputGrad};
 pub use dropout::Dropout;
@@ -104,6 +106,8 @@ pub enum LayerKind {
     CausalSelfAttention(CausalSelfAttention),
     /// Token and position embeddings: `[seq]` ids to `[seq, width]`.
     Embedding(Embedding),
+    /// A pre-norm transformer block over `[seq, width]`.
+    Block(Block),
 }
 
 /// One layer of a model, with its place in the model and its shapes.
@@ -145,6 +149,7 @@ impl Layer {
             LayerKind::Gelu => "gelu",
             LayerKind::CausalSelfAttention(_) => "causal_self_attention",
             LayerKind::Embedding(_) => "embedding",
+            LayerKind::Block(_) => "block",
         }
     }
 
@@ -171,6 +176,7 @@ impl Layer {
             LayerKind::Norm(n) => n.param_count(),
             LayerKind::CausalSelfAttention(a) => a.param_count(),
             LayerKind::Embedding(e) => e.param_count(),
+            LayerKind::Block(b) => b.param_count(),
             _ => 0,
         }
     }
@@ -250,6 +256,7 @@ impl Layer {
                     (format!("layers.{}.c_proj.bias", self.index), vec![c]),
                 ]
             }
+            LayerKind::Block(b) => b.param_tensors(&format!("layers.{}", self.index)),
             LayerKind::Embedding(e) => vec![
                 (
                     format!("layers.{}.wte.weight", self.index),
@@ -287,6 +294,11 @@ impl Layer {
             for (o, l) in [bqkv, bproj] {
                 params[o..o + l].fill(0.0);
             }
+            return;
+        }
+        if let LayerKind::Block(b) = &self.kind {
+            let mut rng = ChaCha8Rng::seed_from_u64(mix(seed, self.index as u64));
+            b.init(params, || StandardNormal.sample(&mut rng));
             return;
         }
         if let LayerKind::Embedding(_) = &self.kind {
@@ -343,10 +355,20 @@ impl Layer {
             LayerKind::Dropout(d) => d.forward(self.index, x, n, y, aux, pass),
             LayerKind::LinearHead(p) => p.head_forward(params, x, n, y, threads),
             LayerKind::LinearTail(p) => p.tail_forward(params, x, n, y, &mut aux.values, threads),
-            LayerKind::Norm(norm) => norm.forward(params, x, y, aux, threads),
+            LayerKind::Norm(norm) => {
+                set_len(&mut aux.values, 2 * x.len() / norm.features);
+                norm.forward(params, x, y, &mut aux.values, threads);
+            }
             LayerKind::Gelu => gelu_forward(x, y),
-            LayerKind::CausalSelfAttention(a) => a.forward(params, x, n, y, aux, threads),
+            LayerKind::CausalSelfAttention(a) => {
+                set_len(&mut aux.values, a.stash_len(n));
+                a.forward(params, x, n, y, &mut aux.values, threads);
+            }
             LayerKind::Embedding(e) => e.forward(params, x, y),
+            LayerKind::Block(b) => {
+                set_len(&mut aux.values, b.stash_len(n));
+                b.forward(params, x, n, y, &mut aux.values, threads);
+            }
         }
     }
 
@@ -411,18 +433,30 @@ impl Layer {
                 let x = &aux.values;
                 p.backward(Side::Tail, params, grads, accumulate, x, dy, n, dx, threads);
             }
-            LayerKind::Norm(norm) => norm.backward(params, grads, accumulate, x, aux, dy, dx),
+            LayerKind::Norm(norm) => {
+                let dx = dx.map(|d| d.as_mut_slice());
+                norm.backward(params, grads, accumulate, x, &aux.values, dy, dx);
+            }
             LayerKind::Gelu => {
                 if let Some(dx) = dx {
                     gelu_backward(x, dy, dx);
                 }
             }
             LayerKind::CausalSelfAttention(a) => {
+                let dx = dx.map(|d| d.as_mut_slice());
+                let stash = &aux.values;
                 a.backward(
-                    params, grads, accumulate, x, aux, dy, n, dx, scratch, threads,
+                    params, grads, accumulate, x, stash, dy, n, dx, scratch, threads,
                 );
             }
             LayerKind::Embedding(e) => e.backward(grads, accumulate, x, dy, dx),
+            LayerKind::Block(b) => {
+                let dx = dx.map(|d| d.as_mut_slice());
+                let stash = &aux.values;
+                b.backward(
+                    params, grads, accumulate, x, stash, dy, n, dx, scratch, threads,
+                );
+            }
         }
     }
 }

@@ -7,14 +7,11 @@
 //! - [`gelu_forward`]: GELU in its tanh form, `0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))`, as
 //!   GPT-2 and PyTorch's `approximate="tanh"`.
 //!
-//! The forward records each row's mean (LayerNorm) and reciprocal standard deviation in
-//! [`Aux::values`](super::Aux) for the backward, so the backward reads no statistics it would
-//! have to recompute. Rows are independent: the work splits over threads by rows.
+//! The forward records each row's mean (LayerNorm) and reciprocal standard deviation for the
+//! backward, so the backward reads no statistics it would have to recompute. Rows are independent: the work splits over threads by rows.
 
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
-
-use super::Aux;
 
 /// ε added to the variance (PyTorch's default).
 pub const NORM_EPS: f32 = 1e-5;
@@ -59,20 +56,18 @@ impl Norm {
         beta.fill(0.0);
     }
 
-    /// `y` from `x`, both `[rows, features]`; the rows' statistics into `aux.values`
-    /// (`[mean, rstd]` per row).
+    /// `y` from `x`, both `[rows, features]`; the rows' statistics into `stats` (`[mean, rstd]`
+    /// per row, `2 · rows` values).
     pub(crate) fn forward(
         &self,
         p: &[f32],
         x: &[f32],
         y: &mut [f32],
-        aux: &mut Aux,
+        stats: &mut [f32],
         threads: usize,
     ) {
         let f = self.features;
         let rows = x.len() / f;
-        aux.values.clear();
-        aux.values.resize(2 * rows, 0.0);
         let (gamma, beta) = p.split_at(f);
         let kind = self.kind;
         let work = |(x, (y, stats)): (&[f32], (&mut [f32], &mut [f32]))| {
@@ -114,7 +109,7 @@ impl Norm {
         let c = chunk_rows(f);
         let parts = x
             .chunks(c * f)
-            .zip(y.chunks_mut(c * f).zip(aux.values.chunks_mut(2 * c)));
+            .zip(y.chunks_mut(c * f).zip(stats[..2 * rows].chunks_mut(2 * c)));
         if threads > 1 && rows > c {
             parts.par_bridge().for_each(work);
         } else {
@@ -130,9 +125,9 @@ impl Norm {
         g: &mut [f32],
         accumulate: bool,
         x: &[f32],
-        aux: &Aux,
+        stats: &[f32],
         dy: &[f32],
-        dx: Option<&mut Vec<f32>>,
+        dx: Option<&mut [f32]>,
     ) {
         let f = self.features;
         let gamma = &p[..f];
@@ -144,7 +139,7 @@ impl Norm {
         for (r, ((x, dy), s)) in x
             .chunks_exact(f)
             .zip(dy.chunks_exact(f))
-            .zip(aux.values.chunks_exact(2))
+            .zip(stats.chunks_exact(2))
             .enumerate()
         {
             let (mean, rstd) = (s[0], s[1]);
@@ -189,12 +184,24 @@ pub fn gelu_forward(x: &[f32], y: &mut [f32]) {
     }
 }
 
+/// GELU's derivative at `x`.
+fn gelu_slope(x: f32) -> f32 {
+    let inner = SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x);
+    let t = inner.tanh();
+    let dinner = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * x * x);
+    0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dinner
+}
+
 /// `dx = dy · GELU'(x)`.
 pub fn gelu_backward(x: &[f32], dy: &[f32], dx: &mut [f32]) {
     for ((dx, &x), &dy) in dx.iter_mut().zip(x).zip(dy) {
-        let inner = SQRT_2_OVER_PI * (x + GELU_CUBIC * x * x * x);
-        let t = inner.tanh();
-        let dinner = SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_CUBIC * x * x);
-        *dx = dy * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * dinner);
+        *dx = dy * gelu_slope(x);
+    }
+}
+
+/// `d ← d · GELU'(x)`.
+pub(crate) fn gelu_backward_in_place(x: &[f32], d: &mut [f32]) {
+    for (d, &x) in d.iter_mut().zip(x) {
+        *d *= gelu_slope(x);
     }
 }
