@@ -23,7 +23,7 @@ N, T, C, H, RATIO = 2, 5, 8, 2, 4
 
 def values(count, salt, scale, offset=0.0):
     i = np.arange(count, dtype=np.float64)
-    return (np.sin(i * 0.7071 + salt) * scale + offset).astype(np.float32)
+    return (np.sin(i * 0.37 + salt) * scale + offset).astype(np.float32)
 
 
 # GPT-2's tensors in ringtmp's order, each with its salt, scale and offset.
