@@ -277,11 +277,17 @@ fn build_kind(index: usize, spec: &LayerSpec, input: &Shape) -> Result<LayerKind
     };
     Ok(match *spec {
         LayerSpec::Linear { out } => {
-            let Some(in_features) = input.as_flat() else {
-                return Err(shape_err(
-                    "linear",
-                    "needs a flat input; add a flatten layer before it".into(),
-                ));
+            // A flat input, or a sequence `[positions, features]`: every position alike.
+            let in_features = match input.0[..] {
+                [f] | [_, f] => f,
+                _ => {
+                    return Err(shape_err(
+                        "linear",
+                        "needs a flat input or a sequence [positions, features]; add a flatten \
+                         layer before it"
+                            .into(),
+                    ));
+                }
             };
             if out == 0 {
                 return Err(shape_err("linear", "`out` must be at least 1".into()));
@@ -447,7 +453,10 @@ fn build_kind(index: usize, spec: &LayerSpec, input: &Shape) -> Result<LayerKind
 
 fn output_shape(kind: &LayerKind, input: &Shape) -> Shape {
     match kind {
-        LayerKind::Linear(l) => Shape::flat(l.out_features),
+        LayerKind::Linear(l) => match input.0[..] {
+            [positions, _] => Shape(vec![positions, l.out_features]),
+            _ => Shape::flat(l.out_features),
+        },
         LayerKind::Conv2d(c) => Shape::image(c.out_height, c.out_width, c.out_channels),
         LayerKind::MaxPool2d(p) => Shape::image(p.out_height, p.out_width, p.channels),
         LayerKind::Flatten => Shape::flat(input.numel()),

@@ -647,6 +647,8 @@ impl Stage {
                     _ => part.map(|(p, side)| p.rows_of(side)),
                 };
                 let linear = rows_view.is_some();
+                // A linear layer over a sequence runs on every position of the samples.
+                let lrows = self.layers[i].rows_for(rows);
                 if phase == Phase::Weights && self.offsets[i + 1] == self.offsets[i] {
                     continue;
                 }
@@ -740,7 +742,7 @@ impl Stage {
                         p.input_grad_into(side, w, upstream, own_dy, rows, dx, threads)
                     }
                     None => {
-                        linear.input_grad_into(&read[range.clone()], upstream, rows, dx, threads)
+                        linear.input_grad_into(&read[range.clone()], upstream, lrows, dx, threads)
                     }
                 };
                 let started = self.profile.is_some().then(std::time::Instant::now);
@@ -802,7 +804,7 @@ impl Stage {
                         let accumulated = accumulate.then_some(&*grad_w);
                         let gradient = |r: std::ops::Range<usize>, out: &mut [f32]| {
                             let acc = accumulated.map(|a| &a[r.clone()]);
-                            linear.weight_grad_block(r, out, acc, x, own_dy, rows);
+                            linear.weight_grad_block(r, out, acc, x, own_dy, lrows);
                         };
                         let (w_at, b_at) = (range.start, range.start + weights_len);
                         let (from, to): (Option<&[f32]>, &mut [f32]) = match target {
@@ -867,7 +869,7 @@ impl Stage {
                                 accumulate,
                                 x,
                                 own_dy,
-                                rows,
+                                lrows,
                                 self.threads,
                             );
                             self.grads_written[i] = true;
@@ -880,7 +882,7 @@ impl Stage {
                         let pending = &mut deferred[i];
                         pending.x.extend_from_slice(x);
                         pending.dy.extend_from_slice(own_dy);
-                        pending.rows += rows;
+                        pending.rows += lrows;
                         if want_dx {
                             input_grad(linear, &mut this[i]);
                         }

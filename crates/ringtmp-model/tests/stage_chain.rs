@@ -2,7 +2,9 @@
 //! micro-batches in flight and their backwards in scrambled order, gives the same outputs, input
 //! gradients and parameter gradients as the unsplit model on the whole mini-batch.
 
-use ringtmp_model::{Layer, ModelSpec, Pass, Shape, Stage, loss};
+use ringtmp_model::{
+    Layer, LayerSpec, ModelSpec, Optimizer, OptimizerConfig, Pass, Shape, Stage, loss,
+};
 
 const MODEL: &str = r#"
 name = "chain-test"
@@ -827,5 +829,157 @@ fn a_split_backward_sends_the_input_gradient_before_the_weights() {
             "step {with_step}"
         );
         assert_eq!(bits(split.grads()), bits(whole.grads()), "step {with_step}");
+    }
+}
+
+/// A small GPT as a chain: token ids `[8]` → embedding (vocabulary 11, width 8) → a transformer
+/// block → LayerNorm → a linear layer over every position (the LM head, `[8, 11]`), with a label
+/// per position.
+fn gpt_layers() -> Vec<Layer> {
+    let specs = [
+        LayerSpec::Embedding {
+            vocab: 11,
+            width: 8,
+        },
+        LayerSpec::Block {
+            heads: 2,
+            mlp_ratio: 2,
+        },
+        LayerSpec::LayerNorm,
+        LayerSpec::Linear { out: 11 },
+    ];
+    let mut shape = Shape::flat(8);
+    specs
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let l = ringtmp_model::spec::build_layer(i, s, &shape).unwrap();
+            shape = l.output.clone();
+            l
+        })
+        .collect()
+}
+
+/// Whether and how a GPT run steps after each micro-batch's backward.
+#[derive(Clone, Copy, PartialEq)]
+enum Step {
+    /// No step: the run's gradients.
+    None,
+    /// SGD inside the backward (`Stage::backward_and_step`).
+    Inside,
+    /// SGD after the backward.
+    After,
+}
+
+/// The GPT's logits and, without steps, its parameter gradients for `ROWS` sequences (with
+/// steps, its parameters after them), as one stage or as stages split at `bounds`
+/// (micro-batches of `ROWS / MICRO`, backwards in a scrambled order), the linear layers' weight
+/// gradients deferred to one GEMM or not.
+fn gpt_run(bounds: &[usize], defer: bool, step: Step) -> (Vec<f32>, Vec<f32>) {
+    let layers = gpt_layers();
+    let mut stages: Vec<Stage> = bounds
+        .windows(2)
+        .map(|w| Stage::new(&layers, w[0]..w[1], SEED, 2))
+        .collect();
+    for s in stages.iter_mut() {
+        s.set_deferred_weight_grads(defer);
+    }
+    let ids: Vec<f32> = (0..ROWS * 8)
+        .map(|i| ((i * 7 + i / 8) % 11) as f32)
+        .collect();
+    let labels: Vec<u32> = (0..ROWS * 8).map(|i| ((i * 5 + 3) % 11) as u32).collect();
+    let rows = ROWS / MICRO;
+    let (mut logits, mut dlogits) = (Vec::new(), Vec::new());
+    for mb in 0..MICRO {
+        let pass = Pass {
+            train: true,
+            seed: SEED,
+            step: 5,
+            row_offset: mb * rows,
+        };
+        let mut act = ids[mb * rows * 8..(mb + 1) * rows * 8].to_vec();
+        for stage in stages.iter_mut() {
+            act = stage
+                .forward(mb as u64, &act, rows, &pass)
+                .unwrap()
+                .to_vec();
+        }
+        let mut d = vec![0.0; act.len()];
+        let l = &labels[mb * rows * 8..(mb + 1) * rows * 8];
+        loss::softmax_cross_entropy(&act, l, 11, 1.0 / (ROWS * 8) as f32, &mut d).unwrap();
+        logits.extend_from_slice(&act);
+        dlogits.push(d);
+    }
+    let mut optimizers: Vec<Optimizer> = stages
+        .iter()
+        .map(|s| {
+            Optimizer::new(
+                OptimizerConfig::Sgd {
+                    momentum: 0.0,
+                    weight_decay: 0.0,
+                },
+                s.params().len(),
+            )
+        })
+        .collect();
+    for mb in [2usize, 0, 1] {
+        let mut grad = dlogits[mb].clone();
+        for (k, stage) in stages.iter_mut().enumerate().rev() {
+            grad = match step {
+                Step::None => stage
+                    .backward(mb as u64, &grad)
+                    .unwrap()
+                    .map(<[f32]>::to_vec),
+                Step::Inside => stage
+                    .backward_and_step(mb as u64, &grad, &mut optimizers[k], 0.1, &mut || {})
+                    .unwrap()
+                    .map(<[f32]>::to_vec),
+                Step::After => {
+                    let dx = stage
+                        .backward(mb as u64, &grad)
+                        .unwrap()
+                        .map(<[f32]>::to_vec);
+                    stage.step(&mut optimizers[k], 0.1);
+                    dx
+                }
+            }
+            .unwrap_or_default();
+        }
+    }
+    let out = if step != Step::None {
+        stages.iter().flat_map(|s| s.params().to_vec()).collect()
+    } else {
+        stages.iter_mut().flat_map(|s| s.grads().to_vec()).collect()
+    };
+    (logits, out)
+}
+
+#[test]
+fn a_gpt_split_into_stages_equals_the_unsplit_one() {
+    let (logits, grads) = gpt_run(&[0, 4], false, Step::None);
+    assert_eq!(
+        logits.len(),
+        ROWS * 8 * 11,
+        "a logit per position and token"
+    );
+    for (bounds, defer) in [
+        (&[0, 2, 4][..], false),
+        (&[0, 1, 3, 4], false),
+        (&[0, 2, 4], true),
+        (&[0, 4], true),
+    ] {
+        let (l, g) = gpt_run(bounds, defer, Step::None);
+        let (dl, dg) = (max_rel_diff(&l, &logits), max_rel_diff(&g, &grads));
+        assert!(
+            dl < 1e-5 && dg < 1e-5,
+            "{bounds:?} deferred {defer}: logits {dl:.1e}, gradients {dg:.1e}"
+        );
+    }
+    // The step inside the backward (the head's weight gradient made by blocks, over every
+    // position) equals backward then step, bit for bit.
+    for bounds in [&[0, 4][..], &[0, 2, 4]] {
+        let (_, inside) = gpt_run(bounds, false, Step::Inside);
+        let (_, after) = gpt_run(bounds, false, Step::After);
+        assert_eq!(inside, after, "{bounds:?}");
     }
 }

@@ -160,6 +160,23 @@ fn linear_gradients_match_finite_differences() {
 }
 
 #[test]
+fn a_linear_layer_over_a_sequence_runs_on_every_position() {
+    // Three positions of 7 features to 5: the same weights at every position.
+    let l = layer(LayerSpec::Linear { out: 5 }, Shape(vec![3, 7]));
+    assert_eq!(l.output, Shape(vec![3, 5]));
+    assert_eq!(l.param_count(), 5 * 7 + 5);
+    assert_eq!(l.rows_for(2), 6);
+    Case::new(l, 2, 1, normal).check(0.25, 1e-4);
+    let e = super::cut_linear(
+        &[layer(LayerSpec::Linear { out: 5 }, Shape(vec![3, 7]))],
+        0,
+        2,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("over a flat input"), "{e}");
+}
+
+#[test]
 fn a_cut_linear_layers_head_and_tail_gradients_match_finite_differences() {
     let whole = layer(LayerSpec::Linear { out: 5 }, Shape::flat(7));
     for split in [1, 2, 4] {

@@ -243,6 +243,16 @@ pub fn cut_linear(
             reason: "only a linear layer can be cut inside".into(),
         });
     };
+    if layer.input.as_flat().is_none() {
+        return Err(crate::Error::Shape {
+            index: layer.index,
+            kind: layer.kind_name(),
+            input: layer.input.clone(),
+            reason: "only a linear layer over a flat input can be cut inside (not one over a \
+                     sequence)"
+                .into(),
+        });
+    }
     if split == 0 || split >= linear.out_features {
         return Err(crate::Error::Shape {
             index: layer.index,

@@ -166,6 +166,15 @@ impl Layer {
         }
     }
 
+    /// Rows a pass of `n` samples runs this layer on: a linear layer over a sequence
+    /// `[positions, features]` runs on every position; every other layer on the samples.
+    pub fn rows_for(&self, n: usize) -> usize {
+        match &self.kind {
+            LayerKind::Linear(l) => n * (self.input.numel() / l.in_features.max(1)),
+            _ => n,
+        }
+    }
+
     /// Number of trainable parameters (weights then biases, in that order in the flat buffer).
     pub fn param_count(&self) -> usize {
         match &self.kind {
@@ -339,7 +348,7 @@ impl Layer {
     ) {
         set_len(y, n * self.output.numel());
         match &self.kind {
-            LayerKind::Linear(l) => l.forward(params, x, n, y, threads),
+            LayerKind::Linear(l) => l.forward(params, x, self.rows_for(n), y, threads),
             LayerKind::Conv2d(c) => c.forward(
                 params,
                 x,
@@ -394,7 +403,10 @@ impl Layer {
             set_len(dx, n * self.input.numel());
         }
         match &self.kind {
-            LayerKind::Linear(l) => l.backward(params, grads, accumulate, x, dy, n, dx, threads),
+            LayerKind::Linear(l) => {
+                let rows = self.rows_for(n);
+                l.backward(params, grads, accumulate, x, dy, rows, dx, threads);
+            }
             LayerKind::Conv2d(c) => c.backward(
                 params,
                 grads,

@@ -543,7 +543,8 @@ pub fn plan(
     let geometry: Vec<Option<partition::Cuttable>> = layers[..head_start]
         .iter()
         .map(|l| match &l.kind {
-            LayerKind::Linear(linear) => Some(partition::Cuttable {
+            // A linear layer over a sequence runs on every position: not cut inside.
+            LayerKind::Linear(linear) if l.input.as_flat().is_some() => Some(partition::Cuttable {
                 in_features: linear.in_features,
                 out_features: linear.out_features,
             }),
