@@ -137,8 +137,8 @@ pub struct Network {
 /// A receive's end: the caller's deadline, or the step bound's when that comes first.
 struct Deadline {
     at: Instant,
-    /// Set when the step bound ends the wait: its length and how it was derived.
-    stall: Option<(Duration, String)>,
+    /// Whether the step bound ends the wait.
+    stall: bool,
 }
 
 /// Binds a listener on `addr` (use port 0 for any free port) and logs what was bound.
@@ -312,13 +312,13 @@ impl Network {
     fn deadline(&self, wait: Duration) -> Deadline {
         let now = Instant::now();
         match self.steps.as_ref().and_then(|s| s.limit()) {
-            Some((limit, why)) if limit < wait => Deadline {
+            Some(limit) if limit < wait => Deadline {
                 at: now + limit,
-                stall: Some((limit, why)),
+                stall: true,
             },
             _ => Deadline {
                 at: now + wait,
-                stall: None,
+                stall: false,
             },
         }
     }
@@ -409,18 +409,15 @@ impl Network {
                     .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
             }
             match got {
-                Err(_) if deadline.stall.is_some() => {
-                    let (_, why) = deadline.stall.clone().unwrap_or_default();
+                Err(_) if deadline.stall => {
                     let now = crate::transport::Clock::now(&*self.clock);
+                    let steps = self.steps.as_ref();
                     return Err(TransportError::NoProgress {
                         rank: self.cfg.rank,
-                        since_step: self
-                            .steps
-                            .as_ref()
-                            .map_or(Duration::ZERO, |s| s.since_last_step(now)),
+                        since_step: steps.map_or(Duration::ZERO, |s| s.since_last_step(now)),
                         waited: waiting_since.elapsed(),
                         waiting_for: waiting_for(self),
-                        why,
+                        why: steps.map_or_else(String::new, |s| s.explain()),
                     });
                 }
                 Err(_) => {

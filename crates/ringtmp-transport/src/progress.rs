@@ -70,23 +70,33 @@ impl StepWatch {
         self.steps += 1;
     }
 
-    /// The longest a receive may wait now (`None`: not bounded yet), and why.
-    pub fn limit(&self) -> Option<(Duration, String)> {
-        let (step, what) = match (self.slowest, self.bound.predicted_step) {
-            (Some(s), _) => (s, "the slowest step so far"),
-            (None, Some(p)) => (p, "the plan's predicted step"),
-            (None, None) => return None,
-        };
-        let limit = (step * self.bound.factor).max(self.bound.floor);
-        Some((
-            limit,
-            format!(
+    /// The step the bound is a multiple of, and what it is.
+    fn step(&self) -> Option<(Duration, &'static str)> {
+        match (self.slowest, self.bound.predicted_step) {
+            (Some(s), _) => Some((s, "the slowest step so far")),
+            (None, Some(p)) => Some((p, "the plan's predicted step")),
+            (None, None) => None,
+        }
+    }
+
+    /// The longest a receive may wait now (`None`: not bounded yet). Cheap: every receive of
+    /// the watched node asks.
+    pub fn limit(&self) -> Option<Duration> {
+        self.step()
+            .map(|(step, _)| (step * self.bound.factor).max(self.bound.floor))
+    }
+
+    /// How [`StepWatch::limit`] is derived, in words (for the error that reports a stall).
+    pub fn explain(&self) -> String {
+        match self.step() {
+            Some((step, what)) => format!(
                 "{} × {what} of {:.3} s, and at least {:.0} s",
                 self.bound.factor,
                 step.as_secs_f64(),
                 self.bound.floor.as_secs_f64()
             ),
-        ))
+            None => "none yet".into(),
+        }
     }
 
     /// Time since the last step at `now` (since the watch's start before the first).
@@ -116,29 +126,29 @@ mod tests {
         w.step_done(ms(90_000));
         assert!(w.limit().is_none());
         w.step_done(ms(90_010));
-        let (limit, why) = w.limit().unwrap();
         assert_eq!(
-            limit,
-            Duration::from_secs(30),
+            w.limit(),
+            Some(Duration::from_secs(30)),
             "the floor: 20 × 10 ms is less"
         );
+        let why = w.explain();
         assert!(why.contains("slowest step so far"), "{why}");
     }
 
     #[test]
     fn the_bound_follows_the_slowest_step_and_the_links_failure_detection() {
         let mut w = StepWatch::new(StepBound::new(ms(5_000), Some(ms(100))));
-        let (limit, why) = w.limit().unwrap();
-        assert_eq!(limit, Duration::from_secs(30));
+        assert_eq!(w.limit(), Some(Duration::from_secs(30)));
+        let why = w.explain();
         assert!(why.contains("predicted"), "{why}");
         w.step_done(ms(1_000));
         w.step_done(ms(3_000)); // 2 s
         w.step_done(ms(3_500)); // 0.5 s: the slowest stays
-        assert_eq!(w.limit().unwrap().0, Duration::from_secs(40));
+        assert_eq!(w.limit(), Some(Duration::from_secs(40)));
         assert_eq!(w.since_last_step(ms(4_000)), ms(500));
         assert_eq!(w.steps(), 3);
         // Slow failure detection raises the floor: a dead peer is found before a stall.
         let slow = StepWatch::new(StepBound::new(Duration::from_secs(20), Some(ms(1))));
-        assert_eq!(slow.limit().unwrap().0, Duration::from_secs(120));
+        assert_eq!(slow.limit(), Some(Duration::from_secs(120)));
     }
 }
