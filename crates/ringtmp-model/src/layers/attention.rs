@@ -17,7 +17,7 @@
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
-use crate::kernels::{Op, column_sums, linear_forward, matmul, set_len};
+use crate::kernels::{Op, column_sums, linear_forward, matmul};
 
 /// Causal self-attention geometry.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -53,6 +53,11 @@ impl CausalSelfAttention {
     pub fn stash_len(&self, n: usize) -> usize {
         let rows = n * self.seq;
         rows * 3 * self.width + rows * self.width + n * self.heads * self.seq
+    }
+
+    /// Values the backward of `n` samples works in (the heads' output gradient and `dqkv`).
+    pub fn scratch_len(&self, n: usize) -> usize {
+        4 * n * self.seq * self.width
     }
 
     fn head_dim(&self) -> usize {
@@ -136,7 +141,7 @@ impl CausalSelfAttention {
         dy: &[f32],
         n: usize,
         dx: Option<&mut [f32]>,
-        scratch: &mut Vec<f32>,
+        scratch: &mut [f32],
         threads: usize,
     ) {
         let (t, c, h) = (self.seq, self.width, self.heads);
@@ -164,8 +169,7 @@ impl CausalSelfAttention {
             threads,
         );
         column_sums(gbproj, dy, accumulate);
-        set_len(scratch, rows * c + rows * 3 * c);
-        let (datt, dqkv) = scratch.split_at_mut(rows * c);
+        let (datt, dqkv) = scratch[..self.scratch_len(n)].split_at_mut(rows * c);
         matmul(datt, rows, c, c, dy, Op::N, wproj, Op::N, false, threads);
         let datt = &*datt;
         let work = |(s, dqkv): (usize, &mut [f32])| {

@@ -268,10 +268,15 @@ impl Block {
         );
         let norm = self.norm();
         // Scratch: the MLP's hidden gradient, dh₂, dx₂, dh₁; the attention's own after them.
-        set_len(scratch, rows * hid + 3 * rows * c);
+        let attention = self.attention();
+        set_len(
+            scratch,
+            rows * hid + 3 * rows * c + attention.scratch_len(n),
+        );
         let (dm, rest) = scratch.split_at_mut(rows * hid);
         let (dh2, rest) = rest.split_at_mut(rows * c);
-        let (dx2, dh1) = rest.split_at_mut(rows * c);
+        let (dx2, rest) = rest.split_at_mut(rows * c);
+        let (dh1, attn_scratch) = rest.split_at_mut(rows * c);
         // The MLP: y = x₂ + m·W_projᵀ + b, m = gelu(u), u = h₂·W_fcᵀ + b.
         let (h2, u, m) = (span(stash, at.h2), span(stash, at.u), span(stash, at.m));
         matmul(
@@ -342,8 +347,7 @@ impl Block {
             *a += b;
         }
         // The attention: x₂ = x + attn(h₁), h₁ = ln₁(x).
-        let mut attn_scratch = Vec::new();
-        self.attention().backward(
+        attention.backward(
             span(p, parts.attn),
             g_attn,
             accumulate,
@@ -352,7 +356,7 @@ impl Block {
             dx2,
             n,
             Some(dh1),
-            &mut attn_scratch,
+            attn_scratch,
             threads,
         );
         if let Some(dx) = dx {

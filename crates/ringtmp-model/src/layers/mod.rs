@@ -457,6 +457,7 @@ impl Layer {
             LayerKind::CausalSelfAttention(a) => {
                 let dx = dx.map(|d| d.as_mut_slice());
                 let stash = &aux.values;
+                set_len(scratch, a.scratch_len(n));
                 a.backward(
                     params, grads, accumulate, x, stash, dy, n, dx, scratch, threads,
                 );
