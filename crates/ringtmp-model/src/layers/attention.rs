@@ -95,37 +95,89 @@ impl CausalSelfAttention {
     }
 
     /// One sample: its heads' outputs `att` (`[seq, width]`) and each row's log-sum-exp `lse`
-    /// (`[heads, seq]`) from its `qkv` (`[seq, 3·width]`).
+    /// (`[heads, seq]`) from its `qkv` (`[seq, 3·width]`). Per head, the scores `q·kᵀ` and the
+    /// output `p·v` are GEMMs over the head's `seq × seq` block (one head's, never the batch's).
     fn attend(&self, qkv: &[f32], att: &mut [f32], lse: &mut [f32]) {
+        let (t, d) = (self.seq, self.head_dim());
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut head = HeadBuffers::new(t, d);
+        for h in 0..self.heads {
+            head.gather(qkv, self.width, h, d);
+            let HeadBuffers { q, k, v, s, o, .. } = &mut head;
+            matmul(s, t, t, d, q, Op::N, k, Op::T, false, 1);
+            for (i, row) in s.chunks_exact_mut(t).enumerate() {
+                let live = &mut row[..=i];
+                let max = live
+                    .iter()
+                    .fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
+                let mut sum = 0.0f32;
+                for x in live.iter_mut() {
+                    *x = (*x * scale - max).exp();
+                    sum += *x;
+                }
+                for x in live.iter_mut() {
+                    *x /= sum;
+                }
+                row[i + 1..].fill(0.0);
+                lse[h * t + i] = max + sum.ln();
+            }
+            matmul(o, t, d, t, s, Op::N, v, Op::N, false, 1);
+            scatter(o, att, self.width, h * d, d);
+        }
+    }
+
+    /// One sample's `dqkv` from its stash and `datt`: with `P` made again from the scores and
+    /// the log-sum-exp, `dV = Pᵀ·dO`, `dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O))`, `dQ = dS·K/√d`,
+    /// `dK = dSᵀ·Q/√d`, each a GEMM over the head's block.
+    fn attend_backward(
+        &self,
+        qkv: &[f32],
+        att: &[f32],
+        lse: &[f32],
+        datt: &[f32],
+        dqkv: &mut [f32],
+    ) {
         let (t, c, d) = (self.seq, self.width, self.head_dim());
         let scale = 1.0 / (d as f32).sqrt();
-        let mut scores = vec![0.0f32; t];
-        for head in 0..self.heads {
-            let col = head * d;
-            for i in 0..t {
-                let q = &qkv[i * 3 * c + col..i * 3 * c + col + d];
-                let mut max = f32::NEG_INFINITY;
-                for (j, s) in scores[..=i].iter_mut().enumerate() {
-                    let k = &qkv[j * 3 * c + c + col..j * 3 * c + c + col + d];
-                    *s = dot(q, k) * scale;
-                    max = max.max(*s);
+        let mut head = HeadBuffers::new(t, d);
+        for h in 0..self.heads {
+            head.gather(qkv, c, h, d);
+            let HeadBuffers {
+                q,
+                k,
+                v,
+                s,
+                o,
+                d_o,
+                dp,
+                dq,
+                dk,
+                dv,
+            } = &mut head;
+            gather(att, o, c, h * d, d);
+            gather(datt, d_o, c, h * d, d);
+            matmul(s, t, t, d, q, Op::N, k, Op::T, false, 1);
+            for (i, row) in s.chunks_exact_mut(t).enumerate() {
+                let l = lse[h * t + i];
+                for x in &mut row[..=i] {
+                    *x = (*x * scale - l).exp();
                 }
-                let mut sum = 0.0f32;
-                for s in &mut scores[..=i] {
-                    *s = (*s - max).exp();
-                    sum += *s;
-                }
-                let out = &mut att[i * c + col..i * c + col + d];
-                out.fill(0.0);
-                for (j, &e) in scores[..=i].iter().enumerate() {
-                    let v = &qkv[j * 3 * c + 2 * c + col..j * 3 * c + 2 * c + col + d];
-                    let w = e / sum;
-                    for (o, &v) in out.iter_mut().zip(v) {
-                        *o += w * v;
-                    }
-                }
-                lse[head * t + i] = max + sum.ln();
+                row[i + 1..].fill(0.0);
             }
+            matmul(dv, t, d, t, s, Op::T, d_o, Op::N, false, 1);
+            matmul(dp, t, t, d, d_o, Op::N, v, Op::T, false, 1);
+            for (i, (p_row, dp_row)) in s.chunks_exact(t).zip(dp.chunks_exact_mut(t)).enumerate() {
+                let delta = dot(&d_o[i * d..(i + 1) * d], &o[i * d..(i + 1) * d]);
+                for (dpx, &px) in dp_row.iter_mut().zip(p_row) {
+                    *dpx = px * (*dpx - delta) * scale;
+                }
+            }
+            let ds = &*dp;
+            matmul(dq, t, d, t, ds, Op::N, k, Op::N, false, 1);
+            matmul(dk, t, d, t, ds, Op::T, q, Op::N, false, 1);
+            scatter(dq, dqkv, 3 * c, h * d, d);
+            scatter(dk, dqkv, 3 * c, c + h * d, d);
+            scatter(dv, dqkv, 3 * c, 2 * c + h * d, d);
         }
     }
 
@@ -207,42 +259,59 @@ impl CausalSelfAttention {
             matmul(dx, rows, c, 3 * c, dqkv, Op::N, wqkv, Op::N, false, threads);
         }
     }
+}
 
-    /// One sample's `dqkv` from its stash and `datt`: with `P` made again from the scores and
-    /// the log-sum-exp, `dV = Pᵀ·dO`, `dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O))`, `dQ = dS·K/√d`,
-    /// `dK = dSᵀ·Q/√d`.
-    fn attend_backward(
-        &self,
-        qkv: &[f32],
-        att: &[f32],
-        lse: &[f32],
-        datt: &[f32],
-        dqkv: &mut [f32],
-    ) {
-        let (t, c, d) = (self.seq, self.width, self.head_dim());
-        let scale = 1.0 / (d as f32).sqrt();
-        dqkv.fill(0.0);
-        for head in 0..self.heads {
-            let col = head * d;
-            for i in 0..t {
-                let q = &qkv[i * 3 * c + col..i * 3 * c + col + d];
-                let d_out = &datt[i * c + col..i * c + col + d];
-                let out = &att[i * c + col..i * c + col + d];
-                let delta = dot(d_out, out);
-                let l = lse[head * t + i];
-                for j in 0..=i {
-                    let k = &qkv[j * 3 * c + c + col..j * 3 * c + c + col + d];
-                    let v = &qkv[j * 3 * c + 2 * c + col..j * 3 * c + 2 * c + col + d];
-                    let prob = (dot(q, k) * scale - l).exp();
-                    let ds = prob * (dot(d_out, v) - delta) * scale;
-                    for e in 0..d {
-                        dqkv[i * 3 * c + col + e] += ds * k[e];
-                        dqkv[j * 3 * c + c + col + e] += ds * q[e];
-                        dqkv[j * 3 * c + 2 * c + col + e] += prob * d_out[e];
-                    }
-                }
-            }
+/// One head's operands, gathered contiguous from a sample's strided rows, and its scratch.
+struct HeadBuffers {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// Scores, then probabilities: `[seq, seq]`.
+    s: Vec<f32>,
+    o: Vec<f32>,
+    d_o: Vec<f32>,
+    dp: Vec<f32>,
+    dq: Vec<f32>,
+    dk: Vec<f32>,
+    dv: Vec<f32>,
+}
+
+impl HeadBuffers {
+    fn new(t: usize, d: usize) -> Self {
+        let m = || vec![0.0; t * d];
+        Self {
+            q: m(),
+            k: m(),
+            v: m(),
+            s: vec![0.0; t * t],
+            o: m(),
+            d_o: m(),
+            dp: vec![0.0; t * t],
+            dq: m(),
+            dk: m(),
+            dv: m(),
         }
+    }
+
+    /// Head `h`'s queries, keys and values (`d` columns each) from `qkv` (`[seq, 3·width]`).
+    fn gather(&mut self, qkv: &[f32], width: usize, h: usize, d: usize) {
+        gather(qkv, &mut self.q, 3 * width, h * d, d);
+        gather(qkv, &mut self.k, 3 * width, width + h * d, d);
+        gather(qkv, &mut self.v, 3 * width, 2 * width + h * d, d);
+    }
+}
+
+/// Columns `col..col + d` of every row (`stride` values each) of `from` into `to`, contiguous.
+fn gather(from: &[f32], to: &mut [f32], stride: usize, col: usize, d: usize) {
+    for (row, out) in from.chunks_exact(stride).zip(to.chunks_exact_mut(d)) {
+        out.copy_from_slice(&row[col..col + d]);
+    }
+}
+
+/// Contiguous rows of `d` from `from` into columns `col..col + d` of `to`'s rows.
+fn scatter(from: &[f32], to: &mut [f32], stride: usize, col: usize, d: usize) {
+    for (row, out) in from.chunks_exact(d).zip(to.chunks_exact_mut(stride)) {
+        out[col..col + d].copy_from_slice(row);
     }
 }
 
