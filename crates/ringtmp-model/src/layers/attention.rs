@@ -5,14 +5,14 @@
 //! of `d = width / heads` columns `o_t = Σ_{j ≤ t} softmax_j(q_t·k_j / √d) · v_j`, the heads'
 //! outputs side by side, then `y = o·W_projᵀ + b_proj`.
 //!
-//! Memory: the score matrix is never held for a batch, nor even for a head: each query's row
-//! of scores is made, used and dropped (`seq` values), and the forward keeps only each row's
-//! log-sum-exp. The backward makes each row's probabilities again from it (as FlashAttention
-//! does), so a micro-batch's stash is its `qkv`, its heads' outputs and `heads · seq` numbers per
-//! sample, linear in the sequence length.
+//! Memory: the scores are never held for a batch: one head of one sample at a time (`seq × seq`
+//! values, made by a GEMM, turned into probabilities in place, used and dropped), and the
+//! forward keeps only each row's log-sum-exp. The backward makes the probabilities again from it
+//! (as FlashAttention does), so a micro-batch's stash is its `qkv`, its heads' outputs and
+//! `heads · seq` numbers per sample, linear in the sequence length.
 //!
-//! Work splits over threads by sample; within a sample the heads and rows run in order, so the
-//! results do not depend on the thread count.
+//! Work splits over threads by sample; within a sample the heads run in order on one thread, so
+//! the results do not depend on the thread count.
 
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
