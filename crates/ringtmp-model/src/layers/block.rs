@@ -12,8 +12,8 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::norm::gelu_backward_in_place;
-use super::{CausalSelfAttention, Norm, NormKind, gelu_forward};
+use super::norm::{gelu_backward_in_place_threaded, gelu_forward_threaded};
+use super::{CausalSelfAttention, Norm, NormKind};
 use crate::kernels::{Op, column_sums, linear_forward, matmul, set_len};
 
 /// Transformer block geometry.
@@ -229,7 +229,7 @@ impl Block {
         norm.forward(span(p, parts.ln2), x2, h2, ln2_stats, threads);
         let (fc_w, fc_b) = (span(p, parts.fc_w), span(p, parts.fc_b));
         linear_forward(u, rows, hid, c, h2, fc_w, fc_b, threads);
-        gelu_forward(u, m);
+        gelu_forward_threaded(u, m, threads);
         let (proj_w, proj_b) = (span(p, parts.proj_w), span(p, parts.proj_b));
         linear_forward(y, rows, c, hid, m, proj_w, proj_b, threads);
         for (a, b) in y.iter_mut().zip(x2.iter()) {
@@ -306,7 +306,7 @@ impl Block {
         );
         // du = dm · gelu'(u), in place.
         let du = dm;
-        gelu_backward_in_place(u, du);
+        gelu_backward_in_place_threaded(u, du, threads);
         matmul(
             g_fc_w,
             hid,

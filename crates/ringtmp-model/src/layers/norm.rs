@@ -205,3 +205,28 @@ pub(crate) fn gelu_backward_in_place(x: &[f32], d: &mut [f32]) {
         *d *= gelu_slope(x);
     }
 }
+
+/// Values per parallel task of the element-wise passes: enough work to be worth a task.
+const ELEMENTWISE_CHUNK: usize = 1 << 15;
+
+/// [`gelu_forward`] split over threads by chunks (the same values on any thread count).
+pub(crate) fn gelu_forward_threaded(x: &[f32], y: &mut [f32], threads: usize) {
+    if threads > 1 && x.len() > ELEMENTWISE_CHUNK {
+        x.par_chunks(ELEMENTWISE_CHUNK)
+            .zip(y.par_chunks_mut(ELEMENTWISE_CHUNK))
+            .for_each(|(x, y)| gelu_forward(x, y));
+    } else {
+        gelu_forward(x, y);
+    }
+}
+
+/// [`gelu_backward_in_place`] split over threads by chunks.
+pub(crate) fn gelu_backward_in_place_threaded(x: &[f32], d: &mut [f32], threads: usize) {
+    if threads > 1 && x.len() > ELEMENTWISE_CHUNK {
+        x.par_chunks(ELEMENTWISE_CHUNK)
+            .zip(d.par_chunks_mut(ELEMENTWISE_CHUNK))
+            .for_each(|(x, d)| gelu_backward_in_place(x, d));
+    } else {
+        gelu_backward_in_place(x, d);
+    }
+}
