@@ -368,7 +368,7 @@ impl Layer {
                 set_len(&mut aux.values, 2 * x.len() / norm.features);
                 norm.forward(params, x, y, &mut aux.values, threads);
             }
-            LayerKind::Gelu => gelu_forward(x, y),
+            LayerKind::Gelu => norm::gelu_forward_threaded(x, y, threads),
             LayerKind::CausalSelfAttention(a) => {
                 set_len(&mut aux.values, a.stash_len(n));
                 a.forward(params, x, n, y, &mut aux.values, threads);
@@ -451,7 +451,8 @@ impl Layer {
             }
             LayerKind::Gelu => {
                 if let Some(dx) = dx {
-                    gelu_backward(x, dy, dx);
+                    dx.copy_from_slice(dy);
+                    norm::gelu_backward_in_place_threaded(x, dx, threads);
                 }
             }
             LayerKind::CausalSelfAttention(a) => {
