@@ -22,8 +22,10 @@ use crate::error::UsageError;
 pub enum OptimizerKind {
     /// SGD with momentum and weight decay.
     Sgd,
-    /// Adam.
+    /// Adam (L2 weight decay added to the gradient).
     Adam,
+    /// AdamW: Adam with decoupled weight decay (none on biases, norms and embeddings).
+    Adamw,
 }
 
 /// `ringtmp train` options. Every field is optional so that flags, the config file and the
@@ -89,15 +91,35 @@ pub struct TrainArgs {
     /// Pin each local node process to its own core (when there are enough cores).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub pin: Option<bool>,
-    /// Model preset: mlp, mlp-deep or cnn [default: mlp].
+    /// Model preset: mlp, mlp-deep, cnn, or the language models gpt-nano, gpt-cpu and gpt-small
+    /// (with --dataset text) [default: mlp, or gpt-cpu on text].
     #[arg(long, conflicts_with = "model_file")]
     pub model: Option<String>,
     /// Model description file (TOML; see examples/).
     #[arg(long, value_name = "FILE")]
     pub model_file: Option<PathBuf>,
-    /// Dataset: mnist, fashion-mnist or digits [default: mnist].
+    /// Dataset: mnist, fashion-mnist, digits, or text (a language model's: see --data-file)
+    /// [default: mnist].
     #[arg(long)]
     pub dataset: Option<String>,
+    /// With --dataset text: UTF-8 text files (raw or .gz; a character vocabulary is built from
+    /// the training split), or pre-tokenised .bin files (nanoGPT's uint16 ids or llm.c's
+    /// layout: TRAIN.bin, then an optional VAL.bin) [default: the bundled Shakespeare corpus].
+    #[arg(long, value_name = "FILE", num_args = 1..)]
+    pub data_file: Option<Vec<PathBuf>>,
+    /// Positions per training window (the model's context) [default: the GPT preset's context,
+    /// else 64].
+    #[arg(long, value_name = "N")]
+    pub seq_len: Option<usize>,
+    /// Fraction of the text (its end) that validates [default: 0.1].
+    #[arg(long, value_name = "F")]
+    pub val_fraction: Option<f64>,
+    /// Tokens of fixed validation windows each evaluation scores [default: 16384].
+    #[arg(long, value_name = "N")]
+    pub eval_tokens: Option<usize>,
+    /// Vocabulary size of .bin token files [default: 50257, GPT-2's].
+    #[arg(long, value_name = "N")]
+    pub vocab_size: Option<usize>,
     /// Directory holding the dataset files (searched before the bundled data/).
     #[arg(long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
@@ -123,9 +145,16 @@ pub struct TrainArgs {
     /// SGD momentum [default: 0.9].
     #[arg(long)]
     pub momentum: Option<f32>,
-    /// L2 weight decay [default: 0].
+    /// Weight decay: L2 for SGD and Adam, decoupled for AdamW [default: 0, or 0.1 with AdamW].
     #[arg(long)]
     pub weight_decay: Option<f32>,
+    /// AdamW: decay the token and position embeddings too (nanoGPT does).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub decay_embeddings: Option<bool>,
+    /// Clip each step's gradient to this global L2 norm, computed over every node's share of
+    /// the model [default: 1.0 for language models, none otherwise].
+    #[arg(long, value_name = "NORM")]
+    pub clip_grad_norm: Option<f32>,
     /// Compute threads [default: all cores].
     #[arg(long)]
     pub threads: Option<usize>,
@@ -287,6 +316,13 @@ impl TrainArgs {
             model_file,
             dataset,
             data_dir,
+            data_file,
+            seq_len,
+            val_fraction,
+            eval_tokens,
+            vocab_size,
+            decay_embeddings,
+            clip_grad_norm,
             epochs,
             batch_size,
             lr,
@@ -594,8 +630,47 @@ impl TrainArgs {
         self.dataset.clone().unwrap_or_else(|| "mnist".into())
     }
 
-    /// Applies defaults and validates; `classes` comes from the dataset.
-    pub fn resolve(&self, classes: usize) -> Result<TrainConfig> {
+    /// Applies defaults and validates for `data`: a language model's (on text) are nanoGPT's.
+    pub fn resolve_for(&self, data: &ringtmp_data::Dataset) -> Result<TrainConfig> {
+        let text = matches!(data.task, ringtmp_data::Task::NextToken { .. });
+        self.resolve_with(data.classes, text)
+    }
+
+    /// The GPT preset a text run trains when none is named.
+    pub fn model_name(&self, text: bool) -> &str {
+        self.model
+            .as_deref()
+            .unwrap_or(if text { "gpt-cpu" } else { "mlp" })
+    }
+
+    /// How a text run reads its data.
+    pub fn text_source(&self) -> ringtmp_strategy::TextSource {
+        ringtmp_strategy::TextSource {
+            files: self.data_file.clone().unwrap_or_default(),
+            seq_len: self.seq_len(),
+            validation: self.val_fraction.unwrap_or(0.1),
+            eval_tokens: self.eval_tokens.unwrap_or(16_384),
+            bin_vocab: self.vocab_size.unwrap_or(ringtmp_data::text::GPT2_VOCAB),
+        }
+    }
+
+    /// Positions per window of a text run: `--seq-len`, or the preset's context, or 64.
+    pub fn seq_len(&self) -> usize {
+        self.seq_len.unwrap_or_else(|| {
+            let name = if self.model_file.is_some() {
+                ""
+            } else {
+                self.model_name(true)
+            };
+            ModelSpec::preset_context(name).unwrap_or(64)
+        })
+    }
+
+    /// Applies defaults and validates; `classes` comes from the dataset (a language model's
+    /// vocabulary when `text`). On text the defaults are nanoGPT's recipe for the model: AdamW
+    /// (β₂ 0.99, decay 0.1), rate 1e-3 with 100 warm-up steps and a cosine to a tenth, clipping
+    /// at norm 1, and the preset's batch and steps.
+    fn resolve_with(&self, classes: usize, text: bool) -> Result<TrainConfig> {
         let model = match (&self.model_file, &self.model) {
             (Some(path), _) => ModelSpec::from_file(path).map_err(|e| match e {
                 // The file itself is missing or unreadable: the user's mistake, said once.
@@ -605,10 +680,41 @@ impl TrainArgs {
                 ))),
                 other => other.into(),
             })?,
-            (None, name) => ModelSpec::preset(name.as_deref().unwrap_or("mlp"), classes)?,
+            (None, _) => ModelSpec::preset(self.model_name(text), classes)?,
         };
-        let optimizer_kind = self.optimizer.unwrap_or(OptimizerKind::Sgd);
-        let weight_decay = self.weight_decay.unwrap_or(0.0);
+        if text != model.reads_tokens() {
+            return Err(UsageError(if text {
+                format!(
+                    "model {} does not read token ids: on --dataset text, train a language model \
+                     (gpt-nano, gpt-cpu, gpt-small, or a model file starting with an embedding)",
+                    model.name
+                )
+            } else {
+                format!(
+                    "model {} reads token ids: train it with --dataset text",
+                    model.name
+                )
+            })
+            .into());
+        }
+        // nanoGPT's recipes: (batch, steps) per preset.
+        let recipe = match model.name.as_str() {
+            "gpt-nano" => (8, 200),
+            "gpt-small" => (64, 5000),
+            _ => (12, 2000),
+        };
+        let optimizer_kind = self.optimizer.unwrap_or(if text {
+            OptimizerKind::Adamw
+        } else {
+            OptimizerKind::Sgd
+        });
+        let weight_decay = self.weight_decay.unwrap_or(match optimizer_kind {
+            OptimizerKind::Adamw => 0.1,
+            _ => 0.0,
+        });
+        if self.decay_embeddings.is_some() && optimizer_kind != OptimizerKind::Adamw {
+            return Err(UsageError("--decay-embeddings applies to AdamW only".into()).into());
+        }
         let (optimizer, default_lr) = match optimizer_kind {
             OptimizerKind::Sgd => (
                 OptimizerConfig::Sgd {
@@ -634,8 +740,28 @@ impl TrainArgs {
                     0.001,
                 )
             }
+            OptimizerKind::Adamw => {
+                if self.momentum.is_some() {
+                    return Err(UsageError(
+                        "--momentum applies to SGD only (AdamW uses its own β₁)".into(),
+                    )
+                    .into());
+                }
+                (
+                    OptimizerConfig::AdamW {
+                        beta1: 0.9,
+                        // nanoGPT's choice for its small models (PyTorch's default is 0.999).
+                        beta2: if text { 0.99 } else { 0.999 },
+                        eps: 1e-8,
+                        weight_decay,
+                        decay_embeddings: self.decay_embeddings.unwrap_or(false),
+                    },
+                    0.001,
+                )
+            }
         };
-        let schedule = LrSchedule::parse(self.lr_schedule.as_deref().unwrap_or("constant"))
+        let default_schedule = if text { "cosine:0.1" } else { "constant" };
+        let schedule = LrSchedule::parse(self.lr_schedule.as_deref().unwrap_or(default_schedule))
             .map_err(|e| UsageError(format!("--lr-schedule: {e}")))?;
         let strategy = self.strategy();
         // `train` chooses (and creates) the default directory before resolving; a run that
@@ -666,21 +792,33 @@ impl TrainArgs {
             dataset: self.dataset(),
             data_dir: self.data_dir.clone(),
             epochs: self.epochs.unwrap_or(2),
-            batch_size: self.batch_size.unwrap_or(64),
+            batch_size: self.batch_size.unwrap_or(if text { recipe.0 } else { 64 }),
             lr: self.lr.unwrap_or(default_lr),
             schedule,
-            warmup_steps: self.warmup_steps.unwrap_or(0),
+            warmup_steps: self.warmup_steps.unwrap_or(if text { 100 } else { 0 }),
             optimizer,
             threads,
             seed: self.seed.unwrap_or(42),
             target_accuracy: self.target_accuracy.unwrap_or(0.97),
-            eval_every: self.eval_every.unwrap_or(200),
+            eval_every: self.eval_every.unwrap_or(if text { 250 } else { 200 }),
             out,
             checkpoint_every: self.checkpoint_every.unwrap_or(0),
             keep_checkpoints: self.keep_checkpoints,
             resume: self.resume.clone(),
             max_steps: self.max_steps,
-            train_samples: self.train_samples,
+            // A text's epoch is every window once (millions of steps): a language model trains
+            // for its recipe's steps unless told otherwise.
+            train_samples: self.train_samples.or_else(|| {
+                (text && self.epochs.is_none())
+                    .then(|| recipe.1 * self.batch_size.unwrap_or(recipe.0) as u64)
+            }),
+            // 0 turns the language models' default clipping off.
+            clip_grad_norm: match self.clip_grad_norm {
+                Some(0.0) => None,
+                Some(c) => Some(c),
+                None => text.then_some(1.0),
+            },
+            text: text.then(|| self.text_source()),
             recv_timeout_secs: self
                 .recv_timeout
                 .unwrap_or(ringtmp_strategy::DEFAULT_RECV_TIMEOUT_SECS),
@@ -756,7 +894,7 @@ mod tests {
             strategy: Some("local".into()),
             ..Default::default()
         };
-        let config = args.resolve(10).unwrap();
+        let config = args.resolve_with(10, false).unwrap();
         let name = config
             .out
             .file_name()

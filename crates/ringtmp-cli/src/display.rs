@@ -14,6 +14,11 @@ pub struct Display {
     total: u64,
     last_line: Instant,
     accuracy: Option<f64>,
+    /// A language model's positions per window (`None` for a classifier): its progress shows
+    /// tokens per second and validation loss instead of accuracy.
+    positions: Option<usize>,
+    /// What its tokens are (`character` or `token`), for bits per unit.
+    unit: &'static str,
 }
 
 impl Display {
@@ -24,6 +29,19 @@ impl Display {
             total: 0,
             last_line: Instant::now(),
             accuracy: None,
+            positions: None,
+            unit: "token",
+        }
+    }
+
+    /// A display for a language model of `positions` per window (`None`: a classifier) whose
+    /// vocabulary is `vocabulary` (as the run's spec keeps it).
+    pub fn for_language_model(positions: Option<usize>, vocabulary: Option<&str>) -> Self {
+        let chars = vocabulary.is_some_and(|v| v.starts_with("chars:"));
+        Self {
+            positions,
+            unit: if chars { "character" } else { "token" },
+            ..Self::new()
         }
     }
 
@@ -67,19 +85,27 @@ impl Display {
                 loss,
                 samples_per_second,
             } => {
-                let acc = self
-                    .accuracy
-                    .map(|a| format!(" test acc {:.2}%", a * 100.0))
-                    .unwrap_or_default();
+                let (acc, rate) = match self.positions {
+                    Some(positions) => (
+                        self.accuracy
+                            .map(|l| format!(" val loss {l:.4}"))
+                            .unwrap_or_default(),
+                        format!("{:.0} tokens/s", samples_per_second * positions as f64),
+                    ),
+                    None => (
+                        self.accuracy
+                            .map(|a| format!(" test acc {:.2}%", a * 100.0))
+                            .unwrap_or_default(),
+                        format!("{samples_per_second:.0} samples/s"),
+                    ),
+                };
                 if let Some(bar) = &self.bar {
                     bar.set_position(step);
-                    bar.set_message(format!(
-                        "epoch {epoch} loss {loss:.4}{acc} {samples_per_second:.0} samples/s"
-                    ));
+                    bar.set_message(format!("epoch {epoch} loss {loss:.4}{acc} {rate}"));
                 } else if self.last_line.elapsed().as_secs_f64() >= 5.0 || step == self.total {
                     self.last_line = Instant::now();
                     eprintln!(
-                        "step {step}/{} epoch {epoch} loss {loss:.4}{acc} {samples_per_second:.0} samples/s",
+                        "step {step}/{} epoch {epoch} loss {loss:.4}{acc} {rate}",
                         self.total
                     );
                 }
@@ -90,11 +116,22 @@ impl Display {
                 accuracy,
                 loss,
             } => {
-                self.accuracy = Some(accuracy);
-                let line = format!(
-                    "eval step {step} epoch {epoch}: test accuracy {:.2}%, test loss {loss:.4}",
-                    accuracy * 100.0
-                );
+                let line = if self.positions.is_some() {
+                    self.accuracy = Some(loss);
+                    let (perplexity, bits) = ringtmp_metrics::LanguageSummary::meaning(loss);
+                    format!(
+                        "eval step {step}: validation loss {loss:.4} (perplexity {perplexity:.2}, \
+                         {bits:.3} bits per {}), next-token accuracy {:.2}%",
+                        self.unit,
+                        accuracy * 100.0
+                    )
+                } else {
+                    self.accuracy = Some(accuracy);
+                    format!(
+                        "eval step {step} epoch {epoch}: test accuracy {:.2}%, test loss {loss:.4}",
+                        accuracy * 100.0
+                    )
+                };
                 match &self.bar {
                     Some(bar) => bar.println(line),
                     None => eprintln!("{line}"),
@@ -120,6 +157,26 @@ impl Display {
 
 /// Prints the result of a run and the per-node table.
 pub fn print_summary(s: &Summary, out: &std::path::Path) {
+    if let Some(lm) = &s.language {
+        println!(
+            "final validation loss {:.4} (best {:.4}; perplexity {:.2}, {:.3} bits per {}) after \
+             {} steps; {:.0} tokens/s; {:.1}s wall",
+            lm.final_val_loss,
+            lm.best_val_loss,
+            lm.final_perplexity,
+            lm.final_bits_per_unit,
+            if lm.unit == "char" {
+                "character"
+            } else {
+                "token"
+            },
+            s.steps,
+            lm.tokens_per_second,
+            s.wall_seconds
+        );
+        print_rest(s, out);
+        return;
+    }
     println!(
         "final test accuracy {:.2}% (best {:.2}%) after {} steps; {:.0} samples/s; {:.1}s wall",
         s.final_test_accuracy * 100.0,
@@ -138,6 +195,11 @@ pub fn print_summary(s: &Summary, out: &std::path::Path) {
             s.target_accuracy * 100.0
         ),
     }
+    print_rest(s, out);
+}
+
+/// The lines every summary shows after its accuracy or loss: traffic, degradations, the table.
+fn print_rest(s: &Summary, out: &std::path::Path) {
     println!(
         "bytes sent {} ({:.1} per sample)",
         s.total_bytes_sent, s.bytes_per_sample

@@ -483,7 +483,7 @@ fn rank0_job(args: &NodeArgs, world: u32) -> Result<Rank0Job> {
     }
     train_args.adopt_checkpoint_batch()?;
     let data = crate::plan::load_dataset(&train_args, true)?;
-    let cfg = train_args.resolve(data.classes)?;
+    let cfg = train_args.resolve_for(&data)?;
     // Under an external launcher this is the first look at the output directory.
     crate::run_dir::prepare(
         &cfg.out,
@@ -508,15 +508,34 @@ fn run_training(
     let spec = job.spec();
     crate::plan::init_threads(spec.threads)?;
     let data = if job.needs_data(rank) {
+        let text = spec.text.as_ref();
         let train_args = TrainArgs {
             dataset: Some(spec.dataset.clone()),
             data_dir: spec.data_dir.clone(),
+            data_file: text.map(|t| t.files.clone()),
+            seq_len: text.map(|t| t.seq_len),
+            val_fraction: text.map(|t| t.validation),
+            eval_tokens: text.map(|t| t.eval_tokens),
+            vocab_size: text.map(|t| t.bin_vocab),
             ..Default::default()
         };
         // Rank 0 under the local launcher, and every other rank, leave the announcement to
         // whoever planned the run.
         let announce = rank == 0 && args.job.job_file.is_none();
-        Some(crate::plan::load_dataset(&train_args, announce)?)
+        let data = crate::plan::load_dataset(&train_args, announce)?;
+        // The text this node read must be the text the run was planned on.
+        let vocabulary = match &data.task {
+            ringtmp_data::Task::NextToken { vocab, .. } => Some(vocab.to_line()),
+            ringtmp_data::Task::Classify => None,
+        };
+        if vocabulary != spec.vocabulary || ringtmp_strategy::sequence_of(&data) != spec.sequence {
+            return Err(UsageError(format!(
+                "rank {rank} read data unlike the run's: its text gives another vocabulary or \
+                 window than the one rank 0 planned with (are the files the same on every node?)"
+            ))
+            .into());
+        }
+        Some(data)
     } else {
         None
     };
@@ -532,7 +551,8 @@ fn run_training(
         }
         net.watch_steps(bound);
     }
-    let mut display = crate::display::Display::new();
+    let mut display =
+        crate::display::Display::for_language_model(spec.sequence, spec.vocabulary.as_deref());
     let shows_progress = rank == job.progress_rank();
     let mut on_event = |e: &ringtmp_strategy::Event| {
         if shows_progress {

@@ -18,7 +18,17 @@ pub fn load_dataset(args: &TrainArgs, announce: bool) -> Result<Dataset> {
     let name = args.dataset();
     let started = Instant::now();
     // The data crate's errors name the dataset and the files already.
-    let data = ringtmp_data::load(&name, args.data_dir.as_deref())?;
+    let data = if name == "text" {
+        ringtmp_data::load_text_dataset(&args.text_source().options())?
+    } else {
+        if args.data_file.is_some() {
+            return Err(crate::error::UsageError(format!(
+                "--data-file is for --dataset text; {name} is read from --data-dir"
+            ))
+            .into());
+        }
+        ringtmp_data::load(&name, args.data_dir.as_deref())?
+    };
     let verified = data
         .checks
         .iter()

@@ -132,7 +132,7 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
         // Evaluations take no virtual time (see the assumptions): none but the final one.
         train.eval_every = Some(0);
     }
-    let mut cfg = train.resolve(data.classes)?;
+    let mut cfg = train.resolve_for(&data)?;
     // A simulated node fails only where a fault says so, and its neighbours then see it fail: a
     // receive timeout would only cut a slow cluster's legitimate waits (an AD-PSGD worker whose
     // grant is used up waits minutes of virtual time at 100 Mbit/s). Waits are bounded by the

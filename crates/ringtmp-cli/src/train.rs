@@ -18,11 +18,9 @@ pub fn validate(args: &TrainArgs) -> Result<()> {
     let args = args.merged()?;
     args.check_applicable()?;
     let data = load_dataset(&args, true)?;
-    let cfg = args.resolve(data.classes)?;
-    let (h, w, c) = data.input;
-    let layers = cfg
-        .model
-        .build(&ringtmp_model::Shape::image(h, w, c), data.classes)?;
+    let cfg = args.resolve_for(&data)?;
+
+    let layers = ringtmp_strategy::layers_for(&cfg.model, &data)?;
     let params: usize = layers.iter().map(|l| l.param_count()).sum();
     println!(
         "ok: model {} ({} layers, {params} parameters) on {}",
@@ -92,7 +90,7 @@ fn run_resolved(args: TrainArgs) -> Result<()> {
         None => None,
     };
     let data = load_dataset(&args, true)?;
-    let cfg = args.resolve(data.classes)?;
+    let cfg = args.resolve_for(&data)?;
     let Job::Local(job) = plan(&args, cfg, &data, 1)? else {
         unreachable!("--strategy local plans a local job")
     };
@@ -111,7 +109,8 @@ fn run_resolved(args: TrainArgs) -> Result<()> {
         cfg.threads,
         cfg.out.display()
     );
-    let mut display = Display::new();
+    let mut display =
+        Display::for_language_model(job.spec.sequence, job.spec.vocabulary.as_deref());
     let summary = train_local(&job.spec.config, &data, &mut |e| display.event(e))?;
     display.finish();
     print_summary(&summary, &job.spec.out);
@@ -338,7 +337,7 @@ fn launch_once(args: &mut TrainArgs, cluster: &LocalCluster, attempt: usize) -> 
     // Check everything and plan here, before any process starts: a bad option is a usage error
     // (exit 2) of this command, and the plan printed is the one the nodes run.
     let data = load_dataset(args, first)?;
-    let cfg = args.resolve(data.classes)?;
+    let cfg = args.resolve_for(&data)?;
     let mut job = plan_here(args, cfg, &data, nodes, cores)?;
     drop(data);
     if args.max_restarts.unwrap_or(0) > 0 {

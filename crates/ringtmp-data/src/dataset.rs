@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 use crate::error::{Error, Result};
 use crate::idx::{IdxArray, read_idx};
+use crate::text::{TextCorpus, Tokens, Vocabulary};
 
 /// Where Debian's `dataset-fashion-mnist` package installs its files.
 pub const DEBIAN_FASHION_MNIST: &str = "/usr/share/datasets/fashion-mnist";
@@ -35,54 +36,141 @@ pub enum FileCheck {
     },
 }
 
-/// One split (train or test) of a dataset.
+/// One split (train or test) of a dataset: labelled images, or windows of a token sequence.
 #[derive(Clone, Debug)]
 pub struct Split {
-    pixels: Vec<u8>,
-    labels: Vec<u8>,
-    features: usize,
-    /// `x = (byte · scale − mean) / std`.
-    scale: f32,
-    mean: f32,
-    std: f32,
+    examples: Examples,
+}
+
+#[derive(Clone, Debug)]
+enum Examples {
+    /// Image bytes with one label each; `x = (byte · scale − mean) / std`.
+    Images {
+        pixels: Vec<u8>,
+        labels: Vec<u8>,
+        features: usize,
+        scale: f32,
+        mean: f32,
+        std: f32,
+    },
+    /// Windows of `seq_len` tokens with the next token of each position as its label. Example
+    /// `i` starts at `starts[i]` when the windows are fixed (validation), else at token `i` (every
+    /// window of the split is an example, so an epoch's permutation samples windows without
+    /// replacement).
+    Windows {
+        tokens: std::sync::Arc<Tokens>,
+        starts: Option<Vec<u32>>,
+        seq_len: usize,
+    },
 }
 
 impl Split {
-    /// Number of examples.
+    /// Every window of `seq_len` tokens of `tokens` (training).
+    pub fn every_window(tokens: std::sync::Arc<Tokens>, seq_len: usize) -> Self {
+        Self {
+            examples: Examples::Windows {
+                tokens,
+                starts: None,
+                seq_len,
+            },
+        }
+    }
+
+    /// The fixed windows of `tokens` starting at `starts` (validation).
+    ///
+    /// # Panics
+    /// If a window does not fit (a programmer error: starts come from
+    /// [`Tokens::validation_starts`]).
+    pub fn fixed_windows(tokens: std::sync::Arc<Tokens>, seq_len: usize, starts: Vec<u32>) -> Self {
+        assert!(
+            starts.iter().all(|&s| s as usize + seq_len < tokens.len()),
+            "a window past the split"
+        );
+        Self {
+            examples: Examples::Windows {
+                tokens,
+                starts: Some(starts),
+                seq_len,
+            },
+        }
+    }
+
+    /// Number of examples (images, or windows).
     pub fn len(&self) -> usize {
-        self.labels.len()
+        match &self.examples {
+            Examples::Images { labels, .. } => labels.len(),
+            Examples::Windows {
+                starts: Some(starts),
+                ..
+            } => starts.len(),
+            Examples::Windows {
+                tokens,
+                starts: None,
+                seq_len,
+            } => tokens.windows(*seq_len),
+        }
     }
 
     /// Whether the split has no examples.
     pub fn is_empty(&self) -> bool {
-        self.labels.is_empty()
+        self.len() == 0
     }
 
-    /// Values per example.
+    /// Input values per example (pixels, or token ids).
     pub fn features(&self) -> usize {
-        self.features
+        match &self.examples {
+            Examples::Images { features, .. } => *features,
+            Examples::Windows { seq_len, .. } => *seq_len,
+        }
     }
 
-    /// The label of example `i`.
-    pub fn label(&self, i: usize) -> u32 {
-        u32::from(self.labels[i])
+    /// Labels per example: 1 for an image, `seq_len` for a window (each position's next token).
+    pub fn positions(&self) -> usize {
+        match &self.examples {
+            Examples::Images { .. } => 1,
+            Examples::Windows { seq_len, .. } => *seq_len,
+        }
     }
 
-    /// Writes the normalised inputs `[indices.len(), features]` into `x` and the labels into `y`,
-    /// reusing their allocations.
+    /// Writes the inputs `[indices.len(), features]` into `x` (normalised pixels, or token ids as
+    /// `f32`) and the labels `[indices.len(), positions]` into `y`, reusing their allocations.
     ///
     /// # Panics
     /// If an index is out of range (indices come from this crate's samplers).
     pub fn gather(&self, indices: &[u32], x: &mut Vec<f32>, y: &mut Vec<u32>) {
-        x.clear();
-        y.clear();
-        let a = self.scale / self.std;
-        let b = -self.mean / self.std;
-        for &i in indices {
-            let i = i as usize;
-            let row = &self.pixels[i * self.features..(i + 1) * self.features];
-            x.extend(row.iter().map(|&p| f32::from(p) * a + b));
-            y.push(u32::from(self.labels[i]));
+        match &self.examples {
+            Examples::Images {
+                pixels,
+                labels,
+                features,
+                scale,
+                mean,
+                std,
+            } => {
+                x.clear();
+                y.clear();
+                let a = scale / std;
+                let b = -mean / std;
+                for &i in indices {
+                    let i = i as usize;
+                    let row = &pixels[i * features..(i + 1) * features];
+                    x.extend(row.iter().map(|&p| f32::from(p) * a + b));
+                    y.push(u32::from(labels[i]));
+                }
+            }
+            Examples::Windows {
+                tokens,
+                starts: None,
+                seq_len,
+            } => tokens.gather(indices, *seq_len, x, y),
+            Examples::Windows {
+                tokens,
+                starts: Some(starts),
+                seq_len,
+            } => {
+                let at: Vec<u32> = indices.iter().map(|&i| starts[i as usize]).collect();
+                tokens.gather(&at, *seq_len, x, y);
+            }
         }
     }
 
@@ -91,6 +179,21 @@ impl Split {
         let indices: Vec<u32> = (start as u32..end as u32).collect();
         self.gather(&indices, x, y);
     }
+}
+
+/// What a dataset's examples ask of a model.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Task {
+    /// One class per example: the model ends in `classes` logits.
+    Classify,
+    /// The next token at each of `seq_len` positions: the model reads `seq_len` token ids and ends
+    /// in `[seq_len, vocabulary]` logits.
+    NextToken {
+        /// Positions per window.
+        seq_len: usize,
+        /// How ids map to text.
+        vocab: Vocabulary,
+    },
 }
 
 /// A loaded dataset.
@@ -110,6 +213,55 @@ pub struct Dataset {
     pub source: PathBuf,
     /// Checksum results, one per file.
     pub checks: Vec<FileCheck>,
+    /// Classification, or next-token prediction over text.
+    pub task: Task,
+}
+
+impl Dataset {
+    /// A language-model dataset from `corpus`: every window of `seq_len` tokens of its training
+    /// split trains; at most `eval_tokens` tokens of fixed windows from its validation split's
+    /// start validate (at least one window).
+    pub fn text(
+        name: &str,
+        corpus: TextCorpus,
+        seq_len: usize,
+        eval_tokens: usize,
+        checks: Vec<FileCheck>,
+    ) -> Result<Self> {
+        corpus.check_seq_len(seq_len)?;
+        let starts = corpus
+            .validation
+            .validation_starts(seq_len, (eval_tokens / seq_len).max(1));
+        let source = corpus
+            .files
+            .first()
+            .and_then(|f| f.parent())
+            .map(Path::to_path_buf)
+            .unwrap_or_default();
+        let train = Split::every_window(std::sync::Arc::new(corpus.train), seq_len);
+        let test = Split::fixed_windows(std::sync::Arc::new(corpus.validation), seq_len, starts);
+        Ok(Self {
+            name: name.to_string(),
+            input: (seq_len, 1, 1),
+            classes: corpus.vocab.len(),
+            train,
+            test,
+            source,
+            checks,
+            task: Task::NextToken {
+                seq_len,
+                vocab: corpus.vocab,
+            },
+        })
+    }
+
+    /// Labels per example: 1, or the window's positions.
+    pub fn positions(&self) -> usize {
+        match &self.task {
+            Task::Classify => 1,
+            Task::NextToken { seq_len, .. } => *seq_len,
+        }
+    }
 }
 
 struct IdxSpec {
@@ -197,6 +349,89 @@ pub fn load(name: &str, data_dir: Option<&Path>) -> Result<Dataset> {
         "digits" => load_digits(&dirs),
         other => Err(Error::UnknownDataset(other.to_string())),
     }
+}
+
+/// How a text dataset is read: its files and windows.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TextOptions {
+    /// UTF-8 text files (raw or `.gz`), or pre-tokenised `.bin` files (training, then an
+    /// optional validation file). Empty: the bundled Shakespeare corpus.
+    pub files: Vec<PathBuf>,
+    /// Positions per window (the model's context).
+    pub seq_len: usize,
+    /// The fraction of the text (the end) that validates.
+    pub validation: f64,
+    /// Tokens of fixed validation windows each evaluation reads, at most.
+    pub eval_tokens: usize,
+    /// Vocabulary size of `.bin` files.
+    pub bin_vocab: usize,
+}
+
+/// Loads a text dataset: a character vocabulary over UTF-8 files, or the ids of `.bin` files.
+/// A named file that is missing but present as `FILE.gz` is read compressed (the repository
+/// ships its corpus gzipped). The bundled corpus is checked against its published checksum.
+pub fn load_text_dataset(options: &TextOptions) -> Result<Dataset> {
+    let files: Vec<PathBuf> = if options.files.is_empty() {
+        let dirs = search_dirs("shakespeare", None);
+        vec![find("text", &dirs, crate::text::SHAKESPEARE.0)?]
+    } else {
+        options
+            .files
+            .iter()
+            .map(|f| {
+                let gz = PathBuf::from(format!("{}.gz", f.display()));
+                if !f.exists() && gz.is_file() {
+                    gz
+                } else {
+                    f.clone()
+                }
+            })
+            .collect()
+    };
+    let is_bin = |f: &PathBuf| f.extension().is_some_and(|e| e == "bin");
+    let name = "text";
+    if files.iter().any(is_bin) {
+        if !files.iter().all(is_bin) || files.len() > 2 {
+            return Err(Error::Batching(
+                "pre-tokenised .bin files come alone: --data-file TRAIN.bin [--data-file VAL.bin]"
+                    .into(),
+            ));
+        }
+        let corpus = crate::text::load_token_bins(
+            &files[0],
+            files.get(1).map(PathBuf::as_path),
+            options.validation,
+            options.bin_vocab,
+        )?;
+        return Dataset::text(
+            name,
+            corpus,
+            options.seq_len,
+            options.eval_tokens,
+            Vec::new(),
+        );
+    }
+    let (corpus, hashes) = crate::text::load_text(&files, options.validation)?;
+    let checks = files
+        .iter()
+        .zip(hashes)
+        .filter(|(f, _)| {
+            f.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with(crate::text::SHAKESPEARE.0))
+        })
+        .map(|(f, got)| {
+            if got == crate::text::SHAKESPEARE.1 {
+                FileCheck::Verified { path: f.clone() }
+            } else {
+                FileCheck::Mismatch {
+                    path: f.clone(),
+                    expected: crate::text::SHAKESPEARE.1.into(),
+                    got,
+                }
+            }
+        })
+        .collect();
+    Dataset::text(name, corpus, options.seq_len, options.eval_tokens, checks)
 }
 
 /// The first directory holding `file` (raw or `.gz`), with the path found.
@@ -415,12 +650,14 @@ fn assemble(
         / n;
     let (mean, std) = (mean as f32, (var.sqrt() as f32).max(1e-6));
     let split = |(pixels, labels): (Vec<u8>, Vec<u8>)| Split {
-        pixels,
-        labels,
-        features,
-        scale,
-        mean,
-        std,
+        examples: Examples::Images {
+            pixels,
+            labels,
+            features,
+            scale,
+            mean,
+            std,
+        },
     };
     Dataset {
         name: name.to_string(),
@@ -430,6 +667,7 @@ fn assemble(
         test: split(test),
         source,
         checks,
+        task: Task::Classify,
     }
 }
 
@@ -452,10 +690,15 @@ mod tests {
             d.checks
         );
         // The familiar MNIST constants.
-        assert!((d.train.mean - 0.1307).abs() < 1e-4 && (d.train.std - 0.3081).abs() < 1e-4);
+        let Examples::Images { mean, std, .. } = d.train.examples else {
+            panic!("images")
+        };
+        assert!((mean - 0.1307).abs() < 1e-4 && (std - 0.3081).abs() < 1e-4);
         let mut hist = [0usize; 10];
-        for i in 0..d.test.len() {
-            hist[d.test.label(i) as usize] += 1;
+        let (mut x, mut y) = (Vec::new(), Vec::new());
+        d.test.gather_range(0, d.test.len(), &mut x, &mut y);
+        for label in y {
+            hist[label as usize] += 1;
         }
         assert_eq!(
             hist,

@@ -16,7 +16,9 @@ pub mod idx;
 pub mod sampler;
 pub mod text;
 
-pub use dataset::{DATASETS, Dataset, FileCheck, Split, load};
+pub use dataset::{
+    DATASETS, Dataset, FileCheck, Split, Task, TextOptions, load, load_text_dataset,
+};
 pub use error::{Error, Result};
 pub use sampler::{BatchPlan, epoch_permutation, shard};
 pub use text::{TextCorpus, Tokens, Vocabulary, WindowSampler};

@@ -13,4 +13,6 @@
 pub mod resources;
 mod summary;
 
-pub use summary::{DroppedNode, EventLog, MAX_REPORTED_STEPS, NodeSummary, Restart, Summary};
+pub use summary::{
+    DroppedNode, EventLog, LanguageSummary, MAX_REPORTED_STEPS, NodeSummary, Restart, Summary,
+};

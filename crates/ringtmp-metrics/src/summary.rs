@@ -243,8 +243,40 @@ pub struct Summary {
     /// same fields as a restart; `nodes` is the ring after the heal).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub heals: Vec<Restart>,
+    /// A language model's figures (absent for classifiers).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub language: Option<LanguageSummary>,
     /// Per-node measurements.
     pub per_node: Vec<NodeSummary>,
+}
+
+/// A language model's figures: validation loss in nats per token, and what it means.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct LanguageSummary {
+    /// Positions per window.
+    pub seq_len: u32,
+    /// Token ids.
+    pub vocab: u32,
+    /// What a token is: `char` (a character vocabulary) or `token`.
+    pub unit: String,
+    /// Mean cross-entropy over the fixed validation windows at the last evaluation (nats per
+    /// token).
+    pub final_val_loss: f64,
+    /// The lowest validation loss of any evaluation.
+    pub best_val_loss: f64,
+    /// `exp(final_val_loss)`.
+    pub final_perplexity: f64,
+    /// `final_val_loss / ln 2`: bits per character for a character vocabulary.
+    pub final_bits_per_unit: f64,
+    /// Training tokens (positions) per second: `samples_per_second × seq_len`.
+    pub tokens_per_second: f64,
+}
+
+impl LanguageSummary {
+    /// Perplexity and bits per unit of a loss in nats.
+    pub fn meaning(loss: f64) -> (f64, f64) {
+        (loss.exp(), loss / std::f64::consts::LN_2)
+    }
 }
 
 impl Summary {

@@ -4,6 +4,10 @@
 //! - SGD: `v ← μ·v + (g + λ·p)`, `p ← p − η·v` (no dampening; `μ = 0` is plain SGD).
 //! - Adam (Kingma & Ba, 2015): `m ← β₁m + (1−β₁)g'`, `v ← β₂v + (1−β₂)g'²` with `g' = g + λ·p`,
 //!   `p ← p − η·m̂ / (√v̂ + ε)` with bias-corrected `m̂`, `v̂`.
+//! - AdamW (Loshchilov & Hutter, 2019; PyTorch's `AdamW`): Adam on `g` alone, with the decay
+//!   decoupled: `p ← p·(1 − ηλ) − η·m̂ / (√v̂ + ε)`. The decay skips the ranges
+//!   [`Optimizer::set_no_decay`] names (a stage names its norms' gains, biases and, unless asked,
+//!   embeddings: [`crate::Stage::no_decay_ranges`]).
 //!
 //! The update is one fused pass over parameters, gradients and state, split across threads in
 //! large chunks: for the `mlp` preset it streams ~50 MB per step, which is memory-bound.
@@ -36,6 +40,29 @@ pub enum OptimizerConfig {
         /// L2 weight decay `λ`.
         weight_decay: f32,
     },
+    /// AdamW: Adam with decoupled weight decay.
+    #[serde(rename = "adamw")]
+    AdamW {
+        /// `β₁`.
+        beta1: f32,
+        /// `β₂`.
+        beta2: f32,
+        /// `ε`.
+        eps: f32,
+        /// Decoupled weight decay `λ` (each step shrinks a decayed weight by `1 − ηλ`).
+        weight_decay: f32,
+        /// Whether token and position embeddings decay too (nanoGPT's choice; off by default,
+        /// like norms' gains and biases, which never decay).
+        #[serde(default)]
+        decay_embeddings: bool,
+    },
+}
+
+impl OptimizerConfig {
+    /// Whether the optimizer keeps two moments per parameter (Adam, AdamW).
+    pub fn is_adaptive(&self) -> bool {
+        !matches!(self, Self::Sgd { .. })
+    }
 }
 
 /// An optimizer with its per-parameter state.
@@ -48,6 +75,8 @@ pub struct Optimizer {
     state_b: Vec<f32>,
     /// Steps taken (Adam's bias correction needs it).
     steps: u64,
+    /// Sorted, disjoint parameter ranges AdamW does not decay (`None`: not yet told).
+    no_decay: Option<Vec<std::ops::Range<usize>>>,
 }
 
 const CHUNK: usize = 1 << 16;
@@ -58,16 +87,40 @@ type AdamChunk<'a> = (usize, (&'a mut [f32], (&'a mut [f32], &'a mut [f32])));
 impl Optimizer {
     /// A fresh optimizer for `params` parameters (zero state).
     pub fn new(config: OptimizerConfig, params: usize) -> Self {
-        let state_b = match config {
-            OptimizerConfig::Adam { .. } => vec![0.0; params],
-            OptimizerConfig::Sgd { .. } => Vec::new(),
+        let state_b = if config.is_adaptive() {
+            vec![0.0; params]
+        } else {
+            Vec::new()
         };
         Self {
             config,
             state_a: vec![0.0; params],
             state_b,
             steps: 0,
+            no_decay: None,
         }
+    }
+
+    /// Names the parameter ranges whose weight decay AdamW skips (sorted, disjoint).
+    pub fn set_no_decay(&mut self, ranges: Vec<std::ops::Range<usize>>) {
+        debug_assert!(ranges.windows(2).all(|w| w[0].end <= w[1].start));
+        self.no_decay = Some(ranges);
+    }
+
+    /// Whether the ranges without decay are still to be named (AdamW only).
+    pub fn wants_no_decay(&self) -> bool {
+        matches!(self.config, OptimizerConfig::AdamW { .. }) && self.no_decay.is_none()
+    }
+
+    /// Whether AdamW decays embeddings too.
+    pub fn decays_embeddings(&self) -> bool {
+        matches!(
+            self.config,
+            OptimizerConfig::AdamW {
+                decay_embeddings: true,
+                ..
+            }
+        )
     }
 
     /// The configuration.
@@ -89,7 +142,7 @@ impl Optimizer {
     pub fn state(&self) -> Vec<(&'static str, &[f32])> {
         match self.config {
             OptimizerConfig::Sgd { .. } => vec![("optim.velocity", &self.state_a)],
-            OptimizerConfig::Adam { .. } => {
+            OptimizerConfig::Adam { .. } | OptimizerConfig::AdamW { .. } => {
                 vec![("optim.m", &self.state_a), ("optim.v", &self.state_b)]
             }
         }
@@ -197,20 +250,63 @@ impl Optimizer {
                 beta2,
                 eps,
                 weight_decay,
-            } => {
-                let t = self.steps as i32;
-                let c1 = 1.0 - beta1.powi(t);
-                let c2 = 1.0 - beta2.powi(t);
-                Hyper::Adam(AdamStep {
-                    beta1,
-                    beta2,
-                    eps,
-                    weight_decay,
-                    step_size: lr / c1,
-                    inv_sqrt_c2: 1.0 / c2.sqrt(),
-                })
-            }
+            } => Hyper::Adam(AdamStep::new(
+                self.steps,
+                lr,
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                0.0,
+            )),
+            OptimizerConfig::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                ..
+            } => Hyper::Adam(AdamStep::new(
+                self.steps,
+                lr,
+                beta1,
+                beta2,
+                eps,
+                0.0,
+                weight_decay,
+            )),
         })
+    }
+
+    /// The pieces of `start..start + len` with their step constants: the decoupled decay off
+    /// where a no-decay range covers them. Offsets are relative to `start`.
+    fn pieces(
+        &self,
+        step: &StepConstants,
+        start: usize,
+        len: usize,
+    ) -> Vec<(std::ops::Range<usize>, Hyper)> {
+        let (Hyper::Adam(h), Some(off)) = (step.0, &self.no_decay) else {
+            return vec![(0..len, step.0)];
+        };
+        if h.shrink == 1.0 {
+            return vec![(0..len, step.0)];
+        }
+        let plain = Hyper::Adam(AdamStep { shrink: 1.0, ..h });
+        let end = start + len;
+        let mut out = Vec::new();
+        let mut at = start;
+        for r in off.iter().filter(|r| r.end > start && r.start < end) {
+            let (a, b) = (r.start.max(start), r.end.min(end));
+            if a > at {
+                out.push((at - start..a - start, step.0));
+            }
+            out.push((a - start..b - start, plain));
+            at = b;
+        }
+        if at < end {
+            out.push((at - start..len, step.0));
+        }
+        out
     }
 
     /// Applies `step` to the parameters `start..start + params.len()`: `params` and `grads` are
@@ -239,17 +335,26 @@ impl Optimizer {
             grads.len(),
             "params and grads differ in length"
         );
-        self.for_each_block(start, params, CHUNK, threads, |k, p, a, b| {
-            let range = k * CHUNK..k * CHUNK + p.len();
-            apply(
-                &step.0,
-                from.map(|f| &f[range.clone()]),
-                p,
-                &grads[range],
-                a,
-                b,
+        for (piece, hyper) in self.pieces(step, start, params.len()) {
+            let (from, grads) = (from.map(|f| &f[piece.clone()]), &grads[piece.clone()]);
+            self.for_each_block(
+                start + piece.start,
+                &mut params[piece],
+                CHUNK,
+                threads,
+                |k, p, a, b| {
+                    let range = k * CHUNK..k * CHUNK + p.len();
+                    apply(
+                        &hyper,
+                        from.map(|f| &f[range.clone()]),
+                        p,
+                        &grads[range],
+                        a,
+                        b,
+                    );
+                },
             );
-        });
+        }
     }
 
     /// [`Optimizer::update_range`] with the gradient made block by block: for each block of
@@ -281,6 +386,14 @@ impl Optimizer {
             return;
         }
         assert!(block > 0, "update_blocks: empty blocks");
+        // Blocks hold one kind of parameter (a linear layer's weights): one decay for all.
+        let pieces = self.pieces(step, start, params.len());
+        debug_assert_eq!(
+            pieces.len(),
+            1,
+            "a block update spans decayed and undecayed values"
+        );
+        let hyper = pieces[0].1;
         self.for_each_block(start, params, block, threads, |k, p, a, b| {
             let range = k * block..k * block + p.len();
             BLOCK_GRADIENT.with(|g| {
@@ -292,7 +405,7 @@ impl Optimizer {
                 // of a ring node's samples).
                 let g = &mut g[..p.len()];
                 gradient(range.clone(), g);
-                apply(&step.0, from.map(|f| &f[range]), p, g, a, b);
+                apply(&hyper, from.map(|f| &f[range]), p, g, a, b);
             });
         });
     }
@@ -462,6 +575,27 @@ struct AdamStep {
     step_size: f32,
     /// `1 / √(1 − β₂ᵗ)`.
     inv_sqrt_c2: f32,
+    /// AdamW's decoupled decay: `1 − ηλ` (1 for Adam and for parameters that do not decay).
+    shrink: f32,
+}
+
+impl AdamStep {
+    /// Step `t`'s constants at rate `lr`, with coupled decay `l2` (Adam) or decoupled `decoupled`
+    /// (AdamW).
+    fn new(t: u64, lr: f32, beta1: f32, beta2: f32, eps: f32, l2: f32, decoupled: f32) -> Self {
+        let t = t as i32;
+        let c1 = 1.0 - beta1.powi(t);
+        let c2 = 1.0 - beta2.powi(t);
+        Self {
+            beta1,
+            beta2,
+            eps,
+            weight_decay: l2,
+            step_size: lr / c1,
+            inv_sqrt_c2: 1.0 / c2.sqrt(),
+            shrink: 1.0 - lr * decoupled,
+        }
+    }
 }
 
 /// One parameter's Adam update, like [`sgd_one`].
@@ -470,7 +604,7 @@ fn adam_one(p: f32, g: f32, m: &mut f32, v: &mut f32, h: &AdamStep) -> f32 {
     let d = g + h.weight_decay * p;
     *m = h.beta1 * *m + (1.0 - h.beta1) * d;
     *v = h.beta2 * *v + (1.0 - h.beta2) * d * d;
-    p - h.step_size * *m / (v.sqrt() * h.inv_sqrt_c2 + h.eps)
+    p * h.shrink - h.step_size * *m / (v.sqrt() * h.inv_sqrt_c2 + h.eps)
 }
 
 /// Adam over a chunk, in place; compiled per SIMD level like [`sgd_chunk`].
@@ -537,6 +671,13 @@ pub enum LrSchedule {
     Constant,
     /// Cosine decay from the base rate to zero over the run.
     Cosine,
+    /// Cosine decay from the base rate to `min_ratio` of it over the run (nanoGPT's schedule,
+    /// whose `min_lr` is a tenth of the rate).
+    #[serde(rename = "cosine_to")]
+    CosineTo {
+        /// The final rate over the base rate, in [0, 1].
+        min_ratio: f32,
+    },
     /// Multiply by `gamma` every `every` epochs.
     Step {
         /// Epochs between decays.
@@ -547,11 +688,19 @@ pub enum LrSchedule {
 }
 
 impl LrSchedule {
-    /// Parses `constant`, `cosine` or `step:EVERY:GAMMA`.
+    /// Parses `constant`, `cosine`, `cosine:MIN_RATIO` or `step:EVERY:GAMMA`.
     pub fn parse(text: &str) -> Result<Self, String> {
         match text.split(':').collect::<Vec<_>>()[..] {
             ["constant"] => Ok(Self::Constant),
             ["cosine"] => Ok(Self::Cosine),
+            ["cosine", ratio] => match ratio.parse::<f32>() {
+                Ok(min_ratio) if (0.0..=1.0).contains(&min_ratio) => {
+                    Ok(Self::CosineTo { min_ratio })
+                }
+                _ => Err(format!(
+                    "cosine schedule: the final rate's ratio {ratio:?} must be in [0, 1]"
+                )),
+            },
             ["step", every, gamma] => {
                 let every: u32 = every
                     .parse()
@@ -565,7 +714,8 @@ impl LrSchedule {
                 Ok(Self::Step { every, gamma })
             }
             _ => Err(format!(
-                "unknown schedule {text:?}; use constant, cosine or step:EVERY:GAMMA"
+                "unknown schedule {text:?}; use constant, cosine, cosine:MIN_RATIO or \
+                 step:EVERY:GAMMA"
             )),
         }
     }
@@ -582,10 +732,14 @@ impl LrSchedule {
     ) -> f32 {
         let scheduled = match *self {
             Self::Constant => base,
-            Self::Cosine => {
+            Self::Cosine | Self::CosineTo { .. } => {
+                let floor = match *self {
+                    Self::CosineTo { min_ratio } => f64::from(base) * f64::from(min_ratio),
+                    _ => 0.0,
+                };
                 let progress = step as f64 / total_steps.max(1) as f64;
-                (0.5 * f64::from(base) * (1.0 + (std::f64::consts::PI * progress.min(1.0)).cos()))
-                    as f32
+                let cosine = 0.5 * (1.0 + (std::f64::consts::PI * progress.min(1.0)).cos());
+                (floor + (f64::from(base) - floor) * cosine) as f32
             }
             Self::Step { every, gamma } => {
                 let epoch = step / steps_per_epoch.max(1);
@@ -713,6 +867,7 @@ mod streaming {
         let eps = _mm256_set1_ps(h.eps);
         let step_size = _mm256_set1_ps(h.step_size);
         let inv_sqrt_c2 = _mm256_set1_ps(h.inv_sqrt_c2);
+        let shrink = _mm256_set1_ps(h.shrink);
         let mut i = head;
         while i < body_end {
             // SAFETY: as in `sgd_into`.
@@ -733,7 +888,10 @@ mod streaming {
                 let denominator =
                     _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(second), inv_sqrt_c2), eps);
                 let step = _mm256_div_ps(_mm256_mul_ps(step_size, first), denominator);
-                _mm256_stream_ps(to.as_mut_ptr().add(i), _mm256_sub_ps(p, step));
+                _mm256_stream_ps(
+                    to.as_mut_ptr().add(i),
+                    _mm256_sub_ps(_mm256_mul_ps(p, shrink), step),
+                );
             }
             i += LANES;
         }
@@ -764,6 +922,7 @@ mod tests {
             weight_decay: 1e-3,
             step_size: 0.01 / 0.1,
             inv_sqrt_c2: 1.0 / 0.001f32.sqrt(),
+            shrink: 1.0 - 0.01 * 0.1,
         };
         for len in 0..70 {
             let p: Vec<f32> = (0..len).map(|i| (i as f32 * 0.37).sin()).collect();

@@ -126,13 +126,41 @@ pub struct ModelSpec {
 }
 
 /// Names of the built-in presets.
-pub const PRESETS: [&str; 3] = ["mlp", "mlp-deep", "cnn"];
+pub const PRESETS: [&str; 6] = ["mlp", "mlp-deep", "cnn", "gpt-nano", "gpt-cpu", "gpt-small"];
+
+/// The GPT presets' shapes: `(name, blocks, heads, width, context)`. `gpt-cpu` is nanoGPT's CPU
+/// recipe for Shakespeare, `gpt-small` its 10.7 M-parameter Shakespeare model, `gpt-nano` a
+/// model for tests.
+const GPTS: [(&str, usize, usize, usize, usize); 3] = [
+    ("gpt-nano", 2, 2, 64, 32),
+    ("gpt-cpu", 4, 4, 128, 64),
+    ("gpt-small", 6, 6, 384, 256),
+];
 
 impl ModelSpec {
     /// A preset by name: `mlp` (784-1024-1024-1024-10), `mlp-deep` (8 hidden layers of 1024) or
     /// `cnn` (conv5×5·32 → pool → conv5×5·64 → pool → 512 → classes), per DESIGN.md §3.
+    ///
+    /// The GPT presets (`gpt-nano`, `gpt-cpu`, `gpt-small`) take `classes` as the vocabulary:
+    /// token and position embeddings, pre-norm blocks (MLP ratio 4), a final LayerNorm and an
+    /// LM head of `classes` logits per position (untied from the token embedding).
     pub fn preset(name: &str, classes: usize) -> Result<Self> {
         use LayerSpec::*;
+        if let Some(&(_, blocks, heads, width, _)) = GPTS.iter().find(|g| g.0 == name) {
+            let mut layers = vec![Embedding {
+                vocab: classes,
+                width,
+            }];
+            layers.extend((0..blocks).map(|_| Block {
+                heads,
+                mlp_ratio: 4,
+            }));
+            layers.extend([LayerNorm, Linear { out: classes }]);
+            return Ok(Self {
+                name: name.to_string(),
+                layers,
+            });
+        }
         let mlp = |hidden: usize| {
             let mut layers = vec![Flatten];
             for _ in 0..hidden {
@@ -185,6 +213,16 @@ impl ModelSpec {
         })
     }
 
+    /// The context (positions per window) a GPT preset is made for; `None` for other presets.
+    pub fn preset_context(name: &str) -> Option<usize> {
+        GPTS.iter().find(|g| g.0 == name).map(|g| g.4)
+    }
+
+    /// Whether the model reads token ids (it starts with an embedding).
+    pub fn reads_tokens(&self) -> bool {
+        matches!(self.layers.first(), Some(LayerSpec::Embedding { .. }))
+    }
+
     /// Parses a TOML model description; `source_name` names it in errors.
     pub fn from_toml(text: &str, source_name: &str) -> Result<Self> {
         let mut spec: Self = toml::from_str(text).map_err(|e| Error::Config {
@@ -206,6 +244,13 @@ impl ModelSpec {
     /// Infers every layer's shapes from the per-sample `input` shape and checks that the model
     /// ends in `classes` logits.
     pub fn build(&self, input: &Shape, classes: usize) -> Result<Vec<Layer>> {
+        self.build_for(input, &Shape::flat(classes))
+    }
+
+    /// Infers every layer's shapes from the per-sample `input` shape and checks that the model
+    /// ends in `output`: `[classes]` for a classifier, `[positions, vocabulary]` for a language
+    /// model (a logit per token at every position).
+    pub fn build_for(&self, input: &Shape, output: &Shape) -> Result<Vec<Layer>> {
         if self.layers.is_empty() {
             return Err(self.config_error("the model has no layers".into()));
         }
@@ -223,11 +268,20 @@ impl ModelSpec {
             });
             shape = output;
         }
-        if shape != Shape::flat(classes) {
-            return Err(self.config_error(format!(
-                "the last layer produces {shape} per sample but the dataset has {classes} classes; \
-                 end the model with a linear layer of {classes} outputs"
-            )));
+        if &shape != output {
+            let reason = match output.0[..] {
+                [classes] => format!(
+                    "the last layer produces {shape} per sample but the dataset has {classes} \
+                     classes; end the model with a linear layer of {classes} outputs"
+                ),
+                _ => format!(
+                    "the last layer produces {shape} per sample but the data asks for {output} \
+                     (a logit per token of the vocabulary at every position); end the model with \
+                     a linear layer of {} outputs over the sequence",
+                    output.0.last().copied().unwrap_or(0)
+                ),
+            };
+            return Err(self.config_error(reason));
         }
         // He initialisation (gain 2) for weights whose output goes through a ReLU, looking past
         // layers that do not mix values (pooling, flatten, dropout); LeCun (gain 1) otherwise.

@@ -351,6 +351,64 @@ impl Stage {
         &mut self.grads
     }
 
+    /// The squared L2 norm of the accumulated gradients, summed in f64 (a stage's share of a
+    /// global norm: the stages' shares add up to the whole model's).
+    pub fn grad_norm_squared(&mut self) -> f64 {
+        if ringtmp_meter::phantom() {
+            return 0.0;
+        }
+        self.materialise_grads();
+        self.grads
+            .chunks(4096)
+            .map(|c| c.iter().map(|&g| f64::from(g) * f64::from(g)).sum::<f64>())
+            .sum()
+    }
+
+    /// Multiplies the accumulated gradients by `factor` (gradient clipping).
+    pub fn scale_grads(&mut self, factor: f32) {
+        if ringtmp_meter::phantom() || factor == 1.0 {
+            return;
+        }
+        self.materialise_grads();
+        self.grads.iter_mut().for_each(|g| *g *= factor);
+    }
+
+    /// The parameter ranges that AdamW does not decay: every tensor of fewer than two
+    /// dimensions (biases, norms' gains and shifts) and, unless `decay_embeddings`, token and
+    /// position embeddings. Sorted and disjoint.
+    pub fn no_decay_ranges(&self, decay_embeddings: bool) -> Vec<Range<usize>> {
+        let mut out: Vec<Range<usize>> = Vec::new();
+        for (layer, range) in self.param_ranges() {
+            let mut at = range.start;
+            let embedding = matches!(layer.kind, LayerKind::Embedding(_));
+            for (name, shape) in layer.param_tensors() {
+                let len: usize = shape.iter().product();
+                // A split linear layer's pieces are flat; their names say which tensor they are.
+                let matrix = shape.len() >= 2 || name.contains(".weight@");
+                let decays = if embedding {
+                    decay_embeddings
+                } else {
+                    matrix && !matches!(layer.kind, LayerKind::Norm(_))
+                };
+                if !decays && len > 0 {
+                    match out.last_mut() {
+                        Some(last) if last.end == at => last.end = at + len,
+                        _ => out.push(at..at + len),
+                    }
+                }
+                at += len;
+            }
+        }
+        out
+    }
+
+    /// Tells an AdamW optimizer which of this stage's parameters it must not decay.
+    fn prepare(&self, optimizer: &mut Optimizer) {
+        if optimizer.wants_no_decay() {
+            optimizer.set_no_decay(self.no_decay_ranges(optimizer.decays_embeddings()));
+        }
+    }
+
     /// Number of micro-batches whose forward is stashed and backward not yet done.
     pub fn in_flight(&self) -> usize {
         self.in_flight.len()
@@ -597,6 +655,10 @@ impl Stage {
         );
         // With the step in the backward: where each layer's update goes.
         let mut step = step.map(|(optimizer, lr)| {
+            if optimizer.wants_no_decay() {
+                let ranges = self.no_decay_ranges(optimizer.decays_embeddings());
+                optimizer.set_no_decay(ranges);
+            }
             let constants = optimizer.begin_step(lr);
             if weights
                 .as_ref()
@@ -959,6 +1021,7 @@ impl Stage {
     /// When an in-flight micro-batch still holds the current weights (weight stashing), the
     /// update is written to a new version, read from the held one in the same pass.
     pub fn step(&mut self, optimizer: &mut Optimizer, lr: f32) {
+        self.prepare(optimizer);
         self.materialise_grads();
         match Arc::get_mut(&mut self.params) {
             Some(params) => optimizer.step(params, &self.grads, lr, self.threads),

@@ -90,6 +90,42 @@ pub struct TrainConfig {
     /// if longer); `None`: 30, and at least six times the links' peer timeout.
     #[serde(default)]
     pub stall_timeout_secs: Option<f64>,
+    /// Clip each step's gradient to this global L2 norm (over the whole model, every stage's
+    /// share included); `None`: no clipping.
+    #[serde(default)]
+    pub clip_grad_norm: Option<f32>,
+    /// Where a text dataset's tokens come from and how they are windowed (`None` for the image
+    /// datasets), so every node that reads the data reads the same windows.
+    #[serde(default)]
+    pub text: Option<TextSource>,
+}
+
+/// A text dataset as the run reads it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TextSource {
+    /// The files (empty: the bundled corpus).
+    pub files: Vec<PathBuf>,
+    /// Positions per window.
+    pub seq_len: usize,
+    /// Fraction of the text that validates.
+    pub validation: f64,
+    /// Tokens of validation windows each evaluation scores.
+    pub eval_tokens: usize,
+    /// Vocabulary size of `.bin` files.
+    pub bin_vocab: usize,
+}
+
+impl TextSource {
+    /// The data crate's reading options.
+    pub fn options(&self) -> ringtmp_data::TextOptions {
+        ringtmp_data::TextOptions {
+            files: self.files.clone(),
+            seq_len: self.seq_len,
+            validation: self.validation,
+            eval_tokens: self.eval_tokens,
+            bin_vocab: self.bin_vocab,
+        }
+    }
 }
 
 impl TrainConfig {
@@ -159,6 +195,13 @@ impl TrainConfig {
                 beta2,
                 eps,
                 weight_decay,
+            }
+            | OptimizerConfig::AdamW {
+                beta1,
+                beta2,
+                eps,
+                weight_decay,
+                ..
             } => {
                 if !(0.0..1.0).contains(&beta1)
                     || !(0.0..1.0).contains(&beta2)
@@ -168,6 +211,11 @@ impl TrainConfig {
                     return bad("Adam needs 0 ≤ β₁, β₂ < 1, ε > 0 and weight decay ≥ 0".into());
                 }
             }
+        }
+        if let Some(clip) = self.clip_grad_norm
+            && !(clip > 0.0 && clip.is_finite())
+        {
+            return bad(format!("--clip-grad-norm must be positive, got {clip}"));
         }
         Ok(self)
     }

@@ -82,8 +82,9 @@ pub fn forward_share(
         step,
         row_offset: rank as usize * base + (rank as usize).min(extra),
     };
+    // Labels: one per example, or one per position of a window.
     let rows = buffers.y.len();
-    let logits = stage.forward(0, &buffers.x, rows, &pass)?;
+    let logits = stage.forward(0, &buffers.x, mine.len(), &pass)?;
     buffers.dlogits.resize(logits.len(), 0.0);
     let scored = loss::softmax_cross_entropy(
         logits,

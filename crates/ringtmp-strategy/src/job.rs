@@ -233,6 +233,14 @@ impl Job {
         cluster: &Cluster,
         data: &Dataset,
     ) -> Result<Self> {
+        if config.clip_grad_norm.is_some()
+            && ![LocalJob::NAME, RingJob::NAME, AllReduceJob::NAME].contains(&name)
+        {
+            return Err(Error::Config(format!(
+                "--clip-grad-norm: {name} does not clip gradients (local, ring and allreduce do, \
+                 by the global norm of each step's gradient); --clip-grad-norm 0 trains without"
+            )));
+        }
         Ok(match name {
             LocalJob::NAME => Self::Local(LocalJob::plan(config, &(), cluster, data)?),
             RingJob::NAME => Self::Ring(RingJob::plan(config, &options.ring, cluster, data)?),

@@ -37,8 +37,8 @@ pub mod selftest;
 pub mod simulate;
 mod spec;
 
-pub use config::{DEFAULT_RECV_TIMEOUT_SECS, TrainConfig};
+pub use config::{DEFAULT_RECV_TIMEOUT_SECS, TextSource, TrainConfig};
 pub use error::{Error, Result};
 pub use job::{Cluster, Job, NodeCx, SharedMachine, Strategy, StrategyOptions};
 pub use local::{Event, LocalJob, train_local};
-pub use spec::{ResumePoint, RunSpec};
+pub use spec::{ResumePoint, RunSpec, layers_for, model_shapes, sequence_of};

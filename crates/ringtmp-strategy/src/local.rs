@@ -13,7 +13,7 @@ use std::time::Instant;
 use ringtmp_data::{BatchPlan, Dataset, Split};
 use ringtmp_metrics::{NodeSummary, Summary, resources};
 use ringtmp_model::checkpoint::{self, Manifest};
-use ringtmp_model::{Optimizer, Pass, Shape, Stage, loss};
+use ringtmp_model::{Optimizer, Pass, Stage, loss};
 use serde_json::json;
 
 use crate::config::TrainConfig;
@@ -123,9 +123,18 @@ pub enum Event {
     },
 }
 
-/// Rows per evaluation forward pass: large enough for efficient GEMMs, small enough that the
+/// Labels per evaluation forward pass: large enough for efficient GEMMs, small enough that the
 /// activations of one pass stay a few tens of MB.
 const EVAL_ROWS: usize = 250;
+
+/// Examples per evaluation forward pass of `split`: 250 images, or windows of about 2,000
+/// positions in all.
+pub fn eval_chunk(split: &Split) -> usize {
+    match split.positions() {
+        1 => EVAL_ROWS,
+        positions => (8 * EVAL_ROWS / positions).max(1),
+    }
+}
 
 /// Trains `cfg.model` on `data` in this process and writes `metrics.jsonl`, `summary.json` and
 /// checkpoints under `cfg.out`.
@@ -135,8 +144,7 @@ pub fn train_local(
     on_event: &mut dyn FnMut(&Event),
 ) -> Result<Summary> {
     let wall = Instant::now();
-    let (h, w, c) = data.input;
-    let layers = cfg.model.build(&Shape::image(h, w, c), data.classes)?;
+    let layers = crate::layers_for(&cfg.model, data)?;
     let mut model = Stage::new(&layers, 0..layers.len(), cfg.seed, cfg.threads);
     // Per-layer times for the summary: two clock reads per layer and pass.
     model.set_profiling(true);
@@ -176,8 +184,9 @@ pub fn train_local(
         let epoch = step / per_epoch;
         let index = (step % per_epoch) as usize;
         let t_batch = Instant::now();
-        data.train.gather(plan.batch(epoch, index), &mut x, &mut y);
-        let rows = y.len();
+        let batch = plan.batch(epoch, index);
+        let rows = batch.len();
+        data.train.gather(batch, &mut x, &mut y);
         let t_compute = Instant::now();
         let pass = Pass {
             train: true,
@@ -188,15 +197,26 @@ pub fn train_local(
         let logits = model.forward(0, &x, rows, &pass)?;
         dlogits.resize(logits.len(), 0.0);
         let out =
-            loss::softmax_cross_entropy(logits, &y, classes, 1.0 / rows as f32, &mut dlogits)?;
+            loss::softmax_cross_entropy(logits, &y, classes, 1.0 / y.len() as f32, &mut dlogits)?;
         let lr = cfg
             .schedule
             .rate(cfg.lr, step, schedule_steps, per_epoch, cfg.warmup_steps);
-        model.backward_and_step(0, &dlogits, &mut optimizer, lr, &mut || {})?;
+        match cfg.clip_grad_norm {
+            // The norm needs the whole gradient before any update.
+            Some(max_norm) => {
+                model.backward(0, &dlogits)?;
+                let norm = model.grad_norm_squared().sqrt();
+                model.scale_grads(clip_factor(norm, max_norm));
+                model.step(&mut optimizer, lr);
+            }
+            None => {
+                model.backward_and_step(0, &dlogits, &mut optimizer, lr, &mut || {})?;
+            }
+        }
         compute_seconds += t_compute.elapsed().as_secs_f64();
         train_seconds += t_batch.elapsed().as_secs_f64();
 
-        let mean_loss = out.loss_sum / rows as f64;
+        let mean_loss = out.loss_sum / y.len() as f64;
         if !mean_loss.is_finite() {
             return Err(Error::Diverged {
                 step,
@@ -277,8 +297,14 @@ pub fn train_local(
         per_node: vec![node],
         ..recorder.summary("local", 1)
     };
-    recorder.finish(&summary)?;
+    let summary = recorder.finish(summary)?;
     Ok(summary)
+}
+
+/// The factor that brings a gradient of global L2 norm `norm` down to `max_norm` (1 when it is
+/// already within): PyTorch's `clip_grad_norm_`, `max_norm / (norm + 1e-6)` clamped to 1.
+pub fn clip_factor(norm: f64, max_norm: f32) -> f32 {
+    (f64::from(max_norm) / (norm + 1e-6)).min(1.0) as f32
 }
 
 /// Test accuracy and mean loss of `model` on `split`.
@@ -292,16 +318,16 @@ fn evaluate_metered(model: &mut Stage, split: &Split, classes: usize) -> Result<
     let (mut correct, mut loss_sum) = (0usize, 0.0f64);
     let mut start = 0;
     while start < split.len() {
-        let end = (start + EVAL_ROWS).min(split.len());
+        let end = (start + eval_chunk(split)).min(split.len());
         split.gather_range(start, end, &mut x, &mut y);
-        let logits = model.infer(&x, y.len())?;
+        let logits = model.infer(&x, end - start)?;
         d.resize(logits.len(), 0.0);
         let out = loss::softmax_cross_entropy(logits, &y, classes, 0.0, &mut d)?;
         correct += out.correct;
         loss_sum += out.loss_sum;
         start = end;
     }
-    let n = split.len().max(1) as f64;
+    let n = (split.len() * split.positions()).max(1) as f64;
     Ok((correct as f64 / n, loss_sum / n))
 }
 

@@ -9,7 +9,7 @@
 
 use std::path::PathBuf;
 
-use ringtmp_metrics::{EventLog, Summary};
+use ringtmp_metrics::{EventLog, LanguageSummary, Summary};
 use ringtmp_model::OptimizerConfig;
 use serde_json::{Value, json};
 
@@ -26,6 +26,8 @@ pub struct Tracker {
     pub best: f64,
     /// `(step, training seconds)` of the first evaluation at or above the target.
     pub reached: Option<(u64, f64)>,
+    /// Latest and lowest test (validation) loss.
+    pub loss: Option<(f64, f64)>,
 }
 
 impl Tracker {
@@ -36,7 +38,14 @@ impl Tracker {
             last: 0.0,
             best: 0.0,
             reached: None,
+            loss: None,
         }
+    }
+
+    /// Records an evaluation's loss.
+    pub fn record_loss(&mut self, loss: f64) {
+        let best = self.loss.map_or(loss, |(_, b)| b.min(loss));
+        self.loss = Some((loss, best));
     }
 
     /// Records an evaluation.
@@ -107,6 +116,9 @@ impl Carried {
                         && step <= first_step
                     {
                         tracker.record(accuracy, step, seconds.unwrap_or(carried.train_seconds));
+                        if let Some(loss) = event["test_loss"].as_f64() {
+                            tracker.record_loss(loss);
+                        }
                     }
                 }
                 _ => {}
@@ -246,14 +258,31 @@ impl RunRecorder {
         let wall_seconds = self.carried.wall_seconds + wall_seconds;
         self.tracker.record(accuracy, done, train_seconds);
         let epoch = done.saturating_sub(1) / self.steps_per_epoch;
-        self.write(json!({"event": "eval", "step": done, "epoch": epoch,
+        let mut event = json!({"event": "eval", "step": done, "epoch": epoch,
             "test_accuracy": accuracy, "test_loss": test_loss, "train_seconds": train_seconds,
-            "wall_seconds": wall_seconds}))
+            "wall_seconds": wall_seconds});
+        if let Some(loss) = test_loss {
+            self.tracker.record_loss(loss);
+            if self.spec.sequence.is_some() {
+                let (perplexity, bits) = LanguageSummary::meaning(loss);
+                event["perplexity"] = perplexity.into();
+                event[format!("bits_per_{}", self.unit())] = bits.into();
+            }
+        }
+        self.write(event)
     }
 
     /// Records a complete checkpoint.
     pub fn checkpoint(&mut self, done: u64, path: &std::path::Path) -> Result<()> {
         self.write(json!({"event": "checkpoint", "step": done, "path": path}))
+    }
+
+    /// What a language model's token is: `char` for a character vocabulary, else `token`.
+    fn unit(&self) -> &'static str {
+        match &self.spec.vocabulary {
+            Some(v) if v.starts_with("chars:") => "char",
+            _ => "token",
+        }
     }
 
     /// The evaluations so far.
@@ -284,6 +313,7 @@ impl RunRecorder {
             optimizer: match spec.optimizer {
                 OptimizerConfig::Sgd { .. } => "sgd".into(),
                 OptimizerConfig::Adam { .. } => "adam".into(),
+                OptimizerConfig::AdamW { .. } => "adamw".into(),
             },
             lr: spec.lr,
             threads: spec.threads as u32,
@@ -298,12 +328,27 @@ impl RunRecorder {
     }
 
     /// Writes `summary.json` and the end event.
-    pub fn finish(mut self, summary: &Summary) -> Result<()> {
+    pub fn finish(mut self, summary: Summary) -> Result<Summary> {
         let path = self.out.join("summary.json");
+        let mut summary = summary;
+        if let (Some(seq_len), Some((last, best))) = (self.spec.sequence, self.tracker.loss) {
+            let (perplexity, bits) = LanguageSummary::meaning(last);
+            summary.language = Some(LanguageSummary {
+                seq_len: seq_len as u32,
+                vocab: self.spec.classes as u32,
+                unit: self.unit().into(),
+                final_val_loss: last,
+                best_val_loss: best,
+                final_perplexity: perplexity,
+                final_bits_per_unit: bits,
+                tokens_per_second: summary.samples_per_second * seq_len as f64,
+            });
+        }
         summary
             .write(&path)
             .map_err(|e| Error::Io { path, source: e })?;
         self.write(json!({"event": "end", "steps": summary.steps,
-            "final_test_accuracy": summary.final_test_accuracy}))
+            "final_test_accuracy": summary.final_test_accuracy}))?;
+        Ok(summary)
     }
 }

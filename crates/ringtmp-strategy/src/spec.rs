@@ -8,12 +8,44 @@ use std::ops::Deref;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use ringtmp_data::Dataset;
+use ringtmp_data::{Dataset, Task};
 use ringtmp_model::{Layer, Shape, checkpoint};
 use serde::{Deserialize, Serialize};
 
 use crate::config::TrainConfig;
 use crate::error::{Error, Result};
+
+/// The per-example input and output shapes a model must have on data of `input` (height, width,
+/// channels; a window's positions for text), `classes` and `sequence` (a window's positions for
+/// next-token prediction): an image to `[classes]`, or `[positions]` token ids to
+/// `[positions, vocabulary]`.
+pub fn model_shapes(
+    input: (usize, usize, usize),
+    classes: usize,
+    sequence: Option<usize>,
+) -> (Shape, Shape) {
+    match sequence {
+        Some(positions) => (Shape::flat(positions), Shape(vec![positions, classes])),
+        None => (
+            Shape::image(input.0, input.1, input.2),
+            Shape::flat(classes),
+        ),
+    }
+}
+
+/// The window's positions of a language-model dataset; `None` for a classification one.
+pub fn sequence_of(data: &Dataset) -> Option<usize> {
+    match data.task {
+        Task::NextToken { seq_len, .. } => Some(seq_len),
+        Task::Classify => None,
+    }
+}
+
+/// The layers of `model` on `data`, with their shapes.
+pub fn layers_for(model: &ringtmp_model::ModelSpec, data: &Dataset) -> Result<Vec<Layer>> {
+    let (input, output) = model_shapes(data.input, data.classes, sequence_of(data));
+    Ok(model.build_for(&input, &output)?)
+}
 
 /// The checkpoint a run resumes from, resolved and checked on rank 0.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -32,8 +64,16 @@ pub struct RunSpec {
     pub config: TrainConfig,
     /// Per-sample input shape `(height, width, channels)`.
     pub input: (usize, usize, usize),
-    /// Classes.
+    /// Classes (a language model's vocabulary size).
     pub classes: usize,
+    /// For a language model, the positions of a window (each with its next token as the label);
+    /// `None` for a classifier.
+    #[serde(default)]
+    pub sequence: Option<usize>,
+    /// A language model's vocabulary as [`ringtmp_data::Vocabulary::to_line`] writes it (stored
+    /// with every checkpoint, so a checkpoint never meets text it was not trained for).
+    #[serde(default)]
+    pub vocabulary: Option<String>,
     /// Optimizer steps (global iterations) per epoch.
     pub steps_per_epoch: u64,
     /// Steps the learning-rate schedule spans (every epoch, even when `max_steps` stops early).
@@ -70,6 +110,11 @@ impl RunSpec {
             config,
             input: data.input,
             classes: data.classes,
+            sequence: sequence_of(data),
+            vocabulary: match &data.task {
+                Task::NextToken { vocab, .. } => Some(vocab.to_line()),
+                Task::Classify => None,
+            },
             steps_per_epoch,
             schedule_steps,
             total_steps,
@@ -117,8 +162,13 @@ impl RunSpec {
 
     /// The model's layers with their shapes.
     pub fn layers(&self) -> Result<Vec<Layer>> {
-        let (h, w, c) = self.input;
-        Ok(self.model.build(&Shape::image(h, w, c), self.classes)?)
+        let (input, output) = model_shapes(self.input, self.classes, self.sequence);
+        Ok(self.model.build_for(&input, &output)?)
+    }
+
+    /// Labels per example: 1, or a window's positions.
+    pub fn positions(&self) -> usize {
+        self.sequence.unwrap_or(1)
     }
 
     /// How long a node waits for any one message.

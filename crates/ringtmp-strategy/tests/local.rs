@@ -65,6 +65,8 @@ fn config(out: &Path, optimizer: OptimizerConfig) -> TrainConfig {
         train_samples: None,
         recv_timeout_secs: 30.0,
         stall_timeout_secs: None,
+        clip_grad_norm: None,
+        text: None,
         default_lr: false,
         default_schedule: false,
         default_momentum: false,

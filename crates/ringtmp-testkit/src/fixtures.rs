@@ -140,5 +140,7 @@ pub fn train_config(
         train_samples: None,
         recv_timeout_secs: 30.0,
         stall_timeout_secs: None,
+        clip_grad_norm: None,
+        text: None,
     }
 }

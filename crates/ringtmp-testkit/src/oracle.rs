@@ -29,11 +29,8 @@ pub fn local_params(cfg: &TrainConfig, data: &Dataset) -> Vec<f32> {
 pub fn checkpoint_params(out: &Path, cfg: &TrainConfig, data: &Dataset) -> Vec<f32> {
     let dir = checkpoint::resolve(out).expect("a checkpoint");
     let manifest = checkpoint::read_manifest(&dir).expect("its manifest");
-    let (h, w, c) = data.input;
-    let layers = cfg
-        .model
-        .build(&ringtmp_model::Shape::image(h, w, c), data.classes)
-        .expect("the model builds");
+
+    let layers = ringtmp_strategy::layers_for(&cfg.model, data).expect("the model builds");
     let mut stage = Stage::new(&layers, 0..layers.len(), 999, 1);
     let mut opt = Optimizer::new(cfg.optimizer.clone(), stage.params().len());
     checkpoint::read_stage(&dir, &manifest, &mut stage, &mut opt).expect("the checkpoint loads");

@@ -10,7 +10,7 @@ use crate::message::{Control, Message, TensorHeader};
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"RTMP";
 /// The protocol version this build speaks; peers must match exactly.
-pub const PROTOCOL_VERSION: u16 = 6;
+pub const PROTOCOL_VERSION: u16 = 7;
 /// Bytes before the header.
 pub const PREFIX_LEN: usize = 20;
 

@@ -252,6 +252,23 @@ pub enum Control {
         /// The report (JSON).
         report: String,
     },
+    /// Ring, gradient clipping: the squared L2 norm of mini-batch `step`'s gradient summed over
+    /// the sender's stage and every stage after it, travelling from the last stage back to the
+    /// master (which adds its own and so holds the whole model's).
+    GradNorm {
+        /// The mini-batch.
+        step: u64,
+        /// The partial sum, as `f64::to_bits` (exact, and `Eq`).
+        sum_squares_bits: u64,
+    },
+    /// Ring, gradient clipping: the factor every stage multiplies mini-batch `step`'s gradient by
+    /// before its update, travelling from the master around the ring.
+    ClipScale {
+        /// The mini-batch.
+        step: u64,
+        /// The factor, as `f32::to_bits`.
+        factor_bits: u32,
+    },
 }
 
 /// A decoded frame.

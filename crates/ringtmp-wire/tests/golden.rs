@@ -127,6 +127,20 @@ fn messages() -> Vec<(&'static str, Message)> {
                 report: "{\"layer_seconds\":[0.001]}".into(),
             },
         ),
+        (
+            "grad-norm",
+            Control::GradNorm {
+                step: 41,
+                sum_squares_bits: 2.5f64.to_bits(),
+            },
+        ),
+        (
+            "clip-scale",
+            Control::ClipScale {
+                step: 41,
+                factor_bits: 0.5f32.to_bits(),
+            },
+        ),
     ];
     for (_, c) in &controls {
         // Fails to compile when a kind is added without a golden frame here.
@@ -154,7 +168,9 @@ fn messages() -> Vec<(&'static str, Message)> {
             | Control::Allow { .. }
             | Control::Holding { .. }
             | Control::ProfileRequest { .. }
-            | Control::Profile { .. } => {}
+            | Control::Profile { .. }
+            | Control::GradNorm { .. }
+            | Control::ClipScale { .. } => {}
         }
     }
     let mut all: Vec<(&'static str, Message)> = controls

@@ -316,7 +316,7 @@ fn check(options: &CompareOptions, runs: &[RunPlan]) -> Result<()> {
             data = Some(crate::plan::load_dataset(&args, false)?);
         }
         let data = data.as_ref().expect("loaded above");
-        let cfg = args.resolve(data.classes).with_context(|| what.clone())?;
+        let cfg = args.resolve_for(data).with_context(|| what.clone())?;
         // Planned as the run will be: the local launcher's nodes share this machine's cores
         // unless they have quotas (the check once planned them as separate machines, and
         // printed a plan the run did not use).

@@ -900,6 +900,12 @@ pub fn run_worker(
         }
         let lr = spec.lr_at(step);
         let (t1, wall) = (clock.now(), Instant::now());
+        if let Some(max_norm) = spec.clip_grad_norm {
+            // Every replica holds the same averaged gradient: the same norm and factor, the
+            // large batch's own clipping.
+            let norm = stage.grad_norm_squared().sqrt();
+            stage.scale_grads(crate::local::clip_factor(norm, max_norm));
+        }
         stage.step(&mut optimizer, lr);
         clock.computed(wall.elapsed(), speed);
         compute_seconds += (clock.now() - t1).as_secs_f64();
@@ -986,7 +992,7 @@ pub fn run_worker(
         dropped_nodes: dropped,
         ..crate::data_parallel::run_summary(&recorder, super::NAME, n as u32, &totals, per_node)
     };
-    recorder.finish(&summary)?;
+    let summary = recorder.finish(summary)?;
     Ok(WorkerOutcome {
         stage,
         summary: Some(summary),

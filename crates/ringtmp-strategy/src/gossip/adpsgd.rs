@@ -642,7 +642,7 @@ pub fn run_worker(
         dropped_nodes: c.dropped().to_vec(),
         ..crate::data_parallel::run_summary(&r0.recorder, NAME, n, &totals, per_node)
     };
-    r0.recorder.finish(&summary)?;
+    let summary = r0.recorder.finish(summary)?;
     Ok(WorkerOutcome {
         model: me.model,
         averagings: me.averagings,

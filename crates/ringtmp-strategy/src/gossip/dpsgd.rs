@@ -379,7 +379,7 @@ pub fn run_worker_from(
         dropped_nodes: peers.dropped,
         ..crate::data_parallel::run_summary(&recorder, super::NAME, n, &totals, per_node)
     };
-    recorder.finish(&summary)?;
+    let summary = recorder.finish(summary)?;
     Ok(WorkerOutcome {
         stage,
         summary: Some(summary),

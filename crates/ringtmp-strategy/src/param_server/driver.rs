@@ -825,7 +825,7 @@ pub fn run_worker(
             step: global,
             row_offset: share * job.spec.batch_size,
         };
-        let logits = stage.forward(0, &x, y.len(), &pass)?;
+        let logits = stage.forward(0, &x, mine.len(), &pass)?;
         d.resize(logits.len(), 0.0);
         let unit_loss = loss::softmax_cross_entropy(
             logits,
@@ -856,7 +856,7 @@ pub fn run_worker(
         }
         stage.zero_grad();
         out.iterations += 1;
-        out.samples += y.len() as u64;
+        out.samples += mine.len() as u64;
         on_event(WorkerEvent::Pushed {
             iteration: global,
             loss: unit_loss.loss_sum / y.len() as f64,

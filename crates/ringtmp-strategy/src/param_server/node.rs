@@ -163,7 +163,7 @@ fn run(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
             (time.now() - started).as_secs_f64(),
         )?;
         summary.dropped_nodes = outcome.dropped.clone();
-        recorder.finish(&summary)?;
+        let summary = recorder.finish(summary)?;
         return Ok(Some(summary));
     }
     // A worker.
@@ -279,7 +279,8 @@ fn run(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
 fn optimizer_copies(job: &PsJob) -> u64 {
     match job.spec.optimizer {
         ringtmp_model::OptimizerConfig::Sgd { .. } => 1,
-        ringtmp_model::OptimizerConfig::Adam { .. } => 2,
+        ringtmp_model::OptimizerConfig::Adam { .. }
+        | ringtmp_model::OptimizerConfig::AdamW { .. } => 2,
     }
 }
 

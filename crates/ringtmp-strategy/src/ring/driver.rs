@@ -36,9 +36,6 @@ use crate::spec::{ResumePoint, RunSpec};
 pub use super::master::{MasterHead, MasterOutcome, MasterSetup, run_master, run_master_with};
 pub use super::worker::{run_worker, run_worker_with};
 
-/// Rows per evaluation chunk sent around the ring.
-pub(super) const EVAL_ROWS: usize = 250;
-
 /// Everything every node of a ring run must agree on (rank 0 hands it out at rendezvous).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RingJob {

@@ -13,7 +13,7 @@ use ringtmp_wire::message::tensor_values;
 use ringtmp_wire::{Control, Dtype, Message, TensorTag};
 use serde_json::{Value, json};
 
-use super::driver::{EVAL_ROWS, NodeClock, RingJob, micro_offset, node_summary, protocol, tensor};
+use super::driver::{NodeClock, RingJob, micro_offset, node_summary, protocol, tensor};
 use super::heal::{REPLICA, Replicas, Snapshot};
 use super::schedule::{Action, Schedule, StageState};
 use crate::error::{Error, Result};
@@ -180,7 +180,7 @@ pub fn run_master_with(
         )?;
         train_seconds += (time.now() - t_step).as_secs_f64();
         samples += rows_total as u64;
-        let mean_loss = step_loss / rows_total as f64;
+        let mean_loss = step_loss / (rows_total * job.spec.positions()) as f64;
         if !mean_loss.is_finite() {
             return Err(Error::Diverged {
                 step,
@@ -343,9 +343,10 @@ pub fn run_master_with(
         per_node,
         ..recorder.summary("ring", n)
     };
-    if let Some(recorder) = record.recorder.take() {
-        recorder.finish(&summary)?;
-    }
+    let summary = match record.recorder.take() {
+        Some(recorder) => recorder.finish(summary)?,
+        None => summary,
+    };
     Ok(MasterOutcome {
         summary,
         stage,
@@ -578,6 +579,9 @@ struct LossSide {
     /// Losses computed so far.
     scored: u64,
     values: Vec<f32>,
+    /// Gradient clipping: the other stages' summed squared norm of a mini-batch, which may
+    /// arrive while stage 0 still runs its last backward.
+    grad_norm: Option<(u64, f64)>,
 }
 
 impl LossSide {
@@ -589,6 +593,7 @@ impl LossSide {
             losses: BTreeMap::new(),
             scored: 0,
             values: Vec::new(),
+            grad_norm: None,
         }
     }
 
@@ -667,11 +672,12 @@ impl LossSide {
                 }
                 *self.losses.entry(step).or_default() += loss_sum;
                 self.scored += 1;
+                // One row per example (a window's labels are its positions').
                 let back = tensor(
                     TensorTag::Gradient,
                     self.policy.header_step(id),
                     id,
-                    labels.len(),
+                    labels.len() / job.spec.positions(),
                     &grad,
                     job.spec.wire_dtype,
                 );
@@ -683,6 +689,17 @@ impl LossSide {
                 let mut dy = Vec::new();
                 tensor_values(&bytes, h.dtype, &mut dy);
                 self.grads.push_back((h.micro_batch, dy));
+                Ok(None)
+            }
+            Message::Control(Control::GradNorm {
+                step,
+                sum_squares_bits,
+            }) if from == succ
+                && job.spec.clip_grad_norm.is_some()
+                && self.policy.accepts(step)
+                && self.grad_norm.is_none() =>
+            {
+                self.grad_norm = Some((step, f64::from_bits(sum_squares_bits)));
                 Ok(None)
             }
             other => Err(protocol(net, from, &other.describe())),
@@ -737,7 +754,8 @@ fn loss_site(
             Ok((out.loss_sum, dlogits))
         }
         Some(h) => {
-            let logits = h.stage.forward(mb, x, labels.len(), pass)?.to_vec();
+            let rows = labels.len() / job.spec.positions();
+            let logits = h.stage.forward(mb, x, rows, pass)?.to_vec();
             dlogits.resize(logits.len(), 0.0);
             let out = loss::softmax_cross_entropy(
                 &logits,
@@ -824,7 +842,7 @@ impl MasterPipe {
         let mut flushed = (job.schedule != Schedule::Async).then(|| {
             self.side = LossSide::new(LossPolicy::Flushed {
                 step,
-                rows_total: job.spec.batch_size,
+                rows_total: job.spec.batch_size * job.spec.positions(),
             });
             (self.forwarded, self.backwarded) = (step * m, step * m);
             StageState::new(job.schedule, 0, n as usize, job.micro_batches)
@@ -955,6 +973,18 @@ impl MasterPipe {
             if job.averages_gradients() {
                 net.average_with_replicas(step, stage.grads_mut())?;
             }
+            if let Some(max_norm) = job.spec.clip_grad_norm {
+                let early = self.side.grad_norm.take();
+                clip_from_master(
+                    job,
+                    net,
+                    clock,
+                    (step, early),
+                    max_norm,
+                    stage,
+                    head.as_deref_mut(),
+                )?;
+            }
             clock.run(|| stage.step(optimizer, lr));
             if let Some(h) = head {
                 clock.run(|| h.stage.step(&mut h.optimizer, lr));
@@ -966,6 +996,62 @@ impl MasterPipe {
             job.spec.batch_size,
         ))
     }
+}
+
+/// Gradient clipping by the global norm, at the master (flushed schedules): the squared norms
+/// of every other stage arrive summed from rank 1 (the last stage starts the sum, each stage
+/// adds its own on the way back), the master adds its stage's and its head's, and sends the
+/// factor around the ring, where every stage applies it before its step. The factor is
+/// PyTorch's `clip_grad_norm_`'s of the whole model's gradient, the same on every stage.
+/// `early` is the sum if it arrived during the step's last backward.
+fn clip_from_master(
+    job: &RingJob,
+    net: &mut dyn Transport,
+    clock: &mut NodeClock,
+    (step, early): (u64, Option<(u64, f64)>),
+    max_norm: f32,
+    stage: &mut Stage,
+    head: Option<&mut MasterHead>,
+) -> Result<()> {
+    let succ = 1 % job.partition.len() as u32;
+    let mut total = clock.run(|| stage.grad_norm_squared());
+    let mut head = head;
+    if let Some(h) = head.as_deref_mut() {
+        total += clock.run(|| h.stage.grad_norm_squared());
+    }
+    let rest = match early {
+        Some((s, sum)) if s == step => sum,
+        Some((s, _)) => {
+            return Err(protocol(
+                net,
+                succ,
+                &format!("gradient norm of step {s} during step {step}"),
+            ));
+        }
+        None => match clock.recv(net, job.recv_timeout())? {
+            (
+                from,
+                Message::Control(Control::GradNorm {
+                    step: s,
+                    sum_squares_bits,
+                }),
+            ) if from == succ && s == step => f64::from_bits(sum_squares_bits),
+            (from, message) => return Err(protocol(net, from, &message.describe())),
+        },
+    };
+    let factor = crate::local::clip_factor((total + rest).sqrt(), max_norm);
+    net.send(
+        succ,
+        Message::Control(Control::ClipScale {
+            step,
+            factor_bits: factor.to_bits(),
+        }),
+    )?;
+    clock.run(|| stage.scale_grads(factor));
+    if let Some(h) = head {
+        clock.run(|| h.stage.scale_grads(factor));
+    }
+    Ok(())
 }
 
 /// Sends the test set around the ring in chunks (at most 8 on their way at once); the master
@@ -982,11 +1068,13 @@ fn evaluate(
     let n = job.partition.len() as u32;
     let pred = n - 1;
     let split = &data.test;
-    let chunk = |i: usize| (i * EVAL_ROWS, ((i + 1) * EVAL_ROWS).min(split.len()));
+    let per_chunk = crate::local::eval_chunk(split);
+    let chunk = |i: usize| (i * per_chunk, ((i + 1) * per_chunk).min(split.len()));
     let (mut x, mut y, mut labels) = (Vec::new(), Vec::new(), Vec::<u32>::new());
+    let mut unused = Vec::new();
     let (mut values, mut dlogits) = (Vec::new(), Vec::new());
     let (mut correct, mut loss_sum) = (0usize, 0.0f64);
-    let chunks = split.len().div_ceil(EVAL_ROWS);
+    let chunks = split.len().div_ceil(per_chunk);
     around_the_ring(
         net,
         n,
@@ -1013,11 +1101,10 @@ fn evaluate(
                 if h.tag == TensorTag::Inference && (h.micro_batch as usize) < chunks =>
             {
                 let (start, end) = chunk(h.micro_batch as usize);
-                labels.clear();
-                labels.extend((start..end).map(|r| split.label(r)));
+                split.gather_range(start, end, &mut unused, &mut labels);
                 tensor_values(&bytes, h.dtype, &mut values);
                 let logits = match head.as_deref_mut() {
-                    Some(h) => h.stage.infer(&values, labels.len())?,
+                    Some(h) => h.stage.infer(&values, end - start)?,
                     None => values.as_slice(),
                 };
                 dlogits.resize(logits.len(), 0.0);
@@ -1035,7 +1122,7 @@ fn evaluate(
             _ => Err(protocol(net, pred, "message during evaluation")),
         },
     )?;
-    let rows = split.len().max(1) as f64;
+    let rows = (split.len() * split.positions()).max(1) as f64;
     Ok((correct as f64 / rows, loss_sum / rows))
 }
 

@@ -13,7 +13,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use ringtmp_model::{ModelSpec, OptimizerConfig, Shape};
+use ringtmp_model::{ModelSpec, OptimizerConfig};
 use serde::{Deserialize, Serialize};
 
 use super::profile::{LayerTiming, time_layers};
@@ -27,6 +27,9 @@ pub struct ProfileRequest {
     pub input: (usize, usize, usize),
     /// Classes of the data set.
     pub classes: usize,
+    /// A language model's positions per window (`None` for a classifier).
+    #[serde(default)]
+    pub sequence: Option<usize>,
     /// The optimizer (its step is timed per layer).
     pub optimizer: OptimizerConfig,
     /// Rows per micro-batch.
@@ -152,10 +155,10 @@ pub fn measure(request: &ProfileRequest, encrypt: bool) -> Result<NodeProfile, S
             request.rows, request.threads, request.budget_seconds
         ));
     }
-    let (h, w, c) = request.input;
+    let (input, output) = crate::model_shapes(request.input, request.classes, request.sequence);
     let layers = request
         .model
-        .build(&Shape::image(h, w, c), request.classes)
+        .build_for(&input, &output)
         .map_err(|e| e.to_string())?;
     let started = Instant::now();
     let budget = Duration::try_from_secs_f64(request.budget_seconds).unwrap_or(Duration::ZERO);
@@ -376,6 +379,7 @@ mod tests {
             model: ModelSpec::preset("mlp", 10).unwrap(),
             input: (28, 28, 1),
             classes: 10,
+            sequence: None,
             optimizer: OptimizerConfig::Sgd {
                 momentum: 0.9,
                 weight_decay: 0.0,
@@ -394,7 +398,10 @@ mod tests {
 
     fn layer_count() -> usize {
         let r = request();
-        r.model.build(&Shape::image(28, 28, 1), 10).unwrap().len()
+        r.model
+            .build(&ringtmp_model::Shape::image(28, 28, 1), 10)
+            .unwrap()
+            .len()
     }
 
     #[test]

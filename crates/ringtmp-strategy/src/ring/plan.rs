@@ -3,7 +3,7 @@
 //! the partition (the planner's, from per-layer measurements, or the user's `--partition`).
 
 use ringtmp_data::Dataset;
-use ringtmp_model::{LayerKind, Shape};
+use ringtmp_model::LayerKind;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
@@ -290,7 +290,17 @@ pub fn plan(
              of rings, not {replicas}; use every:K for an odd number"
         )));
     }
-    let chosen = chosen_schedule(args, replicas);
+    let clipping = cfg.clip_grad_norm.is_some();
+    let chosen = chosen_schedule(args, replicas, clipping);
+    if clipping && chosen == Schedule::Async {
+        return Err(Error::Config(
+            "--clip-grad-norm needs a flushed schedule on the ring (--schedule 1f1b or gpipe): \
+             under async every micro-batch updates each stage at its own time, so no step has \
+             one gradient whose global norm all stages could share without stopping the \
+             pipeline (--clip-grad-norm 0 trains without clipping)"
+                .into(),
+        ));
+    }
     let schedule = match (args.schedule, replicas) {
         (s, r) if r > 1 && (average_every > 0 || gossip) => {
             let schedule = s.unwrap_or(Schedule::Async);
@@ -319,6 +329,13 @@ pub fn plan(
         }
         (None, r) if r > 1 => {
             eprintln!("--replicas {r}: schedule 1f1b (rings of rings step together)");
+            Schedule::OneFOneB
+        }
+        (None, _) if clipping => {
+            eprintln!(
+                "schedule 1f1b: clipping by the global norm needs every stage's gradient of a \
+                 step before any stage updates (a flush)"
+            );
             Schedule::OneFOneB
         }
         (s, _) => s.unwrap_or(Schedule::Async),
@@ -380,8 +397,7 @@ pub fn plan(
         .copied()
         .collect();
 
-    let (h, w, c) = data.input;
-    let layers = cfg.model.build(&Shape::image(h, w, c), data.classes)?;
+    let layers = crate::layers_for(&cfg.model, data)?;
     // A limit is the whole process's (a board's memory, or --enforce-memory-limit's cgroup):
     // the stage gets what the process itself and, on the master, the dataset leave of it.
     let limits: Vec<Option<u64>> = cluster
@@ -894,7 +910,7 @@ pub fn plan(
 }
 
 /// The schedule `plan` chooses for these options with `replicas` rings (without its checks).
-fn chosen_schedule(args: &RingOptions, replicas: usize) -> Schedule {
+fn chosen_schedule(args: &RingOptions, replicas: usize, clipping: bool) -> Schedule {
     let syncing = replicas > 1
         && args
             .replica_sync
@@ -902,7 +918,7 @@ fn chosen_schedule(args: &RingOptions, replicas: usize) -> Schedule {
             .is_some_and(|s| s != "gradients");
     match (args.schedule, replicas) {
         (s, _) if syncing => s.unwrap_or(Schedule::Async),
-        (None, r) if r > 1 => Schedule::OneFOneB,
+        (None, r) if r > 1 || clipping => Schedule::OneFOneB,
         (s, _) => s.unwrap_or(Schedule::Async),
     }
 }
@@ -923,16 +939,19 @@ pub fn profile_request(
     let replicas = args.rings(nodes)?.max(1);
     let micro_batches = args
         .micro_batches
-        .unwrap_or(match chosen_schedule(args, replicas) {
-            Schedule::Async => 1,
-            _ => nodes as usize / replicas,
-        })
+        .unwrap_or(
+            match chosen_schedule(args, replicas, cfg.clip_grad_norm.is_some()) {
+                Schedule::Async => 1,
+                _ => nodes as usize / replicas,
+            },
+        )
         .max(1);
     let (h, w, c) = data.input;
     Ok(ProfileRequest {
         model: cfg.model.clone(),
         input: (h, w, c),
         classes: data.classes,
+        sequence: crate::sequence_of(data),
         optimizer: cfg.optimizer.clone(),
         rows: cfg.batch_size.div_ceil(micro_batches),
         threads: cfg.threads,
@@ -1108,8 +1127,15 @@ pub fn process_overhead(master: bool, data: &Dataset, layers: &[ringtmp_model::L
         .unwrap_or(0);
     let dataset = if master {
         let (h, w, c) = data.input;
-        let per_example = (h * w * c + 1) as u64;
-        (data.train.len() + data.test.len()) as u64 * per_example
+        match data.task {
+            // The token ids (u32), train and validation; the examples are windows over them.
+            ringtmp_data::Task::NextToken { seq_len, .. } => {
+                (data.train.len() + seq_len + data.test.len() * seq_len) as u64 * 4
+            }
+            ringtmp_data::Task::Classify => {
+                (data.train.len() + data.test.len()) as u64 * (h * w * c + 1) as u64
+            }
+        }
     } else {
         0
     };

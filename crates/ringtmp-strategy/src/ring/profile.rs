@@ -63,7 +63,7 @@ pub fn profile_layers(
     let state_copies = match optimizer {
         OptimizerConfig::Sgd { momentum, .. } if *momentum == 0.0 => 0,
         OptimizerConfig::Sgd { .. } => 1,
-        OptimizerConfig::Adam { .. } => 2,
+        OptimizerConfig::Adam { .. } | OptimizerConfig::AdamW { .. } => 2,
     };
     time_layers(layers, optimizer, rows, threads, repeats, None)
         .into_iter()

@@ -15,6 +15,9 @@ use super::partition::StagePlan;
 use super::schedule::{Action, Schedule, StagePolicy};
 use crate::error::{Error, Result};
 
+/// Messages a node keeps while it waits for a clipping message; more means the protocol broke.
+const MAX_EARLY: usize = 64;
+
 /// Runs a non-master node: its stage, driven by what arrives, until the final report passes.
 /// One loop for every schedule: the [`StagePolicy`] decides what to do next and which tensors
 /// belong to the work in progress; this loop moves the messages and runs the compute. Arrived
@@ -40,10 +43,11 @@ pub fn run_worker_with(
     let mut grads: VecDeque<(u64, Vec<f32>)> = VecDeque::new();
     loop {
         let action = policy.next(!inputs.is_empty(), !grads.is_empty());
-        let arrived = if action.is_some() {
-            net.try_recv()?
-        } else {
-            None
+        // Messages that came while the node waited for a clipping message go first.
+        let arrived = match node.early.pop_front() {
+            Some(message) => Some(message),
+            None if action.is_some() => net.try_recv()?,
+            None => None,
         };
         match if arrived.is_some() { None } else { action } {
             Some(Action::Forward) => {
@@ -67,7 +71,7 @@ pub fn run_worker_with(
                 let mut probe = policy;
                 let closes = probe
                     .record(Action::Backward, id)
-                    .filter(|_| !job.averages_gradients());
+                    .filter(|_| !job.averages_gradients() && job.spec.clip_grad_norm.is_none());
                 let header = policy.backward_step(id);
                 node.backward(job, net, id, header, &dy, closes)?;
                 if let Some(step) = policy.record(Action::Backward, id) {
@@ -97,6 +101,21 @@ pub fn run_worker_with(
                         && policy.accepts(h.step) =>
                 {
                     grads.push_back((h.micro_batch, values(&bytes, h.dtype)));
+                }
+                // Gradient clipping: the successor finished its part of the step's norm before
+                // this stage's last backward did.
+                (
+                    from,
+                    Message::Control(Control::GradNorm {
+                        step,
+                        sum_squares_bits,
+                    }),
+                ) if from == node.succ
+                    && job.spec.clip_grad_norm.is_some()
+                    && policy.accepts(step)
+                    && node.grad_norm.is_none() =>
+                {
+                    node.grad_norm = Some((step, f64::from_bits(sum_squares_bits)));
                 }
                 // Stage replicas: the successor's snapshot, then its token (same link, so in
                 // this order); the master's re-formation of the ring.
@@ -184,6 +203,12 @@ struct RingNode {
     started: Duration,
     /// What activations and gradients travel as.
     wire: Dtype,
+    /// Messages that arrived while the node waited for one of gradient clipping's (a master's
+    /// order to replicate, say), for the main loop to take first.
+    early: VecDeque<(u32, Message)>,
+    /// Gradient clipping: the successor's summed squared norm of a mini-batch, which may arrive
+    /// before this stage's own last backward.
+    grad_norm: Option<(u64, f64)>,
 }
 
 impl RingNode {
@@ -218,6 +243,8 @@ impl RingNode {
             ),
             started: net.clock().now(),
             wire: job.spec.wire_dtype,
+            early: VecDeque::new(),
+            grad_norm: None,
         })
     }
 
@@ -346,9 +373,100 @@ impl RingNode {
         if job.averages_gradients() {
             net.average_with_replicas(step, self.stage.grads_mut())?;
         }
+        if job.spec.clip_grad_norm.is_some() {
+            self.clip(job, net, step)?;
+        }
         let (stage, optimizer) = (&mut self.stage, &mut self.optimizer);
         self.clock.run(|| stage.step(optimizer, lr));
         Ok(())
+    }
+
+    /// Gradient clipping by the global norm (flushed schedules; see the master's half,
+    /// `clip_from_master`): adds this stage's squared norm to its successor's sum (the last stage
+    /// starts it) and passes it back towards the master, then takes the factor the master sends
+    /// around, passes it on and scales the gradient by it.
+    fn clip(&mut self, job: &RingJob, net: &mut dyn Transport, step: u64) -> Result<()> {
+        let stage = &mut self.stage;
+        let own = self.clock.run(|| stage.grad_norm_squared());
+        let later = if self.succ == 0 {
+            0.0
+        } else if let Some((s, sum)) = self.grad_norm.take() {
+            if s != step {
+                return Err(protocol(
+                    net,
+                    self.succ,
+                    &format!("gradient norm of step {s} during step {step}"),
+                ));
+            }
+            sum
+        } else {
+            let from = self.succ;
+            self.wait_for(job, net, from, |m| match m {
+                Control::GradNorm {
+                    step: s,
+                    sum_squares_bits,
+                } if *s == step => Some(f64::from_bits(*sum_squares_bits)),
+                _ => None,
+            })?
+        };
+        net.send(
+            self.pred,
+            Message::Control(Control::GradNorm {
+                step,
+                sum_squares_bits: (own + later).to_bits(),
+            }),
+        )?;
+        let from = self.pred;
+        let factor = self.wait_for(job, net, from, |m| match m {
+            Control::ClipScale {
+                step: s,
+                factor_bits,
+            } if *s == step => Some(f32::from_bits(*factor_bits)),
+            _ => None,
+        })?;
+        if self.succ != 0 {
+            net.send(
+                self.succ,
+                Message::Control(Control::ClipScale {
+                    step,
+                    factor_bits: factor.to_bits(),
+                }),
+            )?;
+        }
+        let stage = &mut self.stage;
+        self.clock.run(|| stage.scale_grads(factor));
+        Ok(())
+    }
+
+    /// Receives until `from` sends the control message `accept` takes, keeping anything else for
+    /// the main loop (within the job's receive timeout for each message, naming the peer).
+    fn wait_for<T>(
+        &mut self,
+        job: &RingJob,
+        net: &mut dyn Transport,
+        from: u32,
+        accept: impl Fn(&Control) -> Option<T>,
+    ) -> Result<T> {
+        loop {
+            let (sender, message) = self.clock.recv(net, job.recv_timeout())?;
+            if sender == from
+                && let Message::Control(control) = &message
+                && let Some(value) = accept(control)
+            {
+                return Ok(value);
+            }
+            if self.early.len() >= MAX_EARLY {
+                return Err(protocol(
+                    net,
+                    sender,
+                    &format!(
+                        "{} while waiting for rank {from}'s clipping message",
+                        message.describe()
+                    ),
+                ));
+            }
+            self.early.push_back((sender, message));
+        }
     }
 
     /// Handles an evaluation chunk, a checkpoint or the final report from the predecessor;
