@@ -76,6 +76,10 @@ pub struct Manifest {
     /// parameters only), beside the workers' average in `files`. Resuming reads `files` only.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub replicas: Vec<FileEntry>,
+    /// A language model's vocabulary (`chars:…` or `ids:N`, as the run stores it): a checkpoint
+    /// resumes only on text with the same one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vocabulary: Option<String>,
 }
 
 /// Name of the checkpoint directory for `step`.

@@ -72,6 +72,7 @@ fn write(dir: &Path, stage: &Stage, opt: &Optimizer) {
         files: vec![file],
         lr: None,
         replicas: Vec::new(),
+        vocabulary: None,
     };
     checkpoint::write_manifest(dir, &manifest).unwrap();
 }

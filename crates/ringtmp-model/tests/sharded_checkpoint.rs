@@ -118,6 +118,7 @@ fn write_manifest(
         files,
         lr: None,
         replicas: Vec::new(),
+        vocabulary: None,
     };
     checkpoint::write_manifest(dir, &manifest).unwrap();
 }

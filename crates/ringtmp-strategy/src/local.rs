@@ -47,7 +47,7 @@ impl Strategy for LocalJob {
         // Checked here, before the run starts, so that a checkpoint that does not fit (or has
         // nothing left to train) is refused before any output is written.
         if let Some(path) = spec.config.resume.clone() {
-            let (dir, manifest) = check_resume(&path, &spec.config)?;
+            let (dir, manifest) = check_resume(&path, &spec.config, data)?;
             spec.resume_from = Some(crate::ResumePoint {
                 dir: std::path::absolute(&dir).unwrap_or(dir),
                 step: manifest.step.min(spec.total_steps),
@@ -158,7 +158,7 @@ pub fn train_local(
 
     let mut step = 0u64;
     if let Some(resume) = &cfg.resume {
-        step = resume_from(resume, cfg, &mut model, &mut optimizer)?;
+        step = resume_from(resume, cfg, data, &mut model, &mut optimizer)?;
     }
     let mut spec = RunSpec::new(cfg.clone(), data, cfg.batch_size)?;
     if step > 0 {
@@ -252,7 +252,7 @@ pub fn train_local(
             });
         }
         if cfg.checkpoint_every > 0 && (step % cfg.checkpoint_every == 0 || last) {
-            let dir = save_checkpoint(cfg, &model, &optimizer, step, per_epoch)?;
+            let dir = save_checkpoint(&spec, &model, &optimizer, step, per_epoch)?;
             recorder.checkpoint(step, &dir)?;
             on_event(&Event::Checkpoint { step, path: dir });
         }
@@ -332,17 +332,18 @@ fn evaluate_metered(model: &mut Stage, split: &Split, classes: usize) -> Result<
 }
 
 fn save_checkpoint(
-    cfg: &TrainConfig,
+    spec: &RunSpec,
     model: &Stage,
     optimizer: &Optimizer,
     step: u64,
     per_epoch: u64,
 ) -> Result<std::path::PathBuf> {
+    let cfg = &spec.config;
     let dir = cfg
         .out
         .join("checkpoints")
         .join(checkpoint::checkpoint_dir_name(step));
-    let written = write_checkpoint(&dir, cfg, model, optimizer, step, per_epoch);
+    let written = write_checkpoint(&dir, spec, model, optimizer, step, per_epoch);
     if written.is_err() {
         // A checkpoint is complete only with its manifest; leave no half-written one behind.
         let _ = std::fs::remove_dir_all(&dir);
@@ -356,12 +357,13 @@ fn save_checkpoint(
 
 fn write_checkpoint(
     dir: &std::path::Path,
-    cfg: &TrainConfig,
+    spec: &RunSpec,
     model: &Stage,
     optimizer: &Optimizer,
     step: u64,
     per_epoch: u64,
 ) -> Result<()> {
+    let cfg = &spec.config;
     let file = checkpoint::write_stage(dir, "stage-0.safetensors", model, optimizer)?;
     let manifest = Manifest {
         format: checkpoint::MANIFEST_FORMAT,
@@ -378,6 +380,7 @@ fn write_checkpoint(
         lr: Some(cfg.lr),
         files: vec![file],
         replicas: Vec::new(),
+        vocabulary: spec.vocabulary.clone(),
     };
     checkpoint::write_manifest(dir, &manifest)?;
     Ok(())
@@ -388,10 +391,11 @@ fn write_checkpoint(
 fn resume_from(
     path: &Path,
     cfg: &TrainConfig,
+    data: &Dataset,
     model: &mut Stage,
     optimizer: &mut Optimizer,
 ) -> Result<u64> {
-    let (dir, manifest) = check_resume(path, cfg)?;
+    let (dir, manifest) = check_resume(path, cfg, data)?;
     checkpoint::read_stage(&dir, &manifest, model, optimizer)?;
     Ok(manifest.step)
 }
@@ -399,7 +403,11 @@ fn resume_from(
 /// Finds the checkpoint `path` means and checks that it was written for this run's model, data
 /// order (dataset, batch size, seed) and optimizer; any strategy and any partition may have
 /// written it. Returns its directory and manifest.
-pub fn check_resume(path: &Path, cfg: &TrainConfig) -> Result<(std::path::PathBuf, Manifest)> {
+pub fn check_resume(
+    path: &Path,
+    cfg: &TrainConfig,
+    data: &Dataset,
+) -> Result<(std::path::PathBuf, Manifest)> {
     let dir = checkpoint::resolve(path)?;
     let manifest = checkpoint::read_manifest(&dir)?;
     let mismatch = |what: &str, theirs: String, ours: String| {
@@ -413,6 +421,24 @@ pub fn check_resume(path: &Path, cfg: &TrainConfig) -> Result<(std::path::PathBu
     }
     if manifest.dataset != cfg.dataset {
         return mismatch("dataset", manifest.dataset.clone(), cfg.dataset.clone());
+    }
+    let vocabulary = crate::spec::vocabulary_of(data);
+    if manifest.vocabulary != vocabulary {
+        let parse = |line: &Option<String>| {
+            line.as_deref()
+                .map(|l| ringtmp_data::Vocabulary::from_line(l, "vocabulary"))
+        };
+        let why = match (parse(&manifest.vocabulary), parse(&vocabulary)) {
+            (Some(Ok(theirs)), Some(Ok(ours))) => theirs
+                .check_matches(&ours)
+                .err()
+                .unwrap_or_else(|| "the vocabularies differ".into()),
+            _ => "one of them is a language model's and the other is not".into(),
+        };
+        return Err(Error::Config(format!(
+            "cannot resume from {}: its vocabulary is not this data's: {why}",
+            dir.display()
+        )));
     }
     if manifest.batch_size != cfg.batch_size {
         return mismatch(

@@ -41,6 +41,15 @@ pub fn sequence_of(data: &Dataset) -> Option<usize> {
     }
 }
 
+/// A language-model dataset's vocabulary as [`ringtmp_data::Vocabulary::to_line`] writes it;
+/// `None` for a classification one.
+pub fn vocabulary_of(data: &Dataset) -> Option<String> {
+    match &data.task {
+        Task::NextToken { vocab, .. } => Some(vocab.to_line()),
+        Task::Classify => None,
+    }
+}
+
 /// The layers of `model` on `data`, with their shapes.
 pub fn layers_for(model: &ringtmp_model::ModelSpec, data: &Dataset) -> Result<Vec<Layer>> {
     let (input, output) = model_shapes(data.input, data.classes, sequence_of(data));
@@ -111,10 +120,7 @@ impl RunSpec {
             input: data.input,
             classes: data.classes,
             sequence: sequence_of(data),
-            vocabulary: match &data.task {
-                Task::NextToken { vocab, .. } => Some(vocab.to_line()),
-                Task::Classify => None,
-            },
+            vocabulary: vocabulary_of(data),
             steps_per_epoch,
             schedule_steps,
             total_steps,

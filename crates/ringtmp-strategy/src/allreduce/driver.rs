@@ -1059,6 +1059,7 @@ pub fn write_model(
             lr: Some(spec.lr),
             files: vec![file],
             replicas,
+            vocabulary: spec.vocabulary.clone(),
         };
         checkpoint::write_manifest(&dir, &manifest)?;
         Ok(())

@@ -686,6 +686,7 @@ impl Checkpoints {
             lr: Some(job.spec.lr),
             files,
             replicas: Vec::new(),
+            vocabulary: job.spec.vocabulary.clone(),
         };
         checkpoint::write_manifest(&job.checkpoint_dir(step), &manifest)?;
         if let Some(keep) = job.spec.keep_checkpoints {

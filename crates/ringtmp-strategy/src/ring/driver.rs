@@ -296,6 +296,7 @@ impl RingJob {
             lr: Some(self.spec.lr),
             files,
             replicas: Vec::new(),
+            vocabulary: self.spec.vocabulary.clone(),
         };
         checkpoint::write_manifest(&dir, &manifest)?;
         if let Some(keep) = self.spec.keep_checkpoints {

@@ -1,0 +1,212 @@
+//! Language models as a user meets them: `--dataset text` trains a GPT preset in one process and
+//! on a ring and reports validation loss, perplexity and bits per character; bad text, windows
+//! that do not fit, token ids past the vocabulary and a checkpoint of another vocabulary are
+//! each one clear error with exit status 2 that writes nothing.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use serde_json::Value;
+
+fn ringtmp(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ringtmp"))
+        .args(args)
+        .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."))
+        .output()
+        .expect("run ringtmp")
+}
+
+fn write(dir: &Path, name: &str, bytes: &[u8]) -> String {
+    let path = dir.join(name);
+    std::fs::write(&path, bytes).unwrap();
+    path.display().to_string()
+}
+
+/// A few thousand characters whose validation part uses only characters the training part has.
+fn text() -> Vec<u8> {
+    "Now is the winter of our discontent made glorious summer by this sun of York.\n"
+        .repeat(60)
+        .into_bytes()
+}
+
+fn succeeded(out: &Output) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "stderr: {stderr}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Exit status 2, one `error:` line holding every one of `needles`, no panic.
+fn refused(out: &Output, needles: &[&str]) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "stderr: {stderr}");
+    for needle in needles {
+        assert!(stderr.contains(needle), "expected {needle:?} in: {stderr}");
+    }
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    assert_eq!(stderr.matches("error:").count(), 1, "{stderr}");
+}
+
+fn json(path: PathBuf) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(&path).unwrap())
+        .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+fn train(data: &str, out: &Path, extra: &[&str]) -> Output {
+    let out = out.display().to_string();
+    let mut args = vec![
+        "train",
+        "--dataset",
+        "text",
+        "--data-file",
+        data,
+        "--model",
+        "gpt-nano",
+        "--seq-len",
+        "16",
+        "--threads",
+        "1",
+        "--out",
+        &out,
+    ];
+    args.extend_from_slice(extra);
+    ringtmp(&args)
+}
+
+#[test]
+fn a_gpt_trains_on_text_and_reports_loss_perplexity_and_bits_per_character() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = write(tmp.path(), "winter.txt", &text());
+    let run = tmp.path().join("local");
+    let stdout = succeeded(&train(
+        &data,
+        &run,
+        &[
+            "--strategy",
+            "local",
+            "--max-steps",
+            "30",
+            "--eval-every",
+            "15",
+            "--checkpoint-every",
+            "30",
+        ],
+    ));
+    assert!(
+        stdout.contains("final validation loss") && stdout.contains("bits per character"),
+        "{stdout}"
+    );
+    let summary = json(run.join("summary.json"));
+    let lm = &summary["language"];
+    assert_eq!((lm["seq_len"].as_u64(), lm["unit"].as_str()), (Some(16), Some("char")));
+    let loss = lm["final_val_loss"].as_f64().unwrap();
+    // It learns: below the loss of a uniform guess over the vocabulary.
+    assert!(loss < (lm["vocab"].as_f64().unwrap()).ln(), "{summary}");
+    let bits = lm["final_bits_per_unit"].as_f64().unwrap();
+    assert!((bits - loss / std::f64::consts::LN_2).abs() < 1e-9, "{summary}");
+    assert!(lm["tokens_per_second"].as_f64().unwrap() > 0.0);
+    let evals: Vec<Value> = std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .filter(|e| e["event"] == "eval")
+        .collect();
+    assert_eq!(evals.len(), 2, "{evals:?}");
+    for e in &evals {
+        let loss = e["test_loss"].as_f64().unwrap();
+        assert!((e["perplexity"].as_f64().unwrap() - loss.exp()).abs() < 1e-9, "{e}");
+        assert!(e["bits_per_char"].as_f64().is_some(), "{e}");
+    }
+    // The vocabulary travels with the checkpoint.
+    let manifest = json(run.join("checkpoints/step-000000030/manifest.json"));
+    assert!(
+        manifest["vocabulary"]
+            .as_str()
+            .is_some_and(|v| v.starts_with("chars:")),
+        "{manifest}"
+    );
+
+    // The ring (clipping by the global norm picks the 1f1b schedule) trains the same model.
+    let ring = tmp.path().join("ring");
+    let out = train(
+        &data,
+        &ring,
+        &["--strategy", "ring", "--nodes", "2", "--max-steps", "20"],
+    );
+    let stdout = succeeded(&out);
+    assert!(stdout.contains("final validation loss"), "{stdout}");
+    let summary = json(ring.join("summary.json"));
+    assert_eq!(summary["schedule"], "1f1b", "{summary}");
+    assert!(summary["language"]["final_val_loss"].as_f64().is_some());
+}
+
+#[test]
+fn bad_text_is_an_error_naming_the_file_and_place_that_writes_nothing() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("never");
+    let not_utf8 = write(tmp.path(), "latin1.txt", b"caf\xe9 au lait\n");
+    refused(
+        &train(&not_utf8, &out, &["--max-steps", "1"]),
+        &["latin1.txt", "byte 3", "not UTF-8"],
+    );
+    let empty = write(tmp.path(), "empty.txt", b"");
+    refused(
+        &train(&empty, &out, &["--max-steps", "1"]),
+        &["empty.txt", "empty"],
+    );
+    let short = write(tmp.path(), "short.txt", &b"to be or not to be, ".repeat(4));
+    refused(
+        &train(&short, &out, &["--max-steps", "1"]),
+        &["--seq-len 16", "short.txt", "validation"],
+    );
+    // A nanoGPT .bin (bare u16 ids) with an id past the vocabulary it is read with.
+    let ids: Vec<u8> = [1u16, 2, 3, 700, 4]
+        .iter()
+        .flat_map(|t| t.to_le_bytes())
+        .collect();
+    let bin = write(tmp.path(), "train.bin", &ids);
+    refused(
+        &train(&bin, &out, &["--vocab-size", "512", "--max-steps", "1"]),
+        &["train.bin", "token 3", "700", "512"],
+    );
+    assert!(!out.exists(), "a refused run wrote {}", out.display());
+
+    // A checkpoint of one text resumed on another whose vocabulary differs.
+    let data = write(tmp.path(), "winter.txt", &text());
+    let first = tmp.path().join("first");
+    succeeded(&train(
+        &data,
+        &first,
+        &[
+            "--strategy",
+            "local",
+            "--max-steps",
+            "4",
+            "--checkpoint-every",
+            "2",
+        ],
+    ));
+    let other = write(
+        tmp.path(),
+        "other.txt",
+        &text()
+            .iter()
+            .map(|&b| if b == b'w' { b'W' } else { b })
+            .collect::<Vec<u8>>(),
+    );
+    let before = std::fs::read_to_string(first.join("metrics.jsonl")).unwrap();
+    let resumed = tmp.path().join("resumed");
+    let first_dir = first.display().to_string();
+    refused(
+        &train(
+            &other,
+            &resumed,
+            &["--strategy", "local", "--max-steps", "8", "--resume", &first_dir],
+        ),
+        &["cannot resume", "vocabulary", "differ at id"],
+    );
+    assert!(!resumed.exists());
+    assert_eq!(
+        std::fs::read_to_string(first.join("metrics.jsonl")).unwrap(),
+        before
+    );
+}
