@@ -174,6 +174,19 @@ pub fn print_summary(s: &Summary, out: &std::path::Path) {
             lm.tokens_per_second,
             s.wall_seconds
         );
+        if s.strategy == "local" {
+            // This machine's reference GEMM rate (a few milliseconds to measure).
+            let reference =
+                ringtmp_model::kernels::reference_gflops() * f64::from(s.threads.max(1));
+            println!(
+                "{:.1} GFLOP/s of model FLOPs ({:.2} MFLOP per token): {:.0}% of the reference \
+                 GEMM rate of {reference:.0} GFLOP/s ({} thread(s) × the 256³ product's)",
+                lm.model_gflops,
+                lm.flops_per_token / 1e6,
+                100.0 * lm.model_gflops / reference,
+                s.threads
+            );
+        }
         print_rest(s, out);
         return;
     }

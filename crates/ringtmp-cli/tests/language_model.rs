@@ -97,12 +97,18 @@ fn a_gpt_trains_on_text_and_reports_loss_perplexity_and_bits_per_character() {
     );
     let summary = json(run.join("summary.json"));
     let lm = &summary["language"];
-    assert_eq!((lm["seq_len"].as_u64(), lm["unit"].as_str()), (Some(16), Some("char")));
+    assert_eq!(
+        (lm["seq_len"].as_u64(), lm["unit"].as_str()),
+        (Some(16), Some("char"))
+    );
     let loss = lm["final_val_loss"].as_f64().unwrap();
     // It learns: below the loss of a uniform guess over the vocabulary.
     assert!(loss < (lm["vocab"].as_f64().unwrap()).ln(), "{summary}");
     let bits = lm["final_bits_per_unit"].as_f64().unwrap();
-    assert!((bits - loss / std::f64::consts::LN_2).abs() < 1e-9, "{summary}");
+    assert!(
+        (bits - loss / std::f64::consts::LN_2).abs() < 1e-9,
+        "{summary}"
+    );
     assert!(lm["tokens_per_second"].as_f64().unwrap() > 0.0);
     let evals: Vec<Value> = std::fs::read_to_string(run.join("metrics.jsonl"))
         .unwrap()
@@ -113,7 +119,10 @@ fn a_gpt_trains_on_text_and_reports_loss_perplexity_and_bits_per_character() {
     assert_eq!(evals.len(), 2, "{evals:?}");
     for e in &evals {
         let loss = e["test_loss"].as_f64().unwrap();
-        assert!((e["perplexity"].as_f64().unwrap() - loss.exp()).abs() < 1e-9, "{e}");
+        assert!(
+            (e["perplexity"].as_f64().unwrap() - loss.exp()).abs() < 1e-9,
+            "{e}"
+        );
         assert!(e["bits_per_char"].as_f64().is_some(), "{e}");
     }
     // The vocabulary travels with the checkpoint.
@@ -200,7 +209,14 @@ fn bad_text_is_an_error_naming_the_file_and_place_that_writes_nothing() {
         &train(
             &other,
             &resumed,
-            &["--strategy", "local", "--max-steps", "8", "--resume", &first_dir],
+            &[
+                "--strategy",
+                "local",
+                "--max-steps",
+                "8",
+                "--resume",
+                &first_dir,
+            ],
         ),
         &["cannot resume", "vocabulary", "differ at id"],
     );

@@ -270,6 +270,13 @@ pub struct LanguageSummary {
     pub final_bits_per_unit: f64,
     /// Training tokens (positions) per second: `samples_per_second × seq_len`.
     pub tokens_per_second: f64,
+    /// Training FLOPs per token: `6 × parameters` plus the attention's `12 × width × seq_len`
+    /// per attention layer (PaLM's accounting, the causal mask not discounted).
+    #[serde(default)]
+    pub flops_per_token: f64,
+    /// `flops_per_token × tokens_per_second / 10⁹`.
+    #[serde(default)]
+    pub model_gflops: f64,
 }
 
 impl LanguageSummary {

@@ -300,7 +300,10 @@ impl ModelSpec {
         // A language model's linear layers (its LM head, say) start as GPT-2's: normal with a
         // standard deviation of 0.02, as its blocks and embeddings do, so that the first logits
         // are near zero and the first loss near ln(vocabulary).
-        if matches!(layers.first().map(|l| &l.kind), Some(LayerKind::Embedding(_))) {
+        if matches!(
+            layers.first().map(|l| &l.kind),
+            Some(LayerKind::Embedding(_))
+        ) {
             for layer in &mut layers {
                 if let LayerKind::Linear(l) = &layer.kind {
                     layer.init_gain = 0.02f32.powi(2) * l.in_features as f32;

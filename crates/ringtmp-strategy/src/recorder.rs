@@ -333,6 +333,18 @@ impl RunRecorder {
         let mut summary = summary;
         if let (Some(seq_len), Some((last, best))) = (self.spec.sequence, self.tracker.loss) {
             let (perplexity, bits) = LanguageSummary::meaning(last);
+            let layers = self.spec.layers()?;
+            let params: usize = layers.iter().map(|l| l.param_count()).sum();
+            let attention: usize = layers
+                .iter()
+                .map(|l| match &l.kind {
+                    ringtmp_model::LayerKind::Block(b) => 12 * b.width * b.seq,
+                    ringtmp_model::LayerKind::CausalSelfAttention(a) => 12 * a.width * a.seq,
+                    _ => 0,
+                })
+                .sum();
+            let flops_per_token = (6 * params + attention) as f64;
+            let tokens_per_second = summary.samples_per_second * seq_len as f64;
             summary.language = Some(LanguageSummary {
                 seq_len: seq_len as u32,
                 vocab: self.spec.classes as u32,
@@ -341,7 +353,9 @@ impl RunRecorder {
                 best_val_loss: best,
                 final_perplexity: perplexity,
                 final_bits_per_unit: bits,
-                tokens_per_second: summary.samples_per_second * seq_len as f64,
+                tokens_per_second,
+                flops_per_token,
+                model_gflops: flops_per_token * tokens_per_second / 1e9,
             });
         }
         summary
