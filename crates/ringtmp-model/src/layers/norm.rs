@@ -189,8 +189,8 @@ pub(crate) fn fast_tanh(x: f32) -> f32 {
     let x = x.clamp(-CLAMP, CLAMP);
     let x2 = x * x;
     let mut p = -2.760_768_5e-16f32;
-    p = p * x2 + 2.000_187_9e-13;
-    p = p * x2 - 8.604_671_5e-11;
+    p = p * x2 + 2.000_188e-13;
+    p = p * x2 - 8.604_672e-11;
     p = p * x2 + 5.122_297e-8;
     p = p * x2 + 1.485_722_4e-5;
     p = p * x2 + 6.372_619_3e-4;
@@ -199,7 +199,7 @@ pub(crate) fn fast_tanh(x: f32) -> f32 {
     let mut q = 1.198_258_4e-6f32;
     q = q * x2 + 1.185_347_1e-4;
     q = q * x2 + 2.268_434_6e-3;
-    q = q * x2 + 4.893_525_2e-3;
+    q = q * x2 + 4.893_525e-3;
     if small { x } else { p / q }
 }
 
