@@ -120,6 +120,10 @@ pub struct TrainArgs {
     /// Vocabulary size of .bin token files [default: 50257, GPT-2's].
     #[arg(long, value_name = "N")]
     pub vocab_size: Option<usize>,
+    /// With --dataset text: encode the text with this tokenizer.json (byte-level BPE, as GPT-2's,
+    /// or any model Hugging Face's tokenizers reads) instead of a character vocabulary.
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
     /// Directory holding the dataset files (searched before the bundled data/).
     #[arg(long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
@@ -321,6 +325,7 @@ impl TrainArgs {
             val_fraction,
             eval_tokens,
             vocab_size,
+            tokenizer,
             decay_embeddings,
             clip_grad_norm,
             epochs,
@@ -651,6 +656,7 @@ impl TrainArgs {
             validation: self.val_fraction.unwrap_or(0.1),
             eval_tokens: self.eval_tokens.unwrap_or(16_384),
             bin_vocab: self.vocab_size.unwrap_or(ringtmp_data::text::GPT2_VOCAB),
+            tokenizer: self.tokenizer.clone(),
         }
     }
 

@@ -517,6 +517,7 @@ fn run_training(
             val_fraction: text.map(|t| t.validation),
             eval_tokens: text.map(|t| t.eval_tokens),
             vocab_size: text.map(|t| t.bin_vocab),
+            tokenizer: text.and_then(|t| t.tokenizer.clone()),
             ..Default::default()
         };
         // Rank 0 under the local launcher, and every other rank, leave the announcement to

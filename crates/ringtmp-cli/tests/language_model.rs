@@ -226,3 +226,64 @@ fn bad_text_is_an_error_naming_the_file_and_place_that_writes_nothing() {
         before
     );
 }
+
+#[test]
+fn a_byte_level_bpe_tokenizer_feeds_the_ring_and_names_its_checkpoints() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = write(tmp.path(), "winter.txt", &text());
+    let tokenizer = tmp.path().join("tokenizer.json");
+    ringtmp_data::text::train_byte_level_bpe(&[PathBuf::from(&data)], 320, &tokenizer).unwrap();
+    let tokenizer = tokenizer.display().to_string();
+    let run = tmp.path().join("ring");
+    let stdout = succeeded(&train(
+        &data,
+        &run,
+        &[
+            "--tokenizer",
+            &tokenizer,
+            "--strategy",
+            "ring",
+            "--nodes",
+            "2",
+            "--max-steps",
+            "6",
+            "--checkpoint-every",
+            "6",
+        ],
+    ));
+    assert!(stdout.contains("bits per token"), "{stdout}");
+    let summary = json(run.join("summary.json"));
+    let lm = &summary["language"];
+    // The bytes and the merges this repetitive text has (at most the 320 asked for).
+    let vocab = lm["vocab"].as_u64().unwrap();
+    assert!(
+        (257..=320).contains(&vocab) && lm["unit"] == "token",
+        "{summary}"
+    );
+    let manifest = json(run.join("checkpoints/step-000000006/manifest.json"));
+    assert!(
+        manifest["vocabulary"]
+            .as_str()
+            .is_some_and(|v| v.starts_with("tokenizer:") && v.ends_with(&format!(":{vocab}"))),
+        "{manifest}"
+    );
+    // Another tokenizer (fewer merges) cannot continue it.
+    let other = tmp.path().join("other.json");
+    ringtmp_data::text::train_byte_level_bpe(&[PathBuf::from(&data)], 280, &other).unwrap();
+    let run_dir = run.display().to_string();
+    refused(
+        &train(
+            &data,
+            &tmp.path().join("resumed"),
+            &[
+                "--tokenizer",
+                &other.display().to_string(),
+                "--strategy",
+                "local",
+                "--resume",
+                &run_dir,
+            ],
+        ),
+        &["cannot resume", "vocabulary", "tokenizer.json"],
+    );
+}

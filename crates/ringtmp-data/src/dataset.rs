@@ -365,6 +365,8 @@ pub struct TextOptions {
     pub eval_tokens: usize,
     /// Vocabulary size of `.bin` files.
     pub bin_vocab: usize,
+    /// A `tokenizer.json` that encodes UTF-8 files (`None`: a character vocabulary).
+    pub tokenizer: Option<PathBuf>,
 }
 
 /// Loads a text dataset: a character vocabulary over UTF-8 files, or the ids of `.bin` files.
@@ -391,6 +393,11 @@ pub fn load_text_dataset(options: &TextOptions) -> Result<Dataset> {
     let is_bin = |f: &PathBuf| f.extension().is_some_and(|e| e == "bin");
     let name = "text";
     if files.iter().any(is_bin) {
+        if options.tokenizer.is_some() {
+            return Err(Error::Batching(
+                "--tokenizer encodes text files; .bin files hold token ids already".into(),
+            ));
+        }
         if !files.iter().all(is_bin) || files.len() > 2 {
             return Err(Error::Batching(
                 "pre-tokenised .bin files come alone: --data-file TRAIN.bin [--data-file VAL.bin]"
@@ -411,7 +418,12 @@ pub fn load_text_dataset(options: &TextOptions) -> Result<Dataset> {
             Vec::new(),
         );
     }
-    let (corpus, hashes) = crate::text::load_text(&files, options.validation)?;
+    let (corpus, hashes) = match &options.tokenizer {
+        Some(tokenizer) => {
+            crate::text::load_text_with_tokenizer(&files, options.validation, tokenizer)?
+        }
+        None => crate::text::load_text(&files, options.validation)?,
+    };
     let checks = files
         .iter()
         .zip(hashes)

@@ -52,6 +52,14 @@ pub enum Vocabulary {
         /// Number of ids.
         size: usize,
     },
+    /// Ids from a `tokenizer.json` (byte-level BPE, or any model the `tokenizers` crate reads):
+    /// its size and the SHA-256 of the file, which names it.
+    Tokenizer {
+        /// Number of ids (added tokens included).
+        size: usize,
+        /// SHA-256 of the `tokenizer.json`.
+        sha256: String,
+    },
 }
 
 impl Vocabulary {
@@ -59,7 +67,7 @@ impl Vocabulary {
     pub fn len(&self) -> usize {
         match self {
             Self::Chars(chars) => chars.len(),
-            Self::Ids { size } => *size,
+            Self::Ids { size } | Self::Tokenizer { size, .. } => *size,
         }
     }
 
@@ -75,7 +83,7 @@ impl Vocabulary {
                 .iter()
                 .map(|&i| chars.get(i as usize).copied())
                 .collect(),
-            Self::Ids { .. } => None,
+            Self::Ids { .. } | Self::Tokenizer { .. } => None,
         }
     }
 
@@ -114,6 +122,7 @@ impl Vocabulary {
                 format!("chars:{escaped}")
             }
             Self::Ids { size } => format!("ids:{size}"),
+            Self::Tokenizer { size, sha256 } => format!("tokenizer:{sha256}:{size}"),
         }
     }
 
@@ -127,8 +136,23 @@ impl Vocabulary {
                 .map_err(|_| bad(format!("vocabulary size {size:?} is not a number")))?;
             return Ok(Self::Ids { size });
         }
+        if let Some(rest) = line.strip_prefix("tokenizer:") {
+            let (sha256, size) = rest
+                .rsplit_once(':')
+                .ok_or_else(|| bad("a tokenizer vocabulary is `tokenizer:SHA256:SIZE`".into()))?;
+            let size: usize = size
+                .trim()
+                .parse()
+                .map_err(|_| bad(format!("vocabulary size {size:?} is not a number")))?;
+            return Ok(Self::Tokenizer {
+                size,
+                sha256: sha256.to_string(),
+            });
+        }
         let Some(escaped) = line.strip_prefix("chars:") else {
-            return Err(bad("a vocabulary starts with `chars:` or `ids:`".into()));
+            return Err(bad(
+                "a vocabulary starts with `chars:`, `ids:` or `tokenizer:`".into(),
+            ));
         };
         let mut chars = Vec::new();
         let mut it = escaped.chars();
@@ -168,6 +192,11 @@ impl Vocabulary {
                 Ok(())
             }
             (Self::Ids { size: a }, Self::Ids { size: b }) if a == b => Ok(()),
+            (Self::Tokenizer { size: a, sha256: x }, Self::Tokenizer { size: b, sha256: y })
+                if a == b && x == y =>
+            {
+                Ok(())
+            }
             (a, b) => Err(format!(
                 "the checkpoint's vocabulary ({}) is not the data's ({})",
                 a.describe(),
@@ -181,6 +210,9 @@ impl Vocabulary {
         match self {
             Self::Chars(c) => format!("{} characters", c.len()),
             Self::Ids { size } => format!("{size} token ids"),
+            Self::Tokenizer { size, sha256 } => {
+                format!("{size} token ids of the tokenizer.json whose SHA-256 is {sha256}")
+            }
         }
     }
 }
@@ -349,35 +381,7 @@ pub fn load_text(files: &[PathBuf], validation: f64) -> Result<(TextCorpus, Vec<
             "the validation fraction must be in (0, 1), got {validation}"
         )));
     }
-    let mut text = String::new();
-    let mut hashes = Vec::new();
-    for path in files {
-        let bytes = read_bytes(path)?;
-        if bytes.is_empty() {
-            return Err(Error::Format {
-                path: path.clone(),
-                offset: 0,
-                reason: "the file is empty".into(),
-            });
-        }
-        hashes.push(hex::encode(Sha256::digest(&bytes)));
-        match std::str::from_utf8(&bytes) {
-            Ok(s) => text.push_str(s),
-            Err(e) => {
-                let at = e.valid_up_to();
-                return Err(Error::Format {
-                    path: path.clone(),
-                    offset: at as u64,
-                    reason: format!(
-                        "not UTF-8 text: byte 0x{:02x} (line {}) does not start or continue a \
-                         character",
-                        bytes[at],
-                        bytes[..at].iter().filter(|&&b| b == b'\n').count() + 1
-                    ),
-                });
-            }
-        }
-    }
+    let (text, hashes) = read_texts(files)?;
     let chars: Vec<char> = text.chars().collect();
     let cut = ((chars.len() as f64) * (1.0 - validation)).floor() as usize;
     let (train, valid) = chars.split_at(cut.min(chars.len()));
@@ -414,6 +418,142 @@ pub fn load_text(files: &[PathBuf], validation: f64) -> Result<(TextCorpus, Vec<
         files: files.to_vec(),
     };
     Ok((corpus, hashes))
+}
+
+/// Reads UTF-8 text from `files`, concatenated in order, with the SHA-256 of each file's text.
+fn read_texts(files: &[PathBuf]) -> Result<(String, Vec<String>)> {
+    let mut text = String::new();
+    let mut hashes = Vec::new();
+    for path in files {
+        let bytes = read_bytes(path)?;
+        if bytes.is_empty() {
+            return Err(Error::Format {
+                path: path.clone(),
+                offset: 0,
+                reason: "the file is empty".into(),
+            });
+        }
+        hashes.push(hex::encode(Sha256::digest(&bytes)));
+        match std::str::from_utf8(&bytes) {
+            Ok(s) => text.push_str(s),
+            Err(e) => {
+                let at = e.valid_up_to();
+                return Err(Error::Format {
+                    path: path.clone(),
+                    offset: at as u64,
+                    reason: format!(
+                        "not UTF-8 text: byte 0x{:02x} (line {}) does not start or continue a \
+                         character",
+                        bytes[at],
+                        bytes[..at].iter().filter(|&&b| b == b'\n').count() + 1
+                    ),
+                });
+            }
+        }
+    }
+    Ok((text, hashes))
+}
+
+/// Reads UTF-8 text from `files` and encodes it with the tokenizer in `tokenizer` (a
+/// `tokenizer.json`, as Hugging Face's `tokenizers` writes it: GPT-2's byte-level BPE, say):
+/// the last `validation` of the characters validate, each split encoded on its own. Returns the
+/// corpus and, per file, the SHA-256 of its text.
+pub fn load_text_with_tokenizer(
+    files: &[PathBuf],
+    validation: f64,
+    tokenizer: &Path,
+) -> Result<(TextCorpus, Vec<String>)> {
+    if files.is_empty() {
+        return Err(Error::Batching(
+            "--dataset text needs --data-file FILE (one or several)".into(),
+        ));
+    }
+    if !(validation > 0.0 && validation < 1.0) {
+        return Err(Error::Batching(format!(
+            "the validation fraction must be in (0, 1), got {validation}"
+        )));
+    }
+    let bytes = std::fs::read(tokenizer).map_err(|source| Error::Io {
+        path: tokenizer.to_path_buf(),
+        source,
+    })?;
+    let sha256 = hex::encode(Sha256::digest(&bytes));
+    let bad = |reason: String| Error::Format {
+        path: tokenizer.to_path_buf(),
+        offset: 0,
+        reason,
+    };
+    let model = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
+        bad(format!(
+            "not a tokenizer.json the tokenizers crate reads: {e}"
+        ))
+    })?;
+    let size = model.get_vocab_size(true);
+    let (text, hashes) = read_texts(files)?;
+    let chars = text.chars().count();
+    let cut_chars = ((chars as f64) * (1.0 - validation)).floor() as usize;
+    let cut = text
+        .char_indices()
+        .nth(cut_chars)
+        .map_or(text.len(), |(at, _)| at);
+    let encode = |part: &str| -> Result<Tokens> {
+        let encoding = model
+            .encode(part, false)
+            .map_err(|e| bad(format!("cannot encode the text: {e}")))?;
+        let ids = encoding.get_ids().to_vec();
+        if let Some(i) = ids.iter().position(|&t| t as usize >= size) {
+            return Err(bad(format!(
+                "it gave id {} (token {i}), past its own vocabulary of {size}",
+                ids[i]
+            )));
+        }
+        Ok(Tokens { ids })
+    };
+    let corpus = TextCorpus {
+        train: encode(&text[..cut])?,
+        validation: encode(&text[cut..])?,
+        vocab: Vocabulary::Tokenizer { size, sha256 },
+        files: files.to_vec(),
+    };
+    Ok((corpus, hashes))
+}
+
+/// Trains a byte-level BPE tokenizer (GPT-2's kind: bytes as its first 256 symbols, no space
+/// added before the text) of `vocab_size` ids on `files` and saves it as a `tokenizer.json` at
+/// `out`, for `--tokenizer`.
+pub fn train_byte_level_bpe(files: &[PathBuf], vocab_size: usize, out: &Path) -> Result<()> {
+    use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+    use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+    use tokenizers::{
+        DecoderWrapper, NormalizerWrapper, PostProcessorWrapper, PreTokenizerWrapper,
+        TokenizerBuilder,
+    };
+    let failed = |e: tokenizers::Error| Error::Batching(format!("training a tokenizer: {e}"));
+    let mut tokenizer = TokenizerBuilder::<
+        BPE,
+        NormalizerWrapper,
+        PreTokenizerWrapper,
+        PostProcessorWrapper,
+        DecoderWrapper,
+    >::default()
+    .with_model(BPE::default())
+    .with_pre_tokenizer(Some(PreTokenizerWrapper::ByteLevel(ByteLevel::new(
+        false, true, true,
+    ))))
+    .with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevel::default())))
+    .build()
+    .map_err(failed)?;
+    let mut trainer = BpeTrainerBuilder::new()
+        .vocab_size(vocab_size)
+        .show_progress(false)
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .build();
+    let files = files.iter().map(|f| f.display().to_string()).collect();
+    tokenizer
+        .train_from_files(&mut trainer, files)
+        .map_err(failed)?;
+    tokenizer.save(out, false).map_err(failed)?;
+    Ok(())
 }
 
 /// Reads one pre-tokenised `.bin` file (nanoGPT's bare `u16` ids, or llm.c's header and ids);
@@ -687,5 +827,60 @@ mod tests {
         assert_eq!(corpus.vocab.len(), 77);
         assert_eq!(corpus.train.len() + corpus.validation.len(), 4_804_246);
         assert_eq!(corpus.validation.len(), 480_425);
+    }
+
+    /// A byte-level BPE tokenizer of 300 ids trained on `text`, saved as `tokenizer.json`.
+    fn byte_level_bpe(dir: &Path, text: &str) -> PathBuf {
+        let corpus = write(dir, "bpe-corpus.txt", text.as_bytes());
+        let path = dir.join("tokenizer.json");
+        train_byte_level_bpe(&[corpus], 300, &path).unwrap();
+        path
+    }
+
+    #[test]
+    fn a_tokenizer_json_encodes_each_split_and_names_itself_in_the_vocabulary() {
+        let tmp = tempfile::tempdir().unwrap();
+        let text = "To be, or not to be, that is the question: whether 'tis nobler in the mind \
+                    to suffer the slings and arrows of outrageous fortune. "
+            .repeat(30);
+        let tokenizer = byte_level_bpe(tmp.path(), &text);
+        let file = write(tmp.path(), "hamlet.txt", text.as_bytes());
+        let (corpus, _) =
+            load_text_with_tokenizer(std::slice::from_ref(&file), 0.1, &tokenizer).unwrap();
+        let Vocabulary::Tokenizer { size, sha256 } = &corpus.vocab else {
+            panic!("{:?}", corpus.vocab)
+        };
+        assert_eq!(*size, 300);
+        assert_eq!(sha256.len(), 64);
+        // Subwords: far fewer tokens than bytes, every id inside the vocabulary, and the two
+        // splits decode back to the text.
+        let tokens = corpus.train.len() + corpus.validation.len();
+        assert!(
+            tokens * 2 < text.len(),
+            "{tokens} tokens for {} bytes",
+            text.len()
+        );
+        let model = tokenizers::Tokenizer::from_file(&tokenizer).unwrap();
+        let decoded = [&corpus.train, &corpus.validation]
+            .map(|split| model.decode(split.ids(), false).unwrap())
+            .concat();
+        assert_eq!(decoded, text);
+        // The vocabulary line round-trips and tells tokenizers apart.
+        let line = corpus.vocab.to_line();
+        assert_eq!(Vocabulary::from_line(&line, "t").unwrap(), corpus.vocab);
+        let other = Vocabulary::Tokenizer {
+            size: 300,
+            sha256: "0".repeat(64),
+        };
+        assert!(corpus.vocab.check_matches(&other).is_err());
+        // A file that is no tokenizer is an error naming it.
+        let bogus = write(tmp.path(), "bogus.json", b"{\"model\": 3}");
+        let e = load_text_with_tokenizer(&[file], 0.1, &bogus)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("bogus.json") && e.contains("tokenizer.json"),
+            "{e}"
+        );
     }
 }

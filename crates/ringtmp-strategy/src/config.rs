@@ -113,6 +113,9 @@ pub struct TextSource {
     pub eval_tokens: usize,
     /// Vocabulary size of `.bin` files.
     pub bin_vocab: usize,
+    /// The `tokenizer.json` that encodes the text (`None`: characters).
+    #[serde(default)]
+    pub tokenizer: Option<PathBuf>,
 }
 
 impl TextSource {
@@ -124,6 +127,7 @@ impl TextSource {
             validation: self.validation,
             eval_tokens: self.eval_tokens,
             bin_vocab: self.bin_vocab,
+            tokenizer: self.tokenizer.clone(),
         }
     }
 }

@@ -416,12 +416,7 @@ pub fn check_resume(
             dir.display()
         )))
     };
-    if manifest.model.layers != cfg.model.layers {
-        return mismatch("model", manifest.model.name.clone(), cfg.model.name.clone());
-    }
-    if manifest.dataset != cfg.dataset {
-        return mismatch("dataset", manifest.dataset.clone(), cfg.dataset.clone());
-    }
+    // The vocabulary first: a preset's shapes follow it, so a model mismatch may be only this.
     let vocabulary = crate::spec::vocabulary_of(data);
     if manifest.vocabulary != vocabulary {
         let parse = |line: &Option<String>| {
@@ -439,6 +434,21 @@ pub fn check_resume(
             "cannot resume from {}: its vocabulary is not this data's: {why}",
             dir.display()
         )));
+    }
+    if manifest.model.layers != cfg.model.layers {
+        let (theirs, ours) = if manifest.model.name == cfg.model.name {
+            // One name, other layers (another vocabulary or file): say how they differ.
+            (
+                format!("{} ({:?})", manifest.model.name, manifest.model.layers),
+                format!("{:?}", cfg.model.layers),
+            )
+        } else {
+            (manifest.model.name.clone(), cfg.model.name.clone())
+        };
+        return mismatch("model", theirs, ours);
+    }
+    if manifest.dataset != cfg.dataset {
+        return mismatch("dataset", manifest.dataset.clone(), cfg.dataset.clone());
     }
     if manifest.batch_size != cfg.batch_size {
         return mismatch(

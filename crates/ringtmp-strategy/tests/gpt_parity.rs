@@ -39,6 +39,7 @@ fn corpus(dir: &Path) -> PathBuf {
         validation: 0.1,
         eval_tokens: 256,
         bin_vocab: 0,
+        tokenizer: None,
     };
     let whole = ringtmp_data::load_text_dataset(&options).expect("the bundled corpus loads");
     let ringtmp_data::Task::NextToken { vocab, .. } = &whole.task else {
@@ -91,6 +92,7 @@ fn setup(dir: &Path, out: &Path) -> (TrainConfig, Dataset) {
         validation: 0.1,
         eval_tokens: 256,
         bin_vocab: 0,
+        tokenizer: None,
     };
     let data = ringtmp_data::load_text_dataset(&text.options()).unwrap();
     let cfg = TrainConfig {

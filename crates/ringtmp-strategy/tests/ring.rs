@@ -536,6 +536,7 @@ fn text_data(dir: &Path) -> (Dataset, ringtmp_strategy::TextSource) {
         validation: 0.1,
         eval_tokens: 64,
         bin_vocab: 0,
+        tokenizer: None,
     };
     (
         ringtmp_data::load_text_dataset(&text.options()).unwrap(),
