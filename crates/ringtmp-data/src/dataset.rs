@@ -4,6 +4,11 @@
 //! Images are kept as the original bytes (47 MB for MNIST's training set instead of 188 MB as
 //! f32) and converted to normalised f32 only for the rows of a batch. The normalisation constants
 //! are the training split's pixel mean and standard deviation, computed at load time.
+//!
+//! A text dataset ([`load_text_dataset`]) is a [`Split`] of windows over its tokens: training
+//! example `i` is the window starting at token `i`, so every strategy's seeded permutation and
+//! sharding sample windows as they sample images; the validation windows are fixed. Its labels
+//! are one per position ([`Split::positions`]).
 
 use std::path::{Path, PathBuf};
 

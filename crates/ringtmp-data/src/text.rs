@@ -2,11 +2,14 @@
 //! windows of `seq_len + 1` tokens — a model's inputs and, shifted by one, their next-token
 //! targets — drawn by a seeded sampler.
 //!
-//! Two sources:
+//! Three sources:
 //! - **UTF-8 text** (one or several files, raw or `.gz`): a character vocabulary built from the
 //!   training split (the first `1 − validation` of the characters), sorted by code point, so the
 //!   same text always gives the same ids. A character of the validation split that the training
 //!   split lacks is an error naming it and its place: the model could never predict it.
+//! - **UTF-8 text and a `tokenizer.json`** (Hugging Face's format; GPT-2's byte-level BPE, or one
+//!   [`train_byte_level_bpe`] makes): each split encoded on its own; the vocabulary is the
+//!   tokenizer's size and the SHA-256 of its file.
 //! - **Pre-tokenised `.bin` files**: nanoGPT's layout (little-endian `u16` ids, nothing else) or
 //!   llm.c's (a header of 256 little-endian `i32`: magic 20240520, version 1, the token count;
 //!   then `u16` ids). Their vocabulary is a size (GPT-2's 50,257 by default); an id at or past it

@@ -268,6 +268,21 @@ impl ModelSpec {
             });
             shape = output;
         }
+        // A language model's token ids come from the data's vocabulary: the embedding must have
+        // a row for each (a smaller table would be read past its end).
+        if let [_, vocab] = output.0[..] {
+            for layer in &layers {
+                if let LayerKind::Embedding(e) = &layer.kind
+                    && e.vocab != vocab
+                {
+                    return Err(self.config_error(format!(
+                        "layer {} (embedding) has a vocabulary of {} but the data's has {vocab} \
+                         token ids; set `vocab = {vocab}`",
+                        layer.index, e.vocab
+                    )));
+                }
+            }
+        }
         if &shape != output {
             let reason = match output.0[..] {
                 [classes] => format!(
@@ -645,5 +660,50 @@ mod tests {
             .build(&Shape::image(8, 8, 1), 10)
             .unwrap_err();
         assert!(err.to_string().contains("layer 3 (conv2d)"), "{err}");
+    }
+
+    #[test]
+    fn gpt_presets_are_nanogpts_shapes_and_their_vocabulary_is_the_datas() {
+        // nanoGPT's counts with an untied head of 77 logits and its bias: gpt-small is the
+        // 10.8 M of PyTorch's model in benches/reference/gpt_train_speed.py.
+        for (name, seq, params) in [
+            ("gpt-nano", 32, None),
+            ("gpt-cpu", 64, Some(821_325)),
+            ("gpt-small", 256, Some(10_805_069)),
+        ] {
+            assert_eq!(ModelSpec::preset_context(name), Some(seq));
+            let spec = ModelSpec::preset(name, 77).unwrap();
+            assert!(spec.reads_tokens());
+            let layers = spec
+                .build_for(&Shape::flat(seq), &Shape(vec![seq, 77]))
+                .unwrap();
+            let count = param_count(&layers);
+            match params {
+                Some(p) => assert_eq!(count, p, "{name}"),
+                None => assert!(count < 1_000_000, "{name}: {count}"),
+            }
+            // GPT-2's 0.02 for the head too.
+            let head = layers.last().unwrap();
+            let LayerKind::Linear(l) = &head.kind else {
+                panic!("{name}")
+            };
+            assert!((head.init_gain / l.in_features as f32 - 0.0004).abs() < 1e-9);
+        }
+        // An embedding smaller than the data's vocabulary is refused (its table would be read
+        // past its end), naming the number to set.
+        let spec = ModelSpec::from_toml(
+            "[[layer]]\ntype = \"embedding\"\nvocab = 50\nwidth = 8\n\
+             [[layer]]\ntype = \"linear\"\nout = 77\n",
+            "m.toml",
+        )
+        .unwrap();
+        let err = spec
+            .build_for(&Shape::flat(16), &Shape(vec![16, 77]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("vocabulary of 50") && err.contains("vocab = 77"),
+            "{err}"
+        );
     }
 }

@@ -127,12 +127,19 @@ pub enum Event {
 /// activations of one pass stay a few tens of MB.
 const EVAL_ROWS: usize = 250;
 
-/// Examples per evaluation forward pass of `split`: 250 images, or windows of about 2,000
-/// positions in all.
-pub fn eval_chunk(split: &Split) -> usize {
+/// Logits an evaluation pass of a language model holds at most (16 MB), so that a vocabulary of
+/// GPT-2's size evaluates in passes of a window or two rather than of 400 MB.
+const EVAL_LOGITS: usize = 1 << 22;
+
+/// Examples per evaluation forward pass of `split` for a model of `classes` outputs per
+/// position: 250 images, or windows of about 2,000 positions in all and at most
+/// [`EVAL_LOGITS`] logits (at least one window).
+pub fn eval_chunk(split: &Split, classes: usize) -> usize {
     match split.positions() {
         1 => EVAL_ROWS,
-        positions => (8 * EVAL_ROWS / positions).max(1),
+        positions => (8 * EVAL_ROWS / positions)
+            .min(EVAL_LOGITS / (positions * classes.max(1)))
+            .max(1),
     }
 }
 
@@ -318,7 +325,7 @@ fn evaluate_metered(model: &mut Stage, split: &Split, classes: usize) -> Result<
     let (mut correct, mut loss_sum) = (0usize, 0.0f64);
     let mut start = 0;
     while start < split.len() {
-        let end = (start + eval_chunk(split)).min(split.len());
+        let end = (start + eval_chunk(split, classes)).min(split.len());
         split.gather_range(start, end, &mut x, &mut y);
         let logits = model.infer(&x, end - start)?;
         d.resize(logits.len(), 0.0);

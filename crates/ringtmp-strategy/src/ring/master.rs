@@ -1068,7 +1068,7 @@ fn evaluate(
     let n = job.partition.len() as u32;
     let pred = n - 1;
     let split = &data.test;
-    let per_chunk = crate::local::eval_chunk(split);
+    let per_chunk = crate::local::eval_chunk(split, job.spec.classes);
     let chunk = |i: usize| (i * per_chunk, ((i + 1) * per_chunk).min(split.len()));
     let (mut x, mut y, mut labels) = (Vec::new(), Vec::new(), Vec::<u32>::new());
     let mut unused = Vec::new();

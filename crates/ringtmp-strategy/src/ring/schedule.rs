@@ -93,9 +93,11 @@ impl StageState {
     pub fn in_flight_limit(&self) -> usize {
         match self.schedule {
             Schedule::Gpipe => self.micro_batches,
-            Schedule::OneFOneB | Schedule::Async => {
-                (self.stages - self.stage).min(self.micro_batches)
-            }
+            // One more than the stages after this one: the loss is one more step of the
+            // pipeline, on the master, a round trip away from the last stage, and without it
+            // the last stage idled for that round trip after every forward.
+            Schedule::OneFOneB => (self.stages - self.stage + 1).min(self.micro_batches),
+            Schedule::Async => (self.stages - self.stage).min(self.micro_batches),
         }
     }
 
@@ -405,9 +407,11 @@ mod tests {
         assert_eq!(
             t,
             [
-                "stage 0:  F0 F1 F2  .  . B0 F3 B1 F4 B2 F5 B3  . B4  . B5",
-                "stage 1:   . F0 F1  . B0 F2 B1 F3 B2 F4 B3 F5 B4  . B5  .",
-                "stage 2:   .  . F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5  .  .",
+                // Each stage holds at most one more micro-batch than the stages from it to the
+                // end: the loss, on the master, is one more step of the ring's pipeline.
+                "stage 0:  F0 F1 F2 F3  .  . B0 F4 B1 F5 B2  . B3  . B4 B5",
+                "stage 1:   . F0 F1 F2  . B0 F3 B1 F4 B2 F5 B3  . B4 B5  .",
+                "stage 2:   .  . F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 B5  .  .",
             ]
             .join("\n")
         );
