@@ -1,6 +1,6 @@
 //! Training options: one struct that is both the clap flags and the `--config` TOML file, so the
 //! two cannot drift apart. Flags override the file; the file overrides the built-in defaults.
-//! [`TrainArgs::resolve`] turns the merged options into a validated [`TrainConfig`].
+//! [`TrainArgs::resolve_for`] turns the merged options into a validated [`TrainConfig`].
 
 use std::path::PathBuf;
 

@@ -133,7 +133,7 @@ const EVAL_LOGITS: usize = 1 << 22;
 
 /// Examples per evaluation forward pass of `split` for a model of `classes` outputs per
 /// position: 250 images, or windows of about 2,000 positions in all and at most
-/// [`EVAL_LOGITS`] logits (at least one window).
+/// 4 M logits (16 MB; at least one window).
 pub fn eval_chunk(split: &Split, classes: usize) -> usize {
     match split.positions() {
         1 => EVAL_ROWS,
