@@ -21,4 +21,4 @@ pub use dataset::{
 };
 pub use error::{Error, Result};
 pub use sampler::{BatchPlan, epoch_permutation, shard};
-pub use text::{TextCorpus, Tokens, Vocabulary, WindowSampler};
+pub use text::{TextCorpus, Tokens, Vocabulary};

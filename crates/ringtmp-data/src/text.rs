@@ -16,16 +16,15 @@
 //!   is an error naming the file and the token's position.
 //!
 //! Invariants: every id in a split is below the vocabulary's size; a window's start leaves room
-//! for its `seq_len` inputs and the target after the last (`start + seq_len < len`); the windows
-//! of training step `s` are a function of `(seed, s)` alone, so every process and a resumed run
-//! draw the same ones without communicating; the validation windows are fixed (contiguous,
-//! non-overlapping, from the split's start), so validation losses of different runs compare.
+//! for its `seq_len` inputs and the target after the last (`start + seq_len < len`); every
+//! window of the training split is an example (`Split::every_window`), drawn by the run's seeded
+//! `BatchPlan` like an image, so every process and a resumed run draw the same ones without
+//! communicating; the validation windows are fixed (contiguous, non-overlapping, from the split's
+//! start), so validation losses of different runs compare.
 
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
-use rand::{Rng, SeedableRng};
-use rand_chacha::ChaCha8Rng;
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
@@ -253,7 +252,7 @@ impl Tokens {
     /// allocations.
     ///
     /// # Panics
-    /// If a window does not fit (starts come from [`WindowSampler`] or
+    /// If a window does not fit (starts come from the training split's windows or
     /// [`Tokens::validation_starts`]).
     pub fn gather(&self, starts: &[u32], seq_len: usize, x: &mut Vec<f32>, y: &mut Vec<u32>) {
         x.clear();
@@ -315,38 +314,6 @@ impl TextCorpus {
             .map(|f| f.display().to_string())
             .collect::<Vec<_>>()
             .join(", ")
-    }
-}
-
-/// The training windows of each step: `batch` starts drawn uniformly (with replacement, as
-/// nanoGPT does) by ChaCha8 seeded with the run's seed on the step's stream.
-#[derive(Clone, Copy, Debug)]
-pub struct WindowSampler {
-    seed: u64,
-    windows: usize,
-}
-
-impl WindowSampler {
-    /// A sampler over `split`'s windows of `seq_len`.
-    pub fn new(split: &Tokens, seq_len: usize, seed: u64) -> Result<Self> {
-        let windows = split.windows(seq_len);
-        if windows == 0 {
-            return Err(Error::Batching(format!(
-                "no window of {seq_len} tokens fits a split of {}",
-                split.len()
-            )));
-        }
-        Ok(Self { seed, windows })
-    }
-
-    /// The starts of step `step`'s `batch` windows.
-    pub fn batch(&self, step: u64, batch: usize) -> Vec<u32> {
-        let mut rng = ChaCha8Rng::seed_from_u64(self.seed ^ 0x7e47_5eed);
-        rng.set_stream(step);
-        // Multiply-shift of 64 random bits: identical on every platform.
-        (0..batch)
-            .map(|_| ((u128::from(rng.next_u64()) * self.windows as u128) >> 64) as u32)
-            .collect()
     }
 }
 
@@ -710,33 +677,25 @@ mod tests {
     }
 
     #[test]
-    fn windows_are_a_function_of_seed_and_step_and_always_fit() {
-        let tokens = Tokens {
+    fn every_training_window_fits_and_validation_windows_are_fixed() {
+        let tokens = std::sync::Arc::new(Tokens {
             ids: (0..100).collect(),
-        };
-        let s = WindowSampler::new(&tokens, 8, 42).unwrap();
-        let first = s.batch(3, 64);
-        assert_eq!(
-            first,
-            WindowSampler::new(&tokens, 8, 42).unwrap().batch(3, 64)
-        );
-        assert_ne!(first, s.batch(4, 64));
-        assert_ne!(
-            first,
-            WindowSampler::new(&tokens, 8, 7).unwrap().batch(3, 64)
-        );
-        for step in 0..50 {
-            assert!(s.batch(step, 64).iter().all(|&st| st as usize + 8 < 100));
+        });
+        let train = crate::Split::every_window(std::sync::Arc::clone(&tokens), 8);
+        // The 92 windows that fit, each example its own start.
+        assert_eq!(train.len(), 92);
+        let mut plan = crate::BatchPlan::new(train.len(), 16, 42).unwrap();
+        let (mut x, mut y) = (Vec::new(), Vec::new());
+        train.gather(plan.batch(0, 3), &mut x, &mut y);
+        assert_eq!((x.len(), y.len()), (16 * 8, 16 * 8));
+        for (w, labels) in x.chunks(8).zip(y.chunks(8)) {
+            // Ids are their positions here: the labels are the inputs shifted by one.
+            assert!(w.iter().zip(labels).all(|(&a, &b)| a as u32 + 1 == b));
         }
-        // Every start is drawn sometime (uniform over the 92 that fit).
-        let seen: std::collections::BTreeSet<u32> =
-            (0..200).flat_map(|step| s.batch(step, 16)).collect();
-        assert_eq!(seen.len(), 92);
         let v = tokens.validation_starts(8, 1000);
         assert_eq!(v.len(), 12);
         assert!(v.windows(2).all(|w| w[1] - w[0] == 8));
         assert_eq!(tokens.validation_starts(8, 5).len(), 5);
-        assert!(WindowSampler::new(&tokens, 100, 1).is_err());
     }
 
     #[test]
