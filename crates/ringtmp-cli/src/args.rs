@@ -39,166 +39,173 @@ pub struct TrainArgs {
     #[serde(skip)]
     pub config: Option<PathBuf>,
     /// Strategy: local, ring, ps, allreduce, dpsgd or adpsgd [default: ring].
-    #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(Job::NAMES))]
+    #[arg(help_heading = "Strategy", long, value_parser = clap::builder::PossibleValuesParser::new(Job::NAMES))]
     pub strategy: Option<String>,
     /// Node processes to launch locally (distributed strategies) [default: 4].
-    #[arg(long)]
+    #[arg(help_heading = "Strategy", long)]
     pub nodes: Option<u32>,
     /// The ring's options.
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Ring (--strategy ring)")]
     #[serde(flatten)]
     pub ring: RingOptions,
     /// The parameter server's options.
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "Parameter server (--strategy ps)")]
     #[serde(flatten)]
     pub ps: PsOptions,
     /// All-reduce's options.
-    #[command(flatten)]
+    #[command(flatten, next_help_heading = "All-reduce (--strategy allreduce)")]
     #[serde(flatten)]
     pub allreduce: AllReduceOptions,
     /// D-PSGD's options.
-    #[command(flatten)]
+    #[command(
+        flatten,
+        next_help_heading = "D-PSGD and AD-PSGD (--strategy dpsgd, adpsgd)"
+    )]
     #[serde(flatten)]
     pub dpsgd: DpsgdOptions,
     /// Emulate a slower node: RANK:FACTOR with 0 < FACTOR ≤ 1 (repeatable).
-    #[arg(long, value_name = "RANK:FACTOR")]
+    #[arg(help_heading = "Cluster (emulated)", long, value_name = "RANK:FACTOR")]
     pub node_speed: Option<Vec<String>>,
     /// Emulated network card of every local node, Mbit/s: one sending budget shared by all the
     /// node's outgoing links [default: unlimited].
-    #[arg(long, value_name = "MBIT")]
+    #[arg(help_heading = "Cluster (emulated)", long, value_name = "MBIT")]
     pub bandwidth_mbit: Option<f64>,
     /// Emulated one-way latency of every frame a local node sends, milliseconds [default: 0].
-    #[arg(long, value_name = "MS")]
+    #[arg(help_heading = "Cluster (emulated)", long, value_name = "MS")]
     pub latency_ms: Option<f64>,
     /// Per-rank card: `RANK:MBIT[:MS]`, overriding --bandwidth-mbit (and --latency-ms) for that
     /// node (repeatable or comma-separated).
-    #[arg(long, value_name = "RANK:MBIT[:MS]")]
+    #[arg(
+        help_heading = "Cluster (emulated)",
+        long,
+        value_name = "RANK:MBIT[:MS]"
+    )]
     pub link: Option<Vec<String>>,
     /// Memory of each node's process, e.g. `256M`, or per rank `1:256M,2:1G`: the ring's planner
     /// fits its stages into it (after the process's own needs); with --enforce-memory-limit
     /// the kernel holds every strategy's local nodes to it.
-    #[arg(long, value_name = "BYTES")]
+    #[arg(help_heading = "Cluster (emulated)", long, value_name = "BYTES")]
     pub node_memory_limit: Option<String>,
     /// Make --node-memory-limit a hard limit on each local node process (cgroups): a node that
     /// does not fit is killed, as on a board with that much memory, and the run says so.
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(help_heading = "Cluster (emulated)", long, num_args = 0..=1, default_missing_value = "true")]
     pub enforce_memory_limit: Option<bool>,
     /// Real CPU limits: RANK:CORES puts that local node under a kernel CPU quota of CORES
     /// (fractional) cores through cgroups (repeatable or comma-separated). With --strategy local,
     /// 0:CORES puts the training process itself under it: a one-board baseline on a node's share.
-    #[arg(long, value_name = "RANK:CORES")]
+    #[arg(help_heading = "Cluster (emulated)", long, value_name = "RANK:CORES")]
     pub node_cpu: Option<Vec<String>>,
     /// Pin each local node process to its own core (when there are enough cores).
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(help_heading = "Cluster (emulated)", long, num_args = 0..=1, default_missing_value = "true")]
     pub pin: Option<bool>,
     /// Model preset: mlp, mlp-deep, cnn, or the language models gpt-nano, gpt-cpu and gpt-small
     /// (with --dataset text) [default: mlp, or gpt-cpu on text].
-    #[arg(long, conflicts_with = "model_file")]
+    #[arg(help_heading = "Model", long, conflicts_with = "model_file")]
     pub model: Option<String>,
     /// Model description file (TOML; see examples/).
-    #[arg(long, value_name = "FILE")]
+    #[arg(help_heading = "Model", long, value_name = "FILE")]
     pub model_file: Option<PathBuf>,
     /// Dataset: mnist, fashion-mnist, digits, or text (a language model's: see --data-file)
     /// [default: mnist].
-    #[arg(long)]
+    #[arg(help_heading = "Data", long)]
     pub dataset: Option<String>,
     /// With --dataset text: UTF-8 text files (raw or .gz; a character vocabulary is built from
     /// the training split), or pre-tokenised .bin files (nanoGPT's uint16 ids or llm.c's
     /// layout: TRAIN.bin, then an optional VAL.bin) [default: the bundled Shakespeare corpus].
-    #[arg(long, value_name = "FILE", num_args = 1..)]
+    #[arg(help_heading = "Data", long, value_name = "FILE", num_args = 1..)]
     pub data_file: Option<Vec<PathBuf>>,
     /// Positions per training window (the model's context) [default: the GPT preset's context,
     /// else 64].
-    #[arg(long, value_name = "N")]
+    #[arg(help_heading = "Data", long, value_name = "N")]
     pub seq_len: Option<usize>,
     /// Fraction of the text (its end) that validates [default: 0.1].
-    #[arg(long, value_name = "F")]
+    #[arg(help_heading = "Data", long, value_name = "F")]
     pub val_fraction: Option<f64>,
     /// Tokens of fixed validation windows each evaluation scores [default: 16384].
-    #[arg(long, value_name = "N")]
+    #[arg(help_heading = "Data", long, value_name = "N")]
     pub eval_tokens: Option<usize>,
     /// Vocabulary size of .bin token files [default: 50257, GPT-2's].
-    #[arg(long, value_name = "N")]
+    #[arg(help_heading = "Data", long, value_name = "N")]
     pub vocab_size: Option<usize>,
     /// With --dataset text: encode the text with this tokenizer.json (byte-level BPE, as GPT-2's,
     /// or any model Hugging Face's tokenizers reads) instead of a character vocabulary.
-    #[arg(long, value_name = "FILE")]
+    #[arg(help_heading = "Data", long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,
     /// Directory holding the dataset files (searched before the bundled data/).
-    #[arg(long, value_name = "DIR")]
+    #[arg(help_heading = "Data", long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
     /// Epochs [default: 2].
-    #[arg(long)]
+    #[arg(help_heading = "Training", long)]
     pub epochs: Option<u32>,
     /// Examples per optimizer step [default: 64].
-    #[arg(long)]
+    #[arg(help_heading = "Training", long)]
     pub batch_size: Option<usize>,
     /// Base learning rate [default: 0.01 for SGD, 0.001 for Adam; with SGD on W data-parallel
     /// workers (--strategy ps), 0.01 × W for their global batch of W × --batch-size].
-    #[arg(long)]
+    #[arg(help_heading = "Training", long)]
     pub lr: Option<f32>,
     /// Learning-rate schedule: constant, cosine or step:EVERY:GAMMA (epochs) [default: constant].
-    #[arg(long, value_name = "SCHEDULE")]
+    #[arg(help_heading = "Training", long, value_name = "SCHEDULE")]
     pub lr_schedule: Option<String>,
     /// Steps of linear learning-rate warm-up [default: 0].
-    #[arg(long)]
+    #[arg(help_heading = "Training", long)]
     pub warmup_steps: Option<u64>,
     /// Optimizer [default: sgd].
-    #[arg(long, value_enum)]
+    #[arg(help_heading = "Training", long, value_enum)]
     pub optimizer: Option<OptimizerKind>,
     /// SGD momentum [default: 0.9].
-    #[arg(long)]
+    #[arg(help_heading = "Training", long)]
     pub momentum: Option<f32>,
     /// Weight decay: L2 for SGD and Adam, decoupled for AdamW [default: 0, or 0.1 with AdamW].
-    #[arg(long)]
+    #[arg(help_heading = "Training", long)]
     pub weight_decay: Option<f32>,
     /// AdamW: decay the token and position embeddings too (nanoGPT does).
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(help_heading = "Training", long, num_args = 0..=1, default_missing_value = "true")]
     pub decay_embeddings: Option<bool>,
     /// Clip each step's gradient to this global L2 norm, computed over every node's share of
     /// the model [default: 1.0 for language models, none otherwise].
-    #[arg(long, value_name = "NORM")]
+    #[arg(help_heading = "Training", long, value_name = "NORM")]
     pub clip_grad_norm: Option<f32>,
     /// Compute threads [default: all cores].
-    #[arg(long)]
+    #[arg(help_heading = "Training", long)]
     pub threads: Option<usize>,
     /// Seed of initialisation, data order and dropout [default: 42].
-    #[arg(long)]
+    #[arg(help_heading = "Training", long)]
     pub seed: Option<u64>,
     /// Test accuracy whose first attainment is timed in summary.json [default: 0.97].
-    #[arg(long)]
+    #[arg(help_heading = "Output", long)]
     pub target_accuracy: Option<f64>,
     /// Evaluate on the test split every N steps, besides every epoch end; 0 = epoch ends only
     /// [default: 200].
-    #[arg(long, value_name = "N")]
+    #[arg(help_heading = "Output", long, value_name = "N")]
     pub eval_every: Option<u64>,
     /// Output directory (default: `runs/<time>-<strategy>`).
-    #[arg(long, value_name = "DIR")]
+    #[arg(help_heading = "Output", long, value_name = "DIR")]
     pub out: Option<PathBuf>,
     /// Checkpoint every N steps and at the end; 0 = never [default: 0].
-    #[arg(long, value_name = "N")]
+    #[arg(help_heading = "Output", long, value_name = "N")]
     pub checkpoint_every: Option<u64>,
     /// Keep only the N newest checkpoints [default: all].
-    #[arg(long, value_name = "N")]
+    #[arg(help_heading = "Output", long, value_name = "N")]
     pub keep_checkpoints: Option<usize>,
     /// Resume from a checkpoint directory or a previous run's output directory.
-    #[arg(long, value_name = "DIR")]
+    #[arg(help_heading = "Output", long, value_name = "DIR")]
     pub resume: Option<PathBuf>,
     /// Replace the run that --out already holds (its summary, metrics, job and checkpoints).
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(help_heading = "Output", long, num_args = 0..=1, default_missing_value = "true")]
     pub overwrite: Option<bool>,
     /// With --max-restarts: restart without the node that failed, re-planned on the nodes that
     /// remain (a board that is gone for good), instead of starting it again.
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(help_heading = "Faults and links", long, num_args = 0..=1, default_missing_value = "true")]
     pub shrink_on_failure: Option<bool>,
     /// Send frames between nodes in the clear after the authenticated greeting (links are
     /// encrypted and authenticated by default).
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(help_heading = "Faults and links", long, num_args = 0..=1, default_missing_value = "true")]
     pub insecure_plaintext: Option<bool>,
     /// Restart the run up to K times when a node fails: the launcher stops the others and resumes
     /// from the newest checkpoint that verifies (choosing --checkpoint-every when not given).
     /// The master's failure still ends the run.
-    #[arg(long, value_name = "K")]
+    #[arg(help_heading = "Faults and links", long, value_name = "K")]
     pub max_restarts: Option<u32>,
     /// Fault injection for tests: this rank of a local ring exits abruptly.
     #[arg(long, hide = true)]
@@ -232,26 +239,26 @@ pub struct TrainArgs {
     #[serde(skip)]
     pub hang_after_ms: Option<u64>,
     /// Stop after N optimizer steps in total.
-    #[arg(long, value_name = "N")]
+    #[arg(help_heading = "Training", long, value_name = "N")]
     pub max_steps: Option<u64>,
     /// Train on N examples in all instead of --epochs (rounded up to whole steps; the
     /// learning-rate schedule spans them): one budget for strategies whose steps differ in size.
-    #[arg(long, value_name = "N")]
+    #[arg(help_heading = "Training", long, value_name = "N")]
     pub train_samples: Option<u64>,
     /// Seconds a node waits for any one message before giving up on the run [default: 300].
-    #[arg(long, value_name = "SECONDS")]
+    #[arg(help_heading = "Faults and links", long, value_name = "SECONDS")]
     pub recv_timeout: Option<f64>,
     /// Seconds rank 0 may wait without a step completing before it ends the run, naming what
     /// every node waits for; 20 × the slowest step so far (or the plan's predicted step) when
     /// that is longer [default: 30, and at least 6 × the links' peer timeout].
-    #[arg(long, value_name = "SECONDS")]
+    #[arg(help_heading = "Faults and links", long, value_name = "SECONDS")]
     pub stall_timeout: Option<f64>,
     /// What tensors travel as between nodes: f32, bf16 or f16 (computation stays f32)
     /// [default: f32].
-    #[arg(long, value_name = "DTYPE")]
+    #[arg(help_heading = "Strategy", long, value_name = "DTYPE")]
     pub wire_dtype: Option<String>,
     /// Show every node's informational log lines (otherwise progress, warnings and errors).
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[arg(help_heading = "Output", long, num_args = 0..=1, default_missing_value = "true")]
     pub verbose: Option<bool>,
 }
 
