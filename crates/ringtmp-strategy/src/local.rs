@@ -372,23 +372,15 @@ fn write_checkpoint(
 ) -> Result<()> {
     let cfg = &spec.config;
     let file = checkpoint::write_stage(dir, "stage-0.safetensors", model, optimizer)?;
-    let manifest = Manifest {
-        format: checkpoint::MANIFEST_FORMAT,
-        strategy: "local".into(),
+    debug_assert_eq!(per_epoch, spec.steps_per_epoch, "the plan's epochs are the spec's");
+    let manifest = spec.manifest(
+        "local",
         step,
-        epoch: step / per_epoch,
-        batch_in_epoch: step % per_epoch,
-        dataset: cfg.dataset.clone(),
-        batch_size: cfg.batch_size,
-        seed: cfg.seed,
-        model: cfg.model.clone(),
-        partition: vec![(0, model.layers().len())],
-        optimizer: cfg.optimizer.clone(),
-        lr: Some(cfg.lr),
-        files: vec![file],
-        replicas: Vec::new(),
-        vocabulary: spec.vocabulary.clone(),
-    };
+        cfg.batch_size,
+        vec![(0, model.layers().len())],
+        vec![file],
+        Vec::new(),
+    );
     checkpoint::write_manifest(dir, &manifest)?;
     Ok(())
 }

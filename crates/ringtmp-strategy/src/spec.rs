@@ -172,6 +172,40 @@ impl RunSpec {
         Ok(self.model.build_for(&input, &output)?)
     }
 
+    /// The manifest of a checkpoint `strategy` takes after `step` steps: the run's model, data
+    /// order, optimizer and vocabulary as the spec has them, and what only the strategy knows —
+    /// the batch that fixes the data order (`global_batch`: every worker's or ring's together),
+    /// which layers each file holds (`partition`), the files and any replicas beside them. The
+    /// one place a manifest is made, so a field added to it reaches every strategy.
+    pub fn manifest(
+        &self,
+        strategy: &str,
+        step: u64,
+        global_batch: usize,
+        partition: Vec<(usize, usize)>,
+        files: Vec<checkpoint::FileEntry>,
+        replicas: Vec<checkpoint::FileEntry>,
+    ) -> checkpoint::Manifest {
+        let per_epoch = self.steps_per_epoch.max(1);
+        checkpoint::Manifest {
+            format: checkpoint::MANIFEST_FORMAT,
+            strategy: strategy.into(),
+            step,
+            epoch: step / per_epoch,
+            batch_in_epoch: step % per_epoch,
+            dataset: self.dataset.clone(),
+            batch_size: global_batch,
+            seed: self.seed,
+            model: self.model.clone(),
+            partition,
+            optimizer: self.optimizer.clone(),
+            lr: Some(self.lr),
+            files,
+            replicas,
+            vocabulary: self.vocabulary.clone(),
+        }
+    }
+
     /// Labels per example: 1, or a window's positions.
     pub fn positions(&self) -> usize {
         self.sequence.unwrap_or(1)

@@ -1043,24 +1043,15 @@ pub fn write_model(
                 )
             })
             .collect::<std::result::Result<Vec<_>, _>>()?;
-        let manifest = checkpoint::Manifest {
-            format: checkpoint::MANIFEST_FORMAT,
-            strategy: strategy.into(),
+        // The data order is that of the global batch.
+        let manifest = spec.manifest(
+            strategy,
             step,
-            epoch: step / spec.steps_per_epoch,
-            batch_in_epoch: step % spec.steps_per_epoch,
-            dataset: spec.dataset.clone(),
-            // The data order is that of the global batch.
-            batch_size: spec.batch_size * workers,
-            seed: spec.seed,
-            model: spec.model.clone(),
-            partition: vec![(0, stage.layers().len())],
-            optimizer: spec.optimizer.clone(),
-            lr: Some(spec.lr),
-            files: vec![file],
+            spec.batch_size * workers,
+            vec![(0, stage.layers().len())],
+            vec![file],
             replicas,
-            vocabulary: spec.vocabulary.clone(),
-        };
+        );
         checkpoint::write_manifest(&dir, &manifest)?;
         Ok(())
     })();

@@ -669,25 +669,16 @@ impl Checkpoints {
             })
             .collect::<Result<Vec<checkpoint::FileEntry>>>()?;
         let total = model.params().len();
-        let manifest = checkpoint::Manifest {
-            format: checkpoint::MANIFEST_FORMAT,
-            strategy: "ps".into(),
+        let manifest = job.spec.manifest(
+            "ps",
             step,
-            epoch: step / job.spec.steps_per_epoch,
-            batch_in_epoch: step % job.spec.steps_per_epoch,
-            dataset: job.spec.dataset.clone(),
-            batch_size: job.spec.batch_size * job.workers,
-            seed: job.spec.seed,
-            model: job.spec.model.clone(),
-            partition: (0..job.servers)
+            job.spec.batch_size * job.workers,
+            (0..job.servers)
                 .map(|s| checkpoint::range_layers(model, &shard_range(total, job.servers, s)))
                 .collect(),
-            optimizer: job.spec.optimizer.clone(),
-            lr: Some(job.spec.lr),
             files,
-            replicas: Vec::new(),
-            vocabulary: job.spec.vocabulary.clone(),
-        };
+            Vec::new(),
+        );
         checkpoint::write_manifest(&job.checkpoint_dir(step), &manifest)?;
         if let Some(keep) = job.spec.keep_checkpoints {
             checkpoint::retain_newest(&job.spec.out.join("checkpoints"), keep)?;

@@ -273,31 +273,20 @@ impl RingJob {
             })
             .collect::<Result<Vec<checkpoint::FileEntry>>>()?;
         let dir = self.checkpoint_dir(step);
-        let manifest = checkpoint::Manifest {
-            format: checkpoint::MANIFEST_FORMAT,
-            strategy: "ring".into(),
+        let layers = self.layers()?;
+        let manifest = self.spec.manifest(
+            "ring",
             step,
-            epoch: step / self.spec.steps_per_epoch,
-            batch_in_epoch: step % self.spec.steps_per_epoch,
-            dataset: self.spec.dataset.clone(),
             // The global batch (rings of rings: all rings' together) fixes the data order.
-            batch_size: self.spec.batch_size * self.replicas.max(1),
-            seed: self.spec.seed,
-            model: self.spec.model.clone(),
-            partition: {
-                let layers = self.layers()?;
-                self.partition
-                    .iter()
-                    .chain(&self.head)
-                    .map(|p| Self::model_layers(&layers, p))
-                    .collect()
-            },
-            optimizer: self.spec.optimizer.clone(),
-            lr: Some(self.spec.lr),
+            self.spec.batch_size * self.replicas.max(1),
+            self.partition
+                .iter()
+                .chain(&self.head)
+                .map(|p| Self::model_layers(&layers, p))
+                .collect(),
             files,
-            replicas: Vec::new(),
-            vocabulary: self.spec.vocabulary.clone(),
-        };
+            Vec::new(),
+        );
         checkpoint::write_manifest(&dir, &manifest)?;
         if let Some(keep) = self.spec.keep_checkpoints {
             checkpoint::retain_newest(&self.spec.out.join("checkpoints"), keep)?;
