@@ -42,7 +42,7 @@ pub fn plan_spec(
             batch_size: global,
             ..spec.config.clone()
         };
-        let (dir, manifest) = crate::local::check_resume(path, &global_cfg, data)?;
+        let (dir, manifest) = crate::resume::check_resume(path, &global_cfg, data)?;
         spec.resume_from = Some(ResumePoint {
             dir: std::path::absolute(&dir).unwrap_or(dir),
             step: manifest.step.min(spec.total_steps),

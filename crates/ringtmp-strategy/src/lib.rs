@@ -23,15 +23,19 @@
 //!   with the strategy's own recovery (`ringtmp simulate --failures-per-node-hour`).
 
 pub mod allreduce;
+pub mod clipping;
 pub mod config;
 pub mod data_parallel;
 mod error;
+pub mod evaluation;
+pub mod event;
 pub mod failures;
 pub mod gossip;
 pub mod job;
 pub mod local;
 pub mod param_server;
 pub mod recorder;
+pub mod resume;
 pub mod ring;
 pub mod selftest;
 pub mod simulate;
@@ -39,6 +43,7 @@ mod spec;
 
 pub use config::{DEFAULT_RECV_TIMEOUT_SECS, TextSource, TrainConfig};
 pub use error::{Error, Result};
+pub use event::Event;
 pub use job::{Cluster, Job, NodeCx, SharedMachine, Strategy, StrategyOptions};
-pub use local::{Event, LocalJob, train_local};
+pub use local::{LocalJob, train_local};
 pub use spec::{ResumePoint, RunSpec, layers_for, model_shapes, sequence_of};

@@ -10,16 +10,19 @@
 use std::path::Path;
 use std::time::Instant;
 
-use ringtmp_data::{BatchPlan, Dataset, Split};
+use ringtmp_data::{BatchPlan, Dataset};
 use ringtmp_metrics::{NodeSummary, Summary, resources};
-use ringtmp_model::checkpoint::{self, Manifest};
+use ringtmp_model::checkpoint;
 use ringtmp_model::{Optimizer, Pass, Stage, loss};
 use serde_json::json;
 
 use crate::config::TrainConfig;
 use crate::error::{Error, Result};
+use crate::evaluation::evaluate;
+use crate::event::Event;
 use crate::job::{Cluster, NodeCx, Strategy, validate_shared};
 use crate::recorder::RunRecorder;
+use crate::resume::check_resume;
 use crate::spec::RunSpec;
 
 /// The `local` strategy's job: the whole model in one process.
@@ -75,71 +78,6 @@ impl Strategy for LocalJob {
     fn run(&self, _: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
         let data = cx.data()?;
         train_local(&self.spec.config, data, cx.on_event).map(Some)
-    }
-}
-
-/// Progress reported to the caller (the CLI draws it).
-#[derive(Clone, Debug, PartialEq)]
-pub enum Event {
-    /// Training is about to start.
-    Started {
-        /// Steps the run will take in total.
-        total_steps: u64,
-        /// Step resumed from (0 for a fresh run).
-        first_step: u64,
-        /// Parameters in the whole model.
-        params: usize,
-        /// Parameters of each stage, in ring order, when the model is split (else empty).
-        stage_params: Vec<usize>,
-    },
-    /// An optimizer step finished.
-    Step {
-        /// Steps completed.
-        step: u64,
-        /// Epoch of that step.
-        epoch: u64,
-        /// Mean training loss of the step's mini-batch.
-        loss: f64,
-        /// Training examples per training second so far.
-        samples_per_second: f64,
-    },
-    /// An evaluation on the test split finished.
-    Eval {
-        /// Steps completed.
-        step: u64,
-        /// Epoch in progress.
-        epoch: u64,
-        /// Test accuracy.
-        accuracy: f64,
-        /// Mean test loss.
-        loss: f64,
-    },
-    /// A checkpoint was written.
-    Checkpoint {
-        /// Steps completed.
-        step: u64,
-        /// Its directory.
-        path: std::path::PathBuf,
-    },
-}
-
-/// Labels per evaluation forward pass: large enough for efficient GEMMs, small enough that the
-/// activations of one pass stay a few tens of MB.
-const EVAL_ROWS: usize = 250;
-
-/// Logits an evaluation pass of a language model holds at most (16 MB), so that a vocabulary of
-/// GPT-2's size evaluates in passes of a window or two rather than of 400 MB.
-const EVAL_LOGITS: usize = 1 << 22;
-
-/// Examples per evaluation forward pass of `split` for a model of `classes` outputs per
-/// position: 250 images, or windows of about 2,000 positions in all and at most
-/// 4 M logits (16 MB; at least one window).
-pub fn eval_chunk(split: &Split, classes: usize) -> usize {
-    match split.positions() {
-        1 => EVAL_ROWS,
-        positions => (8 * EVAL_ROWS / positions)
-            .min(EVAL_LOGITS / (positions * classes.max(1)))
-            .max(1),
     }
 }
 
@@ -212,8 +150,7 @@ pub fn train_local(
             // The norm needs the whole gradient before any update.
             Some(max_norm) => {
                 model.backward(0, &dlogits)?;
-                let norm = model.grad_norm_squared().sqrt();
-                model.scale_grads(clip_factor(norm, max_norm));
+                crate::clipping::clip_whole(&mut model, max_norm);
                 model.step(&mut optimizer, lr);
             }
             None => {
@@ -308,36 +245,6 @@ pub fn train_local(
     Ok(summary)
 }
 
-/// The factor that brings a gradient of global L2 norm `norm` down to `max_norm` (1 when it is
-/// already within): PyTorch's `clip_grad_norm_`, `max_norm / (norm + 1e-6)` clamped to 1.
-pub fn clip_factor(norm: f64, max_norm: f32) -> f32 {
-    (f64::from(max_norm) / (norm + 1e-6)).min(1.0) as f32
-}
-
-/// Test accuracy and mean loss of `model` on `split`.
-pub fn evaluate(model: &mut Stage, split: &Split, classes: usize) -> Result<(f64, f64)> {
-    // Not charged to the training compute a simulated node accounts next.
-    ringtmp_meter::unmetered(|| evaluate_metered(model, split, classes))
-}
-
-fn evaluate_metered(model: &mut Stage, split: &Split, classes: usize) -> Result<(f64, f64)> {
-    let (mut x, mut y, mut d) = (Vec::new(), Vec::new(), Vec::new());
-    let (mut correct, mut loss_sum) = (0usize, 0.0f64);
-    let mut start = 0;
-    while start < split.len() {
-        let end = (start + eval_chunk(split, classes)).min(split.len());
-        split.gather_range(start, end, &mut x, &mut y);
-        let logits = model.infer(&x, end - start)?;
-        d.resize(logits.len(), 0.0);
-        let out = loss::softmax_cross_entropy(logits, &y, classes, 0.0, &mut d)?;
-        correct += out.correct;
-        loss_sum += out.loss_sum;
-        start = end;
-    }
-    let n = (split.len() * split.positions()).max(1) as f64;
-    Ok((correct as f64 / n, loss_sum / n))
-}
-
 fn save_checkpoint(
     spec: &RunSpec,
     model: &Stage,
@@ -372,7 +279,10 @@ fn write_checkpoint(
 ) -> Result<()> {
     let cfg = &spec.config;
     let file = checkpoint::write_stage(dir, "stage-0.safetensors", model, optimizer)?;
-    debug_assert_eq!(per_epoch, spec.steps_per_epoch, "the plan's epochs are the spec's");
+    debug_assert_eq!(
+        per_epoch, spec.steps_per_epoch,
+        "the plan's epochs are the spec's"
+    );
     let manifest = spec.manifest(
         "local",
         step,
@@ -397,74 +307,4 @@ fn resume_from(
     let (dir, manifest) = check_resume(path, cfg, data)?;
     checkpoint::read_stage(&dir, &manifest, model, optimizer)?;
     Ok(manifest.step)
-}
-
-/// Finds the checkpoint `path` means and checks that it was written for this run's model, data
-/// order (dataset, batch size, seed) and optimizer; any strategy and any partition may have
-/// written it. Returns its directory and manifest.
-pub fn check_resume(
-    path: &Path,
-    cfg: &TrainConfig,
-    data: &Dataset,
-) -> Result<(std::path::PathBuf, Manifest)> {
-    let dir = checkpoint::resolve(path)?;
-    let manifest = checkpoint::read_manifest(&dir)?;
-    let mismatch = |what: &str, theirs: String, ours: String| {
-        Err(Error::Config(format!(
-            "cannot resume from {}: it was written with {what} {theirs}, this run uses {ours}",
-            dir.display()
-        )))
-    };
-    // The vocabulary first: a preset's shapes follow it, so a model mismatch may be only this.
-    let vocabulary = crate::spec::vocabulary_of(data);
-    if manifest.vocabulary != vocabulary {
-        let parse = |line: &Option<String>| {
-            line.as_deref()
-                .map(|l| ringtmp_data::Vocabulary::from_line(l, "vocabulary"))
-        };
-        let why = match (parse(&manifest.vocabulary), parse(&vocabulary)) {
-            (Some(Ok(theirs)), Some(Ok(ours))) => theirs
-                .check_matches(&ours)
-                .err()
-                .unwrap_or_else(|| "the vocabularies differ".into()),
-            _ => "one of them is a language model's and the other is not".into(),
-        };
-        return Err(Error::Config(format!(
-            "cannot resume from {}: its vocabulary is not this data's: {why}",
-            dir.display()
-        )));
-    }
-    if manifest.model.layers != cfg.model.layers {
-        let (theirs, ours) = if manifest.model.name == cfg.model.name {
-            // One name, other layers (another vocabulary or file): say how they differ.
-            (
-                format!("{} ({:?})", manifest.model.name, manifest.model.layers),
-                format!("{:?}", cfg.model.layers),
-            )
-        } else {
-            (manifest.model.name.clone(), cfg.model.name.clone())
-        };
-        return mismatch("model", theirs, ours);
-    }
-    if manifest.dataset != cfg.dataset {
-        return mismatch("dataset", manifest.dataset.clone(), cfg.dataset.clone());
-    }
-    if manifest.batch_size != cfg.batch_size {
-        return mismatch(
-            "batch size",
-            manifest.batch_size.to_string(),
-            cfg.batch_size.to_string(),
-        );
-    }
-    if manifest.seed != cfg.seed {
-        return mismatch("seed", manifest.seed.to_string(), cfg.seed.to_string());
-    }
-    if std::mem::discriminant(&manifest.optimizer) != std::mem::discriminant(&cfg.optimizer) {
-        return mismatch(
-            "optimizer",
-            format!("{:?}", manifest.optimizer),
-            format!("{:?}", cfg.optimizer),
-        );
-    }
-    Ok((dir, manifest))
 }

@@ -903,8 +903,7 @@ pub fn run_worker(
         if let Some(max_norm) = spec.clip_grad_norm {
             // Every replica holds the same averaged gradient: the same norm and factor, the
             // large batch's own clipping.
-            let norm = stage.grad_norm_squared().sqrt();
-            stage.scale_grads(crate::local::clip_factor(norm, max_norm));
+            crate::clipping::clip_whole(&mut stage, max_norm);
         }
         stage.step(&mut optimizer, lr);
         clock.computed(wall.elapsed(), speed);
@@ -932,7 +931,7 @@ pub fn run_worker(
         });
         if spec.eval_due(done) {
             let (accuracy, test_loss) =
-                crate::local::evaluate(&mut stage, &data.test, data.classes)?;
+                crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?;
             recorder.eval(
                 done,
                 accuracy,

@@ -555,7 +555,7 @@ pub fn run_worker(
     if !ringtmp_meter::phantom() {
         stage.params_mut().copy_from_slice(&me.model);
     }
-    let (own_accuracy, _) = crate::local::evaluate(&mut stage, &data.test, data.classes)?;
+    let (own_accuracy, _) = crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?;
     let own = NodeSummary {
         test_accuracy: Some(own_accuracy),
         ..crate::data_parallel::worker_summary(
@@ -603,7 +603,7 @@ pub fn run_worker(
     let done = c.global_step();
     let (mean, distance) = super::consensus(&finals);
     stage.params_mut().copy_from_slice(&mean);
-    let (accuracy, test_loss) = crate::local::evaluate(&mut stage, &data.test, data.classes)?;
+    let (accuracy, test_loss) = crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?;
     let wall = (clock.now() - started).as_secs_f64();
     r0.recorder
         .eval(done, accuracy, Some(test_loss), train_seconds, wall)?;
@@ -723,7 +723,7 @@ fn coordinate(
     let done = round.step;
     if spec.eval_due(done) {
         let (accuracy, test_loss) =
-            crate::local::evaluate(&mut stage, &r0.data.test, r0.data.classes)?;
+            crate::evaluation::evaluate(&mut stage, &r0.data.test, r0.data.classes)?;
         r0.recorder
             .eval(done, accuracy, Some(test_loss), elapsed(), elapsed())?;
         on_event(&crate::Event::Eval {

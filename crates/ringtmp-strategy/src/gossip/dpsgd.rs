@@ -302,7 +302,7 @@ pub fn run_worker_from(
         model.params_mut().copy_from_slice(&mean);
         if eval {
             let (accuracy, test_loss) =
-                crate::local::evaluate(&mut model, &data.test, data.classes)?;
+                crate::evaluation::evaluate(&mut model, &data.test, data.classes)?;
             recorder.eval(
                 done,
                 accuracy,
@@ -338,7 +338,7 @@ pub fn run_worker_from(
         }
     }
     // Each worker's own model's accuracy, and the reports around the ring to rank 0.
-    let (own_accuracy, _) = crate::local::evaluate(&mut stage, &data.test, data.classes)?;
+    let (own_accuracy, _) = crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?;
     let params = stage.params().len() as u64;
     let own = NodeSummary {
         test_accuracy: Some(own_accuracy),

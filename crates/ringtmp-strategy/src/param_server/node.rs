@@ -212,7 +212,8 @@ fn run(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
                 last = last.max(t);
                 if due {
                     let started = time.now();
-                    let (accuracy, loss) = crate::local::evaluate(stage, &data.test, data.classes)?;
+                    let (accuracy, loss) =
+                        crate::evaluation::evaluate(stage, &data.test, data.classes)?;
                     eval_seconds += (time.now() - started).as_secs_f64();
                     evaluations.push((t, accuracy, train_seconds));
                     on_event(&crate::Event::Eval {
@@ -261,7 +262,7 @@ fn run(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
     own.final_epoch_loss_sum = outcome.final_epoch_loss_sum;
     own.final_epoch_units = outcome.final_epoch_units;
     if w == 0 {
-        let (accuracy, _) = crate::local::evaluate(&mut stage, &data.test, data.classes)?;
+        let (accuracy, _) = crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?;
         own.test_accuracy = Some(accuracy);
         // The final replica holds every iteration of the run (under BSP exactly; otherwise up
         // to the pushes still in flight when the work ran out).

@@ -127,7 +127,7 @@ pub fn plan(
             batch_size: global,
             ..cfg.clone()
         };
-        let (dir, manifest) = crate::local::check_resume(path, &global_cfg, data)?;
+        let (dir, manifest) = crate::resume::check_resume(path, &global_cfg, data)?;
         eprintln!(
             "resuming from {} at iteration {} (written by {}, its parameters in {} file(s))",
             dir.display(),

@@ -17,7 +17,7 @@ use super::driver::{NodeClock, RingJob, micro_offset, node_summary, protocol, te
 use super::heal::{REPLICA, Replicas, Snapshot};
 use super::schedule::{Action, Schedule, StageState};
 use crate::error::{Error, Result};
-use crate::local::Event;
+use crate::event::Event;
 use crate::recorder::RunRecorder;
 
 /// What the master needs besides the job: the data and where to write.
@@ -1039,7 +1039,7 @@ fn clip_from_master(
             (from, message) => return Err(protocol(net, from, &message.describe())),
         },
     };
-    let factor = crate::local::clip_factor((total + rest).sqrt(), max_norm);
+    let factor = crate::clipping::clip_factor((total + rest).sqrt(), max_norm);
     net.send(
         succ,
         Message::Control(Control::ClipScale {
@@ -1068,7 +1068,7 @@ fn evaluate(
     let n = job.partition.len() as u32;
     let pred = n - 1;
     let split = &data.test;
-    let per_chunk = crate::local::eval_chunk(split, job.spec.classes);
+    let per_chunk = crate::evaluation::eval_chunk(split, job.spec.classes);
     let chunk = |i: usize| (i * per_chunk, ((i + 1) * per_chunk).min(split.len()));
     let (mut x, mut y, mut labels) = (Vec::new(), Vec::new(), Vec::<u32>::new());
     let mut unused = Vec::new();

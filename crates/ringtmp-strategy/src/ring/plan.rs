@@ -864,7 +864,7 @@ pub fn plan(
             batch_size: cfg.batch_size * replicas,
             ..cfg.clone()
         };
-        let (dir, manifest) = crate::local::check_resume(path, &global, data)?;
+        let (dir, manifest) = crate::resume::check_resume(path, &global, data)?;
         eprintln!(
             "resuming from {} at step {} (written by {}, its parameters in {} file(s))",
             dir.display(),
