@@ -17,7 +17,7 @@
 use std::path::{Path, PathBuf};
 
 use ringtmp_data::{BatchPlan, Dataset, TextOptions};
-use ringtmp_model::{LrSchedule, ModelSpec, OptimizerConfig, Stage, checkpoint};
+use ringtmp_model::{LrSchedule, OptimizerConfig, Stage, checkpoint};
 use ringtmp_strategy::{Event, TextSource, TrainConfig, train_local};
 use serde_json::{Value, json};
 
@@ -58,33 +58,6 @@ fn corpus(dir: &Path) -> PathBuf {
     path
 }
 
-fn model(vocab: usize) -> ModelSpec {
-    ModelSpec::from_toml(
-        r#"
-name = "gpt-parity"
-[[layer]]
-type = "embedding"
-vocab = VOCAB
-width = 32
-[[layer]]
-type = "block"
-heads = 2
-[[layer]]
-type = "block"
-heads = 2
-[[layer]]
-type = "layer_norm"
-[[layer]]
-type = "linear"
-out = VOCAB
-"#
-        .replace("VOCAB", &vocab.to_string())
-        .as_str(),
-        "gpt-parity",
-    )
-    .unwrap()
-}
-
 fn setup(dir: &Path, out: &Path) -> (TrainConfig, Dataset) {
     let text = TextSource {
         files: vec![corpus(dir)],
@@ -110,7 +83,12 @@ fn setup(dir: &Path, out: &Path) -> (TrainConfig, Dataset) {
         dataset: "text".into(),
         text: Some(text),
         seed: 5,
-        ..ringtmp_testkit::fixtures::train_config(model(data.classes), BATCH, STEPS, out)
+        ..ringtmp_testkit::fixtures::train_config(
+            ringtmp_testkit::fixtures::gpt(data.classes, 32),
+            BATCH,
+            STEPS,
+            out,
+        )
     };
     (cfg, data)
 }

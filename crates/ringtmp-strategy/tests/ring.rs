@@ -503,26 +503,6 @@ fn norms_and_gelu_split_over_a_ring_equal_local() {
     }
 }
 
-/// A small GPT: token and position embeddings, two blocks, the final norm and the LM head.
-const GPT_MODEL: &str = r#"
-name = "gpt-ring-test"
-[[layer]]
-type = "embedding"
-vocab = VOCAB
-width = 16
-[[layer]]
-type = "block"
-heads = 2
-[[layer]]
-type = "block"
-heads = 2
-[[layer]]
-type = "layer_norm"
-[[layer]]
-type = "linear"
-out = VOCAB
-"#;
-
 /// A character-level text of a few thousand characters, windows of 8.
 fn text_data(dir: &Path) -> (Dataset, ringtmp_strategy::TextSource) {
     let line = "The quality of mercy is not strained; it droppeth as the gentle rain from heaven \
@@ -548,7 +528,6 @@ fn text_data(dir: &Path) -> (Dataset, ringtmp_strategy::TextSource) {
 fn a_gpt_split_over_a_ring_with_adamw_and_clipping_equals_local() {
     let tmp = tempfile::tempdir().unwrap();
     let (data, text) = text_data(tmp.path());
-    let vocab = data.classes.to_string();
     let adamw = OptimizerConfig::AdamW {
         beta1: 0.9,
         beta2: 0.99,
@@ -560,7 +539,7 @@ fn a_gpt_split_over_a_ring_with_adamw_and_clipping_equals_local() {
     // factor that were not the whole model's would show there.
     for (name, optimizer, lr) in [("adamw", adamw, 3e-3), ("sgd", optimizer(), 0.5)] {
         let cfg = TrainConfig {
-            model: ringtmp_testkit::fixtures::model(&GPT_MODEL.replace("VOCAB", &vocab), "gpt"),
+            model: ringtmp_testkit::fixtures::gpt(data.classes, 16),
             dataset: "text".into(),
             text: Some(text.clone()),
             batch_size: 8,

@@ -23,6 +23,29 @@ pub fn model(toml: &str, name: &str) -> ModelSpec {
     ModelSpec::from_toml(toml, name).expect("a valid test model")
 }
 
+/// A small GPT over a vocabulary of `vocab` ids: token and position embeddings of `width`, two
+/// blocks of two heads, the final LayerNorm and an LM head (five layers: a ring cuts it between
+/// any two).
+pub fn gpt(vocab: usize, width: usize) -> ModelSpec {
+    use ringtmp_model::LayerSpec::{Block, Embedding, LayerNorm, Linear};
+    ModelSpec {
+        name: format!("gpt-{width}"),
+        layers: vec![
+            Embedding { vocab, width },
+            Block {
+                heads: 2,
+                mlp_ratio: 4,
+            },
+            Block {
+                heads: 2,
+                mlp_ratio: 4,
+            },
+            LayerNorm,
+            Linear { out: vocab },
+        ],
+    }
+}
+
 /// A small convolutional model for the digits: conv 6×3×3 → ReLU → pool → 48 → ReLU → dropout →
 /// 32 → ReLU → 10 (ten layers, so a ring can cut it many ways).
 pub const CONV_MODEL: &str = r#"
