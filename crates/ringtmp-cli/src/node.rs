@@ -10,7 +10,7 @@ use clap::{Args, ValueEnum};
 use ringtmp_cluster::launch::{LaunchFlags, resolve};
 use ringtmp_cluster::node::{JoinOptions, join};
 use ringtmp_cluster::rendezvous::{FromAnswers, Offer};
-use ringtmp_strategy::job::ring_neighbours;
+use ringtmp_strategy::contract::ring_neighbours;
 use ringtmp_strategy::ring::node_profile::{self, ProfileReply};
 use ringtmp_strategy::selftest::{self, SelftestConfig};
 use ringtmp_strategy::{Job, NodeCx};

@@ -8,8 +8,8 @@ use ringtmp_model::{Optimizer, OptimizerConfig, Pass, Stage, loss};
 use ringtmp_transport::Transport;
 
 use crate::TrainConfig;
+use crate::contract::Cluster;
 use crate::error::{Error, Result};
-use crate::job::Cluster;
 use crate::spec::{ResumePoint, RunSpec};
 
 /// The spec of a data-parallel run of `strategy` on every node of `cluster`: a worker's share of

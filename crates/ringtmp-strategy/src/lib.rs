@@ -25,6 +25,7 @@
 pub mod allreduce;
 pub mod clipping;
 pub mod config;
+pub mod contract;
 pub mod data_parallel;
 mod error;
 pub mod evaluation;
@@ -42,8 +43,9 @@ pub mod simulate;
 mod spec;
 
 pub use config::{DEFAULT_RECV_TIMEOUT_SECS, TextSource, TrainConfig};
+pub use contract::{Cluster, NodeCx, SharedMachine, Strategy};
 pub use error::{Error, Result};
 pub use event::Event;
-pub use job::{Cluster, Job, NodeCx, SharedMachine, Strategy, StrategyOptions};
+pub use job::{Job, StrategyOptions};
 pub use local::{LocalJob, train_local};
 pub use spec::{ResumePoint, RunSpec, layers_for, model_shapes, sequence_of};

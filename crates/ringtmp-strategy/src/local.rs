@@ -17,10 +17,10 @@ use ringtmp_model::{Optimizer, Pass, Stage, loss};
 use serde_json::json;
 
 use crate::config::TrainConfig;
+use crate::contract::{Cluster, NodeCx, Strategy, validate_shared};
 use crate::error::{Error, Result};
 use crate::evaluation::evaluate;
 use crate::event::Event;
-use crate::job::{Cluster, NodeCx, Strategy, validate_shared};
 use crate::recorder::RunRecorder;
 use crate::resume::check_resume;
 use crate::spec::RunSpec;

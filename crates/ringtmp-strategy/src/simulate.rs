@@ -35,8 +35,9 @@ use ringtmp_transport::Transport;
 use ringtmp_transport::sim::{ComputeCost, Pricing, SimConfig, SimNetwork};
 use serde::{Deserialize, Serialize};
 
+use crate::contract::NodeCx;
 use crate::error::{Error, Result};
-use crate::job::{Job, NodeCx};
+use crate::job::Job;
 
 /// What a simulation assumes; printed with its results.
 pub const ASSUMPTIONS: &str = "compute: each layer pass costs its profiled time per row × rows \

@@ -39,9 +39,9 @@ use serde_json::json;
 use super::coordinator::{Action, Coordinator, gathering_due};
 use super::mixing;
 use crate::TrainConfig;
+use crate::contract::{Cluster, NodeCx, Strategy, validate_shared};
 use crate::data_parallel::{ShareBuffers, WorkerClock};
 use crate::error::{Error, Result};
-use crate::job::{Cluster, NodeCx, Strategy, validate_shared};
 use crate::spec::{ResumePoint, RunSpec};
 
 /// `--strategy` name of AD-PSGD.

@@ -19,8 +19,8 @@ use ringtmp_metrics::Summary;
 use serde::{Deserialize, Serialize};
 
 use crate::TrainConfig;
+use crate::contract::{Cluster, NodeCx, Strategy, options_merge, validate_shared};
 use crate::error::{Error, Result};
-use crate::job::{Cluster, NodeCx, Strategy, options_merge, validate_shared};
 use crate::spec::RunSpec;
 pub use adpsgd::AdpsgdJob;
 use mixing::Topology;

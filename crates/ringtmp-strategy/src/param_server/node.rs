@@ -9,8 +9,8 @@ use ringtmp_transport::Transport;
 use ringtmp_wire::{Control, Message};
 
 use crate::TrainConfig;
+use crate::contract::{Cluster, NodeCx, Strategy, validate_shared};
 use crate::error::{Error, Result};
-use crate::job::{Cluster, NodeCx, Strategy, validate_shared};
 use crate::param_server::consistency::Consistency;
 use crate::param_server::driver::{PsJob, WorkerEvent, run_server, run_worker};
 use crate::param_server::plan::PsOptions;

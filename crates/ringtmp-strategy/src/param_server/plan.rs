@@ -5,8 +5,8 @@ use ringtmp_data::Dataset;
 use ringtmp_model::OptimizerConfig;
 use serde::{Deserialize, Serialize};
 
+use crate::contract::Cluster;
 use crate::error::{Error, Result};
-use crate::job::Cluster;
 use crate::param_server::consistency::Consistency;
 use crate::param_server::driver::PsJob;
 use crate::{ResumePoint, RunSpec, TrainConfig};
@@ -30,7 +30,7 @@ pub struct PsOptions {
     pub drop_dead_workers: Option<bool>,
 }
 
-crate::job::options_merge!(
+crate::contract::options_merge!(
     PsOptions,
     servers,
     server_every,

@@ -606,7 +606,11 @@ struct Regroup {
 /// Runs physical rank `rank` of a ring with stage replicas: the ring, and after a non-master
 /// node's death the ring again on the survivors from the last complete replication round, as
 /// often as the replicas allow. The master returns the summary, with each heal listed.
-pub fn run(job: &RingJob, rank: u32, cx: &mut crate::job::NodeCx<'_>) -> Result<Option<Summary>> {
+pub fn run(
+    job: &RingJob,
+    rank: u32,
+    cx: &mut crate::contract::NodeCx<'_>,
+) -> Result<Option<Summary>> {
     let world = job.partition.len() as u32;
     let clock = cx.net.clock();
     let data = if rank == 0 { Some(cx.data()?) } else { None };

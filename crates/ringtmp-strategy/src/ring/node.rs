@@ -7,8 +7,8 @@ use ringtmp_data::Dataset;
 use ringtmp_metrics::Summary;
 
 use crate::TrainConfig;
+use crate::contract::{Cluster, NodeCx, Strategy, ring_neighbours, validate_shared};
 use crate::error::{Error, Result};
-use crate::job::{Cluster, NodeCx, Strategy, ring_neighbours, validate_shared};
 use crate::ring::driver::{MasterSetup, RingJob, run_master, run_worker};
 use crate::ring::plan::RingOptions;
 use crate::spec::RunSpec;

@@ -6,8 +6,8 @@ use ringtmp_data::Dataset;
 use ringtmp_model::LayerKind;
 use serde::{Deserialize, Serialize};
 
+use crate::contract::{Cluster, SharedMachine};
 use crate::error::{Error, Result};
-use crate::job::{Cluster, SharedMachine};
 use crate::ring::driver::RingJob;
 use crate::ring::node_profile::ProfileRequest;
 use crate::ring::partition::{self, CutInside, LayerCost, NodeCapacity, SharedCores};
@@ -80,7 +80,7 @@ pub struct RingOptions {
     pub cut_inside: Option<CutInsideChoice>,
 }
 
-crate::job::options_merge!(
+crate::contract::options_merge!(
     RingOptions,
     schedule,
     micro_batches,
@@ -1171,56 +1171,6 @@ pub(crate) fn show_bytes(bytes: u64) -> String {
     format!("{:.0} MiB", bytes as f64 / (1u64 << 20) as f64)
 }
 
-/// `200M` (every node) or `1:200M,2:1G` → a limit per node.
-pub fn memory_limits(spec: Option<&str>, nodes: u32) -> Result<Vec<Option<u64>>> {
-    let mut limits = vec![None; nodes as usize];
-    let Some(spec) = spec else { return Ok(limits) };
-    for part in spec.split(',') {
-        let bad = |why: &str| Error::Config(format!("--node-memory-limit {part:?}: {why}"));
-        match part.split_once(':') {
-            Some((r, v)) => {
-                let r: usize = r.trim().parse().map_err(|_| bad("bad rank"))?;
-                if r >= nodes as usize {
-                    return Err(bad("rank out of range"));
-                }
-                limits[r] = Some(parse_bytes(v).map_err(|_| bad("bad size"))?);
-            }
-            None => {
-                let v = parse_bytes(part).map_err(|_| bad("bad size"))?;
-                limits.iter_mut().for_each(|l| *l = Some(v));
-            }
-        }
-    }
-    Ok(limits)
-}
-
-fn parse_bytes(text: &str) -> Result<u64> {
-    let t = text.trim();
-    let (number, unit) = t
-        .find(|c: char| c.is_ascii_alphabetic())
-        .map_or((t, ""), |i| t.split_at(i));
-    let n: f64 = number
-        .trim()
-        .parse()
-        .map_err(|_| Error::Config(format!("{text:?} is not a size")))?;
-    let scale = match unit
-        .to_ascii_uppercase()
-        .trim_end_matches('B')
-        .trim_end_matches('I')
-    {
-        "" => 1.0,
-        "K" => 1024.0,
-        "M" => 1024.0 * 1024.0,
-        "G" => 1024.0 * 1024.0 * 1024.0,
-        _ => {
-            return Err(Error::Config(format!(
-                "unknown unit in {text:?}; use K, M or G"
-            )));
-        }
-    };
-    Ok((n * scale) as u64)
-}
-
 #[cfg(test)]
 mod tests {
 
@@ -1253,16 +1203,4 @@ mod tests {
     }
 
     use super::*;
-
-    #[test]
-    fn sizes_parse() {
-        assert_eq!(parse_bytes("200M").unwrap(), 200 << 20);
-        assert_eq!(parse_bytes("1.5GiB").unwrap(), 3 << 29);
-        assert_eq!(parse_bytes("4096").unwrap(), 4096);
-        assert!(parse_bytes("12Q").is_err());
-        assert_eq!(
-            memory_limits(Some("1:1K"), 3).unwrap(),
-            [None, Some(1024), None]
-        );
-    }
 }

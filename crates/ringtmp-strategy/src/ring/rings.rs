@@ -507,7 +507,7 @@ fn group_error(view: &RingsView<'_>, from: u32, what: &str) -> TransportError {
 pub fn run(
     job: &super::driver::RingJob,
     rank: u32,
-    cx: &mut crate::job::NodeCx<'_>,
+    cx: &mut crate::contract::NodeCx<'_>,
 ) -> crate::Result<Option<ringtmp_metrics::Summary>> {
     use ringtmp_wire::Control;
     let stages = job.partition.len() as u32;

@@ -1,0 +1,283 @@
+//! The contract between the strategies and everything around them: the machines a job is
+//! planned for ([`Cluster`], parsed from the emulation flags), what a node has at run time
+//! ([`NodeCx`]), the [`Strategy`] trait every strategy implements, and the checks and helpers
+//! they share. It names no strategy; `job` is the one place that lists them all.
+
+use std::collections::BTreeSet;
+
+use ringtmp_data::Dataset;
+use ringtmp_metrics::Summary;
+use ringtmp_transport::Transport;
+
+use crate::config::TrainConfig;
+use crate::error::{Error, Result};
+use crate::event::Event;
+use crate::spec::RunSpec;
+
+/// The machines a job is planned for.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Cluster {
+    /// Nodes (processes) in the run.
+    pub nodes: u32,
+    /// Relative speed per rank (1 = full speed; `--node-speed` emulates slower ones).
+    pub node_speeds: Vec<f64>,
+    /// Memory per rank (`--node-memory-limit`), in bytes: what a planner must fit a node's
+    /// process into; `None`: unlimited.
+    pub memory_limits: Vec<Option<u64>>,
+    /// Compute threads per node when the user chose them; `None`: the strategy shares `cores`.
+    pub threads: Option<usize>,
+    /// Cores of the machine the local nodes share.
+    pub cores: usize,
+    /// Per rank, its card's bandwidth in Mbit/s (`None`: not known) and its links' latency in
+    /// ms (`--bandwidth-mbit`, `--latency-ms`, `--link`): what planners count links with.
+    pub links: Vec<(Option<f64>, f64)>,
+    /// Per rank, the node's own profile from rendezvous (issue 17.2), when it sent one: the
+    /// ring's planner uses its layer times and free memory instead of rank 0's profile scaled
+    /// by its speed. Empty, or `None` for a rank: planned from rank 0's profile.
+    pub node_profiles: Vec<Option<crate::ring::node_profile::NodeProfile>>,
+    /// Set when every node is a process on this machine, sharing its `cores` without CPU
+    /// quotas (the local launcher): what all the nodes compute, and what their links cost the
+    /// CPU, must then fit into those cores, which a planner counts. `None`: every node has
+    /// its own machine (or its own CPU quota).
+    pub shared_machine: Option<SharedMachine>,
+}
+
+/// Nodes that share one machine's cores (see [`Cluster::shared_machine`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SharedMachine {
+    /// Cores the nodes share.
+    pub cores: usize,
+    /// Whether their links are private (sealed records, the default), which costs CPU per byte.
+    pub private_links: bool,
+}
+
+impl Cluster {
+    /// `nodes` nodes at full speed on this machine, threads chosen by the strategy.
+    pub fn local(nodes: u32) -> Self {
+        Self {
+            nodes,
+            node_speeds: vec![1.0; nodes as usize],
+            memory_limits: vec![None; nodes as usize],
+            threads: None,
+            cores: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1),
+            links: vec![(None, 0.0); nodes as usize],
+            node_profiles: Vec::new(),
+            shared_machine: None,
+        }
+    }
+
+    /// Applies `--node-memory-limit` (`200M`, or per rank `1:200M,2:1G`).
+    pub fn with_memory_limits(mut self, spec: Option<&str>) -> Result<Self> {
+        self.memory_limits = memory_limits(spec, self.nodes)?;
+        Ok(self)
+    }
+
+    /// Applies `--node-speed` entries (`RANK:FACTOR`, comma-separated or repeated).
+    pub fn with_speeds(mut self, entries: &[String]) -> Result<Self> {
+        self.node_speeds = node_speeds(entries, self.nodes)?;
+        Ok(self)
+    }
+}
+
+/// `RANK:FACTOR` entries → a speed per node (default 1).
+pub fn node_speeds(entries: &[String], nodes: u32) -> Result<Vec<f64>> {
+    let mut speeds = vec![1.0; nodes as usize];
+    for e in entries {
+        for part in e.split(',') {
+            let bad = || {
+                Error::Config(format!(
+                    "--node-speed {part:?}: expected RANK:FACTOR with 0 < FACTOR ≤ 1 and RANK < {nodes}"
+                ))
+            };
+            let (r, f) = part.split_once(':').ok_or_else(bad)?;
+            let (r, f): (usize, f64) = (
+                r.trim().parse().map_err(|_| bad())?,
+                f.trim().parse().map_err(|_| bad())?,
+            );
+            if r >= nodes as usize || !(f > 0.0 && f <= 1.0) {
+                return Err(bad());
+            }
+            speeds[r] = f;
+        }
+    }
+    Ok(speeds)
+}
+
+/// What one node has at run time.
+pub struct NodeCx<'a> {
+    /// Its links (TCP or simulated).
+    pub net: &'a mut dyn Transport,
+    /// The dataset, where [`Strategy::needs_data`] says this rank reads it.
+    pub data: Option<&'a Dataset>,
+    /// Where progress goes (the terminal, a test, nothing).
+    pub on_event: &'a mut dyn FnMut(&Event),
+}
+
+impl<'a> NodeCx<'a> {
+    /// The dataset; an error naming the rank when the node was started without it.
+    pub fn data(&self) -> Result<&'a Dataset> {
+        self.data.ok_or_else(|| {
+            Error::Config(format!(
+                "rank {} needs the dataset but was started without it",
+                self.net.rank()
+            ))
+        })
+    }
+}
+
+/// A training strategy: its job is planned on rank 0 and handed to every node.
+pub trait Strategy: Sized {
+    /// `--strategy NAME`.
+    const NAME: &'static str;
+    /// Its options (`ringtmp train` flags and config keys of their own).
+    type Options: Clone + Default;
+    /// Plans the job for `cluster` from the run's configuration and the options.
+    fn plan(
+        config: TrainConfig,
+        options: &Self::Options,
+        cluster: &Cluster,
+        data: &Dataset,
+    ) -> Result<Self>;
+    /// The shared part of the job.
+    fn spec(&self) -> &RunSpec;
+    /// Checks a job that came from a file or the network, for a run of `world` nodes.
+    fn validate(&self, world: u32) -> Result<()>;
+    /// The ranks `rank` links to.
+    fn neighbours(&self, rank: u32, world: u32) -> BTreeSet<u32>;
+    /// Whether `rank` reads the dataset.
+    fn needs_data(&self, rank: u32) -> bool;
+    /// Whether the run goes on when `rank` dies.
+    fn expendable(&self, _rank: u32) -> bool {
+        false
+    }
+    /// Runs rank `rank`; the rank that writes the run's summary returns it.
+    fn run(&self, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>>;
+}
+
+/// `200M` (every node) or `1:200M,2:1G` → a limit per node.
+pub fn memory_limits(spec: Option<&str>, nodes: u32) -> Result<Vec<Option<u64>>> {
+    let mut limits = vec![None; nodes as usize];
+    let Some(spec) = spec else { return Ok(limits) };
+    for part in spec.split(',') {
+        let bad = |why: &str| Error::Config(format!("--node-memory-limit {part:?}: {why}"));
+        match part.split_once(':') {
+            Some((r, v)) => {
+                let r: usize = r.trim().parse().map_err(|_| bad("bad rank"))?;
+                if r >= nodes as usize {
+                    return Err(bad("rank out of range"));
+                }
+                limits[r] = Some(parse_bytes(v).map_err(|_| bad("bad size"))?);
+            }
+            None => {
+                let v = parse_bytes(part).map_err(|_| bad("bad size"))?;
+                limits.iter_mut().for_each(|l| *l = Some(v));
+            }
+        }
+    }
+    Ok(limits)
+}
+
+fn parse_bytes(text: &str) -> Result<u64> {
+    let t = text.trim();
+    let (number, unit) = t
+        .find(|c: char| c.is_ascii_alphabetic())
+        .map_or((t, ""), |i| t.split_at(i));
+    let n: f64 = number
+        .trim()
+        .parse()
+        .map_err(|_| Error::Config(format!("{text:?} is not a size")))?;
+    let scale = match unit
+        .to_ascii_uppercase()
+        .trim_end_matches('B')
+        .trim_end_matches('I')
+    {
+        "" => 1.0,
+        "K" => 1024.0,
+        "M" => 1024.0 * 1024.0,
+        "G" => 1024.0 * 1024.0 * 1024.0,
+        _ => {
+            return Err(Error::Config(format!(
+                "unknown unit in {text:?}; use K, M or G"
+            )));
+        }
+    };
+    Ok((n * scale) as u64)
+}
+
+/// Checks what every job shares for a run of `world` nodes, of which the job needs `nodes`.
+pub(crate) fn validate_shared(spec: &RunSpec, world: u32, nodes: usize) -> Result<()> {
+    spec.validate()?;
+    if world as usize != nodes {
+        return Err(Error::Config(format!(
+            "invalid job: planned for {nodes} nodes, but the run has {world}"
+        )));
+    }
+    Ok(())
+}
+
+/// Ring neighbours: predecessor and successor (one peer when there are two nodes, none alone).
+pub fn ring_neighbours(rank: u32, world: u32) -> BTreeSet<u32> {
+    if world < 2 {
+        return BTreeSet::new();
+    }
+    BTreeSet::from([(rank + 1) % world, (rank + world - 1) % world])
+}
+
+/// Implements, for an options struct whose fields are all `Option`s, `merged_over` (these
+/// options over another set, e.g. flags over a config file) and `given` (the flags set).
+macro_rules! options_merge {
+    ($ty:ty, $($field:ident),* $(,)?) => {
+        impl $ty {
+            /// These options, with `other`'s where these leave one unset.
+            pub fn merged_over(&self, other: &Self) -> Self {
+                Self {
+                    $($field: self.$field.clone().or_else(|| other.$field.clone()),)*
+                }
+            }
+
+            /// The flags (long names) that are set.
+            pub fn given(&self) -> Vec<String> {
+                let mut set = Vec::new();
+                $(if self.$field.is_some() {
+                    set.push(stringify!($field).replace('_', "-"));
+                })*
+                set
+            }
+        }
+    };
+}
+pub(crate) use options_merge;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn speeds_parse() {
+        assert_eq!(node_speeds(&["1:0.25".into()], 2).unwrap(), [1.0, 0.25]);
+        assert!(node_speeds(&["2:0.5".into()], 2).is_err());
+        assert!(node_speeds(&["1:1.5".into()], 2).is_err());
+    }
+
+    #[test]
+    fn ring_neighbours_wrap_around() {
+        assert_eq!(ring_neighbours(0, 4), BTreeSet::from([1, 3]));
+        assert_eq!(ring_neighbours(3, 4), BTreeSet::from([0, 2]));
+        assert_eq!(ring_neighbours(1, 2), BTreeSet::from([0]));
+        assert!(ring_neighbours(0, 1).is_empty());
+    }
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_bytes("200M").unwrap(), 200 << 20);
+        assert_eq!(parse_bytes("1.5GiB").unwrap(), 3 << 29);
+        assert_eq!(parse_bytes("4096").unwrap(), 4096);
+        assert!(parse_bytes("12Q").is_err());
+        assert_eq!(
+            memory_limits(Some("1:1K"), 3).unwrap(),
+            [None, Some(1024), None]
+        );
+    }
+}
