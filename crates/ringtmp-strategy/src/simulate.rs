@@ -145,9 +145,7 @@ impl CostModel {
         for (i, layer) in layers.iter().enumerate() {
             let mut stage = Stage::new(layers, i..i + 1, 0, threads);
             stage.set_input_grad(i > 0);
-            let x: Vec<f32> = (0..rows * layer.input.numel())
-                .map(|k| ((k * 7919) % 17) as f32 / 17.0 - 0.5)
-                .collect();
+            let x = layer.sample_input(rows);
             let dy = vec![0.01f32; rows * layer.output.numel()];
             let (mut f, mut b, mut d) = (Vec::new(), Vec::new(), Vec::new());
             for rep in 0..=repeats {

@@ -175,6 +175,19 @@ impl Layer {
         }
     }
 
+    /// A fixed, valid input of `rows` samples for timing the layer alone (the planner's profile,
+    /// the simulator's calibration): token ids spread over the vocabulary for an embedding,
+    /// values in [-0.5, 0.5) for every other layer.
+    pub fn sample_input(&self, rows: usize) -> Vec<f32> {
+        let n = rows * self.input.numel();
+        match &self.kind {
+            LayerKind::Embedding(e) => (0..n).map(|k| ((k * 7919) % e.vocab) as f32).collect(),
+            _ => (0..n)
+                .map(|k| ((k * 7919) % 17) as f32 / 17.0 - 0.5)
+                .collect(),
+        }
+    }
+
     /// Number of trainable parameters (weights then biases, in that order in the flat buffer).
     pub fn param_count(&self) -> usize {
         match &self.kind {

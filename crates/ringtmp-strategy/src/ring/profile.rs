@@ -229,9 +229,7 @@ impl LayerBench {
         let layer = &layers[i];
         let mut stage = Stage::new(layers, i..i + 1, 0, threads);
         stage.set_input_grad(input_grad);
-        let x: Vec<f32> = (0..rows * layer.input.numel())
-            .map(|k| ((k * 7919) % 17) as f32 / 17.0 - 0.5)
-            .collect();
+        let x = layer.sample_input(rows);
         let dy = vec![0.01f32; rows * layer.output.numel()];
         let optim = Optimizer::new(optimizer.clone(), stage.params().len());
         Self {
