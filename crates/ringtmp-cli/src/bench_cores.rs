@@ -173,7 +173,9 @@ impl Setup {
             .context("mlp-deep")?;
         let last_level = last_level_cache_bytes().unwrap_or(32 << 20);
         let wanted = (2 * last_level).max(64 << 20);
-        let room = available_memory_bytes().map_or(usize::MAX, |b| b / (4 * threads.max(1)));
+        let room = ringtmp_strategy::machine::available_memory().map_or(usize::MAX, |b| {
+            usize::try_from(b).unwrap_or(usize::MAX) / (4 * threads.max(1))
+        });
         let bytes = wanted.min(room).max(16 << 20);
         Ok(Self {
             layers,
@@ -201,14 +203,6 @@ fn parse_cache_size(text: &str) -> Option<usize> {
         _ => (text, 1),
     };
     digits.parse::<usize>().ok()?.checked_mul(unit)
-}
-
-/// `MemAvailable` of `/proc/meminfo`, bytes.
-fn available_memory_bytes() -> Option<usize> {
-    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
-    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-    kib.checked_mul(1024)
 }
 
 impl Work {

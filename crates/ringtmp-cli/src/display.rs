@@ -137,6 +137,10 @@ impl Display {
                     None => eprintln!("{line}"),
                 }
             }
+            Event::Notice { ref text } => match &self.bar {
+                Some(bar) => bar.println(text),
+                None => eprintln!("{text}"),
+            },
             Event::Checkpoint { step, ref path } => {
                 let line = format!("checkpoint at step {step}: {}", path.display());
                 match &self.bar {

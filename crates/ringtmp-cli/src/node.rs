@@ -555,8 +555,9 @@ fn run_training(
     let mut display =
         crate::display::Display::for_language_model(spec.sequence, spec.vocabulary.as_deref());
     let shows_progress = rank == job.progress_rank();
+    // Progress from one rank; what a node handled and went on from, from every rank.
     let mut on_event = |e: &ringtmp_strategy::Event| {
-        if shows_progress {
+        if shows_progress || matches!(e, ringtmp_strategy::Event::Notice { .. }) {
             display.event(e)
         }
     };

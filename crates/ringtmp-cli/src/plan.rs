@@ -7,7 +7,7 @@ use std::time::Instant;
 use anyhow::Result;
 use ringtmp_data::{Dataset, FileCheck};
 use ringtmp_strategy::ring::node_profile::{NodeProfile, ProfileRequest};
-use ringtmp_strategy::{Cluster, Job, SharedMachine, TrainConfig};
+use ringtmp_strategy::{Cluster, Job, PlanReport, SharedMachine, TrainConfig};
 
 use crate::args::TrainArgs;
 use crate::error::UsageError;
@@ -136,13 +136,20 @@ pub fn plan_here(
 }
 
 fn plan_on(args: &TrainArgs, cfg: TrainConfig, data: &Dataset, cluster: &Cluster) -> Result<Job> {
+    let mut report = PlanReport::default();
     let job = Job::plan(
         args.strategy(),
         cfg,
         &args.strategy_options(),
         cluster,
         data,
-    )?;
+        &mut report,
+    );
+    // What the planner chose, also when it then refused the run.
+    for line in report.lines() {
+        eprintln!("{line}");
+    }
+    let job = job?;
     job.validate(cluster.nodes)?;
     refuse_nothing_to_train(job.spec())?;
     Ok(job)

@@ -231,6 +231,9 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
     sim.time_limit = SIMULATION_TIME_LIMIT;
     print_inputs(&costs, &sim, nodes, &job);
     let ran = simulate(&job, nodes, &data, sim.clone())?;
+    for failure in &ran.expendable_failures {
+        eprintln!("simulate: {failure} (expendable)");
+    }
     print_results(&ran, &job, nodes);
     let failures = failure_model
         .as_ref()

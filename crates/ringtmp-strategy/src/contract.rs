@@ -34,12 +34,32 @@ pub struct Cluster {
     /// Per rank, the node's own profile from rendezvous (issue 17.2), when it sent one: the
     /// ring's planner uses its layer times and free memory instead of rank 0's profile scaled
     /// by its speed. Empty, or `None` for a rank: planned from rank 0's profile.
-    pub node_profiles: Vec<Option<crate::ring::node_profile::NodeProfile>>,
+    pub node_profiles: Vec<Option<crate::machine::NodeProfile>>,
     /// Set when every node is a process on this machine, sharing its `cores` without CPU
     /// quotas (the local launcher): what all the nodes compute, and what their links cost the
     /// CPU, must then fit into those cores, which a planner counts. `None`: every node has
     /// its own machine (or its own CPU quota).
     pub shared_machine: Option<SharedMachine>,
+}
+
+/// What a planner chose and why (the defaults it filled in, the partition, what a node's own
+/// profile changed), a line each, for the caller to show before the run starts: the library
+/// prints nothing itself.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PlanReport {
+    lines: Vec<String>,
+}
+
+impl PlanReport {
+    /// Adds a line.
+    pub fn note(&mut self, line: impl Into<String>) {
+        self.lines.push(line.into());
+    }
+
+    /// The lines, in the order the planner wrote them.
+    pub fn lines(&self) -> &[String] {
+        &self.lines
+    }
 }
 
 /// Nodes that share one machine's cores (see [`Cluster::shared_machine`]).
@@ -133,12 +153,14 @@ pub trait Strategy: Sized {
     const NAME: &'static str;
     /// Its options (`ringtmp train` flags and config keys of their own).
     type Options: Clone + Default;
-    /// Plans the job for `cluster` from the run's configuration and the options.
+    /// Plans the job for `cluster` from the run's configuration and the options, saying in
+    /// `report` what it chose and why.
     fn plan(
         config: TrainConfig,
         options: &Self::Options,
         cluster: &Cluster,
         data: &Dataset,
+        report: &mut PlanReport,
     ) -> Result<Self>;
     /// The shared part of the job.
     fn spec(&self) -> &RunSpec;
@@ -177,6 +199,11 @@ pub fn memory_limits(spec: Option<&str>, nodes: u32) -> Result<Vec<Option<u64>>>
         }
     }
     Ok(limits)
+}
+
+/// Bytes as the planner's messages show them: whole MiB.
+pub(crate) fn show_bytes(bytes: u64) -> String {
+    format!("{:.0} MiB", bytes as f64 / (1u64 << 20) as f64)
 }
 
 fn parse_bytes(text: &str) -> Result<u64> {

@@ -4,7 +4,7 @@
 
 use ringtmp_data::{BatchPlan, Dataset, shard};
 use ringtmp_metrics::{NodeSummary, resources};
-use ringtmp_model::{Optimizer, OptimizerConfig, Pass, Stage, loss};
+use ringtmp_model::{Optimizer, OptimizerConfig, Pass, Stage, checkpoint, loss};
 use ringtmp_transport::Transport;
 
 use crate::TrainConfig;
@@ -200,14 +200,15 @@ pub fn worker_summary(
 }
 
 /// Every worker's report to rank 0 at the end of a run: the others send theirs; rank 0 returns
-/// its own and those of `members` in rank order. A member that dies first is skipped (named on
-/// stderr); rank 0's own failure, or anything else, is an error.
+/// its own and those of `members` in rank order. A member that dies first is skipped (named in
+/// a [`crate::Event::Notice`]); rank 0's own failure, or anything else, is an error.
 pub fn gather_reports(
     net: &mut dyn Transport,
     rank: u32,
     members: &[u32],
     own: NodeSummary,
     timeout: std::time::Duration,
+    on_event: &mut dyn FnMut(&crate::Event),
 ) -> Result<Option<Vec<NodeSummary>>> {
     use ringtmp_wire::{Control, Message};
     if rank != 0 {
@@ -238,7 +239,9 @@ pub fn gather_reports(
                 }
                 Err(e) => match e.failed_peer() {
                     Some(dead) if dead != 0 => {
-                        eprintln!("rank {dead} left before its final report ({e})");
+                        on_event(&crate::Event::Notice {
+                            text: format!("rank {dead} left before its final report ({e})"),
+                        });
                         gone.insert(dead);
                     }
                     _ => return Err(e.into()),
@@ -290,4 +293,81 @@ pub fn run_summary(
         per_node,
         ..recorder.summary(strategy, nodes)
     }
+}
+
+/// A whole model as a `Params` tensor of `dtype` on the wire; `step` and `kind` (its
+/// `micro_batch`) say what it is for.
+pub(crate) fn model_message(
+    net: &dyn ringtmp_transport::Transport,
+    model: &[f32],
+    step: u64,
+    kind: u64,
+    dtype: ringtmp_wire::Dtype,
+) -> ringtmp_wire::Message {
+    use ringtmp_wire::{TensorHeader, TensorTag};
+    let header = TensorHeader {
+        run_id: 0,
+        step,
+        micro_batch: kind,
+        tag: TensorTag::Params,
+        dtype,
+        shape: vec![model.len() as u32],
+    };
+    let mut payload = net.buffers().take(model.len() * dtype.size() as usize);
+    ringtmp_wire::message::tensor_bytes_into(model, dtype, &mut payload);
+    ringtmp_wire::Message::Tensor(header, payload)
+}
+
+/// Whether a tensor is a model of `len` values: its header's count (checked against the payload
+/// when the frame was decoded; a phantom run's payload carries no values).
+pub(crate) fn holds(header: &ringtmp_wire::TensorHeader, len: usize) -> bool {
+    header.elements() == Some(len as u64)
+}
+
+/// Writes `stage` (a whole model) as the checkpoint of `step` of a data-parallel run of
+/// `workers` (its data order is that of the global batch), atomically, with each worker's own
+/// model from `replicas` (rank, parameters) beside it; prunes old ones.
+pub fn write_model(
+    spec: &crate::RunSpec,
+    workers: usize,
+    strategy: &str,
+    stage: &Stage,
+    optimizer: &Optimizer,
+    step: u64,
+    replicas: &[(u32, &[f32])],
+) -> Result<std::path::PathBuf> {
+    let dir = spec.checkpoint_dir(step);
+    let written = (|| -> Result<()> {
+        let file = checkpoint::write_stage(&dir, "stage-0.safetensors", stage, optimizer)?;
+        let replicas = replicas
+            .iter()
+            .map(|(rank, params)| {
+                checkpoint::write_params(
+                    &dir,
+                    &format!("replica-{rank}.safetensors"),
+                    stage,
+                    params,
+                )
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        // The data order is that of the global batch.
+        let manifest = spec.manifest(
+            strategy,
+            step,
+            spec.batch_size * workers,
+            vec![(0, stage.layers().len())],
+            vec![file],
+            replicas,
+        );
+        checkpoint::write_manifest(&dir, &manifest)?;
+        Ok(())
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    written?;
+    if let Some(keep) = spec.keep_checkpoints {
+        checkpoint::retain_newest(&spec.out.join("checkpoints"), keep)?;
+    }
+    Ok(dir)
 }

@@ -37,6 +37,12 @@ pub enum Event {
         /// Mean test loss.
         loss: f64,
     },
+    /// Something the run handled and went on from, for the user to know (a worker that left
+    /// and was dropped, a ring re-formed around a dead node).
+    Notice {
+        /// What happened, a sentence naming the nodes.
+        text: String,
+    },
     /// A checkpoint was written.
     Checkpoint {
         /// Steps completed.

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::allreduce::{AllReduceJob, AllReduceOptions};
 use crate::config::TrainConfig;
-use crate::contract::{Cluster, NodeCx, Strategy};
+use crate::contract::{Cluster, NodeCx, PlanReport, Strategy};
 use crate::error::{Error, Result};
 use crate::gossip::{AdpsgdJob, DpsgdJob, DpsgdOptions};
 use crate::local::LocalJob;
@@ -90,6 +90,7 @@ impl Job {
         options: &StrategyOptions,
         cluster: &Cluster,
         data: &Dataset,
+        report: &mut PlanReport,
     ) -> Result<Self> {
         if config.clip_grad_norm.is_some()
             && ![LocalJob::NAME, RingJob::NAME, AllReduceJob::NAME].contains(&name)
@@ -100,17 +101,26 @@ impl Job {
             )));
         }
         Ok(match name {
-            LocalJob::NAME => Self::Local(LocalJob::plan(config, &(), cluster, data)?),
-            RingJob::NAME => Self::Ring(RingJob::plan(config, &options.ring, cluster, data)?),
-            PsJob::NAME => Self::Ps(PsJob::plan(config, &options.ps, cluster, data)?),
+            LocalJob::NAME => Self::Local(LocalJob::plan(config, &(), cluster, data, report)?),
+            RingJob::NAME => {
+                Self::Ring(RingJob::plan(config, &options.ring, cluster, data, report)?)
+            }
+            PsJob::NAME => Self::Ps(PsJob::plan(config, &options.ps, cluster, data, report)?),
             AllReduceJob::NAME => Self::AllReduce(AllReduceJob::plan(
                 config,
                 &options.allreduce,
                 cluster,
                 data,
+                report,
             )?),
-            DpsgdJob::NAME => Self::Dpsgd(DpsgdJob::plan(config, &options.dpsgd, cluster, data)?),
-            AdpsgdJob::NAME => Self::Adpsgd(AdpsgdJob::plan(config, &(), cluster, data)?),
+            DpsgdJob::NAME => Self::Dpsgd(DpsgdJob::plan(
+                config,
+                &options.dpsgd,
+                cluster,
+                data,
+                report,
+            )?),
+            AdpsgdJob::NAME => Self::Adpsgd(AdpsgdJob::plan(config, &(), cluster, data, report)?),
             other => {
                 return Err(Error::Config(format!(
                     "unknown strategy {other:?}; known: {}",

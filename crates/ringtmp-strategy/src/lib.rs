@@ -3,24 +3,29 @@
 //! `ringtmp-metrics`, so strategies differ only in who computes what and what travels.
 //!
 //! # Layout
-//! - [`allreduce`]: ring all-reduce SGD (data parallel, bucketed, overlapped).
+//! The contract every strategy implements, and the modules they share:
+//! - [`contract`]: [`Strategy`], [`NodeCx`], [`Cluster`] and the checks strategies share; it
+//!   names no strategy.
+//! - [`config`]: the validated run configuration; [`RunSpec`]: what every strategy's job shares
+//!   (the configuration and what follows from the data), declared once.
+//! - [`event`], [`evaluation`], [`clipping`], [`resume`], [`recorder`]: progress events,
+//!   evaluation passes, global-norm clipping, resuming from a checkpoint, and `metrics.jsonl` /
+//!   `summary.json`, the same for every strategy.
+//! - [`machine`]: what this machine offers a node (the memory it may still use).
 //! - [`data_parallel`]: what the data-parallel strategies share (planning, a worker's report).
-//! - [`gossip`]: decentralised SGD (D-PSGD) over ring and exponential graphs.
-//! - [`config`]: the validated run configuration shared by every strategy.
-//! - [`RunSpec`]: what every strategy's job shares (the configuration and what follows from the
-//!   data), declared once.
-//! - [`job`]: one shape for every strategy ([`Strategy`], [`Job`], [`NodeCx`]).
-//! - [`local`]: one process, one stage holding the whole model — plain mini-batch training and
-//!   the oracle every distributed strategy is tested against.
-//! - [`recorder`]: `metrics.jsonl`, the evaluation cadence, time to target and `summary.json`,
-//!   written the same way by every strategy.
-//! - [`param_server`]: the parameter server's consistency models (in progress).
+//!
+//! The strategies, one folder or file each:
+//! - [`local`]: one process holding the whole model — plain mini-batch training and the oracle
+//!   every distributed strategy is tested against.
 //! - [`ring`]: RingTMP, ring-pipelined model parallelism.
-//! - [`selftest`]: connectivity and link measurements on a ring of nodes.
-//! - [`simulate`]: the strategies on the simulated network with compute priced by a cost model
-//!   and tensors as sizes (`ringtmp simulate`).
-//! - [`failures`]: a simulated run's useful fraction of time when nodes fail at a given rate,
-//!   with the strategy's own recovery (`ringtmp simulate --failures-per-node-hour`).
+//! - [`param_server`]: the sharded parameter server (BSP, SSP, ASP, DSSP).
+//! - [`allreduce`]: ring all-reduce SGD (data parallel, bucketed, overlapped).
+//! - [`gossip`]: decentralised SGD (D-PSGD, AD-PSGD).
+//!
+//! Above them: [`job`], the [`Job`] enum that lists every strategy; [`simulate`] and
+//! [`failures`] (the strategies on the simulated network with compute priced by a cost model;
+//! the useful fraction of time under failures); [`selftest`] (connectivity and link
+//! measurements on a ring of nodes).
 
 pub mod allreduce;
 pub mod clipping;
@@ -34,6 +39,7 @@ pub mod failures;
 pub mod gossip;
 pub mod job;
 pub mod local;
+pub mod machine;
 pub mod param_server;
 pub mod recorder;
 pub mod resume;
@@ -43,7 +49,7 @@ pub mod simulate;
 mod spec;
 
 pub use config::{DEFAULT_RECV_TIMEOUT_SECS, TextSource, TrainConfig};
-pub use contract::{Cluster, NodeCx, SharedMachine, Strategy};
+pub use contract::{Cluster, NodeCx, PlanReport, SharedMachine, Strategy};
 pub use error::{Error, Result};
 pub use event::Event;
 pub use job::{Job, StrategyOptions};

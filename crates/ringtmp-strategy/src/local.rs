@@ -17,7 +17,7 @@ use ringtmp_model::{Optimizer, Pass, Stage, loss};
 use serde_json::json;
 
 use crate::config::TrainConfig;
-use crate::contract::{Cluster, NodeCx, Strategy, validate_shared};
+use crate::contract::{Cluster, NodeCx, PlanReport, Strategy, validate_shared};
 use crate::error::{Error, Result};
 use crate::evaluation::evaluate;
 use crate::event::Event;
@@ -37,7 +37,13 @@ impl Strategy for LocalJob {
     const NAME: &'static str = "local";
     type Options = ();
 
-    fn plan(config: TrainConfig, _: &(), cluster: &Cluster, data: &Dataset) -> Result<Self> {
+    fn plan(
+        config: TrainConfig,
+        _: &(),
+        cluster: &Cluster,
+        data: &Dataset,
+        _: &mut PlanReport,
+    ) -> Result<Self> {
         if cluster.nodes != 1 {
             return Err(Error::Config(
                 "--strategy local trains in one process; --nodes needs a distributed strategy \

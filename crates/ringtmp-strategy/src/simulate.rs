@@ -328,6 +328,8 @@ pub struct Simulated {
     pub training_started: f64,
     /// Virtual time of the last step any rank announced (`None` where none did).
     pub training_ended: Option<f64>,
+    /// Why each expendable rank that failed did (the run went on without it).
+    pub expendable_failures: Vec<String>,
 }
 
 /// Runs `job` (planned for `world` nodes) on a simulated network configured by `sim` (links, node speeds, faults; its
@@ -381,11 +383,12 @@ pub fn simulate(job: &Job, world: u32, data: &Dataset, sim: SimConfig) -> Result
         .map_err(|e| Error::Config(e.to_string()))?;
     let mut summary = None;
     let mut failures = Vec::new();
+    let mut expendable_failures = Vec::new();
     for (rank, result) in results.into_iter().enumerate() {
         match result {
             Ok(Some(s)) => summary = summary.or(Some(s)),
             Ok(None) => {}
-            Err(e) if job.expendable(rank as u32) => eprintln!("simulate: {e} (expendable)"),
+            Err(e) if job.expendable(rank as u32) => expendable_failures.push(e),
             Err(e) => failures.push(e),
         }
     }
@@ -410,6 +413,7 @@ pub fn simulate(job: &Job, world: u32, data: &Dataset, sim: SimConfig) -> Result
                     .unwrap_or_else(|e| e.into_inner()),
             )
             .filter(|t| t.is_finite()),
+            expendable_failures,
         }),
         _ => Err(Error::Config(format!(
             "the simulated run failed: {}",

@@ -150,7 +150,16 @@ fn stale_parameter_servers_default_to_a_decaying_rate() {
             ..Default::default()
         };
         let cluster = ringtmp_strategy::Cluster::local(4);
-        match Job::plan("ps", cfg, &options, &cluster, &data).unwrap() {
+        match Job::plan(
+            "ps",
+            cfg,
+            &options,
+            &cluster,
+            &data,
+            &mut Default::default(),
+        )
+        .unwrap()
+        {
             Job::Ps(job) => job.spec.schedule.clone(),
             other => panic!("{other:?}"),
         }
@@ -179,7 +188,15 @@ fn a_sample_budget_is_the_same_for_every_strategy() {
             ..config()
         };
         let cluster = ringtmp_strategy::Cluster::local(if strategy == "local" { 1 } else { 4 });
-        let job = Job::plan(strategy, cfg, &Default::default(), &cluster, &data).unwrap();
+        let job = Job::plan(
+            strategy,
+            cfg,
+            &Default::default(),
+            &cluster,
+            &data,
+            &mut Default::default(),
+        )
+        .unwrap();
         let spec = job.spec();
         let global_batch = match strategy {
             "local" | "ring" => 24,
@@ -221,7 +238,16 @@ fn the_async_ring_defaults_to_less_momentum() {
             ..Default::default()
         };
         let cluster = ringtmp_strategy::Cluster::local(2);
-        match Job::plan("ring", cfg, &options, &cluster, &data).unwrap() {
+        match Job::plan(
+            "ring",
+            cfg,
+            &options,
+            &cluster,
+            &data,
+            &mut Default::default(),
+        )
+        .unwrap()
+        {
             Job::Ring(job) => match job.spec.optimizer {
                 OptimizerConfig::Sgd { momentum, .. } => momentum,
                 _ => panic!("sgd"),
@@ -260,7 +286,16 @@ fn stale_parameter_servers_default_to_less_momentum() {
             ..Default::default()
         };
         let cluster = ringtmp_strategy::Cluster::local(nodes);
-        match Job::plan("ps", cfg, &options, &cluster, &data).unwrap() {
+        match Job::plan(
+            "ps",
+            cfg,
+            &options,
+            &cluster,
+            &data,
+            &mut Default::default(),
+        )
+        .unwrap()
+        {
             Job::Ps(job) => match job.spec.optimizer {
                 OptimizerConfig::Sgd { momentum, .. } => momentum,
                 _ => panic!("sgd"),
@@ -334,7 +369,16 @@ fn nodes_sharing_one_core_are_planned_onto_fewer_of_them() {
             },
             ..Default::default()
         };
-        match Job::plan("ring", config(), &options, &cluster, &data).unwrap() {
+        match Job::plan(
+            "ring",
+            config(),
+            &options,
+            &cluster,
+            &data,
+            &mut Default::default(),
+        )
+        .unwrap()
+        {
             Job::Ring(job) => job,
             other => panic!("{other:?}"),
         }
@@ -378,7 +422,14 @@ fn given_cuts_are_boundaries_and_kept_ones_fit_a_shrunk_ring() {
             ..Default::default()
         };
         let cluster = ringtmp_strategy::Cluster::local(nodes);
-        match Job::plan("ring", config(), &options, &cluster, &data) {
+        match Job::plan(
+            "ring",
+            config(),
+            &options,
+            &cluster,
+            &data,
+            &mut Default::default(),
+        ) {
             Ok(Job::Ring(job)) => Ok(job),
             Ok(other) => panic!("{other:?}"),
             Err(e) => Err(e.to_string()),
@@ -413,7 +464,15 @@ fn given_cuts_are_boundaries_and_kept_ones_fit_a_shrunk_ring() {
         ..Default::default()
     };
     let cluster = ringtmp_strategy::Cluster::local(2);
-    let job = Job::plan("ring", config(), &options, &cluster, &data).unwrap();
+    let job = Job::plan(
+        "ring",
+        config(),
+        &options,
+        &cluster,
+        &data,
+        &mut Default::default(),
+    )
+    .unwrap();
     assert_eq!(check(&job, 2), Ok(()));
     let Job::Ring(ring) = job else {
         panic!("a ring job")

@@ -39,7 +39,7 @@ pub mod transport;
 
 pub use config::{Shaping, TransportConfig};
 pub use error::{PeerName, TransportError};
-pub use network::{LinkStats, Network, SentRecord, bind_listener};
+pub use network::{Network, SentRecord, bind_listener};
 pub use pool::BufferPool;
 pub use progress::{StepBound, StepWatch};
-pub use transport::{Clock, Transport, WallClock};
+pub use transport::{Clock, LinkStats, Transport, WallClock};

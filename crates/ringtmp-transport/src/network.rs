@@ -33,30 +33,12 @@ use crate::framed::{ReadError, read_frame_pooled, write_frame};
 use crate::handshake::handshake;
 use crate::pool::BufferPool;
 use crate::secure::Session;
+use crate::transport::LinkStats;
 
 /// Queue depth per link; a full queue is back-pressure on the sender.
 const SEND_QUEUE: usize = 64;
 /// Inbox depth (all links together).
 const INBOX: usize = 256;
-
-/// Traffic and waiting on one link, as measured by the transport.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct LinkStats {
-    /// The peer's rank.
-    pub peer: u32,
-    /// Bytes written to the socket (frames, heartbeats included).
-    pub bytes_sent: u64,
-    /// Bytes read from the socket.
-    pub bytes_received: u64,
-    /// Frames sent (heartbeats excluded).
-    pub messages_sent: u64,
-    /// Frames received (heartbeats excluded).
-    pub messages_received: u64,
-    /// Time the node spent blocked handing messages to this link (back-pressure).
-    pub send_wait: Duration,
-    /// Time the node spent blocked waiting for a message from this peer.
-    pub recv_wait: Duration,
-}
 
 #[derive(Default)]
 struct Counters {

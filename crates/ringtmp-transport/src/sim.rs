@@ -37,8 +37,8 @@ use std::time::Duration;
 use ringtmp_wire::{Control, Message};
 
 use crate::error::{PeerName, TransportError};
-use crate::network::LinkStats;
 use crate::pool::BufferPool;
+use crate::transport::LinkStats;
 use crate::transport::{Clock, Transport};
 
 /// How much virtual time compute takes.

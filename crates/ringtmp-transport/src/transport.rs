@@ -18,7 +18,6 @@ use std::time::Duration;
 use ringtmp_wire::Message;
 
 use crate::error::{PeerName, TransportError};
-use crate::network::LinkStats;
 use crate::pool::BufferPool;
 
 /// The blocking, node-facing API of a network.
@@ -134,4 +133,23 @@ impl Clock for WallClock {
             std::thread::sleep(measured.mul_f64(1.0 / speed - 1.0));
         }
     }
+}
+
+/// Traffic and waiting on one link, as measured by the transport.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct LinkStats {
+    /// The peer's rank.
+    pub peer: u32,
+    /// Bytes written to the socket (frames, heartbeats included).
+    pub bytes_sent: u64,
+    /// Bytes read from the socket.
+    pub bytes_received: u64,
+    /// Frames sent (heartbeats excluded).
+    pub messages_sent: u64,
+    /// Frames received (heartbeats excluded).
+    pub messages_received: u64,
+    /// Time the node spent blocked handing messages to this link (back-pressure).
+    pub send_wait: Duration,
+    /// Time the node spent blocked waiting for a message from this peer.
+    pub recv_wait: Duration,
 }

@@ -23,8 +23,8 @@ use std::cell::RefCell;
 use std::ops::Range;
 
 use rayon::prelude::*;
-use serde::{Deserialize, Serialize};
 
+use super::conv_shape::Conv2d;
 use super::pool::PooledGrad;
 use super::{MaxPool2d, conv_direct};
 use crate::kernels::{
@@ -160,45 +160,7 @@ thread_local! {
     static FORWARD_BUFFERS: RefCell<ForwardBuffers> = RefCell::new(ForwardBuffers::default());
 }
 
-/// Convolution geometry (square kernel, equal stride and zero padding on both axes).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct Conv2d {
-    /// Input height.
-    pub in_height: usize,
-    /// Input width.
-    pub in_width: usize,
-    /// Input channels.
-    pub in_channels: usize,
-    /// Output channels (filters).
-    pub out_channels: usize,
-    /// Kernel side.
-    pub kernel: usize,
-    /// Stride on both axes.
-    pub stride: usize,
-    /// Zero padding on every side.
-    pub padding: usize,
-    /// Output height.
-    pub out_height: usize,
-    /// Output width.
-    pub out_width: usize,
-}
-
 impl Conv2d {
-    /// Values in one column row: `kernel² · in_channels`.
-    pub fn fan_in(&self) -> usize {
-        self.kernel * self.kernel * self.in_channels
-    }
-
-    /// Number of weights.
-    pub fn weight_len(&self) -> usize {
-        self.out_channels * self.fan_in()
-    }
-
-    /// Weights plus biases.
-    pub fn param_count(&self) -> usize {
-        self.weight_len() + self.out_channels
-    }
-
     fn positions(&self) -> usize {
         self.out_height * self.out_width
     }

@@ -18,7 +18,7 @@
 
 use multiversion::multiversion;
 
-use super::Conv2d;
+use super::conv_shape::Conv2d;
 
 /// Output channels per register block: one AVX-512 vector, two AVX2 or four NEON vectors.
 pub(super) const LANES: usize = 16;

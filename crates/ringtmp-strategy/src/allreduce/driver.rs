@@ -31,6 +31,7 @@ use serde_json::json;
 
 use super::AllReduceJob;
 use super::ring::{RingPlan, chunks};
+use crate::data_parallel::write_model;
 use crate::error::{Error, Result};
 use crate::spec::ResumePoint;
 
@@ -467,6 +468,7 @@ fn reform_ring(
     optimizer: &Optimizer,
     dropped: &mut Vec<DroppedNode>,
     timeout: Duration,
+    notices: &mut Vec<String>,
 ) -> Result<()> {
     let mut state: Option<Vec<f32>> = None;
     let mine = optimizer.steps();
@@ -478,11 +480,11 @@ fn reform_ring(
             }
             ring.members.retain(|r| *r != dead);
             ring.generation += 1;
-            eprintln!(
+            notices.push(format!(
                 "all-reduce: rank {dead} left the run at step {step} ({reason}); re-formed the \
                  ring on ranks {:?}, continuing from step {step} with the survivors' replicas",
                 ring.members
-            );
+            ));
             dropped.push(DroppedNode {
                 rank: dead,
                 step,
@@ -546,13 +548,18 @@ fn reform_ring(
                 }
             };
             if let Some(steps) = held.filter(|steps| *steps != mine) {
-                eprintln!(
+                notices.push(format!(
                     "all-reduce: rank {r} had completed {steps} step(s), rank 0 {mine}: it takes \
                      rank 0's state"
-                );
+                ));
                 let values = state.get_or_insert_with(|| flat_state(stage, optimizer));
-                let message =
-                    crate::gossip::model_message(net, values, step, ring.generation, Dtype::F32);
+                let message = crate::data_parallel::model_message(
+                    net,
+                    values,
+                    step,
+                    ring.generation,
+                    Dtype::F32,
+                );
                 if let Err(e) = net.send(r, message) {
                     note(e, &mut lost)?;
                 }
@@ -573,6 +580,7 @@ fn follow_regroup(
     stage: &mut Stage,
     optimizer: &mut Optimizer,
     timeout: Duration,
+    notices: &mut Vec<String>,
 ) -> Result<u64> {
     let mut order = order;
     // Chunks of the new ring from workers that heard of it first wait for it here.
@@ -717,10 +725,10 @@ fn follow_regroup(
     for (from, message) in newer.into_iter().rev() {
         net.unread(from, message);
     }
-    eprintln!(
+    notices.push(format!(
         "all-reduce: rank {rank}: the ring is now ranks {:?}; continuing from step {}",
         order.members, order.step
-    );
+    ));
     *ring = Ring {
         members: order.members,
         generation: order.generation,
@@ -776,6 +784,8 @@ pub fn run_worker(
         generation: 0,
     };
     let mut dropped: Vec<DroppedNode> = Vec::new();
+    // What a regroup handled, for the caller as [`crate::Event::Notice`]s.
+    let mut notices: Vec<String> = Vec::new();
     let mut step = spec.first_step();
     while step < spec.total_steps {
         let t_step = clock.now();
@@ -849,6 +859,7 @@ pub fn run_worker(
                             &optimizer,
                             &mut dropped,
                             spec.recv_timeout(),
+                            &mut notices,
                         )?;
                         if let Some(recorder) = recorder.as_mut() {
                             recorder.write(json!({"event": "dropped", "rank": dead,
@@ -864,6 +875,7 @@ pub fn run_worker(
                             &mut stage,
                             &mut optimizer,
                             spec.recv_timeout(),
+                            &mut notices,
                         )?;
                     }
                     Break::Regroup(order) => {
@@ -875,8 +887,12 @@ pub fn run_worker(
                             &mut stage,
                             &mut optimizer,
                             spec.recv_timeout(),
+                            &mut notices,
                         )?;
                     }
+                }
+                for text in notices.drain(..) {
+                    on_event(&crate::Event::Notice { text });
                 }
                 train_seconds += (clock.now() - t_step).as_secs_f64();
                 continue;
@@ -969,8 +985,14 @@ pub fn run_worker(
             iterations,
         },
     );
-    let Some(per_node) =
-        crate::data_parallel::gather_reports(net, rank, &ring.members, own, spec.recv_timeout())?
+    let Some(per_node) = crate::data_parallel::gather_reports(
+        net,
+        rank,
+        &ring.members,
+        own,
+        spec.recv_timeout(),
+        on_event,
+    )?
     else {
         return Ok(WorkerOutcome {
             stage,
@@ -1014,52 +1036,4 @@ fn write_checkpoint(
         step,
         &[],
     )
-}
-
-/// Writes `stage` (a whole model) as the checkpoint of `step` of a data-parallel run of
-/// `workers` (its data order is that of the global batch), atomically, with each worker's own
-/// model from `replicas` (rank, parameters) beside it; prunes old ones.
-pub fn write_model(
-    spec: &crate::RunSpec,
-    workers: usize,
-    strategy: &str,
-    stage: &Stage,
-    optimizer: &Optimizer,
-    step: u64,
-    replicas: &[(u32, &[f32])],
-) -> Result<std::path::PathBuf> {
-    let dir = spec.checkpoint_dir(step);
-    let written = (|| -> Result<()> {
-        let file = checkpoint::write_stage(&dir, "stage-0.safetensors", stage, optimizer)?;
-        let replicas = replicas
-            .iter()
-            .map(|(rank, params)| {
-                checkpoint::write_params(
-                    &dir,
-                    &format!("replica-{rank}.safetensors"),
-                    stage,
-                    params,
-                )
-            })
-            .collect::<std::result::Result<Vec<_>, _>>()?;
-        // The data order is that of the global batch.
-        let manifest = spec.manifest(
-            strategy,
-            step,
-            spec.batch_size * workers,
-            vec![(0, stage.layers().len())],
-            vec![file],
-            replicas,
-        );
-        checkpoint::write_manifest(&dir, &manifest)?;
-        Ok(())
-    })();
-    if written.is_err() {
-        let _ = std::fs::remove_dir_all(&dir);
-    }
-    written?;
-    if let Some(keep) = spec.keep_checkpoints {
-        checkpoint::retain_newest(&spec.out.join("checkpoints"), keep)?;
-    }
-    Ok(dir)
 }

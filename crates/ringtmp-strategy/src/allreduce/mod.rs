@@ -9,59 +9,24 @@
 //!
 //! # Layout
 //! - [`ring`]: the chunk plan of one all-reduce (sans-IO, with its in-memory simulation).
+//! - [`job`]: the job and its options.
 //! - [`driver`]: one worker: buckets, the overlapped reduction, evaluation and outputs on rank 0.
 
 pub mod driver;
+pub mod job;
 pub mod ring;
+
+pub use job::{AllReduceJob, AllReduceOptions, DEFAULT_BUCKET_MB, NAME};
 
 use std::collections::BTreeSet;
 
 use ringtmp_data::Dataset;
 use ringtmp_metrics::Summary;
-use serde::{Deserialize, Serialize};
 
 use crate::TrainConfig;
-use crate::contract::{Cluster, NodeCx, Strategy, options_merge, validate_shared};
+use crate::contract::{Cluster, NodeCx, PlanReport, Strategy, validate_shared};
 use crate::error::{Error, Result};
 use crate::spec::RunSpec;
-
-/// `--strategy` name.
-pub const NAME: &str = "allreduce";
-
-/// Bucket size when the user gives none: PyTorch DDP's. On `mlp` (4 workers, 2 cores) buckets of 1
-/// to 64 MB ran within the noise of each other, and every one of them faster than no overlap
-/// (docs/BENCHMARKS.md, issue 12); larger models need buckets for the overlap to pay.
-pub const DEFAULT_BUCKET_MB: f64 = 25.0;
-
-/// `ringtmp train --strategy allreduce` options (flags, and keys of a `--config` file).
-#[derive(clap::Args, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub struct AllReduceOptions {
-    /// All-reduce: MB of gradients per bucket, reduced while backward goes on [default: 25].
-    #[arg(long, value_name = "MB")]
-    pub bucket_mb: Option<f64>,
-    /// All-reduce: overlap the reduction with the backward pass [default: true].
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
-    pub overlap: Option<bool>,
-}
-
-options_merge!(AllReduceOptions, bucket_mb, overlap);
-
-/// The all-reduce strategy's job.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct AllReduceJob {
-    /// What every job shares; `batch_size` is one worker's share of each global batch.
-    #[serde(flatten)]
-    pub spec: RunSpec,
-    /// Workers (every node is one).
-    pub workers: usize,
-    /// Bytes of gradients per bucket.
-    pub bucket_bytes: usize,
-    /// Whether buckets are reduced during the backward pass (else after it).
-    pub overlap: bool,
-    /// Emulated relative speed per rank.
-    pub node_speeds: Vec<f64>,
-}
 
 impl Strategy for AllReduceJob {
     const NAME: &'static str = NAME;
@@ -72,6 +37,7 @@ impl Strategy for AllReduceJob {
         options: &AllReduceOptions,
         cluster: &Cluster,
         data: &Dataset,
+        report: &mut PlanReport,
     ) -> Result<Self> {
         let bucket_mb = options.bucket_mb.unwrap_or(DEFAULT_BUCKET_MB);
         if !(bucket_mb.is_finite() && bucket_mb > 0.0) {
@@ -81,7 +47,7 @@ impl Strategy for AllReduceJob {
         }
         let (spec, workers) = crate::data_parallel::plan_spec(NAME, config, cluster, data)?;
         let global = spec.batch_size * workers;
-        eprintln!(
+        report.note(format!(
             "all-reduce: {workers} workers of batch {} (global batch {global}), buckets of {bucket_mb} MB{}, learning rate {}",
             spec.batch_size,
             if options.overlap.unwrap_or(true) {
@@ -90,7 +56,7 @@ impl Strategy for AllReduceJob {
                 ""
             },
             spec.lr
-        );
+        ));
         Ok(Self {
             spec,
             workers,

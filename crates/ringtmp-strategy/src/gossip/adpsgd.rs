@@ -39,7 +39,7 @@ use serde_json::json;
 use super::coordinator::{Action, Coordinator, gathering_due};
 use super::mixing;
 use crate::TrainConfig;
-use crate::contract::{Cluster, NodeCx, Strategy, validate_shared};
+use crate::contract::{Cluster, NodeCx, PlanReport, Strategy, validate_shared};
 use crate::data_parallel::{ShareBuffers, WorkerClock};
 use crate::error::{Error, Result};
 use crate::spec::{ResumePoint, RunSpec};
@@ -73,11 +73,17 @@ impl Strategy for AdpsgdJob {
     const NAME: &'static str = NAME;
     type Options = ();
 
-    fn plan(config: TrainConfig, _: &(), cluster: &Cluster, data: &Dataset) -> Result<Self> {
+    fn plan(
+        config: TrainConfig,
+        _: &(),
+        cluster: &Cluster,
+        data: &Dataset,
+        report: &mut PlanReport,
+    ) -> Result<Self> {
         let (spec, workers) = crate::data_parallel::plan_spec(NAME, config, cluster, data)?;
         check_graph(workers)?;
         let near = mixing::bipartite_neighbours(0, workers as u32);
-        eprintln!(
+        report.note(format!(
             "ad-psgd: {workers} workers of batch {} ({} active, {} passive; each active worker \
              averages with one of {} passive neighbours per iteration), learning rate {}",
             spec.batch_size,
@@ -85,7 +91,7 @@ impl Strategy for AdpsgdJob {
             workers / 2,
             near.len(),
             spec.lr
-        );
+        ));
         Ok(Self {
             spec,
             workers,
@@ -169,6 +175,8 @@ struct Worker<'a> {
     finished: BTreeSet<u32>,
     /// Ranks whose death this worker has noticed.
     gone: BTreeSet<u32>,
+    /// What the run loop has yet to report as [`crate::Event::Notice`]s.
+    notices: Vec<String>,
     /// Averagings this worker took part in.
     averagings: u64,
     /// Rank 0: the run's bookkeeping.
@@ -193,14 +201,15 @@ impl Worker<'_> {
         }
         match message {
             Message::Tensor(h, bytes)
-                if h.tag == TensorTag::Params && super::holds(&h, self.model.len()) =>
+                if h.tag == TensorTag::Params
+                    && crate::data_parallel::holds(&h, self.model.len()) =>
             {
                 tensor_values(&bytes, h.dtype, &mut self.received);
                 net.buffers().give(bytes);
                 match h.micro_batch {
                     // A request: answer with our model, then take the average.
                     AVERAGE if !self.active && self.near.contains(&from) => {
-                        let answer = super::model_message(
+                        let answer = crate::data_parallel::model_message(
                             net,
                             &self.model,
                             h.step,
@@ -235,7 +244,13 @@ impl Worker<'_> {
             Message::Control(Control::Snapshot { round }) if from == 0 => {
                 net.send(
                     0,
-                    super::model_message(net, &self.model, round, SNAPSHOT, Dtype::F32),
+                    crate::data_parallel::model_message(
+                        net,
+                        &self.model,
+                        round,
+                        SNAPSHOT,
+                        Dtype::F32,
+                    ),
                 )?;
             }
             Message::Control(Control::Stop { .. }) if from == 0 => self.stop = true,
@@ -281,11 +296,11 @@ impl Worker<'_> {
             None => false,
         };
         if newly || reported {
-            eprintln!(
+            self.notices.push(format!(
                 "ad-psgd: rank {}: {} left the run ({e}); going on without it",
                 self.rank,
                 net.peer_name(dead)
-            );
+            ));
         }
         Ok(())
     }
@@ -401,6 +416,7 @@ pub fn run_worker(
         allowed: Coordinator::initial_grant(n, spec.first_step(), spec.total_steps),
         finished: BTreeSet::new(),
         gone: BTreeSet::new(),
+        notices: Vec::new(),
         averagings: 0,
         coordinator: (rank == 0).then(|| Coordinator::new(n, spec.first_step(), spec.total_steps)),
         finals: Vec::new(),
@@ -431,6 +447,9 @@ pub fn run_worker(
     let last_rate_step = spec.schedule_steps.saturating_sub(1);
     loop {
         me.drain(net)?;
+        for text in me.notices.drain(..) {
+            on_event(&crate::Event::Notice { text });
+        }
         if let Some(r0) = rank0.as_mut() {
             coordinate(&mut me, net, r0, &optimizer, on_event)?;
         }
@@ -454,7 +473,13 @@ pub fn run_worker(
             if let Some(p) = partner
                 && let Err(e) = net.send(
                     p,
-                    super::model_message(net, &me.model, iterations, AVERAGE, spec.wire_dtype),
+                    crate::data_parallel::model_message(
+                        net,
+                        &me.model,
+                        iterations,
+                        AVERAGE,
+                        spec.wire_dtype,
+                    ),
                 )
             {
                 me.lost(net, e)?;
@@ -469,7 +494,7 @@ pub fn run_worker(
                         if h.tag == TensorTag::Params
                             && h.micro_batch == AVERAGE
                             && h.step == iterations
-                            && super::holds(&h, me.model.len()) =>
+                            && crate::data_parallel::holds(&h, me.model.len()) =>
                     {
                         tensor_values(&bytes, h.dtype, &mut me.received);
                         net.buffers().give(bytes);
@@ -549,6 +574,9 @@ pub fn run_worker(
         }
     }
     wait_seconds += (clock.now() - waited).as_secs_f64();
+    for text in me.notices.drain(..) {
+        on_event(&crate::Event::Notice { text });
+    }
     // Rank 0's evaluations pause it alone while the others train on: its wall time counts.
     let train_seconds = (clock.now() - started).as_secs_f64();
     let mut stage = compute.stage;
@@ -574,7 +602,7 @@ pub fn run_worker(
     let Some(mut r0) = rank0 else {
         net.send(
             0,
-            super::model_message(net, &me.model, FINAL, SNAPSHOT, Dtype::F32),
+            crate::data_parallel::model_message(net, &me.model, FINAL, SNAPSHOT, Dtype::F32),
         )?;
         let doc = serde_json::to_string(&own).map_err(|e| Error::Config(e.to_string()))?;
         net.send(0, Message::Control(Control::Report { nodes: vec![doc] }))?;
@@ -601,7 +629,7 @@ pub fn run_worker(
     finals.extend(me.finals.into_iter().filter(|(r, _)| live.contains(r)));
     finals.sort_by_key(|(r, _)| *r);
     let done = c.global_step();
-    let (mean, distance) = super::consensus(&finals);
+    let (mean, distance) = super::consensus::consensus(&finals);
     stage.params_mut().copy_from_slice(&mean);
     let (accuracy, test_loss) = crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?;
     let wall = (clock.now() - started).as_secs_f64();
@@ -617,7 +645,7 @@ pub fn run_worker(
     });
     if spec.checkpoint_due(done) {
         let replicas: Vec<(u32, &[f32])> = finals.iter().map(|(r, m)| (*r, &m[..])).collect();
-        let dir = crate::allreduce::driver::write_model(
+        let dir = crate::data_parallel::write_model(
             spec, n as usize, NAME, &stage, &optimizer, done, &replicas,
         )?;
         r0.recorder.checkpoint(done, &dir)?;
@@ -717,7 +745,7 @@ fn coordinate(
         return Ok(());
     };
     let models: Vec<(u32, Vec<f32>)> = round.models.into_iter().collect();
-    let (mean, distance) = super::consensus(&models);
+    let (mean, distance) = super::consensus::consensus(&models);
     let mut stage = Stage::new(r0.layers, 0..r0.layers.len(), spec.seed, spec.threads);
     stage.params_mut().copy_from_slice(&mean);
     let done = round.step;
@@ -737,7 +765,7 @@ fn coordinate(
         .write(json!({"event": "consensus", "step": done, "distance": distance}))?;
     if spec.checkpoint_due(done) {
         let replicas: Vec<(u32, &[f32])> = models.iter().map(|(r, m)| (*r, &m[..])).collect();
-        let dir = crate::allreduce::driver::write_model(
+        let dir = crate::data_parallel::write_model(
             spec,
             me.job.workers,
             NAME,

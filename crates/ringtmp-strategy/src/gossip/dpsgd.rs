@@ -26,12 +26,125 @@ use ringtmp_model::{Optimizer, Stage, checkpoint};
 use ringtmp_transport::{Transport, TransportError};
 use ringtmp_wire::message::tensor_values;
 use ringtmp_wire::{Dtype, Message, TensorTag};
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::DpsgdJob;
-use crate::allreduce::driver::write_model;
+use super::mixing::{self, Topology};
+use crate::TrainConfig;
+use crate::contract::{Cluster, NodeCx, PlanReport, Strategy, options_merge, validate_shared};
+use crate::data_parallel::{holds, model_message, write_model};
 use crate::error::{Error, Result};
 use crate::spec::ResumePoint;
+use crate::spec::RunSpec;
+
+/// `--strategy` name of D-PSGD.
+pub const NAME: &str = "dpsgd";
+
+/// `ringtmp train --strategy dpsgd` options (flags, and keys of a `--config` file).
+#[derive(clap::Args, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct DpsgdOptions {
+    /// D-PSGD: communication graph, ring or exp (the ring plus links 2^i hops away)
+    /// [default: ring].
+    #[arg(long, value_enum)]
+    pub topology: Option<Topology>,
+    /// `--drop-dead-workers`, which the parameter server's options own (one flag for both);
+    /// the CLI copies it here.
+    #[arg(skip)]
+    #[serde(skip)]
+    pub drop_dead_workers: Option<bool>,
+}
+
+options_merge!(DpsgdOptions, topology, drop_dead_workers);
+
+/// D-PSGD's job.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DpsgdJob {
+    /// What every job shares; `batch_size` is one worker's share of each global batch.
+    #[serde(flatten)]
+    pub spec: RunSpec,
+    /// Workers (every node is one).
+    pub workers: usize,
+    /// Who averages with whom.
+    pub topology: Topology,
+    /// Emulated relative speed per rank.
+    pub node_speeds: Vec<f64>,
+    /// A dead worker is dropped by its neighbours instead of ending the run.
+    #[serde(default)]
+    pub drop_dead_workers: bool,
+}
+
+impl Strategy for DpsgdJob {
+    const NAME: &'static str = NAME;
+    type Options = DpsgdOptions;
+
+    fn plan(
+        config: TrainConfig,
+        options: &DpsgdOptions,
+        cluster: &Cluster,
+        data: &Dataset,
+        report: &mut PlanReport,
+    ) -> Result<Self> {
+        // Averaging the models averages their updates: the consensus moves as all-reduce's
+        // model does, so the default rate scales with the workers as there.
+        let (spec, workers) = crate::data_parallel::plan_spec(NAME, config, cluster, data)?;
+        let global = spec.batch_size * workers;
+        let topology = options.topology.unwrap_or_default();
+        report.note(format!(
+            "d-psgd: {workers} workers of batch {} (global batch {global}), {topology:?} graph \
+             (second eigenvalue of the mixing matrix {:.3}), learning rate {}",
+            spec.batch_size,
+            mixing::second_eigenvalue(topology, workers as u32),
+            spec.lr
+        ));
+        Ok(Self {
+            spec,
+            workers,
+            topology,
+            node_speeds: cluster.node_speeds.clone(),
+            drop_dead_workers: options.drop_dead_workers.unwrap_or(false),
+        })
+    }
+
+    fn spec(&self) -> &RunSpec {
+        &self.spec
+    }
+
+    fn validate(&self, world: u32) -> Result<()> {
+        validate_shared(&self.spec, world, self.workers)?;
+        if self.workers < 2 {
+            return Err(Error::Config(format!(
+                "invalid job: {} workers",
+                self.workers
+            )));
+        }
+        crate::data_parallel::check_speeds(&self.node_speeds, self.workers)
+    }
+
+    fn neighbours(&self, rank: u32, world: u32) -> BTreeSet<u32> {
+        // The gossip graph, and rank 0 (which gathers the models for the consensus) with all.
+        let mut near = mixing::neighbours(self.topology, rank, world);
+        if rank == 0 {
+            near.extend(1..world);
+        } else {
+            near.insert(0);
+        }
+        near
+    }
+
+    fn expendable(&self, rank: u32) -> bool {
+        self.drop_dead_workers && rank != 0
+    }
+
+    fn needs_data(&self, _: u32) -> bool {
+        true
+    }
+
+    fn run(&self, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
+        let data = cx.data()?;
+        run_worker(self, rank, data, cx.net, cx.on_event).map(|o| o.summary)
+    }
+}
 
 /// What a worker returns: its own model, and on rank 0 the run's summary.
 pub struct WorkerOutcome {
@@ -49,6 +162,8 @@ struct Peers {
     near: BTreeSet<u32>,
     dropped: Vec<DroppedNode>,
     gone: BTreeSet<u32>,
+    /// What the run loop has yet to report as [`crate::Event::Notice`]s.
+    notices: Vec<String>,
 }
 
 impl Peers {
@@ -60,10 +175,10 @@ impl Peers {
             Some(dead) if job.drop_dead_workers && dead != 0 && dead != rank => {
                 self.near.remove(&dead);
                 if self.gone.insert(dead) {
-                    eprintln!(
+                    self.notices.push(format!(
                         "d-psgd: rank {rank}: rank {dead} left the run at step {step} ({e}); \
                          going on without it (--drop-dead-workers)"
-                    );
+                    ));
                     self.dropped.push(DroppedNode {
                         rank: dead,
                         step,
@@ -106,12 +221,9 @@ fn gather_models(
     peers: &mut Peers,
     params: &[f32],
     done: u64,
-) -> Result<Option<super::Models>> {
+) -> Result<Option<super::consensus::Models>> {
     if rank != 0 {
-        net.send(
-            0,
-            super::model_message(net, params, done, TO_RANK0, Dtype::F32),
-        )?;
+        net.send(0, model_message(net, params, done, TO_RANK0, Dtype::F32))?;
         return Ok(None);
     }
     let mut models = vec![(0, params.to_vec())];
@@ -123,7 +235,7 @@ fn gather_models(
                     if h.tag == TensorTag::Params
                         && h.micro_batch == TO_RANK0
                         && h.step == done
-                        && super::holds(&h, params.len()) =>
+                        && holds(&h, params.len()) =>
                 {
                     tensor_values(&bytes, h.dtype, &mut values);
                     net.buffers().give(bytes);
@@ -170,9 +282,10 @@ pub fn run_worker_from(
     let spec = &job.spec;
     let n = job.workers as u32;
     let mut peers = Peers {
-        near: super::mixing::neighbours(job.topology, rank, n),
+        near: mixing::neighbours(job.topology, rank, n),
         dropped: Vec::new(),
         gone: BTreeSet::new(),
+        notices: Vec::new(),
     };
     let layers = spec.layers()?;
     let mut stage = Stage::new(&layers, 0..layers.len(), spec.seed, spec.threads);
@@ -190,11 +303,11 @@ pub fn run_worker_from(
     let mut share = crate::data_parallel::ShareBuffers::default();
     let mut recorder = crate::data_parallel::open_recorder(
         spec,
-        super::NAME,
+        NAME,
         rank,
         stage.params().len(),
         json!({"workers": n, "topology": job.topology,
-                    "second_eigenvalue": super::mixing::second_eigenvalue(job.topology, n)}),
+                    "second_eigenvalue": mixing::second_eigenvalue(job.topology, n)}),
         on_event,
     )?;
     let started = clock.now();
@@ -202,6 +315,9 @@ pub fn run_worker_from(
     let (mut samples, mut last_distance) = (0u64, None);
     let mut received: Vec<(usize, Vec<f32>)> = Vec::new();
     for step in spec.first_step()..spec.total_steps {
+        for text in peers.notices.drain(..) {
+            on_event(&crate::Event::Notice { text });
+        }
         let t_step = clock.now();
         let epoch = step / spec.steps_per_epoch;
         let (t0, wall) = (clock.now(), Instant::now());
@@ -216,8 +332,7 @@ pub fn run_worker_from(
         let waited = clock.now();
         let degree = peers.near.len();
         for p in peers.near.clone() {
-            let message =
-                super::model_message(net, stage.params(), step, degree as u64, spec.wire_dtype);
+            let message = model_message(net, stage.params(), step, degree as u64, spec.wire_dtype);
             if let Err(e) = net.send(p, message) {
                 peers.lost(job, rank, step, e)?;
             }
@@ -231,7 +346,7 @@ pub fn run_worker_from(
                     Ok(Message::Tensor(h, bytes))
                         if h.tag == TensorTag::Params
                             && h.step == step
-                            && super::holds(&h, stage.params().len()) =>
+                            && holds(&h, stage.params().len()) =>
                     {
                         // Buffers are reused from step to step.
                         if received.len() == heard {
@@ -293,7 +408,7 @@ pub fn run_worker_from(
         let Some(models) = gather_models(net, job, rank, &mut peers, stage.params(), done)? else {
             continue;
         };
-        let (mean, distance) = super::consensus(&models);
+        let (mean, distance) = super::consensus::consensus(&models);
         last_distance = Some(distance);
         let Some(recorder) = recorder.as_mut() else {
             unreachable!("rank 0 gathers the models and holds the recorder")
@@ -321,21 +436,16 @@ pub fn run_worker_from(
         if save {
             // The consensus model, with rank 0's optimizer state, and every worker's own.
             let replicas: Vec<(u32, &[f32])> = models.iter().map(|(r, m)| (*r, &m[..])).collect();
-            let dir = write_model(
-                spec,
-                n as usize,
-                super::NAME,
-                &model,
-                &optimizer,
-                done,
-                &replicas,
-            )?;
+            let dir = write_model(spec, n as usize, NAME, &model, &optimizer, done, &replicas)?;
             recorder.checkpoint(done, &dir)?;
             on_event(&crate::Event::Checkpoint {
                 step: done,
                 path: dir,
             });
         }
+    }
+    for text in peers.notices.drain(..) {
+        on_event(&crate::Event::Notice { text });
     }
     // Each worker's own model's accuracy, and the reports around the ring to rank 0.
     let (own_accuracy, _) = crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?;
@@ -356,8 +466,14 @@ pub fn run_worker_from(
         )
     };
     let members: Vec<u32> = (0..n).filter(|r| !peers.gone.contains(r)).collect();
-    let Some(per_node) =
-        crate::data_parallel::gather_reports(net, rank, &members, own, spec.recv_timeout())?
+    let Some(per_node) = crate::data_parallel::gather_reports(
+        net,
+        rank,
+        &members,
+        own,
+        spec.recv_timeout(),
+        on_event,
+    )?
     else {
         return Ok(WorkerOutcome {
             stage,
@@ -377,7 +493,7 @@ pub fn run_worker_from(
     let summary = Summary {
         consensus_distance: last_distance,
         dropped_nodes: peers.dropped,
-        ..crate::data_parallel::run_summary(&recorder, super::NAME, n, &totals, per_node)
+        ..crate::data_parallel::run_summary(&recorder, NAME, n, &totals, per_node)
     };
     let summary = recorder.finish(summary)?;
     Ok(WorkerOutcome {

@@ -9,7 +9,7 @@ use ringtmp_transport::Transport;
 use ringtmp_wire::{Control, Message};
 
 use crate::TrainConfig;
-use crate::contract::{Cluster, NodeCx, Strategy, validate_shared};
+use crate::contract::{Cluster, NodeCx, PlanReport, Strategy, validate_shared};
 use crate::error::{Error, Result};
 use crate::param_server::consistency::Consistency;
 use crate::param_server::driver::{PsJob, WorkerEvent, run_server, run_worker};
@@ -26,8 +26,9 @@ impl Strategy for PsJob {
         options: &PsOptions,
         cluster: &Cluster,
         data: &Dataset,
+        report: &mut PlanReport,
     ) -> Result<Self> {
-        crate::param_server::plan::plan(config, options, cluster, data)
+        crate::param_server::plan::plan(config, options, cluster, data, report)
     }
 
     fn spec(&self) -> &RunSpec {

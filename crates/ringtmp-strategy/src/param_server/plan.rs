@@ -5,7 +5,7 @@ use ringtmp_data::Dataset;
 use ringtmp_model::OptimizerConfig;
 use serde::{Deserialize, Serialize};
 
-use crate::contract::Cluster;
+use crate::contract::{Cluster, PlanReport};
 use crate::error::{Error, Result};
 use crate::param_server::consistency::Consistency;
 use crate::param_server::driver::PsJob;
@@ -58,6 +58,7 @@ pub fn plan(
     args: &PsOptions,
     cluster: &Cluster,
     data: &Dataset,
+    report: &mut PlanReport,
 ) -> Result<PsJob> {
     let nodes = cluster.nodes;
     let servers = args.server_count(nodes)?;
@@ -99,7 +100,7 @@ pub fn plan(
         // rate decayed to zero (cosine) they end at 97.47% against 97.50% (docs/BENCHMARKS.md).
         cfg.schedule = ringtmp_model::LrSchedule::Cosine;
     }
-    eprintln!(
+    report.note(format!(
         "parameter server: {servers} server(s), {workers} worker(s) of batch {} (global batch {global}), {}, learning rate {}{}",
         cfg.batch_size,
         consistency.name(),
@@ -109,14 +110,14 @@ pub fn plan(
         } else {
             ""
         }
-    );
+    ));
     if let Some(m) = stale_momentum {
-        eprintln!(
+        report.note(format!(
             "stale updates from {workers} workers: SGD momentum {m:.1} (the default for stale \
              consistency models: the most that keeps 30% of synchronous SGD's stability \
              margin under a delay of {} updates; --momentum sets it)",
             workers.saturating_sub(1)
-        );
+        ));
     }
     let mut spec = RunSpec::new(cfg.clone(), data, global)?;
     spec.config.out = std::path::absolute(&cfg.out).unwrap_or_else(|_| cfg.out.clone());
@@ -128,13 +129,13 @@ pub fn plan(
             ..cfg.clone()
         };
         let (dir, manifest) = crate::resume::check_resume(path, &global_cfg, data)?;
-        eprintln!(
+        report.note(format!(
             "resuming from {} at iteration {} (written by {}, its parameters in {} file(s))",
             dir.display(),
             manifest.step,
             manifest.strategy,
             manifest.files.len()
-        );
+        ));
         spec.resume_from = Some(ResumePoint {
             dir: std::path::absolute(&dir).unwrap_or(dir),
             step: manifest.step.min(spec.total_steps),

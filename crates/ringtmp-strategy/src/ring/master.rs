@@ -14,7 +14,7 @@ use ringtmp_wire::{Control, Dtype, Message, TensorTag};
 use serde_json::{Value, json};
 
 use super::driver::{NodeClock, RingJob, micro_offset, node_summary, protocol, tensor};
-use super::heal::{REPLICA, Replicas, Snapshot};
+use super::replicas::{REPLICA, Replicas, Snapshot};
 use super::schedule::{Action, Schedule, StageState};
 use crate::error::{Error, Result};
 use crate::event::Event;

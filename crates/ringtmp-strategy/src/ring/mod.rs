@@ -28,6 +28,7 @@ pub mod partition;
 pub mod plan;
 pub mod profile;
 mod replica_gossip;
+pub mod replicas;
 pub mod rings;
 pub mod schedule;
 mod worker;

@@ -7,7 +7,7 @@ use ringtmp_data::Dataset;
 use ringtmp_metrics::Summary;
 
 use crate::TrainConfig;
-use crate::contract::{Cluster, NodeCx, Strategy, ring_neighbours, validate_shared};
+use crate::contract::{Cluster, NodeCx, PlanReport, Strategy, ring_neighbours, validate_shared};
 use crate::error::{Error, Result};
 use crate::ring::driver::{MasterSetup, RingJob, run_master, run_worker};
 use crate::ring::plan::RingOptions;
@@ -22,8 +22,9 @@ impl Strategy for RingJob {
         options: &RingOptions,
         cluster: &Cluster,
         data: &Dataset,
+        report: &mut PlanReport,
     ) -> Result<Self> {
-        crate::ring::plan::plan(config, options, cluster, data)
+        crate::ring::plan::plan(config, options, cluster, data, report)
     }
 
     fn spec(&self) -> &RunSpec {

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use ringtmp_model::{ModelSpec, OptimizerConfig};
 use serde::{Deserialize, Serialize};
 
-use super::profile::{LayerTiming, time_layers};
+use super::profile::time_layers;
 
 /// What rank 0 asks every node to time.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -40,51 +40,7 @@ pub struct ProfileRequest {
     pub budget_seconds: f64,
 }
 
-/// A node's measurements.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct NodeProfile {
-    /// What the node is: CPU model, SIMD level, cores (`AMD EPYC, avx512, 2 cores`).
-    pub machine: String,
-    /// Rows per micro-batch it was timed at.
-    pub rows: usize,
-    /// Compute threads it was timed with.
-    pub threads: usize,
-    /// One timing per layer of the model.
-    pub layers: Vec<LayerTiming>,
-    /// Memory the node can still use, bytes (`MemAvailable`, or its cgroup's limit less its
-    /// usage when lower); `None` where it cannot tell.
-    pub available_memory: Option<u64>,
-    /// Seconds the measurement took (0 when it came from the cache).
-    pub took_seconds: f64,
-    /// Whether it came from the node's cache.
-    #[serde(default)]
-    pub cached: bool,
-    /// The node's own network card as it knows it (its emulated card, `--bandwidth-mbit` on
-    /// its command line), Mbit/s; `None` when not known.
-    #[serde(default)]
-    pub card_mbit: Option<f64>,
-    /// One-way latency its links add (`--latency-ms` on its command line), ms.
-    #[serde(default)]
-    pub latency_ms: f64,
-    /// CPU seconds per byte its links cost it (framing, and sealing and opening records on a
-    /// private link; sending and receiving counted), measured with frames of its largest
-    /// activation; `None` where the measurement failed.
-    #[serde(default)]
-    pub link_seconds_per_byte: Option<f64>,
-    /// Cores this process may run on.
-    #[serde(default)]
-    pub cores: usize,
-}
-
-impl NodeProfile {
-    /// Seconds per micro-batch of layers `i..j`, with `steps_per_micro_batch` optimizer steps.
-    pub fn seconds(&self, steps_per_micro_batch: f64) -> Vec<f64> {
-        self.layers
-            .iter()
-            .map(|t| t.compute_seconds + t.step_seconds * steps_per_micro_batch)
-            .collect()
-    }
-}
+pub use crate::machine::NodeProfile;
 
 /// A node's answer.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -107,39 +63,6 @@ pub fn machine_description() -> String {
         ringtmp_model::kernels::simd_level(),
         if cores == 1 { "" } else { "s" }
     )
-}
-
-/// Memory this process may still use: `MemAvailable` from `/proc/meminfo`, lowered to its
-/// cgroup's limit less its usage (v2 `memory.max`, v1 `memory.limit_in_bytes`) when that is
-/// smaller. `None` where neither can be read.
-pub fn available_memory() -> Option<u64> {
-    let meminfo = std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|text| {
-            text.lines()
-                .find(|l| l.starts_with("MemAvailable:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-                .map(|kb| kb * 1024)
-        });
-    let read = |path: &str| -> Option<u64> {
-        std::fs::read_to_string(path)
-            .ok()
-            .and_then(|t| t.trim().parse::<u64>().ok())
-    };
-    let cgroup = read("/sys/fs/cgroup/memory.max")
-        .zip(read("/sys/fs/cgroup/memory.current"))
-        .or_else(|| {
-            read("/sys/fs/cgroup/memory/memory.limit_in_bytes")
-                .zip(read("/sys/fs/cgroup/memory/memory.usage_in_bytes"))
-        })
-        // v1 says "no limit" with a huge number.
-        .filter(|(limit, _)| *limit < 1 << 60)
-        .map(|(limit, used)| limit.saturating_sub(used));
-    match (meminfo, cgroup) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    }
 }
 
 /// Times the request's model on this machine, and what its links (private when `encrypt`) cost
@@ -186,7 +109,7 @@ pub fn measure(request: &ProfileRequest, encrypt: bool) -> Result<NodeProfile, S
         rows: request.rows,
         threads: request.threads,
         layers: timings,
-        available_memory: available_memory(),
+        available_memory: crate::machine::available_memory(),
         took_seconds: started.elapsed().as_secs_f64(),
         cached: false,
         card_mbit: None,
@@ -274,7 +197,7 @@ pub fn answer(request_json: &str, cache: Option<&Path>, fresh: bool, links: OwnL
                 Some(mut profile) => {
                     profile.cached = true;
                     profile.took_seconds = 0.0;
-                    profile.available_memory = available_memory();
+                    profile.available_memory = crate::machine::available_memory();
                     ProfileReply::Measured(profile)
                 }
                 // A bug in timing must cost the plan this node's figures, not the node.

@@ -6,7 +6,7 @@ use ringtmp_data::Dataset;
 use ringtmp_model::LayerKind;
 use serde::{Deserialize, Serialize};
 
-use crate::contract::{Cluster, SharedMachine};
+use crate::contract::{Cluster, PlanReport, SharedMachine, show_bytes};
 use crate::error::{Error, Result};
 use crate::ring::driver::RingJob;
 use crate::ring::node_profile::ProfileRequest;
@@ -226,12 +226,13 @@ impl<'de> Deserialize<'de> for CutInsideChoice {
 /// SGD momentum of the async schedule when the user gives none (see `plan`).
 pub const ASYNC_MOMENTUM: f32 = 0.8;
 
-/// Plans the ring job for `cluster.nodes` nodes; prints the plan.
+/// Plans the ring job for `cluster.nodes` nodes, saying in `report` what it chose.
 pub fn plan(
     mut cfg: TrainConfig,
     args: &RingOptions,
     cluster: &Cluster,
     data: &Dataset,
+    report: &mut PlanReport,
 ) -> Result<RingJob> {
     let nodes = cluster.nodes;
     if cluster.threads.is_none() {
@@ -277,7 +278,7 @@ pub fn plan(
     };
     let (average_every, gossip_every) = if (average_every > 0 || gossip_every > 0) && replicas < 2 {
         // One ring (a sweep's smallest count under --ring-nodes): nothing to keep together.
-        eprintln!("--replica-sync: one ring, no copies to keep together");
+        report.note("--replica-sync: one ring, no copies to keep together");
         (0, 0)
     } else {
         (average_every, gossip_every)
@@ -312,11 +313,11 @@ pub fn plan(
             } else {
                 format!("average their parameters every {average_every} mini-batch(es)")
             };
-            eprintln!(
+            report.note(format!(
                 "--replicas {r}: each ring trains on its own ({} schedule) and the copies of a \
                  stage {how}",
                 schedule.name()
-            );
+            ));
             schedule
         }
         (Some(Schedule::Async), r) if r > 1 => {
@@ -328,14 +329,16 @@ pub fn plan(
             ));
         }
         (None, r) if r > 1 => {
-            eprintln!("--replicas {r}: schedule 1f1b (rings of rings step together)");
+            report.note(format!(
+                "--replicas {r}: schedule 1f1b (rings of rings step together)"
+            ));
             Schedule::OneFOneB
         }
         (None, _) if clipping => {
-            eprintln!(
-                "schedule 1f1b: clipping by the global norm needs every stage's gradient of a \
-                 step before any stage updates (a flush)"
-            );
+            report.note(concat!(
+                "schedule 1f1b: clipping by the global norm needs every stage's gradient of a ",
+                "step before any stage updates (a flush)"
+            ));
             Schedule::OneFOneB
         }
         (s, _) => s.unwrap_or(Schedule::Async),
@@ -371,10 +374,10 @@ pub fn plan(
         // 57–85% over three runs, 0.8 at 91.3–91.9%; MNIST mlp, 2 epochs: 97.6% against 97.4%;
         // MNIST mlp-deep, 1 epoch: 96.0% against 96.1%.
         *momentum = ASYNC_MOMENTUM;
-        eprintln!(
+        report.note(format!(
             "async schedule: SGD momentum {ASYNC_MOMENTUM} (the default for stale updates; \
              --momentum sets it)"
-        );
+        ));
     }
     let micro_batches = args.micro_batches.unwrap_or(default_micro_batches(
         schedule,
@@ -459,10 +462,10 @@ pub fn plan(
         (Schedule::Async, None) => InFlight::PerNode { plus: 1 },
         _ => InFlight::Fixed(in_flight),
     };
-    eprintln!(
+    report.note(format!(
         "profiling {} layers on micro-batches of {rows} rows for the partition plan",
         layers.len()
-    );
+    ));
     let steps_per_micro_batch = match schedule {
         Schedule::Async => 1.0,
         Schedule::Gpipe | Schedule::OneFOneB => 1.0 / micro_batches as f64,
@@ -489,6 +492,7 @@ pub fn plan(
             costs: &costs,
             overhead: |rank| process_overhead(rank == 0, data, &layers),
         },
+        report,
     );
     // With the head on the master, the last layer with parameters (and what follows it) stays
     // there; the nodes share the rest.
@@ -661,7 +665,7 @@ pub fn plan(
                         .map_or(planned.bottleneck, |(_, b)| *b);
                     for cut in &refined.cuts {
                         let g = geometry[cut.layer].expect("only linear layers are cut");
-                        eprintln!(
+                        report.note(format!(
                             "cut inside layer {} (linear {}→{}) after {} of its outputs: whole \
                              layers could not balance the stages (the slowest {:.2} ms a \
                              micro-batch, {:.2} ms with the cut; --cut-inside false keeps whole \
@@ -672,7 +676,7 @@ pub fn plan(
                             cut.split,
                             whole_at_m * 1e3,
                             refined.plan.bottleneck * 1e3
-                        );
+                        ));
                     }
                     (refined.plan, refined.cuts, refined.costs)
                 }
@@ -705,7 +709,7 @@ pub fn plan(
         } else {
             "more would not train faster (within 2%)".to_string()
         };
-        eprintln!(
+        report.note(format!(
             "the plan uses {used} of the {nodes} nodes: {why} (the slowest stage per \
              micro-batch with {}; --use-all-nodes insists on all); {} idle",
             by.join(", "),
@@ -714,7 +718,7 @@ pub fn plan(
             } else {
                 format!("nodes {used}..{} stay", nodes - 1)
             }
-        );
+        ));
     }
     let speeds: Vec<f64> = speeds.into_iter().take(used as usize).collect();
     // In the cut layers' positions: every cut is before the head, and each adds a layer.
@@ -760,14 +764,14 @@ pub fn plan(
                 .unwrap_or(usize::MAX);
             let capped = window.min(fitting);
             if capped < window {
-                eprintln!(
+                report.note(format!(
                     "async window: {window} micro-batches would cover the round trip, kept at \
                      {capped} for the memory limits (--in-flight sets it)"
-                );
+                ));
             }
             let covering = window - 1;
             if covering > used as usize && capped == window {
-                eprintln!(
+                report.note(format!(
                     "async window: {capped} micro-batches in flight: a micro-batch's predicted \
                      round trip of {:.2} ms spans {covering} of the slowest stage's {:.2} ms \
                      turns, and one more for what the prediction leaves out; gradients up to {} \
@@ -775,25 +779,25 @@ pub fn plan(
                     planned.round_trip * 1e3,
                     planned.bottleneck * 1e3,
                     capped - 1
-                );
+                ));
             } else if capped > used as usize {
-                eprintln!(
+                report.note(format!(
                     "async window: {capped} micro-batches in flight (one per node and one more): \
                      gradients up to {} mini-batches stale (--in-flight sets it)",
                     capped - 1
-                );
+                ));
             }
             capped
         }
         (_, w) => w.unwrap_or(in_flight),
     };
     if let Some(h) = &head {
-        eprintln!(
+        report.note(format!(
             "  node 0 also holds the head: layers {}..{} (the logits never leave it)",
             h.start, h.end
-        );
+        ));
     }
-    eprintln!(
+    report.note(format!(
         "partition ({} nodes, {} schedule, {micro_batches} micro-batch{}; {}):",
         used,
         schedule.name(),
@@ -812,7 +816,7 @@ pub fn plan(
                 "links not counted: no bandwidth given (--bandwidth-mbit or --link)".to_string()
             }
         }
-    );
+    ));
     for (i, s) in plan.iter().enumerate() {
         let kinds: Vec<&str> = staged_layers[s.start..s.end]
             .iter()
@@ -830,7 +834,7 @@ pub fn plan(
             ),
             None => card,
         };
-        eprintln!(
+        report.note(format!(
             "  node {}: layers {}..{} [{}], predicted {:.2} ms of compute per micro-batch{link}, \
              {:.1} MB",
             s.rank,
@@ -839,12 +843,12 @@ pub fn plan(
             kinds.join(" "),
             s.predicted_seconds * 1e3,
             s.predicted_bytes as f64 / 1e6
-        );
+        ));
     }
     let mut spec = RunSpec::new(cfg.clone(), data, cfg.batch_size * replicas)?;
     spec.config.out = std::path::absolute(&cfg.out).unwrap_or_else(|_| cfg.out.clone());
     if replicas > 1 {
-        eprintln!(
+        report.note(format!(
             "rings of rings: {replicas} rings of {nodes} nodes ({all_nodes} in all), each on {} \
              of every global batch of {}, stages averaging their {}; learning rate {}",
             cfg.batch_size,
@@ -857,7 +861,7 @@ pub fn plan(
                 format!("parameters every {average_every} mini-batch(es)")
             },
             cfg.lr
-        );
+        ));
     }
     if let Some(path) = &cfg.resume {
         let global = TrainConfig {
@@ -865,13 +869,13 @@ pub fn plan(
             ..cfg.clone()
         };
         let (dir, manifest) = crate::resume::check_resume(path, &global, data)?;
-        eprintln!(
+        report.note(format!(
             "resuming from {} at step {} (written by {}, its parameters in {} file(s))",
             dir.display(),
             manifest.step,
             manifest.strategy,
             manifest.files.len()
-        );
+        ));
         spec.resume_from = Some(ResumePoint {
             dir: std::path::absolute(&dir).unwrap_or(dir),
             step: manifest.step,
@@ -899,12 +903,12 @@ pub fn plan(
         ring: 0,
     };
     if job.replica_every > 0 {
-        crate::ring::heal::check_replicas_fit(&job, &staged_layers, &limits)?;
-        eprintln!(
+        crate::ring::replicas::check_replicas_fit(&job, &staged_layers, &limits)?;
+        report.note(format!(
             "stage replicas: every node keeps its successor's block, refreshed every {} \
              mini-batches (a non-master node's death is healed without a restart)",
             job.replica_every
-        );
+        ));
     }
     Ok(job)
 }
@@ -997,38 +1001,41 @@ struct OwnProfileCheck<'a, F: Fn(u32) -> u64> {
 
 /// Puts every node's own profile (issue 17.2) into its capacity: its seconds per layer, and its
 /// free memory (less its process overhead) as a memory limit where that is tighter than the
-/// given one; prints each node's measured speed relative to rank 0 on this model. A profile of
+/// given one; reports each node's measured speed relative to rank 0 on this model. A profile of
 /// other rows, threads or layers is set aside with a warning (the node is then planned from
 /// rank 0's profile and its `--node-speed`).
 fn use_own_profiles<F: Fn(u32) -> u64>(
     cluster: &Cluster,
     capacities: &mut [NodeCapacity],
     check: &OwnProfileCheck<'_, F>,
+    report: &mut PlanReport,
 ) {
     if cluster.node_profiles.iter().all(Option::is_none) {
         return;
     }
     let reference: f64 = check.costs.iter().map(|c| c.seconds).sum();
-    eprintln!(
+    report.note(format!(
         "nodes' own profiles (seconds per micro-batch of {} rows, the whole model, {} \
          thread(s)):",
         check.rows, check.threads
-    );
-    eprintln!(
+    ));
+    report.note(format!(
         "  node 0: {:.2} ms — {} (rank 0, plans)",
         reference * 1e3,
         crate::ring::node_profile::machine_description()
-    );
+    ));
     for (rank, capacity) in capacities.iter_mut().enumerate().skip(1) {
         let Some(Some(profile)) = cluster.node_profiles.get(rank) else {
-            eprintln!("  node {rank}: no profile of its own: planned from rank 0's");
+            report.note(format!(
+                "  node {rank}: no profile of its own: planned from rank 0's"
+            ));
             continue;
         };
         if profile.rows != check.rows
             || profile.threads != check.threads
             || profile.layers.len() != check.costs.len()
         {
-            eprintln!(
+            report.note(format!(
                 "  node {rank}: its profile ({} rows, {} threads, {} layers) is not of this plan's \
                  micro-batch ({} rows, {} threads, {} layers): planned from rank 0's",
                 profile.rows,
@@ -1037,7 +1044,7 @@ fn use_own_profiles<F: Fn(u32) -> u64>(
                 check.rows,
                 check.threads,
                 check.costs.len()
-            );
+            ));
             continue;
         }
         let own = profile.seconds(check.steps_per_micro_batch);
@@ -1082,7 +1089,7 @@ fn use_own_profiles<F: Fn(u32) -> u64>(
         } else {
             format!("1/{:.0} of rank 0's speed", 1.0 / ratio.max(1e-12))
         };
-        eprintln!(
+        report.note(format!(
             "  node {rank}: {:.2} ms, {speed} — {}{card}{link}{}{}",
             total * 1e3,
             profile.machine,
@@ -1094,7 +1101,7 @@ fn use_own_profiles<F: Fn(u32) -> u64>(
             } else {
                 format!(", measured in {:.1} s", profile.took_seconds)
             }
-        );
+        ));
         capacity.layer_seconds = Some(own);
     }
 }
@@ -1165,10 +1172,6 @@ pub fn process_overhead(master: bool, data: &Dataset, layers: &[ringtmp_model::L
         0
     };
     PROCESS_BASELINE_BYTES + workspace + dataset
-}
-
-pub(crate) fn show_bytes(bytes: u64) -> String {
-    format!("{:.0} MiB", bytes as f64 / (1u64 << 20) as f64)
 }
 
 #[cfg(test)]

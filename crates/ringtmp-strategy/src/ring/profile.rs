@@ -5,8 +5,6 @@
 
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
-
 use ringtmp_model::{Layer, Optimizer, OptimizerConfig, Pass, Stage};
 
 use super::partition::LayerCost;
@@ -96,21 +94,7 @@ pub fn profile_layers(
         .collect()
 }
 
-/// One layer's measured times.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
-pub struct LayerTiming {
-    /// Forward + backward of one micro-batch, seconds (lower quartile of the runs).
-    pub compute_seconds: f64,
-    /// One optimizer step over the layer's parameters, seconds (lower quartile of the runs).
-    pub step_seconds: f64,
-    /// Of `compute_seconds`, the part a split backward runs after it has handed out the
-    /// layer's input gradient (a linear layer's weight gradient; lower quartile of the runs). 0
-    /// for a layer that makes no input gradient, and in profiles from before it was measured.
-    #[serde(default)]
-    pub after_send_seconds: f64,
-    /// Bytes the layer stashes per micro-batch beyond its input (outputs and side data).
-    pub stash_bytes: u64,
-}
+pub use crate::machine::LayerTiming;
 
 /// Most bytes of layers (parameters, gradients, optimizer state, a micro-batch's activations)
 /// the profiler holds at once: the layers of a window this size are timed in turns, larger
@@ -122,7 +106,7 @@ const INTERLEAVED_BYTES: usize = 256 << 20;
 /// The window's bound here: [`INTERLEAVED_BYTES`], or an eighth of the available memory when
 /// that is less.
 fn interleaved_bytes() -> usize {
-    super::node_profile::available_memory().map_or(INTERLEAVED_BYTES, |free| {
+    crate::machine::available_memory().map_or(INTERLEAVED_BYTES, |free| {
         INTERLEAVED_BYTES.min(usize::try_from(free / 8).unwrap_or(usize::MAX))
     })
 }

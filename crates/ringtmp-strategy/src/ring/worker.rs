@@ -10,8 +10,8 @@ use ringtmp_wire::message::tensor_values;
 use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
 
 use super::driver::{NodeClock, RingJob, micro_offset, node_summary, protocol, tensor, values};
-use super::heal::{REPLICA, Replicas, Snapshot};
 use super::partition::StagePlan;
+use super::replicas::{REPLICA, Replicas, Snapshot};
 use super::schedule::{Action, Schedule, StagePolicy};
 use crate::error::{Error, Result};
 

@@ -1,0 +1,102 @@
+//! What a node's machine offers: the memory the process may still use (read from the operating
+//! system), and a node's measured profile ([`NodeProfile`]: its layer times, memory, links and
+//! cores), which every node may send at rendezvous and a [`crate::Cluster`] carries to the
+//! planners. Shared by the planner's profile, the rendezvous profile, and the CLI's core
+//! benchmark.
+
+use serde::{Deserialize, Serialize};
+
+/// Memory this process may still use: `MemAvailable` from `/proc/meminfo`, lowered to its
+/// cgroup's limit less its usage (v2 `memory.max`, v1 `memory.limit_in_bytes`) when that is
+/// smaller. `None` where neither can be read.
+pub fn available_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|text| {
+            text.lines()
+                .find(|l| l.starts_with("MemAvailable:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<u64>().ok())
+                .map(|kb| kb * 1024)
+        });
+    let read = |path: &str| -> Option<u64> {
+        std::fs::read_to_string(path)
+            .ok()
+            .and_then(|t| t.trim().parse::<u64>().ok())
+    };
+    let cgroup = read("/sys/fs/cgroup/memory.max")
+        .zip(read("/sys/fs/cgroup/memory.current"))
+        .or_else(|| {
+            read("/sys/fs/cgroup/memory/memory.limit_in_bytes")
+                .zip(read("/sys/fs/cgroup/memory/memory.usage_in_bytes"))
+        })
+        // v1 says "no limit" with a huge number.
+        .filter(|(limit, _)| *limit < 1 << 60)
+        .map(|(limit, used)| limit.saturating_sub(used));
+    match (meminfo, cgroup) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// One layer's measured times.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct LayerTiming {
+    /// Forward + backward of one micro-batch, seconds (lower quartile of the runs).
+    pub compute_seconds: f64,
+    /// One optimizer step over the layer's parameters, seconds (lower quartile of the runs).
+    pub step_seconds: f64,
+    /// Of `compute_seconds`, the part a split backward runs after it has handed out the
+    /// layer's input gradient (a linear layer's weight gradient; lower quartile of the runs). 0
+    /// for a layer that makes no input gradient, and in profiles from before it was measured.
+    #[serde(default)]
+    pub after_send_seconds: f64,
+    /// Bytes the layer stashes per micro-batch beyond its input (outputs and side data).
+    pub stash_bytes: u64,
+}
+
+/// A node's measurements.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NodeProfile {
+    /// What the node is: CPU model, SIMD level, cores (`AMD EPYC, avx512, 2 cores`).
+    pub machine: String,
+    /// Rows per micro-batch it was timed at.
+    pub rows: usize,
+    /// Compute threads it was timed with.
+    pub threads: usize,
+    /// One timing per layer of the model.
+    pub layers: Vec<LayerTiming>,
+    /// Memory the node can still use, bytes (`MemAvailable`, or its cgroup's limit less its
+    /// usage when lower); `None` where it cannot tell.
+    pub available_memory: Option<u64>,
+    /// Seconds the measurement took (0 when it came from the cache).
+    pub took_seconds: f64,
+    /// Whether it came from the node's cache.
+    #[serde(default)]
+    pub cached: bool,
+    /// The node's own network card as it knows it (its emulated card, `--bandwidth-mbit` on
+    /// its command line), Mbit/s; `None` when not known.
+    #[serde(default)]
+    pub card_mbit: Option<f64>,
+    /// One-way latency its links add (`--latency-ms` on its command line), ms.
+    #[serde(default)]
+    pub latency_ms: f64,
+    /// CPU seconds per byte its links cost it (framing, and sealing and opening records on a
+    /// private link; sending and receiving counted), measured with frames of its largest
+    /// activation; `None` where the measurement failed.
+    #[serde(default)]
+    pub link_seconds_per_byte: Option<f64>,
+    /// Cores this process may run on.
+    #[serde(default)]
+    pub cores: usize,
+}
+
+impl NodeProfile {
+    /// Seconds per micro-batch of layers `i..j`, with `steps_per_micro_batch` optimizer steps.
+    pub fn seconds(&self, steps_per_micro_batch: f64) -> Vec<f64> {
+        self.layers
+            .iter()
+            .map(|t| t.compute_seconds + t.step_seconds * steps_per_micro_batch)
+            .collect()
+    }
+}
