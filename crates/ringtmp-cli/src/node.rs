@@ -11,7 +11,7 @@ use ringtmp_cluster::launch::{LaunchFlags, resolve};
 use ringtmp_cluster::node::{JoinOptions, join};
 use ringtmp_cluster::rendezvous::{FromAnswers, Offer};
 use ringtmp_strategy::contract::ring_neighbours;
-use ringtmp_strategy::ring::node_profile::{self, ProfileReply};
+use ringtmp_strategy::ring::plan::node_profile::{self, ProfileReply};
 use ringtmp_strategy::selftest::{self, SelftestConfig};
 use ringtmp_strategy::{Job, NodeCx};
 use ringtmp_transport::{Shaping, TransportConfig};

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use ringtmp_data::{Dataset, FileCheck};
-use ringtmp_strategy::ring::node_profile::{NodeProfile, ProfileRequest};
+use ringtmp_strategy::ring::plan::node_profile::{NodeProfile, ProfileRequest};
 use ringtmp_strategy::{Cluster, Job, PlanReport, SharedMachine, TrainConfig};
 
 use crate::args::TrainArgs;

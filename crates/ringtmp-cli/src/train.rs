@@ -277,7 +277,7 @@ fn keep_cuts(args: &mut TrainArgs, out: &std::path::Path) {
     else {
         return;
     };
-    let cuts: Vec<ringtmp_strategy::ring::partition::CutInside> =
+    let cuts: Vec<ringtmp_strategy::ring::plan::partition::CutInside> =
         serde_json::from_value(job["cuts_inside"].clone()).unwrap_or_default();
     args.ring.cut_inside = Some(if cuts.is_empty() {
         CutInsideChoice::Planner(false)
@@ -459,8 +459,8 @@ fn launch_once(args: &mut TrainArgs, cluster: &LocalCluster, attempt: usize) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use ringtmp_strategy::ring::partition::CutInside;
     use ringtmp_strategy::ring::plan::CutInsideChoice;
+    use ringtmp_strategy::ring::plan::partition::CutInside;
 
     // A restart keeps the failed attempt's cuts inside layers (or none), or the user's; other
     // strategies are left alone.

@@ -1,6 +1,6 @@
 //! Gradient clipping by the global L2 norm, as PyTorch's `clip_grad_norm_`: the factor, and
 //! clipping a stage that holds the whole gradient (one process, or a replica holding the
-//! averaged one). The ring's stages each hold a share; `ring::master` sums their norms.
+//! averaged one). The ring's stages each hold a share; `ring::run::master` sums their norms.
 
 use ringtmp_model::Stage;
 

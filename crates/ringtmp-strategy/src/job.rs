@@ -22,8 +22,8 @@ use crate::gossip::{AdpsgdJob, DpsgdJob, DpsgdOptions};
 use crate::local::LocalJob;
 use crate::param_server::driver::PsJob;
 use crate::param_server::plan::PsOptions;
-use crate::ring::driver::RingJob;
 use crate::ring::plan::RingOptions;
+use crate::ring::run::driver::RingJob;
 use crate::spec::RunSpec;
 
 /// Every strategy's job, tagged by the strategy's name (`job.json`, and what rank 0 hands every
@@ -140,7 +140,7 @@ impl Job {
         cluster: &Cluster,
         data: &Dataset,
         budget_seconds: f64,
-    ) -> Result<Option<crate::ring::node_profile::ProfileRequest>> {
+    ) -> Result<Option<crate::ring::plan::node_profile::ProfileRequest>> {
         match name {
             RingJob::NAME => crate::ring::plan::profile_request(
                 config,

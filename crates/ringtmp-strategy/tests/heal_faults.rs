@@ -20,7 +20,7 @@
 use std::time::Duration;
 
 use ringtmp_strategy::TrainConfig;
-use ringtmp_strategy::ring::schedule::Schedule;
+use ringtmp_strategy::ring::run::schedule::Schedule;
 use ringtmp_testkit::fixtures::{deep_mlp, digits, max_rel_diff};
 use ringtmp_testkit::jobs::ring_job;
 use ringtmp_testkit::nodes::Backend;

@@ -4,7 +4,7 @@
 use std::path::Path;
 
 use ringtmp_strategy::param_server::consistency::Consistency;
-use ringtmp_strategy::ring::schedule::Schedule;
+use ringtmp_strategy::ring::run::schedule::Schedule;
 use ringtmp_strategy::{Job, TrainConfig};
 use ringtmp_testkit::fixtures::{CONV_MODEL, digits, model};
 use ringtmp_testkit::jobs::{ps_job, ring_job};
@@ -41,7 +41,7 @@ fn a_planned_job_is_valid_and_survives_its_json() {
 }
 
 /// A way to spoil a ring job.
-type Corruption = Box<dyn Fn(&mut ringtmp_strategy::ring::driver::RingJob)>;
+type Corruption = Box<dyn Fn(&mut ringtmp_strategy::ring::run::driver::RingJob)>;
 
 #[test]
 fn impossible_ring_jobs_are_refused_with_the_reason() {
@@ -219,7 +219,7 @@ fn a_sample_budget_is_the_same_for_every_strategy() {
 fn the_async_ring_defaults_to_less_momentum() {
     use ringtmp_model::OptimizerConfig;
     use ringtmp_strategy::ring::plan::{ASYNC_MOMENTUM, RingOptions};
-    use ringtmp_strategy::ring::schedule::Schedule;
+    use ringtmp_strategy::ring::run::schedule::Schedule;
     let data = digits();
     let momentum = |schedule: Schedule, default_momentum: bool| {
         let cfg = TrainConfig {
@@ -398,7 +398,7 @@ fn nodes_sharing_one_core_are_planned_onto_fewer_of_them() {
 /// they fit.
 #[test]
 fn given_cuts_are_boundaries_and_kept_ones_fit_a_shrunk_ring() {
-    use ringtmp_strategy::ring::partition::CutInside;
+    use ringtmp_strategy::ring::plan::partition::CutInside;
     use ringtmp_strategy::ring::plan::{CutInsideChoice, RingOptions};
     let data = digits();
     // The test model's linear layers 4 (96 → 48) and 7 (48 → 32).

@@ -7,9 +7,9 @@ use std::path::Path;
 use ringtmp_data::Dataset;
 use ringtmp_model::checkpoint;
 use ringtmp_model::{LrSchedule, ModelSpec, OptimizerConfig, Shape};
-use ringtmp_strategy::ring::driver::RingJob;
-use ringtmp_strategy::ring::partition::StagePlan;
-use ringtmp_strategy::ring::schedule::Schedule;
+use ringtmp_strategy::ring::plan::partition::StagePlan;
+use ringtmp_strategy::ring::run::driver::RingJob;
+use ringtmp_strategy::ring::run::schedule::Schedule;
 use ringtmp_strategy::{ResumePoint, TrainConfig};
 use ringtmp_testkit::fixtures::{CONV_MODEL, digits, max_rel_diff};
 use ringtmp_testkit::jobs::ring_job;
@@ -228,7 +228,7 @@ fn gpipe_and_1f1b_equal_local_on_2_3_and_4_nodes() {
 // head on the master after the cut, on real links and on the simulated network.
 #[test]
 fn a_ring_cut_inside_layers_equals_local() {
-    use ringtmp_strategy::ring::partition::CutInside;
+    use ringtmp_strategy::ring::plan::partition::CutInside;
     let data = digits();
     let tmp = tempfile::tempdir().unwrap();
     let oracle = local_params(&data, &tmp.path().join("local"));

@@ -8,7 +8,7 @@ use std::time::Duration;
 use ringtmp_model::ModelSpec;
 use ringtmp_strategy::TrainConfig;
 use ringtmp_strategy::param_server::consistency::Consistency;
-use ringtmp_strategy::ring::schedule::Schedule;
+use ringtmp_strategy::ring::run::schedule::Schedule;
 use ringtmp_testkit::fixtures::{MLP_MODEL, deep_mlp, digits, max_rel_diff, model};
 use ringtmp_testkit::jobs::{ps_job, ring_job};
 use ringtmp_testkit::nodes::Backend;
@@ -275,7 +275,7 @@ fn bounded_staleness_outpaces_bsp_with_a_straggler_in_virtual_time() {
 /// into one stage.
 #[test]
 fn a_ring_with_stage_replicas_heals_around_a_lost_node_and_still_equals_local() {
-    use ringtmp_strategy::ring::partition::CutInside;
+    use ringtmp_strategy::ring::plan::partition::CutInside;
     let data = digits();
     let tmp = tempfile::tempdir().unwrap();
     let mut cfg = config(deep_mlp(7, 16), 32, 40, &tmp.path().join("local"));
@@ -370,7 +370,7 @@ fn a_ring_with_stage_replicas_heals_around_a_lost_node_and_still_equals_local() 
 /// step of the mean gradient. Rings cut inside layers too (every ring the same cuts).
 #[test]
 fn rings_of_rings_equal_one_process_with_their_global_batch() {
-    use ringtmp_strategy::ring::partition::CutInside;
+    use ringtmp_strategy::ring::plan::partition::CutInside;
     let data = digits();
     let tmp = tempfile::tempdir().unwrap();
     let steps = 12;
@@ -438,7 +438,7 @@ fn rings_of_rings_equal_one_process_with_their_global_batch() {
 /// (AD-PSGD's pairs, nobody waiting until the end), learn as well as one async ring does on the
 /// same number of mini-batches (each ring sees its share of every global batch; the exactness of
 /// the averaging itself is the `every:1` case above, the gossip's conservation a unit test of
-/// `ring::replica_gossip`).
+/// `ring::rings::gossip`).
 #[test]
 fn rings_of_rings_averaging_every_k_mini_batches_or_gossiping_learn_like_one_ring() {
     let data = digits();

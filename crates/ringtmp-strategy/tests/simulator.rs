@@ -8,7 +8,7 @@ use std::time::Duration;
 use ringtmp_strategy::Job;
 use ringtmp_strategy::gossip::mixing::Topology;
 use ringtmp_strategy::param_server::consistency::Consistency;
-use ringtmp_strategy::ring::schedule::Schedule;
+use ringtmp_strategy::ring::run::schedule::Schedule;
 use ringtmp_strategy::simulate::{CostModel, Simulated, priced, simulate};
 use ringtmp_testkit::fixtures::{deep_mlp, digits, train_config};
 use ringtmp_testkit::jobs::{adpsgd_job, allreduce_job, dpsgd_job, ps_job, ring_job};

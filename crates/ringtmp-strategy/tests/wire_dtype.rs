@@ -5,7 +5,7 @@
 
 use ringtmp_strategy::TrainConfig;
 use ringtmp_strategy::param_server::consistency::Consistency;
-use ringtmp_strategy::ring::schedule::Schedule;
+use ringtmp_strategy::ring::run::schedule::Schedule;
 use ringtmp_testkit::fixtures::{MLP_MODEL, digits, max_rel_diff, model};
 use ringtmp_testkit::jobs::{adpsgd_job, allreduce_job, dpsgd_job, ps_job, ring_job};
 use ringtmp_testkit::nodes::Backend;

@@ -6,9 +6,9 @@ use ringtmp_data::Dataset;
 use ringtmp_strategy::allreduce::AllReduceJob;
 use ringtmp_strategy::param_server::consistency::Consistency;
 use ringtmp_strategy::param_server::driver::PsJob;
-use ringtmp_strategy::ring::driver::RingJob;
-use ringtmp_strategy::ring::partition::StagePlan;
-use ringtmp_strategy::ring::schedule::Schedule;
+use ringtmp_strategy::ring::plan::partition::StagePlan;
+use ringtmp_strategy::ring::run::driver::RingJob;
+use ringtmp_strategy::ring::run::schedule::Schedule;
 use ringtmp_strategy::{RunSpec, TrainConfig};
 
 /// A ring job for `cfg` on the stages `bounds` (`[0, 3, 7, 10]`: three stages).

@@ -7,7 +7,7 @@ use ringtmp_data::Dataset;
 use ringtmp_metrics::Summary;
 use ringtmp_strategy::allreduce::AllReduceJob;
 use ringtmp_strategy::param_server::driver::{PsJob, ServerOutcome, WorkerOutcome};
-use ringtmp_strategy::ring::driver::{MasterOutcome, MasterSetup, RingJob};
+use ringtmp_strategy::ring::run::driver::{MasterOutcome, MasterSetup, RingJob};
 use ringtmp_transport::Transport;
 
 use crate::nodes::{Backend, Ran, ring, run_nodes, star};
@@ -45,7 +45,7 @@ pub fn ring_nodes(
     out: &Path,
     eval_every: u64,
 ) -> Ran<Result<RingNode, String>> {
-    use ringtmp_strategy::ring::driver::{run_master, run_worker};
+    use ringtmp_strategy::ring::run::driver::{run_master, run_worker};
     let n = job.partition.len() as u32;
     let mut job = job.clone();
     job.spec.config.out = out.to_path_buf();

@@ -5,13 +5,14 @@
 //! B" as edges, form a graph without cycles.
 //!
 //! Why: a circle makes two files one unit in disguise — neither can be read, tested or moved
-//! without the other — and circles grow. The
-//! layering this keeps: a contract module that names no strategy, strategies that name the
-//! contract and not each other, a `Job` enum on top that names them all.
+//! without the other — and circles grow. The layering this keeps: a contract module that names
+//! no strategy, strategies that name the contract and not each other, a `Job` enum on top that
+//! names them all.
 //!
 //! How the graph is read (with `syn`, from the sources):
-//! - a file's module path comes from where it lies (`src/ring/plan.rs` is `crate::ring::plan`,
-//!   `src/ring/mod.rs` is `crate::ring`); inline modules belong to their file;
+//! - a file's module path comes from where it lies (`src/ring/run/driver.rs` is
+//!   `crate::ring::run::driver`, `src/ring/mod.rs` is `crate::ring`); inline modules belong to
+//!   their file;
 //! - every path in a `use` and in the code (`crate::…`, `super::…`, `self::…`, or starting with a
 //!   child module's name) is resolved to the longest module prefix that exists, and then, when the
 //!   next segment is a `pub use` re-export of that module, through the re-export to the file that
@@ -72,7 +73,7 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// `src/ring/plan.rs` → `[ring, plan]`; `src/ring/mod.rs` and `src/lib.rs` drop their file name.
+/// `src/ring/run/driver.rs` → `[ring, run, driver]`; `src/ring/mod.rs` and `src/lib.rs` drop their file name.
 fn module_of(src: &Path, file: &Path) -> ModPath {
     let relative = file.strip_prefix(src).expect("a file under src");
     let mut parts: Vec<String> = relative

@@ -3,7 +3,7 @@
 //!
 //! # Layout
 //! - [`mixing`]: the communication graphs (`ring`, `exp`) and their mixing matrices.
-//! - [`consensus`]: the mean of the workers' models and their distance from it.
+//! - [`mod@consensus`]: the mean of the workers' models and their distance from it.
 //! - [`dpsgd`]: D-PSGD (`--strategy dpsgd`), synchronous gossip.
 //! - [`adpsgd`]: AD-PSGD (`--strategy adpsgd`), asynchronous pairwise gossip, with rank 0's
 //!   bookkeeping in [`coordinator`].

@@ -9,8 +9,8 @@ use ringtmp_metrics::Summary;
 use crate::TrainConfig;
 use crate::contract::{Cluster, NodeCx, PlanReport, Strategy, ring_neighbours, validate_shared};
 use crate::error::{Error, Result};
-use crate::ring::driver::{MasterSetup, RingJob, run_master, run_worker};
 use crate::ring::plan::RingOptions;
+use crate::ring::run::driver::{MasterSetup, RingJob, run_master, run_worker};
 use crate::spec::RunSpec;
 
 impl Strategy for RingJob {

@@ -10,15 +10,15 @@
 //! links carry their snapshot at once, so a round takes the largest stage's transfer, not the sum
 //! of them. Every node keeps its last two snapshots and replicas ([`Replicas`]): a round that a
 //! failure interrupts may be half done, the one before it is whole. How the ring uses them when
-//! a node dies is [`super::heal`]'s.
+//! a node dies is [`crate::ring::heal`]'s.
 
 use std::collections::VecDeque;
 use std::time::Duration;
 
 use ringtmp_model::{Layer, Optimizer, OptimizerConfig, Stage};
 
-use super::driver::RingJob;
 use crate::error::{Error, Result};
+use crate::ring::run::driver::RingJob;
 
 /// The `micro_batch` of a `Params` tensor that carries a replica.
 pub const REPLICA: u64 = u64::MAX - 1;

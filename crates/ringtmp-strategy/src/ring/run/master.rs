@@ -13,12 +13,12 @@ use ringtmp_wire::message::tensor_values;
 use ringtmp_wire::{Control, Dtype, Message, TensorTag};
 use serde_json::{Value, json};
 
-use super::driver::{NodeClock, RingJob, micro_offset, node_summary, protocol, tensor};
-use super::replicas::{REPLICA, Replicas, Snapshot};
-use super::schedule::{Action, Schedule, StageState};
 use crate::error::{Error, Result};
 use crate::event::Event;
 use crate::recorder::RunRecorder;
+use crate::ring::heal::replicas::{REPLICA, Replicas, Snapshot};
+use crate::ring::run::driver::{NodeClock, RingJob, micro_offset, node_summary, protocol, tensor};
+use crate::ring::run::schedule::{Action, Schedule, StageState};
 
 /// What the master needs besides the job: the data and where to write.
 pub struct MasterSetup<'a> {
@@ -388,7 +388,7 @@ fn replicate(
     job: &RingJob,
     net: &mut dyn Transport,
     done: u64,
-    (stage, optimizer, plan): (&Stage, &Optimizer, &super::partition::StagePlan),
+    (stage, optimizer, plan): (&Stage, &Optimizer, &crate::ring::plan::partition::StagePlan),
     replicas: &mut Replicas,
     timeout: Duration,
 ) -> Result<()> {
@@ -455,7 +455,7 @@ fn replicate(
 
 /// Sends `count` tokens around the ring from the master, at most `window` of them on their way at
 /// once, and hands each back to `returned` as it arrives, every node having done its part
-/// ([`RingNode::serve`](super::worker) is the other half): evaluation chunks (each node forwards
+/// ([`RingNode::serve`](crate::ring::run::worker) is the other half): evaluation chunks (each node forwards
 /// them through its stage), a checkpoint's entries and the final report (each node adds its
 /// own). The one mechanism for everything that travels around the ring besides training.
 fn around_the_ring(

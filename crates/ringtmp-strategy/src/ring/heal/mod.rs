@@ -1,5 +1,5 @@
 //! The ring heals around a dead node without a restart or a checkpoint, from the stage replicas
-//! of [`super::replicas`] (`--stage-replicas K`).
+//! of [`crate::ring::heal::replicas`] (`--stage-replicas K`).
 //!
 //! When a non-master node `j` dies, the master (linked to every node, as they all are to each
 //! other under this option) picks the last complete round `s`, drops `j` and gives its layers to
@@ -14,6 +14,8 @@
 //! completed; the master's death still ends the run (it holds the data), as does a second death
 //! before the next round has refreshed the replicas it would need.
 
+pub mod replicas;
+
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,10 +24,10 @@ use ringtmp_metrics::{DroppedNode, Restart, Summary};
 use ringtmp_transport::{Clock, LinkStats, PeerName, Transport, TransportError};
 use ringtmp_wire::{Control, Message};
 
-use super::driver::{MasterSetup, RingJob, run_master_with, run_worker_with};
-use super::partition::StagePlan;
-use super::replicas::{Replicas, Snapshot};
 use crate::error::{Error, Result};
+use crate::ring::heal::replicas::{Replicas, Snapshot};
+use crate::ring::plan::partition::StagePlan;
+use crate::ring::run::driver::{MasterSetup, RingJob, run_master_with, run_worker_with};
 
 /// The job of the ring after `dead` (physical ranks, in `members` order) left: its layers go to
 /// its predecessor in the ring, which must hold its replica; stages are renumbered in ring order.
@@ -368,7 +370,7 @@ pub fn run(
     let mut dropped: Vec<DroppedNode> = Vec::new();
     let mut detected_at = Duration::ZERO;
     // The master's record of the run, one across every ring a heal forms.
-    let mut record = super::master::RunRecord::default();
+    let mut record = crate::ring::run::master::RunRecord::default();
     loop {
         let mut view = Members::regrouped(cx.net, members.clone(), generation, ready.clone());
         let outcome = if rank == 0 {

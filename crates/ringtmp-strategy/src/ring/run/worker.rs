@@ -9,11 +9,13 @@ use ringtmp_transport::Transport;
 use ringtmp_wire::message::tensor_values;
 use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
 
-use super::driver::{NodeClock, RingJob, micro_offset, node_summary, protocol, tensor, values};
-use super::partition::StagePlan;
-use super::replicas::{REPLICA, Replicas, Snapshot};
-use super::schedule::{Action, Schedule, StagePolicy};
 use crate::error::{Error, Result};
+use crate::ring::heal::replicas::{REPLICA, Replicas, Snapshot};
+use crate::ring::plan::partition::StagePlan;
+use crate::ring::run::driver::{
+    NodeClock, RingJob, micro_offset, node_summary, protocol, tensor, values,
+};
+use crate::ring::run::schedule::{Action, Schedule, StagePolicy};
 
 /// Messages a node keeps while it waits for a clipping message; more means the protocol broke.
 const MAX_EARLY: usize = 64;

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use ringtmp_model::{ModelSpec, OptimizerConfig};
 use serde::{Deserialize, Serialize};
 
-use super::profile::time_layers;
+use crate::ring::plan::profile::time_layers;
 
 /// What rank 0 asks every node to time.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -12,6 +12,8 @@
 //! the all-reduce, and the ring's messages that arrive during an all-reduce stay with the
 //! underlying transport for the ring; nothing is dropped.
 
+mod gossip;
+
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,8 +22,8 @@ use ringtmp_transport::{Clock, LinkStats, PeerName, Transport, TransportError};
 use ringtmp_wire::message::tensor_values;
 use ringtmp_wire::{Dtype, Message, TensorHeader, TensorTag};
 
-use super::replica_gossip::{self, ANSWER, DONE, REQUEST, ReplicaGossip};
 use crate::allreduce::ring::chunks;
+use gossip::{ANSWER, DONE, REQUEST, ReplicaGossip};
 
 /// `micro_batch` of the all-reduce's tensors: this marker, the phase (0 reduce-scatter, 1
 /// all-gather) at bit 16 and the round below.
@@ -198,7 +200,7 @@ impl<'a> RingsView<'a> {
                 ));
             }
             let before = if self.combinable(from, &request, params)? {
-                replica_gossip::answer(params, &request)
+                gossip::answer(params, &request)
             } else {
                 Vec::new()
             };
@@ -221,7 +223,7 @@ impl<'a> RingsView<'a> {
         match g.outstanding.take() {
             Some((peer, _, sent)) if peer == from => {
                 if !sent.is_empty() && self.combinable(from, answer, params)? {
-                    replica_gossip::apply_answer(params, &sent, answer);
+                    gossip::apply_answer(params, &sent, answer);
                 }
                 g.exchanges += 1;
                 Ok(())
@@ -505,7 +507,7 @@ fn group_error(view: &RingsView<'_>, from: u32, what: &str) -> TransportError {
 /// the first writes its own records under `rings/ring-R/` of the output directory and sends its
 /// summary to the first, whose summary covers every ring and node.
 pub fn run(
-    job: &super::driver::RingJob,
+    job: &crate::ring::run::driver::RingJob,
     rank: u32,
     cx: &mut crate::contract::NodeCx<'_>,
 ) -> crate::Result<Option<ringtmp_metrics::Summary>> {
@@ -526,16 +528,16 @@ pub fn run(
         view = view.with_gossip(job.spec.seed, job.gossip_every);
     }
     if stage != 0 {
-        super::driver::run_worker(&job, &mut view)?;
+        crate::ring::run::driver::run_worker(&job, &mut view)?;
         return Ok(None);
     }
-    let setup = super::driver::MasterSetup {
+    let setup = crate::ring::run::driver::MasterSetup {
         data: data
             .ok_or_else(|| crate::Error::Config("a ring's master needs the dataset".into()))?,
     };
     let mut quiet = |_: &crate::Event| {};
     let on_event: &mut dyn FnMut(&crate::Event) = if ring == 0 { cx.on_event } else { &mut quiet };
-    let summary = super::driver::run_master(&job, &setup, &mut view, on_event)?.summary;
+    let summary = crate::ring::run::driver::run_master(&job, &setup, &mut view, on_event)?.summary;
     drop(view);
     if ring > 0 {
         let text = serde_json::to_string(&summary)

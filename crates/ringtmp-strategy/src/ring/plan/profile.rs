@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use ringtmp_model::{Layer, Optimizer, OptimizerConfig, Pass, Stage};
 
-use super::partition::LayerCost;
+use crate::ring::plan::partition::LayerCost;
 
 /// How many micro-batches a stage holds at once.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

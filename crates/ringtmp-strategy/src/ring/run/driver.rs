@@ -28,13 +28,15 @@ use ringtmp_wire::message::{tensor_bytes, tensor_values};
 use ringtmp_wire::{Dtype, Message, TensorHeader, TensorTag};
 use serde::{Deserialize, Serialize};
 
-use super::partition::{CutInside, StagePlan};
-use super::schedule::Schedule;
 use crate::error::{Error, Result};
+use crate::ring::plan::partition::{CutInside, StagePlan};
+use crate::ring::run::schedule::Schedule;
 use crate::spec::{ResumePoint, RunSpec};
 
-pub use super::master::{MasterHead, MasterOutcome, MasterSetup, run_master, run_master_with};
-pub use super::worker::{run_worker, run_worker_with};
+pub use crate::ring::run::master::{
+    MasterHead, MasterOutcome, MasterSetup, run_master, run_master_with,
+};
+pub use crate::ring::run::worker::{run_worker, run_worker_with};
 
 /// Everything every node of a ring run must agree on (rank 0 hands it out at rendezvous).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -109,7 +111,7 @@ impl RingJob {
 
     /// Rings of rings: what the copies of a stage do once mini-batch `step` is complete
     /// (average their parameters under `every:K`, gossip under `adpsgd`).
-    pub(super) fn after_minibatch(
+    pub(in crate::ring) fn after_minibatch(
         &self,
         net: &mut dyn Transport,
         step: u64,
@@ -138,7 +140,7 @@ fn one() -> usize {
 
 impl RingJob {
     /// The learning rate of mini-batch `step` (the schedule spans the whole run).
-    pub(super) fn lr_at(&self, step: u64) -> f32 {
+    pub(in crate::ring) fn lr_at(&self, step: u64) -> f32 {
         self.spec.lr_at(step)
     }
 
@@ -173,7 +175,7 @@ impl RingJob {
         }
     }
 
-    pub(super) fn stage(&self, rank: u32) -> Result<(Stage, StagePlan)> {
+    pub(in crate::ring) fn stage(&self, rank: u32) -> Result<(Stage, StagePlan)> {
         let (mut stage, plan) = self.stage_unconfigured(rank)?;
         stage
             .set_deferred_weight_grads(self.defer_weight_grads && self.schedule != Schedule::Async);
@@ -182,7 +184,7 @@ impl RingJob {
         Ok((stage, plan))
     }
 
-    pub(super) fn stage_unconfigured(&self, rank: u32) -> Result<(Stage, StagePlan)> {
+    pub(in crate::ring) fn stage_unconfigured(&self, rank: u32) -> Result<(Stage, StagePlan)> {
         let layers = self.layers()?;
         let plan = self
             .partition
@@ -198,7 +200,7 @@ impl RingJob {
         Ok((stage, plan))
     }
 
-    pub(super) fn recv_timeout(&self) -> Duration {
+    pub(in crate::ring) fn recv_timeout(&self) -> Duration {
         self.spec.recv_timeout()
     }
 
@@ -208,7 +210,7 @@ impl RingJob {
     }
 
     /// Loads this node's stage and optimizer state from the resume checkpoint, if any.
-    pub(super) fn load(&self, stage: &mut Stage, optimizer: &mut Optimizer) -> Result<()> {
+    pub(in crate::ring) fn load(&self, stage: &mut Stage, optimizer: &mut Optimizer) -> Result<()> {
         if let Some(ResumePoint { dir, .. }) = &self.spec.resume_from {
             let manifest = checkpoint::read_manifest(dir)?;
             checkpoint::read_stage(dir, &manifest, stage, optimizer)?;
@@ -217,16 +219,16 @@ impl RingJob {
     }
 
     /// Whether a replication round follows mini-batch `done` (not after the last one).
-    pub(super) fn replica_due(&self, done: u64) -> bool {
+    pub(in crate::ring) fn replica_due(&self, done: u64) -> bool {
         self.replica_every > 0 && done % self.replica_every == 0 && done < self.spec.total_steps
     }
 
-    pub(super) fn checkpoint_due(&self, done: u64) -> bool {
+    pub(in crate::ring) fn checkpoint_due(&self, done: u64) -> bool {
         self.spec.checkpoint_every > 0
             && (done % self.spec.checkpoint_every == 0 || done == self.spec.total_steps)
     }
 
-    pub(super) fn checkpoint_dir(&self, step: u64) -> std::path::PathBuf {
+    pub(in crate::ring) fn checkpoint_dir(&self, step: u64) -> std::path::PathBuf {
         self.spec
             .out
             .join("checkpoints")
@@ -234,7 +236,7 @@ impl RingJob {
     }
 
     /// Writes this node's stage file for `step` and returns its entry as JSON.
-    pub(super) fn write_stage_file(
+    pub(in crate::ring) fn write_stage_file(
         &self,
         rank: u32,
         step: u64,
@@ -245,7 +247,7 @@ impl RingJob {
     }
 
     /// [`RingJob::write_stage_file`] under a given base name.
-    pub(super) fn write_stage_file_named(
+    pub(in crate::ring) fn write_stage_file_named(
         &self,
         name: &str,
         step: u64,
@@ -263,7 +265,11 @@ impl RingJob {
 
     /// Rank 0, after every node's file is written: the manifest (last, so a checkpoint is complete
     /// exactly when its manifest exists).
-    pub(super) fn write_manifest(&self, step: u64, files: &[String]) -> Result<std::path::PathBuf> {
+    pub(in crate::ring) fn write_manifest(
+        &self,
+        step: u64,
+        files: &[String],
+    ) -> Result<std::path::PathBuf> {
         let files = files
             .iter()
             .map(|f| {
@@ -296,21 +302,21 @@ impl RingJob {
 }
 
 /// Counters a node keeps about itself.
-pub(super) struct NodeClock {
-    pub(super) compute: f64,
+pub(in crate::ring) struct NodeClock {
+    pub(in crate::ring) compute: f64,
     /// Wire bytes of evaluation frames this node sent.
-    pub(super) eval_bytes: u64,
-    pub(super) peak_stash: usize,
-    pub(super) speed: f64,
+    pub(in crate::ring) eval_bytes: u64,
+    pub(in crate::ring) peak_stash: usize,
+    pub(in crate::ring) speed: f64,
     /// Seconds blocked in receives, by what ended the wait: an activation, a gradient, anything
     /// else (the loop had nothing to do until it came).
-    pub(super) waited: Waits,
+    pub(in crate::ring) waited: Waits,
     /// The network's clock (wall or virtual): emulated slowness and compute time go through it.
-    pub(super) time: Arc<dyn Clock>,
+    pub(in crate::ring) time: Arc<dyn Clock>,
 }
 
 impl NodeClock {
-    pub(super) fn new(net: &dyn Transport, speed: f64) -> Self {
+    pub(in crate::ring) fn new(net: &dyn Transport, speed: f64) -> Self {
         Self {
             compute: 0.0,
             eval_bytes: 0,
@@ -322,7 +328,7 @@ impl NodeClock {
     }
 
     /// Times `f` and accounts for it on the network's clock (which emulates a slower node).
-    pub(super) fn run<T>(&mut self, f: impl FnOnce() -> T) -> T {
+    pub(in crate::ring) fn run<T>(&mut self, f: impl FnOnce() -> T) -> T {
         let mut lap = self.lap();
         let out = f();
         self.settle(&mut lap);
@@ -333,7 +339,7 @@ impl NodeClock {
     /// parts, for compute that acts on the network midway (a split backward sends its input
     /// gradient before its weights), so that what it sends leaves at the right time on an
     /// emulated slower node or a virtual clock.
-    pub(super) fn lap(&self) -> Lap {
+    pub(in crate::ring) fn lap(&self) -> Lap {
         Lap {
             at: self.time.now(),
             wall: Instant::now(),
@@ -341,14 +347,14 @@ impl NodeClock {
     }
 
     /// Accounts for the compute since `lap` started, as [`NodeClock::run`] does.
-    pub(super) fn settle(&mut self, lap: &mut Lap) {
+    pub(in crate::ring) fn settle(&mut self, lap: &mut Lap) {
         self.time.computed(lap.wall.elapsed(), self.speed);
         self.compute += (self.time.now() - lap.at).as_secs_f64();
         *lap = self.lap();
     }
 
     /// Blocks for the next message (at most `timeout`), counting the wait by what it was for.
-    pub(super) fn recv(
+    pub(in crate::ring) fn recv(
         &mut self,
         net: &mut dyn Transport,
         timeout: Duration,
@@ -368,21 +374,21 @@ impl NodeClock {
 }
 
 /// Where a part of a node's compute started, on the network's clock and the wall's.
-pub(super) struct Lap {
+pub(in crate::ring) struct Lap {
     at: Duration,
     wall: Instant,
 }
 
 /// Seconds a node spent blocked in receives, split by what ended the wait.
 #[derive(Clone, Copy, Debug, Default)]
-pub(super) struct Waits {
-    pub(super) activation: f64,
-    pub(super) gradient: f64,
-    pub(super) other: f64,
+pub(in crate::ring) struct Waits {
+    pub(in crate::ring) activation: f64,
+    pub(in crate::ring) gradient: f64,
+    pub(in crate::ring) other: f64,
 }
 
 /// A tensor of `rows` rows of `values`, as `dtype` on the wire.
-pub(super) fn tensor(
+pub(in crate::ring) fn tensor(
     tag: TensorTag,
     step: u64,
     micro_batch: u64,
@@ -402,7 +408,7 @@ pub(super) fn tensor(
     Message::Tensor(header, tensor_bytes(values, dtype))
 }
 
-pub(super) fn protocol(net: &dyn Transport, from: u32, what: &str) -> Error {
+pub(in crate::ring) fn protocol(net: &dyn Transport, from: u32, what: &str) -> Error {
     Error::Transport(TransportError::Io {
         context: format!("ring: unexpected {what} from {}", net.peer_name(from)),
         source: std::io::Error::new(
@@ -413,14 +419,14 @@ pub(super) fn protocol(net: &dyn Transport, from: u32, what: &str) -> Error {
 }
 
 /// A payload's values as f32.
-pub(super) fn values(bytes: &[u8], dtype: ringtmp_wire::Dtype) -> Vec<f32> {
+pub(in crate::ring) fn values(bytes: &[u8], dtype: ringtmp_wire::Dtype) -> Vec<f32> {
     let mut out = Vec::new();
     tensor_values(bytes, dtype, &mut out);
     out
 }
 
 /// Row offset of micro-batch `mb` within its mini-batch (the same split as the master's).
-pub(super) fn micro_offset(job: &RingJob, mb: usize) -> usize {
+pub(in crate::ring) fn micro_offset(job: &RingJob, mb: usize) -> usize {
     let (base, extra) = (
         job.spec.batch_size / job.micro_batches,
         job.spec.batch_size % job.micro_batches,
@@ -430,7 +436,7 @@ pub(super) fn micro_offset(job: &RingJob, mb: usize) -> usize {
 }
 
 #[allow(clippy::too_many_arguments)]
-pub(super) fn node_summary(
+pub(in crate::ring) fn node_summary(
     rank: u32,
     role: &str,
     stage: &Stage,

@@ -35,14 +35,14 @@ use rand_chacha::ChaCha8Rng;
 use crate::gossip::mixing;
 
 /// `micro_batch` of an active copy's parameters sent to a passive one.
-pub(super) const REQUEST: u64 = 0xA12_0000_0000;
+pub(in crate::ring) const REQUEST: u64 = 0xA12_0000_0000;
 /// `micro_batch` of a passive copy's answer (its parameters before averaging).
-pub(super) const ANSWER: u64 = 0xA13_0000_0000;
+pub(in crate::ring) const ANSWER: u64 = 0xA13_0000_0000;
 /// `micro_batch` of an active copy's last message to each passive neighbour (no values).
-pub(super) const DONE: u64 = 0xA14_0000_0000;
+pub(in crate::ring) const DONE: u64 = 0xA14_0000_0000;
 
 /// One stage copy's side of the group's gossip.
-pub(super) struct ReplicaGossip {
+pub(in crate::ring) struct ReplicaGossip {
     /// Physical ranks of the copies this one exchanges with (passive ones for an active copy,
     /// active ones for a passive copy).
     pub neighbours: Vec<u32>,
@@ -91,7 +91,7 @@ impl ReplicaGossip {
 
 /// A passive copy's half of an exchange: returns its parameters before averaging (the answer)
 /// and replaces them by their mean with the active copy's `request`.
-pub(super) fn answer(params: &mut [f32], request: &[f32]) -> Vec<f32> {
+pub(in crate::ring) fn answer(params: &mut [f32], request: &[f32]) -> Vec<f32> {
     let before = params.to_vec();
     params
         .iter_mut()
@@ -102,7 +102,7 @@ pub(super) fn answer(params: &mut [f32], request: &[f32]) -> Vec<f32> {
 
 /// An active copy's half: `sent` is what it had sent, `answer` the passive copy's parameters
 /// then; adds half their difference to what the copy holds now.
-pub(super) fn apply_answer(params: &mut [f32], sent: &[f32], answer: &[f32]) {
+pub(in crate::ring) fn apply_answer(params: &mut [f32], sent: &[f32], answer: &[f32]) {
     params
         .iter_mut()
         .zip(sent.iter().zip(answer))
