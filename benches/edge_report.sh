@@ -4,9 +4,9 @@
 # mlp, mlp-deep and cnn presets, at equal training time per model (`compare --train-seconds`:
 # each strategy's sample budget is that time × its own samples/s, measured by a probe run, so a
 # fast strategy is not cut short by a budget a slow one needs). Writes
-# docs/reports/edge-4x100mbit/<model>/ (report.md, report.html, plots/, results.jsonl, and every
-# run's directory). About 80 minutes on 2 cores; needs a writable cgroup cpu controller (run as
-# root, or where cgroups are delegated).
+# docs/reports/edge-4x100mbit/<model>/ (report.md, report.html, plots/ and results.jsonl, which
+# are published, and every run's directory under runs/, which git ignores). About 80 minutes on
+# 2 cores; needs a writable cgroup cpu controller (run as root, or where cgroups are delegated).
 #
 #   benches/edge_report.sh                 # all three models
 #   MODELS=cnn benches/edge_report.sh      # one of them

@@ -26,6 +26,19 @@ def training_bytes(summary):
     return sum(n["bytes_sent"] - n.get("eval_bytes_sent", 0) for n in summary["per_node"])
 
 
+def real_training_bytes(report, model, result):
+    """A real run's bytes sent for training: from its line of results.jsonl, or, for reports
+    made before that line carried them, from the run's own summary under runs/ (published
+    reports leave runs/ out: make the report again with its script)."""
+    if "training_bytes_sent" in result:
+        return result["training_bytes_sent"]
+    path = os.path.join(report, model, "runs", result["run"], "summary.json")
+    if not os.path.exists(path):
+        sys.exit(f"{path}: missing, and results.jsonl has no training_bytes_sent; "
+                 "make the report again with its script (benches/edge_report.sh)")
+    return training_bytes(json.load(open(path)))
+
+
 def simulate_args(args):
     """The run's `train` options, evaluated only at the end (evaluations take no virtual time)."""
     out, skip = [], False
@@ -67,13 +80,12 @@ def main():
                 print(f"{model} {r['run']}: simulate failed:\n{done.stderr}", file=sys.stderr)
                 continue
             sim = json.load(open(os.path.join(out, "summary.json")))
-            real = json.load(open(os.path.join(report, model, "runs", r["run"], "summary.json")))
             line = {
                 "model": model,
                 "run": r["run"],
-                "real_samples_per_second": real["samples_per_second"],
+                "real_samples_per_second": r["samples_per_second"],
                 "sim_samples_per_second": sim["samples_per_second"],
-                "real_training_bytes": training_bytes(real),
+                "real_training_bytes": real_training_bytes(report, model, r),
                 "sim_training_bytes": training_bytes(sim),
                 "command": " ".join(["ringtmp", "simulate", *args]),
             }

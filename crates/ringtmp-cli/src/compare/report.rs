@@ -282,6 +282,8 @@ pub fn write(options: &CompareOptions) -> Result<(usize, usize)> {
             "samples_per_second": s.samples_per_second,
             "total_bytes_sent": s.total_bytes_sent, "bytes_per_sample": s.bytes_per_sample,
             "busiest_node_bytes_sent": f.busiest_bytes(),
+            "training_bytes_sent": s.per_node.iter()
+                .map(|n| n.bytes_sent.saturating_sub(n.eval_bytes_sent)).sum::<u64>(),
             "peak_rss_bytes": s.per_node.iter().map(|n| n.peak_rss_bytes).collect::<Vec<_>>(),
             "compute_seconds": s.per_node.iter().map(|n| n.compute_seconds).collect::<Vec<_>>(),
             "idle_seconds": s.per_node.iter().map(|n| n.idle_seconds).collect::<Vec<_>>(),
@@ -492,8 +494,9 @@ fn markdown(
     let _ = writeln!(
         md,
         "\nMedians, with the range over repeats in parentheses. Time to target is on each \
-         strategy's training clock. Every run's files are under `runs/`; `results.jsonl` has one \
-         line per run.\n"
+         strategy's training clock. `results.jsonl` has one line per run; every run's own files \
+         are under `runs/` where the report was made (published reports leave them out: the \
+         script that made the report makes them again).\n"
     );
     for (name, title, _) in plots {
         let _ = writeln!(md, "## {title}\n\n![{title}](plots/{name}.svg)\n");
