@@ -1,5 +1,5 @@
 #!/bin/sh
-# Issue 16.2 (architecture.md §30): how steady the partition planner's cut is when the machine
+# Issue 16.2 (docs/decisions/planner.md): how steady the partition planner's cut is when the machine
 # slows down while it profiles. Plans `mlp-deep` on two nodes PLANS times (each plan trains 640
 # samples, a few seconds), the planning process pinned to core 0; with LOAD=1 (the default) a
 # load on core 0 runs busy 150 ms of every 300 ms meanwhile. Prints each plan's cut and

@@ -6,7 +6,7 @@
 //! Everything strategies share (model, data, optimizer, schedule, steps, evaluation, checkpoints,
 //! seed, output, timeouts) is in the job's [`RunSpec`]; what a node needs at run time (its
 //! network, the data when its role reads it, where progress goes) is its [`NodeCx`].
-//! `docs/architecture.md` ("How to add a strategy") walks through adding one.
+//! `docs/architecture.md` ("Where to change what") walks through adding one.
 
 use std::collections::BTreeSet;
 

@@ -166,8 +166,7 @@ fn the_average_learns_on_tcp_and_in_simulation_and_a_seed_replays() {
             summary.samples_per_second
         );
         // On TCP the threads' timing decides which gossip meets which step, so the final
-        // accuracy spreads: 0.845–0.909 over 13 runs in session 11 (0.845 failed a bar of 0.85
-        // in CI). The seeded simulation replays exactly and keeps the tighter bar; a broken
+        // accuracy spreads: 0.845–0.909 over 13 runs (0.845 failed a bar of 0.85 in CI). The seeded simulation replays exactly and keeps the tighter bar; a broken
         // average stays near chance (0.1) on either.
         let bar = match backend {
             Backend::Tcp => 0.80,

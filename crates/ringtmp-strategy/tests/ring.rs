@@ -221,7 +221,7 @@ fn gpipe_and_1f1b_equal_local_on_2_3_and_4_nodes() {
     }
 }
 
-// Cuts inside layers (architecture.md §35): a linear layer's head ends one stage and its tail
+// Cuts inside layers (docs/decisions/edge-emulation.md): a linear layer's head ends one stage and its tail
 // starts the next. The ring computes the unsplit model: its final checkpoint, read into the
 // whole model, holds local's parameters — on 2 nodes with one cut and on 3 with two, under
 // 1f1b and gpipe (with the linear layers' weight gradients deferred, the parts' too), and on 2 with the

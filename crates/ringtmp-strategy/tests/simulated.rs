@@ -271,7 +271,7 @@ fn bounded_staleness_outpaces_bsp_with_a_straggler_in_virtual_time() {
 /// heartbeat gives up on it); its predecessor takes its layers from the replica, the ring closes
 /// around it and trains on from the last replication round — and, the schedule being exact SGD
 /// on any partition, ends with the parameters of one process training alone. So does a ring cut
-/// inside two layers (architecture.md §35), whose heals merge a tail, whole layers and a head
+/// inside two layers (docs/decisions/edge-emulation.md), whose heals merge a tail, whole layers and a head
 /// into one stage.
 #[test]
 fn a_ring_with_stage_replicas_heals_around_a_lost_node_and_still_equals_local() {

@@ -143,7 +143,7 @@ enum Primitives {
     /// throughput of a private link on loopback, `ringtmp bench-transport`), the pure-Rust crates
     /// for the rest.
     Fastest,
-    /// The pure-Rust crates only (what builds before this session's used; the interop test's
+    /// The pure-Rust crates only (`snow`'s default resolver; the interop test's
     /// other side).
     #[cfg_attr(not(test), allow(dead_code))]
     PureRust,

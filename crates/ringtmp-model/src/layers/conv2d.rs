@@ -34,7 +34,7 @@ use crate::kernels::{
 /// Column values one group of samples may fill (512 KB): within a core's L2, so the GEMM reads
 /// the columns from cache right after they are written. For the cnn's second conv that is two
 /// samples, 128 rows per GEMM; half that (one sample, 64 rows) ran the cnn 1–6% slower at one
-/// thread and 3–4% at two (AMD EPYC, AVX-512, session 11, three alternating runs of
+/// thread and 3–4% at two (AMD EPYC, AVX-512, three alternating runs of
 /// `bench-compute --models cnn --threads 1,2`).
 const GROUP_COLUMNS: usize = 128 * 1024;
 

@@ -10,7 +10,7 @@
 //!
 //! A dead worker breaks the reduction in progress; rank 0 re-forms the ring on the survivors
 //! (`Control::Regroup` and its state), and everyone goes on from rank 0's step with the same
-//! global batch (docs/architecture.md §17, "Elastic all-reduce").
+//! global batch (docs/decisions/strategy-shape.md, "Elastic all-reduce").
 //!
 //! Invariants: every chunk is summed in the plan's fixed order, so a run is reproducible and the
 //! replicas stay bit-identical (also after a re-formation, which starts from one replica); chunks

@@ -351,7 +351,7 @@ pub fn plan(
         )),
         _ => Error::Config(e.to_string()),
     })?;
-    // Finer cuts than whole layers where they balance the stages better (architecture.md §35).
+    // Finer cuts than whole layers where they balance the stages better (docs/decisions/edge-emulation.md).
     let choice = args
         .cut_inside
         .clone()

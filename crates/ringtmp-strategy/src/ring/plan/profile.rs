@@ -122,7 +122,7 @@ fn interleaved_bytes() -> usize {
 /// (another tenant, a frequency change) then slows every layer's runs alike, and the plan's
 /// balance, which depends only on the layers' relative costs, does not move. Timed one layer
 /// after another, a slow second fell on a few layers only: the same model planned 0..9 and
-/// 0..10 on consecutive runs (docs/architecture.md §30).
+/// 0..10 on consecutive runs (docs/decisions/planner.md).
 ///
 /// A layer at or below the model's first one with parameters is timed without its input
 /// gradient: the planner keeps it on the master (raw inputs never leave it), where nothing

@@ -52,7 +52,7 @@ pub struct RingJob {
     /// `cuts_inside` made).
     pub partition: Vec<StagePlan>,
     /// Linear layers cut by their output features between two stages (the planner's finer
-    /// cuts, architecture.md §35), in the model's layer positions.
+    /// cuts, docs/decisions/edge-emulation.md), in the model's layer positions.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub cuts_inside: Vec<CutInside>,
     /// The last block of layers, when the master holds it as well (U-shaped ring).
