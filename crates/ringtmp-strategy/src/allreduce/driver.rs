@@ -17,7 +17,7 @@
 //! carry the ring's generation, so none from an abandoned attempt is ever summed; the step's mean
 //! loss travels in bucket 0's last slot; every wait has the job's timeout and names the peer.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
@@ -30,6 +30,7 @@ use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
 use serde_json::json;
 
 use super::AllReduceJob;
+use super::regroup::{ChunkFate, Follow, FollowAction, Lead, LeadAction, Order};
 use super::ring::{RingPlan, chunks};
 use crate::data_parallel::write_model;
 use crate::error::{Error, Result};
@@ -76,15 +77,7 @@ enum Break {
         reason: String,
     },
     /// Rank 0 re-formed the ring (its state tensor follows on the link from rank 0).
-    Regroup(Regroup),
-}
-
-/// Rank 0's order to go on on a re-formed ring (see `Control::Regroup`).
-struct Regroup {
-    generation: u64,
-    members: Vec<u32>,
-    step: u64,
-    optimizer_steps: u64,
+    Regroup(Order),
 }
 
 /// The ring a reduction runs on: the live workers in ring order, and how many times it has been
@@ -359,7 +352,7 @@ impl Reducer {
                 step,
                 optimizer_steps,
             }) if from == 0 && generation > self.generation => {
-                self.broken = Some(Break::Regroup(Regroup {
+                self.broken = Some(Break::Regroup(Order {
                     generation,
                     members,
                     step,
@@ -449,14 +442,14 @@ fn flat_state(stage: &Stage, optimizer: &Optimizer) -> Vec<f32> {
     state
 }
 
-/// Rank 0 re-forms the ring without `dead`: every other member gets the order and answers with
-/// the steps it has completed (`Holding`); rank 0 sends its state only to the members whose count
-/// differs from its own — replicas that completed the same steps hold the same bits, so in the
-/// usual case no state travels at all, where sending it to every survivor over rank 0's one card
-/// cost 5 s per survivor at 100 Mbit/s (docs/BENCHMARKS.md, "Failures per node-hour"). All go on
-/// from `step` (rank 0 abandons the step in progress, so it has completed exactly the steps
-/// before it; a worker that completed one more redoes it, one that completed one fewer catches
-/// up). A member that dies meanwhile is left out as well, and the order goes out again.
+/// Rank 0 re-forms the ring without `dead`, carrying out what [`Lead`] decides: every other
+/// member gets the order and answers with the steps it has completed; rank 0 sends its state only
+/// to the members whose count differs from its own — replicas that completed the same steps hold
+/// the same bits, so in the usual case no state travels at all, where sending it to every
+/// survivor over rank 0's one card cost 5 s per survivor at 100 Mbit/s (docs/BENCHMARKS.md,
+/// "Failures per node-hour"). All go on from `step` (rank 0 abandons the step in progress, so it
+/// has completed exactly the steps before it; a worker that completed one more redoes it, one
+/// that completed one fewer catches up).
 #[allow(clippy::too_many_arguments)]
 fn reform_ring(
     net: &mut dyn Transport,
@@ -470,170 +463,108 @@ fn reform_ring(
     timeout: Duration,
     notices: &mut Vec<String>,
 ) -> Result<()> {
+    let (mut lead, first) = Lead::start(
+        &ring.members,
+        ring.generation,
+        dead,
+        reason,
+        step,
+        optimizer.steps(),
+    );
+    let mut actions: VecDeque<LeadAction> = first.into();
     let mut state: Option<Vec<f32>> = None;
-    let mine = optimizer.steps();
-    let mut lost = vec![(dead, reason)];
-    while !lost.is_empty() {
-        for (dead, reason) in lost.drain(..) {
-            if !ring.members.contains(&dead) {
-                continue;
-            }
-            ring.members.retain(|r| *r != dead);
-            ring.generation += 1;
-            notices.push(format!(
-                "all-reduce: rank {dead} left the run at step {step} ({reason}); re-formed the \
-                 ring on ranks {:?}, continuing from step {step} with the survivors' replicas",
-                ring.members
-            ));
-            dropped.push(DroppedNode {
-                rank: dead,
-                step,
-                reason,
-            });
-        }
-        if ring.members.len() < 2 {
-            return Err(Error::Config(
-                "all-reduce: every worker but rank 0 has died; nothing left to reduce with".into(),
-            ));
-        }
-        let note = |e: TransportError, lost: &mut Vec<(u32, String)>| match e.failed_peer() {
-            Some(other) if other != 0 => {
-                lost.push((other, e.to_string()));
-                Ok(())
-            }
-            _ => Err(Error::from(e)),
-        };
-        // Everyone hears the newest ring; a member found dead meanwhile means another round.
-        let others: Vec<u32> = ring.members.iter().copied().filter(|r| *r != 0).collect();
-        for &r in &others {
-            let order = Control::Regroup {
-                generation: ring.generation,
-                members: ring.members.clone(),
-                step,
-                optimizer_steps: mine,
-            };
-            if let Err(e) = net.send(r, Message::Control(order)) {
-                note(e, &mut lost)?;
-            }
-        }
-        if !lost.is_empty() {
+    // A peer's death is the machine's to handle; rank 0's own failure, or any other, ends here.
+    let lost = |e: TransportError| match e.failed_peer() {
+        Some(other) if other != 0 => Ok((other, e.to_string())),
+        _ => Err(Error::from(e)),
+    };
+    loop {
+        let Some(action) = actions.pop_front() else {
+            actions.extend(lead.handle_idle());
             continue;
-        }
-        // Each answers with its steps; what arrives before that on its link is the abandoned
-        // attempt's (chunks, an older generation's answer).
-        for &r in &others {
-            let held = loop {
-                match net.recv_from(r, timeout) {
-                    Ok(Message::Control(Control::Holding {
-                        generation,
-                        optimizer_steps,
-                    })) if generation == ring.generation => break Some(optimizer_steps),
-                    Ok(Message::Control(Control::Holding { generation, .. }))
-                        if generation < ring.generation => {}
-                    Ok(Message::Tensor(h, bytes)) if h.tag == TensorTag::ParamGrads => {
-                        net.buffers().give(bytes);
-                    }
-                    Ok(_) => {
-                        return Err(Error::protocol(
-                            "all-reduce",
-                            net,
-                            r,
-                            "message instead of its steps while the ring is re-formed",
-                        ));
-                    }
-                    Err(e) => {
-                        note(e, &mut lost)?;
-                        break None;
-                    }
-                }
-            };
-            if let Some(steps) = held.filter(|steps| *steps != mine) {
-                notices.push(format!(
-                    "all-reduce: rank {r} had completed {steps} step(s), rank 0 {mine}: it takes \
-                     rank 0's state"
-                ));
-                let values = state.get_or_insert_with(|| flat_state(stage, optimizer));
-                let message = crate::data_parallel::model_message(
-                    net,
-                    values,
-                    step,
-                    ring.generation,
-                    Dtype::F32,
-                );
-                if let Err(e) = net.send(r, message) {
-                    note(e, &mut lost)?;
+        };
+        match action {
+            LeadAction::Notice(text) => notices.push(text),
+            LeadAction::Dropped { rank, step, reason } => {
+                dropped.push(DroppedNode { rank, step, reason });
+            }
+            LeadAction::SendOrder { to, order } => {
+                let order = Control::Regroup {
+                    generation: order.generation,
+                    members: order.members,
+                    step: order.step,
+                    optimizer_steps: order.optimizer_steps,
+                };
+                if let Err(e) = net.send(to, Message::Control(order)) {
+                    let (rank, why) = lost(e)?;
+                    actions.extend(lead.handle_lost(rank, why));
                 }
             }
+            LeadAction::SendState { to, generation } => {
+                let values = state.get_or_insert_with(|| flat_state(stage, optimizer));
+                let message =
+                    crate::data_parallel::model_message(net, values, step, generation, Dtype::F32);
+                if let Err(e) = net.send(to, message) {
+                    let (rank, why) = lost(e)?;
+                    actions.extend(lead.handle_lost(rank, why));
+                }
+            }
+            // What arrives before the answer on its link is the abandoned attempt's (chunks, an
+            // older generation's answer).
+            LeadAction::Await(from) => match net.recv_from(from, timeout) {
+                Ok(Message::Control(Control::Holding {
+                    generation,
+                    optimizer_steps,
+                })) => actions.extend(lead.handle_holding(from, generation, optimizer_steps)),
+                Ok(Message::Tensor(h, bytes)) if h.tag == TensorTag::ParamGrads => {
+                    net.buffers().give(bytes);
+                    actions.push_front(LeadAction::Await(from));
+                }
+                Ok(_) => {
+                    return Err(Error::protocol(
+                        "all-reduce",
+                        net,
+                        from,
+                        "message instead of its steps while the ring is re-formed",
+                    ));
+                }
+                Err(e) => {
+                    let (rank, why) = lost(e)?;
+                    actions.extend(lead.handle_lost(rank, why));
+                }
+            },
+            LeadAction::Done => break,
+            LeadAction::Fail(why) => return Err(Error::Config(why)),
         }
     }
+    *ring = Ring {
+        members: lead.members().to_vec(),
+        generation: lead.generation(),
+    };
     Ok(())
 }
 
 /// A worker other than rank 0 waits for rank 0's order to go on (unless it has it already),
-/// answers with the steps it has completed, and takes rank 0's state where they differ. Returns
-/// the step to run next.
+/// answers with the steps it has completed, and takes rank 0's state where they differ, carrying
+/// out what [`Follow`] decides. Returns the step to run next.
+#[allow(clippy::too_many_arguments)]
 fn follow_regroup(
     net: &mut dyn Transport,
     rank: u32,
     ring: &mut Ring,
-    order: Option<Regroup>,
+    order: Option<Order>,
     stage: &mut Stage,
     optimizer: &mut Optimizer,
     timeout: Duration,
     notices: &mut Vec<String>,
 ) -> Result<u64> {
-    let mut order = order;
+    let mut follow = Follow::new(rank, ring.generation, optimizer.steps());
+    let mut actions: VecDeque<FollowAction> = match order {
+        Some(order) => follow.handle_order(order).into(),
+        None => VecDeque::new(),
+    };
     // Chunks of the new ring from workers that heard of it first wait for it here.
     let mut newer: Vec<(u32, Message)> = Vec::new();
-    while order.is_none() {
-        match net.recv(timeout) {
-            Ok((
-                0,
-                Message::Control(Control::Regroup {
-                    generation,
-                    members,
-                    step,
-                    optimizer_steps,
-                }),
-            )) if generation > ring.generation => {
-                order = Some(Regroup {
-                    generation,
-                    members,
-                    step,
-                    optimizer_steps,
-                });
-            }
-            // Chunks of the abandoned attempt, and of the new ring.
-            Ok((from, Message::Tensor(h, bytes))) if h.tag == TensorTag::ParamGrads => {
-                if chunk_parts(h.micro_batch).0 <= ring.generation {
-                    net.buffers().give(bytes);
-                } else {
-                    newer.push((from, Message::Tensor(h, bytes)));
-                }
-            }
-            Ok((from, _)) => {
-                return Err(Error::protocol(
-                    "all-reduce",
-                    net,
-                    from,
-                    "message while the ring is re-formed",
-                ));
-            }
-            Err(TransportError::Timeout { waited, .. }) => {
-                return Err(TransportError::Timeout {
-                    what: "rank 0's order to re-form the ring".into(),
-                    from: net.peer_name(0).to_string(),
-                    waited,
-                }
-                .into());
-            }
-            Err(e) => match e.failed_peer() {
-                Some(dead) if dead != 0 => {}
-                _ => return Err(e.into()),
-            },
-        }
-    }
-    let mut order = order.expect("set above");
     let params = stage.params().len();
     let shapes: Vec<(&'static str, usize)> = optimizer
         .state()
@@ -641,86 +572,123 @@ fn follow_regroup(
         .map(|(name, v)| (*name, v.len()))
         .collect();
     let expected = params + shapes.iter().map(|s| s.1).sum::<usize>();
-    loop {
-        if !order.members.contains(&rank) {
-            return Err(Error::Config(format!(
-                "all-reduce: rank 0 re-formed the ring without rank {rank} (it took it for dead)"
-            )));
-        }
-        // Rank 0 sends its state only if this replica completed other steps than its own.
-        let held = optimizer.steps();
-        net.send(
-            0,
-            Message::Control(Control::Holding {
-                generation: order.generation,
-                optimizer_steps: held,
-            }),
-        )?;
-        if held == order.optimizer_steps {
-            break;
-        }
-        // The state follows on rank 0's link (or a newer order, if a member died meanwhile);
-        // a dead worker's link may report its failure meanwhile, which is old news here.
-        let message = loop {
-            match net.recv_from(0, timeout) {
-                Ok(message) => break message,
-                Err(e) => match e.failed_peer() {
-                    Some(dead) if dead != 0 && dead != rank => {}
-                    _ => return Err(e.into()),
-                },
-            }
+    let mut received: Vec<f32> = Vec::new();
+    let order = loop {
+        let Some(action) = actions.pop_front() else {
+            actions.extend(follow.handle_idle());
+            continue;
         };
-        let state = match message {
-            Message::Tensor(h, bytes)
-                if h.tag == TensorTag::Params
-                    && h.micro_batch == order.generation
-                    && h.elements() == Some(expected as u64) =>
-            {
-                let mut values = Vec::new();
-                tensor_values(&bytes, h.dtype, &mut values);
-                net.buffers().give(bytes);
-                values
-            }
-            Message::Control(Control::Regroup {
-                generation,
-                members,
-                step,
-                optimizer_steps,
-            }) if generation > order.generation => {
-                order = Regroup {
+        match action {
+            FollowAction::AwaitOrder => match net.recv(timeout) {
+                Ok((
+                    0,
+                    Message::Control(Control::Regroup {
+                        generation,
+                        members,
+                        step,
+                        optimizer_steps,
+                    }),
+                )) => actions.extend(follow.handle_order(Order {
                     generation,
                     members,
                     step,
                     optimizer_steps,
-                };
-                continue;
-            }
-            _ => {
-                return Err(Error::protocol(
-                    "all-reduce",
-                    net,
+                })),
+                // Chunks of the abandoned attempt, and of the new ring.
+                Ok((from, Message::Tensor(h, bytes))) if h.tag == TensorTag::ParamGrads => {
+                    match follow.handle_chunk(chunk_parts(h.micro_batch).0) {
+                        ChunkFate::Drop => net.buffers().give(bytes),
+                        ChunkFate::Keep => newer.push((from, Message::Tensor(h, bytes))),
+                    }
+                }
+                Ok((from, _)) => {
+                    return Err(Error::protocol(
+                        "all-reduce",
+                        net,
+                        from,
+                        "message while the ring is re-formed",
+                    ));
+                }
+                Err(TransportError::Timeout { waited, .. }) => {
+                    return Err(TransportError::Timeout {
+                        what: "rank 0's order to re-form the ring".into(),
+                        from: net.peer_name(0).to_string(),
+                        waited,
+                    }
+                    .into());
+                }
+                Err(e) => match e.failed_peer() {
+                    Some(dead) if dead != 0 => {}
+                    _ => return Err(e.into()),
+                },
+            },
+            FollowAction::SendHolding { generation, steps } => {
+                net.send(
                     0,
-                    "message instead of its state",
-                ));
+                    Message::Control(Control::Holding {
+                        generation,
+                        optimizer_steps: steps,
+                    }),
+                )?;
             }
-        };
-        // A phantom run (the simulator's sizes-only mode) carries the state's size, not its
-        // values.
-        if !(state.is_empty() && ringtmp_meter::phantom()) {
-            stage.params_mut().copy_from_slice(&state[..params]);
-            let mut at = params;
-            let tensors: Vec<(&str, Vec<f32>)> = shapes
-                .iter()
-                .map(|(name, len)| {
-                    let t = (*name, state[at..at + len].to_vec());
-                    at += len;
-                    t
-                })
-                .collect();
-            optimizer.load_state(&tensors, order.optimizer_steps)?;
+            // The state follows on rank 0's link (or a newer order, if a member died
+            // meanwhile); a dead worker's link may report its failure meanwhile, which is old
+            // news here.
+            FollowAction::AwaitState => match net.recv_from(0, timeout) {
+                Ok(Message::Tensor(h, bytes)) if h.tag == TensorTag::Params => {
+                    let values = h.elements().unwrap_or(u64::MAX);
+                    received.clear();
+                    tensor_values(&bytes, h.dtype, &mut received);
+                    net.buffers().give(bytes);
+                    actions.extend(follow.handle_state(h.micro_batch, values, expected as u64));
+                }
+                Ok(Message::Control(Control::Regroup {
+                    generation,
+                    members,
+                    step,
+                    optimizer_steps,
+                })) => actions.extend(follow.handle_order(Order {
+                    generation,
+                    members,
+                    step,
+                    optimizer_steps,
+                })),
+                Ok(_) => {
+                    return Err(Error::protocol(
+                        "all-reduce",
+                        net,
+                        0,
+                        "message instead of its state",
+                    ));
+                }
+                Err(e) => match e.failed_peer() {
+                    Some(dead) if dead != 0 && dead != rank => {
+                        actions.push_front(FollowAction::AwaitState);
+                    }
+                    _ => return Err(e.into()),
+                },
+            },
+            FollowAction::LoadState { optimizer_steps } => {
+                // A phantom run (the simulator's sizes-only mode) carries the state's size, not
+                // its values.
+                if !(received.is_empty() && ringtmp_meter::phantom()) {
+                    stage.params_mut().copy_from_slice(&received[..params]);
+                    let mut at = params;
+                    let tensors: Vec<(&str, Vec<f32>)> = shapes
+                        .iter()
+                        .map(|(name, len)| {
+                            let t = (*name, received[at..at + len].to_vec());
+                            at += len;
+                            t
+                        })
+                        .collect();
+                    optimizer.load_state(&tensors, optimizer_steps)?;
+                }
+            }
+            FollowAction::Finish(order) => break order,
+            FollowAction::Fail(why) => return Err(Error::Config(why)),
         }
-        break;
-    }
+    };
     stage.zero_grad();
     for (from, message) in newer.into_iter().rev() {
         net.unread(from, message);

@@ -10,10 +10,12 @@
 //! # Layout
 //! - [`ring`]: the chunk plan of one all-reduce (sans-IO, with its in-memory simulation).
 //! - [`job`]: the job and its options.
+//! - [`regroup`]: re-forming the ring around a dead worker (sans-IO, table-tested).
 //! - [`driver`]: one worker: buckets, the overlapped reduction, evaluation and outputs on rank 0.
 
 pub mod driver;
 pub mod job;
+pub mod regroup;
 pub mod ring;
 
 pub use job::{AllReduceJob, AllReduceOptions, DEFAULT_BUCKET_MB, NAME};

@@ -1,0 +1,158 @@
+//! Table tests of the all-reduce's regroup machines (`allreduce::regroup`), read from
+//! `tests/data/regroup/*.txt` in the datadriven format raft-rs uses: a directive with arguments,
+//! `----`, and the actions the machine took, one a line (`ok` for none). Each file is one
+//! machine's life: `lead …` or `follow …` starts it, the lines after feed it events.
+//! `REWRITE=1 cargo test --test regroup` rewrites the expected actions (then read the diff).
+
+use std::collections::HashMap;
+
+use ringtmp_strategy::allreduce::regroup::{Follow, FollowAction, Lead, LeadAction, Order};
+
+fn num(args: &HashMap<String, Vec<String>>, key: &str) -> u64 {
+    args.get(key)
+        .and_then(|v| v.first())
+        .unwrap_or_else(|| panic!("argument {key} missing"))
+        .parse()
+        .unwrap_or_else(|e| panic!("argument {key}: {e}"))
+}
+
+fn ranks(args: &HashMap<String, Vec<String>>, key: &str) -> Vec<u32> {
+    args.get(key)
+        .unwrap_or_else(|| panic!("argument {key} missing"))
+        .iter()
+        .map(|r| r.parse().expect("a rank"))
+        .collect()
+}
+
+fn text(args: &HashMap<String, Vec<String>>, key: &str) -> String {
+    args.get(key).map(|v| v.join(",")).unwrap_or_default()
+}
+
+fn order(o: &Order) -> String {
+    format!(
+        "generation={} members={:?} step={} steps={}",
+        o.generation, o.members, o.step, o.optimizer_steps
+    )
+}
+
+fn show_lead(actions: Vec<LeadAction>) -> String {
+    let lines: Vec<String> = actions
+        .into_iter()
+        .map(|a| match a {
+            LeadAction::Notice(t) => format!("notice: {t}"),
+            LeadAction::Dropped { rank, step, reason } => {
+                format!("dropped rank={rank} step={step} reason={reason}")
+            }
+            LeadAction::SendOrder { to, order: o } => format!("send-order to={to} {}", order(&o)),
+            LeadAction::SendState { to, generation } => {
+                format!("send-state to={to} generation={generation}")
+            }
+            LeadAction::Await(r) => format!("await {r}"),
+            LeadAction::Done => "done".into(),
+            LeadAction::Fail(why) => format!("fail: {why}"),
+        })
+        .collect();
+    if lines.is_empty() {
+        "ok\n".into()
+    } else {
+        lines.join("\n") + "\n"
+    }
+}
+
+fn show_follow(actions: Vec<FollowAction>) -> String {
+    let lines: Vec<String> = actions
+        .into_iter()
+        .map(|a| match a {
+            FollowAction::AwaitOrder => "await-order".into(),
+            FollowAction::SendHolding { generation, steps } => {
+                format!("send-holding generation={generation} steps={steps}")
+            }
+            FollowAction::AwaitState => "await-state".into(),
+            FollowAction::LoadState { optimizer_steps } => {
+                format!("load-state steps={optimizer_steps}")
+            }
+            FollowAction::Finish(o) => format!("finish {}", order(&o)),
+            FollowAction::Fail(why) => format!("fail: {why}"),
+        })
+        .collect();
+    if lines.is_empty() {
+        "ok\n".into()
+    } else {
+        lines.join("\n") + "\n"
+    }
+}
+
+#[test]
+fn regroup_tables() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/regroup");
+    let mut cases = 0;
+    datadriven::walk(dir, |file| {
+        let mut lead: Option<Lead> = None;
+        let mut follow: Option<Follow> = None;
+        file.run(|case| -> String {
+            cases += 1;
+            let a = &case.args;
+            match case.directive.as_str() {
+                "lead" => {
+                    let (machine, actions) = Lead::start(
+                        &ranks(a, "members"),
+                        num(a, "generation"),
+                        num(a, "dead") as u32,
+                        text(a, "reason"),
+                        num(a, "step"),
+                        num(a, "steps"),
+                    );
+                    lead = Some(machine);
+                    show_lead(actions)
+                }
+                "follow" => {
+                    follow = Some(Follow::new(
+                        num(a, "rank") as u32,
+                        num(a, "generation"),
+                        num(a, "steps"),
+                    ));
+                    "ok\n".into()
+                }
+                "idle" => match (&mut lead, &follow) {
+                    (Some(l), _) => show_lead(l.handle_idle()),
+                    (None, Some(f)) => show_follow(f.handle_idle()),
+                    _ => panic!("no machine"),
+                },
+                "lost" => show_lead(
+                    lead.as_mut()
+                        .expect("lead")
+                        .handle_lost(num(a, "rank") as u32, text(a, "reason")),
+                ),
+                "holding" => show_lead(lead.as_mut().expect("lead").handle_holding(
+                    num(a, "from") as u32,
+                    num(a, "generation"),
+                    num(a, "steps"),
+                )),
+                "ring" => {
+                    let l = lead.as_ref().expect("lead");
+                    format!("members={:?} generation={}\n", l.members(), l.generation())
+                }
+                "order" => show_follow(follow.as_mut().expect("follow").handle_order(Order {
+                    generation: num(a, "generation"),
+                    members: ranks(a, "members"),
+                    step: num(a, "step"),
+                    optimizer_steps: num(a, "steps"),
+                })),
+                "chunk" => format!(
+                    "{:?}\n",
+                    follow
+                        .as_ref()
+                        .expect("follow")
+                        .handle_chunk(num(a, "generation"))
+                ),
+                "state" => show_follow(follow.as_mut().expect("follow").handle_state(
+                    num(a, "generation"),
+                    num(a, "values"),
+                    num(a, "expected"),
+                )),
+                other => panic!("unknown directive {other}"),
+            }
+        })
+    });
+    assert!(cases > 20, "only {cases} cases read from {dir}");
+}
