@@ -14,6 +14,8 @@ use ringtmp_strategy::ring::plan::RingOptions;
 use ringtmp_strategy::{Job, StrategyOptions, TrainConfig};
 use serde::{Deserialize, Serialize};
 
+use crate::links::{Card, CardArgs, LinkSpec};
+
 use crate::error::UsageError;
 
 /// Optimizer choice.
@@ -66,21 +68,20 @@ pub struct TrainArgs {
     /// Emulate a slower node: RANK:FACTOR with 0 < FACTOR ≤ 1 (repeatable).
     #[arg(help_heading = "Cluster (emulated)", long, value_name = "RANK:FACTOR")]
     pub node_speed: Option<Vec<String>>,
-    /// Emulated network card of every local node, Mbit/s: one sending budget shared by all the
-    /// node's outgoing links [default: unlimited].
-    #[arg(help_heading = "Cluster (emulated)", long, value_name = "MBIT")]
-    pub bandwidth_mbit: Option<f64>,
-    /// Emulated one-way latency of every frame a local node sends, milliseconds [default: 0].
-    #[arg(help_heading = "Cluster (emulated)", long, value_name = "MS")]
-    pub latency_ms: Option<f64>,
+    /// Every local node's emulated card (`--bandwidth-mbit`, `--latency-ms`).
+    #[command(flatten, next_help_heading = "Cluster (emulated)")]
+    #[serde(flatten)]
+    pub card: CardArgs,
     /// Per-rank card: `RANK:MBIT[:MS]`, overriding --bandwidth-mbit (and --latency-ms) for that
     /// node (repeatable or comma-separated).
     #[arg(
         help_heading = "Cluster (emulated)",
         long,
-        value_name = "RANK:MBIT[:MS]"
+        value_name = "RANK:MBIT[:MS]",
+        value_delimiter = ','
     )]
-    pub link: Option<Vec<String>>,
+    #[serde(default, deserialize_with = "crate::links::specs_from_strings")]
+    pub link: Option<Vec<LinkSpec>>,
     /// Memory of each node's process, e.g. `256M`, or per rank `1:256M,2:1G`: the ring's planner
     /// fits its stages into it (after the process's own needs); with --enforce-memory-limit
     /// the kernel holds every strategy's local nodes to it.
@@ -277,6 +278,7 @@ macro_rules! layer_options {
             ps: $flags.ps.merged_over(&$file.ps),
             allreduce: $flags.allreduce.merged_over(&$file.allreduce),
             dpsgd: $flags.dpsgd.merged_over(&$file.dpsgd),
+            card: $flags.card.merged_over(&$file.card),
             $($field: $flags.$field.clone().or($file.$field.clone())),*
         }
     };
@@ -316,8 +318,6 @@ impl TrainArgs {
             strategy,
             nodes,
             node_speed,
-            bandwidth_mbit,
-            latency_ms,
             link,
             node_cpu,
             node_memory_limit,
@@ -382,7 +382,16 @@ impl TrainArgs {
                 .collect::<Vec<_>>()
                 .join(",")
         };
-        for list in [&mut self.node_speed, &mut self.link, &mut self.node_cpu] {
+        if let Some(links) = self.link.as_mut() {
+            links.retain(|l| l.rank != dead);
+            for l in links.iter_mut().filter(|l| l.rank > dead) {
+                l.rank -= 1;
+            }
+            if links.is_empty() {
+                self.link = None;
+            }
+        }
+        for list in [&mut self.node_speed, &mut self.node_cpu] {
             if let Some(entries) = list.as_mut() {
                 *entries = entries
                     .iter()
@@ -450,8 +459,8 @@ impl TrainArgs {
         let distributed: Vec<String> = [
             ("nodes", self.nodes.is_some_and(|n| n != 1)),
             ("node-speed", self.node_speed.is_some()),
-            ("bandwidth-mbit", self.bandwidth_mbit.is_some()),
-            ("latency-ms", self.latency_ms.is_some()),
+            ("bandwidth-mbit", self.card.bandwidth_mbit.is_some()),
+            ("latency-ms", self.card.latency_ms.is_some()),
             ("link", self.link.is_some()),
             ("node-memory-limit", self.node_memory_limit.is_some()),
             ("enforce-memory-limit", self.enforce_memory_limit.is_some()),
@@ -498,61 +507,15 @@ impl TrainArgs {
             .map_err(|e| UsageError(e.to_string()).into())
     }
 
-    /// Each local node's emulated card, by rank: (Mbit/s if limited, one-way latency in ms), from
-    /// `--bandwidth-mbit`, `--latency-ms` and the `--link` overrides.
-    pub fn node_links(&self, nodes: u32) -> Result<Vec<(Option<f64>, f64)>> {
-        let positive = |what: &str, v: f64| {
-            if v.is_finite() && v > 0.0 {
-                Ok(v)
-            } else {
-                Err(UsageError(format!(
-                    "{what} must be a positive number, got {v}"
-                )))
-            }
-        };
-        let latency = match self.latency_ms {
-            Some(ms) if !(ms.is_finite() && ms >= 0.0) => {
-                return Err(UsageError(format!("--latency-ms must be ≥ 0, got {ms}")).into());
-            }
-            other => other.unwrap_or(0.0),
-        };
-        let bandwidth = self
-            .bandwidth_mbit
-            .map(|b| positive("--bandwidth-mbit", b))
-            .transpose()?;
-        let mut links = vec![(bandwidth, latency); nodes as usize];
-        for entry in self.link.iter().flatten() {
-            for part in entry.split(',') {
-                let bad = |why: String| UsageError(format!("--link {part:?}: {why}"));
-                let fields: Vec<&str> = part.split(':').map(str::trim).collect();
-                if !(2..=3).contains(&fields.len()) {
-                    return Err(bad("expected RANK:MBIT or RANK:MBIT:MS".into()).into());
-                }
-                let rank: u32 = fields[0]
-                    .parse()
-                    .map_err(|_| bad(format!("{:?} is not a rank", fields[0])))?;
-                if rank >= nodes {
-                    return Err(bad(format!(
-                        "rank {rank} does not exist in a run of {nodes} nodes"
-                    ))
-                    .into());
-                }
-                let mbit: f64 = fields[1]
-                    .parse()
-                    .map_err(|_| bad(format!("{:?} is not a number of Mbit/s", fields[1])))?;
-                let mbit = positive("the bandwidth", mbit).map_err(|e| bad(e.0))?;
-                let ms = match fields.get(2) {
-                    Some(ms) => ms
-                        .parse::<f64>()
-                        .ok()
-                        .filter(|v| v.is_finite() && *v >= 0.0)
-                        .ok_or_else(|| bad(format!("{ms:?} is not a latency ≥ 0 in ms")))?,
-                    None => latency,
-                };
-                links[rank as usize] = (Some(mbit), ms);
-            }
-        }
-        Ok(links)
+    /// Each local node's emulated card, by rank, from `--bandwidth-mbit`, `--latency-ms` and the
+    /// `--link` overrides.
+    pub fn node_links(&self, nodes: u32) -> Result<Vec<Card>> {
+        let base = self.card.card()?;
+        Ok(crate::links::node_cards(
+            base,
+            self.link.as_deref().unwrap_or_default(),
+            nodes,
+        )?)
     }
 
     /// Every strategy's options.
@@ -882,7 +845,7 @@ mod tests {
     fn a_run_without_a_rank_drops_its_entries_and_renumbers_the_rest() {
         let mut args = TrainArgs {
             node_speed: Some(vec!["1:0.5,3:0.25".into(), "2:0.75".into()]),
-            link: Some(vec!["2:100:5".into()]),
+            link: Some(vec!["2:100:5".parse().unwrap()]),
             node_cpu: Some(vec!["0:0.5,2:0.5,3:1".into()]),
             node_memory_limit: Some("1:256M,3:1G".into()),
             ..Default::default()

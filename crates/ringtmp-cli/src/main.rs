@@ -13,6 +13,7 @@ mod compare;
 mod display;
 mod error;
 mod launcher;
+mod links;
 mod node;
 mod plan;
 mod restart;
@@ -80,12 +81,9 @@ struct SelftestArgs {
     pin: bool,
     #[command(flatten)]
     job: node::JobArgs,
-    /// Emulated bandwidth of every link, Mbit/s.
-    #[arg(long)]
-    bandwidth_mbit: Option<f64>,
-    /// Emulated one-way latency of every link, ms.
-    #[arg(long, default_value_t = 0.0)]
-    latency_ms: f64,
+    /// Every node's emulated card.
+    #[command(flatten)]
+    card: links::CardArgs,
     /// Send frames in the clear after the authenticated greeting (encrypted by default).
     #[arg(long)]
     insecure_plaintext: bool,
@@ -101,6 +99,7 @@ fn selftest(a: &SelftestArgs) -> anyhow::Result<()> {
     if a.nodes < 2 {
         return Err(UsageError("--nodes must be at least 2".into()).into());
     }
+    let card = a.card.card()?;
     launcher::launch(a.nodes, a.pin, |rank| {
         let mut args = vec![
             "--job".to_string(),
@@ -111,12 +110,8 @@ fn selftest(a: &SelftestArgs) -> anyhow::Result<()> {
             a.job.rounds.to_string(),
             "--pings".into(),
             a.job.pings.to_string(),
-            "--latency-ms".into(),
-            a.latency_ms.to_string(),
         ];
-        if let Some(b) = a.bandwidth_mbit {
-            args.extend(["--bandwidth-mbit".into(), b.to_string()]);
-        }
+        args.extend(card.to_args());
         if a.crash_rank == Some(rank) {
             args.extend(["--crash-after-ms".into(), a.crash_after_ms.to_string()]);
         }

@@ -14,11 +14,12 @@ use ringtmp_strategy::contract::ring_neighbours;
 use ringtmp_strategy::ring::plan::node_profile::{self, ProfileReply};
 use ringtmp_strategy::selftest::{self, SelftestConfig};
 use ringtmp_strategy::{Job, NodeCx};
-use ringtmp_transport::{Shaping, TransportConfig};
+use ringtmp_transport::TransportConfig;
 use serde::{Deserialize, Serialize};
 
 use crate::args::TrainArgs;
 use crate::error::UsageError;
+use crate::links::{CardArgs, LinkSpec};
 
 /// What the nodes run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
@@ -119,12 +120,9 @@ pub struct ConnectArgs {
     /// training, the run's own --recv-timeout (300)].
     #[arg(long)]
     pub recv_timeout: Option<f64>,
-    /// Emulated network card, Mbit/s: one budget shared by every outgoing link.
-    #[arg(long)]
-    pub bandwidth_mbit: Option<f64>,
-    /// Emulated one-way latency of every frame this node sends, in milliseconds.
-    #[arg(long, default_value_t = 0.0)]
-    pub latency_ms: f64,
+    /// This node's emulated card.
+    #[command(flatten)]
+    pub card: CardArgs,
     /// Pin this process to one CPU core.
     #[arg(long)]
     pub cpu: Option<usize>,
@@ -223,14 +221,8 @@ pub fn run(args: &NodeArgs) -> Result<()> {
              unauthenticated after the greeting; anyone on the path can read or alter them"
         );
     }
-    transport.shaping = Shaping {
-        bandwidth_bps: c
-            .bandwidth_mbit
-            .map(|m| (m * 1e6) as u64)
-            .filter(|b| *b > 0),
-        latency: Duration::try_from_secs_f64(c.latency_ms / 1e3)
-            .map_err(|_| UsageError("--latency-ms must be ≥ 0".into()))?,
-    };
+    let card = c.card.card()?;
+    transport.shaping = card.shaping();
     let options = JoinOptions {
         listen_host: c.listen.clone(),
         secret,
@@ -253,8 +245,8 @@ pub fn run(args: &NodeArgs) -> Result<()> {
     let cache = node_profile::default_cache_dir();
     let fresh = c.fresh_profile;
     let links = node_profile::OwnLinks {
-        card_mbit: c.bandwidth_mbit.filter(|m| *m > 0.0),
-        latency_ms: c.latency_ms,
+        card_mbit: card.mbit,
+        latency_ms: card.latency_ms,
         encrypt: !c.insecure_plaintext,
     };
     let answer = move |request: &str| {
@@ -359,19 +351,19 @@ fn rank0_offer(args: &NodeArgs, world: u32) -> Result<Offer> {
     } = *prepared;
     // Rank 0's own card (its command line's) counts like the other nodes' (they report theirs
     // with their profiles) where the run's options name none.
-    let declared = train_args.bandwidth_mbit.is_some()
-        || train_args
-            .link
-            .iter()
-            .flatten()
-            .flat_map(|e| e.split(','))
-            .any(|part| part.trim().starts_with("0:"));
-    if let Some(mbit) = args.connect.bandwidth_mbit.filter(|m| *m > 0.0)
+    let declared = train_args.card.bandwidth_mbit.is_some()
+        || train_args.link.iter().flatten().any(|l| l.rank == 0);
+    let own = args.connect.card.card()?;
+    if let Some(mbit) = own.mbit
         && !declared
         && !args.job.no_node_profile
         && train_args.strategy() == "ring"
     {
-        let link = format!("0:{mbit}:{}", args.connect.latency_ms);
+        let link = LinkSpec {
+            rank: 0,
+            mbit,
+            latency_ms: Some(own.latency_ms),
+        };
         train_args.link.get_or_insert_with(Vec::new).push(link);
     }
     let budget = args.job.profile_budget;

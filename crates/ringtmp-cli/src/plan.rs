@@ -77,7 +77,11 @@ pub fn cluster(args: &TrainArgs, nodes: u32) -> Result<Cluster> {
         .and_then(|c| c.with_memory_limits(args.node_memory_limit.as_deref()))
         .map_err(|e| UsageError(e.to_string()))?;
     cluster.threads = args.threads;
-    cluster.links = args.node_links(nodes)?;
+    cluster.links = args
+        .node_links(nodes)?
+        .iter()
+        .map(|card| (card.mbit, card.latency_ms))
+        .collect();
     Ok(cluster)
 }
 

@@ -194,16 +194,16 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
     }
     sim.compute_jitter = args.compute_jitter;
     let links = train.node_links(nodes)?;
-    sim.latency = Duration::from_secs_f64(links[0].1 / 1e3);
+    sim.latency = Duration::from_secs_f64(links[0].latency_ms / 1e3);
     if links.iter().any(|l| *l != links[0]) {
         eprintln!(
             "note: the simulated network gives every link the same latency ({} ms); per-node \
              bandwidths from --link are kept",
-            links[0].1
+            links[0].latency_ms
         );
     }
-    for (rank, (mbit, _)) in links.iter().enumerate() {
-        if let Some(mbit) = mbit {
+    for (rank, card) in links.iter().enumerate() {
+        if let Some(mbit) = card.mbit {
             sim.node_bandwidth_bps
                 .insert(rank as u32, (mbit * 1e6).round() as u64);
         }

@@ -289,7 +289,7 @@ fn keep_cuts(args: &mut TrainArgs, out: &std::path::Path) {
 /// What the local nodes run on: each one's emulated card, CPU share and memory limit, checked
 /// before anything starts.
 struct LocalCluster {
-    links: Vec<(Option<f64>, f64)>,
+    links: Vec<crate::links::Card>,
     cores: Vec<Option<f64>>,
     memory: Vec<Option<u64>>,
 }
@@ -391,13 +391,7 @@ fn launch_once(args: &mut TrainArgs, cluster: &LocalCluster, attempt: usize) -> 
         if rank == 0 {
             node_args.extend(["--job-file".into(), plan.clone()]);
         }
-        let (bandwidth, latency) = links[rank as usize];
-        if let Some(mbit) = bandwidth {
-            node_args.extend(["--bandwidth-mbit".into(), mbit.to_string()]);
-        }
-        if latency > 0.0 {
-            node_args.extend(["--latency-ms".into(), latency.to_string()]);
-        }
+        node_args.extend(links[rank as usize].to_args());
         if args.insecure_plaintext.unwrap_or(false) {
             node_args.push("--insecure-plaintext".into());
         }

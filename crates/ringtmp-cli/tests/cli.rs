@@ -557,15 +557,21 @@ fn bad_link_specs_are_usage_errors() {
         ),
         (
             vec!["--link", "1:0"],
-            "the bandwidth must be a positive number",
+            "'--link <RANK:MBIT[:MS]>': \"1:0\": a bandwidth must be a positive number",
         ),
         (vec!["--link", "1"], "expected RANK:MBIT or RANK:MBIT:MS"),
-        (vec!["--link", "1:50:-3"], "is not a latency"),
+        (
+            vec!["--link", "1:50:-3"],
+            "a latency must be a number of ms ≥ 0",
+        ),
         (
             vec!["--bandwidth-mbit", "0"],
-            "--bandwidth-mbit must be a positive number",
+            "'--bandwidth-mbit <MBIT>': a bandwidth must be a positive number",
         ),
-        (vec!["--latency-ms", "-1"], "--latency-ms must be ≥ 0"),
+        (
+            vec!["--latency-ms", "-1"],
+            "'--latency-ms <MS>': a latency must be a number of ms ≥ 0",
+        ),
         (vec!["--node-cpu", "2:0"], "more than zero cores"),
         (vec!["--node-cpu", "5:1"], "rank 5 does not exist"),
         (vec!["--enforce-memory-limit"], "needs --node-memory-limit"),
