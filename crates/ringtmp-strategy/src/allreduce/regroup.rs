@@ -1,7 +1,7 @@
 //! Re-forming the all-reduce ring around a dead worker, as two sans-IO machines: [`Lead`] (rank
 //! 0, which decides) and [`Follow`] (every other survivor). Events go in (`handle_*`), actions
 //! come out; the driver does the sending and receiving, so the policy is tested from tables of
-//! cases (`tests/regroup.rs` over `tests/data/regroup/`) without a network.
+//! cases (`tests/protocols.rs` over `tests/data/regroup/`) without a network.
 //!
 //! The protocol. Rank 0 abandons its step in progress, removes the dead rank, bumps the ring's
 //! generation and sends every other member the order (`Regroup { generation, members, step,

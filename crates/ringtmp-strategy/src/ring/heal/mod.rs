@@ -14,6 +14,7 @@
 //! completed; the master's death still ends the run (it holds the data), as does a second death
 //! before the next round has refreshed the replicas it would need.
 
+pub mod policy;
 pub mod replicas;
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
@@ -432,14 +433,15 @@ pub fn run(
             let Some(dead) = failed_member(&failure, &members) else {
                 return Err(failure);
             };
-            let Some(step) = replicas.completed else {
-                return Err(Error::Config(format!(
-                    "{failure}; no replication round had completed since the ring last formed, \
-                     so it cannot heal"
-                )));
-            };
-            let (next, survivors) = without(&job, &members, dead)?;
-            let failed_at = view_step(&heals, &replicas, step);
+            let policy::Heal {
+                dead,
+                pred,
+                survivors,
+                step,
+                failed_at,
+            } = policy::decide(&members, dead, replicas.completed, replicas.last_step)
+                .map_err(|why| Error::Config(format!("{failure}; {why}")))?;
+            let (next, _) = without(&job, &members, dead)?;
             generation += 1;
             for &m in survivors.iter().filter(|m| **m != 0) {
                 cx.net.send(
@@ -452,7 +454,6 @@ pub fn run(
                     }),
                 )?;
             }
-            let pred = members[members.iter().position(|m| *m == dead).unwrap_or(1) - 1];
             (cx.on_event)(&crate::Event::Notice {
                 text: format!(
                     "ring: rank {dead} left ({failure}); rank {pred} takes its layers from the \
@@ -513,25 +514,18 @@ pub fn run(
         let own = replicas.own_at(step).cloned().ok_or_else(|| {
             Error::Config(format!("rank {rank} has no snapshot of mini-batch {step}"))
         })?;
-        let my_index = members.iter().position(|m| *m == rank).unwrap_or(0);
-        let succ = members.get(my_index + 1).copied();
-        let state = match succ {
-            Some(s) if !regroup.members.contains(&s) => {
+        let state = match policy::restore(rank, &members, &regroup.members) {
+            policy::Restore::OwnAndSuccessor => {
                 let replica = replicas.succ_at(step).ok_or_else(|| {
                     Error::Config(format!("rank {rank} has no replica of mini-batch {step}"))
                 })?;
                 own.joined(replica)
             }
-            _ => own,
+            policy::Restore::Own => own,
         };
         if rank != 0 {
-            let dead: Vec<u32> = members
-                .iter()
-                .copied()
-                .filter(|m| !regroup.members.contains(m))
-                .collect();
             let mut current = members.clone();
-            for d in dead {
+            for d in policy::departed(&members, &regroup.members) {
                 let (next, rest) = without(&job, &current, d)?;
                 (job, current) = (next, rest);
             }
@@ -567,12 +561,6 @@ fn failed_member(e: &Error, members: &[u32]) -> Option<u32> {
         Error::Transport(t) => t.failed_peer().filter(|r| *r != 0 && members.contains(r)),
         _ => None,
     }
-}
-
-/// The last mini-batch the master had completed when it noticed the failure (at least the
-/// round's).
-fn view_step(_heals: &[Restart], replicas: &Replicas, round: u64) -> u64 {
-    replicas.last_step.max(round)
 }
 
 /// A worker that saw a peer die waits for the master's re-formation (newer than `generation`),

@@ -1,12 +1,17 @@
-//! Table tests of the all-reduce's regroup machines (`allreduce::regroup`), read from
-//! `tests/data/regroup/*.txt` in the datadriven format raft-rs uses: a directive with arguments,
-//! `----`, and the actions the machine took, one a line (`ok` for none). Each file is one
-//! machine's life: `lead …` or `follow …` starts it, the lines after feed it events.
-//! `REWRITE=1 cargo test --test regroup` rewrites the expected actions (then read the diff).
+//! Table tests of the failure protocols' pure cores, read from `tests/data/<protocol>/*.txt` in
+//! the datadriven format raft-rs uses: a directive with arguments, `----`, and what the machine
+//! or policy did, one action a line (`ok` for none).
+//! - `regroup/`: the all-reduce's re-formation (`allreduce::regroup`). Each file is one machine's
+//!   life: `lead …` or `follow …` starts it, the lines after feed it events.
+//! - `heal/`: the ring's heal around a dead node (`ring::heal::policy`): the master's decision
+//!   and each survivor's restore.
+//!
+//! `REWRITE=1 cargo test --test protocols` rewrites the expected outputs (then read the diff).
 
 use std::collections::HashMap;
 
 use ringtmp_strategy::allreduce::regroup::{Follow, FollowAction, Lead, LeadAction, Order};
+use ringtmp_strategy::ring::heal::policy;
 
 fn num(args: &HashMap<String, Vec<String>>, key: &str) -> u64 {
     args.get(key)
@@ -155,4 +160,40 @@ fn regroup_tables() {
         })
     });
     assert!(cases > 20, "only {cases} cases read from {dir}");
+}
+
+#[test]
+fn heal_tables() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/heal");
+    let mut cases = 0;
+    datadriven::walk(dir, |file| {
+        file.run(|case| -> String {
+            cases += 1;
+            let a = &case.args;
+            match case.directive.as_str() {
+                "decide" => {
+                    let round = a.get("round").map(|_| num(a, "round"));
+                    match policy::decide(
+                        &ranks(a, "members"),
+                        num(a, "dead") as u32,
+                        round,
+                        num(a, "last"),
+                    ) {
+                        Ok(heal) => format!("{heal}\n"),
+                        Err(why) => format!("refuse: {why}\n"),
+                    }
+                }
+                "restore" => {
+                    let (before, after) = (ranks(a, "before"), ranks(a, "after"));
+                    format!(
+                        "{:?} departed={:?}\n",
+                        policy::restore(num(a, "rank") as u32, &before, &after),
+                        policy::departed(&before, &after)
+                    )
+                }
+                other => panic!("unknown directive {other}"),
+            }
+        })
+    });
+    assert!(cases >= 8, "only {cases} cases read from {dir}");
 }
