@@ -7,11 +7,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use ringtmp_model::{LrSchedule, ModelSpec, OptimizerConfig};
-use ringtmp_strategy::allreduce::AllReduceOptions;
-use ringtmp_strategy::gossip::DpsgdOptions;
-use ringtmp_strategy::param_server::plan::PsOptions;
-use ringtmp_strategy::ring::plan::RingOptions;
-use ringtmp_strategy::{Job, StrategyOptions, TrainConfig};
+use ringtmp_strategy::{Job, LocalJob, Strategy, StrategyOptions, TrainConfig};
 use serde::{Deserialize, Serialize};
 
 use crate::links::{Card, CardArgs, LinkSpec};
@@ -46,25 +42,10 @@ pub struct TrainArgs {
     /// Node processes to launch locally (distributed strategies) [default: 4].
     #[arg(help_heading = "Strategy", long)]
     pub nodes: Option<u32>,
-    /// The ring's options.
-    #[command(flatten, next_help_heading = "Ring (--strategy ring)")]
+    /// Every strategy's own options, each under its heading.
+    #[command(flatten)]
     #[serde(flatten)]
-    pub ring: RingOptions,
-    /// The parameter server's options.
-    #[command(flatten, next_help_heading = "Parameter server (--strategy ps)")]
-    #[serde(flatten)]
-    pub ps: PsOptions,
-    /// All-reduce's options.
-    #[command(flatten, next_help_heading = "All-reduce (--strategy allreduce)")]
-    #[serde(flatten)]
-    pub allreduce: AllReduceOptions,
-    /// D-PSGD's options.
-    #[command(
-        flatten,
-        next_help_heading = "D-PSGD and AD-PSGD (--strategy dpsgd, adpsgd)"
-    )]
-    #[serde(flatten)]
-    pub dpsgd: DpsgdOptions,
+    pub options: StrategyOptions,
     /// Emulate a slower node: RANK:FACTOR with 0 < FACTOR ≤ 1 (repeatable).
     #[arg(help_heading = "Cluster (emulated)", long, value_name = "RANK:FACTOR")]
     pub node_speed: Option<Vec<String>>,
@@ -274,10 +255,7 @@ macro_rules! layer_options {
             freeze_after_ms: $flags.freeze_after_ms,
             hang_rank: $flags.hang_rank,
             hang_after_ms: $flags.hang_after_ms,
-            ring: $flags.ring.merged_over(&$file.ring),
-            ps: $flags.ps.merged_over(&$file.ps),
-            allreduce: $flags.allreduce.merged_over(&$file.allreduce),
-            dpsgd: $flags.dpsgd.merged_over(&$file.dpsgd),
+            options: $flags.options.merged_over(&$file.options),
             card: $flags.card.merged_over(&$file.card),
             $($field: $flags.$field.clone().or($file.$field.clone())),*
         }
@@ -450,12 +428,12 @@ impl TrainArgs {
         let strategy = self.strategy();
         // `--drop-dead-workers` is the parameter server's flag and D-PSGD's too.
         let shared = |flag: &String| !(strategy == "dpsgd" && flag == "drop-dead-workers");
-        let mut own: Vec<(&str, Vec<String>)> = vec![
-            ("ring", self.ring.given()),
-            ("ps", self.ps.given().into_iter().filter(shared).collect()),
-            ("allreduce", self.allreduce.given()),
-            ("dpsgd", self.dpsgd.given()),
-        ];
+        let mut own: Vec<(&str, Vec<String>)> = self
+            .options
+            .given()
+            .into_iter()
+            .map(|(name, flags)| (name, flags.into_iter().filter(shared).collect()))
+            .collect();
         let distributed: Vec<String> = [
             ("nodes", self.nodes.is_some_and(|n| n != 1)),
             ("node-speed", self.node_speed.is_some()),
@@ -473,8 +451,14 @@ impl TrainArgs {
         .filter(|(_, set)| *set)
         .map(|(flag, _)| flag.to_string())
         .collect();
-        if strategy == "local" {
-            own.push(("ring, ps, allreduce, dpsgd or adpsgd", distributed));
+        let others = Job::NAMES
+            .iter()
+            .filter(|n| **n != LocalJob::NAME)
+            .copied()
+            .collect::<Vec<_>>()
+            .join(", ");
+        if strategy == LocalJob::NAME {
+            own.push((&others, distributed));
         }
         for (name, flags) in own {
             if name != strategy
@@ -502,7 +486,8 @@ impl TrainArgs {
             ))
             .into());
         }
-        self.ring
+        self.options
+            .ring
             .check()
             .map_err(|e| UsageError(e.to_string()).into())
     }
@@ -518,18 +503,12 @@ impl TrainArgs {
         )?)
     }
 
-    /// Every strategy's options.
+    /// Every strategy's options; `--drop-dead-workers`, declared with the parameter server's,
+    /// is D-PSGD's too.
     pub fn strategy_options(&self) -> StrategyOptions {
-        StrategyOptions {
-            ring: self.ring.clone(),
-            ps: self.ps.clone(),
-            allreduce: self.allreduce.clone(),
-            // One `--drop-dead-workers` flag (the parameter server's) serves D-PSGD too.
-            dpsgd: ringtmp_strategy::gossip::DpsgdOptions {
-                drop_dead_workers: self.ps.drop_dead_workers,
-                ..self.dpsgd.clone()
-            },
-        }
+        let mut options = self.options.clone();
+        options.dpsgd.drop_dead_workers = options.ps.drop_dead_workers;
+        options
     }
 
     /// With `--resume` and no `--batch-size`, takes the checkpoint's global batch (split over this
@@ -546,23 +525,8 @@ impl TrainArgs {
         else {
             return Ok(());
         };
-        let workers = match self.strategy() {
-            "ps" => {
-                let nodes = self.nodes.unwrap_or(4) as usize;
-                let servers = self
-                    .ps
-                    .server_count(nodes as u32)
-                    .map_err(|e| UsageError(e.to_string()))?;
-                nodes.saturating_sub(servers).max(1)
-            }
-            "allreduce" | "dpsgd" | "adpsgd" => self.nodes.unwrap_or(4) as usize,
-            "ring" => self
-                .ring
-                .rings(self.nodes.unwrap_or(4))
-                .map_err(|e| UsageError(e.to_string()))?
-                .max(1),
-            _ => 1,
-        };
+        let workers = Job::workers(self.strategy(), &self.options, self.nodes.unwrap_or(4))
+            .map_err(|e| UsageError(e.to_string()))?;
         if manifest.batch_size % workers != 0 {
             return Err(UsageError(format!(
                 "the checkpoint was written with a global batch of {}, which does not split \

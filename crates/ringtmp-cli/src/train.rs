@@ -260,13 +260,13 @@ fn keep_cuts(args: &mut TrainArgs, out: &std::path::Path) {
     if args.strategy() != "ring" {
         return;
     }
-    match args.ring.cut_inside.take() {
+    match args.options.ring.cut_inside.take() {
         Some(CutInsideChoice::At(cuts) | CutInsideChoice::Kept(cuts)) => {
-            args.ring.cut_inside = Some(CutInsideChoice::Kept(cuts));
+            args.options.ring.cut_inside = Some(CutInsideChoice::Kept(cuts));
             return;
         }
         Some(CutInsideChoice::Planner(false)) => {
-            args.ring.cut_inside = Some(CutInsideChoice::Planner(false));
+            args.options.ring.cut_inside = Some(CutInsideChoice::Planner(false));
             return;
         }
         Some(CutInsideChoice::Planner(true)) | None => {}
@@ -279,7 +279,7 @@ fn keep_cuts(args: &mut TrainArgs, out: &std::path::Path) {
     };
     let cuts: Vec<ringtmp_strategy::ring::plan::partition::CutInside> =
         serde_json::from_value(job["cuts_inside"].clone()).unwrap_or_default();
-    args.ring.cut_inside = Some(if cuts.is_empty() {
+    args.options.ring.cut_inside = Some(if cuts.is_empty() {
         CutInsideChoice::Planner(false)
     } else {
         CutInsideChoice::Kept(cuts)
@@ -476,30 +476,42 @@ mod tests {
             layer: 9,
             split: 320,
         }];
-        assert_eq!(args.ring.cut_inside, Some(CutInsideChoice::Kept(cut)));
+        assert_eq!(
+            args.options.ring.cut_inside,
+            Some(CutInsideChoice::Kept(cut))
+        );
         let mut told = ring();
-        told.ring.cut_inside = Some(CutInsideChoice::Planner(false));
+        told.options.ring.cut_inside = Some(CutInsideChoice::Planner(false));
         keep_cuts(&mut told, dir.path());
-        assert_eq!(told.ring.cut_inside, Some(CutInsideChoice::Planner(false)));
+        assert_eq!(
+            told.options.ring.cut_inside,
+            Some(CutInsideChoice::Planner(false))
+        );
         // Cuts the user gave are kept as they are, boundaries only where they fit.
         let mut given = ring();
         let other = vec![CutInside {
             layer: 5,
             split: 64,
         }];
-        given.ring.cut_inside = Some(CutInsideChoice::At(other.clone()));
+        given.options.ring.cut_inside = Some(CutInsideChoice::At(other.clone()));
         keep_cuts(&mut given, dir.path());
-        assert_eq!(given.ring.cut_inside, Some(CutInsideChoice::Kept(other)));
+        assert_eq!(
+            given.options.ring.cut_inside,
+            Some(CutInsideChoice::Kept(other))
+        );
         // A first attempt without cuts: whole layers again.
         std::fs::write(dir.path().join("job.json"), r#"{"partition": []}"#).unwrap();
         let mut args = ring();
         keep_cuts(&mut args, dir.path());
-        assert_eq!(args.ring.cut_inside, Some(CutInsideChoice::Planner(false)));
+        assert_eq!(
+            args.options.ring.cut_inside,
+            Some(CutInsideChoice::Planner(false))
+        );
         let mut ps = TrainArgs {
             strategy: Some("ps".into()),
             ..TrainArgs::default()
         };
         keep_cuts(&mut ps, dir.path());
-        assert_eq!(ps.ring.cut_inside, None);
+        assert_eq!(ps.options.ring.cut_inside, None);
     }
 }

@@ -8,6 +8,7 @@ use std::collections::BTreeSet;
 use ringtmp_data::Dataset;
 use ringtmp_metrics::Summary;
 use ringtmp_transport::Transport;
+use serde::{Deserialize, Serialize};
 
 use crate::config::TrainConfig;
 use crate::error::{Error, Result};
@@ -176,6 +177,55 @@ pub trait Strategy: Sized {
     }
     /// Runs rank `rank`; the rank that writes the run's summary returns it.
     fn run(&self, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>>;
+
+    /// Whether it clips gradients by the global norm of each step's gradient
+    /// (`--clip-grad-norm`); a strategy that does not refuses the option.
+    const CLIPS: bool = false;
+
+    /// The workers that share each global batch in a run of `nodes` nodes (what a resumed
+    /// checkpoint's global batch is split over): the nodes, by default.
+    fn workers(_options: &Self::Options, nodes: u32) -> Result<usize> {
+        Ok(nodes as usize)
+    }
+
+    /// What every node should time at rendezvous so that the plan can use its own figures;
+    /// `None` (the default) for strategies whose plan does not depend on the nodes' speeds.
+    fn profile_request(
+        _config: TrainConfig,
+        _options: &Self::Options,
+        _cluster: &Cluster,
+        _data: &Dataset,
+        _budget_seconds: f64,
+    ) -> Result<Option<crate::machine::ProfileRequest>> {
+        Ok(None)
+    }
+
+    /// The rank whose progress events (steps, evaluations) a launcher shows.
+    fn progress_rank(&self) -> u32 {
+        0
+    }
+
+    /// The plan's prediction of one step, where the strategy plans one: what bounds the wait
+    /// for progress until steps have been measured ([`ringtmp_transport::progress`]).
+    fn predicted_step(&self) -> Option<std::time::Duration> {
+        None
+    }
+}
+
+/// The options of a strategy that has none of its own.
+#[derive(clap::Args, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct NoOptions {}
+
+impl NoOptions {
+    /// Nothing to merge.
+    pub fn merged_over(&self, _: &Self) -> Self {
+        Self {}
+    }
+
+    /// No flags.
+    pub fn given(&self) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 /// `200M` (every node) or `1:200M,2:1G` → a limit per node.

@@ -1,5 +1,6 @@
-//! One shape for every strategy. A strategy is a folder under this crate, one variant of [`Job`]
-//! and one options struct that the CLI flattens into `ringtmp train`; it implements [`Strategy`]:
+//! One shape for every strategy. A strategy is a folder under this crate and one line of the
+//! strategy list below (its [`Job`] variant and its options, which the CLI flattens into
+//! `ringtmp train` through [`StrategyOptions`]); it implements [`Strategy`]:
 //! how to plan a job for N nodes, check one that arrived from a file or the network, which ranks
 //! each rank links to, which ranks may die without ending the run, and how a rank runs.
 //!
@@ -16,154 +17,189 @@ use serde::{Deserialize, Serialize};
 
 use crate::allreduce::{AllReduceJob, AllReduceOptions};
 use crate::config::TrainConfig;
-use crate::contract::{Cluster, NodeCx, PlanReport, Strategy};
+use crate::contract::{Cluster, NoOptions, NodeCx, PlanReport, Strategy};
 use crate::error::{Error, Result};
 use crate::gossip::{AdpsgdJob, DpsgdJob, DpsgdOptions};
 use crate::local::LocalJob;
+use crate::machine::ProfileRequest;
 use crate::param_server::driver::PsJob;
 use crate::param_server::plan::PsOptions;
 use crate::ring::plan::RingOptions;
 use crate::ring::run::driver::RingJob;
 use crate::spec::RunSpec;
 
-/// Every strategy's job, tagged by the strategy's name (`job.json`, and what rank 0 hands every
-/// node at rendezvous).
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "strategy", rename_all = "kebab-case")]
-pub enum Job {
-    /// One process trains the whole model: the oracle.
-    Local(LocalJob),
-    /// RingTMP.
-    Ring(RingJob),
-    /// The parameter server.
-    Ps(PsJob),
-    /// Ring all-reduce SGD.
-    #[serde(rename = "allreduce")]
-    AllReduce(AllReduceJob),
-    /// D-PSGD.
-    Dpsgd(DpsgdJob),
-    /// AD-PSGD.
-    Adpsgd(AdpsgdJob),
-}
+/// The strategies, one line each: the `Job` variant, its job type, its `--strategy` name (the
+/// job type's `Strategy::NAME`, checked by a test), and its options — the field of
+/// [`StrategyOptions`], its type, and the heading its flags have in `ringtmp train --help`.
+/// Adding a strategy is its folder and one line here.
+macro_rules! strategies {
+    ($(
+        $(#[$doc:meta])*
+        $variant:ident($job:ty) = $name:literal, $field:ident: $options:ty, $heading:literal;
+    )*) => {
+        /// Every strategy's job, tagged by the strategy's name (`job.json`, and what rank 0 hands
+        /// every node at rendezvous).
+        #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+        #[serde(tag = "strategy")]
+        pub enum Job {
+            $(
+                $(#[$doc])*
+                #[serde(rename = $name)]
+                $variant($job),
+            )*
+        }
 
-/// Every strategy's options, as the CLI collects them.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct StrategyOptions {
-    /// The ring's.
-    pub ring: RingOptions,
-    /// The parameter server's.
-    pub ps: PsOptions,
-    /// All-reduce's.
-    pub allreduce: AllReduceOptions,
-    /// D-PSGD's.
-    pub dpsgd: DpsgdOptions,
-}
+        /// Every strategy's options, as `ringtmp train` takes them (flags, and keys of a
+        /// `--config` file), each strategy's under its own heading.
+        #[derive(clap::Args, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+        pub struct StrategyOptions {
+            $(
+                #[allow(missing_docs)]
+                #[command(flatten, next_help_heading = $heading)]
+                #[serde(flatten)]
+                pub $field: $options,
+            )*
+        }
 
-macro_rules! each {
-    ($job:expr, $j:ident => $body:expr) => {
-        match $job {
-            Job::Local($j) => $body,
-            Job::Ring($j) => $body,
-            Job::Ps($j) => $body,
-            Job::AllReduce($j) => $body,
-            Job::Dpsgd($j) => $body,
-            Job::Adpsgd($j) => $body,
+        impl StrategyOptions {
+            /// These options, with `other`'s where these leave one unset.
+            pub fn merged_over(&self, other: &Self) -> Self {
+                Self { $($field: self.$field.merged_over(&other.$field),)* }
+            }
+
+            /// The flags set, by the strategy that owns them.
+            pub fn given(&self) -> Vec<(&'static str, Vec<String>)> {
+                vec![$(($name, self.$field.given()),)*]
+            }
+        }
+
+        macro_rules! each {
+            ($job_:expr, $j:ident => $body:expr) => {
+                match $job_ {
+                    $(Job::$variant($j) => $body,)*
+                }
+            };
+        }
+
+        impl Job {
+            /// The names `--strategy` takes.
+            pub const NAMES: &'static [&'static str] = &[$(<$job as Strategy>::NAME,)*];
+
+            /// Plans strategy `name`'s job, saying in `report` what it chose.
+            pub fn plan(
+                name: &str,
+                config: TrainConfig,
+                options: &StrategyOptions,
+                cluster: &Cluster,
+                data: &Dataset,
+                report: &mut PlanReport,
+            ) -> Result<Self> {
+                match name {
+                    $(
+                        <$job as Strategy>::NAME => {
+                            if config.clip_grad_norm.is_some() && !<$job as Strategy>::CLIPS {
+                                return Err(Self::does_not_clip(name));
+                            }
+                            Ok(Self::$variant(<$job as Strategy>::plan(
+                                config,
+                                &options.$field,
+                                cluster,
+                                data,
+                                report,
+                            )?))
+                        }
+                    )*
+                    other => Err(Self::unknown(other)),
+                }
+            }
+
+            /// See [`Strategy::workers`].
+            pub fn workers(name: &str, options: &StrategyOptions, nodes: u32) -> Result<usize> {
+                match name {
+                    $(<$job as Strategy>::NAME => <$job as Strategy>::workers(&options.$field, nodes),)*
+                    other => Err(Self::unknown(other)),
+                }
+            }
+
+            /// See [`Strategy::profile_request`].
+            pub fn profile_request(
+                name: &str,
+                config: TrainConfig,
+                options: &StrategyOptions,
+                cluster: &Cluster,
+                data: &Dataset,
+                budget_seconds: f64,
+            ) -> Result<Option<ProfileRequest>> {
+                match name {
+                    $(<$job as Strategy>::NAME => <$job as Strategy>::profile_request(
+                        config,
+                        &options.$field,
+                        cluster,
+                        data,
+                        budget_seconds,
+                    ),)*
+                    other => Err(Self::unknown(other)),
+                }
+            }
+
+            /// The strategy's name.
+            pub fn name(&self) -> &'static str {
+                match self {
+                    $(Self::$variant(_) => <$job as Strategy>::NAME,)*
+                }
+            }
+
+            /// Whether strategy `name` clips gradients by the global norm (see
+            /// [`Strategy::CLIPS`]).
+            pub fn clips(name: &str) -> bool {
+                match name {
+                    $(<$job as Strategy>::NAME => <$job as Strategy>::CLIPS,)*
+                    _ => false,
+                }
+            }
+
+            /// The names as written in this list, for the test that they are the strategies'.
+            #[doc(hidden)]
+            pub const LISTED_NAMES: &'static [&'static str] = &[$($name,)*];
         }
     };
 }
 
+strategies! {
+    /// One process trains the whole model: the oracle.
+    Local(LocalJob) = "local", local: NoOptions, "Local (--strategy local)";
+    /// RingTMP.
+    Ring(RingJob) = "ring", ring: RingOptions, "Ring (--strategy ring)";
+    /// The parameter server.
+    Ps(PsJob) = "ps", ps: PsOptions, "Parameter server (--strategy ps)";
+    /// Ring all-reduce SGD.
+    AllReduce(AllReduceJob) = "allreduce", allreduce: AllReduceOptions,
+        "All-reduce (--strategy allreduce)";
+    /// D-PSGD.
+    Dpsgd(DpsgdJob) = "dpsgd", dpsgd: DpsgdOptions, "D-PSGD and AD-PSGD (--strategy dpsgd, adpsgd)";
+    /// AD-PSGD.
+    Adpsgd(AdpsgdJob) = "adpsgd", adpsgd: NoOptions, "AD-PSGD (--strategy adpsgd)";
+}
+
 impl Job {
-    /// The names `--strategy` takes.
-    pub const NAMES: [&'static str; 6] = [
-        LocalJob::NAME,
-        RingJob::NAME,
-        PsJob::NAME,
-        AllReduceJob::NAME,
-        DpsgdJob::NAME,
-        AdpsgdJob::NAME,
-    ];
-
-    /// Plans strategy `name`'s job.
-    pub fn plan(
-        name: &str,
-        config: TrainConfig,
-        options: &StrategyOptions,
-        cluster: &Cluster,
-        data: &Dataset,
-        report: &mut PlanReport,
-    ) -> Result<Self> {
-        if config.clip_grad_norm.is_some()
-            && ![LocalJob::NAME, RingJob::NAME, AllReduceJob::NAME].contains(&name)
-        {
-            return Err(Error::Config(format!(
-                "--clip-grad-norm: {name} does not clip gradients (local, ring and allreduce do, \
-                 by the global norm of each step's gradient); --clip-grad-norm 0 trains without"
-            )));
-        }
-        Ok(match name {
-            LocalJob::NAME => Self::Local(LocalJob::plan(config, &(), cluster, data, report)?),
-            RingJob::NAME => {
-                Self::Ring(RingJob::plan(config, &options.ring, cluster, data, report)?)
-            }
-            PsJob::NAME => Self::Ps(PsJob::plan(config, &options.ps, cluster, data, report)?),
-            AllReduceJob::NAME => Self::AllReduce(AllReduceJob::plan(
-                config,
-                &options.allreduce,
-                cluster,
-                data,
-                report,
-            )?),
-            DpsgdJob::NAME => Self::Dpsgd(DpsgdJob::plan(
-                config,
-                &options.dpsgd,
-                cluster,
-                data,
-                report,
-            )?),
-            AdpsgdJob::NAME => Self::Adpsgd(AdpsgdJob::plan(config, &(), cluster, data, report)?),
-            other => {
-                return Err(Error::Config(format!(
-                    "unknown strategy {other:?}; known: {}",
-                    Self::NAMES.join(", ")
-                )));
-            }
-        })
+    fn unknown(name: &str) -> Error {
+        Error::Config(format!(
+            "unknown strategy {name:?}; known: {}",
+            Self::NAMES.join(", ")
+        ))
     }
 
-    /// What every node should time at rendezvous so that `name`'s plan can use its own
-    /// figures (issue 17.2): the ring's partition only; `None` for strategies whose plan does
-    /// not depend on the nodes' speeds.
-    pub fn profile_request(
-        name: &str,
-        config: TrainConfig,
-        options: &StrategyOptions,
-        cluster: &Cluster,
-        data: &Dataset,
-        budget_seconds: f64,
-    ) -> Result<Option<crate::ring::plan::node_profile::ProfileRequest>> {
-        match name {
-            RingJob::NAME => crate::ring::plan::profile_request(
-                config,
-                &options.ring,
-                cluster,
-                data,
-                budget_seconds,
-            )
-            .map(Some),
-            _ => Ok(None),
-        }
-    }
-
-    /// The strategy's name.
-    pub fn name(&self) -> &'static str {
-        match self {
-            Self::Local(_) => LocalJob::NAME,
-            Self::Ring(_) => RingJob::NAME,
-            Self::Ps(_) => PsJob::NAME,
-            Self::AllReduce(_) => AllReduceJob::NAME,
-            Self::Dpsgd(_) => DpsgdJob::NAME,
-            Self::Adpsgd(_) => AdpsgdJob::NAME,
-        }
+    fn does_not_clip(name: &str) -> Error {
+        let clipping: Vec<&str> = Self::NAMES
+            .iter()
+            .copied()
+            .filter(|n| Self::clips(n))
+            .collect();
+        Error::Config(format!(
+            "--clip-grad-norm: {name} does not clip gradients ({} do, by the global norm of each \
+             step's gradient); --clip-grad-norm 0 trains without",
+            clipping.join(", ")
+        ))
     }
 
     /// See [`Strategy::spec`].
@@ -197,32 +233,14 @@ impl Job {
         each!(self, j => j.expendable(rank))
     }
 
-    /// The rank whose progress events (steps, evaluations) a launcher shows: the master, or
-    /// the parameter server's worker 0 (the servers see no losses).
+    /// See [`Strategy::progress_rank`].
     pub fn progress_rank(&self) -> u32 {
-        match self {
-            Job::Ps(job) => job.servers as u32,
-            _ => 0,
-        }
+        each!(self, j => j.progress_rank())
     }
 
-    /// The plan's prediction of one step, where the strategy plans one: what bounds the wait
-    /// for progress until steps have been measured ([`ringtmp_transport::progress`]).
+    /// See [`Strategy::predicted_step`].
     pub fn predicted_step(&self) -> Option<std::time::Duration> {
-        match self {
-            Job::Ring(job) => {
-                // Every stage's compute and card in turn, for each micro-batch: a step's length
-                // with no overlap at all, so a bound above it.
-                let one: f64 = job
-                    .partition
-                    .iter()
-                    .map(|s| s.predicted_seconds + s.predicted_link_seconds)
-                    .sum();
-                let step = one * job.micro_batches as f64;
-                (step.is_finite() && step > 0.0).then(|| std::time::Duration::from_secs_f64(step))
-            }
-            _ => None,
-        }
+        each!(self, j => j.predicted_step())
     }
 
     /// See [`Strategy::run`].

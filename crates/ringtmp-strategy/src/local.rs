@@ -35,11 +35,16 @@ pub struct LocalJob {
 
 impl Strategy for LocalJob {
     const NAME: &'static str = "local";
-    type Options = ();
+    const CLIPS: bool = true;
+    type Options = crate::contract::NoOptions;
+
+    fn workers(_: &Self::Options, _: u32) -> Result<usize> {
+        Ok(1)
+    }
 
     fn plan(
         config: TrainConfig,
-        _: &(),
+        _: &Self::Options,
         cluster: &Cluster,
         data: &Dataset,
         _: &mut PlanReport,

@@ -4,6 +4,7 @@
 //! planners. Shared by the planner's profile, the rendezvous profile, and the CLI's core
 //! benchmark.
 
+use ringtmp_model::{ModelSpec, OptimizerConfig};
 use serde::{Deserialize, Serialize};
 
 /// Memory this process may still use: `MemAvailable` from `/proc/meminfo`, lowered to its
@@ -99,4 +100,26 @@ impl NodeProfile {
             .map(|t| t.compute_seconds + t.step_seconds * steps_per_micro_batch)
             .collect()
     }
+}
+
+/// What rank 0 asks every node to time.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ProfileRequest {
+    /// The model.
+    pub model: ModelSpec,
+    /// Input shape of one example (height, width, channels).
+    pub input: (usize, usize, usize),
+    /// Classes of the data set.
+    pub classes: usize,
+    /// A language model's positions per window (`None` for a classifier).
+    #[serde(default)]
+    pub sequence: Option<usize>,
+    /// The optimizer (its step is timed per layer).
+    pub optimizer: OptimizerConfig,
+    /// Rows per micro-batch.
+    pub rows: usize,
+    /// Compute threads each node runs with.
+    pub threads: usize,
+    /// Seconds the timed runs may take in all, after one warm-up run per layer.
+    pub budget_seconds: f64,
 }

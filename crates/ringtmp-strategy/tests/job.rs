@@ -481,3 +481,27 @@ fn given_cuts_are_boundaries_and_kept_ones_fit_a_shrunk_ring() {
     assert_eq!((head.start, head.end), (10, 11));
     assert_eq!(ring.partition.last().unwrap().end, 10);
 }
+
+/// The strategies' list names each strategy as its job type does (`Strategy::NAME`), which is
+/// the name `job.json` is tagged with and `--strategy` takes.
+#[test]
+fn every_listed_strategy_is_named_as_its_job_names_itself() {
+    assert_eq!(Job::LISTED_NAMES, Job::NAMES);
+    let clipping: Vec<&str> = Job::NAMES
+        .iter()
+        .copied()
+        .filter(|n| Job::clips(n))
+        .collect();
+    assert_eq!(clipping, ["local", "ring", "allreduce"]);
+    for name in Job::NAMES {
+        let options = ringtmp_strategy::StrategyOptions::default();
+        let workers = Job::workers(name, &options, 4).unwrap();
+        let expected = match *name {
+            "local" => 1,
+            "ring" => 1,
+            "ps" => 3,
+            _ => 4,
+        };
+        assert_eq!(workers, expected, "{name}");
+    }
+}

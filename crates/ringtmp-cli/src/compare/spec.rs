@@ -318,13 +318,15 @@ fn base_strategy_args(spec: &str, strategy: &str) -> Result<Vec<String>> {
     let parts: Vec<&str> = strategy.split(':').collect();
     let bad = || {
         UsageError(format!(
-            "unknown strategy {spec:?} (expected ring[:SCHEDULE], ps:bsp, ps:ssp:S, ps:asp, \
-             ps:dssp:L:U, allreduce, dpsgd[:ring|exp], adpsgd or local)"
+            "unknown strategy {spec:?} (expected a strategy's name — {} — or ring:SCHEDULE, \
+             ps:bsp, ps:ssp:S, ps:asp, ps:dssp:L:U, dpsgd:ring or dpsgd:exp)",
+            ringtmp_strategy::Job::NAMES.join(", ")
         ))
     };
     let args: Vec<String> = match parts.as_slice() {
-        ["ring"] | ["allreduce"] | ["adpsgd"] | ["local"] | ["dpsgd"] => {
-            vec!["--strategy".into(), parts[0].into()]
+        // Any strategy by its name; the short forms below add its main option.
+        [name] if ringtmp_strategy::Job::NAMES.contains(name) => {
+            vec!["--strategy".into(), (*name).into()]
         }
         ["ring", schedule] => vec![
             "--strategy".into(),

@@ -32,6 +32,7 @@ use crate::spec::RunSpec;
 
 impl Strategy for AllReduceJob {
     const NAME: &'static str = NAME;
+    const CLIPS: bool = true;
     type Options = AllReduceOptions;
 
     fn plan(

@@ -71,11 +71,11 @@ pub struct AdpsgdJob {
 
 impl Strategy for AdpsgdJob {
     const NAME: &'static str = NAME;
-    type Options = ();
+    type Options = crate::contract::NoOptions;
 
     fn plan(
         config: TrainConfig,
-        _: &(),
+        _: &Self::Options,
         cluster: &Cluster,
         data: &Dataset,
         report: &mut PlanReport,

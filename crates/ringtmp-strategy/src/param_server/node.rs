@@ -31,6 +31,18 @@ impl Strategy for PsJob {
         crate::param_server::plan::plan(config, options, cluster, data, report)
     }
 
+    /// The nodes that are not servers.
+    fn workers(options: &PsOptions, nodes: u32) -> Result<usize> {
+        Ok((nodes as usize)
+            .saturating_sub(options.server_count(nodes)?)
+            .max(1))
+    }
+
+    /// Worker 0 (the servers see no losses).
+    fn progress_rank(&self) -> u32 {
+        self.servers as u32
+    }
+
     fn spec(&self) -> &RunSpec {
         &self.spec
     }

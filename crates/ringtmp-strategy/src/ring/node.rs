@@ -15,6 +15,7 @@ use crate::spec::RunSpec;
 
 impl Strategy for RingJob {
     const NAME: &'static str = "ring";
+    const CLIPS: bool = true;
     type Options = RingOptions;
 
     fn plan(
@@ -25,6 +26,34 @@ impl Strategy for RingJob {
         report: &mut PlanReport,
     ) -> Result<Self> {
         crate::ring::plan::plan(config, options, cluster, data, report)
+    }
+
+    /// Rings of rings split each global batch over their rings.
+    fn workers(options: &RingOptions, nodes: u32) -> Result<usize> {
+        Ok(options.rings(nodes)?.max(1))
+    }
+
+    /// The partition is planned from every node's own timing of the layers.
+    fn profile_request(
+        config: TrainConfig,
+        options: &RingOptions,
+        cluster: &Cluster,
+        data: &Dataset,
+        budget_seconds: f64,
+    ) -> Result<Option<crate::machine::ProfileRequest>> {
+        crate::ring::plan::profile_request(config, options, cluster, data, budget_seconds).map(Some)
+    }
+
+    fn predicted_step(&self) -> Option<std::time::Duration> {
+        // Every stage's compute and card in turn, for each micro-batch: a step's length with no
+        // overlap at all, so a bound above it.
+        let one: f64 = self
+            .partition
+            .iter()
+            .map(|s| s.predicted_seconds + s.predicted_link_seconds)
+            .sum();
+        let step = one * self.micro_batches as f64;
+        (step.is_finite() && step > 0.0).then(|| std::time::Duration::from_secs_f64(step))
     }
 
     fn spec(&self) -> &RunSpec {

@@ -13,34 +13,11 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use ringtmp_model::{ModelSpec, OptimizerConfig};
 use serde::{Deserialize, Serialize};
 
 use crate::ring::plan::profile::time_layers;
 
-/// What rank 0 asks every node to time.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct ProfileRequest {
-    /// The model.
-    pub model: ModelSpec,
-    /// Input shape of one example (height, width, channels).
-    pub input: (usize, usize, usize),
-    /// Classes of the data set.
-    pub classes: usize,
-    /// A language model's positions per window (`None` for a classifier).
-    #[serde(default)]
-    pub sequence: Option<usize>,
-    /// The optimizer (its step is timed per layer).
-    pub optimizer: OptimizerConfig,
-    /// Rows per micro-batch.
-    pub rows: usize,
-    /// Compute threads each node runs with.
-    pub threads: usize,
-    /// Seconds the timed runs may take in all, after one warm-up run per layer.
-    pub budget_seconds: f64,
-}
-
-pub use crate::machine::NodeProfile;
+pub use crate::machine::{NodeProfile, ProfileRequest};
 
 /// A node's answer.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -296,6 +273,7 @@ pub fn parse_reply(text: &str) -> ProfileReply {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ringtmp_model::{ModelSpec, OptimizerConfig};
 
     fn request() -> ProfileRequest {
         ProfileRequest {
