@@ -3,7 +3,7 @@
 //! run and report a worker the same way.
 
 use ringtmp_data::{BatchPlan, Dataset, shard};
-use ringtmp_metrics::{NodeSummary, resources};
+use ringtmp_metrics::NodeSummary;
 use ringtmp_model::{Optimizer, OptimizerConfig, Pass, Stage, checkpoint, loss};
 use ringtmp_transport::Transport;
 
@@ -167,24 +167,23 @@ pub fn worker_summary(
     let stats = net.stats();
     let params = stage.params().len() as u64;
     let idle = (clock.train_seconds - clock.compute_seconds).max(0.0);
+    let os = crate::machine::ProcessReadings::of(net.clock().as_ref());
     NodeSummary {
         rank,
         role: "worker".into(),
         params,
         param_bytes: params * 4,
         optimizer_bytes: optimizer.state_bytes() as u64,
-        peak_rss_bytes: resources::peak_rss_bytes().unwrap_or(0),
+        peak_rss_bytes: os.peak_rss_bytes,
         bytes_sent: stats.iter().map(|l| l.bytes_sent).sum(),
         bytes_received: stats.iter().map(|l| l.bytes_received).sum(),
         messages_sent: stats.iter().map(|l| l.messages_sent).sum(),
         compute_seconds: clock.compute_seconds,
         idle_seconds: idle,
         wait_seconds: clock.wait_seconds,
-        cpu_seconds: resources::cpu_seconds(),
-        steal_seconds: resources::steal_seconds(),
-        throttled_seconds: (!net.clock().is_virtual())
-            .then(resources::quota_throttled_seconds)
-            .flatten(),
+        cpu_seconds: os.cpu_seconds,
+        steal_seconds: os.steal_seconds,
+        throttled_seconds: os.throttled_seconds,
         iterations: clock.iterations,
         bubble_fraction: if clock.train_seconds > 0.0 {
             idle / clock.train_seconds

@@ -123,3 +123,35 @@ pub struct ProfileRequest {
     /// Seconds the timed runs may take in all, after one warm-up run per layer.
     pub budget_seconds: f64,
 }
+
+/// What the operating system says of this node's process, for its summary.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct ProcessReadings {
+    /// Peak resident set size, bytes.
+    pub peak_rss_bytes: u64,
+    /// CPU seconds, user and system.
+    pub cpu_seconds: f64,
+    /// The hypervisor's steal on the node's own cores, where it pinned itself.
+    pub steal_seconds: Option<f64>,
+    /// Time its CPU quota held it off the CPU, where it has one.
+    pub throttled_seconds: Option<f64>,
+}
+
+impl ProcessReadings {
+    /// This process's readings — or none under a virtual `clock`: there the process is the
+    /// simulator's, shared by every simulated node, and a summary travels the simulated wire,
+    /// where the length of its figures would make the simulated time depend on the machine's
+    /// load.
+    pub fn of(clock: &dyn ringtmp_transport::Clock) -> Self {
+        use ringtmp_metrics::resources;
+        if clock.is_virtual() {
+            return Self::default();
+        }
+        Self {
+            peak_rss_bytes: resources::peak_rss_bytes().unwrap_or(0),
+            cpu_seconds: resources::cpu_seconds(),
+            steal_seconds: resources::steal_seconds(),
+            throttled_seconds: resources::quota_throttled_seconds(),
+        }
+    }
+}

@@ -4,7 +4,7 @@
 use std::collections::BTreeSet;
 
 use ringtmp_data::Dataset;
-use ringtmp_metrics::{NodeSummary, Summary, resources};
+use ringtmp_metrics::{NodeSummary, Summary};
 use ringtmp_transport::Transport;
 use ringtmp_wire::{Control, Message};
 
@@ -300,20 +300,19 @@ fn optimizer_copies(job: &PsJob) -> u64 {
 
 fn base_summary(rank: u32, role: &str, params: u64, net: &dyn Transport) -> NodeSummary {
     let links = net.stats();
+    let os = crate::machine::ProcessReadings::of(net.clock().as_ref());
     NodeSummary {
         rank,
         role: role.into(),
         params,
         param_bytes: params * 4,
-        peak_rss_bytes: resources::peak_rss_bytes().unwrap_or(0),
+        peak_rss_bytes: os.peak_rss_bytes,
         bytes_sent: links.iter().map(|l| l.bytes_sent).sum(),
         bytes_received: links.iter().map(|l| l.bytes_received).sum(),
         messages_sent: links.iter().map(|l| l.messages_sent).sum(),
-        cpu_seconds: resources::cpu_seconds(),
-        steal_seconds: resources::steal_seconds(),
-        throttled_seconds: (!net.clock().is_virtual())
-            .then(resources::quota_throttled_seconds)
-            .flatten(),
+        cpu_seconds: os.cpu_seconds,
+        steal_seconds: os.steal_seconds,
+        throttled_seconds: os.throttled_seconds,
         links: links
             .iter()
             .map(|l| (l.peer, l.bytes_sent, l.bytes_received))

@@ -20,7 +20,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ringtmp_metrics::{NodeSummary, resources};
+use ringtmp_metrics::NodeSummary;
 use ringtmp_model::checkpoint;
 use ringtmp_model::{Layer, Optimizer, Stage};
 use ringtmp_transport::{Clock, LinkStats, Transport, TransportError};
@@ -447,13 +447,14 @@ pub(in crate::ring) fn node_summary(
     links: &[LinkStats],
 ) -> NodeSummary {
     let params = stage.params().len() as u64;
+    let os = crate::machine::ProcessReadings::of(clock.time.as_ref());
     NodeSummary {
         rank,
         role: role.into(),
         params,
         param_bytes: params * 4,
         optimizer_bytes: optimizer.state_bytes() as u64,
-        peak_rss_bytes: resources::peak_rss_bytes().unwrap_or(0),
+        peak_rss_bytes: os.peak_rss_bytes,
         bytes_sent: links.iter().map(|l| l.bytes_sent).sum(),
         eval_bytes_sent: clock.eval_bytes,
         bytes_received: links.iter().map(|l| l.bytes_received).sum(),
@@ -463,11 +464,9 @@ pub(in crate::ring) fn node_summary(
         wait_seconds: clock.waited.activation + clock.waited.gradient + clock.waited.other,
         wait_activation_seconds: clock.waited.activation,
         wait_gradient_seconds: clock.waited.gradient,
-        cpu_seconds: resources::cpu_seconds(),
-        steal_seconds: resources::steal_seconds(),
-        throttled_seconds: (!clock.time.is_virtual())
-            .then(resources::quota_throttled_seconds)
-            .flatten(),
+        cpu_seconds: os.cpu_seconds,
+        steal_seconds: os.steal_seconds,
+        throttled_seconds: os.throttled_seconds,
         bubble_fraction: ((train_seconds - clock.compute) / train_seconds.max(1e-9))
             .clamp(0.0, 1.0),
         peak_stash_bytes: clock.peak_stash as u64,
