@@ -13,7 +13,7 @@
 #
 # Needs: `pip install torch numpy` for PyTorch; TensorFlow is measured when $TF_PYTHON names a
 # Python with `tensorflow-cpu==2.15.*` (benches/reference/tf_throughput.py says how). Prints the
-# tools' own lines; docs/benchmarks/logs/session-11.md has the table made from them.
+# tools' own lines; docs/benchmarks/logs/log-11.md has the table made from them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-2}

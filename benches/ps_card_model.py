@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Why the simulator's fair card runs the cnn's DSSP parameter server at 0.82× its real speed
-(docs/decisions/simulation.md, docs/benchmarks/logs/session-09.md): the server's card alone, as a queue.
+(docs/decisions/simulation.md, docs/benchmarks/logs/log-09.md): the server's card alone, as a queue.
 
 Three workers; each pulls the parameters from the server (0.187 s on the server's card when
 alone), computes (0.022 s, ±5%), pushes its gradient on its own card (0.187 s) and pulls again;

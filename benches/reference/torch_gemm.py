@@ -10,7 +10,7 @@ Not a project dependency: `pip install torch numpy`. From the repository root:
     target/release/ringtmp bench-compute --models mlp --threads 1 --repeats 1 | head -1
 
 Run the two alternately, a few times: these machines' speed drifts from minute to minute, so
-only rates taken side by side compare (docs/benchmarks/logs/session-15.md: 82.5-84.3 GFLOP/s here
+only rates taken side by side compare (docs/benchmarks/logs/log-15.md: 82.5-84.3 GFLOP/s here
 against the crate's 83.6-84.0 on AVX2).
 
 Each shape: the best of 7 rounds of 200 products after 50 untimed ones, into a preallocated

@@ -294,7 +294,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
                 for _ in 0..args.repeats {
                     // The yardstick right before each repeat: on a shared machine whose speed
                     // drifts within seconds, one taken at the start (a few ms) can be 2× off
-                    // from the speed a repeat ran at later (seen on the Xeon kind: docs/benchmarks/logs/session-13.md).
+                    // from the speed a repeat ran at later (seen on the Xeon kind: docs/benchmarks/logs/log-13.md).
                     references.push(ringtmp_model::kernels::reference_gflops_of(15));
                     let t = Instant::now();
                     for _ in 0..args.steps {

@@ -273,7 +273,7 @@ pub fn linear_forward(
 /// `y[i, j] = t[j·m + i] + bias[j]`: the row-major `m×n` result from its column-major temporary,
 /// tile by tile (16×16), so that a tile's 16 source lines stay in L1 while its rows are written.
 /// Row by row, every row read one value from each of `n` cache lines, more than L1 holds: 2.7%
-/// of a ring node's samples went to this loop (docs/benchmarks/logs/session-18.md).
+/// of a ring node's samples went to this loop (docs/benchmarks/logs/log-18.md).
 fn transpose_add_bias(y: &mut [f32], t: &[f32], m: usize, n: usize, bias: &[f32]) {
     const TILE: usize = 16;
     for i0 in (0..m).step_by(TILE) {

@@ -12,6 +12,7 @@
 //!   evaluation passes, global-norm clipping, resuming from a checkpoint, and `metrics.jsonl` /
 //!   `summary.json`, the same for every strategy.
 //! - [`machine`]: what this machine offers a node (the memory it may still use).
+//! - [`messages`]: a strategy's own wire messages, declared in its folder.
 //! - [`data_parallel`]: what the data-parallel strategies share (planning, a worker's report).
 //!
 //! The strategies, one folder or file each:
@@ -40,6 +41,7 @@ pub mod gossip;
 pub mod job;
 pub mod local;
 pub mod machine;
+pub mod messages;
 pub mod param_server;
 pub mod recorder;
 pub mod resume;

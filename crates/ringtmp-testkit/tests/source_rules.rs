@@ -518,6 +518,7 @@ fn the_contract_and_the_shared_modules_name_no_strategy() {
         "resume",
         "recorder",
         "machine",
+        "messages",
         "data_parallel",
         "error",
     ];

@@ -1043,7 +1043,7 @@ async fn write_frame_paced<W: tokio::io::AsyncWrite + Unpin>(
 /// millisecond tick after their deadline, so every emulated wait overshot, twice a message (its
 /// latency, then its pieces on the card): a 2 ms link measured 8.36 ms of round trip instead of
 /// about 4.1, and pipelines of small micro-batches ran a third slower than the simulator
-/// predicted (docs/benchmarks/logs/session-07.md). A wait shorter than a tick is not slept (the
+/// predicted (docs/benchmarks/logs/log-07.md). A wait shorter than a tick is not slept (the
 /// card's ledger still counts the time, so the rate holds over any longer interval), and a
 /// longer one aims a tick early: `ringtmp selftest --nodes 2 --bandwidth-mbit 100
 /// --latency-ms 2` now measures 4.23 ms (5 ms: 10.30 ms), at the same 12.4 MB/s.

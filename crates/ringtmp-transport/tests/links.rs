@@ -426,7 +426,7 @@ fn nodes_with_and_without_aes_instructions_share_private_links() {
 /// sends 1 MB to node 0 and 1 MB to node 2 at once. A card that shares itself between its links
 /// (as the emulated one does, piece by piece) delivers both after about 2 s; one that sends whole
 /// frames in order would deliver one after 1 s. The simulator's card model follows this
-/// (docs/benchmarks/logs/session-09.md).
+/// (docs/benchmarks/logs/log-09.md).
 #[test]
 #[ignore]
 fn two_links_share_one_card() {

@@ -10,7 +10,7 @@ use crate::message::{Control, Message, TensorHeader};
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"RTMP";
 /// The protocol version this build speaks; peers must match exactly.
-pub const PROTOCOL_VERSION: u16 = 7;
+pub const PROTOCOL_VERSION: u16 = 8;
 /// Bytes before the header.
 pub const PREFIX_LEN: usize = 20;
 
@@ -312,10 +312,10 @@ mod tests {
                 settings: "epochs = 2\n".into(),
             }),
             Message::Control(Control::Goodbye),
-            Message::Control(Control::Grant {
-                worker: 2,
-                unit: 17,
-                settled: 12,
+            Message::Control(Control::Strategy {
+                strategy: "ps".into(),
+                kind: "Grant".into(),
+                payload: vec![1, 2, 17, 12],
             }),
             Message::Tensor(
                 header(Dtype::F32, vec![3, 4]),

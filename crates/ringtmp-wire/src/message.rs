@@ -80,8 +80,9 @@ pub struct NodeAddr {
     pub addr: String,
 }
 
-/// Control messages. Variants are listed alphabetically; their postcard encoding depends on the
-/// order, which is part of the protocol version.
+/// Control messages: what the runtime, the rendezvous and several strategies share; a
+/// strategy's own messages travel as [`Control::Strategy`]. Their postcard encoding depends on
+/// the variants' order, which is part of the protocol version.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Control {
     /// A node is giving up; every receiver stops too and reports the reason.
@@ -99,25 +100,8 @@ pub enum Control {
         /// One JSON file entry per node so far, in ring order.
         files: Vec<String>,
     },
-    /// Parameter server: a worker ran out of iterations (or data) and leaves the run.
-    Finished {
-        /// Iterations it completed.
-        iterations: u64,
-    },
     /// Orderly end of a run.
     Goodbye,
-    /// Parameter server, SSP and DSSP with several servers: server 0 tells another server the
-    /// unit of work it gave a worker and that every unit below `settled` had been pushed to it
-    /// (or abandoned by a dead worker); the other server answers the worker's pull once every
-    /// such unit has been pushed to it as well, so a read is as fresh on every shard.
-    Grant {
-        /// Worker index (rank minus the number of servers).
-        worker: u32,
-        /// The unit assigned (`u64::MAX`: no more work).
-        unit: u64,
-        /// Every unit below this had been pushed to server 0 or abandoned.
-        settled: u64,
-    },
     /// Liveness: sent periodically on every link.
     Heartbeat {
         /// Sequence number (per link).
@@ -148,23 +132,10 @@ pub enum Control {
         /// The ping's sequence number.
         seq: u64,
     },
-    /// AD-PSGD: a worker tells rank 0 it completed an iteration.
-    Progress {
-        /// Iterations the worker has completed in this run.
-        iterations: u64,
-        /// The iteration's mean training loss, as `f64::to_bits` (exact, and `Eq`).
-        loss_bits: u64,
-    },
     /// Second message of the handshake: HMAC over both nonces (see [`crate::auth`]).
     Proof {
         /// The MAC.
         mac: [u8; 32],
-    },
-    /// Parameter server: a worker asks for the server's parameter shard to start an iteration
-    /// (the server answers when the consistency model allows).
-    Pull {
-        /// Iterations the worker has completed.
-        clock: u64,
     },
     /// Rendezvous: a node tells rank 0 where it listens.
     Register {
@@ -189,18 +160,6 @@ pub enum Control {
         /// One JSON document per node, in ring order.
         nodes: Vec<String>,
     },
-    /// AD-PSGD: rank 0 asks a worker for a copy of its model (to evaluate or checkpoint the
-    /// workers' average without stopping them); the worker answers with a `Params` tensor whose
-    /// `step` is `round`.
-    Snapshot {
-        /// Which request this is (the global step it was taken for).
-        round: u64,
-    },
-    /// AD-PSGD: rank 0 tells every worker the run has done its iterations.
-    Stop {
-        /// Global steps completed.
-        step: u64,
-    },
     /// Rendezvous: rank 0's address table and the run settings every node must share.
     Table {
         /// Run id rank 0 chose for this run; every link's handshake and tensor carries it.
@@ -210,33 +169,6 @@ pub enum Control {
         /// Settings as a TOML document (the same keys as `ringtmp train`), so nodes cannot
         /// disagree.
         settings: String,
-    },
-    /// Ring with stage replicas: the master starts a replication round after mini-batch `step`;
-    /// the token goes backwards (master → N−1 → … → 1 → master), each node snapshotting its
-    /// stage and sending it to its predecessor ahead of the token.
-    Replicate {
-        /// Mini-batches completed when the snapshots are taken.
-        step: u64,
-    },
-    /// Ring with stage replicas, after a `Regroup`: the sender has dropped everything of the
-    /// previous generation; what it sends after this belongs to `generation`.
-    Rejoined {
-        /// The generation the sender now runs.
-        generation: u64,
-    },
-    /// AD-PSGD: rank 0 lets a worker complete `iterations` iterations in all (grants only grow).
-    Allow {
-        /// Iterations this worker may complete in this run.
-        iterations: u64,
-    },
-    /// All-reduce, the answer to a `Regroup`: the sender has completed `optimizer_steps` steps.
-    /// Replicas that completed the same steps hold the same bits, so rank 0 sends its state only
-    /// to a member whose count differs from its own.
-    Holding {
-        /// The generation of the `Regroup` answered.
-        generation: u64,
-        /// The sender's optimizer step count.
-        optimizer_steps: u64,
     },
     /// Rendezvous: rank 0 asks every registered node to time the model's layers on its own
     /// hardware before it plans (JSON: the model and the micro-batch to time).
@@ -252,22 +184,16 @@ pub enum Control {
         /// The report (JSON).
         report: String,
     },
-    /// Ring, gradient clipping: the squared L2 norm of mini-batch `step`'s gradient summed over
-    /// the sender's stage and every stage after it, travelling from the last stage back to the
-    /// master (which adds its own and so holds the whole model's).
-    GradNorm {
-        /// The mini-batch.
-        step: u64,
-        /// The partial sum, as `f64::to_bits` (exact, and `Eq`).
-        sum_squares_bits: u64,
-    },
-    /// Ring, gradient clipping: the factor every stage multiplies mini-batch `step`'s gradient by
-    /// before its update, travelling from the master around the ring.
-    ClipScale {
-        /// The mini-batch.
-        step: u64,
-        /// The factor, as `f32::to_bits`.
-        factor_bits: u32,
+    /// A strategy's own message: the strategy encodes and decodes it (its own enum, in its own
+    /// folder), so adding a strategy adds nothing here. `strategy` names whose it is, so that a
+    /// node refuses another strategy's message by name; the payload is bounded by the frame.
+    Strategy {
+        /// The strategy's `--strategy` name.
+        strategy: String,
+        /// The message's kind (its variant's name), for descriptions and fault triggers.
+        kind: String,
+        /// Its encoding of the message.
+        payload: Vec<u8>,
     },
 }
 
@@ -295,6 +221,11 @@ impl Message {
                     shape.join(", ")
                 )
             }
+            Self::Control(Control::Strategy {
+                strategy,
+                kind,
+                payload,
+            }) => format!("{kind} ({strategy}'s message, {} bytes)", payload.len()),
             Self::Control(c) => {
                 let mut text = format!("{c:?}");
                 if text.len() > 120 {

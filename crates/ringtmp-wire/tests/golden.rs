@@ -31,21 +31,7 @@ fn messages() -> Vec<(&'static str, Message)> {
                 files: vec!["{\"a\":1}".into(), String::new()],
             },
         ),
-        (
-            "finished",
-            Control::Finished {
-                iterations: u64::MAX,
-            },
-        ),
         ("goodbye", Control::Goodbye),
-        (
-            "grant",
-            Control::Grant {
-                worker: 7,
-                unit: 1 << 40,
-                settled: 99,
-            },
-        ),
         ("heartbeat", Control::Heartbeat { seq: 0 }),
         (
             "hello",
@@ -60,19 +46,11 @@ fn messages() -> Vec<(&'static str, Message)> {
         ("ping", Control::Ping { seq: 300 }),
         ("pong", Control::Pong { seq: 65_537 }),
         (
-            "progress",
-            Control::Progress {
-                iterations: 12,
-                loss_bits: 0.25f64.to_bits(),
-            },
-        ),
-        (
             "proof",
             Control::Proof {
                 mac: std::array::from_fn(|i| i as u8),
             },
         ),
-        ("pull", Control::Pull { clock: 5 }),
         (
             "register",
             Control::Register {
@@ -94,24 +72,12 @@ fn messages() -> Vec<(&'static str, Message)> {
                 nodes: vec!["{}".into()],
             },
         ),
-        ("snapshot", Control::Snapshot { round: 4 }),
-        ("stop", Control::Stop { step: 1000 }),
         (
             "table",
             Control::Table {
                 run_id: 42,
                 nodes: vec![node(0, "[::1]:5000"), node(1, "127.0.0.1:6000")],
                 settings: "{\"job\":\"selftest\"}".into(),
-            },
-        ),
-        ("replicate", Control::Replicate { step: 8 }),
-        ("rejoined", Control::Rejoined { generation: 1 }),
-        ("allow", Control::Allow { iterations: 128 }),
-        (
-            "holding",
-            Control::Holding {
-                generation: 3,
-                optimizer_steps: 250,
             },
         ),
         (
@@ -128,17 +94,11 @@ fn messages() -> Vec<(&'static str, Message)> {
             },
         ),
         (
-            "grad-norm",
-            Control::GradNorm {
-                step: 41,
-                sum_squares_bits: 2.5f64.to_bits(),
-            },
-        ),
-        (
-            "clip-scale",
-            Control::ClipScale {
-                step: 41,
-                factor_bits: 0.5f32.to_bits(),
+            "strategy",
+            Control::Strategy {
+                strategy: "ring".into(),
+                kind: "GradNorm".into(),
+                payload: vec![0, 41, 0x80, 0x01],
             },
         ),
     ];
@@ -147,30 +107,19 @@ fn messages() -> Vec<(&'static str, Message)> {
         match c {
             Control::Abort { .. }
             | Control::Checkpoint { .. }
-            | Control::Finished { .. }
             | Control::Goodbye
-            | Control::Grant { .. }
             | Control::Heartbeat { .. }
             | Control::Hello { .. }
             | Control::Ping { .. }
             | Control::Pong { .. }
-            | Control::Progress { .. }
             | Control::Proof { .. }
-            | Control::Pull { .. }
             | Control::Register { .. }
             | Control::Regroup { .. }
             | Control::Report { .. }
-            | Control::Snapshot { .. }
-            | Control::Stop { .. }
             | Control::Table { .. }
-            | Control::Replicate { .. }
-            | Control::Rejoined { .. }
-            | Control::Allow { .. }
-            | Control::Holding { .. }
             | Control::ProfileRequest { .. }
             | Control::Profile { .. }
-            | Control::GradNorm { .. }
-            | Control::ClipScale { .. } => {}
+            | Control::Strategy { .. } => {}
         }
     }
     let mut all: Vec<(&'static str, Message)> = controls

@@ -30,10 +30,11 @@ use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
 use serde_json::json;
 
 use super::AllReduceJob;
-use super::regroup::{ChunkFate, Follow, FollowAction, Lead, LeadAction, Order};
+use super::regroup::{AllReduceMessage, ChunkFate, Follow, FollowAction, Lead, LeadAction, Order};
 use super::ring::{RingPlan, chunks};
 use crate::data_parallel::write_model;
 use crate::error::{Error, Result};
+use crate::messages::StrategyMessage;
 use crate::spec::ResumePoint;
 
 /// One bucket: a contiguous range of the flat gradient buffer reduced as one all-reduce.
@@ -512,10 +513,24 @@ fn reform_ring(
             // What arrives before the answer on its link is the abandoned attempt's (chunks, an
             // older generation's answer).
             LeadAction::Await(from) => match net.recv_from(from, timeout) {
-                Ok(Message::Control(Control::Holding {
-                    generation,
-                    optimizer_steps,
-                })) => actions.extend(lead.handle_holding(from, generation, optimizer_steps)),
+                Ok(Message::Control(control)) => {
+                    match AllReduceMessage::from_control(&control, net, from)? {
+                        Some(AllReduceMessage::Holding {
+                            generation,
+                            optimizer_steps,
+                        }) => {
+                            actions.extend(lead.handle_holding(from, generation, optimizer_steps))
+                        }
+                        None => {
+                            return Err(Error::protocol(
+                                "all-reduce",
+                                net,
+                                from,
+                                "message instead of its steps while the ring is re-formed",
+                            ));
+                        }
+                    }
+                }
                 Ok(Message::Tensor(h, bytes)) if h.tag == TensorTag::ParamGrads => {
                     net.buffers().give(bytes);
                     actions.push_front(LeadAction::Await(from));
@@ -625,10 +640,11 @@ fn follow_regroup(
             FollowAction::SendHolding { generation, steps } => {
                 net.send(
                     0,
-                    Message::Control(Control::Holding {
+                    AllReduceMessage::Holding {
                         generation,
                         optimizer_steps: steps,
-                    }),
+                    }
+                    .to_message(),
                 )?;
             }
             // The state follows on rank 0's link (or a newer order, if a member died

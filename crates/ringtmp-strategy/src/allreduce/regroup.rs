@@ -18,6 +18,30 @@
 
 use std::collections::{BTreeSet, VecDeque};
 
+use serde::{Deserialize, Serialize};
+
+/// All-reduce's own wire messages (as [`crate::messages::StrategyMessage`]s).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AllReduceMessage {
+    /// A follower's answer to an order: the optimizer steps its replica has completed.
+    Holding {
+        /// The order's generation.
+        generation: u64,
+        /// Its replica's optimizer steps.
+        optimizer_steps: u64,
+    },
+}
+
+impl crate::messages::StrategyMessage for AllReduceMessage {
+    const STRATEGY: &'static str = super::job::NAME;
+
+    fn kind(&self) -> &'static str {
+        match self {
+            Self::Holding { .. } => "Holding",
+        }
+    }
+}
+
 /// Rank 0's order to re-form the ring.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Order {

@@ -42,6 +42,7 @@ use crate::TrainConfig;
 use crate::contract::{Cluster, NodeCx, PlanReport, Strategy, validate_shared};
 use crate::data_parallel::{ShareBuffers, WorkerClock};
 use crate::error::{Error, Result};
+use crate::messages::StrategyMessage;
 use crate::spec::{ResumePoint, RunSpec};
 
 /// `--strategy` name of AD-PSGD.
@@ -147,6 +148,53 @@ fn check_graph(workers: usize) -> Result<()> {
     Ok(())
 }
 
+/// AD-PSGD's own wire messages (as [`StrategyMessage`]s).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AdpsgdMessage {
+    /// Rank 0 to a worker: iterations it may complete (rank 0 bounds how far anyone runs ahead
+    /// of the run's steps).
+    Allow {
+        /// Its new grant.
+        iterations: u64,
+    },
+    /// An active worker to its passive neighbours: it has finished its iterations.
+    Finished {
+        /// Iterations it completed.
+        iterations: u64,
+    },
+    /// A worker to rank 0, every iteration: its count and the loss of its last one.
+    Progress {
+        /// Iterations it has completed.
+        iterations: u64,
+        /// Its last iteration's loss, as `f64::to_bits`.
+        loss_bits: u64,
+    },
+    /// Rank 0 to a worker: send your model for gathering round `round`.
+    Snapshot {
+        /// The round.
+        round: u64,
+    },
+    /// Rank 0 to every worker: the run's steps are done.
+    Stop {
+        /// The step the run stopped at.
+        step: u64,
+    },
+}
+
+impl StrategyMessage for AdpsgdMessage {
+    const STRATEGY: &'static str = NAME;
+
+    fn kind(&self) -> &'static str {
+        match self {
+            Self::Allow { .. } => "Allow",
+            Self::Finished { .. } => "Finished",
+            Self::Progress { .. } => "Progress",
+            Self::Snapshot { .. } => "Snapshot",
+            Self::Stop { .. } => "Stop",
+        }
+    }
+}
+
 /// What a worker returns: its own model, and on rank 0 the run's summary.
 pub struct WorkerOutcome {
     /// This worker's final model.
@@ -199,6 +247,13 @@ impl Worker<'_> {
             }
             return Ok(());
         }
+        let own = match &message {
+            Message::Control(control) => AdpsgdMessage::from_control(control, net, from)?,
+            Message::Tensor(..) => None,
+        };
+        if let Some(own) = own {
+            return self.handle_own(net, from, own);
+        }
         match message {
             Message::Tensor(h, bytes)
                 if h.tag == TensorTag::Params
@@ -241,7 +296,27 @@ impl Worker<'_> {
                     _ => return Err(Error::protocol("ad-psgd", net, from, "model")),
                 }
             }
-            Message::Control(Control::Snapshot { round }) if from == 0 => {
+            Message::Control(Control::Report { nodes }) if self.coordinator.is_some() => {
+                for doc in nodes {
+                    self.reports.push(serde_json::from_str(&doc).map_err(|e| {
+                        Error::Config(format!("rank {from}'s report is not valid: {e}"))
+                    })?);
+                }
+            }
+            _ => return Err(Error::protocol("ad-psgd", net, from, "message")),
+        }
+        Ok(())
+    }
+
+    /// Acts on one of AD-PSGD's own messages.
+    fn handle_own(
+        &mut self,
+        net: &mut dyn Transport,
+        from: u32,
+        message: AdpsgdMessage,
+    ) -> Result<()> {
+        match message {
+            AdpsgdMessage::Snapshot { round } if from == 0 => {
                 net.send(
                     0,
                     crate::data_parallel::model_message(
@@ -253,26 +328,19 @@ impl Worker<'_> {
                     ),
                 )?;
             }
-            Message::Control(Control::Stop { .. }) if from == 0 => self.stop = true,
-            Message::Control(Control::Allow { iterations }) if from == 0 => {
+            AdpsgdMessage::Stop { .. } if from == 0 => self.stop = true,
+            AdpsgdMessage::Allow { iterations } if from == 0 => {
                 self.allowed = self.allowed.max(iterations);
             }
-            Message::Control(Control::Finished { .. }) if !self.active => {
+            AdpsgdMessage::Finished { .. } if !self.active => {
                 self.finished.insert(from);
             }
-            Message::Control(Control::Progress {
+            AdpsgdMessage::Progress {
                 iterations,
                 loss_bits,
-            }) if self.coordinator.is_some() => {
+            } if self.coordinator.is_some() => {
                 self.coordinator_mut()
                     .progress(from, iterations, f64::from_bits(loss_bits));
-            }
-            Message::Control(Control::Report { nodes }) if self.coordinator.is_some() => {
-                for doc in nodes {
-                    self.reports.push(serde_json::from_str(&doc).map_err(|e| {
-                        Error::Config(format!("rank {from}'s report is not valid: {e}"))
-                    })?);
-                }
             }
             _ => return Err(Error::protocol("ad-psgd", net, from, "message")),
         }
@@ -551,11 +619,11 @@ pub fn run_worker(
         match me.coordinator.as_mut() {
             Some(c) => c.progress(0, iterations, loss),
             None => {
-                let progress = Control::Progress {
+                let progress = AdpsgdMessage::Progress {
                     iterations,
                     loss_bits: loss.to_bits(),
                 };
-                net.send(0, Message::Control(progress))?;
+                net.send(0, progress.to_message())?;
             }
         }
     }
@@ -563,8 +631,8 @@ pub fn run_worker(
     let waited = clock.now();
     if me.active {
         for &p in &me.near.clone() {
-            let done = Control::Finished { iterations };
-            if let Err(e) = net.send(p, Message::Control(done)) {
+            let done = AdpsgdMessage::Finished { iterations };
+            if let Err(e) = net.send(p, done.to_message()) {
                 me.lost(net, e)?;
             }
         }
@@ -701,7 +769,7 @@ fn coordinate(
     for (rank, iterations) in me.coordinator_mut().grants() {
         if rank == 0 {
             me.allowed = iterations;
-        } else if let Err(e) = net.send(rank, Message::Control(Control::Allow { iterations })) {
+        } else if let Err(e) = net.send(rank, AdpsgdMessage::Allow { iterations }.to_message()) {
             me.lost(net, e)?;
         }
     }
@@ -722,7 +790,7 @@ fn coordinate(
             }
             Action::Snapshot { round, ranks } => {
                 for r in ranks {
-                    if let Err(e) = net.send(r, Message::Control(Control::Snapshot { round })) {
+                    if let Err(e) = net.send(r, AdpsgdMessage::Snapshot { round }.to_message()) {
                         me.lost(net, e)?;
                     }
                 }
@@ -733,7 +801,7 @@ fn coordinate(
                 let step = me.coordinator_mut().global_step();
                 let live: Vec<u32> = me.coordinator_mut().live().iter().copied().collect();
                 for r in live.into_iter().filter(|r| *r != 0) {
-                    if let Err(e) = net.send(r, Message::Control(Control::Stop { step })) {
+                    if let Err(e) = net.send(r, AdpsgdMessage::Stop { step }.to_message()) {
                         me.lost(net, e)?;
                     }
                 }

@@ -28,7 +28,45 @@ pub use super::admission::NO_MORE_WORK;
 use super::admission::{Admission, Reply};
 use super::consistency::Consistency;
 use crate::error::{Error, Result};
+use crate::messages::StrategyMessage;
 use crate::spec::{ResumePoint, RunSpec};
+
+/// The parameter server's own wire messages (as [`StrategyMessage`]s).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum PsMessage {
+    /// A worker to a server: it has finished; the server stops waiting for it.
+    Finished {
+        /// Iterations it completed.
+        iterations: u64,
+    },
+    /// Server 0 to every other server, with each answer under SSP and DSSP: `worker` computes
+    /// `unit`, and every unit below `settled` had been pushed to server 0.
+    Grant {
+        /// The worker (its index among the workers).
+        worker: u32,
+        /// The unit it was given.
+        unit: u64,
+        /// The mark below which every unit had been pushed to server 0.
+        settled: u64,
+    },
+    /// A worker to a server: send your shard for its iteration `clock` (its pushes so far).
+    Pull {
+        /// Pushes the worker has made.
+        clock: u64,
+    },
+}
+
+impl StrategyMessage for PsMessage {
+    const STRATEGY: &'static str = "ps";
+
+    fn kind(&self) -> &'static str {
+        match self {
+            Self::Finished { .. } => "Finished",
+            Self::Grant { .. } => "Grant",
+            Self::Pull { .. } => "Pull",
+        }
+    }
+}
 
 /// Everything every node of a parameter-server run must agree on.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -280,18 +318,28 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
                 continue;
             }
         };
+        // The parameter server's own messages, and the rest of the wire's.
+        let own = match &message {
+            Message::Control(control) => PsMessage::from_control(control, net, from)?,
+            Message::Tensor(..) => None,
+        };
         if (from as usize) < job.servers {
             // Only another server's end-of-run report can come from a server (to server 0).
-            match message {
-                Message::Control(Control::Report { nodes }) if s == 0 => reports.extend(nodes),
-                Message::Control(Control::Checkpoint { step, files }) if s == 0 => {
+            match (own, message) {
+                (None, Message::Control(Control::Report { nodes })) if s == 0 => {
+                    reports.extend(nodes)
+                }
+                (None, Message::Control(Control::Checkpoint { step, files })) if s == 0 => {
                     checkpoints.record(job, step, from as usize, files, &model)?;
                 }
-                Message::Control(Control::Grant {
-                    worker,
-                    unit,
-                    settled,
-                }) if from == 0 && (worker as usize) < job.workers => {
+                (
+                    Some(PsMessage::Grant {
+                        worker,
+                        unit,
+                        settled,
+                    }),
+                    _,
+                ) if from == 0 && (worker as usize) < job.workers => {
                     let replies = pulls.grant(worker as usize, unit, settled, now());
                     send_replies(
                         replies,
@@ -317,8 +365,8 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
             continue;
         }
         let w = worker(from);
-        match message {
-            Message::Control(Control::Pull { clock }) => {
+        match (own, message) {
+            (Some(PsMessage::Pull { clock }), _) => {
                 let pushed = pulls.gate().pushes(w);
                 if pushed != clock {
                     return Err(Error::Config(format!(
@@ -334,7 +382,7 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
                     net,
                 )?;
             }
-            Message::Tensor(h, bytes) if h.tag == TensorTag::ParamGrads => {
+            (None, Message::Tensor(h, bytes)) if h.tag == TensorTag::ParamGrads => {
                 // The header's count (checked against the payload when the frame was decoded;
                 // a phantom run's payload carries no values).
                 let count = h.elements().unwrap_or(u64::MAX);
@@ -377,8 +425,8 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
                     net,
                 )?;
             }
-            Message::Control(Control::Report { nodes }) => reports.extend(nodes),
-            Message::Control(Control::Finished { .. }) => {
+            (None, Message::Control(Control::Report { nodes })) => reports.extend(nodes),
+            (Some(PsMessage::Finished { .. }), _) => {
                 finished.insert(w);
                 send_replies(
                     pulls.drop_worker(w, now()),
@@ -389,10 +437,13 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
                     net,
                 )?;
             }
-            other => {
-                let what = match other {
-                    Message::Control(c) => format!("{c:?}"),
-                    Message::Tensor(h, _) => format!("{:?} tensor for step {}", h.tag, h.step),
+            (own, other) => {
+                let what = match (own, other) {
+                    (Some(m), _) => format!("{m:?}"),
+                    (None, Message::Control(c)) => format!("{c:?}"),
+                    (None, Message::Tensor(h, _)) => {
+                        format!("{:?} tensor for step {}", h.tag, h.step)
+                    }
                 };
                 return Err(Error::Config(format!(
                     "server {s}: unexpected {what} from rank {from}"
@@ -462,11 +513,12 @@ fn send_replies(
                 settled,
             } => net.send(
                 to as u32,
-                Message::Control(Control::Grant {
+                PsMessage::Grant {
                     worker: worker as u32,
                     unit,
                     settled,
-                }),
+                }
+                .to_message(),
             )?,
         }
     }
@@ -762,7 +814,7 @@ pub fn run_worker(
         let mut unit = NO_MORE_WORK;
         let waited = net.clock().now();
         for s in 0..job.servers {
-            net.send(s as u32, Message::Control(Control::Pull { clock: t }))?;
+            net.send(s as u32, PsMessage::Pull { clock: t }.to_message())?;
         }
         for (s, range) in ranges.iter().enumerate() {
             match net.recv_from(s as u32, job.timeout())? {
@@ -858,9 +910,10 @@ pub fn run_worker(
     for s in 0..job.servers {
         net.send(
             s as u32,
-            Message::Control(Control::Finished {
+            PsMessage::Finished {
                 iterations: out.iterations,
-            }),
+            }
+            .to_message(),
         )?;
     }
     Ok((out, stage))

@@ -26,9 +26,11 @@ use ringtmp_transport::{Clock, LinkStats, PeerName, Transport, TransportError};
 use ringtmp_wire::{Control, Message};
 
 use crate::error::{Error, Result};
+use crate::messages::StrategyMessage;
 use crate::ring::heal::replicas::{Replicas, Snapshot};
 use crate::ring::plan::partition::StagePlan;
 use crate::ring::run::driver::{MasterSetup, RingJob, run_master_with, run_worker_with};
+use crate::ring::run::messages::RingMessage;
 
 /// The job of the ring after `dead` (physical ranks, in `members` order) left: its layers go to
 /// its predecessor in the ring, which must hold its replica; stages are renumbered in ring order.
@@ -96,16 +98,16 @@ impl Early {
     /// marker, or anything after one), which the current ring must not see; gives anything else
     /// back.
     fn keep(&mut self, generation: u64, from: u32, message: Message) -> Option<Message> {
-        match message {
-            Message::Control(Control::Rejoined { generation: g }) if g > generation => {
+        match (RingMessage::peek(&message), message) {
+            (Some(RingMessage::Rejoined { generation: g }), _) if g > generation => {
                 self.markers.insert(from, g);
                 None
             }
-            message if self.markers.contains_key(&from) => {
+            (_, message) if self.markers.contains_key(&from) => {
                 self.held.push((from, message));
                 None
             }
-            message => Some(message),
+            (_, message) => Some(message),
         }
     }
 
@@ -199,14 +201,13 @@ impl<'a> Members<'a> {
     fn admit(&mut self, from: u32, message: Message) -> Option<(u32, Message)> {
         let &k = self.logical.get(&from)?;
         let message = self.early.keep(self.generation, from, message)?;
-        match &message {
-            Message::Control(Control::Rejoined { generation })
-                if *generation == self.generation =>
-            {
+        if let Some(RingMessage::Rejoined { generation }) = RingMessage::peek(&message) {
+            if generation == self.generation {
                 self.ready.insert(from);
-                None
             }
-            Message::Control(Control::Rejoined { .. }) => None,
+            return None;
+        }
+        match &message {
             Message::Control(Control::Regroup { generation, .. })
                 if from == self.members[0] && *generation == self.generation =>
             {
@@ -536,7 +537,7 @@ pub fn run(
         if rank != 0 {
             for &m in members.iter().filter(|m| **m != rank) {
                 cx.net
-                    .send(m, Message::Control(Control::Rejoined { generation }))?;
+                    .send(m, RingMessage::Rejoined { generation }.to_message())?;
             }
         }
         ready = if rank == 0 {

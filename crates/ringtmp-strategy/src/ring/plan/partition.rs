@@ -227,7 +227,7 @@ impl Plan {
     /// over the bottleneck, at least one per node, and one more for what the model leaves out
     /// of a micro-batch's trip (encoding and decoding its messages, the emulator's timer ticks,
     /// waiting behind the micro-batch before it on a card). Measured
-    /// (docs/benchmarks/logs/session-09.md): on a 2-node ring at 100 Mbit/s the round trip took 84 ms against 57 ms
+    /// (docs/benchmarks/logs/log-09.md): on a 2-node ring at 100 Mbit/s the round trip took 84 ms against 57 ms
     /// predicted; on 2 pinned loopback nodes (mlp-deep) a window of 2 ran 4,398–4,658
     /// samples/s and 3 ran 5,072, and the default run lost nothing to a window of 5.
     pub fn window(&self) -> usize {
@@ -859,7 +859,7 @@ pub fn cut_inside(
 /// counted, else the most). Refining only the count whole layers chose missed the better plan:
 /// on two shared cores, whole layers put the default run on 3 nodes (2.98 ms against 3.28 ms a
 /// micro-batch on 2), where 2 nodes with a cut do as well (2.93 ms) — and train 8–13% faster
-/// (docs/benchmarks/logs/session-24.md). `whole` is [`plan_best`]'s plan for the same arguments;
+/// (docs/benchmarks/logs/log-24.md). `whole` is [`plan_best`]'s plan for the same arguments;
 /// `None` where the choice is `whole` itself.
 pub fn plan_best_cut(
     costs: &[LayerCost],

@@ -15,9 +15,11 @@ use serde_json::{Value, json};
 
 use crate::error::{Error, Result};
 use crate::event::Event;
+use crate::messages::StrategyMessage;
 use crate::recorder::RunRecorder;
 use crate::ring::heal::replicas::{REPLICA, Replicas, Snapshot};
 use crate::ring::run::driver::{NodeClock, RingJob, micro_offset, node_summary, protocol, tensor};
+use crate::ring::run::messages::{Incoming, RingMessage};
 use crate::ring::run::schedule::{Action, Schedule, StageState};
 
 /// What the master needs besides the job: the data and where to write.
@@ -395,7 +397,7 @@ fn replicate(
     let n = job.partition.len() as u32;
     replicas.keep_own(Snapshot::take(done, plan.start..plan.end, stage, optimizer));
     for r in 1..n {
-        net.send(r, Message::Control(Control::Replicate { step: done }))?;
+        net.send(r, RingMessage::Replicate { step: done }.to_message())?;
     }
     let next = &job.partition[1];
     let layers = job.layers()?;
@@ -408,8 +410,9 @@ fn replicate(
     let mut said = vec![0u32; n as usize];
     let expected = |r: usize| if r == 1 { 2 } else { 1 };
     while !(replica && (1..n as usize).all(|r| said[r] == expected(r))) {
-        match net.recv(timeout)? {
-            (1, Message::Tensor(h, bytes))
+        let (from, message) = net.recv(timeout)?;
+        match (from, Incoming::read(message, net, from)?) {
+            (1, Incoming::Wire(Message::Tensor(h, bytes)))
                 if h.tag == TensorTag::Params
                     && h.micro_batch == REPLICA
                     && h.step == done
@@ -429,20 +432,20 @@ fn replicate(
                 replicas.keep_succ(snapshot);
                 replica = true;
             }
-            (from, Message::Control(Control::Replicate { step }))
+            (from, Incoming::Own(RingMessage::Replicate { step }))
                 if step == done
                     && (1..n).contains(&from)
                     && said[from as usize] < expected(from as usize) =>
             {
                 said[from as usize] += 1;
             }
-            (from, message) => {
+            (from, incoming) => {
                 return Err(protocol(
                     net,
                     from,
                     &format!(
                         "{} during the replication round of mini-batch {done}",
-                        message.describe()
+                        incoming.describe()
                     ),
                 ));
             }
@@ -643,8 +646,8 @@ impl LossSide {
     ) -> Result<Option<(u32, Message)>> {
         let n = job.partition.len() as u32;
         let (succ, pred) = (1 % n, n - 1);
-        match message {
-            Message::Tensor(h, bytes)
+        match Incoming::read(message, net, from)? {
+            Incoming::Wire(Message::Tensor(h, bytes))
                 if from == pred
                     && h.tag == TensorTag::Activation
                     && self.policy.accepts(h.step) =>
@@ -683,7 +686,7 @@ impl LossSide {
                 );
                 Ok(Some((pred, back)))
             }
-            Message::Tensor(h, bytes)
+            Incoming::Wire(Message::Tensor(h, bytes))
                 if from == succ && h.tag == TensorTag::Gradient && self.policy.accepts(h.step) =>
             {
                 let mut dy = Vec::new();
@@ -691,7 +694,7 @@ impl LossSide {
                 self.grads.push_back((h.micro_batch, dy));
                 Ok(None)
             }
-            Message::Control(Control::GradNorm {
+            Incoming::Own(RingMessage::GradNorm {
                 step,
                 sum_squares_bits,
             }) if from == succ
@@ -1028,24 +1031,28 @@ fn clip_from_master(
                 &format!("gradient norm of step {s} during step {step}"),
             ));
         }
-        None => match clock.recv(net, job.recv_timeout())? {
-            (
-                from,
-                Message::Control(Control::GradNorm {
-                    step: s,
-                    sum_squares_bits,
-                }),
-            ) if from == succ && s == step => f64::from_bits(sum_squares_bits),
-            (from, message) => return Err(protocol(net, from, &message.describe())),
-        },
+        None => {
+            let (from, message) = clock.recv(net, job.recv_timeout())?;
+            match (from, Incoming::read(message, net, from)?) {
+                (
+                    from,
+                    Incoming::Own(RingMessage::GradNorm {
+                        step: s,
+                        sum_squares_bits,
+                    }),
+                ) if from == succ && s == step => f64::from_bits(sum_squares_bits),
+                (from, incoming) => return Err(protocol(net, from, &incoming.describe())),
+            }
+        }
     };
     let factor = crate::clipping::clip_factor((total + rest).sqrt(), max_norm);
     net.send(
         succ,
-        Message::Control(Control::ClipScale {
+        RingMessage::ClipScale {
             step,
             factor_bits: factor.to_bits(),
-        }),
+        }
+        .to_message(),
     )?;
     clock.run(|| stage.scale_grads(factor));
     if let Some(h) = head {

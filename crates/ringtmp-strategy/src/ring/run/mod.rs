@@ -5,5 +5,6 @@
 
 pub mod driver;
 pub(crate) mod master;
+pub mod messages;
 pub mod schedule;
 mod worker;

@@ -10,11 +10,13 @@ use ringtmp_wire::message::tensor_values;
 use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
 
 use crate::error::{Error, Result};
+use crate::messages::StrategyMessage;
 use crate::ring::heal::replicas::{REPLICA, Replicas, Snapshot};
 use crate::ring::plan::partition::StagePlan;
 use crate::ring::run::driver::{
     NodeClock, RingJob, micro_offset, node_summary, protocol, tensor, values,
 };
+use crate::ring::run::messages::{Incoming, RingMessage};
 use crate::ring::run::schedule::{Action, Schedule, StagePolicy};
 
 /// Messages a node keeps while it waits for a clipping message; more means the protocol broke.
@@ -88,8 +90,11 @@ pub fn run_worker_with(
                     }
                 }
             }
-            None => match arrived.map_or_else(|| node.clock.recv(net, timeout), Ok)? {
-                (from, Message::Tensor(h, bytes))
+            None => match arrived
+                .map_or_else(|| node.clock.recv(net, timeout), Ok)
+                .and_then(|(from, m)| Ok((from, Incoming::read(m, net, from)?)))?
+            {
+                (from, Incoming::Wire(Message::Tensor(h, bytes)))
                     if from == node.pred
                         && h.tag == TensorTag::Activation
                         && policy.accepts(h.step) =>
@@ -97,7 +102,7 @@ pub fn run_worker_with(
                     let rows = h.shape.first().copied().unwrap_or(0) as usize;
                     inputs.push_back((h.micro_batch, rows, values(&bytes, h.dtype)));
                 }
-                (from, Message::Tensor(h, bytes))
+                (from, Incoming::Wire(Message::Tensor(h, bytes)))
                     if from == node.succ
                         && h.tag == TensorTag::Gradient
                         && policy.accepts(h.step) =>
@@ -108,7 +113,7 @@ pub fn run_worker_with(
                 // this stage's last backward did.
                 (
                     from,
-                    Message::Control(Control::GradNorm {
+                    Incoming::Own(RingMessage::GradNorm {
                         step,
                         sum_squares_bits,
                     }),
@@ -121,7 +126,7 @@ pub fn run_worker_with(
                 }
                 // Stage replicas: the successor's snapshot, then its token (same link, so in
                 // this order); the master's re-formation of the ring.
-                (from, Message::Tensor(h, bytes))
+                (from, Incoming::Wire(Message::Tensor(h, bytes)))
                     if from == node.succ
                         && h.tag == TensorTag::Params
                         && h.micro_batch == REPLICA =>
@@ -143,24 +148,24 @@ pub fn run_worker_with(
                 // its snapshot to its predecessor, and tells the master once its successor's
                 // snapshot is in (the successor's token follows it on the same link). The last
                 // node's successor is the master, whose stage is not replicated.
-                (0, Message::Control(Control::Replicate { step })) if node.succ == 0 => {
+                (0, Incoming::Own(RingMessage::Replicate { step })) if node.succ == 0 => {
                     node.replicate(net, step, replicas)?;
-                    net.send(0, Message::Control(Control::Replicate { step }))?;
+                    net.send(0, RingMessage::Replicate { step }.to_message())?;
                 }
-                (0, Message::Control(Control::Replicate { step })) => {
+                (0, Incoming::Own(RingMessage::Replicate { step })) => {
                     node.replicate(net, step, replicas)?;
                 }
-                (from, Message::Control(Control::Replicate { step })) if from == node.succ => {
-                    net.send(0, Message::Control(Control::Replicate { step }))?;
+                (from, Incoming::Own(RingMessage::Replicate { step })) if from == node.succ => {
+                    net.send(0, RingMessage::Replicate { step }.to_message())?;
                 }
                 (
                     0,
-                    Message::Control(Control::Regroup {
+                    Incoming::Wire(Message::Control(Control::Regroup {
                         generation,
                         members,
                         step,
                         ..
-                    }),
+                    })),
                 ) => {
                     return Err(Error::Regroup {
                         generation,
@@ -170,22 +175,24 @@ pub fn run_worker_with(
                 }
                 (
                     from,
-                    message @ (Message::Tensor(
-                        TensorHeader {
-                            tag: TensorTag::Inference,
-                            ..
-                        },
-                        _,
-                    )
-                    | Message::Control(
-                        Control::Checkpoint { .. } | Control::Report { .. },
-                    )),
+                    Incoming::Wire(
+                        message @ (Message::Tensor(
+                            TensorHeader {
+                                tag: TensorTag::Inference,
+                                ..
+                            },
+                            _,
+                        )
+                        | Message::Control(
+                            Control::Checkpoint { .. } | Control::Report { .. },
+                        )),
+                    ),
                 ) => {
                     if node.serve(job, net, from, message)? {
                         return Ok(node.stage);
                     }
                 }
-                (from, message) => return Err(protocol(net, from, &message.describe())),
+                (from, incoming) => return Err(protocol(net, from, &incoming.describe())),
             },
         }
     }
@@ -363,7 +370,7 @@ impl RingNode {
         replicas.bytes_sent += ringtmp_wire::declared_len(&message) as u64;
         replicas.keep_own(snapshot);
         net.send(self.pred, message)?;
-        net.send(self.pred, Message::Control(Control::Replicate { step }))?;
+        net.send(self.pred, RingMessage::Replicate { step }.to_message())?;
         Ok(())
     }
 
@@ -404,7 +411,7 @@ impl RingNode {
         } else {
             let from = self.succ;
             self.wait_for(job, net, from, |m| match m {
-                Control::GradNorm {
+                RingMessage::GradNorm {
                     step: s,
                     sum_squares_bits,
                 } if *s == step => Some(f64::from_bits(*sum_squares_bits)),
@@ -413,14 +420,15 @@ impl RingNode {
         };
         net.send(
             self.pred,
-            Message::Control(Control::GradNorm {
+            RingMessage::GradNorm {
                 step,
                 sum_squares_bits: (own + later).to_bits(),
-            }),
+            }
+            .to_message(),
         )?;
         let from = self.pred;
         let factor = self.wait_for(job, net, from, |m| match m {
-            Control::ClipScale {
+            RingMessage::ClipScale {
                 step: s,
                 factor_bits,
             } if *s == step => Some(f32::from_bits(*factor_bits)),
@@ -429,10 +437,11 @@ impl RingNode {
         if self.succ != 0 {
             net.send(
                 self.succ,
-                Message::Control(Control::ClipScale {
+                RingMessage::ClipScale {
                     step,
                     factor_bits: factor.to_bits(),
-                }),
+                }
+                .to_message(),
             )?;
         }
         let stage = &mut self.stage;
@@ -447,13 +456,14 @@ impl RingNode {
         job: &RingJob,
         net: &mut dyn Transport,
         from: u32,
-        accept: impl Fn(&Control) -> Option<T>,
+        accept: impl Fn(&RingMessage) -> Option<T>,
     ) -> Result<T> {
         loop {
             let (sender, message) = self.clock.recv(net, job.recv_timeout())?;
             if sender == from
                 && let Message::Control(control) = &message
-                && let Some(value) = accept(control)
+                && let Some(own) = RingMessage::from_control(control, net, sender)?
+                && let Some(value) = accept(&own)
             {
                 return Ok(value);
             }
