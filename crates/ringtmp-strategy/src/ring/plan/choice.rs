@@ -130,106 +130,27 @@ pub(super) fn choose(
                 CutInsideChoice::At(cuts)
             )));
         }
-        (CutInsideChoice::At(cuts), None) if !cuts.is_empty() => {
-            for cut in &cuts {
-                if cut.layer == first_param {
-                    return Err(Error::Config(format!(
-                        "--cut-inside {}:{}: layer {} is the first with parameters, whose input \
-                         (the raw data) a cut would send to the next node",
-                        cut.layer, cut.split, cut.layer
-                    )));
-                }
-                if cut.layer >= head_start && cut.layer < layers.len() {
-                    return Err(Error::Config(format!(
-                        "--cut-inside {}:{}: layer {} is in the head the master holds \
-                         (--master-holds-head: layers {head_start}..{})",
-                        cut.layer,
-                        cut.split,
-                        cut.layer,
-                        layers.len()
-                    )));
-                }
-                if cuts.iter().filter(|c| c.layer == cut.layer).count() > 1 {
-                    return Err(Error::Config(format!(
-                        "--cut-inside: layer {} is cut twice",
-                        cut.layer
-                    )));
-                }
-                // Names the layer and what is wrong (not linear, a part left empty).
-                ringtmp_model::layers::cut_linear(&layers[..head_start], cut.layer, cut.split)
-                    .map_err(|e| Error::Config(format!("--cut-inside: {e}")))?;
-            }
-            let fit = cuts.len() < capacities.len();
-            if !fit && !kept {
-                return Err(Error::Config(format!(
-                    "--cut-inside {}: {} cut(s) need {} stages, one more than the cuts, and the \
-                     ring has {} node(s)",
-                    CutInsideChoice::At(cuts.clone()),
-                    cuts.len(),
-                    cuts.len() + 1,
-                    capacities.len()
-                )));
-            }
-            let (work, caps) = partition::apply_cuts(body, &geometry, capacities, &cuts);
-            let mut sorted = cuts;
-            sorted.sort_by_key(|c| c.layer);
-            // Each head ends a stage and its tail starts the next: in the cut layers' positions,
-            // after the k-th cut's head (the k cuts before it each add a layer).
-            let bounds: Vec<usize> = sorted
-                .iter()
-                .enumerate()
-                .filter(|_| fit)
-                .map(|(k, cut)| cut.layer + k + 1)
-                .collect();
-            // No linear layer comes before the first with parameters, so no cut shifts it.
-            let planned = partition::plan_best_around(
-                &work,
-                &caps,
-                first_param,
-                !may_use_fewer,
-                shared.as_ref(),
-                &bounds,
-            )
-            .map_err(|e| Error::Config(e.to_string()))?;
-            (planned, sorted, work)
-        }
-        (CutInsideChoice::Planner(true), None) => {
-            match partition::plan_best_cut(
-                body,
-                &geometry,
-                capacities,
-                &planned,
-                first_param,
-                shared.as_ref(),
-            ) {
-                Some(refined) => {
-                    // What whole layers do on as many nodes as the cut plan uses.
-                    let m = refined.plan.stages.len();
-                    let whole_at_m = planned
-                        .by_nodes
-                        .iter()
-                        .find(|(n, _)| *n == m)
-                        .map_or(planned.bottleneck, |(_, b)| *b);
-                    for cut in &refined.cuts {
-                        let g = geometry[cut.layer].expect("only linear layers are cut");
-                        report.note(format!(
-                            "cut inside layer {} (linear {}→{}) after {} of its outputs: whole \
-                             layers could not balance the stages (the slowest {:.2} ms a \
-                             micro-batch, {:.2} ms with the cut; --cut-inside false keeps whole \
-                             layers)",
-                            cut.layer,
-                            g.in_features,
-                            g.out_features,
-                            cut.split,
-                            whole_at_m * 1e3,
-                            refined.plan.bottleneck * 1e3
-                        ));
-                    }
-                    (refined.plan, refined.cuts, refined.costs)
-                }
-                None => (planned, Vec::new(), body.to_vec()),
-            }
-        }
+        (CutInsideChoice::At(cuts), None) if !cuts.is_empty() => plan_given_cuts(
+            cuts,
+            kept,
+            layers,
+            first_param,
+            head_start,
+            body,
+            &geometry,
+            capacities,
+            may_use_fewer,
+            shared.as_ref(),
+        )?,
+        (CutInsideChoice::Planner(true), None) => refine_with_cut(
+            planned,
+            body,
+            &geometry,
+            capacities,
+            first_param,
+            shared.as_ref(),
+            report,
+        ),
         _ => (planned, Vec::new(), body.to_vec()),
     };
     Ok(Chosen {
@@ -412,5 +333,131 @@ pub(super) fn note_partition(
             s.predicted_seconds * 1e3,
             s.predicted_bytes as f64 / 1e6
         ));
+    }
+}
+
+/// The partition around the user's cuts inside layers (`--cut-inside LAYER:SPLIT,…`, or a
+/// restart's `kept` cuts, which make boundaries only where they fit).
+#[allow(clippy::too_many_arguments)]
+fn plan_given_cuts(
+    cuts: Vec<CutInside>,
+    kept: bool,
+    layers: &[Layer],
+    first_param: usize,
+    head_start: usize,
+    body: &[LayerCost],
+    geometry: &[Option<partition::Cuttable>],
+    capacities: &[NodeCapacity],
+    may_use_fewer: bool,
+    shared: Option<&SharedCores>,
+) -> Result<(partition::Plan, Vec<CutInside>, Vec<LayerCost>)> {
+    check_given_cuts(&cuts, layers, first_param, head_start)?;
+    let fit = cuts.len() < capacities.len();
+    if !fit && !kept {
+        return Err(Error::Config(format!(
+            "--cut-inside {}: {} cut(s) need {} stages, one more than the cuts, and the \
+             ring has {} node(s)",
+            CutInsideChoice::At(cuts.clone()),
+            cuts.len(),
+            cuts.len() + 1,
+            capacities.len()
+        )));
+    }
+    let (work, caps) = partition::apply_cuts(body, geometry, capacities, &cuts);
+    let mut sorted = cuts;
+    sorted.sort_by_key(|c| c.layer);
+    // Each head ends a stage and its tail starts the next: in the cut layers' positions,
+    // after the k-th cut's head (the k cuts before it each add a layer).
+    let bounds: Vec<usize> = sorted
+        .iter()
+        .enumerate()
+        .filter(|_| fit)
+        .map(|(k, cut)| cut.layer + k + 1)
+        .collect();
+    // No linear layer comes before the first with parameters, so no cut shifts it.
+    let planned =
+        partition::plan_best_around(&work, &caps, first_param, !may_use_fewer, shared, &bounds)
+            .map_err(|e| Error::Config(e.to_string()))?;
+    Ok((planned, sorted, work))
+}
+
+/// Refuses a cut the ring cannot make: inside the first layer with parameters (its input, the
+/// raw data, would leave the master), inside the head the master keeps, twice in one layer, or
+/// in a layer that is not linear or with a part left empty.
+fn check_given_cuts(
+    cuts: &[CutInside],
+    layers: &[Layer],
+    first_param: usize,
+    head_start: usize,
+) -> Result<()> {
+    for cut in cuts {
+        if cut.layer == first_param {
+            return Err(Error::Config(format!(
+                "--cut-inside {}:{}: layer {} is the first with parameters, whose input \
+             (the raw data) a cut would send to the next node",
+                cut.layer, cut.split, cut.layer
+            )));
+        }
+        if cut.layer >= head_start && cut.layer < layers.len() {
+            return Err(Error::Config(format!(
+                "--cut-inside {}:{}: layer {} is in the head the master holds \
+             (--master-holds-head: layers {head_start}..{})",
+                cut.layer,
+                cut.split,
+                cut.layer,
+                layers.len()
+            )));
+        }
+        if cuts.iter().filter(|c| c.layer == cut.layer).count() > 1 {
+            return Err(Error::Config(format!(
+                "--cut-inside: layer {} is cut twice",
+                cut.layer
+            )));
+        }
+        // Names the layer and what is wrong (not linear, a part left empty).
+        ringtmp_model::layers::cut_linear(&layers[..head_start], cut.layer, cut.split)
+            .map_err(|e| Error::Config(format!("--cut-inside: {e}")))?;
+    }
+    Ok(())
+}
+
+/// The planner's whole-layer plan, refined by a cut inside a linear layer where that balances
+/// the stages better (said in `report`, with the slowest stage either way).
+fn refine_with_cut(
+    planned: partition::Plan,
+    body: &[LayerCost],
+    geometry: &[Option<partition::Cuttable>],
+    capacities: &[NodeCapacity],
+    first_param: usize,
+    shared: Option<&SharedCores>,
+    report: &mut PlanReport,
+) -> (partition::Plan, Vec<CutInside>, Vec<LayerCost>) {
+    match partition::plan_best_cut(body, geometry, capacities, &planned, first_param, shared) {
+        Some(refined) => {
+            // What whole layers do on as many nodes as the cut plan uses.
+            let m = refined.plan.stages.len();
+            let whole_at_m = planned
+                .by_nodes
+                .iter()
+                .find(|(n, _)| *n == m)
+                .map_or(planned.bottleneck, |(_, b)| *b);
+            for cut in &refined.cuts {
+                let g = geometry[cut.layer].expect("only linear layers are cut");
+                report.note(format!(
+                    "cut inside layer {} (linear {}→{}) after {} of its outputs: whole \
+                     layers could not balance the stages (the slowest {:.2} ms a \
+                     micro-batch, {:.2} ms with the cut; --cut-inside false keeps whole \
+                     layers)",
+                    cut.layer,
+                    g.in_features,
+                    g.out_features,
+                    cut.split,
+                    whole_at_m * 1e3,
+                    refined.plan.bottleneck * 1e3
+                ));
+            }
+            (refined.plan, refined.cuts, refined.costs)
+        }
+        None => (planned, Vec::new(), body.to_vec()),
     }
 }

@@ -36,7 +36,6 @@ pub fn plan(
 ) -> Result<RingJob> {
     let settings = settings::resolve(&mut cfg, args, cluster, data, report)?;
     let Settings {
-        all_nodes,
         replicas,
         nodes,
         average_every,
@@ -47,8 +46,8 @@ pub fn plan(
         in_flight,
         in_flight_planned,
         steps_per_micro_batch,
+        ..
     } = settings.clone();
-    let gossip = settings.gossip();
     let layers = crate::layers_for(&cfg.model, data)?;
     let (speeds, limits, mut capacities) = capacity::capacities(cluster, nodes, data, &layers)?;
     let first_param = layers
@@ -148,42 +147,7 @@ pub fn plan(
         shared.as_ref(),
         report,
     );
-    let mut spec = RunSpec::new(cfg.clone(), data, cfg.batch_size * replicas)?;
-    spec.config.out = std::path::absolute(&cfg.out).unwrap_or_else(|_| cfg.out.clone());
-    if replicas > 1 {
-        report.note(format!(
-            "rings of rings: {replicas} rings of {nodes} nodes ({all_nodes} in all), each on {} \
-             of every global batch of {}, stages averaging their {}; learning rate {}",
-            cfg.batch_size,
-            cfg.batch_size * replicas,
-            if gossip {
-                "parameters by asynchronous gossip".to_string()
-            } else if average_every == 0 {
-                "gradients before every step".to_string()
-            } else {
-                format!("parameters every {average_every} mini-batch(es)")
-            },
-            cfg.lr
-        ));
-    }
-    if let Some(path) = &cfg.resume {
-        let global = TrainConfig {
-            batch_size: cfg.batch_size * replicas,
-            ..cfg.clone()
-        };
-        let (dir, manifest) = crate::resume::check_resume(path, &global, data)?;
-        report.note(format!(
-            "resuming from {} at step {} (written by {}, its parameters in {} file(s))",
-            dir.display(),
-            manifest.step,
-            manifest.strategy,
-            manifest.files.len()
-        ));
-        spec.resume_from = Some(ResumePoint {
-            dir: std::path::absolute(&dir).unwrap_or(dir),
-            step: manifest.step,
-        });
-    }
+    let spec = run_spec(&cfg, &settings, data, report)?;
     let job = RingJob {
         spec,
         micro_batches,
@@ -237,4 +201,54 @@ pub fn profile_request(
         threads: cfg.threads,
         budget_seconds,
     })
+}
+
+/// What every ring's job shares: the run's spec over the global batch of all the rings, and
+/// where a resumed run starts (said in `report`, with the rings of rings' layout).
+fn run_spec(
+    cfg: &TrainConfig,
+    settings: &Settings,
+    data: &Dataset,
+    report: &mut PlanReport,
+) -> Result<RunSpec> {
+    let replicas = settings.replicas;
+    let mut spec = RunSpec::new(cfg.clone(), data, cfg.batch_size * replicas)?;
+    spec.config.out = std::path::absolute(&cfg.out).unwrap_or_else(|_| cfg.out.clone());
+    if replicas > 1 {
+        report.note(format!(
+            "rings of rings: {replicas} rings of {} nodes ({} in all), each on {} \
+             of every global batch of {}, stages averaging their {}; learning rate {}",
+            settings.nodes,
+            settings.all_nodes,
+            cfg.batch_size,
+            cfg.batch_size * replicas,
+            if settings.gossip() {
+                "parameters by asynchronous gossip".to_string()
+            } else if settings.average_every == 0 {
+                "gradients before every step".to_string()
+            } else {
+                format!("parameters every {} mini-batch(es)", settings.average_every)
+            },
+            cfg.lr
+        ));
+    }
+    if let Some(path) = &cfg.resume {
+        let global = TrainConfig {
+            batch_size: cfg.batch_size * replicas,
+            ..cfg.clone()
+        };
+        let (dir, manifest) = crate::resume::check_resume(path, &global, data)?;
+        report.note(format!(
+            "resuming from {} at step {} (written by {}, its parameters in {} file(s))",
+            dir.display(),
+            manifest.step,
+            manifest.strategy,
+            manifest.files.len()
+        ));
+        spec.resume_from = Some(ResumePoint {
+            dir: std::path::absolute(&dir).unwrap_or(dir),
+            step: manifest.step,
+        });
+    }
+    Ok(spec)
 }
