@@ -62,17 +62,9 @@ impl RingMessage {
     /// does not decode).
     pub fn peek(message: &Message) -> Option<Self> {
         match message {
-            Message::Control(control @ Control::Strategy { .. }) => {
-                let Control::Strategy {
-                    strategy, payload, ..
-                } = control
-                else {
-                    return None;
-                };
-                (strategy == Self::STRATEGY)
-                    .then(|| postcard::from_bytes(payload).ok())
-                    .flatten()
-            }
+            Message::Control(Control::Strategy {
+                strategy, payload, ..
+            }) if strategy == Self::STRATEGY => postcard::from_bytes(payload).ok(),
             _ => None,
         }
     }
