@@ -180,36 +180,22 @@ pub fn train_local(
         }
         step += 1;
         samples += rows as u64;
-        let sps = samples as f64 / train_seconds.max(1e-9);
-        recorder.step(step, mean_loss, lr, (train_seconds, samples))?;
-        on_event(&Event::Step {
-            step,
-            epoch,
-            loss: mean_loss,
-            samples_per_second: sps,
-        });
+        recorder.announce_step(step, mean_loss, lr, (train_seconds, samples), on_event)?;
 
         let last = step == total_steps;
         if recorder.eval_due(step) {
             let (accuracy, test_loss) = evaluate(&mut model, &data.test, classes)?;
-            recorder.eval(
+            recorder.announce_eval(
                 step,
-                accuracy,
-                Some(test_loss),
+                (accuracy, test_loss),
                 train_seconds,
                 wall.elapsed().as_secs_f64(),
+                on_event,
             )?;
-            on_event(&Event::Eval {
-                step,
-                epoch,
-                accuracy,
-                loss: test_loss,
-            });
         }
         if cfg.checkpoint_every > 0 && (step % cfg.checkpoint_every == 0 || last) {
             let dir = save_checkpoint(&spec, &model, &optimizer, step, per_epoch)?;
-            recorder.checkpoint(step, &dir)?;
-            on_event(&Event::Checkpoint { step, path: dir });
+            recorder.announce_checkpoint(step, dir, on_event)?;
         }
     }
     if step == first_step {

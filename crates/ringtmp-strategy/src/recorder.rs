@@ -277,6 +277,57 @@ impl RunRecorder {
         self.write(json!({"event": "checkpoint", "step": done, "path": path}))
     }
 
+    /// Records a finished step as [`Self::step`] does and tells `on_event` (with this attempt's
+    /// throughput): what a driver does after every step it reports live.
+    pub fn announce_step(
+        &mut self,
+        done: u64,
+        loss: f64,
+        lr: f32,
+        (train_seconds, samples): (f64, u64),
+        on_event: &mut dyn FnMut(&crate::Event),
+    ) -> Result<()> {
+        self.step(done, loss, lr, (train_seconds, samples))?;
+        on_event(&crate::Event::Step {
+            step: done,
+            epoch: (done - 1) / self.steps_per_epoch,
+            loss,
+            samples_per_second: samples as f64 / train_seconds.max(1e-9),
+        });
+        Ok(())
+    }
+
+    /// Records an evaluation as [`Self::eval`] does and tells `on_event`.
+    pub fn announce_eval(
+        &mut self,
+        done: u64,
+        (accuracy, test_loss): (f64, f64),
+        train_seconds: f64,
+        wall_seconds: f64,
+        on_event: &mut dyn FnMut(&crate::Event),
+    ) -> Result<()> {
+        self.eval(done, accuracy, Some(test_loss), train_seconds, wall_seconds)?;
+        on_event(&crate::Event::Eval {
+            step: done,
+            epoch: done.saturating_sub(1) / self.steps_per_epoch,
+            accuracy,
+            loss: test_loss,
+        });
+        Ok(())
+    }
+
+    /// Records a complete checkpoint and tells `on_event`.
+    pub fn announce_checkpoint(
+        &mut self,
+        done: u64,
+        path: PathBuf,
+        on_event: &mut dyn FnMut(&crate::Event),
+    ) -> Result<()> {
+        self.checkpoint(done, &path)?;
+        on_event(&crate::Event::Checkpoint { step: done, path });
+        Ok(())
+    }
+
     /// What a language model's token is: `char` for a character vocabulary, else `token`.
     fn unit(&self) -> &'static str {
         match &self.spec.vocabulary {

@@ -5,12 +5,15 @@
 //!   life: `lead …` or `follow …` starts it, the lines after feed it events.
 //! - `heal/`: the ring's heal around a dead node (`ring::heal::policy`): the master's decision
 //!   and each survivor's restore.
+//! - `pairing/`: one AD-PSGD worker's side of the pairwise averaging (`gossip::pairing`). Each
+//!   file starts a worker with `worker rank=R workers=N allowed=A`, then feeds it events.
 //!
 //! `REWRITE=1 cargo test --test protocols` rewrites the expected outputs (then read the diff).
 
 use std::collections::HashMap;
 
 use ringtmp_strategy::allreduce::regroup::{Follow, FollowAction, Lead, LeadAction, Order};
+use ringtmp_strategy::gossip::pairing::{PairAction, Pairing};
 use ringtmp_strategy::ring::heal::policy;
 
 fn num(args: &HashMap<String, Vec<String>>, key: &str) -> u64 {
@@ -196,4 +199,85 @@ fn heal_tables() {
         })
     });
     assert!(cases >= 8, "only {cases} cases read from {dir}");
+}
+
+fn show_pairing(actions: Vec<PairAction>, worker: &Pairing) -> String {
+    let mut lines: Vec<String> = actions
+        .into_iter()
+        .map(|a| match a {
+            PairAction::Request { to, iteration } => {
+                format!("request to={to} iteration={iteration}")
+            }
+            PairAction::Answer { to } => format!("answer to={to} then average"),
+            PairAction::Average => "average".into(),
+            PairAction::Finished { to } => format!("finished to={to}"),
+            PairAction::Left { rank } => format!("left rank={rank}"),
+            PairAction::Fail(why) => format!("fail: {why}"),
+        })
+        .collect();
+    if lines.is_empty() {
+        lines.push("ok".into());
+    }
+    if let Some(rank) = worker.awaiting() {
+        lines.push(format!("(awaiting {rank})"));
+    }
+    lines.join("\n") + "\n"
+}
+
+#[test]
+fn pairing_tables() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/pairing");
+    let mut cases = 0;
+    datadriven::walk(dir, |file| {
+        let mut worker: Option<Pairing> = None;
+        file.run(|case| -> String {
+            cases += 1;
+            let a = &case.args;
+            if case.directive == "worker" {
+                let w = Pairing::new(
+                    num(a, "rank") as u32,
+                    num(a, "workers") as u32,
+                    num(a, "allowed"),
+                );
+                let Some(w) = w else {
+                    return "refused: the graph is not bipartite\n".into();
+                };
+                let line = format!(
+                    "{} near={:?}\n",
+                    if w.active() { "active" } else { "passive" },
+                    w.near()
+                );
+                worker = Some(w);
+                return line;
+            }
+            let w = worker.as_mut().expect("a worker directive first");
+            let actions = match case.directive.as_str() {
+                "iteration" => {
+                    let pick = num(a, "pick") as usize;
+                    w.handle_iteration(num(a, "n"), |_| pick)
+                }
+                "model" => w.handle_model(num(a, "from") as u32, num(a, "iteration")),
+                "allow" => w.handle_allow(num(a, "from") as u32, num(a, "iterations")),
+                "stop" => w.handle_stop(num(a, "from") as u32),
+                "finished" => w.handle_finished(num(a, "from") as u32),
+                "lost" => w.handle_lost(num(a, "rank") as u32, &text(a, "reason")),
+                "end" => w.handle_end(),
+                "state" => {
+                    let done = num(a, "done");
+                    return format!(
+                        "may-iterate={} released={} stopped={}\n",
+                        w.may_iterate(done),
+                        w.released(),
+                        w.stopped()
+                    );
+                }
+                "gone" => {
+                    return format!("{}\n", w.is_gone(num(a, "rank") as u32));
+                }
+                other => panic!("unknown directive {other}"),
+            };
+            show_pairing(actions, w)
+        })
+    });
+    assert!(cases >= 20, "only {cases} cases read from {dir}");
 }

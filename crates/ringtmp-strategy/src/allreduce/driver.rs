@@ -773,7 +773,6 @@ pub fn run_worker(
     let mut step = spec.first_step();
     while step < spec.total_steps {
         let t_step = clock.now();
-        let epoch = step / spec.steps_per_epoch;
         let (t0, wall) = (clock.now(), Instant::now());
         let (at, m) = (ring.position(rank).expect("a member"), ring.members.len());
         let mut local_loss = crate::data_parallel::forward_share(
@@ -922,37 +921,21 @@ pub fn run_worker(
         let Some(recorder) = recorder.as_mut() else {
             continue;
         };
-        recorder.step(done, step_loss, lr, (train_seconds, samples))?;
-        on_event(&crate::Event::Step {
-            step: done,
-            epoch,
-            loss: step_loss,
-            samples_per_second: samples as f64 / train_seconds.max(1e-9),
-        });
+        recorder.announce_step(done, step_loss, lr, (train_seconds, samples), on_event)?;
         if spec.eval_due(done) {
             let (accuracy, test_loss) =
                 crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?;
-            recorder.eval(
+            recorder.announce_eval(
                 done,
-                accuracy,
-                Some(test_loss),
+                (accuracy, test_loss),
                 train_seconds,
                 (clock.now() - started).as_secs_f64(),
+                on_event,
             )?;
-            on_event(&crate::Event::Eval {
-                step: done,
-                epoch,
-                accuracy,
-                loss: test_loss,
-            });
         }
         if spec.checkpoint_due(done) {
             let dir = write_checkpoint(job, &stage, &optimizer, done)?;
-            recorder.checkpoint(done, &dir)?;
-            on_event(&crate::Event::Checkpoint {
-                step: done,
-                path: dir,
-            });
+            recorder.announce_checkpoint(done, dir, on_event)?;
         }
     }
     // Every worker's measurements, straight to rank 0.

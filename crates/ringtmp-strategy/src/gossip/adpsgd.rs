@@ -38,6 +38,7 @@ use serde_json::json;
 
 use super::coordinator::{Action, Coordinator, gathering_due};
 use super::mixing;
+use super::pairing::{PairAction, Pairing};
 use crate::TrainConfig;
 use crate::contract::{Cluster, NodeCx, PlanReport, Strategy, validate_shared};
 use crate::data_parallel::{ShareBuffers, WorkerClock};
@@ -210,19 +211,10 @@ pub struct WorkerOutcome {
 struct Worker<'a> {
     job: &'a AdpsgdJob,
     rank: u32,
-    active: bool,
-    /// Gossip neighbours still alive (of the other colour).
-    near: BTreeSet<u32>,
+    /// Who to average with, when, and who is gone (the protocol's rules).
+    pairing: Pairing,
     /// This worker's model x_i.
     model: Vec<f32>,
-    /// Set when rank 0 said stop.
-    stop: bool,
-    /// Iterations this worker may complete (rank 0's grants; see `coordinator`).
-    allowed: u64,
-    /// Passive: active neighbours that have finished.
-    finished: BTreeSet<u32>,
-    /// Ranks whose death this worker has noticed.
-    gone: BTreeSet<u32>,
     /// What the run loop has yet to report as [`crate::Event::Notice`]s.
     notices: Vec<String>,
     /// Averagings this worker took part in.
@@ -238,7 +230,7 @@ struct Worker<'a> {
 impl Worker<'_> {
     /// Acts on one message.
     fn handle(&mut self, net: &mut dyn Transport, from: u32, message: Message) -> Result<()> {
-        if self.gone.contains(&from) {
+        if self.pairing.is_gone(from) {
             // Sent before it died, read after its death was noticed (a link's closure can be
             // reported while waiting on another link, ahead of what is still queued on its own):
             // old news, like everything else of the dead.
@@ -262,23 +254,9 @@ impl Worker<'_> {
                 tensor_values(&bytes, h.dtype, &mut self.received);
                 net.buffers().give(bytes);
                 match h.micro_batch {
-                    // A request: answer with our model, then take the average.
-                    AVERAGE if !self.active && self.near.contains(&from) => {
-                        let answer = crate::data_parallel::model_message(
-                            net,
-                            &self.model,
-                            h.step,
-                            AVERAGE,
-                            self.job.spec.wire_dtype,
-                        );
-                        self.model
-                            .iter_mut()
-                            .zip(&self.received)
-                            .for_each(|(x, a)| *x = (*x + a) * 0.5);
-                        self.averagings += 1;
-                        if let Err(e) = net.send(from, answer) {
-                            self.lost(net, e)?;
-                        }
+                    AVERAGE => {
+                        let actions = self.pairing.handle_model(from, h.step);
+                        self.act(net, from, h.step, actions)?;
                     }
                     SNAPSHOT if self.coordinator.is_some() => {
                         let model = std::mem::take(&mut self.received);
@@ -315,7 +293,7 @@ impl Worker<'_> {
         from: u32,
         message: AdpsgdMessage,
     ) -> Result<()> {
-        match message {
+        let actions = match message {
             AdpsgdMessage::Snapshot { round } if from == 0 => {
                 net.send(
                     0,
@@ -327,24 +305,87 @@ impl Worker<'_> {
                         Dtype::F32,
                     ),
                 )?;
+                return Ok(());
             }
-            AdpsgdMessage::Stop { .. } if from == 0 => self.stop = true,
-            AdpsgdMessage::Allow { iterations } if from == 0 => {
-                self.allowed = self.allowed.max(iterations);
-            }
-            AdpsgdMessage::Finished { .. } if !self.active => {
-                self.finished.insert(from);
-            }
+            AdpsgdMessage::Stop { .. } => self.pairing.handle_stop(from),
+            AdpsgdMessage::Allow { iterations } => self.pairing.handle_allow(from, iterations),
+            AdpsgdMessage::Finished { .. } => self.pairing.handle_finished(from),
             AdpsgdMessage::Progress {
                 iterations,
                 loss_bits,
             } if self.coordinator.is_some() => {
                 self.coordinator_mut()
                     .progress(from, iterations, f64::from_bits(loss_bits));
+                return Ok(());
             }
             _ => return Err(Error::protocol("ad-psgd", net, from, "message")),
+        };
+        self.act(net, from, 0, actions)
+    }
+
+    /// Does what the pairing decided on a message from `from` (a model's `iteration`) or on
+    /// this worker's own iteration `iteration`, with the model in `received` where one arrived.
+    fn act(
+        &mut self,
+        net: &mut dyn Transport,
+        from: u32,
+        iteration: u64,
+        actions: Vec<PairAction>,
+    ) -> Result<()> {
+        for action in actions {
+            match action {
+                PairAction::Request { to, iteration } => {
+                    let request = crate::data_parallel::model_message(
+                        net,
+                        &self.model,
+                        iteration,
+                        AVERAGE,
+                        self.job.spec.wire_dtype,
+                    );
+                    if let Err(e) = net.send(to, request) {
+                        self.lost(net, e)?;
+                    }
+                }
+                PairAction::Answer { to } => {
+                    // Our model as it was, then the average.
+                    let answer = crate::data_parallel::model_message(
+                        net,
+                        &self.model,
+                        iteration,
+                        AVERAGE,
+                        self.job.spec.wire_dtype,
+                    );
+                    self.average();
+                    if let Err(e) = net.send(to, answer) {
+                        self.lost(net, e)?;
+                    }
+                }
+                PairAction::Average => self.average(),
+                PairAction::Finished { to } => {
+                    let done = AdpsgdMessage::Finished {
+                        iterations: iteration,
+                    };
+                    if let Err(e) = net.send(to, done.to_message()) {
+                        self.lost(net, e)?;
+                    }
+                }
+                // Only a lost link makes a neighbour leave (`lost` reports it, with the cause).
+                PairAction::Left { .. } => {}
+                PairAction::Fail(why) => {
+                    return Err(Error::protocol("ad-psgd", net, from, &why));
+                }
+            }
         }
         Ok(())
+    }
+
+    /// Replaces our model by its average with the one received.
+    fn average(&mut self) {
+        self.model
+            .iter_mut()
+            .zip(&self.received)
+            .for_each(|(x, a)| *x = (*x + a) * 0.5);
+        self.averagings += 1;
     }
 
     fn coordinator_mut(&mut self) -> &mut Coordinator {
@@ -354,16 +395,18 @@ impl Worker<'_> {
     /// A transport failure: a dead worker is dropped (its neighbours go on without it); the
     /// master's death, or anything else, ends the run.
     fn lost(&mut self, net: &dyn Transport, e: TransportError) -> Result<()> {
-        let Some(dead) = e.failed_peer().filter(|r| *r != 0 && *r != self.rank) else {
+        let Some(dead) = e.failed_peer() else {
             return Err(e.into());
         };
-        self.gone.insert(dead);
-        let newly = self.near.remove(&dead) | self.finished.insert(dead);
+        let actions = self.pairing.handle_lost(dead, &e.to_string());
+        if actions.iter().any(|a| matches!(a, PairAction::Fail(_))) {
+            return Err(e.into());
+        }
         let reported = match self.coordinator.as_mut() {
             Some(c) => c.drop_worker(dead, e.to_string()),
             None => false,
         };
-        if newly || reported {
+        if !actions.is_empty() || reported {
             self.notices.push(format!(
                 "ad-psgd: rank {}: {} left the run ({e}); going on without it",
                 self.rank,
@@ -451,8 +494,14 @@ pub fn run_worker(
 ) -> Result<WorkerOutcome> {
     let spec = &job.spec;
     let n = job.workers as u32;
-    let colours = mixing::two_colouring(n, |r| mixing::bipartite_neighbours(r, n))
+    let allowed = Coordinator::initial_grant(n, spec.first_step(), spec.total_steps);
+    let pairing = Pairing::new(rank, n, allowed)
         .ok_or_else(|| Error::Config(format!("{n} workers: the graph is not bipartite")))?;
+    let actives = mixing::two_colouring(n, |r| mixing::bipartite_neighbours(r, n))
+        .map_or(0, |colours| {
+            colours.iter().filter(|passive| !**passive).count()
+        });
+    let degree = pairing.near().len();
     let layers = spec.layers()?;
     let mut compute = Compute {
         spec,
@@ -472,18 +521,13 @@ pub fn run_worker(
     let mut me = Worker {
         job,
         rank,
-        active: !colours[rank as usize],
-        near: mixing::bipartite_neighbours(rank, n),
+        pairing,
         model: match initial {
             Some(model) => model.to_vec(),
             // A sizes-only run's model: zeroed, never written, so never backed by memory.
             None if ringtmp_meter::phantom() => vec![0.0; compute.stage.params().len()],
             None => compute.stage.params().to_vec(),
         },
-        stop: false,
-        allowed: Coordinator::initial_grant(n, spec.first_step(), spec.total_steps),
-        finished: BTreeSet::new(),
-        gone: BTreeSet::new(),
         notices: Vec::new(),
         averagings: 0,
         coordinator: (rank == 0).then(|| Coordinator::new(n, spec.first_step(), spec.total_steps)),
@@ -496,8 +540,7 @@ pub fn run_worker(
         NAME,
         rank,
         me.model.len(),
-        json!({"workers": n, "active": colours.iter().filter(|p| !**p).count(),
-               "degree": me.near.len()}),
+        json!({"workers": n, "active": actives, "degree": degree}),
         on_event,
     )?;
     let clock = net.clock();
@@ -521,10 +564,10 @@ pub fn run_worker(
         if let Some(r0) = rank0.as_mut() {
             coordinate(&mut me, net, r0, &optimizer, on_event)?;
         }
-        if me.stop {
+        if me.pairing.stopped() {
             break;
         }
-        if iterations >= me.allowed {
+        if !me.pairing.may_iterate(iterations) {
             // This worker's grant is used up: serve the others until rank 0 grants more or says
             // stop (a silent rank 0 is named by the timeout).
             me.serve_one(net, timeout)?;
@@ -533,52 +576,20 @@ pub fn run_worker(
         let step = spec.first_step() + iterations;
         let lr = spec.lr_at(step.min(last_rate_step));
         let t0 = clock.now();
-        let loss = if me.active {
+        let loss = if me.pairing.active() {
             // Our model to a random live passive neighbour; the gradient at that same model
-            // while it travels; then the average.
-            let live: Vec<u32> = me.near.iter().copied().collect();
-            let mut partner = (!live.is_empty()).then(|| live[rng.random_range(0..live.len())]);
-            if let Some(p) = partner
-                && let Err(e) = net.send(
-                    p,
-                    crate::data_parallel::model_message(
-                        net,
-                        &me.model,
-                        iterations,
-                        AVERAGE,
-                        spec.wire_dtype,
-                    ),
-                )
-            {
-                me.lost(net, e)?;
-                partner = None;
-            }
+            // while it travels; then the average, on its answer.
+            let request = me
+                .pairing
+                .handle_iteration(iterations, |count| rng.random_range(0..count));
+            me.act(net, rank, iterations, request)?;
             let loss = compute.gradient(&me.model, step, clock.as_ref())?;
             compute_seconds += (clock.now() - t0).as_secs_f64();
             let waited = clock.now();
-            while let Some(p) = partner {
-                match net.recv_from(p, timeout) {
-                    Ok(Message::Tensor(h, bytes))
-                        if h.tag == TensorTag::Params
-                            && h.micro_batch == AVERAGE
-                            && h.step == iterations
-                            && crate::data_parallel::holds(&h, me.model.len()) =>
-                    {
-                        tensor_values(&bytes, h.dtype, &mut me.received);
-                        net.buffers().give(bytes);
-                        me.model
-                            .iter_mut()
-                            .zip(&me.received)
-                            .for_each(|(x, p)| *x = (*x + p) * 0.5);
-                        me.averagings += 1;
-                        partner = None;
-                    }
-                    // Rank 0 hears from its neighbours about other things too.
-                    Ok(m) => me.handle(net, p, m)?,
-                    Err(e) => {
-                        me.lost(net, e)?;
-                        partner = partner.filter(|p| me.near.contains(p));
-                    }
+            while let Some(partner) = me.pairing.awaiting() {
+                match net.recv_from(partner, timeout) {
+                    Ok(m) => me.handle(net, partner, m)?,
+                    Err(e) => me.lost(net, e)?,
                 }
             }
             wait_seconds += (clock.now() - waited).as_secs_f64();
@@ -606,7 +617,7 @@ pub fn run_worker(
             compute_seconds += (clock.now() - t0).as_secs_f64();
             loss
         };
-        if !me.active {
+        if !me.pairing.active() {
             me.drain(net)?;
         }
         // The gradient, computed on the model read, applied to the model as it is now.
@@ -629,17 +640,10 @@ pub fn run_worker(
     }
     // The end: actives release their passive neighbours; passives serve until released.
     let waited = clock.now();
-    if me.active {
-        for &p in &me.near.clone() {
-            let done = AdpsgdMessage::Finished { iterations };
-            if let Err(e) = net.send(p, done.to_message()) {
-                me.lost(net, e)?;
-            }
-        }
-    } else {
-        while me.near.iter().any(|a| !me.finished.contains(a)) {
-            me.serve_one(net, timeout)?;
-        }
+    let release = me.pairing.handle_end();
+    me.act(net, rank, iterations, release)?;
+    while !me.pairing.released() {
+        me.serve_one(net, timeout)?;
     }
     wait_seconds += (clock.now() - waited).as_secs_f64();
     for text in me.notices.drain(..) {
@@ -702,25 +706,15 @@ pub fn run_worker(
     let (accuracy, test_loss) = crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?;
     let wall = (clock.now() - started).as_secs_f64();
     r0.recorder
-        .eval(done, accuracy, Some(test_loss), train_seconds, wall)?;
+        .announce_eval(done, (accuracy, test_loss), train_seconds, wall, on_event)?;
     r0.recorder
         .write(json!({"event": "consensus", "step": done, "distance": distance}))?;
-    on_event(&crate::Event::Eval {
-        step: done,
-        epoch: done.saturating_sub(1) / spec.steps_per_epoch,
-        accuracy,
-        loss: test_loss,
-    });
     if spec.checkpoint_due(done) {
         let replicas: Vec<(u32, &[f32])> = finals.iter().map(|(r, m)| (*r, &m[..])).collect();
         let dir = crate::data_parallel::write_model(
             spec, n as usize, NAME, &stage, &optimizer, done, &replicas,
         )?;
-        r0.recorder.checkpoint(done, &dir)?;
-        on_event(&crate::Event::Checkpoint {
-            step: done,
-            path: dir,
-        });
+        r0.recorder.announce_checkpoint(done, dir, on_event)?;
     }
     let mut per_node = me.reports;
     per_node.push(own);
@@ -768,7 +762,7 @@ fn coordinate(
     let elapsed = || (clock.now() - r0.started).as_secs_f64();
     for (rank, iterations) in me.coordinator_mut().grants() {
         if rank == 0 {
-            me.allowed = iterations;
+            me.pairing.handle_allow(0, iterations);
         } else if let Err(e) = net.send(rank, AdpsgdMessage::Allow { iterations }.to_message()) {
             me.lost(net, e)?;
         }
@@ -780,13 +774,8 @@ fn coordinate(
                 let lr = spec.lr_at(step - 1);
                 let samples = me.coordinator_mut().iterations() * spec.batch_size as u64;
                 net.step_done();
-                r0.recorder.step(step, loss, lr, (elapsed(), samples))?;
-                on_event(&crate::Event::Step {
-                    step,
-                    epoch: (step - 1) / spec.steps_per_epoch,
-                    loss,
-                    samples_per_second: samples as f64 / elapsed().max(1e-9),
-                });
+                r0.recorder
+                    .announce_step(step, loss, lr, (elapsed(), samples), on_event)?;
             }
             Action::Snapshot { round, ranks } => {
                 for r in ranks {
@@ -805,7 +794,7 @@ fn coordinate(
                         me.lost(net, e)?;
                     }
                 }
-                me.stop = true;
+                me.pairing.handle_stop(0);
             }
         }
     }
@@ -821,13 +810,7 @@ fn coordinate(
         let (accuracy, test_loss) =
             crate::evaluation::evaluate(&mut stage, &r0.data.test, r0.data.classes)?;
         r0.recorder
-            .eval(done, accuracy, Some(test_loss), elapsed(), elapsed())?;
-        on_event(&crate::Event::Eval {
-            step: done,
-            epoch: (done - 1) / spec.steps_per_epoch,
-            accuracy,
-            loss: test_loss,
-        });
+            .announce_eval(done, (accuracy, test_loss), elapsed(), elapsed(), on_event)?;
     }
     r0.recorder
         .write(json!({"event": "consensus", "step": done, "distance": distance}))?;
@@ -842,11 +825,7 @@ fn coordinate(
             done,
             &replicas,
         )?;
-        r0.recorder.checkpoint(done, &dir)?;
-        on_event(&crate::Event::Checkpoint {
-            step: done,
-            path: dir,
-        });
+        r0.recorder.announce_checkpoint(done, dir, on_event)?;
     }
     Ok(())
 }

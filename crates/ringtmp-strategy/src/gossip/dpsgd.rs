@@ -319,7 +319,6 @@ pub fn run_worker_from(
             on_event(&crate::Event::Notice { text });
         }
         let t_step = clock.now();
-        let epoch = step / spec.steps_per_epoch;
         let (t0, wall) = (clock.now(), Instant::now());
         let step_loss = crate::data_parallel::forward_share(
             spec, &mut plan, data, &mut stage, rank, n as usize, step, &mut share,
@@ -392,13 +391,7 @@ pub fn run_worker_from(
         let done = step + 1;
         net.step_done();
         if let Some(recorder) = recorder.as_mut() {
-            recorder.step(done, step_loss, lr, (train_seconds, samples))?;
-            on_event(&crate::Event::Step {
-                step: done,
-                epoch,
-                loss: step_loss,
-                samples_per_second: samples as f64 / train_seconds.max(1e-9),
-            });
+            recorder.announce_step(done, step_loss, lr, (train_seconds, samples), on_event)?;
         }
         let (eval, save) = (spec.eval_due(done), spec.checkpoint_due(done));
         if !(eval || save) {
@@ -418,30 +411,20 @@ pub fn run_worker_from(
         if eval {
             let (accuracy, test_loss) =
                 crate::evaluation::evaluate(&mut model, &data.test, data.classes)?;
-            recorder.eval(
+            recorder.announce_eval(
                 done,
-                accuracy,
-                Some(test_loss),
+                (accuracy, test_loss),
                 train_seconds,
                 (clock.now() - started).as_secs_f64(),
+                on_event,
             )?;
             recorder.write(json!({"event": "consensus", "step": done, "distance": distance}))?;
-            on_event(&crate::Event::Eval {
-                step: done,
-                epoch,
-                accuracy,
-                loss: test_loss,
-            });
         }
         if save {
             // The consensus model, with rank 0's optimizer state, and every worker's own.
             let replicas: Vec<(u32, &[f32])> = models.iter().map(|(r, m)| (*r, &m[..])).collect();
             let dir = write_model(spec, n as usize, NAME, &model, &optimizer, done, &replicas)?;
-            recorder.checkpoint(done, &dir)?;
-            on_event(&crate::Event::Checkpoint {
-                step: done,
-                path: dir,
-            });
+            recorder.announce_checkpoint(done, dir, on_event)?;
         }
     }
     for text in peers.notices.drain(..) {

@@ -13,6 +13,7 @@ pub mod consensus;
 pub mod coordinator;
 pub mod dpsgd;
 pub mod mixing;
+pub mod pairing;
 
 pub use adpsgd::AdpsgdJob;
 pub use consensus::{Models, consensus};

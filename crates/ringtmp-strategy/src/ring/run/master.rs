@@ -166,7 +166,6 @@ pub fn run_master_with(
     let attempt_from = train_seconds;
     for step in job.first_step()..job.spec.total_steps {
         let t_step = time.now();
-        let epoch = step / job.spec.steps_per_epoch;
         let lr = job.lr_at(step);
         let (step_loss, rows_total) = pipe.run_minibatch(
             step,
@@ -192,13 +191,7 @@ pub fn run_master_with(
         let done = step + 1;
         net.step_done();
         (record.train_seconds, record.samples) = (train_seconds, samples);
-        recorder.step(done, mean_loss, lr, (train_seconds, samples))?;
-        on_event(&Event::Step {
-            step: done,
-            epoch,
-            loss: mean_loss,
-            samples_per_second: samples as f64 / train_seconds.max(1e-9),
-        });
+        recorder.announce_step(done, mean_loss, lr, (train_seconds, samples), on_event)?;
         // Rings of rings: the rings are identical, so the first evaluates and checkpoints.
         if job.ring == 0 && job.spec.eval_due(done) {
             let at = (done, train_seconds, wall_seconds(time.now()));
@@ -248,11 +241,7 @@ pub fn run_master_with(
                 )?);
             }
             let dir = job.write_manifest(done, &files)?;
-            recorder.checkpoint(done, &dir)?;
-            on_event(&Event::Checkpoint {
-                step: done,
-                path: dir,
-            });
+            recorder.announce_checkpoint(done, dir, on_event)?;
         }
         replicas.last_step = done;
         if job.replica_due(done) {
@@ -371,13 +360,13 @@ fn evaluate_and_record(
     on_event: &mut dyn FnMut(&Event),
 ) -> Result<()> {
     let (accuracy, test_loss) = evaluate(job, data, stage, net, done, &mut clock.eval_bytes, head)?;
-    recorder.eval(done, accuracy, Some(test_loss), train_seconds, wall_seconds)?;
-    on_event(&Event::Eval {
-        step: done,
-        epoch: (done - 1) / job.spec.steps_per_epoch,
-        accuracy,
-        loss: test_loss,
-    });
+    recorder.announce_eval(
+        done,
+        (accuracy, test_loss),
+        train_seconds,
+        wall_seconds,
+        on_event,
+    )?;
     Ok(())
 }
 
