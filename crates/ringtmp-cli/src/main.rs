@@ -12,6 +12,7 @@ mod cgroup;
 mod compare;
 mod display;
 mod error;
+mod generate;
 mod launcher;
 mod links;
 mod node;
@@ -51,6 +52,9 @@ enum Command {
     BenchCores(bench_cores::BenchCoresArgs),
     /// Measure the transport against plain TCP on loopback (throughput and round trips).
     BenchTransport(bench_transport::BenchTransportArgs),
+    /// Generate text from a language model's checkpoint (any strategy's), token by token with a
+    /// KV cache.
+    Generate(generate::GenerateArgs),
     /// Check training options or a model file without training.
     ValidateConfig(args::TrainArgs),
     /// Join a run started elsewhere (mpirun, srun, torchrun, Kubernetes, or by hand).
@@ -155,6 +159,7 @@ fn main() -> ExitCode {
         Command::BenchCompute(a) => bench::run(&a),
         Command::BenchCores(a) => bench_cores::run(&a),
         Command::ValidateConfig(a) => train::validate(&a),
+        Command::Generate(a) => generate::run(&a),
         Command::Node(a) => node::run(&a),
         Command::BenchTransport(a) => bench_transport::run(&a),
         Command::Selftest(a) => selftest(&a),

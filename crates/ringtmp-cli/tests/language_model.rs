@@ -148,6 +148,113 @@ fn a_gpt_trains_on_text_and_reports_loss_perplexity_and_bits_per_character() {
     assert!(summary["language"]["final_val_loss"].as_f64().is_some());
 }
 
+/// `ringtmp generate` on a ring's checkpoint (its stages in two files) and on the local one:
+/// the prompt and exactly the tokens asked for, the same text for the same seed, another for
+/// another seed, the figures on stderr; and each bad input one error, exit status 2.
+#[test]
+fn generate_continues_a_prompt_from_any_strategys_checkpoint_and_refuses_bad_input() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = write(tmp.path(), "winter.txt", &text());
+    let ring = tmp.path().join("ring");
+    succeeded(&train(
+        &data,
+        &ring,
+        &[
+            "--strategy",
+            "ring",
+            "--nodes",
+            "2",
+            "--use-all-nodes",
+            "--max-steps",
+            "40",
+            "--checkpoint-every",
+            "40",
+        ],
+    ));
+    let manifest = json(ring.join("checkpoints/step-000000040/manifest.json"));
+    assert_eq!(
+        manifest["files"].as_array().map(Vec::len),
+        Some(2),
+        "{manifest}"
+    );
+    assert_eq!(manifest["context"], 16, "{manifest}");
+    let ring_dir = ring.display().to_string();
+    let generate = |extra: &[&str]| {
+        let mut args = vec!["generate", "--checkpoint", &ring_dir, "--threads", "1"];
+        args.extend_from_slice(extra);
+        ringtmp(&args)
+    };
+    let sampled = |seed: &str| {
+        let out = generate(&["--prompt", "Now is", "--tokens", "40", "--seed", seed]);
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        (succeeded(&out), stderr)
+    };
+    let (first, stderr) = sampled("3");
+    assert!(first.starts_with("Now is"), "{first}");
+    // The prompt, 40 characters and the closing newline.
+    assert_eq!(first.chars().count(), "Now is".len() + 40 + 1, "{first:?}");
+    assert!(
+        first.chars().all(|c| {
+            "Now is the winter of our discontent made glorious summer by this sun of York.\n"
+                .contains(c)
+        }),
+        "{first:?}"
+    );
+    assert!(
+        stderr.contains("first token after") && stderr.contains("tokens/s"),
+        "{stderr}"
+    );
+    assert_eq!(sampled("3").0, first);
+    assert_ne!(sampled("4").0, first);
+    // Greedy decoding of a model that has learnt this one line continues it.
+    let greedy = succeeded(&generate(&[
+        "--prompt",
+        "Now is the winter of",
+        "--tokens",
+        "8",
+        "--temperature",
+        "0",
+    ]));
+    assert!(greedy.starts_with("Now is the winter of"), "{greedy}");
+
+    refused(
+        &generate(&["--prompt", "Now is 7", "--tokens", "5"]),
+        &["character '7'", "not in the model's vocabulary"],
+    );
+    refused(&generate(&["--tokens", "0"]), &["--tokens 0"]);
+    refused(
+        &generate(&["--prompt", "", "--tokens", "3"]),
+        &["--prompt: empty"],
+    );
+    refused(
+        &ringtmp(&[
+            "generate",
+            "--checkpoint",
+            &tmp.path().join("none").display().to_string(),
+        ]),
+        &["no checkpoint here"],
+    );
+    // An image classifier is not a language model.
+    let image = tmp.path().join("image");
+    succeeded(&ringtmp(&[
+        "train",
+        "--strategy",
+        "local",
+        "--dataset",
+        "digits",
+        "--max-steps",
+        "2",
+        "--checkpoint-every",
+        "2",
+        "--out",
+        &image.display().to_string(),
+    ]));
+    refused(
+        &ringtmp(&["generate", "--checkpoint", &image.display().to_string()]),
+        &["not a language model's checkpoint", "no vocabulary"],
+    );
+}
+
 #[test]
 fn bad_text_is_an_error_naming_the_file_and_place_that_writes_nothing() {
     let tmp = tempfile::tempdir().unwrap();
@@ -267,9 +374,37 @@ fn a_byte_level_bpe_tokenizer_feeds_the_ring_and_names_its_checkpoints() {
             .is_some_and(|v| v.starts_with("tokenizer:") && v.ends_with(&format!(":{vocab}"))),
         "{manifest}"
     );
+    // It generates with its tokenizer, and only with it.
+    let run_arg = run.display().to_string();
+    let text = succeeded(&ringtmp(&[
+        "generate",
+        "--checkpoint",
+        &run_arg,
+        "--tokenizer",
+        &tokenizer,
+        "--prompt",
+        "Now is",
+        "--tokens",
+        "12",
+    ]));
+    assert!(text.starts_with("Now is"), "{text}");
+    refused(
+        &ringtmp(&["generate", "--checkpoint", &run_arg, "--prompt", "Now"]),
+        &["trained with a tokenizer", "--tokenizer"],
+    );
     // Another tokenizer (fewer merges) cannot continue it.
     let other = tmp.path().join("other.json");
     ringtmp_data::text::train_byte_level_bpe(&[PathBuf::from(&data)], 280, &other).unwrap();
+    refused(
+        &ringtmp(&[
+            "generate",
+            "--checkpoint",
+            &run_arg,
+            "--tokenizer",
+            &other.display().to_string(),
+        ]),
+        &["--tokenizer", "but the model was trained with"],
+    );
     let run_dir = run.display().to_string();
     refused(
         &train(

@@ -21,4 +21,4 @@ pub use dataset::{
 };
 pub use error::{Error, Result};
 pub use sampler::{BatchPlan, epoch_permutation, shard};
-pub use text::{TextCorpus, Tokens, Vocabulary};
+pub use text::{TextCorpus, TextTokenizer, Tokens, Vocabulary};

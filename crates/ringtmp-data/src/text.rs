@@ -488,6 +488,58 @@ pub fn load_text_with_tokenizer(
     Ok((corpus, hashes))
 }
 
+/// A `tokenizer.json` opened for encoding prompts and decoding generated ids, with the
+/// vocabulary it stands for (its size and the SHA-256 of its file, as a run records it).
+pub struct TextTokenizer {
+    model: tokenizers::Tokenizer,
+    path: PathBuf,
+    /// The vocabulary the file stands for.
+    pub vocab: Vocabulary,
+}
+
+impl TextTokenizer {
+    /// Reads the `tokenizer.json` at `path`.
+    pub fn open(path: &Path) -> Result<Self> {
+        let bytes = std::fs::read(path).map_err(|source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let model = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| Error::Format {
+            path: path.to_path_buf(),
+            offset: 0,
+            reason: format!("not a tokenizer.json the tokenizers crate reads: {e}"),
+        })?;
+        let vocab = Vocabulary::Tokenizer {
+            size: model.get_vocab_size(true),
+            sha256: hex::encode(Sha256::digest(&bytes)),
+        };
+        Ok(Self {
+            model,
+            path: path.to_path_buf(),
+            vocab,
+        })
+    }
+
+    /// The ids of `text`.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        let encoding = self.model.encode(text, false).map_err(|e| Error::Format {
+            path: self.path.clone(),
+            offset: 0,
+            reason: format!("cannot encode the text: {e}"),
+        })?;
+        Ok(encoding.get_ids().to_vec())
+    }
+
+    /// The text of `ids` (an id past the vocabulary is an error naming it).
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.model.decode(ids, false).map_err(|e| Error::Format {
+            path: self.path.clone(),
+            offset: 0,
+            reason: format!("cannot decode ids: {e}"),
+        })
+    }
+}
+
 /// Trains a byte-level BPE tokenizer (GPT-2's kind: bytes as its first 256 symbols, no space
 /// added before the text) of `vocab_size` ids on `files` and saves it as a `tokenizer.json` at
 /// `out`, for `--tokenizer`.

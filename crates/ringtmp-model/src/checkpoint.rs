@@ -80,6 +80,10 @@ pub struct Manifest {
     /// resumes only on text with the same one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vocabulary: Option<String>,
+    /// A language model's context: positions per window (the model's input shape). Absent in
+    /// checkpoints that predate it; [`context_of`] then reads it from the position embedding.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub context: Option<usize>,
 }
 
 /// Name of the checkpoint directory for `step`.
@@ -217,7 +221,7 @@ pub fn read_range(
         range,
         first..last,
         params,
-        optimizer,
+        Some(optimizer),
     )
 }
 
@@ -282,11 +286,52 @@ pub fn read_stage(
         0..len,
         first..last,
         &mut params,
-        optimizer,
+        Some(optimizer),
     )?;
     stage.params_mut().copy_from_slice(&params);
     stage.zero_grad();
     Ok(())
+}
+
+/// Loads `stage`'s parameters from the checkpoint in `dir` (whatever its partition), without
+/// its optimizer state: what inference needs.
+pub fn read_params(dir: &Path, manifest: &Manifest, stage: &mut Stage) -> Result<()> {
+    let first = stage.first_layer();
+    let last = stage.layers().last().map_or(first, |l| l.index + 1);
+    let tensors = named_tensors(stage);
+    let len = stage.params().len();
+    let mut params = vec![0.0; len];
+    load_tensors(
+        dir,
+        manifest,
+        &tensors,
+        0..len,
+        first..last,
+        &mut params,
+        None,
+    )?;
+    stage.params_mut().copy_from_slice(&params);
+    Ok(())
+}
+
+/// A language model's context (positions per window) in the checkpoint in `dir`: the
+/// manifest's, or the first dimension of the position embedding's table.
+pub fn context_of(dir: &Path, manifest: &Manifest) -> Result<Option<usize>> {
+    if manifest.context.is_some() {
+        return Ok(manifest.context);
+    }
+    let Some(entry) = manifest.files.first() else {
+        return Ok(None);
+    };
+    let path = dir.join(&entry.name);
+    let bytes = fs::read(&path).map_err(|e| Error::io(&path, e))?;
+    let (_, header) =
+        SafeTensors::read_metadata(&bytes).map_err(|e| safetensors_error(&path, e))?;
+    Ok(header
+        .tensors()
+        .iter()
+        .find(|(name, _)| name.ends_with(".wpe.weight"))
+        .and_then(|(_, info)| info.shape.first().copied()))
 }
 
 /// Fills `params` (and `optimizer`'s state) with the slice `want` of the flat vector that
@@ -300,7 +345,7 @@ fn load_tensors(
     want: std::ops::Range<usize>,
     layers: std::ops::Range<usize>,
     params: &mut [f32],
-    optimizer: &mut Optimizer,
+    optimizer: Option<&mut Optimizer>,
 ) -> Result<()> {
     if manifest.files.len() != manifest.partition.len() {
         return Err(Error::CheckpointMismatch {
@@ -440,7 +485,10 @@ fn load_tensors(
             },
         })
     };
-    let state_names: Vec<&'static str> = optimizer.state().iter().map(|(n, _)| *n).collect();
+    let state_names: Vec<&'static str> = optimizer
+        .as_ref()
+        .map(|o| o.state().iter().map(|(n, _)| *n).collect())
+        .unwrap_or_default();
     let mut state: Vec<(&str, Vec<f32>)> = state_names
         .iter()
         .map(|n| (*n, vec![0.0; want.len()]))
@@ -462,12 +510,14 @@ fn load_tensors(
                 .copy_from_slice(&find(&format!("{state_name}.{tensor}"), shape)?[inside.clone()]);
         }
     }
-    optimizer
-        .load_state(&state, manifest.step)
-        .map_err(|e| Error::CheckpointMismatch {
-            path: dir.to_path_buf(),
-            reason: e.to_string(),
-        })?;
+    if let Some(optimizer) = optimizer {
+        optimizer
+            .load_state(&state, manifest.step)
+            .map_err(|e| Error::CheckpointMismatch {
+                path: dir.to_path_buf(),
+                reason: e.to_string(),
+            })?;
+    }
     params.copy_from_slice(&loaded);
     Ok(())
 }

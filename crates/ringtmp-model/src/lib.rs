@@ -31,7 +31,9 @@
 //! ```
 
 pub mod checkpoint;
+pub mod decode;
 mod error;
+pub mod generate;
 pub mod kernels;
 pub mod layers;
 pub mod loss;

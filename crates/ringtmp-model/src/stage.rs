@@ -297,6 +297,11 @@ impl Stage {
         self.input_grad = on;
     }
 
+    /// Threads the kernels use.
+    pub fn threads(&self) -> usize {
+        self.threads
+    }
+
     /// Threads the kernels may use.
     pub fn set_threads(&mut self, threads: usize) {
         self.threads = threads.max(1);

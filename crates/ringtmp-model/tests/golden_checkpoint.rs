@@ -73,6 +73,7 @@ fn write(dir: &Path, stage: &Stage, opt: &Optimizer) {
         lr: None,
         replicas: Vec::new(),
         vocabulary: None,
+        context: None,
     };
     checkpoint::write_manifest(dir, &manifest).unwrap();
 }

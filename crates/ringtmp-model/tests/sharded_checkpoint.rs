@@ -119,6 +119,7 @@ fn write_manifest(
         lr: None,
         replicas: Vec::new(),
         vocabulary: None,
+        context: None,
     };
     checkpoint::write_manifest(dir, &manifest).unwrap();
 }

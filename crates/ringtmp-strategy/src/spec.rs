@@ -203,6 +203,7 @@ impl RunSpec {
             files,
             replicas,
             vocabulary: self.vocabulary.clone(),
+            context: self.sequence,
         }
     }
 

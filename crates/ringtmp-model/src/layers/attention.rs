@@ -19,6 +19,14 @@ use serde::{Deserialize, Serialize};
 
 use crate::kernels::{Op, column_sums, linear_forward, matmul};
 
+/// One attention's cached keys and values for decoding: `[positions, width]` each, all heads
+/// side by side (as `qkv` holds them).
+#[derive(Clone, Debug, Default)]
+pub struct KeyValues {
+    pub(crate) keys: Vec<f32>,
+    pub(crate) values: Vec<f32>,
+}
+
 /// Causal self-attention geometry.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CausalSelfAttention {
@@ -90,6 +98,69 @@ impl CausalSelfAttention {
             parts.par_bridge().for_each(work);
         } else {
             parts.for_each(work);
+        }
+        linear_forward(y, rows, c, c, att, wproj, bproj, threads);
+    }
+
+    /// Decoding: `y` (`[rows, width]`) for `rows` new positions `at..at + rows` of one
+    /// sequence from their `x`, each attending to every earlier position through `cache` (the
+    /// keys and values of positions `0..at`, to which theirs are added). The same products and
+    /// softmax as [`CausalSelfAttention::forward`], in loops over the cached rows: a decode step
+    /// reads each cached key and value once.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn decode(
+        &self,
+        p: &[f32],
+        x: &[f32],
+        rows: usize,
+        at: usize,
+        cache: &mut KeyValues,
+        y: &mut [f32],
+        scratch: &mut Vec<f32>,
+        threads: usize,
+    ) {
+        let (c, d) = (self.width, self.head_dim());
+        let [wqkv, bqkv, wproj, bproj] = self.tensors().map(|(o, l)| &p[o..o + l]);
+        crate::kernels::set_len(scratch, rows * 4 * c + at + rows);
+        let (qkv, rest) = scratch.split_at_mut(rows * 3 * c);
+        let (att, scores) = rest.split_at_mut(rows * c);
+        linear_forward(qkv, rows, 3 * c, c, x, wqkv, bqkv, threads);
+        cache.keys.truncate(at * c);
+        cache.values.truncate(at * c);
+        for row in qkv.chunks_exact(3 * c) {
+            cache.keys.extend_from_slice(&row[c..2 * c]);
+            cache.values.extend_from_slice(&row[2 * c..]);
+        }
+        let scale = 1.0 / (d as f32).sqrt();
+        for (i, (row, out)) in qkv
+            .chunks_exact(3 * c)
+            .zip(att.chunks_exact_mut(c))
+            .enumerate()
+        {
+            let live = &mut scores[..=at + i];
+            for h in 0..self.heads {
+                let q = &row[h * d..(h + 1) * d];
+                for (j, s) in live.iter_mut().enumerate() {
+                    let k = &cache.keys[j * c + h * d..j * c + (h + 1) * d];
+                    *s = q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>();
+                }
+                let max = live
+                    .iter()
+                    .fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
+                let mut sum = 0.0f32;
+                for s in live.iter_mut() {
+                    *s = (*s * scale - max).exp();
+                    sum += *s;
+                }
+                let o = &mut out[h * d..(h + 1) * d];
+                o.fill(0.0);
+                for (j, &w) in live.iter().enumerate() {
+                    let v = &cache.values[j * c + h * d..j * c + (h + 1) * d];
+                    for (o, v) in o.iter_mut().zip(v) {
+                        *o += w / sum * v;
+                    }
+                }
+            }
         }
         linear_forward(y, rows, c, c, att, wproj, bproj, threads);
     }

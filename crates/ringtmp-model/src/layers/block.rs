@@ -237,6 +237,53 @@ impl Block {
         }
     }
 
+    /// Decoding: `y` (`[rows, width]`) for `rows` new positions `at..at + rows` of one
+    /// sequence, its attention reading and extending `cache` (see
+    /// [`CausalSelfAttention::decode`]); the same pieces as [`Block::forward`], nothing stashed.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn decode(
+        &self,
+        p: &[f32],
+        x: &[f32],
+        rows: usize,
+        at: usize,
+        cache: &mut super::KeyValues,
+        y: &mut [f32],
+        scratch: &mut Vec<f32>,
+        threads: usize,
+    ) {
+        let (c, hid, parts, norm) = (self.width, self.hidden(), self.parts(), self.norm());
+        let mut buffers = vec![0.0f32; 3 * rows * c + 2 * rows * hid + 2 * rows];
+        let (h, rest) = buffers.split_at_mut(rows * c);
+        let (x2, rest) = rest.split_at_mut(rows * c);
+        let (h2, rest) = rest.split_at_mut(rows * c);
+        let (u, rest) = rest.split_at_mut(rows * hid);
+        let (m, stats) = rest.split_at_mut(rows * hid);
+        norm.forward(span(p, parts.ln1), x, h, stats, threads);
+        self.attention().decode(
+            span(p, parts.attn),
+            h,
+            rows,
+            at,
+            cache,
+            x2,
+            scratch,
+            threads,
+        );
+        for (a, b) in x2.iter_mut().zip(x) {
+            *a += b;
+        }
+        norm.forward(span(p, parts.ln2), x2, h2, stats, threads);
+        let (fc_w, fc_b) = (span(p, parts.fc_w), span(p, parts.fc_b));
+        linear_forward(u, rows, hid, c, h2, fc_w, fc_b, threads);
+        gelu_forward_threaded(u, m, threads);
+        let (proj_w, proj_b) = (span(p, parts.proj_w), span(p, parts.proj_b));
+        linear_forward(y, rows, c, hid, m, proj_w, proj_b, threads);
+        for (a, b) in y.iter_mut().zip(x2.iter()) {
+            *a += b;
+        }
+    }
+
     /// Parameter gradients (added, or overwritten when `!accumulate`) and, when asked, `dx`.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn backward(

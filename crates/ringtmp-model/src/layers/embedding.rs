@@ -49,6 +49,20 @@ impl Embedding {
         }
     }
 
+    /// Decoding: `y` (`[ids, width]`) for the ids `x` at positions `at..at + ids` of one
+    /// sequence (each below `seq`: the caller checks).
+    pub(crate) fn forward_at(&self, p: &[f32], x: &[f32], at: usize, y: &mut [f32]) {
+        let (wte, wpe) = p.split_at(self.vocab * self.width);
+        let c = self.width;
+        for (i, (&token, out)) in x.iter().zip(y.chunks_exact_mut(c)).enumerate() {
+            let (id, t) = (self.id(token), at + i);
+            let (tok, pos) = (&wte[id * c..(id + 1) * c], &wpe[t * c..(t + 1) * c]);
+            for ((o, a), b) in out.iter_mut().zip(tok).zip(pos) {
+                *o = a + b;
+            }
+        }
+    }
+
     /// Adds (or writes, when `!accumulate`) each position's gradient to its token's row of
     /// `wte` and its position's row of `wpe`.
     pub(crate) fn backward(

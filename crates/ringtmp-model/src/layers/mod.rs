@@ -26,7 +26,7 @@ mod norm;
 mod pass;
 mod pool;
 
-pub use attention::CausalSelfAttention;
+pub use attention::{CausalSelfAttention, KeyValues};
 pub use block::Block;
 pub use conv_shape::Conv2d;
 pub(crate) use conv2d::{Fused, OutputGrad};
@@ -36,6 +36,7 @@ pub use embedding::Embedding;
 pub use linear::Linear;
 pub use linear_part::LinearPart;
 pub(crate) use linear_part::Side;
+pub(crate) use norm::gelu_forward_threaded;
 pub use norm::{NORM_EPS, Norm, NormKind, gelu_backward, gelu_forward};
 pub use pass::{Aux, Pass, mix};
 pub use pool::MaxPool2d;
