@@ -88,9 +88,12 @@ pub struct NodeSummary {
     /// Parameter servers: workers dropped after dying.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dropped_workers: Vec<u32>,
-    /// Evaluations this node made: `(iteration, test accuracy, training seconds)`.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub evaluations: Vec<(u64, f64, f64)>,
+    /// Evaluations this node made: `(iteration, test accuracy, test loss, training seconds)`.
+    /// The figures are written with ten significant digits in a fixed width
+    /// ([`fixed_width`]): a report's length must not depend on the values in it, or a
+    /// simulated run's time would (a sizes-only run evaluates other values than a computing one).
+    #[serde(default, skip_serializing_if = "Vec::is_empty", with = "fixed_width")]
+    pub evaluations: Vec<(u64, f64, f64, f64)>,
     /// Steps this node recorded for the run's log, `(steps done, training loss, learning rate,
     /// training seconds)`: the parameter server's worker 0 sends them to server 0 in its report
     /// (at most [`MAX_REPORTED_STEPS`] a run). Not kept in summary.json.
@@ -380,6 +383,73 @@ mod tests {
                 v["per_node"][0].get(key).is_some(),
                 "missing per_node.{key}"
             );
+        }
+    }
+}
+
+/// Evaluation figures as fixed-width text: `d.ddddddddde±xxx` (16 characters for every
+/// non-negative value, `NaN` and `inf` padded to them), so the encoded length of a report does not depend on its values.
+pub mod fixed_width {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    /// `value` in 16 characters (a negative value in 17; a non-finite one right-aligned).
+    pub fn format(value: f64) -> String {
+        if !value.is_finite() {
+            return format!("{value:>16}");
+        }
+        let text = format!("{value:.9e}");
+        let (mantissa, exponent) = text.split_once('e').unwrap_or((&text, "0"));
+        let exponent: i32 = exponent.parse().unwrap_or(0);
+        let sign = if exponent < 0 { '-' } else { '+' };
+        format!("{mantissa}e{sign}{:03}", exponent.abs())
+    }
+
+    type Evaluation = (u64, f64, f64, f64);
+
+    /// Writes each evaluation as `[iteration, "accuracy", "loss", "seconds"]`.
+    pub fn serialize<S: Serializer>(list: &[Evaluation], s: S) -> Result<S::Ok, S::Error> {
+        list.iter()
+            .map(|&(i, a, l, t)| (i, format(a), format(l), format(t)))
+            .collect::<Vec<_>>()
+            .serialize(s)
+    }
+
+    /// Reads what [`serialize`] wrote.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Evaluation>, D::Error> {
+        let parse = |text: &str| {
+            text.trim()
+                .parse::<f64>()
+                .map_err(|e| serde::de::Error::custom(format!("evaluation figure {text:?}: {e}")))
+        };
+        Vec::<(u64, String, String, String)>::deserialize(d)?
+            .into_iter()
+            .map(|(i, a, l, t)| Ok((i, parse(&a)?, parse(&l)?, parse(&t)?)))
+            .collect()
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn every_figure_takes_sixteen_characters_and_reads_back() {
+            for v in [f64::NAN, f64::INFINITY] {
+                let text = super::format(v);
+                assert_eq!(text.len(), 16, "{text}");
+                assert_eq!(text.trim().parse::<f64>().unwrap().to_bits(), v.to_bits());
+            }
+            for v in [
+                0.0,
+                1.0,
+                std::f64::consts::LN_10,
+                0.0925,
+                1e-7,
+                12345.678,
+                1e120,
+            ] {
+                let text = super::format(v);
+                assert_eq!(text.len(), 16, "{text}");
+                let back: f64 = text.parse().unwrap();
+                assert!((back - v).abs() <= v.abs() * 1e-9, "{v} → {text} → {back}");
+            }
         }
     }
 }

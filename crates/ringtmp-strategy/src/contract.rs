@@ -178,8 +178,9 @@ pub trait Strategy: Sized {
     /// Runs rank `rank`; the rank that writes the run's summary returns it.
     fn run(&self, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>>;
 
-    /// Whether it clips gradients by the global norm of each step's gradient
-    /// (`--clip-grad-norm`); a strategy that does not refuses the option.
+    /// Whether it clips gradients by their global L2 norm (`--clip-grad-norm`): each step's
+    /// whole gradient where the workers share one, else the gradient each worker applies. A
+    /// strategy that does not refuses the option.
     const CLIPS: bool = false;
 
     /// The workers that share each global batch in a run of `nodes` nodes (what a resumed

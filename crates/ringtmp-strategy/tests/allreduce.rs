@@ -233,3 +233,41 @@ fn rank_0_dying_ends_the_run_named_by_every_survivor() {
     }
     assert!(ran.elapsed < std::time::Duration::from_millis(30) + sim.peer_timeout * 2);
 }
+
+/// A GPT, without clipping and with clipping by the global norm (SGD, a norm low enough that
+/// every step clips): every replica holds the averaged gradient — each share's mean over its
+/// tokens, weighed by its windows — and clips it as `local` clips its whole batch's.
+#[test]
+fn a_gpt_with_and_without_clipping_equals_local() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (data, text) = ringtmp_testkit::fixtures::text_data(tmp.path());
+    for clip in [None, Some(0.05)] {
+        let cfg = TrainConfig {
+            dataset: "text".into(),
+            text: Some(text.clone()),
+            lr: if clip.is_some() { 0.5 } else { 0.05 },
+            clip_grad_norm: clip,
+            ..config(
+                ringtmp_testkit::fixtures::gpt(data.classes, 16),
+                12,
+                8,
+                &tmp.path().join(format!("local-{clip:?}")),
+            )
+        };
+        let oracle = oracle::local_params(&cfg, &data);
+        for workers in [2, 3, 4] {
+            let job = allreduce_job(&cfg, &data, workers, 4096, true);
+            let out = tmp.path().join(format!("{workers}-{clip:?}"));
+            let ran = run::allreduce_nodes(&Backend::sim(test_seed(7)), &job, &data, &out);
+            let (params, summary) = replicas_agree(ran.results);
+            let diff = max_rel_diff(&params, &oracle);
+            assert!(
+                diff < 1e-4,
+                "{workers} workers, clip {clip:?}: differs from local by {diff}"
+            );
+            // The reported loss is the mean over the batch's tokens, as local's.
+            let loss = summary.final_train_loss;
+            assert!(loss < (data.classes as f64).ln() + 1.0, "train loss {loss}");
+        }
+    }
+}

@@ -198,3 +198,93 @@ fn every_consistency_model_learns_with_a_straggler() {
         }
     }
 }
+
+/// A GPT's configuration: SGD (its update is proportional to the gradient, so a factor that were
+/// not the whole batch's would show) and a clipping norm low enough that every step clips.
+fn gpt_config(data: &Dataset, text: ringtmp_strategy::TextSource, out: &Path) -> TrainConfig {
+    TrainConfig {
+        model: ringtmp_testkit::fixtures::gpt(data.classes, 16),
+        dataset: "text".into(),
+        text: Some(text),
+        lr: 0.5,
+        clip_grad_norm: Some(0.05),
+        ..config(10, out)
+    }
+}
+
+/// Under BSP the servers clip the mean gradient by its global norm, their shares of it summed
+/// across servers: a GPT trained so equals `local` with the whole batch clipped as one. (Without
+/// the clipping the run ends elsewhere: it is active.)
+#[test]
+fn a_gpt_under_bsp_clips_by_the_global_norm_across_servers_like_local() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (data, text) = ringtmp_testkit::fixtures::text_data(tmp.path());
+    let cfg = gpt_config(&data, text, &tmp.path().join("local"));
+    let oracle = oracle::local_params(&cfg, &data);
+    let unclipped = oracle::local_params(
+        &TrainConfig {
+            clip_grad_norm: None,
+            out: tmp.path().join("unclipped"),
+            ..cfg.clone()
+        },
+        &data,
+    );
+    assert!(
+        max_rel_diff(&oracle, &unclipped) > 1e-3,
+        "clipping is active"
+    );
+    for servers in [1, SERVERS] {
+        let job = ps_job(&cfg, &data, servers, WORKERS, Consistency::Bsp);
+        let (params, _, _) = run(&job, &data, &[]);
+        let diff = max_rel_diff(&params, &oracle);
+        assert!(
+            diff < 1e-4,
+            "{servers} servers: differs from local by {diff}"
+        );
+    }
+    // Without clipping too (each worker's mean over its tokens, averaged over the workers).
+    let unclipped_cfg = TrainConfig {
+        clip_grad_norm: None,
+        lr: 0.05,
+        out: tmp.path().join("unclipped-local"),
+        ..cfg.clone()
+    };
+    let oracle = oracle::local_params(&unclipped_cfg, &data);
+    let job = ps_job(&unclipped_cfg, &data, SERVERS, WORKERS, Consistency::Bsp);
+    let (params, _, _) = run(&job, &data, &[]);
+    let diff = max_rel_diff(&params, &oracle);
+    assert!(diff < 1e-4, "unclipped: differs from local by {diff}");
+}
+
+/// Under a stale model each worker clips the gradient it pushes: a GPT trains (its validation
+/// loss falls below a uniform guess's).
+#[test]
+fn a_gpt_under_ssp_clips_each_workers_gradient_and_trains() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (data, text) = ringtmp_testkit::fixtures::text_data(tmp.path());
+    let cfg = TrainConfig {
+        lr: 0.2,
+        clip_grad_norm: Some(1.0),
+        max_steps: Some(40),
+        ..gpt_config(&data, text, &tmp.path().join("ssp"))
+    };
+    let job = ps_job(
+        &cfg,
+        &data,
+        SERVERS,
+        WORKERS,
+        Consistency::Ssp { staleness: 1 },
+    );
+    let (params, _, _) = run(&job, &data, &[]);
+    let layers = ringtmp_strategy::layers_for(&cfg.model, &data).unwrap();
+    let mut stage = Stage::new(&layers, 0..layers.len(), cfg.seed, 1);
+    let (_, before) =
+        ringtmp_strategy::evaluation::evaluate(&mut stage, &data.test, data.classes).unwrap();
+    stage.params_mut().copy_from_slice(&params);
+    let (_, after) =
+        ringtmp_strategy::evaluation::evaluate(&mut stage, &data.test, data.classes).unwrap();
+    assert!(
+        after < before - 0.5,
+        "validation loss {before:.3} before, {after:.3} after"
+    );
+}

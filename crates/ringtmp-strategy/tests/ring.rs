@@ -503,31 +503,10 @@ fn norms_and_gelu_split_over_a_ring_equal_local() {
     }
 }
 
-/// A character-level text of a few thousand characters, windows of 8.
-fn text_data(dir: &Path) -> (Dataset, ringtmp_strategy::TextSource) {
-    let line = "The quality of mercy is not strained; it droppeth as the gentle rain from heaven \
-                upon the place beneath. It is twice blest: it blesseth him that gives and him \
-                that takes.\n";
-    let path = dir.join("mercy.txt");
-    std::fs::write(&path, line.repeat(20)).unwrap();
-    let text = ringtmp_strategy::TextSource {
-        files: vec![path],
-        seq_len: 8,
-        validation: 0.1,
-        eval_tokens: 64,
-        bin_vocab: 0,
-        tokenizer: None,
-    };
-    (
-        ringtmp_data::load_text_dataset(&text.options()).unwrap(),
-        text,
-    )
-}
-
 #[test]
 fn a_gpt_split_over_a_ring_with_adamw_and_clipping_equals_local() {
     let tmp = tempfile::tempdir().unwrap();
-    let (data, text) = text_data(tmp.path());
+    let (data, text) = ringtmp_testkit::fixtures::text_data(tmp.path());
     let adamw = OptimizerConfig::AdamW {
         beta1: 0.9,
         beta2: 0.99,

@@ -167,3 +167,24 @@ pub fn train_config(
         text: None,
     }
 }
+
+/// A character-level text of a few thousand characters, windows of 8.
+pub fn text_data(dir: &std::path::Path) -> (Dataset, ringtmp_strategy::TextSource) {
+    let line = "The quality of mercy is not strained; it droppeth as the gentle rain from heaven \
+                upon the place beneath. It is twice blest: it blesseth him that gives and him \
+                that takes.\n";
+    let path = dir.join("mercy.txt");
+    std::fs::write(&path, line.repeat(20)).unwrap();
+    let text = ringtmp_strategy::TextSource {
+        files: vec![path],
+        seq_len: 8,
+        validation: 0.1,
+        eval_tokens: 64,
+        bin_vocab: 0,
+        tokenizer: None,
+    };
+    (
+        ringtmp_data::load_text_dataset(&text.options()).unwrap(),
+        text,
+    )
+}

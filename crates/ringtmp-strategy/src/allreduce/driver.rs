@@ -780,7 +780,9 @@ pub fn run_worker(
         )? as f32;
         // Shares differ by a row when the survivors do not divide the global batch: weigh each
         // share's mean by its rows, so the sum over workers divided by m is the batch's mean.
-        let weight = (share.y.len() * m) as f32 / global as f32;
+        // (A language model's share has a label per position: its rows are windows.)
+        let rows = share.y.len() / spec.positions();
+        let weight = (rows * m) as f32 / global as f32;
         if weight != 1.0 {
             share.dlogits.iter_mut().for_each(|d| *d *= weight);
             local_loss *= weight;

@@ -73,6 +73,7 @@ pub struct AdpsgdJob {
 
 impl Strategy for AdpsgdJob {
     const NAME: &'static str = NAME;
+    const CLIPS: bool = true;
     type Options = crate::contract::NoOptions;
 
     fn plan(
@@ -477,6 +478,10 @@ impl Compute<'_> {
         self.stage.backward(0, &self.share.dlogits)?;
         // Materialise the gradient here, on the compute thread.
         self.stage.grads();
+        if let Some(max_norm) = self.spec.clip_grad_norm {
+            // This worker's own gradient, the one it applies (there is no other in AD-PSGD).
+            crate::clipping::clip_whole(&mut self.stage, max_norm);
+        }
         clock.computed(wall.elapsed(), self.speed);
         Ok(loss)
     }

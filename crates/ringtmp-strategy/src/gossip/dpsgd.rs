@@ -76,6 +76,7 @@ pub struct DpsgdJob {
 
 impl Strategy for DpsgdJob {
     const NAME: &'static str = NAME;
+    const CLIPS: bool = true;
     type Options = DpsgdOptions;
 
     fn plan(
@@ -324,6 +325,10 @@ pub fn run_worker_from(
             spec, &mut plan, data, &mut stage, rank, n as usize, step, &mut share,
         )?;
         stage.backward(0, &share.dlogits)?;
+        if let Some(max_norm) = spec.clip_grad_norm {
+            // Each worker's own gradient, the one it applies: decentralised SGD has no other.
+            crate::clipping::clip_whole(&mut stage, max_norm);
+        }
         clock.computed(wall.elapsed(), speed);
         compute_seconds += (clock.now() - t0).as_secs_f64();
         // Gossip: our model (and degree) to every neighbour, theirs mixed with ours in rank

@@ -11,6 +11,12 @@
 //! live worker has pushed (exactly large-batch SGD); under SSP, ASP and DSSP as each push
 //! arrives, scaled by `1/W`.
 //!
+//! Clipping by the global norm (`--clip-grad-norm`): under BSP the servers clip the mean
+//! gradient, exactly as `local` clips its large batch's — each server's share of the squared
+//! norm goes to every other server (`GradNorm`), and a server applies its shard once it has them
+//! all, holding its answers to pulls until then. Under SSP, ASP and DSSP there is no step whose
+//! gradient all workers share: each worker clips the gradient it pushes (the update it makes).
+//!
 //! Ranks: servers are `0..S`, workers `S..S+W`.
 
 use std::collections::BTreeSet;
@@ -54,6 +60,14 @@ pub enum PsMessage {
         /// Pushes the worker has made.
         clock: u64,
     },
+    /// A server to every other server under BSP with clipping: the squared L2 norm of its shard
+    /// of iteration `iteration`'s mean gradient (the global norm is their sum).
+    GradNorm {
+        /// The global iteration.
+        iteration: u64,
+        /// The squared norm, as `f64::to_bits`.
+        squared_bits: u64,
+    },
 }
 
 impl StrategyMessage for PsMessage {
@@ -64,6 +78,7 @@ impl StrategyMessage for PsMessage {
             Self::Finished { .. } => "Finished",
             Self::Grant { .. } => "Grant",
             Self::Pull { .. } => "Pull",
+            Self::GradNorm { .. } => "GradNorm",
         }
     }
 }
@@ -270,11 +285,23 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
     let mut dropped: Vec<u32> = Vec::new();
     let mut drops: Vec<ringtmp_metrics::DroppedNode> = Vec::new();
     let mut reports: Vec<String> = Vec::new();
-    let mut bsp = BspSum::new(job.workers, params.len(), job.spec.lr);
+    let mut bsp = Bsp {
+        sum: BspSum::new(job.workers, params.len(), job.spec.lr),
+        clip: job
+            .spec
+            .clip_grad_norm
+            .filter(|_| job.consistency == Consistency::Bsp),
+        servers: job.servers,
+        iteration: job.first_step(),
+        waiting: None,
+        shares: std::collections::BTreeMap::new(),
+        held: Vec::new(),
+    };
     let (mut values, mut scratch) = (Vec::new(), Vec::new());
     let scale = 1.0 / job.workers as f32;
     let mut updates = UpdateStaleness::new(job.workers);
-    while finished.len() + dropped.len() < job.workers {
+    // (An iteration waiting for the other servers' shares of its norm is applied before the end.)
+    while finished.len() + dropped.len() < job.workers || bsp.waiting() {
         let (from, message) = match net.recv(job.timeout()) {
             Ok(m) => m,
             Err(e) => {
@@ -298,16 +325,14 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
                     reason: e.to_string(),
                 });
                 // Under BSP the iteration may now be complete without it.
-                bsp.forget(worker(rank));
-                if bsp.apply_if_complete(
-                    job.workers - dropped.len(),
-                    &mut optimizer,
-                    &mut params,
-                    net.buffers(),
-                ) {
+                bsp.sum.forget(worker(rank));
+                let live = job.workers - dropped.len();
+                if bsp.settle(live, &mut optimizer, &mut params, s, net)? {
                     checkpoints.iteration_done(job, s, &model, &params, &optimizer, net)?;
+                    release(&mut bsp, &params, job, &mut updates, net)?;
                 }
-                send_replies(
+                answer(
+                    &mut bsp,
                     replies,
                     &params,
                     job.servers,
@@ -341,7 +366,8 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
                     _,
                 ) if from == 0 && (worker as usize) < job.workers => {
                     let replies = pulls.grant(worker as usize, unit, settled, now());
-                    send_replies(
+                    answer(
+                        &mut bsp,
                         replies,
                         &params,
                         job.servers,
@@ -349,6 +375,20 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
                         &mut updates,
                         net,
                     )?;
+                }
+                (
+                    Some(PsMessage::GradNorm {
+                        iteration,
+                        squared_bits,
+                    }),
+                    _,
+                ) if bsp.clip.is_some() => {
+                    bsp.share(from as usize, iteration, f64::from_bits(squared_bits))?;
+                    let live = job.workers - dropped.len();
+                    if bsp.settle(live, &mut optimizer, &mut params, s, net)? {
+                        checkpoints.iteration_done(job, s, &model, &params, &optimizer, net)?;
+                        release(&mut bsp, &params, job, &mut updates, net)?;
+                    }
                 }
                 _ => {
                     return Err(Error::Config(format!(
@@ -373,7 +413,8 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
                         "server {s}: worker rank {from} pulls for iteration {clock} after pushing {pushed}"
                     )));
                 }
-                send_replies(
+                answer(
+                    &mut bsp,
                     pulls.pull(w, clock, now()),
                     &params,
                     job.servers,
@@ -396,14 +437,11 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
                 let lr = job.lr_at_unit(h.micro_batch);
                 if job.consistency == Consistency::Bsp {
                     // Keep this iteration's gradients; apply their mean once all live workers pushed.
-                    bsp.add(w, bytes, h.dtype, lr);
-                    if bsp.apply_if_complete(
-                        job.workers - dropped.len(),
-                        &mut optimizer,
-                        &mut params,
-                        net.buffers(),
-                    ) {
+                    bsp.sum.add(w, bytes, h.dtype, lr);
+                    let live = job.workers - dropped.len();
+                    if bsp.settle(live, &mut optimizer, &mut params, s, net)? {
                         checkpoints.iteration_done(job, s, &model, &params, &optimizer, net)?;
+                        release(&mut bsp, &params, job, &mut updates, net)?;
                     }
                 } else {
                     // Each push is 1/W of an iteration's mean gradient.
@@ -416,7 +454,8 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
                     checkpoints.push_applied(job, s, &model, &params, &optimizer, net)?;
                 }
                 let replies = pulls.pushed(w, h.micro_batch, now());
-                send_replies(
+                answer(
+                    &mut bsp,
                     replies,
                     &params,
                     job.servers,
@@ -428,7 +467,8 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
             (None, Message::Control(Control::Report { nodes })) => reports.extend(nodes),
             (Some(PsMessage::Finished { .. }), _) => {
                 finished.insert(w);
-                send_replies(
+                answer(
+                    &mut bsp,
                     pulls.drop_worker(w, now()),
                     &params,
                     job.servers,
@@ -485,6 +525,43 @@ pub fn run_server(job: &PsJob, s: usize, net: &mut dyn Transport) -> Result<Serv
         dropped: drops,
         reports,
     })
+}
+
+/// Sends `replies` now, or holds them while a BSP iteration waits for the other servers' shares
+/// of its norm (a shard sent then would miss the iteration's update).
+fn answer(
+    bsp: &mut Bsp,
+    replies: Vec<Reply>,
+    params: &[f32],
+    servers: usize,
+    dtype: Dtype,
+    staleness: &mut UpdateStaleness,
+    net: &mut dyn Transport,
+) -> Result<()> {
+    if bsp.waiting() {
+        bsp.held.extend(replies);
+        return Ok(());
+    }
+    send_replies(replies, params, servers, dtype, staleness, net)
+}
+
+/// Sends the answers held while the iteration just applied waited.
+fn release(
+    bsp: &mut Bsp,
+    params: &[f32],
+    job: &PsJob,
+    staleness: &mut UpdateStaleness,
+    net: &mut dyn Transport,
+) -> Result<()> {
+    let held = std::mem::take(&mut bsp.held);
+    send_replies(
+        held,
+        params,
+        job.servers,
+        job.spec.wire_dtype,
+        staleness,
+        net,
+    )
 }
 
 /// Sends what the admission decided: shards to workers, grants to the other servers.
@@ -577,19 +654,14 @@ impl BspSum {
         self.awaited_pushed.remove(&w);
     }
 
-    /// Applies the mean of the pushed gradients once all `live` workers have pushed — also when a
-    /// worker's death completes the iteration, which would otherwise wait for the next push.
-    /// Returns whether it applied.
-    fn apply_if_complete(
-        &mut self,
-        live: usize,
-        optimizer: &mut Optimizer,
-        params: &mut [f32],
-        buffers: &BufferPool,
-    ) -> bool {
-        if self.awaited_pushed.is_empty() || self.awaited_pushed.len() < live {
-            return false;
-        }
+    /// Whether every one of `live` workers has pushed this iteration.
+    fn complete(&self, live: usize) -> bool {
+        !self.awaited_pushed.is_empty() && self.awaited_pushed.len() >= live
+    }
+
+    /// The mean of the pushed gradients, in `sum` (in worker order); returns its squared L2
+    /// norm, which clipping needs.
+    fn take_mean(&mut self, buffers: &BufferPool) -> f64 {
         let phantom = ringtmp_meter::phantom();
         if !phantom {
             self.sum.fill(0.0);
@@ -604,12 +676,119 @@ impl BspSum {
             buffers.give(payload);
         }
         let mean = 1.0 / contributions as f32;
-        if !phantom {
-            self.sum.iter_mut().for_each(|v| *v *= mean);
+        if phantom {
+            return 0.0;
+        }
+        self.sum.iter_mut().for_each(|v| *v *= mean);
+        self.sum.iter().map(|&v| f64::from(v) * f64::from(v)).sum()
+    }
+
+    /// Applies the mean (times `factor`, the clipping's) and starts the next iteration.
+    fn apply(&mut self, factor: f32, optimizer: &mut Optimizer, params: &mut [f32]) {
+        if factor != 1.0 && !ringtmp_meter::phantom() {
+            self.sum.iter_mut().for_each(|v| *v *= factor);
         }
         optimizer.step(params, &self.sum, self.lr, 1);
         self.awaited_pushed.clear();
-        true
+    }
+}
+
+/// BSP's iterations on one server: the mean applied once every live worker has pushed, clipped
+/// by the global norm when asked — with several servers, once every server's share of the
+/// squared norm has arrived. While a clipped iteration waits for those shares, the answers to
+/// pulls wait too (they must carry the updated shard).
+///
+/// Invariants: iterations are applied in order, one at a time; the factor of an iteration is the
+/// same on every server (the same shares summed); no shard leaves the server between an
+/// iteration's completion and its application.
+struct Bsp {
+    sum: BspSum,
+    clip: Option<f32>,
+    servers: usize,
+    /// The global iteration in progress.
+    iteration: u64,
+    /// This iteration's own squared norm, once it is complete and waits for the others'.
+    waiting: Option<f64>,
+    /// Every server's share by iteration, by server (summed in server order, so every server
+    /// computes the same norm to the bit).
+    shares: std::collections::BTreeMap<u64, std::collections::BTreeMap<usize, f64>>,
+    /// Answers held while an iteration waits.
+    held: Vec<Reply>,
+}
+
+impl Bsp {
+    /// Whether an iteration is complete but not applied yet.
+    fn waiting(&self) -> bool {
+        self.waiting.is_some()
+    }
+
+    /// Applies the iteration if every one of `live` workers has pushed and — when clipping over
+    /// several servers — every server's share of the norm is in (telling the others this
+    /// server's share once it is complete). Returns whether it applied.
+    fn settle(
+        &mut self,
+        live: usize,
+        optimizer: &mut Optimizer,
+        params: &mut [f32],
+        s: usize,
+        net: &mut dyn Transport,
+    ) -> Result<bool> {
+        if self.waiting.is_none() {
+            if !self.sum.complete(live) {
+                return Ok(false);
+            }
+            let own = self.sum.take_mean(net.buffers());
+            if self.clip.is_none() {
+                self.sum.apply(1.0, optimizer, params);
+                self.iteration += 1;
+                return Ok(true);
+            }
+            self.waiting = Some(own);
+            self.shares
+                .entry(self.iteration)
+                .or_default()
+                .insert(s, own);
+            let share = PsMessage::GradNorm {
+                iteration: self.iteration,
+                squared_bits: own.to_bits(),
+            };
+            for other in (0..self.servers).filter(|o| *o != s) {
+                net.send(other as u32, share.to_message())?;
+            }
+        }
+        let (Some(_), Some(max_norm)) = (self.waiting, self.clip) else {
+            return Ok(false);
+        };
+        let Some(shares) = self.shares.get(&self.iteration) else {
+            return Ok(false);
+        };
+        if shares.len() < self.servers {
+            return Ok(false);
+        }
+        let squared: f64 = shares.values().sum();
+        let factor = crate::clipping::clip_factor(squared.sqrt(), max_norm);
+        self.sum.apply(factor, optimizer, params);
+        self.shares.remove(&self.iteration);
+        self.waiting = None;
+        self.iteration += 1;
+        Ok(true)
+    }
+
+    /// Server `from`'s share of iteration `iteration`'s squared norm.
+    fn share(&mut self, from: usize, iteration: u64, squared: f64) -> Result<()> {
+        let shares = self.shares.entry(iteration).or_default();
+        if iteration < self.iteration
+            || !squared.is_finite()
+            || squared < 0.0
+            || shares.insert(from, squared).is_some()
+        {
+            return Err(Error::Config(format!(
+                "server rank {from}'s share of the gradient norm for iteration {iteration} \
+                 ({squared}) comes at iteration {}, or again",
+                self.iteration
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -883,6 +1062,12 @@ pub fn run_worker(
             out.final_epoch_units += 1;
         }
         stage.backward(0, &d)?;
+        if let Some(max_norm) = job.spec.clip_grad_norm
+            && job.consistency != Consistency::Bsp
+        {
+            // No step's gradient is shared under a stale model: each worker clips its own.
+            crate::clipping::clip_whole(&mut stage, max_norm);
+        }
         clock.computed(computed.elapsed(), speed);
         out.compute_seconds += (clock.now() - computed_at).as_secs_f64();
         for (s, range) in ranges.iter().enumerate() {

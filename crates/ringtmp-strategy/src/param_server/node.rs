@@ -19,6 +19,7 @@ use crate::spec::RunSpec;
 
 impl Strategy for PsJob {
     const NAME: &'static str = "ps";
+    const CLIPS: bool = true;
     type Options = PsOptions;
 
     fn plan(
@@ -121,6 +122,9 @@ fn run(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
             })
             .transpose()?;
         let outcome = run_server(job, rank as usize, net)?;
+        // Training ends when the last worker has finished; collecting the reports is not part
+        // of it (their length, which depends on the values in them, must not move the time).
+        let trained = (time.now() - started).as_secs_f64();
         let mut own = base_summary(rank, "server", outcome.params.len() as u64, net);
         own.staleness_histogram = outcome.staleness;
         own.update_staleness_histogram = outcome.update_staleness.histogram.clone();
@@ -169,12 +173,7 @@ fn run(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
         let Some(mut recorder) = recorder else {
             unreachable!("server 0 opened the recorder")
         };
-        let mut summary = summarize(
-            job,
-            &mut recorder,
-            per_node,
-            (time.now() - started).as_secs_f64(),
-        )?;
+        let mut summary = summarize(job, &mut recorder, per_node, trained)?;
         summary.dropped_nodes = outcome.dropped.clone();
         let summary = recorder.finish(summary)?;
         return Ok(Some(summary));
@@ -228,7 +227,7 @@ fn run(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
                     let (accuracy, loss) =
                         crate::evaluation::evaluate(stage, &data.test, data.classes)?;
                     eval_seconds += (time.now() - started).as_secs_f64();
-                    evaluations.push((t, accuracy, train_seconds));
+                    evaluations.push((t, accuracy, loss, train_seconds));
                     on_event(&crate::Event::Eval {
                         step: t,
                         epoch: t.saturating_sub(1) / job.spec.steps_per_epoch.max(1),
@@ -275,13 +274,13 @@ fn run(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
     own.final_epoch_loss_sum = outcome.final_epoch_loss_sum;
     own.final_epoch_units = outcome.final_epoch_units;
     if w == 0 {
-        let (accuracy, _) = crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?;
+        let (accuracy, loss) = crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?;
         own.test_accuracy = Some(accuracy);
         // The final replica holds every iteration of the run (under BSP exactly; otherwise up
         // to the pushes still in flight when the work ran out).
         let end = job.spec.total_steps;
         if evaluations.last().map(|e| e.0) != Some(end) {
-            evaluations.push((end, accuracy, finished_at));
+            evaluations.push((end, accuracy, loss, finished_at));
         }
         own.evaluations = evaluations;
         own.steps = steps;
@@ -341,7 +340,7 @@ fn summarize(
         .map(|n| n.iterations * job.spec.batch_size as u64)
         .sum();
     let total_bytes_sent: u64 = per_node.iter().map(|n| n.bytes_sent).sum();
-    let mut evaluations: Vec<(u64, f64, f64)> = per_node
+    let mut evaluations: Vec<(u64, f64, f64, f64)> = per_node
         .iter()
         .flat_map(|n| n.evaluations.clone())
         .collect();
@@ -354,12 +353,12 @@ fn summarize(
     steps.sort_by_key(|s| s.0);
     let global_batch = (job.spec.batch_size * job.workers) as u64;
     let mut steps = steps.into_iter().peekable();
-    for &(iteration, accuracy, seconds) in &evaluations {
+    for &(iteration, accuracy, loss, seconds) in &evaluations {
         while let Some((done, loss, lr, seconds)) = steps.next_if(|s| s.0 <= iteration) {
             let samples = done.saturating_sub(job.first_step()) * global_batch;
             recorder.step(done, loss, lr, (seconds, samples))?;
         }
-        recorder.eval(iteration, accuracy, None, seconds, seconds)?;
+        recorder.eval(iteration, accuracy, Some(loss), seconds, seconds)?;
     }
     for (done, loss, lr, seconds) in steps {
         let samples = done.saturating_sub(job.first_step()) * global_batch;
