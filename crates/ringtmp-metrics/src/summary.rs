@@ -90,7 +90,7 @@ pub struct NodeSummary {
     pub dropped_workers: Vec<u32>,
     /// Evaluations this node made: `(iteration, test accuracy, test loss, training seconds)`.
     /// The figures are written with ten significant digits in a fixed width
-    /// ([`fixed_width`]): a report's length must not depend on the values in it, or a
+    /// (`fixed_width`): a report's length must not depend on the values in it, or a
     /// simulated run's time would (a sizes-only run evaluates other values than a computing one).
     #[serde(default, skip_serializing_if = "Vec::is_empty", with = "fixed_width")]
     pub evaluations: Vec<(u64, f64, f64, f64)>,

@@ -145,7 +145,8 @@ pub fn ps_nodes_audited(
     speeds: &[f64],
     audit: Option<u32>,
 ) -> Ran<Result<PsNode, String>> {
-    use ringtmp_strategy::param_server::driver::{run_server, run_worker};
+    use ringtmp_strategy::param_server::driver::run_worker;
+    use ringtmp_strategy::param_server::server::run_server;
     let n = (job.servers + job.workers) as u32;
     run_nodes(backend, star(n, job.servers as u32), audit, |r, net| {
         if (r as usize) < job.servers {

@@ -5,7 +5,8 @@
 //! - [`consistency`]: BSP, SSP, ASP and DSSP as one gate over the workers' positions, with the
 //!   DSSP synchronisation controller.
 //! - [`admission`]: when a server answers a pull, and with which unit (sans-IO).
-//! - [`driver`]: server and worker loops over the links.
+//! - [`driver`]: the job, its messages, and the worker's loop over the links.
+//! - [`server`]: a server's loop and what each event does to its shard.
 //! - [`node`]: the strategy's shape: a rank's role, its report, server 0's summary.
 //! - [`plan`]: `--strategy ps` options into the job every node runs.
 
@@ -14,3 +15,4 @@ pub mod consistency;
 pub mod driver;
 pub mod node;
 pub mod plan;
+pub mod server;

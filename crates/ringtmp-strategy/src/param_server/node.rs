@@ -12,8 +12,9 @@ use crate::TrainConfig;
 use crate::contract::{Cluster, NodeCx, PlanReport, Strategy, validate_shared};
 use crate::error::{Error, Result};
 use crate::param_server::consistency::Consistency;
-use crate::param_server::driver::{PsJob, WorkerEvent, run_server, run_worker};
+use crate::param_server::driver::{PsJob, WorkerEvent, run_worker};
 use crate::param_server::plan::PsOptions;
+use crate::param_server::server::run_server;
 use crate::recorder::RunRecorder;
 use crate::spec::RunSpec;
 
