@@ -557,7 +557,7 @@ pub fn run_worker(
         started,
     });
     let mut rng = ChaCha8Rng::seed_from_u64(spec.seed ^ (u64::from(rank) << 32) ^ 0xAD_95_6D);
-    let (mut compute_seconds, mut wait_seconds) = (0.0f64, 0.0f64);
+    let mut times = Times::default();
     let mut iterations = 0u64;
     let timeout = spec.recv_timeout();
     let last_rate_step = spec.schedule_steps.saturating_sub(1);
@@ -580,48 +580,9 @@ pub fn run_worker(
         }
         let step = spec.first_step() + iterations;
         let lr = spec.lr_at(step.min(last_rate_step));
-        let t0 = clock.now();
-        let loss = if me.pairing.active() {
-            // Our model to a random live passive neighbour; the gradient at that same model
-            // while it travels; then the average, on its answer.
-            let request = me
-                .pairing
-                .handle_iteration(iterations, |count| rng.random_range(0..count));
-            me.act(net, rank, iterations, request)?;
-            let loss = compute.gradient(&me.model, step, clock.as_ref())?;
-            compute_seconds += (clock.now() - t0).as_secs_f64();
-            let waited = clock.now();
-            while let Some(partner) = me.pairing.awaiting() {
-                match net.recv_from(partner, timeout) {
-                    Ok(m) => me.handle(net, partner, m)?,
-                    Err(e) => me.lost(net, e)?,
-                }
-            }
-            wait_seconds += (clock.now() - waited).as_secs_f64();
-            loss
-        } else if clock.overlaps_compute() {
-            // Compute on a thread while this one answers requests.
-            let model = me.model.clone();
-            let loss = std::thread::scope(|s| -> Result<f64> {
-                let clock = clock.as_ref();
-                let job = s.spawn(|| compute.gradient(&model, step, clock));
-                while !job.is_finished() {
-                    me.serve_one(net, POLL).or_else(|e| match e {
-                        Error::Transport(TransportError::Timeout { .. }) => Ok(()),
-                        e => Err(e),
-                    })?;
-                }
-                job.join()
-                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-            })?;
-            compute_seconds += (clock.now() - t0).as_secs_f64();
-            loss
-        } else {
-            // Virtual time: compute, account it, then answer what arrived meanwhile.
-            let loss = compute.gradient(&me.model, step, clock.as_ref())?;
-            compute_seconds += (clock.now() - t0).as_secs_f64();
-            loss
-        };
+        let draw = |count| rng.random_range(0..count);
+        let loss =
+            gradient_while_pairing(&mut me, &mut compute, net, iterations, draw, &mut times)?;
         if !me.pairing.active() {
             me.drain(net)?;
         }
@@ -650,7 +611,7 @@ pub fn run_worker(
     while !me.pairing.released() {
         me.serve_one(net, timeout)?;
     }
-    wait_seconds += (clock.now() - waited).as_secs_f64();
+    times.wait += (clock.now() - waited).as_secs_f64();
     for text in me.notices.drain(..) {
         on_event(&crate::Event::Notice { text });
     }
@@ -670,13 +631,13 @@ pub fn run_worker(
             net,
             &WorkerClock {
                 train_seconds,
-                compute_seconds,
-                wait_seconds,
+                compute_seconds: times.compute,
+                wait_seconds: times.wait,
                 iterations,
             },
         )
     };
-    let Some(mut r0) = rank0 else {
+    let Some(r0) = rank0 else {
         net.send(
             0,
             crate::data_parallel::model_message(net, &me.model, FINAL, SNAPSHOT, Dtype::F32),
@@ -689,6 +650,101 @@ pub fn run_worker(
             summary: None,
         });
     };
+    let summary = finish_rank0(
+        &mut me,
+        net,
+        r0,
+        stage,
+        &optimizer,
+        own,
+        train_seconds,
+        on_event,
+    )?;
+    Ok(WorkerOutcome {
+        model: me.model,
+        averagings: me.averagings,
+        summary: Some(summary),
+    })
+}
+
+/// Seconds a worker spent computing and waiting for its partners.
+#[derive(Default)]
+struct Times {
+    compute: f64,
+    wait: f64,
+}
+
+/// One iteration's gradient at this worker's model, with the pairing around it: an active
+/// worker sends its model to the partner `draw` picks among its live passive neighbours,
+/// computes while it travels, then waits for the answer and averages; a passive worker answers
+/// requests while it computes (on a thread of its own, on a wall clock; after it, on a virtual
+/// one). Returns the loss; the gradient is left in `compute`'s stage.
+fn gradient_while_pairing(
+    me: &mut Worker<'_>,
+    compute: &mut Compute<'_>,
+    net: &mut dyn Transport,
+    iterations: u64,
+    draw: impl FnOnce(usize) -> usize,
+    times: &mut Times,
+) -> Result<f64> {
+    let clock = net.clock();
+    let timeout = me.job.spec.recv_timeout();
+    let step = me.job.spec.first_step() + iterations;
+    let t0 = clock.now();
+    if me.pairing.active() {
+        let request = me.pairing.handle_iteration(iterations, draw);
+        me.act(net, me.rank, iterations, request)?;
+        let loss = compute.gradient(&me.model, step, clock.as_ref())?;
+        times.compute += (clock.now() - t0).as_secs_f64();
+        let waited = clock.now();
+        while let Some(partner) = me.pairing.awaiting() {
+            match net.recv_from(partner, timeout) {
+                Ok(m) => me.handle(net, partner, m)?,
+                Err(e) => me.lost(net, e)?,
+            }
+        }
+        times.wait += (clock.now() - waited).as_secs_f64();
+        return Ok(loss);
+    }
+    let loss = if clock.overlaps_compute() {
+        let model = me.model.clone();
+        std::thread::scope(|s| -> Result<f64> {
+            let clock = clock.as_ref();
+            let job = s.spawn(|| compute.gradient(&model, step, clock));
+            while !job.is_finished() {
+                me.serve_one(net, POLL).or_else(|e| match e {
+                    Error::Transport(TransportError::Timeout { .. }) => Ok(()),
+                    e => Err(e),
+                })?;
+            }
+            job.join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        })?
+    } else {
+        compute.gradient(&me.model, step, clock.as_ref())?
+    };
+    times.compute += (clock.now() - t0).as_secs_f64();
+    Ok(loss)
+}
+
+/// Rank 0's end of the run: every live worker's final model and report (and any gathering
+/// round still in flight), their consensus evaluated (and checkpointed when due), and the run's
+/// summary written.
+#[allow(clippy::too_many_arguments)]
+fn finish_rank0(
+    me: &mut Worker<'_>,
+    net: &mut dyn Transport,
+    mut r0: Rank0<'_>,
+    mut stage: Stage,
+    optimizer: &Optimizer,
+    own: NodeSummary,
+    train_seconds: f64,
+    on_event: &mut dyn FnMut(&crate::Event),
+) -> Result<Summary> {
+    let (spec, n, data) = (&me.job.spec, me.job.workers as u32, r0.data);
+    let timeout = spec.recv_timeout();
+    let clock = net.clock();
+    let started = r0.started;
     // Rank 0: every live worker's final model and report (and any round still in flight).
     loop {
         let c = me.coordinator.as_ref().expect("rank 0 coordinates");
@@ -698,12 +754,16 @@ pub fn run_worker(
             break;
         }
         me.serve_one(net, timeout)?;
-        coordinate(&mut me, net, &mut r0, &optimizer, on_event)?;
+        coordinate(me, net, &mut r0, optimizer, on_event)?;
     }
     let c = me.coordinator.take().expect("rank 0 coordinates");
     let live = c.live().clone();
     let mut finals: Vec<(u32, Vec<f32>)> = vec![(0, me.model.clone())];
-    finals.extend(me.finals.into_iter().filter(|(r, _)| live.contains(r)));
+    finals.extend(
+        std::mem::take(&mut me.finals)
+            .into_iter()
+            .filter(|(r, _)| live.contains(r)),
+    );
     finals.sort_by_key(|(r, _)| *r);
     let done = c.global_step();
     let (mean, distance) = super::consensus::consensus(&finals);
@@ -717,11 +777,11 @@ pub fn run_worker(
     if spec.checkpoint_due(done) {
         let replicas: Vec<(u32, &[f32])> = finals.iter().map(|(r, m)| (*r, &m[..])).collect();
         let dir = crate::data_parallel::write_model(
-            spec, n as usize, NAME, &stage, &optimizer, done, &replicas,
+            spec, n as usize, NAME, &stage, optimizer, done, &replicas,
         )?;
         r0.recorder.announce_checkpoint(done, dir, on_event)?;
     }
-    let mut per_node = me.reports;
+    let mut per_node = std::mem::take(&mut me.reports);
     per_node.push(own);
     per_node.sort_by_key(|p| p.rank);
     let samples = c.iterations() * spec.batch_size as u64;
@@ -737,12 +797,7 @@ pub fn run_worker(
         dropped_nodes: c.dropped().to_vec(),
         ..crate::data_parallel::run_summary(&r0.recorder, NAME, n, &totals, per_node)
     };
-    let summary = r0.recorder.finish(summary)?;
-    Ok(WorkerOutcome {
-        model: me.model,
-        averagings: me.averagings,
-        summary: Some(summary),
-    })
+    r0.recorder.finish(summary)
 }
 
 /// What rank 0 keeps for coordinating: its recorder and what evaluating needs.
