@@ -768,8 +768,6 @@ pub fn run_worker(
         generation: 0,
     };
     let mut dropped: Vec<DroppedNode> = Vec::new();
-    // What a regroup handled, for the caller as [`crate::Event::Notice`]s.
-    let mut notices: Vec<String> = Vec::new();
     let mut step = spec.first_step();
     while step < spec.total_steps {
         let t_step = clock.now();
@@ -796,28 +794,14 @@ pub fn run_worker(
             spec.recv_timeout(),
             spec.wire_dtype,
         );
-        // Overlap: between layers, start the buckets whose gradients are complete and move the
-        // ones in flight; a failure is kept for after the layer (a hook cannot return one).
-        let mut failure: Option<Error> = None;
-        {
-            let net = &mut *net;
-            let reducer = &mut reducer;
-            let mut hook = |offset: usize, tail: &[f32]| {
-                if failure.is_some() || !job.overlap {
-                    return;
-                }
-                let moved = reducer
-                    .start_ready(offset, tail, local_loss, net)
-                    .and_then(|()| reducer.pump(net));
-                if let Err(e) = moved {
-                    failure = Some(e);
-                }
-            };
-            stage.backward_streaming(0, &share.dlogits, &mut hook)?;
-        }
-        if let Some(e) = failure {
-            return Err(e);
-        }
+        backward_overlapping(
+            job.overlap,
+            &mut stage,
+            &share.dlogits,
+            &mut reducer,
+            local_loss,
+            net,
+        )?;
         clock.computed(wall.elapsed(), speed);
         compute_seconds += (clock.now() - t0).as_secs_f64();
         // Whatever the backward did not start yet (the first layers' bucket), then the rest of
@@ -832,73 +816,27 @@ pub fn run_worker(
             Err(broke) => {
                 // The step is abandoned; the survivors go on from rank 0's replica.
                 stage.zero_grad();
-                match broke {
-                    Break::Lost { rank: dead, reason } if rank == 0 => {
-                        reform_ring(
-                            net,
-                            &mut ring,
-                            dead,
-                            reason,
-                            step,
-                            &stage,
-                            &optimizer,
-                            &mut dropped,
-                            spec.recv_timeout(),
-                            &mut notices,
-                        )?;
-                        if let Some(recorder) = recorder.as_mut() {
-                            recorder.write(json!({"event": "dropped", "rank": dead,
-                                "step": step, "members": ring.members}))?;
-                        }
-                    }
-                    Break::Lost { .. } => {
-                        step = follow_regroup(
-                            net,
-                            rank,
-                            &mut ring,
-                            None,
-                            &mut stage,
-                            &mut optimizer,
-                            spec.recv_timeout(),
-                            &mut notices,
-                        )?;
-                    }
-                    Break::Regroup(order) => {
-                        step = follow_regroup(
-                            net,
-                            rank,
-                            &mut ring,
-                            Some(order),
-                            &mut stage,
-                            &mut optimizer,
-                            spec.recv_timeout(),
-                            &mut notices,
-                        )?;
-                    }
-                }
-                for text in notices.drain(..) {
-                    on_event(&crate::Event::Notice { text });
-                }
+                let regrouped = Regrouping {
+                    rank,
+                    step,
+                    timeout: spec.recv_timeout(),
+                };
+                step = regrouped.after(
+                    broke,
+                    net,
+                    &mut ring,
+                    &mut stage,
+                    &mut optimizer,
+                    &mut dropped,
+                    recorder.as_mut(),
+                    on_event,
+                )?;
                 train_seconds += (clock.now() - t_step).as_secs_f64();
                 continue;
             }
         };
         // The mean of the workers' gradients, then the same step on every replica.
-        let scale = 1.0 / m as f32;
-        let mut step_loss = 0.0f64;
-        if !ringtmp_meter::phantom() {
-            let grads = stage.grads_mut();
-            for (b, (range, sums)) in reduced.iter().enumerate() {
-                let len = range.len();
-                grads[range.clone()]
-                    .iter_mut()
-                    .zip(&sums[..len])
-                    .for_each(|(g, v)| *g = v * scale);
-                if b == 0 {
-                    step_loss = f64::from(sums[len]) / m as f64;
-                }
-            }
-        }
+        let step_loss = take_mean(&mut stage, &reduced, m);
         let lr = spec.lr_at(step);
         let (t1, wall) = (clock.now(), Instant::now());
         if let Some(max_norm) = spec.clip_grad_norm {
@@ -941,7 +879,6 @@ pub fn run_worker(
         }
     }
     // Every worker's measurements, straight to rank 0.
-    let params = stage.params().len() as u64;
     let own = crate::data_parallel::worker_summary(
         rank,
         &stage,
@@ -954,6 +891,42 @@ pub fn run_worker(
             iterations,
         },
     );
+    let totals = crate::data_parallel::RunTotals {
+        params: stage.params().len() as u64,
+        steps: spec.total_steps,
+        samples,
+        wall_seconds: 0.0,
+        train_seconds,
+    };
+    let summary = report(
+        job,
+        net,
+        rank,
+        &ring,
+        own,
+        recorder,
+        (totals, started),
+        dropped,
+        on_event,
+    )?;
+    Ok(WorkerOutcome { stage, summary })
+}
+
+/// The end of the run: every worker's report goes to rank 0, which writes the run's summary
+/// (its wall time since `started`, measured now) and returns it.
+#[allow(clippy::too_many_arguments)]
+fn report(
+    job: &AllReduceJob,
+    net: &mut dyn Transport,
+    rank: u32,
+    ring: &Ring,
+    own: ringtmp_metrics::NodeSummary,
+    recorder: Option<crate::recorder::RunRecorder>,
+    (mut totals, started): (crate::data_parallel::RunTotals, std::time::Duration),
+    dropped: Vec<DroppedNode>,
+    on_event: &mut dyn FnMut(&crate::Event),
+) -> Result<Option<Summary>> {
+    let spec = &job.spec;
     let Some(per_node) = crate::data_parallel::gather_reports(
         net,
         rank,
@@ -963,30 +936,145 @@ pub fn run_worker(
         on_event,
     )?
     else {
-        return Ok(WorkerOutcome {
-            stage,
-            summary: None,
-        });
+        return Ok(None);
     };
     let Some(recorder) = recorder else {
         unreachable!("rank 0 gathers the reports and holds the recorder")
     };
-    let totals = crate::data_parallel::RunTotals {
-        params,
-        steps: spec.total_steps,
-        samples,
-        wall_seconds: (clock.now() - started).as_secs_f64(),
-        train_seconds,
-    };
+    totals.wall_seconds = (net.clock().now() - started).as_secs_f64();
     let summary = Summary {
         dropped_nodes: dropped,
-        ..crate::data_parallel::run_summary(&recorder, super::NAME, n as u32, &totals, per_node)
+        ..crate::data_parallel::run_summary(
+            &recorder,
+            super::NAME,
+            job.workers as u32,
+            &totals,
+            per_node,
+        )
     };
-    let summary = recorder.finish(summary)?;
-    Ok(WorkerOutcome {
-        stage,
-        summary: Some(summary),
-    })
+    Ok(Some(recorder.finish(summary)?))
+}
+
+/// The backward pass of this worker's share, overlapped (when `overlap`) with the reduction:
+/// between layers it starts the buckets whose gradients are complete and moves the ones in
+/// flight. A failure is kept until the layer ends (a hook cannot return one).
+fn backward_overlapping(
+    overlap: bool,
+    stage: &mut Stage,
+    dlogits: &[f32],
+    reducer: &mut Reducer,
+    local_loss: f32,
+    net: &mut dyn Transport,
+) -> Result<()> {
+    let mut failure: Option<Error> = None;
+    let mut hook = |offset: usize, tail: &[f32]| {
+        if failure.is_some() || !overlap {
+            return;
+        }
+        let moved = reducer
+            .start_ready(offset, tail, local_loss, net)
+            .and_then(|()| reducer.pump(net));
+        if let Err(e) = moved {
+            failure = Some(e);
+        }
+    };
+    stage.backward_streaming(0, dlogits, &mut hook)?;
+    failure.map_or(Ok(()), Err)
+}
+
+/// Replaces `stage`'s gradient by the mean of the `m` workers' (the reduced sums, bucket by
+/// bucket); returns the mean of their losses (carried after the first bucket's values).
+fn take_mean(stage: &mut Stage, reduced: &[Reduced], m: usize) -> f64 {
+    if ringtmp_meter::phantom() {
+        return 0.0;
+    }
+    let scale = 1.0 / m as f32;
+    let mut step_loss = 0.0f64;
+    let grads = stage.grads_mut();
+    for (b, (range, sums)) in reduced.iter().enumerate() {
+        let len = range.len();
+        grads[range.clone()]
+            .iter_mut()
+            .zip(&sums[..len])
+            .for_each(|(g, v)| *g = v * scale);
+        if b == 0 {
+            step_loss = f64::from(sums[len]) / m as f64;
+        }
+    }
+    step_loss
+}
+
+/// A worker's part in re-forming the ring after a step broke (a member died, or rank 0 ordered
+/// a regroup): rank 0 leads the survivors; the others follow its order. The step is abandoned
+/// and the survivors go on from rank 0's replica.
+struct Regrouping {
+    rank: u32,
+    /// The step that broke.
+    step: u64,
+    timeout: std::time::Duration,
+}
+
+impl Regrouping {
+    /// Re-forms `ring` after `broke`; returns the step to go on from.
+    #[allow(clippy::too_many_arguments)]
+    fn after(
+        &self,
+        broke: Break,
+        net: &mut dyn Transport,
+        ring: &mut Ring,
+        stage: &mut Stage,
+        optimizer: &mut Optimizer,
+        dropped: &mut Vec<DroppedNode>,
+        recorder: Option<&mut crate::recorder::RunRecorder>,
+        on_event: &mut dyn FnMut(&crate::Event),
+    ) -> Result<u64> {
+        let mut notices: Vec<String> = Vec::new();
+        let step = match broke {
+            Break::Lost { rank: dead, reason } if self.rank == 0 => {
+                reform_ring(
+                    net,
+                    ring,
+                    dead,
+                    reason,
+                    self.step,
+                    stage,
+                    optimizer,
+                    dropped,
+                    self.timeout,
+                    &mut notices,
+                )?;
+                if let Some(recorder) = recorder {
+                    recorder.write(json!({"event": "dropped", "rank": dead,
+                        "step": self.step, "members": ring.members}))?;
+                }
+                self.step
+            }
+            Break::Lost { .. } => follow_regroup(
+                net,
+                self.rank,
+                ring,
+                None,
+                stage,
+                optimizer,
+                self.timeout,
+                &mut notices,
+            )?,
+            Break::Regroup(order) => follow_regroup(
+                net,
+                self.rank,
+                ring,
+                Some(order),
+                stage,
+                optimizer,
+                self.timeout,
+                &mut notices,
+            )?,
+        };
+        for text in notices {
+            on_event(&crate::Event::Notice { text });
+        }
+        Ok(step)
+    }
 }
 
 /// Rank 0 writes the one model every replica holds, in the format every strategy reads.
