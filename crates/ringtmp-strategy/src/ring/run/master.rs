@@ -86,7 +86,6 @@ pub fn run_master_with(
     let time = net.clock();
     let wall = *record.started.get_or_insert_with(|| time.now());
     let n = job.partition.len() as u32;
-    let pred = n - 1;
     let (mut stage, plan) = job.stage(0)?;
     let mut optimizer = Optimizer::new(job.spec.optimizer.clone(), stage.params().len());
     stage.set_weight_stashing(job.schedule == Schedule::Async);
@@ -94,25 +93,7 @@ pub fn run_master_with(
         Some(snapshot) => snapshot.restore(&mut stage, &mut optimizer)?,
         None => job.load(&mut stage, &mut optimizer)?,
     }
-    let mut head = match &job.head {
-        Some(plan) => {
-            let layers = job.layers()?;
-            let mut stage = Stage::new(
-                &layers,
-                plan.start..plan.end,
-                job.spec.seed,
-                job.spec.threads,
-            );
-            stage.set_input_grad(true);
-            stage.set_deferred_weight_grads(
-                job.defer_weight_grads && job.schedule != Schedule::Async,
-            );
-            let mut optimizer = Optimizer::new(job.spec.optimizer.clone(), stage.params().len());
-            job.load(&mut stage, &mut optimizer)?;
-            Some(MasterHead { stage, optimizer })
-        }
-        None => None,
-    };
+    let mut head = MasterHead::load(job)?;
     // Rings of rings draw the global batch and take their share of it.
     let mut batches = BatchPlan::new(
         setup.data.train.len(),
@@ -139,26 +120,7 @@ pub fn run_master_with(
             .insert(RunRecorder::open(&job.spec, "ring", ring)?),
     };
     let wall_seconds = |now: std::time::Duration| (now - wall).as_secs_f64();
-    let layers = job.layers()?;
-    let count = |start: usize, end: usize| -> usize {
-        layers[start..end].iter().map(|l| l.param_count()).sum()
-    };
-    on_event(&Event::Started {
-        total_steps: job.spec.total_steps,
-        first_step: job.first_step(),
-        params: count(0, layers.len()),
-        // The master's share includes the head it holds (U-shape).
-        stage_params: job
-            .partition
-            .iter()
-            .map(|p| count(p.start, p.end))
-            .enumerate()
-            .map(|(i, c)| match (&job.head, i) {
-                (Some(h), 0) => c + count(h.start, h.end),
-                _ => c,
-            })
-            .collect(),
-    });
+    on_event(&started(job)?);
 
     let timeout = job.recv_timeout();
     let mut pipe = MasterPipe::new(job);
@@ -211,36 +173,7 @@ pub fn run_master_with(
         // that halves throughput must show it): on the training clock, unlike evaluations.
         let upkeep = time.now();
         if job.ring == 0 && job.checkpoint_due(done) {
-            // Around the ring: each node writes its stage file and appends its entry; the
-            // manifest comes last, so an interrupted checkpoint leaves the previous one intact.
-            let own = job.write_stage_file(0, done, &stage, &optimizer)?;
-            let token = Control::Checkpoint {
-                step: done,
-                files: vec![own],
-            };
-            let mut files = match token_round(net, n, token, timeout)? {
-                Control::Checkpoint { step: s, files }
-                    if s == done && files.len() == n as usize =>
-                {
-                    files
-                }
-                _ => {
-                    return Err(protocol(
-                        net,
-                        pred,
-                        "message instead of the checkpoint entries",
-                    ));
-                }
-            };
-            if let Some(h) = &head {
-                files.push(job.write_stage_file_named(
-                    "stage-head",
-                    done,
-                    &h.stage,
-                    &h.optimizer,
-                )?);
-            }
-            let dir = job.write_manifest(done, &files)?;
+            let dir = checkpoint_round(job, net, done, (&stage, &optimizer), head.as_ref())?;
             recorder.announce_checkpoint(done, dir, on_event)?;
         }
         replicas.last_step = done;
@@ -295,8 +228,92 @@ pub fn run_master_with(
         own.param_bytes += params * 4;
         own.optimizer_bytes += h.optimizer.state_bytes() as u64;
     }
+    let per_node = collect_reports(job, net, own)?;
+    let summary = Summary {
+        wall_seconds: recorder.carried().wall_seconds + wall_seconds(time.now()),
+        ..ring_summary(job, recorder, per_node, (train_seconds, samples))?
+    };
+    let summary = match record.recorder.take() {
+        Some(recorder) => recorder.finish(summary)?,
+        None => summary,
+    };
+    Ok(MasterOutcome {
+        summary,
+        stage,
+        head: head.map(|h| h.stage),
+    })
+}
+
+/// The run's start as the user is told it: its steps and parameters, and every stage's (the
+/// master's with the head it holds).
+fn started(job: &RingJob) -> Result<Event> {
+    let layers = job.layers()?;
+    let count = |start: usize, end: usize| -> usize {
+        layers[start..end].iter().map(|l| l.param_count()).sum()
+    };
+    Ok(Event::Started {
+        total_steps: job.spec.total_steps,
+        first_step: job.first_step(),
+        params: count(0, layers.len()),
+        stage_params: job
+            .partition
+            .iter()
+            .map(|p| count(p.start, p.end))
+            .enumerate()
+            .map(|(i, c)| match (&job.head, i) {
+                (Some(h), 0) => c + count(h.start, h.end),
+                _ => c,
+            })
+            .collect(),
+    })
+}
+
+/// A checkpoint after mini-batch `done`, around the ring: each node writes its stage file and
+/// appends its entry to the token; the master writes the head's file and then the manifest, so
+/// an interrupted checkpoint leaves the previous one intact. Returns the checkpoint's directory.
+fn checkpoint_round(
+    job: &RingJob,
+    net: &mut dyn Transport,
+    done: u64,
+    (stage, optimizer): (&Stage, &Optimizer),
+    head: Option<&MasterHead>,
+) -> Result<std::path::PathBuf> {
+    let n = job.partition.len() as u32;
+    let own = job.write_stage_file(0, done, stage, optimizer)?;
+    let token = Control::Checkpoint {
+        step: done,
+        files: vec![own],
+    };
+    let mut files = match token_round(net, n, token, job.recv_timeout())? {
+        Control::Checkpoint { step, files } if step == done && files.len() == n as usize => files,
+        _ => {
+            return Err(protocol(
+                net,
+                n - 1,
+                "message instead of the checkpoint entries",
+            ));
+        }
+    };
+    if let Some(h) = head {
+        files.push(job.write_stage_file_named("stage-head", done, &h.stage, &h.optimizer)?);
+    }
+    job.write_manifest(done, &files)
+}
+
+/// Every node's report, collected around the ring after the master's own.
+fn collect_reports(
+    job: &RingJob,
+    net: &mut dyn Transport,
+    own: ringtmp_metrics::NodeSummary,
+) -> Result<Vec<ringtmp_metrics::NodeSummary>> {
+    let n = job.partition.len() as u32;
     let mut per_node = vec![own];
-    match token_round(net, n, Control::Report { nodes: Vec::new() }, timeout)? {
+    match token_round(
+        net,
+        n,
+        Control::Report { nodes: Vec::new() },
+        job.recv_timeout(),
+    )? {
         Control::Report { nodes } => {
             for doc in nodes {
                 per_node
@@ -305,8 +322,20 @@ pub fn run_master_with(
                     })?);
             }
         }
-        _ => return Err(protocol(net, pred, "message instead of the final report")),
+        _ => return Err(protocol(net, n - 1, "message instead of the final report")),
     }
+    Ok(per_node)
+}
+
+/// The run's summary from the nodes' reports and this process's training seconds and samples
+/// (the recorder adds earlier attempts' and healed rings'); the caller adds the wall time.
+fn ring_summary(
+    job: &RingJob,
+    recorder: &RunRecorder,
+    per_node: Vec<ringtmp_metrics::NodeSummary>,
+    (train_seconds, samples): (f64, u64),
+) -> Result<Summary> {
+    let n = job.partition.len() as u32;
     let total_bytes_sent: u64 = per_node.iter().map(|p| p.bytes_sent).sum();
     let per_node_eval: u64 = per_node.iter().map(|p| p.eval_bytes_sent).sum();
     let model_params = job.layers()?.iter().map(|l| l.param_count() as u64).sum();
@@ -314,13 +343,12 @@ pub fn run_master_with(
     // The whole run's clocks and samples: every ring a heal formed in this process, and a
     // restarted run's earlier attempts (the bytes are this process's, so per its samples).
     let (run_seconds, run_samples) = recorder.run_figures(train_seconds, samples);
-    let summary = Summary {
+    Ok(Summary {
         schedule: Some(job.schedule.name().into()),
         model_params,
         micro_batches: job.micro_batches as u32,
         steps: job.spec.total_steps,
         samples: run_samples,
-        wall_seconds: recorder.carried().wall_seconds + wall_seconds(time.now()),
         train_seconds: run_seconds,
         samples_per_second: run_samples as f64 / run_seconds.max(1e-9),
         total_bytes_sent,
@@ -333,15 +361,6 @@ pub fn run_master_with(
             .collect(),
         per_node,
         ..recorder.summary("ring", n)
-    };
-    let summary = match record.recorder.take() {
-        Some(recorder) => recorder.finish(summary)?,
-        None => summary,
-    };
-    Ok(MasterOutcome {
-        summary,
-        stage,
-        head: head.map(|h| h.stage),
     })
 }
 
@@ -722,6 +741,27 @@ fn servicer<'a>(
 pub struct MasterHead {
     stage: Stage,
     optimizer: Optimizer,
+}
+
+impl MasterHead {
+    /// The head `job` gives the master, if any, with its parameters (initial or resumed).
+    fn load(job: &RingJob) -> Result<Option<Self>> {
+        let Some(plan) = &job.head else {
+            return Ok(None);
+        };
+        let layers = job.layers()?;
+        let mut stage = Stage::new(
+            &layers,
+            plan.start..plan.end,
+            job.spec.seed,
+            job.spec.threads,
+        );
+        stage.set_input_grad(true);
+        stage.set_deferred_weight_grads(job.defer_weight_grads && job.schedule != Schedule::Async);
+        let mut optimizer = Optimizer::new(job.spec.optimizer.clone(), stage.params().len());
+        job.load(&mut stage, &mut optimizer)?;
+        Ok(Some(Self { stage, optimizer }))
+    }
 }
 
 /// What the master does when the last node's output for micro-batch `mb` arrives: the head's
