@@ -335,46 +335,15 @@ pub fn run_worker_from(
         // order.
         let waited = clock.now();
         let degree = peers.near.len();
-        for p in peers.near.clone() {
-            let message = model_message(net, stage.params(), step, degree as u64, spec.wire_dtype);
-            if let Err(e) = net.send(p, message) {
-                peers.lost(job, rank, step, e)?;
-            }
-        }
-        let mut heard = 0;
-        for p in peers.near.clone() {
-            // A failure of another peer meanwhile does not excuse this one.
-            while peers.near.contains(&p) {
-                let got = net.recv_from(p, spec.recv_timeout());
-                match got {
-                    Ok(Message::Tensor(h, bytes))
-                        if h.tag == TensorTag::Params
-                            && h.step == step
-                            && holds(&h, stage.params().len()) =>
-                    {
-                        // Buffers are reused from step to step.
-                        if received.len() == heard {
-                            received.push((0, Vec::new()));
-                        }
-                        let slot = &mut received[heard];
-                        slot.0 = h.micro_batch as usize;
-                        tensor_values(&bytes, h.dtype, &mut slot.1);
-                        net.buffers().give(bytes);
-                        heard += 1;
-                        break;
-                    }
-                    Ok(_) => {
-                        return Err(Error::protocol(
-                            "d-psgd",
-                            net,
-                            p,
-                            "message instead of its model",
-                        ));
-                    }
-                    Err(e) => peers.lost(job, rank, step, e)?,
-                }
-            }
-        }
+        let heard = exchange(
+            net,
+            job,
+            rank,
+            step,
+            &mut peers,
+            stage.params(),
+            &mut received,
+        )?;
         gossip_wait += (clock.now() - waited).as_secs_f64();
         if !ringtmp_meter::phantom() {
             // (A sizes-only run's models carry no values: mixing would only write memory.)
@@ -488,6 +457,59 @@ pub fn run_worker_from(
         stage,
         summary: Some(summary),
     })
+}
+
+/// One gossip round of step `step`: this worker's model (and degree) to every live neighbour,
+/// and theirs received into `received` (reused from step to step), in neighbour order; a
+/// neighbour that died meanwhile is dropped (and not waited for). Returns how many arrived.
+fn exchange(
+    net: &mut dyn Transport,
+    job: &DpsgdJob,
+    rank: u32,
+    step: u64,
+    peers: &mut Peers,
+    params: &[f32],
+    received: &mut Vec<(usize, Vec<f32>)>,
+) -> Result<usize> {
+    let spec = &job.spec;
+    let degree = peers.near.len();
+    for p in peers.near.clone() {
+        let message = model_message(net, params, step, degree as u64, spec.wire_dtype);
+        if let Err(e) = net.send(p, message) {
+            peers.lost(job, rank, step, e)?;
+        }
+    }
+    let mut heard = 0;
+    for p in peers.near.clone() {
+        // A failure of another peer meanwhile does not excuse this one.
+        while peers.near.contains(&p) {
+            match net.recv_from(p, spec.recv_timeout()) {
+                Ok(Message::Tensor(h, bytes))
+                    if h.tag == TensorTag::Params && h.step == step && holds(&h, params.len()) =>
+                {
+                    if received.len() == heard {
+                        received.push((0, Vec::new()));
+                    }
+                    let slot = &mut received[heard];
+                    slot.0 = h.micro_batch as usize;
+                    tensor_values(&bytes, h.dtype, &mut slot.1);
+                    net.buffers().give(bytes);
+                    heard += 1;
+                    break;
+                }
+                Ok(_) => {
+                    return Err(Error::protocol(
+                        "d-psgd",
+                        net,
+                        p,
+                        "message instead of its model",
+                    ));
+                }
+                Err(e) => peers.lost(job, rank, step, e)?,
+            }
+        }
+    }
+    Ok(heard)
 }
 
 #[cfg(test)]
