@@ -405,24 +405,8 @@ pub fn run(
         };
         let mut early = view.take_early();
         let failure = match outcome {
-            Ok(Some(mut summary)) => {
-                if !heals.is_empty() {
-                    // The nodes reported their rank in the healed ring; the run's ranks are the
-                    // ones it started with.
-                    for node in &mut summary.per_node {
-                        node.rank = members
-                            .get(node.rank as usize)
-                            .copied()
-                            .unwrap_or(node.rank);
-                    }
-                    summary.dropped_nodes.extend(dropped);
-                    summary.heals = heals;
-                    let path = job.spec.out.join("summary.json");
-                    let text = serde_json::to_string_pretty(&summary)
-                        .map_err(|e| Error::Config(format!("encoding the summary: {e}")))?;
-                    ringtmp_model::checkpoint::write_atomic(&path, text.as_bytes())?;
-                }
-                return Ok(Some(summary));
+            Ok(Some(summary)) => {
+                return with_heals(summary, &job, &members, dropped, heals).map(Some);
             }
             Ok(None) => return Ok(None),
             Err(e) => e,
@@ -434,58 +418,15 @@ pub fn run(
             let Some(dead) = failed_member(&failure, &members) else {
                 return Err(failure);
             };
-            let policy::Heal {
-                dead,
-                pred,
-                survivors,
-                step,
-                failed_at,
-            } = policy::decide(&members, dead, replicas.completed, replicas.last_step)
-                .map_err(|why| Error::Config(format!("{failure}; {why}")))?;
-            let (next, _) = without(&job, &members, dead)?;
-            generation += 1;
-            for &m in survivors.iter().filter(|m| **m != 0) {
-                cx.net.send(
-                    m,
-                    Message::Control(Control::Regroup {
-                        generation,
-                        members: survivors.clone(),
-                        step,
-                        optimizer_steps: 0,
-                    }),
-                )?;
-            }
-            (cx.on_event)(&crate::Event::Notice {
-                text: format!(
-                    "ring: rank {dead} left ({failure}); rank {pred} takes its layers from the \
-                     replica of mini-batch {step}, and the ring goes on with {} nodes",
-                    survivors.len()
-                ),
-            });
-            dropped.push(DroppedNode {
-                rank: dead,
-                step: failed_at,
-                reason: failure.to_string(),
-            });
-            heals.push(Restart {
-                rank: dead,
-                reason: format!("healed: rank {pred} took its layers over from its replica"),
-                failed_at_step: failed_at,
-                resumed_from_step: step,
-                steps_redone: failed_at.saturating_sub(step),
-                nodes: survivors.len() as u32,
-                work_lost_seconds: replicas
-                    .completed_at
-                    .map_or(0.0, |at| detected.saturating_sub(at).as_secs_f64()),
-                // Set when the healed ring completes its first mini-batch.
-                downtime_seconds: 0.0,
-            });
+            let mut lead = Lead {
+                generation: &mut generation,
+                dropped: &mut dropped,
+                heals: &mut heals,
+            };
+            let (next, regroup) =
+                lead.decide(&job, &members, dead, &failure, &replicas, detected, cx)?;
             job = next;
-            Regroup {
-                generation,
-                members: survivors,
-                step,
-            }
+            regroup
         } else {
             match failure {
                 Error::Regroup {
@@ -510,20 +451,8 @@ pub fn run(
             step = regroup.step,
             "re-forming the ring after: {failure_text}"
         );
-        // Every survivor: the state of the round, the predecessor of a dead node with its replica.
         let step = regroup.step;
-        let own = replicas.own_at(step).cloned().ok_or_else(|| {
-            Error::Config(format!("rank {rank} has no snapshot of mini-batch {step}"))
-        })?;
-        let state = match policy::restore(rank, &members, &regroup.members) {
-            policy::Restore::OwnAndSuccessor => {
-                let replica = replicas.succ_at(step).ok_or_else(|| {
-                    Error::Config(format!("rank {rank} has no replica of mini-batch {step}"))
-                })?;
-                own.joined(replica)
-            }
-            policy::Restore::Own => own,
-        };
+        let state = restored(rank, &members, &regroup, &replicas)?;
         if rank != 0 {
             let mut current = members.clone();
             for d in policy::departed(&members, &regroup.members) {
@@ -554,6 +483,136 @@ pub fn run(
         // Rounds of the old ring do not describe the new one.
         replicas.completed = None;
     }
+}
+
+/// A healed run's summary: the nodes' ranks as the run started them (they reported their rank
+/// in the healed ring), the nodes dropped and the heals; rewritten to `summary.json`.
+fn with_heals(
+    mut summary: Summary,
+    job: &RingJob,
+    members: &[u32],
+    dropped: Vec<DroppedNode>,
+    heals: Vec<Restart>,
+) -> Result<Summary> {
+    if heals.is_empty() {
+        return Ok(summary);
+    }
+    for node in &mut summary.per_node {
+        node.rank = members
+            .get(node.rank as usize)
+            .copied()
+            .unwrap_or(node.rank);
+    }
+    summary.dropped_nodes.extend(dropped);
+    summary.heals = heals;
+    let path = job.spec.out.join("summary.json");
+    let text = serde_json::to_string_pretty(&summary)
+        .map_err(|e| Error::Config(format!("encoding the summary: {e}")))?;
+    ringtmp_model::checkpoint::write_atomic(&path, text.as_bytes())?;
+    Ok(summary)
+}
+
+/// The master's side of a heal: what the run records of it across rings.
+struct Lead<'a> {
+    generation: &'a mut u64,
+    dropped: &'a mut Vec<DroppedNode>,
+    heals: &'a mut Vec<Restart>,
+}
+
+impl Lead<'_> {
+    /// Decides the heal around dead member `dead` (`policy::decide`), orders every survivor to
+    /// regroup, tells the user and records the drop and the heal. Returns the healed ring's job
+    /// and the order.
+    #[allow(clippy::too_many_arguments)]
+    fn decide(
+        &mut self,
+        job: &RingJob,
+        members: &[u32],
+        dead: u32,
+        failure: &Error,
+        replicas: &Replicas,
+        detected: Duration,
+        cx: &mut crate::contract::NodeCx<'_>,
+    ) -> Result<(RingJob, Regroup)> {
+        let policy::Heal {
+            dead,
+            pred,
+            survivors,
+            step,
+            failed_at,
+        } = policy::decide(members, dead, replicas.completed, replicas.last_step)
+            .map_err(|why| Error::Config(format!("{failure}; {why}")))?;
+        let (next, _) = without(job, members, dead)?;
+        *self.generation += 1;
+        let generation = *self.generation;
+        for &m in survivors.iter().filter(|m| **m != 0) {
+            cx.net.send(
+                m,
+                Message::Control(Control::Regroup {
+                    generation,
+                    members: survivors.clone(),
+                    step,
+                    optimizer_steps: 0,
+                }),
+            )?;
+        }
+        (cx.on_event)(&crate::Event::Notice {
+            text: format!(
+                "ring: rank {dead} left ({failure}); rank {pred} takes its layers from the \
+                 replica of mini-batch {step}, and the ring goes on with {} nodes",
+                survivors.len()
+            ),
+        });
+        self.dropped.push(DroppedNode {
+            rank: dead,
+            step: failed_at,
+            reason: failure.to_string(),
+        });
+        self.heals.push(Restart {
+            rank: dead,
+            reason: format!("healed: rank {pred} took its layers over from its replica"),
+            failed_at_step: failed_at,
+            resumed_from_step: step,
+            steps_redone: failed_at.saturating_sub(step),
+            nodes: survivors.len() as u32,
+            work_lost_seconds: replicas
+                .completed_at
+                .map_or(0.0, |at| detected.saturating_sub(at).as_secs_f64()),
+            // Set when the healed ring completes its first mini-batch.
+            downtime_seconds: 0.0,
+        });
+        Ok((
+            next,
+            Regroup {
+                generation,
+                members: survivors,
+                step,
+            },
+        ))
+    }
+}
+
+/// What survivor `rank` goes on from after `regroup`: its own snapshot of the round, joined
+/// with its successor's replica when the successor is the one that died (`policy::restore`).
+fn restored(
+    rank: u32,
+    members: &[u32],
+    regroup: &Regroup,
+    replicas: &Replicas,
+) -> Result<Snapshot> {
+    let step = regroup.step;
+    let own = replicas.own_at(step).cloned().ok_or_else(|| {
+        Error::Config(format!("rank {rank} has no snapshot of mini-batch {step}"))
+    })?;
+    Ok(match policy::restore(rank, members, &regroup.members) {
+        policy::Restore::OwnAndSuccessor => {
+            let replica = replicas.succ_at(step).ok_or_else(|| {
+                Error::Config(format!("rank {rank} has no replica of mini-batch {step}"))
+            })?;
+            own.joined(replica)
+        }
+        policy::Restore::Own => own,
+    })
 }
 
 /// The member whose failure `e` reports, if it is a non-master member.
