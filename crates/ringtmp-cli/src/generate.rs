@@ -2,7 +2,9 @@
 //! wrote it. The model is assembled from the checkpoint's stage files by tensor name, decoded
 //! with a KV cache ([`ringtmp_model::decode`]) and sampled as nanoGPT samples
 //! ([`ringtmp_model::generate`]); the text goes to stdout as it is drawn, the figures (time to
-//! first token, tokens per second, the cache's size) to stderr.
+//! first token, tokens per second, the cache's size) to stderr. With `--nodes N` the model stays
+//! split over N local node processes, each reading and caching only its own layers
+//! ([`ringtmp_strategy::generate`]); rank 0 draws the tokens and prints them.
 //!
 //! Everything the user gives is checked before a token is drawn, each mistake exit status 2: a
 //! checkpoint that is not a language model, a prompt with characters outside its vocabulary, a
@@ -17,6 +19,7 @@ use ringtmp_model::checkpoint;
 use ringtmp_model::decode::Decoder;
 use ringtmp_model::generate::{LocalChain, Sampling, generate};
 use ringtmp_model::{Shape, Stage};
+use ringtmp_strategy::generate::GenerateJob;
 
 use crate::error::UsageError;
 
@@ -49,20 +52,25 @@ pub struct GenerateArgs {
     /// checkpoint's record of it).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
-    /// Compute threads (default: every core).
+    /// Compute threads (default: every core; with --nodes, the cores shared out).
     #[arg(long)]
     pub threads: Option<usize>,
+    /// Split the model over N local node processes (its layers balanced by parameters): no
+    /// process holds the whole model or its cache.
+    #[arg(long, default_value_t = 1)]
+    pub nodes: u32,
 }
 
 /// How ids become text and back for this checkpoint.
-enum Text {
+pub(crate) enum Text {
     Chars(Vocabulary),
     Tokenizer(Box<TextTokenizer>),
     Ids,
 }
 
 impl Text {
-    fn decode(&self, ids: &[u32]) -> anyhow::Result<String> {
+    /// The text of `ids`.
+    pub(crate) fn decode(&self, ids: &[u32]) -> anyhow::Result<String> {
         Ok(match self {
             Self::Chars(v) => v.decode(ids).unwrap_or_default(),
             Self::Tokenizer(t) => t.decode(ids)?,
@@ -84,78 +92,23 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
         ))
         .into());
     }
-    let dir = checkpoint::resolve(&a.checkpoint).map_err(|e| UsageError(e.to_string()))?;
-    let manifest = checkpoint::read_manifest(&dir).map_err(|e| UsageError(e.to_string()))?;
-    let not_lm = |why: &str| {
-        UsageError(format!(
-            "{}: not a language model's checkpoint ({why}; its model is {}, trained on {})",
-            dir.display(),
-            manifest.model.name,
-            manifest.dataset
-        ))
-    };
-    let line = manifest
-        .vocabulary
-        .as_deref()
-        .ok_or_else(|| not_lm("it records no vocabulary"))?;
-    let vocab = Vocabulary::from_line(line, &format!("{}", dir.display()))?;
-    let context = checkpoint::context_of(&dir, &manifest)?
-        .ok_or_else(|| not_lm("it has no position embedding"))?;
-    let text = match (&vocab, &a.tokenizer) {
-        (Vocabulary::Chars(_), _) => Text::Chars(vocab.clone()),
-        (Vocabulary::Tokenizer { .. }, Some(path)) => {
-            let t = TextTokenizer::open(path)?;
-            if t.vocab != vocab {
-                return Err(UsageError(format!(
-                    "--tokenizer {}: {}, but the model was trained with {}",
-                    path.display(),
-                    t.vocab.describe(),
-                    vocab.describe()
-                ))
-                .into());
-            }
-            Text::Tokenizer(Box::new(t))
-        }
-        (Vocabulary::Tokenizer { .. }, None) => {
-            return Err(UsageError(format!(
-                "the model was trained with a tokenizer ({}): give its file with --tokenizer",
-                vocab.describe()
-            ))
-            .into());
-        }
-        (Vocabulary::Ids { .. }, _) => Text::Ids,
-    };
-    let prompt: Vec<u32> = match (&a.prompt_ids, &text) {
-        (Some(ids), _) => {
-            if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab.len()) {
-                return Err(UsageError(format!(
-                    "--prompt-ids: id {bad} is past the model's vocabulary of {}",
-                    vocab.len()
-                ))
-                .into());
-            }
-            ids.clone()
-        }
-        (None, Text::Chars(v)) => v.encode(&a.prompt).map_err(|(c, at)| {
-            UsageError(format!(
-                "--prompt: character {c:?} (at {at}) is not in the model's vocabulary of {} \
-                 characters",
-                v.len()
-            ))
-        })?,
-        (None, Text::Tokenizer(t)) => t.encode(&a.prompt)?,
-        (None, Text::Ids) => {
-            return Err(UsageError(
-                "the model was trained on token ids (.bin files): give the prompt as --prompt-ids"
-                    .into(),
-            )
-            .into());
-        }
-    };
-    if prompt.is_empty() {
-        return Err(UsageError("--prompt: empty (at least one token to start from)".into()).into());
+    let opened = open(
+        &a.checkpoint,
+        a.tokenizer.as_deref(),
+        &a.prompt,
+        a.prompt_ids.as_ref(),
+    )?;
+    if a.nodes > 1 {
+        return split(a, &opened);
     }
-
+    let Opened {
+        dir,
+        manifest,
+        vocab,
+        context,
+        text,
+        prompt,
+    } = opened;
     let layers = manifest
         .model
         .build_for(&Shape::flat(context), &Shape(vec![context, vocab.len()]))?;
@@ -180,37 +133,263 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
         top_k: a.top_k,
         seed: a.seed,
     };
-    let mut out = std::io::stdout().lock();
-    let mut printed = String::new();
-    let mut drawn: Vec<u32> = Vec::new();
-    write!(out, "{}", text.decode(&prompt)?)?;
+    let mut printer = Printer::new(&text, &prompt)?;
     let generated = generate(&mut chain, &prompt, a.tokens, &sampling, &mut |token| {
-        // Decoded as a whole so far: a byte-level token may end inside a character.
-        drawn.push(token);
-        let whole = text
-            .decode(&drawn)
+        printer
+            .token(token)
             .map_err(|e| ringtmp_model::Error::Config {
                 source_name: "generate".into(),
                 reason: e.to_string(),
-            })?;
-        if let Some(new) = whole.strip_prefix(printed.as_str()) {
-            let _ = write!(out, "{new}");
-            let _ = out.flush();
-            printed = whole;
-        }
-        Ok(())
+            })
     })
     .context("generating")?;
-    writeln!(out)?;
-    eprintln!(
-        "generate: {} prompt tokens, {} generated; first token after {:.3} s, then {:.1} tokens/s; \
-         KV cache {:.2} MB; context refilled {} times",
-        prompt.len(),
+    printer.end()?;
+    eprintln!("{}", figures(&generated, prompt.len(), chain.cache_bytes()));
+    Ok(())
+}
+
+/// A checkpoint opened for generation, with everything the user gave checked against it.
+pub(crate) struct Opened {
+    pub dir: PathBuf,
+    pub manifest: checkpoint::Manifest,
+    pub vocab: Vocabulary,
+    pub context: usize,
+    pub text: Text,
+    pub prompt: Vec<u32>,
+}
+
+/// Opens the checkpoint `path` means and encodes the prompt (`prompt_ids` when given); every
+/// mistake a usage error.
+pub(crate) fn open(
+    path: &std::path::Path,
+    tokenizer: Option<&std::path::Path>,
+    prompt_text: &str,
+    prompt_ids: Option<&Vec<u32>>,
+) -> anyhow::Result<Opened> {
+    let dir = checkpoint::resolve(path).map_err(|e| UsageError(e.to_string()))?;
+    let manifest = checkpoint::read_manifest(&dir).map_err(|e| UsageError(e.to_string()))?;
+    let not_lm = |why: &str| {
+        UsageError(format!(
+            "{}: not a language model's checkpoint ({why}; its model is {}, trained on {})",
+            dir.display(),
+            manifest.model.name,
+            manifest.dataset
+        ))
+    };
+    let line = manifest
+        .vocabulary
+        .as_deref()
+        .ok_or_else(|| not_lm("it records no vocabulary"))?;
+    let vocab = Vocabulary::from_line(line, &format!("{}", dir.display()))?;
+    let context = checkpoint::context_of(&dir, &manifest)?
+        .ok_or_else(|| not_lm("it has no position embedding"))?;
+    let text = match (&vocab, tokenizer) {
+        (Vocabulary::Chars(_), _) => Text::Chars(vocab.clone()),
+        (Vocabulary::Tokenizer { .. }, Some(path)) => {
+            let t = TextTokenizer::open(path)?;
+            if t.vocab != vocab {
+                return Err(UsageError(format!(
+                    "--tokenizer {}: {}, but the model was trained with {}",
+                    path.display(),
+                    t.vocab.describe(),
+                    vocab.describe()
+                ))
+                .into());
+            }
+            Text::Tokenizer(Box::new(t))
+        }
+        (Vocabulary::Tokenizer { .. }, None) => {
+            return Err(UsageError(format!(
+                "the model was trained with a tokenizer ({}): give its file with --tokenizer",
+                vocab.describe()
+            ))
+            .into());
+        }
+        (Vocabulary::Ids { .. }, _) => Text::Ids,
+    };
+    let prompt: Vec<u32> = match (prompt_ids, &text) {
+        (Some(ids), _) => {
+            if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab.len()) {
+                return Err(UsageError(format!(
+                    "--prompt-ids: id {bad} is past the model's vocabulary of {}",
+                    vocab.len()
+                ))
+                .into());
+            }
+            ids.clone()
+        }
+        (None, Text::Chars(v)) => v.encode(prompt_text).map_err(|(c, at)| {
+            UsageError(format!(
+                "--prompt: character {c:?} (at {at}) is not in the model's vocabulary of {} \
+                 characters",
+                v.len()
+            ))
+        })?,
+        (None, Text::Tokenizer(t)) => t.encode(prompt_text)?,
+        (None, Text::Ids) => {
+            return Err(UsageError(
+                "the model was trained on token ids (.bin files): give the prompt as --prompt-ids"
+                    .into(),
+            )
+            .into());
+        }
+    };
+    if prompt.is_empty() {
+        return Err(UsageError("--prompt: empty (at least one token to start from)".into()).into());
+    }
+
+    Ok(Opened {
+        dir,
+        manifest,
+        vocab,
+        context,
+        text,
+        prompt,
+    })
+}
+
+/// Prints the prompt, then each token as it is drawn: the text decoded as a whole so far (a
+/// byte-level token may end inside a character), its new part written and flushed.
+pub(crate) struct Printer<'a> {
+    text: &'a Text,
+    drawn: Vec<u32>,
+    printed: String,
+}
+
+impl<'a> Printer<'a> {
+    pub(crate) fn new(text: &'a Text, prompt: &[u32]) -> anyhow::Result<Self> {
+        let mut out = std::io::stdout().lock();
+        write!(out, "{}", text.decode(prompt)?)?;
+        out.flush()?;
+        Ok(Self {
+            text,
+            drawn: Vec::new(),
+            printed: String::new(),
+        })
+    }
+
+    pub(crate) fn token(&mut self, token: u32) -> anyhow::Result<()> {
+        self.drawn.push(token);
+        let whole = self.text.decode(&self.drawn)?;
+        if let Some(new) = whole.strip_prefix(self.printed.as_str()) {
+            let mut out = std::io::stdout().lock();
+            write!(out, "{new}")?;
+            out.flush()?;
+            self.printed = whole;
+        }
+        Ok(())
+    }
+
+    pub(crate) fn end(self) -> anyhow::Result<()> {
+        writeln!(std::io::stdout().lock())?;
+        Ok(())
+    }
+}
+
+/// The figures line (stderr).
+pub(crate) fn figures(
+    generated: &ringtmp_model::generate::Generated,
+    prompt: usize,
+    cache_bytes: usize,
+) -> String {
+    format!(
+        "generate: {prompt} prompt tokens, {} generated; first token after {:.3} s, then {:.1} \
+         tokens/s; KV cache {:.2} MB; context refilled {} times",
         generated.tokens.len(),
         generated.first_token_seconds,
         generated.tokens_per_second(),
-        chain.cache_bytes() as f64 / 1e6,
+        cache_bytes as f64 / 1e6,
         generated.refills
+    )
+}
+
+/// `--nodes N`: the model split over N local node processes.
+fn split(a: &GenerateArgs, opened: &Opened) -> anyhow::Result<()> {
+    let layers = manifest_layers(opened)?;
+    let partition = ringtmp_strategy::generate::partition(&layers, a.nodes as usize)
+        .map_err(|e| UsageError(e.to_string()))?;
+    // A split generation decodes position by position on every node: check each stage can.
+    for (start, end) in &partition {
+        let stage = Stage::new(&layers, *start..*end, 0, 1);
+        Decoder::new(&stage).map_err(|e| UsageError(e.to_string()))?;
+    }
+    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+    let job = GenerateJob {
+        checkpoint: std::path::absolute(&opened.dir).unwrap_or_else(|_| opened.dir.clone()),
+        partition: partition.clone(),
+        context: opened.context,
+        vocab: opened.vocab.len(),
+        prompt: opened.prompt.clone(),
+        tokens: a.tokens,
+        temperature: a.temperature,
+        top_k: a.top_k,
+        seed: a.seed,
+        threads: a
+            .threads
+            .unwrap_or_else(|| (cores / a.nodes as usize).max(1)),
+        recv_timeout_secs: ringtmp_strategy::DEFAULT_RECV_TIMEOUT_SECS,
+        tokenizer: a
+            .tokenizer
+            .as_ref()
+            .map(|t| std::path::absolute(t).unwrap_or_else(|_| t.clone())),
+    };
+    let share =
+        |r: &(usize, usize)| -> usize { layers[r.0..r.1].iter().map(|l| l.param_count()).sum() };
+    eprintln!(
+        "generate: {} split over {} nodes (layers {}; parameters per node {})",
+        opened.manifest.model.name,
+        a.nodes,
+        partition
+            .iter()
+            .map(|(s, e)| format!("{s}..{e}"))
+            .collect::<Vec<_>>()
+            .join(", "),
+        partition
+            .iter()
+            .map(|r| share(r).to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
     );
-    Ok(())
+    let dir = tempfile_dir()?;
+    let job_file = dir.join("generate-job.json");
+    std::fs::write(&job_file, serde_json::to_string(&job)?)
+        .with_context(|| format!("writing {}", job_file.display()))?;
+    let job_arg = job_file.display().to_string();
+    let node_args = |rank: u32| {
+        let mut args = vec!["--job".to_string(), "generate".into()];
+        if rank == 0 {
+            args.extend(["--job-file".into(), job_arg.clone()]);
+        }
+        args
+    };
+    let ended = crate::launcher::run(&crate::launcher::Launch {
+        nodes: a.nodes,
+        pin: false,
+        verbose: false,
+        args: &node_args,
+        expendable: &|_| false,
+        on_spawn: &|_, _| Ok(()),
+        explain: &|_| None,
+        raw_rank0_stdout: true,
+    });
+    let _ = std::fs::remove_dir_all(&dir);
+    ended.map(|_| ())
+}
+
+fn manifest_layers(opened: &Opened) -> anyhow::Result<Vec<ringtmp_model::Layer>> {
+    Ok(opened.manifest.model.build_for(
+        &Shape::flat(opened.context),
+        &Shape(vec![opened.context, opened.vocab.len()]),
+    )?)
+}
+
+/// A fresh directory for the launch's job file.
+fn tempfile_dir() -> anyhow::Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!(
+        "ringtmp-generate-{}-{}",
+        std::process::id(),
+        rand::random::<u32>()
+    ));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(dir)
 }

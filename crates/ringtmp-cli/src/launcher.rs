@@ -52,6 +52,9 @@ pub struct Launch<'a> {
     /// Why node `rank` died, when the launcher's side knows better than its exit status (it
     /// exceeded an enforced memory limit).
     pub explain: &'a dyn Fn(u32) -> Option<String>,
+    /// Pass rank 0's standard output through as it comes, byte for byte and unprefixed (what
+    /// `generate` prints, token by token), instead of line by line with its node's prefix.
+    pub raw_rank0_stdout: bool,
 }
 
 /// How a launch ended when it did not fail.
@@ -73,6 +76,7 @@ pub fn launch(nodes: u32, pin: bool, args: impl Fn(u32) -> Vec<String>) -> Resul
         expendable: &|_| false,
         on_spawn: &|_, _| Ok(()),
         explain: &|_| None,
+        raw_rank0_stdout: false,
     })
 }
 
@@ -135,7 +139,11 @@ pub fn run(launch: &Launch<'_>) -> Result<Ended> {
                 return Err(e);
             }
         };
-        stream(rank, child.stdout.take(), false, last_errors.clone());
+        if launch.raw_rank0_stdout && rank == 0 {
+            pass_through(child.stdout.take());
+        } else {
+            stream(rank, child.stdout.take(), false, last_errors.clone());
+        }
         stream(rank, child.stderr.take(), true, last_errors.clone());
         let pid = child.id();
         running.push((rank, child));
@@ -375,6 +383,23 @@ fn stream(
             } else {
                 println!("[node {rank}] {line}");
             }
+        }
+    });
+}
+
+/// Copies a node's standard output to ours as it comes (no line buffering, no prefix).
+fn pass_through(pipe: Option<impl std::io::Read + Send + 'static>) {
+    let Some(mut pipe) = pipe else { return };
+    thread::spawn(move || {
+        let mut buffer = [0u8; 4096];
+        let mut out = std::io::stdout();
+        while let Ok(n) = std::io::Read::read(&mut pipe, &mut buffer) {
+            if n == 0 {
+                break;
+            }
+            use std::io::Write;
+            let _ = out.write_all(&buffer[..n]);
+            let _ = out.flush();
         }
     });
 }

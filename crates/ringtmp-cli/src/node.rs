@@ -20,6 +20,7 @@ use serde::{Deserialize, Serialize};
 use crate::args::TrainArgs;
 use crate::error::UsageError;
 use crate::links::{CardArgs, LinkSpec};
+use ringtmp_strategy::generate::GenerateJob;
 
 /// What the nodes run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum, Serialize, Deserialize)]
@@ -29,6 +30,9 @@ pub enum NodeJob {
     Selftest,
     /// Training with the options of `--config` (rank 0's file).
     Train,
+    /// Generation from a language model split over the nodes (`ringtmp generate --nodes`;
+    /// rank 0's `--job-file`).
+    Generate,
 }
 
 /// What rank 0 hands every node at rendezvous (JSON).
@@ -42,6 +46,8 @@ pub(crate) enum Settings {
     },
     /// A training job of any strategy (tagged by its `strategy`).
     Train(Box<Job>),
+    /// A split generation.
+    Generate(Box<GenerateJob>),
 }
 
 /// Job settings; rank 0's are handed to every node at rendezvous.
@@ -238,6 +244,16 @@ pub fn run(args: &NodeArgs) -> Result<()> {
                 pings: args.job.pings,
             })?),
             NodeJob::Train => rank0_offer(args, placement.world_size)?,
+            NodeJob::Generate => {
+                let path = args.job.job_file.as_ref().ok_or_else(|| {
+                    UsageError("--job generate needs --job-file on rank 0".into())
+                })?;
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading {}", path.display()))?;
+                let job: GenerateJob = serde_json::from_str(&text)
+                    .map_err(|e| UsageError(format!("{}: {e}", path.display())))?;
+                Offer::Settings(encode(&Settings::Generate(Box::new(job)))?)
+            }
         }
     } else {
         Offer::Settings(String::new())
@@ -295,11 +311,13 @@ pub fn run(args: &NodeArgs) -> Result<()> {
         .unwrap_or_else(|_| "?".into());
     let settings: Settings = serde_json::from_str(&table.settings)
         .map_err(|e| anyhow!("rank 0 ({master}) handed out settings that do not parse: {e}"))?;
-    if let Settings::Train(job) = &settings
-        && placement.rank != 0
-    {
-        job.validate(placement.world_size)
-            .map_err(|e| anyhow!("rank 0 ({master}) handed out an invalid job: {}", e))?;
+    if placement.rank != 0 {
+        let valid = match &settings {
+            Settings::Train(job) => job.validate(placement.world_size),
+            Settings::Generate(job) => job.validate(placement.world_size),
+            Settings::Selftest { .. } => Ok(()),
+        };
+        valid.map_err(|e| anyhow!("rank 0 ({master}) handed out an invalid job: {}", e))?;
     }
     let result: Result<()> = match settings {
         Settings::Selftest {
@@ -318,6 +336,7 @@ pub fn run(args: &NodeArgs) -> Result<()> {
                 .map_err(Into::into)
         }
         Settings::Train(job) => run_training(&job, placement.rank, args, &mut net),
+        Settings::Generate(job) => run_generation(&job, placement.rank, &mut net),
     };
     match result {
         Ok(()) => {
@@ -491,6 +510,35 @@ fn rank0_job(args: &NodeArgs, world: u32) -> Result<Rank0Job> {
 }
 
 /// Runs this node's part of a training job; the rank that returns the summary prints it.
+/// Runs rank `rank` of a split generation; rank 0 prints the text as it is drawn (its standard
+/// output passes through the local launcher as it comes) and the figures.
+fn run_generation(
+    job: &GenerateJob,
+    rank: u32,
+    net: &mut ringtmp_transport::Network,
+) -> Result<()> {
+    if rank != 0 {
+        ringtmp_strategy::generate::run(job, rank, net, &mut |_| Ok(()))?;
+        return Ok(());
+    }
+    let prompt_ids = Some(&job.prompt);
+    let opened = crate::generate::open(&job.checkpoint, job.tokenizer.as_deref(), "", prompt_ids)?;
+    let mut printer = crate::generate::Printer::new(&opened.text, &job.prompt)?;
+    let outcome = ringtmp_strategy::generate::run(job, rank, net, &mut |token| {
+        printer
+            .token(token)
+            .map_err(|e| ringtmp_strategy::Error::Config(e.to_string()))
+    })?;
+    printer.end()?;
+    if let Some((generated, cache)) = outcome {
+        eprintln!(
+            "{} (rank 0's cache)",
+            crate::generate::figures(&generated, job.prompt.len(), cache)
+        );
+    }
+    Ok(())
+}
+
 fn run_training(
     job: &Job,
     rank: u32,

@@ -432,6 +432,7 @@ fn launch_once(args: &mut TrainArgs, cluster: &LocalCluster, attempt: usize) -> 
         expendable: &expendable,
         on_spawn: &on_spawn,
         explain: &explain,
+        raw_rank0_stdout: false,
     });
     // Every node has exited: their groups go.
     drop(cgroups);

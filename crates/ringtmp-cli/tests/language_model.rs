@@ -148,9 +148,9 @@ fn a_gpt_trains_on_text_and_reports_loss_perplexity_and_bits_per_character() {
     assert!(summary["language"]["final_val_loss"].as_f64().is_some());
 }
 
-/// `ringtmp generate` on a ring's checkpoint (its stages in two files) and on the local one:
-/// the prompt and exactly the tokens asked for, the same text for the same seed, another for
-/// another seed, the figures on stderr; and each bad input one error, exit status 2.
+/// `ringtmp generate` on a ring's checkpoint (its stages in two files): the prompt and exactly
+/// the tokens asked for, the same text for the same seed (also split over two node processes),
+/// another for another seed, the figures on stderr; and each bad input one error, exit status 2.
 #[test]
 fn generate_continues_a_prompt_from_any_strategys_checkpoint_and_refuses_bad_input() {
     let tmp = tempfile::tempdir().unwrap();
@@ -206,6 +206,17 @@ fn generate_continues_a_prompt_from_any_strategys_checkpoint_and_refuses_bad_inp
     );
     assert_eq!(sampled("3").0, first);
     assert_ne!(sampled("4").0, first);
+    // Split over two node processes, each with its own layers and cache: the same text.
+    let split = generate(&[
+        "--prompt", "Now is", "--tokens", "40", "--seed", "3", "--nodes", "2",
+    ]);
+    let split_err = String::from_utf8_lossy(&split.stderr).into_owned();
+    assert_eq!(succeeded(&split), first, "{split_err}");
+    assert!(split_err.contains("split over 2 nodes"), "{split_err}");
+    refused(
+        &generate(&["--prompt", "Now", "--tokens", "3", "--nodes", "9"]),
+        &["--nodes 9", "5 layers"],
+    );
     // Greedy decoding of a model that has learnt this one line continues it.
     let greedy = succeeded(&generate(&[
         "--prompt",

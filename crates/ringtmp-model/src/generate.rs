@@ -27,11 +27,13 @@ use crate::stage::Stage;
 
 /// A language model's stages, wherever they run, decoding one sequence.
 pub trait Chain {
+    /// What can go wrong: the engine's errors, and the links' where the stages are remote.
+    type Error: From<Error>;
     /// Runs the new positions `ids` of the sequence through every stage; returns the logits of
     /// the last of them (`[vocab]`).
-    fn feed(&mut self, ids: &[u32]) -> Result<Vec<f32>>;
+    fn feed(&mut self, ids: &[u32]) -> std::result::Result<Vec<f32>, Self::Error>;
     /// Forgets the sequence (every stage's cache).
-    fn reset(&mut self) -> Result<()>;
+    fn reset(&mut self) -> std::result::Result<(), Self::Error>;
     /// Positions decoded so far.
     fn position(&self) -> usize;
     /// The most positions a sequence may have.
@@ -66,6 +68,8 @@ impl LocalChain {
 }
 
 impl Chain for LocalChain {
+    type Error = Error;
+
     fn feed(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
         let mut x: Vec<f32> = ids.iter().map(|&t| t as f32).collect();
         for (stage, decoder) in &mut self.stages {
@@ -177,19 +181,20 @@ impl Generated {
 }
 
 /// Draws `count` tokens after `prompt` from `chain`, handing each to `on_token` as it comes.
-pub fn generate(
-    chain: &mut dyn Chain,
+pub fn generate<C: Chain + ?Sized>(
+    chain: &mut C,
     prompt: &[u32],
     count: usize,
     sampling: &Sampling,
-    on_token: &mut dyn FnMut(u32) -> Result<()>,
-) -> Result<Generated> {
+    on_token: &mut dyn FnMut(u32) -> std::result::Result<(), C::Error>,
+) -> std::result::Result<Generated, C::Error> {
     let capacity = chain.capacity();
     if prompt.is_empty() || capacity == 0 {
         return Err(Error::Config {
             source_name: "generation".into(),
             reason: "an empty prompt (at least one token is needed to start from)".into(),
-        });
+        }
+        .into());
     }
     let started = Instant::now();
     let mut rng = ChaCha8Rng::seed_from_u64(sampling.seed);
@@ -274,6 +279,8 @@ mod tests {
     }
 
     impl Chain for Counter {
+        type Error = Error;
+
         fn feed(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
             self.position += ids.len();
             assert!(self.position <= self.capacity);

@@ -37,6 +37,7 @@ mod error;
 pub mod evaluation;
 pub mod event;
 pub mod failures;
+pub mod generate;
 pub mod gossip;
 pub mod job;
 pub mod local;
