@@ -218,9 +218,9 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
         }
     }
     // Only logits keep their values (the loss reads them): an evaluation chunk's (250 rows) or a
-    // batch's, whichever is larger. Everything larger travels as sizes, so no node's buffers
-    // ever hold a model's worth of values.
-    sim.phantom_inline_values = 250.max(spec.config.batch_size) * spec.classes;
+    // batch's, whichever is larger, of every position for a language model. Everything larger
+    // travels as sizes, so no node's buffers ever hold a model's worth of values.
+    sim.phantom_inline_values = 250.max(spec.config.batch_size) * spec.classes * spec.positions();
     // A frozen simulated node is seen dead after this much silence, as on real links a peer
     // that says nothing for the receive timeout is given up on.
     sim.peer_timeout = Duration::from_secs_f64(

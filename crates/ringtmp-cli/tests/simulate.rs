@@ -370,3 +370,33 @@ fn long_simulated_waits_are_not_failures_and_failed_runs_are_rows() {
         );
     }
 }
+
+/// A language model simulates on every strategy: the logits a loss reads (every position's)
+/// travel with their values, the rest as sizes.
+#[test]
+fn a_gpt_simulates_on_every_strategy() {
+    let tmp = tempfile::tempdir().unwrap();
+    for strategy in ["ring", "allreduce", "ps", "dpsgd", "adpsgd"] {
+        let out = tmp.path().join(strategy);
+        let run = ringtmp(&[
+            "simulate",
+            "--strategy",
+            strategy,
+            "--nodes",
+            "4",
+            "--dataset",
+            "text",
+            "--model",
+            "gpt-nano",
+            "--max-steps",
+            "6",
+            "--bandwidth-mbit",
+            "100",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        let said = text(&run);
+        assert!(run.status.success(), "{strategy}: {said}");
+        assert!(said.contains("simulated:"), "{strategy}: {said}");
+    }
+}
