@@ -362,7 +362,13 @@ fn load_tensors(
     for (entry, &(start, end)) in manifest.files.iter().zip(&manifest.partition) {
         if start < last && first < end {
             let path = dir.join(&entry.name);
-            let bytes = fs::read(&path).map_err(|e| Error::io(&path, e))?;
+            // Mapped, not read: a stage of a model larger than this node's memory takes its own
+            // tensors from a file that holds them all (the pages it reads only to hash are the
+            // kernel's to drop again).
+            let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
+            // SAFETY: checkpoint files are written once, to a temporary name, and renamed into
+            // place (`write_atomic`); no one writes a file while it is mapped here.
+            let bytes = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
             let got = sha256_hex(&bytes);
             if got != entry.sha256 {
                 return Err(Error::CheckpointHash {
