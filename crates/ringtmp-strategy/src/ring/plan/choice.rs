@@ -66,6 +66,24 @@ pub(super) fn choose(
     let links_counted = capacities.iter().any(|c| c.card_bytes_per_second.is_some());
     let shared =
         shared_machine.map(|machine| super::capacity::shared_cores(machine, body, threads));
+    // Finer cuts than whole layers where they balance the stages better (docs/decisions/edge-emulation.md).
+    let choice = args
+        .cut_inside
+        .clone()
+        .unwrap_or(CutInsideChoice::Planner(true));
+    // A given partition places whole layers where the user said.
+    let not_with = args.partition.is_some().then_some("--partition");
+    let geometry: Vec<Option<partition::Cuttable>> = layers[..head_start]
+        .iter()
+        .map(|l| match &l.kind {
+            // A linear layer over a sequence runs on every position: not cut inside.
+            LayerKind::Linear(linear) if l.input.as_flat().is_some() => Some(partition::Cuttable {
+                in_features: linear.in_features,
+                out_features: linear.out_features,
+            }),
+            _ => None,
+        })
+        .collect();
     let planned = match &args.partition {
         Some(spec) => partition::from_spec(spec, body, capacities, first_param).map(|stages| {
             let bottleneck = stages
@@ -88,6 +106,42 @@ pub(super) fn choose(
             !may_use_fewer,
             shared.as_ref(),
         ),
+    };
+    // No partition of whole layers fits the memory: cut the layers that overflow a node, where
+    // cuts inside layers are the planner's to make.
+    let planned = match planned {
+        Err(partition::PlanError::DoesNotFit { .. })
+            if not_with.is_none() && matches!(choice, CutInsideChoice::Planner(true)) =>
+        {
+            match partition::fit_by_cutting(
+                body,
+                &geometry,
+                capacities,
+                first_param,
+                shared.as_ref(),
+            ) {
+                Some(fitted) => {
+                    for cut in &fitted.cuts {
+                        let g = geometry[cut.layer].expect("only linear layers are cut");
+                        report.note(format!(
+                            "cut inside layer {} (linear {}→{}) after {} of its outputs: no \
+                             partition of whole layers fits the nodes' memory limits",
+                            cut.layer, g.in_features, g.out_features, cut.split
+                        ));
+                    }
+                    return Ok(Chosen {
+                        planned: fitted.plan,
+                        cuts_inside: fitted.cuts,
+                        body: fitted.costs,
+                        head_start,
+                        shared,
+                        links_counted,
+                    });
+                }
+                None => planned,
+            }
+        }
+        other => other,
     }
     .map_err(|e| match (&e, schedule) {
         (partition::PlanError::DoesNotFit { .. }, Schedule::Async) => Error::Config(format!(
@@ -100,24 +154,6 @@ pub(super) fn choose(
         )),
         _ => Error::Config(e.to_string()),
     })?;
-    // Finer cuts than whole layers where they balance the stages better (docs/decisions/edge-emulation.md).
-    let choice = args
-        .cut_inside
-        .clone()
-        .unwrap_or(CutInsideChoice::Planner(true));
-    // A given partition places whole layers where the user said.
-    let not_with = args.partition.is_some().then_some("--partition");
-    let geometry: Vec<Option<partition::Cuttable>> = layers[..head_start]
-        .iter()
-        .map(|l| match &l.kind {
-            // A linear layer over a sequence runs on every position: not cut inside.
-            LayerKind::Linear(linear) if l.input.as_flat().is_some() => Some(partition::Cuttable {
-                in_features: linear.in_features,
-                out_features: linear.out_features,
-            }),
-            _ => None,
-        })
-        .collect();
     // A restart's kept cuts are made as given ones are, boundaries where they fit.
     let (choice, kept) = match choice {
         CutInsideChoice::Kept(cuts) => (CutInsideChoice::At(cuts), true),

@@ -853,6 +853,150 @@ pub fn cut_inside(
     })
 }
 
+/// Where no partition of whole layers fits the nodes' memory: fills the nodes in ring order,
+/// each with as many layers as its limit holds, and may cut the linear layer that would overflow
+/// a node so that its head fills what the node has left (after a multiple of [`CUT_GRANULE`]
+/// outputs) and its tail starts the next node. A layer is cut at most once, so filling a node to
+/// the brim can leave the next one a tail it cannot hold: each node tries the cut first, then the
+/// whole-layer boundary (a search over at most two choices a node). Memory comes first here,
+/// speed second. Only layers of at least [`MIN_CUT_FEATURES`] outputs are cut, and never the
+/// first layer with parameters on the master (its tail would need the raw data). `None` when no
+/// such split fits.
+pub fn fit_by_cutting(
+    costs: &[LayerCost],
+    geometry: &[Option<Cuttable>],
+    nodes: &[NodeCapacity],
+    first_param_layer: usize,
+    shared: Option<&SharedCores>,
+) -> Option<RefinedPlan> {
+    let start = Filling {
+        work: costs.to_vec(),
+        geom: geometry.to_vec(),
+        origin: (0..costs.len()).collect(),
+        caps: nodes.to_vec(),
+        cuts: Vec::new(),
+        bounds: vec![0],
+    };
+    let Filling {
+        work,
+        caps,
+        mut cuts,
+        bounds,
+        ..
+    } = start.fill(0, first_param_layer)?;
+    if cuts.is_empty() {
+        return None;
+    }
+    let stages = stages_from_bounds(&bounds, &work, &caps);
+    for (s, st) in stages.iter().enumerate() {
+        let has_params = work[st.start..st.end].iter().any(|c| c.has_params);
+        let fits = caps[s]
+            .memory_limit
+            .is_none_or(|limit| st.predicted_bytes <= limit);
+        if !has_params || !fits {
+            return None;
+        }
+    }
+    let slowest = stages.iter().map(StagePlan::bottleneck).fold(0.0, f64::max);
+    let bottleneck = slowest.max(shared.map_or(0.0, |c| c.pace(&work, &stages)));
+    let round_trip = round_trip(&work, &stages, &caps);
+    cuts.sort_by_key(|c| c.layer);
+    Some(RefinedPlan {
+        plan: Plan {
+            by_nodes: vec![(stages.len(), bottleneck)],
+            stages,
+            bottleneck,
+            round_trip,
+        },
+        cuts,
+        costs: work,
+    })
+}
+
+/// The share of a node's memory limit [`fit_by_cutting`] fills.
+const FILL_MARGIN: f64 = 0.95;
+
+/// A partial split of [`fit_by_cutting`]: the model's layers with the cuts made so far, and the
+/// nodes' bounds so far.
+#[derive(Clone)]
+struct Filling {
+    work: Vec<LayerCost>,
+    geom: Vec<Option<Cuttable>>,
+    origin: Vec<usize>,
+    caps: Vec<NodeCapacity>,
+    cuts: Vec<CutInside>,
+    bounds: Vec<usize>,
+}
+
+impl Filling {
+    fn held(&self, a: usize, b: usize) -> u64 {
+        let m = self.caps.len();
+        self.work[a..b].iter().map(|c| c.bytes_in_ring(m)).sum()
+    }
+
+    /// Fills node `k` on from where the split stands, then the nodes after it; the first
+    /// complete split found (a cut preferred to a whole-layer boundary at each node).
+    fn fill(self, k: usize, first_param_layer: usize) -> Option<Self> {
+        let start = *self.bounds.last().expect("bounds start at 0");
+        if start == self.work.len() {
+            return Some(self);
+        }
+        if k == self.caps.len() {
+            return None;
+        }
+        // Filled to a margin below the limit: the memory model is a prediction, and a node
+        // filled to the brim is the first one an evaluation's larger batches push over.
+        let limit = self.caps[k]
+            .memory_limit
+            .map_or(u64::MAX, |l| (l as f64 * FILL_MARGIN) as u64);
+        let mut end = start;
+        while end < self.work.len() && self.held(start, end + 1) <= limit {
+            end += 1;
+        }
+        let cuttable = self
+            .geom
+            .get(end)
+            .copied()
+            .flatten()
+            .filter(|g| g.out_features >= MIN_CUT_FEATURES);
+        let raw_data = self.origin.get(end) == Some(&first_param_layer) && k == 0;
+        if end < self.work.len()
+            && k + 1 < self.caps.len()
+            && !raw_data
+            && let Some(g) = cuttable
+        {
+            // The largest head that still fits this node.
+            let cut_at = |split: usize| {
+                let mut next = self.clone();
+                cut_costs(&mut next.work, &mut next.geom, &mut next.origin, end, split);
+                next
+            };
+            let fitting = (CUT_GRANULE..g.out_features)
+                .step_by(CUT_GRANULE)
+                .rev()
+                .map(|split| (split, cut_at(split)))
+                .find(|(_, next)| next.held(start, end + 1) <= limit);
+            if let Some((split, mut next)) = fitting {
+                next.cuts.push(CutInside {
+                    layer: self.origin[end],
+                    split,
+                });
+                cut_nodes(&mut next.caps, end, split as f64 / g.out_features as f64);
+                next.bounds.push(end + 1);
+                if let Some(done) = next.fill(k + 1, first_param_layer) {
+                    return Some(done);
+                }
+            }
+        }
+        if end == start {
+            return None;
+        }
+        let mut next = self;
+        next.bounds.push(end);
+        next.fill(k + 1, first_param_layer)
+    }
+}
+
 /// A plan with cuts inside layers where they help, over every node count [`plan_best`] weighs:
 /// each count's best whole-layer plan refined by [`cut_inside`], then the same choice among the
 /// counts as [`plan_best`]'s (the fewest within 2% of the best where links or shared cores are
@@ -1336,6 +1480,60 @@ mod tests {
         assert_eq!(head.out_bytes, 4096 + 2048);
         assert_eq!(tail.out_bytes, 4096);
         assert_eq!(head.bytes + tail.bytes, 1000);
+    }
+
+    // A model whose largest layers no node can hold whole (wide-mlp's shape: 38, 201, 201 and
+    // 1 units of memory, nodes of 112, 167, 167 and 167): whole layers cannot fit, cutting the
+    // two large layers does, with every node within its limit's fill margin. Filling each node
+    // to the brim would leave the second large layer's tail too large for the third node: the
+    // search takes the other choice there.
+    #[test]
+    fn layers_too_large_for_any_node_are_cut_to_fit_the_memory() {
+        let layer = |bytes: u64| LayerCost {
+            seconds: bytes as f64 * 1e-3,
+            bytes,
+            bytes_per_node: 0,
+            out_bytes: 64,
+            has_params: true,
+            after_send_seconds: 0.0,
+        };
+        let costs = vec![layer(38), layer(201), layer(201), layer(1)];
+        let cuttable = Some(Cuttable {
+            in_features: 4096,
+            out_features: 4096,
+        });
+        let geometry = vec![cuttable, cuttable, cuttable, None];
+        let mut nodes = free(4);
+        for (node, limit) in nodes.iter_mut().zip([112, 167, 167, 167]) {
+            node.memory_limit = Some(limit);
+        }
+        assert!(matches!(
+            plan_best(&costs, &nodes, 0, true, None),
+            Err(PlanError::DoesNotFit { .. })
+        ));
+        let fitted = fit_by_cutting(&costs, &geometry, &nodes, 0, None).unwrap();
+        assert_eq!(
+            fitted.cuts.iter().map(|c| c.layer).collect::<Vec<_>>(),
+            [1, 2]
+        );
+        for (stage, node) in fitted.plan.stages.iter().zip(&nodes) {
+            let limit = node.memory_limit.unwrap() as f64;
+            assert!(
+                stage.predicted_bytes as f64 <= limit * FILL_MARGIN,
+                "{stage:?} over {limit}"
+            );
+        }
+        let held: u64 = fitted.plan.stages.iter().map(|s| s.predicted_bytes).sum();
+        assert!((439..=441).contains(&held), "{held}");
+        // The first layer is the master's first with parameters: never cut there.
+        let e = fit_by_cutting(
+            &[layer(300), layer(1)],
+            &[cuttable, None],
+            &nodes[..2],
+            0,
+            None,
+        );
+        assert!(e.is_none());
     }
 
     // The node count is chosen after the cuts: three equal layers, the last not cuttable, on
