@@ -126,15 +126,25 @@ pub struct ModelSpec {
 }
 
 /// Names of the built-in presets.
-pub const PRESETS: [&str; 6] = ["mlp", "mlp-deep", "cnn", "gpt-nano", "gpt-cpu", "gpt-small"];
+pub const PRESETS: [&str; 7] = [
+    "mlp",
+    "mlp-deep",
+    "cnn",
+    "gpt-nano",
+    "gpt-cpu",
+    "gpt-small",
+    "gpt-100m",
+];
 
 /// The GPT presets' shapes: `(name, blocks, heads, width, context)`. `gpt-cpu` is nanoGPT's CPU
 /// recipe for Shakespeare, `gpt-small` its 10.7 M-parameter Shakespeare model, `gpt-nano` a
-/// model for tests.
-const GPTS: [(&str, usize, usize, usize, usize); 3] = [
+/// model for tests, `gpt-100m` a model of about 100 M parameters (GPT-2 small's width and heads,
+/// 14 blocks; 1.6 GB with AdamW's state): more than one small node holds.
+const GPTS: [(&str, usize, usize, usize, usize); 4] = [
     ("gpt-nano", 2, 2, 64, 32),
     ("gpt-cpu", 4, 4, 128, 64),
     ("gpt-small", 6, 6, 384, 256),
+    ("gpt-100m", 14, 12, 768, 256),
 ];
 
 impl ModelSpec {
@@ -670,6 +680,7 @@ mod tests {
             ("gpt-nano", 32, None),
             ("gpt-cpu", 64, Some(821_325)),
             ("gpt-small", 256, Some(10_805_069)),
+            ("gpt-100m", 256, Some(99_546_701)),
         ] {
             assert_eq!(ModelSpec::preset_context(name), Some(seq));
             let spec = ModelSpec::preset(name, 77).unwrap();
