@@ -273,6 +273,22 @@ pub fn read_stage(
     stage: &mut Stage,
     optimizer: &mut Optimizer,
 ) -> Result<()> {
+    read_into(dir, manifest, stage, Some(optimizer))
+}
+
+/// Loads `stage`'s parameters from the checkpoint in `dir` (whatever its partition), without
+/// its optimizer state: what inference needs.
+pub fn read_params(dir: &Path, manifest: &Manifest, stage: &mut Stage) -> Result<()> {
+    read_into(dir, manifest, stage, None)
+}
+
+/// [`read_stage`], the optimizer's state too when one is given.
+fn read_into(
+    dir: &Path,
+    manifest: &Manifest,
+    stage: &mut Stage,
+    optimizer: Option<&mut Optimizer>,
+) -> Result<()> {
     // In the model's layer indices (a cut layer's head and tail share one).
     let first = stage.first_layer();
     let last = stage.layers().last().map_or(first, |l| l.index + 1);
@@ -286,31 +302,10 @@ pub fn read_stage(
         0..len,
         first..last,
         &mut params,
-        Some(optimizer),
+        optimizer,
     )?;
     stage.params_mut().copy_from_slice(&params);
     stage.zero_grad();
-    Ok(())
-}
-
-/// Loads `stage`'s parameters from the checkpoint in `dir` (whatever its partition), without
-/// its optimizer state: what inference needs.
-pub fn read_params(dir: &Path, manifest: &Manifest, stage: &mut Stage) -> Result<()> {
-    let first = stage.first_layer();
-    let last = stage.layers().last().map_or(first, |l| l.index + 1);
-    let tensors = named_tensors(stage);
-    let len = stage.params().len();
-    let mut params = vec![0.0; len];
-    load_tensors(
-        dir,
-        manifest,
-        &tensors,
-        0..len,
-        first..last,
-        &mut params,
-        None,
-    )?;
-    stage.params_mut().copy_from_slice(&params);
     Ok(())
 }
 

@@ -686,6 +686,29 @@ pub struct RefinedPlan {
     pub costs: Vec<LayerCost>,
 }
 
+/// The stages `bounds` make of `work` on `caps`, and their pace (the slowest stage's, or the
+/// shared cores'), if every stage has parameters and fits its node's memory limit.
+fn fitting_stages(
+    bounds: &[usize],
+    work: &[LayerCost],
+    caps: &[NodeCapacity],
+    shared: Option<&SharedCores>,
+) -> Option<(Vec<StagePlan>, f64)> {
+    let stages = stages_from_bounds(bounds, work, caps);
+    for (s, st) in stages.iter().enumerate() {
+        let has_params = work[st.start..st.end].iter().any(|c| c.has_params);
+        let fits = caps[s]
+            .memory_limit
+            .is_none_or(|limit| st.predicted_bytes <= limit);
+        if !has_params || !fits {
+            return None;
+        }
+    }
+    let slowest = stages.iter().map(StagePlan::bottleneck).fold(0.0, f64::max);
+    let pace = shared.map_or(0.0, |c| c.pace(work, &stages));
+    Some((stages, slowest.max(pace)))
+}
+
 /// `costs` (and `geometry`, `origin`: per layer, whether it may be cut, and its position in the
 /// uncut model) with layer `at` replaced by its head and tail cut after `split` outputs: each
 /// gets its share of the layer's compute and state by rows; the head's output is the layer's
@@ -758,23 +781,8 @@ pub fn cut_inside(
         .chain(plan.stages.iter().map(|s| s.end))
         .collect();
     let mut cuts = Vec::new();
-    let evaluate = |work: &[LayerCost],
-                    caps: &[NodeCapacity],
-                    bounds: &[usize]|
-     -> Option<(Vec<StagePlan>, f64)> {
-        let stages = stages_from_bounds(bounds, work, caps);
-        for (s, st) in stages.iter().enumerate() {
-            let has_params = work[st.start..st.end].iter().any(|c| c.has_params);
-            let fits = caps[s]
-                .memory_limit
-                .is_none_or(|limit| st.predicted_bytes <= limit);
-            if !has_params || !fits {
-                return None;
-            }
-        }
-        let slowest = stages.iter().map(StagePlan::bottleneck).fold(0.0, f64::max);
-        let pace = shared.map_or(0.0, |c| c.pace(work, &stages));
-        Some((stages, slowest.max(pace)))
+    let evaluate = |work: &[LayerCost], caps: &[NodeCapacity], bounds: &[usize]| {
+        fitting_stages(bounds, work, caps, shared)
     };
     let (_, mut current) = evaluate(&work, &caps, &bounds)?;
     loop {
@@ -887,18 +895,7 @@ pub fn fit_by_cutting(
     if cuts.is_empty() {
         return None;
     }
-    let stages = stages_from_bounds(&bounds, &work, &caps);
-    for (s, st) in stages.iter().enumerate() {
-        let has_params = work[st.start..st.end].iter().any(|c| c.has_params);
-        let fits = caps[s]
-            .memory_limit
-            .is_none_or(|limit| st.predicted_bytes <= limit);
-        if !has_params || !fits {
-            return None;
-        }
-    }
-    let slowest = stages.iter().map(StagePlan::bottleneck).fold(0.0, f64::max);
-    let bottleneck = slowest.max(shared.map_or(0.0, |c| c.pace(&work, &stages)));
+    let (stages, bottleneck) = fitting_stages(&bounds, &work, &caps, shared)?;
     let round_trip = round_trip(&work, &stages, &caps);
     cuts.sort_by_key(|c| c.layer);
     Some(RefinedPlan {
