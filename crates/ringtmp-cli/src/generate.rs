@@ -101,6 +101,7 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
     if a.nodes > 1 {
         return split(a, &opened);
     }
+    let layers = manifest_layers(&opened)?;
     let Opened {
         dir,
         manifest,
@@ -109,9 +110,6 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
         text,
         prompt,
     } = opened;
-    let layers = manifest
-        .model
-        .build_for(&Shape::flat(context), &Shape(vec![context, vocab.len()]))?;
     let threads = a.threads.unwrap_or_else(|| {
         std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
     });
