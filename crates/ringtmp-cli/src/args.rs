@@ -87,6 +87,11 @@ pub struct TrainArgs {
     /// Model description file (TOML; see examples/).
     #[arg(help_heading = "Model", long, value_name = "FILE")]
     pub model_file: Option<PathBuf>,
+    /// A language model's head uses the token embedding's table as its weight (GPT-2's weight
+    /// tying: one matrix, one update from both gradients). On the ring it needs
+    /// --master-holds-head [default: the model file's `tie_embeddings`, untied for presets].
+    #[arg(help_heading = "Model", long, num_args = 0..=1, default_missing_value = "true")]
+    pub tie_embeddings: Option<bool>,
     /// Dataset: mnist, fashion-mnist, digits, or text (a language model's: see --data-file)
     /// [default: mnist].
     #[arg(help_heading = "Data", long)]
@@ -303,6 +308,7 @@ impl TrainArgs {
             pin,
             model,
             model_file,
+            tie_embeddings,
             dataset,
             data_dir,
             data_file,
@@ -622,6 +628,10 @@ impl TrainArgs {
             })?,
             (None, _) => ModelSpec::preset(self.model_name(text), classes)?,
         };
+        let mut model = model;
+        if let Some(tie) = self.tie_embeddings {
+            model.tie_embeddings = tie;
+        }
         if text != model.reads_tokens() {
             return Err(UsageError(if text {
                 format!(

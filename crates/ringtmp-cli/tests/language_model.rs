@@ -433,3 +433,68 @@ fn a_byte_level_bpe_tokenizer_feeds_the_ring_and_names_its_checkpoints() {
         &["cannot resume", "vocabulary", "tokenizer.json"],
     );
 }
+
+/// `--tie-embeddings`: the ring trains a tied GPT when the master holds the embedding and the
+/// head (the plan says so, and its checkpoint generates), and refuses it where
+/// the two would be on different nodes, or where the model has no embedding to tie to.
+#[test]
+fn a_tied_gpt_trains_where_one_node_holds_both_ends_and_is_refused_elsewhere() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = write(tmp.path(), "tied.txt", &text());
+    let ring = tmp.path().join("ring");
+    let ran = train(
+        &data,
+        &ring,
+        &[
+            "--tie-embeddings",
+            "--master-holds-head",
+            "--nodes",
+            "2",
+            "--max-steps",
+            "6",
+            "--checkpoint-every",
+            "6",
+        ],
+    );
+    let said = String::from_utf8_lossy(&ran.stderr).into_owned() + &succeeded(&ran);
+    assert!(
+        said.contains("the head is tied to the token embedding"),
+        "{said}"
+    );
+    let generated = ringtmp(&[
+        "generate",
+        "--checkpoint",
+        &ring.display().to_string(),
+        "--prompt",
+        "Now",
+        "--tokens",
+        "5",
+    ]);
+    succeeded(&generated);
+    refused(
+        &train(
+            &data,
+            &tmp.path().join("split"),
+            &["--tie-embeddings", "--nodes", "2", "--max-steps", "2"],
+        ),
+        &[
+            "ties its head to its token embedding",
+            "--master-holds-head",
+        ],
+    );
+    refused(
+        &ringtmp(&[
+            "train",
+            "--model",
+            "mlp",
+            "--dataset",
+            "digits",
+            "--tie-embeddings",
+            "--max-steps",
+            "1",
+            "--out",
+            &tmp.path().join("mlp").display().to_string(),
+        ]),
+        &["tie_embeddings", "does not start with an embedding"],
+    );
+}

@@ -21,6 +21,7 @@ use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
+use crate::layers::LayerKind;
 use crate::optim::{Optimizer, OptimizerConfig};
 use crate::spec::ModelSpec;
 use crate::stage::Stage;
@@ -304,9 +305,49 @@ fn read_into(
         &mut params,
         optimizer,
     )?;
+    let table = tied_table(dir, manifest, stage)?;
     stage.params_mut().copy_from_slice(&params);
+    stage.sync_tie();
+    if let Some(table) = table {
+        stage.set_tied_mirror(&table);
+    }
     stage.zero_grad();
     Ok(())
+}
+
+/// The token table a tied head held by `stage` without its embedding mirrors, read from the
+/// checkpoint's embedding tensor (a checkpoint's own copy of the mirror is never trusted: a
+/// parameter server's shards keep it only loosely).
+fn tied_table(dir: &Path, manifest: &Manifest, stage: &Stage) -> Result<Option<Vec<f32>>> {
+    if stage.tied_ends() != (false, true) {
+        return Ok(None);
+    }
+    let Some((source, vocab, width)) = stage.layers().iter().find_map(|l| {
+        let source = l.tied_to?;
+        let LayerKind::Linear(linear) = &l.kind else {
+            return None;
+        };
+        Some((source, linear.out_features, linear.in_features))
+    }) else {
+        return Ok(None);
+    };
+    let len = vocab * width;
+    let tensors = [(
+        format!("layers.{source}.wte.weight"),
+        vec![vocab, width],
+        0..len,
+    )];
+    let mut table = vec![0.0; len];
+    load_tensors(
+        dir,
+        manifest,
+        &tensors,
+        0..len,
+        source..source + 1,
+        &mut table,
+        None,
+    )?;
+    Ok(Some(table))
 }
 
 /// A language model's context (positions per window) in the checkpoint in `dir`: the

@@ -231,6 +231,7 @@ pub(crate) mod tests {
                 LayerNorm,
                 Linear { out: 11 },
             ],
+            tie_embeddings: false,
         };
         spec.build_for(&Shape::flat(seq), &Shape(vec![seq, 11]))
             .unwrap()

@@ -41,6 +41,7 @@ pub mod optim;
 mod shape;
 pub mod spec;
 mod stage;
+mod tie;
 
 pub use error::{Error, Result};
 pub use layers::{Layer, LayerKind, Pass};

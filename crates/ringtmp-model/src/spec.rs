@@ -123,6 +123,11 @@ pub struct ModelSpec {
     /// The layers, input to output.
     #[serde(rename = "layer")]
     pub layers: Vec<LayerSpec>,
+    /// A language model's head uses the token embedding's table as its weight (GPT-2's and
+    /// nanoGPT's weight tying): one matrix, updated once from the sum of both gradients. The
+    /// head keeps its own bias.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tie_embeddings: bool,
 }
 
 /// Names of the built-in presets.
@@ -169,6 +174,7 @@ impl ModelSpec {
             return Ok(Self {
                 name: name.to_string(),
                 layers,
+                tie_embeddings: false,
             });
         }
         let mlp = |hidden: usize| {
@@ -220,6 +226,7 @@ impl ModelSpec {
         Ok(Self {
             name: name.to_string(),
             layers,
+            tie_embeddings: false,
         })
     }
 
@@ -275,6 +282,7 @@ impl ModelSpec {
                 input: shape,
                 output: output.clone(),
                 init_gain: 1.0,
+                tied_to: None,
             });
             shape = output;
         }
@@ -335,7 +343,42 @@ impl ModelSpec {
                 }
             }
         }
+        if self.tie_embeddings {
+            self.tie(&mut layers)?;
+        }
         Ok(layers)
+    }
+
+    /// Marks the last layer (the head) as using the first layer's token table: the first must
+    /// be an embedding and the last a linear layer of `vocab` outputs over `width` inputs.
+    fn tie(&self, layers: &mut [Layer]) -> Result<()> {
+        let refuse = |reason: String| {
+            Err(self.config_error(format!(
+                "tie_embeddings: {reason}; the head's weight [out, in] must be the token \
+                 table [vocab, width]"
+            )))
+        };
+        let Some(LayerKind::Embedding(e)) = layers.first().map(|l| &l.kind) else {
+            return refuse("the model does not start with an embedding".into());
+        };
+        let (vocab, width) = (e.vocab, e.width);
+        let Some(head) = layers.last_mut() else {
+            return refuse("the model has no layers".into());
+        };
+        match &head.kind {
+            LayerKind::Linear(l) if l.out_features == vocab && l.in_features == width => {
+                head.tied_to = Some(0);
+                Ok(())
+            }
+            LayerKind::Linear(l) => refuse(format!(
+                "the last layer is linear {} → {} but the embedding is {vocab} × {width}",
+                l.in_features, l.out_features
+            )),
+            _ => refuse(format!(
+                "the last layer is {}, not linear",
+                head.kind_name()
+            )),
+        }
     }
 
     fn config_error(&self, reason: String) -> Error {
@@ -357,6 +400,7 @@ pub fn build_layer(index: usize, spec: &LayerSpec, input: &Shape) -> Result<Laye
         input: input.clone(),
         output,
         init_gain: 1.0,
+        tied_to: None,
     })
 }
 

@@ -24,6 +24,7 @@ use crate::error::{Error, Result};
 use crate::kernels::{column_sums, set_len};
 use crate::layers::{Aux, Fused, Layer, LayerKind, OutputGrad, Pass, Side};
 use crate::optim::Optimizer;
+use crate::tie::{self, Tie};
 
 /// Released weight versions kept for reuse. Two suffice for a steady pipeline: the step that
 /// needs a new version finds the buffer of the version released since the last step.
@@ -79,6 +80,11 @@ pub struct Stage {
     /// Per layer: which of the layers after a convolution, in this stage, run inside it (see
     /// [`Fusion`]). Bit for bit the same results as the layers apart.
     fusion: Vec<Fusion>,
+    /// This stage's end(s) of a tied head and embedding (see the `tie` module).
+    tie: Option<Tie>,
+    /// The parameters were written from outside ([`Stage::params_mut`]) since the mirror was
+    /// last refreshed: the next pass refreshes it first.
+    tie_stale: bool,
 }
 
 /// The layers after a convolution, in the same stage, that the convolution runs itself.
@@ -204,17 +210,22 @@ impl Stage {
             !range.is_empty() && range.end <= layers.len(),
             "bad stage range {range:?}"
         );
+        let all = layers;
         let layers = layers[range.clone()].to_vec();
         let mut offsets = vec![0];
         for l in &layers {
             offsets.push(offsets.last().copied().unwrap_or(0) + l.param_count());
         }
+        let tie = Tie::of(all, range.clone(), &offsets);
         let total = *offsets.last().unwrap_or(&0);
         let mut params = vec![0.0; total];
         if !ringtmp_meter::phantom() {
             // (Phantom mode leaves the zeroed allocation untouched: the kernel maps it lazily.)
             for (i, l) in layers.iter().enumerate() {
                 l.init(&mut params[offsets[i]..offsets[i + 1]], seed);
+            }
+            if let Some((source, mirror)) = tie.as_ref().and_then(Tie::internal) {
+                tie::mirror(&mut params, &source, &mirror);
             }
         }
         let n = layers.len();
@@ -238,6 +249,8 @@ impl Stage {
             profile: None,
             deferred: None,
             fusion,
+            tie,
+            tie_stale: false,
         }
     }
 
@@ -314,7 +327,89 @@ impl Stage {
 
     /// The flat parameter vector, mutable (for importing parameters).
     pub fn params_mut(&mut self) -> &mut [f32] {
+        self.tie_stale = true;
         Arc::make_mut(&mut self.params).as_mut_slice()
+    }
+
+    /// Refreshes a tied head's weight from the embedding's table when both are in this stage and
+    /// the parameters were imported since (a no-op otherwise).
+    pub fn sync_tie(&mut self) {
+        if !std::mem::take(&mut self.tie_stale) || ringtmp_meter::phantom() {
+            return;
+        }
+        if let Some((source, mirror)) = self.tie.as_ref().and_then(Tie::internal) {
+            tie::mirror(
+                Arc::make_mut(&mut self.params).as_mut_slice(),
+                &source,
+                &mirror,
+            );
+        }
+    }
+
+    /// Whether this stage holds one end of a tied head and embedding, and which: `(source,
+    /// mirror)`.
+    pub fn tied_ends(&self) -> (bool, bool) {
+        self.tie
+            .as_ref()
+            .map_or((false, false), |t| (t.source.is_some(), t.mirror.is_some()))
+    }
+
+    /// The embedding's token table, when this stage holds it and its head is tied to it.
+    pub fn tied_source(&self) -> Option<&[f32]> {
+        let source = self.tie.as_ref()?.source.clone()?;
+        Some(&self.params[source])
+    }
+
+    /// Overwrites a tied head's weight (the mirror, held here without its source) with the
+    /// embedding's `table`. Weights stashed by micro-batches in flight are left as they were.
+    ///
+    /// # Panics
+    /// If this stage holds no mirror or `table` is not its length.
+    pub fn set_tied_mirror(&mut self, table: &[f32]) {
+        let mirror = self
+            .tie
+            .as_ref()
+            .and_then(|t| t.mirror.clone())
+            .expect("a stage holding a tied head");
+        if !ringtmp_meter::phantom() {
+            Arc::make_mut(&mut self.params)[mirror].copy_from_slice(table);
+        }
+    }
+
+    /// Takes a tied head's weight gradient (the mirror's, held here without its source) and
+    /// zeroes it there: the stage holding the embedding adds it to the table's
+    /// ([`Stage::add_tied_grad`]) before its step. Empty in sizes-only runs.
+    pub fn take_tied_grad(&mut self) -> Vec<f32> {
+        let Some(mirror) = self.tie.as_ref().and_then(|t| t.mirror.clone()) else {
+            return Vec::new();
+        };
+        if ringtmp_meter::phantom() {
+            return Vec::new();
+        }
+        self.materialise_grads();
+        let out = self.grads[mirror.clone()].to_vec();
+        self.grads[mirror].fill(0.0);
+        out
+    }
+
+    /// Adds a tied head's weight gradient to the embedding's table's (held here): the matrix's
+    /// one update then follows both uses. An empty `grad` (sizes only) adds nothing.
+    ///
+    /// # Panics
+    /// If this stage holds no tied embedding or `grad` has another length.
+    pub fn add_tied_grad(&mut self, grad: &[f32]) {
+        let source = self
+            .tie
+            .as_ref()
+            .and_then(|t| t.source.clone())
+            .expect("a stage holding a tied embedding");
+        if grad.is_empty() || ringtmp_meter::phantom() {
+            return;
+        }
+        self.materialise_grads();
+        for (g, d) in self.grads[source].iter_mut().zip(grad) {
+            *g += d;
+        }
     }
 
     /// Turns weight stashing on or off: with it, a micro-batch's backward uses exactly the weights
@@ -462,6 +557,7 @@ impl Stage {
         between: &mut dyn FnMut(),
     ) -> Result<&[f32]> {
         check_input("stage input", rows * self.input_len(), x.len())?;
+        self.sync_tie();
         if self.in_flight.contains_key(&micro_batch) {
             return Err(Error::Config {
                 source_name: format!("stage at layer {}", self.first_layer()),
@@ -492,6 +588,7 @@ impl Stage {
     /// Evaluation forward (no stash, dropout off); returns `[rows, output_len]`.
     pub fn infer(&mut self, x: &[f32], rows: usize) -> Result<&[f32]> {
         check_input("stage input", rows * self.input_len(), x.len())?;
+        self.sync_tie();
         let eval = &mut self.eval;
         eval.acts.resize_with(self.layers.len() + 1, Vec::new);
         eval.aux.resize_with(self.layers.len(), Aux::default);
@@ -572,7 +669,9 @@ impl Stage {
         lr: f32,
         between: &mut dyn FnMut(),
     ) -> Result<Option<&[f32]>> {
-        if self.deferred.is_some() || ringtmp_meter::phantom() {
+        // A tied matrix takes one update from both its gradients, so it waits for the whole
+        // backward: no update inside it.
+        if self.deferred.is_some() || ringtmp_meter::phantom() || self.tie.is_some() {
             self.backward_with(micro_batch, dy, between)?;
             self.step(optimizer, lr);
             return Ok(self.input_grad.then_some(self.input_grads[0].as_slice()));
@@ -605,7 +704,7 @@ impl Stage {
         between: &mut dyn FnMut(),
         send: &mut dyn FnMut(&[f32]),
     ) -> Result<()> {
-        if !self.input_grad || self.deferred.is_some() {
+        if !self.input_grad || self.deferred.is_some() || self.tie.is_some() {
             let dx = match step {
                 Some((optimizer, lr)) => {
                     self.backward_and_step(micro_batch, dy, optimizer, lr, between)?
@@ -1037,6 +1136,17 @@ impl Stage {
                 self.params = Arc::new(next);
             }
         }
+        if let Some((source, mirror)) = self.tie.as_ref().and_then(Tie::internal)
+            && !ringtmp_meter::phantom()
+        {
+            // The mirror's gradient was folded into the table's (zero): it follows the table.
+            tie::mirror(
+                Arc::make_mut(&mut self.params).as_mut_slice(),
+                &source,
+                &mirror,
+            );
+            self.tie_stale = false;
+        }
         self.zero_grad();
     }
 
@@ -1112,6 +1222,9 @@ impl Stage {
                 self.grads[self.offsets[i]..self.offsets[i + 1]].fill(0.0);
                 self.grads_written[i] = true;
             }
+        }
+        if let Some((source, mirror)) = self.tie.as_ref().and_then(Tie::internal) {
+            tie::fold(&mut self.grads, &source, &mirror);
         }
     }
 }

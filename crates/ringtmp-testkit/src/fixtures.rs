@@ -43,6 +43,15 @@ pub fn gpt(vocab: usize, width: usize) -> ModelSpec {
             LayerNorm,
             Linear { out: vocab },
         ],
+        tie_embeddings: false,
+    }
+}
+
+/// [`gpt`] with its head tied to its token embedding (one matrix).
+pub fn tied_gpt(vocab: usize, width: usize) -> ModelSpec {
+    ModelSpec {
+        tie_embeddings: true,
+        ..gpt(vocab, width)
     }
 }
 

@@ -20,6 +20,16 @@ pub fn cut_linear(layers: &[Layer], at: usize, split: usize) -> crate::Result<Ve
             reason: "only a linear layer can be cut inside".into(),
         });
     };
+    if layer.tied_to.is_some() {
+        return Err(crate::Error::Shape {
+            index: layer.index,
+            kind: layer.kind_name(),
+            input: layer.input.clone(),
+            reason: "a head tied to the embedding cannot be cut inside (its weight is the \
+                     embedding's whole table)"
+                .into(),
+        });
+    }
     if layer.input.as_flat().is_none() {
         return Err(crate::Error::Shape {
             index: layer.index,

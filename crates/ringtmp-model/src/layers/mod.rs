@@ -95,6 +95,10 @@ pub struct Layer {
     /// Standard deviation factor of the weight initialisation: `std = sqrt(gain / fan_in)`; 2 (He)
     /// for weights feeding a ReLU, 1 (LeCun) otherwise.
     pub init_gain: f32,
+    /// The model index of the embedding whose token table this layer's weight is (weight tying,
+    /// see the `tie` module): set on a language model's head when the model ties them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tied_to: Option<usize>,
 }
 
 impl Layer {

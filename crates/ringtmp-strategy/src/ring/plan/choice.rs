@@ -58,6 +58,21 @@ pub(super) fn choose(
     } else {
         layers.len()
     };
+    if layers.iter().any(|l| l.tied_to.is_some()) {
+        if head_start == layers.len() {
+            return Err(Error::Config(
+                "the model ties its head to its token embedding (tie_embeddings): on the ring \
+                 the embedding is the master's and the head the last node's, and one matrix \
+                 cannot be updated on two nodes; add --master-holds-head (the master then \
+                 holds both), or untie the model"
+                    .into(),
+            ));
+        }
+        report.note(
+            "weights: the head is tied to the token embedding; the master holds both and \
+             updates their one matrix from the sum of both gradients",
+        );
+    }
     let body = &costs[..head_start];
     // Fewer nodes than given only for one plain ring: rings of rings are laid out by --nodes,
     // and stage replicas heal among all of them.

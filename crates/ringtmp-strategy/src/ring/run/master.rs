@@ -94,6 +94,9 @@ pub fn run_master_with(
         None => job.load(&mut stage, &mut optimizer)?,
     }
     let mut head = MasterHead::load(job)?;
+    if let Some(h) = head.as_mut() {
+        h.follow(&stage);
+    }
     // Rings of rings draw the global batch and take their share of it.
     let mut batches = BatchPlan::new(
         setup.data.train.len(),
@@ -593,6 +596,9 @@ struct LossSide {
     /// Gradient clipping: the other stages' summed squared norm of a mini-batch, which may
     /// arrive while stage 0 still runs its last backward.
     grad_norm: Option<(u64, f64)>,
+    /// `async` with a tied head: the head's gradient of the table per micro-batch, waiting for
+    /// stage 0's backward of the same micro-batch (the matrix's one update takes both).
+    tied_grads: BTreeMap<u64, Vec<f32>>,
 }
 
 impl LossSide {
@@ -605,6 +611,7 @@ impl LossSide {
             scored: 0,
             values: Vec::new(),
             grad_norm: None,
+            tied_grads: BTreeMap::new(),
         }
     }
 
@@ -678,7 +685,11 @@ impl LossSide {
                 )?;
                 let step = self.policy.step_of(id);
                 if let (LossPolicy::Async { .. }, Some(h)) = (self.policy, head) {
-                    // Each async micro-batch is its own step, on the head too.
+                    // Each async micro-batch is its own step, on the head too; a tied head's
+                    // share of the table's gradient waits for stage 0's backward.
+                    if h.tied() {
+                        self.tied_grads.insert(id, h.stage.take_tied_grad());
+                    }
                     h.stage.step(&mut h.optimizer, job.lr_at(step));
                 }
                 *self.losses.entry(step).or_default() += loss_sum;
@@ -761,6 +772,18 @@ impl MasterHead {
         let mut optimizer = Optimizer::new(job.spec.optimizer.clone(), stage.params().len());
         job.load(&mut stage, &mut optimizer)?;
         Ok(Some(Self { stage, optimizer }))
+    }
+
+    /// Whether the head's weight is tied to the token embedding of the master's stage 0.
+    fn tied(&self) -> bool {
+        self.stage.tied_ends().1
+    }
+
+    /// A tied head takes the table's values from stage 0 (after its step, and at the start).
+    fn follow(&mut self, stage: &Stage) {
+        if let (true, Some(table)) = (self.tied(), stage.tied_source()) {
+            self.stage.set_tied_mirror(table);
+        }
     }
 }
 
@@ -963,8 +986,10 @@ impl MasterPipe {
                 }
                 Some(Action::Backward) => {
                     let (id, dy) = self.side.grads.pop_front().expect("next() saw a gradient");
+                    // A tied table (async) steps after the backward, with the head's share.
+                    let tied = head.as_deref().is_some_and(MasterHead::tied);
                     let mut service = servicer(&mut self.side, job, net, &mut head, &mut failure);
-                    if flushed.is_some() {
+                    if flushed.is_some() || tied {
                         clock.run(|| stage.backward_with(id, &dy, &mut service).map(|_| ()))?;
                     } else {
                         // Each async micro-batch is its own weight version and step, taken
@@ -979,6 +1004,15 @@ impl MasterPipe {
                     drop(service);
                     if let Some(e) = failure {
                         return Err(e);
+                    }
+                    if let (None, Some(h)) = (&flushed, head.as_deref_mut().filter(|h| h.tied())) {
+                        let share = self.side.tied_grads.remove(&id).unwrap_or_default();
+                        let lr = job.lr_at(id / m);
+                        clock.run(|| {
+                            stage.add_tied_grad(&share);
+                            stage.step(optimizer, lr);
+                        });
+                        h.follow(stage);
                     }
                     self.backwarded += 1;
                     match flushed.as_mut() {
@@ -1002,6 +1036,10 @@ impl MasterPipe {
         }
         if flushed.is_some() {
             let lr = job.lr_at(step);
+            if let Some(h) = head.as_deref_mut().filter(|h| h.tied()) {
+                // The tied matrix's one update takes the head's gradient too.
+                clock.run(|| stage.add_tied_grad(&h.stage.take_tied_grad()));
+            }
             if job.averages_gradients() {
                 net.average_with_replicas(step, stage.grads_mut())?;
             }
@@ -1020,6 +1058,7 @@ impl MasterPipe {
             clock.run(|| stage.step(optimizer, lr));
             if let Some(h) = head {
                 clock.run(|| h.stage.step(&mut h.optimizer, lr));
+                h.follow(stage);
             }
             job.after_minibatch(net, step, stage.params_mut())?;
         }
