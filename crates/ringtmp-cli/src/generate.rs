@@ -59,6 +59,14 @@ pub struct GenerateArgs {
     /// process holds the whole model or its cache.
     #[arg(long, default_value_t = 1)]
     pub nodes: u32,
+    /// With --nodes: each node's memory (`768M`, or `RANK:LIMIT` entries); a split whose node
+    /// would hold more parameters than its limit is refused before any node starts.
+    #[arg(long, value_name = "LIMIT", num_args = 1..)]
+    pub node_memory_limit: Option<Vec<String>>,
+    /// With --node-memory-limit: hold each node process to its limit (a cgroup v2 memory
+    /// limit; a node that outgrows it is ended by the kernel).
+    #[arg(long)]
+    pub enforce_memory_limit: bool,
 }
 
 /// How ids become text and back for this checkpoint.
@@ -100,6 +108,12 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
     )?;
     if a.nodes > 1 {
         return split(a, &opened);
+    }
+    if a.node_memory_limit.is_some() || a.enforce_memory_limit {
+        return Err(UsageError(
+            "--node-memory-limit and --enforce-memory-limit apply to a split over --nodes N".into(),
+        )
+        .into());
     }
     let layers = manifest_layers(&opened)?;
     let Opened {
@@ -308,8 +322,7 @@ fn split(a: &GenerateArgs, opened: &Opened) -> anyhow::Result<()> {
         .map_err(|e| UsageError(e.to_string()))?;
     // A split generation decodes position by position on every node: check each stage can.
     for (start, end) in &partition {
-        let stage = Stage::new(&layers, *start..*end, 0, 1);
-        Decoder::new(&stage).map_err(|e| UsageError(e.to_string()))?;
+        Decoder::for_layers(&layers[*start..*end]).map_err(|e| UsageError(e.to_string()))?;
     }
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
     let job = GenerateJob {
@@ -333,6 +346,7 @@ fn split(a: &GenerateArgs, opened: &Opened) -> anyhow::Result<()> {
     };
     let share =
         |r: &(usize, usize)| -> usize { layers[r.0..r.1].iter().map(|l| l.param_count()).sum() };
+    let memory = node_memory(a, &partition, &share)?;
     eprintln!(
         "generate: {} split over {} nodes (layers {}; parameters per node {})",
         opened.manifest.model.name,
@@ -360,18 +374,78 @@ fn split(a: &GenerateArgs, opened: &Opened) -> anyhow::Result<()> {
         }
         args
     };
+    let cgroups = std::cell::RefCell::new(crate::cgroup::NodeCgroups::default());
+    let on_spawn = |rank: u32, pid: u32| -> anyhow::Result<()> {
+        if let Some(bytes) = memory.get(rank as usize).copied().flatten() {
+            cgroups.borrow_mut().limit_memory(rank, pid, bytes)?;
+            eprintln!(
+                "launcher: node {rank} is held to {} MiB of memory",
+                bytes >> 20
+            );
+        }
+        Ok(())
+    };
+    let explain = |rank: u32| cgroups.borrow().explain(rank);
     let ended = crate::launcher::run(&crate::launcher::Launch {
         nodes: a.nodes,
         pin: false,
         verbose: false,
         args: &node_args,
         expendable: &|_| false,
-        on_spawn: &|_, _| Ok(()),
-        explain: &|_| None,
+        on_spawn: &on_spawn,
+        explain: &explain,
         raw_rank0_stdout: true,
     });
+    drop(cgroups);
     let _ = std::fs::remove_dir_all(&dir);
     ended.map(|_| ())
+}
+
+/// The nodes' memory limits from `--node-memory-limit`, checked against what each node of the
+/// split holds at least (its parameters and the process's baseline); `Some` per node only where
+/// `--enforce-memory-limit` asks the kernel to hold it to its limit.
+fn node_memory(
+    a: &GenerateArgs,
+    partition: &[(usize, usize)],
+    params_of: &dyn Fn(&(usize, usize)) -> usize,
+) -> anyhow::Result<Vec<Option<u64>>> {
+    let Some(entries) = a.node_memory_limit.as_deref() else {
+        if a.enforce_memory_limit {
+            return Err(UsageError(
+                "--enforce-memory-limit needs --node-memory-limit (the limit to enforce)".into(),
+            )
+            .into());
+        }
+        return Ok(vec![None; a.nodes as usize]);
+    };
+    let limits = ringtmp_strategy::Cluster::local(a.nodes)
+        .with_memory_limits(Some(&entries.join(",")))
+        .map_err(|e| UsageError(e.to_string()))?
+        .memory_limits;
+    for (rank, (range, limit)) in partition.iter().zip(&limits).enumerate() {
+        let floor =
+            params_of(range) as u64 * 4 + ringtmp_strategy::ring::plan::PROCESS_BASELINE_BYTES;
+        if let Some(limit) = limit
+            && floor > *limit
+        {
+            return Err(UsageError(format!(
+                "--node-memory-limit: node {rank} holds layers {}..{} ({:.1} M parameters, {} MiB \
+                 with the process's baseline), more than its limit of {} MiB; split the model \
+                 over more nodes (--nodes)",
+                range.0,
+                range.1,
+                params_of(range) as f64 / 1e6,
+                floor >> 20,
+                limit >> 20
+            ))
+            .into());
+        }
+    }
+    if !a.enforce_memory_limit {
+        return Ok(vec![None; a.nodes as usize]);
+    }
+    crate::cgroup::NodeCgroups::check(&vec![None; a.nodes as usize], &limits)?;
+    Ok(limits)
 }
 
 fn manifest_layers(opened: &Opened) -> anyhow::Result<Vec<ringtmp_model::Layer>> {

@@ -233,6 +233,19 @@ fn generate_continues_a_prompt_from_any_strategys_checkpoint_and_refuses_bad_inp
         &["character '7'", "not in the model's vocabulary"],
     );
     refused(&generate(&["--tokens", "0"]), &["--tokens 0"]);
+    // A split whose node cannot hold its layers' parameters, before any node starts.
+    refused(
+        &generate(&["--tokens", "3", "--nodes", "2", "--node-memory-limit", "1M"]),
+        &[
+            "node 0 holds layers 0..",
+            "more than its limit of 1 MiB",
+            "--nodes",
+        ],
+    );
+    refused(
+        &generate(&["--tokens", "3", "--node-memory-limit", "1G"]),
+        &["apply to a split over --nodes N"],
+    );
     refused(
         &generate(&["--prompt", "", "--tokens", "3"]),
         &["--prompt: empty"],

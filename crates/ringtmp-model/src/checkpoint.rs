@@ -16,7 +16,7 @@ use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use safetensors::tensor::{Dtype, SafeTensors, TensorView};
+use safetensors::tensor::{Dtype, SafeTensors};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -125,22 +125,17 @@ fn write_named(
     params: &[f32],
     state: &[(&'static str, &[f32])],
 ) -> Result<FileEntry> {
-    let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut views: Vec<(String, F32View<'_>)> = Vec::new();
     for (tensor, shape, range) in named_tensors(stage) {
-        owned.push((
-            tensor.clone(),
-            shape.clone(),
-            le_bytes(&params[range.clone()]),
-        ));
+        views.push((tensor.clone(), F32View::new(&shape, &params[range.clone()])));
         for (state_name, values) in state {
-            owned.push((
+            views.push((
                 format!("{state_name}.{tensor}"),
-                shape.clone(),
-                le_bytes(&values[range.clone()]),
+                F32View::new(&shape, &values[range.clone()]),
             ));
         }
     }
-    write_tensors(dir, name, &owned)
+    write_tensors(dir, name, views)
 }
 
 /// Writes a contiguous range `range` of a whole model's flat parameter vector (a parameter
@@ -167,7 +162,7 @@ pub fn write_range(
         "shard and range differ in length"
     );
     let state = optimizer.state();
-    let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut views: Vec<(String, F32View<'_>)> = Vec::new();
     for (tensor, shape, full) in named_tensors(model) {
         let (start, end) = (full.start.max(range.start), full.end.min(range.end));
         if start >= end {
@@ -182,20 +177,15 @@ pub fn write_range(
                 vec![end - start],
             )
         };
-        owned.push((
-            tensor.clone(),
-            shape.clone(),
-            le_bytes(&params[local.clone()]),
-        ));
+        views.push((tensor.clone(), F32View::new(&shape, &params[local.clone()])));
         for (state_name, values) in &state {
-            owned.push((
+            views.push((
                 format!("{state_name}.{tensor}"),
-                shape.clone(),
-                le_bytes(&values[local.clone()]),
+                F32View::new(&shape, &values[local.clone()]),
             ));
         }
     }
-    write_tensors(dir, name, &owned)
+    write_tensors(dir, name, views)
 }
 
 /// Loads range `range` of a whole model's flat parameters, with the matching optimizer state,
@@ -226,28 +216,104 @@ pub fn read_range(
     )
 }
 
-/// Writes named f32 tensors `(name, shape, little-endian bytes)` as one safetensors file,
-/// atomically, and returns its entry.
-fn write_tensors(
-    dir: &Path,
-    name: &str,
-    owned: &[(String, Vec<usize>, Vec<u8>)],
-) -> Result<FileEntry> {
-    let views = owned
-        .iter()
-        .map(|(n, shape, data)| {
-            TensorView::new(Dtype::F32, shape.clone(), data).map(|v| (n.as_str(), v))
+/// An f32 tensor as safetensors writes it: borrowed, so a stage's parameters and optimizer state
+/// go to the file without a copy (a node near its memory limit could not hold one).
+struct F32View<'a> {
+    shape: Vec<usize>,
+    values: &'a [f32],
+}
+
+impl<'a> F32View<'a> {
+    fn new(shape: &[usize], values: &'a [f32]) -> Self {
+        Self {
+            shape: shape.to_vec(),
+            values,
+        }
+    }
+}
+
+impl safetensors::View for F32View<'_> {
+    fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn data(&self) -> std::borrow::Cow<'_, [u8]> {
+        if cfg!(target_endian = "little") {
+            std::borrow::Cow::Borrowed(bytemuck::cast_slice(self.values))
+        } else {
+            std::borrow::Cow::Owned(le_bytes(self.values))
+        }
+    }
+
+    fn data_len(&self) -> usize {
+        self.values.len() * 4
+    }
+}
+
+/// Writes named f32 tensors as one safetensors file, atomically (a temporary name, synced, then
+/// renamed), streaming them from where they are, and returns its entry (the hash read back from
+/// the file).
+fn write_tensors(dir: &Path, name: &str, views: Vec<(String, F32View<'_>)>) -> Result<FileEntry> {
+    let path = dir.join(name);
+    fs::create_dir_all(dir).map_err(|e| Error::io(dir, e))?;
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let result = (|| {
+        safetensors::serialize_to_file(views, None, &tmp)
+            .map_err(|e| safetensors_error(&path, e))?;
+        // Readable as the manifest beside it is (the crate's temporary file is private).
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::PermissionsExt;
+            fs::set_permissions(&tmp, fs::Permissions::from_mode(0o644))
+                .map_err(|e| Error::io(&path, e))?;
+        }
+        if disk_full_injected(dir) {
+            let len = fs::metadata(&tmp).map_err(|e| Error::io(&path, e))?.len();
+            let file = fs::OpenOptions::new()
+                .write(true)
+                .open(&tmp)
+                .map_err(|e| Error::io(&path, e))?;
+            file.set_len(len / 2).map_err(|e| Error::io(&path, e))?;
+            return Err(Error::io(&path, std::io::Error::from_raw_os_error(ENOSPC)));
+        }
+        let (sha256, bytes) = hash_file(&tmp).map_err(|e| Error::io(&path, e))?;
+        let synced = (|| {
+            File::open(&tmp)?.sync_all()?;
+            fs::rename(&tmp, &path)?;
+            File::open(dir)?.sync_all()
+        })();
+        synced.map_err(|e| Error::io(&path, e))?;
+        Ok(FileEntry {
+            name: name.to_string(),
+            sha256,
+            bytes,
         })
-        .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|e| safetensors_error(&dir.join(name), e))?;
-    let bytes =
-        safetensors::serialize(views, None).map_err(|e| safetensors_error(&dir.join(name), e))?;
-    write_atomic(&dir.join(name), &bytes)?;
-    Ok(FileEntry {
-        name: name.to_string(),
-        sha256: sha256_hex(&bytes),
-        bytes: bytes.len() as u64,
-    })
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    result
+}
+
+/// SHA-256 (hex) and length of a file, read in blocks.
+fn hash_file(path: &Path) -> std::io::Result<(String, u64)> {
+    let mut file = File::open(path)?;
+    let mut hasher = Sha256::new();
+    let mut buffer = vec![0u8; 1 << 20];
+    let mut total = 0u64;
+    loop {
+        let n = std::io::Read::read(&mut file, &mut buffer)?;
+        if n == 0 {
+            break;
+        }
+        hasher.update(&buffer[..n]);
+        total += n as u64;
+    }
+    Ok((hex::encode(hasher.finalize()), total))
 }
 
 /// Layers `[first, last)` of `model` whose parameters overlap `range`: a shard's entry in a
@@ -403,7 +469,7 @@ fn load_tensors(
             // kernel's to drop again).
             let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
             // SAFETY: checkpoint files are written once, to a temporary name, and renamed into
-            // place (`write_atomic`); no one writes a file while it is mapped here.
+            // place (`write_tensors`); no one writes a file while it is mapped here.
             let bytes = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
             let got = sha256_hex(&bytes);
             if got != entry.sha256 {

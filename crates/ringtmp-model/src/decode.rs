@@ -39,6 +39,12 @@ impl Decoder {
     /// A decoder for `stage`, at position 0; refuses a stage with a layer that cannot decode
     /// position by position.
     pub fn new(stage: &Stage) -> Result<Self> {
+        Self::for_layers(stage.layers())
+    }
+
+    /// A decoder for a stage of `layers` (the check needs no parameters: a launcher that
+    /// checks a split must not build the model it splits).
+    pub fn for_layers(layers: &[crate::Layer]) -> Result<Self> {
         let refuse = |index: usize, what: &str| Error::Config {
             source_name: format!("layer {index}"),
             reason: format!(
@@ -48,7 +54,7 @@ impl Decoder {
         };
         let mut capacity = None;
         let mut caches = Vec::new();
-        for layer in stage.layers() {
+        for layer in layers {
             let seq = match &layer.kind {
                 LayerKind::Embedding(e) => Some(e.seq),
                 LayerKind::Block(b) => Some(b.seq),

@@ -41,6 +41,18 @@ struct Stash {
     rows: usize,
 }
 
+impl Stash {
+    /// Bytes of its activations and side data.
+    fn bytes(&self) -> usize {
+        self.acts.iter().map(Vec::len).sum::<usize>() * 4
+            + self
+                .aux
+                .iter()
+                .map(|a| a.values.len() * 4 + a.indices.len() * 4)
+                .sum::<usize>()
+    }
+}
+
 /// A contiguous block of a model's layers with their parameters and optimizer-facing buffers.
 #[derive(Debug)]
 pub struct Stage {
@@ -517,20 +529,19 @@ impl Stage {
     /// Bytes held for backward passes: stashes of in-flight micro-batches plus rows kept for
     /// deferred weight gradients.
     pub fn stash_bytes(&self) -> usize {
-        let stash = |s: &Stash| {
-            s.acts.iter().map(Vec::len).sum::<usize>() * 4
-                + s.aux
-                    .iter()
-                    .map(|a| a.values.len() * 4 + a.indices.len() * 4)
-                    .sum::<usize>()
-        };
         let deferred: usize = self
             .deferred
             .iter()
             .flatten()
             .map(|p| (p.x.len() + p.dy.len()) * 4)
             .sum();
-        self.in_flight.values().map(stash).sum::<usize>() + deferred
+        self.in_flight.values().map(Stash::bytes).sum::<usize>() + deferred
+    }
+
+    /// Bytes the last evaluation pass ([`Stage::infer`]) held: its two activation buffers and
+    /// one layer's side data (kept for the next pass).
+    pub fn eval_bytes(&self) -> usize {
+        self.eval.bytes()
     }
 
     /// Forward pass of a training micro-batch of `rows` samples; stashes what backward needs and
@@ -590,22 +601,22 @@ impl Stage {
         check_input("stage input", rows * self.input_len(), x.len())?;
         self.sync_tie();
         let eval = &mut self.eval;
-        eval.acts.resize_with(self.layers.len() + 1, Vec::new);
-        eval.aux.resize_with(self.layers.len(), Aux::default);
+        // Two activation buffers in turn and one layer's side data: an evaluation pass holds
+        // one layer's working set, not every layer's (a transformer block's is ~12 MB a window
+        // at gpt-100m's width).
+        eval.acts.resize_with(2, Vec::new);
+        eval.aux.resize_with(1, Aux::default);
         eval.rows = rows;
         copy_input(&mut eval.acts[0], x, rows * self.layers[0].input.numel());
-        run_forward(
+        let out = run_inference(
             &self.layers,
             &self.fusion,
             &self.offsets,
             &self.params,
             eval,
-            &Pass::eval(),
             self.threads,
-            None,
-            &mut || {},
         );
-        Ok(eval.acts.last().map(Vec::as_slice).unwrap_or_default())
+        Ok(eval.acts[out].as_slice())
     }
 
     /// Backward pass of a stashed micro-batch from the gradient of its output, `[rows,
@@ -1313,6 +1324,61 @@ fn run_forward(
     }
 }
 
+/// [`run_forward`] of an evaluation pass through `eval`'s two activation buffers in turn and its
+/// one side-data buffer (no layer's output or side data is kept past the next layer's pass).
+/// Returns which buffer holds the output.
+fn run_inference(
+    layers: &[Layer],
+    fusion: &[Fusion],
+    offsets: &[usize],
+    params: &[f32],
+    eval: &mut Stash,
+    threads: usize,
+) -> usize {
+    let phantom = ringtmp_meter::phantom();
+    let rows = eval.rows;
+    let (mut input, aux) = (0, &mut eval.aux[0]);
+    let pass = Pass::eval();
+    for (i, layer) in layers.iter().enumerate() {
+        ringtmp_meter::layer(
+            layer.index,
+            ringtmp_meter::Pass::Forward,
+            layer.metered_rows(rows),
+        );
+        // Sizes only: every layer's output, fused or not.
+        if !phantom && Fusion::absorbs(fusion, i) {
+            // The conv before ran this layer.
+            continue;
+        }
+        let [a, b] = &mut eval.acts[..] else {
+            unreachable!("two buffers")
+        };
+        let (x, y) = if input == 0 { (&*a, b) } else { (&*b, a) };
+        input = 1 - input;
+        if phantom {
+            set_len(y, rows * layer.output.numel());
+            continue;
+        }
+        let params_i = &params[offsets[i]..offsets[i + 1]];
+        match (&layer.kind, fusion[i]) {
+            (LayerKind::Conv2d(conv), Fusion::Relu) => {
+                set_len(y, rows * layers[i + 1].output.numel());
+                conv.forward(params_i, x, rows, y, Fused::Relu, &mut aux.indices, threads);
+            }
+            (LayerKind::Conv2d(conv), Fusion::ReluPool) => {
+                let LayerKind::MaxPool2d(pool) = &layers[i + 2].kind else {
+                    unreachable!("Fusion::of checked the pool");
+                };
+                set_len(y, rows * layers[i + 2].output.numel());
+                let fused = Fused::ReluPool(pool);
+                conv.forward(params_i, x, rows, y, fused, &mut aux.indices, threads);
+            }
+            _ => layer.forward(params_i, x, rows, y, aux, &pass, threads),
+        }
+    }
+    input
+}
+
 /// [`check_len`] of an input that may come from the wire: in phantom mode (sizes only), a
 /// payload that never carried values arrives empty.
 fn check_input(what: &'static str, expected: usize, got: usize) -> Result<()> {
@@ -1347,6 +1413,40 @@ fn check_len(what: &'static str, expected: usize, got: usize) -> Result<()> {
 mod tests {
     use super::*;
     use crate::{ModelSpec, Shape};
+
+    /// An evaluation pass, through two buffers in turn, gives a training forward's output bit
+    /// for bit (no dropout in these models), the fused convolutions included, whatever the rows
+    /// of the pass before.
+    #[test]
+    fn inference_through_two_buffers_equals_the_training_forward() {
+        let cases = [
+            ("cnn", Shape::image(28, 28, 1), Shape::flat(10), 784),
+            ("gpt-nano", Shape::flat(32), Shape(vec![32, 10]), 32),
+        ];
+        for (name, input, output, width) in cases {
+            let layers = ModelSpec::preset(name, 10)
+                .unwrap()
+                .build_for(&input, &output)
+                .unwrap();
+            let mut stage = Stage::new(&layers, 0..layers.len(), 3, 1);
+            for rows in [3, 1, 2] {
+                let x: Vec<f32> = (0..rows * width).map(|i| (i % 10) as f32).collect();
+                let pass = Pass {
+                    train: true,
+                    seed: 1,
+                    step: 0,
+                    row_offset: 0,
+                };
+                let trained = stage.forward(0, &x, rows, &pass).unwrap().to_vec();
+                stage.clear_in_flight();
+                assert_eq!(
+                    stage.infer(&x, rows).unwrap(),
+                    &trained[..],
+                    "{name}, {rows} rows"
+                );
+            }
+        }
+    }
 
     /// Below the first layer with parameters no input gradient is made (nothing reads it) unless
     /// the stage's own input gradient is wanted; the parameter gradients are the same either way.

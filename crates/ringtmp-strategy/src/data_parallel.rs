@@ -28,6 +28,9 @@ pub fn plan_spec(
             "--strategy {strategy} needs --nodes of at least 2 (one worker is --strategy local)"
         )));
     }
+    let layers = crate::layers_for(&config.model, data)?;
+    let floor = crate::memory_floor::whole_replica(&layers, &config.optimizer);
+    crate::memory_floor::check(strategy, &floor, 0..workers, cluster)?;
     if cluster.threads.is_none() {
         config.threads = (cluster.cores / workers).max(1);
     }

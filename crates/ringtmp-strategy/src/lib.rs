@@ -42,6 +42,7 @@ pub mod gossip;
 pub mod job;
 pub mod local;
 pub mod machine;
+pub mod memory_floor;
 pub mod messages;
 pub mod param_server;
 pub mod recorder;

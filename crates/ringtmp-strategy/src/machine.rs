@@ -54,6 +54,10 @@ pub struct LayerTiming {
     pub after_send_seconds: f64,
     /// Bytes the layer stashes per micro-batch beyond its input (outputs and side data).
     pub stash_bytes: u64,
+    /// Bytes an evaluation pass of one micro-batch through the layer holds (its input, its
+    /// output and its side data; 0 in profiles from before it was measured).
+    #[serde(default)]
+    pub eval_bytes: u64,
 }
 
 /// A node's measurements.

@@ -69,6 +69,7 @@ pub fn plan(
         )));
     }
     let workers = nodes as usize - servers;
+    check_memory_floor(&cfg, data, cluster, servers)?;
     let consistency = Consistency::parse(args.consistency.as_deref().unwrap_or("bsp"))
         .map_err(|e| Error::Config(format!("--consistency: {e}")))?;
     if cluster.threads.is_none() {
@@ -224,4 +225,32 @@ fn delayed_recurrence_decays(momentum: f64, delay: usize, a: f64) -> bool {
     }
     let norm = history.iter().fold(0.0f64, |m, x| m.max(x.abs()));
     log_scale + norm.ln() < log_at_half
+}
+
+/// Refuses, before any node starts, servers or workers whose memory limit is below what they
+/// hold at least: a worker the whole model's parameters and gradients, a server its shard's
+/// parameters and optimizer state.
+fn check_memory_floor(
+    cfg: &TrainConfig,
+    data: &Dataset,
+    cluster: &Cluster,
+    servers: usize,
+) -> Result<()> {
+    use crate::memory_floor::{Floor, check, params_of, state_copies, state_words};
+    let layers = crate::layers_for(&cfg.model, data)?;
+    let params = params_of(&layers);
+    let worker = Floor {
+        who: "each worker".into(),
+        params,
+        values: 2,
+        what: " and their gradients".into(),
+    };
+    check("ps", &worker, servers..cluster.nodes as usize, cluster)?;
+    let server = Floor {
+        who: format!("each of {servers} server(s)"),
+        params: params.div_ceil(servers as u64),
+        values: 1 + state_copies(&cfg.optimizer),
+        what: state_words(&cfg.optimizer).to_string(),
+    };
+    check("ps", &server, 0..servers, cluster)
 }

@@ -259,3 +259,63 @@ pub fn process_overhead(master: bool, data: &Dataset, layers: &[ringtmp_model::L
     };
     PROCESS_BASELINE_BYTES + workspace + dataset
 }
+
+/// Most bytes one evaluation pass's working set may take on a node (its largest layer's input,
+/// output and side data for the pass's rows): 64 MiB.
+const EVAL_WORKING_SET: u64 = 64 << 20;
+
+/// How the ring evaluates: rows per pass around the ring, and the memory a node needs for it
+/// besides its stage (held between evaluations too: the buffers are kept for the next one).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EvalPlan {
+    /// Windows or images per pass.
+    pub rows: usize,
+    /// The largest layer's working set for a pass, and the passes' messages a node may have
+    /// queued ([`crate::ring::run::master::EVAL_CHUNKS_IN_FLIGHT`] of them).
+    pub bytes: u64,
+}
+
+/// The evaluation passes for layers of `costs` (measured on micro-batches of `rows`): the
+/// evaluation's usual passes (`default_rows`), fewer rows where a layer's working set would
+/// outgrow [`EVAL_WORKING_SET`] (a transformer block of `gpt-100m` holds ~14 MB a window).
+pub fn eval_plan(costs: &[LayerCost], rows: usize, default_rows: usize) -> EvalPlan {
+    let rows = rows.max(1) as u64;
+    let per_row = |f: fn(&LayerCost) -> u64| costs.iter().map(f).max().unwrap_or(0).div_ceil(rows);
+    let work = per_row(|c| c.eval_bytes);
+    let message = per_row(|c| c.out_bytes);
+    let fitting = (EVAL_WORKING_SET / work.max(1)).max(1);
+    let eval_rows = (default_rows as u64).min(fitting).max(1);
+    let queued = crate::ring::run::master::EVAL_CHUNKS_IN_FLIGHT as u64;
+    EvalPlan {
+        rows: eval_rows as usize,
+        bytes: eval_rows * (work + queued * message),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A layer whose evaluation holds 14 MB a window (a `gpt-100m` block's, measured on
+    /// micro-batches of 2 windows) evaluates 4 windows a pass, not the usual 7; a small model
+    /// keeps the usual passes. The bytes count the pass's working set and 8 passes' messages.
+    #[test]
+    fn evaluation_passes_shrink_to_the_working_set_budget() {
+        let layer = |eval_bytes: u64, out_bytes: u64| LayerCost {
+            eval_bytes,
+            out_bytes,
+            ..Default::default()
+        };
+        let big = [layer(2_000_000, 1_000), layer(28_000_000, 1_572_864)];
+        let plan = eval_plan(&big, 2, 7);
+        assert_eq!(plan.rows, 4);
+        assert_eq!(plan.bytes, 4 * (14_000_000 + 8 * 786_432));
+        let small = [layer(100_000, 10_000)];
+        assert_eq!(eval_plan(&small, 2, 7).rows, 7);
+        assert_eq!(
+            eval_plan(&[layer(1 << 40, 0)], 1, 7).rows,
+            1,
+            "at least one"
+        );
+    }
+}

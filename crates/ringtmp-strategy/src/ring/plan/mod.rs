@@ -72,6 +72,26 @@ pub fn plan(
             repeats: 9,
         },
     );
+    let eval = capacity::eval_plan(
+        &costs,
+        rows,
+        crate::evaluation::eval_chunk(&data.test, data.classes),
+    );
+    if capacities.iter().any(|c| c.memory_limit.is_some()) {
+        for c in &mut capacities {
+            c.memory_limit = c.memory_limit.map(|m| m.saturating_sub(eval.bytes));
+        }
+        report.note(format!(
+            "evaluation: passes of {} {} around the ring, {} a node for them",
+            eval.rows,
+            if crate::sequence_of(data).is_some() {
+                "windows"
+            } else {
+                "examples"
+            },
+            crate::contract::show_bytes(eval.bytes)
+        ));
+    }
     capacity::use_own_profiles(
         cluster,
         &mut capacities,
@@ -121,7 +141,7 @@ pub fn plan(
         predicted_seconds: costs[head_start..].iter().map(|c| c.seconds).sum::<f64>() / speeds[0],
         predicted_bytes: costs[head_start..]
             .iter()
-            .map(|c| c.bytes_in_ring(used as usize))
+            .map(|c| c.bytes_at(used as usize, used as usize))
             .sum(),
         predicted_link_seconds: 0.0,
     });
@@ -167,6 +187,7 @@ pub fn plan(
         replicas,
         average_every,
         gossip_every,
+        eval_rows: eval.rows,
         ring: 0,
     };
     if job.replica_every > 0 {

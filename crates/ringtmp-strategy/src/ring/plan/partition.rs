@@ -24,7 +24,7 @@
 use serde::{Deserialize, Serialize};
 
 /// Cost of one layer as measured or computed.
-#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct LayerCost {
     /// Seconds for forward + backward of one micro-batch.
     pub seconds: f64,
@@ -48,16 +48,44 @@ pub struct LayerCost {
     /// layer's weight gradient and its share of the optimizer step (0 where not measured).
     #[serde(default)]
     pub after_send_seconds: f64,
+    /// Under 1F1B, one micro-batch's stashed activations, held once for each micro-batch the
+    /// layer's stage keeps in flight — stage `s` of a ring of `n` keeps `min(n − s + 1, M)`
+    /// (`StagePolicy::in_flight_limit`), so a ring's first stages hold more than its last. 0
+    /// under the other schedules (their stash is in `bytes` and `bytes_per_node`).
+    #[serde(default)]
+    pub stash_per_in_flight: u64,
+    /// `M`, the micro-batches per mini-batch, with `stash_per_in_flight`.
+    #[serde(default)]
+    pub micro_batches: usize,
+    /// Bytes an evaluation pass of one micro-batch through the layer holds: its input, its
+    /// output and its side data (one layer at a time: a node's evaluation holds its largest
+    /// layer's).
+    #[serde(default)]
+    pub eval_bytes: u64,
 }
 
 fn yes() -> bool {
     true
 }
 
+/// Micro-batches stage `stage` of a ring of `nodes` holds at once under 1F1B with
+/// `micro_batches` per mini-batch: one more than the stages after it, at most all of them.
+pub fn in_flight_at(stage: usize, nodes: usize, micro_batches: usize) -> u64 {
+    (nodes.saturating_sub(stage) + 1).min(micro_batches) as u64
+}
+
 impl LayerCost {
     /// What the layer costs its node in a ring of `nodes`.
     pub fn bytes_in_ring(&self, nodes: usize) -> u64 {
         self.bytes + self.bytes_per_node * nodes as u64
+    }
+
+    /// What the layer costs stage `stage` of a ring of `nodes` (the stash of the micro-batches
+    /// that stage keeps in flight included); `stage == nodes` is the head the master holds,
+    /// whose micro-batch is forwarded and backwarded at once.
+    pub fn bytes_at(&self, stage: usize, nodes: usize) -> u64 {
+        self.bytes_in_ring(nodes)
+            + self.stash_per_in_flight * in_flight_at(stage, nodes, self.micro_batches)
     }
 }
 
@@ -446,6 +474,14 @@ fn split(
             Some(*a)
         }))
         .collect();
+    // Under 1F1B, per micro-batch in flight, which depends on the stage's place.
+    let prefix_stash: Vec<u64> = std::iter::once(0)
+        .chain(costs.iter().scan(0, |a, c| {
+            *a += c.stash_per_in_flight;
+            Some(*a)
+        }))
+        .collect();
+    let micro_batches = costs.first().map_or(0, |c| c.micro_batches);
     let prefix_p: Vec<usize> = std::iter::once(0)
         .chain(costs.iter().scan(0, |a, c| {
             *a += usize::from(c.has_params);
@@ -457,7 +493,8 @@ fn split(
             // A stage across a boundary that must be.
             return None;
         }
-        let bytes = prefix_b[j] - prefix_b[i];
+        let bytes = prefix_b[j] - prefix_b[i]
+            + (prefix_stash[j] - prefix_stash[i]) * in_flight_at(s, n, micro_batches);
         if nodes[s].memory_limit.is_some_and(|m| bytes > m) {
             return None;
         }
@@ -599,7 +636,7 @@ fn stages_from_bounds(
                 predicted_seconds: compute,
                 predicted_bytes: costs[w[0]..w[1]]
                     .iter()
-                    .map(|c| c.bytes_in_ring(bounds.len() - 1))
+                    .map(|c| c.bytes_at(s, bounds.len() - 1))
                     .sum(),
                 predicted_link_seconds: link,
             }
@@ -731,6 +768,9 @@ fn cut_costs(
         out_bytes,
         has_params: true,
         after_send_seconds: c.after_send_seconds * f,
+        stash_per_in_flight: (c.stash_per_in_flight as f64 * f).round() as u64,
+        micro_batches: c.micro_batches,
+        eval_bytes: c.eval_bytes,
     };
     let head = part(
         share,
@@ -926,9 +966,10 @@ struct Filling {
 }
 
 impl Filling {
-    fn held(&self, a: usize, b: usize) -> u64 {
+    /// What node `k` holds with layers `a..b`.
+    fn held(&self, k: usize, a: usize, b: usize) -> u64 {
         let m = self.caps.len();
-        self.work[a..b].iter().map(|c| c.bytes_in_ring(m)).sum()
+        self.work[a..b].iter().map(|c| c.bytes_at(k, m)).sum()
     }
 
     /// Fills node `k` on from where the split stands, then the nodes after it; the first
@@ -947,7 +988,7 @@ impl Filling {
             .memory_limit
             .map_or(u64::MAX, |l| (l as f64 * FILL_MARGIN) as u64);
         let mut end = start;
-        while end < self.work.len() && self.held(start, end + 1) <= limit {
+        while end < self.work.len() && self.held(k, start, end + 1) <= limit {
             end += 1;
         }
         let cuttable = self
@@ -972,7 +1013,7 @@ impl Filling {
                 .step_by(CUT_GRANULE)
                 .rev()
                 .map(|split| (split, cut_at(split)))
-                .find(|(_, next)| next.held(start, end + 1) <= limit);
+                .find(|(_, next)| next.held(k, start, end + 1) <= limit);
             if let Some((split, mut next)) = fitting {
                 next.cuts.push(CutInside {
                     layer: self.origin[end],
@@ -1061,6 +1102,7 @@ mod tests {
                 out_bytes: 0,
                 has_params: true,
                 after_send_seconds: 0.0,
+                ..Default::default()
             })
             .collect()
     }
@@ -1170,6 +1212,53 @@ mod tests {
         ));
     }
 
+    /// Under 1F1B stage `s` of `n` holds `min(n − s + 1, M)` micro-batches' stashes: six equal
+    /// layers (100 bytes held, 50 a micro-batch in flight) on 4 nodes with M = 8 cost 350 a
+    /// layer on stage 0 (5 in flight), 300, 250 and 200 on the others. Limits of 600 fit six
+    /// layers only with the first stages light (1, 2, 2, 1 or so); counted at stage 0's window
+    /// everywhere, nothing under 700 would fit.
+    #[test]
+    fn a_1f1b_stage_holds_the_stashes_of_its_place_in_the_ring() {
+        let flushed: Vec<LayerCost> = costs(&[1.0; 6])
+            .into_iter()
+            .map(|c| LayerCost {
+                bytes: 100,
+                stash_per_in_flight: 50,
+                micro_batches: 8,
+                ..c
+            })
+            .collect();
+        assert_eq!(
+            (0..5)
+                .map(|s| flushed[0].bytes_at(s, 4))
+                .collect::<Vec<_>>(),
+            [350, 300, 250, 200, 150]
+        );
+        assert_eq!(in_flight_at(0, 4, 2), 2, "never more than M");
+        let limited = |limit: u64| {
+            vec![
+                NodeCapacity {
+                    memory_limit: Some(limit),
+                    ..NodeCapacity::with_speed(1.0)
+                };
+                4
+            ]
+        };
+        let p = plan(&flushed, &limited(600), 0).unwrap();
+        let bounds: Vec<(usize, usize)> = p.iter().map(|s| (s.start, s.end)).collect();
+        assert_eq!(p[0].end - p[0].start, 1, "{bounds:?}");
+        for (s, st) in p.iter().enumerate() {
+            let layers = (st.end - st.start) as u64;
+            assert_eq!(st.predicted_bytes, layers * flushed[0].bytes_at(s, 4));
+            assert!(st.predicted_bytes <= 600, "{p:?}");
+        }
+        // 490: one layer on each of the first three stages, two on the last: five of six.
+        assert!(matches!(
+            plan(&flushed, &limited(490), 0),
+            Err(PlanError::DoesNotFit { .. })
+        ));
+    }
+
     #[test]
     fn memory_that_follows_the_ring_size_is_counted_for_the_nodes_used() {
         // Each node of a ring adds 10 bytes a layer (the async window's micro-batch). Counted
@@ -1231,6 +1320,7 @@ mod tests {
                 out_bytes: out,
                 has_params: p,
                 after_send_seconds: 0.0,
+                ..Default::default()
             })
             .collect()
     }
@@ -1430,6 +1520,7 @@ mod tests {
             out_bytes: 4096,
             has_params: true,
             after_send_seconds: 0.5,
+            ..Default::default()
         };
         let relu = LayerCost {
             seconds: 0.0,
@@ -1438,6 +1529,7 @@ mod tests {
             out_bytes: 4096,
             has_params: false,
             after_send_seconds: 0.0,
+            ..Default::default()
         };
         let g = Some(Cuttable {
             in_features: 1024,
@@ -1493,6 +1585,7 @@ mod tests {
             out_bytes: 64,
             has_params: true,
             after_send_seconds: 0.0,
+            ..Default::default()
         };
         let costs = vec![layer(38), layer(201), layer(201), layer(1)];
         let cuttable = Some(Cuttable {

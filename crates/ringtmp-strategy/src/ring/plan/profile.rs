@@ -20,6 +20,12 @@ pub enum InFlight {
         /// Micro-batches beyond one per node.
         plus: usize,
     },
+    /// 1F1B's: one more than the stages after the stage's own, at most `micro_batches`
+    /// (`partition::in_flight_at`): a ring's first stages hold more than its last.
+    OneFOneB {
+        /// Micro-batches per mini-batch.
+        micro_batches: usize,
+    },
 }
 
 /// What the profiler must assume about the schedule.
@@ -76,11 +82,12 @@ pub fn profile_layers(
             } else {
                 (params * (2 + state_copies), timing.stash_bytes)
             };
-            let (bytes, bytes_per_node) = match in_flight {
-                InFlight::Fixed(w) => (held + per_micro_batch * w as u64, 0),
+            let (bytes, bytes_per_node, stash_per_in_flight, micro_batches) = match in_flight {
+                InFlight::Fixed(w) => (held + per_micro_batch * w as u64, 0, 0, 0),
                 InFlight::PerNode { plus } => {
-                    (held + per_micro_batch * plus as u64, per_micro_batch)
+                    (held + per_micro_batch * plus as u64, per_micro_batch, 0, 0)
                 }
+                InFlight::OneFOneB { micro_batches } => (held, 0, per_micro_batch, micro_batches),
             };
             LayerCost {
                 seconds: timing.compute_seconds + step,
@@ -89,6 +96,9 @@ pub fn profile_layers(
                 bytes_per_node,
                 out_bytes: (rows * layer.output.numel() * 4) as u64,
                 has_params: layer.param_count() > 0,
+                stash_per_in_flight,
+                micro_batches,
+                eval_bytes: timing.eval_bytes,
             }
         })
         .collect()
@@ -196,6 +206,8 @@ struct LayerBench {
     step_times: Vec<f64>,
     after_send_times: Vec<f64>,
     stash: usize,
+    /// Bytes the evaluation pass held (measured at the warm-up).
+    eval_bytes: usize,
     /// No more runs: the share is spent.
     done: bool,
 }
@@ -228,6 +240,7 @@ impl LayerBench {
             step_times: Vec::new(),
             after_send_times: Vec::new(),
             stash: 0,
+            eval_bytes: 0,
             done: false,
         }
     }
@@ -261,6 +274,11 @@ impl LayerBench {
         let after_send = sent
             .filter(|_| !self.stage.params().is_empty())
             .map_or(0.0, |at| (end - at).as_secs_f64());
+        if rep == 0 {
+            // An evaluation pass's working set, measured once.
+            let _ = self.stage.infer(&self.x, self.rows);
+            self.eval_bytes = self.stage.eval_bytes();
+        }
         let t = Instant::now();
         // A tiny rate: the profile must not blow the parameters up over the repeats.
         self.stage.step(&mut self.optim, 1e-6);
@@ -293,6 +311,7 @@ impl LayerBench {
             // The stage input is stashed once per stage, not per layer: count outputs and side
             // data.
             stash_bytes: self.stash.saturating_sub(self.x.len() * 4) as u64,
+            eval_bytes: self.eval_bytes as u64,
         }
     }
 }

@@ -299,6 +299,7 @@ pub fn resolve(
     // idle nodes cost the others nothing.
     let in_flight_planned = match (schedule, args.in_flight) {
         (Schedule::Async, None) => InFlight::PerNode { plus: 1 },
+        (Schedule::OneFOneB, None) => InFlight::OneFOneB { micro_batches },
         _ => InFlight::Fixed(in_flight),
     };
     let steps_per_micro_batch = match schedule {

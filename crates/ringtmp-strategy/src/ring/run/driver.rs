@@ -91,6 +91,10 @@ pub struct RingJob {
     /// 0 = no gossip.
     #[serde(default)]
     pub gossip_every: u64,
+    /// Windows or images per evaluation pass around the ring, chosen by the planner so that a
+    /// node's evaluation fits its memory (0: [`crate::evaluation::eval_chunk`]'s).
+    #[serde(default)]
+    pub eval_rows: usize,
     /// Which of those rings this node's is (set by each node at run time from its rank).
     #[serde(skip)]
     pub ring: usize,

@@ -1129,6 +1129,9 @@ fn clip_from_master(
     Ok(())
 }
 
+/// Evaluation chunks on their way around the ring at once.
+pub const EVAL_CHUNKS_IN_FLIGHT: usize = 8;
+
 /// Sends the test set around the ring in chunks (at most 8 on their way at once); the master
 /// scores the returning logits against its labels. Returns the test accuracy and mean loss.
 fn evaluate(
@@ -1143,7 +1146,10 @@ fn evaluate(
     let n = job.partition.len() as u32;
     let pred = n - 1;
     let split = &data.test;
-    let per_chunk = crate::evaluation::eval_chunk(split, job.spec.classes);
+    let per_chunk = match job.eval_rows {
+        0 => crate::evaluation::eval_chunk(split, job.spec.classes),
+        rows => rows,
+    };
     let chunk = |i: usize| (i * per_chunk, ((i + 1) * per_chunk).min(split.len()));
     let (mut x, mut y, mut labels) = (Vec::new(), Vec::new(), Vec::<u32>::new());
     let mut unused = Vec::new();
@@ -1153,7 +1159,7 @@ fn evaluate(
     around_the_ring(
         net,
         n,
-        (chunks, 8),
+        (chunks, EVAL_CHUNKS_IN_FLIGHT),
         job.recv_timeout(),
         &mut |i| {
             let (start, end) = chunk(i);
