@@ -301,12 +301,16 @@ fn write_tensors(dir: &Path, name: &str, views: Vec<(String, F32View<'_>)>) -> R
 
 /// SHA-256 (hex) and length of a file, read in blocks.
 fn hash_file(path: &Path) -> std::io::Result<(String, u64)> {
-    let mut file = File::open(path)?;
+    hash_reader(&mut File::open(path)?)
+}
+
+/// SHA-256 (hex) and length of what `file` reads from where it stands, in blocks of 1 MiB.
+fn hash_reader(file: &mut File) -> std::io::Result<(String, u64)> {
     let mut hasher = Sha256::new();
     let mut buffer = vec![0u8; 1 << 20];
     let mut total = 0u64;
     loop {
-        let n = std::io::Read::read(&mut file, &mut buffer)?;
+        let n = std::io::Read::read(file, &mut buffer)?;
         if n == 0 {
             break;
         }
@@ -361,18 +365,16 @@ fn read_into(
     let last = stage.layers().last().map_or(first, |l| l.index + 1);
     let tensors = named_tensors(stage);
     let len = stage.params().len();
-    let mut params = vec![0.0; len];
+    let table = tied_table(dir, manifest, stage)?;
     load_tensors(
         dir,
         manifest,
         &tensors,
         0..len,
         first..last,
-        &mut params,
+        stage.params_mut(),
         optimizer,
     )?;
-    let table = tied_table(dir, manifest, stage)?;
-    stage.params_mut().copy_from_slice(&params);
     stage.sync_tie();
     if let Some(table) = table {
         stage.set_tied_mirror(&table);
@@ -464,14 +466,15 @@ fn load_tensors(
     for (entry, &(start, end)) in manifest.files.iter().zip(&manifest.partition) {
         if start < last && first < end {
             let path = dir.join(&entry.name);
-            // Mapped, not read: a stage of a model larger than this node's memory takes its own
-            // tensors from a file that holds them all (the pages it reads only to hash are the
-            // kernel's to drop again).
-            let file = File::open(&path).map_err(|e| Error::io(&path, e))?;
+            // Hashed by reading, then mapped (the same open file): a stage of a model larger
+            // than this node's memory takes its own tensors from a file that holds them all,
+            // and only their pages are ever mapped in (the hash's reads stay in the page cache,
+            // the kernel's to drop again).
+            let mut file = File::open(&path).map_err(|e| Error::io(&path, e))?;
+            let (got, _) = hash_reader(&mut file).map_err(|e| Error::io(&path, e))?;
             // SAFETY: checkpoint files are written once, to a temporary name, and renamed into
             // place (`write_tensors`); no one writes a file while it is mapped here.
             let bytes = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
-            let got = sha256_hex(&bytes);
             if got != entry.sha256 {
                 return Err(Error::CheckpointHash {
                     path,
@@ -597,36 +600,52 @@ fn load_tensors(
         .as_ref()
         .map(|o| o.state().iter().map(|(n, _)| *n).collect())
         .unwrap_or_default();
-    let mut state: Vec<(&str, Vec<f32>)> = state_names
+    if let Some(o) = optimizer.as_ref()
+        && let Some((name, values)) = o.state().into_iter().find(|(_, v)| v.len() != want.len())
+    {
+        return Err(Error::CheckpointMismatch {
+            path: dir.to_path_buf(),
+            reason: format!(
+                "optimizer state {name} has {} values, expected {}",
+                values.len(),
+                want.len()
+            ),
+        });
+    }
+    // The overlap of each tensor with the wanted slice: where it sits inside the tensor and
+    // inside the slice.
+    let overlaps: Vec<_> = tensors
         .iter()
-        .map(|n| (*n, vec![0.0; want.len()]))
+        .filter_map(|(tensor, shape, full)| {
+            let (start, end) = (full.start.max(want.start), full.end.min(want.end));
+            (start < end).then(|| {
+                let inside = start - full.start..end - full.start;
+                (tensor, shape, inside, start - want.start..end - want.start)
+            })
+        })
         .collect();
-    let mut loaded = vec![0.0f32; want.len()];
-    for (tensor, shape, full) in tensors {
-        let (start, end) = (full.start.max(want.start), full.end.min(want.end));
-        if start >= end {
-            continue;
-        }
-        // Where the overlap sits inside the tensor and inside the wanted slice.
-        let (inside, at) = (
-            start - full.start..end - full.start,
-            start - want.start..end - want.start,
-        );
-        loaded[at.clone()].copy_from_slice(&find(tensor, shape)?[inside.clone()]);
-        for (state_name, values) in state.iter_mut() {
-            values[at.clone()]
-                .copy_from_slice(&find(&format!("{state_name}.{tensor}"), shape)?[inside.clone()]);
+    // Every tensor is found first, one at a time, so that nothing is modified on error and no
+    // copy of the whole slice is ever made (a node near its memory limit resumes too).
+    for (tensor, shape, _, _) in &overlaps {
+        find(tensor, shape)?;
+        for state_name in &state_names {
+            find(&format!("{state_name}.{tensor}"), shape)?;
         }
     }
-    if let Some(optimizer) = optimizer {
-        optimizer
-            .load_state(&state, manifest.step)
-            .map_err(|e| Error::CheckpointMismatch {
-                path: dir.to_path_buf(),
-                reason: e.to_string(),
-            })?;
+    let mut state = optimizer.map(Optimizer::state_mut);
+    for (tensor, shape, inside, at) in overlaps {
+        params[at.clone()].copy_from_slice(&find(tensor, shape)?[inside.clone()]);
+        if let Some(state) = state.as_mut() {
+            for (state_name, values) in state.iter_mut() {
+                values[at.clone()].copy_from_slice(
+                    &find(&format!("{state_name}.{tensor}"), shape)?[inside.clone()],
+                );
+            }
+        }
     }
-    params.copy_from_slice(&loaded);
+    if let Some(state) = state {
+        state.done(manifest.step);
+    }
     Ok(())
 }
 
@@ -756,18 +775,18 @@ pub fn verify(dir: &Path) -> Result<Manifest> {
     let manifest = read_manifest(dir)?;
     for entry in manifest.files.iter().chain(&manifest.replicas) {
         let path = dir.join(&entry.name);
-        let bytes = fs::read(&path).map_err(|e| Error::io(&path, e))?;
-        if bytes.len() as u64 != entry.bytes {
+        let (got, len) = File::open(&path)
+            .and_then(|mut f| hash_reader(&mut f))
+            .map_err(|e| Error::io(&path, e))?;
+        if len != entry.bytes {
             return Err(Error::CheckpointMismatch {
                 path,
                 reason: format!(
-                    "{} bytes where the manifest records {} (truncated or replaced)",
-                    bytes.len(),
+                    "{len} bytes where the manifest records {} (truncated or replaced)",
                     entry.bytes
                 ),
             });
         }
-        let got = sha256_hex(&bytes);
         if got != entry.sha256 {
             return Err(Error::CheckpointHash {
                 path,

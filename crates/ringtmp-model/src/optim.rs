@@ -65,6 +65,24 @@ impl OptimizerConfig {
     }
 }
 
+/// An optimizer's state under its checkpoint names, writable in place ([`Optimizer::state_mut`]).
+pub struct StateMut<'a> {
+    tensors: Vec<(&'static str, &'a mut [f32])>,
+    steps: &'a mut u64,
+}
+
+impl<'a> StateMut<'a> {
+    /// The tensors, by name.
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut (&'static str, &'a mut [f32])> {
+        self.tensors.iter_mut()
+    }
+
+    /// Marks the state written: the optimizer has taken `steps` steps.
+    pub fn done(self, steps: u64) {
+        *self.steps = steps;
+    }
+}
+
 /// An optimizer with its per-parameter state.
 #[derive(Clone, Debug)]
 pub struct Optimizer {
@@ -145,6 +163,22 @@ impl Optimizer {
             OptimizerConfig::Adam { .. } | OptimizerConfig::AdamW { .. } => {
                 vec![("optim.m", &self.state_a), ("optim.v", &self.state_b)]
             }
+        }
+    }
+
+    /// The state, to be written in place (a checkpoint's, read straight into it); the step
+    /// count is set when [`StateMut::done`] is called.
+    pub fn state_mut(&mut self) -> StateMut<'_> {
+        let tensors = match self.config {
+            OptimizerConfig::Sgd { .. } => vec![("optim.velocity", self.state_a.as_mut_slice())],
+            OptimizerConfig::Adam { .. } | OptimizerConfig::AdamW { .. } => vec![
+                ("optim.m", self.state_a.as_mut_slice()),
+                ("optim.v", self.state_b.as_mut_slice()),
+            ],
+        };
+        StateMut {
+            tensors,
+            steps: &mut self.steps,
         }
     }
 

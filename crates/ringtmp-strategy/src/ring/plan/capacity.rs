@@ -260,9 +260,10 @@ pub fn process_overhead(master: bool, data: &Dataset, layers: &[ringtmp_model::L
     PROCESS_BASELINE_BYTES + workspace + dataset
 }
 
-/// Most bytes one evaluation pass's working set may take on a node (its largest layer's input,
-/// output and side data for the pass's rows): 64 MiB.
-const EVAL_WORKING_SET: u64 = 64 << 20;
+/// Most bytes a node's evaluation may take (its largest layer's input, output and side data for
+/// a pass, and the passes' messages it may have queued): 64 MiB, or a sixteenth of the smallest
+/// memory limit where that is less (a board of 256 MiB gives it 16).
+const EVAL_BUDGET: u64 = 64 << 20;
 
 /// How the ring evaluates: rows per pass around the ring, and the memory a node needs for it
 /// besides its stage (held between evaluations too: the buffers are kept for the next one).
@@ -275,20 +276,26 @@ pub struct EvalPlan {
     pub bytes: u64,
 }
 
-/// The evaluation passes for layers of `costs` (measured on micro-batches of `rows`): the
-/// evaluation's usual passes (`default_rows`), fewer rows where a layer's working set would
-/// outgrow [`EVAL_WORKING_SET`] (a transformer block of `gpt-100m` holds ~14 MB a window).
-pub fn eval_plan(costs: &[LayerCost], rows: usize, default_rows: usize) -> EvalPlan {
+/// The evaluation passes for layers of `costs` (measured on micro-batches of `rows`) on nodes
+/// whose smallest memory limit is `smallest_limit`: the evaluation's usual passes
+/// (`default_rows`), fewer rows where they would outgrow [`EVAL_BUDGET`] (a transformer block
+/// of `gpt-100m` holds ~14 MB a window).
+pub fn eval_plan(
+    costs: &[LayerCost],
+    rows: usize,
+    default_rows: usize,
+    smallest_limit: Option<u64>,
+) -> EvalPlan {
     let rows = rows.max(1) as u64;
     let per_row = |f: fn(&LayerCost) -> u64| costs.iter().map(f).max().unwrap_or(0).div_ceil(rows);
-    let work = per_row(|c| c.eval_bytes);
-    let message = per_row(|c| c.out_bytes);
-    let fitting = (EVAL_WORKING_SET / work.max(1)).max(1);
-    let eval_rows = (default_rows as u64).min(fitting).max(1);
     let queued = crate::ring::run::master::EVAL_CHUNKS_IN_FLIGHT as u64;
+    let row_bytes = per_row(|c| c.eval_bytes) + queued * per_row(|c| c.out_bytes);
+    let budget = smallest_limit.map_or(EVAL_BUDGET, |l| EVAL_BUDGET.min(l / 16));
+    let fitting = (budget / row_bytes.max(1)).max(1);
+    let eval_rows = (default_rows as u64).min(fitting).max(1);
     EvalPlan {
         rows: eval_rows as usize,
-        bytes: eval_rows * (work + queued * message),
+        bytes: eval_rows * row_bytes,
     }
 }
 
@@ -297,8 +304,9 @@ mod tests {
     use super::*;
 
     /// A layer whose evaluation holds 14 MB a window (a `gpt-100m` block's, measured on
-    /// micro-batches of 2 windows) evaluates 4 windows a pass, not the usual 7; a small model
-    /// keeps the usual passes. The bytes count the pass's working set and 8 passes' messages.
+    /// micro-batches of 2 windows) evaluates 3 windows a pass, not the usual 7, and one on a
+    /// small node; a small model keeps the usual passes. The bytes count the pass's working set
+    /// and 8 passes' messages.
     #[test]
     fn evaluation_passes_shrink_to_the_working_set_budget() {
         let layer = |eval_bytes: u64, out_bytes: u64| LayerCost {
@@ -307,15 +315,13 @@ mod tests {
             ..Default::default()
         };
         let big = [layer(2_000_000, 1_000), layer(28_000_000, 1_572_864)];
-        let plan = eval_plan(&big, 2, 7);
-        assert_eq!(plan.rows, 4);
-        assert_eq!(plan.bytes, 4 * (14_000_000 + 8 * 786_432));
+        let plan = eval_plan(&big, 2, 7, None);
+        assert_eq!(plan.rows, 3);
+        assert_eq!(plan.bytes, 3 * (14_000_000 + 8 * 786_432));
+        assert_eq!(eval_plan(&big, 2, 7, Some(256 << 20)).rows, 1);
         let small = [layer(100_000, 10_000)];
-        assert_eq!(eval_plan(&small, 2, 7).rows, 7);
-        assert_eq!(
-            eval_plan(&[layer(1 << 40, 0)], 1, 7).rows,
-            1,
-            "at least one"
-        );
+        assert_eq!(eval_plan(&small, 2, 7, None).rows, 7);
+        let huge = [layer(1 << 40, 0)];
+        assert_eq!(eval_plan(&huge, 1, 7, None).rows, 1, "at least one");
     }
 }

@@ -76,6 +76,7 @@ pub fn plan(
         &costs,
         rows,
         crate::evaluation::eval_chunk(&data.test, data.classes),
+        capacities.iter().filter_map(|c| c.memory_limit).min(),
     );
     if capacities.iter().any(|c| c.memory_limit.is_some()) {
         for c in &mut capacities {
