@@ -17,6 +17,7 @@
 #
 #   benches/pair.sh                     # 3 rounds, mlp-deep
 #   ROUNDS=7 MODEL=mlp benches/pair.sh
+#   MODEL=gpt-small TRAIN_ARGS="--dataset text --max-steps 20" benches/pair.sh   # a language model
 #   CANDIDATE=/tmp/other/target/release/ringtmp benches/pair.sh
 set -eu
 cd "$(dirname "$0")/.."
@@ -26,7 +27,8 @@ ROUNDS=${ROUNDS:-3}
 MODEL=${MODEL:-mlp-deep}
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
-common="--model $MODEL --epochs 1 --eval-every 0 --threads 1"
+# How long each run trains (one epoch of the image data; a language model's run needs steps).
+common="--model $MODEL ${TRAIN_ARGS:---epochs 1} --eval-every 0 --threads 1"
 lscpu | grep 'Model name' || true
 if [ -z "${SKIP_CORES:-}" ]; then
     "$RINGTMP" bench-cores --cpus 0,1

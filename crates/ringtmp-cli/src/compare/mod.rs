@@ -19,6 +19,7 @@
 //! - [`spec`]: options, strategies in the short form, the run list.
 //! - [`report`]: results, tables and plots.
 
+mod quality;
 pub mod report;
 pub mod spec;
 
@@ -132,12 +133,19 @@ pub fn run(raw: &[String]) -> Result<()> {
                 "compare: {label}: {:.0} samples/s simulated ({:.1} s of training), {took:.1} s",
                 s.samples_per_second, s.train_seconds
             ),
-            Some(s) if status.success() => eprintln!(
-                "compare: {label}: {:.2}% final ({:.2}% best), {:.0} samples/s, {took:.1} s",
-                100.0 * s.final_test_accuracy,
-                100.0 * s.best_test_accuracy,
-                s.samples_per_second
-            ),
+            Some(s) if status.success() => match &s.language {
+                Some(l) => eprintln!(
+                    "compare: {label}: validation loss {:.3} final ({:.3} best), {:.0} tokens/s, \
+                     {took:.1} s",
+                    l.final_val_loss, l.best_val_loss, l.tokens_per_second
+                ),
+                None => eprintln!(
+                    "compare: {label}: {:.2}% final ({:.2}% best), {:.0} samples/s, {took:.1} s",
+                    100.0 * s.final_test_accuracy,
+                    100.0 * s.best_test_accuracy,
+                    s.samples_per_second
+                ),
+            },
             _ => eprintln!(
                 "compare: {label}: FAILED ({status}); see {}.log — a failed row in the report",
                 dir.display()

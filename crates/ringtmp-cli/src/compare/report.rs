@@ -14,6 +14,7 @@ use plotters::prelude::*;
 use ringtmp_metrics::Summary;
 use serde_json::json;
 
+use super::quality::Quality;
 use super::spec::{CompareOptions, RunPlan, runs};
 
 /// A run's summary, if it finished.
@@ -28,7 +29,7 @@ struct Finished {
     summary: Summary,
     /// The job the run planned (job.json).
     job: Option<ringtmp_strategy::Job>,
-    /// (training seconds, samples, test accuracy) at every evaluation.
+    /// (training seconds, samples, test accuracy or validation loss) at every evaluation.
     curve: Vec<(f64, f64, f64)>,
     /// A simulated run's useful fraction of time with failures (simulation.json), if studied.
     useful_fraction: Option<f64>,
@@ -52,7 +53,7 @@ impl Finished {
     }
 }
 
-fn curve(dir: &Path, summary: &Summary) -> Vec<(f64, f64, f64)> {
+fn curve(dir: &Path, summary: &Summary, quality: &Quality) -> Vec<(f64, f64, f64)> {
     let per_step = summary.samples as f64 / summary.steps.max(1) as f64;
     let Ok(text) = std::fs::read_to_string(dir.join("metrics.jsonl")) else {
         return Vec::new();
@@ -64,7 +65,7 @@ fn curve(dir: &Path, summary: &Summary) -> Vec<(f64, f64, f64)> {
             Some((
                 e["train_seconds"].as_f64()?,
                 e["step"].as_f64()? * per_step,
-                e["test_accuracy"].as_f64()?,
+                e[quality.curve_field()].as_f64()?,
             ))
         })
         .collect()
@@ -108,11 +109,14 @@ struct Row {
     strategy: String,
     nodes: u32,
     repeats: usize,
-    final_accuracy: Option<(f64, f64, f64)>,
-    best_accuracy: Option<(f64, f64, f64)>,
+    /// Test accuracy or validation loss ([`Quality`]).
+    final_quality: Option<(f64, f64, f64)>,
+    best_quality: Option<(f64, f64, f64)>,
     time_to_target: Option<(f64, f64, f64)>,
     reached: usize,
+    /// Samples, or a language model's tokens ([`Quality::unit`]), per second.
     samples_per_second: Option<(f64, f64, f64)>,
+    /// Per sample or token, like `samples_per_second`.
     bytes_per_sample: Option<(f64, f64, f64)>,
     busiest_bytes_per_sample: Option<(f64, f64, f64)>,
     peak_rss_mb: Option<(f64, f64, f64)>,
@@ -123,7 +127,8 @@ struct Row {
     effective_samples_per_second: Option<(f64, f64, f64)>,
 }
 
-fn rows(finished: &[Finished]) -> Vec<Row> {
+fn rows(finished: &[Finished], quality: &Quality) -> Vec<Row> {
+    let unit = quality.per_sample();
     let mut groups: BTreeMap<(u32, usize), Vec<&Finished>> = BTreeMap::new();
     let order: Vec<String> = {
         let mut seen = Vec::new();
@@ -150,28 +155,31 @@ fn rows(finished: &[Finished]) -> Vec<Row> {
                 strategy: g[0].plan.strategy.clone(),
                 nodes: g[0].plan.nodes,
                 repeats: g.len(),
-                final_accuracy: of(&|r| r.summary.final_test_accuracy),
-                best_accuracy: of(&|r| r.summary.best_test_accuracy),
+                final_quality: of(&|r| quality.final_value(&r.summary)),
+                best_quality: of(&|r| quality.best_value(&r.summary)),
                 time_to_target: spread(
                     g.iter()
-                        .filter_map(|r| r.summary.time_to_target_seconds)
+                        .filter_map(|r| quality.time_to_target(&r.summary, &r.curve))
                         .collect(),
                 ),
                 reached: g
                     .iter()
-                    .filter(|r| r.summary.time_to_target_seconds.is_some())
+                    .filter(|r| quality.time_to_target(&r.summary, &r.curve).is_some())
                     .count(),
-                samples_per_second: of(&|r| r.summary.samples_per_second),
+                samples_per_second: of(&|r| r.summary.samples_per_second * unit),
                 train_seconds: of(&|r| r.summary.train_seconds),
                 useful_fraction: spread(g.iter().filter_map(|r| r.useful_fraction).collect()),
                 effective_samples_per_second: spread(
                     g.iter()
-                        .filter_map(|r| r.useful_fraction.map(|u| u * r.summary.samples_per_second))
+                        .filter_map(|r| {
+                            r.useful_fraction
+                                .map(|u| u * r.summary.samples_per_second * unit)
+                        })
                         .collect(),
                 ),
-                bytes_per_sample: of(&|r| r.summary.bytes_per_sample),
+                bytes_per_sample: of(&|r| r.summary.bytes_per_sample / unit),
                 busiest_bytes_per_sample: of(&|r| {
-                    r.busiest_bytes() as f64 / r.summary.samples.max(1) as f64
+                    r.busiest_bytes() as f64 / r.summary.samples.max(1) as f64 / unit
                 }),
                 peak_rss_mb: of(&|r| {
                     r.summary
@@ -250,7 +258,6 @@ pub fn write(options: &CompareOptions) -> Result<(usize, usize)> {
             continue;
         };
         {
-            let curve = curve(&dir, &summary);
             let useful_fraction = std::fs::read_to_string(dir.join("simulation.json"))
                 .ok()
                 .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
@@ -262,10 +269,14 @@ pub fn write(options: &CompareOptions) -> Result<(usize, usize)> {
                 plan,
                 summary,
                 job,
-                curve,
+                curve: Vec::new(),
                 useful_fraction,
             });
         }
+    }
+    let quality = Quality::of(&finished.iter().map(|f| &f.summary).collect::<Vec<_>>());
+    for f in &mut finished {
+        f.curve = curve(&out.join("runs").join(&f.plan.name), &f.summary, &quality);
     }
     let mut lines = String::new();
     for f in &finished {
@@ -275,6 +286,8 @@ pub fn write(options: &CompareOptions) -> Result<(usize, usize)> {
             "repeat": f.plan.repeat, "seed": s.seed, "model": s.model, "dataset": s.dataset,
             "steps": s.steps, "samples": s.samples, "train_samples": s.train_samples,
             "final_test_accuracy": s.final_test_accuracy,
+            "final_val_loss": s.language.as_ref().map(|l| l.final_val_loss),
+            "tokens_per_second": s.language.as_ref().map(|l| l.tokens_per_second),
             "best_test_accuracy": s.best_test_accuracy,
             "target_accuracy": s.target_accuracy,
             "time_to_target_seconds": s.time_to_target_seconds,
@@ -293,8 +306,8 @@ pub fn write(options: &CompareOptions) -> Result<(usize, usize)> {
         writeln!(lines, "{line}").expect("writing to a String");
     }
     std::fs::write(out.join("results.jsonl"), lines).context("writing results.jsonl")?;
-    let rows = rows(&finished);
-    let plots = plots(&finished, &rows, options.simulate)?;
+    let rows = rows(&finished, &quality);
+    let plots = plots(&finished, &rows, &quality, options.simulate)?;
     let plots_dir = out.join("plots");
     std::fs::create_dir_all(&plots_dir)?;
     for (name, _, svg) in &plots {
@@ -303,12 +316,12 @@ pub fn write(options: &CompareOptions) -> Result<(usize, usize)> {
     }
     std::fs::write(
         out.join("report.md"),
-        markdown(options, &finished, &rows, &failed, &plots),
+        markdown(options, &quality, &finished, &rows, &failed, &plots),
     )
     .context("writing report.md")?;
     std::fs::write(
         out.join("report.html"),
-        html(options, &finished, &rows, &failed, &plots),
+        html(options, &quality, &finished, &rows, &failed, &plots),
     )
     .context("writing report.html")?;
     Ok((finished.len(), failed.len()))
@@ -324,24 +337,32 @@ fn failed_cells(f: &Failed, columns: usize) -> Vec<String> {
     cells
 }
 
-const COLUMNS: [&str; 10] = [
-    "run",
-    "final accuracy %",
-    "best %",
-    "time to target (s)",
-    "samples/s",
-    "bytes/sample (cluster)",
-    "bytes/sample (busiest node)",
-    "peak RSS, largest node (MB)",
-    "idle % of training time",
-    "training time (s)",
-];
-
-/// The table's columns: [`COLUMNS`], and the failure study's where runs have one.
-fn columns(failures: bool) -> Vec<&'static str> {
-    let mut columns = COLUMNS.to_vec();
+/// The table's columns in `quality`'s terms, and the failure study's where runs have one.
+fn columns(quality: &Quality, failures: bool) -> Vec<String> {
+    let unit = quality.unit();
+    let (final_column, best_column) = match quality {
+        Quality::Accuracy { .. } => ("final accuracy %", "best %"),
+        Quality::Loss { .. } => ("final validation loss", "best"),
+    };
+    let mut columns: Vec<String> = [
+        "run",
+        final_column,
+        best_column,
+        "time to target (s)",
+        &format!("{unit}s/s"),
+        &format!("bytes/{unit} (cluster)"),
+        &format!("bytes/{unit} (busiest node)"),
+        "peak RSS, largest node (MB)",
+        "idle % of training time",
+        "training time (s)",
+    ]
+    .map(String::from)
+    .to_vec();
     if failures {
-        columns.extend(["useful % of time with failures", "effective samples/s"]);
+        columns.extend([
+            "useful % of time with failures".into(),
+            format!("effective {unit}s/s"),
+        ]);
     }
     columns
 }
@@ -351,25 +372,26 @@ fn with_failures(rows: &[Row]) -> bool {
     rows.iter().any(|r| r.useful_fraction.is_some())
 }
 
-fn cells(row: &Row, target: f64, simulated: bool, failures: bool) -> Vec<String> {
+fn cells(row: &Row, quality: &Quality, simulated: bool, failures: bool) -> Vec<String> {
+    let (digits, scale) = quality.digits_and_scale();
+    let target = quality.target_text();
     let mut cells = vec![
         if row.repeats > 1 {
             format!("{} ({} runs)", row.label, row.repeats)
         } else {
             row.label.clone()
         },
-        show(row.final_accuracy, 2, 100.0),
-        show(row.best_accuracy, 2, 100.0),
+        show(row.final_quality, digits, scale),
+        show(row.best_quality, digits, scale),
         match row.time_to_target {
             Some(_) if row.reached < row.repeats => format!(
-                "{} ({} of {} reached {:.0}%)",
+                "{} ({} of {} reached {target})",
                 show(row.time_to_target, 1, 1.0),
                 row.reached,
                 row.repeats,
-                target * 100.0
             ),
             Some(_) => show(row.time_to_target, 1, 1.0),
-            None => format!("not reached ({:.0}%)", target * 100.0),
+            None => format!("not reached ({target})"),
         },
         show(row.samples_per_second, 0, 1.0),
         show(row.bytes_per_sample, 0, 1.0),
@@ -463,25 +485,37 @@ fn settings(options: &CompareOptions, finished: &[Finished]) -> String {
     )
 }
 
+/// What the target is, where the report chose it (a language model's).
+fn target_note(quality: &Quality) -> String {
+    match quality {
+        Quality::Accuracy { .. } => String::new(),
+        Quality::Loss { target, .. } => format!(
+            " The target is validation loss {target:.3}: within {:.0}% of the lowest final \
+             validation loss of any run here; throughput and traffic are per token.",
+            super::quality::LOSS_TOLERANCE * 100.0
+        ),
+    }
+}
+
 fn markdown(
     options: &CompareOptions,
+    quality: &Quality,
     finished: &[Finished],
     rows: &[Row],
     failed: &[Failed],
     plots: &[(String, String, String)],
 ) -> String {
-    let target = finished.first().map_or(0.97, |f| f.summary.target_accuracy);
     let mut md = String::new();
     let _ = writeln!(md, "# ringtmp compare\n\n{}\n", settings(options, finished));
     let failures = with_failures(rows);
-    let columns = columns(failures);
+    let columns = columns(quality, failures);
     let _ = writeln!(md, "| {} |", columns.join(" | "));
     let _ = writeln!(md, "|{}", "---|".repeat(columns.len()));
     for row in rows {
         let _ = writeln!(
             md,
             "| {} |",
-            cells(row, target, options.simulate, failures).join(" | ")
+            cells(row, quality, options.simulate, failures).join(" | ")
         );
     }
     for f in failed {
@@ -496,7 +530,8 @@ fn markdown(
         "\nMedians, with the range over repeats in parentheses. Time to target is on each \
          strategy's training clock. `results.jsonl` has one line per run; every run's own files \
          are under `runs/` where the report was made (published reports leave them out: the \
-         script that made the report makes them again).\n"
+         script that made the report makes them again).{}\n",
+        target_note(quality)
     );
     for (name, title, _) in plots {
         let _ = writeln!(md, "## {title}\n\n![{title}](plots/{name}.svg)\n");
@@ -509,7 +544,7 @@ fn markdown(
         return md;
     }
     let _ = writeln!(md, "## The four claims\n");
-    for c in claims(finished, rows) {
+    for c in claims(finished, rows, quality) {
         let _ = writeln!(
             md,
             "**{}** — {}\n\n- measured: {}\n- predicted: {}\n",
@@ -528,12 +563,12 @@ fn escape(text: &str) -> String {
 
 fn html(
     options: &CompareOptions,
+    quality: &Quality,
     finished: &[Finished],
     rows: &[Row],
     failed: &[Failed],
     plots: &[(String, String, String)],
 ) -> String {
-    let target = finished.first().map_or(0.97, |f| f.summary.target_accuracy);
     let mut h = String::new();
     let _ = write!(
         h,
@@ -548,27 +583,29 @@ fn html(
         escape(&settings(options, finished))
     );
     let failures = with_failures(rows);
-    for c in columns(failures) {
-        let _ = write!(h, "<th>{}</th>", escape(c));
+    for c in columns(quality, failures) {
+        let _ = write!(h, "<th>{}</th>", escape(&c));
     }
     h.push_str("</tr>\n");
     for row in rows {
         h.push_str("<tr>");
-        for c in cells(row, target, options.simulate, failures) {
+        for c in cells(row, quality, options.simulate, failures) {
             let _ = write!(h, "<td>{}</td>", escape(&c));
         }
         h.push_str("</tr>\n");
     }
     for f in failed {
         h.push_str("<tr class=\"failed\">");
-        for c in failed_cells(f, columns(failures).len()) {
+        for c in failed_cells(f, columns(quality, failures).len()) {
             let _ = write!(h, "<td>{}</td>", escape(&c));
         }
         h.push_str("</tr>\n");
     }
-    h.push_str(
+    let _ = writeln!(
+        h,
         "</table>\n<p>Medians, with the range over repeats in parentheses. Time to target is \
-         on each strategy's training clock.</p>\n",
+         on each strategy's training clock.{}</p>",
+        escape(&target_note(quality))
     );
     for (_, title, svg) in plots {
         // The SVG documents are inlined without their XML declaration.
@@ -589,7 +626,7 @@ fn html(
         Vec::new()
     } else {
         h.push_str("<h2>The four claims</h2>\n");
-        claims(finished, rows)
+        claims(finished, rows, quality)
     };
     for c in claims {
         let _ = write!(
@@ -653,8 +690,8 @@ fn predicted_bytes_per_sample(job: &ringtmp_strategy::Job) -> Option<f64> {
     }
 }
 
-fn claims(finished: &[Finished], rows: &[Row]) -> Vec<Claim> {
-    let runs = Runs::new(finished, rows);
+fn claims(finished: &[Finished], rows: &[Row], quality: &Quality) -> Vec<Claim> {
+    let runs = Runs::new(finished, rows, *quality);
     vec![
         runs.traffic(),
         runs.scaling(),
@@ -697,10 +734,12 @@ struct Runs<'a> {
     counts: std::collections::BTreeSet<u32>,
     /// The largest of them, where each claim is decided.
     largest: u32,
+    /// What (d) compares.
+    quality: Quality,
 }
 
 impl<'a> Runs<'a> {
-    fn new(finished: &'a [Finished], rows: &'a [Row]) -> Self {
+    fn new(finished: &'a [Finished], rows: &'a [Row], quality: Quality) -> Self {
         let counts: std::collections::BTreeSet<u32> =
             finished.iter().map(|f| f.plan.nodes).collect();
         let largest = counts.iter().copied().max().unwrap_or(0);
@@ -709,6 +748,7 @@ impl<'a> Runs<'a> {
             rows,
             counts,
             largest,
+            quality,
         }
     }
 
@@ -725,21 +765,23 @@ impl<'a> Runs<'a> {
         let title = "(a) RingTMP communicates less than a parameter server";
         match (first(&is_ring, largest), first(&is_ps, largest)) {
             (Some(ring), Some(ps)) => {
+                // Per sample, or per token of a language model.
+                let (unit, per) = (self.quality.unit(), self.quality.per_sample());
                 let (r, p) = (
-                    training_bytes_per_sample(ring),
-                    training_bytes_per_sample(ps),
+                    training_bytes_per_sample(ring) / per,
+                    training_bytes_per_sample(ps) / per,
                 );
                 let pred = |f: &Finished| {
                     f.job
                         .as_ref()
                         .and_then(predicted_bytes_per_sample)
-                        .map_or("—".into(), |v| format!("{v:.0}"))
+                        .map_or("—".into(), |v| format!("{:.0}", v / per))
                 };
                 Claim {
                     title: title.into(),
                     measured: format!(
-                        "{r:.0} bytes per sample for the ring against {p:.0} for {} on {largest} \
-                     nodes (training traffic, framing included)",
+                        "{r:.0} bytes per {unit} for the ring against {p:.0} for {} on \
+                         {largest} nodes (training traffic, framing included)",
                         ps.plan.strategy
                     ),
                     predicted: format!(
@@ -873,15 +915,19 @@ impl<'a> Runs<'a> {
         }
     }
 
-    /// (d) Equal accuracy in equal time.
+    /// (d) Equal accuracy (a language model's: validation loss) in equal time.
     fn accuracy(&self) -> Claim {
-        let (largest, rows) = (self.largest, self.rows);
-        let title = "(d) RingTMP reaches the same accuracy in the same time";
-        // The ring's best configuration (the highest final accuracy, then the earliest to the
+        let (largest, rows, quality) = (self.largest, self.rows, &self.quality);
+        let title = format!(
+            "(d) RingTMP reaches the same {} in the same time",
+            quality.name()
+        );
+        let title = title.as_str();
+        // The ring's best configuration (the best final value, then the earliest to the
         // target) against the best of the others.
         let rank = |r: &&Row| {
             (
-                -r.final_accuracy.map_or(0.0, |a| a.0),
+                quality.rank(r.final_quality.map(|a| a.0)),
                 r.time_to_target.map_or(f64::INFINITY, |t| t.0),
             )
         };
@@ -903,18 +949,18 @@ impl<'a> Runs<'a> {
                     .iter()
                     .filter_map(|r| r.time_to_target.map(|t| (t.0, r)))
                     .min_by(|a, b| a.0.total_cmp(&b.0));
-                let best_accuracy = others
-                    .iter()
-                    .filter_map(|r| r.final_accuracy.map(|a| a.0))
-                    .fold(0.0f64, f64::max);
-                let ring_accuracy = ring.final_accuracy.map_or(0.0, |a| a.0);
+                let best_value = quality
+                    .best_of(others.iter().filter_map(|r| r.final_quality.map(|a| a.0)))
+                    .unwrap_or(f64::NAN);
+                let ring_value = ring.final_quality.map_or(f64::NAN, |a| a.0);
                 let ring_time = ring.time_to_target.map(|t| t.0);
                 let measured = format!(
-                    "{}: final {:.2}%, target after {}; best other: final {:.2}%, target after {}",
+                    "{}: final {}, target ({}) after {}; best other: final {}, target after {}",
                     ring.strategy,
-                    ring_accuracy * 100.0,
+                    quality.show(ring_value),
+                    quality.target_text(),
                     ring_time.map_or("never".into(), |t| format!("{t:.1} s")),
-                    best_accuracy * 100.0,
+                    quality.show(best_value),
                     best_other.map_or("never".into(), |(t, r)| format!(
                         "{t:.1} s ({})",
                         r.strategy
@@ -932,7 +978,7 @@ impl<'a> Runs<'a> {
                 };
                 let verdict = match (ring_time, best_other) {
                     (Some(t), Some((o, _)))
-                        if t <= o * 1.1 && ring_accuracy >= best_accuracy - 0.005 =>
+                        if t <= o * 1.1 && quality.as_good_as(ring_value, best_value) =>
                     {
                         "holds".to_string()
                     }
@@ -975,47 +1021,62 @@ impl<'a> Runs<'a> {
 fn plots(
     finished: &[Finished],
     rows: &[Row],
+    quality: &Quality,
     simulated: bool,
 ) -> Result<Vec<(String, String, String)>> {
     let first: Vec<&Finished> = finished.iter().filter(|f| f.plan.repeat == 0).collect();
     let mut out = Vec::new();
     if simulated {
         // No accuracy, no memory of their own: throughput, bytes, compute and idle only.
-        let all = plots(finished, rows, false)?;
+        let all = plots(finished, rows, quality, false)?;
         return Ok(all
             .into_iter()
-            .filter(|(name, ..)| !name.starts_with("accuracy") && name != "peak_memory")
+            .filter(|(name, ..)| {
+                !name.starts_with("accuracy") && !name.starts_with("loss") && name != "peak_memory"
+            })
             .collect());
     }
+    let (stem, what) = match quality {
+        Quality::Accuracy { .. } => ("accuracy", "Test accuracy"),
+        Quality::Loss { .. } => ("loss", "Validation loss"),
+    };
+    let unit = quality.unit();
     out.push((
-        "accuracy_vs_time".into(),
-        "Test accuracy against training time".into(),
+        format!("{stem}_vs_time"),
+        format!("{what} against training time"),
         lines(
             Axis::Auto("training time (s)"),
-            "test accuracy (%)",
+            quality.axis(),
             &first
                 .iter()
                 .map(|f| {
                     (
                         f.label(),
-                        f.curve.iter().map(|p| (p.0, p.2 * 100.0)).collect(),
+                        f.curve
+                            .iter()
+                            .map(|p| (p.0, quality.plotted(p.2)))
+                            .collect(),
                     )
                 })
                 .collect::<Vec<_>>(),
         )?,
     ));
+    let units = format!("{unit}s");
     out.push((
-        "accuracy_vs_samples".into(),
-        "Test accuracy against samples trained on".into(),
+        format!("{stem}_vs_{unit}s"),
+        format!("{what} against {unit}s trained on"),
         lines(
-            Axis::Linear("samples"),
-            "test accuracy (%)",
+            Axis::Linear(&units),
+            quality.axis(),
             &first
                 .iter()
                 .map(|f| {
                     (
                         f.label(),
-                        f.curve.iter().map(|p| (p.1, p.2 * 100.0)).collect(),
+                        f.curve
+                            .iter()
+                            .map(|p| (p.1 * quality.per_sample(), quality.plotted(p.2)))
+                            .collect(),
                     )
                 })
                 .collect::<Vec<_>>(),
@@ -1023,23 +1084,24 @@ fn plots(
     ));
     let labels: Vec<String> = rows.iter().map(|r| r.label.clone()).collect();
     let median = |v: Option<(f64, f64, f64)>| v.map_or(0.0, |v| v.0);
+    let per_second = format!("{unit}s/s");
     out.push((
-        "samples_per_second".into(),
-        "Samples per second".into(),
+        format!("{unit}s_per_second"),
+        format!("{}s per second", capitalised(unit)),
         bars(
-            "samples/s",
+            &per_second,
             &labels,
             &[(
-                "samples/s",
+                per_second.as_str(),
                 rows.iter().map(|r| median(r.samples_per_second)).collect(),
             )],
         )?,
     ));
     out.push((
-        "bytes_per_sample".into(),
-        "Bytes sent per sample: the whole cluster, and its busiest node".into(),
+        format!("bytes_per_{unit}"),
+        format!("Bytes sent per {unit}: the whole cluster, and its busiest node"),
         bars(
-            "bytes per sample",
+            &format!("bytes per {unit}"),
             &labels,
             &[
                 (
@@ -1113,10 +1175,10 @@ fn plots(
     if counts.len() > 1 {
         out.push((
             "scaling".into(),
-            "Samples per second against nodes".into(),
+            format!("{}s per second against nodes", capitalised(unit)),
             lines(
                 Axis::Linear("nodes"),
-                "samples/s",
+                &per_second,
                 &against_nodes(rows, &|r| Some(median(r.samples_per_second))),
             )?,
         ));
@@ -1132,17 +1194,28 @@ fn plots(
             ));
             out.push((
                 "effective_scaling".into(),
-                "Samples per second with failures (samples/s × useful fraction), against nodes"
-                    .into(),
+                format!(
+                    "{}s per second with failures ({per_second} × useful fraction), against \
+                     nodes",
+                    capitalised(unit)
+                ),
                 lines(
                     Axis::Linear("nodes"),
-                    "samples/s",
+                    &per_second,
                     &against_nodes(rows, &|r| r.effective_samples_per_second.map(|e| e.0)),
                 )?,
             ));
         }
     }
     Ok(out)
+}
+
+/// `word` with a capital first letter.
+fn capitalised(word: &str) -> String {
+    let mut chars = word.chars();
+    chars
+        .next()
+        .map_or(String::new(), |c| c.to_uppercase().chain(chars).collect())
 }
 
 /// One line per strategy through `(nodes, value)` of its rows (rows without a value left out).
@@ -1376,7 +1449,8 @@ mod tests {
     }
 
     fn claim_d(runs: &[Finished]) -> String {
-        claims(runs, &rows(runs))
+        let quality = Quality::Accuracy { target: 0.97 };
+        claims(runs, &rows(runs, &quality), &quality)
             .into_iter()
             .find(|c| c.title.starts_with("(d)"))
             .expect("claim (d)")
@@ -1405,6 +1479,58 @@ mod tests {
             verdict.starts_with("not decided: ring stopped"),
             "{verdict}"
         );
+    }
+
+    /// A language model's comparison judges validation loss (lower is better) against a target
+    /// within 2% of the best final loss, from the curves, and counts tokens, not windows.
+    #[test]
+    fn a_language_models_comparison_judges_validation_loss_per_token() {
+        let lm = |strategy: &str, losses: &[(f64, f64)], trained: f64| {
+            let mut f = finished(strategy, 0.3, None, trained);
+            let last = losses.last().map_or(f64::NAN, |l| l.1);
+            f.summary.language = Some(ringtmp_metrics::LanguageSummary {
+                seq_len: 64,
+                final_val_loss: last,
+                best_val_loss: last,
+                ..Default::default()
+            });
+            f.summary.bytes_per_sample = 6400.0;
+            f.curve = losses.iter().map(|&(t, l)| (t, 0.0, l)).collect();
+            f
+        };
+        let runs = [
+            lm("ring", &[(10.0, 2.5), (20.0, 1.95), (40.0, 1.90)], 40.0),
+            lm(
+                "allreduce",
+                &[(10.0, 2.4), (30.0, 1.96), (40.0, 1.93)],
+                40.0,
+            ),
+        ];
+        let quality = Quality::of(&runs.iter().map(|f| &f.summary).collect::<Vec<_>>());
+        let rows = rows(&runs, &quality);
+        let ring = rows.iter().find(|r| r.strategy == "ring").unwrap();
+        // The target is 1.938: the ring reaches it at its evaluation of 40 s, all-reduce at 40 s.
+        assert_eq!(ring.time_to_target.map(|t| t.0), Some(40.0));
+        assert_eq!(ring.bytes_per_sample.map(|b| b.0), Some(100.0), "per token");
+        assert_eq!(
+            ring.samples_per_second.map(|v| v.0),
+            Some(1000.0 / 40.0 * 64.0)
+        );
+        let columns = columns(&quality, false);
+        assert_eq!(columns[1], "final validation loss");
+        assert_eq!(columns[4], "tokens/s");
+        let d = claims(&runs, &rows, &quality)
+            .into_iter()
+            .find(|c| c.title.starts_with("(d)"))
+            .unwrap();
+        assert_eq!(
+            d.title,
+            "(d) RingTMP reaches the same validation loss in the same time"
+        );
+        assert_eq!(d.verdict, "holds", "{}", d.measured);
+        assert!(d.measured.contains("final 1.900"), "{}", d.measured);
+        let plots = plots(&runs, &rows, &quality, false).unwrap();
+        assert!(plots.iter().any(|p| p.0 == "loss_vs_tokens"));
     }
 
     #[test]
