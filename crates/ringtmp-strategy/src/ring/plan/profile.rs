@@ -64,11 +64,7 @@ pub fn profile_layers(
         steps_per_micro_batch,
         repeats,
     } = *settings;
-    let state_copies = match optimizer {
-        OptimizerConfig::Sgd { momentum, .. } if *momentum == 0.0 => 0,
-        OptimizerConfig::Sgd { .. } => 1,
-        OptimizerConfig::Adam { .. } | OptimizerConfig::AdamW { .. } => 2,
-    };
+    let state_copies = crate::memory_floor::state_copies(optimizer);
     time_layers(layers, optimizer, rows, threads, repeats, None)
         .into_iter()
         .zip(layers)
