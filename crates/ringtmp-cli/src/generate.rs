@@ -423,8 +423,14 @@ fn node_memory(
         .map_err(|e| UsageError(e.to_string()))?
         .memory_limits;
     for (rank, (range, limit)) in partition.iter().zip(&limits).enumerate() {
-        let floor =
-            params_of(range) as u64 * 4 + ringtmp_strategy::ring::plan::PROCESS_BASELINE_BYTES;
+        // Parameters only (no gradients or optimizer state), and the process's baseline.
+        let floor = ringtmp_strategy::memory_floor::Floor {
+            who: format!("node {rank}"),
+            params: params_of(range) as u64,
+            values: 1,
+            what: String::new(),
+        }
+        .bytes();
         if let Some(limit) = limit
             && floor > *limit
         {
