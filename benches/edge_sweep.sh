@@ -8,6 +8,7 @@
 #
 #   MODELS=gpt-cpu benches/edge_sweep.sh
 #   MODELS="mlp cnn" NODES=2,4 benches/edge_sweep.sh
+#   MODELS="mlp cnn" TRAIN_SECONDS=60 benches/edge_sweep.sh   # shorter runs: throughput only
 set -eu
 cd "$(dirname "$0")/.."
 cargo build --release -p ringtmp-cli
@@ -16,9 +17,9 @@ OUT=${OUT:-docs/reports/edge-sweep}
 NODES=${NODES:-2,4,8}
 for model in ${MODELS:-mlp mlp-deep cnn gpt-cpu}; do
     case $model in
-        mlp | mlp-deep) length="--train-seconds 120 --target-accuracy 0.90 --eval-every 50" ;;
-        cnn) length="--train-seconds 180 --target-accuracy 0.97 --eval-every 0" ;;
-        gpt-cpu) length="--dataset text --train-seconds 120 --eval-every 100 --eval-tokens 4096" ;;
+        mlp | mlp-deep) length="--train-seconds ${TRAIN_SECONDS:-120} --target-accuracy 0.90 --eval-every 50" ;;
+        cnn) length="--train-seconds ${TRAIN_SECONDS:-180} --target-accuracy 0.97 --eval-every 0" ;;
+        gpt-cpu) length="--dataset text --train-seconds ${TRAIN_SECONDS:-120} --eval-every 100 --eval-tokens 4096" ;;
         *) echo "unknown model $model" >&2; exit 2 ;;
     esac
     # shellcheck disable=SC2086 # the option lists are meant to split

@@ -238,6 +238,7 @@ pub(crate) mod tests {
                 Linear { out: 11 },
             ],
             tie_embeddings: false,
+            stale_momentum: None,
         };
         spec.build_for(&Shape::flat(seq), &Shape(vec![seq, 11]))
             .unwrap()

@@ -112,6 +112,7 @@ mod tests {
                 Linear { out: VOCAB },
             ],
             tie_embeddings: tied,
+            stale_momentum: None,
         };
         spec.build_for(&Shape::flat(SEQ), &Shape(vec![SEQ, VOCAB]))
             .unwrap()

@@ -54,6 +54,10 @@ pub struct TrainConfig {
     /// ring lowers it (staleness adds momentum of its own; planning only).
     #[serde(skip)]
     pub default_momentum: bool,
+    /// Whether `warmup_steps` is the default rather than the user's choice: a step that averages
+    /// several batches then warms up over the same examples in fewer steps (planning only).
+    #[serde(skip)]
+    pub default_warmup: bool,
     /// Learning-rate schedule.
     #[serde(rename = "lr_schedule")]
     pub schedule: LrSchedule,

@@ -4,23 +4,24 @@
 
 use ringtmp_data::{BatchPlan, Dataset, shard};
 use ringtmp_metrics::NodeSummary;
-use ringtmp_model::{Optimizer, OptimizerConfig, Pass, Stage, checkpoint, loss};
+use ringtmp_model::{Optimizer, Pass, Stage, checkpoint, loss};
 use ringtmp_transport::Transport;
 
 use crate::TrainConfig;
-use crate::contract::Cluster;
+use crate::contract::{Cluster, PlanReport};
 use crate::error::{Error, Result};
 use crate::spec::{ResumePoint, RunSpec};
 
 /// The spec of a data-parallel run of `strategy` on every node of `cluster`: a worker's share of
 /// each global batch is `config.batch_size`; threads are shared out when the user chose none;
-/// SGD's default rate scales with the workers (the linear scaling rule, Goyal et al., 2017: a
-/// step averages W batches); a resume point must hold the same global batch.
+/// the default rate and warm-up scale with the workers ([`crate::batch_scaling`]: a step
+/// averages W batches); a resume point must hold the same global batch.
 pub fn plan_spec(
     strategy: &str,
     mut config: TrainConfig,
     cluster: &Cluster,
     data: &Dataset,
+    report: &mut PlanReport,
 ) -> Result<(RunSpec, usize)> {
     let workers = cluster.nodes as usize;
     if workers < 2 {
@@ -34,8 +35,12 @@ pub fn plan_spec(
     if cluster.threads.is_none() {
         config.threads = (cluster.cores / workers).max(1);
     }
-    if config.default_lr && matches!(config.optimizer, OptimizerConfig::Sgd { .. }) {
-        config.lr *= workers as f32;
+    if let Some(note) = crate::batch_scaling::scale_defaults(
+        &mut config,
+        workers,
+        crate::batch_scaling::Updates::Synchronous,
+    ) {
+        report.note(format!("{strategy}: {note}"));
     }
     let global = config.batch_size * workers;
     let resume = config.resume.clone();

@@ -29,6 +29,7 @@
 //! measurements on a ring of nodes).
 
 pub mod allreduce;
+pub mod batch_scaling;
 pub mod clipping;
 pub mod config;
 pub mod contract;

@@ -213,6 +213,93 @@ fn a_sample_budget_is_the_same_for_every_strategy() {
     }
 }
 
+/// Defaults tuned for one node's batch scale to a step that averages W batches
+/// (`batch_scaling`): SGD's rate linearly, Adam's and AdamW's with the square root, the warm-up
+/// over the same examples in W times fewer steps; a user's rate and warm-up stay as given, and a
+/// one-batch strategy changes nothing.
+#[test]
+fn defaults_scale_with_the_batches_a_step_averages() {
+    use ringtmp_model::OptimizerConfig;
+    let data = digits();
+    let adamw = OptimizerConfig::AdamW {
+        beta1: 0.9,
+        beta2: 0.99,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        decay_embeddings: false,
+    };
+    let plan = |strategy: &str, optimizer: OptimizerConfig, defaults: bool| {
+        let cfg = TrainConfig {
+            lr: 0.001,
+            warmup_steps: 10,
+            optimizer,
+            default_lr: defaults,
+            default_warmup: defaults,
+            ..config()
+        };
+        let nodes = if strategy == "local" { 1 } else { 4 };
+        let job = Job::plan(
+            strategy,
+            cfg,
+            &Default::default(),
+            &ringtmp_strategy::Cluster::local(nodes),
+            &data,
+            &mut Default::default(),
+        )
+        .unwrap();
+        (job.spec().lr, job.spec().warmup_steps)
+    };
+    let sgd = config().optimizer;
+    for strategy in ["allreduce", "dpsgd", "adpsgd"] {
+        let (lr, warmup) = plan(strategy, adamw.clone(), true);
+        assert!(
+            (lr - 0.002).abs() < 1e-7,
+            "{strategy}: √4 × 0.001, got {lr}"
+        );
+        assert_eq!(warmup, 3, "{strategy}: 10 steps of one batch in steps of 4");
+        let (lr, _) = plan(strategy, sgd.clone(), true);
+        assert!((lr - 0.004).abs() < 1e-7, "{strategy}: 4 × 0.001, got {lr}");
+        assert_eq!(
+            plan(strategy, adamw.clone(), false),
+            (0.001, 10),
+            "{strategy}"
+        );
+    }
+    // The parameter server's 4 nodes are 3 workers and a server: BSP scales as above, the
+    // stale models give Adam the one-node rate ÷ W.
+    let (lr, warmup) = plan("ps", adamw.clone(), true);
+    assert!((lr - 0.001 * 3f32.sqrt()).abs() < 1e-7, "ps: {lr}");
+    assert_eq!(warmup, 4);
+    let options = ringtmp_strategy::StrategyOptions {
+        ps: ringtmp_strategy::param_server::plan::PsOptions {
+            consistency: Some("asp".into()),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let stale = TrainConfig {
+        lr: 0.001,
+        optimizer: adamw.clone(),
+        default_lr: true,
+        ..config()
+    };
+    let job = Job::plan(
+        "ps",
+        stale,
+        &options,
+        &ringtmp_strategy::Cluster::local(4),
+        &data,
+        &mut Default::default(),
+    )
+    .unwrap();
+    assert!(
+        (job.spec().lr - 0.001 / 3.0).abs() < 1e-9,
+        "asp: {}",
+        job.spec().lr
+    );
+    assert_eq!(plan("local", adamw, true), (0.001, 10));
+}
+
 /// Issue 13.5: the async ring lowers SGD's default momentum (staleness adds its own); the
 /// flushed schedules and a user's choice keep theirs.
 #[test]
@@ -319,6 +406,56 @@ fn stale_parameter_servers_default_to_less_momentum() {
         assert_eq!(momentum(consistency, 4, false), 0.9, "the user's choice");
     }
     assert_eq!(momentum("bsp", 4, true), 0.9);
+    // A model measured to want its own (the mlp preset) keeps it; the user's choice still wins.
+    let own = |default_momentum: bool, user: f32| {
+        let mut cfg = TrainConfig {
+            default_momentum,
+            optimizer: OptimizerConfig::Sgd {
+                momentum: user,
+                weight_decay: 0.0,
+            },
+            ..config()
+        };
+        cfg.model.stale_momentum = Some(0.8);
+        let options = ringtmp_strategy::StrategyOptions {
+            ps: PsOptions {
+                consistency: Some("asp".into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let cluster = ringtmp_strategy::Cluster::local(4);
+        match Job::plan(
+            "ps",
+            cfg,
+            &options,
+            &cluster,
+            &data,
+            &mut Default::default(),
+        )
+        .unwrap()
+        {
+            Job::Ps(job) => match job.spec.optimizer {
+                OptimizerConfig::Sgd { momentum, .. } => momentum,
+                _ => panic!("sgd"),
+            },
+            other => panic!("{other:?}"),
+        }
+    };
+    assert!((own(true, 0.9) - 0.8).abs() < 1e-6);
+    assert!((own(false, 0.5) - 0.5).abs() < 1e-6);
+    assert_eq!(
+        ringtmp_model::ModelSpec::preset("mlp", 10)
+            .unwrap()
+            .stale_momentum,
+        Some(0.9)
+    );
+    assert_eq!(
+        ringtmp_model::ModelSpec::preset("cnn", 10)
+            .unwrap()
+            .stale_momentum,
+        None
+    );
     assert!(
         (stale_momentum(1) - 0.9).abs() < 1e-6,
         "no delay: SGD's own"

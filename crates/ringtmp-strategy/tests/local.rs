@@ -70,6 +70,7 @@ fn config(out: &Path, optimizer: OptimizerConfig) -> TrainConfig {
         default_lr: false,
         default_schedule: false,
         default_momentum: false,
+        default_warmup: false,
     }
 }
 

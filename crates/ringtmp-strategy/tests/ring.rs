@@ -62,6 +62,7 @@ fn config(out: &Path) -> TrainConfig {
         default_lr: false,
         default_schedule: false,
         default_momentum: false,
+        default_warmup: false,
     }
 }
 

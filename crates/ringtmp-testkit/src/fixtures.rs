@@ -44,6 +44,7 @@ pub fn gpt(vocab: usize, width: usize) -> ModelSpec {
             Linear { out: vocab },
         ],
         tie_embeddings: false,
+        stale_momentum: None,
     }
 }
 
@@ -154,6 +155,7 @@ pub fn train_config(
         default_lr: false,
         default_schedule: false,
         default_momentum: false,
+        default_warmup: false,
         schedule: LrSchedule::Constant,
         warmup_steps: 0,
         optimizer: OptimizerConfig::Sgd {

@@ -48,7 +48,7 @@ impl Strategy for AllReduceJob {
                 "--bucket-mb must be a positive number, got {bucket_mb}"
             )));
         }
-        let (spec, workers) = crate::data_parallel::plan_spec(NAME, config, cluster, data)?;
+        let (spec, workers) = crate::data_parallel::plan_spec(NAME, config, cluster, data, report)?;
         let global = spec.batch_size * workers;
         report.note(format!(
             "all-reduce: {workers} workers of batch {} (global batch {global}), buckets of {bucket_mb} MB{}, learning rate {}",

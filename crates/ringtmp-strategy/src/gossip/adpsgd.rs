@@ -83,7 +83,7 @@ impl Strategy for AdpsgdJob {
         data: &Dataset,
         report: &mut PlanReport,
     ) -> Result<Self> {
-        let (spec, workers) = crate::data_parallel::plan_spec(NAME, config, cluster, data)?;
+        let (spec, workers) = crate::data_parallel::plan_spec(NAME, config, cluster, data, report)?;
         check_graph(workers)?;
         let near = mixing::bipartite_neighbours(0, workers as u32);
         report.note(format!(

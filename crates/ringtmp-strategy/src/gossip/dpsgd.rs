@@ -88,7 +88,7 @@ impl Strategy for DpsgdJob {
     ) -> Result<Self> {
         // Averaging the models averages their updates: the consensus moves as all-reduce's
         // model does, so the default rate scales with the workers as there.
-        let (spec, workers) = crate::data_parallel::plan_spec(NAME, config, cluster, data)?;
+        let (spec, workers) = crate::data_parallel::plan_spec(NAME, config, cluster, data, report)?;
         let global = spec.batch_size * workers;
         let topology = options.topology.unwrap_or_default();
         report.note(format!(

@@ -83,15 +83,20 @@ pub fn plan(
             data.train.len()
         )));
     }
-    if cfg.default_lr && matches!(cfg.optimizer, OptimizerConfig::Sgd { .. }) {
-        // The default SGD rate is tuned for one node's batch; a step here averages W of them.
-        // Linear scaling (Goyal et al., 2017) keeps the per-example step size: measured on the
-        // 4-worker mlp job, 0.04 reaches 97% in 250 iterations where 0.01 needs 600
-        // (docs/BENCHMARKS.md). Adam's steps do not scale with the batch, so it keeps its default.
-        cfg.lr *= workers as f32;
-    }
-    let stale_momentum =
-        (consistency != Consistency::Bsp && cfg.default_momentum).then(|| stale_momentum(workers));
+    // The default rate is tuned for one node's batch; a step here averages W of them: measured
+    // on the 4-worker mlp job, 0.04 reaches 97% in 250 iterations where 0.01 needs 600
+    // (docs/BENCHMARKS.md).
+    let updates = if consistency == Consistency::Bsp {
+        crate::batch_scaling::Updates::Synchronous
+    } else {
+        crate::batch_scaling::Updates::Stale
+    };
+    let scaled = crate::batch_scaling::scale_defaults(&mut cfg, workers, updates);
+    let stale_momentum = (consistency != Consistency::Bsp && cfg.default_momentum).then(|| {
+        cfg.model
+            .stale_momentum
+            .unwrap_or_else(|| stale_momentum(workers))
+    });
     if let (Some(m), OptimizerConfig::Sgd { momentum, .. }) = (stale_momentum, &mut cfg.optimizer) {
         *momentum = m;
     }
@@ -112,12 +117,22 @@ pub fn plan(
             ""
         }
     ));
+    if let Some(note) = scaled {
+        report.note(format!("parameter server: {note}"));
+    }
     if let Some(m) = stale_momentum {
         report.note(format!(
             "stale updates from {workers} workers: SGD momentum {m:.1} (the default for stale \
-             consistency models: the most that keeps 30% of synchronous SGD's stability \
-             margin under a delay of {} updates; --momentum sets it)",
-            workers.saturating_sub(1)
+             consistency models: {}; --momentum sets it)",
+            if cfg.model.stale_momentum.is_some() {
+                format!("the model {}'s own, measured for it", cfg.model.name)
+            } else {
+                format!(
+                    "the most that keeps 30% of synchronous SGD's stability margin under a \
+                     delay of {} updates",
+                    workers.saturating_sub(1)
+                )
+            }
         ));
     }
     let mut spec = RunSpec::new(cfg.clone(), data, global)?;

@@ -61,8 +61,6 @@ struct Server<'a> {
     reports: Vec<String>,
     bsp: Bsp,
     updates: UpdateStaleness,
-    /// A push's values scaled by 1/W (reused).
-    values: Vec<f32>,
     scratch: Vec<f32>,
 }
 
@@ -121,7 +119,6 @@ impl<'a> Server<'a> {
                 held: Vec::new(),
             },
             updates: UpdateStaleness::new(job.workers),
-            values: Vec::new(),
             scratch: Vec::new(),
             model,
             params,
@@ -316,13 +313,15 @@ impl<'a> Server<'a> {
             self.bsp.sum.add(w, bytes, h.dtype, lr);
             self.settle(net)?;
         } else {
-            let scale = 1.0 / job.workers as f32;
-            let grads = tensor_view(&bytes, h.dtype, &mut self.scratch);
-            self.values.clear();
-            self.values.extend(grads.iter().map(|g| g * scale));
-            net.buffers().give(bytes);
+            // A push is 1/W of an iteration: its step is taken at 1/W of the iteration's
+            // rate. (Scaling the gradient instead would be the same for plain SGD, but Adam's
+            // step ignores the gradient's scale, so each push would move as far as a whole
+            // iteration, and a decay would be applied W times an iteration.)
+            let rate = lr / job.workers as f32;
             self.updates.applying(w);
-            self.optimizer.step(&mut self.params, &self.values, lr, 1);
+            let grads = tensor_view(&bytes, h.dtype, &mut self.scratch);
+            self.optimizer.step(&mut self.params, grads, rate, 1);
+            net.buffers().give(bytes);
             self.checkpoints.push_applied(
                 job,
                 self.s,

@@ -258,12 +258,15 @@ pub fn resolve(
     if replicas > 1
         && average_every == 0
         && !gossip
-        && cfg.default_lr
-        && matches!(cfg.optimizer, ringtmp_model::OptimizerConfig::Sgd { .. })
+        && let Some(note) = crate::batch_scaling::scale_defaults(
+            cfg,
+            replicas,
+            crate::batch_scaling::Updates::Synchronous,
+        )
     {
-        // The default rate is one ring's batch's; a step here averages R of them (linear
-        // scaling, as the data-parallel strategies do).
-        cfg.lr *= replicas as f32;
+        // The defaults are one ring's batch's; a step here averages R of them, as the
+        // data-parallel strategies' steps do.
+        report.note(format!("rings of rings: {note}"));
     }
     if schedule == Schedule::Async
         && cfg.default_momentum
