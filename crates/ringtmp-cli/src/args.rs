@@ -73,8 +73,10 @@ pub struct TrainArgs {
     #[arg(help_heading = "Cluster (emulated)", long, num_args = 0..=1, default_missing_value = "true")]
     pub enforce_memory_limit: Option<bool>,
     /// Real CPU limits: RANK:CORES puts that local node under a kernel CPU quota of CORES
-    /// (fractional) cores through cgroups (repeatable or comma-separated). With --strategy local,
-    /// 0:CORES puts the training process itself under it: a one-board baseline on a node's share.
+    /// (fractional) cores through cgroups (repeatable or comma-separated; `all:CORES` for every
+    /// node, later entries overriding it). With --strategy local, 0:CORES puts the training
+    /// process itself under it: a one-board baseline on a node's share. Under `simulate` it sets
+    /// the simulated nodes' speed.
     #[arg(help_heading = "Cluster (emulated)", long, value_name = "RANK:CORES")]
     pub node_cpu: Option<Vec<String>>,
     /// Pin each local node process to its own core (when there are enough cores).

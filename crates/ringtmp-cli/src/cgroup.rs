@@ -35,7 +35,8 @@ pub struct NodeCgroups {
     memory: Vec<(u32, u64, PathBuf, Version)>,
 }
 
-/// `RANK:CORES` entries (comma-separated or repeated) → cores per rank (`None`: unlimited).
+/// `RANK:CORES` entries (comma-separated or repeated; `all:CORES` for every node, which later
+/// entries may override) → cores per rank (`None`: unlimited).
 pub fn parse_node_cpu(entries: &[String], nodes: u32) -> Result<Vec<Option<f64>>> {
     let mut cores = vec![None; nodes as usize];
     for entry in entries {
@@ -43,17 +44,22 @@ pub fn parse_node_cpu(entries: &[String], nodes: u32) -> Result<Vec<Option<f64>>
             let bad = |why: String| UsageError(format!("--node-cpu {part:?}: {why}"));
             let (rank, share) = part
                 .split_once(':')
-                .ok_or_else(|| bad("expected RANK:CORES, e.g. 2:0.5".into()))?;
-            let rank: u32 = rank
-                .trim()
-                .parse()
-                .map_err(|_| bad(format!("{rank:?} is not a rank")))?;
-            if rank >= nodes {
-                return Err(bad(format!(
-                    "rank {rank} does not exist in a run of {nodes} nodes"
-                ))
-                .into());
-            }
+                .ok_or_else(|| bad("expected RANK:CORES, e.g. 2:0.5, or all:CORES".into()))?;
+            let ranks = if rank.trim() == "all" {
+                0..nodes
+            } else {
+                let rank: u32 = rank
+                    .trim()
+                    .parse()
+                    .map_err(|_| bad(format!("{rank:?} is not a rank")))?;
+                if rank >= nodes {
+                    return Err(bad(format!(
+                        "rank {rank} does not exist in a run of {nodes} nodes"
+                    ))
+                    .into());
+                }
+                rank..rank + 1
+            };
             let share: f64 = share
                 .trim()
                 .parse()
@@ -71,7 +77,9 @@ pub fn parse_node_cpu(entries: &[String], nodes: u32) -> Result<Vec<Option<f64>>
                 ))
                 .into());
             }
-            cores[rank as usize] = Some(share);
+            for rank in ranks {
+                cores[rank as usize] = Some(share);
+            }
         }
     }
     Ok(cores)
@@ -353,8 +361,16 @@ mod tests {
     fn shares_parse_and_bad_ones_are_named() {
         let cores = parse_node_cpu(&["1:0.5,3:2".into()], 4).unwrap();
         assert_eq!(cores, [None, Some(0.5), None, Some(2.0)]);
+        let cores = parse_node_cpu(&["all:0.25,2:1".into()], 3).unwrap();
+        assert_eq!(
+            cores,
+            [Some(0.25), Some(0.25), Some(1.0)],
+            "all, then one overridden"
+        );
         for (bad, needle) in [
             ("1:0", "more than zero"),
+            ("all:0", "more than zero"),
+            ("every:1", "not a rank"),
             ("4:1", "rank 4 does not exist"),
             ("1", "expected RANK:CORES"),
             ("1:x", "not a number"),

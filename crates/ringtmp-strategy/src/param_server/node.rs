@@ -88,13 +88,12 @@ impl Strategy for PsJob {
     }
 }
 
-/// Parameter-server topology: every worker links to every server, and the servers link to server
-/// 0 (which collects the run's report). Servers are ranks `0..servers`.
+/// Parameter-server topology: every worker links to every server, and the servers link to each
+/// other (server 0 collects the run's report; a clipped BSP iteration sends every server's share
+/// of the norm to every other server). Servers are ranks `0..servers`.
 pub fn star_neighbours(rank: u32, world_size: u32, servers: u32) -> BTreeSet<u32> {
-    if rank == 0 {
-        (1..world_size).collect()
-    } else if rank < servers {
-        (servers..world_size).chain([0]).collect()
+    if rank < servers.max(1) {
+        (0..world_size).filter(|&r| r != rank).collect()
     } else {
         (0..servers).collect()
     }
@@ -407,9 +406,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_star_links_workers_to_every_server_and_servers_to_server_0() {
+    fn the_star_links_workers_to_every_server_and_servers_to_each_other() {
         assert_eq!(star_neighbours(0, 5, 2), BTreeSet::from([1, 2, 3, 4]));
         assert_eq!(star_neighbours(1, 5, 2), BTreeSet::from([0, 2, 3, 4]));
         assert_eq!(star_neighbours(3, 5, 2), BTreeSet::from([0, 1]));
+        // Three servers: server 1 reaches server 2 (the norm shares of a clipped iteration).
+        assert_eq!(star_neighbours(1, 6, 3), BTreeSet::from([0, 2, 3, 4, 5]));
+        assert_eq!(star_neighbours(2, 6, 3), BTreeSet::from([0, 1, 3, 4, 5]));
     }
 }

@@ -118,12 +118,14 @@ fn default_micro_batches(
     batch: usize,
     positions: usize,
 ) -> usize {
+    // Never more micro-batches than the batch has rows: a ring of more nodes than a language
+    // model's 12 windows then runs 12 micro-batches of one window.
     match schedule {
         Schedule::Async => 1,
-        Schedule::Gpipe | Schedule::OneFOneB if positions > 1 => {
-            nodes.max((batch * positions / MIN_MICRO_BATCH_ROWS).min(batch))
-        }
-        Schedule::Gpipe | Schedule::OneFOneB => nodes,
+        Schedule::Gpipe | Schedule::OneFOneB if positions > 1 => nodes
+            .max(batch * positions / MIN_MICRO_BATCH_ROWS)
+            .min(batch),
+        Schedule::Gpipe | Schedule::OneFOneB => nodes.min(batch),
     }
 }
 
@@ -322,4 +324,23 @@ pub fn resolve(
         in_flight_planned,
         steps_per_micro_batch,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A flushed ring splits its batch into at least one micro-batch per node, never into more
+    /// than the batch has rows (16 nodes and a language model's 12 windows: 12).
+    #[test]
+    fn default_micro_batches_never_exceed_the_batch() {
+        assert_eq!(default_micro_batches(Schedule::OneFOneB, 4, 64, 1), 4);
+        assert_eq!(default_micro_batches(Schedule::Gpipe, 128, 64, 1), 64);
+        assert_eq!(default_micro_batches(Schedule::OneFOneB, 16, 12, 64), 12);
+        assert_eq!(
+            default_micro_batches(Schedule::OneFOneB, 2, 12, 64),
+            12.min(12 * 64 / MIN_MICRO_BATCH_ROWS).max(2)
+        );
+        assert_eq!(default_micro_batches(Schedule::Async, 16, 12, 64), 1);
+    }
 }
