@@ -1,6 +1,7 @@
 //! How the defaults tuned for one node's batch carry over to a step that averages several
-//! batches: data-parallel workers, a parameter server's BSP step, rings of rings that average
-//! their gradients. The user's own choices are never changed; only defaults are scaled.
+//! batches: data-parallel workers, a parameter server's iteration (synchronous or stale), rings
+//! of rings that average their gradients. The user's own choices are never changed; only
+//! defaults are scaled.
 //!
 //! - SGD's rate scales linearly with the batches averaged (Goyal et al., 2017: the per-example
 //!   step stays the same).
