@@ -94,20 +94,54 @@ pub struct TrainArgs {
     /// --master-holds-head [default: the model file's `tie_embeddings`, untied for presets].
     #[arg(help_heading = "Model", long, num_args = 0..=1, default_missing_value = "true")]
     pub tie_embeddings: Option<bool>,
-    /// Dataset: mnist, fashion-mnist, digits, or text (a language model's: see --data-file)
-    /// [default: mnist].
+    /// Dataset: mnist, fashion-mnist, digits, text (a language model's: see --data-file), or
+    /// your own in one of the formats npy, npz, csv, images (a folder per class) or
+    /// cifar10/cifar100 (their binary batches) named by --data-file [default: mnist]. In a config
+    /// file, a `[dataset]` table may hold `format` and the other data keys.
     #[arg(help_heading = "Data", long)]
     pub dataset: Option<String>,
-    /// With --dataset text: UTF-8 text files (raw or .gz; a character vocabulary is built from
-    /// the training split), or pre-tokenised .bin files (nanoGPT's uint16 ids or llm.c's
-    /// layout: TRAIN.bin, then an optional VAL.bin) [default: the bundled Shakespeare corpus].
+    /// The data's files: the training file, then an optional test file (without one,
+    /// --val-fraction of the rows is held out). With --dataset text: UTF-8 text files (raw or
+    /// .gz; a character vocabulary is built from the training split), or pre-tokenised .bin files
+    /// (nanoGPT's uint16 ids or llm.c's layout: TRAIN.bin, then an optional VAL.bin) [default:
+    /// the bundled Shakespeare corpus]. For images and CIFAR: the folder.
     #[arg(help_heading = "Data", long, value_name = "FILE", num_args = 1..)]
     pub data_file: Option<Vec<PathBuf>>,
+    /// With --dataset npy: the label array of each --data-file, in the same order (integer
+    /// labels classify; float labels are regression targets).
+    #[arg(help_heading = "Data", long, value_name = "FILE", num_args = 1..)]
+    pub label_file: Option<Vec<PathBuf>>,
+    /// With --dataset csv: the label column [default: a column named label, target, class or y].
+    #[arg(help_heading = "Data", long, value_name = "COLUMN")]
+    pub label: Option<String>,
+    /// With --dataset csv: regression on these columns (mean squared error; RMSE and MAE are
+    /// reported) instead of a class label.
+    #[arg(
+        help_heading = "Data",
+        long,
+        value_name = "COLUMNS",
+        value_delimiter = ','
+    )]
+    pub target_columns: Option<Vec<String>>,
+    /// The model's input H,W,C: images are resized to it; an array must hold as many values per
+    /// row [default: what the files say].
+    #[arg(help_heading = "Data", long, value_name = "H,W,C")]
+    pub input_shape: Option<String>,
+    /// How a 4-D array orders an image: nchw (PyTorch) or nhwc (NumPy, Keras) [default: the axis
+    /// of 1, 3 or 4 values holds the channels].
+    #[arg(help_heading = "Data", long, value_name = "LAYOUT")]
+    pub layout: Option<String>,
+    /// Input normalisation: auto (each channel's mean and deviation over the training split; a
+    /// table's each column), none, or MEAN[,MEAN…]/STD[,STD…] (torchvision's, in [0, 1] units
+    /// for bytes) [default: auto].
+    #[arg(help_heading = "Data", long, value_name = "HOW")]
+    pub normalize: Option<String>,
     /// Positions per training window (the model's context) [default: the GPT preset's context,
     /// else 64].
     #[arg(help_heading = "Data", long, value_name = "N")]
     pub seq_len: Option<usize>,
-    /// Fraction of the text (its end) that validates [default: 0.1].
+    /// Fraction of the text (its end) that validates, or of your rows (chosen by a seeded
+    /// shuffle) held out to test when no test file is named [default: 0.1].
     #[arg(help_heading = "Data", long, value_name = "F")]
     pub val_fraction: Option<f64>,
     /// Tokens of fixed validation windows each evaluation scores [default: 16384].
@@ -281,6 +315,7 @@ impl TrainArgs {
         };
         let text = std::fs::read_to_string(path)
             .map_err(|e| UsageError(format!("config file {}: {e}", path.display())))?;
+        let text = flatten_dataset_table(path, &text)?;
         check_config_keys(path, &text)?;
         let file: TrainArgs = toml::from_str(&text).map_err(|e| {
             UsageError(format!(
@@ -318,6 +353,12 @@ impl TrainArgs {
             dataset,
             data_dir,
             data_file,
+            label_file,
+            label,
+            target_columns,
+            input_shape,
+            layout,
+            normalize,
             seq_len,
             val_fraction,
             eval_tokens,
@@ -594,6 +635,70 @@ impl TrainArgs {
             .unwrap_or(if text { "gpt-cpu" } else { "mlp" })
     }
 
+    /// Your own dataset as the flags describe it (`None` for the bundled datasets and text).
+    pub fn data_source(&self) -> Result<Option<ringtmp_data::DataSource>> {
+        let format = self.dataset();
+        if !ringtmp_data::FORMATS.contains(&format.as_str()) {
+            for (set, flag) in [
+                (self.label_file.is_some(), "--label-file"),
+                (self.label.is_some(), "--label"),
+                (self.target_columns.is_some(), "--target-columns"),
+                (self.input_shape.is_some(), "--input-shape"),
+                (self.layout.is_some(), "--layout"),
+                (self.normalize.is_some(), "--normalize"),
+            ] {
+                if set {
+                    return Err(UsageError(format!(
+                        "{flag} describes your own data (--dataset {}), not {format}",
+                        ringtmp_data::FORMATS.join("|")
+                    ))
+                    .into());
+                }
+            }
+            return Ok(None);
+        }
+        let mut files = self.data_file.clone().unwrap_or_default();
+        if files.is_empty()
+            && let Some(dir) = &self.data_dir
+        {
+            files.push(dir.clone());
+        }
+        let mut source = ringtmp_data::DataSource::new(&format, files);
+        source.label_files = self.label_file.clone().unwrap_or_default();
+        source.label = self.label.clone();
+        source.target_columns = self.target_columns.clone().unwrap_or_default();
+        if let Some(shape) = &self.input_shape {
+            let dims: Vec<usize> = shape
+                .split(',')
+                .map(|d| d.trim().parse::<usize>())
+                .collect::<std::result::Result<_, _>>()
+                .ok()
+                .filter(|d: &Vec<usize>| d.len() == 3 && d.iter().all(|&x| x > 0))
+                .ok_or_else(|| {
+                    UsageError(format!(
+                        "--input-shape {shape:?}: expected H,W,C (three positive sizes; a table \
+                         of F columns is 1,1,F)"
+                    ))
+                })?;
+            source.input_shape = Some((dims[0], dims[1], dims[2]));
+        }
+        if let Some(layout) = &self.layout {
+            source.layout = Some(
+                layout
+                    .parse()
+                    .map_err(|e| UsageError(format!("--layout: {e}")))?,
+            );
+        }
+        if let Some(how) = &self.normalize {
+            source.normalize = how
+                .parse()
+                .map_err(|e| UsageError(format!("--normalize: {e}")))?;
+        }
+        source.validation = self.val_fraction.unwrap_or(0.1);
+        // The held-out rows do not follow --seed: runs of several seeds test on the same rows.
+        Ok(Some(source))
+    }
+
     /// How a text run reads its data.
     pub fn text_source(&self) -> ringtmp_strategy::TextSource {
         ringtmp_strategy::TextSource {
@@ -778,6 +883,7 @@ impl TrainArgs {
                 None => text.then_some(1.0),
             },
             text: text.then(|| self.text_source()),
+            source: self.data_source()?,
             recv_timeout_secs: self
                 .recv_timeout
                 .unwrap_or(ringtmp_strategy::DEFAULT_RECV_TIMEOUT_SECS),
@@ -789,6 +895,60 @@ impl TrainArgs {
         };
         config.validate().context("invalid training options")
     }
+}
+
+/// The data keys a config file's `[dataset]` table may hold (besides `format`).
+const DATASET_TABLE_KEYS: [&str; 12] = [
+    "data-file",
+    "data-dir",
+    "label-file",
+    "label",
+    "target-columns",
+    "input-shape",
+    "layout",
+    "normalize",
+    "val-fraction",
+    "seq-len",
+    "vocab-size",
+    "tokenizer",
+];
+
+/// A config file's `[dataset]` table (`format = "csv"`, `data-file = [...]`, …) as the flat
+/// keys the flags have (`dataset = "csv"`, …): the data described in one place, read as the
+/// flags are.
+fn flatten_dataset_table(path: &std::path::Path, text: &str) -> Result<String> {
+    let bad = |what: String| UsageError(format!("config file {}: {what}", path.display()));
+    let mut table: toml::Table =
+        toml::from_str(text).map_err(|e| bad(e.to_string().trim_end().to_string()))?;
+    let Some(toml::Value::Table(dataset)) = table.get("dataset").cloned() else {
+        return Ok(text.to_string());
+    };
+    table.remove("dataset");
+    for (key, value) in dataset {
+        let flat = if key == "format" {
+            "dataset".to_string()
+        } else if DATASET_TABLE_KEYS.contains(&key.as_str()) {
+            key.clone()
+        } else {
+            return Err(bad(format!(
+                "[dataset] has unknown key `{key}` (its keys are format, {})",
+                DATASET_TABLE_KEYS.join(", ")
+            ))
+            .into());
+        };
+        if table.contains_key(&flat) {
+            return Err(bad(format!("sets {flat} both in [dataset] and outside it")).into());
+        }
+        // A single file may be written as a string.
+        let value = match (flat.as_str(), value) {
+            ("data-file" | "label-file", toml::Value::String(s)) => {
+                toml::Value::Array(vec![toml::Value::String(s)])
+            }
+            (_, v) => v,
+        };
+        table.insert(flat, value);
+    }
+    Ok(toml::to_string(&table).map_err(|e| bad(e.to_string()))?)
 }
 
 /// Refuses a config file key that is no `ringtmp train` option (a typo would otherwise be

@@ -563,11 +563,11 @@ fn run_training(
         // Rank 0 under the local launcher, and every other rank, leave the announcement to
         // whoever planned the run.
         let announce = rank == 0 && args.job.job_file.is_none();
-        let data = crate::plan::load_dataset(&train_args, announce)?;
+        let data = crate::plan::load_described(&train_args, spec.source.as_ref(), announce)?;
         // The text this node read must be the text the run was planned on.
         let vocabulary = match &data.task {
             ringtmp_data::Task::NextToken { vocab, .. } => Some(vocab.to_line()),
-            ringtmp_data::Task::Classify => None,
+            ringtmp_data::Task::Classify | ringtmp_data::Task::Regress => None,
         };
         if vocabulary != spec.vocabulary || ringtmp_strategy::sequence_of(&data) != spec.sequence {
             return Err(UsageError(format!(

@@ -15,15 +15,29 @@ use crate::error::UsageError;
 /// Loads the dataset named by the options and reports its checksum verification: on the terminal
 /// when `announce`, else as an informational log line (a node whose launcher said it already).
 pub fn load_dataset(args: &TrainArgs, announce: bool) -> Result<Dataset> {
+    load_described(args, args.data_source()?.as_ref(), announce)
+}
+
+/// Loads the dataset of `args` (the bundled ones and text), or the user's own that `source`
+/// describes (as a job carries it to the nodes).
+pub fn load_described(
+    args: &TrainArgs,
+    source: Option<&ringtmp_data::DataSource>,
+    announce: bool,
+) -> Result<Dataset> {
     let name = args.dataset();
     let started = Instant::now();
     // The data crate's errors name the dataset and the files already.
-    let data = if name == "text" {
+    let data = if let Some(source) = source {
+        ringtmp_data::load_source(source)?
+    } else if name == "text" {
         ringtmp_data::load_text_dataset(&args.text_source().options())?
     } else {
         if args.data_file.is_some() {
             return Err(crate::error::UsageError(format!(
-                "--data-file is for --dataset text; {name} is read from --data-dir"
+                "--data-file names text files or your own data (--dataset {}); {name} is read \
+                 from --data-dir",
+                ringtmp_data::FORMATS.join("|")
             ))
             .into());
         }
@@ -48,20 +62,86 @@ pub fn load_dataset(args: &TrainArgs, announce: bool) -> Result<Dataset> {
             );
         }
     }
-    let line = format!(
-        "dataset {name}: {} train / {} test examples from {} ({verified} of {} files match the canonical SHA-256; {:.1}s)",
-        data.train.len(),
-        data.test.len(),
-        data.source.display(),
-        data.checks.len(),
-        started.elapsed().as_secs_f64()
-    );
+    let line = if source.is_some() {
+        format!(
+            "dataset {}: {} train / {} test examples from {}: {}; {:.1}s",
+            data.name,
+            data.train.len(),
+            data.test.len(),
+            data.source.display(),
+            describe_own(&data),
+            started.elapsed().as_secs_f64()
+        )
+    } else {
+        format!(
+            "dataset {name}: {} train / {} test examples from {} ({verified} of {} files match the canonical SHA-256; {:.1}s)",
+            data.train.len(),
+            data.test.len(),
+            data.source.display(),
+            data.checks.len(),
+            started.elapsed().as_secs_f64()
+        )
+    };
     if announce {
         eprintln!("{line}");
     } else {
         tracing::info!("{line}");
     }
     Ok(data)
+}
+
+/// What a user's own dataset was read as: its input, its task and its normalisation.
+fn describe_own(data: &Dataset) -> String {
+    let r = &data.recipe;
+    let (h, w, c) = data.input;
+    let input = if h * w == 1 {
+        format!("{c} input columns")
+    } else if matches!(r.format.as_str(), "npy" | "npz") {
+        format!("{h}×{w}×{c} inputs ({:?} in the files)", r.layout).to_lowercase()
+    } else {
+        format!("{h}×{w}×{c} images")
+    };
+    let task = match data.task {
+        ringtmp_data::Task::Regress => format!(
+            "regression on {}",
+            if r.targets.is_empty() {
+                format!("{} targets", data.classes)
+            } else {
+                r.targets.join(", ")
+            }
+        ),
+        _ if !r.class_names.is_empty() => format!(
+            "{} classes ({}{})",
+            data.classes,
+            r.class_names[..r.class_names.len().min(4)].join(", "),
+            if r.class_names.len() > 4 { ", …" } else { "" }
+        ),
+        _ => format!("{} classes", data.classes),
+    };
+    let label = r
+        .label
+        .as_ref()
+        .map(|l| format!(" from column {l:?}"))
+        .unwrap_or_default();
+    let n = &r.normalisation;
+    let norm = if n.mean.iter().all(|&m| m == 0.0) && n.std.iter().all(|&s| s == 1.0) {
+        "not normalised".to_string()
+    } else if n.channels() > 4 {
+        format!("normalised per column ({} means and deviations)", n.channels())
+    } else {
+        let list = |v: &[f32]| {
+            v.iter()
+                .map(|x| format!("{x:.4}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        format!(
+            "normalised with mean [{}] and std [{}]",
+            list(&n.mean),
+            list(&n.std)
+        )
+    };
+    format!("{input}, {task}{label}, {norm}")
 }
 
 /// Plans the job of `args`'s strategy for `nodes` nodes from the resolved configuration: the one

@@ -12,8 +12,12 @@
 
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
+
 use crate::error::{Error, Result};
 use crate::idx::{IdxArray, read_idx};
+use crate::recipe::InputRecipe;
+use crate::rows::{Dtype, Labels, Normalisation, RowData, Rows};
 use crate::text::{TextCorpus, Tokens, Vocabulary};
 
 /// Where Debian's `dataset-fashion-mnist` package installs its files.
@@ -49,15 +53,8 @@ pub struct Split {
 
 #[derive(Clone, Debug)]
 enum Examples {
-    /// Image bytes with one label each; `x = (byte · scale − mean) / std`.
-    Images {
-        pixels: Vec<u8>,
-        labels: Vec<u8>,
-        features: usize,
-        scale: f32,
-        mean: f32,
-        std: f32,
-    },
+    /// Fixed-size rows (images, table rows, arrays) with their labels.
+    Rows(Rows),
     /// Windows of `seq_len` tokens with the next token of each position as its label. Example
     /// `i` starts at `starts[i]` when the windows are fixed (validation), else at token `i` (every
     /// window of the split is an example, so an epoch's permutation samples windows without
@@ -70,6 +67,21 @@ enum Examples {
 }
 
 impl Split {
+    /// A split of fixed-size rows.
+    pub fn rows(rows: Rows) -> Self {
+        Self {
+            examples: Examples::Rows(rows),
+        }
+    }
+
+    /// The rows of a split of fixed-size examples (`None` for text windows).
+    pub fn as_rows(&self) -> Option<&Rows> {
+        match &self.examples {
+            Examples::Rows(rows) => Some(rows),
+            Examples::Windows { .. } => None,
+        }
+    }
+
     /// Every window of `seq_len` tokens of `tokens` (training).
     pub fn every_window(tokens: std::sync::Arc<Tokens>, seq_len: usize) -> Self {
         Self {
@@ -103,7 +115,7 @@ impl Split {
     /// Number of examples (images, or windows).
     pub fn len(&self) -> usize {
         match &self.examples {
-            Examples::Images { labels, .. } => labels.len(),
+            Examples::Rows(rows) => rows.len(),
             Examples::Windows {
                 starts: Some(starts),
                 ..
@@ -124,7 +136,7 @@ impl Split {
     /// Input values per example (pixels, or token ids).
     pub fn features(&self) -> usize {
         match &self.examples {
-            Examples::Images { features, .. } => *features,
+            Examples::Rows(rows) => rows.features(),
             Examples::Windows { seq_len, .. } => *seq_len,
         }
     }
@@ -132,7 +144,7 @@ impl Split {
     /// Labels per example: 1 for an image, `seq_len` for a window (each position's next token).
     pub fn positions(&self) -> usize {
         match &self.examples {
-            Examples::Images { .. } => 1,
+            Examples::Rows(rows) => rows.positions(),
             Examples::Windows { seq_len, .. } => *seq_len,
         }
     }
@@ -144,25 +156,7 @@ impl Split {
     /// If an index is out of range (indices come from this crate's samplers).
     pub fn gather(&self, indices: &[u32], x: &mut Vec<f32>, y: &mut Vec<u32>) {
         match &self.examples {
-            Examples::Images {
-                pixels,
-                labels,
-                features,
-                scale,
-                mean,
-                std,
-            } => {
-                x.clear();
-                y.clear();
-                let a = scale / std;
-                let b = -mean / std;
-                for &i in indices {
-                    let i = i as usize;
-                    let row = &pixels[i * features..(i + 1) * features];
-                    x.extend(row.iter().map(|&p| f32::from(p) * a + b));
-                    y.push(u32::from(labels[i]));
-                }
-            }
+            Examples::Rows(rows) => rows.gather(indices, x, y),
             Examples::Windows {
                 tokens,
                 starts: None,
@@ -191,6 +185,9 @@ impl Split {
 pub enum Task {
     /// One class per example: the model ends in `classes` logits.
     Classify,
+    /// Real targets per example (regression, mean squared error): the model ends in `classes`
+    /// outputs, one per target.
+    Regress,
     /// The next token at each of `seq_len` positions: the model reads `seq_len` token ids and ends
     /// in `[seq_len, vocabulary]` logits.
     NextToken {
@@ -218,8 +215,11 @@ pub struct Dataset {
     pub source: PathBuf,
     /// Checksum results, one per file.
     pub checks: Vec<FileCheck>,
-    /// Classification, or next-token prediction over text.
+    /// Classification, regression, or next-token prediction over text.
     pub task: Task,
+    /// How a raw example becomes the model's input (stored with checkpoints, so `predict` reads
+    /// new data as training read it).
+    pub recipe: InputRecipe,
 }
 
 impl Dataset {
@@ -257,6 +257,7 @@ impl Dataset {
                 seq_len,
                 vocab: corpus.vocab,
             },
+            recipe: InputRecipe::tokens(name),
         })
     }
 
@@ -264,6 +265,7 @@ impl Dataset {
     pub fn positions(&self) -> usize {
         match &self.task {
             Task::Classify => 1,
+            Task::Regress => self.classes,
             Task::NextToken { seq_len, .. } => *seq_len,
         }
     }
@@ -656,35 +658,30 @@ fn assemble(
     checks: Vec<FileCheck>,
 ) -> Dataset {
     let features = input.0 * input.1 * input.2;
-    // Normalisation constants from the training pixels (in [0, 1] units).
-    let n = train.0.len().max(1) as f64;
-    let mean = train.0.iter().map(|&p| f64::from(p)).sum::<f64>() / n * f64::from(scale);
-    let var = train
-        .0
-        .iter()
-        .map(|&p| (f64::from(p) * f64::from(scale) - mean).powi(2))
-        .sum::<f64>()
-        / n;
-    let (mean, std) = (mean as f32, (var.sqrt() as f32).max(1e-6));
-    let split = |(pixels, labels): (Vec<u8>, Vec<u8>)| Split {
-        examples: Examples::Images {
-            pixels,
-            labels,
-            features,
-            scale,
-            mean,
-            std,
-        },
+    let rows = |(pixels, labels): (Vec<u8>, Vec<u8>)| {
+        let labels = Labels::Classes(labels.into_iter().map(u32::from).collect());
+        Arc::new(RowData::owned(pixels, Dtype::U8, features, labels))
+    };
+    let (train, test) = (rows(train), rows(test));
+    // One channel: the training pixels' mean and deviation (in [0, 1] units).
+    let identity = Normalisation::identity(scale, 1);
+    let norm = Normalisation::measure(&Rows::new(train.clone(), None, identity), scale, 1);
+    let recipe = InputRecipe {
+        format: "idx".into(),
+        shape: input,
+        normalisation: norm.clone(),
+        ..InputRecipe::tokens(name)
     };
     Dataset {
         name: name.to_string(),
         input,
         classes,
-        train: split(train),
-        test: split(test),
+        train: Split::rows(Rows::new(train, None, norm.clone())),
+        test: Split::rows(Rows::new(test, None, norm)),
         source,
         checks,
         task: Task::Classify,
+        recipe,
     }
 }
 
@@ -707,9 +704,8 @@ mod tests {
             d.checks
         );
         // The familiar MNIST constants.
-        let Examples::Images { mean, std, .. } = d.train.examples else {
-            panic!("images")
-        };
+        let norm = d.train.as_rows().unwrap().normalisation();
+        let (mean, std) = (norm.mean[0], norm.std[0]);
         assert!((mean - 0.1307).abs() < 1e-4 && (std - 0.3081).abs() < 1e-4);
         let mut hist = [0usize; 10];
         let (mut x, mut y) = (Vec::new(), Vec::new());

@@ -39,8 +39,31 @@ pub enum Error {
         /// Where to get the files (empty, or starting with `; `).
         hint: String,
     },
+    /// A table's cell (or row) is not what the dataset description asks for.
+    #[error("{path}: row {row}{column}: {reason}")]
+    Table {
+        /// The file.
+        path: PathBuf,
+        /// 1-based row of data (the header is row 0).
+        row: u64,
+        /// `, column "name"`, or empty when the whole row is wrong.
+        column: String,
+        /// What was wrong.
+        reason: String,
+    },
+    /// A dataset description that cannot be read as given (missing files, conflicting options).
+    #[error("dataset {dataset}: {reason}")]
+    Description {
+        /// The format or dataset named.
+        dataset: String,
+        /// What is wrong with the description.
+        reason: String,
+    },
     /// The dataset name is not one ringtmp knows.
-    #[error("unknown dataset {0:?}; known datasets are mnist, fashion-mnist, digits")]
+    #[error(
+        "unknown dataset {0:?}; known datasets are mnist, fashion-mnist, digits, text, and the \
+         formats npy, npz, csv, images, cifar10, cifar100"
+    )]
     UnknownDataset(String),
     /// A batching or sharding request that cannot be satisfied.
     #[error("{0}")]

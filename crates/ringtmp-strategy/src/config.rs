@@ -102,6 +102,10 @@ pub struct TrainConfig {
     /// datasets), so every node that reads the data reads the same windows.
     #[serde(default)]
     pub text: Option<TextSource>,
+    /// A user's own dataset (`npy`, `csv`, `images`, …) as every node that reads data reads it;
+    /// `None` for the bundled datasets and text.
+    #[serde(default)]
+    pub source: Option<ringtmp_data::DataSource>,
 }
 
 /// A text dataset as the run reads it.

@@ -37,7 +37,7 @@ pub fn model_shapes(
 pub fn sequence_of(data: &Dataset) -> Option<usize> {
     match data.task {
         Task::NextToken { seq_len, .. } => Some(seq_len),
-        Task::Classify => None,
+        Task::Classify | Task::Regress => None,
     }
 }
 
@@ -46,7 +46,7 @@ pub fn sequence_of(data: &Dataset) -> Option<usize> {
 pub fn vocabulary_of(data: &Dataset) -> Option<String> {
     match &data.task {
         Task::NextToken { vocab, .. } => Some(vocab.to_line()),
-        Task::Classify => None,
+        Task::Classify | Task::Regress => None,
     }
 }
 

@@ -264,6 +264,7 @@ fn a_gpt_trains_with_each_worker_clipping_its_gradient() {
         model: ringtmp_testkit::fixtures::gpt(data.classes, 16),
         dataset: "text".into(),
         text: Some(text),
+        source: None,
         clip_grad_norm: Some(1.0),
         ..config(16, 40, 0.2, &tmp.path().join("adpsgd"))
     };

@@ -20,6 +20,7 @@ fn a_split_generation_draws_the_tokens_of_one_process() {
     let cfg = TrainConfig {
         dataset: "text".into(),
         text: Some(text),
+        source: None,
         checkpoint_every: 20,
         ..train_config(gpt(data.classes, 16), 8, 20, &out)
     };

@@ -82,6 +82,7 @@ fn setup(dir: &Path, out: &Path) -> (TrainConfig, Dataset) {
         clip_grad_norm: Some(CLIP),
         dataset: "text".into(),
         text: Some(text),
+        source: None,
         seed: 5,
         ..ringtmp_testkit::fixtures::train_config(
             ringtmp_testkit::fixtures::gpt(data.classes, 32),

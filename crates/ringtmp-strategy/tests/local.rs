@@ -67,6 +67,7 @@ fn config(out: &Path, optimizer: OptimizerConfig) -> TrainConfig {
         stall_timeout_secs: None,
         clip_grad_norm: None,
         text: None,
+        source: None,
         default_lr: false,
         default_schedule: false,
         default_momentum: false,

@@ -59,6 +59,7 @@ fn config(steps: u64, out: &Path) -> TrainConfig {
         stall_timeout_secs: None,
         clip_grad_norm: None,
         text: None,
+        source: None,
         default_lr: false,
         default_schedule: false,
         default_momentum: false,
@@ -207,6 +208,7 @@ fn gpt_config(data: &Dataset, text: ringtmp_strategy::TextSource, out: &Path) ->
         model: ringtmp_testkit::fixtures::gpt(data.classes, 16),
         dataset: "text".into(),
         text: Some(text),
+        source: None,
         lr: 0.5,
         clip_grad_norm: Some(0.05),
         ..config(10, out)

@@ -176,6 +176,7 @@ pub fn train_config(
         stall_timeout_secs: None,
         clip_grad_norm: None,
         text: None,
+        source: None,
     }
 }
 

@@ -3,6 +3,7 @@
 //!
 //! # Layout
 //! - [`fixtures`]: the bundled digits, small models as TOML, parameter comparisons.
+//! - [`formats`]: a dataset written out as NumPy arrays, CSV tables, PNG folders.
 //! - [`jobs`]: ring and parameter-server jobs derived from the oracle's own configuration.
 //! - [`oracle`]: the `local` strategy's final parameters, the reference every distributed
 //!   strategy is checked against.
@@ -12,6 +13,7 @@
 //! - [`process`]: running the `ringtmp` binary with a deadline and reading what it printed.
 
 pub mod fixtures;
+pub mod formats;
 pub mod jobs;
 pub mod nodes;
 pub mod oracle;

@@ -250,7 +250,7 @@ pub fn process_overhead(master: bool, data: &Dataset, layers: &[ringtmp_model::L
             ringtmp_data::Task::NextToken { seq_len, .. } => {
                 (data.train.len() + seq_len + data.test.len() * seq_len) as u64 * 4
             }
-            ringtmp_data::Task::Classify => {
+            ringtmp_data::Task::Classify | ringtmp_data::Task::Regress => {
                 (data.train.len() + data.test.len()) as u64 * (h * w * c + 1) as u64
             }
         }

@@ -1,0 +1,304 @@
+//! NumPy inputs: `--data-file X.npy --label-file Y.npy` (then an optional test pair), or one
+//! `.npz` holding `x_train`, `y_train`, `x_test`, `y_test` (Keras's layout) or `x`, `y`.
+//!
+//! `.npy` inputs of uint8, float16 or float32 are memory-mapped: a batch reads its rows from the
+//! page cache, so an array larger than memory streams. float64 inputs (NumPy's default) are
+//! converted to float32 in memory. Integer labels classify; float labels are regression targets.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::npy::{self, Header, Kind};
+use crate::recipe::Layout;
+use crate::rows::{Dtype, Labels, RowData};
+use crate::source::{DataSource, Loaded, class_indices, dir_of};
+
+/// An array's bytes: mapped from an `.npy` file, or an `.npz` member read into memory.
+enum Bytes {
+    Mapped(memmap2::Mmap),
+    Owned(Vec<u8>),
+}
+
+impl Bytes {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            Bytes::Mapped(m) => m,
+            Bytes::Owned(v) => v,
+        }
+    }
+}
+
+struct Array {
+    path: PathBuf,
+    header: Header,
+    bytes: Bytes,
+}
+
+fn open(path: &Path) -> Result<Array> {
+    let (header, map) = npy::map(path)?;
+    Ok(Array {
+        path: path.to_path_buf(),
+        header,
+        bytes: Bytes::Mapped(map),
+    })
+}
+
+fn member(path: &Path, name: &str, bytes: Vec<u8>) -> Result<Array> {
+    let member = npy::member_path(path, name);
+    let header = npy::parse_header(&member, &bytes)?;
+    Ok(Array {
+        path: member,
+        header,
+        bytes: Bytes::Owned(bytes),
+    })
+}
+
+pub(crate) fn load(source: &DataSource) -> Result<Loaded> {
+    let pairs: Vec<(Array, Array)> = if source.format == "npz" {
+        if source.files.len() != 1 {
+            return Err(source.error("one .npz file holds both splits"));
+        }
+        npz_pairs(source, &source.files[0])?
+    } else {
+        if source.label_files.len() != source.files.len() {
+            return Err(source.error(format!(
+                "{} input arrays but {} label arrays: name one --label-file per --data-file",
+                source.files.len(),
+                source.label_files.len()
+            )));
+        }
+        source
+            .files
+            .iter()
+            .zip(&source.label_files)
+            .map(|(x, y)| Ok((open(x)?, open(y)?)))
+            .collect::<Result<_>>()?
+    };
+    let (shape, layout, channels) = input_shape(source, &pairs[0].0)?;
+    let mut splits = Vec::new();
+    for (x, y) in pairs {
+        splits.push(Arc::new(rows(source, x, y, shape, layout)?));
+    }
+    let scale = if splits[0].dtype == Dtype::U8 {
+        1.0 / 255.0
+    } else {
+        1.0
+    };
+    let targets = match &splits[0].labels {
+        Labels::Targets { width, .. } => (0..*width).map(|i| format!("target{i}")).collect(),
+        Labels::Classes(_) => Vec::new(),
+    };
+    let mut splits = splits.into_iter();
+    Ok(Loaded {
+        train: splits.next().expect("a training split"),
+        test: splits.next(),
+        shape,
+        layout,
+        scale,
+        channels,
+        columns: Vec::new(),
+        label: None,
+        targets,
+        class_names: Vec::new(),
+        dir: dir_of(&source.files[0]),
+    })
+}
+
+fn npz_pairs(source: &DataSource, path: &Path) -> Result<Vec<(Array, Array)>> {
+    let mut members = npy::read_npz(path)?;
+    let names: Vec<String> = members.iter().map(|(n, _)| n.clone()).collect();
+    let mut take = |name: &str| -> Option<Vec<u8>> {
+        let at = members.iter().position(|(n, _)| n == name)?;
+        Some(members.swap_remove(at).1)
+    };
+    if let (Some(xt), Some(yt)) = (take("x_train"), take("y_train")) {
+        let mut pairs = vec![(member(path, "x_train", xt)?, member(path, "y_train", yt)?)];
+        if let (Some(xv), Some(yv)) = (take("x_test"), take("y_test")) {
+            pairs.push((member(path, "x_test", xv)?, member(path, "y_test", yv)?));
+        }
+        return Ok(pairs);
+    }
+    if let (Some(x), Some(y)) = (take("x"), take("y")) {
+        return Ok(vec![(member(path, "x", x)?, member(path, "y", y)?)]);
+    }
+    Err(source.error(format!(
+        "{}: holds {names:?}; ringtmp reads x_train, y_train (and x_test, y_test), or x and y",
+        path.display()
+    )))
+}
+
+/// The model's input shape, the stored layout and the normalisation channels, from the first
+/// input array and the description.
+fn input_shape(source: &DataSource, x: &Array) -> Result<((usize, usize, usize), Layout, usize)> {
+    let dims = &x.header.shape;
+    let bad = |reason: String| Error::Format {
+        path: x.path.clone(),
+        offset: 0,
+        reason,
+    };
+    if dims.len() < 2 {
+        return Err(bad(format!(
+            "shape {dims:?}: inputs are [rows, features…] (reshape a vector with a[:, None])"
+        )));
+    }
+    let per_row: usize = dims[1..].iter().product();
+    let float = x.header.kind.is_float();
+    let (shape, layout) = match (dims.len(), source.input_shape) {
+        (_, Some(declared)) => {
+            let (h, w, c) = declared;
+            if h * w * c != per_row {
+                return Err(bad(format!(
+                    "shape {dims:?} holds {per_row} values per row; the declared input \
+                     {h}×{w}×{c} needs {}",
+                    h * w * c
+                )));
+            }
+            let layout = source.layout.unwrap_or(if dims.len() == 4 && dims[1] == c {
+                Layout::Nchw
+            } else {
+                Layout::Nhwc
+            });
+            (declared, layout)
+        }
+        (2, None) => ((1, 1, dims[1]), Layout::Nhwc),
+        (3, None) => ((dims[1], dims[2], 1), Layout::Nhwc),
+        (4, None) => {
+            let channel_like = |d: usize| matches!(d, 1 | 3 | 4);
+            let layout = match source.layout {
+                Some(l) => l,
+                None if channel_like(dims[3]) => Layout::Nhwc,
+                None if channel_like(dims[1]) => Layout::Nchw,
+                None => {
+                    return Err(bad(format!(
+                        "shape {dims:?}: which axis holds the channels? say --layout nchw or nhwc"
+                    )));
+                }
+            };
+            match layout {
+                Layout::Nhwc => ((dims[1], dims[2], dims[3]), layout),
+                Layout::Nchw => ((dims[2], dims[3], dims[1]), layout),
+            }
+        }
+        (_, None) => {
+            return Err(bad(format!(
+                "shape {dims:?}: ringtmp reads [rows, features], [rows, H, W] or 4-D images"
+            )));
+        }
+    };
+    // A float table standardises each column; an image (or bytes) each channel.
+    let channels = if shape.0 * shape.1 == 1 && !float {
+        1
+    } else {
+        shape.2
+    };
+    Ok((shape, layout, channels))
+}
+
+/// The rows of input array `x` labelled by `y`.
+fn rows(
+    source: &DataSource,
+    x: Array,
+    y: Array,
+    shape: (usize, usize, usize),
+    layout: Layout,
+) -> Result<RowData> {
+    let n = x.header.shape[0];
+    let features = shape.0 * shape.1 * shape.2;
+    if x.header.shape[1..].iter().product::<usize>() != features {
+        return Err(Error::Format {
+            path: x.path.clone(),
+            offset: 0,
+            reason: format!(
+                "shape {:?}: the first input array has {features} values per row",
+                x.header.shape
+            ),
+        });
+    }
+    let labels = labels(source, &y, n)?;
+    let order = (layout == Layout::Nchw).then(|| {
+        let (h, w, c) = shape;
+        let mut order = Vec::with_capacity(features);
+        for i in 0..h * w {
+            for ch in 0..c {
+                order.push((ch * h * w + i) as u32);
+            }
+        }
+        order
+    });
+    let data_range = x.header.data_offset..x.header.data_offset + x.header.data_bytes();
+    let dtype = match x.header.kind {
+        Kind::U8 => Dtype::U8,
+        Kind::F16 => Dtype::F16,
+        Kind::F32 => Dtype::F32,
+        Kind::F64 => {
+            // Converted once, in the model's order.
+            let values = npy::values_f64(&x.header, x.bytes.as_slice());
+            let mut bytes = Vec::with_capacity(values.len() * 4);
+            for row in values.chunks_exact(features.max(1)) {
+                match &order {
+                    None => row
+                        .iter()
+                        .for_each(|&v| bytes.extend((v as f32).to_le_bytes())),
+                    Some(order) => order
+                        .iter()
+                        .for_each(|&k| bytes.extend((row[k as usize] as f32).to_le_bytes())),
+                }
+            }
+            return Ok(RowData::owned(bytes, Dtype::F32, features, labels));
+        }
+        Kind::Int { .. } => {
+            return Err(Error::Format {
+                path: x.path.clone(),
+                offset: 0,
+                reason: format!(
+                    "dtype {}: inputs are uint8, float16, float32 or float64 (a.astype('<f4'))",
+                    x.header.descr
+                ),
+            });
+        }
+    };
+    Ok(match x.bytes {
+        Bytes::Mapped(map) => RowData::mapped(map, data_range, dtype, features, order, labels),
+        Bytes::Owned(bytes) => {
+            let mut data = RowData::owned(bytes[data_range].to_vec(), dtype, features, labels);
+            data.order = order;
+            data
+        }
+    })
+}
+
+fn labels(source: &DataSource, y: &Array, rows: usize) -> Result<Labels> {
+    let dims = &y.header.shape;
+    if dims.first() != Some(&rows) {
+        return Err(Error::Format {
+            path: y.path.clone(),
+            offset: 0,
+            reason: format!("shape {dims:?}: labels for {rows} input rows"),
+        });
+    }
+    let width: usize = dims[1..].iter().product();
+    let values = npy::values_f64(&y.header, y.bytes.as_slice());
+    if y.header.kind.is_float() {
+        if let Some(row) = values.iter().position(|v| !v.is_finite()) {
+            return Err(Error::Table {
+                path: y.path.clone(),
+                row: (row / width.max(1)) as u64 + 1,
+                column: String::new(),
+                reason: "target is not a finite number".into(),
+            });
+        }
+        return Ok(Labels::Targets {
+            values: values.iter().map(|&v| v as f32).collect(),
+            width,
+        });
+    }
+    if width != 1 {
+        return Err(source.error(format!(
+            "{}: integer labels of shape {dims:?}: one class per row (float arrays are regression \
+             targets)",
+            y.path.display()
+        )));
+    }
+    Ok(Labels::Classes(class_indices(&y.path, &values)?))
+}

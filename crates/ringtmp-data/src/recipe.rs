@@ -1,0 +1,81 @@
+//! What turns a user's raw example into the model's input: the columns read, the layout, the
+//! per-channel normalisation and the names of the classes. A run stores it with its checkpoints,
+//! so `predict` and `export` read new data exactly as training read it.
+
+use serde::{Deserialize, Serialize};
+
+use crate::rows::Normalisation;
+
+/// How the values of a stored image are ordered.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Layout {
+    /// Channels last (`[N, H, W, C]`: NumPy images, Keras, the model's own order).
+    #[default]
+    Nhwc,
+    /// Channels first (`[N, C, H, W]`: PyTorch tensors, CIFAR's binaries).
+    Nchw,
+}
+
+impl std::str::FromStr for Layout {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "nhwc" => Ok(Layout::Nhwc),
+            "nchw" => Ok(Layout::Nchw),
+            other => Err(format!("layout {other:?}: expected nhwc or nchw")),
+        }
+    }
+}
+
+/// A dataset's input recipe (see the module header).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct InputRecipe {
+    /// Dataset name.
+    pub dataset: String,
+    /// Format its files were read in (`idx`, `csv`, `npy`, `npz`, `images`, `cifar10`,
+    /// `cifar100`, `text`).
+    pub format: String,
+    /// The model's per-example input `(height, width, channels)`.
+    pub shape: (usize, usize, usize),
+    /// How the stored files order an image's values.
+    #[serde(default)]
+    pub layout: Layout,
+    /// Normalisation of the stored values.
+    pub normalisation: Normalisation,
+    /// A table's input columns, in the model's order (empty for arrays and images).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub columns: Vec<String>,
+    /// A table's label column (classification).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
+    /// Regression targets' names (a table's columns, else `target0`, …).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub targets: Vec<String>,
+    /// Class `i`'s name (empty: classes are their indices).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub class_names: Vec<String>,
+}
+
+impl InputRecipe {
+    /// A recipe that passes values through (token ids, and the base of the others).
+    pub fn tokens(dataset: &str) -> Self {
+        Self {
+            dataset: dataset.to_string(),
+            format: "text".into(),
+            shape: (1, 1, 1),
+            layout: Layout::Nhwc,
+            normalisation: Normalisation::identity(1.0, 1),
+            columns: Vec::new(),
+            label: None,
+            targets: Vec::new(),
+            class_names: Vec::new(),
+        }
+    }
+
+    /// Values per example.
+    pub fn features(&self) -> usize {
+        self.shape.0 * self.shape.1 * self.shape.2
+    }
+}
