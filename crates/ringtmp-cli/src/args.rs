@@ -82,8 +82,9 @@ pub struct TrainArgs {
     /// Pin each local node process to its own core (when there are enough cores).
     #[arg(help_heading = "Cluster (emulated)", long, num_args = 0..=1, default_missing_value = "true")]
     pub pin: Option<bool>,
-    /// Model preset: mlp, mlp-deep, cnn, or the language models gpt-nano, gpt-cpu and gpt-small
-    /// (with --dataset text) [default: mlp, or gpt-cpu on text].
+    /// Model preset: mlp, mlp-deep, cnn, tabular (an MLP sized from a table's columns), or the
+    /// language models gpt-nano, gpt-cpu and gpt-small (with --dataset text) [default: mlp;
+    /// gpt-cpu on text; tabular on csv].
     #[arg(help_heading = "Model", long, conflicts_with = "model_file")]
     pub model: Option<String>,
     /// Model description file (TOML; see examples/).
@@ -625,14 +626,20 @@ impl TrainArgs {
     /// Applies defaults and validates for `data`: a language model's (on text) are nanoGPT's.
     pub fn resolve_for(&self, data: &ringtmp_data::Dataset) -> Result<TrainConfig> {
         let text = matches!(data.task, ringtmp_data::Task::NextToken { .. });
-        self.resolve_with(data.classes, text)
+        let (h, w, c) = data.input;
+        self.resolve_with(data.classes, text, h * w * c)
     }
 
-    /// The GPT preset a text run trains when none is named.
+    /// The preset a run trains when none is named: a GPT on text, `tabular` on a CSV table,
+    /// else `mlp`.
     pub fn model_name(&self, text: bool) -> &str {
-        self.model
-            .as_deref()
-            .unwrap_or(if text { "gpt-cpu" } else { "mlp" })
+        self.model.as_deref().unwrap_or(if text {
+            "gpt-cpu"
+        } else if self.dataset.as_deref() == Some("csv") {
+            "tabular"
+        } else {
+            "mlp"
+        })
     }
 
     /// Your own dataset as the flags describe it (`None` for the bundled datasets and text).
@@ -727,7 +734,7 @@ impl TrainArgs {
     /// vocabulary when `text`). On text the defaults are nanoGPT's recipe for the model: AdamW
     /// (β₂ 0.99, decay 0.1), rate 1e-3 (gpt-cpu 4e-3, measured) with 100 warm-up steps and a
     /// cosine to a tenth, clipping at norm 1, and the preset's batch and steps.
-    fn resolve_with(&self, classes: usize, text: bool) -> Result<TrainConfig> {
+    fn resolve_with(&self, classes: usize, text: bool, features: usize) -> Result<TrainConfig> {
         let model = match (&self.model_file, &self.model) {
             (Some(path), _) => ModelSpec::from_file(path).map_err(|e| match e {
                 // The file itself is missing or unreadable: the user's mistake, said once.
@@ -737,7 +744,7 @@ impl TrainArgs {
                 ))),
                 other => other.into(),
             })?,
-            (None, _) => ModelSpec::preset(self.model_name(text), classes)?,
+            (None, _) => ModelSpec::preset_for(self.model_name(text), classes, features)?,
         };
         let mut model = model;
         if let Some(tie) = self.tie_embeddings {
@@ -1014,7 +1021,7 @@ mod tests {
             strategy: Some("local".into()),
             ..Default::default()
         };
-        let config = args.resolve_with(10, false).unwrap();
+        let config = args.resolve_with(10, false, 784).unwrap();
         let name = config
             .out
             .file_name()

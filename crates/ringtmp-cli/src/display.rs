@@ -115,8 +115,16 @@ impl Display {
                 epoch,
                 accuracy,
                 loss,
+                rmse,
+                mae,
             } => {
-                let line = if self.positions.is_some() {
+                let line = if let (Some(rmse), Some(mae)) = (rmse, mae) {
+                    self.accuracy = Some(accuracy);
+                    format!(
+                        "eval step {step} epoch {epoch}: test R² {accuracy:.4}, RMSE {rmse:.4}, \
+                         MAE {mae:.4}"
+                    )
+                } else if self.positions.is_some() {
                     self.accuracy = Some(loss);
                     let (perplexity, bits) = ringtmp_metrics::LanguageSummary::meaning(loss);
                     format!(
@@ -190,6 +198,33 @@ pub fn print_summary(s: &Summary, out: &std::path::Path) {
                 100.0 * lm.model_gflops / reference,
                 s.threads
             );
+        }
+        print_rest(s, out);
+        return;
+    }
+    if let Some(r) = &s.regression {
+        let targets = if r.targets.is_empty() {
+            String::new()
+        } else {
+            format!(" of {}", r.targets.join(", "))
+        };
+        println!(
+            "final test RMSE{targets} {:.4} (best {:.4}), MAE {:.4}, R² {:.4} after {} steps; \
+             {:.0} samples/s; {:.1}s wall",
+            r.final_test_rmse,
+            r.best_test_rmse,
+            r.final_test_mae,
+            r.final_test_r2,
+            s.steps,
+            s.samples_per_second,
+            s.wall_seconds
+        );
+        match s.time_to_target_seconds {
+            Some(t) => println!(
+                "reached R² {:.3} after {t:.1}s of training",
+                s.target_accuracy
+            ),
+            None => println!("did not reach R² {:.3}", s.target_accuracy),
         }
         print_rest(s, out);
         return;

@@ -127,7 +127,10 @@ fn describe_own(data: &Dataset) -> String {
     let norm = if n.mean.iter().all(|&m| m == 0.0) && n.std.iter().all(|&s| s == 1.0) {
         "not normalised".to_string()
     } else if n.channels() > 4 {
-        format!("normalised per column ({} means and deviations)", n.channels())
+        format!(
+            "normalised per column ({} means and deviations)",
+            n.channels()
+        )
     } else {
         let list = |v: &[f32]| {
             v.iter()

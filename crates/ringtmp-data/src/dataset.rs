@@ -149,6 +149,23 @@ impl Split {
         }
     }
 
+    /// Regression: the variance of the split's targets (see [`Rows::target_variance`]).
+    pub fn target_variance(&self) -> Option<f64> {
+        self.as_rows().and_then(Rows::target_variance)
+    }
+
+    /// Regression: what one unit of a trained output is in the target's own units — its
+    /// standard deviation when one standardised target is trained, else 1 (several targets are
+    /// scored in standard deviations); `None` for class labels.
+    pub fn target_units(&self) -> Option<f64> {
+        let rows = self.as_rows()?;
+        rows.target_variance()?;
+        Some(match rows.target_standardisation() {
+            Some([(_, std)]) => f64::from(*std),
+            _ => 1.0,
+        })
+    }
+
     /// Writes the inputs `[indices.len(), features]` into `x` (normalised pixels, or token ids as
     /// `f32`) and the labels `[indices.len(), positions]` into `y`, reusing their allocations.
     ///

@@ -53,6 +53,10 @@ pub struct InputRecipe {
     /// Regression targets' names (a table's columns, else `target0`, …).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub targets: Vec<String>,
+    /// Regression: each target's `(mean, std)` over the training split; the model is trained on
+    /// `(t − mean) / std`, so an output `o` predicts `o · std + mean` (empty: not standardised).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub target_standardisation: Vec<(f32, f32)>,
     /// Class `i`'s name (empty: classes are their indices).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub class_names: Vec<String>,
@@ -70,6 +74,7 @@ impl InputRecipe {
             columns: Vec::new(),
             label: None,
             targets: Vec::new(),
+            target_standardisation: Vec::new(),
             class_names: Vec::new(),
         }
     }

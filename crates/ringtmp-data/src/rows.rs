@@ -267,6 +267,8 @@ pub struct Rows {
     pub(crate) index: Option<Arc<Vec<u32>>>,
     affine: Arc<Vec<(f32, f32)>>,
     norm: Normalisation,
+    /// Regression: each target's `(mean, std)`; a gathered target is `(t − mean) / std`.
+    targets: Option<Arc<Vec<(f32, f32)>>>,
 }
 
 impl Rows {
@@ -282,7 +284,41 @@ impl Rows {
             index: index.map(Arc::new),
             affine: Arc::new(norm.affine()),
             norm,
+            targets: None,
         }
+    }
+
+    /// The same rows with regression targets standardised by `(mean, std)` per target.
+    pub fn with_target_standardisation(mut self, stats: Vec<(f32, f32)>) -> Self {
+        debug_assert_eq!(stats.len(), self.positions());
+        self.targets = Some(Arc::new(stats));
+        self
+    }
+
+    /// Regression: each target's mean and standard deviation over these rows (a constant
+    /// target keeps a deviation of 1); `None` for class labels.
+    pub fn measure_targets(&self) -> Option<Vec<(f32, f32)>> {
+        let Labels::Targets { values, width } = &self.data.labels else {
+            return None;
+        };
+        let n = self.len().max(1) as f64;
+        Some(
+            (0..*width)
+                .map(|j| {
+                    let column =
+                        (0..self.len()).map(|i| f64::from(values[self.storage_row(i) * width + j]));
+                    let (s, q) = column.fold((0.0, 0.0), |(s, q), t| (s + t, q + t * t));
+                    let mean = s / n;
+                    let std = (q / n - mean * mean).max(0.0).sqrt();
+                    (mean as f32, if std < 1e-12 { 1.0 } else { std as f32 })
+                })
+                .collect(),
+        )
+    }
+
+    /// Regression: the standardisation applied to the targets.
+    pub fn target_standardisation(&self) -> Option<&[(f32, f32)]> {
+        self.targets.as_deref().map(Vec::as_slice)
     }
 
     /// The same rows normalised by `norm` instead.
@@ -327,6 +363,39 @@ impl Rows {
         &self.data.labels
     }
 
+    /// Target `j`'s value as the model is trained on it.
+    fn standardised(&self, j: usize, t: f32) -> f32 {
+        match &self.targets {
+            Some(stats) => (t - stats[j].0) / stats[j].1,
+            None => t,
+        }
+    }
+
+    /// Regression: the variance of this view's targets (as trained on: standardised) about their
+    /// mean, pooled over every target (the denominator of R²); `None` for class labels.
+    pub fn target_variance(&self) -> Option<f64> {
+        let Labels::Targets { values, width } = &self.data.labels else {
+            return None;
+        };
+        let mut sum = vec![0f64; *width];
+        let mut sq = vec![0f64; *width];
+        for i in 0..self.len() {
+            let row = self.storage_row(i);
+            for (j, &t) in values[row * width..(row + 1) * width].iter().enumerate() {
+                let t = f64::from(self.standardised(j, t));
+                sum[j] += t;
+                sq[j] += t * t;
+            }
+        }
+        let n = self.len().max(1) as f64;
+        let total: f64 = sum
+            .iter()
+            .zip(&sq)
+            .map(|(s, q)| q / n - (s / n).powi(2))
+            .sum();
+        Some((total / *width as f64).max(0.0))
+    }
+
     fn storage_row(&self, i: usize) -> usize {
         self.index.as_ref().map_or(i, |ix| ix[i] as usize)
     }
@@ -355,7 +424,8 @@ impl Rows {
                 Labels::Targets { values, width } => y.extend(
                     values[row * width..(row + 1) * width]
                         .iter()
-                        .map(|t| t.to_bits()),
+                        .enumerate()
+                        .map(|(j, &t)| self.standardised(j, t).to_bits()),
                 ),
             }
         }

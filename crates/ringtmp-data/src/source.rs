@@ -266,8 +266,18 @@ fn finish(source: &DataSource, loaded: Loaded) -> Result<Dataset> {
             }
         }
     };
-    let train = train.with_normalisation(norm.clone());
-    let test = Rows::new(test_data, test_index, norm.clone());
+    let mut train = train.with_normalisation(norm.clone());
+    let mut test = Rows::new(test_data, test_index, norm.clone());
+    // Regression targets are standardised as the inputs are (a network trained on raw prices
+    // diverges at any usual rate); the errors are reported back in the targets' units.
+    let target_standardisation = match (&source.normalize, train.measure_targets()) {
+        (Normalize::None, _) | (_, None) => Vec::new(),
+        (_, Some(stats)) => {
+            train = train.with_target_standardisation(stats.clone());
+            test = test.with_target_standardisation(stats.clone());
+            stats
+        }
+    };
     let (task, classes) = match &loaded.train.labels {
         Labels::Targets { width, .. } => (Task::Regress, *width),
         Labels::Classes(_) => {
@@ -294,6 +304,7 @@ fn finish(source: &DataSource, loaded: Loaded) -> Result<Dataset> {
         columns: loaded.columns,
         label: loaded.label,
         targets: loaded.targets,
+        target_standardisation,
         class_names: loaded.class_names,
     };
     Ok(Dataset {

@@ -1,6 +1,7 @@
 //! CSV tables with a header row: every column but the label (or the regression targets) is a
 //! numeric input, standardised per column (scikit-learn's `StandardScaler`) unless told
-//! otherwise. A label column of whole numbers gives class indices; any other gives class names,
+//! otherwise. A label column of small whole numbers gives class indices; of other numbers
+//! (fractions, negatives, values of 1,024 and more) regression targets; of text, class names
 //! indexed in sorted order (scikit-learn's `LabelEncoder`). Missing values are refused, not
 //! imputed: the error names the row and the column.
 
@@ -11,6 +12,9 @@ use crate::error::{Error, Result};
 use crate::recipe::Layout;
 use crate::rows::{Dtype, Labels, RowData};
 use crate::source::{DataSource, Loaded, dir_of};
+
+/// A numeric label at or above this is a quantity to regress on, not a class index.
+const MAX_CLASS_INDEX: u32 = 1024;
 
 /// Column names taken as the label when none is named, compared case-insensitively.
 const LABEL_NAMES: [&str; 4] = ["label", "target", "class", "y"];
@@ -85,6 +89,28 @@ pub(crate) fn load(source: &DataSource) -> Result<Loaded> {
         reads.push(read(path, &header, &inputs, label, &targets)?);
     }
     let features = inputs.len();
+    // A label column of real numbers (fractions, negatives, or values too large to be class
+    // indices) is a quantity: regression on it, as scikit-learn's `type_of_target` decides.
+    let mut regression = regression;
+    let mut targets = targets;
+    if let Some(at) = label {
+        let numbers: Option<Vec<Vec<f64>>> = reads
+            .iter()
+            .map(|r| r.labels.iter().map(|c| c.parse::<f64>().ok()).collect())
+            .collect();
+        if let Some(numbers) = numbers
+            && numbers.iter().flatten().any(|&v| {
+                v.fract() != 0.0 || v < 0.0 || v >= f64::from(MAX_CLASS_INDEX) || !v.is_finite()
+            })
+        {
+            for (r, values) in reads.iter_mut().zip(numbers) {
+                r.targets = values.iter().map(|&v| v as f32).collect();
+            }
+            regression = true;
+            targets = vec![at];
+        }
+    }
+    let label = if regression { None } else { label };
     let mut class_names = Vec::new();
     let labels_of = |r: &Read, path: &Path, names: &[String]| -> Result<Labels> {
         if regression {

@@ -14,5 +14,6 @@ pub mod resources;
 mod summary;
 
 pub use summary::{
-    DroppedNode, EventLog, LanguageSummary, MAX_REPORTED_STEPS, NodeSummary, Restart, Summary,
+    DroppedNode, EventLog, LanguageSummary, MAX_REPORTED_STEPS, NodeSummary, RegressionSummary,
+    Restart, Summary,
 };

@@ -94,6 +94,14 @@ pub struct NodeSummary {
     /// simulated run's time would (a sizes-only run evaluates other values than a computing one).
     #[serde(default, skip_serializing_if = "Vec::is_empty", with = "fixed_width")]
     pub evaluations: Vec<(u64, f64, f64, f64)>,
+    /// Regression: the root mean squared and mean absolute errors of each of `evaluations`, in
+    /// order, two figures each (fixed width too).
+    #[serde(
+        default,
+        skip_serializing_if = "Vec::is_empty",
+        with = "fixed_width::values"
+    )]
+    pub evaluation_errors: Vec<f64>,
     /// Steps this node recorded for the run's log, `(steps done, training loss, learning rate,
     /// training seconds)`: the parameter server's worker 0 sends them to server 0 in its report
     /// (at most [`MAX_REPORTED_STEPS`] a run). Not kept in summary.json.
@@ -249,6 +257,9 @@ pub struct Summary {
     /// A language model's figures (absent for classifiers).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub language: Option<LanguageSummary>,
+    /// A regression's figures (absent for classifiers); `final_test_accuracy` then holds R².
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub regression: Option<RegressionSummary>,
     /// Per-node measurements.
     pub per_node: Vec<NodeSummary>,
 }
@@ -280,6 +291,25 @@ pub struct LanguageSummary {
     /// `flops_per_token × tokens_per_second / 10⁹`.
     #[serde(default)]
     pub model_gflops: f64,
+}
+
+/// A regression's figures on the test split, over every target: the errors in the target's own
+/// units (several targets: in standard deviations, the units they are trained in), and R²
+/// (scikit-learn's `score`: 1 − MSE / the targets' variance).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct RegressionSummary {
+    /// The targets' names.
+    pub targets: Vec<String>,
+    /// The test loss at the last evaluation: the mean squared error of a standardised output.
+    pub final_test_loss: f64,
+    /// Its square root.
+    pub final_test_rmse: f64,
+    /// Mean absolute error of an output at the last evaluation.
+    pub final_test_mae: f64,
+    /// The lowest root mean squared error of any evaluation.
+    pub best_test_rmse: f64,
+    /// R² at the last evaluation.
+    pub final_test_r2: f64,
 }
 
 impl LanguageSummary {
@@ -405,6 +435,31 @@ pub mod fixed_width {
     }
 
     type Evaluation = (u64, f64, f64, f64);
+
+    /// A list of figures, each written as [`format`] writes it.
+    pub mod values {
+        use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+        /// Writes each value in fixed width.
+        pub fn serialize<S: Serializer>(list: &[f64], s: S) -> Result<S::Ok, S::Error> {
+            list.iter()
+                .map(|&v| super::format(v))
+                .collect::<Vec<_>>()
+                .serialize(s)
+        }
+
+        /// Reads what [`serialize`] wrote.
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<f64>, D::Error> {
+            Vec::<String>::deserialize(d)?
+                .iter()
+                .map(|t| {
+                    t.trim()
+                        .parse::<f64>()
+                        .map_err(|e| serde::de::Error::custom(format!("figure {t:?}: {e}")))
+                })
+                .collect()
+        }
+    }
 
     /// Writes each evaluation as `[iteration, "accuracy", "loss", "seconds"]`.
     pub fn serialize<S: Serializer>(list: &[Evaluation], s: S) -> Result<S::Ok, S::Error> {

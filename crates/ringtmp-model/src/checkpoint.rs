@@ -85,6 +85,18 @@ pub struct Manifest {
     /// checkpoints that predate it; [`context_of`] then reads it from the position embedding.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub context: Option<usize>,
+    /// What the outputs were trained to be (class logits unless said).
+    #[serde(default, skip_serializing_if = "is_cross_entropy")]
+    pub objective: crate::loss::Objective,
+    /// How a raw example becomes the model's input: `ringtmp_data::InputRecipe` as JSON (the
+    /// columns, layout, normalisation and class names `predict` and `export` need). Kept as JSON
+    /// here so the model crate does not depend on the data crate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub recipe: Option<serde_json::Value>,
+}
+
+fn is_cross_entropy(o: &crate::loss::Objective) -> bool {
+    *o == crate::loss::Objective::CrossEntropy
 }
 
 /// Name of the checkpoint directory for `step`.

@@ -137,10 +137,11 @@ pub struct ModelSpec {
 }
 
 /// Names of the built-in presets.
-pub const PRESETS: [&str; 7] = [
+pub const PRESETS: [&str; 8] = [
     "mlp",
     "mlp-deep",
     "cnn",
+    "tabular",
     "gpt-nano",
     "gpt-cpu",
     "gpt-small",
@@ -193,6 +194,13 @@ impl ModelSpec {
             layers
         };
         let layers = match name {
+            "tabular" => {
+                return Err(Error::Config {
+                    source_name: "preset \"tabular\"".into(),
+                    reason: "the tabular preset is sized from the data's columns (preset_for)"
+                        .into(),
+                });
+            }
             "mlp" => mlp(3),
             "mlp-deep" => mlp(8),
             "cnn" => vec![
@@ -239,6 +247,37 @@ impl ModelSpec {
             // where the cnn's diverge (docs/decisions/defaults.md).
             stale_momentum: (name == "mlp").then_some(0.9),
         })
+    }
+
+    /// The `tabular` preset for a table of `features` input columns and `outputs` classes or
+    /// targets: two hidden ReLU layers of `2 × features` rounded up to a power of two, between
+    /// 64 and 512 wide (a plain MLP, the strong baseline of Gorishniy et al., "Revisiting Deep
+    /// Learning Models for Tabular Data", 2021, at its small end).
+    pub fn tabular(features: usize, outputs: usize) -> Self {
+        use LayerSpec::*;
+        let width = (2 * features).next_power_of_two().clamp(64, 512);
+        Self {
+            name: "tabular".into(),
+            layers: vec![
+                Flatten,
+                Linear { out: width },
+                Relu,
+                Linear { out: width },
+                Relu,
+                Linear { out: outputs },
+            ],
+            tie_embeddings: false,
+            stale_momentum: None,
+        }
+    }
+
+    /// A preset by name for data of `features` input values: [`Self::preset`], and `tabular`
+    /// sized from them.
+    pub fn preset_for(name: &str, classes: usize, features: usize) -> Result<Self> {
+        if name == "tabular" {
+            return Ok(Self::tabular(features, classes));
+        }
+        Self::preset(name, classes)
     }
 
     /// The context (positions per window) a GPT preset is made for; `None` for other presets.

@@ -74,6 +74,8 @@ fn write(dir: &Path, stage: &Stage, opt: &Optimizer) {
         replicas: Vec::new(),
         vocabulary: None,
         context: None,
+        objective: Default::default(),
+        recipe: None,
     };
     checkpoint::write_manifest(dir, &manifest).unwrap();
 }

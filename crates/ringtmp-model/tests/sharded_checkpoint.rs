@@ -120,6 +120,8 @@ fn write_manifest(
         replicas: Vec::new(),
         vocabulary: None,
         context: None,
+        objective: Default::default(),
+        recipe: None,
     };
     checkpoint::write_manifest(dir, &manifest).unwrap();
 }

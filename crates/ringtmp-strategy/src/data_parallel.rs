@@ -4,7 +4,7 @@
 
 use ringtmp_data::{BatchPlan, Dataset, shard};
 use ringtmp_metrics::NodeSummary;
-use ringtmp_model::{Optimizer, Pass, Stage, checkpoint, loss};
+use ringtmp_model::{Optimizer, Pass, Stage, checkpoint};
 use ringtmp_transport::Transport;
 
 use crate::TrainConfig;
@@ -94,7 +94,7 @@ pub fn forward_share(
     let rows = buffers.y.len();
     let logits = stage.forward(0, &buffers.x, mine.len(), &pass)?;
     buffers.dlogits.resize(logits.len(), 0.0);
-    let scored = loss::softmax_cross_entropy(
+    let scored = spec.objective.score(
         logits,
         &buffers.y,
         spec.classes,

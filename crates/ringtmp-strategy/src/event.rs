@@ -32,10 +32,14 @@ pub enum Event {
         step: u64,
         /// Epoch in progress.
         epoch: u64,
-        /// Test accuracy.
+        /// Test accuracy (regression: R²).
         accuracy: f64,
         /// Mean test loss.
         loss: f64,
+        /// Regression: the root mean squared error of an output, in the target's units.
+        rmse: Option<f64>,
+        /// Regression: the mean absolute error of an output, in the target's units.
+        mae: Option<f64>,
     },
     /// Something the run handled and went on from, for the user to know (a worker that left
     /// and was dropped, a ring re-formed around a dead node).

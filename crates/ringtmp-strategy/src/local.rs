@@ -13,7 +13,7 @@ use std::time::Instant;
 use ringtmp_data::{BatchPlan, Dataset};
 use ringtmp_metrics::{NodeSummary, Summary, resources};
 use ringtmp_model::checkpoint;
-use ringtmp_model::{Optimizer, Pass, Stage, loss};
+use ringtmp_model::{Optimizer, Pass, Stage};
 use serde_json::json;
 
 use crate::config::TrainConfig;
@@ -132,6 +132,7 @@ pub fn train_local(
     });
 
     let classes = data.classes;
+    let objective = crate::evaluation::objective_of(&data.train);
     let (mut x, mut y, mut dlogits) = (Vec::new(), Vec::new(), Vec::new());
     let (mut train_seconds, mut compute_seconds) = (0.0f64, 0.0f64);
     let mut samples = 0u64;
@@ -152,8 +153,7 @@ pub fn train_local(
         };
         let logits = model.forward(0, &x, rows, &pass)?;
         dlogits.resize(logits.len(), 0.0);
-        let out =
-            loss::softmax_cross_entropy(logits, &y, classes, 1.0 / y.len() as f32, &mut dlogits)?;
+        let out = objective.score(logits, &y, classes, 1.0 / y.len() as f32, &mut dlogits)?;
         let lr = cfg
             .schedule
             .rate(cfg.lr, step, schedule_steps, per_epoch, cfg.warmup_steps);
@@ -184,10 +184,10 @@ pub fn train_local(
 
         let last = step == total_steps;
         if recorder.eval_due(step) {
-            let (accuracy, test_loss) = evaluate(&mut model, &data.test, classes)?;
+            let score = evaluate(&mut model, &data.test, classes)?;
             recorder.announce_eval(
                 step,
-                (accuracy, test_loss),
+                score,
                 train_seconds,
                 wall.elapsed().as_secs_f64(),
                 on_event,
@@ -200,14 +200,8 @@ pub fn train_local(
     }
     if step == first_step {
         // Nothing left to train (resumed at the end): still report the model's accuracy.
-        let (accuracy, test_loss) = evaluate(&mut model, &data.test, classes)?;
-        recorder.eval(
-            step,
-            accuracy,
-            Some(test_loss),
-            train_seconds,
-            wall.elapsed().as_secs_f64(),
-        )?;
+        let score = evaluate(&mut model, &data.test, classes)?;
+        recorder.eval(step, score, train_seconds, wall.elapsed().as_secs_f64())?;
     }
 
     let params = model.params().len() as u64;

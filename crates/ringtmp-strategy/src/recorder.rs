@@ -9,11 +9,12 @@
 
 use std::path::PathBuf;
 
-use ringtmp_metrics::{EventLog, LanguageSummary, Summary};
+use ringtmp_metrics::{EventLog, LanguageSummary, RegressionSummary, Summary};
 use ringtmp_model::OptimizerConfig;
 use serde_json::{Value, json};
 
 use crate::error::{Error, Result};
+use crate::evaluation::Score;
 use crate::spec::RunSpec;
 
 /// First attainment of the target accuracy, and the best and latest accuracy.
@@ -28,6 +29,9 @@ pub struct Tracker {
     pub reached: Option<(u64, f64)>,
     /// Latest and lowest test (validation) loss.
     pub loss: Option<(f64, f64)>,
+    /// Regression: the latest and lowest root mean squared error, and the latest mean absolute
+    /// error (in the target's units).
+    pub errors: Option<(f64, f64, f64)>,
 }
 
 impl Tracker {
@@ -39,6 +43,7 @@ impl Tracker {
             best: 0.0,
             reached: None,
             loss: None,
+            errors: None,
         }
     }
 
@@ -249,25 +254,30 @@ impl RunRecorder {
     pub fn eval(
         &mut self,
         done: u64,
-        accuracy: f64,
-        test_loss: Option<f64>,
+        score: Score,
         train_seconds: f64,
         wall_seconds: f64,
     ) -> Result<()> {
         let train_seconds = self.carried.train_seconds + train_seconds;
         let wall_seconds = self.carried.wall_seconds + wall_seconds;
-        self.tracker.record(accuracy, done, train_seconds);
+        self.tracker.record(score.accuracy, done, train_seconds);
         let epoch = done.saturating_sub(1) / self.steps_per_epoch;
+        let loss = score.loss;
         let mut event = json!({"event": "eval", "step": done, "epoch": epoch,
-            "test_accuracy": accuracy, "test_loss": test_loss, "train_seconds": train_seconds,
+            "test_accuracy": score.accuracy, "test_loss": loss, "train_seconds": train_seconds,
             "wall_seconds": wall_seconds});
-        if let Some(loss) = test_loss {
-            self.tracker.record_loss(loss);
-            if self.spec.sequence.is_some() {
-                let (perplexity, bits) = LanguageSummary::meaning(loss);
-                event["perplexity"] = perplexity.into();
-                event[format!("bits_per_{}", self.unit())] = bits.into();
-            }
+        self.tracker.record_loss(loss);
+        if let (Some(rmse), Some(mae)) = (score.rmse, score.mae) {
+            let best = self.tracker.errors.map_or(rmse, |e| e.1.min(rmse));
+            self.tracker.errors = Some((rmse, best, mae));
+            event["test_r2"] = score.accuracy.into();
+            event["test_rmse"] = rmse.into();
+            event["test_mae"] = mae.into();
+        }
+        if self.spec.sequence.is_some() {
+            let (perplexity, bits) = LanguageSummary::meaning(loss);
+            event["perplexity"] = perplexity.into();
+            event[format!("bits_per_{}", self.unit())] = bits.into();
         }
         self.write(event)
     }
@@ -301,17 +311,19 @@ impl RunRecorder {
     pub fn announce_eval(
         &mut self,
         done: u64,
-        (accuracy, test_loss): (f64, f64),
+        score: Score,
         train_seconds: f64,
         wall_seconds: f64,
         on_event: &mut dyn FnMut(&crate::Event),
     ) -> Result<()> {
-        self.eval(done, accuracy, Some(test_loss), train_seconds, wall_seconds)?;
+        self.eval(done, score, train_seconds, wall_seconds)?;
         on_event(&crate::Event::Eval {
             step: done,
             epoch: done.saturating_sub(1) / self.steps_per_epoch,
-            accuracy,
-            loss: test_loss,
+            accuracy: score.accuracy,
+            loss: score.loss,
+            rmse: score.rmse,
+            mae: score.mae,
         });
         Ok(())
     }
@@ -407,6 +419,24 @@ impl RunRecorder {
                 tokens_per_second,
                 flops_per_token,
                 model_gflops: flops_per_token * tokens_per_second / 1e9,
+            });
+        }
+        if let (Some((last, _)), Some((rmse, best_rmse, mae))) =
+            (self.tracker.loss, self.tracker.errors)
+        {
+            let targets = self
+                .spec
+                .recipe
+                .as_ref()
+                .map(|r| r.targets.clone())
+                .unwrap_or_default();
+            summary.regression = Some(RegressionSummary {
+                targets,
+                final_test_loss: last,
+                final_test_rmse: rmse,
+                final_test_mae: mae,
+                best_test_rmse: best_rmse,
+                final_test_r2: summary.final_test_accuracy,
             });
         }
         summary

@@ -50,6 +50,14 @@ pub fn vocabulary_of(data: &Dataset) -> Option<String> {
     }
 }
 
+/// How `data`'s outputs are scored: mean squared error for regression, else cross-entropy.
+pub fn objective_of(data: &Dataset) -> ringtmp_model::loss::Objective {
+    match data.task {
+        Task::Regress => ringtmp_model::loss::Objective::MeanSquared,
+        Task::Classify | Task::NextToken { .. } => ringtmp_model::loss::Objective::CrossEntropy,
+    }
+}
+
 /// The layers of `model` on `data`, with their shapes.
 pub fn layers_for(model: &ringtmp_model::ModelSpec, data: &Dataset) -> Result<Vec<Layer>> {
     let (input, output) = model_shapes(data.input, data.classes, sequence_of(data));
@@ -83,6 +91,14 @@ pub struct RunSpec {
     /// with every checkpoint, so a checkpoint never meets text it was not trained for).
     #[serde(default)]
     pub vocabulary: Option<String>,
+    /// What the outputs are trained to be: class logits, or regression targets (then `classes`
+    /// is the number of targets, each example's labels are its targets' bit patterns).
+    #[serde(default)]
+    pub objective: ringtmp_model::loss::Objective,
+    /// How a raw example becomes the model's input (stored with every checkpoint, so `predict`
+    /// and `export` read new data as training read it).
+    #[serde(default)]
+    pub recipe: Option<ringtmp_data::InputRecipe>,
     /// Optimizer steps (global iterations) per epoch.
     pub steps_per_epoch: u64,
     /// Steps the learning-rate schedule spans (every epoch, even when `max_steps` stops early).
@@ -121,6 +137,8 @@ impl RunSpec {
             classes: data.classes,
             sequence: sequence_of(data),
             vocabulary: vocabulary_of(data),
+            objective: objective_of(data),
+            recipe: Some(data.recipe.clone()),
             steps_per_epoch,
             schedule_steps,
             total_steps,
@@ -204,12 +222,20 @@ impl RunSpec {
             replicas,
             vocabulary: self.vocabulary.clone(),
             context: self.sequence,
+            objective: self.objective,
+            recipe: self
+                .recipe
+                .as_ref()
+                .and_then(|r| serde_json::to_value(r).ok()),
         }
     }
 
-    /// Labels per example: 1, or a window's positions.
+    /// Labels per example: 1, a window's positions, or a regression's targets.
     pub fn positions(&self) -> usize {
-        self.sequence.unwrap_or(1)
+        match self.objective {
+            ringtmp_model::loss::Objective::MeanSquared => self.classes,
+            ringtmp_model::loss::Objective::CrossEntropy => self.sequence.unwrap_or(1),
+        }
     }
 
     /// How long a node waits for any one message.

@@ -91,6 +91,62 @@ fn adam() -> OptimizerConfig {
     }
 }
 
+#[test]
+fn regression_learns_both_targets_and_reports_errors_in_their_units() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = ringtmp_testkit::fixtures::regression_data(tmp.path());
+    let mut cfg = config(&tmp.path().join("run"), adam());
+    cfg.model = ModelSpec::tabular(4, 2);
+    cfg.epochs = 30;
+    cfg.lr = 0.005;
+    cfg.eval_every = 0;
+    let s = train_local(&cfg, &data, &mut |_| {}).unwrap();
+    let r = s.regression.expect("a regression summary");
+    // Both targets are smooth functions of the inputs: a small MLP explains most of them.
+    assert!(r.final_test_r2 > 0.95, "R² {}", r.final_test_r2);
+    assert_eq!(s.final_test_accuracy, r.final_test_r2);
+    // Two targets are scored in standard deviations: RMSE² is the standardised test loss.
+    assert!((r.final_test_rmse.powi(2) - r.final_test_loss).abs() < 1e-9);
+    assert!(r.final_test_mae <= r.final_test_rmse && r.best_test_rmse <= r.final_test_rmse);
+    let events = std::fs::read_to_string(tmp.path().join("run/metrics.jsonl")).unwrap();
+    assert!(events.contains("\"test_rmse\"") && events.contains("\"test_r2\""));
+}
+
+#[test]
+fn one_target_is_scored_in_its_own_units() {
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("one.csv");
+    // y = 1000 · x + 5000: a standard deviation of about 290 in the target's units.
+    let mut text = String::from("x,y\n");
+    for i in 0..400 {
+        let x = f64::from((i * 37) % 400) / 400.0;
+        text.push_str(&format!("{x},{}\n", 1000.0 * x + 5000.0));
+    }
+    std::fs::write(&path, text).unwrap();
+    let mut source = ringtmp_data::DataSource::new("csv", vec![path]);
+    source.label = Some("y".into());
+    let data = ringtmp_data::load_source(&source).unwrap();
+    assert_eq!(
+        data.task,
+        ringtmp_data::Task::Regress,
+        "y ≥ 1024 is a quantity"
+    );
+    let std = data.recipe.target_standardisation[0].1;
+    assert!((250.0..330.0).contains(&std), "{std}");
+    let mut cfg = config(&tmp.path().join("run"), adam());
+    cfg.model = ModelSpec::tabular(1, 1);
+    cfg.epochs = 2;
+    cfg.eval_every = 0;
+    let s = train_local(&cfg, &data, &mut |_| {}).unwrap();
+    let r = s.regression.unwrap();
+    let rmse_in_deviations = r.final_test_loss.sqrt();
+    assert!(
+        (r.final_test_rmse - rmse_in_deviations * f64::from(std)).abs() < 1e-6 * r.final_test_rmse,
+        "{} vs {rmse_in_deviations} × {std}",
+        r.final_test_rmse
+    );
+}
+
 /// Parameters stored in the newest checkpoint under `out`.
 #[test]
 fn local_training_learns_digits_and_writes_the_output_contract() {

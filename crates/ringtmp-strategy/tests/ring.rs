@@ -517,6 +517,27 @@ fn norms_and_gelu_split_over_a_ring_equal_local() {
 }
 
 #[test]
+fn regression_with_two_targets_over_a_ring_equals_local() {
+    let tmp = tempfile::tempdir().unwrap();
+    let data = ringtmp_testkit::fixtures::regression_data(tmp.path());
+    assert_eq!((data.classes, data.positions()), (2, 2));
+    let mut cfg = config(&tmp.path().join("local"));
+    cfg.model = ModelSpec::tabular(4, 2);
+    cfg.dataset = "csv".into();
+    let oracle = oracle::local_params(&cfg, &data);
+    for bounds in [&[0, 3, 6][..], &[0, 2, 4, 6]] {
+        let out = tmp.path().join(format!("ring-{}", bounds.len()));
+        let job = ring_job(&cfg, &data, bounds, Schedule::OneFOneB, 3);
+        let (params, summary) = ring_params_on(&Backend::sim(test_seed(4)), &job, &data, &out);
+        let diff = max_rel_diff(&params, &oracle);
+        assert!(diff < 1e-4, "{bounds:?}: differs from local by {diff}");
+        let regression = summary.regression.expect("a regression summary");
+        assert_eq!(regression.targets, vec!["y0", "y1"]);
+        assert!(regression.final_test_rmse.is_finite() && regression.final_test_mae > 0.0);
+    }
+}
+
+#[test]
 fn a_gpt_split_over_a_ring_with_adamw_and_clipping_equals_local() {
     let tmp = tempfile::tempdir().unwrap();
     let (data, text) = ringtmp_testkit::fixtures::text_data(tmp.path());

@@ -15,6 +15,27 @@ pub fn digits() -> Dataset {
         .clone()
 }
 
+/// A regression table written to `dir/regression.csv` and loaded: 4 input columns, two targets
+/// (`y0` linear in the inputs, `y1` not), 480 training and 120 test rows, standardised. The
+/// values come from a fixed arithmetic sequence, so the file is the same on every machine.
+pub fn regression_data(dir: &std::path::Path) -> Dataset {
+    let path = dir.join("regression.csv");
+    let mut text = String::from("a,b,c,d,y0,y1\n");
+    for i in 0..600u32 {
+        // Quasi-random inputs in [0, 1) (golden-ratio sequences), far from a grid.
+        let u = |k: u32| ((i * 7 + k * 13) as f64 * 0.618_033_988_75 + f64::from(k) * 0.1).fract();
+        let (a, b, c, d) = (u(1), u(2), u(3), u(4));
+        let y0 = 3.0 * a - 2.0 * b + 0.5 * c + 10.0;
+        let y1 = (a * b) * 40.0 + d * d * 5.0 - c;
+        text.push_str(&format!("{a:.6},{b:.6},{c:.6},{d:.6},{y0:.6},{y1:.6}\n"));
+    }
+    std::fs::write(&path, text).expect("a writable test directory");
+    let mut source = ringtmp_data::DataSource::new("csv", vec![path]);
+    source.target_columns = vec!["y0".into(), "y1".into()];
+    source.validation = 0.2;
+    ringtmp_data::load_source(&source).expect("the regression table loads")
+}
+
 /// A model from TOML text.
 ///
 /// # Panics

@@ -157,11 +157,12 @@ pub fn ps_nodes_audited(
             let speed = speeds.get(w).copied().unwrap_or(1.0);
             let result = run_worker(job, w, data, speed, net, &mut |_| Ok(())).and_then(
                 |(outcome, mut stage)| {
-                    let (accuracy, _) = ringtmp_strategy::evaluation::evaluate(
+                    let accuracy = ringtmp_strategy::evaluation::evaluate(
                         &mut stage,
                         &data.test,
                         data.classes,
-                    )?;
+                    )?
+                    .accuracy;
                     Ok((outcome, accuracy))
                 },
             );

@@ -863,11 +863,10 @@ pub fn run_worker(
         };
         recorder.announce_step(done, step_loss, lr, (train_seconds, samples), on_event)?;
         if spec.eval_due(done) {
-            let (accuracy, test_loss) =
-                crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?;
+            let score = crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?;
             recorder.announce_eval(
                 done,
-                (accuracy, test_loss),
+                score,
                 train_seconds,
                 (clock.now() - started).as_secs_f64(),
                 on_event,

@@ -621,7 +621,7 @@ pub fn run_worker(
     if !ringtmp_meter::phantom() {
         stage.params_mut().copy_from_slice(&me.model);
     }
-    let (own_accuracy, _) = crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?;
+    let own_accuracy = crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?.accuracy;
     let own = NodeSummary {
         test_accuracy: Some(own_accuracy),
         ..crate::data_parallel::worker_summary(
@@ -768,10 +768,10 @@ fn finish_rank0(
     let done = c.global_step();
     let (mean, distance) = super::consensus::consensus(&finals);
     stage.params_mut().copy_from_slice(&mean);
-    let (accuracy, test_loss) = crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?;
+    let score = crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?;
     let wall = (clock.now() - started).as_secs_f64();
     r0.recorder
-        .announce_eval(done, (accuracy, test_loss), train_seconds, wall, on_event)?;
+        .announce_eval(done, score, train_seconds, wall, on_event)?;
     r0.recorder
         .write(json!({"event": "consensus", "step": done, "distance": distance}))?;
     if spec.checkpoint_due(done) {
@@ -867,10 +867,9 @@ fn coordinate(
     stage.params_mut().copy_from_slice(&mean);
     let done = round.step;
     if spec.eval_due(done) {
-        let (accuracy, test_loss) =
-            crate::evaluation::evaluate(&mut stage, &r0.data.test, r0.data.classes)?;
+        let score = crate::evaluation::evaluate(&mut stage, &r0.data.test, r0.data.classes)?;
         r0.recorder
-            .announce_eval(done, (accuracy, test_loss), elapsed(), elapsed(), on_event)?;
+            .announce_eval(done, score, elapsed(), elapsed(), on_event)?;
     }
     r0.recorder
         .write(json!({"event": "consensus", "step": done, "distance": distance}))?;

@@ -383,11 +383,10 @@ pub fn run_worker_from(
         let mut model = Stage::new(&layers, 0..layers.len(), spec.seed, spec.threads);
         model.params_mut().copy_from_slice(&mean);
         if eval {
-            let (accuracy, test_loss) =
-                crate::evaluation::evaluate(&mut model, &data.test, data.classes)?;
+            let score = crate::evaluation::evaluate(&mut model, &data.test, data.classes)?;
             recorder.announce_eval(
                 done,
-                (accuracy, test_loss),
+                score,
                 train_seconds,
                 (clock.now() - started).as_secs_f64(),
                 on_event,
@@ -405,7 +404,7 @@ pub fn run_worker_from(
         on_event(&crate::Event::Notice { text });
     }
     // Each worker's own model's accuracy, and the reports around the ring to rank 0.
-    let (own_accuracy, _) = crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?;
+    let own_accuracy = crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?.accuracy;
     let params = stage.params().len() as u64;
     let own = NodeSummary {
         test_accuracy: Some(own_accuracy),

@@ -24,7 +24,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use ringtmp_data::{BatchPlan, Dataset, shard};
-use ringtmp_model::{Pass, Stage, loss};
+use ringtmp_model::{Pass, Stage};
 use ringtmp_transport::Transport;
 use ringtmp_wire::message::{tensor_bytes_into, tensor_values_into};
 use ringtmp_wire::{Dtype, Message, TensorHeader, TensorTag};
@@ -373,13 +373,10 @@ pub fn run_worker(
         };
         let logits = stage.forward(0, &x, mine.len(), &pass)?;
         d.resize(logits.len(), 0.0);
-        let unit_loss = loss::softmax_cross_entropy(
-            logits,
-            &y,
-            job.spec.classes,
-            1.0 / y.len() as f32,
-            &mut d,
-        )?;
+        let unit_loss =
+            job.spec
+                .objective
+                .score(logits, &y, job.spec.classes, 1.0 / y.len() as f32, &mut d)?;
         if epoch == final_epoch {
             out.final_epoch_loss_sum += unit_loss.loss_sum / y.len() as f64;
             out.final_epoch_units += 1;

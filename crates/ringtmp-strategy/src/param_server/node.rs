@@ -191,6 +191,7 @@ fn run(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
     let reports = w == 0;
     let eval_every = job.spec.eval_every;
     let (mut evaluations, mut eval_seconds) = (Vec::new(), 0.0f64);
+    let mut errors = Vec::new();
     let mut steps = Vec::new();
     let first = job.first_step();
     let total = job.spec.total_steps;
@@ -224,15 +225,17 @@ fn run(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
                 last = last.max(t);
                 if due {
                     let started = time.now();
-                    let (accuracy, loss) =
-                        crate::evaluation::evaluate(stage, &data.test, data.classes)?;
+                    let score = crate::evaluation::evaluate(stage, &data.test, data.classes)?;
                     eval_seconds += (time.now() - started).as_secs_f64();
-                    evaluations.push((t, accuracy, loss, train_seconds));
+                    evaluations.push((t, score.accuracy, score.loss, train_seconds));
+                    errors.extend(score.rmse.into_iter().chain(score.mae));
                     on_event(&crate::Event::Eval {
                         step: t,
                         epoch: t.saturating_sub(1) / job.spec.steps_per_epoch.max(1),
-                        accuracy,
-                        loss,
+                        accuracy: score.accuracy,
+                        loss: score.loss,
+                        rmse: score.rmse,
+                        mae: score.mae,
                     });
                 }
             }
@@ -274,15 +277,17 @@ fn run(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
     own.final_epoch_loss_sum = outcome.final_epoch_loss_sum;
     own.final_epoch_units = outcome.final_epoch_units;
     if w == 0 {
-        let (accuracy, loss) = crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?;
-        own.test_accuracy = Some(accuracy);
+        let score = crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?;
+        own.test_accuracy = Some(score.accuracy);
         // The final replica holds every iteration of the run (under BSP exactly; otherwise up
         // to the pushes still in flight when the work ran out).
         let end = job.spec.total_steps;
         if evaluations.last().map(|e| e.0) != Some(end) {
-            evaluations.push((end, accuracy, loss, finished_at));
+            evaluations.push((end, score.accuracy, score.loss, finished_at));
+            errors.extend(score.rmse.into_iter().chain(score.mae));
         }
         own.evaluations = evaluations;
+        own.evaluation_errors = errors;
         own.steps = steps;
     }
     report(net, &own)?;
@@ -340,11 +345,18 @@ fn summarize(
         .map(|n| n.iterations * job.spec.batch_size as u64)
         .sum();
     let total_bytes_sent: u64 = per_node.iter().map(|n| n.bytes_sent).sum();
-    let mut evaluations: Vec<(u64, f64, f64, f64)> = per_node
+    // Each evaluation with its errors (regression).
+    type Evaluation = ((u64, f64, f64, f64), Option<(f64, f64)>);
+    let mut evaluations: Vec<Evaluation> = per_node
         .iter()
-        .flat_map(|n| n.evaluations.clone())
+        .flat_map(|n| {
+            n.evaluations.iter().enumerate().map(|(k, e)| {
+                let errors = n.evaluation_errors.get(2 * k..2 * k + 2);
+                (*e, errors.map(|p| (p[0], p[1])))
+            })
+        })
         .collect();
-    evaluations.sort_by_key(|e| e.0);
+    evaluations.sort_by_key(|e| e.0.0);
     // Worker 0's step records, each before the evaluations after it; not kept in the summary.
     let mut steps: Vec<(u64, f64, f32, f64)> = per_node
         .iter_mut()
@@ -353,12 +365,18 @@ fn summarize(
     steps.sort_by_key(|s| s.0);
     let global_batch = (job.spec.batch_size * job.workers) as u64;
     let mut steps = steps.into_iter().peekable();
-    for &(iteration, accuracy, loss, seconds) in &evaluations {
+    for &((iteration, accuracy, loss, seconds), errors) in &evaluations {
         while let Some((done, loss, lr, seconds)) = steps.next_if(|s| s.0 <= iteration) {
             let samples = done.saturating_sub(job.first_step()) * global_batch;
             recorder.step(done, loss, lr, (seconds, samples))?;
         }
-        recorder.eval(iteration, accuracy, Some(loss), seconds, seconds)?;
+        let score = crate::evaluation::Score {
+            accuracy,
+            loss,
+            rmse: errors.map(|e| e.0),
+            mae: errors.map(|e| e.1),
+        };
+        recorder.eval(iteration, score, seconds, seconds)?;
     }
     for (done, loss, lr, seconds) in steps {
         let samples = done.saturating_sub(job.first_step()) * global_batch;

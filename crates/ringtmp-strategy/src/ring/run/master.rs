@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use ringtmp_data::{BatchPlan, Dataset, shard};
 use ringtmp_metrics::Summary;
-use ringtmp_model::{Optimizer, Pass, Stage, loss};
+use ringtmp_model::{Optimizer, Pass, Stage};
 use ringtmp_transport::Transport;
 use ringtmp_wire::message::tensor_values;
 use ringtmp_wire::{Control, Dtype, Message, TensorTag};
@@ -381,14 +381,8 @@ fn evaluate_and_record(
     recorder: &mut RunRecorder,
     on_event: &mut dyn FnMut(&Event),
 ) -> Result<()> {
-    let (accuracy, test_loss) = evaluate(job, data, stage, net, done, &mut clock.eval_bytes, head)?;
-    recorder.announce_eval(
-        done,
-        (accuracy, test_loss),
-        train_seconds,
-        wall_seconds,
-        on_event,
-    )?;
+    let score = evaluate(job, data, stage, net, done, &mut clock.eval_bytes, head)?;
+    recorder.announce_eval(done, score, train_seconds, wall_seconds, on_event)?;
     Ok(())
 }
 
@@ -804,21 +798,20 @@ fn loss_site(
     match head {
         None => {
             dlogits.resize(x.len(), 0.0);
-            let out =
-                loss::softmax_cross_entropy(x, labels, job.spec.classes, scale, &mut dlogits)?;
+            let out = job
+                .spec
+                .objective
+                .score(x, labels, job.spec.classes, scale, &mut dlogits)?;
             Ok((out.loss_sum, dlogits))
         }
         Some(h) => {
             let rows = labels.len() / job.spec.positions();
             let logits = h.stage.forward(mb, x, rows, pass)?.to_vec();
             dlogits.resize(logits.len(), 0.0);
-            let out = loss::softmax_cross_entropy(
-                &logits,
-                labels,
-                job.spec.classes,
-                scale,
-                &mut dlogits,
-            )?;
+            let out =
+                job.spec
+                    .objective
+                    .score(&logits, labels, job.spec.classes, scale, &mut dlogits)?;
             let dx = h
                 .stage
                 .backward(mb, &dlogits)?
@@ -1142,7 +1135,7 @@ fn evaluate(
     step: u64,
     eval_bytes: &mut u64,
     mut head: Option<&mut MasterHead>,
-) -> Result<(f64, f64)> {
+) -> Result<crate::evaluation::Score> {
     let n = job.partition.len() as u32;
     let pred = n - 1;
     let split = &data.test;
@@ -1154,7 +1147,7 @@ fn evaluate(
     let (mut x, mut y, mut labels) = (Vec::new(), Vec::new(), Vec::<u32>::new());
     let mut unused = Vec::new();
     let (mut values, mut dlogits) = (Vec::new(), Vec::new());
-    let (mut correct, mut loss_sum) = (0usize, 0.0f64);
+    let (mut correct, mut loss_sum, mut abs_err_sum) = (0usize, 0.0f64, 0.0f64);
     let chunks = split.len().div_ceil(per_chunk);
     around_the_ring(
         net,
@@ -1189,7 +1182,7 @@ fn evaluate(
                     None => values.as_slice(),
                 };
                 dlogits.resize(logits.len(), 0.0);
-                let scored = loss::softmax_cross_entropy(
+                let scored = job.spec.objective.score(
                     logits,
                     &labels,
                     job.spec.classes,
@@ -1198,13 +1191,19 @@ fn evaluate(
                 )?;
                 correct += scored.correct;
                 loss_sum += scored.loss_sum;
+                abs_err_sum += scored.abs_err_sum;
                 Ok(())
             }
             _ => Err(protocol(net, pred, "message during evaluation")),
         },
     )?;
-    let rows = (split.len() * split.positions()).max(1) as f64;
-    Ok((correct as f64 / rows, loss_sum / rows))
+    let labels = split.len() * split.positions();
+    Ok(crate::evaluation::Score::of(
+        job.spec.objective,
+        split,
+        labels,
+        (correct, loss_sum, abs_err_sum),
+    ))
 }
 
 #[cfg(test)]
