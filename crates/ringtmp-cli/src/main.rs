@@ -12,6 +12,7 @@ mod cgroup;
 mod compare;
 mod display;
 mod error;
+mod export;
 mod generate;
 mod launcher;
 mod links;
@@ -55,6 +56,12 @@ enum Command {
     /// Generate text from a language model's checkpoint (any strategy's), token by token with a
     /// KV cache.
     Generate(generate::GenerateArgs),
+    /// Write a checkpoint (any strategy's, any partition) as PyTorch's model.safetensors and a
+    /// model.py that rebuilds the module.
+    Export(export::ExportArgs),
+    /// Run a checkpoint's model on your inputs (a table, arrays, images), read as training read
+    /// them, and write its outputs (.npy or .csv).
+    Predict(export::PredictArgs),
     /// Check training options or a model file without training.
     ValidateConfig(args::TrainArgs),
     /// Join a run started elsewhere (mpirun, srun, torchrun, Kubernetes, or by hand).
@@ -160,6 +167,8 @@ fn main() -> ExitCode {
         Command::BenchCores(a) => bench_cores::run(&a),
         Command::ValidateConfig(a) => train::validate(&a),
         Command::Generate(a) => generate::run(&a),
+        Command::Export(a) => export::export(&a),
+        Command::Predict(a) => export::predict(&a),
         Command::Node(a) => node::run(&a),
         Command::BenchTransport(a) => bench_transport::run(&a),
         Command::Selftest(a) => selftest(&a),

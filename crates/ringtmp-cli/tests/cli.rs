@@ -44,8 +44,77 @@ fn unknown_preset_is_a_usage_error() {
 #[test]
 fn unknown_dataset_is_a_usage_error() {
     assert_usage_error(
+        &ringtmp(&["train", "--dataset", "imagenet"]),
+        "unknown dataset \"imagenet\"",
+    );
+    // A format without its files says which flag names them.
+    assert_usage_error(
         &ringtmp(&["train", "--dataset", "cifar10"]),
-        "unknown dataset \"cifar10\"",
+        "name its directory with --data-file DIR",
+    );
+}
+
+#[test]
+fn a_malformed_table_is_a_usage_error_naming_row_and_column_before_any_node_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let csv = write(tmp.path(), "t.csv", "a,b,label\n1,2,0\n3,oops,1\n");
+    let out = ringtmp(&[
+        "train",
+        "--dataset",
+        "csv",
+        "--data-file",
+        &csv,
+        "--nodes",
+        "3",
+    ]);
+    assert_usage_error(&out, "t.csv: row 2, column \"b\": \"oops\" is not a number");
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("[node"));
+}
+
+#[test]
+fn a_config_dataset_table_trains_a_table_with_nothing_else() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut rows = String::from("x1,x2,kind\n");
+    for i in 0..200 {
+        let (a, b) = ((i % 10) as f32 / 10.0, (i % 7) as f32 / 7.0);
+        rows.push_str(&format!(
+            "{a},{b},{}\n",
+            if a + b > 0.8 { "big" } else { "small" }
+        ));
+    }
+    let csv = write(tmp.path(), "t.csv", &rows);
+    let config = write(
+        tmp.path(),
+        "run.toml",
+        &format!(
+            "strategy = \"local\"\nepochs = 1\n[dataset]\nformat = \"csv\"\ndata-file = \
+             {csv:?}\nlabel = \"kind\"\nval-fraction = 0.25\n"
+        ),
+    );
+    let out_dir = tmp.path().join("run");
+    let out = ringtmp(&[
+        "train",
+        "--config",
+        &config,
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("150 train / 50 test") && stderr.contains("2 classes (big, small)"),
+        "{stderr}"
+    );
+    assert!(stderr.contains("training tabular"), "{stderr}");
+    // A key the table does not know is refused, naming it.
+    let bad = write(
+        tmp.path(),
+        "bad.toml",
+        "[dataset]\nformat = \"csv\"\ncolumns = 3\n",
+    );
+    assert_usage_error(
+        &ringtmp(&["train", "--config", &bad]),
+        "unknown key `columns`",
     );
 }
 

@@ -103,6 +103,16 @@ pub(crate) fn load(source: &DataSource) -> Result<Loaded> {
     })
 }
 
+/// The records of one batch file of `format` (`cifar10`, `cifar100`), channels last.
+pub(crate) fn read_batch(format: &str, path: &Path) -> Result<RowData> {
+    let v = if format == "cifar10" {
+        &CIFAR10
+    } else {
+        &CIFAR100
+    };
+    read(v, &[path.to_path_buf()])
+}
+
 /// The records of `files`, in order, as channels-last rows.
 fn read(v: &Variant, files: &[PathBuf]) -> Result<RowData> {
     let record = v.label_bytes + PIXELS;

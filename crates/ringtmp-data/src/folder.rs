@@ -114,7 +114,7 @@ fn io(path: &Path) -> impl Fn(std::io::Error) -> Error + '_ {
 }
 
 /// The sub-folders of `dir` (not hidden), sorted by name.
-fn class_folders(dir: &Path) -> Result<Vec<String>> {
+pub(crate) fn class_folders(dir: &Path) -> Result<Vec<String>> {
     let mut names = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(io(dir))? {
         let entry = entry.map_err(io(dir))?;
@@ -128,7 +128,7 @@ fn class_folders(dir: &Path) -> Result<Vec<String>> {
 }
 
 /// The image files of `dir`, sorted by name.
-fn images_in(dir: &Path) -> Result<Vec<PathBuf>> {
+pub(crate) fn images_in(dir: &Path) -> Result<Vec<PathBuf>> {
     let mut files = Vec::new();
     for entry in std::fs::read_dir(dir).map_err(io(dir))? {
         let path = entry.map_err(io(dir))?.path();
@@ -159,7 +159,11 @@ fn decode(path: &Path) -> Result<image::DynamicImage> {
 }
 
 /// One image's bytes at `shape` (channels last).
-fn pixels_of(path: &Path, shape: (usize, usize, usize), resize: bool) -> Result<Vec<u8>> {
+pub(crate) fn pixels_of(
+    path: &Path,
+    shape: (usize, usize, usize),
+    resize: bool,
+) -> Result<Vec<u8>> {
     let mut img = decode(path)?;
     let (h, w, c) = shape;
     if (img.height() as usize, img.width() as usize) != (h, w) {

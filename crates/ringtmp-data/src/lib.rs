@@ -22,6 +22,7 @@ mod error;
 mod folder;
 pub mod idx;
 pub mod npy;
+mod predict;
 pub mod recipe;
 pub mod rows;
 pub mod sampler;
@@ -33,7 +34,7 @@ pub use dataset::{
     DATASETS, Dataset, FileCheck, Split, Task, TextOptions, load, load_text_dataset,
 };
 pub use error::{Error, Result};
-pub use recipe::{InputRecipe, Layout};
+pub use recipe::{InputRecipe, Inputs, Layout};
 pub use rows::{Labels, Normalisation};
 pub use sampler::{BatchPlan, epoch_permutation, shard};
 pub use source::{DataSource, FORMATS, Normalize, load_source};

@@ -250,7 +250,7 @@ impl Normalisation {
     }
 
     /// `(a, b)` per channel with `x = v · a + b`.
-    fn affine(&self) -> Vec<(f32, f32)> {
+    pub(crate) fn affine(&self) -> Vec<(f32, f32)> {
         self.mean
             .iter()
             .zip(&self.std)

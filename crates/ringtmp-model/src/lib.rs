@@ -34,6 +34,7 @@ pub mod checkpoint;
 pub mod decode;
 mod error;
 pub mod generate;
+pub mod interop;
 pub mod kernels;
 pub mod layers;
 pub mod loss;

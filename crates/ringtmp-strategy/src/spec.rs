@@ -138,7 +138,8 @@ impl RunSpec {
             sequence: sequence_of(data),
             vocabulary: vocabulary_of(data),
             objective: objective_of(data),
-            recipe: Some(data.recipe.clone()),
+            // A language model's input is token ids: its vocabulary describes it.
+            recipe: (!matches!(data.task, Task::NextToken { .. })).then(|| data.recipe.clone()),
             steps_per_epoch,
             schedule_steps,
             total_steps,
