@@ -95,6 +95,15 @@ pub struct TrainArgs {
     /// --master-holds-head [default: the model file's `tie_embeddings`, untied for presets].
     #[arg(help_heading = "Model", long, num_args = 0..=1, default_missing_value = "true")]
     pub tie_embeddings: Option<bool>,
+    /// Start from weights trained elsewhere: a .safetensors file whose tensors are matched by
+    /// name (see --weight-map) and checked against the model before training starts.
+    #[arg(help_heading = "Model", long, value_name = "FILE.safetensors")]
+    pub init_from: Option<PathBuf>,
+    /// The names --init-from's file uses: pytorch (an nn.Sequential of one module per layer:
+    /// `3.weight`), nanogpt (nanoGPT's GPT: `transformer.h.0.attn.c_attn.weight`) or ringtmp
+    /// [default: told from the names].
+    #[arg(help_heading = "Model", long, value_name = "MAP")]
+    pub weight_map: Option<String>,
     /// Dataset: mnist, fashion-mnist, digits, text (a language model's: see --data-file), or
     /// your own in one of the formats npy, npz, csv, images (a folder per class) or
     /// cifar10/cifar100 (their binary batches) named by --data-file [default: mnist]. In a config
@@ -350,6 +359,8 @@ impl TrainArgs {
             pin,
             model,
             model_file,
+            init_from,
+            weight_map,
             tie_embeddings,
             dataset,
             data_dir,
@@ -891,6 +902,8 @@ impl TrainArgs {
             },
             text: text.then(|| self.text_source()),
             source: self.data_source()?,
+            // Set once the weights are converted into the run's directory (init_from.rs).
+            init_from: None,
             recv_timeout_secs: self
                 .recv_timeout
                 .unwrap_or(ringtmp_strategy::DEFAULT_RECV_TIMEOUT_SECS),

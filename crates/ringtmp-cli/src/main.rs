@@ -14,6 +14,7 @@ mod display;
 mod error;
 mod export;
 mod generate;
+mod init_from;
 mod launcher;
 mod links;
 mod node;

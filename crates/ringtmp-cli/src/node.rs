@@ -494,13 +494,21 @@ fn rank0_job(args: &NodeArgs, world: u32) -> Result<Rank0Job> {
     }
     train_args.adopt_checkpoint_batch()?;
     let data = crate::plan::load_dataset(&train_args, true)?;
-    let cfg = train_args.resolve_for(&data)?;
+    let mut cfg = train_args.resolve_for(&data)?;
+    let init = crate::init_from::convert(&train_args, &cfg, &data)?;
+    if init.is_some() {
+        cfg.init_from = Some(crate::init_from::init_dir(&cfg.out));
+    }
     // Under an external launcher this is the first look at the output directory.
     crate::run_dir::prepare(
         &cfg.out,
         cfg.resume.as_deref(),
         train_args.overwrite.unwrap_or(false),
     )?;
+    // Every node reads the weights from here: a directory every node sees, as --out must be.
+    if let (Some(init), Some(dir)) = (&init, &cfg.init_from) {
+        init.write(dir, &cfg)?;
+    }
     train_args.out = Some(cfg.out.clone());
     Ok(Rank0Job::Prepared(Box::new(Prepared {
         train_args,

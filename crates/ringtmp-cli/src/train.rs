@@ -90,7 +90,11 @@ fn run_resolved(args: TrainArgs) -> Result<()> {
         None => None,
     };
     let data = load_dataset(&args, true)?;
-    let cfg = args.resolve_for(&data)?;
+    let mut cfg = args.resolve_for(&data)?;
+    let init = crate::init_from::convert(&args, &cfg, &data)?;
+    if init.is_some() {
+        cfg.init_from = Some(crate::init_from::init_dir(&cfg.out));
+    }
     let Job::Local(job) = plan(&args, cfg, &data, 1)? else {
         unreachable!("--strategy local plans a local job")
     };
@@ -100,6 +104,9 @@ fn run_resolved(args: TrainArgs) -> Result<()> {
         cfg.resume.as_deref(),
         args.overwrite.unwrap_or(false),
     )?;
+    if let (Some(init), Some(dir)) = (&init, &cfg.init_from) {
+        init.write(dir, cfg)?;
+    }
     init_threads(cfg.threads)?;
     eprintln!(
         "training {} with strategy local, batch {}, lr {}, {} thread(s); output in {}",
@@ -337,8 +344,12 @@ fn launch_once(args: &mut TrainArgs, cluster: &LocalCluster, attempt: usize) -> 
     // Check everything and plan here, before any process starts: a bad option is a usage error
     // (exit 2) of this command, and the plan printed is the one the nodes run.
     let data = load_dataset(args, first)?;
-    let cfg = args.resolve_for(&data)?;
-    let mut job = plan_here(args, cfg, &data, nodes, cores)?;
+    let mut cfg = args.resolve_for(&data)?;
+    let init = crate::init_from::convert(args, &cfg, &data)?;
+    if init.is_some() {
+        cfg.init_from = Some(crate::init_from::init_dir(&out));
+    }
+    let mut job = plan_here(args, cfg.clone(), &data, nodes, cores)?;
     drop(data);
     if args.max_restarts.unwrap_or(0) > 0 {
         crate::restart::choose_checkpoints(args, &mut job, first);
@@ -348,6 +359,9 @@ fn launch_once(args: &mut TrainArgs, cluster: &LocalCluster, attempt: usize) -> 
         args.resume.as_deref(),
         args.overwrite.unwrap_or(false),
     )?;
+    if let (Some(init), Some(dir)) = (&init, &cfg.init_from) {
+        init.write(dir, &cfg)?;
+    }
     // The nodes see the directory as prepared; they must not refuse or clear it again.
     args.overwrite = None;
     let idle = match &job {

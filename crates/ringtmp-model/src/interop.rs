@@ -45,6 +45,16 @@ pub enum NameMap {
     NanoGpt,
 }
 
+impl std::fmt::Display for NameMap {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            NameMap::Ringtmp => "ringtmp",
+            NameMap::Pytorch => "pytorch",
+            NameMap::NanoGpt => "nanogpt",
+        })
+    }
+}
+
 impl std::str::FromStr for NameMap {
     type Err = String;
 

@@ -106,6 +106,11 @@ pub struct TrainConfig {
     /// `None` for the bundled datasets and text.
     #[serde(default)]
     pub source: Option<ringtmp_data::DataSource>,
+    /// A checkpoint directory of step 0 whose parameters (by name, any partition) start the
+    /// run instead of the seeded initialisation: weights trained elsewhere, converted by
+    /// `--init-from`. A resumed run loads its checkpoint instead.
+    #[serde(default)]
+    pub init_from: Option<PathBuf>,
 }
 
 /// A text dataset as the run reads it.
@@ -149,6 +154,25 @@ impl TrainConfig {
             Some(samples) => samples.div_ceil(global_batch.max(1) as u64).max(1),
             None => steps_per_epoch * u64::from(self.epochs),
         }
+    }
+
+    /// A training stage of `layers[range]` on `threads` threads: the seeded initial parameters,
+    /// or `init_from`'s when the run does not resume (`resuming`: its checkpoint is loaded
+    /// next). The one place a training stage is made, so weights trained elsewhere reach every
+    /// strategy and every partition.
+    pub fn initial_stage(
+        &self,
+        layers: &[ringtmp_model::Layer],
+        range: std::ops::Range<usize>,
+        threads: usize,
+        resuming: bool,
+    ) -> Result<ringtmp_model::Stage> {
+        let mut stage = ringtmp_model::Stage::new(layers, range, self.seed, threads);
+        if let (Some(dir), false) = (&self.init_from, resuming) {
+            let manifest = ringtmp_model::checkpoint::read_manifest(dir)?;
+            ringtmp_model::checkpoint::read_params(dir, &manifest, &mut stage)?;
+        }
+        Ok(stage)
     }
 
     /// Checks the ranges of the numeric settings.

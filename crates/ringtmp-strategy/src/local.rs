@@ -101,7 +101,8 @@ pub fn train_local(
 ) -> Result<Summary> {
     let wall = Instant::now();
     let layers = crate::layers_for(&cfg.model, data)?;
-    let mut model = Stage::new(&layers, 0..layers.len(), cfg.seed, cfg.threads);
+    let mut model =
+        cfg.initial_stage(&layers, 0..layers.len(), cfg.threads, cfg.resume.is_some())?;
     // Per-layer times for the summary: two clock reads per layer and pass.
     model.set_profiling(true);
     let mut optimizer = Optimizer::new(cfg.optimizer.clone(), model.params().len());

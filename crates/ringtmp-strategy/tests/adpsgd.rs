@@ -265,6 +265,7 @@ fn a_gpt_trains_with_each_worker_clipping_its_gradient() {
         dataset: "text".into(),
         text: Some(text),
         source: None,
+        init_from: None,
         clip_grad_norm: Some(1.0),
         ..config(16, 40, 0.2, &tmp.path().join("adpsgd"))
     };

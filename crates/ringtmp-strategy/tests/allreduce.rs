@@ -246,6 +246,7 @@ fn a_gpt_with_and_without_clipping_equals_local() {
             dataset: "text".into(),
             text: Some(text.clone()),
             source: None,
+            init_from: None,
             lr: if clip.is_some() { 0.5 } else { 0.05 },
             clip_grad_norm: clip,
             ..config(

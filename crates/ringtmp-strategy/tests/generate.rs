@@ -21,6 +21,7 @@ fn a_split_generation_draws_the_tokens_of_one_process() {
         dataset: "text".into(),
         text: Some(text),
         source: None,
+        init_from: None,
         checkpoint_every: 20,
         ..train_config(gpt(data.classes, 16), 8, 20, &out)
     };

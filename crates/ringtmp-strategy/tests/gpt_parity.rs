@@ -83,6 +83,7 @@ fn setup(dir: &Path, out: &Path) -> (TrainConfig, Dataset) {
         dataset: "text".into(),
         text: Some(text),
         source: None,
+        init_from: None,
         seed: 5,
         ..ringtmp_testkit::fixtures::train_config(
             ringtmp_testkit::fixtures::gpt(data.classes, 32),

@@ -68,6 +68,7 @@ fn config(out: &Path, optimizer: OptimizerConfig) -> TrainConfig {
         clip_grad_norm: None,
         text: None,
         source: None,
+        init_from: None,
         default_lr: false,
         default_schedule: false,
         default_momentum: false,

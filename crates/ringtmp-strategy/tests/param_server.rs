@@ -60,6 +60,7 @@ fn config(steps: u64, out: &Path) -> TrainConfig {
         clip_grad_norm: None,
         text: None,
         source: None,
+        init_from: None,
         default_lr: false,
         default_schedule: false,
         default_momentum: false,
@@ -209,6 +210,7 @@ fn gpt_config(data: &Dataset, text: ringtmp_strategy::TextSource, out: &Path) ->
         dataset: "text".into(),
         text: Some(text),
         source: None,
+        init_from: None,
         lr: 0.5,
         clip_grad_norm: Some(0.05),
         ..config(10, out)

@@ -198,6 +198,7 @@ pub fn train_config(
         clip_grad_norm: None,
         text: None,
         source: None,
+        init_from: None,
     }
 }
 

@@ -511,7 +511,12 @@ pub fn run_worker(
     let mut compute = Compute {
         spec,
         data,
-        stage: Stage::new(&layers, 0..layers.len(), spec.seed, spec.threads),
+        stage: spec.initial_stage(
+            &layers,
+            0..layers.len(),
+            spec.threads,
+            spec.resume_from.is_some(),
+        )?,
         plan: BatchPlan::new(data.train.len(), spec.batch_size * n as usize, spec.seed)?,
         share: ShareBuffers::default(),
         rank,

@@ -289,7 +289,12 @@ pub fn run_worker_from(
         notices: Vec::new(),
     };
     let layers = spec.layers()?;
-    let mut stage = Stage::new(&layers, 0..layers.len(), spec.seed, spec.threads);
+    let mut stage = spec.initial_stage(
+        &layers,
+        0..layers.len(),
+        spec.threads,
+        spec.resume_from.is_some(),
+    )?;
     let mut optimizer = Optimizer::new(spec.optimizer.clone(), stage.params().len());
     if let Some(ResumePoint { dir, .. }) = &spec.resume_from {
         let manifest = checkpoint::read_manifest(dir)?;

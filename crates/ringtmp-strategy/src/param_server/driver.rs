@@ -292,7 +292,12 @@ pub fn run_worker(
     on_event: &mut dyn FnMut(WorkerEvent<'_>) -> Result<()>,
 ) -> Result<(WorkerOutcome, Stage)> {
     let layers = job.layers()?;
-    let mut stage = Stage::new(&layers, 0..layers.len(), job.spec.seed, job.spec.threads);
+    let mut stage = job.spec.initial_stage(
+        &layers,
+        0..layers.len(),
+        job.spec.threads,
+        job.spec.resume_from.is_some(),
+    )?;
     let total = stage.params().len();
     let ranges: Vec<Range<usize>> = (0..job.servers)
         .map(|s| shard_range(total, job.servers, s))

@@ -71,7 +71,9 @@ impl<'a> Server<'a> {
         let layers = job.layers()?;
         let total: usize = layers.iter().map(|l| l.param_count()).sum();
         let range = shard_range(total, job.servers, s);
-        let model = Stage::new(&layers, 0..layers.len(), job.spec.seed, 1);
+        let model =
+            job.spec
+                .initial_stage(&layers, 0..layers.len(), 1, job.spec.resume_from.is_some())?;
         let mut params = model.params()[range.clone()].to_vec();
         let mut optimizer = Optimizer::new(job.spec.optimizer.clone(), params.len());
         if let Some(ResumePoint { dir, .. }) = &job.spec.resume_from {

@@ -195,12 +195,12 @@ impl RingJob {
             .get(rank as usize)
             .cloned()
             .ok_or_else(|| Error::Config(format!("no stage for rank {rank}")))?;
-        let stage = Stage::new(
+        let stage = self.spec.initial_stage(
             &layers,
             plan.start..plan.end,
-            self.spec.seed,
             self.spec.threads,
-        );
+            self.spec.resume_from.is_some(),
+        )?;
         Ok((stage, plan))
     }
 

@@ -1,0 +1,345 @@
+//! Weights in and out: `ringtmp export --to pytorch` writes what PyTorch loads into the module
+//! its `model.py` builds and then computes the logits ringtmp computes (golden files made by
+//! benches/reference/export_parity.py with torch), `ringtmp predict` reads a user's inputs as
+//! training read them, and `--init-from` starts training from weights trained elsewhere.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use ringtmp_data::npy;
+
+fn ringtmp(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ringtmp"))
+        .args(args)
+        .current_dir(repo())
+        .output()
+        .expect("run ringtmp")
+}
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn golden(kind: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/golden/export")
+        .join(kind)
+}
+
+fn ok(out: &Output) -> String {
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{stderr}");
+    stderr
+}
+
+fn read_npy(path: &Path) -> (Vec<usize>, Vec<f32>) {
+    let bytes = std::fs::read(path).unwrap();
+    let header = npy::parse_header(path, &bytes).unwrap();
+    let values = npy::values_f64(&header, &bytes);
+    (header.shape, values.iter().map(|&v| v as f32).collect())
+}
+
+fn sha256(path: &Path) -> String {
+    use sha2::{Digest, Sha256};
+    hex::encode(Sha256::digest(std::fs::read(path).unwrap()))
+}
+
+/// Exports the golden checkpoint of `kind`, checks the files are those PyTorch ran (model.py
+/// text, the weights' bytes), and that ringtmp's own logits on the golden inputs are PyTorch's.
+/// `RINGTMP_BLESS=1` rewrites the golden model.py and hash (then run the script again).
+fn check_export(kind: &str, inputs: &str) {
+    let dir = golden(kind);
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("export");
+    let checkpoint = dir.join("checkpoint");
+    ok(&ringtmp(&[
+        "export",
+        "--checkpoint",
+        checkpoint.to_str().unwrap(),
+        "--to",
+        "pytorch",
+        out.to_str().unwrap(),
+    ]));
+    let model_py = std::fs::read_to_string(out.join("model.py")).unwrap();
+    let hash = sha256(&out.join("model.safetensors"));
+    if std::env::var_os("RINGTMP_BLESS").is_some() {
+        std::fs::write(dir.join("model.py.golden"), &model_py).unwrap();
+        std::fs::write(dir.join("model.safetensors.sha256"), format!("{hash}\n")).unwrap();
+        eprintln!(
+            "blessed; now: ringtmp export --checkpoint {} OUT && python3 \
+             benches/reference/export_parity.py OUT {} {}",
+            checkpoint.display(),
+            dir.join(inputs).display(),
+            dir.join("torch_logits.npy").display()
+        );
+    }
+    assert_eq!(
+        model_py,
+        std::fs::read_to_string(dir.join("model.py.golden")).unwrap(),
+        "model.py differs from the one PyTorch ran (RINGTMP_BLESS=1 and rerun the script)"
+    );
+    assert_eq!(
+        hash,
+        std::fs::read_to_string(dir.join("model.safetensors.sha256"))
+            .unwrap()
+            .trim(),
+        "the exported weights differ from those PyTorch ran"
+    );
+    let logits = tmp.path().join("logits.npy");
+    ok(&ringtmp(&[
+        "predict",
+        "--checkpoint",
+        checkpoint.to_str().unwrap(),
+        "--data-file",
+        dir.join(inputs).to_str().unwrap(),
+        "--logits",
+        logits.to_str().unwrap(),
+    ]));
+    let (shape, ours) = read_npy(&logits);
+    let (torch_shape, theirs) = read_npy(&dir.join("torch_logits.npy"));
+    assert_eq!(shape, torch_shape);
+    let scale = theirs.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let worst = ours
+        .iter()
+        .zip(&theirs)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        worst <= 1e-5 * scale.max(1.0),
+        "{kind}: ringtmp and PyTorch differ by {worst} (logits up to {scale})"
+    );
+}
+
+#[test]
+fn exported_models_give_pytorch_the_same_logits() {
+    // Three channels: the convolutions' OIHW weights and a flattened 6-channel image.
+    check_export("cnn", "inputs.npy");
+    // A transformer: embeddings, a block, the final norm and the head.
+    check_export("gpt", "ids.npy");
+}
+
+const DIGITS_CNN: &str = r#"
+name = "digits-cnn"
+[[layer]]
+type = "conv2d"
+out_channels = 6
+kernel = 3
+[[layer]]
+type = "relu"
+[[layer]]
+type = "flatten"
+[[layer]]
+type = "linear"
+out = 10
+"#;
+
+fn summary(out: &Path) -> serde_json::Value {
+    serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap()
+}
+
+fn train(out: &Path, extra: &[&str]) -> String {
+    let mut args = vec![
+        "train",
+        "--dataset",
+        "digits",
+        "--batch-size",
+        "32",
+        "--out",
+        out.to_str().unwrap(),
+        "--overwrite",
+    ];
+    args.extend_from_slice(extra);
+    ok(&ringtmp(&args))
+}
+
+#[test]
+fn init_from_an_export_starts_every_strategy_from_those_weights() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let model = t.join("model.toml");
+    std::fs::write(&model, DIGITS_CNN).unwrap();
+    let model = model.to_str().unwrap();
+    let first = t.join("first");
+    train(
+        &first,
+        &[
+            "--model-file",
+            model,
+            "--strategy",
+            "local",
+            "--max-steps",
+            "15",
+            "--checkpoint-every",
+            "15",
+        ],
+    );
+    let exported = t.join("exported");
+    ok(&ringtmp(&[
+        "export",
+        "--checkpoint",
+        first.to_str().unwrap(),
+        exported.to_str().unwrap(),
+    ]));
+    let weights = exported.join("model.safetensors");
+    let weights = weights.to_str().unwrap();
+    // No step: the model is the exported one, so it scores as the first run ended.
+    let again = t.join("again");
+    let said = train(
+        &again,
+        &[
+            "--model-file",
+            model,
+            "--strategy",
+            "local",
+            "--max-steps",
+            "0",
+            "--init-from",
+            weights,
+        ],
+    );
+    assert!(
+        said.contains("4 tensors (") && said.contains("pytorch names"),
+        "{said}"
+    );
+    assert_eq!(
+        summary(&again)["final_test_accuracy"],
+        summary(&first)["final_test_accuracy"]
+    );
+    // A ring (two stages, each loading its own layers by name) and local, three steps from the
+    // same weights: the same model.
+    let mut logits = Vec::new();
+    for (name, strategy) in [
+        ("local", &["--strategy", "local"][..]),
+        (
+            "ring",
+            &["--strategy", "ring", "--nodes", "2", "--schedule", "1f1b"],
+        ),
+    ] {
+        let out = t.join(name);
+        let mut extra = vec![
+            "--model-file",
+            model,
+            "--max-steps",
+            "3",
+            "--checkpoint-every",
+            "3",
+        ];
+        extra.extend_from_slice(&["--init-from", weights]);
+        extra.extend_from_slice(strategy);
+        train(&out, &extra);
+        let path = t.join(format!("{name}.npy"));
+        ok(&ringtmp(&[
+            "predict",
+            "--checkpoint",
+            out.to_str().unwrap(),
+            "--limit",
+            "50",
+            "--logits",
+            path.to_str().unwrap(),
+        ]));
+        logits.push(read_npy(&path).1);
+    }
+    let worst = logits[0]
+        .iter()
+        .zip(&logits[1])
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        worst < 1e-3,
+        "ring and local from the same weights differ by {worst}"
+    );
+    // Another model's weights: every problem listed, exit 2, nothing trained.
+    let out = ringtmp(&[
+        "train",
+        "--dataset",
+        "digits",
+        "--strategy",
+        "local",
+        "--model",
+        "mlp",
+        "--init-from",
+        weights,
+        "--weight-map",
+        "pytorch",
+        "--out",
+        t.join("refused").to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--init-from") && stderr.contains("0.weight"),
+        "{stderr}"
+    );
+    assert!(!t.join("refused").join("summary.json").exists());
+}
+
+#[test]
+fn predict_reads_a_table_by_column_names_and_writes_class_names() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let mut rows = String::from("x1,x2,kind\n");
+    for i in 0..240 {
+        let (a, b) = ((i % 12) as f32 / 12.0, (i % 7) as f32 / 7.0);
+        rows.push_str(&format!("{a},{b},{}\n", if a > b { "up" } else { "down" }));
+    }
+    let table = t.join("t.csv");
+    std::fs::write(&table, rows).unwrap();
+    let run = t.join("run");
+    train_table(&table, &run);
+    // The columns in another order, and no label: predictions by class name.
+    let new = t.join("new.csv");
+    std::fs::write(&new, "x2,x1\n0.1,0.9\n0.9,0.1\n").unwrap();
+    let csv = t.join("p.csv");
+    ok(&ringtmp(&[
+        "predict",
+        "--checkpoint",
+        run.to_str().unwrap(),
+        "--data-file",
+        new.to_str().unwrap(),
+        "--csv",
+        csv.to_str().unwrap(),
+    ]));
+    let text = std::fs::read_to_string(&csv).unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines[0], "source,predicted,probability");
+    assert!(
+        lines[1].contains(",up,") && lines[2].contains(",down,"),
+        "{text}"
+    );
+    // A table without a column the model reads is refused, naming it.
+    let bad = t.join("bad.csv");
+    std::fs::write(&bad, "x1\n0.5\n").unwrap();
+    let out = ringtmp(&[
+        "predict",
+        "--checkpoint",
+        run.to_str().unwrap(),
+        "--data-file",
+        bad.to_str().unwrap(),
+        "--csv",
+        csv.to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no column \"x2\""));
+}
+
+fn train_table(table: &Path, run: &Path) {
+    ok(&ringtmp(&[
+        "train",
+        "--dataset",
+        "csv",
+        "--data-file",
+        table.to_str().unwrap(),
+        "--label",
+        "kind",
+        "--strategy",
+        "local",
+        "--epochs",
+        "30",
+        "--optimizer",
+        "adam",
+        "--lr",
+        "0.01",
+        "--checkpoint-every",
+        "1000",
+        "--out",
+        run.to_str().unwrap(),
+    ]));
+}
