@@ -387,7 +387,7 @@ pub fn predict(a: &PredictArgs) -> Result<()> {
         return predict_tokens(a, &mut opened);
     };
     let inputs = match &a.data_file {
-        Some(path) => recipe.read(path, a.limit)?,
+        Some(path) => ringtmp_data::read_inputs(&recipe, path, a.limit)?,
         None => test_split(&opened, a.limit)?,
     };
     let outputs = inputs_outputs(&mut opened.stage, &inputs.x, inputs.rows)?;

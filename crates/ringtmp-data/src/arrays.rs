@@ -8,11 +8,11 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::description::{DataSource, Loaded, class_indices, dir_of};
 use crate::error::{Error, Result};
 use crate::npy::{self, Header, Kind};
 use crate::recipe::Layout;
 use crate::rows::{Dtype, Labels, RowData};
-use crate::source::{DataSource, Loaded, class_indices, dir_of};
 
 /// An array's bytes: mapped from an `.npy` file, or an `.npz` member read into memory.
 enum Bytes {

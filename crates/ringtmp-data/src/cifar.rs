@@ -9,10 +9,10 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use crate::description::{DataSource, Loaded};
 use crate::error::{Error, Result};
 use crate::recipe::Layout;
 use crate::rows::{Dtype, Labels, RowData};
-use crate::source::{DataSource, Loaded};
 
 const SIDE: usize = 32;
 const PIXELS: usize = SIDE * SIDE * 3;

@@ -329,8 +329,9 @@ const DIGITS_TRAIN: usize = 1500;
 
 /// Directories searched for dataset `name`, in order. With `data_dir`: that directory and
 /// `data_dir/name` only (a directory the user named is never silently replaced by the bundled
-/// copy). Without: `./data/name`, the repository's bundled `data/name`, and for Fashion-MNIST the
-/// directory Debian's package installs.
+/// copy). Without: `./data/name`, the repository's bundled `data/name`, an installed binary's
+/// `<prefix>/share/ringtmp/data/name`, and for Fashion-MNIST the directory Debian's package
+/// installs.
 pub fn search_dirs(name: &str, data_dir: Option<&Path>) -> Vec<PathBuf> {
     // The digits file keeps the folder name it has in shared/data.
     let folder = if name == "digits" {
@@ -348,10 +349,22 @@ pub fn search_dirs(name: &str, data_dir: Option<&Path>) -> Vec<PathBuf> {
             .join("../../data")
             .join(folder),
     );
+    if let Some(installed) = installed_data_dir() {
+        dirs.push(installed.join(folder));
+    }
     if name == "fashion-mnist" {
         dirs.push(PathBuf::from(DEBIAN_FASHION_MNIST));
     }
     dirs
+}
+
+/// Where an installed `ringtmp` (a Python wheel's `bin/ringtmp`, or a package's) finds the
+/// datasets it ships: `<prefix>/share/ringtmp/data` beside its `bin/`.
+fn installed_data_dir() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let prefix = exe.parent()?.parent()?;
+    let dir = prefix.join("share/ringtmp/data");
+    dir.is_dir().then_some(dir)
 }
 
 /// Loads dataset `name`, looking in [`search_dirs`].

@@ -11,10 +11,10 @@ use std::sync::Arc;
 
 use image::imageops::FilterType;
 
+use crate::description::{DataSource, Loaded};
 use crate::error::{Error, Result};
 use crate::recipe::Layout;
 use crate::rows::{Dtype, Labels, RowData};
-use crate::source::{DataSource, Loaded};
 
 /// File extensions read as images (compared case-insensitively).
 const EXTENSIONS: [&str; 3] = ["png", "jpg", "jpeg"];

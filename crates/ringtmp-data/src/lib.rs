@@ -18,11 +18,12 @@
 mod arrays;
 mod cifar;
 pub mod dataset;
+pub mod description;
 mod error;
 mod folder;
 pub mod idx;
 pub mod npy;
-mod predict;
+pub mod predict;
 pub mod recipe;
 pub mod rows;
 pub mod sampler;
@@ -33,9 +34,11 @@ pub mod text;
 pub use dataset::{
     DATASETS, Dataset, FileCheck, Split, Task, TextOptions, load, load_text_dataset,
 };
+pub use description::{DataSource, FORMATS, Normalize};
 pub use error::{Error, Result};
-pub use recipe::{InputRecipe, Inputs, Layout};
+pub use predict::{Inputs, read_inputs};
+pub use recipe::{InputRecipe, Layout};
 pub use rows::{Labels, Normalisation};
 pub use sampler::{BatchPlan, epoch_permutation, shard};
-pub use source::{DataSource, FORMATS, Normalize, load_source};
+pub use source::load_source;
 pub use text::{TextCorpus, TextTokenizer, Tokens, Vocabulary};

@@ -84,27 +84,3 @@ impl InputRecipe {
         self.shape.0 * self.shape.1 * self.shape.2
     }
 }
-
-/// A user's inputs read as a recipe says, for prediction.
-#[derive(Clone, Debug)]
-pub struct Inputs {
-    /// Normalised inputs `[rows, features]`, in the model's order.
-    pub x: Vec<f32>,
-    /// Rows read.
-    pub rows: usize,
-    /// The rows' labels, when the files carry them (a table's label column, class folders,
-    /// CIFAR records): class indices, or regression targets in their own units.
-    pub labels: Option<crate::rows::Labels>,
-    /// Where each row came from (`file`, `file:row`), for a prediction file's first column.
-    pub names: Vec<String>,
-}
-
-impl InputRecipe {
-    /// Reads at most `limit` rows of `path` as training read its rows: a `.csv` table (the
-    /// recipe's columns, by name, in any order; the label or targets when present), an `.npy`
-    /// array `[rows, …]` in the recipe's layout, an `.npz` (`x_test`, else `x`), a directory of
-    /// images or of class folders, or one PNG/JPEG image (resized to the input shape).
-    pub fn read(&self, path: &std::path::Path, limit: Option<usize>) -> crate::Result<Inputs> {
-        crate::predict::read(self, path, limit)
-    }
-}

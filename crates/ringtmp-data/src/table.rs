@@ -8,10 +8,10 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use crate::description::{DataSource, Loaded, dir_of};
 use crate::error::{Error, Result};
 use crate::recipe::Layout;
 use crate::rows::{Dtype, Labels, RowData};
-use crate::source::{DataSource, Loaded, dir_of};
 
 /// A numeric label at or above this is a quantity to regress on, not a class index.
 const MAX_CLASS_INDEX: u32 = 1024;

@@ -246,11 +246,24 @@ fn csv_class_names_and_regression_targets() {
     let data = load_source(&source).unwrap();
     assert_eq!(data.task, Task::Regress);
     assert_eq!((data.classes, data.positions()), (1, 1));
+    // Targets are trained standardised (the training split's mean 0, deviation 1); the recipe
+    // keeps the statistics that give them back in their units.
     let (_, y) = gather_all(&data.train);
+    let y: Vec<f64> = y.iter().map(|&b| f64::from(f32::from_bits(b))).collect();
+    let mean = y.iter().sum::<f64>() / y.len() as f64;
+    let var = y.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / y.len() as f64;
+    assert!(
+        mean.abs() < 1e-5 && (var - 1.0).abs() < 1e-4,
+        "{mean} {var}"
+    );
+    let [(m, s)] = data.recipe.target_standardisation[..] else {
+        panic!("one target's statistics")
+    };
     assert!(
         y.iter()
-            .all(|&b| (100.0..=233.0).contains(&f32::from_bits(b)))
+            .all(|&v| (99.999..=233.001).contains(&(v * f64::from(s) + f64::from(m))))
     );
+    assert_eq!(data.recipe.targets, vec!["price"]);
 }
 
 fn refused(source: &DataSource) -> String {
