@@ -21,8 +21,11 @@ if [ ! -x target/maturin-venv/bin/maturin ]; then
 fi
 rm -rf target/wheels
 for arch in $TARGETS; do
-    target/maturin-venv/bin/maturin build --release --quiet --target "$arch-unknown-linux-gnu" \
-        --out target/wheels
+    # The host's wheel without --target: cargo then reuses target/release, which the README's
+    # build (and CI's) made already; a named target builds everything again in its own folder.
+    target=()
+    [ "$arch" = "$(uname -m)" ] || target=(--target "$arch-unknown-linux-gnu")
+    target/maturin-venv/bin/maturin build --release --quiet "${target[@]}" --out target/wheels
 done
 ls -l target/wheels
 if [[ " $TARGETS " == *" x86_64 "* ]]; then
