@@ -1,6 +1,6 @@
 //! A user's own dataset as the user describes it ([`DataSource`]: the format, the files, the
 //! input shape, the label, the split and the normalisation), and what each format's reader hands
-//! on ([`Loaded`]). The readers (`arrays`, `table`, `folder`, `cifar`) and the loader
+//! on (`Loaded`). The readers (`arrays`, `table`, `folder`, `cifar`) and the loader
 //! (`source`) both depend on this file; it depends on none of them.
 
 use std::path::{Path, PathBuf};

@@ -304,7 +304,7 @@ pub fn write(path: &Path, descr: &str, shape: &[usize], data: &[u8]) -> Result<(
     })
 }
 
-/// The bytes of an `.npy` array (see [`write`]).
+/// The bytes of an `.npy` array (see [`write()`]).
 pub fn encode(descr: &str, shape: &[usize], data: &[u8]) -> Vec<u8> {
     let dims: Vec<String> = shape.iter().map(|d| d.to_string()).collect();
     let tuple = if dims.len() == 1 {

@@ -133,13 +133,18 @@ pub fn run(raw: &[String]) -> Result<()> {
                 "compare: {label}: {:.0} samples/s simulated ({:.1} s of training), {took:.1} s",
                 s.samples_per_second, s.train_seconds
             ),
-            Some(s) if status.success() => match &s.language {
-                Some(l) => eprintln!(
+            Some(s) if status.success() => match (&s.language, &s.regression) {
+                (_, Some(r)) => eprintln!(
+                    "compare: {label}: R² {:.4} final, RMSE {:.4}, MAE {:.4}, {:.0} samples/s, \
+                     {took:.1} s",
+                    r.final_test_r2, r.final_test_rmse, r.final_test_mae, s.samples_per_second
+                ),
+                (Some(l), _) => eprintln!(
                     "compare: {label}: validation loss {:.3} final ({:.3} best), {:.0} tokens/s, \
                      {took:.1} s",
                     l.final_val_loss, l.best_val_loss, l.tokens_per_second
                 ),
-                None => eprintln!(
+                (None, None) => eprintln!(
                     "compare: {label}: {:.2}% final ({:.2}% best), {:.0} samples/s, {took:.1} s",
                     100.0 * s.final_test_accuracy,
                     100.0 * s.best_test_accuracy,

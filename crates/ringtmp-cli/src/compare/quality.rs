@@ -1,6 +1,6 @@
 //! What a comparison judges its runs by: a classifier's test accuracy (higher is better, a
-//! target accuracy), or a language model's validation loss (lower is better) and its units,
-//! tokens rather than samples.
+//! target accuracy) — a regression's R², which its summaries keep in the accuracy's place — or a
+//! language model's validation loss (lower is better) and its units, tokens rather than samples.
 //!
 //! A language model's runs carry no common target loss, so the report sets its own: within
 //! [`LOSS_TOLERANCE`] of the lowest final validation loss any run of the comparison reached.
@@ -18,10 +18,12 @@ const ACCURACY_TOLERANCE: f64 = 0.005;
 /// The yardstick of one comparison.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Quality {
-    /// Test accuracy, against the runs' target accuracy.
+    /// Test accuracy, against the runs' target accuracy; a regression's R² against its target.
     Accuracy {
-        /// The target accuracy (a fraction).
+        /// The target accuracy (a fraction), or R².
         target: f64,
+        /// Whether the runs are regressions (the value is R², shown as such).
+        regression: bool,
     },
     /// Validation loss (nats per token), against the report's target loss.
     Loss {
@@ -50,6 +52,8 @@ impl Quality {
             }
             _ => Self::Accuracy {
                 target: summaries.first().map_or(0.97, |s| s.target_accuracy),
+                regression: !summaries.is_empty()
+                    && summaries.iter().all(|s| s.regression.is_some()),
             },
         }
     }
@@ -116,6 +120,9 @@ impl Quality {
     /// A value as the report prints it: a percentage, or a loss to 3 decimals.
     pub fn show(&self, value: f64) -> String {
         match self {
+            Self::Accuracy {
+                regression: true, ..
+            } => format!("R² {value:.4}"),
             Self::Accuracy { .. } => format!("{:.2}%", value * 100.0),
             Self::Loss { .. } => format!("{value:.3}"),
         }
@@ -124,6 +131,9 @@ impl Quality {
     /// (digits, scale) of a value in the table.
     pub fn digits_and_scale(&self) -> (usize, f64) {
         match self {
+            Self::Accuracy {
+                regression: true, ..
+            } => (4, 1.0),
             Self::Accuracy { .. } => (2, 100.0),
             Self::Loss { .. } => (3, 1.0),
         }
@@ -132,7 +142,11 @@ impl Quality {
     /// The target as the report says it.
     pub fn target_text(&self) -> String {
         match self {
-            Self::Accuracy { target } => format!("{:.0}%", target * 100.0),
+            Self::Accuracy {
+                target,
+                regression: true,
+            } => format!("R² {target:.3}"),
+            Self::Accuracy { target, .. } => format!("{:.0}%", target * 100.0),
             Self::Loss { target, .. } => format!("loss {target:.3}"),
         }
     }
@@ -140,6 +154,9 @@ impl Quality {
     /// What is measured: `accuracy` or `validation loss`.
     pub fn name(&self) -> &'static str {
         match self {
+            Self::Accuracy {
+                regression: true, ..
+            } => "R²",
             Self::Accuracy { .. } => "accuracy",
             Self::Loss { .. } => "validation loss",
         }
@@ -164,6 +181,9 @@ impl Quality {
     /// A curve point's value as plotted: a percentage, or the loss.
     pub fn plotted(&self, value: f64) -> f64 {
         match self {
+            Self::Accuracy {
+                regression: true, ..
+            } => value,
             Self::Accuracy { .. } => value * 100.0,
             Self::Loss { .. } => value,
         }
@@ -172,6 +192,9 @@ impl Quality {
     /// The plots' axis label for the value.
     pub fn axis(&self) -> &'static str {
         match self {
+            Self::Accuracy {
+                regression: true, ..
+            } => "test R²",
             Self::Accuracy { .. } => "test accuracy (%)",
             Self::Loss { .. } => "validation loss (nats per token)",
         }
@@ -197,6 +220,36 @@ mod tests {
     }
 
     #[test]
+    fn regressions_are_judged_by_r2_shown_as_such() {
+        let r = Summary {
+            target_accuracy: 0.9,
+            final_test_accuracy: 0.95,
+            regression: Some(ringtmp_metrics::RegressionSummary::default()),
+            ..Default::default()
+        };
+        let q = Quality::of(&[&r, &r]);
+        assert_eq!(
+            q,
+            Quality::Accuracy {
+                target: 0.9,
+                regression: true
+            }
+        );
+        assert_eq!(q.show(0.95), "R² 0.9500");
+        assert_eq!(q.target_text(), "R² 0.900");
+        assert_eq!((q.name(), q.plotted(0.95)), ("R²", 0.95));
+        // Mixed with a classifier, the report stays in accuracy.
+        let c = Summary::default();
+        assert!(matches!(
+            Quality::of(&[&r, &c]),
+            Quality::Accuracy {
+                regression: false,
+                ..
+            }
+        ));
+    }
+
+    #[test]
     fn a_language_models_target_is_within_two_percent_of_the_best_loss() {
         let (a, b) = (lm(2.0), lm(1.9));
         let q = Quality::of(&[&a, &b]);
@@ -218,7 +271,13 @@ mod tests {
             ..Default::default()
         };
         let q = Quality::of(&[&c, &a]);
-        assert_eq!(q, Quality::Accuracy { target: 0.9 });
+        assert_eq!(
+            q,
+            Quality::Accuracy {
+                target: 0.9,
+                regression: false
+            }
+        );
         assert!(q.rank(Some(0.95)) < q.rank(Some(0.9)));
         assert!(q.as_good_as(0.946, 0.95) && !q.as_good_as(0.94, 0.95));
     }

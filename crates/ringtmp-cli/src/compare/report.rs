@@ -125,6 +125,9 @@ struct Row {
     /// With failures (simulated): the useful fraction of time, and samples/s times it.
     useful_fraction: Option<(f64, f64, f64)>,
     effective_samples_per_second: Option<(f64, f64, f64)>,
+    /// Regressions: the final RMSE and MAE in the targets' units.
+    rmse: Option<(f64, f64, f64)>,
+    mae: Option<(f64, f64, f64)>,
 }
 
 fn rows(finished: &[Finished], quality: &Quality) -> Vec<Row> {
@@ -169,6 +172,16 @@ fn rows(finished: &[Finished], quality: &Quality) -> Vec<Row> {
                 samples_per_second: of(&|r| r.summary.samples_per_second * unit),
                 train_seconds: of(&|r| r.summary.train_seconds),
                 useful_fraction: spread(g.iter().filter_map(|r| r.useful_fraction).collect()),
+                rmse: spread(
+                    g.iter()
+                        .filter_map(|r| r.summary.regression.as_ref().map(|e| e.final_test_rmse))
+                        .collect(),
+                ),
+                mae: spread(
+                    g.iter()
+                        .filter_map(|r| r.summary.regression.as_ref().map(|e| e.final_test_mae))
+                        .collect(),
+                ),
                 effective_samples_per_second: spread(
                     g.iter()
                         .filter_map(|r| {
@@ -289,6 +302,8 @@ pub fn write(options: &CompareOptions) -> Result<(usize, usize)> {
             "final_val_loss": s.language.as_ref().map(|l| l.final_val_loss),
             "tokens_per_second": s.language.as_ref().map(|l| l.tokens_per_second),
             "best_test_accuracy": s.best_test_accuracy,
+            "final_test_rmse": s.regression.as_ref().map(|r| r.final_test_rmse),
+            "final_test_mae": s.regression.as_ref().map(|r| r.final_test_mae),
             "target_accuracy": s.target_accuracy,
             "time_to_target_seconds": s.time_to_target_seconds,
             "train_seconds": s.train_seconds, "wall_seconds": s.wall_seconds,
@@ -341,6 +356,9 @@ fn failed_cells(f: &Failed, columns: usize) -> Vec<String> {
 fn columns(quality: &Quality, failures: bool) -> Vec<String> {
     let unit = quality.unit();
     let (final_column, best_column) = match quality {
+        Quality::Accuracy {
+            regression: true, ..
+        } => ("final R²", "best R²"),
         Quality::Accuracy { .. } => ("final accuracy %", "best %"),
         Quality::Loss { .. } => ("final validation loss", "best"),
     };
@@ -363,6 +381,12 @@ fn columns(quality: &Quality, failures: bool) -> Vec<String> {
             "useful % of time with failures".into(),
             format!("effective {unit}s/s"),
         ]);
+    }
+    if let Quality::Accuracy {
+        regression: true, ..
+    } = quality
+    {
+        columns.extend(["final RMSE".into(), "final MAE".into()]);
     }
     columns
 }
@@ -409,6 +433,17 @@ fn cells(row: &Row, quality: &Quality, simulated: bool, failures: bool) -> Vec<S
     if failures {
         cells.push(show(row.useful_fraction, 1, 100.0));
         cells.push(show(row.effective_samples_per_second, 0, 1.0));
+    }
+    if let Quality::Accuracy {
+        regression: true, ..
+    } = quality
+    {
+        let (rmse, mae) = if simulated {
+            ("—".into(), "—".into())
+        } else {
+            (show(row.rmse, 4, 1.0), show(row.mae, 4, 1.0))
+        };
+        cells.extend([rmse, mae]);
     }
     cells
 }
@@ -488,6 +523,12 @@ fn settings(options: &CompareOptions, finished: &[Finished]) -> String {
 /// What the target is, where the report chose it (a language model's).
 fn target_note(quality: &Quality) -> String {
     match quality {
+        Quality::Accuracy {
+            regression: true, ..
+        } => " The runs are regressions: the yardstick is R² (1 − the mean squared error over \
+               the targets' variance), kept in the summaries' accuracy fields; RMSE and MAE are \
+               in the targets' units."
+            .into(),
         Quality::Accuracy { .. } => String::new(),
         Quality::Loss { target, .. } => format!(
             " The target is validation loss {target:.3}: within {:.0}% of the lowest final \
@@ -1037,6 +1078,9 @@ fn plots(
             .collect());
     }
     let (stem, what) = match quality {
+        Quality::Accuracy {
+            regression: true, ..
+        } => ("accuracy", "Test R²"),
         Quality::Accuracy { .. } => ("accuracy", "Test accuracy"),
         Quality::Loss { .. } => ("loss", "Validation loss"),
     };
@@ -1449,7 +1493,10 @@ mod tests {
     }
 
     fn claim_d(runs: &[Finished]) -> String {
-        let quality = Quality::Accuracy { target: 0.97 };
+        let quality = Quality::Accuracy {
+            target: 0.97,
+            regression: false,
+        };
         claims(runs, &rows(runs, &quality), &quality)
             .into_iter()
             .find(|c| c.title.starts_with("(d)"))
