@@ -76,3 +76,109 @@ pub fn scale_defaults(cfg: &mut TrainConfig, batches: usize, updates: Updates) -
     }
     (!changed.is_empty()).then(|| changed.join("; "))
 }
+
+#[cfg(test)]
+mod tests {
+    use ringtmp_model::{LrSchedule, ModelSpec};
+
+    use super::*;
+
+    /// The CLI's defaults for `optimizer`: rate 0.01 (SGD) or 0.001, warm-up `warmup`, every
+    /// setting marked as a default.
+    fn defaults(optimizer: OptimizerConfig, warmup: u64) -> TrainConfig {
+        let lr = match optimizer {
+            OptimizerConfig::Sgd { .. } => 0.01,
+            _ => 0.001,
+        };
+        TrainConfig {
+            model: ModelSpec::preset("mlp", 10).unwrap(),
+            dataset: "mnist".into(),
+            wire_dtype: ringtmp_wire::Dtype::F32,
+            data_dir: None,
+            epochs: 1,
+            batch_size: 64,
+            lr,
+            schedule: LrSchedule::Constant,
+            warmup_steps: warmup,
+            optimizer,
+            threads: 1,
+            seed: 1,
+            target_accuracy: 0.97,
+            eval_every: 0,
+            out: "out".into(),
+            checkpoint_every: 0,
+            keep_checkpoints: None,
+            resume: None,
+            max_steps: None,
+            train_samples: None,
+            recv_timeout_secs: 30.0,
+            stall_timeout_secs: None,
+            clip_grad_norm: None,
+            text: None,
+            source: None,
+            init_from: None,
+            default_lr: true,
+            default_schedule: true,
+            default_momentum: true,
+            default_warmup: true,
+        }
+    }
+
+    fn sgd() -> OptimizerConfig {
+        OptimizerConfig::Sgd {
+            momentum: 0.9,
+            weight_decay: 0.0,
+        }
+    }
+
+    fn adam() -> OptimizerConfig {
+        OptimizerConfig::Adam {
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        }
+    }
+
+    #[test]
+    fn a_scaled_default_sgd_rate_without_warm_up_gets_its_ten_steps() {
+        let mut cfg = defaults(sgd(), 0);
+        let said = scale_defaults(&mut cfg, 4, Updates::Synchronous).unwrap();
+        assert!((cfg.lr - 0.04).abs() < 1e-9, "{}", cfg.lr);
+        assert_eq!(cfg.warmup_steps, SCALED_SGD_WARMUP_STEPS);
+        assert!(
+            said.contains("linear scaling") && said.contains("10 warm-up steps"),
+            "{said}"
+        );
+        // The user's own rate: neither it nor the warm-up changes.
+        let mut cfg = defaults(sgd(), 0);
+        cfg.default_lr = false;
+        assert_eq!(scale_defaults(&mut cfg, 4, Updates::Synchronous), None);
+        assert_eq!((cfg.lr, cfg.warmup_steps), (0.01, 0));
+        // The user's own warm-up of 0 stays 0 under the scaled rate.
+        let mut cfg = defaults(sgd(), 0);
+        cfg.default_warmup = false;
+        scale_defaults(&mut cfg, 4, Updates::Synchronous).unwrap();
+        assert_eq!(cfg.warmup_steps, 0);
+    }
+
+    #[test]
+    fn adam_scales_by_the_square_root_or_divides_under_stale_updates() {
+        let mut cfg = defaults(adam(), 100);
+        scale_defaults(&mut cfg, 4, Updates::Synchronous).unwrap();
+        assert!((cfg.lr - 0.002).abs() < 1e-9, "{}", cfg.lr);
+        // A default warm-up spans the same examples: 100 steps of one batch, 25 of four.
+        assert_eq!(cfg.warmup_steps, 25);
+        let mut cfg = defaults(adam(), 0);
+        scale_defaults(&mut cfg, 4, Updates::Stale).unwrap();
+        assert!((cfg.lr - 0.00025).abs() < 1e-9, "{}", cfg.lr);
+        assert_eq!(
+            cfg.warmup_steps, 0,
+            "only a scaled SGD rate gets the ten steps"
+        );
+        // One batch a step: nothing to scale.
+        let mut cfg = defaults(sgd(), 0);
+        assert_eq!(scale_defaults(&mut cfg, 1, Updates::Synchronous), None);
+        assert_eq!(cfg.lr, 0.01);
+    }
+}

@@ -116,6 +116,32 @@ fn bsp_with_w_workers_equals_local_with_w_times_the_batch() {
     }
 }
 
+/// A stale (ASP) push is one optimizer step at the iteration's rate ÷ W, not a gradient scaled
+/// by 1/W (a no-op for Adam, which normalises it away): with one worker every push is a whole
+/// iteration, so one ASP worker's Adam run is `local`'s Adam run at the same rate.
+#[test]
+fn one_asp_worker_under_adam_equals_local() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut cfg = config(STEPS, &tmp.path().join("local"));
+    cfg.batch_size = WORKER_BATCH;
+    cfg.lr = 0.002;
+    cfg.optimizer = OptimizerConfig::Adam {
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+        weight_decay: 0.0,
+    };
+    let oracle = oracle::local_params(&cfg, &data);
+    let job = ps_job(&cfg, &data, 1, 1, Consistency::Asp);
+    let (params, _, _) = run(&job, &data, &[]);
+    let diff = max_rel_diff(&params, &oracle);
+    assert!(
+        diff < 1e-4,
+        "one ASP worker's Adam differs from local's by {diff}"
+    );
+}
+
 /// A BSP server sums an iteration's gradients in worker order, not arrival order: runs whose
 /// pushes arrive in different orders (here a different worker is slowed each time) end with
 /// bit-identical parameters.
