@@ -494,16 +494,6 @@ fn inputs_outputs(stage: &mut Stage, x: &[f32], rows: usize) -> Result<Vec<f32>>
     Ok(out)
 }
 
-fn argmax(row: &[f32]) -> usize {
-    row.iter()
-        .enumerate()
-        .fold(
-            (0, f32::NEG_INFINITY),
-            |b, (i, &v)| if v > b.1 { (i, v) } else { b },
-        )
-        .0
-}
-
 fn write_csv(
     path: &Path,
     recipe: &InputRecipe,
@@ -526,7 +516,7 @@ fn write_csv(
     } else {
         w.write_record(["source", "predicted", "probability"])?;
         for (name, row) in names.iter().zip(values.chunks_exact(width)) {
-            let best = argmax(row);
+            let best = ringtmp_model::loss::argmax(row).0;
             let max = row[best];
             let sum: f32 = row.iter().map(|v| (v - max).exp()).sum();
             let class = recipe
@@ -548,7 +538,7 @@ fn score_line(values: &[f32], width: usize, regression: bool, labels: Option<&La
             let right = values
                 .chunks_exact(width)
                 .zip(c)
-                .filter(|(row, l)| argmax(row) == **l as usize)
+                .filter(|(row, l)| ringtmp_model::loss::argmax(row).0 == **l as usize)
                 .count();
             format!(
                 "; accuracy {:.2}% against the inputs' labels",

@@ -133,7 +133,8 @@ pub fn count_correct(logits: &[f32], labels: &[u32], classes: usize) -> usize {
         .count()
 }
 
-fn argmax(z: &[f32]) -> (usize, f32) {
+/// The index of the largest value of `z` (the first on ties) and the value.
+pub fn argmax(z: &[f32]) -> (usize, f32) {
     z.iter()
         .enumerate()
         .fold((0, f32::NEG_INFINITY), |(bi, bv), (i, &v)| {
