@@ -18,10 +18,23 @@ use crate::spec::{ResumePoint, RunSpec};
 /// averages W batches); a resume point must hold the same global batch.
 pub fn plan_spec(
     strategy: &str,
+    config: TrainConfig,
+    cluster: &Cluster,
+    data: &Dataset,
+    report: &mut PlanReport,
+) -> Result<(RunSpec, usize)> {
+    plan_spec_with(strategy, config, cluster, data, report, true)
+}
+
+/// [`plan_spec`], with the default rate and warm-up scaled for the workers' averaged batches
+/// only when `averaged` (a step of DiLoCo's inner loop is one worker's batch alone).
+pub fn plan_spec_with(
+    strategy: &str,
     mut config: TrainConfig,
     cluster: &Cluster,
     data: &Dataset,
     report: &mut PlanReport,
+    averaged: bool,
 ) -> Result<(RunSpec, usize)> {
     let workers = cluster.nodes as usize;
     if workers < 2 {
@@ -37,7 +50,7 @@ pub fn plan_spec(
     }
     if let Some(note) = crate::batch_scaling::scale_defaults(
         &mut config,
-        workers,
+        if averaged { workers } else { 1 },
         crate::batch_scaling::Updates::Synchronous,
     ) {
         report.note(format!("{strategy}: {note}"));

@@ -18,6 +18,7 @@ use serde::{Deserialize, Serialize};
 use crate::allreduce::{AllReduceJob, AllReduceOptions};
 use crate::config::TrainConfig;
 use crate::contract::{Cluster, NoOptions, NodeCx, PlanReport, Strategy};
+use crate::diloco::{DilocoJob, DilocoOptions};
 use crate::error::{Error, Result};
 use crate::gossip::{AdpsgdJob, DpsgdJob, DpsgdOptions};
 use crate::local::LocalJob;
@@ -179,6 +180,8 @@ strategies! {
     Dpsgd(DpsgdJob) = "dpsgd", dpsgd: DpsgdOptions, "D-PSGD and AD-PSGD (--strategy dpsgd, adpsgd)";
     /// AD-PSGD.
     Adpsgd(AdpsgdJob) = "adpsgd", adpsgd: NoOptions, "AD-PSGD (--strategy adpsgd)";
+    /// DiLoCo.
+    Diloco(DilocoJob) = "diloco", diloco: DilocoOptions, "DiLoCo (--strategy diloco)";
 }
 
 impl Job {

@@ -22,6 +22,8 @@
 //! - [`param_server`]: the sharded parameter server (BSP, SSP, ASP, DSSP).
 //! - [`allreduce`]: ring all-reduce SGD (data parallel, bucketed, overlapped).
 //! - [`gossip`]: decentralised SGD (D-PSGD, AD-PSGD).
+//! - [`diloco`]: DiLoCo, data parallelism that synchronises every H steps through an outer
+//!   optimizer (on all-reduce's reduction and elastic ring).
 //!
 //! Above them: [`job`], the [`Job`] enum that lists every strategy; [`simulate`] and
 //! [`failures`] (the strategies on the simulated network with compute priced by a cost model;
@@ -34,6 +36,7 @@ pub mod clipping;
 pub mod config;
 pub mod contract;
 pub mod data_parallel;
+pub mod diloco;
 mod error;
 pub mod evaluation;
 pub mod event;

@@ -110,6 +110,41 @@ pub fn allreduce_job(
     }
 }
 
+/// A DiLoCo job for `cfg` whose `batch_size` is the *global* batch, split over `workers`: `h`
+/// inner steps between synchronisations, the outer optimizer `outer`, `fragments` fragments,
+/// buckets of `bucket_bytes`, pseudo-gradients in f32.
+///
+/// # Panics
+/// If the global batch does not split evenly, or does not fit the data.
+pub fn diloco_job(
+    cfg: &TrainConfig,
+    data: &Dataset,
+    workers: usize,
+    h: u64,
+    outer: ringtmp_strategy::diloco::outer::OuterConfig,
+    fragments: usize,
+    bucket_bytes: usize,
+) -> ringtmp_strategy::diloco::DilocoJob {
+    assert_eq!(
+        cfg.batch_size % workers,
+        0,
+        "the global batch splits evenly"
+    );
+    let mut spec = RunSpec::new(cfg.clone(), data, cfg.batch_size).expect("the run fits the data");
+    spec.config.batch_size = cfg.batch_size / workers;
+    ringtmp_strategy::diloco::DilocoJob {
+        spec,
+        workers,
+        inner_steps: h,
+        outer,
+        fragments,
+        outer_dtype: ringtmp_strategy::diloco::OuterDtype::F32,
+        inner_seconds: None,
+        bucket_bytes,
+        node_speeds: vec![1.0; workers],
+    }
+}
+
 /// A D-PSGD job for `cfg` whose `batch_size` is the *global* batch, split over `workers`.
 ///
 /// # Panics

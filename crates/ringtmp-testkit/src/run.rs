@@ -213,6 +213,28 @@ pub fn allreduce_nodes(
     })
 }
 
+/// Runs a DiLoCo job on `backend`; every worker returns its replica and rank 0 the run's
+/// summary.
+pub fn diloco_nodes(
+    backend: &Backend,
+    job: &ringtmp_strategy::diloco::DilocoJob,
+    data: &Dataset,
+    out: &Path,
+) -> Ran<Replica> {
+    let mut job = job.clone();
+    job.spec.config.out = out.to_path_buf();
+    let job = &job;
+    let n = job.workers as u32;
+    let links = (0..n)
+        .map(|r| ringtmp_strategy::Strategy::neighbours(job, r, n))
+        .collect();
+    run_nodes(backend, links, None, |rank, net| {
+        let result =
+            ringtmp_strategy::diloco::driver::run_worker(job, rank, data, net, &mut |_| {});
+        end(net, result).map(|o| (o.stage.params().to_vec(), o.summary))
+    })
+}
+
 /// Runs a D-PSGD job on `backend`, every worker from `initial(rank)` when given; every worker
 /// returns its own model and rank 0 the run's summary.
 pub fn dpsgd_nodes(

@@ -1,0 +1,412 @@
+//! The reduction of one iteration's buffers among the members of a ring: buckets, each
+//! all-reduced by the plan of [`super::ring`] over the transport, started as their values are
+//! complete (during a backward pass, or at once) and moved along as chunks arrive. All-reduce
+//! SGD reduces gradients with it; DiLoCo its pseudo-gradients.
+//!
+//! Invariants: every chunk is summed in the plan's fixed order, so the result is reproducible
+//! and every member holds the same bits; chunks carry the ring's generation, so none from an
+//! abandoned attempt is ever summed; bucket 0 carries `extra` values after its own (a step's
+//! loss); every wait has the job's timeout and names the peer; a member's death breaks the
+//! reduction ([`Break`]) instead of ending the run.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::time::Duration;
+
+use ringtmp_model::Stage;
+use ringtmp_transport::{Transport, TransportError};
+use ringtmp_wire::message::{tensor_bytes_into, tensor_values, tensor_values_into};
+use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
+
+use super::regroup::Order;
+use super::ring::{RingPlan, chunks};
+use crate::error::{Error, Result};
+
+/// One bucket: a contiguous range of the flat gradient buffer reduced as one all-reduce.
+pub(crate) struct Bucket {
+    /// The gradients it covers.
+    range: Range<usize>,
+    /// Its values while it is reduced (bucket 0 carries the step's loss in one more slot).
+    values: Vec<f32>,
+    /// Its chunks.
+    chunks: Vec<Range<usize>>,
+    /// The next protocol step (`None` until the bucket's gradients are complete).
+    step: Option<usize>,
+    /// Chunks that arrived before this worker got there, by protocol step.
+    early: BTreeMap<usize, Vec<f32>>,
+}
+
+/// The buckets of a replica: layers from the last, grouped until a bucket holds `bytes`.
+pub fn buckets(stage: &Stage, bytes: usize) -> Vec<Range<usize>> {
+    let ranges: Vec<Range<usize>> = stage
+        .param_ranges()
+        .map(|(_, r)| r)
+        .filter(|r| !r.is_empty())
+        .collect();
+    let mut out: Vec<Range<usize>> = Vec::new();
+    for r in ranges.into_iter().rev() {
+        match out.last_mut() {
+            Some(last) if (last.len() * 4) < bytes => last.start = r.start,
+            _ => out.push(r),
+        }
+    }
+    out
+}
+
+/// Why a reduction stopped before its end: the run goes on, on a re-formed ring.
+pub(crate) enum Break {
+    /// A member died (seen on this worker's own link to it).
+    Lost {
+        /// The dead rank.
+        rank: u32,
+        /// The failure observed.
+        reason: String,
+    },
+    /// Rank 0 re-formed the ring (its state tensor follows on the link from rank 0).
+    Regroup(Order),
+}
+
+/// The ring a reduction runs on: the live workers in ring order, and how many times it has been
+/// re-formed (chunks carry it, so those of an abandoned attempt are recognised).
+#[derive(Clone, Debug)]
+pub(crate) struct Ring {
+    pub(crate) members: Vec<u32>,
+    pub(crate) generation: u64,
+}
+
+impl Ring {
+    pub(crate) fn position(&self, rank: u32) -> Option<usize> {
+        self.members.iter().position(|r| *r == rank)
+    }
+}
+
+/// A reduced bucket: the gradients it covers and their sums (bucket 0 also the loss's).
+pub(crate) type Reduced = (Range<usize>, Vec<f32>);
+
+/// The reduction of one iteration's gradients.
+pub(crate) struct Reducer {
+    plan: RingPlan,
+    succ: u32,
+    pred: u32,
+    iteration: u64,
+    generation: u64,
+    members: Vec<u32>,
+    buckets: Vec<Bucket>,
+    /// Values bucket 0 carries beyond its gradients (the loss: 1, or none).
+    extra: usize,
+    timeout: Duration,
+    /// Set when the reduction cannot finish on this ring.
+    broken: Option<Break>,
+    /// Messages for later (another protocol's, or a newer generation's), in arrival order.
+    later: Vec<(u32, Message)>,
+    /// What chunks travel as.
+    wire: Dtype,
+}
+
+/// `micro_batch` of a chunk message: the ring's generation, its bucket and protocol step.
+pub(crate) fn chunk_id(generation: u64, bucket: usize, step: usize) -> u64 {
+    (generation << 48) | ((bucket as u64) << 32) | step as u64
+}
+
+/// A chunk id's generation, bucket and protocol step.
+pub(crate) fn chunk_parts(id: u64) -> (u64, usize, usize) {
+    (
+        id >> 48,
+        ((id >> 32) & 0xffff) as usize,
+        (id & 0xffff_ffff) as usize,
+    )
+}
+
+/// Most buckets a reduction may have (the width of the bucket field of a chunk id).
+pub(crate) const MAX_BUCKETS: usize = 1 << 16;
+
+impl Reducer {
+    /// The reduction of `ranges` (buckets) among the members of `ring`, of which `rank` is one;
+    /// bucket 0 carries `extra` more values (the step's loss).
+    pub(crate) fn new(
+        rank: u32,
+        ring: &Ring,
+        ranges: &[Range<usize>],
+        extra: usize,
+        iteration: u64,
+        timeout: Duration,
+        wire: Dtype,
+    ) -> Self {
+        let n = ring.members.len();
+        let at = ring.position(rank).expect("a member reduces");
+        let buckets = ranges
+            .iter()
+            .enumerate()
+            .map(|(b, r)| {
+                let len = r.len() + if b == 0 { extra } else { 0 };
+                Bucket {
+                    range: r.clone(),
+                    values: Vec::new(),
+                    chunks: chunks(len, n),
+                    step: None,
+                    early: BTreeMap::new(),
+                }
+            })
+            .collect();
+        Self {
+            plan: RingPlan { rank: at, n },
+            succ: ring.members[(at + 1) % n],
+            pred: ring.members[(at + n - 1) % n],
+            iteration,
+            generation: ring.generation,
+            members: ring.members.clone(),
+            buckets,
+            extra,
+            timeout,
+            broken: None,
+            later: Vec::new(),
+            wire,
+        }
+    }
+
+    /// A transport failure: a dead member breaks the reduction (the run goes on without it);
+    /// rank 0's death, or anything else, ends the run.
+    fn failed(&mut self, e: TransportError) -> Result<()> {
+        match e.failed_peer() {
+            Some(0) | None => Err(e.into()),
+            Some(dead) if !self.members.contains(&dead) => Ok(()),
+            Some(dead) => {
+                if self.broken.is_none() {
+                    self.broken = Some(Break::Lost {
+                        rank: dead,
+                        reason: e.to_string(),
+                    });
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Starts every bucket whose gradients are complete: those from `offset` on, in `tail`
+    /// (`grads[offset..]`); bucket 0 also takes `loss`.
+    pub(crate) fn start_ready(
+        &mut self,
+        offset: usize,
+        tail: &[f32],
+        loss: f32,
+        net: &mut dyn Transport,
+    ) -> Result<()> {
+        for b in 0..self.buckets.len() {
+            if self.broken.is_some() {
+                return Ok(());
+            }
+            let bucket = &mut self.buckets[b];
+            if bucket.step.is_some() || bucket.range.start < offset {
+                continue;
+            }
+            let local = bucket.range.start - offset..bucket.range.end - offset;
+            if ringtmp_meter::phantom() {
+                // Sizes only: the bucket holds no values (its chunks' sizes come from
+                // `bucket.chunks`), so no node ever holds a model's worth of them.
+                bucket.values.clear();
+            } else {
+                bucket.values.clear();
+                bucket.values.extend_from_slice(&tail[local]);
+                if b == 0 && self.extra > 0 {
+                    bucket.values.push(loss);
+                }
+            }
+            bucket.step = Some(0);
+            self.send(b, net)?;
+            self.advance(b, net)?;
+        }
+        Ok(())
+    }
+
+    /// Sends bucket `b`'s chunk for its current step.
+    fn send(&mut self, b: usize, net: &mut dyn Transport) -> Result<()> {
+        let (wire, all_gather) = (self.wire, self.plan.n - 1);
+        let bucket = &mut self.buckets[b];
+        let Some(s) = bucket.step.filter(|s| *s < self.plan.steps()) else {
+            return Ok(());
+        };
+        let range = bucket.chunks[self.plan.send_chunk(s)].clone();
+        let phantom = bucket.values.is_empty() && ringtmp_meter::phantom();
+        let chunk: &mut [f32] = if phantom {
+            &mut []
+        } else {
+            &mut bucket.values[range.clone()]
+        };
+        let mut payload = net.buffers().take(chunk.len() * wire.size() as usize);
+        tensor_bytes_into(chunk, wire, &mut payload);
+        if s >= all_gather && wire != Dtype::F32 && !phantom {
+            // A complete chunk leaves rounded to the wire type; its owner keeps the same
+            // rounded values, so every replica applies the same bits.
+            tensor_values_into(&payload, wire, chunk);
+        }
+        let header = TensorHeader {
+            run_id: 0,
+            step: self.iteration,
+            micro_batch: chunk_id(self.generation, b, s),
+            tag: TensorTag::ParamGrads,
+            dtype: wire,
+            shape: vec![range.len() as u32],
+        };
+        match net.send(self.succ, Message::Tensor(header, payload)) {
+            Ok(()) => Ok(()),
+            Err(e) => self.failed(e),
+        }
+    }
+
+    /// Applies every chunk of bucket `b` that has already arrived, step by step.
+    fn advance(&mut self, b: usize, net: &mut dyn Transport) -> Result<()> {
+        while self.broken.is_none() {
+            let bucket = &mut self.buckets[b];
+            let Some(s) = bucket.step.filter(|s| *s < self.plan.steps()) else {
+                return Ok(());
+            };
+            let Some(values) = bucket.early.remove(&s) else {
+                return Ok(());
+            };
+            // A phantom run's chunks (sizes only, `ringtmp_meter`) carry no values to combine.
+            let elided = values.is_empty() && ringtmp_meter::phantom();
+            let range = bucket.chunks[self.plan.recv_chunk(s)].clone();
+            let target: &mut [f32] = if elided {
+                &mut []
+            } else {
+                &mut bucket.values[range.clone()]
+            };
+            if values.len() != range.len() && !elided {
+                return Err(Error::protocol(
+                    "all-reduce",
+                    net,
+                    self.pred,
+                    &format!(
+                        "a chunk of {} values where {} were due",
+                        values.len(),
+                        range.len()
+                    ),
+                ));
+            }
+            if elided {
+            } else if self.plan.adds(s) {
+                target.iter_mut().zip(&values).for_each(|(t, v)| *t += v);
+            } else {
+                target.copy_from_slice(&values);
+            }
+            bucket.step = Some(s + 1);
+            self.send(b, net)?;
+        }
+        Ok(())
+    }
+
+    /// Takes in one message: a chunk of this iteration from the predecessor, a stale chunk
+    /// (dropped), rank 0's order to re-form the ring, or something for later.
+    fn take(&mut self, from: u32, message: Message, net: &mut dyn Transport) -> Result<()> {
+        match message {
+            Message::Tensor(h, bytes) if h.tag == TensorTag::ParamGrads => {
+                let (generation, b, s) = chunk_parts(h.micro_batch);
+                if generation < self.generation {
+                    // Of an attempt abandoned when the ring was re-formed.
+                    net.buffers().give(bytes);
+                    return Ok(());
+                }
+                if generation > self.generation {
+                    self.later.push((from, Message::Tensor(h, bytes)));
+                    return Ok(());
+                }
+                if from != self.pred || h.step != self.iteration {
+                    return Err(Error::protocol(
+                        "all-reduce",
+                        net,
+                        from,
+                        &format!("chunk of step {}", h.step),
+                    ));
+                }
+                if b >= self.buckets.len() || s >= self.plan.steps() {
+                    return Err(Error::protocol(
+                        "all-reduce",
+                        net,
+                        from,
+                        "chunk of no bucket",
+                    ));
+                }
+                let mut values = Vec::new();
+                tensor_values(&bytes, h.dtype, &mut values);
+                net.buffers().give(bytes);
+                self.buckets[b].early.insert(s, values);
+                self.advance(b, net)
+            }
+            Message::Control(Control::Regroup {
+                generation,
+                members,
+                step,
+                optimizer_steps,
+            }) if from == 0 && generation > self.generation => {
+                self.broken = Some(Break::Regroup(Order {
+                    generation,
+                    members,
+                    step,
+                    optimizer_steps,
+                }));
+                Ok(())
+            }
+            other => {
+                self.later.push((from, other));
+                Ok(())
+            }
+        }
+    }
+
+    /// Handles whatever has arrived, without waiting.
+    pub(crate) fn pump(&mut self, net: &mut dyn Transport) -> Result<()> {
+        while self.broken.is_none() {
+            match net.try_recv() {
+                Ok(Some((from, message))) => self.take(from, message, net)?,
+                Ok(None) => return Ok(()),
+                Err(e) => self.failed(e)?,
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn done(&self) -> bool {
+        self.broken.is_some()
+            || self
+                .buckets
+                .iter()
+                .all(|b| b.step == Some(self.plan.steps()))
+    }
+
+    /// Waits until every bucket is reduced or the ring breaks. Any peer may speak (rank 0 to
+    /// re-form the ring; a failure on any link is news), but only the predecessor's silence is
+    /// an error, named.
+    pub(crate) fn finish(&mut self, net: &mut dyn Transport) -> Result<()> {
+        while !self.done() {
+            match net.recv(self.timeout) {
+                Ok((from, message)) => self.take(from, message, net)?,
+                Err(TransportError::Timeout { waited, .. }) => {
+                    return Err(TransportError::Timeout {
+                        what: "a chunk of the all-reduce".into(),
+                        from: net.peer_name(self.pred).to_string(),
+                        waited,
+                    }
+                    .into());
+                }
+                Err(e) => self.failed(e)?,
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts back what arrived for later, in its order; the reduced buckets, or why the
+    /// reduction broke.
+    pub(crate) fn close(self, net: &mut dyn Transport) -> std::result::Result<Vec<Reduced>, Break> {
+        for (from, message) in self.later.into_iter().rev() {
+            net.unread(from, message);
+        }
+        match self.broken {
+            Some(b) => Err(b),
+            None => Ok(self
+                .buckets
+                .into_iter()
+                .map(|b| (b.range, b.values))
+                .collect()),
+        }
+    }
+}

@@ -1,0 +1,410 @@
+//! One DiLoCo worker. Every worker holds a replica and trains it alone on its share of each
+//! global batch with the inner optimizer (the job's: SGD, Adam or AdamW, each worker its own
+//! state); every H steps (per fragment, staggered when there are several) the workers average
+//! their pseudo-gradients — the outer parameters minus their own — with the bucketed ring
+//! all-reduce, and every worker applies the same outer step (Nesterov SGD) to the outer
+//! parameters and restarts that fragment from them.
+//!
+//! The pseudo-gradients are computed in the stage's gradient buffer, idle between steps, so a
+//! worker holds the replica, the inner optimizer's state and the outer state (parameters and
+//! momentum): two model-sized buffers more than all-reduce SGD.
+//!
+//! Faults: a worker that dies is noticed at the next synchronisation; rank 0 re-forms the ring
+//! on the survivors ([`crate::allreduce::elastic`]) and they redo that synchronisation without
+//! it — the dead worker's inner steps since are lost, the survivors' are not. A worker whose
+//! count of outer updates differs from rank 0's takes rank 0's outer state and contributes no
+//! pseudo-gradient to that synchronisation (bucket 0 carries each worker's weight, 1 or 0, so
+//! the average is over the workers that trained). Under `--inner-seconds` a worker that has
+//! used its time before a synchronisation skips the remaining inner steps to it (their share of
+//! examples unseen), so the synchronisation waits for no one longer than the window.
+//!
+//! Invariants: the outer parameters and momentum are the same bits on every worker (they are
+//! changed only by the reduced, hence identical, averages); each fragment synchronises every H
+//! steps and all of them at the last step, so the run ends on the outer model on every worker.
+
+use std::time::Instant;
+
+use ringtmp_data::{BatchPlan, Dataset};
+use ringtmp_metrics::DroppedNode;
+use ringtmp_model::{Optimizer, Stage, checkpoint};
+use ringtmp_transport::Transport;
+use serde_json::json;
+
+use super::DilocoJob;
+use super::outer::{OuterState, SyncSchedule, fragments};
+use crate::allreduce::driver::{WorkerOutcome, report};
+use crate::allreduce::elastic::Regrouping;
+use crate::allreduce::reduce::{MAX_BUCKETS, Reduced, Reducer, Ring};
+use crate::data_parallel::write_model;
+use crate::error::{Error, Result};
+use crate::spec::ResumePoint;
+
+/// Cuts `range` into buckets of at most `bytes` (of f32), last first (the order all-reduce
+/// SGD's backward produces them in; any fixed order works here).
+fn bucket_ranges(range: std::ops::Range<usize>, bytes: usize) -> Vec<std::ops::Range<usize>> {
+    let per = (bytes / 4).max(1);
+    let mut out = Vec::new();
+    let mut end = range.end;
+    while end > range.start {
+        let start = end.saturating_sub(per).max(range.start);
+        out.push(start..end);
+        end = start;
+    }
+    out
+}
+
+/// Swaps the outer parameters into `stage` for `f` (an evaluation, a checkpoint of the outer
+/// model) and back.
+fn with_outer<T>(
+    stage: &mut Stage,
+    outer: &mut OuterState,
+    f: impl FnOnce(&mut Stage) -> Result<T>,
+) -> Result<T> {
+    if ringtmp_meter::phantom() {
+        return f(stage);
+    }
+    stage.params_mut().swap_with_slice(&mut outer.global);
+    let out = f(stage);
+    stage.params_mut().swap_with_slice(&mut outer.global);
+    out
+}
+
+/// What a synchronisation did.
+struct Synced {
+    /// Workers whose pseudo-gradients were averaged.
+    contributors: f32,
+}
+
+/// Runs worker `rank` of `job` on `data`; rank 0 evaluates the outer model, checkpoints it and
+/// writes the run's outputs.
+pub fn run_worker(
+    job: &DilocoJob,
+    rank: u32,
+    data: &Dataset,
+    net: &mut dyn Transport,
+    on_event: &mut dyn FnMut(&crate::Event),
+) -> Result<WorkerOutcome> {
+    let spec = &job.spec;
+    let n = job.workers;
+    let layers = spec.layers()?;
+    let mut stage = spec.initial_stage(
+        &layers,
+        0..layers.len(),
+        spec.threads,
+        spec.resume_from.is_some(),
+    )?;
+    let mut optimizer = Optimizer::new(spec.optimizer.clone(), stage.params().len());
+    if let Some(ResumePoint { dir, .. }) = &spec.resume_from {
+        let manifest = checkpoint::read_manifest(dir)?;
+        checkpoint::read_stage(dir, &manifest, &mut stage, &mut optimizer)?;
+    }
+    let mut outer = if ringtmp_meter::phantom() {
+        OuterState::default()
+    } else {
+        OuterState::new(stage.params())
+    };
+    let tensors: Vec<std::ops::Range<usize>> = stage
+        .param_ranges()
+        .map(|(_, r)| r)
+        .filter(|r| !r.is_empty())
+        .collect();
+    let parts = fragments(&tensors, job.fragments);
+    let buckets: Vec<Vec<std::ops::Range<usize>>> = parts
+        .iter()
+        .map(|p| bucket_ranges(p.clone(), job.bucket_bytes))
+        .collect();
+    if buckets.iter().map(Vec::len).sum::<usize>() >= MAX_BUCKETS {
+        return Err(Error::Config(format!(
+            "--bucket-mb too small for the outer all-reduce (at most {MAX_BUCKETS} buckets)"
+        )));
+    }
+    let schedule = SyncSchedule {
+        h: job.inner_steps,
+        f: parts.len(),
+        total: spec.total_steps,
+    };
+    let clock = net.clock();
+    let speed = job.node_speeds.get(rank as usize).copied().unwrap_or(1.0);
+    let global = spec.batch_size * n;
+    let mut plan = BatchPlan::new(data.train.len(), global, spec.seed)?;
+    let mut share = crate::data_parallel::ShareBuffers::default();
+    let mut recorder = crate::data_parallel::open_recorder(
+        spec,
+        super::NAME,
+        rank,
+        stage.params().len(),
+        json!({"workers": n, "inner_steps": job.inner_steps, "fragments": parts.len(),
+               "outer": job.outer, "outer_dtype": job.outer_dtype,
+               "params": stage.params().len()}),
+        on_event,
+    )?;
+    let started = clock.now();
+    let (mut train_seconds, mut compute_seconds, mut sync_wait) = (0.0f64, 0.0f64, 0.0f64);
+    let (mut samples, mut iterations, mut skipped) = (0u64, 0u64, 0u64);
+    let mut ring = Ring {
+        members: (0..n as u32).collect(),
+        generation: 0,
+    };
+    let mut dropped: Vec<DroppedNode> = Vec::new();
+    // Inner steps taken since each fragment's last synchronisation.
+    let mut trained = vec![0u64; parts.len()];
+    let mut step = spec.first_step();
+    // Seconds of inner steps since the last synchronisation (any fragment).
+    let mut window_spent = 0.0f64;
+    while step < spec.total_steps {
+        let t_step = clock.now();
+        let next_sync = schedule.next_after(step);
+        let window = job.inner_seconds.map(|s| {
+            s * (next_sync - schedule.previous_before(next_sync)) as f64 / job.inner_steps as f64
+        });
+        let mut step_loss = f64::NAN;
+        if window.is_some_and(|w| window_spent >= w) {
+            // Out of time before the synchronisation: this step's share is skipped.
+            skipped += 1;
+        } else {
+            let (t0, wall) = (clock.now(), Instant::now());
+            let (at, m) = (ring.position(rank).expect("a member"), ring.members.len());
+            step_loss = crate::data_parallel::forward_share(
+                spec, &mut plan, data, &mut stage, at as u32, m, step, &mut share,
+            )?;
+            let lr = spec.lr_at(step);
+            match spec.clip_grad_norm {
+                // The norm needs the whole gradient before any update.
+                Some(max_norm) => {
+                    stage.backward(0, &share.dlogits)?;
+                    crate::clipping::clip_whole(&mut stage, max_norm);
+                    stage.step(&mut optimizer, lr);
+                }
+                None => {
+                    stage.backward_and_step(0, &share.dlogits, &mut optimizer, lr, &mut || {})?;
+                }
+            }
+            clock.computed(wall.elapsed(), speed);
+            let spent = (clock.now() - t0).as_secs_f64();
+            compute_seconds += spent;
+            window_spent += spent;
+            trained.iter_mut().for_each(|t| *t += 1);
+            iterations += 1;
+            if !step_loss.is_finite() {
+                return Err(Error::Diverged {
+                    step,
+                    loss: step_loss,
+                });
+            }
+        }
+        // Every member's share of the global batch (a skipped share is counted as seen by the
+        // run's clock, as a dropped worker's would not be; the notice below says how many).
+        samples += global as u64;
+        step += 1;
+        let mut due = schedule.due(step);
+        while !due.is_empty() {
+            let waited = clock.now();
+            let attempt = synchronise(
+                job,
+                rank,
+                step,
+                &due,
+                &buckets,
+                &parts,
+                &ring,
+                &mut stage,
+                &mut outer,
+                &trained,
+                net,
+            )?;
+            sync_wait += (clock.now() - waited).as_secs_f64();
+            match attempt {
+                Ok(synced) => {
+                    for p in &due {
+                        trained[*p] = 0;
+                    }
+                    window_spent = 0.0;
+                    if let Some(recorder) = recorder.as_mut() {
+                        recorder.write(json!({"event": "outer_step", "step": step,
+                            "fragments": due, "contributors": synced.contributors}))?;
+                    }
+                    due.clear();
+                }
+                Err(broke) => {
+                    let regrouped = Regrouping {
+                        rank,
+                        step,
+                        timeout: spec.recv_timeout(),
+                    };
+                    let at = regrouped.after(
+                        broke,
+                        net,
+                        &mut ring,
+                        &mut outer,
+                        &mut dropped,
+                        recorder.as_mut(),
+                        on_event,
+                    )?;
+                    if std::mem::take(&mut outer.replaced) {
+                        // Rank 0's outer state replaced this worker's: its own progress is
+                        // void; it restarts from the outer model and contributes nothing to
+                        // the synchronisation it joins.
+                        if !ringtmp_meter::phantom() {
+                            stage.params_mut().copy_from_slice(&outer.global);
+                        }
+                        trained.iter_mut().for_each(|t| *t = 0);
+                    }
+                    step = at;
+                    due = schedule.due(step);
+                }
+            }
+        }
+        train_seconds += (clock.now() - t_step).as_secs_f64();
+        net.step_done();
+        let done = step;
+        let Some(recorder) = recorder.as_mut() else {
+            continue;
+        };
+        let lr = spec.lr_at(done - 1);
+        if step_loss.is_finite() {
+            recorder.announce_step(done, step_loss, lr, (train_seconds, samples), on_event)?;
+        }
+        if spec.eval_due(done) {
+            let score = with_outer(&mut stage, &mut outer, |stage| {
+                crate::evaluation::evaluate(stage, &data.test, data.classes)
+            })?;
+            recorder.announce_eval(
+                done,
+                score,
+                train_seconds,
+                (clock.now() - started).as_secs_f64(),
+                on_event,
+            )?;
+        }
+        if spec.checkpoint_due(done) {
+            let dir = with_outer(&mut stage, &mut outer, |stage| {
+                write_model(spec, job.workers, super::NAME, stage, &optimizer, done, &[])
+            })?;
+            recorder.announce_checkpoint(done, dir, on_event)?;
+        }
+    }
+    if skipped > 0 {
+        on_event(&crate::Event::Notice {
+            text: format!(
+                "diloco: rank {rank} skipped {skipped} inner steps to meet --inner-seconds"
+            ),
+        });
+    }
+    let own = crate::data_parallel::worker_summary(
+        rank,
+        &stage,
+        &optimizer,
+        net,
+        &crate::data_parallel::WorkerClock {
+            train_seconds,
+            compute_seconds,
+            wait_seconds: sync_wait,
+            iterations,
+        },
+    );
+    let totals = crate::data_parallel::RunTotals {
+        params: stage.params().len() as u64,
+        steps: spec.total_steps,
+        samples,
+        wall_seconds: 0.0,
+        train_seconds,
+    };
+    let summary = report(
+        (spec, super::NAME, job.workers),
+        net,
+        rank,
+        &ring,
+        own,
+        recorder,
+        (totals, started),
+        dropped,
+        on_event,
+    )?;
+    Ok(WorkerOutcome { stage, summary })
+}
+
+/// One synchronisation of fragments `due` after `done` steps: this worker's pseudo-gradients
+/// (weighted 1 when it trained since their last synchronisation, 0 otherwise) are all-reduced,
+/// the outer step is applied to the average, and the fragments restart from the outer
+/// parameters. `Err` is why the reduction broke (the ring is re-formed and it is tried again).
+#[allow(clippy::too_many_arguments)]
+fn synchronise(
+    job: &DilocoJob,
+    rank: u32,
+    done: u64,
+    due: &[usize],
+    buckets: &[Vec<std::ops::Range<usize>>],
+    parts: &[std::ops::Range<usize>],
+    ring: &Ring,
+    stage: &mut Stage,
+    outer: &mut OuterState,
+    trained: &[u64],
+    net: &mut dyn Transport,
+) -> Result<std::result::Result<Synced, crate::allreduce::reduce::Break>> {
+    let phantom = ringtmp_meter::phantom();
+    let weight = if due.iter().all(|p| trained[*p] > 0) {
+        1.0f32
+    } else {
+        0.0
+    };
+    if !phantom {
+        // θ_outer − θ_local in the idle gradient buffer (zero for a worker that did not train).
+        let (params, grads) = (stage.params().to_vec(), stage.grads_mut());
+        for p in due {
+            let range = parts[*p].clone();
+            for ((g, local), global) in grads[range.clone()]
+                .iter_mut()
+                .zip(&params[range.clone()])
+                .zip(&outer.global[range])
+            {
+                *g = if weight > 0.0 { global - local } else { 0.0 };
+            }
+        }
+    }
+    let ranges: Vec<std::ops::Range<usize>> = due
+        .iter()
+        .flat_map(|p| buckets[*p].iter().cloned())
+        .collect();
+    let mut reducer = Reducer::new(
+        rank,
+        ring,
+        &ranges,
+        1,
+        done,
+        job.spec.recv_timeout(),
+        job.outer_dtype.wire(),
+    );
+    reducer.start_ready(0, stage.grads(), weight, net)?;
+    reducer.finish(net)?;
+    let reduced: Vec<Reduced> = match reducer.close(net) {
+        Ok(reduced) => reduced,
+        Err(broke) => {
+            stage.zero_grad();
+            return Ok(Err(broke));
+        }
+    };
+    let contributors = if phantom {
+        ring.members.len() as f32
+    } else {
+        reduced[0].1[reduced[0].0.len()]
+    };
+    if !phantom && contributors > 0.0 {
+        let scale = 1.0 / contributors;
+        let mut mean = Vec::new();
+        for (range, sums) in &reduced {
+            mean.clear();
+            mean.extend(sums[..range.len()].iter().map(|s| s * scale));
+            outer.step(&job.outer, range.clone(), &mean);
+        }
+    }
+    outer.updates += 1;
+    if !phantom {
+        let params = stage.params_mut();
+        for p in due {
+            let range = parts[*p].clone();
+            params[range.clone()].copy_from_slice(&outer.global[range]);
+        }
+    }
+    stage.zero_grad();
+    Ok(Ok(Synced { contributors }))
+}

@@ -1,0 +1,107 @@
+//! DiLoCo's job and options: what `ringtmp train --strategy diloco` takes, and what every worker
+//! runs.
+
+use serde::{Deserialize, Serialize};
+
+use super::outer::OuterConfig;
+use crate::contract::options_merge;
+use crate::spec::RunSpec;
+
+/// `--strategy` name.
+pub const NAME: &str = "diloco";
+
+/// Inner steps between two synchronisations of the language models (the DiLoCo paper's H).
+pub const DEFAULT_INNER_STEPS_TEXT: u64 = 100;
+
+/// Inner steps between two synchronisations of the image and table models: measured on `mlp`,
+/// 4 workers, one epoch (docs/benchmarks/logs/issue-45.md).
+pub const DEFAULT_INNER_STEPS: u64 = 20;
+
+/// What the pseudo-gradients travel as in the outer all-reduce.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OuterDtype {
+    /// IEEE binary32 (the paper's).
+    F32,
+    /// bfloat16: half the bytes, f32's range.
+    Bf16,
+    /// IEEE binary16: half the bytes, more mantissa, less range.
+    F16,
+}
+
+impl OuterDtype {
+    /// The wire type.
+    pub fn wire(self) -> ringtmp_wire::Dtype {
+        match self {
+            Self::F32 => ringtmp_wire::Dtype::F32,
+            Self::Bf16 => ringtmp_wire::Dtype::Bf16,
+            Self::F16 => ringtmp_wire::Dtype::F16,
+        }
+    }
+}
+
+/// `ringtmp train --strategy diloco` options (flags, and keys of a `--config` file).
+#[derive(clap::Args, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct DilocoOptions {
+    /// DiLoCo: inner steps between synchronisations, H [default: 100 for language models, 20
+    /// otherwise].
+    #[arg(long, value_name = "H")]
+    pub inner_steps: Option<u64>,
+    /// DiLoCo: the outer optimizer's learning rate [default: 0.7].
+    #[arg(long, value_name = "LR")]
+    pub outer_lr: Option<f32>,
+    /// DiLoCo: the outer optimizer's momentum [default: 0.9].
+    #[arg(long, value_name = "MU")]
+    pub outer_momentum: Option<f32>,
+    /// DiLoCo: Nesterov momentum in the outer step [default: true].
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    pub outer_nesterov: Option<bool>,
+    /// DiLoCo: the model's tensors in F fragments, synchronised in turn every H/F steps
+    /// (Streaming DiLoCo) [default: 1].
+    #[arg(long, value_name = "F")]
+    pub outer_fragments: Option<usize>,
+    /// DiLoCo: what the pseudo-gradients travel as [default: f32].
+    #[arg(long, value_enum)]
+    pub outer_dtype: Option<OuterDtype>,
+    /// DiLoCo: seconds of inner steps a worker may spend between two synchronisations of a
+    /// fragment; a slower worker skips to the synchronisation [default: unbounded].
+    #[arg(long, value_name = "SECONDS")]
+    pub inner_seconds: Option<f64>,
+}
+
+options_merge!(
+    DilocoOptions,
+    inner_steps,
+    outer_lr,
+    outer_momentum,
+    outer_nesterov,
+    outer_fragments,
+    outer_dtype,
+    inner_seconds
+);
+
+/// DiLoCo's job.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DilocoJob {
+    /// What every job shares; `batch_size` is one worker's share of each global batch, and the
+    /// learning rate, schedule and optimizer are the inner ones.
+    #[serde(flatten)]
+    pub spec: RunSpec,
+    /// Workers (every node is one).
+    pub workers: usize,
+    /// Inner steps between two synchronisations of a fragment.
+    pub inner_steps: u64,
+    /// The outer optimizer.
+    pub outer: OuterConfig,
+    /// Fragments synchronised in turn.
+    pub fragments: usize,
+    /// What the pseudo-gradients travel as.
+    pub outer_dtype: OuterDtype,
+    /// Bound on the inner steps' seconds per H steps.
+    pub inner_seconds: Option<f64>,
+    /// Bytes per bucket of the outer all-reduce.
+    pub bucket_bytes: usize,
+    /// Emulated relative speed per rank.
+    pub node_speeds: Vec<f64>,
+}

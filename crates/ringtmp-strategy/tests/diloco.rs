@@ -1,0 +1,289 @@
+//! DiLoCo against its oracles: with H = 1 and an outer SGD of rate 1 without momentum it is
+//! all-reduce SGD (so `local` with the global batch); with H > 1 its outer steps equal a
+//! hand-computed DiLoCo on a tiny model; the replicas end identical; a worker synchronises
+//! 1/H as often as all-reduce does (bytes measured); a dead worker is dropped from the next
+//! average; `--inner-seconds` bounds the inner steps.
+
+use std::path::Path;
+
+use ringtmp_data::{BatchPlan, Dataset};
+use ringtmp_model::{Optimizer, OptimizerConfig};
+use ringtmp_strategy::TrainConfig;
+use ringtmp_strategy::diloco::OuterDtype;
+use ringtmp_strategy::diloco::outer::OuterConfig;
+use ringtmp_testkit::fixtures::{CONV_MODEL, deep_mlp, digits, max_rel_diff, model};
+use ringtmp_testkit::jobs::diloco_job;
+use ringtmp_testkit::nodes::Backend;
+use ringtmp_testkit::oracle;
+use ringtmp_testkit::run;
+use ringtmp_transport::sim::test_seed;
+
+fn config(spec: ringtmp_model::ModelSpec, batch: usize, steps: u64, out: &Path) -> TrainConfig {
+    TrainConfig {
+        seed: 11,
+        ..ringtmp_testkit::fixtures::train_config(spec, batch, steps, out)
+    }
+}
+
+/// Every worker's replica, checked bit-identical; the first one, and rank 0's summary.
+fn replicas_agree(results: Vec<run::Replica>) -> (Vec<f32>, ringtmp_metrics::Summary) {
+    let mut replicas = Vec::new();
+    let mut summary = None;
+    for (rank, r) in results.into_iter().enumerate() {
+        let (params, s) = r.unwrap_or_else(|e| panic!("worker {rank} failed: {e}"));
+        replicas.push(params);
+        summary = summary.or(s);
+    }
+    assert!(replicas.windows(2).all(|w| w[0] == w[1]), "replicas differ");
+    (
+        replicas.swap_remove(0),
+        summary.expect("rank 0 reports the run"),
+    )
+}
+
+const AVERAGING: OuterConfig = OuterConfig {
+    lr: 1.0,
+    momentum: 0.0,
+    nesterov: false,
+};
+
+const PAPER: OuterConfig = OuterConfig {
+    lr: 0.7,
+    momentum: 0.9,
+    nesterov: true,
+};
+
+#[test]
+fn one_inner_step_and_an_averaging_outer_step_is_all_reduce_sgd() {
+    // The mean of the stepped replicas is the step of the mean gradient; SGD's momentum and
+    // weight decay are linear, so each worker's own velocity averages to all-reduce's.
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = config(
+        model(CONV_MODEL, "ring-test"),
+        24,
+        10,
+        &tmp.path().join("local"),
+    );
+    let oracle = oracle::local_params(&cfg, &data);
+    for backend in [Backend::Tcp, Backend::sim(test_seed(21))] {
+        for (workers, fragments) in [(2, 1), (3, 1), (4, 1)] {
+            let job = diloco_job(&cfg, &data, workers, 1, AVERAGING, fragments, 4096);
+            let out = tmp.path().join(format!("{workers}-{}", backend.name()));
+            let (params, summary) =
+                replicas_agree(run::diloco_nodes(&backend, &job, &data, &out).results);
+            let diff = max_rel_diff(&params, &oracle);
+            println!(
+                "diloco H = 1, {workers} workers ({}): max |Δparam| / max |param| = {diff:.2e}",
+                backend.name()
+            );
+            assert!(diff < 1e-4, "{workers} workers on {}: {diff}", backend.name());
+            assert_eq!(summary.steps, 10);
+            assert_eq!(summary.samples, 10 * 24);
+        }
+    }
+}
+
+/// DiLoCo by hand: every worker trains its own copy on its shares with its own optimizer; every
+/// `h` steps the mean of (outer − own) goes through Nesterov SGD written out here.
+fn hand_diloco(job: &ringtmp_strategy::diloco::DilocoJob, data: &Dataset) -> Vec<f32> {
+    let spec = &job.spec;
+    let layers = spec.layers().unwrap();
+    let n = job.workers;
+    let mut stages: Vec<_> = (0..n)
+        .map(|_| spec.initial_stage(&layers, 0..layers.len(), 1, false).unwrap())
+        .collect();
+    let mut optimizers: Vec<_> = (0..n)
+        .map(|_| Optimizer::new(spec.optimizer.clone(), stages[0].params().len()))
+        .collect();
+    let mut global = stages[0].params().to_vec();
+    let mut velocity = vec![0.0f32; global.len()];
+    let mut plan = BatchPlan::new(data.train.len(), spec.batch_size * n, spec.seed).unwrap();
+    let mut share = ringtmp_strategy::data_parallel::ShareBuffers::default();
+    for step in 0..spec.total_steps {
+        for r in 0..n {
+            ringtmp_strategy::data_parallel::forward_share(
+                spec,
+                &mut plan,
+                data,
+                &mut stages[r],
+                r as u32,
+                n,
+                step,
+                &mut share,
+            )
+            .unwrap();
+            stages[r].backward(0, &share.dlogits).unwrap();
+            stages[r].step(&mut optimizers[r], spec.lr_at(step));
+        }
+        if (step + 1) % job.inner_steps == 0 || step + 1 == spec.total_steps {
+            let (lr, mu) = (job.outer.lr, job.outer.momentum);
+            for i in 0..global.len() {
+                let delta: f32 = stages.iter().map(|s| global[i] - s.params()[i]).sum::<f32>()
+                    / n as f32;
+                velocity[i] = mu * velocity[i] + delta;
+                global[i] -= lr * (delta + mu * velocity[i]);
+            }
+            for s in &mut stages {
+                s.params_mut().copy_from_slice(&global);
+            }
+        }
+    }
+    global
+}
+
+#[test]
+fn outer_nesterov_steps_equal_hand_computed_ones() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    for (optimizer, h, steps) in [
+        (
+            OptimizerConfig::Sgd {
+                momentum: 0.0,
+                weight_decay: 0.0,
+            },
+            3,
+            9,
+        ),
+        (
+            OptimizerConfig::AdamW {
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.1,
+                decay_embeddings: false,
+            },
+            4,
+            10,
+        ),
+    ] {
+        let cfg = TrainConfig {
+            optimizer,
+            lr: 0.01,
+            ..config(deep_mlp(2, 16), 24, steps, tmp.path())
+        };
+        let job = diloco_job(&cfg, &data, 3, h, PAPER, 1, 512);
+        let expected = hand_diloco(&job, &data);
+        let backend = Backend::sim(test_seed(22));
+        let (params, summary) =
+            replicas_agree(run::diloco_nodes(&backend, &job, &data, tmp.path()).results);
+        let diff = max_rel_diff(&params, &expected);
+        let moved = max_rel_diff(&params, &hand_start(&job));
+        println!("H = {h}, {steps} steps: max |Δ| against the hand-computed run {diff:.2e}");
+        assert!(diff < 1e-5, "{diff}");
+        assert!(moved > 1e-3, "the model moved ({moved})");
+        assert_eq!(summary.steps, steps);
+    }
+}
+
+fn hand_start(job: &ringtmp_strategy::diloco::DilocoJob) -> Vec<f32> {
+    let layers = job.spec.layers().unwrap();
+    job.spec
+        .initial_stage(&layers, 0..layers.len(), 1, false)
+        .unwrap()
+        .params()
+        .to_vec()
+}
+
+#[test]
+fn a_worker_moves_a_model_every_h_steps_whole_or_a_fragment_at_a_time() {
+    // Each worker sends 2(N − 1)/N of what is reduced: the model every H steps (all-reduce SGD
+    // sends it every step). F fragments move 1/F of it every H/F steps; at the run's end every
+    // fragment not just synchronised synchronises once more (at most one model more). Bf16
+    // halves the bytes.
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let (steps, h, workers) = (12u64, 4u64, 3usize);
+    let cfg = config(model(CONV_MODEL, "ring-test"), 24, steps, tmp.path());
+    let backend = Backend::sim(test_seed(23));
+    let n = workers as f64;
+    let syncs = (steps / h) as f64;
+    for (fragments, dtype) in [
+        (1usize, OuterDtype::F32),
+        (2, OuterDtype::F32),
+        (4, OuterDtype::F32),
+        (1, OuterDtype::Bf16),
+    ] {
+        let mut job = diloco_job(&cfg, &data, workers, h, PAPER, fragments, 4096);
+        job.outer_dtype = dtype;
+        let (params, summary) =
+            replicas_agree(run::diloco_nodes(&backend, &job, &data, tmp.path()).results);
+        let element = if dtype == OuterDtype::F32 { 4.0 } else { 2.0 };
+        let ideal = 2.0 * (n - 1.0) / n * params.len() as f64 * element * syncs;
+        for node in &summary.per_node {
+            let ratio = node.bytes_sent as f64 / ideal;
+            println!(
+                "{fragments} fragments, {dtype:?}, rank {}: {} bytes, {ratio:.3}× a model every H steps",
+                node.rank, node.bytes_sent
+            );
+            let end_extra = if fragments > 1 { 1.0 / syncs } else { 0.0 };
+            assert!(
+                (1.0..1.0 + end_extra + 0.08).contains(&ratio),
+                "{fragments} fragments, {dtype:?}: {ratio}"
+            );
+        }
+        assert!(params.iter().all(|p| p.is_finite()));
+    }
+}
+
+/// A worker that dies between synchronisations is dropped from the next average: the survivors
+/// re-form the ring, redo that synchronisation without it and finish together.
+#[test]
+fn a_dead_worker_is_dropped_from_the_next_average() {
+    use ringtmp_transport::sim::{Fault, SimConfig};
+    use std::time::Duration;
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = config(model(CONV_MODEL, "ring-test"), 24, 30, tmp.path());
+    for (case, (dead, at)) in [(2u32, 30u64), (1, 5), (3, 60)].into_iter().enumerate() {
+        let job = diloco_job(&cfg, &data, 4, 5, PAPER, 1, 4096);
+        let mut sim = SimConfig::new(test_seed(24) + case as u64);
+        sim.faults.push(Fault::Die {
+            rank: dead,
+            at: Duration::from_millis(at),
+        });
+        let out = tmp.path().join(format!("case-{case}"));
+        let ran = run::diloco_nodes(&Backend::Sim(sim), &job, &data, &out);
+        let survivors: Vec<run::Replica> = ran
+            .results
+            .into_iter()
+            .enumerate()
+            .filter(|(r, _)| *r as u32 != dead)
+            .map(|(_, x)| x)
+            .collect();
+        let (params, summary) = replicas_agree(survivors);
+        assert!(params.iter().all(|p| p.is_finite()));
+        assert_eq!(summary.steps, 30);
+        let left: Vec<u32> = summary.dropped_nodes.iter().map(|d| d.rank).collect();
+        assert_eq!(left, vec![dead], "{summary:?}");
+        println!(
+            "rank {dead} died at {at} ms: dropped at step {}",
+            summary.dropped_nodes[0].step
+        );
+    }
+}
+
+/// `--inner-seconds`: a worker out of time skips to the next synchronisation. With a window
+/// no step fits in, every worker takes exactly the first inner step of each interval.
+#[test]
+fn inner_seconds_bound_the_inner_steps() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let (steps, h) = (20u64, 5u64);
+    let cfg = config(model(CONV_MODEL, "ring-test"), 24, steps, tmp.path());
+    let mut job = diloco_job(&cfg, &data, 3, h, PAPER, 1, 4096);
+    job.inner_seconds = Some(1e-9);
+    let (params, summary) = replicas_agree(
+        run::diloco_nodes(&Backend::sim(test_seed(25)), &job, &data, tmp.path()).results,
+    );
+    assert!(params.iter().all(|p| p.is_finite()));
+    for node in &summary.per_node {
+        assert_eq!(node.iterations, steps / h, "rank {}", node.rank);
+    }
+    // Unbounded, every step is taken.
+    job.inner_seconds = None;
+    let (_, summary) = replicas_agree(
+        run::diloco_nodes(&Backend::sim(test_seed(25)), &job, &data, tmp.path()).results,
+    );
+    assert!(summary.per_node.iter().all(|n| n.iterations == steps));
+}
