@@ -36,7 +36,7 @@ pub struct TrainArgs {
     #[arg(long, value_name = "FILE")]
     #[serde(skip)]
     pub config: Option<PathBuf>,
-    /// Strategy: local, ring, ps, allreduce, dpsgd or adpsgd [default: ring].
+    /// Strategy: local, ring, ps, allreduce, dpsgd, adpsgd or diloco [default: ring].
     #[arg(help_heading = "Strategy", long, value_parser = clap::builder::PossibleValuesParser::new(Job::NAMES))]
     pub strategy: Option<String>,
     /// Node processes to launch locally (distributed strategies) [default: 4].

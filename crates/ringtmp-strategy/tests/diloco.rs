@@ -77,7 +77,11 @@ fn one_inner_step_and_an_averaging_outer_step_is_all_reduce_sgd() {
                 "diloco H = 1, {workers} workers ({}): max |Δparam| / max |param| = {diff:.2e}",
                 backend.name()
             );
-            assert!(diff < 1e-4, "{workers} workers on {}: {diff}", backend.name());
+            assert!(
+                diff < 1e-4,
+                "{workers} workers on {}: {diff}",
+                backend.name()
+            );
             assert_eq!(summary.steps, 10);
             assert_eq!(summary.samples, 10 * 24);
         }
@@ -91,7 +95,10 @@ fn hand_diloco(job: &ringtmp_strategy::diloco::DilocoJob, data: &Dataset) -> Vec
     let layers = spec.layers().unwrap();
     let n = job.workers;
     let mut stages: Vec<_> = (0..n)
-        .map(|_| spec.initial_stage(&layers, 0..layers.len(), 1, false).unwrap())
+        .map(|_| {
+            spec.initial_stage(&layers, 0..layers.len(), 1, false)
+                .unwrap()
+        })
         .collect();
     let mut optimizers: Vec<_> = (0..n)
         .map(|_| Optimizer::new(spec.optimizer.clone(), stages[0].params().len()))
@@ -119,7 +126,10 @@ fn hand_diloco(job: &ringtmp_strategy::diloco::DilocoJob, data: &Dataset) -> Vec
         if (step + 1) % job.inner_steps == 0 || step + 1 == spec.total_steps {
             let (lr, mu) = (job.outer.lr, job.outer.momentum);
             for i in 0..global.len() {
-                let delta: f32 = stages.iter().map(|s| global[i] - s.params()[i]).sum::<f32>()
+                let delta: f32 = stages
+                    .iter()
+                    .map(|s| global[i] - s.params()[i])
+                    .sum::<f32>()
                     / n as f32;
                 velocity[i] = mu * velocity[i] + delta;
                 global[i] -= lr * (delta + mu * velocity[i]);

@@ -14,7 +14,7 @@ use crate::args::TrainArgs;
 use crate::error::UsageError;
 
 /// The strategies compared when none are named.
-pub const DEFAULT_STRATEGIES: &str = "ring,ps:bsp,allreduce,dpsgd,adpsgd";
+pub const DEFAULT_STRATEGIES: &str = "ring,ps:bsp,allreduce,dpsgd,adpsgd,diloco";
 
 /// `ringtmp compare` options. Everything else on the command line is a `ringtmp train` option
 /// shared by every run (model, data, epochs, links, …).
@@ -319,7 +319,7 @@ fn base_strategy_args(spec: &str, strategy: &str) -> Result<Vec<String>> {
     let bad = || {
         UsageError(format!(
             "unknown strategy {spec:?} (expected a strategy's name — {} — or ring:SCHEDULE, \
-             ps:bsp, ps:ssp:S, ps:asp, ps:dssp:L:U, dpsgd:ring or dpsgd:exp)",
+             ps:bsp, ps:ssp:S, ps:asp, ps:dssp:L:U, dpsgd:ring, dpsgd:exp or diloco:H)",
             ringtmp_strategy::Job::NAMES.join(", ")
         ))
     };
@@ -347,6 +347,12 @@ fn base_strategy_args(spec: &str, strategy: &str) -> Result<Vec<String>> {
             consistency.join(":"),
         ],
         ["ps"] => vec!["--strategy".into(), "ps".into()],
+        ["diloco", inner_steps] => vec![
+            "--strategy".into(),
+            "diloco".into(),
+            "--inner-steps".into(),
+            (*inner_steps).into(),
+        ],
         _ => return Err(bad().into()),
     };
     Ok(args)
@@ -508,6 +514,17 @@ mod tests {
         assert_eq!(
             strategy_args("dpsgd:exp").unwrap(),
             strings(&["--strategy", "dpsgd", "--topology", "exp"])
+        );
+        assert_eq!(
+            strategy_args("diloco:100+outer-fragments=4").unwrap(),
+            strings(&[
+                "--strategy",
+                "diloco",
+                "--inner-steps",
+                "100",
+                "--outer-fragments",
+                "4"
+            ])
         );
         assert!(strategy_args("horovod").is_err());
         assert!(strategy_args("allreduce:fast").is_err());

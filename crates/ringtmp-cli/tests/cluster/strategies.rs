@@ -215,6 +215,82 @@ fn allreduce_on_local_nodes_writes_the_output_contract() {
     );
 }
 
+// Issue 45.1: DiLoCo on local processes writes the output contract: the outer model evaluated
+// and checkpointed, one record per outer step, streamed fragments; a run resumes from it.
+#[test]
+fn diloco_on_local_nodes_writes_the_output_contract_and_resumes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("dl").display().to_string();
+    let common = [
+        "--strategy",
+        "diloco",
+        "--nodes",
+        "3",
+        "--dataset",
+        "digits",
+        "--model-file",
+        "examples/models/lenet-dropout.toml",
+        "--batch-size",
+        "16",
+        "--lr",
+        "0.02",
+        "--inner-steps",
+        "20",
+        "--outer-fragments",
+        "2",
+    ];
+    let mut args = common.to_vec();
+    args.extend([
+        "--epochs",
+        "4",
+        "--target-accuracy",
+        "0.7",
+        "--checkpoint-every",
+        "40",
+        "--out",
+        &out,
+    ]);
+    let (output, _) = finish(spawn_train(&args), Duration::from_secs(120));
+    let err = stderr(&output);
+    assert!(output.status.success(), "{err}");
+    assert!(err.contains("20 inner steps"), "{err}");
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(tmp.path().join("dl/summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(summary["strategy"], "diloco");
+    assert_eq!(summary["per_node"].as_array().unwrap().len(), 3);
+    assert!(
+        summary["final_test_accuracy"].as_f64().unwrap() > 0.7,
+        "{summary}"
+    );
+    let metrics = std::fs::read_to_string(tmp.path().join("dl/metrics.jsonl")).unwrap();
+    // 124 steps: fragment 0 at 10, 30, …, 110, fragment 1 at 20, 40, …, 120, both at 124.
+    let outer_steps = metrics
+        .lines()
+        .filter(|l| l.contains("\"event\":\"outer_step\""))
+        .count();
+    assert_eq!(outer_steps, 13, "{metrics}");
+    let dir = ringtmp_model::checkpoint::resolve(&tmp.path().join("dl")).unwrap();
+    let manifest = ringtmp_model::checkpoint::read_manifest(&dir).unwrap();
+    assert_eq!(manifest.strategy, "diloco");
+    // Resumed from its checkpoint at step 40 for 20 more steps.
+    let again = tmp.path().join("dl2").display().to_string();
+    let at_40 = tmp
+        .path()
+        .join("dl/checkpoints/step-000000040")
+        .display()
+        .to_string();
+    let mut args = common.to_vec();
+    args.extend(["--max-steps", "60", "--resume", &at_40, "--out", &again]);
+    let (output, _) = finish(spawn_train(&args), Duration::from_secs(120));
+    assert!(output.status.success(), "{}", stderr(&output));
+    let summary: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(tmp.path().join("dl2/summary.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(summary["steps"], 60, "{summary}");
+}
+
 // Issue 12.2: D-PSGD on local processes writes the output contract, with the consensus model's
 // accuracy, every worker's own, and the consensus distance.
 #[test]

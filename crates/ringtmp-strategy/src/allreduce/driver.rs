@@ -32,7 +32,6 @@ use crate::data_parallel::write_model;
 use crate::error::{Error, Result};
 use crate::spec::ResumePoint;
 
-
 /// What a worker returns: its replica, and on rank 0 the run's summary.
 pub struct WorkerOutcome {
     /// The replica's final parameters (the same bits on every worker).
@@ -40,7 +39,6 @@ pub struct WorkerOutcome {
     /// Rank 0's summary of the run.
     pub summary: Option<Summary>,
 }
-
 
 /// Runs worker `rank` of `job` on `data` until the job's last iteration; rank 0 evaluates,
 /// checkpoints and writes the run's outputs. A worker that dies is left behind: the survivors
@@ -271,13 +269,7 @@ pub(crate) fn report(
     totals.wall_seconds = (net.clock().now() - started).as_secs_f64();
     let summary = Summary {
         dropped_nodes: dropped,
-        ..crate::data_parallel::run_summary(
-            &recorder,
-            strategy,
-            workers as u32,
-            &totals,
-            per_node,
-        )
+        ..crate::data_parallel::run_summary(&recorder, strategy, workers as u32, &totals, per_node)
     };
     Ok(Some(recorder.finish(summary)?))
 }
@@ -330,7 +322,6 @@ fn take_mean(stage: &mut Stage, reduced: &[Reduced], m: usize) -> f64 {
     }
     step_loss
 }
-
 
 /// Rank 0 writes the one model every replica holds, in the format every strategy reads.
 fn write_checkpoint(

@@ -192,24 +192,15 @@ pub fn run_worker(
                 });
             }
         }
-        // Every member's share of the global batch (a skipped share is counted as seen by the
-        // run's clock, as a dropped worker's would not be; the notice below says how many).
+        // The global batch of every step (shares skipped under --inner-seconds included; the
+        // notice below says how many).
         samples += global as u64;
         step += 1;
         let mut due = schedule.due(step);
         while !due.is_empty() {
             let waited = clock.now();
             let attempt = synchronise(
-                job,
-                rank,
-                step,
-                &due,
-                &buckets,
-                &parts,
-                &ring,
-                &mut stage,
-                &mut outer,
-                &trained,
+                job, rank, step, &due, &buckets, &parts, &ring, &mut stage, &mut outer, &trained,
                 net,
             )?;
             sync_wait += (clock.now() - waited).as_secs_f64();
@@ -290,7 +281,7 @@ pub fn run_worker(
             ),
         });
     }
-    let own = crate::data_parallel::worker_summary(
+    let mut own = crate::data_parallel::worker_summary(
         rank,
         &stage,
         &optimizer,
@@ -302,6 +293,8 @@ pub fn run_worker(
             iterations,
         },
     );
+    // The outer parameters and momentum are optimizer state too.
+    own.optimizer_bytes += 2 * own.params * 4;
     let totals = crate::data_parallel::RunTotals {
         params: stage.params().len() as u64,
         steps: spec.total_steps,

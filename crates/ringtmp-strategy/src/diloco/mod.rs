@@ -47,6 +47,13 @@ impl Strategy for DilocoJob {
         data: &Dataset,
         report: &mut PlanReport,
     ) -> Result<Self> {
+        // A worker holds a replica and its inner optimizer (as all-reduce's do) and the outer
+        // parameters and momentum.
+        let layers = crate::layers_for(&config.model, data)?;
+        let mut floor = crate::memory_floor::whole_replica(&layers, &config.optimizer);
+        floor.values += 2;
+        floor.what.push_str(", the outer parameters and momentum");
+        crate::memory_floor::check(NAME, &floor, 0..cluster.nodes as usize, cluster)?;
         // An inner step is one worker's batch alone: the one-node defaults hold.
         let (spec, workers) =
             crate::data_parallel::plan_spec_with(NAME, config, cluster, data, report, false)?;
@@ -67,9 +74,7 @@ impl Strategy for DilocoJob {
                  no more fragments than inner steps (each synchronises every H/F steps)"
             )));
         }
-        if !(outer.lr.is_finite() && outer.lr > 0.0)
-            || !(0.0..1.0).contains(&outer.momentum)
-        {
+        if !(outer.lr.is_finite() && outer.lr > 0.0 && (0.0..1.0).contains(&outer.momentum)) {
             return Err(Error::Config(format!(
                 "--outer-lr {} --outer-momentum {}: a positive rate and a momentum in [0, 1)",
                 outer.lr, outer.momentum
@@ -91,7 +96,10 @@ impl Strategy for DilocoJob {
             spec.batch_size * workers,
             spec.lr,
             if fragments > 1 {
-                format!(" of each of {fragments} fragments, {} steps apart", inner_steps / fragments as u64)
+                format!(
+                    " of each of {fragments} fragments, {} steps apart",
+                    inner_steps / fragments as u64
+                )
             } else {
                 String::new()
             },

@@ -197,7 +197,11 @@ mod tests {
         state.step(&config, 0..1, &[1.0]);
         assert!((state.global[0] + 0.33).abs() < 1e-6);
         state.step(&config, 0..1, &[0.5]);
-        assert!((state.global[0] + 1.562).abs() < 1e-6, "{}", state.global[0]);
+        assert!(
+            (state.global[0] + 1.562).abs() < 1e-6,
+            "{}",
+            state.global[0]
+        );
         assert_eq!(state.global[1], 2.0, "outside the range nothing moves");
         // Without Nesterov: θ1 = 1 − 0.7, θ2 = 0.3 − 0.7·1.4.
         let plain = OuterConfig {
@@ -233,11 +237,7 @@ mod tests {
             assert_eq!(parts.last().unwrap().end, 400);
             assert!(parts.windows(2).all(|w| w[0].end == w[1].start));
             assert!(parts.iter().all(|p| !p.is_empty()));
-            assert!(
-                parts
-                    .iter()
-                    .all(|p| tensors.iter().any(|t| t.end == p.end))
-            );
+            assert!(parts.iter().all(|p| tensors.iter().any(|t| t.end == p.end)));
         }
         assert_eq!(fragments(&tensors, 2), vec![0..110, 110..400]);
         assert_eq!(fragments(&tensors, 1), vec![0..400]);
@@ -253,12 +253,19 @@ mod tests {
                     if done < total {
                         let first = if s.offset(p) == 0 { h } else { s.offset(p) };
                         let expected = if last[p] == 0 { first } else { h };
-                        assert_eq!(done - last[p], expected, "h {h} f {f} fragment {p} at {done}");
+                        assert_eq!(
+                            done - last[p],
+                            expected,
+                            "h {h} f {f} fragment {p} at {done}"
+                        );
                     }
                     last[p] = done;
                 }
             }
-            assert!(last.iter().all(|l| *l == total), "all synchronise at the end");
+            assert!(
+                last.iter().all(|l| *l == total),
+                "all synchronise at the end"
+            );
             // Spread: with f fragments no two share a step count before the end.
             for done in 1..total {
                 assert!(s.due(done).len() <= 1 || f == 1);
