@@ -433,6 +433,68 @@ fn rings_of_rings_equal_one_process_with_their_global_batch() {
     }
 }
 
+/// Issue 45.2: rings of rings under `--replica-sync diloco:H` are DiLoCo with a ring as each
+/// worker: R flushed rings of batch b (each one process of batch b) whose stage copies take one
+/// outer step together every H mini-batches equal `--strategy diloco` with R workers of batch b,
+/// stage by stage — with an averaging outer step (lr 1, no momentum) and with the paper's.
+#[test]
+fn rings_of_rings_under_diloco_equal_diloco_workers() {
+    use ringtmp_strategy::diloco::outer::OuterConfig;
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let steps = 12;
+    for (rings, h, outer) in [
+        (
+            2usize,
+            1u64,
+            OuterConfig {
+                lr: 1.0,
+                momentum: 0.0,
+                nesterov: false,
+            },
+        ),
+        (2, 4, OuterConfig::PAPER),
+        (3, 5, OuterConfig::PAPER),
+    ] {
+        let global = 12 * rings;
+        let mut local_cfg = config(deep_mlp(7, 16), global, steps, &tmp.path().join("local"));
+        local_cfg.checkpoint_every = steps;
+        let workers =
+            ringtmp_testkit::jobs::diloco_job(&local_cfg, &data, rings, h, outer, 1, 4096);
+        let expected = run::diloco_nodes(
+            &Backend::sim(test_seed(45)),
+            &workers,
+            &data,
+            &tmp.path().join(format!("dl-{rings}-{h}")),
+        )
+        .results
+        .remove(0)
+        .expect("worker 0 trains")
+        .0;
+        let ring_cfg = TrainConfig {
+            batch_size: 12,
+            ..local_cfg.clone()
+        };
+        let mut job = ring_job(&ring_cfg, &data, &[0, 5, 11, 16], Schedule::OneFOneB, 3);
+        job.spec = ringtmp_strategy::RunSpec::new(ring_cfg.clone(), &data, global).unwrap();
+        job.replicas = rings;
+        job.average_every = h;
+        job.outer_sync = Some(outer);
+        let out = tmp.path().join(format!("rings-{rings}-{h}"));
+        let ran = run::healing_ring_nodes(&Backend::sim(test_seed(15)), &job, &data, &out);
+        for (r, result) in ran.results.iter().enumerate() {
+            assert!(result.is_ok(), "{rings} rings: rank {r}: {result:?}");
+        }
+        let params = oracle::checkpoint_params(&out, &local_cfg, &data);
+        let diff = max_rel_diff(&params, &expected);
+        println!(
+            "{rings} rings of 3 under diloco:{h} ({outer:?}): max |Δparam| / max |param| \
+             against {rings} DiLoCo workers = {diff:.2e}"
+        );
+        assert!(diff < 1e-4, "{rings} rings, H = {h}: {diff}");
+    }
+}
+
 /// Issue 15.1, `--replica-sync every:K` and `adpsgd`: rings of rings that train on their own
 /// under the async schedule and average their parameters every K mini-batches, or gossip them
 /// (AD-PSGD's pairs, nobody waiting until the end), learn as well as one async ring does on the

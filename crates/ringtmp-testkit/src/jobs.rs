@@ -48,6 +48,7 @@ pub fn ring_job(
         average_every: 0,
         idle_nodes: 0,
         gossip_every: 0,
+        outer_sync: None,
         eval_rows: 0,
         ring: 0,
     }

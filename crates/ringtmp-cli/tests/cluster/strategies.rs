@@ -469,10 +469,36 @@ fn rings_of_rings_run_on_local_nodes_and_refuse_what_cannot_work() {
         summary["final_test_accuracy"].as_f64().unwrap() > 0.3,
         "{summary}"
     );
+    // The same rings synchronised like DiLoCo (issue 45.2): an outer step every 8 mini-batches.
+    let diloco_out = tmp.path().join("diloco");
+    let mut diloco = args.to_vec();
+    diloco.extend(["--replica-sync", "diloco:8"]);
+    let output = train_into(&diloco, &diloco_out);
+    let err = stderr(&output);
+    assert!(output.status.success(), "{err}");
+    assert!(
+        err.contains("take one DiLoCo outer step together every 8"),
+        "{err}"
+    );
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(diloco_out.join("summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(summary["samples"], 46 * 32, "{summary}");
     for (extra, needle) in [
         (
             &["--nodes", "4", "--replicas", "3"][..],
             "must split into rings",
+        ),
+        (
+            &[
+                "--nodes",
+                "4",
+                "--replicas",
+                "2",
+                "--replica-sync",
+                "diloco:8:0:0.9",
+            ][..],
+            "diloco:H[:LR:MOMENTUM]",
         ),
         (
             &[
@@ -494,7 +520,7 @@ fn rings_of_rings_run_on_local_nodes_and_refuse_what_cannot_work() {
                 "--replica-sync",
                 "adpsgd:0",
             ][..],
-            "expected gradients, every:K, adpsgd or adpsgd:K",
+            "expected gradients, every:K, adpsgd, adpsgd:K or diloco:H",
         ),
         (
             &["--nodes", "4", "--replicas", "2", "--schedule", "async"][..],

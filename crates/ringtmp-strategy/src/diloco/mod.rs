@@ -63,9 +63,13 @@ impl Strategy for DilocoJob {
             job::DEFAULT_INNER_STEPS
         });
         let outer = OuterConfig {
-            lr: options.outer_lr.unwrap_or(0.7),
-            momentum: options.outer_momentum.unwrap_or(0.9),
-            nesterov: options.outer_nesterov.unwrap_or(true),
+            lr: options.outer_lr.unwrap_or(OuterConfig::PAPER.lr),
+            momentum: options
+                .outer_momentum
+                .unwrap_or(OuterConfig::PAPER.momentum),
+            nesterov: options
+                .outer_nesterov
+                .unwrap_or(OuterConfig::PAPER.nesterov),
         };
         let fragments = options.outer_fragments.unwrap_or(1);
         if inner_steps == 0 || fragments == 0 || fragments as u64 > inner_steps {

@@ -26,6 +26,15 @@ pub struct OuterConfig {
     pub nesterov: bool,
 }
 
+impl OuterConfig {
+    /// The DiLoCo paper's outer optimizer: SGD, lr 0.7, momentum 0.9, Nesterov.
+    pub const PAPER: Self = Self {
+        lr: 0.7,
+        momentum: 0.9,
+        nesterov: true,
+    };
+}
+
 /// The state every worker shares: the outer parameters (the model as of each fragment's last
 /// synchronisation) and the outer momentum; the same bits on every worker.
 #[derive(Clone, Debug, Default)]

@@ -40,6 +40,7 @@ pub fn plan(
         nodes,
         average_every,
         gossip_every,
+        outer_sync,
         schedule,
         micro_batches,
         rows,
@@ -188,6 +189,7 @@ pub fn plan(
         replicas,
         average_every,
         gossip_every,
+        outer_sync,
         eval_rows: eval.rows,
         ring: 0,
     };
@@ -248,6 +250,11 @@ fn run_spec(
                 "parameters by asynchronous gossip".to_string()
             } else if settings.average_every == 0 {
                 "gradients before every step".to_string()
+            } else if settings.outer_sync.is_some() {
+                format!(
+                    "pseudo-gradients through a DiLoCo outer step every {} mini-batch(es)",
+                    settings.average_every
+                )
             } else {
                 format!("parameters every {} mini-batch(es)", settings.average_every)
             },

@@ -40,6 +40,9 @@ pub struct Settings {
     pub average_every: u64,
     /// Rings of rings: start a gossip exchange every this many mini-batches (0: no gossip).
     pub gossip_every: u64,
+    /// Rings of rings under `--replica-sync diloco:H`: the outer optimizer the copies' averages
+    /// go through every `average_every` mini-batches.
+    pub outer_sync: Option<crate::diloco::outer::OuterConfig>,
     /// The pipeline schedule.
     pub schedule: Schedule,
     /// Micro-batches per mini-batch.
@@ -69,26 +72,51 @@ fn threads(cfg: &mut TrainConfig, cluster: &Cluster) {
     }
 }
 
-/// `--replica-sync`: (average every K, gossip every K).
-fn replica_sync(args: &RingOptions) -> Result<(u64, u64)> {
-    match args.replica_sync.as_deref() {
-        None | Some("gradients") => Ok((0, 0)),
-        Some(text) => {
-            let k = |prefix: &str| {
-                text.strip_prefix(prefix)
-                    .and_then(|k| k.parse::<u64>().ok())
-                    .filter(|k| *k >= 1)
-            };
-            match (k("every:"), text == "adpsgd", k("adpsgd:")) {
-                (Some(k), _, _) => Ok((k, 0)),
-                (_, true, _) => Ok((0, 1)),
-                (_, _, Some(k)) => Ok((0, k)),
-                _ => Err(Error::Config(format!(
-                    "--replica-sync {text:?}: expected gradients, every:K, adpsgd or adpsgd:K \
-                     (K ≥ 1)"
-                ))),
+/// `--replica-sync`: (average every K, gossip every K, the outer optimizer under `diloco`).
+fn replica_sync(
+    args: &RingOptions,
+) -> Result<(u64, u64, Option<crate::diloco::outer::OuterConfig>)> {
+    let text = match args.replica_sync.as_deref() {
+        None | Some("gradients") => return Ok((0, 0, None)),
+        Some(text) => text,
+    };
+    let bad = || {
+        Error::Config(format!(
+            "--replica-sync {text:?}: expected gradients, every:K, adpsgd, adpsgd:K or \
+             diloco:H[:LR:MOMENTUM] (K, H ≥ 1; an outer rate > 0 and a momentum in [0, 1))"
+        ))
+    };
+    let k = |prefix: &str| {
+        text.strip_prefix(prefix)
+            .and_then(|k| k.parse::<u64>().ok())
+            .filter(|k| *k >= 1)
+    };
+    if let Some(rest) = text.strip_prefix("diloco:") {
+        let parts: Vec<&str> = rest.split(':').collect();
+        let h = parts[0]
+            .parse::<u64>()
+            .ok()
+            .filter(|h| *h >= 1)
+            .ok_or_else(bad)?;
+        let mut outer = crate::diloco::outer::OuterConfig::PAPER;
+        match parts.as_slice() {
+            [_] => {}
+            [_, lr, mu] => {
+                outer.lr = lr.parse().map_err(|_| bad())?;
+                outer.momentum = mu.parse().map_err(|_| bad())?;
             }
+            _ => return Err(bad()),
         }
+        if !(outer.lr.is_finite() && outer.lr > 0.0 && (0.0..1.0).contains(&outer.momentum)) {
+            return Err(bad());
+        }
+        return Ok((h, 0, Some(outer)));
+    }
+    match (k("every:"), text == "adpsgd", k("adpsgd:")) {
+        (Some(k), _, _) => Ok((k, 0, None)),
+        (_, true, _) => Ok((0, 1, None)),
+        (_, _, Some(k)) => Ok((0, k, None)),
+        _ => Err(bad()),
     }
 }
 
@@ -179,14 +207,15 @@ pub fn resolve(
         )));
     }
     let nodes = all_nodes / replicas as u32;
-    let (average_every, gossip_every) = replica_sync(args)?;
-    let (average_every, gossip_every) = if (average_every > 0 || gossip_every > 0) && replicas < 2 {
-        // One ring (a sweep's smallest count under --ring-nodes): nothing to keep together.
-        report.note("--replica-sync: one ring, no copies to keep together");
-        (0, 0)
-    } else {
-        (average_every, gossip_every)
-    };
+    let (average_every, gossip_every, outer_sync) = replica_sync(args)?;
+    let (average_every, gossip_every, outer_sync) =
+        if (average_every > 0 || gossip_every > 0) && replicas < 2 {
+            // One ring (a sweep's smallest count under --ring-nodes): nothing to keep together.
+            report.note("--replica-sync: one ring, no copies to keep together");
+            (0, 0, None)
+        } else {
+            (average_every, gossip_every, outer_sync)
+        };
     let gossip = gossip_every > 0;
     if gossip && replicas % 2 != 0 {
         return Err(Error::Config(format!(
@@ -213,6 +242,14 @@ pub fn resolve(
                 format!(
                     "gossip their parameters (AD-PSGD's pairs, an exchange started every \
                      {gossip_every} mini-batch(es), nobody waiting) and average at the end"
+                )
+            } else if let Some(outer) = outer_sync {
+                format!(
+                    "take one DiLoCo outer step together every {average_every} mini-batch(es) \
+                     (the mean of their pseudo-gradients through SGD lr {} momentum {}{})",
+                    outer.lr,
+                    outer.momentum,
+                    if outer.nesterov { ", Nesterov" } else { "" }
                 )
             } else {
                 format!("average their parameters every {average_every} mini-batch(es)")
@@ -317,6 +354,7 @@ pub fn resolve(
         nodes,
         average_every,
         gossip_every,
+        outer_sync,
         schedule,
         micro_batches,
         rows,

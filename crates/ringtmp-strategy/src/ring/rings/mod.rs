@@ -23,6 +23,7 @@ use ringtmp_wire::message::tensor_values;
 use ringtmp_wire::{Dtype, Message, TensorHeader, TensorTag};
 
 use crate::allreduce::ring::chunks;
+use crate::diloco::outer::{OuterConfig, OuterState};
 use gossip::{ANSWER, DONE, REQUEST, ReplicaGossip};
 
 /// `micro_batch` of the all-reduce's tensors: this marker, the phase (0 reduce-scatter, 1
@@ -41,6 +42,9 @@ pub struct RingsView<'a> {
     timeout: Duration,
     /// `--replica-sync adpsgd`: this copy's side of its group's gossip.
     gossip: Option<ReplicaGossip>,
+    /// `--replica-sync diloco:H`: the outer optimizer and this stage's outer state (the same
+    /// bits in every copy).
+    outer: Option<(OuterConfig, OuterState)>,
 }
 
 impl<'a> RingsView<'a> {
@@ -55,7 +59,21 @@ impl<'a> RingsView<'a> {
             group_inbox: VecDeque::new(),
             timeout,
             gossip: None,
+            outer: None,
         }
+    }
+
+    /// The copies of this node's stage synchronise like DiLoCo (`--replica-sync diloco:H`):
+    /// each average is of pseudo-gradients, taken through `config`'s outer step; `start` is the
+    /// stage's parameters before training (every copy's).
+    pub fn with_outer(mut self, config: OuterConfig, start: &[f32]) -> Self {
+        let state = if ringtmp_meter::phantom() {
+            OuterState::default()
+        } else {
+            OuterState::new(start)
+        };
+        self.outer = Some((config, state));
+        self
     }
 
     /// The copies of this node's stage gossip (`--replica-sync adpsgd`) instead of averaging on
@@ -280,6 +298,65 @@ impl<'a> RingsView<'a> {
         Ok(())
     }
 
+    /// Ring all-reduce among the copies of this stage (reduce-scatter, then all-gather, over
+    /// R chunks), then the mean. Every copy adds the same chunks in the same ring order.
+    fn mean_over_copies(&mut self, step: u64, values: &mut [f32]) -> Result<(), TransportError> {
+        let group = self.group();
+        let n = group.len();
+        if n < 2 {
+            return Ok(());
+        }
+        let me = group
+            .iter()
+            .position(|p| *p == self.inner.rank())
+            .unwrap_or(0);
+        let (right, left) = (group[(me + 1) % n], group[(me + n - 1) % n]);
+        // A sizes-only run's chunks carry no values: nothing to add, copy or scale.
+        let phantom = ringtmp_meter::phantom();
+        let parts = chunks(values.len(), n);
+        // Reduce-scatter: after round k, chunk (me − k − 1) holds k + 2 copies' sum.
+        for k in 0..n - 1 {
+            let out = (me + n - k) % n;
+            let chunk = &values[parts[out].clone()];
+            self.send_group(right, step, GROUP | k as u64, TensorTag::Gradient, chunk)?;
+            let into = (me + n - k - 1) % n;
+            let got = self.group_tensor(left, step, GROUP | k as u64)?;
+            let range = parts[into].clone();
+            if phantom && got.is_empty() {
+                continue;
+            }
+            if got.len() != range.len() {
+                return Err(group_error(self, left, "a chunk of the wrong size"));
+            }
+            values[range]
+                .iter_mut()
+                .zip(&got)
+                .for_each(|(v, g)| *v += g);
+        }
+        // All-gather: chunk (me + 1) is complete here; pass the complete chunks round.
+        for k in 0..n - 1 {
+            let tag = GROUP | 1 << 16 | k as u64;
+            let out = (me + 1 + n - k) % n;
+            let chunk = &values[parts[out].clone()];
+            self.send_group(right, step, tag, TensorTag::Gradient, chunk)?;
+            let into = (me + n - k) % n;
+            let got = self.group_tensor(left, step, tag)?;
+            let range = parts[into].clone();
+            if phantom && got.is_empty() {
+                continue;
+            }
+            if got.len() != range.len() {
+                return Err(group_error(self, left, "a chunk of the wrong size"));
+            }
+            values[range].copy_from_slice(&got);
+        }
+        if !phantom {
+            let scale = 1.0 / n as f32;
+            values.iter_mut().for_each(|v| *v *= scale);
+        }
+        Ok(())
+    }
+
     /// A passive copy's end: it answers requests until every active neighbour is done. What its
     /// own ring sends meanwhile is put back, in order, for the ring.
     fn serve_until_done(
@@ -414,67 +491,48 @@ impl Transport for RingsView<'_> {
         self.inner.step_done()
     }
 
-    /// Ring all-reduce among the copies of this stage (reduce-scatter, then all-gather, over
-    /// R chunks), then the mean. Every copy adds the same chunks in the same ring order.
+    /// Rings of rings: the mean of `values` over the copies of this stage; under
+    /// `--replica-sync diloco:H`, one outer step of the mean pseudo-gradient, after which
+    /// `values` are the new outer parameters.
     fn average_with_replicas(
         &mut self,
         step: u64,
         values: &mut [f32],
     ) -> Result<(), TransportError> {
-        let group = self.group();
-        let n = group.len();
-        if n < 2 {
-            return Ok(());
-        }
-        let me = group
-            .iter()
-            .position(|p| *p == self.inner.rank())
-            .unwrap_or(0);
-        let (right, left) = (group[(me + 1) % n], group[(me + n - 1) % n]);
-        // A sizes-only run's chunks carry no values: nothing to add, copy or scale.
-        let phantom = ringtmp_meter::phantom();
-        let parts = chunks(values.len(), n);
-        // Reduce-scatter: after round k, chunk (me − k − 1) holds k + 2 copies' sum.
-        for k in 0..n - 1 {
-            let out = (me + n - k) % n;
-            let chunk = &values[parts[out].clone()];
-            self.send_group(right, step, GROUP | k as u64, TensorTag::Gradient, chunk)?;
-            let into = (me + n - k - 1) % n;
-            let got = self.group_tensor(left, step, GROUP | k as u64)?;
-            let range = parts[into].clone();
-            if phantom && got.is_empty() {
-                continue;
+        let Some((config, mut state)) = self.outer.take() else {
+            return self.mean_over_copies(step, values);
+        };
+        let result = (|| {
+            if ringtmp_meter::phantom() {
+                return self.mean_over_copies(step, values);
             }
-            if got.len() != range.len() {
-                return Err(group_error(self, left, "a chunk of the wrong size"));
+            if state.global.len() != values.len() {
+                return Err(TransportError::Io {
+                    context: format!(
+                        "rings of rings: a DiLoCo outer step of {} parameters on a stage of {}",
+                        values.len(),
+                        state.global.len()
+                    ),
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::InvalidInput,
+                        "the stage changed size",
+                    ),
+                });
             }
-            values[range]
-                .iter_mut()
-                .zip(&got)
-                .for_each(|(v, g)| *v += g);
-        }
-        // All-gather: chunk (me + 1) is complete here; pass the complete chunks round.
-        for k in 0..n - 1 {
-            let tag = GROUP | 1 << 16 | k as u64;
-            let out = (me + 1 + n - k) % n;
-            let chunk = &values[parts[out].clone()];
-            self.send_group(right, step, tag, TensorTag::Gradient, chunk)?;
-            let into = (me + n - k) % n;
-            let got = self.group_tensor(left, step, tag)?;
-            let range = parts[into].clone();
-            if phantom && got.is_empty() {
-                continue;
-            }
-            if got.len() != range.len() {
-                return Err(group_error(self, left, "a chunk of the wrong size"));
-            }
-            values[range].copy_from_slice(&got);
-        }
-        if !phantom {
-            let scale = 1.0 / n as f32;
-            values.iter_mut().for_each(|v| *v *= scale);
-        }
-        Ok(())
+            let mut delta: Vec<f32> = state
+                .global
+                .iter()
+                .zip(values.iter())
+                .map(|(outer, own)| outer - own)
+                .collect();
+            self.mean_over_copies(step, &mut delta)?;
+            state.step(&config, 0..delta.len(), &delta);
+            state.updates += 1;
+            values.copy_from_slice(&state.global);
+            Ok(())
+        })();
+        self.outer = Some((config, state));
+        result
     }
     fn gossip_with_replicas(
         &mut self,
@@ -490,7 +548,7 @@ impl Transport for RingsView<'_> {
         result?;
         if last {
             // One model from the rings: the copies average once, exactly.
-            self.average_with_replicas(step, values)?;
+            self.mean_over_copies(step, values)?;
         }
         Ok(())
     }
@@ -526,6 +584,17 @@ pub fn run(
     let mut view = RingsView::new(&mut *cx.net, stages, rings, timeout);
     if job.gossip_every > 0 {
         view = view.with_gossip(job.spec.seed, job.gossip_every);
+    }
+    if let Some(outer) = job.outer_sync {
+        // Every copy starts from the same parameters (the seed's, `--init-from`'s or the
+        // resumed checkpoint's): the outer parameters before the first outer step.
+        let (mut start, _) = job.stage_unconfigured(stage)?;
+        if job.spec.resume_from.is_some() {
+            let mut optimizer =
+                ringtmp_model::Optimizer::new(job.spec.optimizer.clone(), start.params().len());
+            job.load(&mut start, &mut optimizer)?;
+        }
+        view = view.with_outer(outer, start.params());
     }
     if stage != 0 {
         crate::ring::run::driver::run_worker(&job, &mut view)?;
