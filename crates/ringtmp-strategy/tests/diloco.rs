@@ -89,7 +89,9 @@ fn one_inner_step_and_an_averaging_outer_step_is_all_reduce_sgd() {
 }
 
 /// DiLoCo by hand: every worker trains its own copy on its shares with its own optimizer; every
-/// `h` steps the mean of (outer − own) goes through Nesterov SGD written out here.
+/// `h` steps (each fragment at its turn) the mean of (outer − own) goes through Nesterov SGD
+/// written out here, applied at once or `job.overlap` steps later with `job.mix` of the
+/// fragment's own parameters kept; at the end every fragment synchronises at once.
 fn hand_diloco(job: &ringtmp_strategy::diloco::DilocoJob, data: &Dataset) -> Vec<f32> {
     let spec = &job.spec;
     let layers = spec.layers().unwrap();
@@ -103,10 +105,49 @@ fn hand_diloco(job: &ringtmp_strategy::diloco::DilocoJob, data: &Dataset) -> Vec
     let mut optimizers: Vec<_> = (0..n)
         .map(|_| Optimizer::new(spec.optimizer.clone(), stages[0].params().len()))
         .collect();
+    let tensors: Vec<_> = stages[0]
+        .param_ranges()
+        .map(|(_, r)| r)
+        .filter(|r| !r.is_empty())
+        .collect();
+    let parts = ringtmp_strategy::diloco::outer::fragments(&tensors, job.fragments);
+    let f = parts.len() as u64;
     let mut global = stages[0].params().to_vec();
     let mut velocity = vec![0.0f32; global.len()];
     let mut plan = BatchPlan::new(data.train.len(), spec.batch_size * n, spec.seed).unwrap();
     let mut share = ringtmp_strategy::data_parallel::ShareBuffers::default();
+    // (lands at, fragment range, mean pseudo-gradient)
+    let mut pending: Option<(u64, std::ops::Range<usize>, Vec<f32>)> = None;
+    let (lr, mu) = (job.outer.lr, job.outer.momentum);
+    let mut apply = |range: std::ops::Range<usize>,
+                     delta: &[f32],
+                     mix: f32,
+                     global: &mut Vec<f32>,
+                     stages: &mut Vec<ringtmp_model::Stage>| {
+        for (k, i) in range.clone().enumerate() {
+            velocity[i] = mu * velocity[i] + delta[k];
+            global[i] -= lr * (delta[k] + mu * velocity[i]);
+        }
+        for s in stages.iter_mut() {
+            for i in range.clone() {
+                let own = s.params()[i];
+                s.params_mut()[i] = mix * own + (1.0 - mix) * global[i];
+            }
+        }
+    };
+    let mean_delta =
+        |range: &std::ops::Range<usize>, global: &[f32], stages: &[ringtmp_model::Stage]| {
+            range
+                .clone()
+                .map(|i| {
+                    stages
+                        .iter()
+                        .map(|s| global[i] - s.params()[i])
+                        .sum::<f32>()
+                        / n as f32
+                })
+                .collect::<Vec<f32>>()
+        };
     for step in 0..spec.total_steps {
         for r in 0..n {
             ringtmp_strategy::data_parallel::forward_share(
@@ -123,19 +164,29 @@ fn hand_diloco(job: &ringtmp_strategy::diloco::DilocoJob, data: &Dataset) -> Vec
             stages[r].backward(0, &share.dlogits).unwrap();
             stages[r].step(&mut optimizers[r], spec.lr_at(step));
         }
-        if (step + 1) % job.inner_steps == 0 || step + 1 == spec.total_steps {
-            let (lr, mu) = (job.outer.lr, job.outer.momentum);
-            for i in 0..global.len() {
-                let delta: f32 = stages
-                    .iter()
-                    .map(|s| global[i] - s.params()[i])
-                    .sum::<f32>()
-                    / n as f32;
-                velocity[i] = mu * velocity[i] + delta;
-                global[i] -= lr * (delta + mu * velocity[i]);
+        let done = step + 1;
+        if let Some((at, range, delta)) = pending.take() {
+            if at <= done {
+                apply(range, &delta, job.mix, &mut global, &mut stages);
+            } else {
+                pending = Some((at, range, delta));
             }
-            for s in &mut stages {
-                s.params_mut().copy_from_slice(&global);
+        }
+        if done == spec.total_steps {
+            let all = 0..global.len();
+            let delta = mean_delta(&all, &global, &stages);
+            apply(all, &delta, 0.0, &mut global, &mut stages);
+            continue;
+        }
+        for (p, range) in parts.iter().enumerate() {
+            if done % job.inner_steps != ((p as u64 + 1) * job.inner_steps / f) % job.inner_steps {
+                continue;
+            }
+            let delta = mean_delta(range, &global, &stages);
+            if job.overlap > 0 && done + job.overlap < spec.total_steps {
+                pending = Some((done + job.overlap, range.clone(), delta));
+            } else {
+                apply(range.clone(), &delta, 0.0, &mut global, &mut stages);
             }
         }
     }
@@ -172,17 +223,26 @@ fn outer_nesterov_steps_equal_hand_computed_ones() {
             lr: 0.01,
             ..config(deep_mlp(2, 16), 24, steps, tmp.path())
         };
-        let job = diloco_job(&cfg, &data, 3, h, PAPER, 1, 512);
-        let expected = hand_diloco(&job, &data);
-        let backend = Backend::sim(test_seed(22));
-        let (params, summary) =
-            replicas_agree(run::diloco_nodes(&backend, &job, &data, tmp.path()).results);
-        let diff = max_rel_diff(&params, &expected);
-        let moved = max_rel_diff(&params, &hand_start(&job));
-        println!("H = {h}, {steps} steps: max |Δ| against the hand-computed run {diff:.2e}");
-        assert!(diff < 1e-5, "{diff}");
-        assert!(moved > 1e-3, "the model moved ({moved})");
-        assert_eq!(summary.steps, steps);
+        for (fragments, overlap) in [(1, 0), (2, 1), (2, 0), (1, 1)] {
+            let mut job = diloco_job(&cfg, &data, 3, h, PAPER, fragments, 512);
+            job.overlap = overlap;
+            let expected = hand_diloco(&job, &data);
+            let backend = Backend::sim(test_seed(22));
+            let (params, summary) =
+                replicas_agree(run::diloco_nodes(&backend, &job, &data, tmp.path()).results);
+            let diff = max_rel_diff(&params, &expected);
+            let moved = max_rel_diff(&params, &hand_start(&job));
+            println!(
+                "H = {h}, {fragments} fragment(s), overlap {overlap}, {steps} steps: max |Δ| against \
+             the hand-computed run {diff:.2e}"
+            );
+            assert!(
+                diff < 1e-5,
+                "{fragments} fragments, overlap {overlap}: {diff}"
+            );
+            assert!(moved > 1e-3, "the model moved ({moved})");
+            assert_eq!(summary.steps, steps);
+        }
     }
 }
 
@@ -245,8 +305,18 @@ fn a_dead_worker_is_dropped_from_the_next_average() {
     let data = digits();
     let tmp = tempfile::tempdir().unwrap();
     let cfg = config(model(CONV_MODEL, "ring-test"), 24, 30, tmp.path());
-    for (case, (dead, at)) in [(2u32, 30u64), (1, 5), (3, 60)].into_iter().enumerate() {
-        let job = diloco_job(&cfg, &data, 4, 5, PAPER, 1, 4096);
+    for (case, (dead, at, fragments, overlap)) in [
+        (2u32, 30u64, 1, 0),
+        (1, 5, 1, 0),
+        (3, 60, 1, 0),
+        (2, 30, 2, 1),
+        (1, 12, 5, 1),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let mut job = diloco_job(&cfg, &data, 4, 5, PAPER, fragments, 4096);
+        job.overlap = overlap;
         let mut sim = SimConfig::new(test_seed(24) + case as u64);
         sim.faults.push(Fault::Die {
             rank: dead,
@@ -267,7 +337,8 @@ fn a_dead_worker_is_dropped_from_the_next_average() {
         let left: Vec<u32> = summary.dropped_nodes.iter().map(|d| d.rank).collect();
         assert_eq!(left, vec![dead], "{summary:?}");
         println!(
-            "rank {dead} died at {at} ms: dropped at step {}",
+            "{fragments} fragment(s), overlap {overlap}: rank {dead} died at {at} ms, dropped at \
+             step {}",
             summary.dropped_nodes[0].step
         );
     }

@@ -139,6 +139,8 @@ pub fn diloco_job(
         inner_steps: h,
         outer,
         fragments,
+        overlap: 0,
+        mix: 0.5,
         outer_dtype: ringtmp_strategy::diloco::OuterDtype::F32,
         inner_seconds: None,
         bucket_bytes,

@@ -32,9 +32,10 @@ use serde_json::json;
 
 use super::DilocoJob;
 use super::outer::{OuterState, SyncSchedule, fragments};
+use super::round::{Layout, Round};
 use crate::allreduce::driver::{WorkerOutcome, report};
 use crate::allreduce::elastic::Regrouping;
-use crate::allreduce::reduce::{MAX_BUCKETS, Reduced, Reducer, Ring};
+use crate::allreduce::reduce::{MAX_BUCKETS, Ring};
 use crate::data_parallel::write_model;
 use crate::error::{Error, Result};
 use crate::spec::ResumePoint;
@@ -67,12 +68,6 @@ fn with_outer<T>(
     let out = f(stage);
     stage.params_mut().swap_with_slice(&mut outer.global);
     out
-}
-
-/// What a synchronisation did.
-struct Synced {
-    /// Workers whose pseudo-gradients were averaged.
-    contributors: f32,
 }
 
 /// Runs worker `rank` of `job` on `data`; rank 0 evaluates the outer model, checkpoints it and
@@ -113,14 +108,15 @@ pub fn run_worker(
         .iter()
         .map(|p| bucket_ranges(p.clone(), job.bucket_bytes))
         .collect();
-    if buckets.iter().map(Vec::len).sum::<usize>() >= MAX_BUCKETS {
+    let layout = Layout { parts, buckets };
+    if layout.buckets.iter().map(Vec::len).sum::<usize>() >= MAX_BUCKETS {
         return Err(Error::Config(format!(
             "--bucket-mb too small for the outer all-reduce (at most {MAX_BUCKETS} buckets)"
         )));
     }
     let schedule = SyncSchedule {
         h: job.inner_steps,
-        f: parts.len(),
+        f: layout.parts.len(),
         total: spec.total_steps,
     };
     let clock = net.clock();
@@ -133,7 +129,7 @@ pub fn run_worker(
         super::NAME,
         rank,
         stage.params().len(),
-        json!({"workers": n, "inner_steps": job.inner_steps, "fragments": parts.len(),
+        json!({"workers": n, "inner_steps": job.inner_steps, "fragments": layout.parts.len(), "overlap": job.overlap,
                "outer": job.outer, "outer_dtype": job.outer_dtype,
                "params": stage.params().len()}),
         on_event,
@@ -147,7 +143,9 @@ pub fn run_worker(
     };
     let mut dropped: Vec<DroppedNode> = Vec::new();
     // Inner steps taken since each fragment's last synchronisation.
-    let mut trained = vec![0u64; parts.len()];
+    let mut trained = vec![0u64; layout.parts.len()];
+    // The synchronisation in flight, overlapping inner steps.
+    let mut pending: Option<Round> = None;
     let mut step = spec.first_step();
     // Seconds of inner steps since the last synchronisation (any fragment).
     let mut window_spent = 0.0f64;
@@ -176,7 +174,20 @@ pub fn run_worker(
                     stage.step(&mut optimizer, lr);
                 }
                 None => {
-                    stage.backward_and_step(0, &share.dlogits, &mut optimizer, lr, &mut || {})?;
+                    // Between layers, the synchronisation in flight moves along.
+                    let mut failure = None;
+                    let mut between = || {
+                        if let Some(round) = pending.as_mut()
+                            && failure.is_none()
+                            && let Err(e) = round.pump(net)
+                        {
+                            failure = Some(e);
+                        }
+                    };
+                    stage.backward_and_step(0, &share.dlogits, &mut optimizer, lr, &mut between)?;
+                    if let Some(e) = failure {
+                        return Err(e);
+                    }
                 }
             }
             clock.computed(wall.elapsed(), speed);
@@ -196,55 +207,38 @@ pub fn run_worker(
         // notice below says how many).
         samples += global as u64;
         step += 1;
-        let mut due = schedule.due(step);
-        while !due.is_empty() {
-            let waited = clock.now();
-            let attempt = synchronise(
-                job, rank, step, &due, &buckets, &parts, &ring, &mut stage, &mut outer, &trained,
-                net,
-            )?;
-            sync_wait += (clock.now() - waited).as_secs_f64();
-            match attempt {
-                Ok(synced) => {
-                    for p in &due {
-                        trained[*p] = 0;
-                    }
-                    window_spent = 0.0;
-                    if let Some(recorder) = recorder.as_mut() {
-                        recorder.write(json!({"event": "outer_step", "step": step,
-                            "fragments": due, "contributors": synced.contributors}))?;
-                    }
-                    due.clear();
-                }
-                Err(broke) => {
-                    let regrouped = Regrouping {
-                        rank,
-                        step,
-                        timeout: spec.recv_timeout(),
-                    };
-                    let at = regrouped.after(
-                        broke,
-                        net,
-                        &mut ring,
-                        &mut outer,
-                        &mut dropped,
-                        recorder.as_mut(),
-                        on_event,
-                    )?;
-                    if std::mem::take(&mut outer.replaced) {
-                        // Rank 0's outer state replaced this worker's: its own progress is
-                        // void; it restarts from the outer model and contributes nothing to
-                        // the synchronisation it joins.
-                        if !ringtmp_meter::phantom() {
-                            stage.params_mut().copy_from_slice(&outer.global);
-                        }
-                        trained.iter_mut().for_each(|t| *t = 0);
-                    }
-                    step = at;
-                    due = schedule.due(step);
-                }
+        let mut ctx = SyncContext {
+            job,
+            rank,
+            layout: &layout,
+            schedule: &schedule,
+            ring: &mut ring,
+            stage: &mut stage,
+            outer: &mut outer,
+            trained: &mut trained,
+            dropped: &mut dropped,
+        };
+        let waited = clock.now();
+        if let Some(round) = pending.take_if(|r| r.lands_at <= step) {
+            step = ctx.land(round, job.mix, step, net, recorder.as_mut(), on_event)?;
+        }
+        let due = schedule.due(step);
+        if !due.is_empty() {
+            let trained_since = due.iter().all(|p| ctx.trained[*p] > 0);
+            let mut round = Round::take(&layout, step, due, ctx.stage, ctx.outer, trained_since);
+            for p in &round.due {
+                ctx.trained[*p] = 0;
+            }
+            window_spent = 0.0;
+            round.launch(job, rank, ctx.ring, &layout, net)?;
+            if job.overlap > 0 && step + job.overlap < spec.total_steps {
+                round.lands_at = step + job.overlap;
+                pending = Some(round);
+            } else {
+                step = ctx.land(round, 0.0, step, net, recorder.as_mut(), on_event)?;
             }
         }
+        sync_wait += (clock.now() - waited).as_secs_f64();
         train_seconds += (clock.now() - t_step).as_secs_f64();
         net.step_done();
         let done = step;
@@ -316,88 +310,92 @@ pub fn run_worker(
     Ok(WorkerOutcome { stage, summary })
 }
 
-/// One synchronisation of fragments `due` after `done` steps: this worker's pseudo-gradients
-/// (weighted 1 when it trained since their last synchronisation, 0 otherwise) are all-reduced,
-/// the outer step is applied to the average, and the fragments restart from the outer
-/// parameters. `Err` is why the reduction broke (the ring is re-formed and it is tried again).
-#[allow(clippy::too_many_arguments)]
-fn synchronise(
-    job: &DilocoJob,
+/// What landing a round may change: the ring (re-formed around the dead), the replica and
+/// outer state (rank 0's taken where they differ), the counts of steps trained.
+struct SyncContext<'a> {
+    job: &'a DilocoJob,
     rank: u32,
-    done: u64,
-    due: &[usize],
-    buckets: &[Vec<std::ops::Range<usize>>],
-    parts: &[std::ops::Range<usize>],
-    ring: &Ring,
-    stage: &mut Stage,
-    outer: &mut OuterState,
-    trained: &[u64],
-    net: &mut dyn Transport,
-) -> Result<std::result::Result<Synced, crate::allreduce::reduce::Break>> {
-    let phantom = ringtmp_meter::phantom();
-    let weight = if due.iter().all(|p| trained[*p] > 0) {
-        1.0f32
-    } else {
-        0.0
-    };
-    if !phantom {
-        // θ_outer − θ_local in the idle gradient buffer (zero for a worker that did not train).
-        let (params, grads) = (stage.params().to_vec(), stage.grads_mut());
-        for p in due {
-            let range = parts[*p].clone();
-            for ((g, local), global) in grads[range.clone()]
-                .iter_mut()
-                .zip(&params[range.clone()])
-                .zip(&outer.global[range])
-            {
-                *g = if weight > 0.0 { global - local } else { 0.0 };
+    layout: &'a Layout,
+    schedule: &'a SyncSchedule,
+    ring: &'a mut Ring,
+    stage: &'a mut Stage,
+    outer: &'a mut OuterState,
+    trained: &'a mut [u64],
+    dropped: &'a mut Vec<DroppedNode>,
+}
+
+impl SyncContext<'_> {
+    /// Lands `round` after `step` steps, keeping `mix` of the fragments' own parameters; a
+    /// broken reduction re-forms the ring and lands it there, sent again (or, when this worker
+    /// took rank 0's outer state, the round rank 0 is redoing, with nothing of this worker's).
+    /// Returns the step count to go on from (rank 0's).
+    fn land(
+        &mut self,
+        mut round: Round,
+        mix: f32,
+        step: u64,
+        net: &mut dyn Transport,
+        mut recorder: Option<&mut crate::recorder::RunRecorder>,
+        on_event: &mut dyn FnMut(&crate::Event),
+    ) -> Result<u64> {
+        let mut step = step;
+        let mut mix = mix;
+        loop {
+            let broke = match round.land(self.job, self.ring, self.stage, self.outer, mix, net)? {
+                Ok(landed) => {
+                    if let Some(recorder) = recorder.as_mut() {
+                        recorder.write(json!({"event": "outer_step", "step": round.done,
+                            "fragments": round.due, "contributors": landed.contributors}))?;
+                    }
+                    return Ok(step);
+                }
+                Err(broke) => broke,
+            };
+            let regrouping = Regrouping {
+                rank: self.rank,
+                step,
+                timeout: self.job.spec.recv_timeout(),
+            };
+            step = regrouping.after(
+                broke,
+                net,
+                self.ring,
+                self.outer,
+                self.dropped,
+                recorder.as_deref_mut(),
+                on_event,
+            )?;
+            if std::mem::take(&mut self.outer.replaced) {
+                // Rank 0's outer state replaced this worker's: its own progress is void. It
+                // restarts from the outer model and joins the round rank 0 redoes (the one
+                // after the updates it took) with nothing of its own.
+                if !ringtmp_meter::phantom() {
+                    self.stage.params_mut().copy_from_slice(&self.outer.global);
+                }
+                self.trained.iter_mut().for_each(|t| *t = 0);
+                let first = self.job.spec.first_step();
+                let done = self
+                    .schedule
+                    .nth(first, self.outer.updates)
+                    .ok_or_else(|| {
+                        Error::Config(format!(
+                            "diloco: rank 0's outer state has {} updates, past the run's last \
+                             synchronisation",
+                            self.outer.updates
+                        ))
+                    })?;
+                round = Round::take(
+                    self.layout,
+                    done,
+                    self.schedule.due(done),
+                    self.stage,
+                    self.outer,
+                    false,
+                );
+                round.void();
+                mix = 0.0;
             }
+            round.launch(self.job, self.rank, self.ring, self.layout, net)?;
         }
     }
-    let ranges: Vec<std::ops::Range<usize>> = due
-        .iter()
-        .flat_map(|p| buckets[*p].iter().cloned())
-        .collect();
-    let mut reducer = Reducer::new(
-        rank,
-        ring,
-        &ranges,
-        1,
-        done,
-        job.spec.recv_timeout(),
-        job.outer_dtype.wire(),
-    );
-    reducer.start_ready(0, stage.grads(), weight, net)?;
-    reducer.finish(net)?;
-    let reduced: Vec<Reduced> = match reducer.close(net) {
-        Ok(reduced) => reduced,
-        Err(broke) => {
-            stage.zero_grad();
-            return Ok(Err(broke));
-        }
-    };
-    let contributors = if phantom {
-        ring.members.len() as f32
-    } else {
-        reduced[0].1[reduced[0].0.len()]
-    };
-    if !phantom && contributors > 0.0 {
-        let scale = 1.0 / contributors;
-        let mut mean = Vec::new();
-        for (range, sums) in &reduced {
-            mean.clear();
-            mean.extend(sums[..range.len()].iter().map(|s| s * scale));
-            outer.step(&job.outer, range.clone(), &mean);
-        }
-    }
-    outer.updates += 1;
-    if !phantom {
-        let params = stage.params_mut();
-        for p in due {
-            let range = parts[*p].clone();
-            params[range.clone()].copy_from_slice(&outer.global[range]);
-        }
-    }
-    stage.zero_grad();
-    Ok(Ok(Synced { contributors }))
 }

@@ -61,6 +61,14 @@ pub struct DilocoOptions {
     /// (Streaming DiLoCo) [default: 1].
     #[arg(long, value_name = "F")]
     pub outer_fragments: Option<usize>,
+    /// DiLoCo: inner steps a synchronisation overlaps before it is applied, τ (Streaming
+    /// DiLoCo) [default: 1 with fragments, 0 without].
+    #[arg(long, value_name = "TAU")]
+    pub outer_overlap: Option<u64>,
+    /// DiLoCo: how much of its own parameters a fragment keeps when an overlapped
+    /// synchronisation lands, α (θ ← α·own + (1 − α)·outer) [default: 0.5].
+    #[arg(long, value_name = "ALPHA")]
+    pub outer_mix: Option<f32>,
     /// DiLoCo: what the pseudo-gradients travel as [default: f32].
     #[arg(long, value_enum)]
     pub outer_dtype: Option<OuterDtype>,
@@ -77,6 +85,8 @@ options_merge!(
     outer_momentum,
     outer_nesterov,
     outer_fragments,
+    outer_overlap,
+    outer_mix,
     outer_dtype,
     inner_seconds
 );
@@ -96,6 +106,10 @@ pub struct DilocoJob {
     pub outer: OuterConfig,
     /// Fragments synchronised in turn.
     pub fragments: usize,
+    /// Inner steps a synchronisation overlaps before it lands (0: it blocks).
+    pub overlap: u64,
+    /// What an overlapped synchronisation keeps of a fragment's own parameters.
+    pub mix: f32,
     /// What the pseudo-gradients travel as.
     pub outer_dtype: OuterDtype,
     /// Bound on the inner steps' seconds per H steps.

@@ -15,11 +15,13 @@
 //! # Layout
 //! - [`job`]: the job and its options.
 //! - [`outer`]: the outer optimizer, the fragments and when each synchronises (pure).
+//! - [`round`]: one synchronisation: pseudo-gradients, their reduction, the outer step.
 //! - [`driver`]: one worker: inner steps, synchronisations, the ring re-formed around the dead.
 
 pub mod driver;
 pub mod job;
 pub mod outer;
+mod round;
 
 pub use job::{DilocoJob, DilocoOptions, NAME, OuterDtype};
 
@@ -78,6 +80,20 @@ impl Strategy for DilocoJob {
                  no more fragments than inner steps (each synchronises every H/F steps)"
             )));
         }
+        let interval = inner_steps / fragments as u64;
+        let overlap = options.outer_overlap.unwrap_or(u64::from(fragments > 1));
+        if overlap > interval {
+            return Err(Error::Config(format!(
+                "--outer-overlap {overlap}: a synchronisation must land by the time the next one \
+                 starts, {interval} steps later (--inner-steps / --outer-fragments)"
+            )));
+        }
+        let mix = options.outer_mix.unwrap_or(0.5);
+        if !(0.0..1.0).contains(&mix) {
+            return Err(Error::Config(format!(
+                "--outer-mix {mix}: a share of the fragment's own parameters in [0, 1)"
+            )));
+        }
         if !(outer.lr.is_finite() && outer.lr > 0.0 && (0.0..1.0).contains(&outer.momentum)) {
             return Err(Error::Config(format!(
                 "--outer-lr {} --outer-momentum {}: a positive rate and a momentum in [0, 1)",
@@ -122,6 +138,8 @@ impl Strategy for DilocoJob {
             inner_steps,
             outer,
             fragments,
+            overlap,
+            mix,
             outer_dtype,
             inner_seconds: options.inner_seconds,
             bucket_bytes: (DEFAULT_BUCKET_MB * 1e6) as usize,
@@ -140,6 +158,8 @@ impl Strategy for DilocoJob {
             || self.inner_steps == 0
             || self.fragments == 0
             || self.fragments as u64 > self.inner_steps
+            || self.overlap > self.inner_steps / self.fragments as u64
+            || !(0.0..1.0).contains(&self.mix)
         {
             return Err(Error::Config(format!(
                 "invalid job: {} workers, {} inner steps, {} fragments, buckets of {} bytes",

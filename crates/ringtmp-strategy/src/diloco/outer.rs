@@ -178,6 +178,20 @@ impl SyncSchedule {
             .unwrap_or(self.total)
     }
 
+    /// The step count of synchronisation number `k` (0-based) of a run that starts after
+    /// `first` steps: the sequence every worker follows, so a worker that took rank 0's outer
+    /// state after `k` updates knows which synchronisation rank 0 is redoing.
+    pub fn nth(&self, first: u64, k: u64) -> Option<u64> {
+        let mut at = first;
+        for _ in 0..=k {
+            if at >= self.total {
+                return None;
+            }
+            at = self.next_after(at);
+        }
+        Some(at)
+    }
+
     /// The step count after which the synchronisation at `done` follows the one before it (0
     /// at the start).
     pub fn previous_before(&self, done: u64) -> u64 {
@@ -279,6 +293,8 @@ mod tests {
             for done in 1..total {
                 assert!(s.due(done).len() <= 1 || f == 1);
             }
+            assert_eq!(s.nth(0, 0), Some(s.next_after(0)));
+            assert_eq!(s.nth(0, 1), Some(s.next_after(s.next_after(0))));
             // next_after lands on the next step count where something is due.
             let mut at = 0;
             while at < total {
