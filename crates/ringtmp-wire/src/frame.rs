@@ -62,7 +62,7 @@ pub fn declared_len(message: &Message) -> usize {
         Message::Tensor(h, payload) => {
             let declared = h
                 .elements()
-                .and_then(|n| n.checked_mul(h.dtype.size()))
+                .and_then(|n| h.dtype.payload_len(n))
                 .and_then(|n| usize::try_from(n).ok())
                 .unwrap_or(usize::MAX);
             (encoded_len(message) - payload.len()).saturating_add(declared)
@@ -225,7 +225,7 @@ fn check_tensor(
             shape: tensor.shape.clone(),
             max: limits.max_elements,
         })?;
-    let expected = elements * tensor.dtype.size();
+    let expected = tensor.dtype.payload_len(elements).unwrap_or(u64::MAX);
     if expected != payload_len {
         return Err(DecodeError::PayloadMismatch {
             expected,
@@ -330,6 +330,10 @@ mod tests {
                 tensor_bytes(&values, Dtype::Bf16),
             ),
             Message::Tensor(header(Dtype::F32, vec![0, 5]), vec![]),
+            Message::Tensor(
+                header(Dtype::I8, vec![6, 2]),
+                tensor_bytes(&values, Dtype::I8),
+            ),
         ]
     }
 
@@ -377,6 +381,56 @@ mod tests {
                 assert!((a - b).abs() <= a.abs() * 0.01, "{dtype:?}: {a} vs {b}");
             }
         }
+    }
+
+    #[test]
+    fn int8_payloads_carry_their_scale_and_round_within_half_a_step() {
+        let header = |dtype, shape: Vec<u32>| TensorHeader {
+            run_id: 1,
+            step: 2,
+            micro_batch: 3,
+            tag: TensorTag::ParamGrads,
+            dtype,
+            shape,
+        };
+        let values: Vec<f32> = (0..300)
+            .map(|i| ((i * 37) % 101) as f32 * 0.013 - 0.6)
+            .collect();
+        let bytes = tensor_bytes(&values, Dtype::I8);
+        assert_eq!(
+            bytes.len(),
+            4 + values.len(),
+            "one byte a value and the scale"
+        );
+        let m = Message::Tensor(header(Dtype::I8, vec![values.len() as u32]), bytes);
+        let mut buf = Vec::new();
+        encode(&m, &mut buf);
+        let (Message::Tensor(h, payload), used) =
+            decode(&buf, &Limits::default()).unwrap().unwrap()
+        else {
+            panic!("a tensor")
+        };
+        assert_eq!(used, buf.len());
+        let mut back = Vec::new();
+        tensor_values(&payload, h.dtype, &mut back);
+        let max = values.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        for (a, b) in values.iter().zip(&back) {
+            assert!((a - b).abs() <= max / 254.0 * 1.001, "{a} vs {b}");
+        }
+        // All zeros, and a non-finite value, send zeros (not NaN).
+        for bad in [vec![0.0f32; 5], vec![1.0, f32::NAN, 2.0]] {
+            let mut back = Vec::new();
+            tensor_values(&tensor_bytes(&bad, Dtype::I8), Dtype::I8, &mut back);
+            assert!(back.iter().all(|v| v.is_finite()), "{back:?}");
+        }
+        // A payload without its scale's room is refused.
+        let short = Message::Tensor(header(Dtype::I8, vec![4]), vec![0; 4]);
+        let mut buf = Vec::new();
+        encode(&short, &mut buf);
+        assert!(matches!(
+            decode(&buf, &Limits::default()),
+            Err(DecodeError::PayloadMismatch { .. })
+        ));
     }
 
     #[test]

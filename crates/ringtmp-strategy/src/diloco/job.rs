@@ -27,6 +27,9 @@ pub enum OuterDtype {
     Bf16,
     /// IEEE binary16: half the bytes, more mantissa, less range.
     F16,
+    /// 8-bit integers with one scale per chunk (its largest magnitude ÷ 127): a quarter of the
+    /// bytes; every hop of the reduce-scatter rounds its partial sum again.
+    Int8,
 }
 
 impl OuterDtype {
@@ -36,6 +39,7 @@ impl OuterDtype {
             Self::F32 => ringtmp_wire::Dtype::F32,
             Self::Bf16 => ringtmp_wire::Dtype::Bf16,
             Self::F16 => ringtmp_wire::Dtype::F16,
+            Self::Int8 => ringtmp_wire::Dtype::I8,
         }
     }
 }
