@@ -580,11 +580,11 @@ fn markdown(
     if options.simulate {
         let _ = writeln!(
             md,
-            "The four claims need accuracy: not judged on simulated runs."
+            "The claims need accuracy: not judged on simulated runs."
         );
         return md;
     }
-    let _ = writeln!(md, "## The four claims\n");
+    let _ = writeln!(md, "## The claims\n");
     for c in claims(finished, rows, quality) {
         let _ = writeln!(
             md,
@@ -663,10 +663,10 @@ fn html(
         );
     }
     let claims = if options.simulate {
-        h.push_str("<p>The four claims need accuracy: not judged on simulated runs.</p>\n");
+        h.push_str("<p>The claims need accuracy: not judged on simulated runs.</p>\n");
         Vec::new()
     } else {
-        h.push_str("<h2>The four claims</h2>\n");
+        h.push_str("<h2>The claims</h2>\n");
         claims(finished, rows, quality)
     };
     for c in claims {
@@ -738,7 +738,20 @@ fn claims(finished: &[Finished], rows: &[Row], quality: &Quality) -> Vec<Claim> 
         runs.scaling(),
         runs.memory(),
         runs.accuracy(),
+        runs.diloco_rings(),
     ]
+}
+
+/// Whether `strategy` is rings of rings synchronised like DiLoCo (`--replica-sync diloco:H`).
+fn is_diloco_rings(strategy: &str) -> bool {
+    is_ring(strategy) && strategy.contains("replica-sync=diloco")
+}
+
+/// Whether `strategy` is data-parallel: every node a whole replica.
+fn is_data_parallel(strategy: &str) -> bool {
+    ["allreduce", "dpsgd", "adpsgd", "diloco", "ps"]
+        .iter()
+        .any(|name| family(strategy, name))
 }
 
 /// Whether `strategy` (as `compare` names a run: `ring`, `ps:ssp:2`, `ring+nodes=8`) is of
@@ -798,6 +811,80 @@ impl<'a> Runs<'a> {
         self.finished
             .iter()
             .find(|f| f.plan.repeat == 0 && f.plan.nodes == nodes && strategy(&f.plan.strategy))
+    }
+
+    /// (e) Rings synchronised like DiLoCo: past one ring, with less traffic than any
+    /// data-parallel strategy.
+    fn diloco_rings(&self) -> Claim {
+        let largest = self.largest;
+        let title = "(e) RingTMP rings synchronised like DiLoCo scale past one ring with less \
+                     traffic than any data-parallel strategy";
+        let Some(rings) = self.first(&is_diloco_rings, largest) else {
+            return undecided(
+                title,
+                "compare needs rings of rings under DiLoCo in --strategies \
+                 (ring+ring-nodes=S+replica-sync=diloco:H)",
+            );
+        };
+        let (unit, per) = (self.quality.unit(), self.quality.per_sample());
+        let bytes = |f: &Finished| training_bytes_per_sample(f) / per;
+        let mut others: Vec<(String, f64)> = self
+            .finished
+            .iter()
+            .filter(|f| f.plan.repeat == 0 && f.plan.nodes == largest)
+            .filter(|f| is_data_parallel(&f.plan.strategy))
+            .map(|f| (f.plan.strategy.clone(), bytes(f)))
+            .collect();
+        if others.is_empty() {
+            return undecided(title, "compare needs a data-parallel strategy beside the rings");
+        }
+        others.sort_by(|a, b| a.1.total_cmp(&b.1));
+        let mine = bytes(rings);
+        let speed = |strategy: &dyn Fn(&str) -> bool| {
+            self.rows
+                .iter()
+                .find(|r| r.nodes == largest && strategy(&r.strategy))
+                .and_then(|r| r.samples_per_second.map(|v| v.0))
+        };
+        let one_ring = |s: &str| s == "ring" || (is_ring(s) && !s.contains("ring-nodes") && !s.contains("replicas"));
+        let (rings_speed, ring_speed) = (speed(&is_diloco_rings), speed(&one_ring));
+        let (least, least_bytes) = others[0].clone();
+        let measured = format!(
+            "{mine:.0} bytes per {unit} for {} against {} on {largest} nodes; {}",
+            rings.plan.strategy,
+            others
+                .iter()
+                .map(|(s, b)| format!("{b:.0} for {s}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            match (rings_speed, ring_speed) {
+                (Some(r), Some(o)) => format!("{r:.0} {unit}s/s against one ring's {o:.0}"),
+                _ => "no single ring on as many nodes to compare speed with".into(),
+            }
+        );
+        let faster = match (rings_speed, ring_speed) {
+            (Some(r), Some(o)) => r >= o,
+            _ => true,
+        };
+        Claim {
+            title: title.into(),
+            measured,
+            predicted: "the rings' traffic is their boundaries' activations for every sample \
+                        plus each stage's pseudo-gradient every H mini-batches; a data-parallel \
+                        worker moves its whole model every step (DiLoCo: every H steps)"
+                .into(),
+            verdict: match (mine < least_bytes, faster) {
+                (true, true) => format!(
+                    "holds: {:.1}× fewer bytes than the least of them ({least})",
+                    least_bytes / mine.max(1e-9)
+                ),
+                (false, _) => format!(
+                    "does not hold: {least} moved {:.1}× fewer bytes",
+                    mine / least_bytes.max(1e-9)
+                ),
+                (true, false) => "does not hold: fewer bytes, but slower than one ring".into(),
+            },
+        }
     }
 
     /// (a) Less communication than a parameter server.
