@@ -376,7 +376,7 @@ fn long_simulated_waits_are_not_failures_and_failed_runs_are_rows() {
 #[test]
 fn a_gpt_simulates_on_every_strategy() {
     let tmp = tempfile::tempdir().unwrap();
-    for strategy in ["ring", "allreduce", "ps", "dpsgd", "adpsgd"] {
+    for strategy in ["ring", "allreduce", "ps", "dpsgd", "adpsgd", "diloco"] {
         let out = tmp.path().join(strategy);
         let run = ringtmp(&[
             "simulate",

@@ -111,7 +111,9 @@ pub fn run(raw: &[String]) -> Result<()> {
         let mut status = run_one(&exe, &options, &with_budget(plan, budget), &dir)?;
         // A probe is short, and some strategies run slower in a short run than in a long one
         // (AD-PSGD's last iterations wait for its grants to drain): a run whose training time
-        // misses the budget by more than 15% runs once more, its budget scaled by the miss.
+        // misses the budget by more than 15% runs once more, its budget scaled by the miss
+        // (unless that is the budget it ran: a run already at the smallest budget, slower than
+        // the time allows, would only run the same again).
         if let (Some(seconds), Some(samples), Some(s)) =
             (options.train_seconds, budget, report::read_summary(&dir))
             && status.success()
@@ -120,12 +122,14 @@ pub fn run(raw: &[String]) -> Result<()> {
         {
             let corrected = ((samples as f64 * seconds / s.train_seconds).ceil() as u64)
                 .max(spec::PROBE_SAMPLES);
-            eprintln!(
-                "compare: {label}: trained {:.1} s of {seconds} s on {samples} samples; once more \
-                 on {corrected}",
-                s.train_seconds
-            );
-            status = run_one(&exe, &options, &with_budget(plan, Some(corrected)), &dir)?;
+            if corrected != samples {
+                eprintln!(
+                    "compare: {label}: trained {:.1} s of {seconds} s on {samples} samples; once \
+                     more on {corrected}",
+                    s.train_seconds
+                );
+                status = run_one(&exe, &options, &with_budget(plan, Some(corrected)), &dir)?;
+            }
         }
         let took = started.elapsed().as_secs_f64();
         match report::read_summary(&dir) {

@@ -836,7 +836,10 @@ impl<'a> Runs<'a> {
             .map(|f| (f.plan.strategy.clone(), bytes(f)))
             .collect();
         if others.is_empty() {
-            return undecided(title, "compare needs a data-parallel strategy beside the rings");
+            return undecided(
+                title,
+                "compare needs a data-parallel strategy beside the rings",
+            );
         }
         others.sort_by(|a, b| a.1.total_cmp(&b.1));
         let mine = bytes(rings);
@@ -846,7 +849,9 @@ impl<'a> Runs<'a> {
                 .find(|r| r.nodes == largest && strategy(&r.strategy))
                 .and_then(|r| r.samples_per_second.map(|v| v.0))
         };
-        let one_ring = |s: &str| s == "ring" || (is_ring(s) && !s.contains("ring-nodes") && !s.contains("replicas"));
+        let one_ring = |s: &str| {
+            s == "ring" || (is_ring(s) && !s.contains("ring-nodes") && !s.contains("replicas"))
+        };
         let (rings_speed, ring_speed) = (speed(&is_diloco_rings), speed(&one_ring));
         let (least, least_bytes) = others[0].clone();
         let measured = format!(
@@ -1613,6 +1618,62 @@ mod tests {
             verdict.starts_with("not decided: ring stopped"),
             "{verdict}"
         );
+    }
+
+    /// Claim (e) compares the rings under DiLoCo's synchronisation with every data-parallel run
+    /// by training bytes per sample, and with one ring by speed; either way can come out.
+    #[test]
+    fn claim_e_weighs_the_rings_traffic_against_every_data_parallel_strategy() {
+        let run = |strategy: &str, bytes: u64, trained: f64| {
+            let mut f = finished(strategy, 0.96, None, trained);
+            f.summary.per_node = vec![ringtmp_metrics::NodeSummary {
+                bytes_sent: bytes,
+                ..Default::default()
+            }];
+            f
+        };
+        let claim_e = |runs: &[Finished]| {
+            let quality = Quality::Accuracy {
+                target: 0.97,
+                regression: false,
+            };
+            claims(runs, &rows(runs, &quality), &quality)
+                .into_iter()
+                .find(|c| c.title.starts_with("(e)"))
+                .expect("claim (e)")
+        };
+        let rings = || run("ring+ring-nodes=2+replica-sync=diloco:100", 50_000, 40.0);
+        let c = claim_e(&[
+            rings(),
+            run("ring", 60_000, 50.0),
+            run("allreduce", 9_000_000, 40.0),
+            run("diloco:100", 90_000, 40.0),
+        ]);
+        assert!(
+            c.verdict.starts_with("holds: 1.8× fewer bytes"),
+            "{}",
+            c.verdict
+        );
+        assert!(c.measured.contains("90 for diloco:100"), "{}", c.measured);
+        let c = claim_e(&[rings(), run("diloco:100", 20_000, 40.0)]);
+        assert!(
+            c.verdict
+                .starts_with("does not hold: diloco:100 moved 2.5× fewer bytes"),
+            "{}",
+            c.verdict
+        );
+        // Slower than one ring on the same nodes (its samples/s is 1000 / 40 s).
+        let c = claim_e(&[
+            rings(),
+            run("ring", 60_000, 20.0),
+            run("allreduce", 9_000_000, 40.0),
+        ]);
+        assert_eq!(
+            c.verdict,
+            "does not hold: fewer bytes, but slower than one ring"
+        );
+        let c = claim_e(&[run("allreduce", 9_000_000, 40.0)]);
+        assert!(c.verdict.starts_with("not decided"), "{}", c.verdict);
     }
 
     /// A language model's comparison judges validation loss (lower is better) against a target

@@ -10,8 +10,8 @@
 //! # Layout
 //! - [`ring`]: the chunk plan of one all-reduce (sans-IO, with its in-memory simulation).
 //! - [`job`]: the job and its options.
-//! - [`reduce`]: one iteration's reduction over the transport, in buckets (shared with DiLoCo).
-//! - [`regroup`]: re-forming the ring around a dead worker (sans-IO, table-tested); [`elastic`]
+//! - `reduce`: one iteration's reduction over the transport, in buckets (shared with DiLoCo).
+//! - [`regroup`]: re-forming the ring around a dead worker (sans-IO, table-tested); `elastic`
 //!   carries it out over the transport for any replicated state (shared with DiLoCo).
 //! - [`driver`]: one worker: the overlapped reduction of its gradients, evaluation and outputs
 //!   on rank 0.

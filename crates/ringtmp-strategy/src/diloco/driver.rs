@@ -5,12 +5,13 @@
 //! all-reduce, and every worker applies the same outer step (Nesterov SGD) to the outer
 //! parameters and restarts that fragment from them.
 //!
-//! The pseudo-gradients are computed in the stage's gradient buffer, idle between steps, so a
-//! worker holds the replica, the inner optimizer's state and the outer state (parameters and
-//! momentum): two model-sized buffers more than all-reduce SGD.
+//! A worker holds the replica, the inner optimizer's state and the outer state (parameters and
+//! momentum: two model-sized buffers more than all-reduce SGD), and during a synchronisation
+//! its pseudo-gradients of the fragments synchronised, kept until the round lands
+//! (`super::round`).
 //!
 //! Faults: a worker that dies is noticed at the next synchronisation; rank 0 re-forms the ring
-//! on the survivors ([`crate::allreduce::elastic`]) and they redo that synchronisation without
+//! on the survivors (`allreduce::elastic`) and they redo that synchronisation without
 //! it — the dead worker's inner steps since are lost, the survivors' are not. A worker whose
 //! count of outer updates differs from rank 0's takes rank 0's outer state and contributes no
 //! pseudo-gradient to that synchronisation (bucket 0 carries each worker's weight, 1 or 0, so
@@ -111,7 +112,7 @@ pub fn run_worker(
     let layout = Layout { parts, buckets };
     if layout.buckets.iter().map(Vec::len).sum::<usize>() >= MAX_BUCKETS {
         return Err(Error::Config(format!(
-            "--bucket-mb too small for the outer all-reduce (at most {MAX_BUCKETS} buckets)"
+            "the outer all-reduce would need more than {MAX_BUCKETS} buckets"
         )));
     }
     let schedule = SyncSchedule {

@@ -15,7 +15,7 @@
 //! # Layout
 //! - [`job`]: the job and its options.
 //! - [`outer`]: the outer optimizer, the fragments and when each synchronises (pure).
-//! - [`round`]: one synchronisation: pseudo-gradients, their reduction, the outer step.
+//! - `round`: one synchronisation: pseudo-gradients, their reduction, the outer step.
 //! - [`driver`]: one worker: inner steps, synchronisations, the ring re-formed around the dead.
 
 pub mod driver;
