@@ -16,6 +16,7 @@ cd "$(dirname "$0")/.."
 cargo build --release -p ringtmp-cli
 RINGTMP=${RINGTMP:-target/release/ringtmp}
 OUT=${OUT:-runs/diloco-simulated}
+mkdir -p "$OUT"
 for n in ${NODES:-64 1024}; do
     for s in allreduce adpsgd ps diloco rings; do
         case $s in
