@@ -12,9 +12,6 @@ use std::ops::Range;
 
 use serde::{Deserialize, Serialize};
 
-use crate::allreduce::elastic::Replica;
-use crate::error::{Error, Result};
-
 /// The outer optimizer's settings (the DiLoCo paper's defaults: lr 0.7, momentum 0.9, Nesterov).
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
 pub struct OuterConfig {
@@ -72,38 +69,6 @@ impl OuterState {
             let update = if config.nesterov { d + mu * *v } else { *v };
             *t -= lr * update;
         }
-    }
-}
-
-impl Replica for OuterState {
-    fn updates(&self) -> u64 {
-        self.updates
-    }
-
-    fn flat(&self) -> Vec<f32> {
-        let mut out = self.global.clone();
-        out.extend_from_slice(&self.velocity);
-        out
-    }
-
-    fn flat_len(&self) -> usize {
-        self.global.len() + self.velocity.len()
-    }
-
-    fn load(&mut self, values: &[f32], updates: u64) -> Result<()> {
-        if values.len() != self.flat_len() {
-            return Err(Error::Config(format!(
-                "diloco: rank 0's outer state holds {} values, expected {}",
-                values.len(),
-                self.flat_len()
-            )));
-        }
-        let (global, velocity) = values.split_at(self.global.len());
-        self.global.copy_from_slice(global);
-        self.velocity.copy_from_slice(velocity);
-        self.updates = updates;
-        self.replaced = true;
-        Ok(())
     }
 }
 

@@ -14,8 +14,9 @@ use ringtmp_transport::Transport;
 
 use super::DilocoJob;
 use super::outer::OuterState;
+use crate::allreduce::elastic::Replica;
 use crate::allreduce::reduce::{Break, Reduced, Reducer, Ring};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// The model's fragments and each one's buckets (fixed for the run).
 pub(crate) struct Layout {
@@ -183,5 +184,38 @@ impl Round {
             }
         }
         Ok(Ok(Landed { contributors }))
+    }
+}
+
+/// What a re-formed ring hands a member whose count of outer updates differs from rank 0's.
+impl Replica for OuterState {
+    fn updates(&self) -> u64 {
+        self.updates
+    }
+
+    fn flat(&self) -> Vec<f32> {
+        let mut out = self.global.clone();
+        out.extend_from_slice(&self.velocity);
+        out
+    }
+
+    fn flat_len(&self) -> usize {
+        self.global.len() + self.velocity.len()
+    }
+
+    fn load(&mut self, values: &[f32], updates: u64) -> Result<()> {
+        if values.len() != self.flat_len() {
+            return Err(Error::Config(format!(
+                "diloco: rank 0's outer state holds {} values, expected {}",
+                values.len(),
+                self.flat_len()
+            )));
+        }
+        let (global, velocity) = values.split_at(self.global.len());
+        self.global.copy_from_slice(global);
+        self.velocity.copy_from_slice(velocity);
+        self.updates = updates;
+        self.replaced = true;
+        Ok(())
     }
 }
