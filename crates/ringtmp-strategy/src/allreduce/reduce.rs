@@ -310,6 +310,12 @@ impl Reducer {
                     self.later.push((from, Message::Tensor(h, bytes)));
                     return Ok(());
                 }
+                if from == self.pred && h.step > self.iteration {
+                    // The next reduction's, from a predecessor that finished this one (DiLoCo
+                    // moves a landed round along until it is applied): it waits for that one.
+                    self.later.push((from, Message::Tensor(h, bytes)));
+                    return Ok(());
+                }
                 if from != self.pred || h.step != self.iteration {
                     return Err(Error::protocol(
                         "all-reduce",

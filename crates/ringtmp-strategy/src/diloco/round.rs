@@ -127,8 +127,9 @@ impl Round {
     /// Moves the reduction along with whatever has arrived, without waiting.
     pub(crate) fn pump(&mut self, net: &mut dyn Transport) -> Result<()> {
         match self.reducer.as_mut() {
-            Some(reducer) => reducer.pump(net),
-            None => Ok(()),
+            // A complete reduction reads nothing more: what arrives now is the next round's.
+            Some(reducer) if !reducer.done() => reducer.pump(net),
+            _ => Ok(()),
         }
     }
 
