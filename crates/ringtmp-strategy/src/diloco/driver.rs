@@ -152,8 +152,9 @@ pub fn run_worker(
     let mut window_spent = 0.0f64;
     while step < spec.total_steps {
         let t_step = clock.now();
-        let next_sync = schedule.next_after(step);
+        // Only under --inner-seconds: finding the interval scans the schedule.
         let window = job.inner_seconds.map(|s| {
+            let next_sync = schedule.next_after(step);
             s * (next_sync - schedule.previous_before(next_sync)) as f64 / job.inner_steps as f64
         });
         let mut step_loss = f64::NAN;
