@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use ringtmp_model::Stage;
 use ringtmp_transport::{Transport, TransportError};
-use ringtmp_wire::message::{tensor_bytes_into, tensor_values, tensor_values_into};
+use ringtmp_wire::message::{tensor_bytes_into, tensor_values_into, tensor_view};
 use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
 
 use super::regroup::Order;
@@ -32,8 +32,9 @@ pub(crate) struct Bucket {
     chunks: Vec<Range<usize>>,
     /// The next protocol step (`None` until the bucket's gradients are complete).
     step: Option<usize>,
-    /// Chunks that arrived before this worker got there, by protocol step.
-    early: BTreeMap<usize, Vec<f32>>,
+    /// Chunks that arrived before this worker got there, by protocol step: their payloads as
+    /// they came (combined straight from these bytes, then given back to the transport's pool).
+    early: BTreeMap<usize, (Dtype, Vec<u8>)>,
 }
 
 /// The buckets of a replica: layers from the last, grouped until a bucket holds `bytes`.
@@ -99,6 +100,8 @@ pub(crate) struct Reducer {
     broken: Option<Break>,
     /// Messages for later (another protocol's, or a newer generation's), in arrival order.
     later: Vec<(u32, Message)>,
+    /// Decoded values of a chunk whose wire type is not read in place (reused).
+    scratch: Vec<f32>,
     /// What chunks travel as.
     wire: Dtype,
 }
@@ -160,6 +163,7 @@ impl Reducer {
             timeout,
             broken: None,
             later: Vec::new(),
+            scratch: Vec::new(),
             wire,
         }
     }
@@ -260,35 +264,32 @@ impl Reducer {
             let Some(s) = bucket.step.filter(|s| *s < self.plan.steps()) else {
                 return Ok(());
             };
-            let Some(values) = bucket.early.remove(&s) else {
+            let Some((dtype, bytes)) = bucket.early.remove(&s) else {
                 return Ok(());
             };
             // A phantom run's chunks (sizes only, `ringtmp_meter`) carry no values to combine.
-            let elided = values.is_empty() && ringtmp_meter::phantom();
+            let elided = bytes.is_empty() && ringtmp_meter::phantom();
             let range = bucket.chunks[self.plan.recv_chunk(s)].clone();
-            let target: &mut [f32] = if elided {
-                &mut []
-            } else {
-                &mut bucket.values[range.clone()]
-            };
-            if values.len() != range.len() && !elided {
+            let count = dtype.elements_in(bytes.len());
+            if count != range.len() && !elided {
                 return Err(Error::protocol(
                     "all-reduce",
                     net,
                     self.pred,
-                    &format!(
-                        "a chunk of {} values where {} were due",
-                        values.len(),
-                        range.len()
-                    ),
+                    &format!("a chunk of {count} values where {} were due", range.len()),
                 ));
             }
-            if elided {
-            } else if self.plan.adds(s) {
-                target.iter_mut().zip(&values).for_each(|(t, v)| *t += v);
-            } else {
-                target.copy_from_slice(&values);
+            if !elided {
+                // Little-endian f32 is read in place; other wire types are decoded once.
+                let values = tensor_view(&bytes, dtype, &mut self.scratch);
+                let target = &mut bucket.values[range];
+                if self.plan.adds(s) {
+                    target.iter_mut().zip(values).for_each(|(t, v)| *t += v);
+                } else {
+                    target.copy_from_slice(values);
+                }
             }
+            net.buffers().give(bytes);
             bucket.step = Some(s + 1);
             self.send(b, net)?;
         }
@@ -332,10 +333,7 @@ impl Reducer {
                         "chunk of no bucket",
                     ));
                 }
-                let mut values = Vec::new();
-                tensor_values(&bytes, h.dtype, &mut values);
-                net.buffers().give(bytes);
-                self.buckets[b].early.insert(s, values);
+                self.buckets[b].early.insert(s, (h.dtype, bytes));
                 self.advance(b, net)
             }
             Message::Control(Control::Regroup {
