@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use ringtmp_transport::framed::ReadError;
 use ringtmp_transport::handshake::handshake;
-use ringtmp_transport::secure::{Session, read_one_frame, write_one_frame};
+use ringtmp_transport::secure::FrameConnection;
 use ringtmp_transport::{PeerName, TransportConfig, TransportError};
 use ringtmp_wire::{Control, Message, NodeAddr};
 use tokio::net::{TcpListener, TcpStream};
@@ -145,8 +145,8 @@ pub fn serve(
         };
         let table = Table { run_id: rand::random(), nodes: nodes.into_iter().flatten().collect(), settings };
         let message = Message::Control(Control::Table { run_id: table.run_id, nodes: table.nodes.clone(), settings: table.settings.clone() });
-        for (mut stream, peer, session) in streams {
-            write_one_frame(&mut stream, session.as_ref(), &message)
+        for (mut connection, peer) in streams {
+            connection.send(&message)
                 .await
                 .map_err(|e| TransportError::PeerClosed { peer, reason: format!("sending the table failed: {e}") })?;
         }
@@ -155,7 +155,7 @@ pub fn serve(
 }
 
 /// A registered node's connection.
-type Registered = (TcpStream, PeerName, Option<Session>);
+type Registered = (FrameConnection, PeerName);
 
 /// Tells every registered node why the rendezvous failed (best effort, a second each).
 async fn abort(streams: Vec<Registered>, reason: &str) {
@@ -163,12 +163,8 @@ async fn abort(streams: Vec<Registered>, reason: &str) {
         origin: 0,
         reason: reason.to_string(),
     });
-    for (mut stream, _, session) in streams {
-        let _ = tokio::time::timeout(
-            Duration::from_secs(1),
-            write_one_frame(&mut stream, session.as_ref(), &abort),
-        )
-        .await;
+    for (mut connection, _) in streams {
+        let _ = tokio::time::timeout(Duration::from_secs(1), connection.send(&abort)).await;
     }
 }
 
@@ -185,8 +181,9 @@ async fn ask(
     let message = Message::Control(Control::ProfileRequest {
         request: request.to_string(),
     });
-    for (stream, peer, session) in streams.iter_mut() {
-        write_one_frame(stream, session.as_ref(), &message)
+    for (connection, peer) in streams.iter_mut() {
+        connection
+            .send(&message)
             .await
             .map_err(|e| TransportError::PeerClosed {
                 peer: peer.clone(),
@@ -200,14 +197,9 @@ async fn ask(
     // The nodes work at once; their answers wait in the sockets while earlier ones are read.
     let deadline = Instant::now() + wait;
     let mut answers = vec![None; world_size as usize];
-    for (stream, peer, session) in streams.iter_mut() {
+    for (connection, peer) in streams.iter_mut() {
         let rank = peer.rank.unwrap_or(0);
-        match timeout_at(
-            deadline,
-            read_one_frame(stream, session.as_ref(), &cfg.limits),
-        )
-        .await
-        {
+        match timeout_at(deadline, connection.recv(&cfg.limits)).await {
             Ok(Ok((Message::Control(Control::Profile { rank: from, report }), _)))
                 if from == rank =>
             {
@@ -260,20 +252,17 @@ async fn register(
     addr: SocketAddr,
     cfg: TransportConfig,
     world_size: u32,
-) -> Result<(NodeAddr, (TcpStream, PeerName, Option<Session>)), TransportError> {
+) -> Result<(NodeAddr, Registered), TransportError> {
     let (rank, session) = handshake(&mut stream, addr, &cfg, |r| r > 0 && r < world_size).await?;
     let peer = PeerName {
         rank: Some(rank),
         addr: Some(addr),
     };
-    let message = tokio::time::timeout(
-        cfg.handshake_timeout,
-        read_one_frame(&mut stream, session.as_ref(), &cfg.limits),
-    )
-    .await;
+    let mut connection = FrameConnection::new(stream, session);
+    let message = tokio::time::timeout(cfg.handshake_timeout, connection.recv(&cfg.limits)).await;
     match message {
         Ok(Ok((Message::Control(Control::Register { node }), _))) if node.rank == rank => {
-            Ok((node, (stream, peer, session)))
+            Ok((node, (connection, peer)))
         }
         Ok(Ok(_)) => Err(TransportError::Handshake {
             peer,
@@ -356,7 +345,9 @@ pub fn join(
                 addr: own.to_string(),
             },
         });
-        write_one_frame(&mut stream, session.as_ref(), &register)
+        let mut connection = FrameConnection::new(stream, session);
+        connection
+            .send(&register)
             .await
             .map_err(|e| TransportError::PeerClosed {
                 peer: peer.clone(),
@@ -367,11 +358,7 @@ pub fn join(
         let mut table_deadline = deadline + Duration::from_secs(2);
         let mut answered = false;
         let reply = loop {
-            let reply = timeout_at(
-                table_deadline,
-                read_one_frame(&mut stream, session.as_ref(), &cfg.limits),
-            )
-            .await;
+            let reply = timeout_at(table_deadline, connection.recv(&cfg.limits)).await;
             let Ok(Ok((Message::Control(Control::ProfileRequest { request }), _))) = &reply else {
                 break reply;
             };
@@ -385,7 +372,8 @@ pub fn join(
             tracing::info!("rendezvous: rank 0 asked for this node's profile of the model");
             let report = answer(request);
             let message = Message::Control(Control::Profile { rank, report });
-            write_one_frame(&mut stream, session.as_ref(), &message)
+            connection
+                .send(&message)
                 .await
                 .map_err(|e| TransportError::PeerClosed {
                     peer: peer.clone(),

@@ -1035,6 +1035,9 @@ async fn write_frame_paced<W: tokio::io::AsyncWrite + Unpin>(
     {
         emulated_wait(nic.reserve(piece.len(), bits_per_second)).await;
         stream.write_all(piece).await?;
+        // Released now, when its last bit would have left the card: a private link's writer
+        // would otherwise gather it with the next pieces.
+        stream.flush().await?;
     }
     Ok(scratch.len() + payload.len())
 }
