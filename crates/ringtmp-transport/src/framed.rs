@@ -117,3 +117,39 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(
         }
     }
 }
+
+/// A stream a link's writer sends frames on.
+pub trait FrameSink: AsyncWrite + Unpin + Send {
+    /// Writes a tensor payload the caller is done with. A private link seals it where it lies
+    /// (its bytes are ciphertext afterwards) instead of copying it; a plain stream writes it as
+    /// it is.
+    fn write_spent(
+        &mut self,
+        payload: &mut [u8],
+    ) -> impl Future<Output = std::io::Result<()>> + Send;
+}
+
+impl FrameSink for tokio::net::tcp::OwnedWriteHalf {
+    async fn write_spent(&mut self, payload: &mut [u8]) -> std::io::Result<()> {
+        self.write_all(payload).await
+    }
+}
+
+/// [`write_frame`] for a message the caller is done with: a tensor's payload goes out through
+/// [`FrameSink::write_spent`] (sealed in place on a private link). Returns the bytes written.
+pub async fn write_spent_frame<W: FrameSink>(
+    stream: &mut W,
+    message: &mut Message,
+    scratch: &mut Vec<u8>,
+) -> std::io::Result<usize> {
+    match message {
+        Message::Tensor(header, payload) => {
+            scratch.clear();
+            encode_tensor_prefix(header, payload.len() as u64, scratch);
+            stream.write_all(scratch).await?;
+            stream.write_spent(payload).await?;
+            Ok(scratch.len() + payload.len())
+        }
+        Message::Control(_) => write_frame(stream, message, scratch).await,
+    }
+}

@@ -29,7 +29,7 @@ use tokio::time::{sleep_until, timeout};
 
 use crate::config::TransportConfig;
 use crate::error::{PeerName, TransportError};
-use crate::framed::{ReadError, read_frame_pooled, write_frame};
+use crate::framed::{FrameSink, ReadError, read_frame_pooled, write_spent_frame};
 use crate::handshake::handshake;
 use crate::pool::BufferPool;
 use crate::secure::Session;
@@ -913,7 +913,7 @@ async fn reader<R: AsyncRead + Unpin>(
     let _ = inbox.send(Inbound::Failed(failure)).await;
 }
 
-async fn writer<W: tokio::io::AsyncWrite + Unpin>(
+async fn writer<W: FrameSink>(
     mut stream: W,
     ends: LinkEnds,
     cfg: TransportConfig,
@@ -933,7 +933,7 @@ async fn writer<W: tokio::io::AsyncWrite + Unpin>(
     heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut seq = 0u64;
     loop {
-        let (message, enqueued, counted) = tokio::select! {
+        let (mut message, enqueued, counted) = tokio::select! {
             next = outgoing.recv() => match next {
                 Some(o) => (o.message, o.enqueued, true),
                 None => break,
@@ -953,8 +953,10 @@ async fn writer<W: tokio::io::AsyncWrite + Unpin>(
         let written = match cfg.shaping.bandwidth_bps {
             // The frame leaves through the node's emulated card, shared with its other links,
             // packet by packet (see `write_paced`).
-            Some(bps) => write_frame_paced(&mut stream, &message, &mut scratch, &nic, bps).await,
-            None => write_frame(&mut stream, &message, &mut scratch).await,
+            Some(bps) => {
+                write_frame_paced(&mut stream, &mut message, &mut scratch, &nic, bps).await
+            }
+            None => write_spent_frame(&mut stream, &mut message, &mut scratch).await,
         };
         // A private link holds the frame's last record until flushed.
         let written = match written {
@@ -1010,36 +1012,40 @@ const PACING_CHUNK: usize = 64 * 1024;
 /// at 100 Mbit/s arrive as 2.6 s of silence and then everything: the receiver's watchdog called
 /// a busy peer dead, and a small message on another link waited for the whole frame, where a
 /// real card's fair queue interleaves flows packet by packet.
-async fn write_frame_paced<W: tokio::io::AsyncWrite + Unpin>(
+async fn write_frame_paced<W: FrameSink>(
     stream: &mut W,
-    message: &Message,
+    message: &mut Message,
     scratch: &mut Vec<u8>,
     nic: &crate::shaper::SharedNic,
     bits_per_second: u64,
 ) -> std::io::Result<usize> {
     use tokio::io::AsyncWriteExt;
     scratch.clear();
-    let payload: &[u8] = match message {
+    let mut no_payload = [];
+    let payload: &mut [u8] = match message {
         Message::Tensor(header, payload) => {
             ringtmp_wire::encode_tensor_prefix(header, payload.len() as u64, scratch);
             payload
         }
         Message::Control(_) => {
             ringtmp_wire::encode(message, scratch);
-            &[]
+            &mut no_payload
         }
     };
-    for piece in scratch
-        .chunks(PACING_CHUNK)
-        .chain(payload.chunks(PACING_CHUNK))
-    {
+    let total = scratch.len() + payload.len();
+    // Each piece is released when its last bit would have left the card, and flushed, so a
+    // private link's writer does not gather it with the next pieces.
+    for piece in scratch.chunks(PACING_CHUNK) {
         emulated_wait(nic.reserve(piece.len(), bits_per_second)).await;
         stream.write_all(piece).await?;
-        // Released now, when its last bit would have left the card: a private link's writer
-        // would otherwise gather it with the next pieces.
         stream.flush().await?;
     }
-    Ok(scratch.len() + payload.len())
+    for piece in payload.chunks_mut(PACING_CHUNK) {
+        emulated_wait(nic.reserve(piece.len(), bits_per_second)).await;
+        stream.write_spent(piece).await?;
+        stream.flush().await?;
+    }
+    Ok(total)
 }
 
 /// Waits until `deadline` as well as a millisecond timer can. Tokio's timers wake about a

@@ -119,11 +119,20 @@ impl RecordKey {
             .expect("both ciphers' tags are 16 bytes")
     }
 
-    /// Decrypts record `n` in place and checks its `tag`; `Err` (the data then undefined, to be
-    /// dropped) for a record that was not sealed with this key and number, or was altered.
-    pub fn open(&self, n: u64, data: &mut [u8], tag: &[u8; TAG]) -> Result<(), Forged> {
+    /// Decrypts record `n`, whose ciphertext is `in_out[at..]`, into `in_out[..len - at]`, and
+    /// checks its `tag`; `Err` (the bytes then undefined, to be dropped) for a record that was not
+    /// sealed with this key and number, or was altered. With `at` > 0 the plaintext moves to
+    /// the front in the same pass (a reader that opens records where they landed, closing up
+    /// their headers and tags).
+    pub fn open(
+        &self,
+        n: u64,
+        in_out: &mut [u8],
+        at: usize,
+        tag: &[u8; TAG],
+    ) -> Result<(), Forged> {
         self.key
-            .open_in_place_separate_tag(self.nonce(n), Aad::empty(), Tag::from(*tag), data, 0..)
+            .open_in_place_separate_tag(self.nonce(n), Aad::empty(), Tag::from(*tag), in_out, at..)
             .map(|_| ())
             .map_err(|_| Forged)
     }

@@ -200,12 +200,35 @@ mod tests {
         records
     }
 
+    /// What a reader of `session` makes of `records`: read both with small reads (through the
+    /// reader's buffer) and with reads of room for many records (opened in the caller's
+    /// buffer), which must agree.
     async fn read_all(session: &Session, records: &[Vec<u8>]) -> std::io::Result<Vec<u8>> {
         let wire: Vec<u8> = records.concat();
-        let mut r = SecureReader::new(&wire[..], session.clone());
-        let mut out = Vec::new();
-        r.read_to_end(&mut out).await?;
-        Ok(out)
+        let mut small = SecureReader::new(&wire[..], session.clone());
+        let mut by_small = Vec::new();
+        let by_small = small.read_to_end(&mut by_small).await.map(|_| by_small);
+        let mut large = SecureReader::new(&wire[..], session.clone());
+        let mut by_large = Vec::new();
+        let mut room = vec![0u8; 1 << 20];
+        let by_large = loop {
+            match large.read(&mut room).await {
+                Ok(0) => break Ok(by_large),
+                Ok(n) => by_large.extend_from_slice(&room[..n]),
+                Err(e) => break Err(e),
+            }
+        };
+        match (by_small, by_large) {
+            (Ok(a), Ok(b)) => {
+                assert_eq!(a, b, "small and large reads disagree");
+                Ok(a)
+            }
+            (Err(a), Err(b)) => {
+                assert_eq!(a.kind(), b.kind(), "small and large reads fail differently");
+                Err(a)
+            }
+            (a, b) => panic!("small reads: {a:?}, large reads: {b:?}"),
+        }
     }
 
     /// A session of ours and `snow`'s own transport state (its pure-Rust primitives throughout)
@@ -284,8 +307,8 @@ mod tests {
                 cx.waker().wake_by_ref();
                 return std::task::Poll::Pending;
             }
-            // 1, 7, 4,099, 65,541 bytes in turn: across headers, tags and record boundaries.
-            let most = [1, 7, 4_099, 65_541][(self.reads / 2) % 4];
+            // 1 byte to 300,000 in turn: across headers, tags and record boundaries.
+            let most = [1, 7, 4_099, 65_541, 300_000][(self.reads / 2) % 5];
             let n = most.min(self.bytes.len()).min(buf.remaining());
             buf.put_slice(&self.bytes[..n]);
             self.bytes = &self.bytes[n..];
@@ -308,10 +331,11 @@ mod tests {
             b,
         );
         let mut got = Vec::new();
-        let mut buf = [0u8; 9_001];
+        let mut buf = vec![0u8; 200_000];
         for k in 0.. {
-            // Reads of 1 byte to 9,001 in turn into the caller's buffer.
-            let want = [1, 13, 9_001][k % 3];
+            // Reads of 1 byte to 200,000 in turn into the caller's buffer: the large ones have
+            // room for whole records, which are opened where they land.
+            let want = [1, 13, 9_001, 200_000, 65_539][k % 5];
             let n = reader.read(&mut buf[..want]).await.unwrap();
             if n == 0 {
                 break;
@@ -319,6 +343,63 @@ mod tests {
             got.extend_from_slice(&buf[..n]);
         }
         assert_eq!(got, pieces.concat());
+    }
+
+    #[tokio::test]
+    async fn a_payload_sealed_where_it_lies_goes_out_as_the_same_records_as_a_copied_one() {
+        // The writer's two ways of sealing a payload (copying it into its batch, or sealing it
+        // in place and writing vectored) put the same bytes on the wire, also through a socket
+        // that takes a few hundred bytes at a time.
+        let (a, b) = pair(b"s", b"s", Cipher::between_two_like_this()).await;
+        let (a, b) = (a.unwrap(), b.unwrap());
+        let big: Vec<u8> = (0..700_001u32).map(|i| (i % 239) as u8).collect();
+        let copied = sealed(&a, &[b"head", &big]).await.concat();
+        let (near, mut far) = tokio::io::duplex(333);
+        let drain = tokio::spawn(async move {
+            let mut wire = Vec::new();
+            far.read_to_end(&mut wire).await.map(|_| wire)
+        });
+        let mut w = SecureWriter::new(near, a);
+        w.write_all(b"head").await.unwrap();
+        let mut spent = big.clone();
+        w.write_spent(&mut spent).await.unwrap();
+        w.flush().await.unwrap();
+        assert_ne!(spent, big, "the payload was sealed where it lay");
+        w.shutdown().await.unwrap();
+        drop(w);
+        let in_place = drain.await.unwrap().unwrap();
+        assert_eq!(in_place.len(), copied.len());
+        assert!(in_place == copied, "the two ways differ on the wire");
+        let got = read_all(&b, &[in_place]).await.unwrap();
+        assert_eq!((&got[..4], &got[4..]), (&b"head"[..], &big[..]));
+    }
+
+    #[tokio::test]
+    async fn a_frame_readers_large_reads_are_opened_in_its_own_buffer() {
+        // Whatever sizes the socket hands out, a caller reading a large payload gets most of it
+        // opened where it landed (no copy), and exactly the bytes that were sealed.
+        let (a, b) = pair(b"s", b"s", Cipher::between_two_like_this()).await;
+        let (a, b) = (a.unwrap(), b.unwrap());
+        let big: Vec<u8> = (0..2_000_000u32).map(|i| (i % 253) as u8).collect();
+        let wire = sealed(&a, &[b"prefix", &big]).await.concat();
+        let mut reader = SecureReader::new(
+            Trickle {
+                bytes: &wire,
+                reads: 0,
+            },
+            b,
+        );
+        let mut prefix = [0u8; 6];
+        reader.read_exact(&mut prefix).await.unwrap();
+        let mut payload = vec![0u8; big.len()];
+        reader.read_exact(&mut payload).await.unwrap();
+        assert_eq!((&prefix, &payload), (b"prefix", &big));
+        let in_place = reader.opened_in_place() as f64 / big.len() as f64;
+        println!("{in_place:.3} of the payload opened in place");
+        assert!(
+            in_place > 0.5,
+            "only {in_place:.2} of the payload opened in place"
+        );
     }
 
     #[tokio::test]

@@ -36,7 +36,59 @@ fn forged() -> std::io::Error {
     )
 }
 
+/// How many more bytes complete the record that `bytes` begins (0: it is all there; while its
+/// header is incomplete, the header's missing bytes). A length out of bounds is a forgery.
+fn missing(bytes: &[u8]) -> std::io::Result<usize> {
+    let Some(header) = bytes.first_chunk::<HEADER>() else {
+        return Ok(HEADER - bytes.len());
+    };
+    let len = u32::from_le_bytes(*header) as usize;
+    if !(TAG..=MAX_RECORD).contains(&len) {
+        return Err(forged());
+    }
+    Ok((HEADER + len).saturating_sub(bytes.len()))
+}
+
+/// Opens the complete records of `region[at..]` in turn with `key` (from record number `nonce`
+/// on), writing each one's plaintext at `region[opened..]` in its decryption's own pass: the
+/// plaintext closes up over the headers and tags. Returns where the first incomplete record
+/// starts and where the plaintext ends.
+fn open_records(
+    key: &super::cipher::RecordKey,
+    nonce: &mut u64,
+    region: &mut [u8],
+    mut at: usize,
+    mut opened: usize,
+) -> std::io::Result<(usize, usize)> {
+    while region.len() - at >= HEADER && missing(&region[at..])? == 0 {
+        let header: [u8; HEADER] = region[at..at + HEADER].try_into().expect("4 bytes");
+        let body = at + HEADER..at + HEADER + u32::from_le_bytes(header) as usize - TAG;
+        let tag: [u8; TAG] = region[body.end..body.end + TAG]
+            .try_into()
+            .expect("16 bytes");
+        key.open(
+            *nonce,
+            &mut region[opened..body.end],
+            body.start - opened,
+            &tag,
+        )
+        .map_err(|_| forged())?;
+        *nonce += 1;
+        opened += body.len();
+        at = body.end + TAG;
+    }
+    Ok((at, opened))
+}
+
+/// A read with room for this many bytes takes the socket's bytes straight into the caller's
+/// buffer: a whole record fits.
+const DIRECT: usize = HEADER + MAX_RECORD;
+
 /// The receiving side of a private link: opens records from `inner` into a plain byte stream.
+///
+/// A caller with room for a whole record (a frame reader filling a tensor's payload) gets the
+/// socket's bytes straight into its buffer, opened where they land; a smaller read is served
+/// from the reader's own buffer, which is filled a batch at a time and copied out.
 pub struct SecureReader<R> {
     inner: R,
     session: Session,
@@ -46,6 +98,8 @@ pub struct SecureReader<R> {
     buf: Box<[u8]>,
     plain: std::ops::Range<usize>,
     sealed: std::ops::Range<usize>,
+    /// Plaintext bytes opened straight in callers' buffers.
+    opened_in_place: u64,
 }
 
 impl<R> SecureReader<R> {
@@ -58,35 +112,102 @@ impl<R> SecureReader<R> {
             buf: vec![0u8; BATCH].into_boxed_slice(),
             plain: 0..0,
             sealed: 0..0,
+            opened_in_place: 0,
         }
     }
 
-    /// Opens the record at the start of `sealed` if it is all there: `Ok(true)` when one was.
-    fn open_next(&mut self) -> std::io::Result<bool> {
-        let at = self.sealed.start;
-        if self.sealed.len() < HEADER {
-            return Ok(false);
+    /// How many plaintext bytes were opened straight in callers' buffers (the rest went
+    /// through the reader's own buffer and were copied out).
+    pub fn opened_in_place(&self) -> u64 {
+        self.opened_in_place
+    }
+
+    /// Opens the complete records in the buffer; `Ok(true)` when one was.
+    fn open_buffered(&mut self) -> std::io::Result<bool> {
+        let start = self.sealed.start;
+        let (at, opened) = open_records(
+            &self.session.receive,
+            &mut self.next_nonce,
+            &mut self.buf[..self.sealed.end],
+            start,
+            start,
+        )?;
+        self.plain = start..opened;
+        self.sealed.start = at;
+        Ok(at > start)
+    }
+}
+
+/// What a read straight into the caller's buffer came to.
+enum Direct {
+    /// Plaintext was handed out.
+    Opened,
+    /// The stream ended between records.
+    End,
+    /// No record was complete; what came waits in the reader's own buffer.
+    Incomplete,
+}
+
+impl<R: AsyncRead + Unpin> SecureReader<R> {
+    /// Reads up to [`BATCH`] bytes from the socket into `out`'s free space, opens every complete
+    /// record where it landed, and reads the rest of a record cut off at the end where it can
+    /// (so that the next read starts at a record again); a record still incomplete waits in the
+    /// reader's own buffer. Only when nothing is buffered: the socket's next byte is a record's
+    /// first.
+    fn poll_read_direct(
+        &mut self,
+        cx: &mut Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<Direct>> {
+        let start = out.filled().len();
+        let room = out.remaining().min(BATCH);
+        let (mut landed, mut at, mut opened) = (0, 0, 0);
+        let mut want = room;
+        let pending = loop {
+            // SAFETY: the free space is handed to `inner` inside a `ReadBuf`, which writes only
+            // initialised bytes into it; nothing here de-initialises any of it.
+            let free = unsafe { &mut out.unfilled_mut()[landed..landed + want] };
+            let mut raw = ReadBuf::uninit(free);
+            match Pin::new(&mut self.inner).poll_read(cx, &mut raw) {
+                Poll::Pending => break true,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Ready(Ok(())) => {}
+            }
+            let n = raw.filled().len();
+            if n == 0 {
+                if landed == 0 {
+                    return Poll::Ready(Ok(Direct::End));
+                }
+                break false; // the buffered path reports the cut record
+            }
+            // SAFETY: `inner` filled, so initialised, the next `n` bytes of the free space.
+            unsafe { out.assume_init(landed + n) };
+            landed += n;
+            let region = &mut out.initialized_mut()[start..start + landed];
+            (at, opened) = open_records(
+                &self.session.receive,
+                &mut self.next_nonce,
+                region,
+                at,
+                opened,
+            )?;
+            want = missing(&region[at..])?;
+            if at == landed || landed + want > room {
+                break false;
+            }
+        };
+        let rest = landed - at;
+        self.buf[..rest].copy_from_slice(&out.initialized_mut()[start + at..start + landed]);
+        self.sealed = 0..rest;
+        out.advance(opened);
+        self.opened_in_place += opened as u64;
+        if opened > 0 {
+            Poll::Ready(Ok(Direct::Opened))
+        } else if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(Ok(Direct::Incomplete))
         }
-        let header: [u8; HEADER] = self.buf[at..at + HEADER].try_into().expect("4 bytes");
-        let len = u32::from_le_bytes(header) as usize;
-        if !(TAG..=MAX_RECORD).contains(&len) {
-            return Err(forged());
-        }
-        if self.sealed.len() < HEADER + len {
-            return Ok(false);
-        }
-        let body = at + HEADER..at + HEADER + len - TAG;
-        let tag: [u8; TAG] = self.buf[body.end..body.end + TAG]
-            .try_into()
-            .expect("16 bytes");
-        self.session
-            .receive
-            .open(self.next_nonce, &mut self.buf[body.clone()], &tag)
-            .map_err(|_| forged())?;
-        self.next_nonce += 1;
-        self.plain = body;
-        self.sealed.start = at + HEADER + len;
-        Ok(true)
     }
 }
 
@@ -104,17 +225,30 @@ impl<R: AsyncRead + Unpin> AsyncRead for SecureReader<R> {
                 this.plain.start += n;
                 return Poll::Ready(Ok(()));
             }
-            if this.open_next()? {
+            if this.sealed.is_empty() && out.remaining() >= DIRECT {
+                match ready!(this.poll_read_direct(cx, out))? {
+                    Direct::Opened | Direct::End => return Poll::Ready(Ok(())),
+                    Direct::Incomplete => continue,
+                }
+            }
+            if this.open_buffered()? {
                 continue;
             }
-            // The record at `sealed` is incomplete: make room behind it for the rest (a whole
-            // record fits whenever it starts at the front), then read.
-            if this.buf.len() - this.sealed.start < HEADER + MAX_RECORD {
+            // The record at `sealed` is incomplete. A caller with room for whole records gets
+            // only its rest read here, so that the next read goes straight to the caller; others
+            // a batch. A whole record fits behind the front of the buffer.
+            let want = if out.remaining() >= DIRECT {
+                missing(&this.buf[this.sealed.clone()])?
+            } else {
+                usize::MAX
+            };
+            if this.buf.len() - this.sealed.start < DIRECT {
                 let moved = this.sealed.len();
                 this.buf.copy_within(this.sealed.clone(), 0);
                 this.sealed = 0..moved;
             }
-            let mut free = ReadBuf::new(&mut this.buf[this.sealed.end..]);
+            let end = this.buf.len().min(this.sealed.end.saturating_add(want));
+            let mut free = ReadBuf::new(&mut this.buf[this.sealed.end..end]);
             ready!(Pin::new(&mut this.inner).poll_read(cx, &mut free))?;
             let n = free.filled().len();
             if n == 0 {
@@ -211,6 +345,55 @@ impl<W: AsyncWrite + Unpin> AsyncWrite for SecureWriter<W> {
         ready!(self.poll_drain(cx))?;
         Pin::new(&mut self.inner).poll_shutdown(cx)
     }
+}
+
+impl<W: AsyncWrite + Unpin> SecureWriter<W> {
+    /// Writes `payload` as records after what is pending, sealing it where it lies: its bytes
+    /// are ciphertext afterwards (for a caller that is done with them, like a link's writer
+    /// with a tensor it has sent), and none is copied. The records and their headers and tags
+    /// go to the socket [`BATCH`] bytes at a time, in one vectored write each.
+    pub async fn write_spent(&mut self, payload: &mut [u8]) -> std::io::Result<()> {
+        const RECORDS: usize = BATCH / (HEADER + MAX_RECORD);
+        for batch in payload.chunks_mut(RECORDS * MAX_PLAIN) {
+            let mut framing = [([0u8; HEADER], [0u8; TAG]); RECORDS];
+            for (record, (header, tag)) in batch.chunks_mut(MAX_PLAIN).zip(&mut framing) {
+                *header = ((record.len() + TAG) as u32).to_le_bytes();
+                *tag = self.session.send.seal(self.next_nonce, record);
+                self.next_nonce += 1;
+            }
+            let mut slices = Vec::with_capacity(1 + 3 * RECORDS);
+            slices.push(std::io::IoSlice::new(&self.pending[self.pending_pos..]));
+            for (record, (header, tag)) in batch.chunks(MAX_PLAIN).zip(&framing) {
+                slices.extend([header.as_slice(), record, tag].map(std::io::IoSlice::new));
+            }
+            write_all_vectored(&mut self.inner, &mut slices).await?;
+            self.pending.clear();
+            self.pending_pos = 0;
+        }
+        Ok(())
+    }
+}
+
+impl<W: AsyncWrite + Unpin + Send> crate::framed::FrameSink for SecureWriter<W> {
+    async fn write_spent(&mut self, payload: &mut [u8]) -> std::io::Result<()> {
+        SecureWriter::write_spent(self, payload).await
+    }
+}
+
+/// Writes every byte of `slices` in order, as few system calls as the socket allows.
+async fn write_all_vectored<W: AsyncWrite + Unpin>(
+    inner: &mut W,
+    mut slices: &mut [std::io::IoSlice<'_>],
+) -> std::io::Result<()> {
+    std::io::IoSlice::advance_slices(&mut slices, 0);
+    while !slices.is_empty() {
+        let n = inner.write_vectored(slices).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        std::io::IoSlice::advance_slices(&mut slices, n);
+    }
+    Ok(())
 }
 
 /// A connection that carries a few frames each way after its greeting (the rendezvous: a
