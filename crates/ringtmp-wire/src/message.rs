@@ -361,6 +361,21 @@ pub fn tensor_view<'a>(bytes: &'a [u8], dtype: Dtype, scratch: &'a mut Vec<f32>)
     scratch
 }
 
+/// A little-endian f32 payload as its values, in place, where the machine is little-endian
+/// and the buffer 4-byte aligned (what the transport's reads produce); `None` otherwise, for
+/// the caller to decode. For a receiver that combines into a payload and sends it on.
+pub fn f32_payload_mut(bytes: &mut [u8]) -> Option<&mut [f32]> {
+    #[cfg(target_endian = "little")]
+    {
+        bytemuck::try_cast_slice_mut(bytes).ok()
+    }
+    #[cfg(not(target_endian = "little"))]
+    {
+        let _ = bytes;
+        None
+    }
+}
+
 /// Writes the values of a payload into `out`, which holds exactly as many elements as the
 /// payload (checked by the caller against what it expects), without an intermediate buffer.
 ///

@@ -243,13 +243,25 @@ impl Reducer {
             // rounded values, so every replica applies the same bits.
             tensor_values_into(&payload, wire, chunk);
         }
+        self.transmit(b, s, range.len(), payload, net)
+    }
+
+    /// Sends `payload`, the `len` values of bucket `b`'s chunk for protocol step `s`.
+    fn transmit(
+        &mut self,
+        b: usize,
+        s: usize,
+        len: usize,
+        payload: Vec<u8>,
+        net: &mut dyn Transport,
+    ) -> Result<()> {
         let header = TensorHeader {
             run_id: 0,
             step: self.iteration,
             micro_batch: chunk_id(self.generation, b, s),
             tag: TensorTag::ParamGrads,
-            dtype: wire,
-            shape: vec![range.len() as u32],
+            dtype: self.wire,
+            shape: vec![len as u32],
         };
         match net.send(self.succ, Message::Tensor(header, payload)) {
             Ok(()) => Ok(()),
@@ -264,7 +276,7 @@ impl Reducer {
             let Some(s) = bucket.step.filter(|s| *s < self.plan.steps()) else {
                 return Ok(());
             };
-            let Some((dtype, bytes)) = bucket.early.remove(&s) else {
+            let Some((dtype, mut bytes)) = bucket.early.remove(&s) else {
                 return Ok(());
             };
             // A phantom run's chunks (sizes only, `ringtmp_meter`) carry no values to combine.
@@ -278,6 +290,27 @@ impl Reducer {
                     self.pred,
                     &format!("a chunk of {count} values where {} were due", range.len()),
                 ));
+            }
+            // The chunk received at step s is the one sent at step s + 1 (see `ring`). Except after
+            // the last reduce-scatter step, whose sum this worker keeps, an f32 chunk goes on in
+            // the buffer it came in: a partial sum with this worker's values added there (t + v
+            // and v + t are the same bits), a complete chunk as it is.
+            let forwards = s + 1 < self.plan.steps() && s + 1 != self.plan.n - 1;
+            if forwards
+                && !elided
+                && dtype == Dtype::F32
+                && self.wire == Dtype::F32
+                && let Some(values) = ringtmp_wire::message::f32_payload_mut(&mut bytes)
+            {
+                let target = &mut bucket.values[range.clone()];
+                if self.plan.adds(s) {
+                    values.iter_mut().zip(&*target).for_each(|(v, t)| *v += t);
+                } else {
+                    target.copy_from_slice(values);
+                }
+                bucket.step = Some(s + 1);
+                self.transmit(b, s + 1, range.len(), bytes, net)?;
+                continue;
             }
             if !elided {
                 // Little-endian f32 is read in place; other wire types are decoded once.
