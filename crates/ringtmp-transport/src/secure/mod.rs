@@ -17,10 +17,11 @@
 //! protocol name is hashed into the handshake, so two ends that disagreed could not complete it.
 //!
 //! `snow` runs the handshake; its result, the two keys of Noise's split, seals and opens the
-//! link's records with `ring`'s assembly directly ([`SecureWriter`], [`SecureReader`]): in place
-//! and in batches, where `snow`'s own transport copies every record twice, so that a private link
-//! costs its node little more CPU than the cipher itself. The records are Noise transport
-//! messages all the same (tested against `snow`'s transport, both ways).
+//! link's records with AWS-LC's ciphers directly ([`RecordKey`], [`SecureWriter`],
+//! [`SecureReader`]): in place and in batches, where `snow`'s own transport copies every record
+//! twice, so that a private link costs its node little more CPU than the cipher itself. The
+//! records are Noise transport messages all the same (tested against `snow`'s transport, both
+//! ways).
 
 mod cipher;
 mod records;
@@ -255,7 +256,7 @@ mod tests {
 
     #[tokio::test]
     async fn records_are_noise_transport_messages_both_ways() {
-        // Our records, sealed and opened by `ring` directly, against `snow`'s reference transport
+        // Our records, sealed and opened by AWS-LC directly, against `snow`'s reference transport
         // (pure-Rust ciphers, its own nonce layout): whichever side leads, with both ciphers, a
         // record either side seals the other opens, numbered alike.
         for cipher in CIPHERS {

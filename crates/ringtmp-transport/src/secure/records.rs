@@ -63,14 +63,10 @@ fn open_records(
     while region.len() - at >= HEADER && missing(&region[at..])? == 0 {
         let header: [u8; HEADER] = region[at..at + HEADER].try_into().expect("4 bytes");
         let body = at + HEADER..at + HEADER + u32::from_le_bytes(header) as usize - TAG;
-        let tag: [u8; TAG] = region[body.end..body.end + TAG]
-            .try_into()
-            .expect("16 bytes");
         key.open(
             *nonce,
-            &mut region[opened..body.end],
+            &mut region[opened..body.end + TAG],
             body.start - opened,
-            &tag,
         )
         .map_err(|_| forged())?;
         *nonce += 1;
