@@ -8,7 +8,8 @@
 # Needs `pip install torch numpy` for the reference. Prints each round's samples/s (the training
 # clock of rank 0 / node 0) and, per row, the median and its ratio to DDP's median: ringtmp with
 # private links (the default: AES-256-GCM where both ends have AES instructions, ChaCha20-Poly1305
-# elsewhere) and with `--insecure-plaintext`.
+# elsewhere) and with `--insecure-plaintext`. `BEFORE=path/to/ringtmp` adds both rows for another
+# build of ringtmp (an older commit's, say) in the same rounds.
 set -euo pipefail
 ROUNDS=${ROUNDS:-3}
 STEPS=${STEPS:-300}
@@ -19,8 +20,11 @@ lscpu | grep -E "^(Model name|CPU family|Model|CPU\(s\)):" | tr -s ' '
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 rows=(ddp private plaintext)
-ringtmp_rate() { # the samples/s of node 0's last line
-    "$bin" train --strategy allreduce --nodes "$WORKERS" --max-steps "$STEPS" --eval-every 0 \
+if [ -n "${BEFORE:-}" ]; then
+    rows+=(before-private before-plaintext)
+fi
+ringtmp_rate() { # the samples/s of node 0's last line, of the binary $run_bin
+    "$run_bin" train --strategy allreduce --nodes "$WORKERS" --max-steps "$STEPS" --eval-every 0 \
         --out "$out/run" --overwrite "$@" 2>&1 | grep -o '[0-9]* samples/s' | tail -1 | cut -d' ' -f1
 }
 for r in $(seq 1 "$ROUNDS"); do
@@ -28,8 +32,10 @@ for r in $(seq 1 "$ROUNDS"); do
         case $row in
             ddp) rate=$(python3 benches/reference/ddp_mnist.py --workers "$WORKERS" \
                     --steps "$STEPS" | grep -o '[0-9]* samples/s' | tail -1 | cut -d' ' -f1) ;;
-            private) rate=$(ringtmp_rate) ;;
-            plaintext) rate=$(ringtmp_rate --insecure-plaintext) ;;
+            private) rate=$(run_bin=$bin ringtmp_rate) ;;
+            plaintext) rate=$(run_bin=$bin ringtmp_rate --insecure-plaintext) ;;
+            before-private) rate=$(run_bin=$BEFORE ringtmp_rate) ;;
+            before-plaintext) rate=$(run_bin=$BEFORE ringtmp_rate --insecure-plaintext) ;;
         esac
         echo "round $r $row $rate" | tee -a "$out/rates"
     done
@@ -42,8 +48,9 @@ for line in open(sys.argv[1]):
     rates.setdefault(row, []).append(float(rate))
 ddp = statistics.median(rates["ddp"])
 names = {"ddp": "PyTorch DDP (gloo)", "private": "ringtmp all-reduce, private links",
-         "plaintext":
-         "ringtmp all-reduce, --insecure-plaintext"}
+         "plaintext": "ringtmp all-reduce, --insecure-plaintext",
+         "before-private": "BEFORE's all-reduce, private links",
+         "before-plaintext": "BEFORE's all-reduce, --insecure-plaintext"}
 print(f"\n| run | samples/s per round | median | × DDP |\n|---|---|---|---|")
 for row, values in rates.items():
     med = statistics.median(values)

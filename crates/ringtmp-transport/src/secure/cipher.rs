@@ -78,9 +78,10 @@ impl Cipher {
 /// One direction's key. Records are sealed and opened in place by AWS-LC (`aws-lc-rs`), with no
 /// associated data, as Noise's transport messages are. AWS-LC picks its assembly per CPU at run
 /// time, and where the CPU has AVX-512 with vector AES (Zen 4 and 5, Intel since Ice Lake) its
-/// AES-256-GCM runs on 512-bit registers: 22.8 GB/s sealing and 17.2 GB/s opening 64 KiB records
-/// on one Zen 5 core, against 10.5 and 10.6 GB/s for `ring`'s 256-bit code (docs/benchmarks/
-/// logs/issue-45.md), and the cipher is a sixth of a private all-reduce's CPU.
+/// AES-256-GCM runs on 512-bit registers: on one Zen 5 core 21.8–23.9 GB/s sealing and
+/// 16.5–18.0 opening 64 KiB records, against 10.3–10.8 and 10.4–10.7 for `ring`'s 256-bit code
+/// (`cargo run --release -p ringtmp-transport --example cipher_speed`). With `ring`'s, the
+/// cipher took a sixth of a private all-reduce's CPU (docs/benchmarks/logs/issue-45.md).
 pub struct RecordKey {
     key: LessSafeKey,
     cipher: Cipher,
