@@ -6,7 +6,7 @@
 # each strategy's sample budget is that time × its own samples/s, measured by a probe run, so a
 # fast strategy is not cut short by a budget a slow one needs). Writes
 # docs/reports/edge-4x100mbit/<model>/ (report.md, report.html, plots/ and results.jsonl, which
-# are published, and every run's directory under runs/, which git ignores). About 80 minutes on
+# are published, and every run's directory under runs/, which git ignores). About 100 minutes on
 # 2 cores; needs a writable cgroup cpu controller (run as root, or where cgroups are delegated).
 #
 #   benches/edge_report.sh                 # all four models
@@ -20,7 +20,10 @@ cargo build --release -p ringtmp-cli
 RINGTMP=${RINGTMP:-target/release/ringtmp}
 OUT=${OUT:-docs/reports/edge-4x100mbit}
 PROFILE="--nodes 4 --bandwidth-mbit 100 --latency-ms 2 --node-cpu 0:0.5,1:0.5,2:0.5,3:0.5"
-STRATEGIES=ring,ring:1f1b,ps:bsp,ps:bsp+servers=2,ps:dssp:1:4,allreduce,dpsgd,adpsgd
+# Two rings of two nodes synchronised like DiLoCo every 100 mini-batches, and DiLoCo's workers
+# with H = 100 (issue 45): the fifth claim's rows.
+RINGS=ring+ring-nodes=2+replica-sync=diloco:100
+STRATEGIES=ring,ring:1f1b,$RINGS,ps:bsp,ps:bsp+servers=2,ps:dssp:1:4,allreduce,dpsgd,adpsgd,diloco:100
 for model in ${MODELS:-mlp mlp-deep cnn gpt-cpu}; do
     strategies=$STRATEGIES
     case $model in
@@ -35,7 +38,8 @@ for model in ${MODELS:-mlp mlp-deep cnn gpt-cpu}; do
         # clipping): `ring` alone stands for it.
         gpt-cpu)
             length="--dataset text --train-seconds 150 --eval-every 100 --eval-tokens 4096"
-            strategies=ring,ps:bsp,ps:bsp+servers=2,ps:dssp:1:4,allreduce,dpsgd,adpsgd
+            strategies=ring,$RINGS+schedule=1f1b,ps:bsp,ps:bsp+servers=2,ps:dssp:1:4,allreduce
+            strategies=$strategies,dpsgd,adpsgd,diloco:100
             ;;
         *) echo "unknown model $model" >&2; exit 2 ;;
     esac

@@ -1004,10 +1004,11 @@ async fn writer<W: FrameSink>(
 const GOODBYE_GRACE: Duration = Duration::from_millis(500);
 
 /// What the emulated card sends at a time: each piece reserves the card when it asks and goes
-/// to the socket when its last bit would have left.
-const PACING_CHUNK: usize = 64 * 1024;
+/// to the socket when its last bit would have left. One full record of a private link (64 KiB
+/// less its tag), so a piece is never cut into a record and a sliver.
+const PACING_CHUNK: usize = crate::secure::MAX_PLAIN;
 
-/// [`write_frame`] through the emulated card `nic` at `bits_per_second`, in pieces of
+/// [`write_spent_frame`] through the emulated card `nic` at `bits_per_second`, in pieces of
 /// [`PACING_CHUNK`]. A frame released whole when its last bit would have left made a 32 MB model
 /// at 100 Mbit/s arrive as 2.6 s of silence and then everything: the receiver's watchdog called
 /// a busy peer dead, and a small message on another link waited for the whole frame, where a
