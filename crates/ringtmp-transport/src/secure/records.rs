@@ -6,12 +6,17 @@
 //! record k with nonce k, so a forged, replayed, dropped or reordered record fails
 //! authentication; the reader then ends the link with an error (`InvalidData`).
 //!
-//! Both ends work in place and in batches, because on a loopback or LAN link the cipher competes
-//! with training for the same cores: the writer seals records one after the other into one
-//! buffer and hands the socket up to [`BATCH`] bytes a system call; the reader takes whatever
-//! the socket has (up to [`BATCH`]) into one buffer, opens each complete record where it lies
-//! and copies the plaintext once, to its caller. `benches/allreduce_vs_ddp.sh` and `ringtmp
-//! bench-transport` measure what this is worth.
+//! Both ends work in place and in batches of up to [`BATCH`] bytes a system call, because on a
+//! loopback or LAN link the cipher competes with training for the same cores:
+//! - the writer seals a tensor payload its caller is done with where it lies and writes headers,
+//!   records and tags in one vectored write a batch ([`SecureWriter::write_spent`]); other
+//!   writes are copied into its batch and sealed there;
+//! - the reader takes the socket's bytes straight into a caller's buffer that has room for a
+//!   whole record (a frame reader filling a payload) and opens each record where it landed,
+//!   closing the plaintext up over the headers and tags; smaller reads are served from its own
+//!   buffer, filled a batch at a time, with one copy out.
+//!
+//! `benches/allreduce_vs_ddp.sh` and `ringtmp bench-transport` measure what this is worth.
 
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
@@ -50,9 +55,9 @@ fn missing(bytes: &[u8]) -> std::io::Result<usize> {
 }
 
 /// Opens the complete records of `region[at..]` in turn with `key` (from record number `nonce`
-/// on), writing each one's plaintext at `region[opened..]` in its decryption's own pass: the
-/// plaintext closes up over the headers and tags. Returns where the first incomplete record
-/// starts and where the plaintext ends.
+/// on), each one's plaintext written at `region[opened..]`: the plaintext closes up over the
+/// headers and tags. Returns where the first incomplete record starts and where the plaintext
+/// ends.
 fn open_records(
     key: &super::cipher::RecordKey,
     nonce: &mut u64,
@@ -315,6 +320,9 @@ impl<W: AsyncWrite + Unpin> AsyncWrite for SecureWriter<W> {
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
         let this = &mut *self;
+        if buf.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
         let n = buf.len().min(MAX_PLAIN);
         if BATCH - this.pending.len() < HEADER + n + TAG {
             ready!(this.poll_drain(cx))?;
