@@ -149,12 +149,5 @@ pub struct SessionKeys {
     pub(crate) receive: RecordKey,
 }
 
-impl SessionKeys {
-    /// The cipher both directions use.
-    pub fn cipher(&self) -> Cipher {
-        self.send.cipher
-    }
-}
-
 /// A session, shared by a link's reader and writer.
 pub type Session = std::sync::Arc<SessionKeys>;
