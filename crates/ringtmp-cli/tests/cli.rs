@@ -508,6 +508,20 @@ fn r10_options_that_do_not_apply_are_refused() {
         all[0] = "validate-config";
         assert_usage_error(&ringtmp(&all), needle);
     }
+    // Refused by the plan (which `validate-config` does not make), before any node starts.
+    assert_usage_error(
+        &ringtmp(&[
+            "train",
+            "--strategy",
+            "ring",
+            "--nodes",
+            "4",
+            "--replicas",
+            "2",
+            "--stage-replicas",
+        ]),
+        "needs rings that train on their own between synchronisations",
+    );
     let config = write(tmp.path(), "c.toml", "strategy = \"local\"\nservers = 2\n");
     assert_usage_error(
         &ringtmp(&["train", "--config", &config]),

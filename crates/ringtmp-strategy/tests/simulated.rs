@@ -495,6 +495,133 @@ fn rings_of_rings_under_diloco_equal_diloco_workers() {
     }
 }
 
+/// Issue 45.2: rings of rings under `--replica-sync diloco:H` compose with stage replicas. A
+/// node that dies between two outer steps is healed inside its ring (its predecessor takes its
+/// layers and their outer momentum over from the replica taken right after the last outer
+/// step), the other rings go on, and at the next outer step the copies of its stages meet their
+/// new holder. With flushed rings the healed run computes what the unbroken one does: R DiLoCo
+/// workers, stage by stage; under `every:K`, the unbroken rings.
+#[test]
+fn rings_of_rings_under_diloco_heal_a_dead_node_and_still_equal_diloco_workers() {
+    use ringtmp_strategy::diloco::outer::OuterConfig;
+    use ringtmp_transport::sim::SendTrigger;
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let steps = 12;
+    // (rings, H, the victim's rank, its forward sends before it dies: 3 micro-batches a
+    // mini-batch, so the 17th is in mini-batch 5, the 20th in mini-batch 6).
+    for (rings, h, victim, nth) in [(2usize, 4u64, 4u32, 17u32), (2, 4, 2, 17), (3, 5, 7, 20)] {
+        let global = 12 * rings;
+        let mut local_cfg = config(deep_mlp(7, 16), global, steps, &tmp.path().join("local"));
+        local_cfg.checkpoint_every = steps;
+        let outer = OuterConfig::PAPER;
+        let workers =
+            ringtmp_testkit::jobs::diloco_job(&local_cfg, &data, rings, h, outer, 1, 4096);
+        let expected = run::diloco_nodes(
+            &Backend::sim(test_seed(45)),
+            &workers,
+            &data,
+            &tmp.path().join(format!("dl-{rings}-{h}-{victim}")),
+        )
+        .results
+        .remove(0)
+        .expect("worker 0 trains")
+        .0;
+        let ring_cfg = TrainConfig {
+            batch_size: 12,
+            ..local_cfg.clone()
+        };
+        let mut job = ring_job(&ring_cfg, &data, &[0, 5, 11, 16], Schedule::OneFOneB, 3);
+        job.spec = ringtmp_strategy::RunSpec::new(ring_cfg.clone(), &data, global).unwrap();
+        job.replicas = rings;
+        job.average_every = h;
+        job.outer_sync = Some(outer);
+        job.replica_every = h;
+        let mut sim = SimConfig::new(test_seed(46));
+        sim.faults.push(Fault::OnSend {
+            rank: victim,
+            stall: false,
+            trigger: SendTrigger {
+                from: victim,
+                to: None,
+                what: "Activation tensor",
+                nth,
+            },
+            after: Duration::ZERO,
+        });
+        let out = tmp.path().join(format!("rings-{rings}-{h}-{victim}"));
+        let ran = run::healing_ring_nodes(&Backend::Sim(sim), &job, &data, &out);
+        for (r, result) in ran.results.iter().enumerate() {
+            assert!(
+                r as u32 == victim || result.is_ok(),
+                "{rings} rings, rank {victim} dead: rank {r}: {result:?}"
+            );
+        }
+        let summary = ran.results[0]
+            .clone()
+            .unwrap()
+            .expect("the first master reports");
+        assert_eq!(
+            summary.heals.iter().map(|h| h.rank).collect::<Vec<_>>(),
+            vec![victim],
+            "{summary:?}"
+        );
+        let params = oracle::checkpoint_params(&out, &local_cfg, &data);
+        let diff = max_rel_diff(&params, &expected);
+        println!(
+            "{rings} rings of 3 under diloco:{h}, rank {victim} dead in mini-batch {}: healed \
+             from mini-batch {}; max |Δparam| / max |param| against {rings} DiLoCo workers = \
+             {diff:.2e}, {:?} virtual",
+            summary.heals[0].failed_at_step, summary.heals[0].resumed_from_step, ran.elapsed
+        );
+        assert!(
+            diff < 1e-4,
+            "{rings} rings, H = {h}, rank {victim} dead: {diff}"
+        );
+    }
+    // `--replica-sync every:K` heals the same way (no outer state): the healed run ends where
+    // the unbroken one does.
+    let mut local_cfg = config(deep_mlp(7, 16), 24, steps, &tmp.path().join("local"));
+    local_cfg.checkpoint_every = steps;
+    let ring_cfg = TrainConfig {
+        batch_size: 12,
+        ..local_cfg.clone()
+    };
+    let mut job = ring_job(&ring_cfg, &data, &[0, 5, 11, 16], Schedule::OneFOneB, 3);
+    job.spec = ringtmp_strategy::RunSpec::new(ring_cfg.clone(), &data, 24).unwrap();
+    (job.replicas, job.average_every, job.replica_every) = (2, 4, 4);
+    let mut params = Vec::new();
+    for victim in [None, Some(5u32)] {
+        let mut sim = SimConfig::new(test_seed(47));
+        sim.faults.extend(victim.map(|rank| Fault::OnSend {
+            rank,
+            stall: false,
+            trigger: SendTrigger {
+                from: rank,
+                to: None,
+                what: "Activation tensor",
+                nth: 17,
+            },
+            after: Duration::ZERO,
+        }));
+        let out = tmp.path().join(format!("every-{victim:?}"));
+        let ran = run::healing_ring_nodes(&Backend::Sim(sim), &job, &data, &out);
+        let summary = ran.results[0]
+            .clone()
+            .unwrap()
+            .expect("the first master reports");
+        assert_eq!(
+            summary.heals.len(),
+            usize::from(victim.is_some()),
+            "{summary:?}"
+        );
+        params.push(oracle::checkpoint_params(&out, &local_cfg, &data));
+    }
+    let diff = max_rel_diff(&params[1], &params[0]);
+    println!("2 rings of 3 under every:4, rank 5 dead: {diff:.2e} from the unbroken run");
+    assert!(diff < 1e-4, "every:4, rank 5 dead: {diff}");
+}
+
 /// Issue 15.1, `--replica-sync every:K` and `adpsgd`: rings of rings that train on their own
 /// under the async schedule and average their parameters every K mini-batches, or gossip them
 /// (AD-PSGD's pairs, nobody waiting until the end), learn as well as one async ring does on the

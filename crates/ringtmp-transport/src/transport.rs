@@ -79,6 +79,31 @@ pub trait Transport: Send {
         let _ = (step, values, last);
         Ok(())
     }
+    /// Rings of rings with stage replicas: this node's ring re-formed in `generation` as
+    /// `members` (its nodes' ranks in the ring as it started, ring order). The view learns
+    /// which node of the ring now holds each stage; the ring's master tells the other rings.
+    /// A node without copies has nothing to do.
+    fn ring_regrouped(&mut self, generation: u64, members: &[u32]) -> Result<(), TransportError> {
+        let _ = (generation, members);
+        Ok(())
+    }
+    /// Rings of rings under `--replica-sync diloco:H` with stage replicas: the outer momentum of
+    /// the layers this node holds, for a replication snapshot taken right after an outer step
+    /// (its outer parameters are then the stage's own). Empty where there is none.
+    fn replica_outer_state(&self) -> Vec<f32> {
+        Vec::new()
+    }
+    /// The other half of [`Transport::replica_outer_state`]: after a heal, the outer state of
+    /// the layers this node now holds, from the restored snapshot's parameters and outer
+    /// momentum.
+    fn restore_outer_state(
+        &mut self,
+        params: &[f32],
+        velocity: &[f32],
+    ) -> Result<(), TransportError> {
+        let _ = (params, velocity);
+        Ok(())
+    }
 }
 
 /// A node's clock: wall time on real networks, virtual time in simulation.

@@ -759,3 +759,68 @@ fn an_externally_restarted_run_resumes_itself_from_its_newest_checkpoint() {
         serde_json::from_str(&std::fs::read_to_string(out.join("summary.json")).unwrap()).unwrap();
     assert_eq!(summary["steps"], 186, "{summary}");
 }
+
+// Issue 45.2: rings of rings under `--replica-sync diloco:H` heal a dead node inside one ring
+// while the other ring goes on, as processes on loopback links. Ring 1's second node (rank 4)
+// is killed a few mini-batches after the replication round that follows an outer step (ring
+// 1's own records say when); its predecessor takes its layers and their outer momentum over,
+// the other ring's copies of its stage meet that node at the next outer step, and the run
+// ends with the heal recorded.
+#[test]
+fn rings_of_rings_under_diloco_heal_a_node_killed_in_one_ring() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("rings");
+    let running = Running::new(spawn_train(&[
+        "--strategy",
+        "ring",
+        "--nodes",
+        "6",
+        "--ring-nodes",
+        "3",
+        "--replica-sync",
+        "diloco:10",
+        "--stage-replicas",
+        "10",
+        "--schedule",
+        "1f1b",
+        "--model",
+        "mlp",
+        "--max-steps",
+        "60",
+        "--eval-every",
+        "0",
+        // A step takes tens of milliseconds: the kill lands well before the next outer step.
+        "--latency-ms",
+        "5",
+        "--out",
+        out.to_str().unwrap(),
+    ]));
+    let limit = Duration::from_secs(120);
+    let victim = node_pid(running.id(), 4, limit).expect("rank 4's process starts");
+    assert!(
+        wait_for_step(&out.join("rings").join("ring-1"), 12, limit),
+        "ring 1 reaches step 12"
+    );
+    // SAFETY: kill(2) on a pid this test's child started.
+    assert_eq!(unsafe { libc::kill(victim as i32, libc::SIGKILL) }, 0);
+    let (output, _) = running.finish(limit);
+    let err = stderr(&output);
+    assert!(output.status.success(), "{err}");
+    let healed = summary(&out);
+    assert_eq!(
+        healed["heals"].as_array().map(Vec::len),
+        Some(1),
+        "{healed}"
+    );
+    assert_eq!(healed["heals"][0]["rank"], 4, "{healed}");
+    let resumed = healed["heals"][0]["resumed_from_step"].as_u64().unwrap();
+    assert_eq!(
+        resumed % 10,
+        0,
+        "a heal goes back to an outer step's round: {healed}"
+    );
+    assert!(
+        healed["final_test_accuracy"].as_f64().unwrap() > 0.5,
+        "{healed}"
+    );
+}

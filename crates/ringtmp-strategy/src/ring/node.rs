@@ -72,6 +72,16 @@ impl Strategy for RingJob {
             ));
         }
         let bad = |what: String| Err(Error::Config(format!("invalid job: {what}")));
+        if self.replicas > 1
+            && self.replica_every > 0
+            && (self.replica_every != self.average_every || self.gossip_every > 0)
+        {
+            return bad(format!(
+                "rings of rings with stage replicas every {} mini-batches must synchronise \
+                 every as many (not every {}, gossip {})",
+                self.replica_every, self.average_every, self.gossip_every
+            ));
+        }
         if self.micro_batches == 0 || self.micro_batches > self.spec.batch_size {
             return bad(format!(
                 "{} micro-batches for mini-batches of {}",
@@ -120,6 +130,13 @@ impl Strategy for RingJob {
     }
 
     fn neighbours(&self, rank: u32, world: u32) -> BTreeSet<u32> {
+        if self.replica_every > 0 {
+            // Healing closes the ring around any node and the master re-forms it; in rings of
+            // rings, a healed ring's nodes also meet new copies of their stages, and its master
+            // tells every other ring's nodes: every node is linked to every other from the
+            // start.
+            return (0..world).filter(|r| *r != rank).collect();
+        }
         if self.replicas > 1 {
             // Its ring, and the ring of its stage's copies.
             let stages = self.partition.len() as u32;
@@ -153,11 +170,6 @@ impl Strategy for RingJob {
             links.remove(&rank);
             return links;
         }
-        if self.replica_every > 0 {
-            // Healing closes the ring around any node and the master re-forms it: every node
-            // is linked to every other from the start.
-            return (0..world).filter(|r| *r != rank).collect();
-        }
         let ring = self.partition.len() as u32;
         if rank >= ring {
             // Left out by the plan.
@@ -167,7 +179,8 @@ impl Strategy for RingJob {
     }
 
     fn expendable(&self, rank: u32) -> bool {
-        self.replica_every > 0 && rank != 0
+        // Any node but a ring's master (it holds its ring's data).
+        self.replica_every > 0 && rank as usize % self.partition.len().max(1) != 0
     }
 
     fn needs_data(&self, rank: u32) -> bool {

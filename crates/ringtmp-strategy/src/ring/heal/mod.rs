@@ -339,6 +339,45 @@ impl Transport for Members<'_> {
     fn step_done(&mut self) {
         self.inner.step_done()
     }
+
+    // A ring of rings' group traffic is the view underneath's (the copies of a stage in the
+    // other rings are not members of this ring).
+    fn average_with_replicas(
+        &mut self,
+        step: u64,
+        values: &mut [f32],
+    ) -> std::result::Result<(), TransportError> {
+        self.inner.average_with_replicas(step, values)
+    }
+
+    fn gossip_with_replicas(
+        &mut self,
+        step: u64,
+        values: &mut [f32],
+        last: bool,
+    ) -> std::result::Result<(), TransportError> {
+        self.inner.gossip_with_replicas(step, values, last)
+    }
+
+    fn ring_regrouped(
+        &mut self,
+        generation: u64,
+        members: &[u32],
+    ) -> std::result::Result<(), TransportError> {
+        self.inner.ring_regrouped(generation, members)
+    }
+
+    fn replica_outer_state(&self) -> Vec<f32> {
+        self.inner.replica_outer_state()
+    }
+
+    fn restore_outer_state(
+        &mut self,
+        params: &[f32],
+        velocity: &[f32],
+    ) -> std::result::Result<(), TransportError> {
+        self.inner.restore_outer_state(params, velocity)
+    }
 }
 
 /// A re-formation decided by the master.
@@ -453,6 +492,12 @@ pub fn run(
         );
         let step = regroup.step;
         let state = restored(rank, &members, &regroup, &replicas)?;
+        // Rings of rings: the view learns who holds each stage now (the master tells the other
+        // rings), and the outer state of the layers this node holds comes from the snapshot.
+        cx.net
+            .ring_regrouped(regroup.generation, &regroup.members)?;
+        cx.net
+            .restore_outer_state(&state.params, &state.outer_velocity)?;
         if rank != 0 {
             let mut current = members.clone();
             for d in policy::departed(&members, &regroup.members) {
@@ -541,6 +586,18 @@ impl Lead<'_> {
             step,
             failed_at,
         } = policy::decide(members, dead, replicas.completed, replicas.last_step)
+            .and_then(|heal| {
+                // Rings of rings: the other rings' copies must not have synchronised since.
+                if job.replicas > 1 {
+                    policy::check_synchronisation(
+                        heal.step,
+                        replicas.last_step,
+                        job.average_every,
+                        job.spec.total_steps,
+                    )?;
+                }
+                Ok(heal)
+            })
             .map_err(|why| Error::Config(format!("{failure}; {why}")))?;
         let (next, _) = without(job, members, dead)?;
         *self.generation += 1;

@@ -46,6 +46,15 @@ pub enum Refusal {
     /// No replication round completed since the ring last formed, so the replicas a heal needs
     /// may be missing or half written.
     NoCompleteRound,
+    /// Rings of rings: the copies of the ring's stages in the other rings synchronised at
+    /// mini-batch `sync` after the round, or may be doing so now, with the dead node's part;
+    /// the ring cannot go back past it.
+    PastSynchronisation {
+        /// The last complete round.
+        round: u64,
+        /// The synchronisation after it.
+        sync: u64,
+    },
 }
 
 impl fmt::Display for Refusal {
@@ -57,6 +66,12 @@ impl fmt::Display for Refusal {
                 f,
                 "no replication round had completed since the ring last formed, so it cannot \
                  heal"
+            ),
+            Self::PastSynchronisation { round, sync } => write!(
+                f,
+                "the copies of its stages in the other rings synchronised after mini-batch \
+                 {sync} (or were doing so), later than the last complete replication round \
+                 ({round}), so the ring cannot go back to that round"
             ),
         }
     }
@@ -88,6 +103,27 @@ pub fn decide(
     })
 }
 
+/// Rings of rings that synchronise every `every` mini-batches and after the last (`total`):
+/// whether a ring may go back to replication round `round` when a failure found it having
+/// completed `last_step` mini-batches. It may not when a synchronisation falls after the round
+/// and no later than the end of the mini-batch in progress (the dead node may have taken part
+/// in it: the other rings' copies would not take it again).
+pub fn check_synchronisation(
+    round: u64,
+    last_step: u64,
+    every: u64,
+    total: u64,
+) -> Result<(), Refusal> {
+    if every == 0 {
+        return Ok(());
+    }
+    let sync = ((round / every + 1) * every).min(total);
+    if sync <= last_step + 1 {
+        return Err(Refusal::PastSynchronisation { round, sync });
+    }
+    Ok(())
+}
+
 /// What a survivor restores its stage from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Restore {
@@ -117,4 +153,32 @@ pub fn departed(before: &[u32], after: &[u32]) -> Vec<u32> {
         .copied()
         .filter(|m| !after.contains(m))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ring_of_rings_goes_back_no_further_than_the_last_synchronisation() {
+        // Rounds and synchronisations every 4 of 12 mini-batches; the round of 4 is complete.
+        for last_step in 4..=6 {
+            assert_eq!(check_synchronisation(4, last_step, 4, 12), Ok(()));
+        }
+        // Mini-batch 8's synchronisation is under way, or done.
+        for last_step in 7..=9 {
+            assert_eq!(
+                check_synchronisation(4, last_step, 4, 12),
+                Err(Refusal::PastSynchronisation { round: 4, sync: 8 })
+            );
+        }
+        // The run's end synchronises too.
+        assert_eq!(
+            check_synchronisation(8, 9, 4, 10),
+            Err(Refusal::PastSynchronisation { round: 8, sync: 10 })
+        );
+        assert_eq!(check_synchronisation(8, 8, 4, 10), Ok(()));
+        // Rings that never synchronise (gossip) have nothing to go back past.
+        assert_eq!(check_synchronisation(0, 100, 0, 200), Ok(()));
+    }
 }

@@ -36,6 +36,9 @@ pub struct Snapshot {
     pub state: Vec<(String, Vec<f32>)>,
     /// The optimizer's step count.
     pub optimizer_steps: u64,
+    /// Rings of rings under `--replica-sync diloco:H`: the outer momentum of these layers (a
+    /// round follows each outer step, so their outer parameters are `params`); empty elsewhere.
+    pub outer_velocity: Vec<f32>,
 }
 
 impl Snapshot {
@@ -56,15 +59,24 @@ impl Snapshot {
                 .map(|(name, values)| (name.to_string(), values.to_vec()))
                 .collect(),
             optimizer_steps: optimizer.steps(),
+            outer_velocity: Vec::new(),
         }
     }
 
-    /// As one vector for the wire: the parameters, then each state tensor.
+    /// With the outer momentum of its layers (see [`Snapshot::outer_velocity`]).
+    pub fn with_outer_velocity(mut self, velocity: Vec<f32>) -> Self {
+        self.outer_velocity = velocity;
+        self
+    }
+
+    /// As one vector for the wire: the parameters, then each state tensor, then the outer
+    /// momentum if there is one.
     pub fn to_values(&self) -> Vec<f32> {
         let mut values = self.params.clone();
         for (_, s) in &self.state {
             values.extend_from_slice(s);
         }
+        values.extend_from_slice(&self.outer_velocity);
         values
     }
 
@@ -94,6 +106,13 @@ impl Snapshot {
         } else {
             values
         };
+        // An outer momentum follows, as long as the parameters, or nothing does.
+        let (values, outer_velocity) = if params > 0 && values.len() == expected + params {
+            let (own, outer) = values.split_at(expected);
+            (own, outer.to_vec())
+        } else {
+            (values, Vec::new())
+        };
         if values.len() != expected {
             return None;
         }
@@ -120,6 +139,7 @@ impl Snapshot {
             params: params_values,
             state,
             optimizer_steps,
+            outer_velocity,
         })
     }
 
@@ -136,6 +156,11 @@ impl Snapshot {
                 .map(|((name, a), (_, b))| (name.clone(), [a.as_slice(), b.as_slice()].concat()))
                 .collect(),
             optimizer_steps: self.optimizer_steps,
+            outer_velocity: [
+                self.outer_velocity.as_slice(),
+                next.outer_velocity.as_slice(),
+            ]
+            .concat(),
         }
     }
 
@@ -202,7 +227,10 @@ impl Replicas {
             .iter()
             .chain(&self.succ)
             .map(|s| {
-                (s.params.len() + s.state.iter().map(|(_, v)| v.len()).sum::<usize>()) as u64 * 4
+                (s.params.len()
+                    + s.state.iter().map(|(_, v)| v.len()).sum::<usize>()
+                    + s.outer_velocity.len()) as u64
+                    * 4
             })
             .sum()
     }

@@ -185,7 +185,11 @@ pub fn plan(
             args.in_flight.unwrap_or(0)
         },
         idle_nodes,
-        replica_every: args.stage_replicas.unwrap_or(0),
+        // Rings of rings take a replication round after every synchronisation.
+        replica_every: match args.stage_replicas {
+            Some(_) if replicas > 1 => average_every,
+            every => every.unwrap_or(0),
+        },
         replicas,
         average_every,
         gossip_every,

@@ -62,7 +62,9 @@ pub struct RingOptions {
     pub replica_sync: Option<String>,
     /// Ring: every node also keeps its successor's block and optimizer state, refreshed every K
     /// mini-batches [default K: 20]; when a non-master node dies, its predecessor takes its
-    /// layers over and the ring closes around it, without a restart or a checkpoint.
+    /// layers over and the ring closes around it, without a restart or a checkpoint. With
+    /// --replicas (--replica-sync every:K or diloco:H) a round follows every synchronisation,
+    /// and a ring heals while the others go on.
     #[arg(long, value_name = "K", num_args = 0..=1, default_missing_value = "20")]
     pub stage_replicas: Option<u64>,
     /// Ring: let the planner cut a linear layer by its output features between two stages

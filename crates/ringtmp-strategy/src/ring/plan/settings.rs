@@ -288,11 +288,30 @@ pub fn resolve(
         schedule, chosen,
         "profile_request must time what the plan runs"
     );
-    if replicas > 1 && (args.master_holds_head == Some(true) || args.stage_replicas.is_some()) {
+    if replicas > 1 && args.master_holds_head == Some(true) {
         return Err(Error::Config(
-            "--replicas does not go together with --master-holds-head or --stage-replicas yet"
-                .into(),
+            "--replicas does not go together with --master-holds-head yet".into(),
         ));
+    }
+    if replicas > 1
+        && let Some(every) = args.stage_replicas
+    {
+        if average_every == 0 || gossip {
+            return Err(Error::Config(
+                "--stage-replicas with --replicas heals a ring while the others go on, which \
+                 needs rings that train on their own between synchronisations (--replica-sync \
+                 every:K or diloco:H): under --replica-sync gradients every ring would have to \
+                 go back with the healed one, and gossip has no synchronisation to go back to"
+                    .into(),
+            ));
+        }
+        if every != average_every {
+            report.note(format!(
+                "--stage-replicas with --replicas: a replication round follows every \
+                 synchronisation (every {average_every} mini-batches, not {every}), so a healed \
+                 ring never goes back past one"
+            ));
+        }
     }
     if replicas > 1
         && average_every == 0

@@ -11,10 +11,19 @@
 //! arrive while the ring is being served (a faster copy already reducing) wait in the view for
 //! the all-reduce, and the ring's messages that arrive during an all-reduce stay with the
 //! underlying transport for the ring; nothing is dropped.
+//!
+//! With stage replicas (`--stage-replicas`, rings that train on their own between
+//! synchronisations: `--replica-sync every:K` or `diloco:H`), a ring heals around a dead node as
+//! one ring does (`crate::ring::heal`, on this view), and the other rings go on: its master tells
+//! them who holds the dead node's layers now (`holders`), and the copies of each stage
+//! synchronise with that holder, stage by stage (a node holding two stages takes part in both
+//! groups). A replication round follows every synchronisation, so a healed ring goes back no
+//! further than the last one; the failures of other rings' nodes are theirs to heal.
 
 mod gossip;
+mod holders;
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -25,10 +34,25 @@ use ringtmp_wire::{Dtype, Message, TensorHeader, TensorTag};
 use crate::allreduce::ring::chunks;
 use crate::diloco::outer::{OuterConfig, OuterState};
 use gossip::{ANSWER, DONE, REQUEST, ReplicaGossip};
+use holders::{Holders, group_tag, tag_of_group};
 
-/// `micro_batch` of the all-reduce's tensors: this marker, the phase (0 reduce-scatter, 1
-/// all-gather) at bit 16 and the round below.
-const GROUP: u64 = 0xA11_0000_0000;
+/// How long a copy waiting for a chunk listens to one peer before it looks for the other rings'
+/// announcements of a heal.
+const POLL: Duration = Duration::from_millis(20);
+
+/// Why a group all-reduce stopped before its end.
+enum Interrupt {
+    /// A ring re-formed: the group's copies start again under the new tables.
+    Regrouped,
+    /// The all-reduce failed.
+    Failed(TransportError),
+}
+
+impl From<TransportError> for Interrupt {
+    fn from(e: TransportError) -> Self {
+        Self::Failed(e)
+    }
+}
 
 /// Ring `ring` of `rings`, `stages` nodes each, over a node's transport.
 pub struct RingsView<'a> {
@@ -42,9 +66,18 @@ pub struct RingsView<'a> {
     timeout: Duration,
     /// `--replica-sync adpsgd`: this copy's side of its group's gossip.
     gossip: Option<ReplicaGossip>,
-    /// `--replica-sync diloco:H`: the outer optimizer and this stage's outer state (the same
-    /// bits in every copy).
-    outer: Option<(OuterConfig, OuterState)>,
+    /// `--replica-sync diloco:H`: the outer optimizer and the outer state of each stage this
+    /// node holds (the same bits in every copy of it).
+    outer: Option<(OuterConfig, BTreeMap<u32, OuterState>)>,
+    /// Who holds each stage in every ring.
+    holders: Holders,
+    /// Parameters of each stage as the rings started (empty: this node's values are one
+    /// stage's, whatever their length).
+    unit_sizes: Vec<usize>,
+    /// Stage replicas: rings heal, and the failures of other rings' nodes are theirs.
+    elastic: bool,
+    /// Other rings' nodes seen to fail.
+    dead: BTreeSet<u32>,
 }
 
 impl<'a> RingsView<'a> {
@@ -60,7 +93,19 @@ impl<'a> RingsView<'a> {
             timeout,
             gossip: None,
             outer: None,
+            holders: Holders::new(rings, stages),
+            unit_sizes: Vec::new(),
+            elastic: false,
+            dead: BTreeSet::new(),
         }
+    }
+
+    /// Rings heal around their dead nodes (`--stage-replicas`); `unit_sizes` are the stages'
+    /// parameter counts as the rings started.
+    pub fn with_stage_replicas(mut self, unit_sizes: Vec<usize>) -> Self {
+        self.unit_sizes = unit_sizes;
+        self.elastic = true;
+        self
     }
 
     /// The copies of this node's stage synchronise like DiLoCo (`--replica-sync diloco:H`):
@@ -72,7 +117,8 @@ impl<'a> RingsView<'a> {
         } else {
             OuterState::new(start)
         };
-        self.outer = Some((config, state));
+        let stage = self.inner.rank() % self.stages;
+        self.outer = Some((config, BTreeMap::from([(stage, state)])));
         self
     }
 
@@ -95,10 +141,176 @@ impl<'a> RingsView<'a> {
         self.ring * self.stages + k
     }
 
-    /// Physical ranks of this node's group, ring order.
-    fn group(&self) -> Vec<u32> {
-        let stage = self.inner.rank() % self.stages;
-        (0..self.rings).map(|r| r * self.stages + stage).collect()
+    /// The stages this node holds, with the range of each in its values (`len` of them).
+    fn held(&self, len: usize) -> Result<Vec<(u32, std::ops::Range<usize>)>, TransportError> {
+        let units = self
+            .holders
+            .units(self.ring, self.inner.rank() % self.stages);
+        if units.len() == 1 && self.unit_sizes.is_empty() {
+            return Ok(vec![(units.start, 0..len)]);
+        }
+        let mut at = 0;
+        let mut held = Vec::new();
+        for u in units.clone() {
+            let size = self.unit_sizes.get(u as usize).copied().unwrap_or(0);
+            held.push((u, at..at + size));
+            at += size;
+        }
+        if at == len {
+            return Ok(held);
+        }
+        // A sizes-only run's values may stand for one stage whatever their length.
+        if units.len() == 1 && ringtmp_meter::phantom() {
+            return Ok(vec![(units.start, 0..len)]);
+        }
+        Err(TransportError::Io {
+            context: format!(
+                "rings of rings: {len} values on a node holding stages {units:?} of {at} \
+                 parameters"
+            ),
+            source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "the stage changed size"),
+        })
+    }
+
+    /// Takes the other rings' announcements of a heal out of the group inbox; whether the
+    /// tables changed.
+    fn take_announcements(&mut self) -> bool {
+        let mut changed = false;
+        let stages = self.stages;
+        let ring = self.ring;
+        let mut kept = VecDeque::with_capacity(self.group_inbox.len());
+        for (from, message) in self.group_inbox.drain(..) {
+            match message {
+                Message::Control(ringtmp_wire::Control::Regroup {
+                    generation,
+                    members,
+                    ..
+                }) if from % stages == 0 && from / stages != ring => {
+                    changed |= self.holders.regrouped(from / stages, generation, &members);
+                }
+                other => kept.push_back((from, other)),
+            }
+        }
+        self.group_inbox = kept;
+        changed
+    }
+
+    /// Drops what arrived of stage `unit`'s all-reduce among `group` (a group that changed).
+    fn drop_chunks_of(&mut self, group: &[u32], unit: u32) {
+        self.group_inbox.retain(|(_, m)| match m {
+            Message::Tensor(h, _) => !tag_of_group(h.micro_batch, group, unit),
+            _ => true,
+        });
+    }
+
+    /// A failure that `e` reports, as this ring's view gives it: a node of this ring by its
+    /// rank in the ring; another ring's node, under stage replicas, noted and not an error
+    /// here (`None`: that ring heals, and its master says who holds the node's layers).
+    fn absorb(&mut self, e: TransportError) -> Option<TransportError> {
+        let Some(p) = e.failed_peer() else {
+            return Some(e);
+        };
+        if !self.elastic {
+            return Some(e);
+        }
+        if self.in_ring(p) {
+            return Some(renumbered(e, p % self.stages));
+        }
+        self.dead.insert(p);
+        None
+    }
+
+    /// Chunk `tag` of mini-batch `step` of stage `unit`'s all-reduce among `group` from copy
+    /// `from`, or the news that the group changed (stage replicas: a ring re-formed). Meanwhile
+    /// the other rings' masters are listened to: a copy that died is replaced by its ring's
+    /// announcement, not waited for.
+    fn chunk_from(
+        &mut self,
+        from: u32,
+        step: u64,
+        tag: u64,
+        (unit, group): (u32, &[u32]),
+    ) -> Result<Vec<f32>, Interrupt> {
+        if !self.elastic {
+            return Ok(self.group_tensor(from, step, tag)?);
+        }
+        let clock = self.inner.clock();
+        let deadline = clock.now() + self.timeout;
+        let masters: Vec<u32> = (0..self.rings)
+            .filter(|r| *r != self.ring)
+            .map(|r| r * self.stages)
+            .collect();
+        loop {
+            if let Some(i) = self.group_inbox.iter().position(|(f, m)| {
+                *f == from
+                    && matches!(m, Message::Tensor(h, _) if h.step == step && h.micro_batch == tag)
+            }) && let Some((_, Message::Tensor(h, bytes))) = self.group_inbox.remove(i)
+            {
+                let mut values = Vec::new();
+                tensor_values(&bytes, h.dtype, &mut values);
+                return Ok(values);
+            }
+            if self.take_announcements() && self.holders.group(unit) != group {
+                return Err(Interrupt::Regrouped);
+            }
+            let left = deadline.saturating_sub(clock.now());
+            if left.is_zero() {
+                return Err(Interrupt::Failed(TransportError::Timeout {
+                    waited: self.timeout,
+                    what: format!("chunk {tag:#x} of mini-batch {step} of a stage group"),
+                    from: self.inner.peer_name(from).to_string(),
+                }));
+            }
+            if !self.dead.contains(&from) {
+                match self.inner.recv_from(from, left.min(POLL)) {
+                    Ok(message) => {
+                        self.group_inbox.push_back((from, message));
+                        continue;
+                    }
+                    Err(TransportError::Timeout { .. }) => {}
+                    Err(e) => {
+                        if let Some(e) = self.absorb(e) {
+                            return Err(Interrupt::Failed(e));
+                        }
+                    }
+                }
+            }
+            // A heal's announcement comes from its ring's master: while the copy awaited is
+            // gone, wait on its ring's master; look at the others' in passing.
+            let from_master = from - from % self.stages;
+            if self.dead.contains(&from) && self.dead.contains(&from_master) {
+                return Err(Interrupt::Failed(TransportError::Io {
+                    context: format!(
+                        "rings of rings: {}, a copy of stage {unit}, died, and so did its ring's \
+                         master, which would have named the node taking its layers over",
+                        self.inner.peer_name(from)
+                    ),
+                    source: std::io::Error::new(
+                        std::io::ErrorKind::ConnectionAborted,
+                        "a ring's master died",
+                    ),
+                }));
+            }
+            for &m in &masters {
+                if self.dead.contains(&m) {
+                    continue;
+                }
+                let wait = if m == from_master && self.dead.contains(&from) {
+                    left.min(POLL)
+                } else {
+                    Duration::ZERO
+                };
+                match self.inner.recv_from(m, wait) {
+                    Ok(message) => self.group_inbox.push_back((m, message)),
+                    Err(TransportError::Timeout { .. }) => {}
+                    Err(e) => {
+                        if let Some(e) = self.absorb(e) {
+                            return Err(Interrupt::Failed(e));
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// Whether physical `p` is in this node's ring.
@@ -298,10 +510,72 @@ impl<'a> RingsView<'a> {
         Ok(())
     }
 
-    /// Ring all-reduce among the copies of this stage (reduce-scatter, then all-gather, over
-    /// R chunks), then the mean. Every copy adds the same chunks in the same ring order.
+    /// The mean of `values` over the copies of each stage this node holds, stage by stage.
     fn mean_over_copies(&mut self, step: u64, values: &mut [f32]) -> Result<(), TransportError> {
-        let group = self.group();
+        for (unit, range) in self.held(values.len())? {
+            self.unit_mean(step, unit, &mut values[range])?;
+        }
+        Ok(())
+    }
+
+    /// The mean of `values` over the copies of stage `unit`; started again, from the same
+    /// values, whenever a ring re-forms meanwhile (stage replicas).
+    fn unit_mean(
+        &mut self,
+        step: u64,
+        unit: u32,
+        values: &mut [f32],
+    ) -> Result<(), TransportError> {
+        let saved = self.elastic.then(|| values.to_vec());
+        loop {
+            match self.unit_all_reduce(step, unit, values) {
+                Ok(()) => return Ok(()),
+                Err(Interrupt::Failed(e)) => return Err(e),
+                Err(Interrupt::Regrouped) => {
+                    if let Some(saved) = &saved {
+                        values.copy_from_slice(saved);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Sends chunk `tag` to copy `to`; under stage replicas a copy in another ring that died
+    /// is not an error (its ring's announcement names the copy that replaces it).
+    fn send_chunk(&mut self, to: u32, step: u64, tag: u64, chunk: &[f32]) -> Result<(), Interrupt> {
+        match self.send_group(to, step, tag, TensorTag::Gradient, chunk) {
+            Ok(()) => Ok(()),
+            Err(e) => match self.absorb(e) {
+                None => Ok(()),
+                Some(e) => Err(Interrupt::Failed(e)),
+            },
+        }
+    }
+
+    /// Ring all-reduce among the copies of stage `unit` (reduce-scatter, then all-gather, over
+    /// R chunks), then the mean. Every copy adds the same chunks in the same ring order.
+    fn unit_all_reduce(
+        &mut self,
+        step: u64,
+        unit: u32,
+        values: &mut [f32],
+    ) -> Result<(), Interrupt> {
+        self.take_announcements();
+        let group = self.holders.group(unit);
+        let result = self.all_reduce_among(step, unit, &group, values);
+        if matches!(result, Err(Interrupt::Regrouped)) {
+            self.drop_chunks_of(&group, unit);
+        }
+        result
+    }
+
+    fn all_reduce_among(
+        &mut self,
+        step: u64,
+        unit: u32,
+        group: &[u32],
+        values: &mut [f32],
+    ) -> Result<(), Interrupt> {
         let n = group.len();
         if n < 2 {
             return Ok(());
@@ -316,17 +590,18 @@ impl<'a> RingsView<'a> {
         let parts = chunks(values.len(), n);
         // Reduce-scatter: after round k, chunk (me − k − 1) holds k + 2 copies' sum.
         for k in 0..n - 1 {
+            let tag = group_tag(group, unit, 0, k);
             let out = (me + n - k) % n;
             let chunk = &values[parts[out].clone()];
-            self.send_group(right, step, GROUP | k as u64, TensorTag::Gradient, chunk)?;
+            self.send_chunk(right, step, tag, chunk)?;
             let into = (me + n - k - 1) % n;
-            let got = self.group_tensor(left, step, GROUP | k as u64)?;
+            let got = self.chunk_from(left, step, tag, (unit, group))?;
             let range = parts[into].clone();
             if phantom && got.is_empty() {
                 continue;
             }
             if got.len() != range.len() {
-                return Err(group_error(self, left, "a chunk of the wrong size"));
+                return Err(group_error(self, left, "a chunk of the wrong size").into());
             }
             values[range]
                 .iter_mut()
@@ -335,18 +610,18 @@ impl<'a> RingsView<'a> {
         }
         // All-gather: chunk (me + 1) is complete here; pass the complete chunks round.
         for k in 0..n - 1 {
-            let tag = GROUP | 1 << 16 | k as u64;
+            let tag = group_tag(group, unit, 1, k);
             let out = (me + 1 + n - k) % n;
             let chunk = &values[parts[out].clone()];
-            self.send_group(right, step, tag, TensorTag::Gradient, chunk)?;
+            self.send_chunk(right, step, tag, chunk)?;
             let into = (me + n - k) % n;
-            let got = self.group_tensor(left, step, tag)?;
+            let got = self.chunk_from(left, step, tag, (unit, group))?;
             let range = parts[into].clone();
             if phantom && got.is_empty() {
                 continue;
             }
             if got.len() != range.len() {
-                return Err(group_error(self, left, "a chunk of the wrong size"));
+                return Err(group_error(self, left, "a chunk of the wrong size").into());
             }
             values[range].copy_from_slice(&got);
         }
@@ -426,7 +701,14 @@ impl Transport for RingsView<'_> {
     }
 
     fn send(&self, to: u32, message: Message) -> Result<(), TransportError> {
-        self.inner.send(self.physical(to), message)
+        let p = self.physical(to);
+        self.inner.send(p, message).map_err(|e| {
+            if self.elastic && e.failed_peer() == Some(p) {
+                renumbered(e, to)
+            } else {
+                e
+            }
+        })
     }
 
     fn recv(&mut self, wait: Duration) -> Result<(u32, Message), TransportError> {
@@ -434,7 +716,13 @@ impl Transport for RingsView<'_> {
         let deadline = clock.now() + wait;
         loop {
             let left = deadline.saturating_sub(clock.now());
-            let (from, message) = self.inner.recv(left)?;
+            let (from, message) = match self.inner.recv(left) {
+                Ok(x) => x,
+                Err(e) => match self.absorb(e) {
+                    None => continue,
+                    Some(e) => return Err(e),
+                },
+            };
             if self.in_ring(from) {
                 return Ok((from % self.stages, message));
             }
@@ -444,7 +732,14 @@ impl Transport for RingsView<'_> {
 
     fn try_recv(&mut self) -> Result<Option<(u32, Message)>, TransportError> {
         loop {
-            match self.inner.try_recv()? {
+            let next = match self.inner.try_recv() {
+                Ok(next) => next,
+                Err(e) => match self.absorb(e) {
+                    None => continue,
+                    Some(e) => return Err(e),
+                },
+            };
+            match next {
                 None => return Ok(None),
                 Some((from, message)) if self.in_ring(from) => {
                     return Ok(Some((from % self.stages, message)));
@@ -455,7 +750,19 @@ impl Transport for RingsView<'_> {
     }
 
     fn recv_from(&mut self, from: u32, wait: Duration) -> Result<Message, TransportError> {
-        self.inner.recv_from(self.physical(from), wait)
+        let p = self.physical(from);
+        let clock = self.inner.clock();
+        let deadline = clock.now() + wait;
+        loop {
+            let left = deadline.saturating_sub(clock.now());
+            match self.inner.recv_from(p, left) {
+                Ok(message) => return Ok(message),
+                Err(e) => match self.absorb(e) {
+                    None => continue,
+                    Some(e) => return Err(e),
+                },
+            }
+        }
     }
 
     fn unread(&mut self, from: u32, message: Message) {
@@ -493,47 +800,151 @@ impl Transport for RingsView<'_> {
 
     /// Rings of rings: the mean of `values` over the copies of this stage; under
     /// `--replica-sync diloco:H`, one outer step of the mean pseudo-gradient, after which
-    /// `values` are the new outer parameters.
+    /// `values` are the new outer parameters. A node holding several stages (a healed ring's)
+    /// does so for each.
     fn average_with_replicas(
         &mut self,
         step: u64,
         values: &mut [f32],
     ) -> Result<(), TransportError> {
-        let Some((config, mut state)) = self.outer.take() else {
+        let Some((config, mut states)) = self.outer.take() else {
             return self.mean_over_copies(step, values);
         };
         let result = (|| {
             if ringtmp_meter::phantom() {
                 return self.mean_over_copies(step, values);
             }
-            if state.global.len() != values.len() {
-                return Err(TransportError::Io {
-                    context: format!(
-                        "rings of rings: a DiLoCo outer step of {} parameters on a stage of {}",
-                        values.len(),
-                        state.global.len()
-                    ),
-                    source: std::io::Error::new(
-                        std::io::ErrorKind::InvalidInput,
-                        "the stage changed size",
-                    ),
-                });
+            for (unit, range) in self.held(values.len())? {
+                let Some(state) = states.get_mut(&unit) else {
+                    return Err(TransportError::Io {
+                        context: format!("rings of rings: no DiLoCo outer state of stage {unit}"),
+                        source: std::io::Error::new(
+                            std::io::ErrorKind::InvalidInput,
+                            "the stage's layers came without their outer momentum",
+                        ),
+                    });
+                };
+                let own = &mut values[range];
+                if state.global.len() != own.len() {
+                    return Err(TransportError::Io {
+                        context: format!(
+                            "rings of rings: a DiLoCo outer step of {} parameters on a stage of {}",
+                            own.len(),
+                            state.global.len()
+                        ),
+                        source: std::io::Error::new(
+                            std::io::ErrorKind::InvalidInput,
+                            "the stage changed size",
+                        ),
+                    });
+                }
+                let mut delta: Vec<f32> = state
+                    .global
+                    .iter()
+                    .zip(own.iter())
+                    .map(|(outer, own)| outer - own)
+                    .collect();
+                self.unit_mean(step, unit, &mut delta)?;
+                state.step(&config, 0..delta.len(), &delta);
+                state.updates += 1;
+                own.copy_from_slice(&state.global);
             }
-            let mut delta: Vec<f32> = state
-                .global
-                .iter()
-                .zip(values.iter())
-                .map(|(outer, own)| outer - own)
-                .collect();
-            self.mean_over_copies(step, &mut delta)?;
-            state.step(&config, 0..delta.len(), &delta);
-            state.updates += 1;
-            values.copy_from_slice(&state.global);
             Ok(())
         })();
-        self.outer = Some((config, state));
+        self.outer = Some((config, states));
         result
     }
+
+    /// Stage replicas: this ring re-formed; the ring's master tells every node of the other
+    /// rings (best effort: a node that died is its own ring's to heal).
+    fn ring_regrouped(&mut self, generation: u64, members: &[u32]) -> Result<(), TransportError> {
+        self.holders.regrouped(self.ring, generation, members);
+        if self.inner.rank() % self.stages != 0 {
+            return Ok(());
+        }
+        for p in 0..self.rings * self.stages {
+            if self.in_ring(p) || self.dead.contains(&p) {
+                continue;
+            }
+            let notice = Message::Control(ringtmp_wire::Control::Regroup {
+                generation,
+                members: members.to_vec(),
+                step: 0,
+                optimizer_steps: 0,
+            });
+            if let Err(e) = self.inner.send(p, notice)
+                && let Some(e) = self.absorb(e)
+            {
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
+    /// The outer momentum of the stages this node holds, in their order (they are its
+    /// values' order).
+    fn replica_outer_state(&self) -> Vec<f32> {
+        let Some((_, states)) = &self.outer else {
+            return Vec::new();
+        };
+        let units = self
+            .holders
+            .units(self.ring, self.inner.rank() % self.stages);
+        let mut velocity = Vec::new();
+        for u in units {
+            match states.get(&u) {
+                Some(state) => velocity.extend_from_slice(&state.velocity),
+                // Without every stage's, a replica carries none (a heal from it refuses).
+                None => return Vec::new(),
+            }
+        }
+        velocity
+    }
+
+    /// After a heal: each stage this node holds gets its outer state from the restored
+    /// snapshot, taken right after an outer step (its outer parameters are the snapshot's).
+    fn restore_outer_state(
+        &mut self,
+        params: &[f32],
+        velocity: &[f32],
+    ) -> Result<(), TransportError> {
+        if self.outer.is_none() || ringtmp_meter::phantom() {
+            return Ok(());
+        }
+        let held = self.held(params.len())?;
+        let Some((_, states)) = &mut self.outer else {
+            return Ok(());
+        };
+        if velocity.len() != params.len() {
+            return Err(TransportError::Io {
+                context: format!(
+                    "rings of rings: a restored stage of {} parameters with {} values of \
+                     outer momentum",
+                    params.len(),
+                    velocity.len()
+                ),
+                source: std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    "the replica lacks its outer state",
+                ),
+            });
+        }
+        let updates = states.values().map(|s| s.updates).max().unwrap_or(0);
+        states.clear();
+        for (unit, range) in held {
+            states.insert(
+                unit,
+                OuterState {
+                    global: params[range.clone()].to_vec(),
+                    velocity: velocity[range].to_vec(),
+                    updates,
+                    replaced: false,
+                },
+            );
+        }
+        Ok(())
+    }
+
     fn gossip_with_replicas(
         &mut self,
         step: u64,
@@ -551,6 +962,28 @@ impl Transport for RingsView<'_> {
             self.mean_over_copies(step, values)?;
         }
         Ok(())
+    }
+}
+
+/// `e`, naming failed peer `rank` (this ring's number for it) instead.
+fn renumbered(e: TransportError, rank: u32) -> TransportError {
+    match e {
+        TransportError::WhileWaiting { waiting_for, cause } => TransportError::WhileWaiting {
+            waiting_for,
+            cause: Box::new(renumbered(*cause, rank)),
+        },
+        TransportError::PeerClosed { mut peer, reason } => {
+            peer.rank = Some(rank);
+            TransportError::PeerClosed { peer, reason }
+        }
+        TransportError::PeerSilent {
+            mut peer,
+            silent_for,
+        } => {
+            peer.rank = Some(rank);
+            TransportError::PeerSilent { peer, silent_for }
+        }
+        other => other,
     }
 }
 
@@ -596,17 +1029,36 @@ pub fn run(
         }
         view = view.with_outer(outer, start.params());
     }
-    if stage != 0 {
-        crate::ring::run::driver::run_worker(&job, &mut view)?;
-        return Ok(None);
-    }
-    let setup = crate::ring::run::driver::MasterSetup {
-        data: data
-            .ok_or_else(|| crate::Error::Config("a ring's master needs the dataset".into()))?,
-    };
     let mut quiet = |_: &crate::Event| {};
     let on_event: &mut dyn FnMut(&crate::Event) = if ring == 0 { cx.on_event } else { &mut quiet };
-    let summary = crate::ring::run::driver::run_master(&job, &setup, &mut view, on_event)?.summary;
+    let summary = if job.replica_every > 0 {
+        // Each ring heals around its own dead, on this view.
+        let layers = job.layers()?;
+        let sizes = job
+            .partition
+            .iter()
+            .map(|p| layers[p.start..p.end].iter().map(|l| l.param_count()).sum())
+            .collect();
+        view = view.with_stage_replicas(sizes);
+        let mut ring_cx = crate::contract::NodeCx {
+            net: &mut view,
+            data,
+            on_event,
+        };
+        match crate::ring::heal::run(&job, stage, &mut ring_cx)? {
+            Some(summary) => summary,
+            None => return Ok(None),
+        }
+    } else if stage != 0 {
+        crate::ring::run::driver::run_worker(&job, &mut view)?;
+        return Ok(None);
+    } else {
+        let setup = crate::ring::run::driver::MasterSetup {
+            data: data
+                .ok_or_else(|| crate::Error::Config("a ring's master needs the dataset".into()))?,
+        };
+        crate::ring::run::driver::run_master(&job, &setup, &mut view, on_event)?.summary
+    };
     drop(view);
     if ring > 0 {
         let text = serde_json::to_string(&summary)
@@ -621,7 +1073,14 @@ pub fn run(
     let mut total = summary;
     let mut training_bytes = total.bytes_per_sample * total.samples as f64;
     for r in 1..rings {
-        let report = match cx.net.recv_from(r * stages, timeout)? {
+        let report = loop {
+            match cx.net.recv_from(r * stages, timeout)? {
+                // A heal's announcement that nothing waited for any more.
+                ringtmp_wire::Message::Control(Control::Regroup { .. }) => {}
+                message => break message,
+            }
+        };
+        let report = match report {
             ringtmp_wire::Message::Control(Control::Report { nodes }) if nodes.len() == 1 => {
                 serde_json::from_str::<ringtmp_metrics::Summary>(&nodes[0]).map_err(|e| {
                     crate::Error::Config(format!("ring {r}'s summary is not valid: {e}"))
@@ -645,6 +1104,25 @@ pub fn run(
                 n.rank += r * stages;
                 n
             }));
+        // A ring's heal names its nodes by their place in it.
+        let within = |reason: String| {
+            format!(
+                "in ring {r}, whose node k is rank {} + k: {reason}",
+                r * stages
+            )
+        };
+        total
+            .dropped_nodes
+            .extend(report.dropped_nodes.into_iter().map(|mut d| {
+                d.rank += r * stages;
+                d.reason = within(d.reason);
+                d
+            }));
+        total.heals.extend(report.heals.into_iter().map(|mut h| {
+            h.rank += r * stages;
+            h.reason = within(h.reason);
+            h
+        }));
     }
     total.nodes = stages * rings;
     total.samples_per_second = total.samples as f64 / total.train_seconds.max(1e-9);

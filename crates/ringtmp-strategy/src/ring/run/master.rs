@@ -400,7 +400,10 @@ fn replicate(
     timeout: Duration,
 ) -> Result<()> {
     let n = job.partition.len() as u32;
-    replicas.keep_own(Snapshot::take(done, plan.start..plan.end, stage, optimizer));
+    replicas.keep_own(
+        Snapshot::take(done, plan.start..plan.end, stage, optimizer)
+            .with_outer_velocity(net.replica_outer_state()),
+    );
     for r in 1..n {
         net.send(r, RingMessage::Replicate { step: done }.to_message())?;
     }

@@ -358,7 +358,8 @@ impl RingNode {
             self.plan.start..self.plan.end,
             &self.stage,
             &self.optimizer,
-        );
+        )
+        .with_outer_velocity(net.replica_outer_state());
         let message = tensor(
             TensorTag::Params,
             step,
