@@ -96,6 +96,11 @@ impl Holders {
         node..next
     }
 
+    /// Whether node `node` of ring `ring` is still in it.
+    pub fn is_member(&self, ring: u32, node: u32) -> bool {
+        self.members[ring as usize].contains(&node)
+    }
+
     /// The copies of stage `unit`: its holder in each ring, as physical ranks, ring order.
     pub fn group(&self, unit: u32) -> Vec<u32> {
         (0..self.members.len() as u32)
@@ -139,6 +144,7 @@ mod tests {
         assert_eq!(h.group(3), vec![3, 7, 11]);
         assert_eq!(h.units(1, 1), 1..3);
         assert_eq!(h.units(1, 2), 2..2);
+        assert!(!h.is_member(1, 2) && h.is_member(1, 3) && h.is_member(0, 2));
         // Two neighbours gone: the survivor before them holds all three.
         assert!(h.regrouped(1, 2, &[0, 3]));
         assert_eq!(h.units(1, 0), 0..3);

@@ -205,7 +205,9 @@ impl<'a> RingsView<'a> {
 
     /// A failure that `e` reports, as this ring's view gives it: a node of this ring by its
     /// rank in the ring; another ring's node, under stage replicas, noted and not an error
-    /// here (`None`: that ring heals, and its master says who holds the node's layers).
+    /// here (`None`: that ring heals, and its master says who holds the node's layers); nor is
+    /// a node this ring healed around already (its links report their end more than once: the
+    /// reader, then a writer's failed send, which may come while the copies synchronise).
     fn absorb(&mut self, e: TransportError) -> Option<TransportError> {
         let Some(p) = e.failed_peer() else {
             return Some(e);
@@ -214,6 +216,9 @@ impl<'a> RingsView<'a> {
             return Some(e);
         }
         if self.in_ring(p) {
+            if !self.holders.is_member(self.ring, p % self.stages) {
+                return None;
+            }
             return Some(renumbered(e, p % self.stages));
         }
         self.dead.insert(p);
