@@ -246,13 +246,7 @@ impl<'a> RingsView<'a> {
             .map(|r| r * self.stages)
             .collect();
         loop {
-            if let Some(i) = self.group_inbox.iter().position(|(f, m)| {
-                *f == from
-                    && matches!(m, Message::Tensor(h, _) if h.step == step && h.micro_batch == tag)
-            }) && let Some((_, Message::Tensor(h, bytes))) = self.group_inbox.remove(i)
-            {
-                let mut values = Vec::new();
-                tensor_values(&bytes, h.dtype, &mut values);
+            if let Some(values) = self.take_arrived(from, step, tag) {
                 return Ok(values);
             }
             if self.take_announcements() && self.holders.group(unit) != group {
@@ -327,16 +321,8 @@ impl<'a> RingsView<'a> {
     /// the underlying transport (which keeps the ring's messages for the ring meanwhile).
     fn group_tensor(&mut self, from: u32, step: u64, tag: u64) -> Result<Vec<f32>, TransportError> {
         let matches = |m: &Message| matches!(m, Message::Tensor(h, _) if h.step == step && h.micro_batch == tag);
-        if let Some(i) = self
-            .group_inbox
-            .iter()
-            .position(|(f, m)| *f == from && matches(m))
-        {
-            if let Some((_, Message::Tensor(h, bytes))) = self.group_inbox.remove(i) {
-                let mut values = Vec::new();
-                tensor_values(&bytes, h.dtype, &mut values);
-                return Ok(values);
-            }
+        if let Some(values) = self.take_arrived(from, step, tag) {
+            return Ok(values);
         }
         let clock = self.inner.clock();
         let deadline = clock.now() + self.timeout;
@@ -352,6 +338,22 @@ impl<'a> RingsView<'a> {
             }
             // A later all-reduce's tensor from a copy that is ahead: keep it for then.
             self.group_inbox.push_back((from, message));
+        }
+    }
+
+    /// The group tensor `(step, tag)` from physical `from`, if it already arrived.
+    fn take_arrived(&mut self, from: u32, step: u64, tag: u64) -> Option<Vec<f32>> {
+        let i = self.group_inbox.iter().position(|(f, m)| {
+            *f == from
+                && matches!(m, Message::Tensor(h, _) if h.step == step && h.micro_batch == tag)
+        })?;
+        match self.group_inbox.remove(i) {
+            Some((_, Message::Tensor(h, bytes))) => {
+                let mut values = Vec::new();
+                tensor_values(&bytes, h.dtype, &mut values);
+                Some(values)
+            }
+            _ => None,
         }
     }
 
