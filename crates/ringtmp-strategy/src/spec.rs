@@ -244,6 +244,16 @@ impl RunSpec {
         Duration::from_secs_f64(self.recv_timeout_secs.max(0.001))
     }
 
+    /// The mean learning rate of steps `from..to`, as a fraction of the peak rate (1 for an
+    /// empty range): the rate DiLoCo's inner steps ran at between two synchronisations.
+    pub fn mean_rate(&self, from: u64, to: u64) -> f32 {
+        if to <= from || self.lr <= 0.0 {
+            return 1.0;
+        }
+        let sum: f64 = (from..to).map(|s| f64::from(self.lr_at(s))).sum();
+        (sum / (to - from) as f64 / f64::from(self.lr)) as f32
+    }
+
     /// The step training starts at (0, or the resumed checkpoint's).
     pub fn first_step(&self) -> u64 {
         self.resume_from.as_ref().map_or(0, |r| r.step)

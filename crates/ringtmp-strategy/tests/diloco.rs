@@ -7,7 +7,7 @@
 use std::path::Path;
 
 use ringtmp_data::{BatchPlan, Dataset};
-use ringtmp_model::{Optimizer, OptimizerConfig};
+use ringtmp_model::{LrSchedule, Optimizer, OptimizerConfig};
 use ringtmp_strategy::TrainConfig;
 use ringtmp_strategy::diloco::OuterDtype;
 use ringtmp_strategy::diloco::outer::OuterConfig;
@@ -45,12 +45,14 @@ const AVERAGING: OuterConfig = OuterConfig {
     lr: 1.0,
     momentum: 0.0,
     nesterov: false,
+    follow_schedule: false,
 };
 
 const PAPER: OuterConfig = OuterConfig {
     lr: 0.7,
     momentum: 0.9,
     nesterov: true,
+    follow_schedule: false,
 };
 
 #[test]
@@ -116,17 +118,30 @@ fn hand_diloco(job: &ringtmp_strategy::diloco::DilocoJob, data: &Dataset) -> Vec
     let mut velocity = vec![0.0f32; global.len()];
     let mut plan = BatchPlan::new(data.train.len(), spec.batch_size * n, spec.seed).unwrap();
     let mut share = ringtmp_strategy::data_parallel::ShareBuffers::default();
-    // (lands at, fragment range, mean pseudo-gradient)
-    let mut pending: Option<(u64, std::ops::Range<usize>, Vec<f32>)> = None;
+    // (lands at, fragment range, mean pseudo-gradient, its rate)
+    let mut pending: Option<(u64, std::ops::Range<usize>, Vec<f32>, f32)> = None;
     let (lr, mu) = (job.outer.lr, job.outer.momentum);
+    // Under the schedule-following outer step, the pseudo-gradient of the H steps before `done`
+    // enters the momentum divided by their mean rate (over the peak), and the step is taken at
+    // that rate.
+    let rate_before = |done: u64| -> f32 {
+        if !job.outer.follow_schedule {
+            return 1.0;
+        }
+        let from = done.saturating_sub(job.inner_steps);
+        let sum: f64 = (from..done).map(|s| f64::from(spec.lr_at(s))).sum();
+        (sum / (done - from) as f64 / f64::from(spec.lr)) as f32
+    };
     let mut apply = |range: std::ops::Range<usize>,
                      delta: &[f32],
+                     rate: f32,
                      mix: f32,
                      global: &mut Vec<f32>,
                      stages: &mut Vec<ringtmp_model::Stage>| {
         for (k, i) in range.clone().enumerate() {
-            velocity[i] = mu * velocity[i] + delta[k];
-            global[i] -= lr * (delta[k] + mu * velocity[i]);
+            let g = delta[k] / rate;
+            velocity[i] = mu * velocity[i] + g;
+            global[i] -= lr * rate * (g + mu * velocity[i]);
         }
         for s in stages.iter_mut() {
             for i in range.clone() {
@@ -165,17 +180,18 @@ fn hand_diloco(job: &ringtmp_strategy::diloco::DilocoJob, data: &Dataset) -> Vec
             stages[r].step(&mut optimizers[r], spec.lr_at(step));
         }
         let done = step + 1;
-        if let Some((at, range, delta)) = pending.take() {
+        if let Some((at, range, delta, rate)) = pending.take() {
             if at <= done {
-                apply(range, &delta, job.mix, &mut global, &mut stages);
+                apply(range, &delta, rate, job.mix, &mut global, &mut stages);
             } else {
-                pending = Some((at, range, delta));
+                pending = Some((at, range, delta, rate));
             }
         }
+        let rate = rate_before(done);
         if done == spec.total_steps {
             let all = 0..global.len();
             let delta = mean_delta(&all, &global, &stages);
-            apply(all, &delta, 0.0, &mut global, &mut stages);
+            apply(all, &delta, rate, 0.0, &mut global, &mut stages);
             continue;
         }
         for (p, range) in parts.iter().enumerate() {
@@ -184,9 +200,9 @@ fn hand_diloco(job: &ringtmp_strategy::diloco::DilocoJob, data: &Dataset) -> Vec
             }
             let delta = mean_delta(range, &global, &stages);
             if job.overlap > 0 && done + job.overlap < spec.total_steps {
-                pending = Some((done + job.overlap, range.clone(), delta));
+                pending = Some((done + job.overlap, range.clone(), delta, rate));
             } else {
-                apply(range.clone(), &delta, 0.0, &mut global, &mut stages);
+                apply(range.clone(), &delta, rate, 0.0, &mut global, &mut stages);
             }
         }
     }
@@ -197,34 +213,40 @@ fn hand_diloco(job: &ringtmp_strategy::diloco::DilocoJob, data: &Dataset) -> Vec
 fn outer_nesterov_steps_equal_hand_computed_ones() {
     let data = digits();
     let tmp = tempfile::tempdir().unwrap();
-    for (optimizer, h, steps) in [
-        (
-            OptimizerConfig::Sgd {
-                momentum: 0.0,
-                weight_decay: 0.0,
-            },
-            3,
-            9,
-        ),
-        (
-            OptimizerConfig::AdamW {
-                beta1: 0.9,
-                beta2: 0.95,
-                eps: 1e-8,
-                weight_decay: 0.1,
-                decay_embeddings: false,
-            },
-            4,
-            10,
-        ),
+    let adamw = OptimizerConfig::AdamW {
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        decay_embeddings: false,
+    };
+    let decaying = LrSchedule::CosineTo { min_ratio: 0.1 };
+    // The outer step following the inner schedule: with a decaying rate and warm-up (every
+    // interval's rate differs, the last interval is short), and with a constant one (where it
+    // is the paper's step).
+    let following = OuterConfig {
+        follow_schedule: true,
+        ..PAPER
+    };
+    let sgd = OptimizerConfig::Sgd {
+        momentum: 0.0,
+        weight_decay: 0.0,
+    };
+    for (optimizer, schedule, warmup, outer, h, steps) in [
+        (sgd.clone(), LrSchedule::Constant, 0, PAPER, 3, 9),
+        (adamw.clone(), LrSchedule::Constant, 0, PAPER, 4, 10),
+        (adamw.clone(), decaying, 3, following, 4, 10),
+        (sgd, LrSchedule::Constant, 0, following, 3, 9),
     ] {
         let cfg = TrainConfig {
             optimizer,
             lr: 0.01,
+            schedule,
+            warmup_steps: warmup,
             ..config(deep_mlp(2, 16), 24, steps, tmp.path())
         };
         for (fragments, overlap) in [(1, 0), (2, 1), (2, 0), (1, 1)] {
-            let mut job = diloco_job(&cfg, &data, 3, h, PAPER, fragments, 512);
+            let mut job = diloco_job(&cfg, &data, 3, h, outer, fragments, 512);
             job.overlap = overlap;
             let expected = hand_diloco(&job, &data);
             let backend = Backend::sim(test_seed(22));
@@ -233,8 +255,9 @@ fn outer_nesterov_steps_equal_hand_computed_ones() {
             let diff = max_rel_diff(&params, &expected);
             let moved = max_rel_diff(&params, &hand_start(&job));
             println!(
-                "H = {h}, {fragments} fragment(s), overlap {overlap}, {steps} steps: max |Δ| against \
-             the hand-computed run {diff:.2e}"
+                "H = {h}, {fragments} fragment(s), overlap {overlap}, {steps} steps, outer step \
+                 following the schedule {}: max |Δ| against the hand-computed run {diff:.2e}",
+                outer.follow_schedule
             );
             assert!(
                 diff < 1e-5,

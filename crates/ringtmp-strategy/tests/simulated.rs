@@ -451,14 +451,29 @@ fn rings_of_rings_under_diloco_equal_diloco_workers() {
                 lr: 1.0,
                 momentum: 0.0,
                 nesterov: false,
+                follow_schedule: false,
             },
         ),
         (2, 4, OuterConfig::PAPER),
         (3, 5, OuterConfig::PAPER),
+        // The outer step following a decaying inner schedule (warm-up, cosine, a last interval
+        // of 2 mini-batches): the same H mini-batches' rate on both sides.
+        (
+            2,
+            5,
+            OuterConfig {
+                follow_schedule: true,
+                ..OuterConfig::PAPER
+            },
+        ),
     ] {
         let global = 12 * rings;
         let mut local_cfg = config(deep_mlp(7, 16), global, steps, &tmp.path().join("local"));
         local_cfg.checkpoint_every = steps;
+        if outer.follow_schedule {
+            local_cfg.schedule = ringtmp_model::LrSchedule::CosineTo { min_ratio: 0.1 };
+            local_cfg.warmup_steps = 2;
+        }
         let workers =
             ringtmp_testkit::jobs::diloco_job(&local_cfg, &data, rings, h, outer, 1, 4096);
         let expected = run::diloco_nodes(

@@ -498,7 +498,7 @@ fn rings_of_rings_run_on_local_nodes_and_refuse_what_cannot_work() {
                 "--replica-sync",
                 "diloco:8:0:0.9",
             ][..],
-            "diloco:H[:LR:MOMENTUM]",
+            "diloco:H[:LR:MOMENTUM[:SCHEDULE]]",
         ),
         (
             &[

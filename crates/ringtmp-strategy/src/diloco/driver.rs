@@ -227,7 +227,16 @@ pub fn run_worker(
         let due = schedule.due(step);
         if !due.is_empty() {
             let trained_since = due.iter().all(|p| ctx.trained[*p] > 0);
-            let mut round = Round::take(&layout, step, due, ctx.stage, ctx.outer, trained_since);
+            let rate = spec.mean_rate(step.saturating_sub(job.inner_steps), step);
+            let mut round = Round::take(
+                &layout,
+                step,
+                due,
+                ctx.stage,
+                ctx.outer,
+                trained_since,
+                rate,
+            );
             for p in &round.due {
                 ctx.trained[*p] = 0;
             }
@@ -393,6 +402,9 @@ impl SyncContext<'_> {
                     self.stage,
                     self.outer,
                     false,
+                    self.job
+                        .spec
+                        .mean_rate(done.saturating_sub(self.job.inner_steps), done),
                 );
                 round.void();
                 mix = 0.0;

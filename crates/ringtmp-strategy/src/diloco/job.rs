@@ -45,6 +45,18 @@ impl OuterDtype {
     }
 }
 
+/// How the outer step's size follows the inner learning-rate schedule.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OuterSchedule {
+    /// The paper's: the outer rate is constant, and each pseudo-gradient enters the momentum as
+    /// it is (it shrinks with the inner rate, the momentum gathered before does not).
+    Constant,
+    /// The outer step follows the inner schedule: pseudo-gradients enter the momentum in units
+    /// of the peak inner rate, and the step applies it at the interval's mean rate.
+    Inner,
+}
+
 /// `ringtmp train --strategy diloco` options (flags, and keys of a `--config` file).
 #[derive(clap::Args, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -62,6 +74,10 @@ pub struct DilocoOptions {
     /// DiLoCo: Nesterov momentum in the outer step [default: true].
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub outer_nesterov: Option<bool>,
+    /// DiLoCo: whether the outer step follows the inner learning-rate schedule [default:
+    /// constant].
+    #[arg(long, value_enum)]
+    pub outer_schedule: Option<OuterSchedule>,
     /// DiLoCo: the model's tensors in F fragments, synchronised in turn every H/F steps
     /// (Streaming DiLoCo) [default: 1].
     #[arg(long, value_name = "F")]
@@ -89,6 +105,7 @@ options_merge!(
     outer_lr,
     outer_momentum,
     outer_nesterov,
+    outer_schedule,
     outer_fragments,
     outer_overlap,
     outer_mix,

@@ -23,7 +23,7 @@ pub mod job;
 pub mod outer;
 mod round;
 
-pub use job::{DilocoJob, DilocoOptions, NAME, OuterDtype};
+pub use job::{DilocoJob, DilocoOptions, NAME, OuterDtype, OuterSchedule};
 
 use std::collections::BTreeSet;
 
@@ -72,6 +72,7 @@ impl Strategy for DilocoJob {
             nesterov: options
                 .outer_nesterov
                 .unwrap_or(OuterConfig::PAPER.nesterov),
+            follow_schedule: options.outer_schedule == Some(job::OuterSchedule::Inner),
         };
         let fragments = options.outer_fragments.unwrap_or(1);
         if inner_steps == 0 || fragments == 0 || fragments as u64 > inner_steps {
@@ -110,7 +111,7 @@ impl Strategy for DilocoJob {
         let outer_dtype = options.outer_dtype.unwrap_or(job::OuterDtype::F32);
         report.note(format!(
             "diloco: {workers} workers of batch {} (global batch {}), {inner_steps} inner steps \
-             at learning rate {} between synchronisations{}; outer SGD lr {} momentum {}{}, \
+             at learning rate {} between synchronisations{}; outer SGD lr {} momentum {}{}{}, \
              pseudo-gradients as {:?}{}",
             spec.batch_size,
             spec.batch_size * workers,
@@ -126,6 +127,11 @@ impl Strategy for DilocoJob {
             outer.lr,
             outer.momentum,
             if outer.nesterov { " (Nesterov)" } else { "" },
+            if outer.follow_schedule {
+                ", following the inner schedule"
+            } else {
+                ""
+            },
             outer_dtype,
             options
                 .inner_seconds

@@ -21,6 +21,13 @@ pub struct OuterConfig {
     pub momentum: f32,
     /// Nesterov's look-ahead (PyTorch's `nesterov=True`).
     pub nesterov: bool,
+    /// The outer step follows the inner learning-rate schedule: each pseudo-gradient enters the
+    /// momentum in units of the peak inner rate (divided by the interval's mean rate ρ, as a
+    /// fraction of the peak), and the step applies the momentum at ρ. With a constant rate
+    /// (ρ = 1) this is the paper's step; with a decaying one, a momentum gathered while the
+    /// rate was high no longer drives the model on at that size once the inner steps shrink.
+    #[serde(default)]
+    pub follow_schedule: bool,
 }
 
 impl OuterConfig {
@@ -29,6 +36,7 @@ impl OuterConfig {
         lr: 0.7,
         momentum: 0.9,
         nesterov: true,
+        follow_schedule: false,
     };
 }
 
@@ -60,13 +68,23 @@ impl OuterState {
 
     /// One outer step on `range` from the workers' mean pseudo-gradient `delta` (θ_old − θ_local,
     /// averaged): `v ← μv + Δ`, `θ ← θ − lr·(Δ + μv)` with Nesterov, `θ ← θ − lr·v` without.
-    pub fn step(&mut self, config: &OuterConfig, range: Range<usize>, delta: &[f32]) {
-        let (mu, lr) = (config.momentum, config.lr);
+    /// `rate` is the inner steps' mean learning rate over the interval, as a fraction of the
+    /// peak; under [`OuterConfig::follow_schedule`] the step is taken on `g = Δ/rate` and
+    /// applied at `rate` (`v ← μv + g`, `θ ← θ − lr·rate·(g + μv)`), else `rate` is unused.
+    pub fn step(&mut self, config: &OuterConfig, range: Range<usize>, delta: &[f32], rate: f32) {
+        let mu = config.momentum;
+        let rate = if config.follow_schedule && rate > 0.0 {
+            rate
+        } else {
+            1.0
+        };
+        let (lr, per_rate) = (config.lr * rate, 1.0 / rate);
         let theta = &mut self.global[range.clone()];
         let v = &mut self.velocity[range];
         for ((t, v), d) in theta.iter_mut().zip(v.iter_mut()).zip(delta) {
-            *v = mu * *v + d;
-            let update = if config.nesterov { d + mu * *v } else { *v };
+            let g = d * per_rate;
+            *v = mu * *v + g;
+            let update = if config.nesterov { g + mu * *v } else { *v };
             *t -= lr * update;
         }
     }
@@ -180,11 +198,12 @@ mod tests {
             lr: 0.7,
             momentum: 0.9,
             nesterov: true,
+            follow_schedule: false,
         };
         let mut state = OuterState::new(&[1.0, 2.0]);
-        state.step(&config, 0..1, &[1.0]);
+        state.step(&config, 0..1, &[1.0], 1.0);
         assert!((state.global[0] + 0.33).abs() < 1e-6);
-        state.step(&config, 0..1, &[0.5]);
+        state.step(&config, 0..1, &[0.5], 1.0);
         assert!(
             (state.global[0] + 1.562).abs() < 1e-6,
             "{}",
@@ -197,9 +216,35 @@ mod tests {
             ..config
         };
         let mut state = OuterState::new(&[1.0]);
-        state.step(&plain, 0..1, &[1.0]);
-        state.step(&plain, 0..1, &[0.5]);
+        state.step(&plain, 0..1, &[1.0], 1.0);
+        state.step(&plain, 0..1, &[0.5], 1.0);
         assert!((state.global[0] - (0.3 - 0.98)).abs() < 1e-6);
+    }
+
+    #[test]
+    fn following_the_schedule_scales_the_step_not_the_momentum() {
+        // Rates 1 then 0.2: g1 = 1, v1 = 1, θ1 = 1 − 0.7·1·(1 + 0.9) = −0.33;
+        // g2 = 0.1/0.2 = 0.5, v2 = 0.9 + 0.5 = 1.4, θ2 = −0.33 − 0.7·0.2·(0.5 + 0.9·1.4) =
+        // −0.5764. At rate 1 throughout it is the paper's step (the test above).
+        let config = OuterConfig {
+            follow_schedule: true,
+            ..OuterConfig::PAPER
+        };
+        let mut state = OuterState::new(&[1.0]);
+        state.step(&config, 0..1, &[1.0], 1.0);
+        assert!((state.global[0] + 0.33).abs() < 1e-6);
+        state.step(&config, 0..1, &[0.1], 0.2);
+        assert!((state.velocity[0] - 1.4).abs() < 1e-6);
+        assert!(
+            (state.global[0] + 0.5764).abs() < 1e-6,
+            "{}",
+            state.global[0]
+        );
+        // The paper's step ignores the rate: θ2 = −0.33 − 0.7·(0.1 + 0.9·1.0).
+        let mut paper = OuterState::new(&[1.0]);
+        paper.step(&OuterConfig::PAPER, 0..1, &[1.0], 1.0);
+        paper.step(&OuterConfig::PAPER, 0..1, &[0.1], 0.2);
+        assert!((paper.global[0] + 1.03).abs() < 1e-6, "{}", paper.global[0]);
     }
 
     #[test]
@@ -209,9 +254,10 @@ mod tests {
             lr: 1.0,
             momentum: 0.0,
             nesterov: false,
+            follow_schedule: false,
         };
         let mut state = OuterState::new(&[3.0]);
-        state.step(&config, 0..1, &[3.0 - 2.5]);
+        state.step(&config, 0..1, &[3.0 - 2.5], 1.0);
         assert_eq!(state.global[0], 2.5);
     }
 

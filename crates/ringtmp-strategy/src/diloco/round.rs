@@ -50,6 +50,9 @@ pub(crate) struct Round {
     /// The step count at which it is applied (`done`, or `done + τ` overlapped).
     pub(crate) lands_at: u64,
     span: Range<usize>,
+    /// The inner steps' mean learning rate since the fragments' last synchronisation, as a
+    /// fraction of the peak (the outer step's `rate`).
+    rate: f32,
     /// This worker's pseudo-gradients over `span` (zeros when its weight is 0).
     delta: Vec<f32>,
     weight: f32,
@@ -66,6 +69,7 @@ impl Round {
         stage: &Stage,
         outer: &OuterState,
         trained: bool,
+        rate: f32,
     ) -> Self {
         let span = layout.span(&due);
         let delta = if ringtmp_meter::phantom() {
@@ -84,6 +88,7 @@ impl Round {
             due,
             lands_at: done,
             span,
+            rate,
             delta,
             weight: if trained { 1.0 } else { 0.0 },
             reducer: None,
@@ -166,7 +171,7 @@ impl Round {
             for (range, sums) in &reduced {
                 mean.clear();
                 mean.extend(sums[..range.len()].iter().map(|s| s * scale));
-                outer.step(&job.outer, range.clone(), &mean);
+                outer.step(&job.outer, range.clone(), &mean, self.rate);
             }
         }
         outer.updates += 1;

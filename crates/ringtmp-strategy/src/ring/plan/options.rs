@@ -54,10 +54,12 @@ pub struct RingOptions {
     /// (periodic model averaging, "local SGD": K times fewer synchronisations). `adpsgd[:K]`:
     /// each ring trains on its own and the copies gossip their parameters (AD-PSGD's bipartite
     /// pairs, an exchange started every K mini-batches [default: 1], no ring waiting for
-    /// another; an even number of rings) and average once at the end. `diloco:H[:LR:MU]`: each
-    /// ring trains on its own and every H mini-batches the copies of each stage take one DiLoCo
-    /// outer step together (their mean pseudo-gradient through SGD with Nesterov momentum, lr
-    /// 0.7 and momentum 0.9 unless given), stage by stage.
+    /// another; an even number of rings) and average once at the end.
+    /// `diloco:H[:LR:MU[:SCHEDULE]]`: each ring trains on its own and every H mini-batches the
+    /// copies of each stage take one DiLoCo outer step together (their mean pseudo-gradient
+    /// through SGD with Nesterov momentum, lr 0.7 and momentum 0.9 unless given; SCHEDULE
+    /// `inner` makes the outer step follow the inner learning-rate schedule, as DiLoCo's
+    /// `--outer-schedule inner`), stage by stage.
     #[arg(long, value_name = "gradients|every:K|adpsgd[:K]|diloco:H")]
     pub replica_sync: Option<String>,
     /// Ring: every node also keeps its successor's block and optimizer state, refreshed every K

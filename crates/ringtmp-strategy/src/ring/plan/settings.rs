@@ -83,7 +83,8 @@ fn replica_sync(
     let bad = || {
         Error::Config(format!(
             "--replica-sync {text:?}: expected gradients, every:K, adpsgd, adpsgd:K or \
-             diloco:H[:LR:MOMENTUM] (K, H ≥ 1; an outer rate > 0 and a momentum in [0, 1))"
+             diloco:H[:LR:MOMENTUM[:SCHEDULE]] (K, H ≥ 1; an outer rate > 0, a momentum in \
+             [0, 1), the outer schedule constant or inner)"
         ))
     };
     let k = |prefix: &str| {
@@ -101,9 +102,14 @@ fn replica_sync(
         let mut outer = crate::diloco::outer::OuterConfig::PAPER;
         match parts.as_slice() {
             [_] => {}
-            [_, lr, mu] => {
+            [_, lr, mu, rest @ ..] if rest.len() <= 1 => {
                 outer.lr = lr.parse().map_err(|_| bad())?;
                 outer.momentum = mu.parse().map_err(|_| bad())?;
+                outer.follow_schedule = match rest.first() {
+                    None | Some(&"constant") => false,
+                    Some(&"inner") => true,
+                    Some(_) => return Err(bad()),
+                };
             }
             _ => return Err(bad()),
         }
@@ -246,10 +252,15 @@ pub fn resolve(
             } else if let Some(outer) = outer_sync {
                 format!(
                     "take one DiLoCo outer step together every {average_every} mini-batch(es) \
-                     (the mean of their pseudo-gradients through SGD lr {} momentum {}{})",
+                     (the mean of their pseudo-gradients through SGD lr {} momentum {}{}{})",
                     outer.lr,
                     outer.momentum,
-                    if outer.nesterov { ", Nesterov" } else { "" }
+                    if outer.nesterov { ", Nesterov" } else { "" },
+                    if outer.follow_schedule {
+                        ", following the inner schedule"
+                    } else {
+                        ""
+                    }
                 )
             } else {
                 format!("average their parameters every {average_every} mini-batch(es)")
@@ -397,5 +408,47 @@ mod tests {
         // 12 windows of 64 positions: a window (64 rows) a micro-batch already at 2 nodes.
         assert_eq!(default_micro_batches(Schedule::OneFOneB, 2, 12, 64), 12);
         assert_eq!(default_micro_batches(Schedule::Async, 16, 12, 64), 1);
+    }
+
+    /// `--replica-sync diloco:H[:LR:MU[:SCHEDULE]]`: the paper's outer step unless given, the
+    /// schedule-following one under `inner`; anything else is refused.
+    #[test]
+    fn diloco_replica_sync_reads_its_outer_step() {
+        let read = |text: &str| {
+            replica_sync(&RingOptions {
+                replica_sync: Some(text.into()),
+                ..RingOptions::default()
+            })
+        };
+        let paper = crate::diloco::outer::OuterConfig::PAPER;
+        assert_eq!(read("diloco:50").unwrap(), (50, 0, Some(paper)));
+        let (_, _, outer) = read("diloco:50:0.5:0.8").unwrap();
+        let outer = outer.unwrap();
+        assert_eq!((outer.lr, outer.momentum), (0.5, 0.8));
+        assert!(!outer.follow_schedule);
+        assert!(
+            !read("diloco:50:0.5:0.8:constant")
+                .unwrap()
+                .2
+                .unwrap()
+                .follow_schedule
+        );
+        assert!(
+            read("diloco:50:0.5:0.8:inner")
+                .unwrap()
+                .2
+                .unwrap()
+                .follow_schedule
+        );
+        for bad in [
+            "diloco:50:0.5",
+            "diloco:50:0.5:0.8:later",
+            "diloco:50:0.5:0.8:inner:x",
+            "diloco:0",
+            "diloco:50:0:0.9",
+            "diloco:50:0.7:1",
+        ] {
+            assert!(read(bad).is_err(), "{bad}");
+        }
     }
 }

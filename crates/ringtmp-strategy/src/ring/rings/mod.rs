@@ -69,6 +69,9 @@ pub struct RingsView<'a> {
     /// `--replica-sync diloco:H`: the outer optimizer and the outer state of each stage this
     /// node holds (the same bits in every copy of it).
     outer: Option<(OuterConfig, BTreeMap<u32, OuterState>)>,
+    /// Under `diloco:H`: the mean inner learning rate of the H mini-batches up to and including
+    /// a mini-batch, as a fraction of the peak (the outer step's `rate`).
+    outer_rate: Option<Box<dyn Fn(u64) -> f32 + Send + 'a>>,
     /// Who holds each stage in every ring.
     holders: Holders,
     /// Parameters of each stage as the rings started (empty: this node's values are one
@@ -93,6 +96,7 @@ impl<'a> RingsView<'a> {
             timeout,
             gossip: None,
             outer: None,
+            outer_rate: None,
             holders: Holders::new(rings, stages),
             unit_sizes: Vec::new(),
             elastic: false,
@@ -110,8 +114,15 @@ impl<'a> RingsView<'a> {
 
     /// The copies of this node's stage synchronise like DiLoCo (`--replica-sync diloco:H`):
     /// each average is of pseudo-gradients, taken through `config`'s outer step; `start` is the
-    /// stage's parameters before training (every copy's).
-    pub fn with_outer(mut self, config: OuterConfig, start: &[f32]) -> Self {
+    /// stage's parameters before training (every copy's); `rate` gives the outer step's rate for
+    /// the synchronisation after a mini-batch (see [`OuterState::step`]).
+    pub fn with_outer(
+        mut self,
+        config: OuterConfig,
+        start: &[f32],
+        rate: Box<dyn Fn(u64) -> f32 + Send + 'a>,
+    ) -> Self {
+        self.outer_rate = Some(rate);
         let state = if ringtmp_meter::phantom() {
             OuterState::default()
         } else {
@@ -852,7 +863,8 @@ impl Transport for RingsView<'_> {
                     .map(|(outer, own)| outer - own)
                     .collect();
                 self.unit_mean(step, unit, &mut delta)?;
-                state.step(&config, 0..delta.len(), &delta);
+                let rate = self.outer_rate.as_ref().map_or(1.0, |rate| rate(step));
+                state.step(&config, 0..delta.len(), &delta, rate);
                 state.updates += 1;
                 own.copy_from_slice(&state.global);
             }
@@ -1034,7 +1046,10 @@ pub fn run(
                 ringtmp_model::Optimizer::new(job.spec.optimizer.clone(), start.params().len());
             job.load(&mut start, &mut optimizer)?;
         }
-        view = view.with_outer(outer, start.params());
+        // The H mini-batches before a synchronisation, as DiLoCo's workers count them.
+        let (spec, every) = (job.spec.clone(), job.average_every);
+        let rate = move |step: u64| spec.mean_rate((step + 1).saturating_sub(every), step + 1);
+        view = view.with_outer(outer, start.params(), Box::new(rate));
     }
     let mut quiet = |_: &crate::Event| {};
     let on_event: &mut dyn FnMut(&crate::Event) = if ring == 0 { cx.on_event } else { &mut quiet };
