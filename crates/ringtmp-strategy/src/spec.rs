@@ -244,14 +244,17 @@ impl RunSpec {
         Duration::from_secs_f64(self.recv_timeout_secs.max(0.001))
     }
 
-    /// The mean learning rate of steps `from..to`, as a fraction of the peak rate (1 for an
-    /// empty range): the rate DiLoCo's inner steps ran at between two synchronisations.
-    pub fn mean_rate(&self, from: u64, to: u64) -> f32 {
-        if to <= from || self.lr <= 0.0 {
+    /// The mean learning rate of steps `done − h … done − 1` (the last `h` of the `done`
+    /// complete steps, fewer at the start), as a fraction of the peak rate (1 when there are
+    /// none): what DiLoCo's inner steps ran at before a synchronisation after `done` steps, for
+    /// its workers and for rings of rings alike.
+    pub fn rate_before(&self, done: u64, h: u64) -> f32 {
+        let from = done.saturating_sub(h);
+        if done == from || self.lr <= 0.0 {
             return 1.0;
         }
-        let sum: f64 = (from..to).map(|s| f64::from(self.lr_at(s))).sum();
-        (sum / (to - from) as f64 / f64::from(self.lr)) as f32
+        let sum: f64 = (from..done).map(|s| f64::from(self.lr_at(s))).sum();
+        (sum / (done - from) as f64 / f64::from(self.lr)) as f32
     }
 
     /// The step training starts at (0, or the resumed checkpoint's).

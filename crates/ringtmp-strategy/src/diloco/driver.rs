@@ -227,7 +227,7 @@ pub fn run_worker(
         let due = schedule.due(step);
         if !due.is_empty() {
             let trained_since = due.iter().all(|p| ctx.trained[*p] > 0);
-            let rate = spec.mean_rate(step.saturating_sub(job.inner_steps), step);
+            let rate = spec.rate_before(step, job.inner_steps);
             let mut round = Round::take(
                 &layout,
                 step,
@@ -402,9 +402,7 @@ impl SyncContext<'_> {
                     self.stage,
                     self.outer,
                     false,
-                    self.job
-                        .spec
-                        .mean_rate(done.saturating_sub(self.job.inner_steps), done),
+                    self.job.spec.rate_before(done, self.job.inner_steps),
                 );
                 round.void();
                 mix = 0.0;

@@ -1046,9 +1046,9 @@ pub fn run(
                 ringtmp_model::Optimizer::new(job.spec.optimizer.clone(), start.params().len());
             job.load(&mut start, &mut optimizer)?;
         }
-        // The H mini-batches before a synchronisation, as DiLoCo's workers count them.
+        // The synchronisation after mini-batch `step` follows `step + 1` complete ones.
         let (spec, every) = (job.spec.clone(), job.average_every);
-        let rate = move |step: u64| spec.mean_rate((step + 1).saturating_sub(every), step + 1);
+        let rate = move |step: u64| spec.rate_before(step + 1, every);
         view = view.with_outer(outer, start.params(), Box::new(rate));
     }
     let mut quiet = |_: &crate::Event| {};
