@@ -178,7 +178,18 @@ fn secret(args: &ConnectArgs) -> Result<Vec<u8>> {
     Ok(trimmed)
 }
 
+/// Longest timeout a node takes: a week. Deadlines are instants that must stay representable
+/// once added to the clock, and no wait of a run is meant to be longer.
+const MAX_TIMEOUT_SECONDS: f64 = 7.0 * 24.0 * 3600.0;
+
 fn seconds(name: &str, v: f64) -> Result<Duration> {
+    if !(v > 0.0 && v <= MAX_TIMEOUT_SECONDS) {
+        return Err(UsageError(format!(
+            "--{name} must be a positive number of seconds, at most {MAX_TIMEOUT_SECONDS} (a \
+             week); got {v}"
+        ))
+        .into());
+    }
     Duration::try_from_secs_f64(v)
         .ok()
         .filter(|d| !d.is_zero())

@@ -40,6 +40,9 @@ pub fn join(
     let master = format!("{}:{}", placement.master_addr, placement.master_port);
     let table = if placement.rank == 0 {
         let bind = format!("{}:{}", placement.master_addr, placement.master_port);
+        // A wildcard listener is advertised at the rendezvous address where that is a concrete
+        // one; otherwise every node fills in the address it reached rank 0 at.
+        let own = advertised(own, &placement.master_addr);
         rendezvous::serve(
             &bind,
             placement.world_size,
@@ -52,6 +55,7 @@ pub fn join(
         rendezvous::join(
             &master,
             placement.rank,
+            placement.world_size,
             own,
             &options.secret,
             options.connect_timeout,
@@ -74,4 +78,15 @@ pub fn join(
         &neighbours(placement.rank, placement.world_size, &table.settings),
     )?;
     Ok((table, network))
+}
+
+/// The address rank 0 advertises for its peer listener at `own`: `own` itself, or, when it
+/// listens on every interface, the rendezvous host's address when that is a concrete IP.
+fn advertised(own: std::net::SocketAddr, master_addr: &str) -> std::net::SocketAddr {
+    match master_addr.parse::<std::net::IpAddr>() {
+        Ok(ip) if own.ip().is_unspecified() && !ip.is_unspecified() => {
+            std::net::SocketAddr::new(ip, own.port())
+        }
+        _ => own,
+    }
 }

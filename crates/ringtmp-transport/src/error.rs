@@ -6,6 +6,8 @@ use std::time::Duration;
 
 use ringtmp_wire::DecodeError;
 
+use crate::admission::Refusals;
+
 /// A peer as shown in errors and logs: `rank 2 (127.0.0.1:40123)`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PeerName {
@@ -53,6 +55,16 @@ pub enum TransportError {
         /// The peer.
         peer: PeerName,
         /// Why it was refused.
+        reason: String,
+    },
+    /// The connection closed or broke in the middle of the greeting, before either side found
+    /// anything wrong: a listener closing its oldest unfinished greetings under a flood, or a
+    /// peer going away. Dialling again may succeed.
+    #[error("{peer} closed the connection during the handshake: {reason}")]
+    GreetingCut {
+        /// The peer.
+        peer: PeerName,
+        /// What the socket said.
         reason: String,
     },
     /// A peer sent bytes that are not a valid frame.
@@ -110,8 +122,32 @@ pub enum TransportError {
         missing: Vec<u32>,
         /// How long rank 0 waited.
         waited: Duration,
-        /// Connections refused while waiting: `peer: reason`.
-        refused: Vec<String>,
+        /// Connections refused while waiting (a count and the last few reasons).
+        refused: Refusals,
+    },
+    /// A node's links did not all come up in time. `refused` lists the connections its
+    /// listener refused meanwhile: a missing peer is usually one whose greeting was refused
+    /// (another secret, `--insecure-plaintext` on one side only).
+    #[error(
+        "timed out after {waited:?} waiting for a connection from ranks {missing:?}{}",
+        refused_note(refused)
+    )]
+    LinksIncomplete {
+        /// Ranks that never connected.
+        missing: Vec<u32>,
+        /// How long this node waited.
+        waited: Duration,
+        /// Connections refused while waiting.
+        refused: Refusals,
+    },
+    /// The peer refused this node, and said why (a rank already taken, a world size of its
+    /// own): this node cannot take part in the run as started.
+    #[error("{peer} refused this node: {reason}")]
+    RefusedBy {
+        /// The peer that refused.
+        peer: PeerName,
+        /// Its reason.
+        reason: String,
     },
     /// The node that keeps the run's steps waited longer than its step bound
     /// ([`crate::progress`]): the run makes no progress, though every link is alive.
@@ -165,6 +201,27 @@ pub enum TransportError {
 }
 
 impl TransportError {
+    /// This failure of a greeting with a peer this node dialled as `rank` (from the address
+    /// table, which is authenticated), named so: a dialled peer is known by the rank whose
+    /// address it holds, even before its proof.
+    pub fn dialled_as(self, rank: u32) -> Self {
+        let name = |mut peer: PeerName| {
+            peer.rank.get_or_insert(rank);
+            peer
+        };
+        match self {
+            Self::Handshake { peer, reason } => Self::Handshake {
+                peer: name(peer),
+                reason,
+            },
+            Self::GreetingCut { peer, reason } => Self::GreetingCut {
+                peer: name(peer),
+                reason,
+            },
+            other => other,
+        }
+    }
+
     /// The failure itself, without the [`TransportError::WhileWaiting`] that says what the node
     /// was waiting for when it came.
     pub fn root(&self) -> &TransportError {
@@ -185,14 +242,10 @@ impl TransportError {
     }
 }
 
-fn refused_note(refused: &[String]) -> String {
+fn refused_note(refused: &Refusals) -> String {
     if refused.is_empty() {
         return String::new();
     }
     // Each refusal says why (a wrong secret says which settings to compare).
-    format!(
-        "; meanwhile rank 0 refused {} connection(s): {}",
-        refused.len(),
-        refused.join("; ")
-    )
+    format!("; meanwhile {refused}")
 }

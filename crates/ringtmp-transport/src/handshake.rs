@@ -2,7 +2,10 @@
 //! random nonce, whether they encrypt and whether they would use AES), then `Proof` (an HMAC over
 //! both nonces and ranks); each verifies the other before anything else is read. A wrong protocol
 //! version shows up as a frame the decoder refuses; a wrong run id, an unexpected rank, a bad
-//! proof or a disagreement about encryption is refused here. Then, unless both run with
+//! proof or a disagreement about encryption is refused here. Until the proof verifies, the peer
+//! is a stranger: named by its address (a rank it claims is quoted as a claim), and its frames
+//! bounded by [`Limits::greeting`] (a few hundred bytes, no tensor), the whole greeting by one
+//! deadline. Then, unless both run with
 //! `--insecure-plaintext`, the Noise handshake of [`crate::secure`] (bound to this greeting by its
 //! prologue, with the cipher both greetings agree on) makes the session every later byte travels
 //! in. The `aes` flags are not under the proof: someone on the path who flips one makes the two
@@ -14,7 +17,7 @@ use std::net::SocketAddr;
 
 use rand::Rng;
 use ringtmp_wire::auth::{Transcript, prove, verify};
-use ringtmp_wire::{Control, Message};
+use ringtmp_wire::{Control, Limits, Message};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::time::timeout;
 
@@ -31,7 +34,32 @@ pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     cfg: &TransportConfig,
     accept: impl Fn(u32) -> bool,
 ) -> Result<(u32, Option<Session>), TransportError> {
-    let mut peer = PeerName {
+    // One deadline for the whole greeting, so a stranger that sends a byte now and then cannot
+    // keep it open by resetting a per-message timer.
+    match timeout(cfg.handshake_timeout, greet(stream, addr, cfg, accept)).await {
+        Ok(done) => done,
+        Err(_) => Err(refused(
+            &PeerName {
+                rank: None,
+                addr: Some(addr),
+            },
+            format!(
+                "the handshake did not complete within {:?}",
+                cfg.handshake_timeout
+            ),
+        )),
+    }
+}
+
+async fn greet<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    addr: SocketAddr,
+    cfg: &TransportConfig,
+    accept: impl Fn(u32) -> bool,
+) -> Result<(u32, Option<Session>), TransportError> {
+    // The peer is named by its address alone until its proof verifies: a rank it claims before
+    // that is a stranger's word.
+    let peer = PeerName {
         rank: None,
         addr: Some(addr),
     };
@@ -80,7 +108,6 @@ pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
             format!("it claims rank {their_rank}, which is not expected to connect here"),
         ));
     }
-    peer.rank = Some(their_rank);
     if their_encryption != cfg.encrypt {
         let (plain, private) = if cfg.encrypt {
             ("it", "this node")
@@ -90,8 +117,8 @@ pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
         return Err(refused(
             &peer,
             format!(
-                "{plain} runs with --insecure-plaintext and {private} does not; every node of a \
-                 run must agree"
+                "it claims rank {their_rank}; {plain} runs with --insecure-plaintext and \
+                 {private} does not; every node of a run must agree"
             ),
         ));
     }
@@ -127,11 +154,17 @@ pub async fn handshake<S: AsyncRead + AsyncWrite + Unpin>(
     if !verify(&cfg.secret, &theirs, &mac) {
         return Err(refused(
             &peer,
-            "authentication failed: its proof does not match this node's secret (the two were \
-             started with different RINGTMP_SECRET or --secret-file)"
-                .into(),
+            format!(
+                "authentication failed: it claims rank {their_rank}, but its proof does not \
+                 match this node's secret (a stranger, or a node started with a different \
+                 RINGTMP_SECRET or --secret-file)"
+            ),
         ));
     }
+    let peer = PeerName {
+        rank: Some(their_rank),
+        addr: Some(addr),
+    };
     if !cfg.encrypt {
         return Ok((their_rank, None));
     }
@@ -183,7 +216,7 @@ async fn next<S: AsyncRead + Unpin>(
     let mut buf = Vec::new();
     match timeout(
         cfg.handshake_timeout,
-        read_frame(stream, &mut buf, &cfg.limits),
+        read_frame(stream, &mut buf, &Limits::greeting()),
     )
     .await
     {
@@ -195,14 +228,14 @@ async fn next<S: AsyncRead + Unpin>(
         Ok(Err(ReadError::Decode(e))) => {
             Err(refused(peer, format!("malformed handshake frame: {e}")))
         }
-        Ok(Err(ReadError::Closed)) => Err(refused(
-            peer,
-            "it closed the connection during the handshake".into(),
-        )),
-        Ok(Err(ReadError::Io(e))) => Err(refused(
-            peer,
-            format!("connection failed during the handshake: {e}"),
-        )),
+        Ok(Err(ReadError::Closed)) => Err(TransportError::GreetingCut {
+            peer: peer.clone(),
+            reason: "closed".into(),
+        }),
+        Ok(Err(ReadError::Io(e))) => Err(TransportError::GreetingCut {
+            peer: peer.clone(),
+            reason: e.to_string(),
+        }),
     }
 }
 

@@ -13,6 +13,7 @@
 //!   peer, so one failure stops the whole run.
 //!
 //! # Layout
+//! - [`admission`]: what a stranger may cost a listener before its greeting verifies.
 //! - [`config`]: timeouts, limits, shaping.
 //! - [`link_cost`]: what a link costs a node's CPU per byte (framing, sealing, opening).
 //! - [`framed`]: reading and writing frames on a socket.
@@ -23,6 +24,7 @@
 //! - [`sim`]: an in-memory network on a seeded virtual clock, for deterministic protocol tests
 //!   and simulation.
 
+pub mod admission;
 pub mod config;
 mod error;
 pub mod framed;

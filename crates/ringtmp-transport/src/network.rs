@@ -159,39 +159,63 @@ impl Network {
                 context: "starting the I/O runtime".into(),
                 source: e,
             })?;
-        let (inbox_tx, inbox) = mpsc::channel(INBOX);
-        let streams = runtime.block_on(establish(&cfg, listener, addresses, neighbours))?;
-        let mut links = BTreeMap::new();
+        let (inbox_tx, mut inbox) = mpsc::channel(INBOX);
         let buffers = BufferPool::default();
         let nic = {
             let _guard = runtime.enter();
             Arc::new(crate::shaper::SharedNic::new())
         };
-        for (rank, (stream, addr, session)) in streams {
-            let _guard = runtime.enter();
-            let link = start_link(
-                &cfg,
-                (rank, addr),
-                stream,
-                session,
-                inbox_tx.clone(),
-                &buffers,
-                &nic,
-            );
-            links.insert(rank, link);
+        let mut up = LinksUp {
+            cfg: &cfg,
+            links: BTreeMap::new(),
+            inbox_tx,
+            buffers: buffers.clone(),
+            nic,
+            early: VecDeque::new(),
+            goodbyes: BTreeSet::new(),
+            failures: Vec::new(),
+        };
+        let established = runtime.block_on(establish(
+            &mut up, &mut inbox, listener, addresses, neighbours,
+        ));
+        let LinksUp {
+            links,
+            inbox_tx,
+            early,
+            goodbyes,
+            failures,
+            ..
+        } = up;
+        // A link that failed while others were still coming up is reported by the first
+        // receive that needs it, as any later failure is.
+        for failure in failures {
+            let _ = inbox_tx.try_send(Inbound::Failed(failure));
         }
-        Ok(Self {
+        let network = Self {
             audit: None,
             runtime,
             cfg,
             links,
             inbox,
-            pending: VecDeque::new(),
-            goodbyes: BTreeSet::new(),
+            pending: early,
+            goodbyes,
             buffers,
             clock: Arc::new(crate::transport::WallClock::new()),
             steps: None,
-        })
+        };
+        match established {
+            Ok(()) => Ok(network),
+            Err(error) => {
+                // The peers already linked would otherwise wait out their own timeouts for a
+                // run this node has left: tell them why.
+                let (origin, reason) = match &error {
+                    TransportError::Aborted { origin, reason } => (*origin, reason.clone()),
+                    other => (network.cfg.rank, other.to_string()),
+                };
+                network.abort_from(origin, &reason);
+                Err(error)
+            }
+        }
     }
 
     /// The pool this node's links take received payloads from and return sent ones to: take a
@@ -472,6 +496,11 @@ impl Network {
 
     /// Tells every peer that this node is giving up (best effort, bounded), so they stop too.
     pub fn abort(&self, reason: &str) {
+        self.abort_from(self.cfg.rank, reason);
+    }
+
+    /// [`Network::abort`] passing on another node's abort (`origin` is the node that failed).
+    fn abort_from(&self, origin: u32, reason: &str) {
         // Per link, the count of written frames at which the abort is on the wire: those written
         // so far, those queued before it, and itself.
         let written_at: Vec<u64> = self
@@ -485,7 +514,7 @@ impl Network {
         self.broadcast_except(
             u32::MAX,
             Control::Abort {
-                origin: self.cfg.rank,
+                origin,
                 reason: reason.to_string(),
             },
         );
@@ -646,12 +675,70 @@ impl crate::transport::Transport for Network {
     }
 }
 
+/// The links of a node whose other links are still coming up: each starts (reader, writer,
+/// heartbeats, watchdog) as soon as its greeting completes, so a neighbour linked early hears
+/// heartbeats while this node waits for the rest, and hears an abort if this node gives up.
+struct LinksUp<'a> {
+    cfg: &'a TransportConfig,
+    links: BTreeMap<u32, Link>,
+    inbox_tx: mpsc::Sender<Inbound>,
+    buffers: BufferPool,
+    nic: Arc<crate::shaper::SharedNic>,
+    /// Messages that arrived on early links, for the first receives.
+    early: VecDeque<(u32, Message)>,
+    goodbyes: BTreeSet<u32>,
+    /// Early links that failed, reported once the node runs (a strategy that survives dead
+    /// peers decides about them, not the start-up).
+    failures: Vec<TransportError>,
+}
+
+impl LinksUp<'_> {
+    fn start(&mut self, rank: u32, (stream, addr, session): Established) {
+        let link = start_link(
+            self.cfg,
+            (rank, addr),
+            stream,
+            session,
+            self.inbox_tx.clone(),
+            &self.buffers,
+            &self.nic,
+        );
+        self.links.insert(rank, link);
+    }
+
+    /// An event of an early link: an abort ends the start-up, the rest is kept for later.
+    fn note(&mut self, inbound: Inbound) -> Result<(), TransportError> {
+        match inbound {
+            Inbound::Message(_, Message::Control(Control::Abort { origin, reason })) => {
+                Err(TransportError::Aborted { origin, reason })
+            }
+            Inbound::Message(from, message) => {
+                self.early.push_back((from, message));
+                Ok(())
+            }
+            Inbound::Goodbye(rank) => {
+                self.goodbyes.insert(rank);
+                Ok(())
+            }
+            Inbound::Failed(e) => {
+                self.failures.push(e);
+                Ok(())
+            }
+        }
+    }
+}
+
+/// A connection whose greeting completed: the stream, the peer's address, the session.
+type Established = (TcpStream, SocketAddr, Option<Session>);
+
 async fn establish(
-    cfg: &TransportConfig,
+    up: &mut LinksUp<'_>,
+    inbox: &mut mpsc::Receiver<Inbound>,
     listener: std::net::TcpListener,
     addresses: &BTreeMap<u32, SocketAddr>,
     neighbours: &BTreeSet<u32>,
-) -> Result<BTreeMap<u32, (TcpStream, SocketAddr, Option<Session>)>, TransportError> {
+) -> Result<(), TransportError> {
+    let cfg = up.cfg;
     let listener = TcpListener::from_std(listener).map_err(|e| TransportError::Io {
         context: "listener".into(),
         source: e,
@@ -667,64 +754,100 @@ async fn establish(
         .filter(|r| *r > cfg.rank)
         .collect();
     let deadline = tokio::time::Instant::now() + cfg.connect_timeout;
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(u32, Established)>();
 
-    let dial = async {
-        let mut out = BTreeMap::new();
-        for rank in to_dial {
-            let addr = *addresses.get(&rank).ok_or(TransportError::NoLink(rank))?;
-            out.insert(rank, dial_one(cfg, rank, addr, deadline).await?);
-        }
-        Ok::<_, TransportError>(out)
-    };
-    let accept = async {
-        let mut out = BTreeMap::new();
-        // Handshakes run concurrently, so a stranger that connects and stalls cannot hold up the
-        // real peers behind it.
-        let mut pending = tokio::task::JoinSet::new();
-        while out.len() < to_accept.len() {
-            tokio::select! {
-                accepted = tokio::time::timeout_at(deadline, listener.accept()) => {
-                    let (mut stream, addr) = match accepted {
-                        Err(_) => {
-                            let missing: Vec<u32> = to_accept.iter().filter(|r| !out.contains_key(*r)).copied().collect();
-                            return Err(TransportError::Timeout {
-                                what: "a connection".into(),
-                                from: format!("ranks {missing:?}"),
-                                waited: cfg.connect_timeout,
-                            });
-                        }
-                        Ok(Err(e)) => return Err(TransportError::Io { context: "accepting a peer".into(), source: e }),
-                        Ok(Ok(x)) => x,
-                    };
-                    let _ = stream.set_nodelay(true);
-                    let (cfg, expected) = (cfg.clone(), to_accept.clone());
-                    pending.spawn(async move {
-                        handshake(&mut stream, addr, &cfg, |r| expected.contains(&r)).await.map(|(rank, session)| (rank, stream, addr, session))
-                    });
-                }
-                Some(done) = pending.join_next(), if !pending.is_empty() => match done {
-                    Ok(Ok((rank, stream, addr, session))) => {
-                        match out.entry(rank) {
-                            std::collections::btree_map::Entry::Occupied(_) => {
-                                tracing::warn!("refused a second connection claiming rank {rank} from {addr}");
-                            }
-                            std::collections::btree_map::Entry::Vacant(slot) => {
-                                slot.insert((stream, addr, session));
-                            }
-                        }
-                    }
-                    // A stranger, or a peer with the wrong secret, version or run: log it and keep
-                    // waiting for the real one.
-                    Ok(Err(e)) => tracing::warn!("{e}"),
-                    Err(e) => tracing::warn!("handshake task failed: {e}"),
-                },
+    let dial = {
+        let done_tx = done_tx.clone();
+        async move {
+            for rank in to_dial {
+                let addr = *addresses.get(&rank).ok_or(TransportError::NoLink(rank))?;
+                let link = dial_one(cfg, rank, addr, deadline).await?;
+                let _ = done_tx.send((rank, link));
             }
+            Ok::<_, TransportError>(())
         }
-        Ok::<_, TransportError>(out)
     };
-    let (dialled, accepted) = tokio::try_join!(dial, accept)?;
-    Ok(dialled.into_iter().chain(accepted).collect())
+    let accept = accept_all(cfg, &listener, to_accept, deadline, done_tx);
+    let work = async { tokio::try_join!(dial, accept).map(|_| ()) };
+    tokio::pin!(work);
+    loop {
+        tokio::select! {
+            finished = &mut work => {
+                finished?;
+                while let Ok((rank, link)) = done_rx.try_recv() {
+                    up.start(rank, link);
+                }
+                return Ok(());
+            }
+            Some((rank, link)) = done_rx.recv() => up.start(rank, link),
+            Some(inbound) = inbox.recv() => up.note(inbound)?,
+        }
+    }
 }
+
+/// Accepts the neighbours of higher rank on `listener`, each through the greeting, until all
+/// are linked or `deadline`; strangers and refused greetings are counted and named in the
+/// error if the wait runs out.
+async fn accept_all(
+    cfg: &TransportConfig,
+    listener: &TcpListener,
+    to_accept: BTreeSet<u32>,
+    deadline: tokio::time::Instant,
+    done: mpsc::UnboundedSender<(u32, Established)>,
+) -> Result<(), TransportError> {
+    let mut linked = BTreeSet::new();
+    let mut refused = crate::admission::Refusals::default();
+    // Greetings run concurrently, so a stranger that connects and stalls cannot hold up the real
+    // peers behind it; how many run at once is bounded (see `admission`).
+    let mut pending = crate::admission::Admission::default();
+    while linked.len() < to_accept.len() {
+        tokio::select! {
+            accepted = tokio::time::timeout_at(
+                deadline,
+                crate::admission::accept(listener, ACCEPT_RETRY),
+            ) => {
+                let Ok((mut stream, addr)) = accepted else {
+                    let missing: Vec<u32> =
+                        to_accept.iter().filter(|r| !linked.contains(*r)).copied().collect();
+                    return Err(TransportError::LinksIncomplete {
+                        missing,
+                        waited: cfg.connect_timeout,
+                        refused,
+                    });
+                };
+                let _ = stream.set_nodelay(true);
+                let (cfg, expected) = (cfg.clone(), to_accept.clone());
+                pending.admit(addr, async move {
+                    handshake(&mut stream, addr, &cfg, |r| expected.contains(&r))
+                        .await
+                        .map(|(rank, session)| (rank, (stream, addr, session)))
+                });
+            }
+            Some(finished) = pending.next(), if !pending.is_empty() => match finished {
+                Ok(Ok((rank, link))) => {
+                    if linked.insert(rank) {
+                        let _ = done.send((rank, link));
+                    } else {
+                        let reason = format!("a second connection claiming rank {rank} from {}", link.1);
+                        tracing::warn!("refused {reason}");
+                        refused.push(reason);
+                    }
+                }
+                // A stranger, or a peer with the wrong secret, version or run: log it and keep
+                // waiting for the real one.
+                Ok(Err(e)) => {
+                    tracing::warn!("{e}");
+                    refused.push(e.to_string());
+                }
+                Err(e) => tracing::warn!("handshake task failed: {e}"),
+            },
+        }
+    }
+    Ok(())
+}
+
+/// Pause after a failed accept before the next (see `admission::accept`).
+const ACCEPT_RETRY: Duration = Duration::from_millis(100);
 
 async fn dial_one(
     cfg: &TransportConfig,
@@ -742,9 +865,19 @@ async fn dial_one(
             Err(_) => break,
             Ok(Ok(mut stream)) => {
                 let _ = stream.set_nodelay(true);
-                // A handshake failure with the node we dialled is fatal: it is the peer we need.
-                let (_, session) = handshake(&mut stream, addr, cfg, |r| r == rank).await?;
-                return Ok((stream, addr, session));
+                // A refusal by the node we dialled is fatal: it is the peer we need. A greeting
+                // cut short before either side found fault is dialled again (its listener may
+                // have closed it to make room under a flood of strangers).
+                match handshake(&mut stream, addr, cfg, |r| r == rank)
+                    .await
+                    .map_err(|e| e.dialled_as(rank))
+                {
+                    Ok((_, session)) => return Ok((stream, addr, session)),
+                    Err(TransportError::GreetingCut { reason, .. }) => {
+                        last = format!("the greeting was cut short: {reason}");
+                    }
+                    Err(e) => return Err(e),
+                }
             }
             Ok(Err(e)) => last = e.to_string(),
         }
@@ -1075,13 +1208,31 @@ async fn watchdog(
     inbox: mpsc::Sender<Inbound>,
 ) {
     let tick = (limit / 4).max(Duration::from_millis(10));
+    let mut awake = Instant::now();
+    // Silence is counted from the later of the peer's last byte and this node's last wake-up
+    // after a freeze: a node that was itself stopped (SIGSTOP, a suspended VM, a swap storm)
+    // for longer than the limit has heard nothing because it listened to nothing, and the
+    // peer's bytes queued meanwhile are read at once once it runs again.
+    let mut listening_since = awake;
     loop {
         tokio::time::sleep(tick).await;
         if finished.load(Ordering::Relaxed) {
             return;
         }
+        let now = Instant::now();
+        if now.duration_since(awake) > limit {
+            tracing::warn!(
+                "this node did not run for {:.1} s (stopped or starved); giving {} a fresh {:?} \
+                 before presuming it dead",
+                now.duration_since(awake).as_secs_f64(),
+                peer,
+                limit
+            );
+            listening_since = now;
+        }
+        awake = now;
         let last = epoch + Duration::from_nanos(last_byte.load(Ordering::Relaxed));
-        let silent = last.elapsed();
+        let silent = now.duration_since(last.max(listening_since));
         if silent > limit {
             reader.abort();
             let _ = inbox

@@ -138,7 +138,7 @@ fn wrong_version_and_garbage_are_refused_without_stopping_the_run() {
         let addresses = BTreeMap::new();
         Network::connect(config(0), listener, &addresses, &BTreeSet::from([1]))
     });
-    // A peer from the future: a valid frame with protocol version 9.
+    // A peer from the future: a valid frame of the next protocol version.
     let mut frame = Vec::new();
     ringtmp_wire::encode(
         &Message::Control(Control::Hello {
@@ -150,7 +150,7 @@ fn wrong_version_and_garbage_are_refused_without_stopping_the_run() {
         }),
         &mut frame,
     );
-    frame[4] = 9;
+    frame[4] = ringtmp_wire::PROTOCOL_VERSION as u8 + 1;
     let mut old = std::net::TcpStream::connect(addr).unwrap();
     old.write_all(&frame).unwrap();
     // And an HTTP client that wandered in.
@@ -497,4 +497,129 @@ fn a_wait_past_the_step_bound_is_a_stall_that_every_node_names() {
     );
     // Nodes that do not keep the steps are not bounded.
     assert!(nets[1].recv(Duration::from_millis(400)).is_err());
+}
+
+// Before a peer has proved the secret, only a greeting's few hundred bytes are read: a tensor
+// header declaring 200 MiB is refused from its prefix, at once, with nothing allocated for it.
+#[test]
+fn a_stranger_s_large_frame_is_refused_from_its_prefix() {
+    let listener = bind_listener("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut host = config(0);
+    host.connect_timeout = Duration::from_secs(3);
+    let host = thread::spawn(move || {
+        Network::connect(host, listener, &BTreeMap::new(), &BTreeSet::from([1]))
+    });
+    let header = TensorHeader {
+        run_id: 0xabc,
+        step: 0,
+        micro_batch: 0,
+        tag: TensorTag::Probe,
+        dtype: Dtype::F32,
+        shape: vec![50 << 20],
+    };
+    let mut prefix = Vec::new();
+    ringtmp_wire::encode_tensor_prefix(&header, 200 << 20, &mut prefix);
+    let started = Instant::now();
+    let mut stranger = std::net::TcpStream::connect(addr).unwrap();
+    stranger.write_all(&prefix).unwrap();
+    // The listener closes the connection after its hello, without reading the payload.
+    let _ = stranger.write_all(&vec![0u8; 1 << 20]);
+    stranger
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .unwrap();
+    let mut sink = Vec::new();
+    let _ = std::io::Read::read_to_end(&mut stranger, &mut sink);
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        started.elapsed()
+    );
+    let err = host
+        .join()
+        .unwrap()
+        .err()
+        .expect("no rank 1 came")
+        .to_string();
+    assert!(
+        err.contains("1 connection(s) refused") && err.contains("exceeds"),
+        "the refusal is named in the final error: {err}"
+    );
+    assert!(err.contains("unauthenticated peer 127.0.0.1:"), "{err}");
+}
+
+// A greeting cut short by a listener (its oldest, under a flood) is dialled again; a greeting
+// that never completes ends at its deadline. Neither stops the run.
+#[test]
+fn strangers_that_stall_cannot_keep_the_real_peer_out() {
+    let listener = bind_listener("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let host = thread::spawn(move || {
+        Network::connect(config(0), listener, &BTreeMap::new(), &BTreeSet::from([1]))
+    });
+    // More stalled greetings than the listener runs at once, each having sent one byte.
+    let stalled: Vec<_> = (0..ringtmp_transport::admission::MAX_PENDING + 20)
+        .map(|_| {
+            let mut s = std::net::TcpStream::connect(addr).unwrap();
+            s.write_all(b"R").unwrap();
+            s
+        })
+        .collect();
+    let real = Network::connect(
+        config(1),
+        bind_listener("127.0.0.1:0").unwrap(),
+        &BTreeMap::from([(0, addr)]),
+        &BTreeSet::from([0]),
+    )
+    .unwrap();
+    let host = host.join().unwrap().unwrap();
+    drop(stalled);
+    close_all(vec![real, host]);
+}
+
+// A node still waiting for one link has its other links up and beating: its neighbours do not
+// presume it dead, and when it gives up they hear why, with the refusal it saw (here a rank 3
+// started with --insecure-plaintext alone).
+#[test]
+fn a_node_still_connecting_keeps_its_early_links_alive_and_tells_them_why_it_gave_up() {
+    let configs: Vec<TransportConfig> = (0..4)
+        .map(|r| {
+            let mut c = config(r);
+            c.connect_timeout = Duration::from_secs(4);
+            c.peer_timeout = Duration::from_millis(800);
+            c.encrypt = r != 3;
+            c
+        })
+        .collect();
+    let ring = [(0, 1), (1, 2), (2, 3), (3, 0)];
+    let started = Instant::now();
+    let mut results = start(configs, &ring);
+    let err3 = results[3]
+        .as_ref()
+        .err()
+        .expect("rank 3 is refused")
+        .to_string();
+    assert!(err3.contains("--insecure-plaintext"), "{err3}");
+    let err0 = results[0]
+        .as_ref()
+        .err()
+        .expect("rank 0 waits for 3")
+        .to_string();
+    assert!(
+        err0.contains("ranks [3]") && err0.contains("--insecure-plaintext"),
+        "the waiting node's error names what it refused: {err0}"
+    );
+    // Rank 1's links (to 0 and 2) came up while 0 and 2 still waited for rank 3, seconds
+    // longer than the peer timeout: it hears their abort, not their silence.
+    let mut one = results.remove(1).expect("rank 1 links to 0 and 2");
+    let err1 = one.recv(Duration::from_secs(10)).unwrap_err();
+    assert!(
+        matches!(err1.root(), TransportError::Aborted { origin: 0 | 2, reason } if reason.contains("ranks [3]")),
+        "{err1}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(9),
+        "{:?}",
+        started.elapsed()
+    );
 }

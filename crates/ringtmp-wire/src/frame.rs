@@ -10,7 +10,7 @@ use crate::message::{Control, Message, TensorHeader};
 /// First four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"RTMP";
 /// The protocol version this build speaks; peers must match exactly.
-pub const PROTOCOL_VERSION: u16 = 8;
+pub const PROTOCOL_VERSION: u16 = 9;
 /// Bytes before the header.
 pub const PREFIX_LEN: usize = 20;
 
@@ -38,6 +38,20 @@ impl Default for Limits {
             max_payload_bytes: 256 << 20,
             max_dims: 8,
             max_elements: 64 << 20,
+        }
+    }
+}
+
+impl Limits {
+    /// What a connection may send before it has proved the run's secret: a greeting's control
+    /// messages (a hello is about 50 bytes, a proof 33), never a tensor. A stranger's frame is
+    /// refused from its 20-byte prefix, before anything is allocated for it.
+    pub fn greeting() -> Self {
+        Self {
+            max_header_bytes: 256,
+            max_payload_bytes: 0,
+            max_dims: 0,
+            max_elements: 0,
         }
     }
 }
@@ -474,11 +488,11 @@ mod tests {
         );
         let mut wrong_version = Vec::new();
         encode(&Message::Control(Control::Goodbye), &mut wrong_version);
-        wrong_version[4] = 9;
+        wrong_version[4] = PROTOCOL_VERSION as u8 + 1;
         assert_eq!(
             decode(&wrong_version, &limits),
             Err(DecodeError::UnsupportedVersion {
-                got: 9,
+                got: PROTOCOL_VERSION + 1,
                 supported: PROTOCOL_VERSION
             })
         );

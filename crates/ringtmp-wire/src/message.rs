@@ -181,6 +181,8 @@ pub enum Control {
     Register {
         /// The node.
         node: NodeAddr,
+        /// The `--world-size` the node was started with (rank 0 refuses one that differs).
+        world_size: u32,
     },
     /// All-reduce: rank 0 re-forms the ring after a worker died. Every worker in `members`
     /// drops its step in progress, takes rank 0's parameters and optimizer state (the `Params`
@@ -235,6 +237,19 @@ pub enum Control {
         /// Its encoding of the message.
         payload: Vec<u8>,
     },
+    /// Rendezvous: rank 0 will not take this node into the run (its rank is taken, or it was
+    /// started with another world size); the run goes on without it.
+    Refused {
+        /// Why, for the refused node to print.
+        reason: String,
+    },
+    /// Rendezvous: a node has the address table (rank 0 starts the run once every node has).
+    TableReceived {
+        /// The node.
+        rank: u32,
+    },
+    /// Rendezvous: every node has the table; links may be made.
+    Start,
 }
 
 /// A decoded frame.

@@ -55,6 +55,7 @@ fn messages() -> Vec<(&'static str, Message)> {
             "register",
             Control::Register {
                 node: node(2, "10.0.0.2:4100"),
+                world_size: 3,
             },
         ),
         (
@@ -101,6 +102,14 @@ fn messages() -> Vec<(&'static str, Message)> {
                 payload: vec![0, 41, 0x80, 0x01],
             },
         ),
+        (
+            "refused",
+            Control::Refused {
+                reason: "rank 1 is taken".into(),
+            },
+        ),
+        ("table-received", Control::TableReceived { rank: 2 }),
+        ("start", Control::Start),
     ];
     for (_, c) in &controls {
         // Fails to compile when a kind is added without a golden frame here.
@@ -119,7 +128,10 @@ fn messages() -> Vec<(&'static str, Message)> {
             | Control::Table { .. }
             | Control::ProfileRequest { .. }
             | Control::Profile { .. }
-            | Control::Strategy { .. } => {}
+            | Control::Strategy { .. }
+            | Control::Refused { .. }
+            | Control::TableReceived { .. }
+            | Control::Start => {}
         }
     }
     let mut all: Vec<(&'static str, Message)> = controls

@@ -114,8 +114,11 @@ async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(
     initiator: bool,
     state: &mut snow::HandshakeState,
 ) -> Result<(), String> {
-    let mut message = vec![0u8; MAX_RECORD];
-    let mut payload = vec![0u8; MAX_RECORD];
+    // Each message is 48 bytes (an ephemeral key and a tag, no payload): a larger length is
+    // refused before it is read.
+    const MAX_MESSAGE: usize = 1024;
+    let mut message = vec![0u8; MAX_MESSAGE];
+    let mut payload = vec![0u8; MAX_MESSAGE];
     for turn in 0..2 {
         if (turn == 0) == initiator {
             let n = state
@@ -136,6 +139,11 @@ async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(
                 .await
                 .map_err(|e| format!("the key exchange did not arrive: {e}"))?;
             let n = usize::from(u16::from_le_bytes(len));
+            if n > MAX_MESSAGE {
+                return Err(format!(
+                    "the key exchange declared a message of {n} bytes (at most {MAX_MESSAGE})"
+                ));
+            }
             stream
                 .read_exact(&mut message[..n])
                 .await
