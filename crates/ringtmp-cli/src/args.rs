@@ -204,7 +204,7 @@ pub struct TrainArgs {
     #[arg(help_heading = "Training", long, value_name = "NORM")]
     pub clip_grad_norm: Option<f32>,
     /// Compute threads [default: all cores].
-    #[arg(help_heading = "Training", long)]
+    #[arg(help_heading = "Training", long, value_parser = at_least_one)]
     pub threads: Option<usize>,
     /// Seed of initialisation, data order and dropout [default: 42].
     #[arg(help_heading = "Training", long)]
@@ -868,6 +868,14 @@ impl TrainArgs {
                 .into());
             }
         };
+        for (name, value) in [
+            ("recv-timeout", self.recv_timeout),
+            ("stall-timeout", self.stall_timeout),
+        ] {
+            if let Some(v) = value {
+                crate::node::check_timeout(name, v)?;
+            }
+        }
         let config = TrainConfig {
             model,
             wire_dtype,
@@ -1043,5 +1051,14 @@ mod tests {
             .into_owned();
         assert!(name.ends_with("-local"), "{name}");
         assert!(config.out.starts_with("runs"), "{}", config.out.display());
+    }
+}
+
+/// A count that must be at least 1 (`--threads`, `--limit`): clap refuses 0 as bad input.
+pub fn at_least_one(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
     }
 }

@@ -39,7 +39,7 @@ pub struct PredictArgs {
     #[arg(long, value_name = "FILE")]
     pub data_file: Option<PathBuf>,
     /// Predict for the first N rows only.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = crate::args::at_least_one)]
     pub limit: Option<usize>,
     /// Write the outputs as an .npy array `[rows, outputs]`: class logits, or regression
     /// predictions in the targets' units.
@@ -50,7 +50,7 @@ pub struct PredictArgs {
     #[arg(long, value_name = "OUT.csv")]
     pub csv: Option<PathBuf>,
     /// Compute threads [default: all cores].
-    #[arg(long)]
+    #[arg(long, value_parser = crate::args::at_least_one)]
     pub threads: Option<usize>,
 }
 

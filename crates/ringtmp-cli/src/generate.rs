@@ -53,11 +53,11 @@ pub struct GenerateArgs {
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
     /// Compute threads (default: every core; with --nodes, the cores shared out).
-    #[arg(long)]
+    #[arg(long, value_parser = crate::args::at_least_one)]
     pub threads: Option<usize>,
     /// Split the model over N local node processes (its layers balanced by parameters): no
     /// process holds the whole model or its cache.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
     pub nodes: u32,
     /// With --nodes: each node's memory (`768M`, or `RANK:LIMIT` entries); a split whose node
     /// would hold more parameters than its limit is refused before any node starts.
@@ -260,12 +260,18 @@ pub(crate) fn open(
     })
 }
 
-/// Prints the prompt, then each token as it is drawn: the text decoded as a whole so far (a
-/// byte-level token may end inside a character), its new part written and flushed.
+/// Prints the prompt, then each token as it is drawn. A byte-level token may end inside a
+/// character, so the text is decoded over a short window of the last tokens (the incremental
+/// decoding of Hugging Face's text-generation-inference): the window from `prefix` to `read`
+/// was printed, and the text past it is printed once it no longer ends in an incomplete
+/// character. Each token costs a decode of a few tokens, not of everything drawn.
 pub(crate) struct Printer<'a> {
     text: &'a Text,
     drawn: Vec<u32>,
-    printed: String,
+    /// Where the window of tokens decoded together starts.
+    prefix: usize,
+    /// Tokens up to here are printed.
+    read: usize,
 }
 
 impl<'a> Printer<'a> {
@@ -276,24 +282,42 @@ impl<'a> Printer<'a> {
         Ok(Self {
             text,
             drawn: Vec::new(),
-            printed: String::new(),
+            prefix: 0,
+            read: 0,
         })
     }
 
     pub(crate) fn token(&mut self, token: u32) -> anyhow::Result<()> {
         self.drawn.push(token);
-        let whole = self.text.decode(&self.drawn)?;
-        if let Some(new) = whole.strip_prefix(self.printed.as_str()) {
+        if let Some(new) = self.unprinted(false)? {
             let mut out = std::io::stdout().lock();
             write!(out, "{new}")?;
             out.flush()?;
-            self.printed = whole;
         }
         Ok(())
     }
 
-    pub(crate) fn end(self) -> anyhow::Result<()> {
-        writeln!(std::io::stdout().lock())?;
+    /// The text past what is printed, once it is complete (or `last`: whatever there is); the
+    /// window moves on past it.
+    fn unprinted(&mut self, last: bool) -> anyhow::Result<Option<String>> {
+        let printed = self.text.decode(&self.drawn[self.prefix..self.read])?;
+        let whole = self.text.decode(&self.drawn[self.prefix..])?;
+        let complete = !whole.ends_with('\u{FFFD}');
+        if whole.len() <= printed.len() || !(complete || last) {
+            return Ok(None);
+        }
+        let new = match whole.strip_prefix(printed.as_str()) {
+            Some(new) => new.to_string(),
+            None => whole,
+        };
+        self.prefix = self.read;
+        self.read = self.drawn.len();
+        Ok(Some(new))
+    }
+
+    pub(crate) fn end(mut self) -> anyhow::Result<()> {
+        let rest = self.unprinted(true)?.unwrap_or_default();
+        writeln!(std::io::stdout().lock(), "{rest}")?;
         Ok(())
     }
 }
@@ -470,4 +494,37 @@ fn tempfile_dir() -> anyhow::Result<PathBuf> {
     ));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     Ok(dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // A byte-level token may end inside a character: the characters still come out whole and
+    // in full, however the text is split into tokens.
+    #[test]
+    fn characters_split_over_tokens_are_printed_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let corpus = dir.path().join("corpus.txt");
+        let sample = "héllo wörld ✓ 日本語のテキスト — ünïcödé ☃ ".repeat(3);
+        std::fs::write(&corpus, &sample).unwrap();
+        let path = dir.path().join("tokenizer.json");
+        ringtmp_data::text::train_byte_level_bpe(&[corpus], 270, &path).unwrap();
+        let tokenizer = ringtmp_data::TextTokenizer::open(&path).unwrap();
+        let ids = tokenizer.encode(&sample).unwrap();
+        let text = Text::Tokenizer(Box::new(tokenizer));
+        let mut printer = Printer::new(&text, &[]).unwrap();
+        let mut out = String::new();
+        for id in ids {
+            printer.drawn.push(id);
+            if let Some(new) = printer.unprinted(false).unwrap() {
+                assert!(!new.contains('\u{FFFD}'), "{new:?}");
+                out.push_str(&new);
+            }
+            // The window never grows past the tokens of one character.
+            assert!(printer.drawn.len() - printer.prefix <= 8);
+        }
+        out.push_str(&printer.unprinted(true).unwrap().unwrap_or_default());
+        assert_eq!(out, sample);
+    }
 }

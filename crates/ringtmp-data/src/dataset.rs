@@ -752,6 +752,35 @@ mod tests {
         assert_eq!((x.len(), y), (2 * 784, vec![5, 0]));
     }
 
+    // A target column pandas wrote as floats (`68.0`) is a quantity, as is one of many varied
+    // whole numbers; a few small whole numbers stay class indices.
+    #[test]
+    fn whole_numbers_written_as_reals_or_many_and_varied_are_regression_targets() {
+        let dir = tempfile::tempdir().unwrap();
+        let table = |name: &str, label: &dyn Fn(u32) -> String| {
+            let path = dir.path().join(name);
+            let mut text = String::from("a,b,target\n");
+            for i in 0..400u32 {
+                text.push_str(&format!("{},{},{}\n", i % 7, i % 11, label(i)));
+            }
+            std::fs::write(&path, text).unwrap();
+            let mut source = crate::DataSource::new("csv", vec![path]);
+            source.validation = 0.2;
+            crate::load_source(&source).unwrap()
+        };
+        let regression = |d: &Dataset| d.train.as_rows().unwrap().measure_targets().is_some();
+        let pandas = table("pandas.csv", &|i| format!("{}.0", 25 + (i * 37) % 300));
+        assert!(regression(&pandas), "written as reals: a quantity");
+        let counts = table("counts.csv", &|i| ((i * 37) % 300 + 25).to_string());
+        assert!(
+            regression(&counts),
+            "300 distinct whole numbers in 400 rows: a quantity"
+        );
+        let classes = table("classes.csv", &|i| (i % 3).to_string());
+        assert!(!regression(&classes), "three small whole numbers: classes");
+        assert_eq!(classes.classes, 3);
+    }
+
     #[test]
     fn digits_loads_with_split() {
         let d = load("digits", None).unwrap();

@@ -27,6 +27,31 @@ pub(crate) struct Read {
     pub(crate) targets: Vec<f32>,
 }
 
+/// Whether a numeric label column holds a quantity rather than class indices: a fraction, a
+/// negative, a value too large to index a class, a number written as a real one (`68.0`, as
+/// pandas writes a column of floats), or whole numbers so many and so varied that they can only
+/// be counts or measurements (more than [`MAX_DISTINCT_CLASSES`] distinct values that are also
+/// more than a tenth of the rows).
+fn is_quantity(reads: &[Read], numbers: &[Vec<f64>]) -> bool {
+    let values = || numbers.iter().flatten();
+    if values()
+        .any(|&v| v.fract() != 0.0 || v < 0.0 || v >= f64::from(MAX_CLASS_INDEX) || !v.is_finite())
+    {
+        return true;
+    }
+    let written_as_real = reads
+        .iter()
+        .flat_map(|r| &r.labels)
+        .any(|c| c.contains(['.', 'e', 'E']));
+    let distinct: std::collections::BTreeSet<u64> = values().map(|&v| v as u64).collect();
+    let rows = values().count();
+    written_as_real || (distinct.len() > MAX_DISTINCT_CLASSES && distinct.len() * 10 > rows)
+}
+
+/// More distinct whole-number labels than this, when they are also more than a tenth of the
+/// rows, make a quantity (scikit-learn's diabetes target has 214 in 442 rows; its digits, 10).
+const MAX_DISTINCT_CLASSES: usize = 100;
+
 pub(crate) fn load(source: &DataSource) -> Result<Loaded> {
     let header = headers(&source.files[0])?;
     let find = |name: &str| -> Result<usize> {
@@ -99,9 +124,7 @@ pub(crate) fn load(source: &DataSource) -> Result<Loaded> {
             .map(|r| r.labels.iter().map(|c| c.parse::<f64>().ok()).collect())
             .collect();
         if let Some(numbers) = numbers
-            && numbers.iter().flatten().any(|&v| {
-                v.fract() != 0.0 || v < 0.0 || v >= f64::from(MAX_CLASS_INDEX) || !v.is_finite()
-            })
+            && is_quantity(&reads, &numbers)
         {
             for (r, values) in reads.iter_mut().zip(numbers) {
                 r.targets = values.iter().map(|&v| v as f32).collect();

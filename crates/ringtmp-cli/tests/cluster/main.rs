@@ -4,6 +4,7 @@
 
 mod common;
 mod compare;
+mod namespaces;
 mod recovery;
 mod resources;
 mod runtime;

@@ -146,9 +146,132 @@ fn stopped_node_is_detected_by_heartbeat() {
             stopped_at.elapsed()
         );
     }
-    let mut frozen = frozen;
-    frozen.kill().unwrap();
-    let _ = frozen.wait();
+    // Once it runs again, the frozen node does not blame the live peers it could not hear: it
+    // hears why they ended (its own silence).
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(frozen.id() as i32, libc::SIGCONT) };
+    let (out, _) = finish(frozen, Duration::from_secs(15));
+    let err = stderr(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    for live in [0, 2] {
+        assert!(
+            !names_silent(&err, live),
+            "the resumed node blames live rank {live}: {err}"
+        );
+    }
+}
+
+/// Whether `err` says that `rank` fell silent (`rank R (ADDR) has been silent`).
+fn names_silent(err: &str, rank: u32) -> bool {
+    let name = format!("rank {rank} (");
+    err.match_indices(&name).any(|(i, _)| {
+        err[i..]
+            .split_once(')')
+            .is_some_and(|(_, rest)| rest.starts_with(" has been silent"))
+    })
+}
+
+// A flood of idle connections at the open-file limit neither ends the rendezvous nor keeps
+// the real node out: greetings past the bound close the oldest, failed accepts are retried.
+#[test]
+fn idle_connections_at_the_file_limit_do_not_stop_the_rendezvous() {
+    use std::os::unix::process::CommandExt;
+    let port = free_port();
+    let mut rank_0 = ringtmp();
+    rank_0
+        .args([
+            "node",
+            "--rank",
+            "0",
+            "--world-size",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+        ])
+        .args([
+            "--master-port",
+            &port.to_string(),
+            "--job",
+            "selftest",
+            "--rounds",
+            "3",
+        ])
+        .args([
+            "--size-mib",
+            "0.25",
+            "--pings",
+            "3",
+            "--connect-timeout",
+            "40",
+        ])
+        .env("RINGTMP_SECRET", SECRET)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    // SAFETY: setrlimit only, in the child before exec.
+    unsafe {
+        rank_0.pre_exec(|| {
+            let limit = libc::rlimit {
+                rlim_cur: 48,
+                rlim_max: 48,
+            };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let rank_0 = rank_0.spawn().unwrap();
+    let until = Instant::now() + Duration::from_secs(10);
+    let mut idle = Vec::new();
+    while idle.len() < 200 && Instant::now() < until {
+        match std::net::TcpStream::connect(("127.0.0.1", port)) {
+            Ok(s) => idle.push(s),
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+    assert_eq!(idle.len(), 200, "rank 0 never listened");
+    let started = Instant::now();
+    let real = ringtmp()
+        .args([
+            "node",
+            "--rank",
+            "1",
+            "--world-size",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+        ])
+        .args([
+            "--master-port",
+            &port.to_string(),
+            "--connect-timeout",
+            "40",
+        ])
+        .env("RINGTMP_SECRET", SECRET)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let (out, _) = finish(real, Duration::from_secs(45));
+    assert!(out.status.success(), "{}", stderr(&out));
+    let (host, _) = finish(rank_0, Duration::from_secs(20));
+    assert!(host.status.success(), "{}", stderr(&host));
+    println!("rank 1 joined past the flood in {:?}", started.elapsed());
+    drop(idle);
+}
+
+// A timeout too large to add to the clock is bad input, not a panic.
+#[test]
+fn timeouts_past_a_week_are_usage_errors() {
+    for flag in ["--connect-timeout", "--peer-timeout", "--recv-timeout"] {
+        let out = ringtmp()
+            .args(["node", "--rank", "0", "--world-size", "2", flag, "1e19"])
+            .env("RINGTMP_SECRET", SECRET)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{flag}: {}", stderr(&out));
+        assert!(stderr(&out).contains("at most"), "{flag}: {}", stderr(&out));
+    }
 }
 
 #[test]

@@ -105,6 +105,17 @@ pub fn run_worker(
         .filter(|r| !r.is_empty())
         .collect();
     let parts = fragments(&tensors, job.fragments);
+    if parts.len() < job.fragments && rank == 0 {
+        // A fragment is whole tensors: a model of few tensors cannot be cut finer.
+        tracing::warn!(
+            "diloco: --outer-fragments {} asked for, but this model's {} parameter tensors make \
+             only {} fragments of about equal size; synchronising {} fragments",
+            job.fragments,
+            tensors.len(),
+            parts.len(),
+            parts.len()
+        );
+    }
     let buckets: Vec<Vec<std::ops::Range<usize>>> = parts
         .iter()
         .map(|p| bucket_ranges(p.clone(), job.bucket_bytes))
