@@ -22,9 +22,42 @@ pub struct ExportArgs {
     /// The framework to write for: pytorch.
     #[arg(long, value_name = "FRAMEWORK", default_value = "pytorch")]
     pub to: String,
-    /// Directory to write model.safetensors, model.py and recipe.json into.
+    /// Directory to write model.safetensors, model.py and recipe.json into (new or empty,
+    /// unless --overwrite).
     #[arg(value_name = "OUT")]
     pub out: PathBuf,
+    /// Replace the files of an earlier export in OUT.
+    #[arg(long)]
+    pub overwrite: bool,
+}
+
+/// Refuses an output that is a file, or a directory holding files an export would replace
+/// (unless `overwrite`), or that cannot be written: bad input, before anything is computed.
+fn check_export_dir(out: &Path, overwrite: bool) -> Result<()> {
+    if out.exists() && !out.is_dir() {
+        return Err(UsageError(format!("{}: is a file, not a directory", out.display())).into());
+    }
+    if !overwrite {
+        let taken: Vec<&str> = ["model.safetensors", "model.py", "recipe.json"]
+            .into_iter()
+            .filter(|f| out.join(f).exists())
+            .collect();
+        if !taken.is_empty() {
+            return Err(UsageError(format!(
+                "{} already holds {}: pass --overwrite to replace them, or export elsewhere",
+                out.display(),
+                taken.join(", ")
+            ))
+            .into());
+        }
+    }
+    std::fs::create_dir_all(out)
+        .map_err(|e| UsageError(format!("cannot create {}: {e}", out.display())))?;
+    let probe = out.join(".ringtmp-export-probe");
+    std::fs::write(&probe, b"")
+        .map_err(|e| UsageError(format!("cannot write into {}: {e}", out.display())))?;
+    let _ = std::fs::remove_file(probe);
+    Ok(())
 }
 
 /// `ringtmp predict` options.
@@ -138,8 +171,8 @@ pub fn export(a: &ExportArgs) -> Result<()> {
     if a.to != "pytorch" {
         return Err(UsageError(format!("--to {:?}: ringtmp exports to pytorch", a.to)).into());
     }
+    check_export_dir(&a.out, a.overwrite)?;
     let opened = open(&a.checkpoint, 1)?;
-    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let tensors = interop::to_pytorch(&opened.layers, opened.stage.params());
     let weights = a.out.join("model.safetensors");
     interop::write_safetensors(&weights, &tensors, &[("format", "pt")])?;

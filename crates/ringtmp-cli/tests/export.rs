@@ -343,3 +343,56 @@ fn train_table(table: &Path, run: &Path) {
         run.to_str().unwrap(),
     ]));
 }
+
+// An export never replaces a user's files without being told, and a place it cannot write is
+// bad input (exit 2), found before anything is computed.
+#[test]
+fn an_export_refuses_to_overwrite_a_file_or_an_earlier_export() {
+    let tmp = tempfile::tempdir().unwrap();
+    let checkpoint = golden("cnn").join("checkpoint");
+    let export = |out: &Path, extra: &[&str]| {
+        let mut args = vec![
+            "export",
+            "--checkpoint",
+            checkpoint.to_str().unwrap(),
+            out.to_str().unwrap(),
+        ];
+        args.extend_from_slice(extra);
+        ringtmp(&args)
+    };
+    let out = tmp.path().join("export");
+    ok(&export(&out, &[]));
+    std::fs::write(out.join("model.py"), "# my own edits\n").unwrap();
+    let again = export(&out, &[]);
+    assert_eq!(again.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&again.stderr).contains("--overwrite"));
+    assert_eq!(
+        std::fs::read_to_string(out.join("model.py")).unwrap(),
+        "# my own edits\n"
+    );
+    ok(&export(&out, &["--overwrite"]));
+    let file = tmp.path().join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    assert_eq!(export(&file, &[]).status.code(), Some(2));
+}
+
+// `predict --limit 0` and `--threads 0` are bad input, not a panic.
+#[test]
+fn predict_refuses_zero_rows_and_zero_threads() {
+    let checkpoint = golden("cnn").join("checkpoint");
+    for flag in ["--limit", "--threads"] {
+        let out = ringtmp(&[
+            "predict",
+            "--checkpoint",
+            checkpoint.to_str().unwrap(),
+            flag,
+            "0",
+        ]);
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "{flag}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}

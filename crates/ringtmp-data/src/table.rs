@@ -48,6 +48,18 @@ fn is_quantity(reads: &[Read], numbers: &[Vec<f64>]) -> bool {
     written_as_real || (distinct.len() > MAX_DISTINCT_CLASSES && distinct.len() * 10 > rows)
 }
 
+/// A cell as an error quotes it: its first 80 characters, and how many more there were (a
+/// cell may be megabytes long).
+fn quoted(cell: &str) -> String {
+    const SHOWN: usize = 80;
+    let total = cell.chars().count();
+    if total <= SHOWN {
+        return cell.to_string();
+    }
+    let kept: String = cell.chars().take(SHOWN).collect();
+    format!("{kept}… ({} more characters)", total - SHOWN)
+}
+
 /// More distinct whole-number labels than this, when they are also more than a tenth of the
 /// rows, make a quantity (scikit-learn's diabetes target has 214 in 442 rows; its digits, 10).
 const MAX_DISTINCT_CLASSES: usize = 100;
@@ -157,7 +169,8 @@ pub(crate) fn load(source: &DataSource) -> Result<Loaded> {
                         row: row as u64 + 1,
                         column: format!(", column {:?}", header[label.expect("classifying")]),
                         reason: format!(
-                            "class {cell:?} does not occur in the training file {}",
+                            "class {:?} does not occur in the training file {}",
+                            quoted(cell),
                             source.files[0].display()
                         ),
                     })
@@ -292,8 +305,8 @@ pub(crate) fn read(
             }
             match cell.parse::<f32>() {
                 Ok(v) if v.is_finite() => Ok(v),
-                Ok(_) => Err(bad(format!("{cell:?} is not a finite number"))),
-                Err(_) => Err(bad(format!("{cell:?} is not a number"))),
+                Ok(_) => Err(bad(format!("{:?} is not a finite number", quoted(cell)))),
+                Err(_) => Err(bad(format!("{:?} is not a number", quoted(cell)))),
             }
         };
         for &c in inputs {
