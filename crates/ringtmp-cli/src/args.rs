@@ -1009,6 +1009,15 @@ fn check_config_keys(path: &std::path::Path, text: &str) -> Result<()> {
     Ok(())
 }
 
+/// A count that must be at least 1 (`--threads`, `--limit`): clap refuses 0 as bad input.
+pub fn at_least_one(text: &str) -> Result<usize, String> {
+    match text.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1051,14 +1060,5 @@ mod tests {
             .into_owned();
         assert!(name.ends_with("-local"), "{name}");
         assert!(config.out.starts_with("runs"), "{}", config.out.display());
-    }
-}
-
-/// A count that must be at least 1 (`--threads`, `--limit`): clap refuses 0 as bad input.
-pub fn at_least_one(text: &str) -> Result<usize, String> {
-    match text.parse::<usize>() {
-        Ok(0) => Err("must be at least 1".into()),
-        Ok(n) => Ok(n),
-        Err(e) => Err(e.to_string()),
     }
 }

@@ -1,7 +1,8 @@
 //! CSV tables with a header row: every column but the label (or the regression targets) is a
 //! numeric input, standardised per column (scikit-learn's `StandardScaler`) unless told
 //! otherwise. A label column of small whole numbers gives class indices; of other numbers
-//! (fractions, negatives, values of 1,024 and more) regression targets; of text, class names
+//! (fractions, negatives, values of 1,024 and more, numbers written as reals, many varied whole
+//! numbers: [`is_quantity`]) regression targets; of text, class names
 //! indexed in sorted order (scikit-learn's `LabelEncoder`). Missing values are refused, not
 //! imputed: the error names the row and the column.
 
