@@ -19,6 +19,10 @@ pub struct Display {
     positions: Option<usize>,
     /// What its tokens are (`character` or `token`), for bits per unit.
     unit: &'static str,
+    /// Whether the evaluations are a regression's (R², not an accuracy).
+    regression: bool,
+    /// When the first step of this run began, and its number: for elapsed time and the ETA.
+    started: (Instant, u64),
 }
 
 impl Display {
@@ -31,6 +35,8 @@ impl Display {
             accuracy: None,
             positions: None,
             unit: "token",
+            regression: false,
+            started: (Instant::now(), 0),
         }
     }
 
@@ -56,6 +62,7 @@ impl Display {
                 ref stage_params,
             } => {
                 self.total = total_steps;
+                self.started = (Instant::now(), first_step);
                 let stages = if stage_params.is_empty() {
                     String::new()
                 } else {
@@ -92,6 +99,12 @@ impl Display {
                             .unwrap_or_default(),
                         format!("{:.0} tokens/s", samples_per_second * positions as f64),
                     ),
+                    None if self.regression => (
+                        self.accuracy
+                            .map(|r2| format!(" test R² {r2:.4}"))
+                            .unwrap_or_default(),
+                        format!("{samples_per_second:.0} samples/s"),
+                    ),
                     None => (
                         self.accuracy
                             .map(|a| format!(" test acc {:.2}%", a * 100.0))
@@ -105,8 +118,9 @@ impl Display {
                 } else if self.last_line.elapsed().as_secs_f64() >= 5.0 || step == self.total {
                     self.last_line = Instant::now();
                     eprintln!(
-                        "step {step}/{} epoch {epoch} loss {loss:.4}{acc} {rate}",
-                        self.total
+                        "step {step}/{} epoch {epoch} loss {loss:.4}{acc} {rate}; {}",
+                        self.total,
+                        timing(self.started, step, self.total)
                     );
                 }
             }
@@ -120,6 +134,7 @@ impl Display {
             } => {
                 let line = if let (Some(rmse), Some(mae)) = (rmse, mae) {
                     self.accuracy = Some(accuracy);
+                    self.regression = true;
                     format!(
                         "eval step {step} epoch {epoch}: test R² {accuracy:.4}, RMSE {rmse:.4}, \
                          MAE {mae:.4}"
@@ -164,6 +179,28 @@ impl Display {
         if let Some(bar) = self.bar.take() {
             bar.finish_and_clear();
         }
+    }
+}
+
+/// `12.3 s elapsed, ETA 45.6 s` after `step` of `total` steps, the run having started at
+/// `first` (the ETA at the rate of the steps so far).
+fn timing((since, first): (Instant, u64), step: u64, total: u64) -> String {
+    let elapsed = since.elapsed().as_secs_f64();
+    let done = step.saturating_sub(first);
+    if done == 0 || step >= total {
+        return format!("{elapsed:.1} s elapsed");
+    }
+    let eta = elapsed / done as f64 * (total - step) as f64;
+    format!("{elapsed:.1} s elapsed, ETA {}", clock(eta))
+}
+
+/// Seconds as `45 s`, `12 min 5 s` or `3 h 20 min`.
+fn clock(seconds: f64) -> String {
+    let s = seconds.round() as u64;
+    match s {
+        0..60 => format!("{s} s"),
+        60..3600 => format!("{} min {} s", s / 60, s % 60),
+        _ => format!("{} h {} min", s / 3600, s % 3600 / 60),
     }
 }
 

@@ -574,6 +574,16 @@ fn run_training(
     net: &mut ringtmp_transport::Network,
 ) -> Result<()> {
     let spec = job.spec();
+    // A node started by hand says what it is for (under the local launcher the plan said it).
+    let by_hand = std::env::var_os(crate::launcher::LOCAL_LAUNCHER_ENV).is_none();
+    if by_hand && rank != 0 {
+        eprintln!(
+            "node: rank {rank} runs {}: {}; {} thread(s)",
+            job.name(),
+            job.role(rank),
+            spec.threads
+        );
+    }
     crate::plan::init_threads(spec.threads)?;
     let data = if job.needs_data(rank) {
         let text = spec.text.as_ref();
@@ -638,6 +648,8 @@ fn run_training(
     display.finish();
     if let Some(summary) = summary {
         crate::display::print_summary(&summary, &spec.out);
+    } else if by_hand {
+        eprintln!("node: rank {rank} done: its part of the run ended without a fault");
     }
     Ok(())
 }

@@ -206,6 +206,12 @@ pub trait Strategy: Sized {
         0
     }
 
+    /// What `rank` holds and does in this job, in a few words: the line a node started by hand
+    /// prints, so that every machine says what it is for.
+    fn role(&self, _rank: u32) -> String {
+        "a worker: a whole copy of the model, training on its share of every batch".into()
+    }
+
     /// The plan's prediction of one step, where the strategy plans one: what bounds the wait
     /// for progress until steps have been measured ([`ringtmp_transport::progress`]).
     fn predicted_step(&self) -> Option<std::time::Duration> {

@@ -241,6 +241,11 @@ impl Job {
         each!(self, j => j.progress_rank())
     }
 
+    /// See [`Strategy::role`].
+    pub fn role(&self, rank: u32) -> String {
+        each!(self, j => j.role(rank))
+    }
+
     /// See [`Strategy::predicted_step`].
     pub fn predicted_step(&self) -> Option<std::time::Duration> {
         each!(self, j => j.predicted_step())

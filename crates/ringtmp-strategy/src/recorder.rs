@@ -23,7 +23,7 @@ pub struct Tracker {
     target: f64,
     /// Latest evaluation.
     pub last: f64,
-    /// Best evaluation.
+    /// Best evaluation (`-inf` before the first: a regression's R² may be negative).
     pub best: f64,
     /// `(step, training seconds)` of the first evaluation at or above the target.
     pub reached: Option<(u64, f64)>,
@@ -40,7 +40,7 @@ impl Tracker {
         Self {
             target,
             last: 0.0,
-            best: 0.0,
+            best: f64::NEG_INFINITY,
             reached: None,
             loss: None,
             errors: None,
@@ -382,7 +382,12 @@ impl RunRecorder {
             threads: spec.threads as u32,
             final_train_loss,
             final_test_accuracy: self.tracker.last,
-            best_test_accuracy: self.tracker.best,
+            // No evaluation yet: 0, as the latest's default.
+            best_test_accuracy: if self.tracker.best.is_finite() {
+                self.tracker.best
+            } else {
+                0.0
+            },
             target_accuracy: spec.target_accuracy,
             time_to_target_seconds: self.tracker.reached.map(|(_, t)| t),
             steps_to_target: self.tracker.reached.map(|(s, _)| s),
@@ -445,5 +450,23 @@ impl RunRecorder {
         self.write(json!({"event": "end", "steps": summary.steps,
             "final_test_accuracy": summary.final_test_accuracy}))?;
         Ok(summary)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    // A regression's R² may be negative throughout a run: its best is the least negative, not 0.
+    #[test]
+    fn the_best_of_negative_scores_is_the_least_negative() {
+        let mut tracker = Tracker::new(0.9);
+        tracker.record(-193.8, 10, 1.0);
+        tracker.record(-0.36, 20, 2.0);
+        tracker.record(-4.0, 30, 3.0);
+        assert_eq!(
+            (tracker.best, tracker.last, tracker.reached),
+            (-0.36, -4.0, None)
+        );
     }
 }

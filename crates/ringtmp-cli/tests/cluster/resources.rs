@@ -336,6 +336,21 @@ fn every_node_profiles_itself_at_rendezvous_and_a_restart_answers_from_its_cache
         for (rank, o) in outputs.iter().enumerate() {
             assert!(o.status.success(), "rank {rank}: {}", stderr(o));
         }
+        // Every node started by hand says what it holds (or that the plan leaves it idle),
+        // and that it is done.
+        for (rank, o) in outputs.iter().enumerate().skip(1) {
+            let err = stderr(o);
+            assert!(
+                err.contains(&format!(
+                    "node: rank {rank} runs ring: a ring stage: layers "
+                )) || err.contains(&format!("node: rank {rank} runs ring: idle")),
+                "rank {rank}: {err}"
+            );
+            assert!(
+                err.contains(&format!("node: rank {rank} done")),
+                "rank {rank}: {err}"
+            );
+        }
         stderr(&outputs[0])
     };
     let first = run(&[], &[]);

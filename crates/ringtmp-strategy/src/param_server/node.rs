@@ -49,6 +49,21 @@ impl Strategy for PsJob {
         &self.spec
     }
 
+    fn role(&self, rank: u32) -> String {
+        if (rank as usize) < self.servers {
+            format!(
+                "parameter server {rank} of {}: a shard of the parameters and its optimizer state",
+                self.servers
+            )
+        } else {
+            format!(
+                "worker {} of {}: computes gradients on its share of every batch",
+                rank as usize - self.servers,
+                self.workers
+            )
+        }
+    }
+
     fn validate(&self, world: u32) -> Result<()> {
         validate_shared(&self.spec, world, self.servers + self.workers)?;
         if self.servers == 0 || self.workers == 0 {

@@ -60,6 +60,26 @@ impl Strategy for RingJob {
         &self.spec
     }
 
+    fn role(&self, rank: u32) -> String {
+        let Some(stage) = self.partition.iter().find(|s| s.rank == rank) else {
+            return "idle: the plan leaves this node out; it leaves once the ring has formed"
+                .into();
+        };
+        let master = if rank == 0 {
+            "; the master: it holds the data and the labels and computes the loss"
+        } else {
+            ""
+        };
+        let head = match (&self.head, rank) {
+            (Some(head), 0) => format!(" and the head, layers {}..{}", head.start, head.end),
+            _ => String::new(),
+        };
+        format!(
+            "a ring stage: layers {}..{}{head} and their optimizer state{master}",
+            stage.start, stage.end
+        )
+    }
+
     fn validate(&self, world: u32) -> Result<()> {
         validate_shared(
             &self.spec,
