@@ -61,6 +61,17 @@ pub fn convert(args: &TrainArgs, cfg: &TrainConfig, data: &Dataset) -> Result<Op
     }
     let usage = |what: String| UsageError(format!("--init-from {}: {what}", file.display()));
     let tensors = interop::read_safetensors(file).map_err(|e| usage(e.to_string()))?;
+    // One NaN weight would start every node and end the run as a divergence.
+    for (name, (shape, values)) in &tensors {
+        if let Some(at) = values.iter().position(|v| !v.is_finite()) {
+            return Err(usage(format!(
+                "tensor {name:?} (shape {shape:?}) holds {} at element {at}: the weights are \
+                 not finite",
+                values[at]
+            ))
+            .into());
+        }
+    }
     let map = match &args.weight_map {
         Some(m) => m.parse().map_err(|e: String| usage(e))?,
         None => guess_map(tensors.keys()),

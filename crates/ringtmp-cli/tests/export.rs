@@ -269,6 +269,28 @@ fn init_from_an_export_starts_every_strategy_from_those_weights() {
         "{stderr}"
     );
     assert!(!t.join("refused").join("summary.json").exists());
+    // A NaN among the weights: refused naming the tensor, before any node starts.
+    let mut bytes = std::fs::read(weights).unwrap();
+    let n = bytes.len();
+    bytes[n - 4..].copy_from_slice(&f32::NAN.to_le_bytes());
+    let poisoned = t.join("nan.safetensors");
+    std::fs::write(&poisoned, bytes).unwrap();
+    let out = ringtmp(&[
+        "train",
+        "--dataset",
+        "digits",
+        "--strategy",
+        "local",
+        "--model-file",
+        model,
+        "--init-from",
+        poisoned.to_str().unwrap(),
+        "--out",
+        t.join("nan").to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("not finite") && stderr.contains("tensor"), "{stderr}");
 }
 
 #[test]

@@ -227,6 +227,15 @@ fn rows(
         order
     });
     let data_range = x.header.data_offset..x.header.data_offset + x.header.data_bytes();
+    if let Some(at) = first_non_finite(&x.bytes.as_slice()[data_range.clone()], &x.header.kind) {
+        // A NaN would make the normalisation's mean NaN and the run learn nothing.
+        return Err(Error::Table {
+            path: x.path.clone(),
+            row: (at / features.max(1)) as u64 + 1,
+            column: format!(", value {}", at % features.max(1)),
+            reason: "input is not a finite number (NaN or infinity): clean the array first".into(),
+        });
+    }
     let dtype = match x.header.kind {
         Kind::U8 => Dtype::U8,
         Kind::F16 => Dtype::F16,
@@ -266,6 +275,24 @@ fn rows(
             data
         }
     })
+}
+
+/// The index of the first value of a float array's little-endian `bytes` that is NaN or
+/// infinite (its exponent bits all set); `None` for integer arrays.
+fn first_non_finite(bytes: &[u8], kind: &Kind) -> Option<usize> {
+    match kind {
+        Kind::F16 => bytes
+            .chunks_exact(2)
+            .position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7c00 == 0x7c00),
+        Kind::F32 => bytes.chunks_exact(4).position(|b| {
+            u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7f80_0000 == 0x7f80_0000
+        }),
+        Kind::F64 => bytes.chunks_exact(8).position(|b| {
+            let bits = u64::from_le_bytes(b.try_into().expect("8 bytes"));
+            bits & 0x7ff0_0000_0000_0000 == 0x7ff0_0000_0000_0000
+        }),
+        Kind::U8 | Kind::Int { .. } => None,
+    }
 }
 
 fn labels(source: &DataSource, y: &Array, rows: usize) -> Result<Labels> {

@@ -781,6 +781,25 @@ mod tests {
         assert_eq!(classes.classes, 3);
     }
 
+    // A NaN among the inputs is refused at load, naming the file and the row, before any
+    // normalisation or node sees it.
+    #[test]
+    fn non_finite_inputs_are_refused_naming_the_row() {
+        let dir = tempfile::tempdir().unwrap();
+        let (x, y) = (dir.path().join("x.npy"), dir.path().join("y.npy"));
+        let mut values = vec![0.5f32; 20 * 4];
+        values[13 * 4 + 2] = f32::NAN;
+        let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        crate::npy::write(&x, "<f4", &[20, 4], &bytes).unwrap();
+        let labels: Vec<u8> = (0..20u8).map(|i| i % 2).collect();
+        crate::npy::write(&y, "|u1", &[20], &labels).unwrap();
+        let mut source = crate::DataSource::new("npy", vec![x]);
+        source.label_files = vec![y];
+        source.validation = 0.2;
+        let err = crate::load_source(&source).unwrap_err().to_string();
+        assert!(err.contains("x.npy") && err.contains("row 14") && err.contains("finite"), "{err}");
+    }
+
     #[test]
     fn digits_loads_with_split() {
         let d = load("digits", None).unwrap();
