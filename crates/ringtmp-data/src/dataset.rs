@@ -800,6 +800,39 @@ mod tests {
         assert!(err.contains("x.npy") && err.contains("row 14") && err.contains("finite"), "{err}");
     }
 
+    // Labels a run could not train on honestly are refused, naming where: a missing (`nan`)
+    // label, a header naming its label column twice, a class folder with no image.
+    #[test]
+    fn labels_that_cannot_train_are_refused_naming_where() {
+        let dir = tempfile::tempdir().unwrap();
+        let csv = |name: &str, text: &str| {
+            let path = dir.path().join(name);
+            std::fs::write(&path, text).unwrap();
+            let mut source = crate::DataSource::new("csv", vec![path]);
+            source.validation = 0.2;
+            crate::load_source(&source).map(|_| ()).unwrap_err().to_string()
+        };
+        let rows = |label: &dyn Fn(u32) -> String| {
+            (0..30u32).map(|i| format!("{},{}\n", i % 5, label(i))).collect::<String>()
+        };
+        let nan = csv("nan.csv", &format!("a,label\n{}", rows(&|i| if i == 7 { "nan".into() } else { (i % 2).to_string() })));
+        assert!(nan.contains("row 8") && nan.contains("not a finite number"), "{nan}");
+        let twice = csv("twice.csv", &format!("label,label\n{}", rows(&|i| (i % 2).to_string())));
+        assert!(twice.contains("\"label\" twice"), "{twice}");
+        let images = dir.path().join("images");
+        for class in ["cat", "dog"] {
+            std::fs::create_dir_all(images.join(class)).unwrap();
+        }
+        for i in 0..4 {
+            image::RgbImage::new(4, 4)
+                .save(images.join("cat").join(format!("{i}.png")))
+                .unwrap();
+        }
+        let source = crate::DataSource::new("images", vec![images]);
+        let empty = crate::load_source(&source).map(|_| ()).unwrap_err().to_string();
+        assert!(empty.contains("\"dog\" holds no PNG or JPEG image"), "{empty}");
+    }
+
     #[test]
     fn digits_loads_with_split() {
         let d = load("digits", None).unwrap();

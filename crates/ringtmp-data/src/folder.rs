@@ -54,7 +54,17 @@ pub(crate) fn load(source: &DataSource) -> Result<Loaded> {
                     r.display()
                 )));
             };
-            for f in images_in(&r.join(&name))? {
+            let images = images_in(&r.join(&name))?;
+            // A class with no image in the training folder could never be learned, and it
+            // would still take an output: refuse it rather than train a class that is not there.
+            if images.is_empty() && std::ptr::eq(r, &roots[0]) {
+                return Err(source.error(format!(
+                    "{}: class folder {name:?} holds no PNG or JPEG image (remove it, or add \
+                     its images)",
+                    r.display()
+                )));
+            }
+            for f in images {
                 files.push((f, class as u32));
             }
         }

@@ -136,6 +136,18 @@ pub(crate) fn load(source: &DataSource) -> Result<Loaded> {
             .iter()
             .map(|r| r.labels.iter().map(|c| c.parse::<f64>().ok()).collect())
             .collect();
+        if let Some(numbers) = &numbers {
+            for (path, values) in source.files.iter().zip(numbers) {
+                if let Some(row) = values.iter().position(|v| !v.is_finite()) {
+                    return Err(Error::Table {
+                        path: path.clone(),
+                        row: row as u64 + 1,
+                        column: format!(", column {:?}", header[at]),
+                        reason: "the label is not a finite number (a missing value?)".into(),
+                    });
+                }
+            }
+        }
         if let Some(numbers) = numbers
             && is_quantity(&reads, &numbers)
         {
@@ -239,6 +251,18 @@ pub(crate) fn headers(path: &Path) -> Result<Vec<String>> {
             path: path.to_path_buf(),
             offset: 0,
             reason: "no header row (the first line names the columns)".into(),
+        });
+    }
+    // A column chosen by name must be one column.
+    let mut seen = std::collections::BTreeSet::new();
+    if let Some(twice) = header.iter().find(|name| !seen.insert(name.as_str())) {
+        return Err(Error::Format {
+            path: path.to_path_buf(),
+            offset: 0,
+            reason: format!(
+                "the header names column {:?} twice: every column needs a name of its own",
+                quoted(twice)
+            ),
         });
     }
     Ok(header)
