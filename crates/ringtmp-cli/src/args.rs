@@ -873,7 +873,7 @@ impl TrainArgs {
             ("stall-timeout", self.stall_timeout),
         ] {
             if let Some(v) = value {
-                crate::node::check_timeout(name, v)?;
+                check_timeout(name, v)?;
             }
         }
         let config = TrainConfig {
@@ -1005,6 +1005,22 @@ fn check_config_keys(path: &std::path::Path, text: &str) -> Result<()> {
             ))
             .into());
         }
+    }
+    Ok(())
+}
+
+/// Longest timeout a node takes: a week. Deadlines are instants that must stay representable
+/// once added to the clock, and no wait of a run is meant to be longer.
+const MAX_TIMEOUT_SECONDS: f64 = 7.0 * 24.0 * 3600.0;
+
+/// Refuses a timeout that is not positive or longer than a week (bad input, exit 2).
+pub(crate) fn check_timeout(name: &str, v: f64) -> Result<()> {
+    if !(v > 0.0 && v <= MAX_TIMEOUT_SECONDS) {
+        return Err(UsageError(format!(
+            "--{name} must be a positive number of seconds, at most {MAX_TIMEOUT_SECONDS} (a \
+             week); got {v}"
+        ))
+        .into());
     }
     Ok(())
 }

@@ -178,24 +178,8 @@ fn secret(args: &ConnectArgs) -> Result<Vec<u8>> {
     Ok(trimmed)
 }
 
-/// Longest timeout a node takes: a week. Deadlines are instants that must stay representable
-/// once added to the clock, and no wait of a run is meant to be longer.
-const MAX_TIMEOUT_SECONDS: f64 = 7.0 * 24.0 * 3600.0;
-
-/// Refuses a timeout that is not positive or longer than a week (bad input, exit 2).
-pub(crate) fn check_timeout(name: &str, v: f64) -> Result<()> {
-    if !(v > 0.0 && v <= MAX_TIMEOUT_SECONDS) {
-        return Err(UsageError(format!(
-            "--{name} must be a positive number of seconds, at most {MAX_TIMEOUT_SECONDS} (a \
-             week); got {v}"
-        ))
-        .into());
-    }
-    Ok(())
-}
-
 fn seconds(name: &str, v: f64) -> Result<Duration> {
-    check_timeout(name, v)?;
+    crate::args::check_timeout(name, v)?;
     Duration::try_from_secs_f64(v)
         .ok()
         .filter(|d| !d.is_zero())
@@ -234,7 +218,7 @@ pub fn run(args: &NodeArgs) -> Result<()> {
         eprintln!("{line}");
     }
     if let Some(v) = c.recv_timeout {
-        check_timeout("recv-timeout", v)?;
+        crate::args::check_timeout("recv-timeout", v)?;
     }
     let secret = secret(c)?;
     let mut transport = TransportConfig::new(0, placement.rank, secret.clone());

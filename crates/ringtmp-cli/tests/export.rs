@@ -290,7 +290,10 @@ fn init_from_an_export_starts_every_strategy_from_those_weights() {
     ]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");
-    assert!(stderr.contains("not finite") && stderr.contains("tensor"), "{stderr}");
+    assert!(
+        stderr.contains("not finite") && stderr.contains("tensor"),
+        "{stderr}"
+    );
 }
 
 #[test]

@@ -797,7 +797,10 @@ mod tests {
         source.label_files = vec![y];
         source.validation = 0.2;
         let err = crate::load_source(&source).unwrap_err().to_string();
-        assert!(err.contains("x.npy") && err.contains("row 14") && err.contains("finite"), "{err}");
+        assert!(
+            err.contains("x.npy") && err.contains("row 14") && err.contains("finite"),
+            "{err}"
+        );
     }
 
     // Labels a run could not train on honestly are refused, naming where: a missing (`nan`)
@@ -810,14 +813,35 @@ mod tests {
             std::fs::write(&path, text).unwrap();
             let mut source = crate::DataSource::new("csv", vec![path]);
             source.validation = 0.2;
-            crate::load_source(&source).map(|_| ()).unwrap_err().to_string()
+            crate::load_source(&source)
+                .map(|_| ())
+                .unwrap_err()
+                .to_string()
         };
         let rows = |label: &dyn Fn(u32) -> String| {
-            (0..30u32).map(|i| format!("{},{}\n", i % 5, label(i))).collect::<String>()
+            (0..30u32)
+                .map(|i| format!("{},{}\n", i % 5, label(i)))
+                .collect::<String>()
         };
-        let nan = csv("nan.csv", &format!("a,label\n{}", rows(&|i| if i == 7 { "nan".into() } else { (i % 2).to_string() })));
-        assert!(nan.contains("row 8") && nan.contains("not a finite number"), "{nan}");
-        let twice = csv("twice.csv", &format!("label,label\n{}", rows(&|i| (i % 2).to_string())));
+        let nan = csv(
+            "nan.csv",
+            &format!(
+                "a,label\n{}",
+                rows(&|i| if i == 7 {
+                    "nan".into()
+                } else {
+                    (i % 2).to_string()
+                })
+            ),
+        );
+        assert!(
+            nan.contains("row 8") && nan.contains("not a finite number"),
+            "{nan}"
+        );
+        let twice = csv(
+            "twice.csv",
+            &format!("label,label\n{}", rows(&|i| (i % 2).to_string())),
+        );
         assert!(twice.contains("\"label\" twice"), "{twice}");
         let images = dir.path().join("images");
         for class in ["cat", "dog"] {
@@ -829,8 +853,14 @@ mod tests {
                 .unwrap();
         }
         let source = crate::DataSource::new("images", vec![images]);
-        let empty = crate::load_source(&source).map(|_| ()).unwrap_err().to_string();
-        assert!(empty.contains("\"dog\" holds no PNG or JPEG image"), "{empty}");
+        let empty = crate::load_source(&source)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            empty.contains("\"dog\" holds no PNG or JPEG image"),
+            "{empty}"
+        );
     }
 
     #[test]
