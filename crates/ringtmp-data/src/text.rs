@@ -317,20 +317,68 @@ impl TextCorpus {
     }
 }
 
-/// Reads a file, raw or gzip-compressed (by its `.gz` name).
+/// Memory a text in memory costs per byte of the file: the bytes, the decoded string, its
+/// characters and their ids are held at once while a corpus is made.
+const TEXT_COST_PER_BYTE: u64 = 16;
+
+/// The most text bytes this machine can make a corpus of: what memory is available (Linux's
+/// `MemAvailable`), divided by what each byte costs; unbounded where that cannot be read.
+fn text_budget() -> u64 {
+    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        m.lines()
+            .find(|l| l.starts_with("MemAvailable:"))
+            .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+    });
+    available.map_or(u64::MAX, |kib| kib * 1024 / TEXT_COST_PER_BYTE)
+}
+
+/// Reads a file, raw or gzip-compressed (by its `.gz` name). Only a regular file is read (a
+/// FIFO would block and a device never end), and no more than [`text_budget`] bytes, raw or
+/// decompressed: past it the error says how much memory the text would need.
 fn read_bytes(path: &Path) -> Result<Vec<u8>> {
+    read_bytes_within(path, text_budget())
+}
+
+fn read_bytes_within(path: &Path, budget: u64) -> Result<Vec<u8>> {
     let io = |source| Error::Io {
         path: path.to_path_buf(),
         source,
+    };
+    let refuse = |reason: String| Error::Format {
+        path: path.to_path_buf(),
+        offset: 0,
+        reason,
+    };
+    let meta = std::fs::metadata(path).map_err(io)?;
+    if !meta.is_file() {
+        return Err(refuse(
+            "not a regular file (a directory, a FIFO or a device): the text must be a file".into(),
+        ));
+    }
+    let too_large = |what: &str| {
+        refuse(format!(
+            "{what} more than {budget} bytes of text, which would need about {} MiB of memory \
+             ({TEXT_COST_PER_BYTE} bytes per byte of text) beyond what this machine has \
+             available; use a token file (.bin) or a smaller text",
+            budget.saturating_mul(TEXT_COST_PER_BYTE) >> 20
+        ))
     };
     let file = std::fs::File::open(path).map_err(io)?;
     let mut bytes = Vec::new();
     if path.extension().is_some_and(|e| e == "gz") {
         flate2::read::GzDecoder::new(file)
+            .take(budget.saturating_add(1))
             .read_to_end(&mut bytes)
             .map_err(io)?;
+        if bytes.len() as u64 > budget {
+            return Err(too_large("it decompresses to"));
+        }
     } else {
+        if meta.len() > budget {
+            return Err(too_large("it holds"));
+        }
         std::io::BufReader::new(file)
+            .take(budget.saturating_add(1))
             .read_to_end(&mut bytes)
             .map_err(io)?;
     }
@@ -690,6 +738,33 @@ pub fn load_token_bins(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    // What is read is bounded: a FIFO or a device is refused at once (it would block or never
+    // end), and a text, or a .gz's decompressed text, past the budget is refused with the
+    // memory it would need, after reading no more than the budget.
+    #[test]
+    fn only_regular_files_within_the_budget_are_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("fifo");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        if made.is_ok_and(|s| s.success()) {
+            let err = read_bytes(&fifo).unwrap_err().to_string();
+            assert!(err.contains("not a regular file"), "{err}");
+        }
+        let err = read_bytes(Path::new("/dev/zero")).unwrap_err().to_string();
+        assert!(err.contains("not a regular file"), "{err}");
+        let text = write(dir.path(), "t.txt", &[b'a'; 10_000]);
+        assert_eq!(read_bytes_within(&text, 10_000).unwrap().len(), 10_000);
+        let err = read_bytes_within(&text, 9_999).unwrap_err().to_string();
+        assert!(err.contains("holds more than 9999 bytes"), "{err}");
+        // 1 MB of zeros in a few kB of gzip: refused once the budget is passed.
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        std::io::Write::write_all(&mut gz, &vec![b'z'; 1 << 20]).unwrap();
+        let bomb = write(dir.path(), "bomb.txt.gz", &gz.finish().unwrap());
+        let err = read_bytes_within(&bomb, 100_000).unwrap_err().to_string();
+        assert!(err.contains("decompresses to more than 100000 bytes"), "{err}");
+        assert_eq!(read_bytes_within(&bomb, 1 << 20).unwrap().len(), 1 << 20);
+    }
 
     fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
         let path = dir.join(name);
