@@ -85,8 +85,14 @@ pub fn exit_code(err: &anyhow::Error) -> u8 {
             Some(false)
         } else if let Some(e) = cause.downcast_ref::<ringtmp_model::Error>() {
             Some(e.is_usage())
+        } else if cause.downcast_ref::<ringtmp_data::Error>().is_some() {
+            Some(true)
         } else {
-            cause.downcast_ref::<ringtmp_data::Error>().map(|_| true)
+            // A file the user named that is missing, or a place they named that cannot be
+            // written: their input.
+            cause
+                .downcast_ref::<std::io::Error>()
+                .and_then(|e| ringtmp_model::is_the_users_path(e).then_some(true))
         };
         if let Some(usage) = usage {
             return if usage { 2 } else { 1 };

@@ -421,3 +421,50 @@ fn predict_refuses_zero_rows_and_zero_threads() {
         );
     }
 }
+
+// A checkpoint missing a file its manifest lists, or an input that is not there, is bad
+// input (exit 2), named.
+#[test]
+fn missing_files_are_bad_input() {
+    let tmp = tempfile::tempdir().unwrap();
+    let damaged = tmp.path().join("checkpoint");
+    std::fs::create_dir_all(&damaged).unwrap();
+    for entry in std::fs::read_dir(golden("cnn").join("checkpoint")).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "json") {
+            std::fs::copy(&path, damaged.join(path.file_name().unwrap())).unwrap();
+        }
+    }
+    let out = tmp.path().join("out");
+    let export = ringtmp(&[
+        "export",
+        "--checkpoint",
+        damaged.to_str().unwrap(),
+        out.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        export.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&export.stderr)
+    );
+    assert!(String::from_utf8_lossy(&export.stderr).contains("safetensors"));
+    let missing = tmp.path().join("no-such.npy");
+    let csv = tmp.path().join("p.csv");
+    let predict = ringtmp(&[
+        "predict",
+        "--checkpoint",
+        golden("cnn").join("checkpoint").to_str().unwrap(),
+        "--data-file",
+        missing.to_str().unwrap(),
+        "--csv",
+        csv.to_str().unwrap(),
+    ]);
+    assert_eq!(
+        predict.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&predict.stderr)
+    );
+    assert!(String::from_utf8_lossy(&predict.stderr).contains("no-such.npy"));
+}

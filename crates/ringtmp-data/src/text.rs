@@ -762,7 +762,10 @@ mod tests {
         std::io::Write::write_all(&mut gz, &vec![b'z'; 1 << 20]).unwrap();
         let bomb = write(dir.path(), "bomb.txt.gz", &gz.finish().unwrap());
         let err = read_bytes_within(&bomb, 100_000).unwrap_err().to_string();
-        assert!(err.contains("decompresses to more than 100000 bytes"), "{err}");
+        assert!(
+            err.contains("decompresses to more than 100000 bytes"),
+            "{err}"
+        );
         assert_eq!(read_bytes_within(&bomb, 1 << 20).unwrap().len(), 1 << 20);
     }
 

@@ -100,6 +100,24 @@ impl Error {
 
     /// Whether the error is the user's input (exit status 2) rather than a runtime failure.
     pub fn is_usage(&self) -> bool {
-        !matches!(self, Self::Io { .. } | Self::UnknownMicroBatch { .. })
+        match self {
+            // A file the user named that is not there, or a place they named that cannot be
+            // read or written, is their input; other failures of the disk are not.
+            Self::Io { source, .. } => is_the_users_path(source),
+            Self::UnknownMicroBatch { .. } => false,
+            _ => true,
+        }
     }
+}
+
+/// Whether an I/O failure is about the path itself (missing, not permitted, of the wrong
+/// kind, read-only) rather than the device.
+pub fn is_the_users_path(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::{
+        IsADirectory, NotADirectory, NotFound, PermissionDenied, ReadOnlyFilesystem,
+    };
+    matches!(
+        e.kind(),
+        NotFound | PermissionDenied | IsADirectory | NotADirectory | ReadOnlyFilesystem
+    )
 }

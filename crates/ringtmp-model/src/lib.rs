@@ -44,7 +44,7 @@ pub mod spec;
 mod stage;
 mod tie;
 
-pub use error::{Error, Result};
+pub use error::{Error, Result, is_the_users_path};
 pub use layers::{Layer, LayerKind, Pass};
 pub use optim::{LrSchedule, Optimizer, OptimizerConfig};
 pub use shape::Shape;
