@@ -442,13 +442,7 @@ fn missing_files_are_bad_input() {
         damaged.to_str().unwrap(),
         out.to_str().unwrap(),
     ]);
-    assert_eq!(
-        export.status.code(),
-        Some(2),
-        "{}",
-        String::from_utf8_lossy(&export.stderr)
-    );
-    assert!(String::from_utf8_lossy(&export.stderr).contains("safetensors"));
+    bad_input(&export, "safetensors");
     let missing = tmp.path().join("no-such.npy");
     let csv = tmp.path().join("p.csv");
     let predict = ringtmp(&[
@@ -460,11 +454,12 @@ fn missing_files_are_bad_input() {
         "--csv",
         csv.to_str().unwrap(),
     ]);
-    assert_eq!(
-        predict.status.code(),
-        Some(2),
-        "{}",
-        String::from_utf8_lossy(&predict.stderr)
-    );
-    assert!(String::from_utf8_lossy(&predict.stderr).contains("no-such.npy"));
+    bad_input(&predict, "no-such.npy");
+}
+
+/// Asserts that `out` is a refusal of bad input (exit 2) whose message contains `needle`.
+fn bad_input(out: &Output, needle: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains(needle), "{needle:?} not in: {stderr}");
 }

@@ -177,36 +177,7 @@ fn names_silent(err: &str, rank: u32) -> bool {
 fn idle_connections_at_the_file_limit_do_not_stop_the_rendezvous() {
     use std::os::unix::process::CommandExt;
     let port = free_port();
-    let mut rank_0 = ringtmp();
-    rank_0
-        .args([
-            "node",
-            "--rank",
-            "0",
-            "--world-size",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-        ])
-        .args([
-            "--master-port",
-            &port.to_string(),
-            "--job",
-            "selftest",
-            "--rounds",
-            "3",
-        ])
-        .args([
-            "--size-mib",
-            "0.25",
-            "--pings",
-            "3",
-            "--connect-timeout",
-            "40",
-        ])
-        .env("RINGTMP_SECRET", SECRET)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
+    let mut rank_0 = short_selftest_node(0, port);
     // SAFETY: setrlimit only, in the child before exec.
     unsafe {
         rank_0.pre_exec(|| {
@@ -231,33 +202,40 @@ fn idle_connections_at_the_file_limit_do_not_stop_the_rendezvous() {
     }
     assert_eq!(idle.len(), 200, "rank 0 never listened");
     let started = Instant::now();
-    let real = ringtmp()
-        .args([
-            "node",
-            "--rank",
-            "1",
-            "--world-size",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-        ])
-        .args([
-            "--master-port",
-            &port.to_string(),
-            "--connect-timeout",
-            "40",
-        ])
-        .env("RINGTMP_SECRET", SECRET)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let real = short_selftest_node(1, port).spawn().unwrap();
     let (out, _) = finish(real, Duration::from_secs(45));
     assert!(out.status.success(), "{}", stderr(&out));
     let (host, _) = finish(rank_0, Duration::from_secs(20));
     assert!(host.status.success(), "{}", stderr(&host));
     println!("rank 1 joined past the flood in {:?}", started.elapsed());
     drop(idle);
+}
+
+/// Rank `rank` of a 2-node selftest of three rounds, waiting up to 40 s for the others.
+fn short_selftest_node(rank: u32, port: u16) -> std::process::Command {
+    let mut node = ringtmp();
+    node.args(["node", "--rank", &rank.to_string(), "--world-size", "2"])
+        .args([
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            &port.to_string(),
+        ])
+        .args([
+            "--job",
+            "selftest",
+            "--rounds",
+            "3",
+            "--size-mib",
+            "0.25",
+            "--pings",
+            "3",
+        ])
+        .args(["--connect-timeout", "40"])
+        .env("RINGTMP_SECRET", SECRET)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    node
 }
 
 // A timeout too large to add to the clock is bad input, not a panic.
