@@ -585,3 +585,43 @@ fn a_ring_resumed_at_its_end_reports_its_final_accuracy() {
         "{summary}"
     );
 }
+
+// A job whose description passes the links' 64 KiB frame header (a table of 2,100 columns and
+// 3,000 class names: its recipe carries every column's name and statistics and every class
+// name) still reaches every node: the rendezvous carries settings of up to 16 MiB.
+#[test]
+fn a_job_larger_than_a_frame_header_reaches_every_node() {
+    let tmp = tempfile::tempdir().unwrap();
+    let table = tmp.path().join("wide.csv");
+    let columns = 2_100;
+    let mut text: String = (0..columns).map(|c| format!("feature_{c},")).collect();
+    text.push_str("label\n");
+    for row in 0..6_000u32 {
+        for c in 0..columns {
+            text.push_str(if (row as usize + c) % 3 == 0 { "1," } else { "0," });
+        }
+        text.push_str(&format!("class-number-{}\n", row % 3_000));
+    }
+    std::fs::write(&table, text).unwrap();
+    for strategy in ["allreduce", "ring"] {
+        let out = tmp.path().join(strategy);
+        let output = train_into(
+            &[
+                "--dataset",
+                "csv",
+                "--data-file",
+                table.to_str().unwrap(),
+                "--strategy",
+                strategy,
+                "--nodes",
+                "2",
+                "--max-steps",
+                "2",
+                "--eval-every",
+                "0",
+            ],
+            &out,
+        );
+        assert!(output.status.success(), "{strategy}: {}", stderr(&output));
+    }
+}
