@@ -920,6 +920,7 @@ impl TrainArgs {
             default_schedule: self.lr_schedule.is_none(),
             default_momentum: self.momentum.is_none(),
             default_warmup: self.warmup_steps.is_none(),
+            threads_from_machine: self.threads.is_none(),
         };
         config.validate().context("invalid training options")
     }

@@ -161,6 +161,45 @@ pub struct NodeArgs {
     connect: ConnectArgs,
     #[command(flatten)]
     job: JobArgs,
+    /// Train: `ringtmp train`'s options, after `--` (`ringtmp node --job train -- --strategy
+    /// ring --model cnn`); over `--config`'s file where both are given, as on `ringtmp train`.
+    /// Read by rank 0 only: the others take the job from rank 0 at rendezvous, so one command
+    /// line serves every rank of `mpirun` or `srun`.
+    #[arg(last = true, value_name = "TRAIN OPTIONS")]
+    train: Vec<String>,
+}
+
+/// The `ringtmp train` options given after `--`, parsed as `ringtmp train` parses them.
+#[derive(clap::Parser)]
+#[command(name = "ringtmp node --job train --")]
+struct TrainFlags {
+    #[command(flatten)]
+    args: TrainArgs,
+}
+
+/// Rank 0's training options: those after `--`, over `--config`'s file.
+fn train_options(args: &NodeArgs) -> Result<TrainArgs> {
+    use clap::Parser;
+    let mut train_args = if args.train.is_empty() {
+        TrainArgs::default()
+    } else {
+        let words = std::iter::once("train".to_string()).chain(args.train.iter().cloned());
+        TrainFlags::try_parse_from(words)
+            .map_err(|e| UsageError(format!("the training options after --: {}", e.render())))?
+            .args
+    };
+    if train_args.config.is_none() {
+        train_args.config = args.job.config.clone();
+    }
+    if train_args.config.is_none() && args.train.is_empty() {
+        return Err(UsageError(
+            "--job train needs the training options on rank 0: `-- TRAIN OPTIONS` (as `ringtmp \
+             train` takes them) or --config FILE"
+                .into(),
+        )
+        .into());
+    }
+    train_args.merged()
 }
 
 /// Reads the shared secret from `--secret-file` or `RINGTMP_SECRET`.
@@ -339,7 +378,12 @@ pub fn run(args: &NodeArgs) -> Result<()> {
                 .map(|reports| print_selftest(placement.rank, &reports, size_mib, rounds, pings))
                 .map_err(Into::into)
         }
-        Settings::Train(job) => run_training(&job, placement.rank, args, &mut net),
+        Settings::Train(mut job) => {
+            if std::env::var_os(crate::launcher::LOCAL_LAUNCHER_ENV).is_none() {
+                own_threads(&mut job, placement.rank, &table);
+            }
+            run_training(&job, placement.rank, args, &mut net)
+        }
         Settings::Generate(job) => run_generation(&job, placement.rank, &mut net),
     };
     match result {
@@ -409,6 +453,7 @@ fn rank0_offer(args: &NodeArgs, world: u32) -> Result<Offer> {
     };
     let Some(request) = request else {
         let job = crate::plan::plan(&train_args, cfg, &data, world)?;
+        write_run_files(&train_args, &job)?;
         return Ok(Offer::Settings(encode(&Settings::Train(Box::new(job)))?));
     };
     eprintln!(
@@ -420,13 +465,48 @@ fn rank0_offer(args: &NodeArgs, world: u32) -> Result<Offer> {
     let then: FromAnswers = Box::new(move |answers| {
         let profiles = answers.into_iter().enumerate().map(profile_of).collect();
         crate::plan::plan_with_profiles(&train_args, cfg, &data, world, profiles)
-            .and_then(|job| encode(&Settings::Train(Box::new(job))))
+            .and_then(|job| {
+                write_run_files(&train_args, &job)?;
+                encode(&Settings::Train(Box::new(job)))
+            })
             .map_err(|e| crate::error::describe(&e))
     });
     Ok(Offer::Ask {
         request: serde_json::to_string(&request).context("encoding the profile request")?,
         then,
     })
+}
+
+/// A node started by hand computes on its own machine's cores when the run's threads are a
+/// default: rank 0 planned with its own, and another machine has its own count. The nodes
+/// of the table at this node's address share this machine's cores (on one machine, as on
+/// loopback, each takes its share, as the local launcher's nodes do).
+fn own_threads(job: &mut Job, rank: u32, table: &ringtmp_cluster::rendezvous::Table) {
+    if !job.spec().config.threads_from_machine {
+        return;
+    }
+    let ip = |r: u32| table.addr(r).ok().map(|a| a.ip());
+    let Some(mine) = ip(rank) else { return };
+    let here = table
+        .nodes
+        .iter()
+        .filter(|n| ip(n.rank) == Some(mine))
+        .count();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    job.spec_mut().config.threads = (cores / here.max(1)).max(1);
+}
+
+/// The run's options and plan in its output directory (`train.toml`, `job.json`), as
+/// `ringtmp train` writes them (docs/output.md): what was run, and what `--resume` reads.
+fn write_run_files(train_args: &TrainArgs, job: &Job) -> Result<()> {
+    let out = &job.spec().config.out;
+    let config = out.join("train.toml");
+    let options = toml::to_string(train_args).context("encoding the training options")?;
+    std::fs::write(&config, options).with_context(|| format!("writing {}", config.display()))?;
+    let plan = out.join("job.json");
+    let text = serde_json::to_string_pretty(job).context("encoding the job")?;
+    std::fs::write(&plan, text).with_context(|| format!("writing {}", plan.display()))?;
+    Ok(())
 }
 
 /// Rank `rank`'s profile from its answer at rendezvous; a node that could not profile is
@@ -460,11 +540,6 @@ struct Prepared {
 /// Rank 0's job: read from the local launcher's job file (the plan it printed), or prepared here
 /// from the `--config` options under an external launcher.
 fn rank0_job(args: &NodeArgs, world: u32) -> Result<Rank0Job> {
-    let path = args
-        .job
-        .config
-        .clone()
-        .ok_or_else(|| UsageError("--job train needs --config FILE on rank 0".into()))?;
     if let Some(file) = &args.job.job_file {
         let text =
             std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
@@ -474,11 +549,7 @@ fn rank0_job(args: &NodeArgs, world: u32) -> Result<Rank0Job> {
             .map_err(|e| UsageError(format!("{}: {e}", file.display())))?;
         return Ok(Rank0Job::Planned(Box::new(job)));
     }
-    let mut train_args = TrainArgs {
-        config: Some(path),
-        ..Default::default()
-    }
-    .merged()?;
+    let mut train_args = train_options(args)?;
     if let Some(resume) = &args.job.resume {
         train_args.resume = Some(resume.clone());
     }

@@ -121,6 +121,7 @@ mod tests {
             default_schedule: true,
             default_momentum: true,
             default_warmup: true,
+            threads_from_machine: false,
         }
     }
 

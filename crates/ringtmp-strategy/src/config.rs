@@ -67,6 +67,11 @@ pub struct TrainConfig {
     pub optimizer: OptimizerConfig,
     /// Compute threads.
     pub threads: usize,
+    /// Whether `threads` is a default rather than the user's choice: a node started by hand
+    /// (not by the local launcher, whose nodes share one machine and were planned for it) then
+    /// uses its own machine's cores, shared by the run's nodes on that machine.
+    #[serde(default)]
+    pub threads_from_machine: bool,
     /// Seed of initialisation, shuffling and dropout.
     pub seed: u64,
     /// Test accuracy whose first attainment is timed.

@@ -235,6 +235,7 @@ fn defaults_scale_with_the_batches_a_step_averages() {
             optimizer,
             default_lr: defaults,
             default_warmup: defaults,
+            threads_from_machine: false,
             ..config()
         };
         let nodes = if strategy == "local" { 1 } else { 4 };

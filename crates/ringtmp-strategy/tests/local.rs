@@ -73,6 +73,7 @@ fn config(out: &Path, optimizer: OptimizerConfig) -> TrainConfig {
         default_schedule: false,
         default_momentum: false,
         default_warmup: false,
+        threads_from_machine: false,
     }
 }
 

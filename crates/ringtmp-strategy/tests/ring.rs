@@ -65,6 +65,7 @@ fn config(out: &Path) -> TrainConfig {
         default_schedule: false,
         default_momentum: false,
         default_warmup: false,
+        threads_from_machine: false,
     }
 }
 

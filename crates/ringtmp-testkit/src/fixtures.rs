@@ -177,6 +177,7 @@ pub fn train_config(
         default_schedule: false,
         default_momentum: false,
         default_warmup: false,
+        threads_from_machine: false,
         schedule: LrSchedule::Constant,
         warmup_steps: 0,
         optimizer: OptimizerConfig::Sgd {

@@ -87,6 +87,7 @@ impl Hosts {
                 "RINGTMP_CACHE_DIR",
                 concat!(env!("CARGO_TARGET_TMPDIR"), "/ringtmp-cache"),
             )
+            .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
@@ -165,4 +166,57 @@ fn nodes_listening_on_every_interface_reach_each_other_across_hosts() {
             );
         }
     }
+
+    // Training options after `--` on rank 0 (one command line for every rank, as mpirun gives);
+    // each node on a host of its own computes on all of that host's cores, and rank 0 writes
+    // the run's options and plan.
+    let out = tempfile::tempdir().unwrap();
+    let run = out.path().join("run");
+    let nodes: Vec<_> = (0..3)
+        .map(|r| {
+            let rank = r.to_string();
+            let mut args = vec![
+                "node",
+                "--rank",
+                &rank,
+                "--world-size",
+                "3",
+                "--master-port",
+                "29562",
+                "--listen",
+                "0.0.0.0",
+                "--connect-timeout",
+                "15",
+                "--job",
+                "train",
+                "--",
+                "--strategy",
+                "allreduce",
+                "--dataset",
+                "digits",
+                "--max-steps",
+                "3",
+                "--eval-every",
+                "0",
+                "--out",
+                run.to_str().unwrap(),
+            ];
+            let master = hosts.addr(0);
+            args.splice(5..5, ["--master-addr", master.as_str()]);
+            hosts.ringtmp(r, &args)
+        })
+        .collect();
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    for (r, node) in nodes.into_iter().enumerate() {
+        let (out, _) = finish(node, Duration::from_secs(60));
+        let err = stderr(&out);
+        assert!(out.status.success(), "rank {r}: {err}");
+        if r > 0 {
+            assert!(
+                err.contains(&format!("; {cores} thread(s)")),
+                "rank {r}: {err}"
+            );
+        }
+    }
+    assert!(run.join("job.json").is_file() && run.join("train.toml").is_file());
 }
