@@ -219,9 +219,13 @@ pub struct TrainArgs {
     /// Output directory (default: `runs/<time>-<strategy>`).
     #[arg(help_heading = "Output", long, value_name = "DIR")]
     pub out: Option<PathBuf>,
-    /// Checkpoint every N steps and at the end; 0 = never [default: 0].
+    /// Checkpoint every N steps and at the end; 0 = never [default: at the end only, so that
+    /// predict, export and generate work on any finished run].
     #[arg(help_heading = "Output", long, value_name = "N")]
     pub checkpoint_every: Option<u64>,
+    /// Write no checkpoint, not even the last step's (as --checkpoint-every 0).
+    #[arg(help_heading = "Output", long, num_args = 0..=1, default_missing_value = "true")]
+    pub no_checkpoint: Option<bool>,
     /// Keep only the N newest checkpoints [default: all].
     #[arg(help_heading = "Output", long, value_name = "N")]
     pub keep_checkpoints: Option<usize>,
@@ -392,6 +396,7 @@ impl TrainArgs {
             eval_every,
             out,
             checkpoint_every,
+            no_checkpoint,
             keep_checkpoints,
             resume,
             overwrite,
@@ -892,7 +897,11 @@ impl TrainArgs {
             target_accuracy: self.target_accuracy.unwrap_or(0.97),
             eval_every: self.eval_every.unwrap_or(if text { 250 } else { 200 }),
             out,
-            checkpoint_every: self.checkpoint_every.unwrap_or(0),
+            checkpoint_every: match (self.no_checkpoint, self.checkpoint_every) {
+                (Some(true), _) => 0,
+                (_, Some(every)) => every,
+                (_, None) => ringtmp_strategy::CHECKPOINT_AT_END,
+            },
             keep_checkpoints: self.keep_checkpoints,
             resume: self.resume.clone(),
             max_steps: self.max_steps,

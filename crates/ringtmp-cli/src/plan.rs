@@ -62,13 +62,20 @@ pub fn load_described(
             );
         }
     }
-    let line = if source.is_some() {
+    let line = if let Some(source) = source {
+        // The files themselves (a folder of images is one): the directory alone does not say
+        // which table of it was read.
+        let files: Vec<String> = source
+            .files
+            .iter()
+            .map(|f| f.display().to_string())
+            .collect();
         format!(
             "dataset {}: {} train / {} test examples from {}: {}; {:.1}s",
             data.name,
             data.train.len(),
             data.test.len(),
-            data.source.display(),
+            files.join(", "),
             describe_own(&data),
             started.elapsed().as_secs_f64()
         )
@@ -223,6 +230,8 @@ pub fn plan_here(
 }
 
 fn plan_on(args: &TrainArgs, cfg: TrainConfig, data: &Dataset, cluster: &Cluster) -> Result<Job> {
+    // Before a planner times any layer: one thread's scratch must fit, whatever the threads.
+    refuse_what_cannot_fit(&cfg, 1, "", data)?;
     let mut report = PlanReport::default();
     let job = Job::plan(
         args.strategy(),
@@ -239,7 +248,69 @@ fn plan_on(args: &TrainArgs, cfg: TrainConfig, data: &Dataset, cluster: &Cluster
     let job = job?;
     job.validate(cluster.nodes)?;
     refuse_nothing_to_train(job.spec())?;
+    let spec = job.spec();
+    refuse_what_cannot_fit(&spec.config, spec.config.threads, job.name(), data)?;
     Ok(job)
+}
+
+/// Refuses, with the figures, a run whose node would need more memory than this machine has
+/// available before anything large is allocated: the attention's scratch, two `[seq, seq]`
+/// matrices (scores and their gradient) per compute thread, which grows with the square of
+/// the window; and for one process holding the whole model, its parameters, gradients and
+/// optimizer state.
+fn refuse_what_cannot_fit(
+    config: &TrainConfig,
+    threads: usize,
+    strategy: &str,
+    data: &Dataset,
+) -> Result<()> {
+    let Some(available) = ringtmp_strategy::machine::available_memory() else {
+        return Ok(());
+    };
+    let layers = ringtmp_strategy::layers_for(&config.model, data)?;
+    let window = layers
+        .iter()
+        .filter(|l| {
+            matches!(
+                l.kind,
+                ringtmp_model::LayerKind::CausalSelfAttention(_)
+                    | ringtmp_model::LayerKind::Block(_)
+            )
+        })
+        .filter_map(|l| l.input.0.first().map(|&t| t as u64))
+        .max();
+    let mib = |bytes: u64| bytes >> 20;
+    if let Some(t) = window {
+        let per_thread = t.saturating_mul(t).saturating_mul(2 * 4);
+        let scratch = per_thread.saturating_mul(threads as u64);
+        if scratch > available {
+            return Err(UsageError(format!(
+                "a window of {t} positions needs {} MiB of attention scratch per compute thread \
+                 (its [{t}, {t}] scores and their gradient), {} MiB on {} thread(s), and this \
+                 machine has {} MiB available: use a shorter --seq-len (or fewer --threads)",
+                mib(per_thread),
+                mib(scratch),
+                threads,
+                mib(available)
+            ))
+            .into());
+        }
+    }
+    if strategy == "local" {
+        let floor = ringtmp_strategy::memory_floor::whole_replica(&layers, &config.optimizer);
+        if floor.bytes() > available {
+            return Err(UsageError(format!(
+                "the model's {} parameters{} take {} MiB, and this machine has {} MiB \
+                 available: split it over nodes (--strategy ring) or choose a smaller model",
+                floor.params,
+                floor.what,
+                mib(floor.bytes()),
+                mib(available)
+            ))
+            .into());
+        }
+    }
+    Ok(())
 }
 
 /// A checkpoint of a run's last step, resumed into another directory, would train nothing

@@ -133,6 +133,8 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
         train.eval_every = Some(0);
     }
     let mut cfg = train.resolve_for(&data)?;
+    // A simulation writes no model (its tensors carry sizes, not values).
+    cfg.checkpoint_every = 0;
     // A simulated node fails only where a fault says so, and its neighbours then see it fail: a
     // receive timeout would only cut a slow cluster's legitimate waits (an AD-PSGD worker whose
     // grant is used up waits minutes of virtual time at 100 Mbit/s). Waits are bounded by the

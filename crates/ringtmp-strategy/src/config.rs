@@ -21,6 +21,11 @@ fn default_recv_timeout() -> f64 {
     DEFAULT_RECV_TIMEOUT_SECS
 }
 
+/// A `checkpoint_every` that falls due only at the run's last step (no step count but 0 is a
+/// multiple of it): the default, so that every finished run can be predicted from, exported and
+/// generated with.
+pub const CHECKPOINT_AT_END: u64 = u64::MAX;
+
 /// Everything a training run needs besides the dataset itself.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainConfig {
@@ -80,7 +85,8 @@ pub struct TrainConfig {
     pub eval_every: u64,
     /// Output directory.
     pub out: PathBuf,
-    /// Checkpoint every this many steps (and at the end); 0 = never.
+    /// Checkpoint every this many steps (and at the end); 0 = never; [`CHECKPOINT_AT_END`]:
+    /// at the end only.
     pub checkpoint_every: u64,
     /// Keep only this many newest checkpoints (`None`: all).
     pub keep_checkpoints: Option<usize>,

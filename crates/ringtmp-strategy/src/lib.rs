@@ -56,7 +56,7 @@ pub mod selftest;
 pub mod simulate;
 mod spec;
 
-pub use config::{DEFAULT_RECV_TIMEOUT_SECS, TextSource, TrainConfig};
+pub use config::{CHECKPOINT_AT_END, DEFAULT_RECV_TIMEOUT_SECS, TextSource, TrainConfig};
 pub use contract::{Cluster, NodeCx, PlanReport, SharedMachine, Strategy};
 pub use error::{Error, Result};
 pub use event::Event;
