@@ -295,6 +295,14 @@ impl TextCorpus {
             return Err(Error::Batching("--seq-len must be at least 1".into()));
         }
         for (name, split) in [("training", &self.train), ("validation", &self.validation)] {
+            if split.is_empty() {
+                // No window length would fit: the text gave no token at all.
+                return Err(Error::Batching(format!(
+                    "the {name} split of {} holds no token: its text is empty, or the tokenizer \
+                     makes no token of it (is it this text's tokenizer?)",
+                    self.describe_files()
+                )));
+            }
             if split.windows(seq_len) == 0 {
                 return Err(Error::Batching(format!(
                     "--seq-len {seq_len} does not fit the {name} split of {}: it holds {} \
@@ -403,6 +411,18 @@ pub fn load_text(files: &[PathBuf], validation: f64) -> Result<(TextCorpus, Vec<
     let chars: Vec<char> = text.chars().collect();
     let cut = ((chars.len() as f64) * (1.0 - validation)).floor() as usize;
     let (train, valid) = chars.split_at(cut.min(chars.len()));
+    // Too short to split is its own error, not a character "in the validation split only".
+    if train.len() < 2 || valid.is_empty() {
+        return Err(Error::Inconsistent {
+            dataset: "text".into(),
+            reason: format!(
+                "the text has {} character(s): too short for a training split and a validation \
+                 split of {:.0}% (each needs at least a window of text)",
+                chars.len(),
+                validation * 100.0
+            ),
+        });
+    }
     let mut vocab: Vec<char> = train.to_vec();
     vocab.sort_unstable();
     vocab.dedup();
@@ -855,6 +875,20 @@ mod tests {
             "{e}"
         );
         corpus.check_seq_len(5).unwrap();
+        // A text too short to split says so, not that a character is in validation only.
+        let one = write(tmp.path(), "one.txt", b"a");
+        let e = load_text(&[one], 0.1).unwrap_err().to_string();
+        assert!(e.contains("1 character(s): too short"), "{e}");
+        // Splits without a token are not blamed on --seq-len.
+        let empty = TextCorpus {
+            train: Tokens { ids: Vec::new() },
+            ..corpus
+        };
+        let e = empty.check_seq_len(5).unwrap_err().to_string();
+        assert!(
+            e.contains("holds no token") && !e.contains("--seq-len"),
+            "{e}"
+        );
     }
 
     #[test]
