@@ -26,8 +26,13 @@ use crate::optim::{Optimizer, OptimizerConfig};
 use crate::spec::ModelSpec;
 use crate::stage::Stage;
 
-/// Version of the manifest format; bumped on incompatible changes.
-pub const MANIFEST_FORMAT: u32 = 1;
+/// Version of the manifest format written; bumped on incompatible changes. Format 2 manifests
+/// always carry their checksum (`integrity`).
+pub const MANIFEST_FORMAT: u32 = 2;
+
+/// The manifest format of files written before manifests carried a checksum: read on their
+/// stage files' hashes alone. A later manifest without its checksum was edited.
+pub const MANIFEST_FORMAT_WITHOUT_CHECKSUM: u32 = 1;
 
 /// A file of a checkpoint with its hash.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -863,7 +868,19 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
         serde_json::from_slice::<serde_json::Value>(&text).map_err(invalid)?["integrity"]
             .as_str()
             .map(str::to_string);
-    // Manifests without a checksum (older files) are read on their stage files' hashes alone.
+    // Manifests without a checksum are read on their stage files' hashes alone only where
+    // they predate it by their format.
+    if recorded.is_none() && manifest.format != MANIFEST_FORMAT_WITHOUT_CHECKSUM {
+        return Err(Error::CheckpointMismatch {
+            path,
+            reason: format!(
+                "the manifest (format {}) has lost the checksum every manifest since format {} \
+                 carries: it was edited, so its step, data cursor or files cannot be trusted",
+                manifest.format,
+                MANIFEST_FORMAT_WITHOUT_CHECKSUM + 1
+            ),
+        });
+    }
     if let Some(recorded) = recorded {
         let got = manifest_digest(&manifest, &path)?;
         if got != recorded {
@@ -891,11 +908,12 @@ pub fn read_manifest(dir: &Path) -> Result<Manifest> {
             ),
         });
     }
-    if manifest.format != MANIFEST_FORMAT {
+    if !(MANIFEST_FORMAT_WITHOUT_CHECKSUM..=MANIFEST_FORMAT).contains(&manifest.format) {
         return Err(Error::CheckpointMismatch {
             path,
             reason: format!(
-                "manifest format {} is not the supported {MANIFEST_FORMAT}",
+                "manifest format {} is not one of the supported {MANIFEST_FORMAT_WITHOUT_CHECKSUM} \
+                 to {MANIFEST_FORMAT}",
                 manifest.format
             ),
         });

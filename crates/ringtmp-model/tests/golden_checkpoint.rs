@@ -115,9 +115,9 @@ fn a_checkpoint_is_the_same_bytes_on_every_machine_and_loads_from_them() {
     }
 }
 
-/// Issue 40.8: a manifest edited by hand (its step changed) is refused, naming what is wrong; so
-/// is one whose checksum was removed too but whose step no longer matches its directory. One
-/// without a checksum that is otherwise whole still reads.
+/// A manifest edited by hand (its step changed) is refused, naming what is wrong; so is one
+/// whose checksum was removed, with or without its step changed. One of the format that
+/// predates checksums, otherwise whole, still reads.
 #[test]
 fn an_edited_manifest_is_refused() {
     let (stage, opt, _) = stepped();
@@ -150,12 +150,34 @@ fn an_edited_manifest_is_refused() {
         m.remove("integrity");
     })
     .unwrap_err();
+    assert!(err.contains("lost the checksum"), "{err}");
+    // Passed off as a file from before checksums, its step still has to match its directory.
+    let err = rewrite(&|m| {
+        m.insert("step".into(), earlier.into());
+        m.remove("integrity");
+        m.insert(
+            "format".into(),
+            checkpoint::MANIFEST_FORMAT_WITHOUT_CHECKSUM.into(),
+        );
+    })
+    .unwrap_err();
     assert!(
         err.contains(&format!("says step {earlier}")) && err.contains("step-0"),
         "{err}"
     );
+    // Its checksum removed: refused, since its format says it was written with one…
+    let err = rewrite(&|m| {
+        m.remove("integrity");
+    })
+    .unwrap_err();
+    assert!(err.contains("lost the checksum"), "{err}");
+    // …and a file of the format before checksums, otherwise whole, still reads.
     rewrite(&|m| {
         m.remove("integrity");
+        m.insert(
+            "format".into(),
+            checkpoint::MANIFEST_FORMAT_WITHOUT_CHECKSUM.into(),
+        );
     })
     .unwrap();
 }
