@@ -861,6 +861,21 @@ mod tests {
             empty.contains("\"dog\" holds no PNG or JPEG image"),
             "{empty}"
         );
+        // A test file's class that training never shows.
+        let train = dir.path().join("train.csv");
+        let test = dir.path().join("test.csv");
+        std::fs::write(
+            &train,
+            format!("a,label\n{}", rows(&|i| (i % 2).to_string())),
+        )
+        .unwrap();
+        std::fs::write(&test, "a,label\n1,0\n2,1\n3,2\n").unwrap();
+        let source = crate::DataSource::new("csv", vec![train, test]);
+        let unseen = crate::load_source(&source)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(unseen.contains("test.csv: row 3 has class 2"), "{unseen}");
     }
 
     #[test]

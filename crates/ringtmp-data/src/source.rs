@@ -138,6 +138,25 @@ fn finish(source: &DataSource, loaded: Loaded) -> Result<Dataset> {
             stats
         }
     };
+    // A class the test file holds and the training file never shows could not be learned:
+    // refused, naming its row (class names are checked so as they are read).
+    if let (Labels::Classes(train), Some(test)) = (&loaded.train.labels, &loaded.test)
+        && let Labels::Classes(tested) = &test.labels
+    {
+        let seen: std::collections::BTreeSet<u32> = train.iter().copied().collect();
+        if let Some(row) = tested.iter().position(|c| !seen.contains(c)) {
+            let test_file = source.files.get(1).or(source.label_files.get(1));
+            return Err(source.error(format!(
+                "{}: row {} has class {}, which the training file never shows (it has {} \
+                 classes: {:?}…)",
+                test_file.map_or_else(|| "the test file".into(), |f| f.display().to_string()),
+                row + 1,
+                tested[row],
+                seen.len(),
+                seen.iter().take(8).collect::<Vec<_>>()
+            )));
+        }
+    }
     let (task, classes) = match &loaded.train.labels {
         Labels::Targets { width, .. } => (Task::Regress, *width),
         Labels::Classes(_) => {
