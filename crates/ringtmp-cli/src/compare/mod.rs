@@ -55,6 +55,14 @@ pub fn run(raw: &[String]) -> Result<()> {
         options.repeats,
         options.out.display()
     );
+    if let Some(seconds) = options.train_seconds {
+        // Said before the first run, so that nobody wonders why there are twice as many.
+        eprintln!(
+            "compare: equal training time ({seconds} s each): every configuration runs twice, \
+             a short probe that measures its samples/s, then the run of that many samples \
+             (the probes are kept, and reused by a later compare)"
+        );
+    }
     let exe = std::env::current_exe().context("locating the ringtmp binary")?;
     for (i, plan) in runs.iter().enumerate() {
         let dir = options.out.join("runs").join(&plan.name);

@@ -510,14 +510,23 @@ fn settings(options: &CompareOptions, finished: &[Finished]) -> String {
             reused.join(", ")
         )
     };
+    let shared = shared_options(&options.train);
     format!(
-        "{simulated}{failures}model {}, dataset {}, {length}, seed {}; shared options: \
-         `{}`{share}{reused}",
+        "{simulated}{failures}model {}, dataset {}, {length}, seed {}{shared}{share}{reused}",
         first.map_or("?", |s| s.model.as_str()),
         first.map_or("?", |s| s.dataset.as_str()),
         first.map_or(0, |s| s.seed),
-        options.train.join(" ")
     )
+}
+
+/// `; shared options: `…`` for the runs' common `train` options; nothing (not an empty code
+/// span) when there are none.
+fn shared_options(train: &[String]) -> String {
+    if train.is_empty() {
+        String::new()
+    } else {
+        format!("; shared options: `{}`", train.join(" "))
+    }
 }
 
 /// What the target is, where the report chose it (a language model's).
@@ -1554,6 +1563,16 @@ fn bars(y_label: &str, labels: &[String], series: &[(&str, Vec<f64>)]) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn no_shared_options_render_as_nothing() {
+        assert_eq!(shared_options(&[]), "");
+        let given = ["--batch-size".to_string(), "32".to_string()];
+        assert_eq!(
+            shared_options(&given),
+            "; shared options: `--batch-size 32`"
+        );
+    }
 
     /// A finished run of `strategy` on 4 nodes with the given accuracy, time to the target and
     /// training time.

@@ -258,6 +258,10 @@ fn compare_at_equal_time_gives_every_run_the_budget_its_probe_measured() {
     let output = finish(child, Duration::from_secs(240)).0;
     let err = stderr(&output);
     assert!(output.status.success(), "{err}");
+    assert!(
+        err.contains("every configuration runs twice"),
+        "said up front: {err}"
+    );
     let dir = tmp.path().join("eq");
     let summary = |run: &str| -> serde_json::Value {
         serde_json::from_str(
