@@ -495,7 +495,7 @@ async fn register(
     } else if rank >= world_size {
         Some(format!(
             "it claims rank {rank}, beyond a world of {world_size} (ranks 0 to {})",
-            world_size - 1
+            world_size.saturating_sub(1)
         ))
     } else {
         None
@@ -1050,7 +1050,15 @@ mod tests {
         use std::io::{Read, Write};
         std::thread::spawn(move || {
             let (mut client, _) = listener.accept().unwrap();
-            let mut server = std::net::TcpStream::connect(target).unwrap();
+            // Rank 0 may not listen yet: dial until it does (bounded).
+            let until = std::time::Instant::now() + Duration::from_secs(10);
+            let mut server = loop {
+                match std::net::TcpStream::connect(&target) {
+                    Ok(s) => break s,
+                    Err(e) if std::time::Instant::now() > until => panic!("rank 0: {e}"),
+                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
+                }
+            };
             let (mut c_read, mut s_write) =
                 (client.try_clone().unwrap(), server.try_clone().unwrap());
             std::thread::spawn(move || {

@@ -139,8 +139,10 @@ fn finish(source: &DataSource, loaded: Loaded) -> Result<Dataset> {
         }
     };
     // A class the test file holds and the training file never shows could not be learned:
-    // refused, naming its row (class names are checked so as they are read).
-    if let (Labels::Classes(train), Some(test)) = (&loaded.train.labels, &loaded.test)
+    // refused, naming its row, where the classes are the data's own (class names are checked
+    // as they are read; CIFAR's are the format's, whatever a small training file holds).
+    if matches!(source.format.as_str(), "csv" | "npy" | "npz")
+        && let (Labels::Classes(train), Some(test)) = (&loaded.train.labels, &loaded.test)
         && let Labels::Classes(tested) = &test.labels
     {
         let seen: std::collections::BTreeSet<u32> = train.iter().copied().collect();
