@@ -12,7 +12,12 @@ use ringtmp_model::{Layer, OptimizerConfig};
 
 use crate::contract::{Cluster, show_bytes};
 use crate::error::{Error, Result};
-use crate::ring::plan::PROCESS_BASELINE_BYTES;
+
+/// What a node process needs besides its stage's parameters, gradients, optimizer state and
+/// stashes, and besides its GEMM workspace: the binary, the runtimes' threads and buffers, the
+/// allocator. Measured (docs/BENCHMARKS.md): a lenet ring node with a 0.1 MB stage
+/// peaks at 14–17 MB; wide-mlp's master, 25 MiB beyond its stage, workspace and dataset.
+pub const PROCESS_BASELINE_BYTES: u64 = 32 << 20;
 
 /// Optimizer state values per parameter: SGD's velocity (none without momentum), Adam's two
 /// moments.

@@ -270,44 +270,9 @@ impl CostModel {
     }
 }
 
-/// The CPU's model name from `/proc/cpuinfo` with its family and model numbers where the file
-/// gives them ("AMD EPYC (family 25 model 17)"), or `unknown`. Under a hypervisor the name alone
-/// can be as bare as "AMD EPYC" for CPUs generations apart (a Zen 4 with AVX-512 on half-width
-/// units, a Zen 5 with full-width ones), and what is keyed by the machine (stored compute
-/// baselines, cached node profiles) must tell them apart.
-pub fn machine_name() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .map(|text| machine_name_from_cpuinfo(&text))
-        .unwrap_or_else(|_| "unknown".into())
-}
-
-/// `machine_name` of a `/proc/cpuinfo` text: its first processor's fields (x86's `model name`,
-/// `cpu family`, `model`; ARM's `CPU implementer`, `CPU part`).
-fn machine_name_from_cpuinfo(text: &str) -> String {
-    let field = |key: &str| {
-        text.lines()
-            .filter_map(|l| l.split_once(':'))
-            .find(|(k, _)| k.trim() == key)
-            .map(|(_, v)| v.trim().to_string())
-            .filter(|v| !v.is_empty())
-    };
-    let name = field("model name");
-    let signature = match (field("cpu family"), field("model")) {
-        (Some(family), Some(model)) => Some(format!("family {family} model {model}")),
-        _ => match (field("CPU implementer"), field("CPU part")) {
-            (Some(implementer), Some(part)) => {
-                Some(format!("implementer {implementer} part {part}"))
-            }
-            _ => None,
-        },
-    };
-    match (name, signature) {
-        (Some(name), Some(signature)) => format!("{name} ({signature})"),
-        (Some(name), None) => name,
-        (None, Some(signature)) => signature,
-        (None, None) => "unknown".into(),
-    }
-}
+pub use crate::machine::machine_name;
+#[cfg(test)]
+use crate::machine::machine_name_from_cpuinfo;
 
 /// What a simulation returns.
 #[derive(Debug)]

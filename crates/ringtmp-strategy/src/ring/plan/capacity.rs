@@ -225,11 +225,7 @@ pub(super) fn shared_cores(
     }
 }
 
-/// What a node process needs besides its stage's parameters, gradients, optimizer state and
-/// stashes, and besides its GEMM workspace: the binary, the runtimes' threads and buffers, the
-/// allocator. Measured (docs/BENCHMARKS.md, issue 13.2): a lenet ring node with a 0.1 MB stage
-/// peaks at 14–17 MB; wide-mlp's master, 25 MiB beyond its stage, workspace and dataset.
-pub const PROCESS_BASELINE_BYTES: u64 = 32 << 20;
+pub use crate::memory_floor::PROCESS_BASELINE_BYTES;
 
 /// Memory a node's process needs beyond its stage: the baseline; the matrix multiplications'
 /// packing workspace, which peaks at about one copy of the largest weight matrix (wide-mlp's

@@ -36,7 +36,7 @@ pub fn machine_description() -> String {
         .unwrap_or(1);
     format!(
         "{}, {}, {cores} core{}",
-        crate::simulate::machine_name(),
+        crate::machine::machine_name(),
         ringtmp_model::kernels::simd_level(),
         if cores == 1 { "" } else { "s" }
     )
