@@ -392,8 +392,8 @@ fn async_pipeline_with_weight_stashing_learns() {
         "async, 3 nodes, 120 mini-batches of 4 micro-batches: test accuracy {:.3}",
         summary.final_test_accuracy
     );
-    // Async results depend on message timing (which backward precedes which forward on a stage);
-    // 0.87–0.92 seen here.
+    // Async staleness is the schedule's (PipeDream's static 1F1B), so this figure is the same
+    // on every run.
     assert!(
         summary.final_test_accuracy > 0.8,
         "{}",
@@ -442,6 +442,53 @@ fn async_window_wider_than_a_mini_batch_drains_for_evaluations_and_checkpoints()
             .step,
         40
     );
+}
+
+/// The async schedule's weight versions are the schedule's, not the timing's: one job on real
+/// links and on simulated networks where one node or another is slow and messages are late by
+/// seeded amounts ends with the same parameters, bit for bit.
+#[test]
+fn async_ring_gives_the_same_parameters_whatever_the_timing() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    let mut j = job(&[0, 2, 6, 10], Schedule::Async, 2);
+    j.in_flight = 5;
+    j.spec.total_steps = 24;
+    j.spec.schedule_steps = 24;
+    j.spec.config.lr = 0.02;
+    j.spec.config.checkpoint_every = 0;
+    let slow = |seed: u64, rank: u32, speed: f64| {
+        let mut cfg = ringtmp_transport::sim::SimConfig::new(test_seed(seed));
+        cfg.jitter = std::time::Duration::from_millis(3);
+        cfg.compute_jitter = 0.5;
+        cfg.node_speed.insert(rank, speed);
+        Backend::Sim(cfg)
+    };
+    let backends = [
+        Backend::Tcp,
+        slow(31, 1, 0.2),
+        slow(32, 2, 0.1),
+        slow(33, 0, 0.3),
+    ];
+    let mut first: Option<Vec<f32>> = None;
+    for (i, backend) in backends.iter().enumerate() {
+        let out = tmp.path().join(format!("run-{i}"));
+        j.spec.config.out = out.clone();
+        let (params, summary) = ring_params_on(backend, &j, &data, &out);
+        assert_eq!(summary.steps, 24);
+        match &first {
+            None => first = Some(params),
+            Some(first) => assert!(
+                first
+                    .iter()
+                    .zip(&params)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "{} differs from tcp by {}",
+                backend.name(),
+                max_rel_diff(&params, first)
+            ),
+        }
+    }
 }
 
 #[test]

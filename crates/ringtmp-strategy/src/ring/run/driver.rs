@@ -232,6 +232,26 @@ impl RingJob {
         self.replica_every > 0 && done % self.replica_every == 0 && done < self.spec.total_steps
     }
 
+    /// The async window: most micro-batches between the master's forward and its own backward.
+    pub(in crate::ring) fn async_window(&self) -> usize {
+        match self.in_flight {
+            0 => self.partition.len(),
+            w => w,
+        }
+    }
+
+    /// The first mini-batch boundary after mini-batch `step` where the async pipeline must be
+    /// empty (an evaluation, a checkpoint or a replication round follows it, or the run ends):
+    /// micro-batches beyond it must not start before it, or they would still be in the ring
+    /// when the evaluation's chunks go round.
+    pub(in crate::ring) fn next_drain(&self, step: u64) -> u64 {
+        (step + 1..=self.spec.total_steps)
+            .find(|&done| {
+                self.checkpoint_due(done) || self.spec.eval_due(done) || self.replica_due(done)
+            })
+            .unwrap_or(self.spec.total_steps)
+    }
+
     pub(in crate::ring) fn checkpoint_due(&self, done: u64) -> bool {
         self.spec.checkpoint_every > 0
             && (done % self.spec.checkpoint_every == 0 || done == self.spec.total_steps)

@@ -134,7 +134,7 @@ pub fn run_master_with(
         let lr = job.lr_at(step);
         let (step_loss, rows_total) = pipe.run_minibatch(
             step,
-            next_flush(job, step),
+            job.next_drain(step),
             job,
             setup,
             &mut batches,
@@ -825,15 +825,6 @@ fn loss_site(
     }
 }
 
-/// The first mini-batch boundary at or after mini-batch `step` where the async pipeline must be
-/// empty (an evaluation or a checkpoint follows it): micro-batches beyond it must not start
-/// before it, or they would still be in the ring when the evaluation's chunks go round.
-fn next_flush(job: &RingJob, step: u64) -> u64 {
-    (step + 1..=job.spec.total_steps)
-        .find(|&done| job.checkpoint_due(done) || job.spec.eval_due(done) || job.replica_due(done))
-        .unwrap_or(job.spec.total_steps)
-}
-
 /// Stage 0 on the master under every schedule, as one loop: forward micro-batches from the data,
 /// backward the gradients rank 1 sends back, score what the last node returns ([`LossSide`]),
 /// and step. The schedules differ only in what the loop may do next:
@@ -841,7 +832,9 @@ fn next_flush(job: &RingJob, step: u64) -> u64 {
 ///   are `0..M`; one optimizer step after the last backward (a flush).
 /// - `async`: micro-batch `k` of the run is micro-batch `k mod M` of mini-batch `k div M`; the
 ///   master keeps at most `in_flight` micro-batches between their forward and its own backward,
-///   forwards whenever it may, steps after every backward (each micro-batch its own SGD step),
+///   forwards whenever it may, steps after every backward (each micro-batch its own SGD step):
+///   forward `k` comes after exactly `k − window + 1` backwards, the first stage of PipeDream's
+///   static 1F1B, whatever the timing;
 ///   and lets the pipeline drain only before an evaluation or a checkpoint (`flush`), so every
 ///   stage is then at the same version.
 struct MasterPipe {
@@ -898,10 +891,7 @@ impl MasterPipe {
             (self.forwarded, self.backwarded) = (step * m, step * m);
             StageState::new(job.schedule, 0, n as usize, job.micro_batches)
         });
-        let window = match job.in_flight {
-            0 => u64::from(n),
-            w => w as u64,
-        };
+        let window = job.async_window() as u64;
         let end = (step + 1) * m;
         let limit = if flushed.is_some() { end } else { flush * m };
         loop {

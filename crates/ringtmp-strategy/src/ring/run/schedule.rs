@@ -147,12 +147,25 @@ pub enum StagePolicy {
         /// The mini-batch in progress.
         step: u64,
     },
-    /// `async`: a backward whenever a gradient is there (then a step, each micro-batch being its
-    /// own weight version), else a forward; micro-batch `k` of the run is micro-batch `k mod m`
-    /// of mini-batch `k div m`.
+    /// `async`: PipeDream's static 1F1B (Narayanan et al., SOSP 2019) — `depth` forwards to fill
+    /// the stage, then one backward (and its step: each micro-batch is its own weight version)
+    /// and one forward in turn — so the weights every forward and backward sees are a function
+    /// of the schedule, never of when tensors arrive. Micro-batch `k` of the run is micro-batch
+    /// `k mod m` of mini-batch `k div m`.
     Async {
         /// Micro-batches per mini-batch.
         micro_batches: u64,
+        /// Micro-batches this stage holds between their forward and their backward in the
+        /// steady state: the master's window less the stage's distance from it.
+        depth: u64,
+        /// Micro-batches of the run this stage has forwarded.
+        forwarded: u64,
+        /// Micro-batches of the run this stage has backwarded.
+        backwarded: u64,
+        /// The first micro-batch the master starts only after the pipeline has drained (an
+        /// evaluation, a checkpoint or the run's end comes first): the stage's last backwards
+        /// before it cannot wait for forwards that will not come.
+        drain_at: u64,
     },
 }
 
@@ -171,17 +184,23 @@ pub struct ForwardAt {
 }
 
 impl StagePolicy {
-    /// The policy of stage `stage` of `stages` for `schedule`, starting at mini-batch `first`.
+    /// The policy of stage `stage` of `stages` for `schedule`, starting at mini-batch `first`;
+    /// `window` is the master's async window (micro-batches between its forward and its own
+    /// backward).
     pub fn new(
         schedule: Schedule,
-        stage: usize,
-        stages: usize,
+        (stage, stages): (usize, usize),
         micro_batches: usize,
+        window: usize,
         first: u64,
     ) -> Self {
         match schedule {
             Schedule::Async => Self::Async {
                 micro_batches: micro_batches as u64,
+                depth: window.saturating_sub(stage).max(1) as u64,
+                forwarded: first * micro_batches as u64,
+                backwarded: first * micro_batches as u64,
+                drain_at: 0,
             },
             _ => Self::Flushed {
                 state: StageState::new(schedule, stage, stages, micro_batches),
@@ -194,9 +213,36 @@ impl StagePolicy {
     pub fn next(&self, input_ready: bool, grad_ready: bool) -> Option<Action> {
         match self {
             Self::Flushed { state, .. } => state.next(input_ready, grad_ready),
-            Self::Async { .. } if grad_ready => Some(Action::Backward),
-            Self::Async { .. } if input_ready => Some(Action::Forward),
-            Self::Async { .. } => None,
+            &Self::Async {
+                depth,
+                forwarded,
+                backwarded,
+                drain_at,
+                ..
+            } => {
+                let full = forwarded >= (backwarded + depth).min(drain_at);
+                if grad_ready && full {
+                    Some(Action::Backward)
+                } else if input_ready && forwarded - backwarded < depth {
+                    Some(Action::Forward)
+                } else {
+                    None
+                }
+            }
+        }
+    }
+
+    /// Async: where the pipeline next drains, asked of `drain_after` (micro-batch → the first
+    /// micro-batch past the next drain) whenever the stage has reached the last one.
+    pub fn follow_drains(&mut self, drain_after: impl FnOnce(u64) -> u64) {
+        if let Self::Async {
+            backwarded,
+            drain_at,
+            ..
+        } = self
+            && *backwarded >= *drain_at
+        {
+            *drain_at = drain_after(*backwarded);
         }
     }
 
@@ -218,7 +264,7 @@ impl StagePolicy {
                 step,
                 micro: id as usize,
             },
-            Self::Async { micro_batches } => ForwardAt {
+            Self::Async { micro_batches, .. } => ForwardAt {
                 header_step: id,
                 id,
                 step: id / micro_batches,
@@ -254,9 +300,21 @@ impl StagePolicy {
                 );
                 Some(done)
             }
-            Self::Async { micro_batches } => {
-                (action == Action::Backward).then_some(id / *micro_batches)
-            }
+            Self::Async {
+                micro_batches,
+                forwarded,
+                backwarded,
+                ..
+            } => match action {
+                Action::Forward => {
+                    *forwarded += 1;
+                    None
+                }
+                Action::Backward => {
+                    *backwarded += 1;
+                    Some(id / *micro_batches)
+                }
+            },
         }
     }
 }
@@ -338,11 +396,13 @@ pub fn table(schedule: Schedule, stages: usize, micro_batches: usize) -> String 
 
 #[cfg(test)]
 mod tests {
+    use std::collections::VecDeque;
+
     use super::*;
 
     #[test]
     fn flushed_policy_steps_once_per_mini_batch_and_takes_only_its_own_tensors() {
-        let mut p = StagePolicy::new(Schedule::OneFOneB, 1, 3, 2, 7);
+        let mut p = StagePolicy::new(Schedule::OneFOneB, (1, 3), 2, 3, 7);
         assert!(p.accepts(7) && !p.accepts(8));
         assert_eq!(
             p.forward_at(1),
@@ -363,12 +423,21 @@ mod tests {
     }
 
     #[test]
-    fn async_policy_prefers_backwards_and_steps_after_each() {
-        let mut p = StagePolicy::new(Schedule::Async, 1, 3, 4, 0);
+    fn async_policy_is_static_one_forward_one_backward_and_steps_after_each() {
+        // Stage 1 of a window of 3: two micro-batches deep.
+        let mut p = StagePolicy::new(Schedule::Async, (1, 3), 4, 3, 0);
+        p.follow_drains(|_| 100);
         assert!(p.accepts(0) && p.accepts(99));
-        assert_eq!(p.next(true, true), Some(Action::Backward));
         assert_eq!(p.next(true, false), Some(Action::Forward));
-        assert_eq!(p.next(false, false), None);
+        assert_eq!(p.record(Action::Forward, 0), None);
+        // One deep: a gradient that came early waits for the next forward.
+        assert_eq!(p.next(false, true), None);
+        assert_eq!(p.next(true, true), Some(Action::Forward));
+        assert_eq!(p.record(Action::Forward, 1), None);
+        // Full: the backward, and an input that came early waits for it.
+        assert_eq!(p.next(true, false), None);
+        assert_eq!(p.next(true, true), Some(Action::Backward));
+        assert_eq!(p.record(Action::Backward, 0), Some(0));
         assert_eq!(
             p.forward_at(9),
             ForwardAt {
@@ -379,8 +448,105 @@ mod tests {
             }
         );
         assert_eq!(p.backward_step(9), 9);
-        assert_eq!(p.record(Action::Forward, 9), None);
-        assert_eq!(p.record(Action::Backward, 9), Some(2));
+    }
+
+    #[test]
+    fn async_policy_drains_where_the_master_stops_forwarding() {
+        let mut p = StagePolicy::new(Schedule::Async, (1, 2), 1, 4, 0);
+        p.follow_drains(|_| 2);
+        for id in 0..2 {
+            assert_eq!(p.next(true, false), Some(Action::Forward));
+            p.record(Action::Forward, id);
+        }
+        // Three deep, but the master sends nothing past micro-batch 1 before the drain.
+        assert_eq!(p.next(false, true), Some(Action::Backward));
+        p.record(Action::Backward, 0);
+        p.follow_drains(|_| unreachable!("not at the drain yet"));
+        assert_eq!(p.next(false, true), Some(Action::Backward));
+        p.record(Action::Backward, 1);
+        p.follow_drains(|k| {
+            assert_eq!(k, 2);
+            5
+        });
+        assert_eq!(p.next(false, true), None, "empty: a forward comes first");
+    }
+
+    /// Every stage of a ring whose nodes run at any speeds does each micro-batch's forward and
+    /// backward after the same number of the stage's own backwards (its weight version): one
+    /// seeded random interleaving after another, the versions are the same.
+    #[test]
+    fn async_weight_versions_are_the_same_whatever_the_timing() {
+        let versions = |seed: u64| async_versions(4, 5, 23, seed);
+        let first = versions(1);
+        for seed in 2..40 {
+            assert_eq!(versions(seed), first, "seed {seed}");
+        }
+        // PipeDream's: stage s forwards micro-batch k after k − (window − s) + 1 backwards.
+        for (s, stage) in first.iter().enumerate() {
+            let depth = (5 - s) as u64;
+            for &(k, forward_version, _) in stage {
+                assert_eq!(forward_version, (k + 1).saturating_sub(depth), "stage {s}");
+            }
+        }
+    }
+
+    /// Drives `stages` async stages (stage 0 the master, its window `window`) through `total`
+    /// micro-batches, each step taken by a stage chosen by a seeded generator (any timing), and
+    /// returns each stage's (micro-batch, backwards before its forward, backwards before its
+    /// backward).
+    fn async_versions(
+        stages: usize,
+        window: usize,
+        total: u64,
+        seed: u64,
+    ) -> Vec<Vec<(u64, u64, u64)>> {
+        let mut policies: Vec<StagePolicy> = (0..stages)
+            .map(|s| StagePolicy::new(Schedule::Async, (s, stages), 1, window, 0))
+            .collect();
+        let mut inputs: Vec<VecDeque<u64>> = vec![VecDeque::new(); stages];
+        let mut grads: Vec<VecDeque<u64>> = vec![VecDeque::new(); stages];
+        let mut done = vec![0u64; stages];
+        let mut seen: Vec<Vec<(u64, u64, u64)>> = vec![Vec::new(); stages];
+        let mut forward_version = vec![std::collections::HashMap::new(); stages];
+        let mut state = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let mut fed = 0;
+        let mut idle = 0;
+        while done[0] < total {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let s = (state % stages as u64) as usize;
+            if s == 0 && fed < total {
+                inputs[0].push_back(fed);
+                fed += 1;
+            }
+            let p = &mut policies[s];
+            p.follow_drains(|_| total);
+            let action = p.next(!inputs[s].is_empty(), !grads[s].is_empty());
+            match action {
+                Some(Action::Forward) => {
+                    let k = inputs[s].pop_front().unwrap();
+                    forward_version[s].insert(k, done[s]);
+                    p.record(Action::Forward, k);
+                    match s + 1 < stages {
+                        true => inputs[s + 1].push_back(k),
+                        false => grads[s].push_back(k),
+                    }
+                }
+                Some(Action::Backward) => {
+                    let k = grads[s].pop_front().unwrap();
+                    seen[s].push((k, forward_version[s][&k], done[s]));
+                    p.record(Action::Backward, k);
+                    done[s] += 1;
+                    if s > 0 {
+                        grads[s - 1].push_back(k);
+                    }
+                }
+                None => idle += 1,
+            }
+            assert!(idle < 1_000_000, "deadlocked");
+        }
+        seen
     }
 
     // Makespan 2(M + S − 1) for both, i.e. a bubble of (S − 1)/(M + S − 1) per stage; 1F1B holds at

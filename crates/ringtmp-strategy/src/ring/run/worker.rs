@@ -42,10 +42,18 @@ pub fn run_worker_with(
     let mut node = RingNode::new(job, net, job.schedule == Schedule::Async, initial)?;
     let (rank, n) = (node.rank as usize, job.partition.len());
     let timeout = job.recv_timeout();
-    let mut policy = StagePolicy::new(job.schedule, rank, n, job.micro_batches, job.first_step());
+    let mut policy = StagePolicy::new(
+        job.schedule,
+        (rank, n),
+        job.micro_batches,
+        job.async_window(),
+        job.first_step(),
+    );
+    let m = job.micro_batches.max(1) as u64;
     let mut inputs: VecDeque<(u64, usize, Vec<f32>)> = VecDeque::new();
     let mut grads: VecDeque<(u64, Vec<f32>)> = VecDeque::new();
     loop {
+        policy.follow_drains(|k| job.next_drain(k / m) * m);
         let action = policy.next(!inputs.is_empty(), !grads.is_empty());
         // Messages that came while the node waited for a clipping message go first.
         let arrived = match node.early.pop_front() {
@@ -83,8 +91,7 @@ pub fn run_worker_with(
                         node.step(job, net, step)?;
                     }
                     // Async steps every micro-batch; a mini-batch ends with its last one.
-                    let minibatch_done = job.schedule != Schedule::Async
-                        || (id + 1) % job.micro_batches.max(1) as u64 == 0;
+                    let minibatch_done = job.schedule != Schedule::Async || (id + 1) % m == 0;
                     if minibatch_done {
                         job.after_minibatch(net, step, node.stage.params_mut())?;
                     }
