@@ -107,9 +107,25 @@ fn bundled_recipe(dataset: &str) -> Option<InputRecipe> {
     Some(data.recipe)
 }
 
+/// The checkpoint whose weights `path` means ([`checkpoint::resolve_weights`]: a run's best
+/// evaluation's, when it kept one); says so on stderr when that is not the run's last.
+pub fn weights_dir(path: &Path) -> Result<std::path::PathBuf> {
+    let dir = checkpoint::resolve_weights(path).map_err(|e| UsageError(e.to_string()))?;
+    if let Ok(latest) = checkpoint::resolve(path)
+        && latest != dir
+    {
+        eprintln!(
+            "using the best evaluation's checkpoint {} (the run's last is {}; name it to use it)",
+            dir.display(),
+            latest.display()
+        );
+    }
+    Ok(dir)
+}
+
 /// Opens the checkpoint `path` means (verifying every file) as one model on `threads` threads.
 pub fn open(path: &Path, threads: usize) -> Result<Opened> {
-    let dir = checkpoint::resolve(path).map_err(|e| UsageError(e.to_string()))?;
+    let dir = weights_dir(path)?;
     let manifest = checkpoint::verify(&dir)?;
     let recipe: Option<InputRecipe> = match &manifest.recipe {
         _ if manifest.model.reads_tokens() => None,
@@ -419,9 +435,116 @@ pub fn predict(a: &PredictArgs) -> Result<()> {
     let Some(recipe) = opened.recipe.clone() else {
         return predict_tokens(a, &mut opened);
     };
-    let inputs = match &a.data_file {
-        Some(path) => ringtmp_data::read_inputs(&recipe, path, a.limit)?,
-        None => test_split(&opened, a.limit)?,
+    let run = outputs_of(&mut opened, &recipe, a.data_file.as_deref(), a.limit)?;
+    if let Some(path) = &a.logits {
+        ringtmp_data::npy::write_f32(path, &[run.inputs.rows, run.width], &run.values)?;
+    }
+    if let Some(path) = &a.csv {
+        write_csv(
+            path,
+            &recipe,
+            &run.inputs.names,
+            &run.values,
+            run.width,
+            run.regression,
+        )?;
+    }
+    let score = score_of(&run)
+        .map(|s| format!("; {} against the inputs' labels", s.line()))
+        .unwrap_or_default();
+    eprintln!(
+        "predict: {} rows with {} from {} step {}{score}",
+        run.inputs.rows, opened.manifest.model.name, opened.manifest.strategy, opened.manifest.step
+    );
+    Ok(())
+}
+
+/// `ringtmp eval` options.
+#[derive(clap::Args)]
+pub struct EvalArgs {
+    /// A checkpoint directory, or a run directory (its best evaluation's checkpoint, else its
+    /// newest).
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint: PathBuf,
+    /// Labelled inputs read as training read its data: a .csv with the training columns and
+    /// the label, an .npz with `x` and `y`, a folder of class folders [default: the bundled
+    /// dataset's test split, for a model trained on one].
+    #[arg(long, value_name = "FILE")]
+    pub data_file: Option<PathBuf>,
+    /// Score the first N rows only.
+    #[arg(long, value_name = "N", value_parser = crate::args::at_least_one)]
+    pub limit: Option<usize>,
+    /// Print the score as one JSON object on stdout as well.
+    #[arg(long)]
+    pub json: bool,
+    /// Compute threads [default: all cores].
+    #[arg(long, value_parser = crate::args::at_least_one)]
+    pub threads: Option<usize>,
+}
+
+/// `ringtmp eval`: scores a checkpoint's weights on labelled inputs without training: accuracy
+/// for classes; R², RMSE and MAE (in the targets' units) for a regression.
+pub fn eval(a: &EvalArgs) -> Result<()> {
+    let threads = threads(a.threads);
+    crate::plan::init_threads(threads)?;
+    let mut opened = open(&a.checkpoint, threads)?;
+    let Some(recipe) = opened.recipe.clone() else {
+        return Err(UsageError(format!(
+            "{}: a language model's checkpoint; its validation loss is in its run's \
+             metrics.jsonl, and `ringtmp predict --logits` gives its next-token logits",
+            opened.dir.display()
+        ))
+        .into());
+    };
+    let run = outputs_of(&mut opened, &recipe, a.data_file.as_deref(), a.limit)?;
+    let Some(score) = score_of(&run) else {
+        return Err(UsageError(format!(
+            "{}: these inputs carry no labels to score against",
+            a.data_file
+                .as_deref()
+                .map_or_else(|| "the test split".into(), |p| p.display().to_string())
+        ))
+        .into());
+    };
+    eprintln!(
+        "eval: {} on {} rows with {} from {} step {} ({})",
+        score.line(),
+        run.inputs.rows,
+        opened.manifest.model.name,
+        opened.manifest.strategy,
+        opened.manifest.step,
+        opened.dir.display()
+    );
+    if a.json {
+        let mut doc = score.json();
+        doc["rows"] = run.inputs.rows.into();
+        doc["step"] = opened.manifest.step.into();
+        doc["checkpoint"] = opened.dir.display().to_string().into();
+        println!("{doc}");
+    }
+    Ok(())
+}
+
+/// A model's outputs for a set of inputs.
+struct Outputs {
+    inputs: ringtmp_data::Inputs,
+    /// `[rows, width]`: class logits, or regression predictions in the targets' units.
+    values: Vec<f32>,
+    width: usize,
+    regression: bool,
+}
+
+/// The opened checkpoint's outputs for `data_file` (read as `recipe` says) or the bundled test
+/// split.
+fn outputs_of(
+    opened: &mut Opened,
+    recipe: &InputRecipe,
+    data_file: Option<&Path>,
+    limit: Option<usize>,
+) -> Result<Outputs> {
+    let inputs = match data_file {
+        Some(path) => ringtmp_data::read_inputs(recipe, path, limit)?,
+        None => test_split(opened, limit)?,
     };
     let outputs = inputs_outputs(&mut opened.stage, &inputs.x, inputs.rows)?;
     let width = outputs.len() / inputs.rows.max(1);
@@ -439,18 +562,12 @@ pub fn predict(a: &PredictArgs) -> Result<()> {
     } else {
         outputs
     };
-    if let Some(path) = &a.logits {
-        ringtmp_data::npy::write_f32(path, &[inputs.rows, width], &values)?;
-    }
-    if let Some(path) = &a.csv {
-        write_csv(path, &recipe, &inputs.names, &values, width, regression)?;
-    }
-    let score = score_line(&values, width, regression, inputs.labels.as_ref());
-    eprintln!(
-        "predict: {} rows with {} from {} step {}{score}",
-        inputs.rows, opened.manifest.model.name, opened.manifest.strategy, opened.manifest.step
-    );
-    Ok(())
+    Ok(Outputs {
+        inputs,
+        values,
+        width,
+        regression,
+    })
 }
 
 /// A language model's logits for windows of token ids (an `.npy` of integers `[rows, seq]`):
@@ -564,32 +681,70 @@ fn write_csv(
     Ok(())
 }
 
-/// `; accuracy …` or `; RMSE …` against the inputs' own labels, when they have them.
-fn score_line(values: &[f32], width: usize, regression: bool, labels: Option<&Labels>) -> String {
-    match (labels, regression) {
-        (Some(Labels::Classes(c)), false) => {
-            let right = values
-                .chunks_exact(width)
+/// How well outputs match their inputs' labels.
+enum Score {
+    /// Classes: the share predicted right.
+    Accuracy(f64),
+    /// A regression, over every target: R² (1 − residual / total sum of squares), and the
+    /// root mean squared and mean absolute errors in the targets' units.
+    Regression { r2: f64, rmse: f64, mae: f64 },
+}
+
+impl Score {
+    fn line(&self) -> String {
+        match self {
+            Self::Accuracy(a) => format!("accuracy {:.2}%", 100.0 * a),
+            Self::Regression { r2, rmse, mae } => {
+                format!("R² {r2:.4}, RMSE {rmse:.4}, MAE {mae:.4}")
+            }
+        }
+    }
+
+    fn json(&self) -> serde_json::Value {
+        match self {
+            Self::Accuracy(a) => serde_json::json!({"accuracy": a}),
+            Self::Regression { r2, rmse, mae } => {
+                serde_json::json!({"r2": r2, "rmse": rmse, "mae": mae})
+            }
+        }
+    }
+}
+
+/// The score of `run` against its inputs' labels, if they have any of the model's kind.
+fn score_of(run: &Outputs) -> Option<Score> {
+    match (run.inputs.labels.as_ref()?, run.regression) {
+        (Labels::Classes(c), false) => {
+            let right = run
+                .values
+                .chunks_exact(run.width)
                 .zip(c)
                 .filter(|(row, l)| ringtmp_model::loss::argmax(row).0 == **l as usize)
                 .count();
-            format!(
-                "; accuracy {:.2}% against the inputs' labels",
-                100.0 * right as f64 / c.len().max(1) as f64
-            )
+            Some(Score::Accuracy(right as f64 / c.len().max(1) as f64))
         }
-        (Some(Labels::Targets { values: t, .. }), true) => {
+        (Labels::Targets { values: t, .. }, true) => {
             let n = t.len().max(1) as f64;
-            let (sq, abs) = values.iter().zip(t).fold((0.0, 0.0), |(s, a), (&p, &y)| {
+            // Each target's own mean: R² over several targets sums their squares.
+            let width = run.width.max(1);
+            let mut means = vec![0.0f64; width];
+            for (i, &y) in t.iter().enumerate() {
+                means[i % width] += f64::from(y);
+            }
+            let per_target = (t.len() / width).max(1) as f64;
+            means.iter_mut().for_each(|m| *m /= per_target);
+            let (mut sq, mut abs, mut total) = (0.0, 0.0, 0.0);
+            for (i, (&p, &y)) in run.values.iter().zip(t).enumerate() {
                 let e = f64::from(p - y);
-                (s + e * e, a + e.abs())
-            });
-            format!(
-                "; RMSE {:.4}, MAE {:.4} against the inputs' targets",
-                (sq / n).sqrt(),
-                abs / n
-            )
+                sq += e * e;
+                abs += e.abs();
+                total += (f64::from(y) - means[i % width]).powi(2);
+            }
+            Some(Score::Regression {
+                r2: 1.0 - sq / total.max(f64::MIN_POSITIVE),
+                rmse: (sq / n).sqrt(),
+                mae: abs / n,
+            })
         }
-        _ => String::new(),
+        _ => None,
     }
 }

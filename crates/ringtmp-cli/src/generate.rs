@@ -178,7 +178,7 @@ pub(crate) fn open(
     prompt_text: &str,
     prompt_ids: Option<&Vec<u32>>,
 ) -> anyhow::Result<Opened> {
-    let dir = checkpoint::resolve(path).map_err(|e| UsageError(e.to_string()))?;
+    let dir = crate::export::weights_dir(path)?;
     let manifest = checkpoint::read_manifest(&dir).map_err(|e| UsageError(e.to_string()))?;
     let not_lm = |why: &str| {
         UsageError(format!(

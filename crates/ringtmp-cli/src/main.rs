@@ -63,6 +63,9 @@ enum Command {
     /// Run a checkpoint's model on your inputs (a table, arrays, images), read as training read
     /// them, and write its outputs (.npy or .csv).
     Predict(export::PredictArgs),
+    /// Score a checkpoint's weights on labelled inputs without training (accuracy; R², RMSE
+    /// and MAE for a regression).
+    Eval(export::EvalArgs),
     /// Check training options or a model file without training.
     ValidateConfig(args::TrainArgs),
     /// Join a run started elsewhere (mpirun, srun, torchrun, Kubernetes, or by hand).
@@ -170,6 +173,7 @@ fn main() -> ExitCode {
         Command::Generate(a) => generate::run(&a),
         Command::Export(a) => export::export(&a),
         Command::Predict(a) => export::predict(&a),
+        Command::Eval(a) => export::eval(&a),
         Command::Node(a) => node::run(&a),
         Command::BenchTransport(a) => bench_transport::run(&a),
         Command::Selftest(a) => selftest(&a),

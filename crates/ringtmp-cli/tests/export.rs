@@ -345,6 +345,77 @@ fn predict_reads_a_table_by_column_names_and_writes_class_names() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("no column \"x2\""));
 }
 
+/// A small table with nothing but the data named: enough steps for it (the floor, not two
+/// epochs' handful), the best evaluation's checkpoint kept, and `ringtmp eval` scoring it on a
+/// labelled file (accuracy; R² for a regression); `--early-stop` is refused where the workers
+/// would not all stop.
+#[test]
+fn a_small_table_trains_enough_steps_keeps_its_best_and_eval_scores_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = tmp.path();
+    let table = |name: &str, rows: std::ops::Range<usize>, regression: bool| {
+        let mut text = String::from("x1,x2,label\n");
+        for i in rows {
+            let (a, b) = ((i % 12) as f32 / 12.0, (i % 7) as f32 / 7.0);
+            let label = if regression {
+                format!("{:.1}", 100.0 + 50.0 * a - 30.0 * b)
+            } else {
+                if a > b { "1" } else { "0" }.to_string()
+            };
+            text.push_str(&format!("{a},{b},{label}\n"));
+        }
+        let path = t.join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    };
+    for regression in [false, true] {
+        let (train, test) = (
+            table("train.csv", 0..300, regression),
+            table("test.csv", 300..400, regression),
+        );
+        let run = t.join(format!("run-{regression}"));
+        ok(&ringtmp(&[
+            "train",
+            "--dataset",
+            "csv",
+            "--data-file",
+            train.to_str().unwrap(),
+            "--out",
+            run.to_str().unwrap(),
+        ]));
+        assert_eq!(summary(&run)["steps"], 1000, "the floor on steps");
+        let best = std::fs::read_to_string(run.join("checkpoints/best")).unwrap();
+        let out = ringtmp(&[
+            "eval",
+            "--checkpoint",
+            run.to_str().unwrap(),
+            "--data-file",
+            test.to_str().unwrap(),
+            "--json",
+        ]);
+        ok(&out);
+        let score: serde_json::Value =
+            serde_json::from_slice(&out.stdout).expect("one JSON object on stdout");
+        assert!(score["checkpoint"].as_str().unwrap().ends_with(best.trim()));
+        match regression {
+            false => assert!(score["accuracy"].as_f64().unwrap() > 0.9, "{score}"),
+            true => assert!(score["r2"].as_f64().unwrap() > 0.9, "{score}"),
+        }
+    }
+    let refused = ringtmp(&[
+        "train",
+        "--dataset",
+        "csv",
+        "--data-file",
+        t.join("train.csv").to_str().unwrap(),
+        "--strategy",
+        "allreduce",
+        "--early-stop",
+        "3",
+    ]);
+    bad_input(&refused, "--early-stop stops local and ring runs");
+}
+
 fn train_table(table: &Path, run: &Path) {
     ok(&ringtmp(&[
         "train",

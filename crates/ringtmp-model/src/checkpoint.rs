@@ -751,6 +751,39 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
     })
 }
 
+/// Marks the checkpoint in `dir` as its run's best (the evaluation with the lowest validation
+/// loss): `best` beside `latest` names it. Retention keeps it.
+pub fn mark_best(dir: &Path) -> Result<()> {
+    if let (Some(parent), Some(name)) = (dir.parent(), dir.file_name()) {
+        write_atomic(&parent.join("best"), name.to_string_lossy().as_bytes())?;
+    }
+    Ok(())
+}
+
+/// The checkpoint a run's best evaluation left under `root` (a `checkpoints/` directory), if
+/// it marked one and it is still there.
+fn best_under(root: &Path) -> Option<PathBuf> {
+    let name = fs::read_to_string(root.join("best")).ok()?;
+    let dir = root.join(name.trim());
+    dir.join("manifest.json").is_file().then_some(dir)
+}
+
+/// Finds the checkpoint whose weights a path means for using them (`predict`, `export`, `eval`,
+/// `generate`): a checkpoint directory as given; of a run (or its `checkpoints/`), the best
+/// evaluation's when the run kept one, else the latest (as [`resolve`]). Resuming goes on from
+/// the latest instead.
+pub fn resolve_weights(path: &Path) -> Result<PathBuf> {
+    if path.join("manifest.json").is_file() {
+        return Ok(path.to_path_buf());
+    }
+    for root in [path.join("checkpoints"), path.to_path_buf()] {
+        if let Some(best) = best_under(&root) {
+            return Ok(best);
+        }
+    }
+    resolve(path)
+}
+
 /// The checkpoint directories (`step-…`) under `root`, oldest first.
 fn step_dirs(root: &Path) -> Vec<PathBuf> {
     let Ok(entries) = fs::read_dir(root) else {
@@ -839,12 +872,18 @@ pub fn remove_incomplete(root: &Path) -> Vec<PathBuf> {
 }
 
 /// Keeps the `keep` newest complete checkpoints under `root` and removes older complete ones
-/// (`--keep-checkpoints`); incomplete ones are [`remove_incomplete`]'s business. Returns what it
+/// (`--keep-checkpoints`), and the one marked `best` besides; incomplete ones are
+/// [`remove_incomplete`]'s business. Returns what it
 /// removed.
 pub fn retain_newest(root: &Path, keep: usize) -> Result<Vec<PathBuf>> {
     let complete: Vec<PathBuf> = step_dirs(root)
         .into_iter()
         .filter(|d| d.join("manifest.json").is_file())
+        .collect();
+    let best = best_under(root);
+    let complete: Vec<PathBuf> = complete
+        .into_iter()
+        .filter(|d| Some(d) != best.as_ref())
         .collect();
     let surplus = complete.len().saturating_sub(keep.max(1));
     let mut removed = Vec::new();

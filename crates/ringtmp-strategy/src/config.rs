@@ -98,6 +98,19 @@ pub struct TrainConfig {
     /// learning-rate schedule spans them. One budget for strategies whose steps differ in size.
     #[serde(default)]
     pub train_samples: Option<u64>,
+    /// A floor on the examples a run whose length is the default (`epochs` not given) trains
+    /// on, rounded up to whole steps: two epochs of a small table are a handful of steps. In
+    /// examples, not steps, so every strategy trains on as many whatever its global batch.
+    /// `None`: `epochs` alone decide.
+    #[serde(default)]
+    pub min_samples: Option<u64>,
+    /// Keep the checkpoint of the evaluation with the lowest validation loss, marked
+    /// `checkpoints/best`: what `predict`, `export`, `eval` and `generate` use of a finished run.
+    #[serde(default)]
+    pub keep_best: bool,
+    /// Stop once this many evaluations in a row have not lowered the validation loss.
+    #[serde(default)]
+    pub early_stop: Option<u32>,
     /// Seconds a node waits for any one message before it gives up on the run.
     #[serde(default = "default_recv_timeout")]
     pub recv_timeout_secs: f64,
@@ -159,11 +172,15 @@ impl TextSource {
 impl TrainConfig {
     /// Steps the learning-rate schedule spans, and the run takes unless `max_steps` stops it
     /// first, when every step consumes `global_batch` examples: `epochs` epochs of
-    /// `steps_per_epoch`, or `train_samples` rounded up to whole steps.
+    /// `steps_per_epoch` (at least `min_samples` examples), or `train_samples` rounded up to whole steps.
     pub fn schedule_steps(&self, steps_per_epoch: u64, global_batch: usize) -> u64 {
         match self.train_samples {
             Some(samples) => samples.div_ceil(global_batch.max(1) as u64).max(1),
-            None => steps_per_epoch * u64::from(self.epochs),
+            None => (steps_per_epoch * u64::from(self.epochs)).max(
+                self.min_samples
+                    .unwrap_or(0)
+                    .div_ceil(global_batch.max(1) as u64),
+            ),
         }
     }
 
@@ -197,6 +214,9 @@ impl TrainConfig {
         }
         if self.train_samples == Some(0) {
             return bad("--train-samples must be at least 1".into());
+        }
+        if self.early_stop == Some(0) {
+            return bad("--early-stop must be at least 1 evaluation".into());
         }
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return bad(format!("--lr must be a positive number, got {}", self.lr));

@@ -21,7 +21,7 @@ use crate::contract::{Cluster, NodeCx, PlanReport, Strategy, validate_shared};
 use crate::error::{Error, Result};
 use crate::evaluation::evaluate;
 use crate::event::Event;
-use crate::recorder::RunRecorder;
+use crate::recorder::{RunRecorder, Verdict};
 use crate::resume::check_resume;
 use crate::spec::RunSpec;
 
@@ -184,9 +184,10 @@ pub fn train_local(
         recorder.announce_step(step, mean_loss, lr, (train_seconds, samples), on_event)?;
 
         let last = step == total_steps;
+        let mut verdict = Verdict::default();
         if recorder.eval_due(step) {
             let score = evaluate(&mut model, &data.test, classes)?;
-            recorder.announce_eval(
+            verdict = recorder.announce_eval(
                 step,
                 score,
                 train_seconds,
@@ -194,15 +195,19 @@ pub fn train_local(
                 on_event,
             )?;
         }
-        if cfg.checkpoint_every > 0 && (step % cfg.checkpoint_every == 0 || last) {
+        let due = || step % cfg.checkpoint_every == 0 || last || verdict.keep || verdict.stop;
+        if cfg.checkpoint_every > 0 && due() {
             let dir = save_checkpoint(&spec, &model, &optimizer, step, per_epoch)?;
             recorder.announce_checkpoint(step, dir, on_event)?;
+        }
+        if verdict.stop {
+            break;
         }
     }
     if step == first_step {
         // Nothing left to train (resumed at the end): still report the model's accuracy.
         let score = evaluate(&mut model, &data.test, classes)?;
-        recorder.eval(step, score, train_seconds, wall.elapsed().as_secs_f64())?;
+        let _ = recorder.eval(step, score, train_seconds, wall.elapsed().as_secs_f64())?;
     }
 
     let params = model.params().len() as u64;

@@ -32,6 +32,21 @@ pub struct Tracker {
     /// Regression: the latest and lowest root mean squared error, and the latest mean absolute
     /// error (in the target's units).
     pub errors: Option<(f64, f64, f64)>,
+    /// The step of the evaluation with the lowest loss so far.
+    pub best_loss_step: Option<u64>,
+    /// Evaluations since the loss last fell.
+    pub since_best: u32,
+}
+
+/// What an evaluation means for the run, for its driver.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[must_use]
+pub struct Verdict {
+    /// Its validation loss is the lowest yet and the run keeps its best checkpoint: the driver
+    /// takes a checkpoint of this step (if none is due anyway); recording it marks it `best`.
+    pub keep: bool,
+    /// `--early-stop`'s patience is spent: the driver ends the run after this step.
+    pub stop: bool,
 }
 
 impl Tracker {
@@ -44,13 +59,23 @@ impl Tracker {
             reached: None,
             loss: None,
             errors: None,
+            best_loss_step: None,
+            since_best: 0,
         }
     }
 
-    /// Records an evaluation's loss.
-    pub fn record_loss(&mut self, loss: f64) {
+    /// Records an evaluation's loss after `step` steps; returns whether it is the lowest yet.
+    pub fn record_loss(&mut self, loss: f64, step: u64) -> bool {
+        let lowest = self.loss.is_none_or(|(_, b)| loss < b);
         let best = self.loss.map_or(loss, |(_, b)| b.min(loss));
         self.loss = Some((loss, best));
+        if lowest {
+            self.best_loss_step = Some(step);
+            self.since_best = 0;
+        } else {
+            self.since_best += 1;
+        }
+        lowest
     }
 
     /// Records an evaluation.
@@ -122,7 +147,7 @@ impl Carried {
                     {
                         tracker.record(accuracy, step, seconds.unwrap_or(carried.train_seconds));
                         if let Some(loss) = event["test_loss"].as_f64() {
-                            tracker.record_loss(loss);
+                            let _ = tracker.record_loss(loss, step);
                         }
                     }
                 }
@@ -257,7 +282,7 @@ impl RunRecorder {
         score: Score,
         train_seconds: f64,
         wall_seconds: f64,
-    ) -> Result<()> {
+    ) -> Result<Verdict> {
         let train_seconds = self.carried.train_seconds + train_seconds;
         let wall_seconds = self.carried.wall_seconds + wall_seconds;
         self.tracker.record(score.accuracy, done, train_seconds);
@@ -266,7 +291,7 @@ impl RunRecorder {
         let mut event = json!({"event": "eval", "step": done, "epoch": epoch,
             "test_accuracy": score.accuracy, "test_loss": loss, "train_seconds": train_seconds,
             "wall_seconds": wall_seconds});
-        self.tracker.record_loss(loss);
+        let lowest = loss.is_finite() && self.tracker.record_loss(loss, done);
         if let (Some(rmse), Some(mae)) = (score.rmse, score.mae) {
             let best = self.tracker.errors.map_or(rmse, |e| e.1.min(rmse));
             self.tracker.errors = Some((rmse, best, mae));
@@ -279,12 +304,24 @@ impl RunRecorder {
             event["perplexity"] = perplexity.into();
             event[format!("bits_per_{}", self.unit())] = bits.into();
         }
-        self.write(event)
+        self.write(event)?;
+        Ok(Verdict {
+            keep: lowest && self.spec.keep_best,
+            stop: self
+                .spec
+                .early_stop
+                .is_some_and(|patience| self.tracker.since_best >= patience),
+        })
     }
 
-    /// Records a complete checkpoint.
+    /// Records a complete checkpoint; the one of the evaluation with the lowest loss is marked
+    /// `best` when the run keeps it.
     pub fn checkpoint(&mut self, done: u64, path: &std::path::Path) -> Result<()> {
-        self.write(json!({"event": "checkpoint", "step": done, "path": path}))
+        let best = self.spec.keep_best && self.tracker.best_loss_step == Some(done);
+        if best {
+            ringtmp_model::checkpoint::mark_best(path)?;
+        }
+        self.write(json!({"event": "checkpoint", "step": done, "path": path, "best": best}))
     }
 
     /// Records a finished step as [`Self::step`] does and tells `on_event` (with this attempt's
@@ -315,8 +352,8 @@ impl RunRecorder {
         train_seconds: f64,
         wall_seconds: f64,
         on_event: &mut dyn FnMut(&crate::Event),
-    ) -> Result<()> {
-        self.eval(done, score, train_seconds, wall_seconds)?;
+    ) -> Result<Verdict> {
+        let verdict = self.eval(done, score, train_seconds, wall_seconds)?;
         on_event(&crate::Event::Eval {
             step: done,
             epoch: done.saturating_sub(1) / self.steps_per_epoch,
@@ -325,7 +362,17 @@ impl RunRecorder {
             rmse: score.rmse,
             mae: score.mae,
         });
-        Ok(())
+        if verdict.stop {
+            on_event(&crate::Event::Notice {
+                text: format!(
+                    "early stop after step {done}: {} evaluations without a lower validation \
+                     loss than step {}'s",
+                    self.tracker.since_best,
+                    self.tracker.best_loss_step.unwrap_or(0)
+                ),
+            });
+        }
+        Ok(verdict)
     }
 
     /// Records a complete checkpoint and tells `on_event`.
@@ -468,5 +515,24 @@ mod tests {
             (tracker.best, tracker.last, tracker.reached),
             (-0.36, -4.0, None)
         );
+    }
+
+    #[test]
+    fn the_lowest_loss_is_the_best_and_evaluations_since_it_count_towards_the_patience() {
+        let mut tracker = Tracker::new(0.9);
+        let fell: Vec<bool> = [
+            (1.0, 10),
+            (0.8, 20),
+            (0.9, 30),
+            (0.8, 40),
+            (0.7, 50),
+            (0.75, 60),
+        ]
+        .into_iter()
+        .map(|(loss, step)| tracker.record_loss(loss, step))
+        .collect();
+        // An equal loss is no improvement.
+        assert_eq!(fell, [true, true, false, false, true, false]);
+        assert_eq!((tracker.best_loss_step, tracker.since_best), (Some(50), 1));
     }
 }

@@ -64,6 +64,17 @@ pub fn layers_for(model: &ringtmp_model::ModelSpec, data: &Dataset) -> Result<Ve
     Ok(model.build_for(&input, &output)?)
 }
 
+/// About how many epoch-end evaluations a run of many epochs makes (see [`RunSpec::eval_due`]).
+pub const EPOCH_EVALUATIONS: u64 = 50;
+
+/// [`RunSpec::eval_due`] of a run of `total` steps in epochs of `per_epoch`, evaluating every
+/// `every` steps besides.
+fn eval_due_at(done: u64, total: u64, per_epoch: u64, every: u64) -> bool {
+    let epoch = per_epoch.max(1);
+    let epochs_apart = (total / EPOCH_EVALUATIONS).div_ceil(epoch).max(1);
+    done % (epoch * epochs_apart) == 0 || done == total || (every > 0 && done % every == 0)
+}
+
 /// The checkpoint a run resumes from, resolved and checked on rank 0.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ResumePoint {
@@ -264,10 +275,16 @@ impl RunSpec {
 
     /// Whether an evaluation is due once `done` steps are complete: every `eval_every`-th step,
     /// every epoch end and the last step (so time to target means the same in every strategy).
+    /// A run of many short epochs (a small table's) evaluates at every k-th epoch end, about
+    /// [`EPOCH_EVALUATIONS`] times in all: often enough to keep its best checkpoint and stop
+    /// early, not a line per epoch.
     pub fn eval_due(&self, done: u64) -> bool {
-        done % self.steps_per_epoch.max(1) == 0
-            || done == self.total_steps
-            || (self.eval_every > 0 && done % self.eval_every == 0)
+        eval_due_at(
+            done,
+            self.total_steps,
+            self.steps_per_epoch,
+            self.eval_every,
+        )
     }
 
     /// Whether a checkpoint is due after `done` steps (every `checkpoint_every`, and at the end).
@@ -280,5 +297,29 @@ impl RunSpec {
         self.out
             .join("checkpoints")
             .join(checkpoint::checkpoint_dir_name(step))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_run_of_many_short_epochs_evaluates_about_fifty_times_not_every_epoch() {
+        let due = |total, per_epoch, every| {
+            (1..=total)
+                .filter(|&d| eval_due_at(d, total, per_epoch, every))
+                .collect::<Vec<u64>>()
+        };
+        // MNIST's two epochs: every 200 steps and both epoch ends, as before.
+        assert_eq!(
+            due(1874, 937, 200),
+            [200, 400, 600, 800, 937, 1000, 1200, 1400, 1600, 1800, 1874]
+        );
+        // A small table's 500 epochs of 2 steps: every 10th epoch end.
+        let small = due(1000, 2, 200);
+        assert_eq!(small.len(), 50);
+        assert_eq!(&small[..3], [20, 40, 60]);
+        assert_eq!(small.last(), Some(&1000));
     }
 }

@@ -63,6 +63,9 @@ fn config(out: &Path, optimizer: OptimizerConfig) -> TrainConfig {
         resume: None,
         max_steps: None,
         train_samples: None,
+        min_samples: None,
+        keep_best: false,
+        early_stop: None,
         recv_timeout_secs: 30.0,
         stall_timeout_secs: None,
         clip_grad_norm: None,
@@ -352,4 +355,75 @@ fn step_dirs(out: &Path) -> Vec<String> {
         .collect();
     dirs.sort();
     dirs
+}
+
+/// The steps of `metrics.jsonl`'s evaluation with the lowest loss, and of its checkpoints.
+fn lowest_loss_and_checkpoints(out: &Path) -> (u64, Vec<u64>) {
+    let log = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let events: Vec<serde_json::Value> = log
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let mut lowest = (f64::INFINITY, 0);
+    for e in events.iter().filter(|e| e["event"] == "eval") {
+        let loss = e["test_loss"].as_f64().unwrap();
+        if loss < lowest.0 {
+            lowest = (loss, e["step"].as_u64().unwrap());
+        }
+    }
+    let checkpoints = events
+        .iter()
+        .filter(|e| e["event"] == "checkpoint")
+        .map(|e| e["step"].as_u64().unwrap())
+        .collect();
+    (lowest.1, checkpoints)
+}
+
+/// An early-stopped run ends once its validation loss has not fallen for `--early-stop`
+/// evaluations, with a checkpoint of its last step; the checkpoint of its lowest validation
+/// loss is marked `best`, spared by `--keep-checkpoints` and what its weights resolve to.
+#[test]
+fn early_stop_ends_the_run_and_keeps_the_best_evaluation_s_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let mut cfg = config(&out, sgd());
+    cfg.epochs = 60;
+    cfg.schedule = LrSchedule::Constant;
+    cfg.lr = 0.1;
+    cfg.eval_every = 10;
+    cfg.checkpoint_every = ringtmp_strategy::CHECKPOINT_AT_END;
+    cfg.keep_checkpoints = Some(1);
+    cfg.keep_best = true;
+    cfg.early_stop = Some(2);
+    let data = digits();
+    let total = cfg.schedule_steps((data.train.len() / cfg.batch_size) as u64, cfg.batch_size);
+    let summary = train_local(&cfg, &data, &mut |_| {}).unwrap();
+    assert!(summary.steps < total, "{} of {total} steps", summary.steps);
+    let (best, checkpoints) = lowest_loss_and_checkpoints(&out);
+    assert!(
+        best < summary.steps,
+        "the best is {best}, the run ended at {}",
+        summary.steps
+    );
+    assert!(checkpoints.contains(&best) && checkpoints.last() == Some(&summary.steps));
+    let root = out.join("checkpoints");
+    let best_dir = root.join(checkpoint::checkpoint_dir_name(best));
+    assert_eq!(checkpoint::resolve_weights(&out).unwrap(), best_dir);
+    assert_eq!(
+        checkpoint::resolve(&out).unwrap(),
+        root.join(checkpoint::checkpoint_dir_name(summary.steps)),
+        "resuming goes on from the last"
+    );
+    let mut left: Vec<_> = std::fs::read_dir(&root)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    left.sort();
+    assert_eq!(
+        left,
+        [best, summary.steps].map(checkpoint::checkpoint_dir_name),
+        "one newest and the best"
+    );
 }

@@ -55,6 +55,9 @@ fn config(out: &Path) -> TrainConfig {
         resume: None,
         max_steps: Some(STEPS),
         train_samples: None,
+        min_samples: None,
+        keep_best: false,
+        early_stop: None,
         recv_timeout_secs: 30.0,
         stall_timeout_secs: None,
         clip_grad_norm: None,
@@ -98,8 +101,10 @@ fn ring_params_on(
             panic!("ring node {rank} failed: {e}");
         }
     }
-    audit_master(&ran.audit, job, data);
-    run::ring_params(ran.results)
+    let audit = ran.audit.clone();
+    let (params, summary) = run::ring_params(ran.results);
+    audit_master(&audit, job, data, summary.steps);
+    (params, summary)
 }
 
 /// The ring on real loopback links.
@@ -109,7 +114,12 @@ fn ring_params(job: &RingJob, data: &Dataset, out: &Path) -> (Vec<f32>, ringtmp_
 
 /// Every tensor the master sent is stage 0's output (activations or evaluation activations, to
 /// rank 1) or the logits' gradient (to the last rank): never raw inputs, never labels.
-fn audit_master(sent: &[ringtmp_transport::SentRecord], job: &RingJob, data: &Dataset) {
+fn audit_master(
+    sent: &[ringtmp_transport::SentRecord],
+    job: &RingJob,
+    data: &Dataset,
+    trained_to: u64,
+) {
     use ringtmp_wire::TensorTag;
     // The layers the stages hold (a cut inside a layer sends its input and its head's outputs).
     let layers = job.layers().unwrap();
@@ -162,7 +172,7 @@ fn audit_master(sent: &[ringtmp_transport::SentRecord], job: &RingJob, data: &Da
             "one-dimensional tensors (label-shaped) never leave the master"
         );
     }
-    let steps = (job.spec.total_steps - job.first_step()) as usize;
+    let steps = (trained_to - job.first_step()) as usize;
     assert!(
         activations >= steps * job.micro_batches && gradients == steps * job.micro_batches,
         "{activations} activations and {gradients} gradients for {steps} steps of {} \
@@ -488,6 +498,58 @@ fn async_ring_gives_the_same_parameters_whatever_the_timing() {
                 max_rel_diff(&params, first)
             ),
         }
+    }
+}
+
+/// An early stop on the ring: the master stops after the evaluation that spends the patience,
+/// with the run's checkpoint of that step and the best evaluation's marked, under the async
+/// schedule (whose pipeline has drained for the evaluation) and a flushed one.
+#[test]
+fn the_ring_stops_early_and_keeps_the_best_evaluation_s_checkpoint() {
+    let data = digits();
+    let tmp = tempfile::tempdir().unwrap();
+    for schedule in [Schedule::Async, Schedule::OneFOneB] {
+        let out = tmp.path().join(schedule.name());
+        let mut j = job(&[0, 2, 6, 10], schedule, 2);
+        j.spec.total_steps = 600;
+        j.spec.schedule_steps = 600;
+        j.spec.config.lr = 0.2;
+        j.spec.config.eval_every = 10;
+        j.spec.config.checkpoint_every = ringtmp_strategy::CHECKPOINT_AT_END;
+        j.spec.config.keep_best = true;
+        j.spec.config.early_stop = Some(2);
+        j.spec.config.out = out.clone();
+        let (_, summary) = ring_params(&j, &data, &out);
+        assert!(
+            summary.steps < 600,
+            "{}: ran all 600 steps",
+            schedule.name()
+        );
+        let log = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        let events: Vec<serde_json::Value> = log
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let evals: Vec<(u64, f64)> = events
+            .iter()
+            .filter(|e| e["event"] == "eval")
+            .map(|e| {
+                (
+                    e["step"].as_u64().unwrap(),
+                    e["test_loss"].as_f64().unwrap(),
+                )
+            })
+            .collect();
+        let best = evals.iter().min_by(|a, b| a.1.total_cmp(&b.1)).unwrap().0;
+        assert_eq!(evals.last().unwrap().0, summary.steps);
+        let best_dir = checkpoint::resolve_weights(&out).unwrap();
+        assert_eq!(checkpoint::read_manifest(&best_dir).unwrap().step, best);
+        assert_eq!(
+            checkpoint::read_manifest(&checkpoint::resolve(&out).unwrap())
+                .unwrap()
+                .step,
+            summary.steps
+        );
     }
 }
 

@@ -189,9 +189,10 @@ pub fn run_worker(
             continue;
         };
         recorder.announce_step(done, step_loss, lr, (train_seconds, samples), on_event)?;
+        let mut verdict = crate::recorder::Verdict::default();
         if spec.eval_due(done) {
             let score = crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?;
-            recorder.announce_eval(
+            verdict = recorder.announce_eval(
                 done,
                 score,
                 train_seconds,
@@ -199,7 +200,8 @@ pub fn run_worker(
                 on_event,
             )?;
         }
-        if spec.checkpoint_due(done) {
+        // The best evaluation's checkpoint: rank 0 holds the model (the outer one, for DiLoCo).
+        if spec.checkpoint_due(done) || (spec.checkpoint_every > 0 && verdict.keep) {
             let dir = write_checkpoint(job, &stage, &optimizer, done)?;
             recorder.announce_checkpoint(done, dir, on_event)?;
         }

@@ -271,11 +271,12 @@ pub fn run_worker(
         if step_loss.is_finite() {
             recorder.announce_step(done, step_loss, lr, (train_seconds, samples), on_event)?;
         }
+        let mut verdict = crate::recorder::Verdict::default();
         if spec.eval_due(done) {
             let score = with_outer(&mut stage, &mut outer, |stage| {
                 crate::evaluation::evaluate(stage, &data.test, data.classes)
             })?;
-            recorder.announce_eval(
+            verdict = recorder.announce_eval(
                 done,
                 score,
                 train_seconds,
@@ -283,7 +284,8 @@ pub fn run_worker(
                 on_event,
             )?;
         }
-        if spec.checkpoint_due(done) {
+        // The best evaluation's checkpoint: rank 0 holds the model (the outer one, for DiLoCo).
+        if spec.checkpoint_due(done) || (spec.checkpoint_every > 0 && verdict.keep) {
             let dir = with_outer(&mut stage, &mut outer, |stage| {
                 write_model(spec, job.workers, super::NAME, stage, &optimizer, done, &[])
             })?;

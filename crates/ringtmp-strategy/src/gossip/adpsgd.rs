@@ -775,7 +775,9 @@ fn finish_rank0(
     stage.params_mut().copy_from_slice(&mean);
     let score = crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?;
     let wall = (clock.now() - started).as_secs_f64();
-    r0.recorder
+    // The run's last evaluation: its checkpoint follows anyway.
+    let _ = r0
+        .recorder
         .announce_eval(done, score, train_seconds, wall, on_event)?;
     r0.recorder
         .write(json!({"event": "consensus", "step": done, "distance": distance}))?;
@@ -871,14 +873,16 @@ fn coordinate(
     let mut stage = Stage::new(r0.layers, 0..r0.layers.len(), spec.seed, spec.threads);
     stage.params_mut().copy_from_slice(&mean);
     let done = round.step;
+    let mut verdict = crate::recorder::Verdict::default();
     if spec.eval_due(done) {
         let score = crate::evaluation::evaluate(&mut stage, &r0.data.test, r0.data.classes)?;
-        r0.recorder
+        verdict = r0
+            .recorder
             .announce_eval(done, score, elapsed(), elapsed(), on_event)?;
     }
     r0.recorder
         .write(json!({"event": "consensus", "step": done, "distance": distance}))?;
-    if spec.checkpoint_due(done) {
+    if spec.checkpoint_due(done) || (spec.checkpoint_every > 0 && verdict.keep) {
         let replicas: Vec<(u32, &[f32])> = models.iter().map(|(r, m)| (*r, &m[..])).collect();
         let dir = crate::data_parallel::write_model(
             spec,

@@ -387,9 +387,10 @@ pub fn run_worker_from(
         };
         let mut model = Stage::new(&layers, 0..layers.len(), spec.seed, spec.threads);
         model.params_mut().copy_from_slice(&mean);
+        let mut verdict = crate::recorder::Verdict::default();
         if eval {
             let score = crate::evaluation::evaluate(&mut model, &data.test, data.classes)?;
-            recorder.announce_eval(
+            verdict = recorder.announce_eval(
                 done,
                 score,
                 train_seconds,
@@ -398,7 +399,7 @@ pub fn run_worker_from(
             )?;
             recorder.write(json!({"event": "consensus", "step": done, "distance": distance}))?;
         }
-        if save {
+        if save || (spec.checkpoint_every > 0 && verdict.keep) {
             // The consensus model, with rank 0's optimizer state, and every worker's own.
             let replicas: Vec<(u32, &[f32])> = models.iter().map(|(r, m)| (*r, &m[..])).collect();
             let dir = write_model(spec, n as usize, NAME, &model, &optimizer, done, &replicas)?;

@@ -391,7 +391,8 @@ fn summarize(
             rmse: errors.map(|e| e.0),
             mae: errors.map(|e| e.1),
         };
-        recorder.eval(iteration, score, seconds, seconds)?;
+        // Replayed from worker 0's report after the run: too late to keep or stop on.
+        let _ = recorder.eval(iteration, score, seconds, seconds)?;
     }
     for (done, loss, lr, seconds) in steps {
         let samples = done.saturating_sub(job.first_step()) * global_batch;

@@ -16,7 +16,7 @@ use serde_json::{Value, json};
 use crate::error::{Error, Result};
 use crate::event::Event;
 use crate::messages::StrategyMessage;
-use crate::recorder::RunRecorder;
+use crate::recorder::{RunRecorder, Verdict};
 use crate::ring::heal::replicas::{REPLICA, Replicas, Snapshot};
 use crate::ring::run::driver::{NodeClock, RingJob, micro_offset, node_summary, protocol, tensor};
 use crate::ring::run::messages::{Incoming, RingMessage};
@@ -129,6 +129,7 @@ pub fn run_master_with(
     let mut pipe = MasterPipe::new(job);
     let (mut train_seconds, mut samples) = (record.train_seconds, record.samples);
     let attempt_from = train_seconds;
+    let mut steps_done = job.spec.total_steps;
     for step in job.first_step()..job.spec.total_steps {
         let t_step = time.now();
         let lr = job.lr_at(step);
@@ -158,9 +159,10 @@ pub fn run_master_with(
         (record.train_seconds, record.samples) = (train_seconds, samples);
         recorder.announce_step(done, mean_loss, lr, (train_seconds, samples), on_event)?;
         // Rings of rings: the rings are identical, so the first evaluates and checkpoints.
+        let mut verdict = Verdict::default();
         if job.ring == 0 && job.spec.eval_due(done) {
             let at = (done, train_seconds, wall_seconds(time.now()));
-            evaluate_and_record(
+            verdict = evaluate_and_record(
                 job,
                 setup.data,
                 &mut stage,
@@ -175,7 +177,10 @@ pub fn run_master_with(
         // Checkpoints and replication rounds are the run's own cost (a fault-tolerance setting
         // that halves throughput must show it): on the training clock, unlike evaluations.
         let upkeep = time.now();
-        if job.ring == 0 && job.checkpoint_due(done) {
+        // The best evaluation's checkpoint and an early stop's come after an evaluation, where
+        // the async pipeline has drained.
+        let kept = job.spec.checkpoint_every > 0 && (verdict.keep || verdict.stop);
+        if job.ring == 0 && (job.checkpoint_due(done) || kept) {
             let dir = checkpoint_round(job, net, done, (&stage, &optimizer), head.as_ref())?;
             recorder.announce_checkpoint(done, dir, on_event)?;
         }
@@ -192,6 +197,10 @@ pub fn run_master_with(
         }
         train_seconds += (time.now() - upkeep).as_secs_f64();
         record.train_seconds = train_seconds;
+        if verdict.stop {
+            steps_done = done;
+            break;
+        }
     }
     // A run resumed at its very end (a node died after the last step, before the summary) has
     // trained nothing here: it still evaluates, so its summary says where the run ended.
@@ -201,7 +210,7 @@ pub fn run_master_with(
             train_seconds,
             wall_seconds(time.now()),
         );
-        evaluate_and_record(
+        let _ = evaluate_and_record(
             job,
             setup.data,
             &mut stage,
@@ -234,6 +243,7 @@ pub fn run_master_with(
     let per_node = collect_reports(job, net, own)?;
     let summary = Summary {
         wall_seconds: recorder.carried().wall_seconds + wall_seconds(time.now()),
+        steps: steps_done,
         ..ring_summary(job, recorder, per_node, (train_seconds, samples))?
     };
     let summary = match record.recorder.take() {
@@ -380,10 +390,9 @@ fn evaluate_and_record(
     (done, train_seconds, wall_seconds): (u64, f64, f64),
     recorder: &mut RunRecorder,
     on_event: &mut dyn FnMut(&Event),
-) -> Result<()> {
+) -> Result<Verdict> {
     let score = evaluate(job, data, stage, net, done, &mut clock.eval_bytes, head)?;
-    recorder.announce_eval(done, score, train_seconds, wall_seconds, on_event)?;
-    Ok(())
+    recorder.announce_eval(done, score, train_seconds, wall_seconds, on_event)
 }
 
 /// A replication round after mini-batch `done` (see `heal`): the master keeps its own snapshot
