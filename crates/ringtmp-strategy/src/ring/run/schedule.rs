@@ -8,9 +8,14 @@
 //!   flight on a stage; with room, forward what has arrived, otherwise backward. The last stage
 //!   therefore alternates one forward, one backward; stage 0 runs ahead by `stages` micro-batches.
 //!
-//! Both flush at the end of a mini-batch and step once, so both compute exactly synchronous SGD
-//! over the mini-batch (they differ only in the order gradients are accumulated, i.e. in floating
-//! point rounding, and in how many activations a stage holds).
+//! - `async` (PipeDream, Narayanan et al., 2019): no flush, a step after every micro-batch, each
+//!   forward's weights stashed for its backward; static 1F1B, so stage s holds `window − s`
+//!   micro-batches and which weight version each forward and backward sees is fixed by the
+//!   schedule, never by when tensors arrive ([`StagePolicy::Async`]).
+//!
+//! The first two flush at the end of a mini-batch and step once, so both compute exactly
+//! synchronous SGD over the mini-batch (they differ only in the order gradients are accumulated,
+//! i.e. in floating point rounding, and in how many activations a stage holds).
 
 use serde::{Deserialize, Serialize};
 
@@ -25,7 +30,7 @@ pub enum Schedule {
     #[value(name = "1f1b")]
     OneFOneB,
     /// No flush; a step after every micro-batch with weight stashing (PipeDream, Narayanan et
-    /// al., SOSP 2019); driven by its own loop in the driver, not by [`StageState`].
+    /// al., SOSP 2019); decided by [`StagePolicy::Async`], not by [`StageState`].
     Async,
 }
 
