@@ -653,10 +653,9 @@ fn run_training(
             tokenizer: text.and_then(|t| t.tokenizer.clone()),
             ..Default::default()
         };
-        // Rank 0 under the local launcher, and every other rank, leave the announcement to
-        // whoever planned the run.
-        let announce = rank == 0 && args.job.job_file.is_none();
-        let data = crate::plan::load_described(&train_args, spec.source.as_ref(), announce)?;
+        // Whoever planned the run announced its data (the local launcher, or rank 0 as it
+        // prepared the job it offers): every node reading it again logs its own line only.
+        let data = crate::plan::load_described(&train_args, spec.source.as_ref(), false)?;
         // The text this node read must be the text the run was planned on.
         let vocabulary = match &data.task {
             ringtmp_data::Task::NextToken { vocab, .. } => Some(vocab.to_line()),

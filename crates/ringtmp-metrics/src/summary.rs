@@ -62,6 +62,10 @@ pub struct NodeSummary {
     /// Data-parallel workers: iterations completed.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub iterations: u64,
+    /// DiLoCo workers: the examples of the shares this worker trained on (its skipped steps'
+    /// are not); the run's `samples` is their sum. 0 where rank 0 counts the run's samples.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub samples: u64,
     /// Seconds blocked waiting: data-parallel workers for parameters (gates and links); ring
     /// nodes for any message (the sum of the two below and of the waits for anything else).
     #[serde(default, skip_serializing_if = "is_zero_f64")]

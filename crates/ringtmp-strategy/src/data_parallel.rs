@@ -175,6 +175,9 @@ pub struct WorkerClock {
     pub wait_seconds: f64,
     /// Iterations done.
     pub iterations: u64,
+    /// Examples of the shares this worker trained on, where the run's count is the workers'
+    /// sum (DiLoCo; 0 elsewhere).
+    pub samples: u64,
 }
 
 /// A worker's report: its replica, traffic, memory and clocks.
@@ -206,6 +209,7 @@ pub fn worker_summary(
         steal_seconds: os.steal_seconds,
         throttled_seconds: os.throttled_seconds,
         iterations: clock.iterations,
+        samples: clock.samples,
         bubble_fraction: if clock.train_seconds > 0.0 {
             idle / clock.train_seconds
         } else {
@@ -281,6 +285,10 @@ pub struct RunTotals {
     pub steps: u64,
     /// Samples trained on.
     pub samples: u64,
+    /// Whether the run's samples are the sum of the workers' reports instead (DiLoCo, whose
+    /// workers may skip steps: rank 0 cannot count them; a worker that died before its report
+    /// is not counted).
+    pub samples_from_reports: bool,
     /// Wall-clock seconds of the run.
     pub wall_seconds: f64,
     /// Seconds on the training clock.
@@ -300,7 +308,12 @@ pub fn run_summary(
     // The whole run's clocks and samples (a restarted run's earlier attempts included); the
     // bytes are this attempt's nodes', so they are per this attempt's samples.
     let carried = recorder.carried();
-    let (train_seconds, samples) = recorder.run_figures(totals.train_seconds, totals.samples);
+    let attempt_samples = if totals.samples_from_reports {
+        per_node.iter().map(|p| p.samples).sum()
+    } else {
+        totals.samples
+    };
+    let (train_seconds, samples) = recorder.run_figures(totals.train_seconds, attempt_samples);
     ringtmp_metrics::Summary {
         model_params: totals.params,
         steps: totals.steps,
@@ -309,7 +322,7 @@ pub fn run_summary(
         train_seconds,
         samples_per_second: samples as f64 / train_seconds.max(1e-9),
         total_bytes_sent,
-        bytes_per_sample: total_bytes_sent as f64 / totals.samples.max(1) as f64,
+        bytes_per_sample: total_bytes_sent as f64 / attempt_samples.max(1) as f64,
         per_node,
         ..recorder.summary(strategy, nodes)
     }

@@ -389,10 +389,18 @@ fn inner_seconds_bound_the_inner_steps() {
     for node in &summary.per_node {
         assert_eq!(node.iterations, steps / h, "rank {}", node.rank);
     }
+    // The run's samples are the examples trained: the skipped shares are not (the global
+    // batch of 24 shared by the workers, 4 steps of 20 taken).
+    assert_eq!(summary.samples, 24 * steps / h);
+    assert_eq!(
+        summary.per_node.iter().map(|n| n.samples).sum::<u64>(),
+        summary.samples
+    );
     // Unbounded, every step is taken.
     job.inner_seconds = None;
     let (_, summary) = replicas_agree(
         run::diloco_nodes(&Backend::sim(test_seed(25)), &job, &data, tmp.path()).results,
     );
     assert!(summary.per_node.iter().all(|n| n.iterations == steps));
+    assert_eq!(summary.samples, 24 * steps);
 }

@@ -351,7 +351,11 @@ fn every_node_profiles_itself_at_rendezvous_and_a_restart_answers_from_its_cache
                 "rank {rank}: {err}"
             );
         }
-        stderr(&outputs[0])
+        let rank0 = stderr(&outputs[0]);
+        // The data is announced once, by rank 0 as it plans; the nodes that read it again
+        // log their own line at info level only.
+        assert_eq!(rank0.matches("dataset digits:").count(), 1, "{rank0}");
+        rank0
     };
     let first = run(&[], &[]);
     assert!(first.contains("nodes' own profiles"), "{first}");

@@ -217,12 +217,14 @@ pub fn run_worker(
             compute_seconds,
             wait_seconds: reduce_wait,
             iterations,
+            samples: 0,
         },
     );
     let totals = crate::data_parallel::RunTotals {
         params: stage.params().len() as u64,
         steps: spec.total_steps,
         samples,
+        samples_from_reports: false,
         wall_seconds: 0.0,
         train_seconds,
     };

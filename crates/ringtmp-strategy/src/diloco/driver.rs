@@ -149,13 +149,15 @@ pub fn run_worker(
     let started = clock.now();
     let (mut train_seconds, mut compute_seconds, mut sync_wait) = (0.0f64, 0.0f64, 0.0f64);
     let (mut samples, mut iterations, mut skipped) = (0u64, 0u64, 0u64);
+    // The examples of this worker's own shares, skipped steps not counted.
+    let mut trained = 0u64;
     let mut ring = Ring {
         members: (0..n as u32).collect(),
         generation: 0,
     };
     let mut dropped: Vec<DroppedNode> = Vec::new();
     // Inner steps taken since each fragment's last synchronisation.
-    let mut trained = vec![0u64; layout.parts.len()];
+    let mut since_sync = vec![0u64; layout.parts.len()];
     // The synchronisation in flight, overlapping inner steps.
     let mut pending: Option<Round> = None;
     let mut step = spec.first_step();
@@ -207,8 +209,9 @@ pub fn run_worker(
             let spent = (clock.now() - t0).as_secs_f64();
             compute_seconds += spent;
             window_spent += spent;
-            trained.iter_mut().for_each(|t| *t += 1);
+            since_sync.iter_mut().for_each(|t| *t += 1);
             iterations += 1;
+            trained += (share.y.len() / spec.positions()) as u64;
             if !step_loss.is_finite() {
                 return Err(Error::Diverged {
                     step,
@@ -216,8 +219,8 @@ pub fn run_worker(
                 });
             }
         }
-        // The global batch of every step (shares skipped under --inner-seconds included; the
-        // notice below says how many).
+        // Rank 0's progress lines count the global batch of every step; the summary counts
+        // the examples the workers trained (their reports: skipped shares are not).
         samples += global as u64;
         step += 1;
         let mut ctx = SyncContext {
@@ -228,7 +231,7 @@ pub fn run_worker(
             ring: &mut ring,
             stage: &mut stage,
             outer: &mut outer,
-            trained: &mut trained,
+            trained: &mut since_sync,
             dropped: &mut dropped,
         };
         let waited = clock.now();
@@ -309,6 +312,7 @@ pub fn run_worker(
             compute_seconds,
             wait_seconds: sync_wait,
             iterations,
+            samples: trained,
         },
     );
     // The outer parameters and momentum are optimizer state too.
@@ -317,6 +321,7 @@ pub fn run_worker(
         params: stage.params().len() as u64,
         steps: spec.total_steps,
         samples,
+        samples_from_reports: true,
         wall_seconds: 0.0,
         train_seconds,
     };

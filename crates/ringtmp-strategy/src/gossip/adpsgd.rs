@@ -639,6 +639,7 @@ pub fn run_worker(
                 compute_seconds: times.compute,
                 wait_seconds: times.wait,
                 iterations,
+                samples: 0,
             },
         )
     };
@@ -796,6 +797,7 @@ fn finish_rank0(
         params: mean.len() as u64,
         steps: done,
         samples,
+        samples_from_reports: false,
         wall_seconds: wall,
         train_seconds,
     };

@@ -424,6 +424,7 @@ pub fn run_worker_from(
                 compute_seconds,
                 wait_seconds: gossip_wait,
                 iterations: spec.total_steps - spec.first_step(),
+                samples: 0,
             },
         )
     };
@@ -449,6 +450,7 @@ pub fn run_worker_from(
         params,
         steps: spec.total_steps,
         samples,
+        samples_from_reports: false,
         wall_seconds: (clock.now() - started).as_secs_f64(),
         train_seconds,
     };
