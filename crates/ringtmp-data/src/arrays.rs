@@ -106,26 +106,75 @@ pub(crate) fn load(source: &DataSource) -> Result<Loaded> {
 }
 
 fn npz_pairs(source: &DataSource, path: &Path) -> Result<Vec<(Array, Array)>> {
-    let mut members = npy::read_npz(path)?;
-    let names: Vec<String> = members.iter().map(|(n, _)| n.clone()).collect();
-    let mut take = |name: &str| -> Option<Vec<u8>> {
-        let at = members.iter().position(|(n, _)| n == name)?;
-        Some(members.swap_remove(at).1)
-    };
-    if let (Some(xt), Some(yt)) = (take("x_train"), take("y_train")) {
-        let mut pairs = vec![(member(path, "x_train", xt)?, member(path, "y_train", yt)?)];
-        if let (Some(xv), Some(yv)) = (take("x_test"), take("y_test")) {
-            pairs.push((member(path, "x_test", xv)?, member(path, "y_test", yv)?));
+    npz_pairs_within(source, path, crate::text::available_memory())
+}
+
+/// [`npz_pairs`] with `memory` bytes available: the members' headers say what they hold, so
+/// a label count that does not match its inputs', or arrays larger than the memory there is,
+/// are refused before anything is decompressed.
+fn npz_pairs_within(
+    source: &DataSource,
+    path: &Path,
+    memory: Option<u64>,
+) -> Result<Vec<(Array, Array)>> {
+    let mut npz = npy::Npz::open(path)?;
+    let has = |name: &str| npz.header(name).is_some();
+    let names: Vec<(&str, &str)> = if has("x_train") && has("y_train") {
+        let mut names = vec![("x_train", "y_train")];
+        if has("x_test") && has("y_test") {
+            names.push(("x_test", "y_test"));
         }
-        return Ok(pairs);
+        names
+    } else if has("x") && has("y") {
+        vec![("x", "y")]
+    } else {
+        let held: Vec<&String> = npz.members.iter().map(|(n, ..)| n).collect();
+        return Err(source.error(format!(
+            "{}: holds {held:?}; ringtmp reads x_train, y_train (and x_test, y_test), or x and y",
+            path.display()
+        )));
+    };
+    let mut total = 0u64;
+    for (x, y) in &names {
+        let (xh, yh) = (npz.header(x).expect("held"), npz.header(y).expect("held"));
+        let rows = xh.shape.first().copied().unwrap_or(0);
+        if yh.shape.first() != Some(&rows) {
+            return Err(Error::Format {
+                path: npy::member_path(path, y),
+                offset: 0,
+                reason: format!(
+                    "shape {:?}: labels for {rows} input rows (its header and {x}'s say so; \
+                     nothing was decompressed)",
+                    yh.shape
+                ),
+            });
+        }
+        for name in [x, y] {
+            total += npz
+                .members
+                .iter()
+                .find(|(n, ..)| n == name)
+                .map_or(0, |m| m.3 as u64);
+        }
     }
-    if let (Some(x), Some(y)) = (take("x"), take("y")) {
-        return Ok(vec![(member(path, "x", x)?, member(path, "y", y)?)]);
+    if let Some(memory) = memory
+        && total > memory
+    {
+        return Err(source.error(format!(
+            "{}: its arrays decompress to {} MiB, more than the {} MiB of memory this machine \
+             has available (their headers say so; nothing was decompressed): save them as \
+             .npy files, which are memory-mapped",
+            path.display(),
+            total >> 20,
+            memory >> 20
+        )));
     }
-    Err(source.error(format!(
-        "{}: holds {names:?}; ringtmp reads x_train, y_train (and x_test, y_test), or x and y",
-        path.display()
-    )))
+    let mut pairs = Vec::new();
+    for (x, y) in names {
+        let (xb, yb) = (npz.read(x)?, npz.read(y)?);
+        pairs.push((member(path, x, xb)?, member(path, y, yb)?));
+    }
+    Ok(pairs)
 }
 
 /// The model's input shape, the stored layout and the normalisation channels, from the first
@@ -328,4 +377,81 @@ fn labels(source: &DataSource, y: &Array, rows: usize) -> Result<Labels> {
         )));
     }
     Ok(Labels::Classes(class_indices(&y.path, &values)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Write;
+
+    use super::*;
+
+    /// An `.npz` of `members` (name, bytes), deflated as `np.savez_compressed` writes them.
+    fn npz(dir: &Path, members: &[(&str, Vec<u8>)]) -> std::path::PathBuf {
+        let path = dir.join("data.npz");
+        let mut zip = zip::ZipWriter::new(std::fs::File::create(&path).unwrap());
+        let options = zip::write::SimpleFileOptions::default()
+            .compression_method(zip::CompressionMethod::Deflated);
+        for (name, bytes) in members {
+            zip.start_file(format!("{name}.npy"), options).unwrap();
+            zip.write_all(bytes).unwrap();
+        }
+        zip.finish().unwrap();
+        path
+    }
+
+    /// What the headers of an `.npz` say is checked before any member is decompressed: a
+    /// member whose header declares 4 GB (the data need not even be there) is refused against
+    /// the memory available, labels for another number of rows by their header, and a member
+    /// that inflates past its header's size is cut there.
+    #[test]
+    fn an_npz_is_judged_by_its_headers_before_it_is_decompressed() {
+        let tmp = tempfile::tempdir().unwrap();
+        let source = |path: &Path| DataSource::new("npz", vec![path.to_path_buf()]);
+        // A header whose data is not there: nothing may read past it.
+        let header_only = |descr: &str, shape: &[usize]| npy::encode(descr, shape, &[]);
+        let refusal = |path: &Path, memory| match npz_pairs_within(&source(path), path, memory) {
+            Ok(_) => panic!("{} was read", path.display()),
+            Err(e) => e.to_string(),
+        };
+        let huge = npz(
+            tmp.path(),
+            &[
+                ("x", header_only("<f4", &[1_000_000, 1000])),
+                ("y", header_only("|u1", &[1_000_000])),
+            ],
+        );
+        let err = refusal(&huge, Some(1 << 30));
+        assert!(
+            err.contains("decompress to 3815 MiB") && err.contains("1024 MiB"),
+            "{err}"
+        );
+        let mismatched = npz(
+            tmp.path(),
+            &[
+                ("x", header_only("<f4", &[1_000_000, 1000])),
+                ("y", header_only("|u1", &[5])),
+            ],
+        );
+        let err = refusal(&mismatched, Some(1 << 30));
+        assert!(err.contains("labels for 1000000 input rows"), "{err}");
+        let mut long = npy::encode("|u1", &[2], &[1, 2]);
+        long.extend_from_slice(&[0; 1000]);
+        let inflating = npz(
+            tmp.path(),
+            &[("x", npy::encode("<f4", &[2, 1], &[0; 8])), ("y", long)],
+        );
+        let err = refusal(&inflating, None);
+        assert!(err.contains("decompresses past"), "{err}");
+        let good = npz(
+            tmp.path(),
+            &[
+                ("x", npy::encode("<f4", &[2, 1], &[0; 8])),
+                ("y", npy::encode("|u1", &[2], &[0, 1])),
+            ],
+        );
+        assert_eq!(
+            npz_pairs_within(&source(&good), &good, None).unwrap().len(),
+            1
+        );
+    }
 }

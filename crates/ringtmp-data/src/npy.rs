@@ -81,6 +81,36 @@ impl Header {
 /// Parses the header at the start of `bytes` (an `.npy` file or `.npz` member named `path`) and
 /// checks that the data it promises is all there.
 pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header> {
+    let (header, needed) = parse_header_only(path, bytes)?;
+    match needed {
+        Some(n) if n <= bytes.len() => Ok(header),
+        _ => Err(Error::Format {
+            path: path.to_path_buf(),
+            offset: header.data_offset as u64,
+            reason: format!(
+                "shape {:?} of {} needs more bytes than the file's {} after its header",
+                header.shape,
+                header.descr,
+                bytes.len().saturating_sub(header.data_offset)
+            ),
+        }),
+    }
+}
+
+/// The bytes an array of `header` takes, header included (`None`: more than an address
+/// space holds).
+fn declared_len(header: &Header) -> Option<usize> {
+    header
+        .shape
+        .iter()
+        .try_fold(1usize, |a, &d| a.checked_mul(d))
+        .and_then(|n| n.checked_mul(header.kind.size()))
+        .and_then(|n| n.checked_add(header.data_offset))
+}
+
+/// Parses the header at the start of `bytes` alone (the data need not follow yet); returns it
+/// and the bytes header and data take together.
+fn parse_header_only(path: &Path, bytes: &[u8]) -> Result<(Header, Option<usize>)> {
     let bad = |offset: usize, reason: String| Error::Format {
         path: path.to_path_buf(),
         offset: offset as u64,
@@ -163,23 +193,8 @@ pub fn parse_header(path: &Path, bytes: &[u8]) -> Result<Header> {
         shape,
         data_offset: start + len,
     };
-    let numel = header
-        .shape
-        .iter()
-        .try_fold(1usize, |a, &d| a.checked_mul(d))
-        .and_then(|n| n.checked_mul(kind.size()));
-    match numel {
-        Some(n) if header.data_offset + n <= bytes.len() => Ok(header),
-        _ => Err(bad(
-            header.data_offset,
-            format!(
-                "shape {:?} of {} needs more bytes than the file's {} after its header",
-                header.shape,
-                header.descr,
-                bytes.len().saturating_sub(header.data_offset)
-            ),
-        )),
-    }
+    let needed = declared_len(&header);
+    Ok((header, needed))
 }
 
 fn kind_of(descr: &str) -> Option<Kind> {
@@ -223,31 +238,135 @@ pub fn map(path: &Path) -> Result<(Header, memmap2::Mmap)> {
     Ok((header, map))
 }
 
-/// The members of an `.npz` archive, each `(name without .npy, bytes)`, in archive order.
-pub fn read_npz(path: &Path) -> Result<Vec<(String, Vec<u8>)>> {
-    let io = |e: std::io::Error| Error::Io {
-        path: path.to_path_buf(),
-        source: e,
-    };
-    let file = std::fs::File::open(path).map_err(io)?;
-    let mut archive = zip::ZipArchive::new(file).map_err(|e| Error::Format {
-        path: path.to_path_buf(),
-        offset: 0,
-        reason: format!("not an .npz (zip) archive: {e}"),
-    })?;
-    let mut members = Vec::new();
-    for i in 0..archive.len() {
-        let mut entry = archive.by_index(i).map_err(|e| Error::Format {
+/// An `.npz` archive's members by their headers alone: what each holds is known (and can be
+/// checked against the others and the memory there is) before any is decompressed.
+pub struct Npz {
+    path: std::path::PathBuf,
+    archive: zip::ZipArchive<std::fs::File>,
+    /// Each member's name (without `.npy`), index in the archive, header and declared bytes.
+    pub members: Vec<(String, usize, Header, usize)>,
+}
+
+impl Npz {
+    /// Opens `path` and reads every member's header (a few hundred bytes of each, however
+    /// large the member decompresses).
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = std::fs::File::open(path).map_err(|e| Error::Io {
+            path: path.to_path_buf(),
+            source: e,
+        })?;
+        let mut archive = zip::ZipArchive::new(file).map_err(|e| Error::Format {
             path: path.to_path_buf(),
             offset: 0,
-            reason: format!("member {i}: {e}"),
+            reason: format!("not an .npz (zip) archive: {e}"),
         })?;
-        let name = entry.name().trim_end_matches(".npy").to_string();
-        let mut bytes = Vec::with_capacity(entry.size().min(1 << 32) as usize);
-        entry.read_to_end(&mut bytes).map_err(io)?;
-        members.push((name, bytes));
+        let mut members = Vec::new();
+        for i in 0..archive.len() {
+            let mut entry = archive.by_index(i).map_err(|e| Error::Format {
+                path: path.to_path_buf(),
+                offset: 0,
+                reason: format!("member {i}: {e}"),
+            })?;
+            let name = entry.name().trim_end_matches(".npy").to_string();
+            let member = member_path(path, &name);
+            let prefix = read_header_bytes(&mut entry, &member)?;
+            let (header, declared) = parse_header_only(&member, &prefix)?;
+            let declared = declared.ok_or_else(|| Error::Format {
+                path: member.clone(),
+                offset: 0,
+                reason: format!("shape {:?} is larger than memory can address", header.shape),
+            })?;
+            members.push((name, i, header, declared));
+        }
+        Ok(Self {
+            path: path.to_path_buf(),
+            archive,
+            members,
+        })
     }
-    Ok(members)
+
+    /// The header of member `name`, if the archive has it.
+    pub fn header(&self, name: &str) -> Option<&Header> {
+        self.members
+            .iter()
+            .find(|(n, ..)| n == name)
+            .map(|(_, _, h, _)| h)
+    }
+
+    /// Decompresses member `name` (its header's bytes and no more: a member that inflates
+    /// past what its header declares is refused there).
+    pub fn read(&mut self, name: &str) -> Result<Vec<u8>> {
+        let Some(&(_, index, _, declared)) = self.members.iter().find(|(n, ..)| n == name) else {
+            return Err(Error::Format {
+                path: self.path.clone(),
+                offset: 0,
+                reason: format!("no member {name}"),
+            });
+        };
+        let member = member_path(&self.path, name);
+        let io = |e: std::io::Error| Error::Io {
+            path: member.clone(),
+            source: e,
+        };
+        let entry = self.archive.by_index(index).map_err(|e| Error::Format {
+            path: member.clone(),
+            offset: 0,
+            reason: e.to_string(),
+        })?;
+        let mut bytes = Vec::with_capacity(declared);
+        entry
+            .take(declared as u64 + 1)
+            .read_to_end(&mut bytes)
+            .map_err(io)?;
+        if bytes.len() > declared {
+            return Err(Error::Format {
+                path: member,
+                offset: declared as u64,
+                reason: format!(
+                    "decompresses past the {declared} bytes its header declares: not an array \
+                     numpy wrote"
+                ),
+            });
+        }
+        Ok(bytes)
+    }
+}
+
+/// The header bytes at the start of a member: the magic, the version, the length and the
+/// header it gives (at most [`MAX_HEADER`]).
+fn read_header_bytes(entry: &mut impl Read, member: &Path) -> Result<Vec<u8>> {
+    let io = |e: std::io::Error| Error::Io {
+        path: member.to_path_buf(),
+        source: e,
+    };
+    let mut prefix = Vec::with_capacity(12);
+    entry.take(12).read_to_end(&mut prefix).map_err(io)?;
+    let len = match (prefix.get(6), prefix.len()) {
+        (Some(1), 12) => usize::from(u16::from_le_bytes([prefix[8], prefix[9]])).saturating_sub(2),
+        (Some(2 | 3), 12) => {
+            u32::from_le_bytes([prefix[8], prefix[9], prefix[10], prefix[11]]) as usize
+        }
+        // Too short or not an array: the parser says which.
+        _ => return Ok(prefix),
+    };
+    entry
+        .take(len.min(MAX_HEADER) as u64)
+        .read_to_end(&mut prefix)
+        .map_err(io)?;
+    Ok(prefix)
+}
+
+/// The members of an `.npz` archive, each `(name without .npy, bytes)`, in archive order.
+pub fn read_npz(path: &Path) -> Result<Vec<(String, Vec<u8>)>> {
+    let mut npz = Npz::open(path)?;
+    let names: Vec<String> = npz.members.iter().map(|(n, ..)| n.clone()).collect();
+    names
+        .into_iter()
+        .map(|name| {
+            let bytes = npz.read(&name)?;
+            Ok((name, bytes))
+        })
+        .collect()
 }
 
 /// The path that names member `name` of archive `path` in errors (`data.npz:x_train`).

@@ -332,12 +332,17 @@ const TEXT_COST_PER_BYTE: u64 = 16;
 /// The most text bytes this machine can make a corpus of: what memory is available (Linux's
 /// `MemAvailable`), divided by what each byte costs; unbounded where that cannot be read.
 fn text_budget() -> u64 {
-    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+    available_memory().map_or(u64::MAX, |bytes| bytes / TEXT_COST_PER_BYTE)
+}
+
+/// The memory this machine has available (Linux's `MemAvailable`), if it says.
+pub(crate) fn available_memory() -> Option<u64> {
+    std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
         m.lines()
             .find(|l| l.starts_with("MemAvailable:"))
             .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
-    });
-    available.map_or(u64::MAX, |kib| kib * 1024 / TEXT_COST_PER_BYTE)
+            .map(|kib| kib * 1024)
+    })
 }
 
 /// Reads a file, raw or gzip-compressed (by its `.gz` name). Only a regular file is read (a
