@@ -325,14 +325,20 @@ impl TextCorpus {
     }
 }
 
-/// Memory a text in memory costs per byte of the file: the bytes, the decoded string, its
-/// characters and their ids are held at once while a corpus is made.
+/// Memory a text costs per byte of the file while a tokenizer encodes it: the bytes, the
+/// decoded string and the tokenizer's own copies are held at once.
 const TEXT_COST_PER_BYTE: u64 = 16;
 
-/// The most text bytes this machine can make a corpus of: what memory is available (Linux's
-/// `MemAvailable`), divided by what each byte costs; unbounded where that cannot be read.
-fn text_budget() -> u64 {
-    available_memory().map_or(u64::MAX, |bytes| bytes / TEXT_COST_PER_BYTE)
+/// Memory a character-level corpus costs per byte of the file: its characters are streamed into
+/// ids of 4 bytes (a character is at least a byte), and the validation split's are copied out
+/// once.
+const CHAR_COST_PER_BYTE: u64 = 5;
+
+/// The most text bytes this machine can make a corpus of at `cost` bytes of memory per byte:
+/// what memory is available (Linux's `MemAvailable`) divided by it; unbounded where that
+/// cannot be read.
+fn text_budget(cost: u64) -> u64 {
+    available_memory().map_or(u64::MAX, |bytes| bytes / cost)
 }
 
 /// The memory this machine has available (Linux's `MemAvailable`), if it says.
@@ -345,63 +351,120 @@ pub(crate) fn available_memory() -> Option<u64> {
     })
 }
 
-/// Reads a file, raw or gzip-compressed (by its `.gz` name). Only a regular file is read (a
-/// FIFO would block and a device never end), and no more than [`text_budget`] bytes, raw or
-/// decompressed: past it the error says how much memory the text would need.
+/// Reads a file, raw or gzip-compressed (by its `.gz` name), whole. Only a regular file is read
+/// (a FIFO would block and a device never end), and no more than the budget of a tokenized
+/// text, raw or decompressed: past it the error says how much memory the text would need.
 fn read_bytes(path: &Path) -> Result<Vec<u8>> {
-    read_bytes_within(path, text_budget())
+    read_bytes_within(path, text_budget(TEXT_COST_PER_BYTE))
 }
 
 fn read_bytes_within(path: &Path, budget: u64) -> Result<Vec<u8>> {
-    let io = |source| Error::Io {
-        path: path.to_path_buf(),
-        source,
-    };
-    let refuse = |reason: String| Error::Format {
-        path: path.to_path_buf(),
-        offset: 0,
-        reason,
-    };
-    let meta = std::fs::metadata(path).map_err(io)?;
-    if !meta.is_file() {
-        return Err(refuse(
-            "not a regular file (a directory, a FIFO or a device): the text must be a file".into(),
-        ));
-    }
-    let too_large = |what: &str| {
-        refuse(format!(
-            "{what} more than {budget} bytes of text, which would need about {} MiB of memory \
-             ({TEXT_COST_PER_BYTE} bytes per byte of text) beyond what this machine has \
-             available; use a token file (.bin) or a smaller text",
-            budget.saturating_mul(TEXT_COST_PER_BYTE) >> 20
-        ))
-    };
-    let file = std::fs::File::open(path).map_err(io)?;
+    let mut text = BoundedText::open(path, budget, TEXT_COST_PER_BYTE)?;
     let mut bytes = Vec::new();
-    if path.extension().is_some_and(|e| e == "gz") {
-        flate2::read::GzDecoder::new(file)
-            .take(budget.saturating_add(1))
-            .read_to_end(&mut bytes)
-            .map_err(io)?;
-        if bytes.len() as u64 > budget {
-            return Err(too_large("it decompresses to"));
-        }
-    } else {
-        if meta.len() > budget {
-            return Err(too_large("it holds"));
-        }
-        std::io::BufReader::new(file)
-            .take(budget.saturating_add(1))
-            .read_to_end(&mut bytes)
-            .map_err(io)?;
-    }
+    text.reader
+        .read_to_end(&mut bytes)
+        .map_err(|e| text.io(e))?;
+    text.check(bytes.len() as u64)?;
     Ok(bytes)
+}
+
+/// A text file opened for reading within a budget of bytes, raw or decompressed.
+struct BoundedText {
+    path: PathBuf,
+    /// The text's bytes (decompressed), at most one past the budget.
+    reader: Box<dyn Read>,
+    budget: u64,
+    /// Bytes of memory each byte of text costs (for the message past the budget).
+    cost: u64,
+    gzip: bool,
+}
+
+impl BoundedText {
+    /// Opens `path`: a regular file only, whose size (raw) is within `budget`.
+    fn open(path: &Path, budget: u64, cost: u64) -> Result<Self> {
+        let io = |source| Error::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let meta = std::fs::metadata(path).map_err(io)?;
+        if !meta.is_file() {
+            return Err(Error::Format {
+                path: path.to_path_buf(),
+                offset: 0,
+                reason: "not a regular file (a directory, a FIFO or a device): the text must be \
+                         a file"
+                    .into(),
+            });
+        }
+        let gzip = path.extension().is_some_and(|e| e == "gz");
+        let file = std::fs::File::open(path).map_err(io)?;
+        let reader: Box<dyn Read> = if gzip {
+            Box::new(flate2::read::GzDecoder::new(file).take(budget.saturating_add(1)))
+        } else {
+            Box::new(std::io::BufReader::new(file).take(budget.saturating_add(1)))
+        };
+        let text = Self {
+            path: path.to_path_buf(),
+            reader,
+            budget,
+            cost,
+            gzip,
+        };
+        if !gzip && meta.len() > budget {
+            return Err(text.too_large());
+        }
+        Ok(text)
+    }
+
+    fn io(&self, source: std::io::Error) -> Error {
+        Error::Io {
+            path: self.path.clone(),
+            source,
+        }
+    }
+
+    /// Refuses a text of `read` bytes past the budget.
+    fn check(&self, read: u64) -> Result<()> {
+        if read > self.budget {
+            return Err(self.too_large());
+        }
+        Ok(())
+    }
+
+    fn too_large(&self) -> Error {
+        let what = if self.gzip {
+            "it decompresses to"
+        } else {
+            "it holds"
+        };
+        Error::Format {
+            path: self.path.clone(),
+            offset: 0,
+            reason: format!(
+                "{what} more than {} bytes of text, which would need about {} MiB of memory \
+                 ({} bytes per byte of text) beyond what this machine has available; use a \
+                 token file (.bin) or a smaller text",
+                self.budget,
+                self.budget.saturating_mul(self.cost) >> 20,
+                self.cost
+            ),
+        }
+    }
 }
 
 /// Reads UTF-8 text from `files` (concatenated in order) and makes a character-level corpus:
 /// the last `validation` of the characters validate. Returns it and, per file, the SHA-256 of
-/// its text (to check a known corpus against).
+/// its text. The text is streamed: what is held is each character's id (4 bytes), never the
+/// text itself.
 pub fn load_text(files: &[PathBuf], validation: f64) -> Result<(TextCorpus, Vec<String>)> {
+    load_text_within(files, validation, text_budget(CHAR_COST_PER_BYTE))
+}
+
+fn load_text_within(
+    files: &[PathBuf],
+    validation: f64,
+    budget: u64,
+) -> Result<(TextCorpus, Vec<String>)> {
     if files.is_empty() {
         return Err(Error::Batching(
             "--dataset text needs --data-file FILE (one or several)".into(),
@@ -412,55 +475,180 @@ pub fn load_text(files: &[PathBuf], validation: f64) -> Result<(TextCorpus, Vec<
             "the validation fraction must be in (0, 1), got {validation}"
         )));
     }
-    let (text, hashes) = read_texts(files)?;
-    let chars: Vec<char> = text.chars().collect();
-    let cut = ((chars.len() as f64) * (1.0 - validation)).floor() as usize;
-    let (train, valid) = chars.split_at(cut.min(chars.len()));
+    // Ids in order of first appearance while streaming; sorted into the vocabulary's at the end.
+    let mut seen = CharIds::default();
+    let raw: u64 = files
+        .iter()
+        .filter(|f| f.extension().is_none_or(|e| e != "gz"))
+        .filter_map(|f| std::fs::metadata(f).ok())
+        .map(|m| m.len())
+        .sum();
+    // A character is at least a byte: a raw text's ids fit its size (no growth, no copy).
+    let mut ids: Vec<u32> = Vec::with_capacity(raw.min(budget) as usize);
+    let mut hashes = Vec::new();
+    for path in files {
+        let hash = stream_chars(path, budget, &mut |c| {
+            let id = seen.id(c, ids.len() as u64);
+            ids.push(id);
+        })?;
+        hashes.push(hash);
+    }
+    let cut = ((ids.len() as f64) * (1.0 - validation)).floor() as usize;
     // Too short to split is its own error, not a character "in the validation split only".
-    if train.len() < 2 || valid.is_empty() {
+    if cut < 2 || cut >= ids.len() {
         return Err(Error::Inconsistent {
             dataset: "text".into(),
             reason: format!(
                 "the text has {} character(s): too short for a training split and a validation \
                  split of {:.0}% (each needs at least a window of text)",
-                chars.len(),
+                ids.len(),
                 validation * 100.0
             ),
         });
     }
-    let mut vocab: Vec<char> = train.to_vec();
-    vocab.sort_unstable();
-    vocab.dedup();
-    let encode = |part: &[char], offset: usize| -> Result<Vec<u32>> {
-        part.iter()
-            .enumerate()
-            .map(|(i, c)| match vocab.binary_search(c) {
-                Ok(id) => Ok(id as u32),
-                Err(_) => Err(Error::Inconsistent {
-                    dataset: "text".into(),
-                    reason: format!(
-                        "character {c:?} (U+{:04X}) at character {} of the text is in the \
-                         validation split only: the training split never shows it, so the model \
-                         could not predict it (move the split with the validation fraction, or \
-                         remove it)",
-                        *c as u32,
-                        offset + i
-                    ),
-                }),
-            })
-            .collect()
-    };
+    if let Some((c, at)) = seen.first_at_or_after(cut as u64) {
+        return Err(Error::Inconsistent {
+            dataset: "text".into(),
+            reason: format!(
+                "character {c:?} (U+{:04X}) at character {at} of the text is in the validation \
+                 split only: the training split never shows it, so the model could not predict \
+                 it (move the split with the validation fraction, or remove it)",
+                c as u32
+            ),
+        });
+    }
+    let (vocab, sorted) = seen.sorted();
+    ids.iter_mut().for_each(|id| *id = sorted[*id as usize]);
+    let valid = ids.split_off(cut);
     let corpus = TextCorpus {
-        train: Tokens {
-            ids: encode(train, 0)?,
-        },
-        validation: Tokens {
-            ids: encode(valid, cut)?,
-        },
+        train: Tokens { ids },
+        validation: Tokens { ids: valid },
         vocab: Vocabulary::Chars(vocab),
         files: files.to_vec(),
     };
     Ok((corpus, hashes))
+}
+
+/// Characters numbered in order of first appearance, with where each first appeared.
+struct CharIds {
+    /// ASCII's ids by code (`u32::MAX`: not seen yet): most characters of most texts, looked up
+    /// without hashing.
+    ascii: [u32; 128],
+    ids: std::collections::HashMap<char, u32>,
+    /// Per id: the character and the position of its first appearance.
+    chars: Vec<(char, u64)>,
+}
+
+impl Default for CharIds {
+    fn default() -> Self {
+        Self {
+            ascii: [u32::MAX; 128],
+            ids: std::collections::HashMap::new(),
+            chars: Vec::new(),
+        }
+    }
+}
+
+impl CharIds {
+    fn id(&mut self, c: char, at: u64) -> u32 {
+        let next = self.chars.len() as u32;
+        if let Some(slot) = self.ascii.get_mut(c as usize) {
+            if *slot == u32::MAX {
+                *slot = next;
+                self.chars.push((c, at));
+            }
+            return *slot;
+        }
+        *self.ids.entry(c).or_insert_with(|| {
+            self.chars.push((c, at));
+            next
+        })
+    }
+
+    /// The first character that first appears at or after position `at`.
+    fn first_at_or_after(&self, at: u64) -> Option<(char, u64)> {
+        self.chars.iter().find(|(_, first)| *first >= at).copied()
+    }
+
+    /// The vocabulary (sorted characters), and each appearance id's place in it.
+    fn sorted(&self) -> (Vec<char>, Vec<u32>) {
+        let mut vocab: Vec<char> = self.chars.iter().map(|(c, _)| *c).collect();
+        vocab.sort_unstable();
+        let place = self
+            .chars
+            .iter()
+            .map(|(c, _)| vocab.binary_search(c).expect("in the vocabulary") as u32)
+            .collect();
+        (vocab, place)
+    }
+}
+
+/// Streams the UTF-8 characters of `path` (raw or `.gz`, within `budget` bytes) to `each` and
+/// returns the SHA-256 of its bytes. An empty file, or bytes that are not UTF-8 (the byte and
+/// its line named), are errors.
+fn stream_chars(path: &Path, budget: u64, each: &mut dyn FnMut(char)) -> Result<String> {
+    let mut text = BoundedText::open(path, budget, CHAR_COST_PER_BYTE)?;
+    let bad = |offset: u64, reason: String| Error::Format {
+        path: path.to_path_buf(),
+        offset,
+        reason,
+    };
+    let mut hash = Sha256::new();
+    let mut buffer = vec![0u8; 1 << 20];
+    // Bytes of a character split between two reads, carried to the next.
+    let mut carried = 0usize;
+    let (mut offset, mut lines) = (0u64, 0u64);
+    loop {
+        let read = text
+            .reader
+            .read(&mut buffer[carried..])
+            .map_err(|e| text.io(e))?;
+        let filled = carried + read;
+        if read == 0 {
+            if carried > 0 {
+                return Err(bad(
+                    offset,
+                    format!(
+                        "not UTF-8 text: the file ends inside a character (line {})",
+                        lines + 1
+                    ),
+                ));
+            }
+            break;
+        }
+        hash.update(&buffer[carried..filled]);
+        let chunk = &buffer[..filled];
+        let valid = match std::str::from_utf8(chunk) {
+            Ok(s) => s,
+            Err(e) if e.error_len().is_none() => {
+                std::str::from_utf8(&chunk[..e.valid_up_to()]).expect("valid up to there")
+            }
+            Err(e) => {
+                let at = e.valid_up_to();
+                let before = chunk[..at].iter().filter(|&&b| b == b'\n').count() as u64;
+                return Err(bad(
+                    offset + at as u64,
+                    format!(
+                        "not UTF-8 text: byte 0x{:02x} (line {}) does not start or continue a \
+                         character",
+                        chunk[at],
+                        lines + before + 1
+                    ),
+                ));
+            }
+        };
+        valid.chars().for_each(&mut *each);
+        let used = valid.len();
+        lines += valid.bytes().filter(|&b| b == b'\n').count() as u64;
+        offset += used as u64;
+        text.check(offset)?;
+        buffer.copy_within(used..filled, 0);
+        carried = filled - used;
+    }
+    if offset == 0 {
+        return Err(bad(0, "the file is empty".into()));
+    }
+    Ok(hex::encode(hash.finalize()))
 }
 
 /// Reads UTF-8 text from `files`, concatenated in order, with the SHA-256 of each file's text.
@@ -792,6 +980,46 @@ mod tests {
             "{err}"
         );
         assert_eq!(read_bytes_within(&bomb, 1 << 20).unwrap().len(), 1 << 20);
+    }
+
+    /// A text is streamed into ids: characters of several bytes split between two reads come
+    /// out whole, raw and gzipped alike, the ids decode to the text, a bad byte far in is named
+    /// with its line, and the budget bounds what is read.
+    #[test]
+    fn streamed_text_decodes_to_itself_across_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut text = "a\n".repeat((1 << 19) - 1);
+        text.push_str("xé€😀 and the end é€😀\n");
+        text.push_str(&"bc\n".repeat(1000));
+        let raw = write(dir.path(), "t.txt", text.as_bytes());
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        std::io::Write::write_all(&mut gz, text.as_bytes()).unwrap();
+        let zipped = write(dir.path(), "t.txt.gz", &gz.finish().unwrap());
+        for path in [&raw, &zipped] {
+            let (corpus, hashes) = load_text(std::slice::from_ref(path), 0.001).unwrap();
+            assert_eq!(hashes[0], hex::encode(Sha256::digest(text.as_bytes())));
+            let ids: Vec<u32> = [corpus.train.ids(), corpus.validation.ids()].concat();
+            assert_eq!(
+                corpus.vocab.decode(&ids).unwrap(),
+                text,
+                "{}",
+                path.display()
+            );
+        }
+        let mut bad = text.clone().into_bytes();
+        let at = bad.len() - 5;
+        bad[at] = 0xff;
+        let bad = write(dir.path(), "bad.txt", &bad);
+        let err = load_text(&[bad], 0.1).unwrap_err().to_string();
+        let line = text[..at].matches('\n').count() + 1;
+        assert!(err.contains(&format!("byte 0xff (line {line})")), "{err}");
+        let err = load_text_within(&[zipped], 0.1, 100_000)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("decompresses to more than 100000 bytes"),
+            "{err}"
+        );
     }
 
     fn write(dir: &Path, name: &str, bytes: &[u8]) -> PathBuf {
