@@ -174,6 +174,9 @@ pub struct RunRecorder {
     epoch_steps: u64,
     last_epoch_loss: f64,
     carried: Carried,
+    /// The best checkpoint so far when it was written only for being the best (no checkpoint
+    /// was due at its step): a better one replaces it, so a run keeps one best, not each.
+    best_only: Option<PathBuf>,
 }
 
 impl RunRecorder {
@@ -210,6 +213,7 @@ impl RunRecorder {
             epoch_steps: epoch.1,
             last_epoch_loss: f64::NAN,
             carried,
+            best_only: None,
         };
         let mut event = json!({"event": "start", "strategy": strategy, "model": spec.model.name,
             "dataset": spec.dataset, "batch_size": spec.batch_size, "seed": spec.seed,
@@ -320,6 +324,16 @@ impl RunRecorder {
         let best = self.spec.keep_best && self.tracker.best_loss_step == Some(done);
         if best {
             ringtmp_model::checkpoint::mark_best(path)?;
+            if let Some(old) = self.best_only.take()
+                && old != path
+            {
+                std::fs::remove_dir_all(&old).map_err(|e| Error::Io {
+                    path: old.clone(),
+                    source: e,
+                })?;
+            }
+            let due = self.spec.checkpoint_due(done) || done == self.spec.total_steps;
+            self.best_only = (!due).then(|| path.to_path_buf());
         }
         self.write(json!({"event": "checkpoint", "step": done, "path": path, "best": best}))
     }

@@ -276,7 +276,7 @@ impl RunSpec {
     /// Whether an evaluation is due once `done` steps are complete: every `eval_every`-th step,
     /// every epoch end and the last step (so time to target means the same in every strategy).
     /// A run of many short epochs (a small table's) evaluates at every k-th epoch end, about
-    /// [`EPOCH_EVALUATIONS`] times in all: often enough to keep its best checkpoint and stop
+    /// `EPOCH_EVALUATIONS` (50) times in all: often enough to keep its best checkpoint and stop
     /// early, not a line per epoch.
     pub fn eval_due(&self, done: u64) -> bool {
         eval_due_at(

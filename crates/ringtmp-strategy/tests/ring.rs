@@ -544,6 +544,18 @@ fn the_ring_stops_early_and_keeps_the_best_evaluation_s_checkpoint() {
         assert_eq!(evals.last().unwrap().0, summary.steps);
         let best_dir = checkpoint::resolve_weights(&out).unwrap();
         assert_eq!(checkpoint::read_manifest(&best_dir).unwrap().step, best);
+        // Each better evaluation's checkpoint replaced the one before: the best and the last.
+        let mut left: Vec<String> = std::fs::read_dir(out.join("checkpoints"))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("step-"))
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            [best, summary.steps].map(checkpoint::checkpoint_dir_name)
+        );
         assert_eq!(
             checkpoint::read_manifest(&checkpoint::resolve(&out).unwrap())
                 .unwrap()
