@@ -405,7 +405,7 @@ fn encode(settings: &Settings) -> Result<String> {
 /// What rank 0 offers at rendezvous for a training job: the local launcher's job file as it is
 /// (its nodes share this machine, planned before they started); under an external launcher
 /// the plan from `--config`, made once every node has timed the model on its own hardware
-/// (issue 17.2) unless `--no-node-profile` or the strategy does not use it.
+/// unless `--no-node-profile` or the strategy does not use it.
 fn rank0_offer(args: &NodeArgs, world: u32) -> Result<Offer> {
     let prepared = match rank0_job(args, world)? {
         Rank0Job::Planned(job) => return Ok(Offer::Settings(encode(&Settings::Train(job))?)),

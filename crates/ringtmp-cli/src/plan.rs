@@ -175,7 +175,7 @@ pub fn cluster(args: &TrainArgs, nodes: u32) -> Result<Cluster> {
     Ok(cluster)
 }
 
-/// What every node should time at rendezvous for this plan (issue 17.2), or `None` when the
+/// What every node should time at rendezvous for this plan, or `None` when the
 /// strategy's plan does not use the nodes' speeds.
 pub fn profile_request(
     args: &TrainArgs,

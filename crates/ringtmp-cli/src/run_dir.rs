@@ -146,7 +146,7 @@ mod tests {
         assert!(out.join("notes.txt").exists());
     }
 
-    /// Issue 40.6: eight runs choosing at once each get a directory of their own, created.
+    /// Eight runs choosing at once each get a directory of their own, created.
     #[test]
     fn default_directories_are_never_shared() {
         let tmp = tempfile::tempdir().unwrap();

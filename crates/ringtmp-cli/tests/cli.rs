@@ -320,7 +320,7 @@ fn tiny_local_run(out: &str, extra: &[&str]) -> Output {
     ringtmp(&args)
 }
 
-// Issue 10.3: a wrong --data-dir is an error naming it and the files, for every strategy.
+// A wrong --data-dir is an error naming it and the files, for every strategy.
 #[test]
 fn r10_a_wrong_data_dir_is_a_usage_error() {
     let tmp = tempfile::tempdir().unwrap();
@@ -342,7 +342,7 @@ fn r10_a_wrong_data_dir_is_a_usage_error() {
     }
 }
 
-// Issue 10.4: --out never replaces another run unless asked to; resuming from it is fine.
+// --out never replaces another run unless asked to; resuming from it is fine.
 #[test]
 fn r10_out_refuses_an_existing_run() {
     let tmp = tempfile::tempdir().unwrap();
@@ -383,7 +383,7 @@ fn r10_out_refuses_an_existing_run() {
     );
 }
 
-// Issue 40.9: a finished run's last checkpoint resumed into another directory trained nothing
+// A finished run's last checkpoint resumed into another directory trained nothing
 // there and reported a run of no samples ("46613588.0 bytes per sample"): it is refused, before
 // that directory exists, for every strategy; in its own directory it reports the run again.
 #[test]
@@ -428,7 +428,7 @@ fn resuming_a_finished_run_elsewhere_says_there_is_nothing_to_train() {
     assert!(report.contains("after 4 steps"), "{report}");
 }
 
-// Issue 10.7: user mistakes exit 2 with one message that names the file.
+// User mistakes exit 2 with one message that names the file.
 #[test]
 fn r10_missing_files_and_unwritable_out_are_usage_errors_said_once() {
     let out = ringtmp(&[
@@ -445,7 +445,7 @@ fn r10_missing_files_and_unwritable_out_are_usage_errors_said_once() {
     assert_usage_error(&out, "output directory /proc/ringtmp-cannot-write");
 }
 
-// Issue 10.7: options that do not apply to the strategy are refused, from flags and files alike.
+// Options that do not apply to the strategy are refused, from flags and files alike.
 #[test]
 fn r10_options_that_do_not_apply_are_refused() {
     let tmp = tempfile::tempdir().unwrap();
@@ -538,7 +538,7 @@ fn r10_options_that_do_not_apply_are_refused() {
     );
 }
 
-// Issue 10.7: a config's node count that disagrees with the launcher's is refused.
+// A config's node count that disagrees with the launcher's is refused.
 #[test]
 fn r10_nodes_in_a_config_must_match_the_launcher() {
     let tmp = tempfile::tempdir().unwrap();
@@ -569,7 +569,7 @@ fn r10_nodes_in_a_config_must_match_the_launcher() {
     assert_usage_error(&out, "nodes = 3, but the launcher started 2 nodes");
 }
 
-// Issue 11.6: a job read from a file is checked before use: a corrupted one is a usage error
+// A job read from a file is checked before use: a corrupted one is a usage error
 // naming the file and what is wrong, not a panic.
 #[test]
 fn r11_a_corrupted_job_file_is_refused_naming_it() {
@@ -621,7 +621,7 @@ fn r11_a_corrupted_job_file_is_refused_naming_it() {
     assert_usage_error(&node(&garbage), "is not a job file");
 }
 
-// Issue 13.1: emulated cards for the local nodes of `train`; a bad spec is exit 2, named.
+// Emulated cards for the local nodes of `train`; a bad spec is exit 2, named.
 #[test]
 fn bad_link_specs_are_usage_errors() {
     let base = [

@@ -1,4 +1,4 @@
-//! A mixed-architecture ring end to end (issue 17): an x86-64 master and an aarch64 node (the
+//! A mixed-architecture ring end to end: an x86-64 master and an aarch64 node (the
 //! cross-built binary under qemu-user), with checkpoints crossing both ways: the aarch64 node
 //! loads its layers from a checkpoint written on x86-64, writes its own stage file, and an
 //! x86-64 run resumes from that. `.ci/run` cross-builds the binary first and sets

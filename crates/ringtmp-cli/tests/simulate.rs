@@ -1,4 +1,4 @@
-//! `ringtmp simulate` (issue 15.2): the same options as `train`, a cost model measured here or
+//! `ringtmp simulate`: the same options as `train`, a cost model measured here or
 //! read from a file, results printed and written; sizes-only and computing runs agree.
 
 use std::path::Path;
@@ -123,8 +123,8 @@ fn simulate_refuses_what_it_cannot_simulate() {
     assert_eq!(checkpoint.status.code(), Some(2), "{}", text(&checkpoint));
 }
 
-/// Issue 15.4's tool: `compare --simulate` sweeps node counts through the simulator, with one
-/// cost model, and reports throughput without accuracy.
+/// The scaling study's tool: `compare --simulate` sweeps node counts through the simulator,
+/// with one cost model, and reports throughput without accuracy.
 #[test]
 fn compare_simulates_a_sweep_of_node_counts() {
     let tmp = tempfile::tempdir().unwrap();
@@ -210,7 +210,7 @@ fn compare_simulates_a_sweep_of_node_counts() {
     assert!(!with_local.join("runs").exists());
 }
 
-/// Issue 15.4: `--failures-per-node-hour` injects one failure into the strategy's own protocol
+/// `--failures-per-node-hour` injects one failure into the strategy's own protocol
 /// (the highest rank it can lose) to measure its recovery, then follows a long training through
 /// failures: a plain ring must restart for any node, a ring with stage replicas heals around a
 /// non-master node, an asynchronous parameter server drops a worker.
@@ -278,7 +278,7 @@ fn failures_are_injected_into_the_protocol_and_give_a_useful_fraction() {
     }
 }
 
-/// Issue 40.5: a simulated node is a coroutine, not a thread, and holds a stack only while it
+/// A simulated node is a coroutine, not a thread, and holds a stack only while it
 /// is alive. `simulate --nodes 100000` aborted near 17,500 threads (exit 134); a ring that
 /// leaves all but a few nodes idle now runs them all, with at most a handful alive at once.
 #[test]
@@ -314,7 +314,7 @@ fn a_hundred_thousand_nodes_simulate_without_a_thread_each() {
     );
 }
 
-/// Issue 40.5: an AD-PSGD worker whose grant is used up waits minutes of virtual time at
+/// An AD-PSGD worker whose grant is used up waits minutes of virtual time at
 /// 100 Mbit/s; the simulator timed it out after 300 s of virtual time. Simulated waits are
 /// bounded by the simulation's time limit (a simulated node fails only where a fault says so).
 /// And a run that does fail is a row of `compare --simulate`'s report that says so.

@@ -808,14 +808,14 @@ mod tests {
             err.contains("registration") && err.contains("ranks [1]"),
             "{err}"
         );
-        // Issue 10.6: rank 0's final error names the address refused and the likely cause.
+        // Rank 0's final error names the address refused and the likely cause.
         assert!(
             err.contains("127.0.0.1:") && err.contains("different RINGTMP_SECRET"),
             "{err}"
         );
     }
 
-    // Issue 10.6: a rank that registered hears why the rendezvous failed instead of waiting out
+    // A rank that registered hears why the rendezvous failed instead of waiting out
     // its own timeout.
     #[test]
     fn r10_registered_ranks_hear_why_rendezvous_failed() {
@@ -867,7 +867,7 @@ mod tests {
         assert!(host.join().unwrap().is_err());
     }
 
-    // Issue 17.2: rank 0 asks every node first, and plans from their answers.
+    // Rank 0 asks every node first, and plans from their answers.
     #[test]
     fn rank_0_asks_every_node_and_makes_the_settings_from_the_answers() {
         let master = free_master();

@@ -906,7 +906,7 @@ mod tests {
         );
     }
 
-    // Issue 10.3: a --data-dir that does not exist, or holds none of the files, is an error that
+    // A --data-dir that does not exist, or holds none of the files, is an error that
     // names it and the files looked for, never a silent fall-back to the bundled copy.
     #[test]
     fn r10_a_named_data_dir_is_never_replaced_by_the_bundled_copy() {

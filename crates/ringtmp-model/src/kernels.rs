@@ -596,7 +596,7 @@ pub fn set_len(v: &mut Vec<f32>, len: usize) {
 mod tests {
     use super::*;
 
-    // Issue 17.1: the dispatchers choose the widest instruction set the CPU has, and on aarch64
+    // The dispatchers choose the widest instruction set the CPU has, and on aarch64
     // (a board, or qemu-user in CI) that is NEON: the paths checked below are its own there.
     #[test]
     fn simd_level_is_the_widest_this_cpu_has() {
@@ -632,7 +632,7 @@ mod tests {
             .collect()
     }
 
-    // Issue 17.1: the element-wise kernels, at whatever SIMD level runs them (AVX-512, AVX2,
+    // The element-wise kernels, at whatever SIMD level runs them (AVX-512, AVX2,
     // NEON), equal the plain scalar loop bit for bit at every tail length of every vector width.
     #[test]
     fn element_wise_kernels_match_the_scalar_loop_at_every_tail_length() {

@@ -940,7 +940,7 @@ mod streaming {
 mod tests {
     use super::*;
 
-    // Issue 17.1: the optimizer kernels, at whatever SIMD level runs them (AVX-512, AVX2, NEON),
+    // The optimizer kernels, at whatever SIMD level runs them (AVX-512, AVX2, NEON),
     // equal the scalar formulas bit for bit at every tail length.
     #[test]
     fn optimizer_kernels_match_the_scalar_formulas_at_every_tail_length() {

@@ -1,4 +1,4 @@
-//! Checkpoints across machines (issue 17.4): a small model initialised from its seed and stepped
+//! Checkpoints across machines: a small model initialised from its seed and stepped
 //! twice with SGD momentum on fixed gradients, written here, must be byte for byte the checkpoint
 //! in `tests/golden/checkpoint/` (written on x86-64), and that checkpoint must load here into the
 //! same values and optimizer state. CI runs this on x86-64 and, cross-built, on aarch64 under

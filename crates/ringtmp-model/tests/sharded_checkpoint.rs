@@ -200,7 +200,7 @@ fn a_missing_piece_is_an_error_naming_the_tensor() {
     );
 }
 
-// Issue 10.9: failed checkpoints are cleaned, old ones pruned on request, and a `latest` that
+// Failed checkpoints are cleaned, old ones pruned on request, and a `latest` that
 // points at a checkpoint without its manifest names the newest intact one.
 #[test]
 fn r10_incomplete_checkpoints_are_removed_old_ones_pruned_and_intact_ones_named() {
@@ -239,7 +239,7 @@ fn r10_incomplete_checkpoints_are_removed_old_ones_pruned_and_intact_ones_named(
     assert!(root.join("step-000000020").is_dir() && root.join("step-000000030").is_dir());
 }
 
-/// Issue 14.4: `--resume auto` and automatic restarts take the newest checkpoint that verifies —
+/// `--resume auto` and automatic restarts take the newest checkpoint that verifies —
 /// a missing manifest, a truncated file or a flipped byte (same size, so only the hash tells)
 /// is passed over with the file named.
 #[test]

@@ -32,7 +32,7 @@ pub struct Cluster {
     /// Per rank, its card's bandwidth in Mbit/s (`None`: not known) and its links' latency in
     /// ms (`--bandwidth-mbit`, `--latency-ms`, `--link`): what planners count links with.
     pub links: Vec<(Option<f64>, f64)>,
-    /// Per rank, the node's own profile from rendezvous (issue 17.2), when it sent one: the
+    /// Per rank, the node's own profile from rendezvous, when it sent one: the
     /// ring's planner uses its layer times and free memory instead of rank 0's profile scaled
     /// by its speed. Empty, or `None` for a rank: planned from rank 0's profile.
     pub node_profiles: Vec<Option<crate::machine::NodeProfile>>,

@@ -1,4 +1,4 @@
-//! Failures per node-hour (issue 15.4): how much of a long training's time is useful when nodes
+//! Failures per node-hour: how much of a long training's time is useful when nodes
 //! fail at a given rate, with each strategy's own recovery.
 //!
 //! Two parts, so that a thousand simulated nodes stay affordable:

@@ -1,4 +1,4 @@
-//! A small GPT trained by ringtmp equals the same GPT trained by PyTorch (issue 41.5): the same
+//! A small GPT trained by ringtmp equals the same GPT trained by PyTorch: the same
 //! initial weights, the same batches, AdamW with decoupled decay (none on norms, biases and
 //! embeddings) and clipping by the global norm on; the per-step losses agree within 1e-4
 //! relative over 20 steps. The ring trains the same model to the same losses.

@@ -129,7 +129,7 @@ fn garbage_is_a_parse_error_not_a_panic() {
     }
 }
 
-/// Issue 13.5: with the schedule left to the strategy, the stale consistency models decay the
+/// With the schedule left to the strategy, the stale consistency models decay the
 /// rate (cosine) so the last epoch's model is not the noisy one; BSP and a user's choice keep
 /// theirs.
 #[test]
@@ -174,7 +174,7 @@ fn stale_parameter_servers_default_to_a_decaying_rate() {
     );
 }
 
-/// Issue 13.7: `--train-samples` is one budget for strategies whose steps differ in size: each
+/// `--train-samples` is one budget for strategies whose steps differ in size: each
 /// plans whole steps that cover it (by less than one of its steps over), and its learning-rate
 /// schedule spans exactly the steps it takes.
 #[test]
@@ -301,7 +301,7 @@ fn defaults_scale_with_the_batches_a_step_averages() {
     assert_eq!(plan("local", adamw, true), (0.001, 10));
 }
 
-/// Issue 13.5: the async ring lowers SGD's default momentum (staleness adds its own); the
+/// The async ring lowers SGD's default momentum (staleness adds its own); the
 /// flushed schedules and a user's choice keep theirs.
 #[test]
 fn the_async_ring_defaults_to_less_momentum() {
@@ -348,7 +348,7 @@ fn the_async_ring_defaults_to_less_momentum() {
     assert_eq!(momentum(Schedule::OneFOneB, true), 0.9);
 }
 
-/// Issue 13.5: the stale parameter-server models lower SGD's default momentum to what keeps 30%
+/// The stale parameter-server models lower SGD's default momentum to what keeps 30%
 /// of synchronous SGD's stability margin under a delay of W − 1 updates (0.9 made the cnn
 /// diverge under asp and dssp, 0.7 and 0.5 still did at 100 Mbit/s); BSP and a user's choice
 /// keep theirs.
@@ -486,7 +486,7 @@ fn the_delayed_momentum_margin_matches_the_characteristic_roots() {
     }
 }
 
-/// Issue 16.1: the local launcher's nodes share this machine's cores. On one core every stage's
+/// The local launcher's nodes share this machine's cores. On one core every stage's
 /// compute and every link's CPU queue for it, so more nodes only add link work: the plan takes
 /// fewer nodes than given (and says so in `idle_nodes`), unless told to use all.
 #[test]

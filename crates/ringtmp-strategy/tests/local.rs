@@ -217,7 +217,7 @@ fn resume_after_k_steps_equals_uninterrupted_training() {
         second.resume = Some(split_dir.path().to_path_buf());
         let s = train_local(&second, &data, &mut |_| {}).unwrap();
         assert_eq!(s.steps, k + j);
-        // Issue 40.3: its record is the whole run's — every sample, and the training and wall
+        // Its record is the whole run's — every sample, and the training and wall
         // time of both attempts — not the part after the resume.
         let log = std::fs::read_to_string(split_dir.path().join("metrics.jsonl")).unwrap();
         let last_of_first = log
@@ -315,7 +315,7 @@ fn checkpoint_loads_into_any_partition_of_the_model() {
     assert_eq!(parts, whole);
 }
 
-// Issue 10.9: a checkpoint whose writing fails leaves no directory behind (the previous one stays
+// A checkpoint whose writing fails leaves no directory behind (the previous one stays
 // the newest), and --keep-checkpoints keeps only the newest N.
 #[test]
 fn r10_failed_checkpoints_leave_nothing_and_old_ones_are_pruned() {

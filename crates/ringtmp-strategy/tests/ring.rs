@@ -597,7 +597,7 @@ fn master_holding_the_head_equals_local_and_keeps_the_logits() {
 }
 
 /// An MLP with LayerNorm, RMSNorm and GELU between its linear layers (the element-wise parts of
-/// a transformer block, issue 41.1), split over 2 and 3 nodes: the ring computes the unsplit
+/// a transformer block), split over 2 and 3 nodes: the ring computes the unsplit
 /// model (1F1B, exact SGD), so its parameters after the run are local's.
 const NORM_MODEL: &str = r#"
 name = "norm-test"

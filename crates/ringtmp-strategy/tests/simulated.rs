@@ -267,7 +267,7 @@ fn bounded_staleness_outpaces_bsp_with_a_straggler_in_virtual_time() {
     }
 }
 
-/// Issue 14.2: a ring with stage replicas loses a node mid-run (dead, or frozen until the
+/// A ring with stage replicas loses a node mid-run (dead, or frozen until the
 /// heartbeat gives up on it); its predecessor takes its layers from the replica, the ring closes
 /// around it and trains on from the last replication round — and, the schedule being exact SGD
 /// on any partition, ends with the parameters of one process training alone. So does a ring cut
@@ -363,7 +363,7 @@ fn a_ring_with_stage_replicas_heals_around_a_lost_node_and_still_equals_local() 
     }
 }
 
-/// Issue 15.1: R rings of batch b, corresponding stages averaging their gradients before each
+/// R rings of batch b, corresponding stages averaging their gradients before each
 /// step, compute what one process does with batch R·b (flushed schedules). So do rings that
 /// average their parameters after every step (`--replica-sync every:1`): SGD with momentum is
 /// linear in the gradient, so the mean of the R copies' steps from the same parameters is the
@@ -433,7 +433,7 @@ fn rings_of_rings_equal_one_process_with_their_global_batch() {
     }
 }
 
-/// Issue 45.2: rings of rings under `--replica-sync diloco:H` are DiLoCo with a ring as each
+/// Rings of rings under `--replica-sync diloco:H` are DiLoCo with a ring as each
 /// worker: R flushed rings of batch b (each one process of batch b) whose stage copies take one
 /// outer step together every H mini-batches equal `--strategy diloco` with R workers of batch b,
 /// stage by stage — with an averaging outer step (lr 1, no momentum) and with the paper's.
@@ -510,7 +510,7 @@ fn rings_of_rings_under_diloco_equal_diloco_workers() {
     }
 }
 
-/// Issue 45.2: rings of rings under `--replica-sync diloco:H` compose with stage replicas. A
+/// Rings of rings under `--replica-sync diloco:H` compose with stage replicas. A
 /// node that dies between two outer steps is healed inside its ring (its predecessor takes its
 /// layers and their outer momentum over from the replica taken right after the last outer
 /// step), the other rings go on, and at the next outer step the copies of its stages meet their
@@ -637,7 +637,7 @@ fn rings_of_rings_under_diloco_heal_a_dead_node_and_still_equal_diloco_workers()
     assert!(diff < 1e-4, "every:4, rank 5 dead: {diff}");
 }
 
-/// Issue 15.1, `--replica-sync every:K` and `adpsgd`: rings of rings that train on their own
+/// `--replica-sync every:K` and `adpsgd`: rings of rings that train on their own
 /// under the async schedule and average their parameters every K mini-batches, or gossip them
 /// (AD-PSGD's pairs, nobody waiting until the end), learn as well as one async ring does on the
 /// same number of mini-batches (each ring sees its share of every global batch; the exactness of

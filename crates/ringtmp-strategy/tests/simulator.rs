@@ -1,4 +1,4 @@
-//! The simulator (issue 15.2): every strategy's own code runs on the simulated network with
+//! The simulator: every strategy's own code runs on the simulated network with
 //! compute priced by a cost model; in phantom mode (sizes only) it must take exactly the
 //! virtual time and move exactly the bytes it does when it computes for real — the invariant
 //! that lets `ringtmp simulate` run clusters too large to compute.
@@ -141,7 +141,7 @@ fn phantom_runs_take_the_time_and_bytes_of_computing_runs_for_every_strategy() {
     }
 }
 
-// A ring stage's split backward is priced as it runs (issue 16.2): its input gradient leaves once
+// A ring stage's split backward is priced as it runs: its input gradient leaves once
 // the layers' input gradients are priced, and its linear layers' weight gradients are priced
 // after the send. Splitting the price moves when the gradient leaves, not how much compute
 // there is: every node's compute is the same (but the master's, whose first layer's unread input

@@ -1,4 +1,4 @@
-//! What a link costs the CPU of the node at either end, per byte (issue 17.3): framing, and on a
+//! What a link costs the CPU of the node at either end, per byte: framing, and on a
 //! private link sealing and opening its records. On a strong machine this is a few percent of a
 //! stage's work; on a weak board (or an emulated one) it is of the order of the stage's compute,
 //! and a planner that prices only the layers overloads the board. Measured by sending tensor

@@ -2,8 +2,9 @@
 //!
 //! A parameter-server iteration moves shard-sized payloads (12 MB for `mlp`) several times per
 //! worker. Allocated fresh each time, every one is a new mapping that the kernel zeroes and faults
-//! in page by page: with glibc that was a fifth of the whole run's CPU time (docs/BENCHMARKS.md,
-//! issue 5). Here the reader takes its payload buffer from the pool, the writer returns a sent
+//! in page by page: with glibc that was a fifth of the whole run's CPU time
+//! (docs/BENCHMARKS.md). Here the reader takes its payload buffer from the pool, the writer
+//! returns a sent
 //! payload to it, and the node returns a received payload once it has read it, so in steady state
 //! no large buffer is allocated at all.
 //!

@@ -190,7 +190,7 @@ fn killed_peer_is_reported_by_name() {
 }
 
 // A peer that said goodbye and closed is not a failure, even when our next heartbeat finds its
-// socket gone (seen in issue 17.3: slow emulated workers ending a parameter-server run made
+// socket gone (seen when slow emulated workers ending a parameter-server run made
 // the server fail with "sending failed: Broken pipe").
 #[test]
 fn a_peer_that_said_goodbye_and_left_is_not_a_failure() {
@@ -445,7 +445,7 @@ fn two_links_share_one_card() {
     println!("1 MB to rank 0 after {to_0:?}, 1 MB to rank 2 after {to_2:?}");
 }
 
-// Issue 40.2: every link alive, no step: the node that keeps the steps ends its wait at the
+// Every link alive, no step: the node that keeps the steps ends its wait at the
 // step bound (not the caller's long receive timeout) and names what it waited for; the abort
 // it sends makes each other node say what it was waiting for.
 #[test]

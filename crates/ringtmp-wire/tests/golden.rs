@@ -1,4 +1,4 @@
-//! Wire compatibility across machines (issue 17.4): every kind of frame, encoded here, must be
+//! Wire compatibility across machines: every kind of frame, encoded here, must be
 //! byte for byte the frame in `tests/golden/frames.txt`, and every frame there must decode to the
 //! same message. CI runs this on x86-64 and, cross-built, on aarch64 under qemu-user, so a frame
 //! encoded on either decodes on the other (both agree with one file). Tensors cover every dtype

@@ -11,7 +11,7 @@ pub(crate) const SECRET: &str = "0123456789abcdef-test-secret";
 pub(crate) fn ringtmp() -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_ringtmp"));
     c.env("RINGTMP_LOG", "warn");
-    // Nodes' profile caches (issue 17.2) stay inside the build tree.
+    // Nodes' profile caches stay inside the build tree.
     c.env(
         "RINGTMP_CACHE_DIR",
         concat!(env!("CARGO_TARGET_TMPDIR"), "/ringtmp-cache"),

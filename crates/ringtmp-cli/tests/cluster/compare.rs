@@ -7,7 +7,7 @@ use ringtmp_testkit::process::{finish, stderr};
 
 use super::common::*;
 
-// Issue 13.4: `ringtmp compare` runs each configuration into its own directory and writes
+// `ringtmp compare` runs each configuration into its own directory and writes
 // results.jsonl, report.md, the SVG plots and report.html; a second call into the same
 // directory runs nothing again; `local`, the same one process at both node counts, runs once;
 // bad specs are exit 2 before anything runs.
@@ -222,7 +222,7 @@ fn compare_writes_the_report_and_skips_finished_runs() {
     }
 }
 
-// Issue 13.5: a sample budget cuts the faster strategies short, so `compare --train-seconds T`
+// A sample budget cuts the faster strategies short, so `compare --train-seconds T`
 // gives every run the same training time instead: a probe run per configuration measures its
 // samples/s, and the run trains on T times that many samples.
 #[test]

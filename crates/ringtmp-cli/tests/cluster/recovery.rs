@@ -109,7 +109,7 @@ fn parameter_server_drops_a_dead_worker_under_ssp_and_stops_under_bsp() {
         serde_json::json!([3]),
         "{summary}"
     );
-    // Issue 10.5: the degraded run says so, in summary.json and in its final lines.
+    // The degraded run says so, in summary.json and in its final lines.
     let dropped = &summary["dropped_nodes"][0];
     assert_eq!(dropped["rank"], 3, "{summary}");
     assert!(dropped["step"].as_u64().is_some(), "{summary}");
@@ -149,7 +149,7 @@ fn parameter_server_drops_a_dead_worker_under_ssp_and_stops_under_bsp() {
     assert!(err.contains("rank 3"), "names the dead worker: {err}");
 }
 
-// Issue 12.3/12.4/12.5: AD-PSGD on local processes writes the output contract (the average's
+// AD-PSGD on local processes writes the output contract (the average's
 // accuracy, each worker's own, the consensus distance, checkpoints with every replica); a killed
 // worker is skipped and the run completes, saying so; an odd node count is refused.
 #[test]
@@ -258,7 +258,7 @@ fn adpsgd_on_local_nodes_survives_a_dead_worker_and_refuses_odd_counts() {
     assert!(err.contains("even number of nodes"), "{err}");
 }
 
-// Issue 12.4: a killed all-reduce worker does not stop the run: the survivors re-form the ring,
+// A killed all-reduce worker does not stop the run: the survivors re-form the ring,
 // and the output says which rank left and at which step.
 #[test]
 fn allreduce_goes_on_without_a_killed_worker() {
@@ -312,7 +312,7 @@ fn allreduce_goes_on_without_a_killed_worker() {
     );
 }
 
-// Issue 14.1 and 14.4: a node that dies is restarted with the run, from the newest checkpoint
+// A node that dies is restarted with the run, from the newest checkpoint
 // that verifies, and the run ends with the parameters of one that was never interrupted (a
 // synchronous schedule); a disk that fills up mid-checkpoint loses nothing written before;
 // `--resume auto` passes over a damaged checkpoint, naming the file; the master's death is not
@@ -371,7 +371,7 @@ fn a_failed_ring_node_restarts_the_run_from_its_checkpoint_and_ends_where_an_unb
         &with(&["--max-restarts", "1", "--shrink-on-failure"]),
         &out("shrunk"),
     );
-    // Issue 14.2: with stage replicas the ring heals around the dead node in place — no
+    // With stage replicas the ring heals around the dead node in place — no
     // restart, no checkpoint read — and still ends where the unbroken run does.
     let healed = train(&with(&["--stage-replicas", "10"]), &out("healed"));
     // A disk that fills up while step 20's checkpoint is written.
@@ -526,7 +526,7 @@ fn a_failed_ring_node_restarts_the_run_from_its_checkpoint_and_ends_where_an_unb
     );
 }
 
-// Issue 40.1: stage replicas heal around a node killed (SIGKILL) or frozen (SIGSTOP) from
+// Stage replicas heal around a node killed (SIGKILL) or frozen (SIGSTOP) from
 // outside, mid-run, with replication rounds every five mini-batches so that the signal falls in
 // or near one; under 1f1b and the async schedule. The mlp on MNIST, as users run it: its last
 // stage is small, so that node's replica and token can reach its predecessor before the
@@ -592,7 +592,7 @@ fn a_ring_with_stage_replicas_heals_a_node_killed_or_stopped_from_outside() {
     }
 }
 
-// Issue 14.6: chaos. Two random non-master nodes of a 4-node ring die during a short run, and a
+// Chaos. Two random non-master nodes of a 4-node ring die during a short run, and a
 // worker and a server of the parameter server once each; with restarts the runs complete their
 // steps, and their final parameters equal uninterrupted runs' (synchronous schedules). The seed
 // is printed; RINGTMP_TEST_SEED replays it.
@@ -719,7 +719,7 @@ fn chaos_kills_during_runs_cost_restarts_not_results() {
     }
 }
 
-// Issue 14.1: under an external launcher (torchrun's variables here; Slurm's requeue or a
+// Under an external launcher (torchrun's variables here; Slurm's requeue or a
 // Kubernetes restart policy alike) a run that lost a node is started again with the same command
 // plus `--resume auto`, and continues from the newest checkpoint that verifies.
 #[test]
@@ -760,7 +760,7 @@ fn an_externally_restarted_run_resumes_itself_from_its_newest_checkpoint() {
     assert_eq!(summary["steps"], 186, "{summary}");
 }
 
-// Issue 45.2: rings of rings under `--replica-sync diloco:H` heal a dead node inside one ring
+// Rings of rings under `--replica-sync diloco:H` heal a dead node inside one ring
 // while the other ring goes on, as processes on loopback links. Ring 1's second node (rank 4)
 // is killed a few mini-batches after the replication round that follows an outer step (ring
 // 1's own records say when); its predecessor takes its layers and their outer momentum over,

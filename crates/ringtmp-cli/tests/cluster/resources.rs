@@ -6,7 +6,7 @@ use ringtmp_testkit::process::{finish, stderr};
 
 use super::common::*;
 
-// Issue 13.2: --node-cpu puts a local node under a kernel CPU quota (cgroups); where no cgroup
+// --node-cpu puts a local node under a kernel CPU quota (cgroups); where no cgroup
 // controller is writable the run is refused before it starts, saying what is missing. The group
 // is removed after the run.
 #[test]
@@ -125,7 +125,7 @@ fn local_under_node_cpu_runs_in_a_quota_of_its_own() {
     assert_no_quota_groups_left(pid);
 }
 
-// Issue 13.2: --enforce-memory-limit holds each node process to --node-memory-limit; a strategy
+// --enforce-memory-limit holds each node process to --node-memory-limit; a strategy
 // whose node does not fit fails as a board with that memory would, and the run says which rank
 // exceeded which limit.
 #[test]
@@ -172,7 +172,7 @@ fn an_enforced_memory_limit_names_the_rank_that_exceeded_it() {
     );
 }
 
-// Issue 13.2: the ring's planner counts what a process needs besides its stage, so the ring's own
+// The ring's planner counts what a process needs besides its stage, so the ring's own
 // run fits the enforced limit it was planned for (and a limit too small is refused at planning).
 #[test]
 fn the_ring_planned_for_a_memory_limit_runs_under_it_enforced() {
@@ -215,7 +215,7 @@ fn the_ring_planned_for_a_memory_limit_runs_under_it_enforced() {
     }
 }
 
-// Issue 40.7: the async window, and with it each stage's stashed weights and activations,
+// The async window, and with it each stage's stashed weights and activations,
 // follows the ring the plan chooses, not the nodes given. 64 nodes under a 120 MB limit each
 // were refused ("only 4 blocks of layers") because every stage was counted with 65 micro-batches
 // in flight; the plan uses 2 and counts 3, and the 62 idle nodes leave.
@@ -252,7 +252,7 @@ fn idle_nodes_cost_the_ring_no_memory_in_the_plan() {
     assert!((2..=4).contains(&used), "{summary}");
 }
 
-// Issue 16.1: the planner counts the links. At 100 Mbit/s every cut of the digits mlp sends a
+// The planner counts the links. At 100 Mbit/s every cut of the digits mlp sends a
 // 1,024-wide activation, so a third node only adds a card that carries one each way: the plan
 // takes two of the three nodes (the third leaves once the ring has formed, and the launcher
 // says so) unless told to use all, and the printed plan shows each node's card time.
@@ -310,7 +310,7 @@ fn the_ring_planner_counts_links_and_leaves_a_node_out_when_fewer_train_faster()
     );
 }
 
-// Issue 17.2: under an external launcher every node times the model on its own hardware at
+// Under an external launcher every node times the model on its own hardware at
 // rendezvous, rank 0 plans from the figures and prints each node's speed; a restart answers
 // from the cache; `--no-node-profile` keeps the rank-0-only plan.
 #[test]

@@ -284,7 +284,7 @@ fn missing_secret_is_a_usage_error() {
     assert!(stderr(&out).contains("no shared secret"));
 }
 
-// Issue 10.1: a worker frozen mid-run is dropped by the server, the run ends, and the launcher
+// A worker frozen mid-run is dropped by the server, the run ends, and the launcher
 // must not wait for the frozen process forever.
 #[test]
 fn r10_launcher_kills_a_node_still_frozen_after_the_run_ends() {
@@ -316,7 +316,7 @@ fn r10_launcher_kills_a_node_still_frozen_after_the_run_ends() {
     assert_eq!(summary["strategy"], "ps");
 }
 
-// Issue 10.2: SIGTERM, SIGINT or SIGHUP sent to the launcher alone stops every node.
+// SIGTERM, SIGINT or SIGHUP sent to the launcher alone stops every node.
 #[test]
 fn r10_a_signal_to_the_launcher_alone_stops_every_node() {
     for (signal, code) in [
@@ -365,7 +365,7 @@ fn r10_nodes_die_with_a_killed_launcher() {
     assert!(lingering.is_empty(), "orphaned nodes: {lingering:?}");
 }
 
-// Issue 40.2: a node whose training thread hangs while its links stay alive (heartbeats go on,
+// A node whose training thread hangs while its links stay alive (heartbeats go on,
 // so no link fails) stopped every run until the 300 s receive timeout. Rank 0 now ends a run
 // that completes no step within its step bound (here --stall-timeout 3), naming what it waited
 // for, and every other node says what it was waiting for when the abort came.

@@ -104,7 +104,7 @@ fn parameter_server_on_local_nodes_writes_the_output_contract() {
     assert_eq!(evaluated.last(), summary["steps"].as_u64().as_ref());
     assert!(evaluated.windows(2).all(|p| p[0] < p[1]), "{evaluated:?}");
     assert_eq!(summary["consistency"], "ssp:2");
-    // Issue 11.2: the parameter server's run log, written by the same recorder as the others.
+    // The parameter server's run log, written by the same recorder as the others.
     let events: Vec<serde_json::Value> =
         std::fs::read_to_string(tmp.path().join("ps/metrics.jsonl"))
             .unwrap()
@@ -116,7 +116,7 @@ fn parameter_server_on_local_nodes_writes_the_output_contract() {
     assert_eq!(events.last().unwrap()["event"], "end");
     let evals = events.iter().filter(|e| e["event"] == "eval").count();
     assert_eq!(evals, evaluated.len(), "{events:?}");
-    // Issue 40.9: and its steps (worker 0's units, every one of a run this short), in order,
+    // And its steps (worker 0's units, every one of a run this short), in order,
     // with their losses; worker 0 (rank 2) shows the progress.
     let steps: Vec<u64> = events
         .iter()
@@ -151,7 +151,7 @@ fn parameter_server_on_local_nodes_writes_the_output_contract() {
     );
 }
 
-// Issue 12.1: ring all-reduce SGD on local processes writes the output contract.
+// Ring all-reduce SGD on local processes writes the output contract.
 #[test]
 fn allreduce_on_local_nodes_writes_the_output_contract() {
     let tmp = tempfile::tempdir().unwrap();
@@ -215,7 +215,7 @@ fn allreduce_on_local_nodes_writes_the_output_contract() {
     );
 }
 
-// Issue 45.1: DiLoCo on local processes writes the output contract: the outer model evaluated
+// DiLoCo on local processes writes the output contract: the outer model evaluated
 // and checkpointed, one record per outer step, streamed fragments; a run resumes from it.
 #[test]
 fn diloco_on_local_nodes_writes_the_output_contract_and_resumes() {
@@ -291,7 +291,7 @@ fn diloco_on_local_nodes_writes_the_output_contract_and_resumes() {
     assert_eq!(summary["steps"], 60, "{summary}");
 }
 
-// Issue 12.2: D-PSGD on local processes writes the output contract, with the consensus model's
+// D-PSGD on local processes writes the output contract, with the consensus model's
 // accuracy, every worker's own, and the consensus distance.
 #[test]
 fn dpsgd_on_local_nodes_writes_the_output_contract() {
@@ -304,7 +304,7 @@ fn dpsgd_on_local_nodes_writes_the_output_contract() {
         "exp",
         "--nodes",
         "4",
-        // Emulated cards (issue 13.1), every node's and one override.
+        // Emulated cards, every node's and one override.
         "--bandwidth-mbit",
         "2000",
         "--link",
@@ -348,7 +348,7 @@ fn dpsgd_on_local_nodes_writes_the_output_contract() {
     assert!(metrics.contains("\"event\":\"consensus\""), "{metrics}");
 }
 
-// Issue 10.10: any strategy resumes from any other's checkpoint without restating the batch: a
+// Any strategy resumes from any other's checkpoint without restating the batch: a
 // resumed run takes the checkpoint's global batch and splits it over its workers.
 #[test]
 fn r10_a_resume_carries_the_global_batch_across_strategies() {
@@ -401,7 +401,7 @@ fn r10_a_resume_carries_the_global_batch_across_strategies() {
         )
         .unwrap();
         assert_eq!(summary["batch_size"], batch, "{summary}");
-        // Issue 40.4: and the rate of that batch, not the default scaled by the workers.
+        // And the rate of that batch, not the default scaled by the workers.
         assert!(
             err.contains("checkpoint's learning rate of 0.01"),
             "{strategy}: {err}"
@@ -410,7 +410,7 @@ fn r10_a_resume_carries_the_global_batch_across_strategies() {
     }
 }
 
-// Issue 15.1: rings of rings on local processes: two rings of two, one summary for all four
+// Rings of rings on local processes: two rings of two, one summary for all four
 // nodes, the second ring's own records beside; impossible layouts are refused.
 #[test]
 fn rings_of_rings_run_on_local_nodes_and_refuse_what_cannot_work() {
@@ -469,7 +469,7 @@ fn rings_of_rings_run_on_local_nodes_and_refuse_what_cannot_work() {
         summary["final_test_accuracy"].as_f64().unwrap() > 0.3,
         "{summary}"
     );
-    // The same rings synchronised like DiLoCo (issue 45.2): an outer step every 8 mini-batches.
+    // The same rings synchronised like DiLoCo: an outer step every 8 mini-batches.
     let diloco_out = tmp.path().join("diloco");
     let mut diloco = args.to_vec();
     diloco.extend(["--replica-sync", "diloco:8"]);
@@ -572,7 +572,7 @@ fn a_ring_resumed_at_its_end_reports_its_final_accuracy() {
     let output = train_into(&again, &out);
     assert!(output.status.success(), "{}", stderr(&output));
     let summary = read();
-    // Nothing left to train: the run's record is the first attempt's (issue 40.3: it covers
+    // Nothing left to train: the run's record is the first attempt's (it covers
     // the whole run, not the attempt after the resume).
     assert_eq!(
         summary["samples"].as_u64(),

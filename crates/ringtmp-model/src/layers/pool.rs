@@ -224,7 +224,7 @@ fn max_into(ys: &mut [f32], idx: &mut [u32], xs: &[f32], first: u32) {
 mod tests {
     use super::*;
 
-    // Issue 17.1: the pooling kernel, at whatever SIMD level runs it (AVX-512, AVX2, NEON),
+    // The pooling kernel, at whatever SIMD level runs it (AVX-512, AVX2, NEON),
     // equals the scalar definition at every channel count (every tail length), windows apart and
     // overlapping, ties keeping the first maximum.
     #[test]

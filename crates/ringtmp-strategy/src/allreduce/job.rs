@@ -11,7 +11,7 @@ pub const NAME: &str = "allreduce";
 
 /// Bucket size when the user gives none: PyTorch DDP's. On `mlp` (4 workers, 2 cores) buckets of 1
 /// to 64 MB ran within the noise of each other, and every one of them faster than no overlap
-/// (docs/BENCHMARKS.md, issue 12); larger models need buckets for the overlap to pay.
+/// (docs/BENCHMARKS.md); larger models need buckets for the overlap to pay.
 pub const DEFAULT_BUCKET_MB: f64 = 25.0;
 
 /// `ringtmp train --strategy allreduce` options (flags, and keys of a `--config` file).

@@ -1,4 +1,4 @@
-//! Every node's own profile (issue 17.2). At rendezvous rank 0 asks each node to time the
+//! Every node's own profile. At rendezvous rank 0 asks each node to time the
 //! model's layers on its own hardware ([`ProfileRequest`]: the model, the micro-batch, the
 //! threads, a time budget); each answers with a [`ProfileReply`]: its layer times, its free
 //! memory and what machine it is. The planner then splits the model from every node's own

@@ -1154,7 +1154,7 @@ mod tests {
         assert_eq!(bounds(&p), [(0, 8), (8, 10)]);
     }
 
-    // Issue 17.2: a node's own profile replaces the shared costs, layer by layer: a board
+    // A node's own profile replaces the shared costs, layer by layer: a board
     // whose second layer is 4× slower than on the master (but whose others are as fast) gets
     // the split that keeps that layer off it, which no single speed factor would find.
     #[test]
@@ -1336,8 +1336,9 @@ mod tests {
         ]
     }
 
-    /// Issue 16.1, by hand: four layers of 1, 1, 1 and 1.5 ms whose outputs are 10, 1000, 10
-    /// and 10 bytes, on two nodes whose cards send 100,000 bytes/s (1000 bytes: 10 ms).
+    /// The link-counting planner, by hand: four layers of 1, 1, 1 and 1.5 ms whose outputs are
+    /// 10, 1000, 10 and 10 bytes, on two nodes whose cards send 100,000 bytes/s (1000 bytes:
+    /// 10 ms).
     /// Compute alone cuts after layer 2 (2 ms | 2.5 ms). Counting the cards, that cut sends
     /// the wide activation (10 ms + the logits' gradient's 0.1 ms on node 0), while a cut
     /// after layer 3 sends 10 bytes each way: node 0 computes 3 ms and sends 0.2 ms, node 1
@@ -1363,7 +1364,7 @@ mod tests {
         assert_eq!(best.window(), 6);
     }
 
-    /// Issue 16.2: a stage after the master hands its input gradient back before its weight
+    /// A stage after the master hands its input gradient back before its weight
     /// gradients and step, so those are off a micro-batch's round trip; the master's own are on
     /// it (its backward ends the trip). The case above with layer 3 (node 1's) running 0.5 of
     /// its 1.5 ms after the send and layer 0 (the master's) 0.4 of its 1 ms: 12.9 − 0.5 =
