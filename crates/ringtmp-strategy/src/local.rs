@@ -195,8 +195,8 @@ pub fn train_local(
                 on_event,
             )?;
         }
-        let due = || step % cfg.checkpoint_every == 0 || last || verdict.keep || verdict.stop;
-        if cfg.checkpoint_every > 0 && due() {
+        let due = || step % cfg.checkpoint_every == 0 || last;
+        if verdict.checkpoint || (cfg.checkpoint_every > 0 && due()) {
             let dir = save_checkpoint(&spec, &model, &optimizer, step, per_epoch)?;
             recorder.announce_checkpoint(step, dir, on_event)?;
         }

@@ -42,11 +42,12 @@ pub struct Tracker {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[must_use]
 pub struct Verdict {
-    /// Its validation loss is the lowest yet and the run keeps its best checkpoint: the driver
-    /// takes a checkpoint of this step (if none is due anyway); recording it marks it `best`.
-    pub keep: bool,
     /// `--early-stop`'s patience is spent: the driver ends the run after this step.
     pub stop: bool,
+    /// The driver takes a checkpoint of this step (if none is due anyway): its validation
+    /// loss is the lowest yet and the run keeps its best (recording the checkpoint marks it
+    /// `best`), or the run stops here; never when the run writes no checkpoints.
+    pub checkpoint: bool,
 }
 
 impl Tracker {
@@ -309,12 +310,14 @@ impl RunRecorder {
             event[format!("bits_per_{}", self.unit())] = bits.into();
         }
         self.write(event)?;
+        let keep = lowest && self.spec.keep_best;
+        let stop = self
+            .spec
+            .early_stop
+            .is_some_and(|patience| self.tracker.since_best >= patience);
         Ok(Verdict {
-            keep: lowest && self.spec.keep_best,
-            stop: self
-                .spec
-                .early_stop
-                .is_some_and(|patience| self.tracker.since_best >= patience),
+            stop,
+            checkpoint: self.spec.checkpoint_every > 0 && (keep || stop),
         })
     }
 
@@ -332,8 +335,7 @@ impl RunRecorder {
                     source: e,
                 })?;
             }
-            let due = self.spec.checkpoint_due(done) || done == self.spec.total_steps;
-            self.best_only = (!due).then(|| path.to_path_buf());
+            self.best_only = (!self.spec.checkpoint_due(done)).then(|| path.to_path_buf());
         }
         self.write(json!({"event": "checkpoint", "step": done, "path": path, "best": best}))
     }

@@ -414,15 +414,8 @@ fn early_stop_ends_the_run_and_keeps_the_best_evaluation_s_checkpoint() {
         root.join(checkpoint::checkpoint_dir_name(summary.steps)),
         "resuming goes on from the last"
     );
-    let mut left: Vec<_> = std::fs::read_dir(&root)
-        .unwrap()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|n| n.starts_with("step-"))
-        .collect();
-    left.sort();
     assert_eq!(
-        left,
+        ringtmp_testkit::fixtures::step_dirs(&out),
         [best, summary.steps].map(checkpoint::checkpoint_dir_name),
         "one newest and the best"
     );

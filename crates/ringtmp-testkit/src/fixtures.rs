@@ -226,3 +226,15 @@ pub fn text_data(dir: &std::path::Path) -> (Dataset, ringtmp_strategy::TextSourc
         text,
     )
 }
+
+/// The checkpoint directories (`step-…`) under a run's `checkpoints/`, sorted.
+pub fn step_dirs(out: &std::path::Path) -> Vec<String> {
+    let mut dirs: Vec<String> = std::fs::read_dir(out.join("checkpoints"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    dirs.sort();
+    dirs
+}

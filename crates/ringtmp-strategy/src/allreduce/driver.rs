@@ -201,7 +201,7 @@ pub fn run_worker(
             )?;
         }
         // The best evaluation's checkpoint: rank 0 holds the model (the outer one, for DiLoCo).
-        if spec.checkpoint_due(done) || (spec.checkpoint_every > 0 && verdict.keep) {
+        if spec.checkpoint_due(done) || verdict.checkpoint {
             let dir = write_checkpoint(job, &stage, &optimizer, done)?;
             recorder.announce_checkpoint(done, dir, on_event)?;
         }

@@ -288,7 +288,7 @@ pub fn run_worker(
             )?;
         }
         // The best evaluation's checkpoint: rank 0 holds the model (the outer one, for DiLoCo).
-        if spec.checkpoint_due(done) || (spec.checkpoint_every > 0 && verdict.keep) {
+        if spec.checkpoint_due(done) || verdict.checkpoint {
             let dir = with_outer(&mut stage, &mut outer, |stage| {
                 write_model(spec, job.workers, super::NAME, stage, &optimizer, done, &[])
             })?;

@@ -884,7 +884,7 @@ fn coordinate(
     }
     r0.recorder
         .write(json!({"event": "consensus", "step": done, "distance": distance}))?;
-    if spec.checkpoint_due(done) || (spec.checkpoint_every > 0 && verdict.keep) {
+    if spec.checkpoint_due(done) || verdict.checkpoint {
         let replicas: Vec<(u32, &[f32])> = models.iter().map(|(r, m)| (*r, &m[..])).collect();
         let dir = crate::data_parallel::write_model(
             spec,

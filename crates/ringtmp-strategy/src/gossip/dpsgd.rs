@@ -399,7 +399,7 @@ pub fn run_worker_from(
             )?;
             recorder.write(json!({"event": "consensus", "step": done, "distance": distance}))?;
         }
-        if save || (spec.checkpoint_every > 0 && verdict.keep) {
+        if save || verdict.checkpoint {
             // The consensus model, with rank 0's optimizer state, and every worker's own.
             let replicas: Vec<(u32, &[f32])> = models.iter().map(|(r, m)| (*r, &m[..])).collect();
             let dir = write_model(spec, n as usize, NAME, &model, &optimizer, done, &replicas)?;

@@ -179,8 +179,7 @@ pub fn run_master_with(
         let upkeep = time.now();
         // The best evaluation's checkpoint and an early stop's come after an evaluation, where
         // the async pipeline has drained.
-        let kept = job.spec.checkpoint_every > 0 && (verdict.keep || verdict.stop);
-        if job.ring == 0 && (job.checkpoint_due(done) || kept) {
+        if job.ring == 0 && (job.checkpoint_due(done) || verdict.checkpoint) {
             let dir = checkpoint_round(job, net, done, (&stage, &optimizer), head.as_ref())?;
             recorder.announce_checkpoint(done, dir, on_event)?;
         }
