@@ -525,22 +525,37 @@ pub fn join(
         let mut cfg = TransportConfig::new(RENDEZVOUS_RUN, rank, secret.to_vec());
         cfg.connect_timeout = wait;
         let deadline = Instant::now() + wait;
-        let (mut connection, peer, own) = connect(master, own, &cfg, deadline).await?;
-        let register = Message::Control(Control::Register {
-            node: NodeAddr {
-                rank,
-                addr: own.to_string(),
-            },
-            world_size,
-        });
-        connection
-            .send(&register)
-            .await
-            .map_err(|e| TransportError::PeerClosed {
-                peer: peer.clone(),
-                reason: e.to_string(),
-            })?;
-        let mut table = await_table(&mut connection, &peer, rank, &cfg, deadline, answer).await?;
+        let listening = own;
+        let (mut connection, peer, mut table) = loop {
+            let (mut connection, peer, own) = connect(master, listening, &cfg, deadline).await?;
+            let register = Message::Control(Control::Register {
+                node: NodeAddr {
+                    rank,
+                    addr: own.to_string(),
+                },
+                world_size,
+            });
+            connection
+                .send(&register)
+                .await
+                .map_err(|e| TransportError::PeerClosed {
+                    peer: peer.clone(),
+                    reason: e.to_string(),
+                })?;
+            match await_table(&mut connection, &peer, rank, &cfg, deadline, answer).await {
+                Ok(table) => break (connection, peer, table),
+                // Closed before rank 0 said anything: it cut this greeting (its oldest) after
+                // the handshake, before reading the registration — many nodes of one address
+                // arriving at once, a local launcher's — so this node registers again.
+                Err(TransportError::GreetingCut { reason, .. }) if Instant::now() < deadline => {
+                    tracing::info!("rendezvous: registration cut short ({reason}); again");
+                }
+                Err(TransportError::GreetingCut { peer, reason }) => {
+                    return Err(TransportError::PeerClosed { peer, reason });
+                }
+                Err(e) => return Err(e),
+            }
+        };
         if let Some(reached) = peer.addr {
             fill_wildcards(&mut table, reached.ip());
         }
@@ -629,7 +644,8 @@ async fn connect(
     }
 }
 
-/// Waits for rank 0's table, answering its profile request first if it sends one.
+/// Waits for rank 0's table, answering its profile request first if it sends one; a close
+/// before rank 0 sent anything is a greeting cut short (the caller registers again).
 async fn await_table(
     connection: &mut FrameConnection,
     peer: &PeerName,
@@ -643,9 +659,18 @@ async fn await_table(
     // abort naming the missing ranks) arrives instead of a bare timeout.
     let mut table_deadline = deadline + Duration::from_secs(2);
     let mut answered = false;
+    let mut heard = false;
     loop {
         let what = "the address table";
-        match recv_within(connection, peer, table_deadline, &limits, what).await? {
+        let message = match recv_within(connection, peer, table_deadline, &limits, what).await {
+            Ok(message) => message,
+            Err(TransportError::PeerClosed { peer, reason }) if !heard => {
+                return Err(TransportError::GreetingCut { peer, reason });
+            }
+            Err(e) => return Err(e),
+        };
+        heard = true;
+        match message {
             Message::Control(Control::ProfileRequest { request }) => {
                 if answered {
                     return Err(TransportError::Handshake {
