@@ -11,8 +11,9 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use ringtmp_data::Dataset;
+use ringtmp_model::arch::{self, Architecture};
 use ringtmp_model::interop::{self, NameMap};
-use ringtmp_model::{Stage, checkpoint};
+use ringtmp_model::{ModelSpec, Stage, checkpoint};
 use ringtmp_strategy::TrainConfig;
 
 use crate::args::TrainArgs;
@@ -26,9 +27,10 @@ pub fn init_dir(out: &Path) -> PathBuf {
 
 /// The initial weights, converted and checked, ready to be written.
 pub struct Converted {
-    stage: Stage,
-    map: NameMap,
-    file: PathBuf,
+    /// The whole model holding them.
+    pub stage: Stage,
+    /// The manifest of the checkpoint of step 0 they are written as.
+    pub manifest: checkpoint::Manifest,
 }
 
 /// The map whose names `names` use: ringtmp's (`layers.`), nanoGPT's (`transformer.`), or else
@@ -76,6 +78,7 @@ pub fn convert(args: &TrainArgs, cfg: &TrainConfig, data: &Dataset) -> Result<Op
         Some(m) => m.parse().map_err(|e: String| usage(e))?,
         None => guess_map(tensors.keys()),
     };
+    check_architecture(file, cfg, data)?;
     let layers = ringtmp_strategy::layers_for(&cfg.model, data)?;
     let mut stage = Stage::new(&layers, 0..layers.len(), cfg.seed, 1);
     let mut params = stage.params().to_vec();
@@ -116,40 +119,78 @@ pub fn convert(args: &TrainArgs, cfg: &TrainConfig, data: &Dataset) -> Result<Op
             )
         }
     );
-    Ok(Some(Converted {
-        stage,
-        map,
-        file: file.clone(),
-    }))
+    let mut manifest = ringtmp_strategy::RunSpec::new(cfg.clone(), data, 1)?.manifest(
+        &format!("init-from {} ({map})", file.display()),
+        0,
+        cfg.batch_size,
+        vec![(0, stage.layers().len())],
+        Vec::new(),
+        Vec::new(),
+    );
+    manifest.lr = None;
+    Ok(Some(Converted { stage, manifest }))
+}
+
+/// Compares the architecture the file states (its metadata, or a `config.json` beside it) with
+/// the model's: a difference is a usage error naming both; a transformer whose file does not
+/// state its head count is loaded with a warning, since nothing in its tensors tells.
+fn check_architecture(file: &Path, cfg: &TrainConfig, data: &Dataset) -> Result<()> {
+    let usage = |what: String| UsageError(format!("--init-from {}: {what}", file.display()));
+    let Some(model) = Architecture::of(&cfg.model, ringtmp_strategy::sequence_of(data)) else {
+        return Ok(());
+    };
+    let stated = arch::stated_by(file).map_err(|e| usage(e.to_string()))?;
+    let Some((stated, source)) = stated.filter(|(a, _)| a.heads.is_some()) else {
+        eprintln!(
+            "WARNING: --init-from {}: the file does not say how many attention heads its              weights were trained with (no n_head in its metadata, no config.json beside it);              they load as model {}'s {} — weights trained with another count load as well,              and start worse",
+            file.display(),
+            cfg.model.name,
+            model.describe()
+        );
+        return Ok(());
+    };
+    let differences = stated.differences(&model);
+    if differences.is_empty() {
+        return Ok(());
+    }
+    let listed: Vec<String> = differences
+        .iter()
+        .map(|(field, theirs, ours)| format!("{field} {theirs} where the model has {ours}"))
+        .collect();
+    let preset = match (stated.blocks, stated.heads, stated.width) {
+        (Some(b), Some(h), Some(w)) => ModelSpec::gpt_preset_shaped(b, h, w),
+        _ => None,
+    };
+    let remedy = match (preset, differences.as_slice()) {
+        (_, [("context", theirs, _)]) => format!("pass --seq-len {theirs}"),
+        (Some(preset), _) => match stated.context {
+            Some(c) if ModelSpec::preset_context(preset) != Some(c) => {
+                format!("--model {preset} --seq-len {c} has that shape")
+            }
+            _ => format!("--model {preset} has that shape"),
+        },
+        (None, _) => format!(
+            "describe that model in a file for --model-file ({}; `ringtmp validate-config`              prints a model's layers)",
+            stated.describe()
+        ),
+    };
+    Err(usage(format!(
+        "its weights were trained as another model than {} ({source} says): {}; {remedy}",
+        cfg.model.name,
+        listed.join(", ")
+    ))
+    .into())
 }
 
 impl Converted {
-    /// Writes the weights as a checkpoint of step 0 in `dir` for the run `cfg`.
-    pub fn write(&self, dir: &Path, cfg: &TrainConfig) -> Result<()> {
+    /// Writes the weights as a checkpoint of step 0 in `dir`.
+    pub fn write(&self, dir: &Path) -> Result<()> {
         std::fs::create_dir_all(dir)
             .map_err(|e| anyhow::anyhow!("creating {}: {e}", dir.display()))?;
         let entry =
             checkpoint::write_params(dir, "stage-0.safetensors", &self.stage, self.stage.params())?;
-        let manifest = checkpoint::Manifest {
-            format: checkpoint::MANIFEST_FORMAT,
-            strategy: format!("init-from {} ({})", self.file.display(), self.map),
-            step: 0,
-            epoch: 0,
-            batch_in_epoch: 0,
-            dataset: cfg.dataset.clone(),
-            batch_size: cfg.batch_size,
-            seed: cfg.seed,
-            model: cfg.model.clone(),
-            partition: vec![(0, self.stage.layers().len())],
-            optimizer: cfg.optimizer.clone(),
-            lr: None,
-            files: vec![entry],
-            replicas: Vec::new(),
-            vocabulary: None,
-            context: None,
-            objective: Default::default(),
-            recipe: None,
-        };
+        let mut manifest = self.manifest.clone();
+        manifest.files = vec![entry];
         checkpoint::write_manifest(dir, &manifest)?;
         Ok(())
     }

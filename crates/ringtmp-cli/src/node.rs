@@ -498,7 +498,7 @@ fn own_threads(job: &mut Job, rank: u32, table: &ringtmp_cluster::rendezvous::Ta
 
 /// The run's options and plan in its output directory (`train.toml`, `job.json`), as
 /// `ringtmp train` writes them (docs/output.md): what was run, and what `--resume` reads.
-fn write_run_files(train_args: &TrainArgs, job: &Job) -> Result<()> {
+pub(crate) fn write_run_files(train_args: &TrainArgs, job: &Job) -> Result<()> {
     let out = &job.spec().config.out;
     let config = out.join("train.toml");
     let options = toml::to_string(train_args).context("encoding the training options")?;
@@ -582,7 +582,7 @@ fn rank0_job(args: &NodeArgs, world: u32) -> Result<Rank0Job> {
     )?;
     // Every node reads the weights from here: a directory every node sees, as --out must be.
     if let (Some(init), Some(dir)) = (&init, &cfg.init_from) {
-        init.write(dir, &cfg)?;
+        init.write(dir)?;
     }
     train_args.out = Some(cfg.out.clone());
     Ok(Rank0Job::Prepared(Box::new(Prepared {

@@ -38,6 +38,14 @@ pub fn validate(args: &TrainArgs) -> Result<()> {
             l.param_count()
         );
     }
+    if let Some(arch) =
+        ringtmp_model::arch::Architecture::of(&cfg.model, ringtmp_strategy::sequence_of(&data))
+    {
+        println!("  architecture: {}", arch.describe());
+    }
+    if crate::init_from::convert(&args, &cfg, &data)?.is_some() {
+        println!("  --init-from: its weights fit the model");
+    }
     Ok(())
 }
 
@@ -95,17 +103,20 @@ fn run_resolved(args: TrainArgs) -> Result<()> {
     if init.is_some() {
         cfg.init_from = Some(crate::init_from::init_dir(&cfg.out));
     }
-    let Job::Local(job) = plan(&args, cfg, &data, 1)? else {
+    let planned = plan(&args, cfg, &data, 1)?;
+    let out = &planned.spec().config;
+    crate::run_dir::prepare(
+        &out.out,
+        out.resume.as_deref(),
+        args.overwrite.unwrap_or(false),
+    )?;
+    crate::node::write_run_files(&args, &planned)?;
+    let Job::Local(job) = planned else {
         unreachable!("--strategy local plans a local job")
     };
     let cfg = &job.spec.config;
-    crate::run_dir::prepare(
-        &cfg.out,
-        cfg.resume.as_deref(),
-        args.overwrite.unwrap_or(false),
-    )?;
     if let (Some(init), Some(dir)) = (&init, &cfg.init_from) {
-        init.write(dir, cfg)?;
+        init.write(dir)?;
     }
     init_threads(cfg.threads)?;
     eprintln!(
@@ -360,7 +371,7 @@ fn launch_once(args: &mut TrainArgs, cluster: &LocalCluster, attempt: usize) -> 
         args.overwrite.unwrap_or(false),
     )?;
     if let (Some(init), Some(dir)) = (&init, &cfg.init_from) {
-        init.write(dir, &cfg)?;
+        init.write(dir)?;
     }
     // The nodes see the directory as prepared; they must not refuse or clear it again.
     args.overwrite = None;

@@ -30,6 +30,7 @@
 //! assert!(out.loss_sum > 0.0);
 //! ```
 
+pub mod arch;
 pub mod checkpoint;
 pub mod decode;
 mod error;

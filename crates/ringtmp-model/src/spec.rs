@@ -285,6 +285,13 @@ impl ModelSpec {
         GPTS.iter().find(|g| g.0 == name).map(|g| g.4)
     }
 
+    /// The GPT preset of `blocks` blocks of `heads` heads at `width` (MLP ratio 4), if any.
+    pub fn gpt_preset_shaped(blocks: usize, heads: usize, width: usize) -> Option<&'static str> {
+        GPTS.iter()
+            .find(|g| (g.1, g.2, g.3) == (blocks, heads, width))
+            .map(|g| g.0)
+    }
+
     /// Whether the model reads token ids (it starts with an embedding).
     pub fn reads_tokens(&self) -> bool {
         matches!(self.layers.first(), Some(LayerSpec::Embedding { .. }))

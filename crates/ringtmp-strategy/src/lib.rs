@@ -62,4 +62,4 @@ pub use error::{Error, Result};
 pub use event::Event;
 pub use job::{Job, StrategyOptions};
 pub use local::{LocalJob, train_local};
-pub use spec::{ResumePoint, RunSpec, layers_for, model_shapes, sequence_of};
+pub use spec::{ResumePoint, RunSpec, layers_for, model_shapes, sequence_of, vocabulary_of};

@@ -13,6 +13,11 @@ use ringtmp_model::{Layer, LayerKind, Shape, Stage, checkpoint, interop};
 
 use crate::error::UsageError;
 
+mod eval;
+mod language;
+
+pub use eval::{EvalArgs, eval};
+
 /// `ringtmp export` options.
 #[derive(clap::Args)]
 pub struct ExportArgs {
@@ -29,6 +34,10 @@ pub struct ExportArgs {
     /// Replace the files of an earlier export in OUT.
     #[arg(long)]
     pub overwrite: bool,
+    /// The tokenizer.json a language model was trained with: copied beside the weights for
+    /// model.py's encode and decode (checked to be the run's).
+    #[arg(long, value_name = "FILE")]
+    pub tokenizer: Option<PathBuf>,
 }
 
 /// Refuses an output that is a file, or a directory holding files an export would replace
@@ -38,10 +47,15 @@ fn check_export_dir(out: &Path, overwrite: bool) -> Result<()> {
         return Err(UsageError(format!("{}: is a file, not a directory", out.display())).into());
     }
     if !overwrite {
-        let taken: Vec<&str> = ["model.safetensors", "model.py", "recipe.json"]
-            .into_iter()
-            .filter(|f| out.join(f).exists())
-            .collect();
+        let taken: Vec<&str> = [
+            "model.safetensors",
+            "model.py",
+            "recipe.json",
+            "tokenizer.json",
+        ]
+        .into_iter()
+        .filter(|f| out.join(f).exists())
+        .collect();
         if !taken.is_empty() {
             return Err(UsageError(format!(
                 "{} already holds {}: pass --overwrite to replace them, or export elsewhere",
@@ -189,18 +203,36 @@ pub fn export(a: &ExportArgs) -> Result<()> {
     }
     check_export_dir(&a.out, a.overwrite)?;
     let opened = open(&a.checkpoint, 1)?;
+    let language = language::Language::of(&opened, a.tokenizer.as_deref())?;
     let tensors = interop::to_pytorch(&opened.layers, opened.stage.params());
     let weights = a.out.join("model.safetensors");
-    interop::write_safetensors(&weights, &tensors, &[("format", "pt")])?;
-    let code = model_py(&opened)?;
+    let architecture = language
+        .as_ref()
+        .and_then(|l| l.architecture(&opened))
+        .map(|a| a.to_metadata())
+        .unwrap_or_default();
+    let mut metadata = vec![("format", "pt")];
+    metadata.extend(architecture.iter().map(|(k, v)| (*k, v.as_str())));
+    interop::write_safetensors(&weights, &tensors, &metadata)?;
+    let mut code = model_py(&opened)?;
+    let mut written = vec!["model.safetensors", "model.py"];
+    let recipe = match (&language, &opened.recipe) {
+        (Some(l), _) => {
+            code.push_str(&l.python()?);
+            written.extend(l.write_files(&a.out)?);
+            Some(l.recipe(&opened))
+        }
+        (None, Some(r)) => Some(serde_json::to_value(r)?),
+        (None, None) => None,
+    };
     checkpoint::write_atomic(&a.out.join("model.py"), code.as_bytes())?;
-    if let Some(recipe) = &opened.recipe {
-        let text = serde_json::to_string_pretty(recipe)?;
+    if let Some(recipe) = recipe {
+        let text = serde_json::to_string_pretty(&recipe)?;
         checkpoint::write_atomic(&a.out.join("recipe.json"), text.as_bytes())?;
+        written.push("recipe.json");
     }
     eprintln!(
-        "export: {} ({} parameters in {} tensors) from {} step {} ({}) to {}: model.safetensors, \
-         model.py{}",
+        "export: {} ({} parameters in {} tensors) from {} step {} ({}) to {}: {}",
         opened.manifest.model.name,
         opened.stage.params().len(),
         tensors.len(),
@@ -208,11 +240,7 @@ pub fn export(a: &ExportArgs) -> Result<()> {
         opened.manifest.step,
         opened.dir.display(),
         a.out.display(),
-        if opened.recipe.is_some() {
-            ", recipe.json"
-        } else {
-            ""
-        }
+        written.join(", ")
     );
     eprintln!(
         "load it: import model, safetensors.torch as st; m = model.build(); \
@@ -456,72 +484,6 @@ pub fn predict(a: &PredictArgs) -> Result<()> {
         "predict: {} rows with {} from {} step {}{score}",
         run.inputs.rows, opened.manifest.model.name, opened.manifest.strategy, opened.manifest.step
     );
-    Ok(())
-}
-
-/// `ringtmp eval` options.
-#[derive(clap::Args)]
-pub struct EvalArgs {
-    /// A checkpoint directory, or a run directory (its best evaluation's checkpoint, else its
-    /// newest).
-    #[arg(long, value_name = "DIR")]
-    pub checkpoint: PathBuf,
-    /// Labelled inputs read as training read its data: a .csv with the training columns and
-    /// the label, an .npz with `x` and `y`, a folder of class folders [default: the bundled
-    /// dataset's test split, for a model trained on one].
-    #[arg(long, value_name = "FILE")]
-    pub data_file: Option<PathBuf>,
-    /// Score the first N rows only.
-    #[arg(long, value_name = "N", value_parser = crate::args::at_least_one)]
-    pub limit: Option<usize>,
-    /// Print the score as one JSON object on stdout as well.
-    #[arg(long)]
-    pub json: bool,
-    /// Compute threads [default: all cores].
-    #[arg(long, value_parser = crate::args::at_least_one)]
-    pub threads: Option<usize>,
-}
-
-/// `ringtmp eval`: scores a checkpoint's weights on labelled inputs without training: accuracy
-/// for classes; R², RMSE and MAE (in the targets' units) for a regression.
-pub fn eval(a: &EvalArgs) -> Result<()> {
-    let threads = threads(a.threads);
-    crate::plan::init_threads(threads)?;
-    let mut opened = open(&a.checkpoint, threads)?;
-    let Some(recipe) = opened.recipe.clone() else {
-        return Err(UsageError(format!(
-            "{}: a language model's checkpoint; its validation loss is in its run's \
-             metrics.jsonl, and `ringtmp predict --logits` gives its next-token logits",
-            opened.dir.display()
-        ))
-        .into());
-    };
-    let run = outputs_of(&mut opened, &recipe, a.data_file.as_deref(), a.limit)?;
-    let Some(score) = score_of(&run) else {
-        return Err(UsageError(format!(
-            "{}: these inputs carry no labels to score against",
-            a.data_file
-                .as_deref()
-                .map_or_else(|| "the test split".into(), |p| p.display().to_string())
-        ))
-        .into());
-    };
-    eprintln!(
-        "eval: {} on {} rows with {} from {} step {} ({})",
-        score.line(),
-        run.inputs.rows,
-        opened.manifest.model.name,
-        opened.manifest.strategy,
-        opened.manifest.step,
-        opened.dir.display()
-    );
-    if a.json {
-        let mut doc = score.json();
-        doc["rows"] = run.inputs.rows.into();
-        doc["step"] = opened.manifest.step.into();
-        doc["checkpoint"] = opened.dir.display().to_string().into();
-        println!("{doc}");
-    }
     Ok(())
 }
 
