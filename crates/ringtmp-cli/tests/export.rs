@@ -117,6 +117,99 @@ fn exported_models_give_pytorch_the_same_logits() {
     check_export("gpt", "ids.npy");
 }
 
+fn log_softmax(rows: &[f32], width: usize) -> Vec<f64> {
+    rows.chunks_exact(width)
+        .flat_map(|row| {
+            let max = row.iter().fold(f32::MIN, |m, &v| m.max(v)) as f64;
+            let sum: f64 = row.iter().map(|&v| (v as f64 - max).exp()).sum();
+            row.iter().map(move |&v| v as f64 - max - sum.ln())
+        })
+        .collect()
+}
+
+/// A tied GPT exported for nanoGPT: the files are those nanoGPT's own GPT ran (their hashes),
+/// and its log-probabilities there (with the tanh GELU ringtmp computes; nanoGPT's exact GELU
+/// moves them by about 1e-3, measured by the script) are ringtmp's, the head's bias carried by
+/// the final LayerNorm's. Models nanoGPT cannot hold are refused, naming why.
+#[test]
+fn a_tied_gpt_exports_to_nanogpt_as_nanogpt_runs_it() {
+    let dir = golden("nanogpt");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("nanogpt");
+    let checkpoint = dir.join("checkpoint");
+    let said = ok(&ringtmp(&[
+        "export",
+        "--to",
+        "nanogpt",
+        "--checkpoint",
+        checkpoint.to_str().unwrap(),
+        out.to_str().unwrap(),
+    ]));
+    assert!(said.contains("carried by transformer.ln_f.bias"), "{said}");
+    let hashes = ["ckpt.pt", "meta.pkl"].map(|f| sha256(&out.join(f)));
+    if std::env::var_os("RINGTMP_BLESS").is_some() {
+        for (f, h) in ["ckpt.pt", "meta.pkl"].iter().zip(&hashes) {
+            std::fs::write(dir.join(format!("{f}.sha256")), format!("{h}\n")).unwrap();
+        }
+        eprintln!(
+            "blessed; now: python3 benches/reference/nanogpt_export.py OUT {} LOGITS NANOGPT {}",
+            dir.join("ids.npy").display(),
+            dir.join("torch_logprobs.npy").display()
+        );
+    }
+    for (f, h) in ["ckpt.pt", "meta.pkl"].iter().zip(&hashes) {
+        let want = std::fs::read_to_string(dir.join(format!("{f}.sha256"))).unwrap();
+        assert_eq!(h, want.trim(), "{f} differs from the one nanoGPT ran");
+    }
+    let logits = tmp.path().join("logits.npy");
+    ok(&ringtmp(&[
+        "predict",
+        "--checkpoint",
+        checkpoint.to_str().unwrap(),
+        "--data-file",
+        dir.join("ids.npy").to_str().unwrap(),
+        "--logits",
+        logits.to_str().unwrap(),
+    ]));
+    let (shape, ours) = read_npy(&logits);
+    let (torch_shape, theirs) = read_npy(&dir.join("torch_logprobs.npy"));
+    assert_eq!(shape, torch_shape);
+    let width = *shape.last().unwrap();
+    let worst = log_softmax(&ours, width)
+        .iter()
+        .zip(&theirs)
+        .fold(0f64, |m, (a, &b)| m.max((a - b as f64).abs()));
+    assert!(
+        worst <= 1e-5,
+        "nanoGPT's log-probabilities differ by {worst}"
+    );
+
+    // An untied head (the gpt golden) has no place in nanoGPT's GPT.
+    let refused = ringtmp(&[
+        "export",
+        "--to",
+        "nanogpt",
+        "--checkpoint",
+        golden("gpt").join("checkpoint").to_str().unwrap(),
+        tmp.path().join("untied").to_str().unwrap(),
+    ]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("nanoGPT ties its head") && stderr.contains("--tie-embeddings"),
+        "{stderr}"
+    );
+    let refused = ringtmp(&[
+        "export",
+        "--to",
+        "onnx",
+        "--checkpoint",
+        checkpoint.to_str().unwrap(),
+        tmp.path().join("onnx").to_str().unwrap(),
+    ]);
+    assert_eq!(refused.status.code(), Some(2));
+}
+
 const DIGITS_CNN: &str = r#"
 name = "digits-cnn"
 [[layer]]

@@ -268,6 +268,26 @@ pub fn to_pytorch(layers: &[Layer], params: &[f32]) -> Vec<Tensor> {
         .collect()
 }
 
+/// The whole model's parameters under nanoGPT's names and layouts (its `GPT` module's state
+/// dict, the head's weight as `lm_head.weight`), and the head's bias, which nanoGPT's head does
+/// not have: the caller decides where it goes. Refused for a model nanoGPT's names do not fit.
+pub fn to_nanogpt(layers: &[Layer], params: &[f32]) -> Result<(Vec<Tensor>, Vec<f32>)> {
+    let mut out = Vec::new();
+    let mut head_bias = Vec::new();
+    for (name, shape, range, layout) in tensors(layers) {
+        let values = layout.apply(&params[range], true);
+        match foreign_name(NameMap::NanoGpt, layers, &name)? {
+            Some(theirs) => out.push(Tensor {
+                name: theirs,
+                shape: layout.pytorch_shape(&shape),
+                values,
+            }),
+            None => head_bias = values,
+        }
+    }
+    Ok((out, head_bias))
+}
+
 /// What an import found: every problem, so the user sees them all at once.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ImportReport {
@@ -399,16 +419,41 @@ pub fn write_safetensors(
             path: path.to_path_buf(),
             reason: format!("cannot lay out a tensor: {e}"),
         })?;
-    let metadata: std::collections::HashMap<String, String> = metadata
-        .iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-    let encoded =
-        safetensors::serialize(views, Some(metadata)).map_err(|e| Error::CheckpointMismatch {
-            path: path.to_path_buf(),
-            reason: format!("cannot encode: {e}"),
-        })?;
+    let encoded = safetensors::serialize(views, None).map_err(|e| Error::CheckpointMismatch {
+        path: path.to_path_buf(),
+        reason: format!("cannot encode: {e}"),
+    })?;
+    let encoded = with_sorted_metadata(&encoded, metadata);
     crate::checkpoint::write_atomic(path, &encoded)
+}
+
+/// `encoded` (a safetensors file without metadata) with `metadata` as its `__metadata__`, the
+/// keys in order: the crate writes its metadata from a `HashMap`, whose order changes from run
+/// to run, and the same export should be the same bytes. Laid out as the crate lays it out
+/// (metadata first, the header padded with spaces to 8 bytes).
+fn with_sorted_metadata(encoded: &[u8], metadata: &[(&str, &str)]) -> Vec<u8> {
+    if metadata.is_empty() {
+        return encoded.to_vec();
+    }
+    let n = u64::from_le_bytes(encoded[..8].try_into().expect("8 bytes")) as usize;
+    let header = std::str::from_utf8(&encoded[8..8 + n])
+        .expect("the crate writes a UTF-8 header")
+        .trim_end();
+    let sorted: BTreeMap<&str, &str> = metadata.iter().copied().collect();
+    let metadata = serde_json::to_string(&sorted).expect("strings encode");
+    let rest = &header[1..];
+    let mut header = if rest == "}" {
+        format!("{{\"__metadata__\":{metadata}}}")
+    } else {
+        format!("{{\"__metadata__\":{metadata},{rest}")
+    }
+    .into_bytes();
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let mut out = Vec::with_capacity(encoded.len() + header.len());
+    out.extend_from_slice(&(header.len() as u64).to_le_bytes());
+    out.extend_from_slice(&header);
+    out.extend_from_slice(&encoded[8 + n..]);
+    out
 }
 
 /// Every tensor of a safetensors file, as f32 (f16 and bf16 widened exactly; f64 narrowed).
@@ -569,5 +614,53 @@ mod tests {
         let head_bias = n - 11;
         assert!(back[head_bias..].iter().all(|&v| v == 0.0));
         assert_eq!(&back[..head_bias], &ours[..head_bias]);
+    }
+
+    #[test]
+    fn metadata_is_written_in_one_order_and_read_back_by_the_crate() {
+        let tmp = tempfile::tempdir().unwrap();
+        let tensors = vec![
+            Tensor {
+                name: "b".into(),
+                shape: vec![3],
+                values: vec![1.0, 2.0, 3.0],
+            },
+            Tensor {
+                name: "a".into(),
+                shape: vec![1, 2],
+                values: vec![4.0, 5.0],
+            },
+        ];
+        let meta = [("n_head", "4"), ("format", "pt"), ("block_size", "64")];
+        let (one, two) = (tmp.path().join("1"), tmp.path().join("2"));
+        write_safetensors(&one, &tensors, &meta).unwrap();
+        write_safetensors(&two, &tensors, &meta).unwrap();
+        let bytes = std::fs::read(&one).unwrap();
+        assert_eq!(bytes, std::fs::read(&two).unwrap());
+        let (_, header) = safetensors::SafeTensors::read_metadata(&bytes).unwrap();
+        let read = header.metadata().clone().unwrap();
+        assert_eq!(read.len(), 3);
+        assert_eq!(read["n_head"], "4");
+        let back = read_safetensors(&one).unwrap();
+        assert_eq!(back["a"], (vec![1, 2], vec![4.0, 5.0]));
+        // One key: the crate's own bytes.
+        let single = tmp.path().join("3");
+        write_safetensors(&single, &tensors, &[("format", "pt")]).unwrap();
+        let data: Vec<Vec<u8>> = tensors
+            .iter()
+            .map(|t| t.values.iter().flat_map(|v| v.to_le_bytes()).collect())
+            .collect();
+        let views = tensors.iter().zip(&data).map(|(t, d)| {
+            let v =
+                safetensors::tensor::TensorView::new(safetensors::Dtype::F32, t.shape.clone(), d)
+                    .unwrap();
+            (t.name.clone(), v)
+        });
+        let crate_bytes = safetensors::serialize(
+            views,
+            Some([("format".to_string(), "pt".to_string())].into()),
+        )
+        .unwrap();
+        assert_eq!(std::fs::read(&single).unwrap(), crate_bytes);
     }
 }

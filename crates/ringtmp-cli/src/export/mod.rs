@@ -15,6 +15,8 @@ use crate::error::UsageError;
 
 mod eval;
 mod language;
+mod nanogpt;
+mod torch_file;
 
 pub use eval::{EvalArgs, eval};
 
@@ -24,11 +26,12 @@ pub struct ExportArgs {
     /// A checkpoint directory, or a run directory (its newest checkpoint).
     #[arg(long, value_name = "DIR")]
     pub checkpoint: PathBuf,
-    /// The framework to write for: pytorch.
+    /// The framework to write for: pytorch (model.safetensors, model.py, recipe.json), or
+    /// nanogpt (nanoGPT's ckpt.pt and, for characters, meta.pkl).
     #[arg(long, value_name = "FRAMEWORK", default_value = "pytorch")]
     pub to: String,
-    /// Directory to write model.safetensors, model.py and recipe.json into (new or empty,
-    /// unless --overwrite).
+    /// Directory to write the files into (new or without an earlier export's, unless
+    /// --overwrite).
     #[arg(value_name = "OUT")]
     pub out: PathBuf,
     /// Replace the files of an earlier export in OUT.
@@ -42,20 +45,16 @@ pub struct ExportArgs {
 
 /// Refuses an output that is a file, or a directory holding files an export would replace
 /// (unless `overwrite`), or that cannot be written: bad input, before anything is computed.
-fn check_export_dir(out: &Path, overwrite: bool) -> Result<()> {
+fn check_export_dir(out: &Path, files: &[&str], overwrite: bool) -> Result<()> {
     if out.exists() && !out.is_dir() {
         return Err(UsageError(format!("{}: is a file, not a directory", out.display())).into());
     }
     if !overwrite {
-        let taken: Vec<&str> = [
-            "model.safetensors",
-            "model.py",
-            "recipe.json",
-            "tokenizer.json",
-        ]
-        .into_iter()
-        .filter(|f| out.join(f).exists())
-        .collect();
+        let taken: Vec<&str> = files
+            .iter()
+            .copied()
+            .filter(|f| out.join(f).exists())
+            .collect();
         if !taken.is_empty() {
             return Err(UsageError(format!(
                 "{} already holds {}: pass --overwrite to replace them, or export elsewhere",
@@ -198,10 +197,26 @@ fn threads(requested: Option<usize>) -> usize {
 
 /// `ringtmp export`.
 pub fn export(a: &ExportArgs) -> Result<()> {
-    if a.to != "pytorch" {
-        return Err(UsageError(format!("--to {:?}: ringtmp exports to pytorch", a.to)).into());
+    match a.to.as_str() {
+        "pytorch" => {}
+        "nanogpt" => return export_nanogpt(a),
+        other => {
+            return Err(UsageError(format!(
+                "--to {other:?}: ringtmp exports to pytorch or nanogpt"
+            ))
+            .into());
+        }
     }
-    check_export_dir(&a.out, a.overwrite)?;
+    check_export_dir(
+        &a.out,
+        &[
+            "model.safetensors",
+            "model.py",
+            "recipe.json",
+            "tokenizer.json",
+        ],
+        a.overwrite,
+    )?;
     let opened = open(&a.checkpoint, 1)?;
     let language = language::Language::of(&opened, a.tokenizer.as_deref())?;
     let tensors = interop::to_pytorch(&opened.layers, opened.stage.params());
@@ -246,6 +261,32 @@ pub fn export(a: &ExportArgs) -> Result<()> {
         "load it: import model, safetensors.torch as st; m = model.build(); \
          m.load_state_dict(st.load_file(\"{}\"))",
         weights.display()
+    );
+    Ok(())
+}
+
+/// `ringtmp export --to nanogpt`.
+fn export_nanogpt(a: &ExportArgs) -> Result<()> {
+    if let Some(t) = &a.tokenizer {
+        return Err(UsageError(format!(
+            "--tokenizer {}: nanoGPT reads a character vocabulary from meta.pkl, and GPT-2's \
+             encoding without one; export --to pytorch carries a tokenizer",
+            t.display()
+        ))
+        .into());
+    }
+    check_export_dir(&a.out, &nanogpt::FILES, a.overwrite)?;
+    let opened = open(&a.checkpoint, 1)?;
+    let written = nanogpt::export(&opened, &a.out)?;
+    eprintln!(
+        "export: {} ({} parameters) from {} step {} ({}) to {}: {}",
+        opened.manifest.model.name,
+        opened.stage.params().len(),
+        opened.manifest.strategy,
+        opened.manifest.step,
+        opened.dir.display(),
+        a.out.display(),
+        written.join(", ")
     );
     Ok(())
 }
