@@ -204,7 +204,13 @@ async fn greet<S: AsyncRead + AsyncWrite + Unpin>(
             format!("no key exchange within {:?}", cfg.handshake_timeout),
         )
     })?
-    .map_err(|reason| refused(&peer, reason))?;
+    .map_err(|e| match e {
+        crate::secure::ExchangeError::Cut(reason) => TransportError::GreetingCut {
+            peer: peer.clone(),
+            reason,
+        },
+        crate::secure::ExchangeError::Failed(reason) => refused(&peer, reason),
+    })?;
     Ok((their_rank, Some(session)))
 }
 

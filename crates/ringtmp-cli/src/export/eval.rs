@@ -15,7 +15,8 @@ use ringtmp_model::Stage;
 use ringtmp_model::loss::Objective;
 use ringtmp_strategy::evaluation;
 
-use super::{open, outputs_of, score_of, threads};
+use super::opened::{Opened, open, threads};
+use super::outputs::{outputs_of, score_of};
 use crate::args::TrainArgs;
 use crate::error::UsageError;
 
@@ -264,7 +265,7 @@ fn run_options(dir: &Path) -> Result<Option<TrainArgs>> {
 
 /// A language model's checkpoint, scored on the validation part of its text: the run's, read
 /// with its options, or `--data-file` (which must give the same vocabulary).
-fn eval_language_model(a: &EvalArgs, mut opened: super::Opened) -> Result<()> {
+fn eval_language_model(a: &EvalArgs, mut opened: Opened) -> Result<()> {
     if a.limit.is_some() {
         return Err(UsageError(
             "--limit counts rows of classes or targets; a language model is scored on its \

@@ -14,7 +14,7 @@ use ringtmp_data::{TextTokenizer, Vocabulary};
 use ringtmp_model::arch::Architecture;
 use ringtmp_model::checkpoint;
 
-use super::Opened;
+use super::opened::Opened;
 use crate::error::UsageError;
 
 /// A language model's checkpoint: what the export writes of its text.

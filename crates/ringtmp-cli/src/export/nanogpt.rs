@@ -24,7 +24,7 @@ use ringtmp_model::arch::Architecture;
 use ringtmp_model::interop::{self, Tensor};
 use ringtmp_model::{LayerKind, OptimizerConfig};
 
-use super::Opened;
+use super::opened::Opened;
 use super::torch_file::{self, Py};
 use crate::error::UsageError;
 

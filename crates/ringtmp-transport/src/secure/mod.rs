@@ -52,7 +52,7 @@ pub async fn establish<S: AsyncRead + AsyncWrite + Unpin>(
     psk: &[u8; 32],
     prologue: &[u8],
     cipher: Cipher,
-) -> Result<Session, String> {
+) -> Result<Session, ExchangeError> {
     let mut state = handshake_state(initiator, psk, prologue, cipher, Resolver::Fastest)?;
     exchange(stream, initiator, &mut state).await?;
     // Noise's split: the first key seals what the initiator sends, the second what it receives.
@@ -66,6 +66,36 @@ pub async fn establish<S: AsyncRead + AsyncWrite + Unpin>(
         send: RecordKey::new(cipher, &send),
         receive: RecordKey::new(cipher, &receive),
     }))
+}
+
+/// Why a key exchange did not complete.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ExchangeError {
+    /// The connection failed under it (closed, reset, a broken pipe): the greeting was cut
+    /// short, as a peer closing its oldest greetings under a flood cuts them, not refused.
+    Cut(String),
+    /// The exchange itself failed: a message that does not verify or is malformed.
+    Failed(String),
+}
+
+impl std::fmt::Display for ExchangeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Cut(reason) | Self::Failed(reason) => f.write_str(reason),
+        }
+    }
+}
+
+impl From<String> for ExchangeError {
+    fn from(reason: String) -> Self {
+        Self::Failed(reason)
+    }
+}
+
+impl From<ExchangeError> for String {
+    fn from(e: ExchangeError) -> Self {
+        e.to_string()
+    }
 }
 
 /// Whose implementation of the handshake's primitives `snow` uses. Both speak the same bytes.
@@ -113,7 +143,7 @@ async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     initiator: bool,
     state: &mut snow::HandshakeState,
-) -> Result<(), String> {
+) -> Result<(), ExchangeError> {
     // Each message is 48 bytes (an ephemeral key and a tag, no payload): a larger length is
     // refused before it is read.
     const MAX_MESSAGE: usize = 1024;
@@ -127,27 +157,27 @@ async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(
             stream
                 .write_all(&(n as u16).to_le_bytes())
                 .await
-                .map_err(|e| format!("cannot send the key exchange: {e}"))?;
+                .map_err(|e| ExchangeError::Cut(format!("cannot send the key exchange: {e}")))?;
             stream
                 .write_all(&message[..n])
                 .await
-                .map_err(|e| format!("cannot send the key exchange: {e}"))?;
+                .map_err(|e| ExchangeError::Cut(format!("cannot send the key exchange: {e}")))?;
         } else {
             let mut len = [0u8; 2];
             stream
                 .read_exact(&mut len)
                 .await
-                .map_err(|e| format!("the key exchange did not arrive: {e}"))?;
+                .map_err(|e| ExchangeError::Cut(format!("the key exchange did not arrive: {e}")))?;
             let n = usize::from(u16::from_le_bytes(len));
             if n > MAX_MESSAGE {
-                return Err(format!(
+                return Err(ExchangeError::Failed(format!(
                     "the key exchange declared a message of {n} bytes (at most {MAX_MESSAGE})"
-                ));
+                )));
             }
             stream
                 .read_exact(&mut message[..n])
                 .await
-                .map_err(|e| format!("the key exchange did not arrive: {e}"))?;
+                .map_err(|e| ExchangeError::Cut(format!("the key exchange did not arrive: {e}")))?;
             state
                 .read_message(&message[..n], &mut payload)
                 .map_err(|_| {
@@ -159,7 +189,9 @@ async fn exchange<S: AsyncRead + AsyncWrite + Unpin>(
     if state.is_handshake_finished() {
         Ok(())
     } else {
-        Err("noise handshake: not finished after its two messages".into())
+        Err(ExchangeError::Failed(
+            "noise handshake: not finished after its two messages".into(),
+        ))
     }
 }
 
@@ -173,7 +205,10 @@ mod tests {
     async fn pair_with(
         (secret_a, cipher_a): (&[u8], Cipher),
         (secret_b, cipher_b): (&[u8], Cipher),
-    ) -> (Result<Session, String>, Result<Session, String>) {
+    ) -> (
+        Result<Session, ExchangeError>,
+        Result<Session, ExchangeError>,
+    ) {
         let (mut a, mut b) = tokio::io::duplex(1 << 20);
         let (pa, pb) = (psk(secret_a), psk(secret_b));
         // Each side closes its end when it is done, as a link does, so a refusal is not a hang.
@@ -187,7 +222,10 @@ mod tests {
         secret_a: &[u8],
         secret_b: &[u8],
         cipher: Cipher,
-    ) -> (Result<Session, String>, Result<Session, String>) {
+    ) -> (
+        Result<Session, ExchangeError>,
+        Result<Session, ExchangeError>,
+    ) {
         pair_with((secret_a, cipher), (secret_b, cipher)).await
     }
 
@@ -527,6 +565,21 @@ mod tests {
         }
         // And the other direction's key does not open these.
         assert!(read_all(&a, &records).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn a_key_exchange_whose_connection_closes_was_cut_not_refused() {
+        for initiator in [true, false] {
+            let (mut ours, theirs) = tokio::io::duplex(1 << 10);
+            drop(theirs);
+            let key = psk(b"s");
+            let got = establish(&mut ours, initiator, &key, b"p", Cipher::ChaChaPoly).await;
+            assert!(
+                matches!(got, Err(ExchangeError::Cut(_))),
+                "initiator {initiator}: {:?}",
+                got.err()
+            );
+        }
     }
 
     #[tokio::test]

@@ -1,0 +1,156 @@
+//! `ringtmp predict`: a checkpoint run on a user's inputs read as training read them, its
+//! outputs written as an `.npy` array or one CSV line per row (a class's name and probability,
+//! or each target in its units); a language model's next-token logits for windows of ids.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result};
+use ringtmp_data::InputRecipe;
+
+use crate::error::UsageError;
+
+use super::opened::{Opened, open, threads};
+use super::outputs::{inputs_outputs, outputs_of, score_of};
+
+/// `ringtmp predict` options.
+#[derive(clap::Args)]
+pub struct PredictArgs {
+    /// A checkpoint directory, or a run directory (its newest checkpoint).
+    #[arg(long, value_name = "DIR")]
+    pub checkpoint: PathBuf,
+    /// The inputs: a .csv table with the training columns, an .npy/.npz array, a PNG/JPEG image
+    /// or a folder of them [default: the bundled dataset's test split, for a model trained on
+    /// one].
+    #[arg(long, value_name = "FILE")]
+    pub data_file: Option<PathBuf>,
+    /// Predict for the first N rows only.
+    #[arg(long, value_name = "N", value_parser = crate::args::at_least_one)]
+    pub limit: Option<usize>,
+    /// Write the outputs as an .npy array `[rows, outputs]`: class logits, or regression
+    /// predictions in the targets' units.
+    #[arg(long, value_name = "OUT.npy")]
+    pub logits: Option<PathBuf>,
+    /// Write one line per row: its source, the prediction (a class's name, or each target), and
+    /// for classes the predicted class's probability.
+    #[arg(long, value_name = "OUT.csv")]
+    pub csv: Option<PathBuf>,
+    /// Compute threads [default: all cores].
+    #[arg(long, value_parser = crate::args::at_least_one)]
+    pub threads: Option<usize>,
+}
+
+/// `ringtmp predict`.
+pub fn predict(a: &PredictArgs) -> Result<()> {
+    if a.logits.is_none() && a.csv.is_none() {
+        return Err(UsageError(
+            "predict writes --logits OUT.npy or --csv OUT.csv (or both); name one".into(),
+        )
+        .into());
+    }
+    let threads = threads(a.threads);
+    crate::plan::init_threads(threads)?;
+    let mut opened = open(&a.checkpoint, threads)?;
+    let Some(recipe) = opened.recipe.clone() else {
+        return predict_tokens(a, &mut opened);
+    };
+    let run = outputs_of(&mut opened, &recipe, a.data_file.as_deref(), a.limit)?;
+    if let Some(path) = &a.logits {
+        ringtmp_data::npy::write_f32(path, &[run.inputs.rows, run.width], &run.values)?;
+    }
+    if let Some(path) = &a.csv {
+        write_csv(
+            path,
+            &recipe,
+            &run.inputs.names,
+            &run.values,
+            run.width,
+            run.regression,
+        )?;
+    }
+    let score = score_of(&run)
+        .map(|s| format!("; {} against the inputs' labels", s.line()))
+        .unwrap_or_default();
+    eprintln!(
+        "predict: {} rows with {} from {} step {}{score}",
+        run.inputs.rows, opened.manifest.model.name, opened.manifest.strategy, opened.manifest.step
+    );
+    Ok(())
+}
+
+/// A language model's logits for windows of token ids (an `.npy` of integers `[rows, seq]`):
+/// `[rows, seq, vocabulary]`. Text is continued by `ringtmp generate`.
+fn predict_tokens(a: &PredictArgs, opened: &mut Opened) -> Result<()> {
+    let (Some(path), Some(out)) = (&a.data_file, &a.logits) else {
+        return Err(UsageError(
+            "a language model predicts the next token's logits for an .npy of token ids \
+             [rows, seq] (--data-file IDS.npy --logits OUT.npy); `ringtmp generate` continues text"
+                .into(),
+        )
+        .into());
+    };
+    let bytes = std::fs::read(path).with_context(|| path.display().to_string())?;
+    let header = ringtmp_data::npy::parse_header(path, &bytes)?;
+    let seq = opened.layers[0].input.numel();
+    let vocab = opened.layers.last().map_or(0, |l| l.output.numel() / seq);
+    let ids = ringtmp_data::npy::values_f64(&header, &bytes);
+    let bad = |why: String| UsageError(format!("{}: {why}", path.display()));
+    if header.kind.is_float() || header.shape.len() != 2 || header.shape[1] != seq {
+        return Err(bad(format!(
+            "shape {:?} of {}: token ids are integers [rows, {seq}]",
+            header.shape, header.descr
+        ))
+        .into());
+    }
+    if let Some(id) = ids.iter().find(|&&v| v < 0.0 || v >= vocab as f64) {
+        return Err(bad(format!(
+            "token id {id} is outside the vocabulary of {vocab}"
+        ))
+        .into());
+    }
+    let rows = header.shape[0].min(a.limit.unwrap_or(usize::MAX));
+    let x: Vec<f32> = ids[..rows * seq].iter().map(|&v| v as f32).collect();
+    let logits = inputs_outputs(&mut opened.stage, &x, rows)?;
+    ringtmp_data::npy::write_f32(out, &[rows, seq, vocab], &logits)?;
+    eprintln!(
+        "predict: next-token logits for {rows} windows of {seq} with {} from {} step {}",
+        opened.manifest.model.name, opened.manifest.strategy, opened.manifest.step
+    );
+    Ok(())
+}
+
+fn write_csv(
+    path: &Path,
+    recipe: &InputRecipe,
+    names: &[String],
+    values: &[f32],
+    width: usize,
+    regression: bool,
+) -> Result<()> {
+    let mut w = csv::Writer::from_path(path).with_context(|| path.display().to_string())?;
+    if regression {
+        let targets: Vec<String> = if recipe.targets.len() == width {
+            recipe.targets.clone()
+        } else {
+            (0..width).map(|i| format!("target{i}")).collect()
+        };
+        w.write_record(std::iter::once("source".to_string()).chain(targets))?;
+        for (name, row) in names.iter().zip(values.chunks_exact(width)) {
+            w.write_record(std::iter::once(name.clone()).chain(row.iter().map(|v| v.to_string())))?;
+        }
+    } else {
+        w.write_record(["source", "predicted", "probability"])?;
+        for (name, row) in names.iter().zip(values.chunks_exact(width)) {
+            let best = ringtmp_model::loss::argmax(row).0;
+            let max = row[best];
+            let sum: f32 = row.iter().map(|v| (v - max).exp()).sum();
+            let class = recipe
+                .class_names
+                .get(best)
+                .cloned()
+                .unwrap_or_else(|| best.to_string());
+            w.write_record([name.clone(), class, format!("{:.6}", 1.0 / sum)])?;
+        }
+    }
+    w.flush()?;
+    Ok(())
+}
