@@ -404,3 +404,41 @@ pub fn write_model(
     }
     Ok(dir)
 }
+
+/// What a worker returns: its replica, and on rank 0 the run's summary.
+pub struct WorkerOutcome {
+    /// The replica's final parameters (the same bits on every worker).
+    pub stage: Stage,
+    /// Rank 0's summary of the run.
+    pub summary: Option<ringtmp_metrics::Summary>,
+}
+
+/// The end of the run: every worker's report goes to rank 0, which writes the run's summary
+/// (its wall time since `started`, measured now) and returns it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn report(
+    (spec, strategy, workers): (&crate::RunSpec, &str, usize),
+    net: &mut dyn Transport,
+    rank: u32,
+    ring: &crate::collective::reduce::Ring,
+    own: ringtmp_metrics::NodeSummary,
+    recorder: Option<crate::recorder::RunRecorder>,
+    (mut totals, started): (RunTotals, std::time::Duration),
+    dropped: Vec<ringtmp_metrics::DroppedNode>,
+    on_event: &mut dyn FnMut(&crate::Event),
+) -> Result<Option<ringtmp_metrics::Summary>> {
+    let Some(per_node) =
+        gather_reports(net, rank, &ring.members, own, spec.recv_timeout(), on_event)?
+    else {
+        return Ok(None);
+    };
+    let Some(recorder) = recorder else {
+        unreachable!("rank 0 gathers the reports and holds the recorder")
+    };
+    totals.wall_seconds = (net.clock().now() - started).as_secs_f64();
+    let summary = ringtmp_metrics::Summary {
+        dropped_nodes: dropped,
+        ..run_summary(&recorder, strategy, workers as u32, &totals, per_node)
+    };
+    Ok(Some(recorder.finish(summary)?))
+}

@@ -14,6 +14,9 @@
 //! - [`machine`]: what this machine offers a node (the memory it may still use).
 //! - [`messages`]: a strategy's own wire messages, declared in its folder.
 //! - [`data_parallel`]: what the data-parallel strategies share (planning, a worker's report).
+//! - [`collective`]: the mechanisms several strategies synchronise with — the ring all-reduce's
+//!   chunks and bucketed reduction, the elastic ring and its regroup, gossip's mixing, DiLoCo's
+//!   outer optimizer — owned by none of them.
 //!
 //! The strategies, one folder or file each:
 //! - [`local`]: one process holding the whole model — plain mini-batch training and the oracle
@@ -23,7 +26,7 @@
 //! - [`allreduce`]: ring all-reduce SGD (data parallel, bucketed, overlapped).
 //! - [`gossip`]: decentralised SGD (D-PSGD, AD-PSGD).
 //! - [`diloco`]: DiLoCo, data parallelism that synchronises every H steps through an outer
-//!   optimizer (on all-reduce's reduction and elastic ring).
+//!   optimizer (on the collective layer's reduction and elastic ring).
 //!
 //! Above them: [`job`], the [`Job`] enum that lists every strategy; [`simulate`] and
 //! [`failures`] (the strategies on the simulated network with compute priced by a cost model;
@@ -33,6 +36,7 @@
 pub mod allreduce;
 pub mod batch_scaling;
 pub mod clipping;
+pub mod collective;
 pub mod config;
 pub mod contract;
 pub mod data_parallel;

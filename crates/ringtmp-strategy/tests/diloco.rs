@@ -9,8 +9,8 @@ use std::path::Path;
 use ringtmp_data::{BatchPlan, Dataset};
 use ringtmp_model::{LrSchedule, Optimizer, OptimizerConfig};
 use ringtmp_strategy::TrainConfig;
+use ringtmp_strategy::collective::outer::OuterConfig;
 use ringtmp_strategy::diloco::OuterDtype;
-use ringtmp_strategy::diloco::outer::OuterConfig;
 use ringtmp_testkit::fixtures::{CONV_MODEL, deep_mlp, digits, max_rel_diff, model};
 use ringtmp_testkit::jobs::diloco_job;
 use ringtmp_testkit::nodes::Backend;
@@ -112,7 +112,7 @@ fn hand_diloco(job: &ringtmp_strategy::diloco::DilocoJob, data: &Dataset) -> Vec
         .map(|(_, r)| r)
         .filter(|r| !r.is_empty())
         .collect();
-    let parts = ringtmp_strategy::diloco::outer::fragments(&tensors, job.fragments);
+    let parts = ringtmp_strategy::collective::outer::fragments(&tensors, job.fragments);
     let f = parts.len() as u64;
     let mut global = stages[0].params().to_vec();
     let mut velocity = vec![0.0f32; global.len()];

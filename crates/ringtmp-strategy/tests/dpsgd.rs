@@ -7,7 +7,7 @@ use std::path::Path;
 
 use ringtmp_model::OptimizerConfig;
 use ringtmp_strategy::TrainConfig;
-use ringtmp_strategy::gossip::mixing::{Topology, second_eigenvalue};
+use ringtmp_strategy::collective::mixing::{Topology, second_eigenvalue};
 use ringtmp_testkit::fixtures::{MLP_MODEL, digits, max_rel_diff, model};
 use ringtmp_testkit::jobs::dpsgd_job;
 use ringtmp_testkit::nodes::Backend;

@@ -1,7 +1,7 @@
 //! Table tests of the failure protocols' pure cores, read from `tests/data/<protocol>/*.txt` in
 //! the datadriven format raft-rs uses: a directive with arguments, `----`, and what the machine
 //! or policy did, one action a line (`ok` for none).
-//! - `regroup/`: the all-reduce's re-formation (`allreduce::regroup`). Each file is one machine's
+//! - `regroup/`: the all-reduce's re-formation (`collective::regroup`). Each file is one machine's
 //!   life: `lead …` or `follow …` starts it, the lines after feed it events.
 //! - `heal/`: the ring's heal around a dead node (`ring::heal::policy`): the master's decision
 //!   and each survivor's restore.
@@ -12,7 +12,7 @@
 
 use std::collections::HashMap;
 
-use ringtmp_strategy::allreduce::regroup::{Follow, FollowAction, Lead, LeadAction, Order};
+use ringtmp_strategy::collective::regroup::{Follow, FollowAction, Lead, LeadAction, Order};
 use ringtmp_strategy::gossip::pairing::{PairAction, Pairing};
 use ringtmp_strategy::ring::heal::policy;
 

@@ -439,7 +439,7 @@ fn rings_of_rings_equal_one_process_with_their_global_batch() {
 /// stage by stage — with an averaging outer step (lr 1, no momentum) and with the paper's.
 #[test]
 fn rings_of_rings_under_diloco_equal_diloco_workers() {
-    use ringtmp_strategy::diloco::outer::OuterConfig;
+    use ringtmp_strategy::collective::outer::OuterConfig;
     let data = digits();
     let tmp = tempfile::tempdir().unwrap();
     let steps = 12;
@@ -518,7 +518,7 @@ fn rings_of_rings_under_diloco_equal_diloco_workers() {
 /// workers, stage by stage; under `every:K`, the unbroken rings.
 #[test]
 fn rings_of_rings_under_diloco_heal_a_dead_node_and_still_equal_diloco_workers() {
-    use ringtmp_strategy::diloco::outer::OuterConfig;
+    use ringtmp_strategy::collective::outer::OuterConfig;
     use ringtmp_transport::sim::SendTrigger;
     let data = digits();
     let tmp = tempfile::tempdir().unwrap();

@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use ringtmp_strategy::Job;
-use ringtmp_strategy::gossip::mixing::Topology;
+use ringtmp_strategy::collective::mixing::Topology;
 use ringtmp_strategy::param_server::consistency::Consistency;
 use ringtmp_strategy::ring::run::schedule::Schedule;
 use ringtmp_strategy::simulate::{CostModel, Simulated, priced, simulate};

@@ -111,7 +111,7 @@ fn bf16_halves_what_every_strategy_sends_and_changes_little() {
                     &cfg,
                     &data,
                     4,
-                    ringtmp_strategy::gossip::mixing::Topology::Ring,
+                    ringtmp_strategy::collective::mixing::Topology::Ring,
                 );
                 let ran = run::dpsgd_nodes(&backend, &job, &data, &out, None);
                 ran.results.into_iter().next().unwrap().unwrap().1.unwrap()

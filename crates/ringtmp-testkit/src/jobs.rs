@@ -122,7 +122,7 @@ pub fn diloco_job(
     data: &Dataset,
     workers: usize,
     h: u64,
-    outer: ringtmp_strategy::diloco::outer::OuterConfig,
+    outer: ringtmp_strategy::collective::outer::OuterConfig,
     fragments: usize,
     bucket_bytes: usize,
 ) -> ringtmp_strategy::diloco::DilocoJob {
@@ -156,7 +156,7 @@ pub fn dpsgd_job(
     cfg: &TrainConfig,
     data: &Dataset,
     workers: usize,
-    topology: ringtmp_strategy::gossip::mixing::Topology,
+    topology: ringtmp_strategy::collective::mixing::Topology,
 ) -> ringtmp_strategy::gossip::DpsgdJob {
     assert_eq!(
         cfg.batch_size % workers,

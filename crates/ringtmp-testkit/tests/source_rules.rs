@@ -1,5 +1,6 @@
 //! Rules about the sources themselves, read with `syn`: no import circle in any crate; the
-//! strategy crate's contract and shared modules name no strategy; the libraries print nothing.
+//! strategy crate's contract, shared modules and collective layer name no strategy, and no
+//! strategy names another; the libraries print nothing.
 //!
 //! No import circle: the files of a crate, as nodes, and "file A names an item defined in file
 //! B" as edges, form a graph without cycles.
@@ -20,7 +21,8 @@
 //! - `pub use` items themselves make no edge, `mod` declarations make none, and code under
 //!   `#[cfg(test)]` makes none (a test may reach anywhere).
 //!
-//! Paths inside macro invocations are not read.
+//! - the arguments of a macro invocation (`format!("{}", crate::ring::NAME)`) are read as the
+//!   comma-separated expressions they are, where they parse so.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -354,6 +356,19 @@ impl<'ast> Visit<'ast> for PathCollector<'_> {
     /// `pub(super)` names a module without depending on it.
     fn visit_visibility(&mut self, _: &'ast syn::Visibility) {}
 
+    /// A macro's arguments are code too: read as comma-separated expressions where they parse
+    /// so (`format!`, `vec!`, `assert!`); other macros' tokens are not read.
+    fn visit_macro(&mut self, mac: &'ast syn::Macro) {
+        use syn::parse::Parser;
+        let parser = syn::punctuated::Punctuated::<syn::Expr, syn::Token![,]>::parse_terminated;
+        if let Ok(args) = parser.parse2(mac.tokens.clone()) {
+            for arg in &args {
+                self.visit_expr(arg);
+            }
+        }
+        syn::visit::visit_macro(self, mac);
+    }
+
     fn visit_path(&mut self, path: &'ast syn::Path) {
         let segments: Vec<String> = path.segments.iter().map(|s| s.ident.to_string()).collect();
         // A single name is either local, from the prelude, brought in by a `use` (which made its
@@ -502,46 +517,83 @@ fn no_crate_has_an_import_circle() {
     assert!(report.is_empty(), "import circles:\n{report}");
 }
 
-/// The strategy crate's layering: the contract and the modules every strategy shares name no
-/// strategy, so a strategy can be read, changed or added without the others.
+/// The strategy crate's strategies: the top-level modules that implement `Strategy` somewhere
+/// inside them (read from the code, so a new strategy is counted without editing a list).
+fn strategies(krate: &Crate) -> BTreeSet<String> {
+    struct Impls(bool);
+    impl<'ast> Visit<'ast> for Impls {
+        fn visit_item_impl(&mut self, i: &'ast syn::ItemImpl) {
+            let names_strategy = i
+                .trait_
+                .as_ref()
+                .and_then(|(_, path, _)| path.segments.last())
+                .is_some_and(|s| s.ident == "Strategy");
+            self.0 |= names_strategy;
+        }
+    }
+    krate
+        .files
+        .iter()
+        .filter(|f| !f.module.is_empty())
+        .filter(|f| {
+            let mut found = Impls(false);
+            found.visit_file(&f.ast);
+            found.0
+        })
+        .map(|f| f.module[0].clone())
+        .collect()
+}
+
+/// The modules every strategy shares and the collective layer they synchronise with.
+const SHARED: [&str; 13] = [
+    "contract",
+    "spec",
+    "config",
+    "event",
+    "evaluation",
+    "clipping",
+    "resume",
+    "recorder",
+    "machine",
+    "messages",
+    "data_parallel",
+    "collective",
+    "error",
+];
+
+/// The strategy crate's layering: the contract, the modules every strategy shares and the
+/// collective layer name no strategy (nor the `Job` enum above them all), so a strategy can be
+/// read, changed or added without the others.
 #[test]
 fn the_contract_and_the_shared_modules_name_no_strategy() {
     let dir = workspace_root().join("crates/ringtmp-strategy");
     let krate = Crate::read(&dir);
-    let shared = [
-        "contract",
-        "spec",
-        "config",
-        "event",
-        "evaluation",
-        "clipping",
-        "resume",
-        "recorder",
-        "machine",
-        "messages",
-        "data_parallel",
-        "error",
-    ];
-    let strategies = [
+    let mut above: BTreeSet<String> = strategies(&krate);
+    for known in [
         "local",
         "ring",
         "param_server",
         "allreduce",
         "gossip",
-        "job",
-    ];
+        "diloco",
+    ] {
+        assert!(
+            above.contains(known),
+            "{known} implements no Strategy: {above:?}"
+        );
+    }
+    above.insert("job".into());
     let mut wrong = Vec::new();
     for ((from, to), path) in krate.edges() {
         let (a, b) = (&krate.files[from].module, &krate.files[to].module);
-        if a.len() == 1
-            && shared.contains(&a[0].as_str())
-            && b.first().is_some_and(|m| strategies.contains(&m.as_str()))
+        if a.first().is_some_and(|m| SHARED.contains(&m.as_str()))
+            && b.first().is_some_and(|m| above.contains(m))
         {
             wrong.push(format!("{} names {path}", a.join("::")));
         }
     }
     assert!(
-        shared
+        SHARED
             .iter()
             .all(|m| krate.module_file.contains_key(&vec![m.to_string()])),
         "a shared module was renamed: update this list"
@@ -550,6 +602,27 @@ fn the_contract_and_the_shared_modules_name_no_strategy() {
         wrong.is_empty(),
         "shared modules naming a strategy: {wrong:#?}"
     );
+}
+
+/// Strategies name the contract, the shared modules and the collective layer, never each other:
+/// what two strategies share belongs below both.
+#[test]
+fn no_strategy_names_another() {
+    let dir = workspace_root().join("crates/ringtmp-strategy");
+    let krate = Crate::read(&dir);
+    let strategies = strategies(&krate);
+    let mut wrong = Vec::new();
+    for ((from, to), path) in krate.edges() {
+        let (a, b) = (&krate.files[from].module, &krate.files[to].module);
+        if let (Some(x), Some(y)) = (a.first(), b.first())
+            && x != y
+            && strategies.contains(x)
+            && strategies.contains(y)
+        {
+            wrong.push(format!("{} names {path}", a.join("::")));
+        }
+    }
+    assert!(wrong.is_empty(), "strategies naming another: {wrong:#?}");
 }
 
 /// The checker finds a circle where there is one, and follows re-exports as aliases.
@@ -619,6 +692,18 @@ fn a_circle_is_found_and_a_reexport_is_not_one() {
             ),
         ]),
         0
+    );
+    // A path inside a macro's arguments is an edge like any other.
+    assert_eq!(
+        make(&[
+            (&[], "mod a; mod b;"),
+            (&["a"], "use crate::b::B; pub const A: &str = \"a\";"),
+            (
+                &["b"],
+                "pub struct B; fn f() -> String { format!(\"{}\", crate::a::A) }"
+            ),
+        ]),
+        1
     );
 }
 

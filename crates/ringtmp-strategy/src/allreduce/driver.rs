@@ -20,25 +20,18 @@
 use std::time::Instant;
 
 use ringtmp_data::{BatchPlan, Dataset};
-use ringtmp_metrics::{DroppedNode, Summary};
+use ringtmp_metrics::DroppedNode;
 use ringtmp_model::{Optimizer, Stage, checkpoint};
 use ringtmp_transport::Transport;
 use serde_json::json;
 
 use super::AllReduceJob;
-use super::elastic::{ModelReplica, Regrouping};
-use super::reduce::{MAX_BUCKETS, Reduced, Reducer, Ring, buckets};
+use crate::collective::elastic::{ModelReplica, Regrouping};
+use crate::collective::reduce::{MAX_BUCKETS, Reduced, Reducer, Ring, buckets};
 use crate::data_parallel::write_model;
+use crate::data_parallel::{WorkerOutcome, report};
 use crate::error::{Error, Result};
 use crate::spec::ResumePoint;
-
-/// What a worker returns: its replica, and on rank 0 the run's summary.
-pub struct WorkerOutcome {
-    /// The replica's final parameters (the same bits on every worker).
-    pub stage: Stage,
-    /// Rank 0's summary of the run.
-    pub summary: Option<Summary>,
-}
 
 /// Runs worker `rank` of `job` on `data` until the job's last iteration; rank 0 evaluates,
 /// checkpoints and writes the run's outputs. A worker that dies is left behind: the survivors
@@ -240,42 +233,6 @@ pub fn run_worker(
         on_event,
     )?;
     Ok(WorkerOutcome { stage, summary })
-}
-
-/// The end of the run: every worker's report goes to rank 0, which writes the run's summary
-/// (its wall time since `started`, measured now) and returns it.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn report(
-    (spec, strategy, workers): (&crate::RunSpec, &str, usize),
-    net: &mut dyn Transport,
-    rank: u32,
-    ring: &Ring,
-    own: ringtmp_metrics::NodeSummary,
-    recorder: Option<crate::recorder::RunRecorder>,
-    (mut totals, started): (crate::data_parallel::RunTotals, std::time::Duration),
-    dropped: Vec<DroppedNode>,
-    on_event: &mut dyn FnMut(&crate::Event),
-) -> Result<Option<Summary>> {
-    let Some(per_node) = crate::data_parallel::gather_reports(
-        net,
-        rank,
-        &ring.members,
-        own,
-        spec.recv_timeout(),
-        on_event,
-    )?
-    else {
-        return Ok(None);
-    };
-    let Some(recorder) = recorder else {
-        unreachable!("rank 0 gathers the reports and holds the recorder")
-    };
-    totals.wall_seconds = (net.clock().now() - started).as_secs_f64();
-    let summary = Summary {
-        dropped_nodes: dropped,
-        ..crate::data_parallel::run_summary(&recorder, strategy, workers as u32, &totals, per_node)
-    };
-    Ok(Some(recorder.finish(summary)?))
 }
 
 /// The backward pass of this worker's share, overlapped (when `overlap`) with the reduction:

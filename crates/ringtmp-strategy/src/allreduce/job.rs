@@ -9,10 +9,7 @@ use crate::spec::RunSpec;
 /// `--strategy` name.
 pub const NAME: &str = "allreduce";
 
-/// Bucket size when the user gives none: PyTorch DDP's. On `mlp` (4 workers, 2 cores) buckets of 1
-/// to 64 MB ran within the noise of each other, and every one of them faster than no overlap
-/// (docs/BENCHMARKS.md); larger models need buckets for the overlap to pay.
-pub const DEFAULT_BUCKET_MB: f64 = 25.0;
+pub use crate::collective::reduce::DEFAULT_BUCKET_MB;
 
 /// `ringtmp train --strategy allreduce` options (flags, and keys of a `--config` file).
 #[derive(clap::Args, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]

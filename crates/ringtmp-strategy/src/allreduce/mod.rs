@@ -8,20 +8,15 @@
 //! the same global batch among themselves, so the oracle holds across the failure too.
 //!
 //! # Layout
-//! - [`ring`]: the chunk plan of one all-reduce (sans-IO, with its in-memory simulation).
 //! - [`job`]: the job and its options.
-//! - `reduce`: one iteration's reduction over the transport, in buckets (shared with DiLoCo).
-//! - [`regroup`]: re-forming the ring around a dead worker (sans-IO, table-tested); `elastic`
-//!   carries it out over the transport for any replicated state (shared with DiLoCo).
 //! - [`driver`]: one worker: the overlapped reduction of its gradients, evaluation and outputs
 //!   on rank 0.
+//!
+//! The ring's chunk plan, the bucketed reduction and the ring's re-formation around the dead are
+//! the collective layer's ([`crate::collective`]), which DiLoCo and rings of rings use too.
 
 pub mod driver;
-pub(crate) mod elastic;
 pub mod job;
-pub(crate) mod reduce;
-pub mod regroup;
-pub mod ring;
 
 pub use job::{AllReduceJob, AllReduceOptions, DEFAULT_BUCKET_MB, NAME};
 

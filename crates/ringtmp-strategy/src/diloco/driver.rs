@@ -32,12 +32,12 @@ use ringtmp_transport::Transport;
 use serde_json::json;
 
 use super::DilocoJob;
-use super::outer::{OuterState, SyncSchedule, fragments};
 use super::round::{Layout, Round};
-use crate::allreduce::driver::{WorkerOutcome, report};
-use crate::allreduce::elastic::Regrouping;
-use crate::allreduce::reduce::{MAX_BUCKETS, Ring};
+use crate::collective::elastic::Regrouping;
+use crate::collective::outer::{OuterState, SyncSchedule, fragments};
+use crate::collective::reduce::{MAX_BUCKETS, Ring};
 use crate::data_parallel::write_model;
+use crate::data_parallel::{WorkerOutcome, report};
 use crate::error::{Error, Result};
 use crate::spec::ResumePoint;
 

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::outer::OuterConfig;
+use crate::collective::outer::OuterConfig;
 use crate::contract::options_merge;
 use crate::spec::RunSpec;
 

@@ -10,17 +10,19 @@
 //!
 //! Oracles: with H = 1 and an outer SGD of rate 1 without momentum, DiLoCo is all-reduce SGD
 //! (the mean of the workers' stepped replicas is the step of the mean gradient); the outer step
-//! on a tiny model equals a hand-computed one (`tests/diloco.rs`, and [`outer`]'s tests).
+//! on a tiny model equals a hand-computed one (`tests/diloco.rs`, and
+//! [`crate::collective::outer`]'s tests).
 //!
 //! # Layout
 //! - [`job`]: the job and its options.
-//! - [`outer`]: the outer optimizer, the fragments and when each synchronises (pure).
 //! - `round`: one synchronisation: pseudo-gradients, their reduction, the outer step.
 //! - [`driver`]: one worker: inner steps, synchronisations, the ring re-formed around the dead.
+//!
+//! The outer optimizer, the fragments and when each synchronises are the collective layer's
+//! ([`crate::collective::outer`]), as are the reduction and the elastic ring it runs on.
 
 pub mod driver;
 pub mod job;
-pub mod outer;
 mod round;
 
 pub use job::{DilocoJob, DilocoOptions, NAME, OuterDtype, OuterSchedule};
@@ -31,11 +33,11 @@ use ringtmp_data::Dataset;
 use ringtmp_metrics::Summary;
 
 use crate::TrainConfig;
-use crate::allreduce::DEFAULT_BUCKET_MB;
+use crate::collective::outer::OuterConfig;
+use crate::collective::reduce::DEFAULT_BUCKET_MB;
 use crate::contract::{Cluster, NodeCx, PlanReport, Strategy, validate_shared};
 use crate::error::{Error, Result};
 use crate::spec::RunSpec;
-use outer::OuterConfig;
 
 impl Strategy for DilocoJob {
     const NAME: &'static str = NAME;

@@ -13,9 +13,9 @@ use ringtmp_model::Stage;
 use ringtmp_transport::Transport;
 
 use super::DilocoJob;
-use super::outer::OuterState;
-use crate::allreduce::elastic::Replica;
-use crate::allreduce::reduce::{Break, Reduced, Reducer, Ring};
+use crate::collective::elastic::Replica;
+use crate::collective::outer::OuterState;
+use crate::collective::reduce::{Break, Reduced, Reducer, Ring};
 use crate::error::{Error, Result};
 
 /// The model's fragments and each one's buckets (fixed for the run).

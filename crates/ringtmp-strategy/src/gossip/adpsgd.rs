@@ -37,9 +37,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 
 use super::coordinator::{Action, Coordinator, gathering_due};
-use super::mixing;
 use super::pairing::{PairAction, Pairing};
 use crate::TrainConfig;
+use crate::collective::mixing;
 use crate::contract::{Cluster, NodeCx, PlanReport, Strategy, validate_shared};
 use crate::data_parallel::{ShareBuffers, WorkerClock};
 use crate::error::{Error, Result};

@@ -29,8 +29,8 @@ use ringtmp_wire::{Dtype, Message, TensorTag};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
-use super::mixing::{self, Topology};
 use crate::TrainConfig;
+use crate::collective::mixing::{self, Topology};
 use crate::contract::{Cluster, NodeCx, PlanReport, Strategy, options_merge, validate_shared};
 use crate::data_parallel::{holds, model_message, write_model};
 use crate::error::{Error, Result};

@@ -22,7 +22,7 @@
 
 use std::collections::BTreeSet;
 
-use super::mixing;
+use crate::collective::mixing;
 
 /// What the worker must do next.
 #[derive(Clone, Debug, PartialEq, Eq)]

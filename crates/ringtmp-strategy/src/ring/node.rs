@@ -173,7 +173,7 @@ impl Strategy for RingJob {
             if self.gossips_params() {
                 // The stage's copies' gossip graph.
                 links.extend(
-                    crate::gossip::mixing::bipartite_neighbours(ring, rings)
+                    crate::collective::mixing::bipartite_neighbours(ring, rings)
                         .into_iter()
                         .map(|r| r * stages + stage),
                 );

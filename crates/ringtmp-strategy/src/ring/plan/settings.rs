@@ -42,7 +42,7 @@ pub struct Settings {
     pub gossip_every: u64,
     /// Rings of rings under `--replica-sync diloco:H`: the outer optimizer the copies' averages
     /// go through every `average_every` mini-batches.
-    pub outer_sync: Option<crate::diloco::outer::OuterConfig>,
+    pub outer_sync: Option<crate::collective::outer::OuterConfig>,
     /// The pipeline schedule.
     pub schedule: Schedule,
     /// Micro-batches per mini-batch.
@@ -75,7 +75,7 @@ fn threads(cfg: &mut TrainConfig, cluster: &Cluster) {
 /// `--replica-sync`: (average every K, gossip every K, the outer optimizer under `diloco`).
 fn replica_sync(
     args: &RingOptions,
-) -> Result<(u64, u64, Option<crate::diloco::outer::OuterConfig>)> {
+) -> Result<(u64, u64, Option<crate::collective::outer::OuterConfig>)> {
     let text = match args.replica_sync.as_deref() {
         None | Some("gradients") => return Ok((0, 0, None)),
         Some(text) => text,
@@ -99,7 +99,7 @@ fn replica_sync(
             .ok()
             .filter(|h| *h >= 1)
             .ok_or_else(bad)?;
-        let mut outer = crate::diloco::outer::OuterConfig::PAPER;
+        let mut outer = crate::collective::outer::OuterConfig::PAPER;
         match parts.as_slice() {
             [_] => {}
             [_, lr, mu, rest @ ..] if rest.len() <= 1 => {
@@ -420,7 +420,7 @@ mod tests {
                 ..RingOptions::default()
             })
         };
-        let paper = crate::diloco::outer::OuterConfig::PAPER;
+        let paper = crate::collective::outer::OuterConfig::PAPER;
         assert_eq!(read("diloco:50").unwrap(), (50, 0, Some(paper)));
         let (_, _, outer) = read("diloco:50:0.5:0.8").unwrap();
         let outer = outer.unwrap();

@@ -32,7 +32,7 @@
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use crate::gossip::mixing;
+use crate::collective::mixing;
 
 /// `micro_batch` of an active copy's parameters sent to a passive one.
 pub(in crate::ring) const REQUEST: u64 = 0xA12_0000_0000;

@@ -31,8 +31,8 @@ use ringtmp_transport::{Clock, LinkStats, PeerName, Transport, TransportError};
 use ringtmp_wire::message::tensor_values;
 use ringtmp_wire::{Dtype, Message, TensorHeader, TensorTag};
 
-use crate::allreduce::ring::chunks;
-use crate::diloco::outer::{OuterConfig, OuterState};
+use crate::collective::outer::{OuterConfig, OuterState};
+use crate::collective::ring::chunks;
 use gossip::{ANSWER, DONE, REQUEST, ReplicaGossip};
 use holders::{Holders, group_tag, tag_of_group};
 

@@ -95,7 +95,7 @@ pub struct RingJob {
     /// copies of a stage average their pseudo-gradients (the outer parameters minus their
     /// own) and take this outer optimizer's step together, stage by stage.
     #[serde(default)]
-    pub outer_sync: Option<crate::diloco::outer::OuterConfig>,
+    pub outer_sync: Option<crate::collective::outer::OuterConfig>,
     /// Windows or images per evaluation pass around the ring, chosen by the planner so that a
     /// node's evaluation fits its memory (0: [`crate::evaluation::eval_chunk`]'s).
     #[serde(default)]

@@ -20,7 +20,10 @@ use std::collections::{BTreeSet, VecDeque};
 
 use serde::{Deserialize, Serialize};
 
-/// All-reduce's own wire messages (as [`crate::messages::StrategyMessage`]s).
+/// The tag of the regroup's wire messages: it re-forms all-reduce rings (DiLoCo's too).
+pub const MESSAGES: &str = "allreduce";
+
+/// The regroup's own wire messages (as [`crate::messages::StrategyMessage`]s).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum AllReduceMessage {
     /// A follower's answer to an order: the optimizer steps its replica has completed.
@@ -33,7 +36,7 @@ pub enum AllReduceMessage {
 }
 
 impl crate::messages::StrategyMessage for AllReduceMessage {
-    const STRATEGY: &'static str = super::job::NAME;
+    const STRATEGY: &'static str = MESSAGES;
 
     fn kind(&self) -> &'static str {
         match self {

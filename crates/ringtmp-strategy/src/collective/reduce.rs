@@ -22,6 +22,11 @@ use super::regroup::Order;
 use super::ring::{RingPlan, chunks};
 use crate::error::{Error, Result};
 
+/// Bucket size when the user gives none: PyTorch DDP's. On `mlp` (4 workers, 2 cores) buckets of 1
+/// to 64 MB ran within the noise of each other, and every one of them faster than no overlap
+/// (docs/BENCHMARKS.md); larger models need buckets for the overlap to pay.
+pub const DEFAULT_BUCKET_MB: f64 = 25.0;
+
 /// One bucket: a contiguous range of the flat gradient buffer reduced as one all-reduce.
 pub(crate) struct Bucket {
     /// The gradients it covers.
