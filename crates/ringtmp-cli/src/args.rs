@@ -784,6 +784,10 @@ impl TrainArgs {
     /// vocabulary when `text`). On text the defaults are nanoGPT's recipe for the model: AdamW
     /// (β₂ 0.99, decay 0.1), rate 1e-3 (gpt-cpu 4e-3, measured) with 100 warm-up steps and a
     /// cosine to a tenth, clipping at norm 1, and the preset's batch and steps.
+    #[expect(
+        clippy::too_many_lines,
+        reason = "every training option's default and check, in order; goes with the typed sections the arguments are to be resolved into"
+    )]
     fn resolve_with(&self, data: &DataKind) -> Result<TrainConfig> {
         let (text, classes) = (data.text, data.classes);
         let (h, w, c) = data.input;

@@ -217,6 +217,10 @@ fn print_profile(stage: &Stage, total: f64, steps: usize, threads: usize) {
 }
 
 /// Runs the benchmark and prints one line per (model, threads).
+#[expect(
+    clippy::too_many_lines,
+    reason = "the benchmark's sequence of measurements, printed in the order they run"
+)]
 pub fn run(args: &BenchArgs) -> Result<()> {
     let data = ringtmp_data::load(&args.dataset, None)?;
     let (h, w, c) = data.input;

@@ -226,6 +226,10 @@ fn seconds(name: &str, v: f64) -> Result<Duration> {
 }
 
 /// `ringtmp node`.
+#[expect(
+    clippy::too_many_lines,
+    reason = "a rank's life under any launcher in order: rendezvous, plan, files, run, report"
+)]
 pub fn run(args: &NodeArgs) -> Result<()> {
     let c = &args.connect;
     if let Some(core) = c.cpu {

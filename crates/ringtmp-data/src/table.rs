@@ -65,6 +65,10 @@ fn quoted(cell: &str) -> String {
 /// rows, make a quantity (scikit-learn's diabetes target has 214 in 442 rows; its digits, 10).
 const MAX_DISTINCT_CLASSES: usize = 100;
 
+#[expect(
+    clippy::too_many_lines,
+    reason = "a CSV table's reading and its checks, in the order the bytes are met"
+)]
 pub(crate) fn load(source: &DataSource) -> Result<Loaded> {
     let header = headers(&source.files[0])?;
     let find = |name: &str| -> Result<usize> {

@@ -459,6 +459,10 @@ pub fn context_of(dir: &Path, manifest: &Manifest) -> Result<Option<usize>> {
 /// `tensors` (`name, shape, range`) lay out, from the checkpoint files whose layer range overlaps
 /// `layers`. A tensor is found whole under its name or assembled from `<name>@<offset>` pieces.
 /// Leaves the optimizer unchanged on error.
+#[expect(
+    clippy::too_many_lines,
+    reason = "a tensor's every source (whole, in pieces, mirrored, with optimizer state) resolved in one pass over the files"
+)]
 fn load_tensors(
     dir: &Path,
     manifest: &Manifest,

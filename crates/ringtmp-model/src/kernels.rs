@@ -151,7 +151,6 @@ pub fn matmul(
 ///
 /// # Panics
 /// If a slice is shorter than its dimensions require or `rows` ends past `m`.
-#[allow(clippy::too_many_arguments)]
 pub fn matmul_tn_rows(
     c_rows: &mut [f32],
     rows: std::ops::Range<usize>,
@@ -343,7 +342,6 @@ unsafe fn gemm_raw(
 /// # Safety
 /// Every element addressed through the strides must be valid, and `dst` must not alias `lhs` or
 /// `rhs`.
-#[allow(clippy::too_many_arguments)]
 unsafe fn gemm_f32(
     (m, n, k): (usize, usize, usize),
     dst: *mut f32,

@@ -402,7 +402,6 @@ impl Optimizer {
     ///
     /// # Panics
     /// If `block` is 0 or the range is outside the optimizer's (a programmer error).
-    #[allow(clippy::too_many_arguments)]
     pub fn update_blocks<F>(
         &mut self,
         step: &StepConstants,

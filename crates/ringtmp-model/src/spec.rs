@@ -461,6 +461,10 @@ pub fn build_layer(index: usize, spec: &LayerSpec, input: &Shape) -> Result<Laye
     })
 }
 
+#[expect(
+    clippy::too_many_lines,
+    reason = "one arm per layer kind, each checking its own shape"
+)]
 fn build_kind(index: usize, spec: &LayerSpec, input: &Shape) -> Result<LayerKind> {
     let shape_err = |kind: &'static str, reason: String| Error::Shape {
         index,

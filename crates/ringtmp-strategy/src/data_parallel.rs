@@ -77,7 +77,6 @@ pub fn plan_spec_with(
 /// step `step`'s batch (near-equal contiguous shares, as [`shard`] cuts them), runs the forward
 /// pass and the loss, and leaves the loss's gradient (of the mean over the share) in `dlogits`.
 /// Returns the share's mean loss.
-#[allow(clippy::too_many_arguments)]
 pub fn forward_share(
     spec: &RunSpec,
     plan: &mut BatchPlan,
@@ -415,7 +414,6 @@ pub struct WorkerOutcome {
 
 /// The end of the run: every worker's report goes to rank 0, which writes the run's summary
 /// (its wall time since `started`, measured now) and returns it.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn report(
     (spec, strategy, workers): (&crate::RunSpec, &str, usize),
     net: &mut dyn Transport,

@@ -795,7 +795,6 @@ impl State {
     /// Queues a message of `bytes` from `from` to `to` on `from`'s card at `now`; returns when
     /// the card will have sent it, and moves the arrival of every message the new one delays
     /// (later, never earlier, each link's in its order).
-    #[allow(clippy::too_many_arguments)]
     fn on_card(
         &mut self,
         from: u32,

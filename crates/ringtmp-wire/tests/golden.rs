@@ -11,6 +11,10 @@ use ringtmp_wire::message::tensor_bytes;
 use ringtmp_wire::{Control, Dtype, Limits, Message, NodeAddr, TensorHeader, TensorTag};
 
 /// One message of every control kind and every tensor dtype, with fixed contents.
+#[expect(
+    clippy::too_many_lines,
+    reason = "one golden message per variant of the wire's enum"
+)]
 fn messages() -> Vec<(&'static str, Message)> {
     let node = |rank, addr: &str| NodeAddr {
         rank,

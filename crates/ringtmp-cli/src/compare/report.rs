@@ -1160,6 +1160,10 @@ impl<'a> Runs<'a> {
 }
 
 /// (file name, title, SVG document) of every plot.
+#[expect(
+    clippy::too_many_lines,
+    reason = "one plot after another over the same runs; goes with the report's split into statistics, text and plots"
+)]
 fn plots(
     finished: &[Finished],
     rows: &[Row],

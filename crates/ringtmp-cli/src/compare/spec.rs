@@ -101,6 +101,10 @@ Every other option is a `ringtmp train` option shared by all runs, e.g.
 
 /// Splits the command line into compare's own options and `train`'s, then layers them over the
 /// `--config` file.
+#[expect(
+    clippy::too_many_lines,
+    reason = "the compare mini-language's parser, a case per key; goes with typed arguments"
+)]
 pub fn parse(raw: &[String]) -> Result<Option<CompareOptions>> {
     let mut own: std::collections::BTreeMap<&str, String> = Default::default();
     let mut train = Vec::new();

@@ -12,6 +12,10 @@ use super::common::*;
 // directory runs nothing again; `local`, the same one process at both node counts, runs once;
 // bad specs are exit 2 before anything runs.
 #[test]
+#[expect(
+    clippy::too_many_lines,
+    reason = "one scenario told in order: the report written, then the finished runs skipped"
+)]
 fn compare_writes_the_report_and_skips_finished_runs() {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("cmp").display().to_string();

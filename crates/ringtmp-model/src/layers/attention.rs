@@ -107,7 +107,6 @@ impl CausalSelfAttention {
     /// keys and values of positions `0..at`, to which theirs are added). The same products and
     /// softmax as [`CausalSelfAttention::forward`], in loops over the cached rows: a decode step
     /// reads each cached key and value once.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn decode(
         &self,
         p: &[f32],
@@ -253,7 +252,6 @@ impl CausalSelfAttention {
     }
 
     /// Parameter gradients (added, or overwritten when `!accumulate`) and, when asked, `dx`.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn backward(
         &self,
         p: &[f32],

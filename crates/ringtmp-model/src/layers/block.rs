@@ -192,7 +192,6 @@ impl Block {
 
     /// `y` (`[n·seq, width]`) from `x`; what the backward reads into `stash`
     /// ([`Block::stash_len`] values).
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward(
         &self,
         p: &[f32],
@@ -240,7 +239,6 @@ impl Block {
     /// Decoding: `y` (`[rows, width]`) for `rows` new positions `at..at + rows` of one
     /// sequence, its attention reading and extending `cache` (see
     /// [`CausalSelfAttention::decode`]); the same pieces as [`Block::forward`], nothing stashed.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn decode(
         &self,
         p: &[f32],
@@ -285,7 +283,6 @@ impl Block {
     }
 
     /// Parameter gradients (added, or overwritten when `!accumulate`) and, when asked, `dx`.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn backward(
         &self,
         p: &[f32],

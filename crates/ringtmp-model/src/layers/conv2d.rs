@@ -173,7 +173,6 @@ impl Conv2d {
 
     /// `y = conv(x)` for `n` samples, followed by what `fused` names (see [`Fused`]). With a
     /// fused pool `y` is the pool's output, and `indices` receives its argmax positions.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn forward(
         &self,
         p: &[f32],
@@ -260,7 +259,6 @@ impl Conv2d {
 
     /// The conv (and the ReLU, when `relu`) of the samples in `x` into `y`: the direct kernels
     /// when `blocked` holds their weights, else im2col and a GEMM with `cols` as the buffer.
-    #[allow(clippy::too_many_arguments)]
     fn forward_group(
         &self,
         w: &[f32],
@@ -305,7 +303,6 @@ impl Conv2d {
     /// cache-resident buffer. The parts' sums are added (and `dWᵀ` transposed into `dW[oc,
     /// fan_in]`) at the end: `gemm` runs `colsᵀ · dy` faster than `dyᵀ · cols` (the cnn's second
     /// conv, one thread, AVX-512: 2.16 ms against 2.56 ms).
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn backward(
         &self,
         p: &[f32],

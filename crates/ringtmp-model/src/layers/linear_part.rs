@@ -151,7 +151,6 @@ impl LinearPart {
     /// its own part of it (`own`, from [`LinearPart::own_output_grad`]): the head's is
     /// `dx_pass + dy_A · W_A` (`n × in`), the tail's `[dy_B · W_B | dy_A]` (`n × (in + split)`).
     /// Reads only the weights, so it may run before the side's weight gradient and update.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn input_grad_into(
         &self,
         side: Side,
@@ -188,7 +187,6 @@ impl LinearPart {
     /// One side's backward as one call (the stage runs the parts itself where it fuses the
     /// update or sends the input gradient first): the weight gradient (+)= from `x` (the head's
     /// input; the tail's kept `x`) and the side's own output gradient, then the input gradient.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn backward(
         &self,
         side: Side,

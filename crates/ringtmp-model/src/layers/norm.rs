@@ -119,7 +119,6 @@ impl Norm {
     }
 
     /// Parameter gradients (added, or overwritten when `!accumulate`) and, when asked, `dx`.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn backward(
         &self,
         p: &[f32],

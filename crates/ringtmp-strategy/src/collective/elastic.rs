@@ -95,7 +95,6 @@ impl Replica for ModelReplica<'_> {
 /// "Failures per node-hour"). All go on from `step` (rank 0 abandons the step in progress, so it
 /// has completed exactly the steps before it; a worker that completed one more redoes it, one
 /// that completed one fewer catches up).
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn reform_ring(
     net: &mut dyn Transport,
     ring: &mut Ring,
@@ -205,7 +204,6 @@ pub(crate) fn reform_ring(
 /// A worker other than rank 0 waits for rank 0's order to go on (unless it has it already),
 /// answers with the steps it has completed, and takes rank 0's state where they differ, carrying
 /// out what [`Follow`] decides. Returns the step to run next.
-#[allow(clippy::too_many_arguments)]
 pub(crate) fn follow_regroup(
     net: &mut dyn Transport,
     rank: u32,
@@ -357,7 +355,6 @@ pub(crate) struct Regrouping {
 
 impl Regrouping {
     /// Re-forms `ring` after `broke`; returns the step to go on from.
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn after(
         &self,
         broke: Break,

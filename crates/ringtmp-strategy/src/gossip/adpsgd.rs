@@ -489,6 +489,10 @@ impl Compute<'_> {
 
 /// Runs worker `rank` of `job` (from `initial` instead of the seed's model when given: tests of
 /// the gossip itself start the workers apart).
+#[expect(
+    clippy::too_many_lines,
+    reason = "a worker's lifecycle written by hand; the one data-parallel loop is to provide it"
+)]
 pub fn run_worker(
     job: &AdpsgdJob,
     rank: u32,
@@ -736,7 +740,6 @@ fn gradient_while_pairing(
 /// Rank 0's end of the run: every live worker's final model and report (and any gathering
 /// round still in flight), their consensus evaluated (and checkpointed when due), and the run's
 /// summary written.
-#[allow(clippy::too_many_arguments)]
 fn finish_rank0(
     me: &mut Worker<'_>,
     net: &mut dyn Transport,

@@ -272,6 +272,10 @@ pub fn run_worker(
 
 /// [`run_worker`] from the given initial model instead of the seed's (tests of the gossip
 /// itself start the workers apart).
+#[expect(
+    clippy::too_many_lines,
+    reason = "a worker's lifecycle written by hand; the one data-parallel loop is to provide it"
+)]
 pub fn run_worker_from(
     job: &DpsgdJob,
     rank: u32,

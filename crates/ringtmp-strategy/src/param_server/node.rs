@@ -119,6 +119,10 @@ fn report_error(e: impl std::fmt::Display) -> Error {
 }
 
 /// Runs this node's part of a parameter-server job; server 0 returns the run's summary.
+#[expect(
+    clippy::too_many_lines,
+    reason = "a parameter-server node's lifecycle (server or worker) written by hand; to be split with the server's sans-IO handlers"
+)]
 fn run(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
     // The node's clock (virtual in simulation), never `Instant`: the transport's contract.
     let time = cx.net.clock();

@@ -568,7 +568,6 @@ impl Lead<'_> {
     /// Decides the heal around dead member `dead` (`policy::decide`), orders every survivor to
     /// regroup, tells the user and records the drop and the heal. Returns the healed ring's job
     /// and the order.
-    #[allow(clippy::too_many_arguments)]
     fn decide(
         &mut self,
         job: &RingJob,

@@ -29,7 +29,10 @@ pub(super) struct Chosen {
 }
 
 /// Chooses the partition of `layers` (whose costs are `costs`) over the nodes' `capacities`.
-#[allow(clippy::too_many_arguments)]
+#[expect(
+    clippy::too_many_lines,
+    reason = "the planner's choices in order, each noted in the report"
+)]
 pub(super) fn choose(
     args: &RingOptions,
     layers: &[Layer],
@@ -318,7 +321,6 @@ pub(super) fn note_idle_nodes(
 
 /// The partition as the plan reports it: the schedule, how the links were counted, and each
 /// node's layers with their predicted compute, link time and memory.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn note_partition(
     plan: &[partition::StagePlan],
     staged_layers: &[Layer],
@@ -389,7 +391,6 @@ pub(super) fn note_partition(
 
 /// The partition around the user's cuts inside layers (`--cut-inside LAYER:SPLIT,…`, or a
 /// restart's `kept` cuts, which make boundaries only where they fit).
-#[allow(clippy::too_many_arguments)]
 fn plan_given_cuts(
     cuts: Vec<CutInside>,
     kept: bool,

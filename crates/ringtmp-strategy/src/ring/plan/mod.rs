@@ -27,6 +27,10 @@ pub use options::{CutInsideChoice, RingOptions};
 pub use settings::{ASYNC_MOMENTUM, Settings};
 
 /// Plans the ring job for `cluster.nodes` nodes, saying in `report` what it chose.
+#[expect(
+    clippy::too_many_lines,
+    reason = "the ring's planning steps in order, each noted in the report"
+)]
 pub fn plan(
     mut cfg: TrainConfig,
     args: &RingOptions,

@@ -189,6 +189,10 @@ pub fn profiled_rows(
 /// Resolves the ring's settings, adjusting `cfg`'s defaults that depend on them (threads, the
 /// learning rate of rings that step together, the async momentum), and says in `report` what it
 /// chose.
+#[expect(
+    clippy::too_many_lines,
+    reason = "every ring option resolved against the others in order; goes with typed arguments"
+)]
 pub fn resolve(
     cfg: &mut TrainConfig,
     args: &RingOptions,

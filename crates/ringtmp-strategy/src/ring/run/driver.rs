@@ -464,7 +464,6 @@ pub(in crate::ring) fn micro_offset(job: &RingJob, mb: usize) -> usize {
     job.ring * job.spec.batch_size + mb * base + mb.min(extra)
 }
 
-#[allow(clippy::too_many_arguments)]
 pub(in crate::ring) fn node_summary(
     rank: u32,
     role: &str,

@@ -74,6 +74,10 @@ pub struct RunRecord {
 /// [`run_master`] from `initial` (a healed ring's in-memory state) instead of the job's start or
 /// checkpoint, running replication rounds into `replicas` (`--stage-replicas`) and continuing
 /// `record` (a healed ring's: a `heal` event instead of a new start).
+#[expect(
+    clippy::too_many_lines,
+    reason = "the ring master's run in order: restore, schedule, evaluation, checkpoints, report"
+)]
 pub fn run_master_with(
     job: &RingJob,
     setup: &MasterSetup<'_>,
@@ -378,7 +382,6 @@ fn ring_summary(
 
 /// Evaluates the model after mini-batch `done` around the ring and records it: `at` is
 /// (`done`, training seconds, wall seconds).
-#[allow(clippy::too_many_arguments)]
 fn evaluate_and_record(
     job: &RingJob,
     data: &ringtmp_data::Dataset,
@@ -795,7 +798,6 @@ impl MasterHead {
 /// What the master does when the last node's output for micro-batch `mb` arrives: the head's
 /// forward (if it holds the head), the loss with the labels only it has, and the head's backward.
 /// Returns the summed loss and the gradient to send back to the last node.
-#[allow(clippy::too_many_arguments)]
 fn loss_site(
     job: &RingJob,
     head: Option<&mut MasterHead>,
@@ -872,7 +874,10 @@ impl MasterPipe {
     /// Runs until every micro-batch of mini-batch `step` is done on the master, starting no
     /// micro-batch of mini-batch `flush` or later (the next boundary where the pipeline must be
     /// empty). Returns the mini-batch's summed loss and its row count.
-    #[allow(clippy::too_many_arguments)]
+    #[expect(
+        clippy::too_many_lines,
+        reason = "one mini-batch of the master's schedule: its micro-batches, their returns and the step"
+    )]
     fn run_minibatch(
         &mut self,
         step: u64,
