@@ -196,6 +196,46 @@ impl RunSpec {
         )
     }
 
+    /// Training stage `range` of `layers` and its optimizer as this run starts them: the
+    /// seeded initial parameters (or `--init-from`'s), then, when it resumes, the checkpoint's
+    /// parameters and optimizer state. The one opening every driver shares.
+    pub fn open_stage(
+        &self,
+        layers: &[Layer],
+        range: std::ops::Range<usize>,
+    ) -> Result<(ringtmp_model::Stage, ringtmp_model::Optimizer)> {
+        let mut stage =
+            self.initial_stage(layers, range, self.threads, self.resume_from.is_some())?;
+        let mut optimizer =
+            ringtmp_model::Optimizer::new(self.optimizer.clone(), stage.params().len());
+        self.restore(&mut stage, &mut optimizer)?;
+        Ok((stage, optimizer))
+    }
+
+    /// The whole model as a data-parallel worker's replica starts it ([`Self::open_stage`] of
+    /// every layer), with the layers.
+    pub fn open_replica(
+        &self,
+    ) -> Result<(Vec<Layer>, ringtmp_model::Stage, ringtmp_model::Optimizer)> {
+        let layers = self.layers()?;
+        let (stage, optimizer) = self.open_stage(&layers, 0..layers.len())?;
+        Ok((layers, stage, optimizer))
+    }
+
+    /// Reads the resumed checkpoint's parameters and optimizer state into `stage` and
+    /// `optimizer` (by tensor name, whatever partition wrote it); nothing when not resuming.
+    pub fn restore(
+        &self,
+        stage: &mut ringtmp_model::Stage,
+        optimizer: &mut ringtmp_model::Optimizer,
+    ) -> Result<()> {
+        if let Some(ResumePoint { dir, .. }) = &self.resume_from {
+            let manifest = checkpoint::read_manifest(dir)?;
+            checkpoint::read_stage(dir, &manifest, stage, optimizer)?;
+        }
+        Ok(())
+    }
+
     /// The model's layers with their shapes.
     pub fn layers(&self) -> Result<Vec<Layer>> {
         let (input, output) = model_shapes(self.input, self.classes, self.sequence);

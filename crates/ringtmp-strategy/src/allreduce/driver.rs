@@ -21,7 +21,7 @@ use std::time::Instant;
 
 use ringtmp_data::{BatchPlan, Dataset};
 use ringtmp_metrics::DroppedNode;
-use ringtmp_model::{Optimizer, Stage, checkpoint};
+use ringtmp_model::{Optimizer, Stage};
 use ringtmp_transport::Transport;
 use serde_json::json;
 
@@ -31,7 +31,6 @@ use crate::collective::reduce::{MAX_BUCKETS, Reduced, Reducer, Ring, buckets};
 use crate::data_parallel::write_model;
 use crate::data_parallel::{WorkerOutcome, report};
 use crate::error::{Error, Result};
-use crate::spec::ResumePoint;
 
 /// Runs worker `rank` of `job` on `data` until the job's last iteration; rank 0 evaluates,
 /// checkpoints and writes the run's outputs. A worker that dies is left behind: the survivors
@@ -49,18 +48,7 @@ pub fn run_worker(
 ) -> Result<WorkerOutcome> {
     let spec = &job.spec;
     let n = job.workers;
-    let layers = spec.layers()?;
-    let mut stage = spec.initial_stage(
-        &layers,
-        0..layers.len(),
-        spec.threads,
-        spec.resume_from.is_some(),
-    )?;
-    let mut optimizer = Optimizer::new(spec.optimizer.clone(), stage.params().len());
-    if let Some(ResumePoint { dir, .. }) = &spec.resume_from {
-        let manifest = checkpoint::read_manifest(dir)?;
-        checkpoint::read_stage(dir, &manifest, &mut stage, &mut optimizer)?;
-    }
+    let (_, mut stage, mut optimizer) = spec.open_replica()?;
     let ranges = buckets(&stage, job.bucket_bytes);
     if ranges.len() >= MAX_BUCKETS {
         return Err(Error::Config(format!(

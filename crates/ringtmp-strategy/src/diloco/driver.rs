@@ -27,7 +27,7 @@ use std::time::Instant;
 
 use ringtmp_data::{BatchPlan, Dataset};
 use ringtmp_metrics::DroppedNode;
-use ringtmp_model::{Optimizer, Stage, checkpoint};
+use ringtmp_model::Stage;
 use ringtmp_transport::Transport;
 use serde_json::json;
 
@@ -39,7 +39,6 @@ use crate::collective::reduce::{MAX_BUCKETS, Ring};
 use crate::data_parallel::write_model;
 use crate::data_parallel::{WorkerOutcome, report};
 use crate::error::{Error, Result};
-use crate::spec::ResumePoint;
 
 /// Cuts `range` into buckets of at most `bytes` (of f32), last first (the order all-reduce
 /// SGD's backward produces them in; any fixed order works here).
@@ -86,18 +85,7 @@ pub fn run_worker(
 ) -> Result<WorkerOutcome> {
     let spec = &job.spec;
     let n = job.workers;
-    let layers = spec.layers()?;
-    let mut stage = spec.initial_stage(
-        &layers,
-        0..layers.len(),
-        spec.threads,
-        spec.resume_from.is_some(),
-    )?;
-    let mut optimizer = Optimizer::new(spec.optimizer.clone(), stage.params().len());
-    if let Some(ResumePoint { dir, .. }) = &spec.resume_from {
-        let manifest = checkpoint::read_manifest(dir)?;
-        checkpoint::read_stage(dir, &manifest, &mut stage, &mut optimizer)?;
-    }
+    let (_, mut stage, mut optimizer) = spec.open_replica()?;
     let mut outer = if ringtmp_meter::phantom() {
         OuterState::default()
     } else {

@@ -29,7 +29,7 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use ringtmp_data::{BatchPlan, Dataset};
 use ringtmp_metrics::{NodeSummary, Summary};
-use ringtmp_model::{Optimizer, Stage, checkpoint};
+use ringtmp_model::{Optimizer, Stage};
 use ringtmp_transport::{Transport, TransportError};
 use ringtmp_wire::message::tensor_values;
 use ringtmp_wire::{Control, Dtype, Message, TensorTag};
@@ -44,7 +44,7 @@ use crate::contract::{Cluster, NodeCx, PlanReport, Strategy, validate_shared};
 use crate::data_parallel::{ShareBuffers, WorkerClock};
 use crate::error::{Error, Result};
 use crate::messages::StrategyMessage;
-use crate::spec::{ResumePoint, RunSpec};
+use crate::spec::RunSpec;
 
 /// `--strategy` name of AD-PSGD.
 pub const NAME: &str = "adpsgd";
@@ -511,27 +511,17 @@ pub fn run_worker(
             colours.iter().filter(|passive| !**passive).count()
         });
     let degree = pairing.near().len();
-    let layers = spec.layers()?;
+    let (layers, stage, mut optimizer) = spec.open_replica()?;
     let mut compute = Compute {
         spec,
         data,
-        stage: spec.initial_stage(
-            &layers,
-            0..layers.len(),
-            spec.threads,
-            spec.resume_from.is_some(),
-        )?,
+        stage,
         plan: BatchPlan::new(data.train.len(), spec.batch_size * n as usize, spec.seed)?,
         share: ShareBuffers::default(),
         rank,
         workers: n as usize,
         speed: job.node_speeds.get(rank as usize).copied().unwrap_or(1.0),
     };
-    let mut optimizer = Optimizer::new(spec.optimizer.clone(), compute.stage.params().len());
-    if let Some(ResumePoint { dir, .. }) = &spec.resume_from {
-        let manifest = checkpoint::read_manifest(dir)?;
-        checkpoint::read_stage(dir, &manifest, &mut compute.stage, &mut optimizer)?;
-    }
     let mut me = Worker {
         job,
         rank,

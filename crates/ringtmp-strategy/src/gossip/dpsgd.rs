@@ -22,7 +22,7 @@ use ringtmp_data::{BatchPlan, Dataset};
 use std::collections::BTreeSet;
 
 use ringtmp_metrics::{DroppedNode, NodeSummary, Summary};
-use ringtmp_model::{Optimizer, Stage, checkpoint};
+use ringtmp_model::Stage;
 use ringtmp_transport::{Transport, TransportError};
 use ringtmp_wire::message::tensor_values;
 use ringtmp_wire::{Dtype, Message, TensorTag};
@@ -34,7 +34,6 @@ use crate::collective::mixing::{self, Topology};
 use crate::contract::{Cluster, NodeCx, PlanReport, Strategy, options_merge, validate_shared};
 use crate::data_parallel::{holds, model_message, write_model};
 use crate::error::{Error, Result};
-use crate::spec::ResumePoint;
 use crate::spec::RunSpec;
 
 /// `--strategy` name of D-PSGD.
@@ -292,18 +291,7 @@ pub fn run_worker_from(
         gone: BTreeSet::new(),
         notices: Vec::new(),
     };
-    let layers = spec.layers()?;
-    let mut stage = spec.initial_stage(
-        &layers,
-        0..layers.len(),
-        spec.threads,
-        spec.resume_from.is_some(),
-    )?;
-    let mut optimizer = Optimizer::new(spec.optimizer.clone(), stage.params().len());
-    if let Some(ResumePoint { dir, .. }) = &spec.resume_from {
-        let manifest = checkpoint::read_manifest(dir)?;
-        checkpoint::read_stage(dir, &manifest, &mut stage, &mut optimizer)?;
-    }
+    let (layers, mut stage, mut optimizer) = spec.open_replica()?;
     if let Some(initial) = initial {
         stage.params_mut().copy_from_slice(initial);
     }

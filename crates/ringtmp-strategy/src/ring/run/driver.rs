@@ -31,7 +31,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::ring::plan::partition::{CutInside, StagePlan};
 use crate::ring::run::schedule::Schedule;
-use crate::spec::{ResumePoint, RunSpec};
+use crate::spec::RunSpec;
 
 pub use crate::ring::run::master::{
     MasterHead, MasterOutcome, MasterSetup, run_master, run_master_with,
@@ -220,11 +220,7 @@ impl RingJob {
 
     /// Loads this node's stage and optimizer state from the resume checkpoint, if any.
     pub(in crate::ring) fn load(&self, stage: &mut Stage, optimizer: &mut Optimizer) -> Result<()> {
-        if let Some(ResumePoint { dir, .. }) = &self.spec.resume_from {
-            let manifest = checkpoint::read_manifest(dir)?;
-            checkpoint::read_stage(dir, &manifest, stage, optimizer)?;
-        }
-        Ok(())
+        self.spec.restore(stage, optimizer)
     }
 
     /// Whether a replication round follows mini-batch `done` (not after the last one).
