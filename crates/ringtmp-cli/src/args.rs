@@ -1009,7 +1009,7 @@ struct DataKind {
 }
 
 /// The data keys a config file's `[dataset]` table may hold (besides `format`).
-const DATASET_TABLE_KEYS: [&str; 12] = [
+pub(crate) const DATASET_TABLE_KEYS: [&str; 12] = [
     "data-file",
     "data-dir",
     "label-file",

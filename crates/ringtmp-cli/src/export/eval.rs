@@ -46,8 +46,9 @@ pub struct EvalArgs {
     pub run: TrainArgs,
 }
 
-/// The `train` options that say which model and data: the only ones `eval` reads.
-const MODEL_AND_DATA: [&str; 22] = [
+/// The `train` options besides the data's ([`crate::args::DATASET_TABLE_KEYS`]) that `eval`
+/// reads: which model and weights, which dataset, and how to compute.
+const MODEL_AND_RUN: [&str; 10] = [
     "config",
     "model",
     "model-file",
@@ -55,19 +56,7 @@ const MODEL_AND_DATA: [&str; 22] = [
     "init-from",
     "weight-map",
     "dataset",
-    "data-file",
-    "label-file",
-    "label",
-    "target-columns",
-    "input-shape",
-    "layout",
-    "normalize",
-    "seq-len",
-    "val-fraction",
     "eval-tokens",
-    "vocab-size",
-    "tokenizer",
-    "data-dir",
     "threads",
     "seed",
 ];
@@ -79,7 +68,10 @@ fn refuse_training_options(args: &TrainArgs) -> Result<()> {
         .as_table()
         .map(|t| {
             t.keys()
-                .filter(|k| !MODEL_AND_DATA.contains(&k.as_str()))
+                .filter(|k| {
+                    !(MODEL_AND_RUN.contains(&k.as_str())
+                        || crate::args::DATASET_TABLE_KEYS.contains(&k.as_str()))
+                })
                 .map(|k| format!("--{k}"))
                 .collect()
         })
