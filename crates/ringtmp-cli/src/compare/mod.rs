@@ -19,8 +19,12 @@
 //! - [`spec`]: options, strategies in the short form, the run list.
 //! - [`report`]: results, tables and plots.
 
+mod claims;
+mod plots;
 mod quality;
+mod render;
 pub mod report;
+mod runs;
 pub mod spec;
 
 use std::path::Path;
