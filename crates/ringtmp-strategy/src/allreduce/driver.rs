@@ -1,6 +1,6 @@
 //! One worker of ring all-reduce SGD: every worker holds a replica, computes the gradient of its
 //! share of each global batch, and the workers average their gradients with the ring all-reduce
-//! of [`super::ring`] before every worker applies the same step.
+//! of [`crate::collective::ring`] before every worker applies the same step.
 //!
 //! Gradients go out in buckets as backward produces them, last layer first (PyTorch DDP's
 //! buckets): the between-layers hook of [`Stage::backward_streaming`] starts each bucket whose

@@ -1,6 +1,6 @@
 //! AD-PSGD (Lian et al., ICML 2018): asynchronous decentralised SGD, `--strategy adpsgd`.
 //!
-//! Workers run at their own pace. The graph ([`super::mixing::bipartite_neighbours`]) is
+//! Workers run at their own pace. The graph ([`crate::collective::mixing::bipartite_neighbours`]) is
 //! bipartite: even ranks are *active*, odd ranks *passive*. Each iteration an active worker
 //! picks a random live passive neighbour, sends it its model x_a and, while the model travels,
 //! computes its gradient on x_a; the passive worker answers with its model x_p and replaces it by

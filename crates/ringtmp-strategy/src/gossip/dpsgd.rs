@@ -1,7 +1,7 @@
 //! One worker of D-PSGD (Lian et al., NeurIPS 2017): synchronous decentralised SGD. Every
 //! iteration a worker computes the gradient of its share of the global batch at its own model
 //! x_i, sends x_i to its neighbours, replaces it by the uniform average of itself and what they
-//! sent (the mixing matrix of [`super::mixing`]), and applies its gradient:
+//! sent (the mixing matrix of [`crate::collective::mixing`]), and applies its gradient:
 //! x_i ← Σ_j W_ij x_j − γ ∇F_i(x_i).
 //!
 //! At every evaluation (and checkpoint) every worker sends its model to rank 0, which forms the

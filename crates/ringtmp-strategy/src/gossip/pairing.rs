@@ -5,7 +5,7 @@
 //! [`super::adpsgd`] does what the actions say with the transport and the model; the protocol's
 //! rules are here, table-tested in `tests/data/pairing/`.
 //!
-//! The rules (Lian et al., 2018, with the bipartite graph of [`super::mixing`]):
+//! The rules (Lian et al., 2018, with the bipartite graph of [`crate::collective::mixing`]):
 //! - an *active* worker asks one live passive neighbour per iteration, drawn at random, and
 //!   waits for that neighbour's answer alone; its model does not change between the request and
 //!   the answer, so the pair ends with one average;
