@@ -1,7 +1,9 @@
 //! A language model's weights leaving and entering ringtmp: the export carries the vocabulary,
 //! context and architecture (recipe.json, model.py's `encode`/`decode`, the weights' metadata);
-//! `--init-from` checks the architecture a file states against the model it loads into; and
-//! `ringtmp eval` scores a checkpoint or a foreign file as the run itself scored it.
+//! `--init-from` checks the architecture a file states against the model it loads into;
+//! `ringtmp eval` scores a checkpoint or a foreign file as the run itself scored it; and
+//! `export --to nanogpt` takes what nanoGPT's GPT can hold and refuses the rest (its files
+//! against nanoGPT itself: tests/export.rs's golden).
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -335,5 +337,60 @@ fn eval_scores_weights_as_their_run_scored_them() {
             other.to_str().unwrap(),
         ]),
         &["is not the model's"],
+    );
+}
+
+#[test]
+fn nanogpt_takes_a_tied_character_model_and_refuses_what_its_gpt_cannot_hold() {
+    let tmp = tempfile::tempdir().unwrap();
+    let file = text_file(tmp.path());
+    let train = |name: &str, text: &str, extra: &[&str]| {
+        let run = tmp.path().join(name);
+        let mut args = vec!["train", "--strategy", "local", "--model", "gpt-nano"];
+        args.extend(data(text, "16"));
+        args.extend(["--max-steps", "3", "--out", run.to_str().unwrap()]);
+        args.extend(extra);
+        succeeded(&ringtmp(&args));
+        run
+    };
+    let export = |run: &Path, out: &Path| {
+        ringtmp(&[
+            "export",
+            "--to",
+            "nanogpt",
+            "--checkpoint",
+            run.to_str().unwrap(),
+            out.to_str().unwrap(),
+        ])
+    };
+    // A tied model of few characters: written, the head's bias carried by ln_f's.
+    let tied = train("tied", &file, &["--tie-embeddings"]);
+    let out = tmp.path().join("nanogpt");
+    let (_, said) = succeeded(&export(&tied, &out));
+    assert!(said.contains("carried by transformer.ln_f.bias"), "{said}");
+    assert!(out.join("ckpt.pt").is_file() && out.join("meta.pkl").is_file());
+
+    // 70 characters over a width of 64: the final LayerNorm's bias cannot carry the head's.
+    let wide = tmp.path().join("wide.txt");
+    let alphabet: String = (33u8..103).map(char::from).collect();
+    std::fs::write(&wide, format!("{alphabet}\n").repeat(40)).unwrap();
+    let wide = train("wide", wide.to_str().unwrap(), &["--tie-embeddings"]);
+    let refused_out = tmp.path().join("refused");
+    refused(
+        &export(&wide, &refused_out),
+        &[
+            "vocabulary of 71 is more than its width 64 + 1",
+            "--to pytorch",
+        ],
+    );
+    assert!(
+        !refused_out.exists(),
+        "a refused export leaves no directory"
+    );
+    // An untied head has no place in nanoGPT's GPT.
+    let untied = train("untied", &file, &[]);
+    refused(
+        &export(&untied, &refused_out),
+        &["nanoGPT ties its head", "--tie-embeddings"],
     );
 }

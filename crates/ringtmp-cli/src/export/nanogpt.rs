@@ -46,8 +46,17 @@ fn refuse(opened: &Opened, why: String) -> anyhow::Error {
     .into()
 }
 
-/// Writes `ckpt.pt` (and `meta.pkl` for characters) into `out`; the files written.
-pub fn export(opened: &Opened, out: &Path) -> Result<Vec<&'static str>> {
+/// What an export to nanoGPT writes, checked and converted before anything is written.
+pub struct Prepared {
+    /// The object `ckpt.pt` holds.
+    checkpoint: Py,
+    /// `meta.pkl`'s bytes, for a character model.
+    meta: Option<Vec<u8>>,
+}
+
+/// Checks that nanoGPT's `GPT` can hold the opened model and converts it (the head's bias
+/// moved into the final LayerNorm's); every refusal names why.
+pub fn prepare(opened: &Opened) -> Result<Prepared> {
     let arch = Architecture::of(
         &opened.manifest.model,
         opened.layers.first().map(|l| l.input.numel()),
@@ -57,37 +66,53 @@ pub fn export(opened: &Opened, out: &Path) -> Result<Vec<&'static str>> {
         .map_err(|e| refuse(opened, format!("does not fit nanoGPT's GPT ({e})")))?;
     check_shape(opened, &arch)?;
     carry_head_bias(opened, &mut tensors, &head_bias)?;
-    let value = checkpoint_value(opened, &arch, tensors);
-    torch_file::save(&out.join("ckpt.pt"), &value)?;
-    let mut written = vec!["ckpt.pt"];
-    if let Some(line) = opened.manifest.vocabulary.as_deref()
-        && let Vocabulary::Chars(chars) = Vocabulary::from_line(line, "the manifest")?
-    {
-        let itos = chars
-            .iter()
-            .enumerate()
-            .map(|(i, c)| (Py::Int(i as i64), Py::Str(c.to_string())))
-            .collect();
-        let stoi = chars
-            .iter()
-            .enumerate()
-            .map(|(i, c)| (Py::Str(c.to_string()), Py::Int(i as i64)))
-            .collect();
-        let meta = Py::Dict(vec![
-            (Py::str("vocab_size"), Py::Int(chars.len() as i64)),
-            (Py::str("itos"), Py::Dict(itos)),
-            (Py::str("stoi"), Py::Dict(stoi)),
-        ]);
-        ringtmp_model::checkpoint::write_atomic(&out.join("meta.pkl"), &torch_file::pickle(&meta))?;
-        written.push("meta.pkl");
+    let checkpoint = checkpoint_value(opened, &arch, tensors);
+    let meta = match opened.manifest.vocabulary.as_deref() {
+        Some(line) => match Vocabulary::from_line(line, "the manifest")? {
+            Vocabulary::Chars(chars) => Some(meta_pickle(&chars)),
+            _ => None,
+        },
+        None => None,
+    };
+    Ok(Prepared { checkpoint, meta })
+}
+
+/// nanoGPT's `meta.pkl` for a character vocabulary: `vocab_size`, `itos`, `stoi`.
+fn meta_pickle(chars: &[char]) -> Vec<u8> {
+    let itos = chars
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (Py::Int(i as i64), Py::Str(c.to_string())))
+        .collect();
+    let stoi = chars
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (Py::Str(c.to_string()), Py::Int(i as i64)))
+        .collect();
+    torch_file::pickle(&Py::Dict(vec![
+        (Py::str("vocab_size"), Py::Int(chars.len() as i64)),
+        (Py::str("itos"), Py::Dict(itos)),
+        (Py::str("stoi"), Py::Dict(stoi)),
+    ]))
+}
+
+impl Prepared {
+    /// Writes `ckpt.pt` (and `meta.pkl` for characters) into `out`; the files written.
+    pub fn write(self, out: &Path) -> Result<Vec<&'static str>> {
+        torch_file::save(&out.join("ckpt.pt"), &self.checkpoint)?;
+        let mut written = vec!["ckpt.pt"];
+        if let Some(meta) = &self.meta {
+            ringtmp_model::checkpoint::write_atomic(&out.join("meta.pkl"), meta)?;
+            written.push("meta.pkl");
+        }
+        eprintln!(
+            "nanoGPT: cp {} data/{DATASET}/ in nanoGPT's directory, then `python sample.py \
+             --init_from=resume --out_dir={}` (or train.py --init_from=resume to go on training)",
+            out.join("meta.pkl").display(),
+            out.display()
+        );
+        Ok(written)
     }
-    eprintln!(
-        "nanoGPT: cp {} data/{DATASET}/ in nanoGPT's directory, then `python sample.py \
-         --init_from=resume --out_dir={}` (or train.py --init_from=resume to go on training)",
-        out.join("meta.pkl").display(),
-        out.display()
-    );
-    Ok(written)
 }
 
 /// Refuses what nanoGPT's blocks cannot compute: another MLP ratio, blocks of different head

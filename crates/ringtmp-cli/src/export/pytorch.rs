@@ -147,9 +147,11 @@ fn export_nanogpt(a: &ExportArgs) -> Result<()> {
         ))
         .into());
     }
-    check_export_dir(&a.out, &nanogpt::FILES, a.overwrite)?;
     let opened = open(&a.checkpoint, 1)?;
-    let written = nanogpt::export(&opened, &a.out)?;
+    // Every refusal before the output directory is made.
+    let prepared = nanogpt::prepare(&opened)?;
+    check_export_dir(&a.out, &nanogpt::FILES, a.overwrite)?;
+    let written = prepared.write(&a.out)?;
     eprintln!(
         "export: {} ({} parameters) from {} step {} ({}) to {}: {}",
         opened.manifest.model.name,
