@@ -7,6 +7,7 @@ use ringtmp_data::Dataset;
 use ringtmp_metrics::Summary;
 use ringtmp_strategy::allreduce::AllReduceJob;
 use ringtmp_strategy::param_server::driver::{PsJob, ServerOutcome, WorkerOutcome};
+use ringtmp_strategy::ring::net::Plain;
 use ringtmp_strategy::ring::run::driver::{MasterOutcome, MasterSetup, RingJob};
 use ringtmp_transport::Transport;
 
@@ -54,10 +55,10 @@ pub fn ring_nodes(
     let setup = MasterSetup { data };
     run_nodes(backend, ring(n), Some(0), |rank, net| {
         if rank == 0 {
-            let result = run_master(job, &setup, net, &mut |_| {});
+            let result = run_master(job, &setup, &mut Plain(net), &mut |_| {});
             end(net, result).map(|o| RingNode::Master(Box::new(o)))
         } else {
-            let result = run_worker(job, net);
+            let result = run_worker(job, &mut Plain(net));
             end(net, result).map(|s| RingNode::Stage(s.params().to_vec()))
         }
     })

@@ -54,56 +54,6 @@ pub trait Transport: Send {
     fn watch_steps(&mut self, _bound: crate::progress::StepBound) {}
     /// A step of the run completed (see [`Transport::watch_steps`]).
     fn step_done(&mut self) {}
-    /// Rings of rings: replaces `values` (a stage's gradients after mini-batch `step`) by their
-    /// mean over the copies of this node's stage in the other rings, before the optimizer step.
-    /// A node that has no such copies (every transport but a ring-of-rings view) has nothing
-    /// to do.
-    fn average_with_replicas(
-        &mut self,
-        step: u64,
-        values: &mut [f32],
-    ) -> Result<(), TransportError> {
-        let _ = (step, values);
-        Ok(())
-    }
-    /// Rings of rings under `--replica-sync adpsgd`: the safe point after mini-batch `step`,
-    /// where the copies of this node's stage exchange parameters (`values`) asynchronously;
-    /// after the `last` mini-batch the copies finish their exchanges and average once. A node
-    /// without copies has nothing to do.
-    fn gossip_with_replicas(
-        &mut self,
-        step: u64,
-        values: &mut [f32],
-        last: bool,
-    ) -> Result<(), TransportError> {
-        let _ = (step, values, last);
-        Ok(())
-    }
-    /// Rings of rings with stage replicas: this node's ring re-formed in `generation` as
-    /// `members` (its nodes' ranks in the ring as it started, ring order). The view learns
-    /// which node of the ring now holds each stage; the ring's master tells the other rings.
-    /// A node without copies has nothing to do.
-    fn ring_regrouped(&mut self, generation: u64, members: &[u32]) -> Result<(), TransportError> {
-        let _ = (generation, members);
-        Ok(())
-    }
-    /// Rings of rings under `--replica-sync diloco:H` with stage replicas: the outer momentum of
-    /// the layers this node holds, for a replication snapshot taken right after an outer step
-    /// (its outer parameters are then the stage's own). Empty where there is none.
-    fn replica_outer_state(&self) -> Vec<f32> {
-        Vec::new()
-    }
-    /// The other half of [`Transport::replica_outer_state`]: after a heal, the outer state of
-    /// the layers this node now holds, from the restored snapshot's parameters and outer
-    /// momentum.
-    fn restore_outer_state(
-        &mut self,
-        params: &[f32],
-        velocity: &[f32],
-    ) -> Result<(), TransportError> {
-        let _ = (params, velocity);
-        Ok(())
-    }
 }
 
 /// A node's clock: wall time on real networks, virtual time in simulation.

@@ -11,6 +11,7 @@
 //!   ([`plan::profile`], and every node's own at rendezvous: [`plan::node_profile`]) and the
 //!   partition that splits the layers into stages ([`plan::partition`]).
 //! - [`run`]: running the ring — the job, the master's and the stages' loops, the schedules.
+//! - [`net`]: a ring node's network — messages, and the hooks rings of rings implement.
 //! - [`heal`]: stage replicas (`--stage-replicas`, [`heal::replicas`]) and the ring's
 //!   re-formation around a lost node.
 //! - [`rings`]: rings of rings (`--replicas R`): the view that runs one ring of several and
@@ -20,6 +21,7 @@
 //! `run` and `plan` name each other's types only through the job ([`run::driver::RingJob`]).
 
 pub mod heal;
+pub mod net;
 pub mod node;
 pub mod plan;
 pub mod rings;

@@ -9,6 +9,7 @@ use ringtmp_metrics::Summary;
 use crate::TrainConfig;
 use crate::contract::{Cluster, NodeCx, PlanReport, Strategy, ring_neighbours, validate_shared};
 use crate::error::{Error, Result};
+use crate::ring::net::{Plain, RingCx};
 use crate::ring::plan::RingOptions;
 use crate::ring::run::driver::{MasterSetup, RingJob, run_master, run_worker};
 use crate::spec::RunSpec;
@@ -214,7 +215,13 @@ impl Strategy for RingJob {
             return crate::ring::rings::run(self, rank, cx);
         }
         if self.replica_every > 0 {
-            return crate::ring::heal::run(self, rank, cx);
+            let mut plain = Plain(&mut *cx.net);
+            let mut ring_cx = RingCx {
+                net: &mut plain,
+                data: cx.data,
+                on_event: &mut *cx.on_event,
+            };
+            return crate::ring::heal::run(self, rank, &mut ring_cx);
         }
         if rank as usize >= self.partition.len() {
             tracing::debug!(
@@ -224,11 +231,11 @@ impl Strategy for RingJob {
             return Ok(None);
         }
         if rank != 0 {
-            run_worker(self, cx.net)?;
+            run_worker(self, &mut Plain(cx.net))?;
             return Ok(None);
         }
         let setup = MasterSetup { data: cx.data()? };
-        let outcome = run_master(self, &setup, cx.net, cx.on_event)?;
+        let outcome = run_master(self, &setup, &mut Plain(cx.net), cx.on_event)?;
         Ok(Some(outcome.summary))
     }
 }

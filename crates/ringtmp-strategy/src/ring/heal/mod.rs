@@ -28,6 +28,7 @@ use ringtmp_wire::{Control, Message};
 use crate::error::{Error, Result};
 use crate::messages::StrategyMessage;
 use crate::ring::heal::replicas::{Replicas, Snapshot};
+use crate::ring::net::RingNet;
 use crate::ring::plan::partition::StagePlan;
 use crate::ring::run::driver::{MasterSetup, RingJob, run_master_with, run_worker_with};
 use crate::ring::run::messages::RingMessage;
@@ -69,7 +70,7 @@ pub fn without(job: &RingJob, members: &[u32], dead: u32) -> Result<(RingJob, Ve
 /// arrives (`Rejoined`, or the master's `Regroup`), so nothing of an earlier generation leaks in;
 /// messages from non-members are dropped.
 pub struct Members<'a> {
-    inner: &'a mut dyn Transport,
+    inner: &'a mut dyn RingNet,
     members: Vec<u32>,
     logical: BTreeMap<u32, u32>,
     generation: u64,
@@ -113,7 +114,7 @@ impl Early {
 
     /// The peers whose marker of `generation` arrived; their held messages go back into `net`
     /// (to be received again, in order), those of other generations are dropped.
-    fn release(self, generation: u64, net: &mut dyn Transport) -> BTreeSet<u32> {
+    fn release(self, generation: u64, net: &mut dyn RingNet) -> BTreeSet<u32> {
         let ready: BTreeSet<u32> = self
             .markers
             .iter()
@@ -131,7 +132,7 @@ impl Early {
 
 impl<'a> Members<'a> {
     /// The ring of every node, as started (generation 0: no markers).
-    pub fn all(inner: &'a mut dyn Transport, world: u32) -> Self {
+    pub fn all(inner: &'a mut dyn RingNet, world: u32) -> Self {
         let members: Vec<u32> = (0..world).collect();
         let ready = members.iter().copied().collect();
         Self::build(inner, members, 0, ready)
@@ -139,7 +140,7 @@ impl<'a> Members<'a> {
 
     /// The ring of `members` in `generation`; `ready` peers need no marker.
     pub fn regrouped(
-        inner: &'a mut dyn Transport,
+        inner: &'a mut dyn RingNet,
         members: Vec<u32>,
         generation: u64,
         ready: BTreeSet<u32>,
@@ -148,7 +149,7 @@ impl<'a> Members<'a> {
     }
 
     fn build(
-        inner: &'a mut dyn Transport,
+        inner: &'a mut dyn RingNet,
         members: Vec<u32>,
         generation: u64,
         ready: BTreeSet<u32>,
@@ -192,7 +193,7 @@ impl<'a> Members<'a> {
     }
 
     /// The underlying transport.
-    pub fn inner(&mut self) -> &mut dyn Transport {
+    pub fn inner(&mut self) -> &mut dyn RingNet {
         self.inner
     }
 
@@ -339,7 +340,9 @@ impl Transport for Members<'_> {
     fn step_done(&mut self) {
         self.inner.step_done()
     }
+}
 
+impl RingNet for Members<'_> {
     // A ring of rings' group traffic is the view underneath's (the copies of a stage in the
     // other rings are not members of this ring).
     fn average_with_replicas(
@@ -393,7 +396,7 @@ struct Regroup {
 pub fn run(
     job: &RingJob,
     rank: u32,
-    cx: &mut crate::contract::NodeCx<'_>,
+    cx: &mut crate::ring::net::RingCx<'_>,
 ) -> Result<Option<Summary>> {
     let world = job.partition.len() as u32;
     let clock = cx.net.clock();
@@ -576,7 +579,7 @@ impl Lead<'_> {
         failure: &Error,
         replicas: &Replicas,
         detected: Duration,
-        cx: &mut crate::contract::NodeCx<'_>,
+        cx: &mut crate::ring::net::RingCx<'_>,
     ) -> Result<(RingJob, Regroup)> {
         let policy::Heal {
             dead,
@@ -683,7 +686,7 @@ fn failed_member(e: &Error, members: &[u32]) -> Option<u32> {
 /// dropping everything else but the markers of survivors that heard of it first (kept in
 /// `early`); other peers' failures are the master's to handle.
 fn await_regroup(
-    net: &mut dyn Transport,
+    net: &mut dyn RingNet,
     generation: u64,
     timeout: Duration,
     cause: &Error,

@@ -7,7 +7,7 @@
 //! rings of batch b compute what one ring (or one process) of batch R·b does.
 //!
 //! The ring code runs unchanged on [`RingsView`], which numbers its ring's nodes 0…S−1 and does
-//! the group's all-reduce in [`Transport::average_with_replicas`]. Messages of the group that
+//! the group's all-reduce in [`crate::ring::net::RingNet::average_with_replicas`]. Messages of the group that
 //! arrive while the ring is being served (a faster copy already reducing) wait in the view for
 //! the all-reduce, and the ring's messages that arrive during an all-reduce stay with the
 //! underlying transport for the ring; nothing is dropped.
@@ -33,6 +33,7 @@ use ringtmp_wire::{Dtype, Message, TensorHeader, TensorTag};
 
 use crate::collective::outer::{OuterConfig, OuterState};
 use crate::collective::ring::chunks;
+use crate::ring::net::RingNet;
 use gossip::{ANSWER, DONE, REQUEST, ReplicaGossip};
 use holders::{Holders, group_tag, tag_of_group};
 
@@ -815,7 +816,9 @@ impl Transport for RingsView<'_> {
     fn step_done(&mut self) {
         self.inner.step_done()
     }
+}
 
+impl RingNet for RingsView<'_> {
     /// Rings of rings: the mean of `values` over the copies of this stage; under
     /// `--replica-sync diloco:H`, one outer step of the mean pseudo-gradient, after which
     /// `values` are the new outer parameters. A node holding several stages (a healed ring's)
@@ -1062,7 +1065,7 @@ pub fn run(
             .map(|p| layers[p.start..p.end].iter().map(|l| l.param_count()).sum())
             .collect();
         view = view.with_stage_replicas(sizes);
-        let mut ring_cx = crate::contract::NodeCx {
+        let mut ring_cx = crate::ring::net::RingCx {
             net: &mut view,
             data,
             on_event,

@@ -29,6 +29,7 @@ use ringtmp_wire::{Dtype, Message, TensorHeader, TensorTag};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
+use crate::ring::net::RingNet;
 use crate::ring::plan::partition::{CutInside, StagePlan};
 use crate::ring::run::schedule::Schedule;
 use crate::spec::RunSpec;
@@ -122,7 +123,7 @@ impl RingJob {
     /// (average their parameters under `every:K`, gossip under `adpsgd`).
     pub(in crate::ring) fn after_minibatch(
         &self,
-        net: &mut dyn Transport,
+        net: &mut dyn RingNet,
         step: u64,
         params: &mut [f32],
     ) -> std::result::Result<(), TransportError> {
@@ -381,7 +382,7 @@ impl NodeClock {
     /// Blocks for the next message (at most `timeout`), counting the wait by what it was for.
     pub(in crate::ring) fn recv(
         &mut self,
-        net: &mut dyn Transport,
+        net: &mut dyn RingNet,
         timeout: Duration,
     ) -> Result<(u32, Message)> {
         let t = self.time.now();

@@ -18,6 +18,7 @@ use crate::event::Event;
 use crate::messages::StrategyMessage;
 use crate::recorder::{RunRecorder, Verdict};
 use crate::ring::heal::replicas::{REPLICA, Replicas, Snapshot};
+use crate::ring::net::RingNet;
 use crate::ring::run::driver::{NodeClock, RingJob, micro_offset, node_summary, protocol, tensor};
 use crate::ring::run::messages::{Incoming, RingMessage};
 use crate::ring::run::schedule::{Action, Schedule, StageState};
@@ -43,7 +44,7 @@ pub struct MasterOutcome {
 pub fn run_master(
     job: &RingJob,
     setup: &MasterSetup<'_>,
-    net: &mut dyn Transport,
+    net: &mut dyn RingNet,
     on_event: &mut dyn FnMut(&Event),
 ) -> Result<MasterOutcome> {
     let mut record = RunRecord::default();
@@ -81,7 +82,7 @@ pub struct RunRecord {
 pub fn run_master_with(
     job: &RingJob,
     setup: &MasterSetup<'_>,
-    net: &mut dyn Transport,
+    net: &mut dyn RingNet,
     on_event: &mut dyn FnMut(&Event),
     initial: Option<&Snapshot>,
     replicas: &mut Replicas,
@@ -289,7 +290,7 @@ fn started(job: &RingJob) -> Result<Event> {
 /// an interrupted checkpoint leaves the previous one intact. Returns the checkpoint's directory.
 fn checkpoint_round(
     job: &RingJob,
-    net: &mut dyn Transport,
+    net: &mut dyn RingNet,
     done: u64,
     (stage, optimizer): (&Stage, &Optimizer),
     head: Option<&MasterHead>,
@@ -319,7 +320,7 @@ fn checkpoint_round(
 /// Every node's report, collected around the ring after the master's own.
 fn collect_reports(
     job: &RingJob,
-    net: &mut dyn Transport,
+    net: &mut dyn RingNet,
     own: ringtmp_metrics::NodeSummary,
 ) -> Result<Vec<ringtmp_metrics::NodeSummary>> {
     let n = job.partition.len() as u32;
@@ -387,7 +388,7 @@ fn evaluate_and_record(
     data: &ringtmp_data::Dataset,
     stage: &mut Stage,
     head: Option<&mut MasterHead>,
-    net: &mut dyn Transport,
+    net: &mut dyn RingNet,
     clock: &mut NodeClock,
     (done, train_seconds, wall_seconds): (u64, f64, f64),
     recorder: &mut RunRecorder,
@@ -404,7 +405,7 @@ fn evaluate_and_record(
 /// the largest stage's transfer, not the sum of all of them.
 fn replicate(
     job: &RingJob,
-    net: &mut dyn Transport,
+    net: &mut dyn RingNet,
     done: u64,
     (stage, optimizer, plan): (&Stage, &Optimizer, &crate::ring::plan::partition::StagePlan),
     replicas: &mut Replicas,
@@ -481,12 +482,12 @@ fn replicate(
 /// them through its stage), a checkpoint's entries and the final report (each node adds its
 /// own). The one mechanism for everything that travels around the ring besides training.
 fn around_the_ring(
-    net: &mut dyn Transport,
+    net: &mut dyn RingNet,
     n: u32,
     (count, window): (usize, usize),
     timeout: Duration,
     next: &mut dyn FnMut(usize) -> Result<Message>,
-    returned: &mut dyn FnMut(&mut dyn Transport, Message) -> Result<()>,
+    returned: &mut dyn FnMut(&mut dyn RingNet, Message) -> Result<()>,
 ) -> Result<()> {
     let (succ, pred) = (1 % n, n - 1);
     let (mut sent, mut back) = (0, 0);
@@ -506,7 +507,7 @@ fn around_the_ring(
 
 /// One control token once around the ring; what comes back.
 fn token_round(
-    net: &mut dyn Transport,
+    net: &mut dyn RingNet,
     n: u32,
     token: Control,
     timeout: Duration,
@@ -632,7 +633,7 @@ impl LossSide {
     fn drain(
         &mut self,
         job: &RingJob,
-        net: &mut dyn Transport,
+        net: &mut dyn RingNet,
         mut head: Option<&mut MasterHead>,
     ) -> Result<()> {
         while let Some((from, message)) = net.try_recv()? {
@@ -645,7 +646,7 @@ impl LossSide {
     fn handle_and_send(
         &mut self,
         job: &RingJob,
-        net: &mut dyn Transport,
+        net: &mut dyn RingNet,
         head: Option<&mut MasterHead>,
         from: u32,
         message: Message,
@@ -742,7 +743,7 @@ impl LossSide {
 fn servicer<'a>(
     side: &'a mut LossSide,
     job: &'a RingJob,
-    net: &'a mut dyn Transport,
+    net: &'a mut dyn RingNet,
     head: &'a mut Option<&mut MasterHead>,
     failure: &'a mut Option<Error>,
 ) -> impl FnMut() + 'a {
@@ -889,7 +890,7 @@ impl MasterPipe {
         optimizer: &mut Optimizer,
         head: Option<&mut MasterHead>,
         clock: &mut NodeClock,
-        net: &mut dyn Transport,
+        net: &mut dyn RingNet,
     ) -> Result<(f64, usize)> {
         let n = job.partition.len() as u32;
         let succ = 1 % n;
@@ -1076,7 +1077,7 @@ impl MasterPipe {
 /// `early` is the sum if it arrived during the step's last backward.
 fn clip_from_master(
     job: &RingJob,
-    net: &mut dyn Transport,
+    net: &mut dyn RingNet,
     clock: &mut NodeClock,
     (step, early): (u64, Option<(u64, f64)>),
     max_norm: f32,
@@ -1137,7 +1138,7 @@ fn evaluate(
     job: &RingJob,
     data: &Dataset,
     stage: &mut Stage,
-    net: &mut dyn Transport,
+    net: &mut dyn RingNet,
     step: u64,
     eval_bytes: &mut u64,
     mut head: Option<&mut MasterHead>,

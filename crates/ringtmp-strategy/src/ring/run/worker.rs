@@ -12,6 +12,7 @@ use ringtmp_wire::{Control, Dtype, Message, TensorHeader, TensorTag};
 use crate::error::{Error, Result};
 use crate::messages::StrategyMessage;
 use crate::ring::heal::replicas::{REPLICA, Replicas, Snapshot};
+use crate::ring::net::RingNet;
 use crate::ring::plan::partition::StagePlan;
 use crate::ring::run::driver::{
     NodeClock, RingJob, micro_offset, node_summary, protocol, tensor, values,
@@ -27,7 +28,7 @@ const MAX_EARLY: usize = 64;
 /// belong to the work in progress; this loop moves the messages and runs the compute. Arrived
 /// messages are taken first whenever there is work to do, so the policy decides on everything
 /// that is there. Returns the stage (its final parameters).
-pub fn run_worker(job: &RingJob, net: &mut dyn Transport) -> Result<Stage> {
+pub fn run_worker(job: &RingJob, net: &mut dyn RingNet) -> Result<Stage> {
     run_worker_with(job, net, None, &mut Replicas::default())
 }
 
@@ -39,7 +40,7 @@ pub fn run_worker(job: &RingJob, net: &mut dyn Transport) -> Result<Stage> {
 )]
 pub fn run_worker_with(
     job: &RingJob,
-    net: &mut dyn Transport,
+    net: &mut dyn RingNet,
     initial: Option<&Snapshot>,
     replicas: &mut Replicas,
 ) -> Result<Stage> {
@@ -273,7 +274,7 @@ impl RingNode {
     fn forward(
         &mut self,
         job: &RingJob,
-        net: &mut dyn Transport,
+        net: &mut dyn RingNet,
         header: (u64, u64),
         step: u64,
         micro: usize,
@@ -313,7 +314,7 @@ impl RingNode {
     fn backward(
         &mut self,
         job: &RingJob,
-        net: &mut dyn Transport,
+        net: &mut dyn RingNet,
         id: u64,
         header_step: u64,
         dy: &[f32],
@@ -359,7 +360,7 @@ impl RingNode {
     /// state, send it to the predecessor, then pass the token on behind it.
     fn replicate(
         &mut self,
-        net: &mut dyn Transport,
+        net: &mut dyn RingNet,
         step: u64,
         replicas: &mut Replicas,
     ) -> Result<()> {
@@ -386,7 +387,7 @@ impl RingNode {
     }
 
     /// The optimizer step of mini-batch `step`.
-    fn step(&mut self, job: &RingJob, net: &mut dyn Transport, step: u64) -> Result<()> {
+    fn step(&mut self, job: &RingJob, net: &mut dyn RingNet, step: u64) -> Result<()> {
         let lr = job.lr_at(step);
         // Rings of rings average the stage's gradients with its copies first (flushed
         // schedules: one step per mini-batch, the same on every copy).
@@ -405,7 +406,7 @@ impl RingNode {
     /// `clip_from_master`): adds this stage's squared norm to its successor's sum (the last stage
     /// starts it) and passes it back towards the master, then takes the factor the master sends
     /// around, passes it on and scales the gradient by it.
-    fn clip(&mut self, job: &RingJob, net: &mut dyn Transport, step: u64) -> Result<()> {
+    fn clip(&mut self, job: &RingJob, net: &mut dyn RingNet, step: u64) -> Result<()> {
         let stage = &mut self.stage;
         let own = self.clock.run(|| stage.grad_norm_squared());
         let later = if self.succ == 0 {
@@ -465,7 +466,7 @@ impl RingNode {
     fn wait_for<T>(
         &mut self,
         job: &RingJob,
-        net: &mut dyn Transport,
+        net: &mut dyn RingNet,
         from: u32,
         accept: impl Fn(&RingMessage) -> Option<T>,
     ) -> Result<T> {
@@ -497,7 +498,7 @@ impl RingNode {
     fn serve(
         &mut self,
         job: &RingJob,
-        net: &mut dyn Transport,
+        net: &mut dyn RingNet,
         from: u32,
         message: Message,
     ) -> Result<bool> {
