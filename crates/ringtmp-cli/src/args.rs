@@ -621,7 +621,7 @@ impl TrainArgs {
         else {
             return Ok(());
         };
-        let workers = Job::workers(self.strategy(), &self.options, self.nodes.unwrap_or(4))
+        let workers = Job::workers(self.strategy(), &self.options, self.nodes())
             .map_err(|e| UsageError(e.to_string()))?;
         if manifest.batch_size % workers != 0 {
             return Err(UsageError(format!(
@@ -766,6 +766,11 @@ impl TrainArgs {
             bin_vocab: self.vocab_size.unwrap_or(ringtmp_data::text::GPT2_VOCAB),
             tokenizer: self.tokenizer.clone(),
         }
+    }
+
+    /// The node processes a distributed run launches: `--nodes`, or [`DEFAULT_NODES`].
+    pub fn nodes(&self) -> u32 {
+        self.nodes.unwrap_or(DEFAULT_NODES)
     }
 
     /// Positions per window of a text run: `--seq-len`, or the preset's context, or 64.
@@ -1007,6 +1012,9 @@ struct DataKind {
     /// A regression target.
     regression: bool,
 }
+
+/// Node processes a distributed run launches when `--nodes` is not given.
+pub const DEFAULT_NODES: u32 = 4;
 
 /// The data keys a config file's `[dataset]` table may hold (besides `format`).
 pub(crate) const DATASET_TABLE_KEYS: [&str; 12] = [

@@ -121,7 +121,7 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
             .into());
         }
     }
-    let nodes = train.nodes.unwrap_or(4);
+    let nodes = train.nodes();
     let failure_model = failure_model(args, train.seed.unwrap_or(42))?;
     // A simulated node has its own cores: one thread each unless told otherwise (the cost
     // model is measured with the same count).

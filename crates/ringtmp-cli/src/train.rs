@@ -138,7 +138,7 @@ fn run_resolved(args: TrainArgs) -> Result<()> {
 /// `ringtmp train` with a distributed strategy: checks the node options, then runs the nodes —
 /// again from the newest verified checkpoint after a node failure, up to `--max-restarts` times.
 fn launch_nodes(mut args: TrainArgs) -> Result<()> {
-    let nodes = args.nodes.unwrap_or(4);
+    let nodes = args.nodes();
     if nodes < 2 {
         return Err(UsageError("distributed strategies need --nodes of at least 2".into()).into());
     }
@@ -348,7 +348,7 @@ impl LocalCluster {
 fn launch_once(args: &mut TrainArgs, cluster: &LocalCluster, attempt: usize) -> Result<()> {
     let first = attempt == 0;
     let crash = crate::restart::crash_for(args, attempt)?;
-    let nodes = args.nodes.unwrap_or(4);
+    let nodes = args.nodes();
     let name = args.strategy().to_string();
     let out = args.out.clone().unwrap_or_default();
     let (links, cores, memory) = (&cluster.links, &cluster.cores, &cluster.memory);
