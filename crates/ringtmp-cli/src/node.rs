@@ -457,7 +457,7 @@ fn rank0_offer(args: &NodeArgs, world: u32) -> Result<Offer> {
     };
     let Some(request) = request else {
         let job = crate::plan::plan(&train_args, cfg, &data, world)?;
-        write_run_files(&train_args, &job)?;
+        crate::run_dir::write_run_files(&job.spec().config.out, &train_args, &job)?;
         return Ok(Offer::Settings(encode(&Settings::Train(Box::new(job)))?));
     };
     eprintln!(
@@ -470,7 +470,7 @@ fn rank0_offer(args: &NodeArgs, world: u32) -> Result<Offer> {
         let profiles = answers.into_iter().enumerate().map(profile_of).collect();
         crate::plan::plan_with_profiles(&train_args, cfg, &data, world, profiles)
             .and_then(|job| {
-                write_run_files(&train_args, &job)?;
+                crate::run_dir::write_run_files(&job.spec().config.out, &train_args, &job)?;
                 encode(&Settings::Train(Box::new(job)))
             })
             .map_err(|e| crate::error::describe(&e))
@@ -498,19 +498,6 @@ fn own_threads(job: &mut Job, rank: u32, table: &ringtmp_cluster::rendezvous::Ta
         .count();
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     job.spec_mut().config.threads = (cores / here.max(1)).max(1);
-}
-
-/// The run's options and plan in its output directory (`train.toml`, `job.json`), as
-/// `ringtmp train` writes them (docs/output.md): what was run, and what `--resume` reads.
-pub(crate) fn write_run_files(train_args: &TrainArgs, job: &Job) -> Result<()> {
-    let out = &job.spec().config.out;
-    let config = out.join("train.toml");
-    let options = toml::to_string(train_args).context("encoding the training options")?;
-    std::fs::write(&config, options).with_context(|| format!("writing {}", config.display()))?;
-    let plan = out.join("job.json");
-    let text = serde_json::to_string_pretty(job).context("encoding the job")?;
-    std::fs::write(&plan, text).with_context(|| format!("writing {}", plan.display()))?;
-    Ok(())
 }
 
 /// Rank `rank`'s profile from its answer at rendezvous; a node that could not profile is

@@ -118,6 +118,23 @@ pub fn resumes_from(out: &Path, resume: Option<&Path>) -> bool {
     }
 }
 
+/// Writes the run's options and plan into its output directory `out` (`train.toml`, `job.json`;
+/// docs/output.md): what was run, and what `--resume` reads. Returns the two files' paths.
+pub fn write_run_files(
+    out: &Path,
+    train_args: &crate::args::TrainArgs,
+    job: &ringtmp_strategy::Job,
+) -> Result<(PathBuf, PathBuf)> {
+    use anyhow::Context as _;
+    let config = out.join("train.toml");
+    let options = toml::to_string(train_args).context("encoding the training options")?;
+    std::fs::write(&config, options).with_context(|| format!("writing {}", config.display()))?;
+    let plan = out.join("job.json");
+    let text = serde_json::to_string_pretty(job).context("encoding the job")?;
+    std::fs::write(&plan, text).with_context(|| format!("writing {}", plan.display()))?;
+    Ok((config, plan))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

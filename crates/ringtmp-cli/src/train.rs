@@ -1,7 +1,7 @@
 //! `ringtmp train` and `ringtmp validate-config`: load the data, run the strategy, show progress
 //! (a bar on a terminal, plain lines otherwise) and print the result.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use ringtmp_strategy::{Job, train_local};
 
 use crate::args::TrainArgs;
@@ -110,7 +110,7 @@ fn run_resolved(args: TrainArgs) -> Result<()> {
         out.resume.as_deref(),
         args.overwrite.unwrap_or(false),
     )?;
-    crate::node::write_run_files(&args, &planned)?;
+    crate::run_dir::write_run_files(&out.out, &args, &planned)?;
     let Job::Local(job) = planned else {
         unreachable!("--strategy local plans a local job")
     };
@@ -391,18 +391,7 @@ fn launch_once(args: &mut TrainArgs, cluster: &LocalCluster, attempt: usize) -> 
         "training with strategy {name} on {nodes} local node processes{idle}; output in {}",
         out.display()
     );
-    let config = out.join("train.toml");
-    std::fs::write(
-        &config,
-        toml::to_string(&*args).context("encoding the training options")?,
-    )
-    .with_context(|| format!("writing {}", config.display()))?;
-    let plan = out.join("job.json");
-    std::fs::write(
-        &plan,
-        serde_json::to_string_pretty(&job).context("encoding the job")?,
-    )
-    .with_context(|| format!("writing {}", plan.display()))?;
+    let (config, plan) = crate::run_dir::write_run_files(&out, args, &job)?;
     let (config, plan) = (config.display().to_string(), plan.display().to_string());
     // Nodes whose death the strategy survives (a parameter server dropping dead workers).
     let expendable = |rank: u32| job.expendable(rank);

@@ -80,9 +80,8 @@ impl Architecture {
         })
     }
 
-    /// The fields as nanoGPT's `model_args` name them (and `mlp_ratio`), for a safetensors
-    /// file's metadata: what is unknown is left out.
-    pub fn to_metadata(&self) -> Vec<(&'static str, String)> {
+    /// The known fields under nanoGPT's `model_args` names (and `mlp_ratio`).
+    pub fn named(&self) -> Vec<(&'static str, usize)> {
         [
             ("n_layer", self.blocks),
             ("n_head", self.heads),
@@ -92,8 +91,16 @@ impl Architecture {
             ("vocab_size", self.vocab),
         ]
         .into_iter()
-        .filter_map(|(k, v)| v.map(|v| (k, v.to_string())))
+        .filter_map(|(k, v)| v.map(|v| (k, v)))
         .collect()
+    }
+
+    /// [`Self::named`] as strings, for a safetensors file's metadata.
+    pub fn to_metadata(&self) -> Vec<(&'static str, String)> {
+        self.named()
+            .into_iter()
+            .map(|(k, v)| (k, v.to_string()))
+            .collect()
     }
 
     /// The architecture a description states through `get` (a key's whole-number value): under

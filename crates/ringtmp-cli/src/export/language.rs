@@ -88,10 +88,10 @@ impl Language {
         };
         let architecture: serde_json::Map<String, serde_json::Value> = self
             .architecture(opened)
-            .map(|a| a.to_metadata())
+            .map(|a| a.named())
             .unwrap_or_default()
             .into_iter()
-            .map(|(k, v)| (k.to_string(), v.parse::<u64>().map_or(v.into(), Into::into)))
+            .map(|(k, v)| (k.to_string(), v.into()))
             .collect();
         serde_json::json!({
             "task": "next-token",

@@ -63,21 +63,22 @@ mod op {
     pub const BINPERSID: u8 = b'Q';
 }
 
-/// A pickler; tensors' storages are collected, in order, as they are met.
+/// A pickler; tensors' storages are collected, in order, as they are met (borrowed from the
+/// value, so a model is not copied to be saved).
 #[derive(Default)]
-struct Pickler {
+struct Pickler<'a> {
     out: Vec<u8>,
-    storages: Vec<Vec<f32>>,
+    storages: Vec<&'a [f32]>,
 }
 
-impl Pickler {
+impl<'a> Pickler<'a> {
     fn global(&mut self, module: &str, name: &str) {
         self.out.push(op::GLOBAL);
         self.out
             .extend_from_slice(format!("{module}\n{name}\n").as_bytes());
     }
 
-    fn tuple(&mut self, items: &[Py]) {
+    fn tuple(&mut self, items: &'a [Py]) {
         if items.is_empty() {
             self.out.push(op::EMPTY_TUPLE);
             return;
@@ -89,7 +90,7 @@ impl Pickler {
         self.out.push(op::TUPLE);
     }
 
-    fn items(&mut self, pairs: &[(Py, Py)]) {
+    fn items(&mut self, pairs: &'a [(Py, Py)]) {
         if pairs.is_empty() {
             return;
         }
@@ -101,29 +102,16 @@ impl Pickler {
         self.out.push(op::SETITEMS);
     }
 
-    fn value(&mut self, v: &Py) {
+    fn value(&mut self, v: &'a Py) {
         match v {
             Py::None => self.out.push(op::NONE),
             Py::Bool(b) => self.out.push(if *b { op::NEWTRUE } else { op::NEWFALSE }),
-            Py::Int(i) => match i32::try_from(*i) {
-                Ok(small) => {
-                    self.out.push(op::BININT);
-                    self.out.extend_from_slice(&small.to_le_bytes());
-                }
-                Err(_) => {
-                    self.out.extend_from_slice(&[op::LONG1, 8]);
-                    self.out.extend_from_slice(&i.to_le_bytes());
-                }
-            },
+            Py::Int(i) => self.int(*i),
             Py::Float(f) => {
                 self.out.push(op::BINFLOAT);
                 self.out.extend_from_slice(&f.to_be_bytes());
             }
-            Py::Str(s) => {
-                self.out.push(op::BINUNICODE);
-                self.out.extend_from_slice(&(s.len() as u32).to_le_bytes());
-                self.out.extend_from_slice(s.as_bytes());
-            }
+            Py::Str(s) => self.string(s),
             Py::Tuple(items) => self.tuple(items),
             Py::List(items) => {
                 self.out.push(op::EMPTY_LIST);
@@ -149,36 +137,68 @@ impl Pickler {
         }
     }
 
-    fn tensor(&mut self, shape: &[usize], values: &[f32]) {
+    fn int(&mut self, i: i64) {
+        match i32::try_from(i) {
+            Ok(small) => {
+                self.out.push(op::BININT);
+                self.out.extend_from_slice(&small.to_le_bytes());
+            }
+            Err(_) => {
+                self.out.extend_from_slice(&[op::LONG1, 8]);
+                self.out.extend_from_slice(&i.to_le_bytes());
+            }
+        }
+    }
+
+    fn string(&mut self, s: &str) {
+        self.out.push(op::BINUNICODE);
+        self.out.extend_from_slice(&(s.len() as u32).to_le_bytes());
+        self.out.extend_from_slice(s.as_bytes());
+    }
+
+    fn int_tuple(&mut self, values: &[usize]) {
+        if values.is_empty() {
+            self.out.push(op::EMPTY_TUPLE);
+            return;
+        }
+        self.out.push(op::MARK);
+        for &v in values {
+            self.int(v as i64);
+        }
+        self.out.push(op::TUPLE);
+    }
+
+    fn tensor(&mut self, shape: &[usize], values: &'a [f32]) {
         let key = self.storages.len().to_string();
-        self.storages.push(values.to_vec());
+        self.storages.push(values);
         self.global("torch._utils", "_rebuild_tensor_v2");
         self.out.push(op::MARK);
         // The storage, as a persistent id the loader resolves to `data/<key>`.
         self.out.push(op::MARK);
-        self.value(&Py::str("storage"));
+        self.string("storage");
         self.global("torch", "FloatStorage");
-        self.value(&Py::Str(key));
-        self.value(&Py::str("cpu"));
-        self.value(&Py::Int(values.len() as i64));
+        self.string(&key);
+        self.string("cpu");
+        self.int(values.len() as i64);
         self.out.push(op::TUPLE);
         self.out.push(op::BINPERSID);
-        self.value(&Py::Int(0));
-        let dims: Vec<Py> = shape.iter().map(|&d| Py::Int(d as i64)).collect();
-        self.tuple(&dims);
+        self.int(0);
+        self.int_tuple(shape);
         let mut strides = vec![1usize; shape.len()];
         for i in (0..shape.len().saturating_sub(1)).rev() {
             strides[i] = strides[i + 1] * shape[i + 1];
         }
-        let strides: Vec<Py> = strides.iter().map(|&s| Py::Int(s as i64)).collect();
-        self.tuple(&strides);
-        self.value(&Py::Bool(false));
-        self.value(&Py::OrderedDict(Vec::new()));
+        self.int_tuple(&strides);
+        self.out.push(op::NEWFALSE);
+        // The backward hooks: an empty OrderedDict.
+        self.global("collections", "OrderedDict");
+        self.out.push(op::EMPTY_TUPLE);
+        self.out.push(op::REDUCE);
         self.out.push(op::TUPLE);
         self.out.push(op::REDUCE);
     }
 
-    fn finish(mut self, v: &Py) -> (Vec<u8>, Vec<Vec<f32>>) {
+    fn finish(mut self, v: &'a Py) -> (Vec<u8>, Vec<&'a [f32]>) {
         self.out.extend_from_slice(&[op::PROTO, 2]);
         self.value(v);
         self.out.push(op::STOP);
