@@ -122,7 +122,7 @@ pub fn resumes_from(out: &Path, resume: Option<&Path>) -> bool {
 /// docs/output.md): what was run, and what `--resume` reads. Returns the two files' paths.
 pub fn write_run_files(
     out: &Path,
-    train_args: &crate::args::TrainArgs,
+    train_args: &impl serde::Serialize,
     job: &ringtmp_strategy::Job,
 ) -> Result<(PathBuf, PathBuf)> {
     use anyhow::Context as _;
