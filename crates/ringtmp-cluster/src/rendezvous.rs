@@ -535,13 +535,17 @@ pub fn join(
                 },
                 world_size,
             });
-            connection
-                .send(&register)
-                .await
-                .map_err(|e| TransportError::PeerClosed {
+            if let Err(e) = connection.send(&register).await {
+                // Closed under the registration: the same cut as below, met while sending.
+                if Instant::now() < deadline {
+                    tracing::info!("rendezvous: registration cut short ({e}); again");
+                    continue;
+                }
+                return Err(TransportError::PeerClosed {
                     peer: peer.clone(),
                     reason: e.to_string(),
-                })?;
+                });
+            }
             match await_table(&mut connection, &peer, rank, &cfg, deadline, answer).await {
                 Ok(table) => break (connection, peer, table),
                 // Closed before rank 0 said anything: it cut this greeting (its oldest) after
