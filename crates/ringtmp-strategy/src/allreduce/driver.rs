@@ -17,28 +17,24 @@
 //! carry the ring's generation, so none from an abandoned attempt is ever summed; the step's mean
 //! loss travels in bucket 0's last slot; every wait has the job's timeout and names the peer.
 
-use std::time::Instant;
+use std::ops::Range;
 
-use ringtmp_data::{BatchPlan, Dataset};
+use ringtmp_data::Dataset;
 use ringtmp_metrics::DroppedNode;
-use ringtmp_model::{Optimizer, Stage};
+use ringtmp_model::Stage;
 use ringtmp_transport::Transport;
 use serde_json::json;
 
 use super::AllReduceJob;
 use crate::collective::elastic::{ModelReplica, Regrouping};
 use crate::collective::reduce::{MAX_BUCKETS, Reduced, Reducer, Ring, buckets};
-use crate::data_parallel::write_model;
-use crate::data_parallel::{WorkerOutcome, report};
+use crate::data_parallel::WorkerOutcome;
+use crate::data_parallel::worker_loop::{self, Ending, Log, Opening, Stepped, SyncRule, Worker};
 use crate::error::{Error, Result};
 
 /// Runs worker `rank` of `job` on `data` until the job's last iteration; rank 0 evaluates,
 /// checkpoints and writes the run's outputs. A worker that dies is left behind: the survivors
 /// re-form the ring and go on from rank 0's replica (rank 0's death ends the run).
-#[expect(
-    clippy::too_many_lines,
-    reason = "a worker's lifecycle written by hand; the one data-parallel loop is to provide it"
-)]
 pub fn run_worker(
     job: &AllReduceJob,
     rank: u32,
@@ -46,185 +42,160 @@ pub fn run_worker(
     net: &mut dyn Transport,
     on_event: &mut dyn FnMut(&crate::Event),
 ) -> Result<WorkerOutcome> {
-    let spec = &job.spec;
-    let n = job.workers;
-    let (_, mut stage, mut optimizer) = spec.open_replica()?;
-    let ranges = buckets(&stage, job.bucket_bytes);
-    if ranges.len() >= MAX_BUCKETS {
-        return Err(Error::Config(format!(
-            "--bucket-mb too small: {} buckets (at most {MAX_BUCKETS})",
-            ranges.len()
-        )));
-    }
-    let clock = net.clock();
-    let speed = job.node_speeds.get(rank as usize).copied().unwrap_or(1.0);
-    let global = spec.batch_size * n;
-    let mut plan = BatchPlan::new(data.train.len(), global, spec.seed)?;
-    let mut share = crate::data_parallel::ShareBuffers::default();
-    let mut recorder = crate::data_parallel::open_recorder(
-        spec,
-        super::NAME,
+    let opening = Opening {
+        spec: &job.spec,
+        strategy: super::NAME,
         rank,
-        stage.params().len(),
-        json!({"workers": n, "buckets": ranges.len(), "bucket_bytes": job.bucket_bytes,
-                    "params": stage.params().len()}),
-        on_event,
-    )?;
-    let started = clock.now();
-    let (mut train_seconds, mut compute_seconds, mut reduce_wait) = (0.0f64, 0.0f64, 0.0f64);
-    let (mut samples, mut iterations) = (0u64, 0u64);
-    let mut ring = Ring {
-        members: (0..n as u32).collect(),
-        generation: 0,
+        workers: job.workers,
+        node_speeds: &job.node_speeds,
+        data,
+        initial: None,
     };
-    let mut dropped: Vec<DroppedNode> = Vec::new();
-    let mut step = spec.first_step();
-    while step < spec.total_steps {
-        let t_step = clock.now();
-        let (t0, wall) = (clock.now(), Instant::now());
-        let (at, m) = (ring.position(rank).expect("a member"), ring.members.len());
-        let mut local_loss = crate::data_parallel::forward_share(
-            spec, &mut plan, data, &mut stage, at as u32, m, step, &mut share,
-        )? as f32;
+    worker_loop::run(
+        &opening,
+        |worker| EveryStep::new(job, &worker.stage),
+        net,
+        on_event,
+    )
+}
+
+/// All-reduce's synchronisation: the mean of the workers' gradients, every step, on the ring
+/// of the live workers.
+struct EveryStep<'j> {
+    job: &'j AllReduceJob,
+    /// The gradient's buckets, last layer first.
+    ranges: Vec<Range<usize>>,
+    ring: Ring,
+    dropped: Vec<DroppedNode>,
+}
+
+impl<'j> EveryStep<'j> {
+    fn new(job: &'j AllReduceJob, stage: &Stage) -> Result<Self> {
+        let ranges = buckets(stage, job.bucket_bytes);
+        if ranges.len() >= MAX_BUCKETS {
+            return Err(Error::Config(format!(
+                "--bucket-mb too small: {} buckets (at most {MAX_BUCKETS})",
+                ranges.len()
+            )));
+        }
+        Ok(Self {
+            job,
+            ranges,
+            ring: Ring {
+                members: (0..job.workers as u32).collect(),
+                generation: 0,
+            },
+            dropped: Vec::new(),
+        })
+    }
+}
+
+impl SyncRule for EveryStep<'_> {
+    fn start_fields(&self, worker: &Worker<'_>) -> serde_json::Value {
+        json!({"workers": self.job.workers, "buckets": self.ranges.len(),
+               "bucket_bytes": self.job.bucket_bytes, "params": worker.stage.params().len()})
+    }
+
+    fn step(
+        &mut self,
+        worker: &mut Worker<'_>,
+        step: u64,
+        net: &mut dyn Transport,
+        log: &mut Log<'_>,
+    ) -> Result<Stepped> {
+        let spec = worker.spec;
+        let rank = worker.rank;
+        let global = spec.batch_size * self.job.workers;
+        let span = worker.start_compute();
+        let (at, m) = (
+            self.ring.position(rank).expect("a member"),
+            self.ring.members.len(),
+        );
+        let mut local_loss = worker.forward(at as u32, m, step)? as f32;
         // Shares differ by a row when the survivors do not divide the global batch: weigh each
         // share's mean by its rows, so the sum over workers divided by m is the batch's mean.
         // (A language model's share has a label per position: its rows are windows.)
-        let rows = share.y.len() / spec.positions();
+        let rows = worker.share.y.len() / spec.positions();
         let weight = (rows * m) as f32 / global as f32;
         if weight != 1.0 {
-            share.dlogits.iter_mut().for_each(|d| *d *= weight);
+            worker.share.dlogits.iter_mut().for_each(|d| *d *= weight);
             local_loss *= weight;
         }
         let mut reducer = Reducer::new(
             rank,
-            &ring,
-            &ranges,
+            &self.ring,
+            &self.ranges,
             1,
             step,
             spec.recv_timeout(),
             spec.wire_dtype,
         );
         backward_overlapping(
-            job.overlap,
-            &mut stage,
-            &share.dlogits,
+            self.job.overlap,
+            &mut worker.stage,
+            &worker.share.dlogits,
             &mut reducer,
             local_loss,
             net,
         )?;
-        clock.computed(wall.elapsed(), speed);
-        compute_seconds += (clock.now() - t0).as_secs_f64();
+        worker.computed(span);
         // Whatever the backward did not start yet (the first layers' bucket), then the rest of
         // the reduction.
-        let waited = clock.now();
-        reducer.start_ready(0, stage.grads(), local_loss, net)?;
+        let waited = worker.clock.now();
+        reducer.start_ready(0, worker.stage.grads(), local_loss, net)?;
         reducer.finish(net)?;
-        reduce_wait += (clock.now() - waited).as_secs_f64();
-        iterations += 1;
+        worker.waited_since(waited);
+        worker.iterations += 1;
         let reduced = match reducer.close(net) {
             Ok(reduced) => reduced,
             Err(broke) => {
                 // The step is abandoned; the survivors go on from rank 0's replica.
-                stage.zero_grad();
-                let regrouped = Regrouping {
+                worker.stage.zero_grad();
+                let regrouping = Regrouping {
                     rank,
                     step,
                     timeout: spec.recv_timeout(),
                 };
-                step = regrouped.after(
+                let from = regrouping.after(
                     broke,
                     net,
-                    &mut ring,
+                    &mut self.ring,
                     &mut ModelReplica {
-                        stage: &mut stage,
-                        optimizer: &mut optimizer,
+                        stage: &mut worker.stage,
+                        optimizer: &mut worker.optimizer,
                     },
-                    &mut dropped,
-                    recorder.as_mut(),
-                    on_event,
+                    &mut self.dropped,
+                    log.recorder.as_deref_mut(),
+                    log.on_event,
                 )?;
-                train_seconds += (clock.now() - t_step).as_secs_f64();
-                continue;
+                return Ok(Stepped::Redo { from });
             }
         };
         // The mean of the workers' gradients, then the same step on every replica.
-        let step_loss = take_mean(&mut stage, &reduced, m);
+        let step_loss = take_mean(&mut worker.stage, &reduced, m);
         let lr = spec.lr_at(step);
-        let (t1, wall) = (clock.now(), Instant::now());
+        let span = worker.start_compute();
         if let Some(max_norm) = spec.clip_grad_norm {
             // Every replica holds the same averaged gradient: the same norm and factor, the
             // large batch's own clipping.
-            crate::clipping::clip_whole(&mut stage, max_norm);
+            crate::clipping::clip_whole(&mut worker.stage, max_norm);
         }
-        stage.step(&mut optimizer, lr);
-        clock.computed(wall.elapsed(), speed);
-        compute_seconds += (clock.now() - t1).as_secs_f64();
-        train_seconds += (clock.now() - t_step).as_secs_f64();
-        samples += global as u64;
-        if !step_loss.is_finite() {
-            return Err(Error::Diverged {
-                step,
-                loss: step_loss,
-            });
-        }
-        step += 1;
-        let done = step;
-        net.step_done();
-        let Some(recorder) = recorder.as_mut() else {
-            continue;
-        };
-        recorder.announce_step(done, step_loss, lr, (train_seconds, samples), on_event)?;
-        let mut verdict = crate::recorder::Verdict::default();
-        if spec.eval_due(done) {
-            let score = crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?;
-            verdict = recorder.announce_eval(
-                done,
-                score,
-                train_seconds,
-                (clock.now() - started).as_secs_f64(),
-                on_event,
-            )?;
-        }
-        // The best evaluation's checkpoint: rank 0 holds the model (the outer one, for DiLoCo).
-        if spec.checkpoint_due(done) || verdict.checkpoint {
-            let dir = write_checkpoint(job, &stage, &optimizer, done)?;
-            recorder.announce_checkpoint(done, dir, on_event)?;
-        }
+        worker.stage.step(&mut worker.optimizer, lr);
+        worker.computed(span);
+        Ok(Stepped::Trained {
+            loss: Some(step_loss),
+            lr,
+            next: step + 1,
+        })
     }
-    // Every worker's measurements, straight to rank 0.
-    let own = crate::data_parallel::worker_summary(
-        rank,
-        &stage,
-        &optimizer,
-        net,
-        &crate::data_parallel::WorkerClock {
-            train_seconds,
-            compute_seconds,
-            wait_seconds: reduce_wait,
-            iterations,
-            samples: 0,
-        },
-    );
-    let totals = crate::data_parallel::RunTotals {
-        params: stage.params().len() as u64,
-        steps: spec.total_steps,
-        samples,
-        samples_from_reports: false,
-        wall_seconds: 0.0,
-        train_seconds,
-    };
-    let summary = report(
-        (spec, super::NAME, job.workers),
-        net,
-        rank,
-        &ring,
-        own,
-        recorder,
-        (totals, started),
-        dropped,
-        on_event,
-    )?;
-    Ok(WorkerOutcome { stage, summary })
+
+    fn finish(&mut self, _: &mut Worker<'_>, _: &mut dyn FnMut(&crate::Event)) -> Result<Ending> {
+        Ok(Ending {
+            members: self.ring.members.clone(),
+            dropped: std::mem::take(&mut self.dropped),
+            ..Ending::default()
+        })
+    }
 }
 
 /// The backward pass of this worker's share, overlapped (when `overlap`) with the reduction:
@@ -274,22 +245,4 @@ fn take_mean(stage: &mut Stage, reduced: &[Reduced], m: usize) -> f64 {
         }
     }
     step_loss
-}
-
-/// Rank 0 writes the one model every replica holds, in the format every strategy reads.
-fn write_checkpoint(
-    job: &AllReduceJob,
-    stage: &Stage,
-    optimizer: &Optimizer,
-    step: u64,
-) -> Result<std::path::PathBuf> {
-    write_model(
-        &job.spec,
-        job.workers,
-        super::NAME,
-        stage,
-        optimizer,
-        step,
-        &[],
-    )
 }

@@ -23,11 +23,9 @@
 //! changed only by the reduced, hence identical, averages); each fragment synchronises every H
 //! steps and all of them at the last step, so the run ends on the outer model on every worker.
 
-use std::time::Instant;
-
-use ringtmp_data::{BatchPlan, Dataset};
+use ringtmp_data::Dataset;
 use ringtmp_metrics::DroppedNode;
-use ringtmp_model::Stage;
+use ringtmp_model::{Optimizer, Stage};
 use ringtmp_transport::Transport;
 use serde_json::json;
 
@@ -36,8 +34,10 @@ use super::round::{Layout, Round};
 use crate::collective::elastic::Regrouping;
 use crate::collective::outer::{OuterState, SyncSchedule, fragments};
 use crate::collective::reduce::{MAX_BUCKETS, Ring};
-use crate::data_parallel::write_model;
-use crate::data_parallel::{WorkerOutcome, report};
+use crate::data_parallel::WorkerOutcome;
+use crate::data_parallel::worker_loop::{
+    self, Ending, Log, Opening, RecordedModel, Stepped, SyncRule, Worker,
+};
 use crate::error::{Error, Result};
 
 /// Cuts `range` into buckets of at most `bytes` (of f32), last first (the order all-reduce
@@ -72,10 +72,6 @@ fn with_outer<T>(
 
 /// Runs worker `rank` of `job` on `data`; rank 0 evaluates the outer model, checkpoints it and
 /// writes the run's outputs.
-#[expect(
-    clippy::too_many_lines,
-    reason = "a worker's lifecycle written by hand; the one data-parallel loop is to provide it"
-)]
 pub fn run_worker(
     job: &DilocoJob,
     rank: u32,
@@ -83,252 +79,307 @@ pub fn run_worker(
     net: &mut dyn Transport,
     on_event: &mut dyn FnMut(&crate::Event),
 ) -> Result<WorkerOutcome> {
-    let spec = &job.spec;
-    let n = job.workers;
-    let (_, mut stage, mut optimizer) = spec.open_replica()?;
-    let mut outer = if ringtmp_meter::phantom() {
-        OuterState::default()
-    } else {
-        OuterState::new(stage.params())
-    };
-    let tensors: Vec<std::ops::Range<usize>> = stage
-        .param_ranges()
-        .map(|(_, r)| r)
-        .filter(|r| !r.is_empty())
-        .collect();
-    let parts = fragments(&tensors, job.fragments);
-    if parts.len() < job.fragments && rank == 0 {
-        // A fragment is whole tensors: a model of few tensors cannot be cut finer.
-        tracing::warn!(
-            "diloco: --outer-fragments {} asked for, but this model's {} parameter tensors make \
-             only {} fragments of about equal size; synchronising {} fragments",
-            job.fragments,
-            tensors.len(),
-            parts.len(),
-            parts.len()
-        );
-    }
-    let buckets: Vec<Vec<std::ops::Range<usize>>> = parts
-        .iter()
-        .map(|p| bucket_ranges(p.clone(), job.bucket_bytes))
-        .collect();
-    let layout = Layout { parts, buckets };
-    if layout.buckets.iter().map(Vec::len).sum::<usize>() >= MAX_BUCKETS {
-        return Err(Error::Config(format!(
-            "the outer all-reduce would need more than {MAX_BUCKETS} buckets"
-        )));
-    }
-    let schedule = SyncSchedule {
-        h: job.inner_steps,
-        f: layout.parts.len(),
-        total: spec.total_steps,
-    };
-    let clock = net.clock();
-    let speed = job.node_speeds.get(rank as usize).copied().unwrap_or(1.0);
-    let global = spec.batch_size * n;
-    let mut plan = BatchPlan::new(data.train.len(), global, spec.seed)?;
-    let mut share = crate::data_parallel::ShareBuffers::default();
-    let mut recorder = crate::data_parallel::open_recorder(
-        spec,
-        super::NAME,
+    let opening = Opening {
+        spec: &job.spec,
+        strategy: super::NAME,
         rank,
-        stage.params().len(),
-        json!({"workers": n, "inner_steps": job.inner_steps, "fragments": layout.parts.len(), "overlap": job.overlap,
-               "outer": job.outer, "outer_dtype": job.outer_dtype,
-               "params": stage.params().len()}),
-        on_event,
-    )?;
-    let started = clock.now();
-    let (mut train_seconds, mut compute_seconds, mut sync_wait) = (0.0f64, 0.0f64, 0.0f64);
-    let (mut samples, mut iterations, mut skipped) = (0u64, 0u64, 0u64);
-    // The examples of this worker's own shares, skipped steps not counted.
-    let mut trained = 0u64;
-    let mut ring = Ring {
-        members: (0..n as u32).collect(),
-        generation: 0,
+        workers: job.workers,
+        node_speeds: &job.node_speeds,
+        data,
+        initial: None,
     };
-    let mut dropped: Vec<DroppedNode> = Vec::new();
-    // Inner steps taken since each fragment's last synchronisation.
-    let mut since_sync = vec![0u64; layout.parts.len()];
-    // The synchronisation in flight, overlapping inner steps.
-    let mut pending: Option<Round> = None;
-    let mut step = spec.first_step();
-    // Seconds of inner steps since the last synchronisation (any fragment).
-    let mut window_spent = 0.0f64;
-    while step < spec.total_steps {
-        let t_step = clock.now();
-        // Only under --inner-seconds: finding the interval scans the schedule.
-        let window = job.inner_seconds.map(|s| {
-            let next_sync = schedule.next_after(step);
-            s * (next_sync - schedule.previous_before(next_sync)) as f64 / job.inner_steps as f64
-        });
-        let mut step_loss = f64::NAN;
-        if window.is_some_and(|w| window_spent >= w) {
-            // Out of time before the synchronisation: this step's share is skipped.
-            skipped += 1;
+    worker_loop::run(&opening, |worker| EveryH::new(job, worker), net, on_event)
+}
+
+/// DiLoCo's synchronisation: inner steps alone, and every H steps per fragment the outer step
+/// on the workers' mean pseudo-gradient (in flight over the next `overlap` inner steps).
+struct EveryH<'j> {
+    job: &'j DilocoJob,
+    layout: Layout,
+    schedule: SyncSchedule,
+    /// The outer parameters and momentum (the same bits on every worker).
+    outer: OuterState,
+    ring: Ring,
+    dropped: Vec<DroppedNode>,
+    /// Inner steps taken since each fragment's last synchronisation.
+    since_sync: Vec<u64>,
+    /// The synchronisation in flight, overlapping inner steps.
+    pending: Option<Round>,
+    /// Seconds of inner steps since the last synchronisation (any fragment).
+    window_spent: f64,
+    /// Inner steps skipped to meet `--inner-seconds`.
+    skipped: u64,
+}
+
+impl<'j> EveryH<'j> {
+    fn new(job: &'j DilocoJob, worker: &Worker<'_>) -> Result<Self> {
+        let stage = &worker.stage;
+        let outer = if ringtmp_meter::phantom() {
+            OuterState::default()
         } else {
-            let (t0, wall) = (clock.now(), Instant::now());
-            let (at, m) = (ring.position(rank).expect("a member"), ring.members.len());
-            step_loss = crate::data_parallel::forward_share(
-                spec, &mut plan, data, &mut stage, at as u32, m, step, &mut share,
-            )?;
-            let lr = spec.lr_at(step);
-            match spec.clip_grad_norm {
-                // The norm needs the whole gradient before any update.
-                Some(max_norm) => {
-                    stage.backward(0, &share.dlogits)?;
-                    crate::clipping::clip_whole(&mut stage, max_norm);
-                    stage.step(&mut optimizer, lr);
-                }
-                None => {
-                    // Between layers, the synchronisation in flight moves along.
-                    let mut failure = None;
-                    let mut between = || {
-                        if let Some(round) = pending.as_mut()
-                            && failure.is_none()
-                            && let Err(e) = round.pump(net)
-                        {
-                            failure = Some(e);
-                        }
-                    };
-                    stage.backward_and_step(0, &share.dlogits, &mut optimizer, lr, &mut between)?;
-                    if let Some(e) = failure {
-                        return Err(e);
-                    }
-                }
+            OuterState::new(stage.params())
+        };
+        let tensors: Vec<std::ops::Range<usize>> = stage
+            .param_ranges()
+            .map(|(_, r)| r)
+            .filter(|r| !r.is_empty())
+            .collect();
+        let parts = fragments(&tensors, job.fragments);
+        if parts.len() < job.fragments && worker.rank == 0 {
+            // A fragment is whole tensors: a model of few tensors cannot be cut finer.
+            tracing::warn!(
+                "diloco: --outer-fragments {} asked for, but this model's {} parameter tensors \
+                 make only {} fragments of about equal size; synchronising {} fragments",
+                job.fragments,
+                tensors.len(),
+                parts.len(),
+                parts.len()
+            );
+        }
+        let buckets: Vec<Vec<std::ops::Range<usize>>> = parts
+            .iter()
+            .map(|p| bucket_ranges(p.clone(), job.bucket_bytes))
+            .collect();
+        let layout = Layout { parts, buckets };
+        if layout.buckets.iter().map(Vec::len).sum::<usize>() >= MAX_BUCKETS {
+            return Err(Error::Config(format!(
+                "the outer all-reduce would need more than {MAX_BUCKETS} buckets"
+            )));
+        }
+        let schedule = SyncSchedule {
+            h: job.inner_steps,
+            f: layout.parts.len(),
+            total: job.spec.total_steps,
+        };
+        Ok(Self {
+            job,
+            since_sync: vec![0; layout.parts.len()],
+            layout,
+            schedule,
+            outer,
+            ring: Ring {
+                members: (0..job.workers as u32).collect(),
+                generation: 0,
+            },
+            dropped: Vec::new(),
+            pending: None,
+            window_spent: 0.0,
+            skipped: 0,
+        })
+    }
+
+    /// One inner step on this worker's share (the synchronisation in flight moving along
+    /// between layers); returns its loss.
+    fn inner_step(
+        &mut self,
+        worker: &mut Worker<'_>,
+        step: u64,
+        net: &mut dyn Transport,
+    ) -> Result<f64> {
+        let spec = worker.spec;
+        let span = worker.start_compute();
+        let (at, m) = (
+            self.ring.position(worker.rank).expect("a member"),
+            self.ring.members.len(),
+        );
+        let loss = worker.forward(at as u32, m, step)?;
+        let lr = spec.lr_at(step);
+        let Worker {
+            stage,
+            optimizer,
+            share,
+            ..
+        } = worker;
+        match spec.clip_grad_norm {
+            // The norm needs the whole gradient before any update.
+            Some(max_norm) => {
+                stage.backward(0, &share.dlogits)?;
+                crate::clipping::clip_whole(stage, max_norm);
+                stage.step(optimizer, lr);
             }
-            clock.computed(wall.elapsed(), speed);
-            let spent = (clock.now() - t0).as_secs_f64();
-            compute_seconds += spent;
-            window_spent += spent;
-            since_sync.iter_mut().for_each(|t| *t += 1);
-            iterations += 1;
-            trained += (share.y.len() / spec.positions()) as u64;
-            if !step_loss.is_finite() {
-                return Err(Error::Diverged {
-                    step,
-                    loss: step_loss,
-                });
+            None => {
+                // Between layers, the synchronisation in flight moves along.
+                let mut failure = None;
+                let pending = &mut self.pending;
+                let mut between = || {
+                    if let Some(round) = pending.as_mut()
+                        && failure.is_none()
+                        && let Err(e) = round.pump(net)
+                    {
+                        failure = Some(e);
+                    }
+                };
+                stage.backward_and_step(0, &share.dlogits, optimizer, lr, &mut between)?;
+                if let Some(e) = failure {
+                    return Err(e);
+                }
             }
         }
-        // Rank 0's progress lines count the global batch of every step; the summary counts
-        // the examples the workers trained (their reports: skipped shares are not).
-        samples += global as u64;
-        step += 1;
+        self.window_spent += worker.computed(span);
+        self.since_sync.iter_mut().for_each(|t| *t += 1);
+        worker.iterations += 1;
+        worker.own_samples += (worker.share.y.len() / spec.positions()) as u64;
+        if !loss.is_finite() {
+            return Err(Error::Diverged { step, loss });
+        }
+        Ok(loss)
+    }
+
+    /// After `step` steps: lands the round in flight when it is due, and launches the
+    /// fragments' synchronisation that is due. Returns the step count to go on from (rank 0's,
+    /// after a regroup).
+    fn synchronise(
+        &mut self,
+        worker: &mut Worker<'_>,
+        step: u64,
+        net: &mut dyn Transport,
+        log: &mut Log<'_>,
+    ) -> Result<u64> {
+        let (job, spec) = (self.job, worker.spec);
+        let mut step = step;
         let mut ctx = SyncContext {
             job,
-            rank,
-            layout: &layout,
-            schedule: &schedule,
-            ring: &mut ring,
-            stage: &mut stage,
-            outer: &mut outer,
-            trained: &mut since_sync,
-            dropped: &mut dropped,
+            rank: worker.rank,
+            layout: &self.layout,
+            schedule: &self.schedule,
+            ring: &mut self.ring,
+            stage: &mut worker.stage,
+            outer: &mut self.outer,
+            trained: &mut self.since_sync,
+            dropped: &mut self.dropped,
         };
-        let waited = clock.now();
-        if let Some(round) = pending.take_if(|r| r.lands_at <= step) {
-            step = ctx.land(round, job.mix, step, net, recorder.as_mut(), on_event)?;
-        }
-        let due = schedule.due(step);
-        if !due.is_empty() {
-            let trained_since = due.iter().all(|p| ctx.trained[*p] > 0);
-            let rate = spec.rate_before(step, job.inner_steps);
-            let mut round = Round::take(
-                &layout,
+        if let Some(round) = self.pending.take_if(|r| r.lands_at <= step) {
+            step = ctx.land(
+                round,
+                job.mix,
                 step,
-                due,
-                ctx.stage,
-                ctx.outer,
-                trained_since,
-                rate,
-            );
-            for p in &round.due {
-                ctx.trained[*p] = 0;
-            }
-            window_spent = 0.0;
-            round.launch(job, rank, ctx.ring, &layout, net)?;
-            if job.overlap > 0 && step + job.overlap < spec.total_steps {
-                round.lands_at = step + job.overlap;
-                pending = Some(round);
-            } else {
-                step = ctx.land(round, 0.0, step, net, recorder.as_mut(), on_event)?;
-            }
-        }
-        sync_wait += (clock.now() - waited).as_secs_f64();
-        train_seconds += (clock.now() - t_step).as_secs_f64();
-        net.step_done();
-        let done = step;
-        let Some(recorder) = recorder.as_mut() else {
-            continue;
-        };
-        let lr = spec.lr_at(done - 1);
-        if step_loss.is_finite() {
-            recorder.announce_step(done, step_loss, lr, (train_seconds, samples), on_event)?;
-        }
-        let mut verdict = crate::recorder::Verdict::default();
-        if spec.eval_due(done) {
-            let score = with_outer(&mut stage, &mut outer, |stage| {
-                crate::evaluation::evaluate(stage, &data.test, data.classes)
-            })?;
-            verdict = recorder.announce_eval(
-                done,
-                score,
-                train_seconds,
-                (clock.now() - started).as_secs_f64(),
-                on_event,
+                net,
+                log.recorder.as_deref_mut(),
+                log.on_event,
             )?;
         }
-        // The best evaluation's checkpoint: rank 0 holds the model (the outer one, for DiLoCo).
-        if spec.checkpoint_due(done) || verdict.checkpoint {
-            let dir = with_outer(&mut stage, &mut outer, |stage| {
-                write_model(spec, job.workers, super::NAME, stage, &optimizer, done, &[])
-            })?;
-            recorder.announce_checkpoint(done, dir, on_event)?;
+        let due = self.schedule.due(step);
+        if due.is_empty() {
+            return Ok(step);
         }
+        let trained_since = due.iter().all(|p| ctx.trained[*p] > 0);
+        let rate = spec.rate_before(step, job.inner_steps);
+        let mut round = Round::take(
+            &self.layout,
+            step,
+            due,
+            ctx.stage,
+            ctx.outer,
+            trained_since,
+            rate,
+        );
+        for p in &round.due {
+            ctx.trained[*p] = 0;
+        }
+        self.window_spent = 0.0;
+        round.launch(job, worker.rank, ctx.ring, &self.layout, net)?;
+        if job.overlap > 0 && step + job.overlap < spec.total_steps {
+            round.lands_at = step + job.overlap;
+            self.pending = Some(round);
+        } else {
+            step = ctx.land(
+                round,
+                0.0,
+                step,
+                net,
+                log.recorder.as_deref_mut(),
+                log.on_event,
+            )?;
+        }
+        Ok(step)
     }
-    if skipped > 0 {
-        on_event(&crate::Event::Notice {
-            text: format!(
-                "diloco: rank {rank} skipped {skipped} inner steps to meet --inner-seconds"
-            ),
+}
+
+impl SyncRule for EveryH<'_> {
+    fn start_fields(&self, worker: &Worker<'_>) -> serde_json::Value {
+        let job = self.job;
+        json!({"workers": job.workers, "inner_steps": job.inner_steps,
+               "fragments": self.layout.parts.len(), "overlap": job.overlap,
+               "outer": job.outer, "outer_dtype": job.outer_dtype,
+               "params": worker.stage.params().len()})
+    }
+
+    fn step(
+        &mut self,
+        worker: &mut Worker<'_>,
+        step: u64,
+        net: &mut dyn Transport,
+        log: &mut Log<'_>,
+    ) -> Result<Stepped> {
+        // Only under --inner-seconds: finding the interval scans the schedule.
+        let window = self.job.inner_seconds.map(|s| {
+            let next_sync = self.schedule.next_after(step);
+            s * (next_sync - self.schedule.previous_before(next_sync)) as f64
+                / self.job.inner_steps as f64
         });
+        let loss = if window.is_some_and(|w| self.window_spent >= w) {
+            // Out of time before the synchronisation: this step's share is skipped.
+            self.skipped += 1;
+            None
+        } else {
+            Some(self.inner_step(worker, step, net)?)
+        };
+        // The run's step lines count the global batch of every step; the summary counts the
+        // examples the workers trained (their reports: skipped shares are not).
+        let waited = worker.clock.now();
+        let next = self.synchronise(worker, step + 1, net, log)?;
+        worker.waited_since(waited);
+        Ok(Stepped::Trained {
+            loss,
+            lr: worker.spec.lr_at(next - 1),
+            next,
+        })
     }
-    let mut own = crate::data_parallel::worker_summary(
-        rank,
-        &stage,
-        &optimizer,
-        net,
-        &crate::data_parallel::WorkerClock {
-            train_seconds,
-            compute_seconds,
-            wait_seconds: sync_wait,
-            iterations,
-            samples: trained,
-        },
-    );
-    // The outer parameters and momentum are optimizer state too.
-    own.optimizer_bytes += 2 * own.params * 4;
-    let totals = crate::data_parallel::RunTotals {
-        params: stage.params().len() as u64,
-        steps: spec.total_steps,
-        samples,
-        samples_from_reports: true,
-        wall_seconds: 0.0,
-        train_seconds,
-    };
-    let summary = report(
-        (spec, super::NAME, job.workers),
-        net,
-        rank,
-        &ring,
-        own,
-        recorder,
-        (totals, started),
-        dropped,
-        on_event,
-    )?;
-    Ok(WorkerOutcome { stage, summary })
+
+    fn with_model(
+        &mut self,
+        worker: &mut Worker<'_>,
+        _: u64,
+        _: &mut dyn Transport,
+        record: &mut dyn FnMut(RecordedModel<'_>) -> Result<()>,
+    ) -> Result<()> {
+        if worker.rank != 0 {
+            return Ok(());
+        }
+        // Rank 0 evaluates and checkpoints the outer model.
+        let optimizer: &Optimizer = &worker.optimizer;
+        with_outer(&mut worker.stage, &mut self.outer, |stage| {
+            record(RecordedModel {
+                stage,
+                optimizer,
+                replicas: &[],
+                after_eval: None,
+            })
+        })
+    }
+
+    fn finish(
+        &mut self,
+        worker: &mut Worker<'_>,
+        on_event: &mut dyn FnMut(&crate::Event),
+    ) -> Result<Ending> {
+        if self.skipped > 0 {
+            on_event(&crate::Event::Notice {
+                text: format!(
+                    "diloco: rank {} skipped {} inner steps to meet --inner-seconds",
+                    worker.rank, self.skipped
+                ),
+            });
+        }
+        Ok(Ending {
+            members: self.ring.members.clone(),
+            dropped: std::mem::take(&mut self.dropped),
+            // The outer parameters and momentum are optimizer state too.
+            extra_optimizer_bytes: 2 * worker.stage.params().len() as u64 * 4,
+            samples_from_reports: true,
+            ..Ending::default()
+        })
+    }
 }
 
 /// What landing a round may change: the ring (re-formed around the dead), the replica and

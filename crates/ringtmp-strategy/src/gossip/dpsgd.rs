@@ -16,12 +16,10 @@
 //! mixes with Metropolis–Hastings weights w_ij = 1 / (1 + max(d_i, d_j)), w_ii = 1 − Σ_j w_ij:
 //! symmetric and doubly stochastic on any graph, and the uniform weights when degrees are equal.
 
-use std::time::Instant;
-
-use ringtmp_data::{BatchPlan, Dataset};
+use ringtmp_data::Dataset;
 use std::collections::BTreeSet;
 
-use ringtmp_metrics::{DroppedNode, NodeSummary, Summary};
+use ringtmp_metrics::{DroppedNode, Summary};
 use ringtmp_model::Stage;
 use ringtmp_transport::{Transport, TransportError};
 use ringtmp_wire::message::tensor_values;
@@ -32,7 +30,10 @@ use serde_json::json;
 use crate::TrainConfig;
 use crate::collective::mixing::{self, Topology};
 use crate::contract::{Cluster, NodeCx, PlanReport, Strategy, options_merge, validate_shared};
-use crate::data_parallel::{holds, model_message, write_model};
+use crate::data_parallel::worker_loop::{
+    self, Ending, Log, Opening, RecordedModel, Stepped, SyncRule, Worker,
+};
+use crate::data_parallel::{WorkerOutcome, holds, model_message};
 use crate::error::{Error, Result};
 use crate::spec::RunSpec;
 
@@ -144,14 +145,6 @@ impl Strategy for DpsgdJob {
         let data = cx.data()?;
         run_worker(self, rank, data, cx.net, cx.on_event).map(|o| o.summary)
     }
-}
-
-/// What a worker returns: its own model, and on rank 0 the run's summary.
-pub struct WorkerOutcome {
-    /// This worker's final model.
-    pub stage: Stage,
-    /// Rank 0's summary of the run.
-    pub summary: Option<Summary>,
 }
 
 /// `micro_batch` of a model sent to rank 0 for the consensus.
@@ -271,10 +264,6 @@ pub fn run_worker(
 
 /// [`run_worker`] from the given initial model instead of the seed's (tests of the gossip
 /// itself start the workers apart).
-#[expect(
-    clippy::too_many_lines,
-    reason = "a worker's lifecycle written by hand; the one data-parallel loop is to provide it"
-)]
 pub fn run_worker_from(
     job: &DpsgdJob,
     rank: u32,
@@ -283,179 +272,160 @@ pub fn run_worker_from(
     on_event: &mut dyn FnMut(&crate::Event),
     initial: Option<&[f32]>,
 ) -> Result<WorkerOutcome> {
-    let spec = &job.spec;
-    let n = job.workers as u32;
-    let mut peers = Peers {
-        near: mixing::neighbours(job.topology, rank, n),
-        dropped: Vec::new(),
-        gone: BTreeSet::new(),
-        notices: Vec::new(),
-    };
-    let (layers, mut stage, mut optimizer) = spec.open_replica()?;
-    if let Some(initial) = initial {
-        stage.params_mut().copy_from_slice(initial);
-    }
-    let clock = net.clock();
-    let speed = job.node_speeds.get(rank as usize).copied().unwrap_or(1.0);
-    let mut plan = BatchPlan::new(data.train.len(), spec.batch_size * n as usize, spec.seed)?;
-    let mut share = crate::data_parallel::ShareBuffers::default();
-    let mut recorder = crate::data_parallel::open_recorder(
-        spec,
-        NAME,
+    let opening = Opening {
+        spec: &job.spec,
+        strategy: NAME,
         rank,
-        stage.params().len(),
-        json!({"workers": n, "topology": job.topology,
-                    "second_eigenvalue": mixing::second_eigenvalue(job.topology, n)}),
-        on_event,
-    )?;
-    let started = clock.now();
-    let (mut train_seconds, mut compute_seconds, mut gossip_wait) = (0.0f64, 0.0f64, 0.0f64);
-    let (mut samples, mut last_distance) = (0u64, None);
-    let mut received: Vec<(usize, Vec<f32>)> = Vec::new();
-    for step in spec.first_step()..spec.total_steps {
-        for text in peers.notices.drain(..) {
+        workers: job.workers,
+        node_speeds: &job.node_speeds,
+        data,
+        initial,
+    };
+    let make = |_: &Worker<'_>| {
+        Ok(Mixing {
+            job,
+            peers: Peers {
+                near: mixing::neighbours(job.topology, rank, job.workers as u32),
+                dropped: Vec::new(),
+                gone: BTreeSet::new(),
+                notices: Vec::new(),
+            },
+            received: Vec::new(),
+            last_distance: None,
+        })
+    };
+    worker_loop::run(&opening, make, net, on_event)
+}
+
+/// D-PSGD's synchronisation: every step, this worker's model mixed with its neighbours'.
+struct Mixing<'j> {
+    job: &'j DpsgdJob,
+    peers: Peers,
+    /// The neighbours' models of this step (degree, values), reused from step to step.
+    received: Vec<(usize, Vec<f32>)>,
+    /// The consensus distance at the last gathering.
+    last_distance: Option<f64>,
+}
+
+impl Mixing<'_> {
+    fn tell(&mut self, on_event: &mut dyn FnMut(&crate::Event)) {
+        for text in self.peers.notices.drain(..) {
             on_event(&crate::Event::Notice { text });
         }
-        let t_step = clock.now();
-        let (t0, wall) = (clock.now(), Instant::now());
-        let step_loss = crate::data_parallel::forward_share(
-            spec, &mut plan, data, &mut stage, rank, n as usize, step, &mut share,
-        )?;
-        stage.backward(0, &share.dlogits)?;
+    }
+}
+
+impl SyncRule for Mixing<'_> {
+    fn start_fields(&self, _: &Worker<'_>) -> serde_json::Value {
+        let (n, topology) = (self.job.workers as u32, self.job.topology);
+        json!({"workers": n, "topology": topology,
+               "second_eigenvalue": mixing::second_eigenvalue(topology, n)})
+    }
+
+    fn step(
+        &mut self,
+        worker: &mut Worker<'_>,
+        step: u64,
+        net: &mut dyn Transport,
+        log: &mut Log<'_>,
+    ) -> Result<Stepped> {
+        self.tell(log.on_event);
+        let spec = worker.spec;
+        let span = worker.start_compute();
+        let loss = worker.forward(worker.rank, self.job.workers, step)?;
+        worker.stage.backward(0, &worker.share.dlogits)?;
         if let Some(max_norm) = spec.clip_grad_norm {
             // Each worker's own gradient, the one it applies: decentralised SGD has no other.
-            crate::clipping::clip_whole(&mut stage, max_norm);
+            crate::clipping::clip_whole(&mut worker.stage, max_norm);
         }
-        clock.computed(wall.elapsed(), speed);
-        compute_seconds += (clock.now() - t0).as_secs_f64();
+        worker.computed(span);
         // Gossip: our model (and degree) to every neighbour, theirs mixed with ours in rank
         // order.
-        let waited = clock.now();
-        let degree = peers.near.len();
+        let waited = worker.clock.now();
+        let degree = self.peers.near.len();
         let heard = exchange(
             net,
-            job,
-            rank,
+            self.job,
+            worker.rank,
             step,
-            &mut peers,
-            stage.params(),
-            &mut received,
+            &mut self.peers,
+            worker.stage.params(),
+            &mut self.received,
         )?;
-        gossip_wait += (clock.now() - waited).as_secs_f64();
+        worker.waited_since(waited);
         if !ringtmp_meter::phantom() {
             // (A sizes-only run's models carry no values: mixing would only write memory.)
-            mix(stage.params_mut(), degree, &received[..heard]);
+            mix(worker.stage.params_mut(), degree, &self.received[..heard]);
         }
         let lr = spec.lr_at(step);
-        let (t1, wall) = (clock.now(), Instant::now());
-        stage.step(&mut optimizer, lr);
-        clock.computed(wall.elapsed(), speed);
-        compute_seconds += (clock.now() - t1).as_secs_f64();
-        train_seconds += (clock.now() - t_step).as_secs_f64();
-        samples += (spec.batch_size * n as usize) as u64;
-        if !step_loss.is_finite() {
-            return Err(Error::Diverged {
-                step,
-                loss: step_loss,
-            });
-        }
-        let done = step + 1;
-        net.step_done();
-        if let Some(recorder) = recorder.as_mut() {
-            recorder.announce_step(done, step_loss, lr, (train_seconds, samples), on_event)?;
-        }
-        let (eval, save) = (spec.eval_due(done), spec.checkpoint_due(done));
-        if !(eval || save) {
-            continue;
-        }
+        let span = worker.start_compute();
+        worker.stage.step(&mut worker.optimizer, lr);
+        worker.computed(span);
+        worker.iterations += 1;
+        Ok(Stepped::Trained {
+            loss: Some(loss),
+            lr,
+            next: step + 1,
+        })
+    }
+
+    fn with_model(
+        &mut self,
+        worker: &mut Worker<'_>,
+        done: u64,
+        net: &mut dyn Transport,
+        record: &mut dyn FnMut(RecordedModel<'_>) -> Result<()>,
+    ) -> Result<()> {
         // Every worker sends its model to rank 0, which forms the consensus.
-        let Some(models) = gather_models(net, job, rank, &mut peers, stage.params(), done)? else {
-            continue;
+        let gathered = gather_models(
+            net,
+            self.job,
+            worker.rank,
+            &mut self.peers,
+            worker.stage.params(),
+            done,
+        )?;
+        let Some(models) = gathered else {
+            return Ok(());
         };
         let (mean, distance) = super::consensus::consensus(&models);
-        last_distance = Some(distance);
-        let Some(recorder) = recorder.as_mut() else {
-            unreachable!("rank 0 gathers the models and holds the recorder")
-        };
-        let mut model = Stage::new(&layers, 0..layers.len(), spec.seed, spec.threads);
+        self.last_distance = Some(distance);
+        let spec = worker.spec;
+        let mut model = Stage::new(
+            &worker.layers,
+            0..worker.layers.len(),
+            spec.seed,
+            spec.threads,
+        );
         model.params_mut().copy_from_slice(&mean);
-        let mut verdict = crate::recorder::Verdict::default();
-        if eval {
-            let score = crate::evaluation::evaluate(&mut model, &data.test, data.classes)?;
-            verdict = recorder.announce_eval(
-                done,
-                score,
-                train_seconds,
-                (clock.now() - started).as_secs_f64(),
-                on_event,
-            )?;
-            recorder.write(json!({"event": "consensus", "step": done, "distance": distance}))?;
-        }
-        if save || verdict.checkpoint {
-            // The consensus model, with rank 0's optimizer state, and every worker's own.
-            let replicas: Vec<(u32, &[f32])> = models.iter().map(|(r, m)| (*r, &m[..])).collect();
-            let dir = write_model(spec, n as usize, NAME, &model, &optimizer, done, &replicas)?;
-            recorder.announce_checkpoint(done, dir, on_event)?;
-        }
+        // The consensus model, with rank 0's optimizer state, and every worker's own.
+        let replicas: Vec<(u32, &[f32])> = models.iter().map(|(r, m)| (*r, &m[..])).collect();
+        record(RecordedModel {
+            stage: &mut model,
+            optimizer: &worker.optimizer,
+            replicas: &replicas,
+            after_eval: Some(json!({"event": "consensus", "step": done, "distance": distance})),
+        })
     }
-    for text in peers.notices.drain(..) {
-        on_event(&crate::Event::Notice { text });
+
+    fn finish(
+        &mut self,
+        worker: &mut Worker<'_>,
+        on_event: &mut dyn FnMut(&crate::Event),
+    ) -> Result<Ending> {
+        self.tell(on_event);
+        // Each worker's own model's accuracy, and the reports to rank 0.
+        let data = worker.data;
+        let own = crate::evaluation::evaluate(&mut worker.stage, &data.test, data.classes)?;
+        let n = self.job.workers as u32;
+        Ok(Ending {
+            members: (0..n).filter(|r| !self.peers.gone.contains(r)).collect(),
+            dropped: std::mem::take(&mut self.peers.dropped),
+            own_accuracy: Some(own.accuracy),
+            consensus_distance: self.last_distance,
+            ..Ending::default()
+        })
     }
-    // Each worker's own model's accuracy, and the reports around the ring to rank 0.
-    let own_accuracy = crate::evaluation::evaluate(&mut stage, &data.test, data.classes)?.accuracy;
-    let params = stage.params().len() as u64;
-    let own = NodeSummary {
-        test_accuracy: Some(own_accuracy),
-        ..crate::data_parallel::worker_summary(
-            rank,
-            &stage,
-            &optimizer,
-            net,
-            &crate::data_parallel::WorkerClock {
-                train_seconds,
-                compute_seconds,
-                wait_seconds: gossip_wait,
-                iterations: spec.total_steps - spec.first_step(),
-                samples: 0,
-            },
-        )
-    };
-    let members: Vec<u32> = (0..n).filter(|r| !peers.gone.contains(r)).collect();
-    let Some(per_node) = crate::data_parallel::gather_reports(
-        net,
-        rank,
-        &members,
-        own,
-        spec.recv_timeout(),
-        on_event,
-    )?
-    else {
-        return Ok(WorkerOutcome {
-            stage,
-            summary: None,
-        });
-    };
-    let Some(recorder) = recorder else {
-        unreachable!("rank 0 gathers the reports and holds the recorder")
-    };
-    let totals = crate::data_parallel::RunTotals {
-        params,
-        steps: spec.total_steps,
-        samples,
-        samples_from_reports: false,
-        wall_seconds: (clock.now() - started).as_secs_f64(),
-        train_seconds,
-    };
-    let summary = Summary {
-        consensus_distance: last_distance,
-        dropped_nodes: peers.dropped,
-        ..crate::data_parallel::run_summary(&recorder, NAME, n, &totals, per_node)
-    };
-    let summary = recorder.finish(summary)?;
-    Ok(WorkerOutcome {
-        stage,
-        summary: Some(summary),
-    })
 }
 
 /// One gossip round of step `step`: this worker's model (and degree) to every live neighbour,

@@ -12,6 +12,8 @@ use crate::contract::{Cluster, PlanReport};
 use crate::error::{Error, Result};
 use crate::spec::{ResumePoint, RunSpec};
 
+pub mod worker_loop;
+
 /// The spec of a data-parallel run of `strategy` on every node of `cluster`: a worker's share of
 /// each global batch is `config.batch_size`; threads are shared out when the user chose none;
 /// the default rate and warm-up scale with the workers ([`crate::batch_scaling`]: a step
@@ -406,37 +408,9 @@ pub fn write_model(
 
 /// What a worker returns: its replica, and on rank 0 the run's summary.
 pub struct WorkerOutcome {
-    /// The replica's final parameters (the same bits on every worker).
+    /// The worker's final parameters (the same bits on every worker, unless its strategy's
+    /// workers keep models of their own, as the gossip family's do).
     pub stage: Stage,
     /// Rank 0's summary of the run.
     pub summary: Option<ringtmp_metrics::Summary>,
-}
-
-/// The end of the run: every worker's report goes to rank 0, which writes the run's summary
-/// (its wall time since `started`, measured now) and returns it.
-pub(crate) fn report(
-    (spec, strategy, workers): (&crate::RunSpec, &str, usize),
-    net: &mut dyn Transport,
-    rank: u32,
-    ring: &crate::collective::reduce::Ring,
-    own: ringtmp_metrics::NodeSummary,
-    recorder: Option<crate::recorder::RunRecorder>,
-    (mut totals, started): (RunTotals, std::time::Duration),
-    dropped: Vec<ringtmp_metrics::DroppedNode>,
-    on_event: &mut dyn FnMut(&crate::Event),
-) -> Result<Option<ringtmp_metrics::Summary>> {
-    let Some(per_node) =
-        gather_reports(net, rank, &ring.members, own, spec.recv_timeout(), on_event)?
-    else {
-        return Ok(None);
-    };
-    let Some(recorder) = recorder else {
-        unreachable!("rank 0 gathers the reports and holds the recorder")
-    };
-    totals.wall_seconds = (net.clock().now() - started).as_secs_f64();
-    let summary = ringtmp_metrics::Summary {
-        dropped_nodes: dropped,
-        ..run_summary(&recorder, strategy, workers as u32, &totals, per_node)
-    };
-    Ok(Some(recorder.finish(summary)?))
 }
