@@ -489,10 +489,6 @@ impl Compute<'_> {
 
 /// Runs worker `rank` of `job` (from `initial` instead of the seed's model when given: tests of
 /// the gossip itself start the workers apart).
-#[expect(
-    clippy::too_many_lines,
-    reason = "a worker's lifecycle written by hand; the one data-parallel loop is to provide it"
-)]
 pub fn run_worker(
     job: &AdpsgdJob,
     rank: u32,
@@ -503,112 +499,43 @@ pub fn run_worker(
 ) -> Result<WorkerOutcome> {
     let spec = &job.spec;
     let n = job.workers as u32;
-    let allowed = Coordinator::initial_grant(n, spec.first_step(), spec.total_steps);
-    let pairing = Pairing::new(rank, n, allowed)
-        .ok_or_else(|| Error::Config(format!("{n} workers: the graph is not bipartite")))?;
+    let (layers, mut me, mut compute, mut optimizer) = open_worker(job, rank, data, initial)?;
     let actives = mixing::two_colouring(n, |r| mixing::bipartite_neighbours(r, n))
         .map_or(0, |colours| {
             colours.iter().filter(|passive| !**passive).count()
         });
-    let degree = pairing.near().len();
-    let (layers, stage, mut optimizer) = spec.open_replica()?;
-    let mut compute = Compute {
-        spec,
-        data,
-        stage,
-        plan: BatchPlan::new(data.train.len(), spec.batch_size * n as usize, spec.seed)?,
-        share: ShareBuffers::default(),
-        rank,
-        workers: n as usize,
-        speed: job.node_speeds.get(rank as usize).copied().unwrap_or(1.0),
-    };
-    let mut me = Worker {
-        job,
-        rank,
-        pairing,
-        model: match initial {
-            Some(model) => model.to_vec(),
-            // A sizes-only run's model: zeroed, never written, so never backed by memory.
-            None if ringtmp_meter::phantom() => vec![0.0; compute.stage.params().len()],
-            None => compute.stage.params().to_vec(),
-        },
-        notices: Vec::new(),
-        averagings: 0,
-        coordinator: (rank == 0).then(|| Coordinator::new(n, spec.first_step(), spec.total_steps)),
-        finals: Vec::new(),
-        reports: Vec::new(),
-        received: Vec::new(),
-    };
     let recorder = crate::data_parallel::open_recorder(
         spec,
         NAME,
         rank,
         me.model.len(),
-        json!({"workers": n, "active": actives, "degree": degree}),
+        json!({"workers": n, "active": actives, "degree": me.pairing.near().len()}),
         on_event,
     )?;
-    let clock = net.clock();
-    let started = clock.now();
+    let started = net.clock().now();
     let mut rank0 = recorder.map(|recorder| Rank0 {
         recorder,
         layers: &layers,
         data,
         started,
     });
-    let mut rng = ChaCha8Rng::seed_from_u64(spec.seed ^ (u64::from(rank) << 32) ^ 0xAD_95_6D);
     let mut times = Times::default();
-    let mut iterations = 0u64;
-    let timeout = spec.recv_timeout();
-    let last_rate_step = spec.schedule_steps.saturating_sub(1);
-    loop {
-        me.drain(net)?;
-        for text in me.notices.drain(..) {
-            on_event(&crate::Event::Notice { text });
-        }
-        if let Some(r0) = rank0.as_mut() {
-            coordinate(&mut me, net, r0, &optimizer, on_event)?;
-        }
-        if me.pairing.stopped() {
-            break;
-        }
-        if !me.pairing.may_iterate(iterations) {
-            // This worker's grant is used up: serve the others until rank 0 grants more or says
-            // stop (a silent rank 0 is named by the timeout).
-            me.serve_one(net, timeout)?;
-            continue;
-        }
-        let step = spec.first_step() + iterations;
-        let lr = spec.lr_at(step.min(last_rate_step));
-        let draw = |count| rng.random_range(0..count);
-        let loss =
-            gradient_while_pairing(&mut me, &mut compute, net, iterations, draw, &mut times)?;
-        if !me.pairing.active() {
-            me.drain(net)?;
-        }
-        // The gradient, computed on the model read, applied to the model as it is now.
-        optimizer.step(&mut me.model, compute.stage.grads(), lr, spec.threads);
-        compute.stage.zero_grad();
-        iterations += 1;
-        if !loss.is_finite() {
-            return Err(Error::Diverged { step, loss });
-        }
-        match me.coordinator.as_mut() {
-            Some(c) => c.progress(0, iterations, loss),
-            None => {
-                let progress = AdpsgdMessage::Progress {
-                    iterations,
-                    loss_bits: loss.to_bits(),
-                };
-                net.send(0, progress.to_message())?;
-            }
-        }
-    }
+    let iterations = iterate(
+        &mut me,
+        &mut compute,
+        &mut optimizer,
+        net,
+        rank0.as_mut(),
+        &mut times,
+        on_event,
+    )?;
     // The end: actives release their passive neighbours; passives serve until released.
+    let clock = net.clock();
     let waited = clock.now();
     let release = me.pairing.handle_end();
     me.act(net, rank, iterations, release)?;
     while !me.pairing.released() {
-        me.serve_one(net, timeout)?;
+        me.serve_one(net, spec.recv_timeout())?;
     }
     times.wait += (clock.now() - waited).as_secs_f64();
     for text in me.notices.drain(..) {
@@ -665,6 +592,116 @@ pub fn run_worker(
         averagings: me.averagings,
         summary: Some(summary),
     })
+}
+
+/// A worker's opening: the model's layers, the state messages act on (its pairing, its model),
+/// its compute state (the replica it computes gradients with) and its optimizer.
+fn open_worker<'a>(
+    job: &'a AdpsgdJob,
+    rank: u32,
+    data: &'a Dataset,
+    initial: Option<&[f32]>,
+) -> Result<(
+    Vec<ringtmp_model::Layer>,
+    Worker<'a>,
+    Compute<'a>,
+    Optimizer,
+)> {
+    let spec = &job.spec;
+    let n = job.workers as u32;
+    let allowed = Coordinator::initial_grant(n, spec.first_step(), spec.total_steps);
+    let pairing = Pairing::new(rank, n, allowed)
+        .ok_or_else(|| Error::Config(format!("{n} workers: the graph is not bipartite")))?;
+    let (layers, stage, optimizer) = spec.open_replica()?;
+    let compute = Compute {
+        spec,
+        data,
+        stage,
+        plan: BatchPlan::new(data.train.len(), spec.batch_size * n as usize, spec.seed)?,
+        share: ShareBuffers::default(),
+        rank,
+        workers: n as usize,
+        speed: job.node_speeds.get(rank as usize).copied().unwrap_or(1.0),
+    };
+    let me = Worker {
+        job,
+        rank,
+        pairing,
+        model: match initial {
+            Some(model) => model.to_vec(),
+            // A sizes-only run's model: zeroed, never written, so never backed by memory.
+            None if ringtmp_meter::phantom() => vec![0.0; compute.stage.params().len()],
+            None => compute.stage.params().to_vec(),
+        },
+        notices: Vec::new(),
+        averagings: 0,
+        coordinator: (rank == 0).then(|| Coordinator::new(n, spec.first_step(), spec.total_steps)),
+        finals: Vec::new(),
+        reports: Vec::new(),
+        received: Vec::new(),
+    };
+    Ok((layers, me, compute, optimizer))
+}
+
+/// The worker's iterations at its own pace until rank 0 says stop (rank 0 coordinating
+/// between them); returns how many it did.
+fn iterate(
+    me: &mut Worker<'_>,
+    compute: &mut Compute<'_>,
+    optimizer: &mut Optimizer,
+    net: &mut dyn Transport,
+    mut rank0: Option<&mut Rank0<'_>>,
+    times: &mut Times,
+    on_event: &mut dyn FnMut(&crate::Event),
+) -> Result<u64> {
+    let spec = &me.job.spec;
+    let rank = me.rank;
+    let mut rng = ChaCha8Rng::seed_from_u64(spec.seed ^ (u64::from(rank) << 32) ^ 0xAD_95_6D);
+    let mut iterations = 0u64;
+    let timeout = spec.recv_timeout();
+    let last_rate_step = spec.schedule_steps.saturating_sub(1);
+    loop {
+        me.drain(net)?;
+        for text in me.notices.drain(..) {
+            on_event(&crate::Event::Notice { text });
+        }
+        if let Some(r0) = rank0.as_deref_mut() {
+            coordinate(me, net, r0, optimizer, on_event)?;
+        }
+        if me.pairing.stopped() {
+            return Ok(iterations);
+        }
+        if !me.pairing.may_iterate(iterations) {
+            // This worker's grant is used up: serve the others until rank 0 grants more or says
+            // stop (a silent rank 0 is named by the timeout).
+            me.serve_one(net, timeout)?;
+            continue;
+        }
+        let step = spec.first_step() + iterations;
+        let lr = spec.lr_at(step.min(last_rate_step));
+        let draw = |count| rng.random_range(0..count);
+        let loss = gradient_while_pairing(me, compute, net, iterations, draw, times)?;
+        if !me.pairing.active() {
+            me.drain(net)?;
+        }
+        // The gradient, computed on the model read, applied to the model as it is now.
+        optimizer.step(&mut me.model, compute.stage.grads(), lr, spec.threads);
+        compute.stage.zero_grad();
+        iterations += 1;
+        if !loss.is_finite() {
+            return Err(Error::Diverged { step, loss });
+        }
+        match me.coordinator.as_mut() {
+            Some(c) => c.progress(0, iterations, loss),
+            None => {
+                let progress = AdpsgdMessage::Progress {
+                    iterations,
+                    loss_bits: loss.to_bits(),
+                };
+                net.send(0, progress.to_message())?;
+            }
+        }
+    }
 }
 
 /// Seconds a worker spent computing and waiting for its partners.
