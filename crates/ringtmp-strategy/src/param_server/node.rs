@@ -119,85 +119,93 @@ fn report_error(e: impl std::fmt::Display) -> Error {
 }
 
 /// Runs this node's part of a parameter-server job; server 0 returns the run's summary.
-#[expect(
-    clippy::too_many_lines,
-    reason = "a parameter-server node's lifecycle (server or worker) written by hand; to be split with the server's sans-IO handlers"
-)]
 fn run(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
-    // The node's clock (virtual in simulation), never `Instant`: the transport's contract.
-    let time = cx.net.clock();
-    let started = time.now();
     if (rank as usize) < job.servers {
-        let net = &mut *cx.net;
-        // Server 0 reports the run: its log exists from the start.
-        let recorder = (rank == 0)
-            .then(|| {
-                RunRecorder::open(
-                    &job.spec,
-                    PsJob::NAME,
-                    serde_json::json!({"servers": job.servers, "workers": job.workers,
-                        "consistency": job.consistency.name()}),
-                )
-            })
-            .transpose()?;
-        let outcome = run_server(job, rank as usize, net)?;
-        // Training ends when the last worker has finished; collecting the reports is not part
-        // of it (their length, which depends on the values in them, must not move the time).
-        let trained = (time.now() - started).as_secs_f64();
-        let mut own = base_summary(rank, "server", outcome.params.len() as u64, net);
-        own.staleness_histogram = outcome.staleness;
-        own.update_staleness_histogram = outcome.update_staleness.histogram.clone();
-        if job.consistency != Consistency::Bsp {
-            tracing::info!(
-                "server {rank}: mean update staleness {:.2} pushes",
-                outcome.update_staleness.mean()
-            );
-        }
-        own.dropped_workers = outcome.dropped.iter().map(|d| d.rank).collect();
-        own.optimizer_bytes = own.param_bytes * optimizer_copies(job);
-        if rank != 0 {
-            report(net, &own)?;
-            return Ok(None);
-        }
-        // Server 0: every other server's and every remaining worker's report.
-        let expected = job.servers - 1 + job.workers - outcome.dropped.len();
-        let mut per_node = vec![own];
-        for doc in &outcome.reports {
-            per_node.push(serde_json::from_str(doc).map_err(report_error)?);
-        }
-        while per_node.len() < expected + 1 {
-            match net.recv(job.spec.recv_timeout())? {
-                (_, Message::Control(Control::Report { nodes })) => {
-                    for doc in nodes {
-                        per_node.push(serde_json::from_str(&doc).map_err(report_error)?);
-                    }
-                }
-                (from, _) => {
-                    return Err(Error::Config(format!(
-                        "server 0: unexpected message from rank {from} while collecting reports"
-                    )));
-                }
-            }
-        }
-        per_node.sort_by_key(|n| n.rank);
-        // Each worker's staleness as server 0's gate observed it.
-        for node in per_node.iter_mut().filter(|n| n.role == "worker") {
-            if let Some(h) = outcome
-                .worker_staleness
-                .get(node.rank as usize - job.servers)
-            {
-                node.staleness_histogram = h.clone();
-            }
-        }
-        let Some(mut recorder) = recorder else {
-            unreachable!("server 0 opened the recorder")
-        };
-        let mut summary = summarize(job, &mut recorder, per_node, trained)?;
-        summary.dropped_nodes = outcome.dropped.clone();
-        let summary = recorder.finish(summary)?;
-        return Ok(Some(summary));
+        run_server_node(job, rank, cx.net)
+    } else {
+        run_worker_node(job, rank, cx)
     }
-    // A worker.
+}
+
+/// Server `rank`'s part: its shard served until the last worker is done, then its report;
+/// server 0 gathers every node's and returns the run's summary.
+fn run_server_node(job: &PsJob, rank: u32, net: &mut dyn Transport) -> Result<Option<Summary>> {
+    // The node's clock (virtual in simulation), never `Instant`: the transport's contract.
+    let time = net.clock();
+    let started = time.now();
+    // Server 0 reports the run: its log exists from the start.
+    let recorder = (rank == 0)
+        .then(|| {
+            RunRecorder::open(
+                &job.spec,
+                PsJob::NAME,
+                serde_json::json!({"servers": job.servers, "workers": job.workers,
+                    "consistency": job.consistency.name()}),
+            )
+        })
+        .transpose()?;
+    let outcome = run_server(job, rank as usize, net)?;
+    // Training ends when the last worker has finished; collecting the reports is not part
+    // of it (their length, which depends on the values in them, must not move the time).
+    let trained = (time.now() - started).as_secs_f64();
+    let mut own = base_summary(rank, "server", outcome.params.len() as u64, net);
+    own.staleness_histogram = outcome.staleness;
+    own.update_staleness_histogram = outcome.update_staleness.histogram.clone();
+    if job.consistency != Consistency::Bsp {
+        tracing::info!(
+            "server {rank}: mean update staleness {:.2} pushes",
+            outcome.update_staleness.mean()
+        );
+    }
+    own.dropped_workers = outcome.dropped.iter().map(|d| d.rank).collect();
+    own.optimizer_bytes = own.param_bytes * optimizer_copies(job);
+    if rank != 0 {
+        report(net, &own)?;
+        return Ok(None);
+    }
+    // Server 0: every other server's and every remaining worker's report.
+    let expected = job.servers - 1 + job.workers - outcome.dropped.len();
+    let mut per_node = vec![own];
+    for doc in &outcome.reports {
+        per_node.push(serde_json::from_str(doc).map_err(report_error)?);
+    }
+    while per_node.len() < expected + 1 {
+        match net.recv(job.spec.recv_timeout())? {
+            (_, Message::Control(Control::Report { nodes })) => {
+                for doc in nodes {
+                    per_node.push(serde_json::from_str(&doc).map_err(report_error)?);
+                }
+            }
+            (from, _) => {
+                return Err(Error::Config(format!(
+                    "server 0: unexpected message from rank {from} while collecting reports"
+                )));
+            }
+        }
+    }
+    per_node.sort_by_key(|n| n.rank);
+    // Each worker's staleness as server 0's gate observed it.
+    for node in per_node.iter_mut().filter(|n| n.role == "worker") {
+        if let Some(h) = outcome
+            .worker_staleness
+            .get(node.rank as usize - job.servers)
+        {
+            node.staleness_histogram = h.clone();
+        }
+    }
+    let Some(mut recorder) = recorder else {
+        unreachable!("server 0 opened the recorder")
+    };
+    let mut summary = summarize(job, &mut recorder, per_node, trained)?;
+    summary.dropped_nodes = outcome.dropped.clone();
+    let summary = recorder.finish(summary)?;
+    Ok(Some(summary))
+}
+
+/// Worker `rank`'s part: its iterations against the servers, then its report to server 0;
+/// worker 0 also reports the run's progress and evaluates its replica.
+fn run_worker_node(job: &PsJob, rank: u32, cx: &mut NodeCx<'_>) -> Result<Option<Summary>> {
+    let time = cx.net.clock();
     let data = cx.data()?;
     let net = &mut *cx.net;
     let on_event = &mut *cx.on_event;

@@ -75,10 +75,6 @@ pub struct RunRecord {
 /// [`run_master`] from `initial` (a healed ring's in-memory state) instead of the job's start or
 /// checkpoint, running replication rounds into `replicas` (`--stage-replicas`) and continuing
 /// `record` (a healed ring's: a `heal` event instead of a new start).
-#[expect(
-    clippy::too_many_lines,
-    reason = "the ring master's run in order: restore, schedule, evaluation, checkpoints, report"
-)]
 pub fn run_master_with(
     job: &RingJob,
     setup: &MasterSetup<'_>,
@@ -90,7 +86,6 @@ pub fn run_master_with(
 ) -> Result<MasterOutcome> {
     let time = net.clock();
     let wall = *record.started.get_or_insert_with(|| time.now());
-    let n = job.partition.len() as u32;
     let (mut stage, plan) = job.stage(0)?;
     let mut optimizer = Optimizer::new(job.spec.optimizer.clone(), stage.params().len());
     stage.set_weight_stashing(job.schedule == Schedule::Async);
@@ -109,30 +104,14 @@ pub fn run_master_with(
         job.spec.seed,
     )?;
     let mut clock = NodeClock::new(net, job.node_speeds.first().copied().unwrap_or(1.0));
-    let ring = json!({"schedule": job.schedule.name(), "nodes": n,
-        "micro_batches": job.micro_batches, "partition": job.partition});
-    let recorder = match &mut record.recorder {
-        Some(recorder) => {
-            let carried = recorder.carried();
-            let mut event = json!({"event": "heal", "first_step": job.first_step(),
-                "train_seconds": carried.train_seconds + record.train_seconds,
-                "wall_seconds": carried.wall_seconds + (time.now() - wall).as_secs_f64()});
-            if let (Some(e), Value::Object(extra)) = (event.as_object_mut(), ring) {
-                e.extend(extra);
-            }
-            recorder.write(event)?;
-            recorder
-        }
-        None => record
-            .recorder
-            .insert(RunRecorder::open(&job.spec, "ring", ring)?),
-    };
+    let since_wall = (time.now() - wall).as_secs_f64();
+    let (mut train_seconds, mut samples) = (record.train_seconds, record.samples);
+    let recorder = open_recorder(job, (&mut record.recorder, train_seconds), since_wall)?;
     let wall_seconds = |now: std::time::Duration| (now - wall).as_secs_f64();
     on_event(&started(job)?);
 
     let timeout = job.recv_timeout();
     let mut pipe = MasterPipe::new(job);
-    let (mut train_seconds, mut samples) = (record.train_seconds, record.samples);
     let attempt_from = train_seconds;
     let mut steps_done = job.spec.total_steps;
     for step in job.first_step()..job.spec.total_steps {
@@ -238,11 +217,7 @@ pub fn run_master_with(
         &net.stats(),
     );
     if let Some(h) = &head {
-        // The head's layers live on the master too.
-        let params = h.stage.params().len() as u64;
-        own.params += params;
-        own.param_bytes += params * 4;
-        own.optimizer_bytes += h.optimizer.state_bytes() as u64;
+        h.count_in(&mut own);
     }
     let per_node = collect_reports(job, net, own)?;
     let summary = Summary {
@@ -259,6 +234,30 @@ pub fn run_master_with(
         stage,
         head: head.map(|h| h.stage),
     })
+}
+
+/// The run's recorder: a healed ring's, continued with a `heal` event (`since_wall` seconds into
+/// this attempt), or a new one.
+fn open_recorder<'r>(
+    job: &RingJob,
+    (slot, trained): (&'r mut Option<RunRecorder>, f64),
+    since_wall: f64,
+) -> Result<&'r mut RunRecorder> {
+    let n = job.partition.len() as u32;
+    let ring = json!({"schedule": job.schedule.name(), "nodes": n,
+        "micro_batches": job.micro_batches, "partition": job.partition});
+    let Some(recorder) = slot else {
+        return Ok(slot.insert(RunRecorder::open(&job.spec, "ring", ring)?));
+    };
+    let carried = recorder.carried();
+    let mut event = json!({"event": "heal", "first_step": job.first_step(),
+        "train_seconds": carried.train_seconds + trained,
+        "wall_seconds": carried.wall_seconds + since_wall});
+    if let (Some(e), Value::Object(extra)) = (event.as_object_mut(), ring) {
+        e.extend(extra);
+    }
+    recorder.write(event)?;
+    Ok(recorder)
 }
 
 /// The run's start as the user is told it: its steps and parameters, and every stage's (the
@@ -764,6 +763,13 @@ pub struct MasterHead {
 }
 
 impl MasterHead {
+    /// Adds the head to the master's report: its layers live on the master too.
+    fn count_in(&self, own: &mut ringtmp_metrics::NodeSummary) {
+        let params = self.stage.params().len() as u64;
+        own.params += params;
+        own.param_bytes += params * 4;
+        own.optimizer_bytes += self.optimizer.state_bytes() as u64;
+    }
     /// The head `job` gives the master, if any, with its parameters (initial or resumed).
     fn load(job: &RingJob) -> Result<Option<Self>> {
         let Some(plan) = &job.head else {
@@ -875,10 +881,6 @@ impl MasterPipe {
     /// Runs until every micro-batch of mini-batch `step` is done on the master, starting no
     /// micro-batch of mini-batch `flush` or later (the next boundary where the pipeline must be
     /// empty). Returns the mini-batch's summed loss and its row count.
-    #[expect(
-        clippy::too_many_lines,
-        reason = "one mini-batch of the master's schedule: its micro-batches, their returns and the step"
-    )]
     fn run_minibatch(
         &mut self,
         step: u64,
@@ -893,7 +895,6 @@ impl MasterPipe {
         net: &mut dyn RingNet,
     ) -> Result<(f64, usize)> {
         let n = job.partition.len() as u32;
-        let succ = 1 % n;
         let m = job.micro_batches as u64;
         let mut head = head;
         // The flushed schedules: stage 0's decision rule, fresh for every mini-batch.
@@ -935,51 +936,16 @@ impl MasterPipe {
             let mut failure: Option<Error> = None;
             match if arrived.is_some() { None } else { action } {
                 Some(Action::Forward) => {
-                    let k = self.forwarded;
-                    let (s, part) = (k / m, (k % m) as usize);
-                    let indices = batches
-                        .batch(
-                            s / job.spec.steps_per_epoch,
-                            (s % job.spec.steps_per_epoch) as usize,
-                        )
-                        .to_vec();
-                    let ours = shard(&indices, job.ring, job.replicas.max(1))?;
-                    let rows = shard(ours, part, job.micro_batches)?.to_vec();
-                    setup.data.train.gather(&rows, &mut self.x, &mut self.y);
-                    let pass = Pass {
-                        train: true,
-                        seed: job.spec.seed,
-                        step: s,
-                        row_offset: micro_offset(job, part),
-                    };
-                    // Flushed: micro-batch `part` of this mini-batch; async: `k` of the run.
-                    let id = if flushed.is_some() { part as u64 } else { k };
-                    let header_step = self.side.policy.header_step(id);
-                    self.side.forwarded(id, self.y.clone(), pass);
-                    let x = &self.x;
-                    let mut service = servicer(&mut self.side, job, net, &mut head, &mut failure);
-                    let out = clock.run(|| {
-                        stage
-                            .forward_with(id, x, rows.len(), &pass, &mut service)
-                            .map(<[f32]>::to_vec)
-                    })?;
-                    drop(service);
-                    if let Some(e) = failure {
-                        return Err(e);
-                    }
-                    clock.peak_stash = clock.peak_stash.max(stage.stash_bytes());
-                    net.send(
-                        succ,
-                        tensor(
-                            TensorTag::Activation,
-                            header_step,
-                            id,
-                            rows.len(),
-                            &out,
-                            job.spec.wire_dtype,
-                        ),
+                    self.forward_next(
+                        job,
+                        setup,
+                        batches,
+                        stage,
+                        &mut head,
+                        clock,
+                        net,
+                        flushed.is_some(),
                     )?;
-                    self.forwarded += 1;
                     if let Some(state) = flushed.as_mut() {
                         state.record(Action::Forward);
                     }
@@ -1035,37 +1001,128 @@ impl MasterPipe {
             }
         }
         if flushed.is_some() {
-            let lr = job.lr_at(step);
-            if let Some(h) = head.as_deref_mut().filter(|h| h.tied()) {
-                // The tied matrix's one update takes the head's gradient too.
-                clock.run(|| stage.add_tied_grad(&h.stage.take_tied_grad()));
-            }
-            if job.averages_gradients() {
-                net.average_with_replicas(step, stage.grads_mut())?;
-            }
-            if let Some(max_norm) = job.spec.clip_grad_norm {
-                let early = self.side.grad_norm.take();
-                clip_from_master(
-                    job,
-                    net,
-                    clock,
-                    (step, early),
-                    max_norm,
-                    stage,
-                    head.as_deref_mut(),
-                )?;
-            }
-            clock.run(|| stage.step(optimizer, lr));
-            if let Some(h) = head {
-                clock.run(|| h.stage.step(&mut h.optimizer, lr));
-                h.follow(stage);
-            }
-            job.after_minibatch(net, step, stage.params_mut())?;
+            Self::step_flushed(
+                step,
+                job,
+                stage,
+                optimizer,
+                head,
+                clock,
+                net,
+                &mut self.side,
+            )?;
         }
         Ok((
             self.side.losses.remove(&step).unwrap_or(f64::NAN),
             job.spec.batch_size,
         ))
+    }
+
+    /// Starts the next micro-batch: its rows gathered, stage 0's forward (arrived messages
+    /// served between layers), the activations sent on. `flushed`: the schedule flushes every
+    /// mini-batch (micro-batch ids count within it).
+    fn forward_next(
+        &mut self,
+        job: &RingJob,
+        setup: &MasterSetup<'_>,
+        batches: &mut BatchPlan,
+        stage: &mut Stage,
+        head: &mut Option<&mut MasterHead>,
+        clock: &mut NodeClock,
+        net: &mut dyn RingNet,
+        flushed: bool,
+    ) -> Result<()> {
+        let n = job.partition.len() as u32;
+        let succ = 1 % n;
+        let m = job.micro_batches as u64;
+        let mut failure: Option<Error> = None;
+        let k = self.forwarded;
+        let (s, part) = (k / m, (k % m) as usize);
+        let indices = batches
+            .batch(
+                s / job.spec.steps_per_epoch,
+                (s % job.spec.steps_per_epoch) as usize,
+            )
+            .to_vec();
+        let ours = shard(&indices, job.ring, job.replicas.max(1))?;
+        let rows = shard(ours, part, job.micro_batches)?.to_vec();
+        setup.data.train.gather(&rows, &mut self.x, &mut self.y);
+        let pass = Pass {
+            train: true,
+            seed: job.spec.seed,
+            step: s,
+            row_offset: micro_offset(job, part),
+        };
+        // Flushed: micro-batch `part` of this mini-batch; async: `k` of the run.
+        let id = if flushed { part as u64 } else { k };
+        let header_step = self.side.policy.header_step(id);
+        self.side.forwarded(id, self.y.clone(), pass);
+        let x = &self.x;
+        let mut service = servicer(&mut self.side, job, net, head, &mut failure);
+        let out = clock.run(|| {
+            stage
+                .forward_with(id, x, rows.len(), &pass, &mut service)
+                .map(<[f32]>::to_vec)
+        })?;
+        drop(service);
+        if let Some(e) = failure {
+            return Err(e);
+        }
+        clock.peak_stash = clock.peak_stash.max(stage.stash_bytes());
+        net.send(
+            succ,
+            tensor(
+                TensorTag::Activation,
+                header_step,
+                id,
+                rows.len(),
+                &out,
+                job.spec.wire_dtype,
+            ),
+        )?;
+        self.forwarded += 1;
+        Ok(())
+    }
+
+    /// The end of a flushed mini-batch: the tied table's and the replicas' gradients in,
+    /// clipping, then the step of stage 0 and its head.
+    fn step_flushed(
+        step: u64,
+        job: &RingJob,
+        stage: &mut Stage,
+        optimizer: &mut Optimizer,
+        mut head: Option<&mut MasterHead>,
+        clock: &mut NodeClock,
+        net: &mut dyn RingNet,
+        side: &mut LossSide,
+    ) -> Result<()> {
+        let lr = job.lr_at(step);
+        if let Some(h) = head.as_deref_mut().filter(|h| h.tied()) {
+            // The tied matrix's one update takes the head's gradient too.
+            clock.run(|| stage.add_tied_grad(&h.stage.take_tied_grad()));
+        }
+        if job.averages_gradients() {
+            net.average_with_replicas(step, stage.grads_mut())?;
+        }
+        if let Some(max_norm) = job.spec.clip_grad_norm {
+            let early = side.grad_norm.take();
+            clip_from_master(
+                job,
+                net,
+                clock,
+                (step, early),
+                max_norm,
+                stage,
+                head.as_deref_mut(),
+            )?;
+        }
+        clock.run(|| stage.step(optimizer, lr));
+        if let Some(h) = head {
+            clock.run(|| h.stage.step(&mut h.optimizer, lr));
+            h.follow(stage);
+        }
+        job.after_minibatch(net, step, stage.params_mut())?;
+        Ok(())
     }
 }
 

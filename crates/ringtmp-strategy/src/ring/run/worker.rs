@@ -34,10 +34,6 @@ pub fn run_worker(job: &RingJob, net: &mut dyn RingNet) -> Result<Stage> {
 
 /// [`run_worker`] from `initial` (a healed ring's in-memory state) instead of the job's start or
 /// checkpoint, keeping replication snapshots in `replicas` (`--stage-replicas`).
-#[expect(
-    clippy::too_many_lines,
-    reason = "a stage node's run in order: restore, schedule, heals, report"
-)]
 pub fn run_worker_with(
     job: &RingJob,
     net: &mut dyn RingNet,
@@ -46,7 +42,6 @@ pub fn run_worker_with(
 ) -> Result<Stage> {
     let mut node = RingNode::new(job, net, job.schedule == Schedule::Async, initial)?;
     let (rank, n) = (node.rank as usize, job.partition.len());
-    let timeout = job.recv_timeout();
     let mut policy = StagePolicy::new(
         job.schedule,
         (rank, n),
@@ -55,11 +50,10 @@ pub fn run_worker_with(
         job.first_step(),
     );
     let m = job.micro_batches.max(1) as u64;
-    let mut inputs: VecDeque<(u64, usize, Vec<f32>)> = VecDeque::new();
-    let mut grads: VecDeque<(u64, Vec<f32>)> = VecDeque::new();
+    let mut work = Work::default();
     loop {
         policy.follow_drains(|k| job.next_drain(k / m) * m);
-        let action = policy.next(!inputs.is_empty(), !grads.is_empty());
+        let action = policy.next(!work.inputs.is_empty(), !work.grads.is_empty());
         // Messages that came while the node waited for a clipping message go first.
         let arrived = match node.early.pop_front() {
             Some(message) => Some(message),
@@ -68,7 +62,7 @@ pub fn run_worker_with(
         };
         match if arrived.is_some() { None } else { action } {
             Some(Action::Forward) => {
-                let (id, rows, x) = inputs.pop_front().expect("next() saw an input");
+                let (id, rows, x) = work.inputs.pop_front().expect("next() saw an input");
                 let at = policy.forward_at(id);
                 node.forward(
                     job,
@@ -82,7 +76,7 @@ pub fn run_worker_with(
                 policy.record(Action::Forward, id);
             }
             Some(Action::Backward) => {
-                let (id, dy) = grads.pop_front().expect("next() saw a gradient");
+                let (id, dy) = work.grads.pop_front().expect("next() saw a gradient");
                 // A backward that completes a step takes it layer by layer, unless the gradients
                 // must first be averaged with the stage's copies (rings of rings).
                 let mut probe = policy;
@@ -102,112 +96,135 @@ pub fn run_worker_with(
                     }
                 }
             }
-            None => match arrived
-                .map_or_else(|| node.clock.recv(net, timeout), Ok)
-                .and_then(|(from, m)| Ok((from, Incoming::read(m, net, from)?)))?
-            {
-                (from, Incoming::Wire(Message::Tensor(h, bytes)))
-                    if from == node.pred
-                        && h.tag == TensorTag::Activation
-                        && policy.accepts(h.step) =>
-                {
-                    let rows = h.shape.first().copied().unwrap_or(0) as usize;
-                    inputs.push_back((h.micro_batch, rows, values(&bytes, h.dtype)));
+            None => {
+                if receive(&mut node, job, net, &policy, arrived, &mut work, replicas)? {
+                    return Ok(node.stage);
                 }
-                (from, Incoming::Wire(Message::Tensor(h, bytes)))
-                    if from == node.succ
-                        && h.tag == TensorTag::Gradient
-                        && policy.accepts(h.step) =>
-                {
-                    grads.push_back((h.micro_batch, values(&bytes, h.dtype)));
-                }
-                // Gradient clipping: the successor finished its part of the step's norm before
-                // this stage's last backward did.
-                (
-                    from,
-                    Incoming::Own(RingMessage::GradNorm {
-                        step,
-                        sum_squares_bits,
-                    }),
-                ) if from == node.succ
-                    && job.spec.clip_grad_norm.is_some()
-                    && policy.accepts(step)
-                    && node.grad_norm.is_none() =>
-                {
-                    node.grad_norm = Some((step, f64::from_bits(sum_squares_bits)));
-                }
-                // Stage replicas: the successor's snapshot, then its token (same link, so in
-                // this order); the master's re-formation of the ring.
-                (from, Incoming::Wire(Message::Tensor(h, bytes)))
-                    if from == node.succ
-                        && h.tag == TensorTag::Params
-                        && h.micro_batch == REPLICA =>
-                {
-                    let next = &job.partition[node.succ as usize];
-                    let layers = job.layers()?;
-                    let snapshot = Snapshot::from_values(
-                        h.step,
-                        next.start..next.end,
-                        &layers,
-                        &job.spec.optimizer,
-                        node.optimizer.steps(),
-                        &values(&bytes, h.dtype),
-                    )
-                    .ok_or_else(|| protocol(net, from, "replica of the wrong size"))?;
-                    replicas.keep_succ(snapshot);
-                }
-                // A replication round: the master's order reaches every node at once; each sends
-                // its snapshot to its predecessor, and tells the master once its successor's
-                // snapshot is in (the successor's token follows it on the same link). The last
-                // node's successor is the master, whose stage is not replicated.
-                (0, Incoming::Own(RingMessage::Replicate { step })) if node.succ == 0 => {
-                    node.replicate(net, step, replicas)?;
-                    net.send(0, RingMessage::Replicate { step }.to_message())?;
-                }
-                (0, Incoming::Own(RingMessage::Replicate { step })) => {
-                    node.replicate(net, step, replicas)?;
-                }
-                (from, Incoming::Own(RingMessage::Replicate { step })) if from == node.succ => {
-                    net.send(0, RingMessage::Replicate { step }.to_message())?;
-                }
-                (
-                    0,
-                    Incoming::Wire(Message::Control(Control::Regroup {
-                        generation,
-                        members,
-                        step,
-                        ..
-                    })),
-                ) => {
-                    return Err(Error::Regroup {
-                        generation,
-                        members,
-                        step,
-                    });
-                }
-                (
-                    from,
-                    Incoming::Wire(
-                        message @ (Message::Tensor(
-                            TensorHeader {
-                                tag: TensorTag::Inference,
-                                ..
-                            },
-                            _,
-                        )
-                        | Message::Control(
-                            Control::Checkpoint { .. } | Control::Report { .. },
-                        )),
-                    ),
-                ) => {
-                    if node.serve(job, net, from, message)? {
-                        return Ok(node.stage);
-                    }
-                }
-                (from, incoming) => return Err(protocol(net, from, &incoming.describe())),
-            },
+            }
         }
     }
+}
+
+/// What a stage node has received and not yet worked on: activations (micro-batch, rows,
+/// values) and gradients (micro-batch, values), in arrival order.
+#[derive(Default)]
+struct Work {
+    inputs: VecDeque<(u64, usize, Vec<f32>)>,
+    grads: VecDeque<(u64, Vec<f32>)>,
+}
+
+/// Takes one message (`arrived`, or the next within the job's timeout) and acts on it: work is
+/// queued, clipping norms, replicas and replication rounds are handled, a regroup order is
+/// returned as its error. Returns whether the run is over for this node (the final report
+/// passed).
+fn receive(
+    node: &mut RingNode,
+    job: &RingJob,
+    net: &mut dyn RingNet,
+    policy: &StagePolicy,
+    arrived: Option<(u32, Message)>,
+    work: &mut Work,
+    replicas: &mut Replicas,
+) -> Result<bool> {
+    let (inputs, grads) = (&mut work.inputs, &mut work.grads);
+    let timeout = job.recv_timeout();
+    match arrived
+        .map_or_else(|| node.clock.recv(net, timeout), Ok)
+        .and_then(|(from, m)| Ok((from, Incoming::read(m, net, from)?)))?
+    {
+        (from, Incoming::Wire(Message::Tensor(h, bytes)))
+            if from == node.pred && h.tag == TensorTag::Activation && policy.accepts(h.step) =>
+        {
+            let rows = h.shape.first().copied().unwrap_or(0) as usize;
+            inputs.push_back((h.micro_batch, rows, values(&bytes, h.dtype)));
+        }
+        (from, Incoming::Wire(Message::Tensor(h, bytes)))
+            if from == node.succ && h.tag == TensorTag::Gradient && policy.accepts(h.step) =>
+        {
+            grads.push_back((h.micro_batch, values(&bytes, h.dtype)));
+        }
+        // Gradient clipping: the successor finished its part of the step's norm before
+        // this stage's last backward did.
+        (
+            from,
+            Incoming::Own(RingMessage::GradNorm {
+                step,
+                sum_squares_bits,
+            }),
+        ) if from == node.succ
+            && job.spec.clip_grad_norm.is_some()
+            && policy.accepts(step)
+            && node.grad_norm.is_none() =>
+        {
+            node.grad_norm = Some((step, f64::from_bits(sum_squares_bits)));
+        }
+        // Stage replicas: the successor's snapshot, then its token (same link, so in
+        // this order); the master's re-formation of the ring.
+        (from, Incoming::Wire(Message::Tensor(h, bytes)))
+            if from == node.succ && h.tag == TensorTag::Params && h.micro_batch == REPLICA =>
+        {
+            let next = &job.partition[node.succ as usize];
+            let layers = job.layers()?;
+            let snapshot = Snapshot::from_values(
+                h.step,
+                next.start..next.end,
+                &layers,
+                &job.spec.optimizer,
+                node.optimizer.steps(),
+                &values(&bytes, h.dtype),
+            )
+            .ok_or_else(|| protocol(net, from, "replica of the wrong size"))?;
+            replicas.keep_succ(snapshot);
+        }
+        // A replication round: the master's order reaches every node at once; each sends
+        // its snapshot to its predecessor, and tells the master once its successor's
+        // snapshot is in (the successor's token follows it on the same link). The last
+        // node's successor is the master, whose stage is not replicated.
+        (0, Incoming::Own(RingMessage::Replicate { step })) if node.succ == 0 => {
+            node.replicate(net, step, replicas)?;
+            net.send(0, RingMessage::Replicate { step }.to_message())?;
+        }
+        (0, Incoming::Own(RingMessage::Replicate { step })) => {
+            node.replicate(net, step, replicas)?;
+        }
+        (from, Incoming::Own(RingMessage::Replicate { step })) if from == node.succ => {
+            net.send(0, RingMessage::Replicate { step }.to_message())?;
+        }
+        (
+            0,
+            Incoming::Wire(Message::Control(Control::Regroup {
+                generation,
+                members,
+                step,
+                ..
+            })),
+        ) => {
+            return Err(Error::Regroup {
+                generation,
+                members,
+                step,
+            });
+        }
+        (
+            from,
+            Incoming::Wire(
+                message @ (Message::Tensor(
+                    TensorHeader {
+                        tag: TensorTag::Inference,
+                        ..
+                    },
+                    _,
+                )
+                | Message::Control(Control::Checkpoint { .. } | Control::Report { .. })),
+            ),
+        ) => {
+            if node.serve(job, net, from, message)? {
+                return Ok(true);
+            }
+        }
+        (from, incoming) => return Err(protocol(net, from, &incoming.describe())),
+    }
+    Ok(false)
 }
 
 /// A non-master node, as both of its loops (flushed schedules and async) use it: its stage and
