@@ -148,10 +148,33 @@ impl<'a> NodeCx<'a> {
     }
 }
 
+/// How a strategy divides the work among the nodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// One process holds and trains the whole model.
+    Single,
+    /// Every node holds a contiguous block of the layers (model parallel: the ring).
+    Pipeline,
+    /// Every worker holds a whole replica and the workers agree on it (all-reduce, gossip,
+    /// DiLoCo).
+    Replicas,
+    /// Servers hold shards of the parameters; workers hold replicas they pull and push.
+    ParameterServer,
+}
+
+impl Family {
+    /// Whether every worker trains a whole replica on its share of the data.
+    pub fn is_data_parallel(self) -> bool {
+        matches!(self, Self::Replicas | Self::ParameterServer)
+    }
+}
+
 /// A training strategy: its job is planned on rank 0 and handed to every node.
 pub trait Strategy: Sized {
     /// `--strategy NAME`.
     const NAME: &'static str;
+    /// How it divides the work (what `compare` groups its claims by).
+    const FAMILY: Family;
     /// Its options (`ringtmp train` flags and config keys of their own).
     type Options: Clone + Default;
     /// Plans the job for `cluster` from the run's configuration and the options, saying in

@@ -159,6 +159,15 @@ macro_rules! strategies {
                 }
             }
 
+            /// The family of strategy `name` (see [`Strategy::FAMILY`]); `None` for a name
+            /// that is not a strategy's.
+            pub fn family(name: &str) -> Option<crate::contract::Family> {
+                match name {
+                    $(<$job as Strategy>::NAME => Some(<$job as Strategy>::FAMILY),)*
+                    _ => None,
+                }
+            }
+
             /// The names as written in this list, for the test that they are the strategies'.
             #[doc(hidden)]
             pub const LISTED_NAMES: &'static [&'static str] = &[$($name,)*];

@@ -61,7 +61,7 @@ pub mod simulate;
 mod spec;
 
 pub use config::{CHECKPOINT_AT_END, DEFAULT_RECV_TIMEOUT_SECS, TextSource, TrainConfig};
-pub use contract::{Cluster, NodeCx, PlanReport, SharedMachine, Strategy};
+pub use contract::{Cluster, Family, NodeCx, PlanReport, SharedMachine, Strategy};
 pub use error::{Error, Result};
 pub use event::Event;
 pub use job::{Job, StrategyOptions};

@@ -35,6 +35,7 @@ pub struct LocalJob {
 
 impl Strategy for LocalJob {
     const NAME: &'static str = "local";
+    const FAMILY: crate::contract::Family = crate::contract::Family::Single;
     const CLIPS: bool = true;
     type Options = crate::contract::NoOptions;
 

@@ -1,6 +1,8 @@
 //! The claims RingTMP was proposed on, decided from the runs: what each measured, what first
 //! principles predict, and the verdict — which can come out either way.
 
+use ringtmp_strategy::Family;
+
 use super::quality::Quality;
 
 use super::runs::*;
@@ -69,27 +71,24 @@ pub(super) fn is_diloco_rings(strategy: &str) -> bool {
     is_ring(strategy) && strategy.contains("replica-sync=diloco")
 }
 
-/// Whether `strategy` is data-parallel: every node a whole replica.
-pub(super) fn is_data_parallel(strategy: &str) -> bool {
-    ["allreduce", "dpsgd", "adpsgd", "diloco", "ps"]
-        .iter()
-        .any(|name| family(strategy, name))
+/// The family of a run's strategy, as `compare` names the run (`ring`, `ps:ssp:2`,
+/// `ring+nodes=8`: the strategy's name, then its variant or options), asked of the strategy.
+fn family_of(strategy: &str) -> Option<Family> {
+    let name = strategy.split([':', '+']).next().unwrap_or(strategy);
+    ringtmp_strategy::Job::family(name)
 }
 
-/// Whether `strategy` (as `compare` names a run: `ring`, `ps:ssp:2`, `ring+nodes=8`) is of
-/// strategy `name`.
-pub(super) fn family(strategy: &str, name: &str) -> bool {
-    strategy == name
-        || strategy.starts_with(&format!("{name}:"))
-        || strategy.starts_with(&format!("{name}+"))
+/// Whether `strategy` is data-parallel: every worker a whole replica.
+pub(super) fn is_data_parallel(strategy: &str) -> bool {
+    family_of(strategy).is_some_and(Family::is_data_parallel)
 }
 
 pub(super) fn is_ring(strategy: &str) -> bool {
-    family(strategy, "ring")
+    family_of(strategy) == Some(Family::Pipeline)
 }
 
 pub(super) fn is_ps(strategy: &str) -> bool {
-    family(strategy, "ps")
+    family_of(strategy) == Some(Family::ParameterServer)
 }
 
 /// A claim the runs cannot decide, and why.

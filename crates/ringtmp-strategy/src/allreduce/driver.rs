@@ -81,10 +81,7 @@ impl<'j> EveryStep<'j> {
         Ok(Self {
             job,
             ranges,
-            ring: Ring {
-                members: (0..job.workers as u32).collect(),
-                generation: 0,
-            },
+            ring: Ring::of(job.workers),
             dropped: Vec::new(),
         })
     }

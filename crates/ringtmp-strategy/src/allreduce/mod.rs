@@ -32,6 +32,7 @@ use crate::spec::RunSpec;
 
 impl Strategy for AllReduceJob {
     const NAME: &'static str = NAME;
+    const FAMILY: crate::contract::Family = crate::contract::Family::Replicas;
     const CLIPS: bool = true;
     type Options = AllReduceOptions;
 

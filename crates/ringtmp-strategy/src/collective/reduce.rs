@@ -81,6 +81,15 @@ pub(crate) struct Ring {
 }
 
 impl Ring {
+    /// The first ring of a run: every one of `workers`, in rank order.
+    pub(crate) fn of(workers: usize) -> Self {
+        Self {
+            members: (0..workers as u32).collect(),
+            generation: 0,
+        }
+    }
+
+    /// Where `rank` is on the ring (`None`: it has left).
     pub(crate) fn position(&self, rank: u32) -> Option<usize> {
         self.members.iter().position(|r| *r == rank)
     }

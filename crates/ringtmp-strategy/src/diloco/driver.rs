@@ -157,10 +157,7 @@ impl<'j> EveryH<'j> {
             layout,
             schedule,
             outer,
-            ring: Ring {
-                members: (0..job.workers as u32).collect(),
-                generation: 0,
-            },
+            ring: Ring::of(job.workers),
             dropped: Vec::new(),
             pending: None,
             window_spent: 0.0,

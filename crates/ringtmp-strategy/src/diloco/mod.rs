@@ -41,6 +41,7 @@ use crate::spec::RunSpec;
 
 impl Strategy for DilocoJob {
     const NAME: &'static str = NAME;
+    const FAMILY: crate::contract::Family = crate::contract::Family::Replicas;
     const CLIPS: bool = true;
     type Options = DilocoOptions;
 

@@ -73,6 +73,7 @@ pub struct AdpsgdJob {
 
 impl Strategy for AdpsgdJob {
     const NAME: &'static str = NAME;
+    const FAMILY: crate::contract::Family = crate::contract::Family::Replicas;
     const CLIPS: bool = true;
     type Options = crate::contract::NoOptions;
 

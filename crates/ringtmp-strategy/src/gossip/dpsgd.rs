@@ -76,6 +76,7 @@ pub struct DpsgdJob {
 
 impl Strategy for DpsgdJob {
     const NAME: &'static str = NAME;
+    const FAMILY: crate::contract::Family = crate::contract::Family::Replicas;
     const CLIPS: bool = true;
     type Options = DpsgdOptions;
 

@@ -20,6 +20,7 @@ use crate::spec::RunSpec;
 
 impl Strategy for PsJob {
     const NAME: &'static str = "ps";
+    const FAMILY: crate::contract::Family = crate::contract::Family::ParameterServer;
     const CLIPS: bool = true;
     type Options = PsOptions;
 

@@ -16,6 +16,7 @@ use crate::spec::RunSpec;
 
 impl Strategy for RingJob {
     const NAME: &'static str = "ring";
+    const FAMILY: crate::contract::Family = crate::contract::Family::Pipeline;
     const CLIPS: bool = true;
     type Options = RingOptions;
 
