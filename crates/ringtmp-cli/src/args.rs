@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use ringtmp_model::{LrSchedule, ModelSpec, OptimizerConfig};
+use ringtmp_strategy::per_node::{Bytes, PerNode, Speed};
 use ringtmp_strategy::{Job, LocalJob, Strategy, StrategyOptions, TrainConfig};
 use serde::{Deserialize, Serialize};
 
@@ -46,9 +47,10 @@ pub struct TrainArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub options: StrategyOptions,
-    /// Emulate a slower node: RANK:FACTOR with 0 < FACTOR ≤ 1 (repeatable).
+    /// Emulate a slower node: RANK:FACTOR with 0 < FACTOR ≤ 1 (comma-separated or repeatable;
+    /// a FACTOR alone slows every node).
     #[arg(help_heading = "Cluster (emulated)", long, value_name = "RANK:FACTOR")]
-    pub node_speed: Option<Vec<String>>,
+    pub node_speed: Option<Vec<PerNode<Speed>>>,
     /// Every local node's emulated card (`--bandwidth-mbit`, `--latency-ms`).
     #[command(flatten, next_help_heading = "Cluster (emulated)")]
     #[serde(flatten)]
@@ -67,7 +69,7 @@ pub struct TrainArgs {
     /// fits its stages into it (after the process's own needs); with --enforce-memory-limit
     /// the kernel holds every strategy's local nodes to it.
     #[arg(help_heading = "Cluster (emulated)", long, value_name = "BYTES")]
-    pub node_memory_limit: Option<String>,
+    pub node_memory_limit: Option<PerNode<Bytes>>,
     /// Make --node-memory-limit a hard limit on each local node process (cgroups): a node that
     /// does not fit is killed, as on a board with that much memory, and the run says so.
     #[arg(help_heading = "Cluster (emulated)", long, num_args = 0..=1, default_missing_value = "true")]
@@ -451,20 +453,28 @@ impl TrainArgs {
                 self.link = None;
             }
         }
-        for list in [&mut self.node_speed, &mut self.node_cpu] {
-            if let Some(entries) = list.as_mut() {
-                *entries = entries
-                    .iter()
-                    .map(|e| renumber(e))
-                    .filter(|e| !e.is_empty())
-                    .collect();
-                if entries.is_empty() {
-                    *list = None;
-                }
+        if let Some(entries) = self.node_cpu.as_mut() {
+            *entries = entries
+                .iter()
+                .map(|e| renumber(e))
+                .filter(|e| !e.is_empty())
+                .collect();
+            if entries.is_empty() {
+                self.node_cpu = None;
+            }
+        }
+        if let Some(lists) = self.node_speed.as_mut() {
+            lists.iter_mut().for_each(|l| l.without_rank(dead));
+            lists.retain(|l| !l.is_empty());
+            if lists.is_empty() {
+                self.node_speed = None;
             }
         }
         if let Some(limit) = self.node_memory_limit.as_mut() {
-            *limit = renumber(limit);
+            limit.without_rank(dead);
+            if limit.is_empty() {
+                self.node_memory_limit = None;
+            }
         }
     }
 
@@ -1164,24 +1174,36 @@ mod tests {
     #[test]
     fn a_run_without_a_rank_drops_its_entries_and_renumbers_the_rest() {
         let mut args = TrainArgs {
-            node_speed: Some(vec!["1:0.5,3:0.25".into(), "2:0.75".into()]),
+            node_speed: Some(vec![
+                "1:0.5,3:0.25".parse().unwrap(),
+                "2:0.75".parse().unwrap(),
+            ]),
             link: Some(vec!["2:100:5".parse().unwrap()]),
             node_cpu: Some(vec!["0:0.5,2:0.5,3:1".into()]),
-            node_memory_limit: Some("1:256M,3:1G".into()),
+            node_memory_limit: Some("1:256M,3:1G".parse().unwrap()),
             ..Default::default()
         };
         args.without_rank(2);
-        assert_eq!(args.node_speed, Some(vec!["1:0.5,2:0.25".into()]));
+        let shown = |v: &Option<Vec<PerNode<Speed>>>| {
+            v.as_ref()
+                .map(|l| l.iter().map(ToString::to_string).collect::<Vec<_>>())
+        };
+        assert_eq!(
+            shown(&args.node_speed),
+            Some(vec!["1:0.5,2:0.25".to_string()])
+        );
         assert_eq!(args.link, None, "rank 2's only entry is gone");
         assert_eq!(args.node_cpu, Some(vec!["0:0.5,2:1".into()]));
-        assert_eq!(args.node_memory_limit.as_deref(), Some("1:256M,2:1G"));
+        let limit = args.node_memory_limit.as_ref().map(ToString::to_string);
+        assert_eq!(limit.as_deref(), Some("1:256M,2:1G"));
         // A limit for every node stays one.
         let mut args = TrainArgs {
-            node_memory_limit: Some("256M".into()),
+            node_memory_limit: Some("256M".parse().unwrap()),
             ..Default::default()
         };
         args.without_rank(0);
-        assert_eq!(args.node_memory_limit.as_deref(), Some("256M"));
+        let limit = args.node_memory_limit.as_ref().map(ToString::to_string);
+        assert_eq!(limit.as_deref(), Some("256M"));
     }
 
     #[test]

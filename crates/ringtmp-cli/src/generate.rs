@@ -20,6 +20,7 @@ use ringtmp_model::decode::Decoder;
 use ringtmp_model::generate::{LocalChain, Sampling, generate};
 use ringtmp_model::{Shape, Stage};
 use ringtmp_strategy::generate::GenerateJob;
+use ringtmp_strategy::per_node::{Bytes, PerNode};
 
 use crate::error::UsageError;
 
@@ -62,7 +63,7 @@ pub struct GenerateArgs {
     /// With --nodes: each node's memory (`768M`, or `RANK:LIMIT` entries); a split whose node
     /// would hold more parameters than its limit is refused before any node starts.
     #[arg(long, value_name = "LIMIT", num_args = 1..)]
-    pub node_memory_limit: Option<Vec<String>>,
+    pub node_memory_limit: Option<Vec<PerNode<Bytes>>>,
     /// With --node-memory-limit: hold each node process to its limit (a cgroup v2 memory
     /// limit; a node that outgrows it is ended by the kernel).
     #[arg(long)]
@@ -443,7 +444,7 @@ fn node_memory(
         return Ok(vec![None; a.nodes as usize]);
     };
     let limits = ringtmp_strategy::Cluster::local(a.nodes)
-        .with_memory_limits(Some(&entries.join(",")))
+        .with_memory_limits(Some(&PerNode::joined(entries)))
         .map_err(|e| UsageError(e.to_string()))?
         .memory_limits;
     for (rank, (range, limit)) in partition.iter().zip(&limits).enumerate() {

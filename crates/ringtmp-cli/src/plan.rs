@@ -6,6 +6,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use ringtmp_data::{Dataset, FileCheck};
+use ringtmp_strategy::per_node::PerNode;
 use ringtmp_strategy::ring::plan::node_profile::{NodeProfile, ProfileRequest};
 use ringtmp_strategy::{Cluster, Job, PlanReport, SharedMachine, TrainConfig};
 
@@ -163,8 +164,8 @@ pub fn plan(args: &TrainArgs, cfg: TrainConfig, data: &Dataset, nodes: u32) -> R
 /// The machines of a run of `nodes` nodes as the options describe them.
 pub fn cluster(args: &TrainArgs, nodes: u32) -> Result<Cluster> {
     let mut cluster = Cluster::local(nodes)
-        .with_speeds(args.node_speed.as_deref().unwrap_or_default())
-        .and_then(|c| c.with_memory_limits(args.node_memory_limit.as_deref()))
+        .with_speeds(&PerNode::joined(args.node_speed.iter().flatten()))
+        .and_then(|c| c.with_memory_limits(args.node_memory_limit.as_ref()))
         .map_err(|e| UsageError(e.to_string()))?;
     cluster.threads = args.threads;
     cluster.links = args

@@ -319,7 +319,7 @@ impl LocalCluster {
             crate::cgroup::parse_node_cpu(args.node_cpu.as_deref().unwrap_or_default(), nodes)?;
         let memory: Vec<Option<u64>> = if args.enforce_memory_limit.unwrap_or(false) {
             let limits = ringtmp_strategy::Cluster::local(nodes)
-                .with_memory_limits(args.node_memory_limit.as_deref())
+                .with_memory_limits(args.node_memory_limit.as_ref())
                 .map_err(|e| UsageError(e.to_string()))?
                 .memory_limits;
             if limits.iter().all(Option::is_none) {

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use crate::config::TrainConfig;
 use crate::error::{Error, Result};
 use crate::event::Event;
+use crate::per_node::{Bytes, PerNode, Speed};
 use crate::spec::RunSpec;
 
 /// The machines a job is planned for.
@@ -89,41 +90,27 @@ impl Cluster {
         }
     }
 
-    /// Applies `--node-memory-limit` (`200M`, or per rank `1:200M,2:1G`).
-    pub fn with_memory_limits(mut self, spec: Option<&str>) -> Result<Self> {
-        self.memory_limits = memory_limits(spec, self.nodes)?;
-        Ok(self)
-    }
-
-    /// Applies `--node-speed` entries (`RANK:FACTOR`, comma-separated or repeated).
-    pub fn with_speeds(mut self, entries: &[String]) -> Result<Self> {
-        self.node_speeds = node_speeds(entries, self.nodes)?;
-        Ok(self)
-    }
-}
-
-/// `RANK:FACTOR` entries → a speed per node (default 1).
-pub fn node_speeds(entries: &[String], nodes: u32) -> Result<Vec<f64>> {
-    let mut speeds = vec![1.0; nodes as usize];
-    for e in entries {
-        for part in e.split(',') {
-            let bad = || {
-                Error::Config(format!(
-                    "--node-speed {part:?}: expected RANK:FACTOR with 0 < FACTOR ≤ 1 and RANK < {nodes}"
-                ))
-            };
-            let (r, f) = part.split_once(':').ok_or_else(bad)?;
-            let (r, f): (usize, f64) = (
-                r.trim().parse().map_err(|_| bad())?,
-                f.trim().parse().map_err(|_| bad())?,
-            );
-            if r >= nodes as usize || !(f > 0.0 && f <= 1.0) {
-                return Err(bad());
-            }
-            speeds[r] = f;
+    /// Applies `--node-memory-limit`: a limit for every node and per rank.
+    pub fn with_memory_limits(mut self, limits: Option<&PerNode<Bytes>>) -> Result<Self> {
+        if let Some(limits) = limits {
+            self.memory_limits = limits
+                .resolve(self.nodes, "--node-memory-limit")?
+                .into_iter()
+                .map(|l| l.map(|b| b.0))
+                .collect();
         }
+        Ok(self)
     }
-    Ok(speeds)
+
+    /// Applies `--node-speed`: an emulated speed for every node and per rank (default 1).
+    pub fn with_speeds(mut self, speeds: &PerNode<Speed>) -> Result<Self> {
+        self.node_speeds = speeds
+            .resolve(self.nodes, "--node-speed")?
+            .into_iter()
+            .map(|s| s.map_or(1.0, |s| s.0))
+            .collect();
+        Ok(self)
+    }
 }
 
 /// What one node has at run time.
@@ -258,59 +245,9 @@ impl NoOptions {
     }
 }
 
-/// `200M` (every node) or `1:200M,2:1G` → a limit per node.
-pub fn memory_limits(spec: Option<&str>, nodes: u32) -> Result<Vec<Option<u64>>> {
-    let mut limits = vec![None; nodes as usize];
-    let Some(spec) = spec else { return Ok(limits) };
-    for part in spec.split(',') {
-        let bad = |why: &str| Error::Config(format!("--node-memory-limit {part:?}: {why}"));
-        match part.split_once(':') {
-            Some((r, v)) => {
-                let r: usize = r.trim().parse().map_err(|_| bad("bad rank"))?;
-                if r >= nodes as usize {
-                    return Err(bad("rank out of range"));
-                }
-                limits[r] = Some(parse_bytes(v).map_err(|_| bad("bad size"))?);
-            }
-            None => {
-                let v = parse_bytes(part).map_err(|_| bad("bad size"))?;
-                limits.iter_mut().for_each(|l| *l = Some(v));
-            }
-        }
-    }
-    Ok(limits)
-}
-
 /// Bytes as the planner's messages show them: whole MiB.
 pub(crate) fn show_bytes(bytes: u64) -> String {
     format!("{:.0} MiB", bytes as f64 / (1u64 << 20) as f64)
-}
-
-fn parse_bytes(text: &str) -> Result<u64> {
-    let t = text.trim();
-    let (number, unit) = t
-        .find(|c: char| c.is_ascii_alphabetic())
-        .map_or((t, ""), |i| t.split_at(i));
-    let n: f64 = number
-        .trim()
-        .parse()
-        .map_err(|_| Error::Config(format!("{text:?} is not a size")))?;
-    let scale = match unit
-        .to_ascii_uppercase()
-        .trim_end_matches('B')
-        .trim_end_matches('I')
-    {
-        "" => 1.0,
-        "K" => 1024.0,
-        "M" => 1024.0 * 1024.0,
-        "G" => 1024.0 * 1024.0 * 1024.0,
-        _ => {
-            return Err(Error::Config(format!(
-                "unknown unit in {text:?}; use K, M or G"
-            )));
-        }
-    };
-    Ok((n * scale) as u64)
 }
 
 /// Checks what every job shares for a run of `world` nodes, of which the job needs `nodes`.
@@ -362,29 +299,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn speeds_parse() {
-        assert_eq!(node_speeds(&["1:0.25".into()], 2).unwrap(), [1.0, 0.25]);
-        assert!(node_speeds(&["2:0.5".into()], 2).is_err());
-        assert!(node_speeds(&["1:1.5".into()], 2).is_err());
-    }
-
-    #[test]
     fn ring_neighbours_wrap_around() {
         assert_eq!(ring_neighbours(0, 4), BTreeSet::from([1, 3]));
         assert_eq!(ring_neighbours(3, 4), BTreeSet::from([0, 2]));
         assert_eq!(ring_neighbours(1, 2), BTreeSet::from([0]));
         assert!(ring_neighbours(0, 1).is_empty());
-    }
-
-    #[test]
-    fn sizes_parse() {
-        assert_eq!(parse_bytes("200M").unwrap(), 200 << 20);
-        assert_eq!(parse_bytes("1.5GiB").unwrap(), 3 << 29);
-        assert_eq!(parse_bytes("4096").unwrap(), 4096);
-        assert!(parse_bytes("12Q").is_err());
-        assert_eq!(
-            memory_limits(Some("1:1K"), 3).unwrap(),
-            [None, Some(1024), None]
-        );
     }
 }

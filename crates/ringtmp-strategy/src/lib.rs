@@ -53,6 +53,7 @@ pub mod machine;
 pub mod memory_floor;
 pub mod messages;
 pub mod param_server;
+pub mod per_node;
 pub mod recorder;
 pub mod resume;
 pub mod ring;
