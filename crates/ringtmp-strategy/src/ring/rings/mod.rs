@@ -20,6 +20,7 @@
 //! groups). A replication round follows every synchronisation, so a healed ring goes back no
 //! further than the last one; the failures of other rings' nodes are theirs to heal.
 
+mod exchange;
 mod gossip;
 mod group;
 mod holders;
