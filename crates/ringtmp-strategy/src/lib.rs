@@ -60,6 +60,7 @@ pub mod ring;
 pub mod selftest;
 pub mod simulate;
 mod spec;
+pub mod text_form;
 
 pub use config::{CHECKPOINT_AT_END, DEFAULT_RECV_TIMEOUT_SECS, TextSource, TrainConfig};
 pub use contract::{Cluster, Family, NodeCx, PlanReport, SharedMachine, Strategy};

@@ -144,7 +144,7 @@ fn stale_parameter_servers_default_to_a_decaying_rate() {
         };
         let options = ringtmp_strategy::StrategyOptions {
             ps: PsOptions {
-                consistency: Some(consistency.into()),
+                consistency: Some(consistency.parse().unwrap()),
                 ..Default::default()
             },
             ..Default::default()
@@ -273,7 +273,7 @@ fn defaults_scale_with_the_batches_a_step_averages() {
     assert_eq!(warmup, 4);
     let options = ringtmp_strategy::StrategyOptions {
         ps: ringtmp_strategy::param_server::plan::PsOptions {
-            consistency: Some("asp".into()),
+            consistency: Some("asp".parse().unwrap()),
             ..Default::default()
         },
         ..Default::default()
@@ -368,7 +368,7 @@ fn stale_parameter_servers_default_to_less_momentum() {
         };
         let options = ringtmp_strategy::StrategyOptions {
             ps: PsOptions {
-                consistency: Some(consistency.into()),
+                consistency: Some(consistency.parse().unwrap()),
                 ..Default::default()
             },
             ..Default::default()
@@ -420,7 +420,7 @@ fn stale_parameter_servers_default_to_less_momentum() {
         cfg.model.stale_momentum = Some(0.8);
         let options = ringtmp_strategy::StrategyOptions {
             ps: PsOptions {
-                consistency: Some("asp".into()),
+                consistency: Some("asp".parse().unwrap()),
                 ..Default::default()
             },
             ..Default::default()

@@ -94,6 +94,20 @@ impl Consistency {
     }
 }
 
+impl std::str::FromStr for Consistency {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        Self::parse(text)
+    }
+}
+
+impl std::fmt::Display for Consistency {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.name())
+    }
+}
+
 /// What the gate tells a worker that wants to start an iteration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Decision {

@@ -24,7 +24,8 @@ pub struct PsOptions {
     pub server_every: Option<usize>,
     /// Parameter server: bsp, ssp:S, asp or dssp:L:U [default: bsp].
     #[arg(long, value_name = "MODEL")]
-    pub consistency: Option<String>,
+    #[serde(default, with = "crate::text_form")]
+    pub consistency: Option<Consistency>,
     /// Parameter server (even under bsp) and D-PSGD: keep training without a dead worker.
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     pub drop_dead_workers: Option<bool>,
@@ -70,8 +71,7 @@ pub fn plan(
     }
     let workers = nodes as usize - servers;
     check_memory_floor(&cfg, data, cluster, servers)?;
-    let consistency = Consistency::parse(args.consistency.as_deref().unwrap_or("bsp"))
-        .map_err(|e| Error::Config(format!("--consistency: {e}")))?;
+    let consistency = args.consistency.unwrap_or(Consistency::Bsp);
     if cluster.threads.is_none() {
         cfg.threads = (cluster.cores / workers).max(1);
     }

@@ -8,6 +8,7 @@ pub mod node_profile;
 pub mod options;
 pub mod partition;
 pub mod profile;
+pub mod replica_sync;
 pub mod settings;
 
 use ringtmp_data::Dataset;

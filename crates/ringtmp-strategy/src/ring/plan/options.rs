@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::ring::plan::partition::CutInside;
+use crate::ring::plan::replica_sync::ReplicaSync;
 use crate::ring::run::schedule::Schedule;
 
 /// `ringtmp train --strategy ring` options (flags, and keys of a `--config` file).
@@ -61,7 +62,8 @@ pub struct RingOptions {
     /// `inner` makes the outer step follow the inner learning-rate schedule, as DiLoCo's
     /// `--outer-schedule inner`), stage by stage.
     #[arg(long, value_name = "gradients|every:K|adpsgd[:K]|diloco:H")]
-    pub replica_sync: Option<String>,
+    #[serde(default, with = "crate::text_form")]
+    pub replica_sync: Option<ReplicaSync>,
     /// Ring: every node also keeps its successor's block and optimizer state, refreshed every K
     /// mini-batches [default K: 20]; when a non-master node dies, its predecessor takes its
     /// layers over and the ring closes around it, without a restart or a checkpoint. With

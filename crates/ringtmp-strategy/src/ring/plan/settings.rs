@@ -8,6 +8,7 @@ use ringtmp_data::Dataset;
 
 use super::RingOptions;
 use super::profile::InFlight;
+use super::replica_sync::ReplicaSync;
 use crate::TrainConfig;
 use crate::contract::{Cluster, PlanReport};
 use crate::error::{Error, Result};
@@ -72,67 +73,12 @@ fn threads(cfg: &mut TrainConfig, cluster: &Cluster) {
     }
 }
 
-/// `--replica-sync`: (average every K, gossip every K, the outer optimizer under `diloco`).
-fn replica_sync(
-    args: &RingOptions,
-) -> Result<(u64, u64, Option<crate::collective::outer::OuterConfig>)> {
-    let text = match args.replica_sync.as_deref() {
-        None | Some("gradients") => return Ok((0, 0, None)),
-        Some(text) => text,
-    };
-    let bad = || {
-        Error::Config(format!(
-            "--replica-sync {text:?}: expected gradients, every:K, adpsgd, adpsgd:K or \
-             diloco:H[:LR:MOMENTUM[:SCHEDULE]] (K, H ≥ 1; an outer rate > 0, a momentum in \
-             [0, 1), the outer schedule constant or inner)"
-        ))
-    };
-    let k = |prefix: &str| {
-        text.strip_prefix(prefix)
-            .and_then(|k| k.parse::<u64>().ok())
-            .filter(|k| *k >= 1)
-    };
-    if let Some(rest) = text.strip_prefix("diloco:") {
-        let parts: Vec<&str> = rest.split(':').collect();
-        let h = parts[0]
-            .parse::<u64>()
-            .ok()
-            .filter(|h| *h >= 1)
-            .ok_or_else(bad)?;
-        let mut outer = crate::collective::outer::OuterConfig::PAPER;
-        match parts.as_slice() {
-            [_] => {}
-            [_, lr, mu, rest @ ..] if rest.len() <= 1 => {
-                outer.lr = lr.parse().map_err(|_| bad())?;
-                outer.momentum = mu.parse().map_err(|_| bad())?;
-                outer.follow_schedule = match rest.first() {
-                    None | Some(&"constant") => false,
-                    Some(&"inner") => true,
-                    Some(_) => return Err(bad()),
-                };
-            }
-            _ => return Err(bad()),
-        }
-        if !(outer.lr.is_finite() && outer.lr > 0.0 && (0.0..1.0).contains(&outer.momentum)) {
-            return Err(bad());
-        }
-        return Ok((h, 0, Some(outer)));
-    }
-    match (k("every:"), text == "adpsgd", k("adpsgd:")) {
-        (Some(k), _, _) => Ok((k, 0, None)),
-        (_, true, _) => Ok((0, 1, None)),
-        (_, _, Some(k)) => Ok((0, k, None)),
-        _ => Err(bad()),
-    }
-}
-
 /// The schedule for these options with `replicas` rings, before its checks.
 fn chosen_schedule(args: &RingOptions, replicas: usize, clipping: bool) -> Schedule {
     let syncing = replicas > 1
         && args
             .replica_sync
-            .as_deref()
-            .is_some_and(|s| s != "gradients");
+            .is_some_and(|s| s != ReplicaSync::Gradients);
     match (args.schedule, replicas) {
         (s, _) if syncing => s.unwrap_or(Schedule::Async),
         (None, r) if r > 1 || clipping => Schedule::OneFOneB,
@@ -217,7 +163,8 @@ pub fn resolve(
         )));
     }
     let nodes = all_nodes / replicas as u32;
-    let (average_every, gossip_every, outer_sync) = replica_sync(args)?;
+    let (average_every, gossip_every, outer_sync) =
+        args.replica_sync.map_or((0, 0, None), ReplicaSync::periods);
     let (average_every, gossip_every, outer_sync) =
         if (average_every > 0 || gossip_every > 0) && replicas < 2 {
             // One ring (a sweep's smallest count under --ring-nodes): nothing to keep together.
@@ -412,47 +359,5 @@ mod tests {
         // 12 windows of 64 positions: a window (64 rows) a micro-batch already at 2 nodes.
         assert_eq!(default_micro_batches(Schedule::OneFOneB, 2, 12, 64), 12);
         assert_eq!(default_micro_batches(Schedule::Async, 16, 12, 64), 1);
-    }
-
-    /// `--replica-sync diloco:H[:LR:MU[:SCHEDULE]]`: the paper's outer step unless given, the
-    /// schedule-following one under `inner`; anything else is refused.
-    #[test]
-    fn diloco_replica_sync_reads_its_outer_step() {
-        let read = |text: &str| {
-            replica_sync(&RingOptions {
-                replica_sync: Some(text.into()),
-                ..RingOptions::default()
-            })
-        };
-        let paper = crate::collective::outer::OuterConfig::PAPER;
-        assert_eq!(read("diloco:50").unwrap(), (50, 0, Some(paper)));
-        let (_, _, outer) = read("diloco:50:0.5:0.8").unwrap();
-        let outer = outer.unwrap();
-        assert_eq!((outer.lr, outer.momentum), (0.5, 0.8));
-        assert!(!outer.follow_schedule);
-        assert!(
-            !read("diloco:50:0.5:0.8:constant")
-                .unwrap()
-                .2
-                .unwrap()
-                .follow_schedule
-        );
-        assert!(
-            read("diloco:50:0.5:0.8:inner")
-                .unwrap()
-                .2
-                .unwrap()
-                .follow_schedule
-        );
-        for bad in [
-            "diloco:50:0.5",
-            "diloco:50:0.5:0.8:later",
-            "diloco:50:0.5:0.8:inner:x",
-            "diloco:0",
-            "diloco:50:0:0.9",
-            "diloco:50:0.7:1",
-        ] {
-            assert!(read(bad).is_err(), "{bad}");
-        }
     }
 }
