@@ -25,6 +25,7 @@ use choice::Chosen;
 
 pub use capacity::{PROCESS_BASELINE_BYTES, process_overhead};
 pub use options::{CutInsideChoice, RingOptions};
+pub use partition::StageRanges;
 pub use settings::{ASYNC_MOMENTUM, Settings};
 
 /// Plans the ring job for `cluster.nodes` nodes, saying in `report` what it chose.

@@ -4,7 +4,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::ring::plan::partition::CutInside;
+use crate::ring::plan::partition::{CutInside, StageRanges};
 use crate::ring::plan::replica_sync::ReplicaSync;
 use crate::ring::run::schedule::Schedule;
 
@@ -30,7 +30,8 @@ pub struct RingOptions {
     pub use_all_nodes: Option<bool>,
     /// Ring: layer ranges per node instead of the planner, e.g. `0:4,4:8,8:10`.
     #[arg(long, value_name = "RANGES")]
-    pub partition: Option<String>,
+    #[serde(default, with = "crate::text_form")]
+    pub partition: Option<StageRanges>,
     /// Ring (gpipe, 1f1b): compute linear weight gradients once per mini-batch rather than per
     /// micro-batch (faster; keeps those layers' inputs until the step) [default: true].
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]

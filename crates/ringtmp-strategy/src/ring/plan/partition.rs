@@ -551,41 +551,67 @@ fn split(
     Ok((stages_from_bounds(&bounds, costs, nodes), best[n - 1][l]))
 }
 
-/// A plan from explicit layer boundaries (`--partition 0:3,3:7,7:10`), validated.
+/// `--partition`: each stage's layers, `START:END` ranges that follow one another from layer 0
+/// (`0:4,4:8,8:10`); held as the boundaries between them (`[0, 4, 8, 10]`). Whether they fit the
+/// model and the nodes is the planner's check ([`from_spec`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StageRanges {
+    /// Layer 0, then where each stage ends.
+    pub bounds: Vec<usize>,
+}
+
+impl std::str::FromStr for StageRanges {
+    type Err = String;
+
+    fn from_str(text: &str) -> std::result::Result<Self, String> {
+        let mut bounds = vec![0usize];
+        for (i, part) in text.split(',').enumerate() {
+            let (a, b) = part
+                .split_once(':')
+                .ok_or_else(|| format!("{part:?} is not START:END"))?;
+            let (a, b): (usize, usize) = (
+                a.trim().parse().map_err(|_| format!("bad start {a:?}"))?,
+                b.trim().parse().map_err(|_| format!("bad end {b:?}"))?,
+            );
+            let expected = bounds.last().copied().unwrap_or(0);
+            if a != expected {
+                return Err(format!(
+                    "stage {i} starts at layer {a}, expected {expected}"
+                ));
+            }
+            if b <= a {
+                return Err(format!("stage {i} ({a}:{b}) has no layers"));
+            }
+            bounds.push(b);
+        }
+        Ok(Self { bounds })
+    }
+}
+
+impl std::fmt::Display for StageRanges {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let parts: Vec<String> = self
+            .bounds
+            .windows(2)
+            .map(|w| format!("{}:{}", w[0], w[1]))
+            .collect();
+        f.write_str(&parts.join(","))
+    }
+}
+
+/// A plan from explicit layer boundaries (`--partition 0:3,3:7,7:10`), checked against the
+/// model and the nodes.
 pub fn from_spec(
-    spec: &str,
+    ranges: &StageRanges,
     costs: &[LayerCost],
     nodes: &[NodeCapacity],
     first_param_layer: usize,
 ) -> Result<Vec<StagePlan>, PlanError> {
     let invalid = |reason: String| PlanError::Invalid {
-        given: spec.to_string(),
+        given: ranges.to_string(),
         reason,
     };
-    let mut bounds = vec![0usize];
-    for (i, part) in spec.split(',').enumerate() {
-        let (a, b) = part
-            .split_once(':')
-            .ok_or_else(|| invalid(format!("{part:?} is not START:END")))?;
-        let (a, b): (usize, usize) = (
-            a.trim()
-                .parse()
-                .map_err(|_| invalid(format!("bad start {a:?}")))?,
-            b.trim()
-                .parse()
-                .map_err(|_| invalid(format!("bad end {b:?}")))?,
-        );
-        if a != *bounds.last().unwrap_or(&0) {
-            return Err(invalid(format!(
-                "stage {i} starts at layer {a}, expected {}",
-                bounds.last().unwrap_or(&0)
-            )));
-        }
-        if b <= a {
-            return Err(invalid(format!("stage {i} ({a}:{b}) has no layers")));
-        }
-        bounds.push(b);
-    }
+    let bounds = &ranges.bounds;
     if bounds.len() - 1 != nodes.len() {
         return Err(invalid(format!(
             "{} stages for {} nodes",
@@ -605,7 +631,7 @@ pub fn from_spec(
             "stage 0 must include layer {first_param_layer} (the first with parameters) so raw inputs never leave the master"
         )));
     }
-    let stages = stages_from_bounds(&bounds, costs, nodes);
+    let stages = stages_from_bounds(bounds, costs, nodes);
     for (s, st) in stages.iter().enumerate() {
         if let Some(m) = nodes[s].memory_limit
             && st.predicted_bytes > m
@@ -1305,7 +1331,8 @@ mod tests {
         // Layer 0 is a cheap flatten; layer 1 the first linear: stage 0 must not be just layer 0.
         let p = plan(&costs(&[0.0, 5.0, 5.0]), &free(2), 1).unwrap();
         assert_eq!(bounds(&p), [(0, 2), (2, 3)]);
-        assert!(from_spec("0:1,1:3", &costs(&[0.0, 5.0, 5.0]), &free(2), 1).is_err());
+        let spec: StageRanges = "0:1,1:3".parse().unwrap();
+        assert!(from_spec(&spec, &costs(&[0.0, 5.0, 5.0]), &free(2), 1).is_err());
     }
 
     fn layers(seconds: &[f64], out_bytes: &[u64], params: &[bool]) -> Vec<LayerCost> {
@@ -1499,13 +1526,23 @@ mod tests {
     #[test]
     fn explicit_partitions_are_validated() {
         let c = costs(&[1.0; 5]);
+        let spec = |text: &str| text.parse::<StageRanges>();
         assert_eq!(
-            bounds(&from_spec("0:2,2:5", &c, &free(2), 0).unwrap()),
+            bounds(&from_spec(&spec("0:2,2:5").unwrap(), &c, &free(2), 0).unwrap()),
             [(0, 2), (2, 5)]
         );
-        for bad in ["0:2,3:5", "0:2,2:2,2:5", "0:2,2:4", "0:5", "a:b", "0:2;2:5"] {
-            assert!(from_spec(bad, &c, &free(2), 0).is_err(), "{bad}");
+        // Not ranges that follow one another from layer 0: refused as the flag is read.
+        for bad in ["0:2,3:5", "0:2,2:2,2:5", "a:b", "0:2;2:5", "1:5"] {
+            assert!(spec(bad).is_err(), "{bad}");
         }
+        // Ranges that do not fit this model (5 layers) or these nodes (2).
+        for bad in ["0:2,2:4", "0:5", "0:1,1:2,2:5"] {
+            assert!(
+                from_spec(&spec(bad).unwrap(), &c, &free(2), 0).is_err(),
+                "{bad}"
+            );
+        }
+        assert_eq!(spec("0:2,2:5").unwrap().to_string(), "0:2,2:5");
         assert!(matches!(
             plan(&c, &free(6), 0),
             Err(PlanError::TooManyNodes { .. })
