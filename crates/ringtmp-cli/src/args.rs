@@ -183,7 +183,8 @@ pub struct TrainArgs {
     pub lr: Option<f32>,
     /// Learning-rate schedule: constant, cosine or step:EVERY:GAMMA (epochs) [default: constant].
     #[arg(help_heading = "Training", long, value_name = "SCHEDULE")]
-    pub lr_schedule: Option<String>,
+    #[serde(default, with = "ringtmp_strategy::text_form")]
+    pub lr_schedule: Option<LrSchedule>,
     /// Steps of linear learning-rate warm-up [default: 100 for language models, else 0; where a
     /// step averages W batches, the same examples in W times fewer steps, and 10 steps for a
     /// scaled SGD rate].
@@ -308,8 +309,8 @@ pub struct TrainArgs {
     pub stall_timeout: Option<f64>,
     /// What tensors travel as between nodes: f32, bf16 or f16 (computation stays f32)
     /// [default: f32].
-    #[arg(help_heading = "Strategy", long, value_name = "DTYPE")]
-    pub wire_dtype: Option<String>,
+    #[arg(help_heading = "Strategy", long, value_name = "DTYPE", value_enum)]
+    pub wire_dtype: Option<WireDtype>,
     /// Show every node's informational log lines (otherwise progress, warnings and errors).
     #[arg(help_heading = "Output", long, num_args = 0..=1, default_missing_value = "true")]
     pub verbose: Option<bool>,
@@ -909,9 +910,11 @@ impl TrainArgs {
                 )
             }
         };
-        let default_schedule = if text { "cosine:0.1" } else { "constant" };
-        let schedule = LrSchedule::parse(self.lr_schedule.as_deref().unwrap_or(default_schedule))
-            .map_err(|e| UsageError(format!("--lr-schedule: {e}")))?;
+        let schedule = self.lr_schedule.clone().unwrap_or(if text {
+            LrSchedule::CosineTo { min_ratio: 0.1 }
+        } else {
+            LrSchedule::Constant
+        });
         let strategy = self.strategy();
         // `train` chooses (and creates) the default directory before resolving; a run that
         // writes nothing (validate-config) has nothing to choose.
@@ -924,17 +927,7 @@ impl TrainArgs {
                 .map(|n| n.get())
                 .unwrap_or(1)
         });
-        let wire_dtype = match self.wire_dtype.as_deref().unwrap_or("f32") {
-            "f32" => ringtmp_wire::Dtype::F32,
-            "bf16" => ringtmp_wire::Dtype::Bf16,
-            "f16" => ringtmp_wire::Dtype::F16,
-            other => {
-                return Err(UsageError(format!(
-                    "--wire-dtype {other:?}: expected f32, bf16 or f16"
-                ))
-                .into());
-            }
-        };
+        let wire_dtype = self.wire_dtype.unwrap_or_default().dtype();
         for (name, value) in [
             ("recv-timeout", self.recv_timeout),
             ("stall-timeout", self.stall_timeout),
@@ -1132,6 +1125,30 @@ pub fn at_least_one(text: &str) -> Result<usize, String> {
         Ok(0) => Err("must be at least 1".into()),
         Ok(n) => Ok(n),
         Err(e) => Err(e.to_string()),
+    }
+}
+
+/// `--wire-dtype`: what tensors travel as between nodes (computation stays f32).
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WireDtype {
+    /// 32-bit floats: exact.
+    #[default]
+    F32,
+    /// bfloat16: f32's range, 8 bits of mantissa.
+    Bf16,
+    /// IEEE half precision.
+    F16,
+}
+
+impl WireDtype {
+    /// The wire's dtype.
+    pub fn dtype(self) -> ringtmp_wire::Dtype {
+        match self {
+            Self::F32 => ringtmp_wire::Dtype::F32,
+            Self::Bf16 => ringtmp_wire::Dtype::Bf16,
+            Self::F16 => ringtmp_wire::Dtype::F16,
+        }
     }
 }
 

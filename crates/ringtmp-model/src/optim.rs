@@ -720,6 +720,26 @@ pub enum LrSchedule {
     },
 }
 
+impl std::str::FromStr for LrSchedule {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        Self::parse(text)
+    }
+}
+
+/// The schedule as `--lr-schedule` writes it, which [`LrSchedule::parse`] reads back.
+impl std::fmt::Display for LrSchedule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Constant => f.write_str("constant"),
+            Self::Cosine => f.write_str("cosine"),
+            Self::CosineTo { min_ratio } => write!(f, "cosine:{min_ratio}"),
+            Self::Step { every, gamma } => write!(f, "step:{every}:{gamma}"),
+        }
+    }
+}
+
 impl LrSchedule {
     /// Parses `constant`, `cosine`, `cosine:MIN_RATIO` or `step:EVERY:GAMMA`.
     pub fn parse(text: &str) -> Result<Self, String> {
