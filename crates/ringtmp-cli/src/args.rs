@@ -105,7 +105,8 @@ pub struct TrainArgs {
     /// `3.weight`), nanogpt (nanoGPT's GPT: `transformer.h.0.attn.c_attn.weight`) or ringtmp
     /// [default: told from the names].
     #[arg(help_heading = "Model", long, value_name = "MAP")]
-    pub weight_map: Option<String>,
+    #[serde(default, with = "ringtmp_strategy::text_form")]
+    pub weight_map: Option<ringtmp_model::interop::NameMap>,
     /// Dataset: mnist, fashion-mnist, digits, text (a language model's: see --data-file), or
     /// your own in one of the formats npy, npz, csv, images (a folder per class) or
     /// cifar10/cifar100 (their binary batches) named by --data-file [default: mnist]. In a config
@@ -142,12 +143,14 @@ pub struct TrainArgs {
     /// How a 4-D array orders an image: nchw (PyTorch) or nhwc (NumPy, Keras) [default: the axis
     /// of 1, 3 or 4 values holds the channels].
     #[arg(help_heading = "Data", long, value_name = "LAYOUT")]
-    pub layout: Option<String>,
+    #[serde(default, with = "ringtmp_strategy::text_form")]
+    pub layout: Option<ringtmp_data::Layout>,
     /// Input normalisation: auto (each channel's mean and deviation over the training split; a
     /// table's each column), none, or MEAN[,MEAN…]/STD[,STD…] (torchvision's, in [0, 1] units
     /// for bytes) [default: auto].
     #[arg(help_heading = "Data", long, value_name = "HOW")]
-    pub normalize: Option<String>,
+    #[serde(default, with = "ringtmp_strategy::text_form")]
+    pub normalize: Option<ringtmp_data::Normalize>,
     /// Positions per training window (the model's context) [default: the GPT preset's context,
     /// else 64].
     #[arg(help_heading = "Data", long, value_name = "N")]
@@ -750,17 +753,11 @@ impl TrainArgs {
                 })?;
             source.input_shape = Some((dims[0], dims[1], dims[2]));
         }
-        if let Some(layout) = &self.layout {
-            source.layout = Some(
-                layout
-                    .parse()
-                    .map_err(|e| UsageError(format!("--layout: {e}")))?,
-            );
+        if let Some(layout) = self.layout {
+            source.layout = Some(layout);
         }
         if let Some(how) = &self.normalize {
-            source.normalize = how
-                .parse()
-                .map_err(|e| UsageError(format!("--normalize: {e}")))?;
+            source.normalize = how.clone();
         }
         source.validation = self.val_fraction.unwrap_or(0.1);
         // The held-out rows do not follow --seed: runs of several seeds test on the same rows.

@@ -74,10 +74,7 @@ pub fn convert(args: &TrainArgs, cfg: &TrainConfig, data: &Dataset) -> Result<Op
             .into());
         }
     }
-    let map = match &args.weight_map {
-        Some(m) => m.parse().map_err(|e: String| usage(e))?,
-        None => guess_map(tensors.keys()),
-    };
+    let map = args.weight_map.unwrap_or_else(|| guess_map(tensors.keys()));
     check_architecture(file, cfg, data)?;
     let layers = ringtmp_strategy::layers_for(&cfg.model, data)?;
     let mut stage = Stage::new(&layers, 0..layers.len(), cfg.seed, 1);

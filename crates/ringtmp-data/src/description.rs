@@ -66,6 +66,24 @@ impl std::str::FromStr for Normalize {
     }
 }
 
+/// The normalisation as `--normalize` writes it, which its `FromStr` reads back.
+impl std::fmt::Display for Normalize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let list = |values: &[f32]| {
+            values
+                .iter()
+                .map(f32::to_string)
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        match self {
+            Normalize::Auto => f.write_str("auto"),
+            Normalize::None => f.write_str("none"),
+            Normalize::Given { mean, std } => write!(f, "{}/{}", list(mean), list(std)),
+        }
+    }
+}
+
 /// A user's dataset as the run reads it (see the module header). The same on every node, so
 /// every node that reads data reads the same rows.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

@@ -29,6 +29,16 @@ impl std::str::FromStr for Layout {
     }
 }
 
+/// The layout as `--layout` writes it.
+impl std::fmt::Display for Layout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Layout::Nhwc => "nhwc",
+            Layout::Nchw => "nchw",
+        })
+    }
+}
+
 /// A dataset's input recipe (see the module header).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct InputRecipe {
