@@ -195,3 +195,27 @@ pub(crate) fn class_indices(path: &Path, values: &[f64]) -> Result<Vec<u32>> {
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Layout;
+
+    #[test]
+    fn a_normalisation_and_a_layout_read_back_from_their_text() {
+        for text in [
+            "auto",
+            "none",
+            "0.5/0.25",
+            "0.4914,0.4822,0.4465/0.247,0.2435,0.2616",
+        ] {
+            let how: Normalize = text.parse().unwrap();
+            assert_eq!(how.to_string(), text);
+            assert_eq!(how.to_string().parse::<Normalize>().unwrap(), how);
+        }
+        assert!("1/0".parse::<Normalize>().is_err());
+        for layout in [Layout::Nhwc, Layout::Nchw] {
+            assert_eq!(layout.to_string().parse::<Layout>().unwrap(), layout);
+        }
+    }
+}

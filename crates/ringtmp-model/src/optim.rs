@@ -959,6 +959,21 @@ mod streaming {
 mod tests {
     use super::*;
 
+    #[test]
+    fn a_schedule_reads_back_from_its_text() {
+        for text in ["constant", "cosine", "cosine:0.1", "step:3:0.5"] {
+            let schedule: LrSchedule = text.parse().unwrap();
+            assert_eq!(schedule.to_string(), text);
+            assert_eq!(
+                schedule.to_string().parse::<LrSchedule>().unwrap(),
+                schedule
+            );
+        }
+        for bad in ["cosine:2", "step:0:0.5", "step:3:0", "linear"] {
+            assert!(bad.parse::<LrSchedule>().is_err(), "{bad}");
+        }
+    }
+
     // The optimizer kernels, at whatever SIMD level runs them (AVX-512, AVX2, NEON),
     // equal the scalar formulas bit for bit at every tail length.
     #[test]
