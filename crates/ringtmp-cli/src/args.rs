@@ -753,9 +753,7 @@ impl TrainArgs {
                 })?;
             source.input_shape = Some((dims[0], dims[1], dims[2]));
         }
-        if let Some(layout) = self.layout {
-            source.layout = Some(layout);
-        }
+        source.layout = self.layout.or(source.layout);
         if let Some(how) = &self.normalize {
             source.normalize = how.clone();
         }

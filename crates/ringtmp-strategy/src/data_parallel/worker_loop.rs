@@ -439,7 +439,7 @@ fn report(
         },
     );
     own.optimizer_bytes += ending.extra_optimizer_bytes;
-    own.test_accuracy = ending.own_accuracy.or(own.test_accuracy);
+    own.test_accuracy = ending.own_accuracy;
     let Some(per_node) = super::gather_reports(
         net,
         opening.rank,
