@@ -28,8 +28,8 @@ use ringtmp_wire::message::{tensor_bytes_into, tensor_values};
 use ringtmp_wire::{Dtype, Message, TensorHeader, TensorTag};
 use serde::{Deserialize, Serialize};
 
-use crate::error::{Error, Result};
 use crate::messages::StrategyMessage;
+use ringtmp_contract::error::{Error, Result};
 
 /// What every node of a split generation must agree on (rank 0 hands it out at rendezvous).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

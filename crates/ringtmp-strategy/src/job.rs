@@ -19,7 +19,6 @@ use crate::allreduce::{AllReduceJob, AllReduceOptions};
 use crate::config::TrainConfig;
 use crate::contract::{Cluster, NoOptions, NodeCx, PlanReport, Strategy};
 use crate::diloco::{DilocoJob, DilocoOptions};
-use crate::error::{Error, Result};
 use crate::gossip::{AdpsgdJob, DpsgdJob, DpsgdOptions};
 use crate::local::LocalJob;
 use crate::machine::ProfileRequest;
@@ -27,7 +26,8 @@ use crate::param_server::driver::PsJob;
 use crate::param_server::plan::PsOptions;
 use crate::ring::plan::RingOptions;
 use crate::ring::run::driver::RingJob;
-use crate::spec::RunSpec;
+use ringtmp_contract::error::{Error, Result};
+use ringtmp_contract::spec::RunSpec;
 
 /// The strategies, one line each: the `Job` variant, its job type, its `--strategy` name (the
 /// job type's `Strategy::NAME`, checked by a test), and its options — the field of

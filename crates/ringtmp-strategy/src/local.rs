@@ -18,12 +18,12 @@ use serde_json::json;
 
 use crate::config::TrainConfig;
 use crate::contract::{Cluster, NodeCx, PlanReport, Strategy, validate_shared};
-use crate::error::{Error, Result};
 use crate::evaluation::evaluate;
 use crate::event::Event;
 use crate::recorder::{RunRecorder, Verdict};
 use crate::resume::check_resume;
-use crate::spec::RunSpec;
+use ringtmp_contract::error::{Error, Result};
+use ringtmp_contract::spec::RunSpec;
 
 /// The `local` strategy's job: the whole model in one process.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]

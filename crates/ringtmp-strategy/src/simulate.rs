@@ -36,8 +36,8 @@ use ringtmp_transport::sim::{ComputeCost, Pricing, SimConfig, SimNetwork};
 use serde::{Deserialize, Serialize};
 
 use crate::contract::NodeCx;
-use crate::error::{Error, Result};
 use crate::job::Job;
+use ringtmp_contract::error::{Error, Result};
 
 /// What a simulation assumes; printed with its results.
 pub const ASSUMPTIONS: &str = "compute: each layer pass costs its profiled time per row × rows \

@@ -1,6 +1,7 @@
-//! Rules about the sources themselves, read with `syn`: no import circle in any crate; the
-//! strategy crate's contract, shared modules and collective layer name no strategy, and no
-//! strategy names another; the libraries print nothing.
+//! Rules about the sources themselves, read with `syn`: no import circle in any crate; no
+//! strategy crate depends on another (so the contract and the collective layer below them name
+//! none), and inside the data-parallel family no strategy names another; the libraries print
+//! nothing.
 //!
 //! No import circle: the files of a crate, as nodes, and "file A names an item defined in file
 //! B" as edges, form a graph without cycles.
@@ -8,7 +9,8 @@
 //! Why: a circle makes two files one unit in disguise — neither can be read, tested or moved
 //! without the other — and circles grow. The layering this keeps: a contract module that names
 //! no strategy, strategies that name the contract and not each other, a `Job` enum on top that
-//! names them all.
+//! names them all; Cargo keeps it between crates, this test reads the manifests to say so and the
+//! sources for the strategies that share one crate.
 //!
 //! How the graph is read (with `syn`, from the sources):
 //! - a file's module path comes from where it lies (`src/ring/run/driver.rs` is
@@ -517,9 +519,8 @@ fn no_crate_has_an_import_circle() {
     assert!(report.is_empty(), "import circles:\n{report}");
 }
 
-/// The strategy crate's strategies: the top-level modules that implement `Strategy` somewhere
-/// inside them (read from the code, so a new strategy is counted without editing a list).
-fn strategies(krate: &Crate) -> BTreeSet<String> {
+/// Whether a file implements `Strategy` (for some job type).
+fn implements_strategy(file: &SourceFile) -> bool {
     struct Impls(bool);
     impl<'ast> Visit<'ast> for Impls {
         fn visit_item_impl(&mut self, i: &'ast syn::ItemImpl) {
@@ -531,98 +532,140 @@ fn strategies(krate: &Crate) -> BTreeSet<String> {
             self.0 |= names_strategy;
         }
     }
+    let mut found = Impls(false);
+    found.visit_file(&file.ast);
+    found.0
+}
+
+/// A crate's strategies: the top-level modules that implement `Strategy` somewhere inside them
+/// (read from the code, so a new strategy is counted without editing a list).
+fn strategies(krate: &Crate) -> BTreeSet<String> {
     krate
         .files
         .iter()
-        .filter(|f| !f.module.is_empty())
-        .filter(|f| {
-            let mut found = Impls(false);
-            found.visit_file(&f.ast);
-            found.0
-        })
+        .filter(|f| !f.module.is_empty() && implements_strategy(f))
         .map(|f| f.module[0].clone())
         .collect()
 }
 
-/// The modules every strategy shares and the collective layer they synchronise with.
-const SHARED: [&str; 13] = [
-    "contract",
-    "spec",
-    "config",
-    "event",
-    "evaluation",
-    "clipping",
-    "resume",
-    "recorder",
-    "machine",
-    "messages",
-    "data_parallel",
-    "collective",
-    "error",
-];
+/// Whether a crate defines the `Job` enum, the one list of strategies (the crate on top, which
+/// may name them all).
+fn defines_job(krate: &Crate) -> bool {
+    krate.files.iter().any(|f| {
+        f.ast.items.iter().any(|item| match item {
+            syn::Item::Enum(e) => e.ident == "Job",
+            syn::Item::Macro(m) => m.mac.tokens.to_string().contains("pub enum Job"),
+            _ => false,
+        })
+    })
+}
 
-/// The strategy crate's layering: the contract, the modules every strategy shares and the
-/// collective layer name no strategy (nor the `Job` enum above them all), so a strategy can be
-/// read, changed or added without the others.
+/// The workspace crates a crate's manifest names under `[dependencies]` (not dev or build).
+fn workspace_dependencies(dir: &Path) -> BTreeSet<String> {
+    let manifest = std::fs::read_to_string(dir.join("Cargo.toml")).expect("a manifest");
+    let mut section = String::new();
+    let mut found = BTreeSet::new();
+    for line in manifest.lines().map(str::trim) {
+        if line.starts_with('[') {
+            section = line.to_string();
+        } else if section == "[dependencies]"
+            && let Some(name) = line.split(['.', ' ', '=']).next()
+            && name.starts_with("ringtmp-")
+        {
+            found.insert(name.to_string());
+        }
+    }
+    found
+}
+
+/// The crates' layering, kept by Cargo: a crate that implements a strategy depends (directly
+/// or through others) on no crate that implements another, so the contract and the collective
+/// layer below them name no strategy and no family names another; only the crate that defines
+/// the `Job` enum, on top, depends on them all.
 #[test]
-fn the_contract_and_the_shared_modules_name_no_strategy() {
-    let dir = workspace_root().join("crates/ringtmp-strategy");
-    let krate = Crate::read(&dir);
-    let mut above: BTreeSet<String> = strategies(&krate);
+fn no_strategy_crate_depends_on_another() {
+    let crates: BTreeMap<String, (Crate, BTreeSet<String>)> = crate_dirs()
+        .into_iter()
+        .map(|dir| {
+            let krate = Crate::read(&dir);
+            (krate.name.clone(), (krate, workspace_dependencies(&dir)))
+        })
+        .collect();
+    let holds_strategy = |name: &str| {
+        crates
+            .get(name)
+            .is_some_and(|(k, _)| !strategies(k).is_empty())
+    };
+    let families: Vec<&String> = crates
+        .keys()
+        .filter(|n| holds_strategy(n) && !defines_job(&crates[*n].0))
+        .collect();
     for known in [
-        "local",
-        "ring",
-        "param_server",
-        "allreduce",
-        "gossip",
-        "diloco",
+        "ringtmp-ring",
+        "ringtmp-data-parallel",
+        "ringtmp-param-server",
     ] {
         assert!(
-            above.contains(known),
-            "{known} implements no Strategy: {above:?}"
+            families.iter().any(|f| *f == known),
+            "{known} implements no Strategy: {families:?}"
         );
     }
-    above.insert("job".into());
     let mut wrong = Vec::new();
-    for ((from, to), path) in krate.edges() {
-        let (a, b) = (&krate.files[from].module, &krate.files[to].module);
-        if a.first().is_some_and(|m| SHARED.contains(&m.as_str()))
-            && b.first().is_some_and(|m| above.contains(m))
-        {
-            wrong.push(format!("{} names {path}", a.join("::")));
+    for family in families {
+        let mut seen = BTreeSet::new();
+        let mut todo: Vec<String> = crates[family].1.iter().cloned().collect();
+        while let Some(dependency) = todo.pop() {
+            if !seen.insert(dependency.clone()) {
+                continue;
+            }
+            if holds_strategy(&dependency) {
+                wrong.push(format!("{family} depends on {dependency}"));
+            }
+            if let Some((_, next)) = crates.get(&dependency) {
+                todo.extend(next.iter().cloned());
+            }
         }
     }
     assert!(
-        SHARED
-            .iter()
-            .all(|m| krate.module_file.contains_key(&vec![m.to_string()])),
-        "a shared module was renamed: update this list"
-    );
-    assert!(
         wrong.is_empty(),
-        "shared modules naming a strategy: {wrong:#?}"
+        "strategy crates depending on another: {wrong:#?}"
     );
 }
 
-/// Strategies name the contract, the shared modules and the collective layer, never each other:
-/// what two strategies share belongs below both.
+/// Inside a crate that holds several strategies (the data-parallel family), the same layering as
+/// between crates: no strategy names another, and the modules they share (their loop, what they
+/// plan and report alike) name none of them. The crate that defines `Job` is on top and may.
 #[test]
-fn no_strategy_names_another() {
-    let dir = workspace_root().join("crates/ringtmp-strategy");
-    let krate = Crate::read(&dir);
-    let strategies = strategies(&krate);
+fn strategies_in_one_crate_name_only_what_they_share() {
+    let mut checked = Vec::new();
     let mut wrong = Vec::new();
-    for ((from, to), path) in krate.edges() {
-        let (a, b) = (&krate.files[from].module, &krate.files[to].module);
-        if let (Some(x), Some(y)) = (a.first(), b.first())
-            && x != y
-            && strategies.contains(x)
-            && strategies.contains(y)
-        {
-            wrong.push(format!("{} names {path}", a.join("::")));
+    for dir in crate_dirs() {
+        let krate = Crate::read(&dir);
+        let strategies = strategies(&krate);
+        if strategies.len() < 2 {
+            continue;
+        }
+        checked.push(krate.name.clone());
+        let on_top = defines_job(&krate);
+        for ((from, to), path) in krate.edges() {
+            let (a, b) = (&krate.files[from].module, &krate.files[to].module);
+            let (Some(x), Some(y)) = (a.first(), b.first()) else {
+                continue;
+            };
+            let names_strategy = x != y && strategies.contains(y);
+            if names_strategy && (strategies.contains(x) || !on_top) {
+                wrong.push(format!("{}: {} names {path}", krate.name, a.join("::")));
+            }
         }
     }
-    assert!(wrong.is_empty(), "strategies naming another: {wrong:#?}");
+    assert!(
+        checked.iter().any(|c| c == "ringtmp-data-parallel"),
+        "the data-parallel strategies were not found: {checked:?}"
+    );
+    assert!(
+        wrong.is_empty(),
+        "modules naming a strategy of their crate: {wrong:#?}"
+    );
 }
 
 /// The checker finds a circle where there is one, and follows re-exports as aliases.
