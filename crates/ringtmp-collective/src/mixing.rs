@@ -16,7 +16,8 @@ use std::collections::BTreeSet;
 use serde::{Deserialize, Serialize};
 
 /// A decentralised communication graph.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 #[serde(rename_all = "lowercase")]
 pub enum Topology {
     /// Predecessor and successor.

@@ -230,7 +230,8 @@ pub trait Strategy: Sized {
 }
 
 /// The options of a strategy that has none of its own.
-#[derive(clap::Args, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::Args))]
 pub struct NoOptions {}
 
 impl NoOptions {

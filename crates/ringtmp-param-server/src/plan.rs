@@ -12,22 +12,26 @@ use ringtmp_contract::error::{Error, Result};
 use ringtmp_contract::{ResumePoint, RunSpec, TrainConfig};
 
 /// `ringtmp train --strategy ps` options (flags, and keys of a `--config` file).
-#[derive(clap::Args, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::Args))]
 #[serde(rename_all = "kebab-case")]
 pub struct PsOptions {
     /// Parameter server: server nodes (the rest are workers) [default: 1].
-    #[arg(long)]
+    #[cfg_attr(feature = "cli", arg(long))]
     pub servers: Option<usize>,
     /// Parameter server: one server per K nodes (`--nodes` / K of them, at least 1): the form
     /// that stays sharded across a sweep of node counts.
-    #[arg(long, value_name = "K", conflicts_with = "servers")]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, value_name = "K", conflicts_with = "servers")
+    )]
     pub server_every: Option<usize>,
     /// Parameter server: bsp, ssp:S, asp or dssp:L:U [default: bsp].
-    #[arg(long, value_name = "MODEL")]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "MODEL"))]
     #[serde(default, with = "ringtmp_contract::text_form")]
     pub consistency: Option<Consistency>,
     /// Parameter server (even under bsp) and D-PSGD: keep training without a dead worker.
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[cfg_attr(feature = "cli", arg(long, num_args = 0..=1, default_missing_value = "true"))]
     pub drop_dead_workers: Option<bool>,
 }
 

@@ -52,11 +52,12 @@ macro_rules! strategies {
 
         /// Every strategy's options, as `ringtmp train` takes them (flags, and keys of a
         /// `--config` file), each strategy's under its own heading.
-        #[derive(clap::Args, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+        #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+        #[cfg_attr(feature = "cli", derive(clap::Args))]
         pub struct StrategyOptions {
             $(
                 #[allow(missing_docs)]
-                #[command(flatten, next_help_heading = $heading)]
+                #[cfg_attr(feature = "cli", command(flatten, next_help_heading = $heading))]
                 #[serde(flatten)]
                 pub $field: $options,
             )*

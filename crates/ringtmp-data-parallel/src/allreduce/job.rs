@@ -12,14 +12,15 @@ pub const NAME: &str = "allreduce";
 pub use ringtmp_collective::reduce::DEFAULT_BUCKET_MB;
 
 /// `ringtmp train --strategy allreduce` options (flags, and keys of a `--config` file).
-#[derive(clap::Args, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::Args))]
 #[serde(rename_all = "kebab-case")]
 pub struct AllReduceOptions {
     /// All-reduce: MB of gradients per bucket, reduced while backward goes on [default: 25].
-    #[arg(long, value_name = "MB")]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "MB"))]
     pub bucket_mb: Option<f64>,
     /// All-reduce: overlap the reduction with the backward pass [default: true].
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[cfg_attr(feature = "cli", arg(long, num_args = 0..=1, default_missing_value = "true"))]
     pub overlap: Option<bool>,
 }
 

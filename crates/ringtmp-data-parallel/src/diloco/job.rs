@@ -19,7 +19,8 @@ pub const DEFAULT_INNER_STEPS_TEXT: u64 = 100;
 pub const DEFAULT_INNER_STEPS: u64 = 20;
 
 /// What the pseudo-gradients travel as in the outer all-reduce.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 #[serde(rename_all = "lowercase")]
 pub enum OuterDtype {
     /// IEEE binary32 (the paper's).
@@ -46,7 +47,8 @@ impl OuterDtype {
 }
 
 /// How the outer step's size follows the inner learning-rate schedule.
-#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 #[serde(rename_all = "lowercase")]
 pub enum OuterSchedule {
     /// The paper's: the outer rate is constant, and each pseudo-gradient enters the momentum as
@@ -58,44 +60,45 @@ pub enum OuterSchedule {
 }
 
 /// `ringtmp train --strategy diloco` options (flags, and keys of a `--config` file).
-#[derive(clap::Args, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::Args))]
 #[serde(rename_all = "kebab-case")]
 pub struct DilocoOptions {
     /// DiLoCo: inner steps between synchronisations, H [default: 100 for language models, 20
     /// otherwise].
-    #[arg(long, value_name = "H")]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "H"))]
     pub inner_steps: Option<u64>,
     /// DiLoCo: the outer optimizer's learning rate [default: 0.7].
-    #[arg(long, value_name = "LR")]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "LR"))]
     pub outer_lr: Option<f32>,
     /// DiLoCo: the outer optimizer's momentum [default: 0.9].
-    #[arg(long, value_name = "MU")]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "MU"))]
     pub outer_momentum: Option<f32>,
     /// DiLoCo: Nesterov momentum in the outer step [default: true].
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[cfg_attr(feature = "cli", arg(long, num_args = 0..=1, default_missing_value = "true"))]
     pub outer_nesterov: Option<bool>,
     /// DiLoCo: whether the outer step follows the inner learning-rate schedule [default:
     /// constant].
-    #[arg(long, value_enum)]
+    #[cfg_attr(feature = "cli", arg(long, value_enum))]
     pub outer_schedule: Option<OuterSchedule>,
     /// DiLoCo: the model's tensors in F fragments, synchronised in turn every H/F steps
     /// (Streaming DiLoCo) [default: 1].
-    #[arg(long, value_name = "F")]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "F"))]
     pub outer_fragments: Option<usize>,
     /// DiLoCo: inner steps a synchronisation overlaps before it is applied, τ (Streaming
     /// DiLoCo) [default: 1 with fragments, 0 without].
-    #[arg(long, value_name = "TAU")]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "TAU"))]
     pub outer_overlap: Option<u64>,
     /// DiLoCo: how much of its own parameters a fragment keeps when an overlapped
     /// synchronisation lands, α (θ ← α·own + (1 − α)·outer) [default: 0.5].
-    #[arg(long, value_name = "ALPHA")]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "ALPHA"))]
     pub outer_mix: Option<f32>,
     /// DiLoCo: what the pseudo-gradients travel as [default: f32].
-    #[arg(long, value_enum)]
+    #[cfg_attr(feature = "cli", arg(long, value_enum))]
     pub outer_dtype: Option<OuterDtype>,
     /// DiLoCo: seconds of inner steps a worker may spend between two synchronisations of a
     /// fragment; a slower worker skips to the synchronisation [default: unbounded].
-    #[arg(long, value_name = "SECONDS")]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "SECONDS"))]
     pub inner_seconds: Option<f64>,
 }
 

@@ -41,16 +41,17 @@ use ringtmp_contract::spec::RunSpec;
 pub const NAME: &str = "dpsgd";
 
 /// `ringtmp train --strategy dpsgd` options (flags, and keys of a `--config` file).
-#[derive(clap::Args, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::Args))]
 #[serde(rename_all = "kebab-case")]
 pub struct DpsgdOptions {
     /// D-PSGD: communication graph, ring or exp (the ring plus links 2^i hops away)
     /// [default: ring].
-    #[arg(long, value_enum)]
+    #[cfg_attr(feature = "cli", arg(long, value_enum))]
     pub topology: Option<Topology>,
     /// `--drop-dead-workers`, which the parameter server's options own (one flag for both);
     /// the CLI copies it here.
-    #[arg(skip)]
+    #[cfg_attr(feature = "cli", arg(skip))]
     #[serde(skip)]
     pub drop_dead_workers: Option<bool>,
 }

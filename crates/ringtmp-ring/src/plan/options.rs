@@ -9,45 +9,49 @@ use crate::run::schedule::Schedule;
 use ringtmp_contract::error::{Error, Result};
 
 /// `ringtmp train --strategy ring` options (flags, and keys of a `--config` file).
-#[derive(clap::Args, Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::Args))]
 #[serde(rename_all = "kebab-case")]
 pub struct RingOptions {
     /// Ring: pipeline schedule [default: async].
-    #[arg(long, value_enum)]
+    #[cfg_attr(feature = "cli", arg(long, value_enum))]
     pub schedule: Option<Schedule>,
     /// Ring: micro-batches per mini-batch [default: 1 under async, else the number of nodes].
-    #[arg(long)]
+    #[cfg_attr(feature = "cli", arg(long))]
     pub micro_batches: Option<usize>,
     /// Ring, async schedule: most micro-batches in flight [default: enough to cover a
     /// micro-batch's round trip (compute and links) at the slowest stage's pace, at least one
     /// per node].
-    #[arg(long, value_name = "W")]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "W"))]
     pub in_flight: Option<usize>,
     /// Ring: use every node given even when the plan predicts fewer train as fast (within 2%)
     /// or faster [default: false — the plan uses the fewest nodes that train fastest, and the
     /// others leave once the ring has formed].
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[cfg_attr(feature = "cli", arg(long, num_args = 0..=1, default_missing_value = "true"))]
     pub use_all_nodes: Option<bool>,
     /// Ring: layer ranges per node instead of the planner, e.g. `0:4,4:8,8:10`.
-    #[arg(long, value_name = "RANGES")]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "RANGES"))]
     #[serde(default, with = "ringtmp_contract::text_form")]
     pub partition: Option<StageRanges>,
     /// Ring (gpipe, 1f1b): compute linear weight gradients once per mini-batch rather than per
     /// micro-batch (faster; keeps those layers' inputs until the step) [default: true].
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[cfg_attr(feature = "cli", arg(long, num_args = 0..=1, default_missing_value = "true"))]
     pub defer_weight_grads: Option<bool>,
     /// Ring: the master also holds the last layers (U-shape), so the final activations and
     /// logits never reach another node.
-    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    #[cfg_attr(feature = "cli", arg(long, num_args = 0..=1, default_missing_value = "true"))]
     pub master_holds_head: Option<bool>,
     /// Ring: R rings of --nodes / R nodes each, side by side (pipeline × data parallelism): each
     /// trains on its share of every global batch of R × --batch-size, and corresponding stages
     /// average their gradients (ring all-reduce) before their step [default: 1].
-    #[arg(long, value_name = "R")]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "R"))]
     pub replicas: Option<usize>,
     /// Ring: rings of S nodes each (rings of rings, as --replicas --nodes/S): the form that
     /// stays valid across a sweep of node counts.
-    #[arg(long, value_name = "S", conflicts_with = "replicas")]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, value_name = "S", conflicts_with = "replicas")
+    )]
     pub ring_nodes: Option<usize>,
     /// Ring, rings of rings: how the copies of a stage stay together. `gradients` (default):
     /// they average their gradients before every step (a flushed schedule; exactly one ring of
@@ -62,7 +66,10 @@ pub struct RingOptions {
     /// through SGD with Nesterov momentum, lr 0.7 and momentum 0.9 unless given; SCHEDULE
     /// `inner` makes the outer step follow the inner learning-rate schedule, as DiLoCo's
     /// `--outer-schedule inner`), stage by stage.
-    #[arg(long, value_name = "gradients|every:K|adpsgd[:K]|diloco:H")]
+    #[cfg_attr(
+        feature = "cli",
+        arg(long, value_name = "gradients|every:K|adpsgd[:K]|diloco:H")
+    )]
     #[serde(default, with = "ringtmp_contract::text_form")]
     pub replica_sync: Option<ReplicaSync>,
     /// Ring: every node also keeps its successor's block and optimizer state, refreshed every K
@@ -70,7 +77,7 @@ pub struct RingOptions {
     /// layers over and the ring closes around it, without a restart or a checkpoint. With
     /// --replicas (--replica-sync every:K or diloco:H) a round follows every synchronisation,
     /// and a ring heals while the others go on.
-    #[arg(long, value_name = "K", num_args = 0..=1, default_missing_value = "20")]
+    #[cfg_attr(feature = "cli", arg(long, value_name = "K", num_args = 0..=1, default_missing_value = "20"))]
     pub stage_replicas: Option<u64>,
     /// Ring: let the planner cut a linear layer by its output features between two stages
     /// where whole layers cannot balance them (its head ends one stage, its tail starts the
@@ -78,7 +85,7 @@ pub struct RingOptions {
     /// after `SPLIT` of its outputs, each a boundary between two stages; the planner places the
     /// others) [default:
     /// true; not with --partition].
-    #[arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "true|false|L:S,...")]
+    #[cfg_attr(feature = "cli", arg(long, num_args = 0..=1, default_missing_value = "true", value_name = "true|false|L:S,..."))]
     pub cut_inside: Option<CutInsideChoice>,
 }
 

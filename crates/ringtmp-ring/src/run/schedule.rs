@@ -20,14 +20,15 @@
 use serde::{Deserialize, Serialize};
 
 /// A pipeline schedule.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 #[serde(rename_all = "lowercase")]
 pub enum Schedule {
     /// All forwards, then all backwards (synchronous SGD).
     Gpipe,
     /// One-forward-one-backward with a flush (synchronous SGD, bounded activation memory).
     #[serde(rename = "1f1b")]
-    #[value(name = "1f1b")]
+    #[cfg_attr(feature = "cli", value(name = "1f1b"))]
     OneFOneB,
     /// No flush; a step after every micro-batch with weight stashing (PipeDream, Narayanan et
     /// al., SOSP 2019); decided by [`StagePolicy::Async`], not by [`StageState`].
