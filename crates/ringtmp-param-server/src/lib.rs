@@ -6,7 +6,7 @@
 //!   DSSP synchronisation controller.
 //! - [`admission`]: when a server answers a pull, and with which unit (sans-IO).
 //! - [`driver`]: the job, its messages, and the worker's loop over the links.
-//! - [`server`]: a server's loop and what each event does to its shard.
+//! - [`server`]: what each input does to a server's shard, as a sans-I/O machine, and its loop.
 //! - [`node`]: the strategy's shape: a rank's role, its report, server 0's summary.
 //! - [`plan`]: `--strategy ps` options into the job every node runs.
 
