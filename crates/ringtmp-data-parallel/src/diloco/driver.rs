@@ -30,6 +30,7 @@ use ringtmp_transport::Transport;
 use serde_json::json;
 
 use super::DilocoJob;
+use super::cadence::Cadence;
 use super::round::{Layout, Round};
 use crate::replicas::WorkerOutcome;
 use crate::worker_loop::{self, Ending, Log, Opening, RecordedModel, Stepped, SyncRule, Worker};
@@ -94,13 +95,12 @@ pub fn run_worker(
 struct EveryH<'j> {
     job: &'j DilocoJob,
     layout: Layout,
-    schedule: SyncSchedule,
+    /// When rounds launch and land, and what each fragment trained since its last one.
+    cadence: Cadence,
     /// The outer parameters and momentum (the same bits on every worker).
     outer: OuterState,
     ring: Ring,
     dropped: Vec<DroppedNode>,
-    /// Inner steps taken since each fragment's last synchronisation.
-    since_sync: Vec<u64>,
     /// The synchronisation in flight, overlapping inner steps.
     pending: Option<Round>,
     /// Seconds of inner steps since the last synchronisation (any fragment).
@@ -151,9 +151,8 @@ impl<'j> EveryH<'j> {
         };
         Ok(Self {
             job,
-            since_sync: vec![0; layout.parts.len()],
+            cadence: Cadence::new(schedule, job.overlap, job.spec.first_step()),
             layout,
-            schedule,
             outer,
             ring: Ring::of(job.workers),
             dropped: Vec::new(),
@@ -211,7 +210,7 @@ impl<'j> EveryH<'j> {
             }
         }
         self.window_spent += worker.computed(span);
-        self.since_sync.iter_mut().for_each(|t| *t += 1);
+        self.cadence.stepped();
         worker.iterations += 1;
         worker.own_samples += (worker.share.y.len() / spec.positions()) as u64;
         if !loss.is_finite() {
@@ -236,14 +235,16 @@ impl<'j> EveryH<'j> {
             job,
             rank: worker.rank,
             layout: &self.layout,
-            schedule: &self.schedule,
+            cadence: &mut self.cadence,
             ring: &mut self.ring,
             stage: &mut worker.stage,
             outer: &mut self.outer,
-            trained: &mut self.since_sync,
             dropped: &mut self.dropped,
         };
-        if let Some(round) = self.pending.take_if(|r| r.lands_at <= step) {
+        if let Some(round) = self
+            .pending
+            .take_if(|r| ctx.cadence.lands(r.lands_at, step))
+        {
             step = ctx.land(
                 round,
                 job.mix,
@@ -253,28 +254,20 @@ impl<'j> EveryH<'j> {
                 log.on_event,
             )?;
         }
-        let due = self.schedule.due(step);
-        if due.is_empty() {
+        let Some(launch) = ctx.cadence.launch(step) else {
             return Ok(step);
-        }
-        let trained_since = due.iter().all(|p| ctx.trained[*p] > 0);
-        let rate = spec.rate_before(step, job.inner_steps);
+        };
+        let lands_at = launch.lands_at;
         let mut round = Round::take(
             &self.layout,
-            step,
-            due,
+            launch,
             ctx.stage,
             ctx.outer,
-            trained_since,
-            rate,
+            spec.rate_before(step, job.inner_steps),
         );
-        for p in &round.due {
-            ctx.trained[*p] = 0;
-        }
         self.window_spent = 0.0;
         round.launch(job, worker.rank, ctx.ring, &self.layout, net)?;
-        if job.overlap > 0 && step + job.overlap < spec.total_steps {
-            round.lands_at = step + job.overlap;
+        if lands_at.is_some() {
             self.pending = Some(round);
         } else {
             step = ctx.land(
@@ -308,8 +301,9 @@ impl SyncRule for EveryH<'_> {
     ) -> Result<Stepped> {
         // Only under --inner-seconds: finding the interval scans the schedule.
         let window = self.job.inner_seconds.map(|s| {
-            let next_sync = self.schedule.next_after(step);
-            s * (next_sync - self.schedule.previous_before(next_sync)) as f64
+            let schedule = self.cadence.schedule();
+            let next_sync = schedule.next_after(step);
+            s * (next_sync - schedule.previous_before(next_sync)) as f64
                 / self.job.inner_steps as f64
         });
         let loss = if window.is_some_and(|w| self.window_spent >= w) {
@@ -383,11 +377,10 @@ struct SyncContext<'a> {
     job: &'a DilocoJob,
     rank: u32,
     layout: &'a Layout,
-    schedule: &'a SyncSchedule,
+    cadence: &'a mut Cadence,
     ring: &'a mut Ring,
     stage: &'a mut Stage,
     outer: &'a mut OuterState,
-    trained: &'a mut [u64],
     dropped: &'a mut Vec<DroppedNode>,
 }
 
@@ -439,28 +432,9 @@ impl SyncContext<'_> {
                 if !ringtmp_meter::phantom() {
                     self.stage.params_mut().copy_from_slice(&self.outer.global);
                 }
-                self.trained.iter_mut().for_each(|t| *t = 0);
-                let first = self.job.spec.first_step();
-                let done = self
-                    .schedule
-                    .nth(first, self.outer.updates)
-                    .ok_or_else(|| {
-                        Error::Config(format!(
-                            "diloco: rank 0's outer state has {} updates, past the run's last \
-                             synchronisation",
-                            self.outer.updates
-                        ))
-                    })?;
-                round = Round::take(
-                    self.layout,
-                    done,
-                    self.schedule.due(done),
-                    self.stage,
-                    self.outer,
-                    false,
-                    self.job.spec.rate_before(done, self.job.inner_steps),
-                );
-                round.void();
+                let redo = self.cadence.redo(self.outer.updates)?;
+                let rate = self.job.spec.rate_before(redo.done, self.job.inner_steps);
+                round = Round::take(self.layout, redo, self.stage, self.outer, rate);
                 mix = 0.0;
             }
             round.launch(self.job, self.rank, self.ring, self.layout, net)?;

@@ -15,12 +15,14 @@
 //!
 //! # Layout
 //! - [`job`]: the job and its options.
+//! - `cadence`: when rounds launch, land and start again (the rules, without links).
 //! - `round`: one synchronisation: pseudo-gradients, their reduction, the outer step.
 //! - [`driver`]: one worker: inner steps, synchronisations, the ring re-formed around the dead.
 //!
 //! The outer optimizer, the fragments and when each synchronises are the collective layer's
 //! ([`ringtmp_collective::outer`]), as are the reduction and the elastic ring it runs on.
 
+mod cadence;
 pub mod driver;
 pub mod job;
 mod round;

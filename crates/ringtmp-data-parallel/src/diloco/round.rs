@@ -13,6 +13,7 @@ use ringtmp_model::Stage;
 use ringtmp_transport::Transport;
 
 use super::DilocoJob;
+use super::cadence::Launch;
 use ringtmp_collective::outer::OuterState;
 use ringtmp_collective::reduce::{Break, Reduced, Reducer, Ring};
 use ringtmp_contract::error::Result;
@@ -59,21 +60,25 @@ pub(crate) struct Round {
 }
 
 impl Round {
-    /// Takes this worker's pseudo-gradients of `due` (outer − own) after `done` steps; `trained`
-    /// says whether it trained since their last synchronisation.
+    /// Takes this worker's pseudo-gradients (outer − own) of `launch`'s fragments, or zeros
+    /// when it does not contribute; `rate` is the outer step's.
     pub(crate) fn take(
         layout: &Layout,
-        done: u64,
-        due: Vec<usize>,
+        launch: Launch,
         stage: &Stage,
         outer: &OuterState,
-        trained: bool,
         rate: f32,
     ) -> Self {
+        let Launch {
+            done,
+            due,
+            contributes,
+            lands_at,
+        } = launch;
         let span = layout.span(&due);
         let delta = if ringtmp_meter::phantom() {
             Vec::new()
-        } else if trained {
+        } else if contributes {
             outer.global[span.clone()]
                 .iter()
                 .zip(&stage.params()[span.clone()])
@@ -85,19 +90,13 @@ impl Round {
         Self {
             done,
             due,
-            lands_at: done,
+            lands_at: lands_at.unwrap_or(done),
             span,
             rate,
             delta,
-            weight: if trained { 1.0 } else { 0.0 },
+            weight: if contributes { 1.0 } else { 0.0 },
             reducer: None,
         }
-    }
-
-    /// This worker contributes nothing to the round (it took rank 0's outer state).
-    pub(crate) fn void(&mut self) {
-        self.delta.iter_mut().for_each(|d| *d = 0.0);
-        self.weight = 0.0;
     }
 
     /// Starts the all-reduce on `ring`: the first chunks leave now.
