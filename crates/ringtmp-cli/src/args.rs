@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use clap::{Args, ValueEnum};
 use ringtmp_model::{LrSchedule, ModelSpec, OptimizerConfig};
 use ringtmp_strategy::per_node::{Bytes, PerNode, Speed};
-use ringtmp_strategy::{Job, LocalJob, Strategy, StrategyOptions, TrainConfig};
+use ringtmp_strategy::{Defaulted, Job, LocalJob, Origin, Strategy, StrategyOptions, TrainConfig};
 use serde::{Deserialize, Serialize};
 
 use crate::links::{Card, CardArgs, LinkSpec};
@@ -905,10 +905,12 @@ impl TrainArgs {
                 )
             }
         };
-        let schedule = self.lr_schedule.clone().unwrap_or(if text {
-            LrSchedule::CosineTo { min_ratio: 0.1 }
-        } else {
-            LrSchedule::Constant
+        let schedule = Defaulted::or_else(self.lr_schedule.clone(), || {
+            if text {
+                LrSchedule::CosineTo { min_ratio: 0.1 }
+            } else {
+                LrSchedule::Constant
+            }
         });
         let strategy = self.strategy();
         // `train` chooses (and creates) the default directory before resolving; a run that
@@ -938,9 +940,14 @@ impl TrainArgs {
             data_dir: self.data_dir.clone(),
             epochs: self.epochs.unwrap_or(2),
             batch_size: self.batch_size.unwrap_or(if text { recipe.0 } else { 64 }),
-            lr: self.lr.unwrap_or(default_lr),
+            lr: Defaulted::or_else(self.lr, || default_lr),
             schedule,
-            warmup_steps: self.warmup_steps.unwrap_or(if text { 100 } else { 0 }),
+            warmup_steps: Defaulted::or_else(self.warmup_steps, || if text { 100 } else { 0 }),
+            momentum: if self.momentum.is_some() {
+                Origin::Given
+            } else {
+                Origin::Default
+            },
             optimizer,
             threads,
             seed: self.seed.unwrap_or(42),
@@ -980,10 +987,6 @@ impl TrainArgs {
                 .recv_timeout
                 .unwrap_or(ringtmp_strategy::DEFAULT_RECV_TIMEOUT_SECS),
             stall_timeout_secs: self.stall_timeout,
-            default_lr: self.lr.is_none(),
-            default_schedule: self.lr_schedule.is_none(),
-            default_momentum: self.momentum.is_none(),
-            default_warmup: self.warmup_steps.is_none(),
             threads_from_machine: self.threads.is_none(),
         };
         config.validate().context("invalid training options")

@@ -47,29 +47,29 @@ pub fn scale_defaults(cfg: &mut TrainConfig, batches: usize, updates: Updates) -
         return None;
     }
     let mut changed = Vec::new();
-    if cfg.default_lr {
+    if cfg.lr.is_default() {
         let (factor, rule) = match (&cfg.optimizer, updates) {
             (OptimizerConfig::Sgd { .. }, _) => (batches as f32, "linear scaling"),
             (_, Updates::Synchronous) => ((batches as f32).sqrt(), "square-root scaling for Adam"),
             (_, Updates::Stale) => (1.0 / batches as f32, "Adam's rate under stale updates"),
         };
-        cfg.lr *= factor;
+        cfg.lr.adapt(|lr| lr * factor);
         changed.push(format!(
             "learning rate {} ({rule}: ×{factor:.3} for {batches} batches a step)",
             cfg.lr
         ));
     }
-    if cfg.default_warmup && cfg.warmup_steps > 0 {
-        cfg.warmup_steps = cfg.warmup_steps.div_ceil(batches as u64);
+    if cfg.warmup_steps.is_default() && *cfg.warmup_steps > 0 {
+        cfg.warmup_steps.adapt(|w| w.div_ceil(batches as u64));
         changed.push(format!(
             "{} warm-up steps (the default's examples at {batches} batches a step)",
             cfg.warmup_steps
         ));
-    } else if cfg.default_warmup
-        && cfg.default_lr
+    } else if cfg.warmup_steps.is_default()
+        && cfg.lr.is_default()
         && matches!(cfg.optimizer, OptimizerConfig::Sgd { .. })
     {
-        cfg.warmup_steps = SCALED_SGD_WARMUP_STEPS;
+        cfg.warmup_steps.adapt(|_| SCALED_SGD_WARMUP_STEPS);
         changed.push(format!(
             "{SCALED_SGD_WARMUP_STEPS} warm-up steps (gradual warm-up of the scaled rate)"
         ));
@@ -82,6 +82,7 @@ mod tests {
     use ringtmp_model::{LrSchedule, ModelSpec};
 
     use super::*;
+    use crate::defaulted::{Defaulted, Origin};
 
     /// The CLI's defaults for `optimizer`: rate 0.01 (SGD) or 0.001, warm-up `warmup`, every
     /// setting marked as a default.
@@ -97,9 +98,10 @@ mod tests {
             data_dir: None,
             epochs: 1,
             batch_size: 64,
-            lr,
-            schedule: LrSchedule::Constant,
-            warmup_steps: warmup,
+            lr: Defaulted::default_value(lr),
+            schedule: Defaulted::default_value(LrSchedule::Constant),
+            warmup_steps: Defaulted::default_value(warmup),
+            momentum: Origin::Default,
             optimizer,
             threads: 1,
             seed: 1,
@@ -120,10 +122,6 @@ mod tests {
             text: None,
             source: None,
             init_from: None,
-            default_lr: true,
-            default_schedule: true,
-            default_momentum: true,
-            default_warmup: true,
             threads_from_machine: false,
         }
     }
@@ -148,41 +146,41 @@ mod tests {
     fn a_scaled_default_sgd_rate_without_warm_up_gets_its_ten_steps() {
         let mut cfg = defaults(sgd(), 0);
         let said = scale_defaults(&mut cfg, 4, Updates::Synchronous).unwrap();
-        assert!((cfg.lr - 0.04).abs() < 1e-9, "{}", cfg.lr);
-        assert_eq!(cfg.warmup_steps, SCALED_SGD_WARMUP_STEPS);
+        assert!((*cfg.lr - 0.04).abs() < 1e-9, "{}", cfg.lr);
+        assert_eq!(*cfg.warmup_steps, SCALED_SGD_WARMUP_STEPS);
         assert!(
             said.contains("linear scaling") && said.contains("10 warm-up steps"),
             "{said}"
         );
         // The user's own rate: neither it nor the warm-up changes.
         let mut cfg = defaults(sgd(), 0);
-        cfg.default_lr = false;
+        cfg.lr = Defaulted::given(*cfg.lr);
         assert_eq!(scale_defaults(&mut cfg, 4, Updates::Synchronous), None);
-        assert_eq!((cfg.lr, cfg.warmup_steps), (0.01, 0));
+        assert_eq!((*cfg.lr, *cfg.warmup_steps), (0.01, 0));
         // The user's own warm-up of 0 stays 0 under the scaled rate.
         let mut cfg = defaults(sgd(), 0);
-        cfg.default_warmup = false;
+        cfg.warmup_steps = Defaulted::given(*cfg.warmup_steps);
         scale_defaults(&mut cfg, 4, Updates::Synchronous).unwrap();
-        assert_eq!(cfg.warmup_steps, 0);
+        assert_eq!(*cfg.warmup_steps, 0);
     }
 
     #[test]
     fn adam_scales_by_the_square_root_or_divides_under_stale_updates() {
         let mut cfg = defaults(adam(), 100);
         scale_defaults(&mut cfg, 4, Updates::Synchronous).unwrap();
-        assert!((cfg.lr - 0.002).abs() < 1e-9, "{}", cfg.lr);
+        assert!((*cfg.lr - 0.002).abs() < 1e-9, "{}", cfg.lr);
         // A default warm-up spans the same examples: 100 steps of one batch, 25 of four.
-        assert_eq!(cfg.warmup_steps, 25);
+        assert_eq!(*cfg.warmup_steps, 25);
         let mut cfg = defaults(adam(), 0);
         scale_defaults(&mut cfg, 4, Updates::Stale).unwrap();
-        assert!((cfg.lr - 0.00025).abs() < 1e-9, "{}", cfg.lr);
+        assert!((*cfg.lr - 0.00025).abs() < 1e-9, "{}", cfg.lr);
         assert_eq!(
-            cfg.warmup_steps, 0,
+            *cfg.warmup_steps, 0,
             "only a scaled SGD rate gets the ten steps"
         );
         // One batch a step: nothing to scale.
         let mut cfg = defaults(sgd(), 0);
         assert_eq!(scale_defaults(&mut cfg, 1, Updates::Synchronous), None);
-        assert_eq!(cfg.lr, 0.01);
+        assert_eq!(*cfg.lr, 0.01);
     }
 }

@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use ringtmp_model::{LrSchedule, ModelSpec, OptimizerConfig};
 use serde::{Deserialize, Serialize};
 
+use crate::defaulted::{Defaulted, Origin};
 use crate::error::{Error, Result};
 
 /// Seconds a node waits for any one message during training unless told otherwise (liveness is
@@ -15,6 +16,10 @@ pub const DEFAULT_RECV_TIMEOUT_SECS: f64 = 300.0;
 
 fn f32_on_the_wire() -> ringtmp_wire::Dtype {
     ringtmp_wire::Dtype::F32
+}
+
+fn given() -> Origin {
+    Origin::Given
 }
 
 fn default_recv_timeout() -> f64 {
@@ -45,29 +50,20 @@ pub struct TrainConfig {
     pub epochs: u32,
     /// Examples per optimizer step.
     pub batch_size: usize,
-    /// Base learning rate.
-    pub lr: f32,
-    /// Whether `lr` is the optimizer's default for one node's batch rather than the user's
-    /// choice: data-parallel strategies then scale it with their workers (planning only).
-    #[serde(skip)]
-    pub default_lr: bool,
-    /// Whether `schedule` is the default rather than the user's choice: strategies whose updates
-    /// are stale then pick the one they were tuned with (planning only).
-    #[serde(skip)]
-    pub default_schedule: bool,
-    /// Whether SGD's momentum is the default rather than the user's choice: the asynchronous
-    /// ring lowers it (staleness adds momentum of its own; planning only).
-    #[serde(skip)]
-    pub default_momentum: bool,
-    /// Whether `warmup_steps` is the default rather than the user's choice: a step that averages
-    /// several batches then warms up over the same examples in fewer steps (planning only).
-    #[serde(skip)]
-    pub default_warmup: bool,
-    /// Learning-rate schedule.
+    /// Base learning rate; a default is one node's batch's, which data-parallel strategies
+    /// scale with their workers.
+    pub lr: Defaulted<f32>,
+    /// Learning-rate schedule; strategies whose updates are stale replace a default with the
+    /// one they were tuned with.
     #[serde(rename = "lr_schedule")]
-    pub schedule: LrSchedule,
-    /// Steps of linear warm-up.
-    pub warmup_steps: u64,
+    pub schedule: Defaulted<LrSchedule>,
+    /// Steps of linear warm-up; a default warms up over the same examples in fewer steps when a
+    /// step averages several batches.
+    pub warmup_steps: Defaulted<u64>,
+    /// Where SGD's momentum in `optimizer` came from: the asynchronous ring and stale
+    /// parameter servers lower a default one (staleness adds momentum of its own).
+    #[serde(skip, default = "given")]
+    pub momentum: Origin,
     /// Optimizer and its hyper-parameters.
     pub optimizer: OptimizerConfig,
     /// Compute threads.
@@ -218,7 +214,7 @@ impl TrainConfig {
         if self.early_stop == Some(0) {
             return bad("--early-stop must be at least 1 evaluation".into());
         }
-        if !(self.lr.is_finite() && self.lr > 0.0) {
+        if !(self.lr.is_finite() && *self.lr > 0.0) {
             return bad(format!("--lr must be a positive number, got {}", self.lr));
         }
         if !(self.recv_timeout_secs.is_finite() && self.recv_timeout_secs > 0.0) {

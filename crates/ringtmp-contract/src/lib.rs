@@ -13,13 +13,15 @@
 //! - [`machine`], [`memory_floor`]: what this machine offers a node, and the least memory a
 //!   node's share of a model needs.
 //! - [`messages`]: a strategy's own wire messages, declared in its crate.
-//! - [`batch_scaling`], [`per_node`], [`text_form`]: the rate's scaling with the global batch,
-//!   values given per rank (`1:256M`), and the serde adapter of typed flags.
+//! - [`batch_scaling`], [`per_node`], [`text_form`], [`defaulted`]: the rate's scaling with the
+//!   global batch, values given per rank (`1:256M`), the serde adapter of typed flags, and a
+//!   value with its origin (the user's, or a default the planners may adapt).
 
 pub mod batch_scaling;
 pub mod clipping;
 pub mod config;
 pub mod contract;
+pub mod defaulted;
 pub mod error;
 pub mod evaluation;
 pub mod event;
@@ -34,6 +36,7 @@ pub mod text_form;
 
 pub use config::{CHECKPOINT_AT_END, DEFAULT_RECV_TIMEOUT_SECS, TextSource, TrainConfig};
 pub use contract::{Cluster, Family, NodeCx, PlanReport, SharedMachine, Strategy};
+pub use defaulted::{Defaulted, Origin};
 pub use error::{Error, Result};
 pub use event::Event;
 pub use spec::{ResumePoint, RunSpec, layers_for, model_shapes, sequence_of, vocabulary_of};

@@ -441,7 +441,7 @@ impl RunRecorder {
                 OptimizerConfig::Adam { .. } => "adam".into(),
                 OptimizerConfig::AdamW { .. } => "adamw".into(),
             },
-            lr: spec.lr,
+            lr: *spec.lr,
             threads: spec.threads as u32,
             final_train_loss,
             final_test_accuracy: self.tracker.last,

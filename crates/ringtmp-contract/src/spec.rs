@@ -188,11 +188,11 @@ impl RunSpec {
     /// The learning rate of step `step` (the schedule spans the whole run).
     pub fn lr_at(&self, step: u64) -> f32 {
         self.schedule.rate(
-            self.lr,
+            *self.lr,
             step,
             self.schedule_steps,
             self.steps_per_epoch,
-            self.warmup_steps,
+            *self.warmup_steps,
         )
     }
 
@@ -269,7 +269,7 @@ impl RunSpec {
             model: self.model.clone(),
             partition,
             optimizer: self.optimizer.clone(),
-            lr: Some(self.lr),
+            lr: Some(*self.lr),
             files,
             replicas,
             vocabulary: self.vocabulary.clone(),
@@ -301,11 +301,11 @@ impl RunSpec {
     /// its workers and for rings of rings alike.
     pub fn rate_before(&self, done: u64, h: u64) -> f32 {
         let from = done.saturating_sub(h);
-        if done == from || self.lr <= 0.0 {
+        if done == from || *self.lr <= 0.0 {
             return 1.0;
         }
         let sum: f64 = (from..done).map(|s| f64::from(self.lr_at(s))).sum();
-        (sum / (done - from) as f64 / f64::from(self.lr)) as f32
+        (sum / (done - from) as f64 / f64::from(*self.lr)) as f32
     }
 
     /// The step training starts at (0, or the resumed checkpoint's).

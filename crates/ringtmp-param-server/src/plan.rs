@@ -9,7 +9,7 @@ use crate::consistency::Consistency;
 use crate::driver::PsJob;
 use ringtmp_contract::contract::{Cluster, PlanReport};
 use ringtmp_contract::error::{Error, Result};
-use ringtmp_contract::{ResumePoint, RunSpec, TrainConfig};
+use ringtmp_contract::{Origin, ResumePoint, RunSpec, TrainConfig};
 
 /// `ringtmp train --strategy ps` options (flags, and keys of a `--config` file).
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -96,26 +96,26 @@ pub fn plan(
         ringtmp_contract::batch_scaling::Updates::Stale
     };
     let scaled = ringtmp_contract::batch_scaling::scale_defaults(&mut cfg, workers, updates);
-    let stale_momentum = (consistency != Consistency::Bsp && cfg.default_momentum).then(|| {
-        cfg.model
-            .stale_momentum
-            .unwrap_or_else(|| stale_momentum(workers))
-    });
+    let stale_momentum =
+        (consistency != Consistency::Bsp && cfg.momentum == Origin::Default).then(|| {
+            cfg.model
+                .stale_momentum
+                .unwrap_or_else(|| stale_momentum(workers))
+        });
     if let (Some(m), OptimizerConfig::Sgd { momentum, .. }) = (stale_momentum, &mut cfg.optimizer) {
         *momentum = m;
     }
-    if cfg.default_schedule && consistency != Consistency::Bsp {
-        // Stale updates at a constant rate leave the last epoch's model noisy: 3 epochs of
-        // dssp:1:4 on the 4-worker mlp job ended at 96.32% against a best of 97.56%; with the
-        // rate decayed to zero (cosine) they end at 97.47% against 97.50% (docs/BENCHMARKS.md).
-        cfg.schedule = ringtmp_model::LrSchedule::Cosine;
-    }
+    // Stale updates at a constant rate leave the last epoch's model noisy: 3 epochs of
+    // dssp:1:4 on the 4-worker mlp job ended at 96.32% against a best of 97.56%; with the
+    // rate decayed to zero (cosine) they end at 97.47% against 97.50% (docs/BENCHMARKS.md).
+    let cosine = consistency != Consistency::Bsp
+        && cfg.schedule.adapt(|_| ringtmp_model::LrSchedule::Cosine);
     report.note(format!(
         "parameter server: {servers} server(s), {workers} worker(s) of batch {} (global batch {global}), {}, learning rate {}{}",
         cfg.batch_size,
         consistency.name(),
         cfg.lr,
-        if cfg.default_schedule && consistency != Consistency::Bsp {
+        if cosine {
             " with a cosine decay (the default for stale consistency models)"
         } else {
             ""

@@ -22,8 +22,8 @@
 
 pub use ringtmp_collective as collective;
 pub use ringtmp_contract::{
-    batch_scaling, clipping, config, contract, evaluation, event, machine, memory_floor, messages,
-    per_node, recorder, resume, text_form,
+    batch_scaling, clipping, config, contract, defaulted, evaluation, event, machine, memory_floor,
+    messages, per_node, recorder, resume, text_form,
 };
 pub use ringtmp_data_parallel::{allreduce, diloco, gossip};
 pub use ringtmp_param_server as param_server;
@@ -45,7 +45,7 @@ pub mod simulate;
 pub use job::{Job, StrategyOptions};
 pub use local::{LocalJob, train_local};
 pub use ringtmp_contract::{
-    CHECKPOINT_AT_END, Cluster, DEFAULT_RECV_TIMEOUT_SECS, Error, Event, Family, NodeCx,
-    PlanReport, Result, ResumePoint, RunSpec, SharedMachine, Strategy, TextSource, TrainConfig,
-    layers_for, model_shapes, sequence_of, vocabulary_of,
+    CHECKPOINT_AT_END, Cluster, DEFAULT_RECV_TIMEOUT_SECS, Defaulted, Error, Event, Family, NodeCx,
+    Origin, PlanReport, Result, ResumePoint, RunSpec, SharedMachine, Strategy, TextSource,
+    TrainConfig, layers_for, model_shapes, sequence_of, vocabulary_of,
 };

@@ -158,7 +158,7 @@ pub fn train_local(
         let out = objective.score(logits, &y, classes, 1.0 / y.len() as f32, &mut dlogits)?;
         let lr = cfg
             .schedule
-            .rate(cfg.lr, step, schedule_steps, per_epoch, cfg.warmup_steps);
+            .rate(*cfg.lr, step, schedule_steps, per_epoch, *cfg.warmup_steps);
         match cfg.clip_grad_norm {
             // The norm needs the whole gradient before any update.
             Some(max_norm) => {

@@ -9,6 +9,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use ringtmp_model::OptimizerConfig;
+use ringtmp_strategy::Defaulted;
 use ringtmp_strategy::TrainConfig;
 use ringtmp_testkit::fixtures::{MLP_MODEL, digits, model};
 use ringtmp_testkit::jobs::adpsgd_job;
@@ -19,7 +20,7 @@ use ringtmp_transport::sim::{Fault, SimConfig, test_seed};
 fn config(batch: usize, steps: u64, lr: f32, out: &Path) -> TrainConfig {
     TrainConfig {
         epochs: 3,
-        lr,
+        lr: Defaulted::given(lr),
         optimizer: OptimizerConfig::Sgd {
             momentum: 0.9,
             weight_decay: 0.0,

@@ -5,6 +5,7 @@
 use std::path::Path;
 
 use ringtmp_model::LrSchedule;
+use ringtmp_strategy::Defaulted;
 use ringtmp_strategy::TrainConfig;
 use ringtmp_testkit::fixtures::{CONV_MODEL, deep_mlp, digits, max_rel_diff, model};
 use ringtmp_testkit::jobs::allreduce_job;
@@ -15,8 +16,8 @@ use ringtmp_transport::sim::test_seed;
 
 fn config(spec: ringtmp_model::ModelSpec, batch: usize, steps: u64, out: &Path) -> TrainConfig {
     TrainConfig {
-        schedule: LrSchedule::Cosine,
-        warmup_steps: 2,
+        schedule: Defaulted::given(LrSchedule::Cosine),
+        warmup_steps: Defaulted::given(2),
         seed: 11,
         ..ringtmp_testkit::fixtures::train_config(spec, batch, steps, out)
     }
@@ -247,7 +248,11 @@ fn a_gpt_with_and_without_clipping_equals_local() {
             text: Some(text.clone()),
             source: None,
             init_from: None,
-            lr: if clip.is_some() { 0.5 } else { 0.05 },
+            lr: if clip.is_some() {
+                Defaulted::given(0.5)
+            } else {
+                Defaulted::given(0.05)
+            },
             clip_grad_norm: clip,
             ..config(
                 ringtmp_testkit::fixtures::gpt(data.classes, 16),

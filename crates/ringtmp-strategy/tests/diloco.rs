@@ -8,6 +8,7 @@ use std::path::Path;
 
 use ringtmp_data::{BatchPlan, Dataset};
 use ringtmp_model::{LrSchedule, Optimizer, OptimizerConfig};
+use ringtmp_strategy::Defaulted;
 use ringtmp_strategy::TrainConfig;
 use ringtmp_strategy::collective::outer::OuterConfig;
 use ringtmp_strategy::diloco::OuterDtype;
@@ -130,7 +131,7 @@ fn hand_diloco(job: &ringtmp_strategy::diloco::DilocoJob, data: &Dataset) -> Vec
         }
         let from = done.saturating_sub(job.inner_steps);
         let sum: f64 = (from..done).map(|s| f64::from(spec.lr_at(s))).sum();
-        (sum / (done - from) as f64 / f64::from(spec.lr)) as f32
+        (sum / (done - from) as f64 / f64::from(*spec.lr)) as f32
     };
     let mut apply = |range: std::ops::Range<usize>,
                      delta: &[f32],
@@ -240,9 +241,9 @@ fn outer_nesterov_steps_equal_hand_computed_ones() {
     ] {
         let cfg = TrainConfig {
             optimizer,
-            lr: 0.01,
-            schedule,
-            warmup_steps: warmup,
+            lr: Defaulted::given(0.01),
+            schedule: Defaulted::given(schedule),
+            warmup_steps: Defaulted::given(warmup),
             ..config(deep_mlp(2, 16), 24, steps, tmp.path())
         };
         for (fragments, overlap) in [(1, 0), (2, 1), (2, 0), (1, 1)] {

@@ -6,6 +6,7 @@
 use std::path::Path;
 
 use ringtmp_model::OptimizerConfig;
+use ringtmp_strategy::Defaulted;
 use ringtmp_strategy::TrainConfig;
 use ringtmp_strategy::collective::mixing::{Topology, second_eigenvalue};
 use ringtmp_testkit::fixtures::{MLP_MODEL, digits, max_rel_diff, model};
@@ -17,7 +18,7 @@ use ringtmp_transport::sim::test_seed;
 fn config(batch: usize, steps: u64, lr: f32, out: &Path) -> TrainConfig {
     TrainConfig {
         epochs: 3,
-        lr,
+        lr: Defaulted::given(lr),
         optimizer: OptimizerConfig::Sgd {
             momentum: 0.9,
             weight_decay: 0.0,

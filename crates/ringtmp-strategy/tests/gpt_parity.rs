@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 
 use ringtmp_data::{BatchPlan, Dataset, TextOptions};
 use ringtmp_model::{LrSchedule, OptimizerConfig, Stage, checkpoint};
+use ringtmp_strategy::Defaulted;
 use ringtmp_strategy::{Event, TextSource, TrainConfig, train_local};
 use serde_json::{Value, json};
 
@@ -76,9 +77,9 @@ fn setup(dir: &Path, out: &Path) -> (TrainConfig, Dataset) {
             weight_decay: 0.1,
             decay_embeddings: false,
         },
-        lr: 3e-3,
-        schedule: LrSchedule::CosineTo { min_ratio: 0.1 },
-        warmup_steps: 5,
+        lr: Defaulted::given(3e-3),
+        schedule: Defaulted::given(LrSchedule::CosineTo { min_ratio: 0.1 }),
+        warmup_steps: Defaulted::given(5),
         clip_grad_norm: Some(CLIP),
         dataset: "text".into(),
         text: Some(text),

@@ -5,7 +5,7 @@ use std::path::Path;
 
 use ringtmp_strategy::param_server::consistency::Consistency;
 use ringtmp_strategy::ring::run::schedule::Schedule;
-use ringtmp_strategy::{Job, TrainConfig};
+use ringtmp_strategy::{Defaulted, Job, Origin, TrainConfig};
 use ringtmp_testkit::fixtures::{CONV_MODEL, digits, model};
 use ringtmp_testkit::jobs::{ps_job, ring_job};
 
@@ -138,9 +138,10 @@ fn stale_parameter_servers_default_to_a_decaying_rate() {
     use ringtmp_strategy::param_server::plan::PsOptions;
     let data = digits();
     let plan = |consistency: &str, default_schedule: bool| {
+        let base = config();
         let cfg = TrainConfig {
-            default_schedule,
-            ..config()
+            schedule: of(base.schedule.clone().into_inner(), default_schedule),
+            ..base
         };
         let options = ringtmp_strategy::StrategyOptions {
             ps: PsOptions {
@@ -160,7 +161,7 @@ fn stale_parameter_servers_default_to_a_decaying_rate() {
         )
         .unwrap()
         {
-            Job::Ps(job) => job.spec.schedule.clone(),
+            Job::Ps(job) => job.spec.schedule.clone().into_inner(),
             other => panic!("{other:?}"),
         }
     };
@@ -230,11 +231,9 @@ fn defaults_scale_with_the_batches_a_step_averages() {
     };
     let plan = |strategy: &str, optimizer: OptimizerConfig, defaults: bool| {
         let cfg = TrainConfig {
-            lr: 0.001,
-            warmup_steps: 10,
+            lr: of(0.001, defaults),
+            warmup_steps: of(10, defaults),
             optimizer,
-            default_lr: defaults,
-            default_warmup: defaults,
             threads_from_machine: false,
             ..config()
         };
@@ -248,7 +247,7 @@ fn defaults_scale_with_the_batches_a_step_averages() {
             &mut Default::default(),
         )
         .unwrap();
-        (job.spec().lr, job.spec().warmup_steps)
+        (*job.spec().lr, *job.spec().warmup_steps)
     };
     let sgd = config().optimizer;
     for strategy in ["allreduce", "dpsgd", "adpsgd"] {
@@ -279,9 +278,8 @@ fn defaults_scale_with_the_batches_a_step_averages() {
         ..Default::default()
     };
     let stale = TrainConfig {
-        lr: 0.001,
+        lr: Defaulted::default_value(0.001),
         optimizer: adamw.clone(),
-        default_lr: true,
         ..config()
     };
     let job = Job::plan(
@@ -294,7 +292,7 @@ fn defaults_scale_with_the_batches_a_step_averages() {
     )
     .unwrap();
     assert!(
-        (job.spec().lr - 0.001 / 3.0).abs() < 1e-9,
+        (*job.spec().lr - 0.001 / 3.0).abs() < 1e-9,
         "asp: {}",
         job.spec().lr
     );
@@ -311,7 +309,11 @@ fn the_async_ring_defaults_to_less_momentum() {
     let data = digits();
     let momentum = |schedule: Schedule, default_momentum: bool| {
         let cfg = TrainConfig {
-            default_momentum,
+            momentum: if default_momentum {
+                Origin::Default
+            } else {
+                Origin::Given
+            },
             optimizer: OptimizerConfig::Sgd {
                 momentum: 0.9,
                 weight_decay: 0.0,
@@ -359,7 +361,11 @@ fn stale_parameter_servers_default_to_less_momentum() {
     let data = digits();
     let momentum = |consistency: &str, nodes: u32, default_momentum: bool| {
         let cfg = TrainConfig {
-            default_momentum,
+            momentum: if default_momentum {
+                Origin::Default
+            } else {
+                Origin::Given
+            },
             optimizer: OptimizerConfig::Sgd {
                 momentum: 0.9,
                 weight_decay: 0.0,
@@ -410,7 +416,11 @@ fn stale_parameter_servers_default_to_less_momentum() {
     // A model measured to want its own (the mlp preset) keeps it; the user's choice still wins.
     let own = |default_momentum: bool, user: f32| {
         let mut cfg = TrainConfig {
-            default_momentum,
+            momentum: if default_momentum {
+                Origin::Default
+            } else {
+                Origin::Given
+            },
             optimizer: OptimizerConfig::Sgd {
                 momentum: user,
                 weight_decay: 0.0,
@@ -643,5 +653,14 @@ fn every_listed_strategy_is_named_as_its_job_names_itself() {
             _ => 4,
         };
         assert_eq!(workers, expected, "{name}");
+    }
+}
+
+/// `value`, a default or the user's.
+fn of<T>(value: T, default: bool) -> Defaulted<T> {
+    if default {
+        Defaulted::default_value(value)
+    } else {
+        Defaulted::given(value)
     }
 }

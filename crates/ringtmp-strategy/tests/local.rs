@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 
 use ringtmp_model::checkpoint::{self, Manifest};
 use ringtmp_model::{LrSchedule, ModelSpec, Optimizer, OptimizerConfig, Shape, Stage};
-use ringtmp_strategy::{TrainConfig, train_local};
+use ringtmp_strategy::{Defaulted, Origin, TrainConfig, train_local};
 
 const MODEL: &str = r#"
 name = "digits-test"
@@ -45,13 +45,13 @@ fn config(out: &Path, optimizer: OptimizerConfig) -> TrainConfig {
         data_dir: None,
         epochs: 3,
         batch_size: 32,
-        lr: if matches!(optimizer, OptimizerConfig::Adam { .. }) {
+        lr: Defaulted::given(if matches!(optimizer, OptimizerConfig::Adam { .. }) {
             0.002
         } else {
             0.05
-        },
-        schedule: LrSchedule::Cosine,
-        warmup_steps: 3,
+        }),
+        schedule: Defaulted::given(LrSchedule::Cosine),
+        warmup_steps: Defaulted::given(3),
         optimizer,
         threads: 2,
         seed: 3,
@@ -72,10 +72,7 @@ fn config(out: &Path, optimizer: OptimizerConfig) -> TrainConfig {
         text: None,
         source: None,
         init_from: None,
-        default_lr: false,
-        default_schedule: false,
-        default_momentum: false,
-        default_warmup: false,
+        momentum: Origin::Given,
         threads_from_machine: false,
     }
 }
@@ -103,7 +100,7 @@ fn regression_learns_both_targets_and_reports_errors_in_their_units() {
     let mut cfg = config(&tmp.path().join("run"), adam());
     cfg.model = ModelSpec::tabular(4, 2);
     cfg.epochs = 30;
-    cfg.lr = 0.005;
+    cfg.lr = Defaulted::given(0.005);
     cfg.eval_every = 0;
     let s = train_local(&cfg, &data, &mut |_| {}).unwrap();
     let r = s.regression.expect("a regression summary");
@@ -388,8 +385,8 @@ fn early_stop_ends_the_run_and_keeps_the_best_evaluation_s_checkpoint() {
     let out = tmp.path().join("run");
     let mut cfg = config(&out, sgd());
     cfg.epochs = 60;
-    cfg.schedule = LrSchedule::Constant;
-    cfg.lr = 0.1;
+    cfg.schedule = Defaulted::given(LrSchedule::Constant);
+    cfg.lr = Defaulted::given(0.1);
     cfg.eval_every = 10;
     cfg.checkpoint_every = ringtmp_strategy::CHECKPOINT_AT_END;
     cfg.keep_checkpoints = Some(1);

@@ -9,7 +9,7 @@ use ringtmp_model::checkpoint;
 use ringtmp_model::{LrSchedule, ModelSpec, Optimizer, OptimizerConfig, Shape, Stage};
 use ringtmp_strategy::param_server::consistency::Consistency;
 use ringtmp_strategy::param_server::driver::PsJob;
-use ringtmp_strategy::{ResumePoint, TrainConfig};
+use ringtmp_strategy::{Defaulted, Origin, ResumePoint, TrainConfig};
 use ringtmp_testkit::fixtures::{MLP_MODEL, digits, max_rel_diff};
 use ringtmp_testkit::jobs::ps_job;
 use ringtmp_testkit::nodes::Backend;
@@ -41,9 +41,9 @@ fn config(steps: u64, out: &Path) -> TrainConfig {
         data_dir: None,
         epochs: 1,
         batch_size: WORKER_BATCH * WORKERS,
-        lr: 0.05,
-        schedule: LrSchedule::Constant,
-        warmup_steps: 0,
+        lr: Defaulted::given(0.05),
+        schedule: Defaulted::given(LrSchedule::Constant),
+        warmup_steps: Defaulted::given(0),
         optimizer: sgd(),
         threads: 1,
         seed: 9,
@@ -64,10 +64,7 @@ fn config(steps: u64, out: &Path) -> TrainConfig {
         text: None,
         source: None,
         init_from: None,
-        default_lr: false,
-        default_schedule: false,
-        default_momentum: false,
-        default_warmup: false,
+        momentum: Origin::Given,
         threads_from_machine: false,
     }
 }
@@ -129,7 +126,7 @@ fn one_asp_worker_under_adam_equals_local() {
     let tmp = tempfile::tempdir().unwrap();
     let mut cfg = config(STEPS, &tmp.path().join("local"));
     cfg.batch_size = WORKER_BATCH;
-    cfg.lr = 0.002;
+    cfg.lr = Defaulted::given(0.002);
     cfg.optimizer = OptimizerConfig::Adam {
         beta1: 0.9,
         beta2: 0.999,
@@ -241,7 +238,7 @@ fn gpt_config(data: &Dataset, text: ringtmp_strategy::TextSource, out: &Path) ->
         text: Some(text),
         source: None,
         init_from: None,
-        lr: 0.5,
+        lr: Defaulted::given(0.5),
         clip_grad_norm: Some(0.05),
         ..config(10, out)
     }
@@ -280,7 +277,7 @@ fn a_gpt_under_bsp_clips_by_the_global_norm_across_servers_like_local() {
     // Without clipping too (each worker's mean over its tokens, averaged over the workers).
     let unclipped_cfg = TrainConfig {
         clip_grad_norm: None,
-        lr: 0.05,
+        lr: Defaulted::given(0.05),
         out: tmp.path().join("unclipped-local"),
         ..cfg.clone()
     };
@@ -298,7 +295,7 @@ fn a_gpt_under_ssp_clips_each_workers_gradient_and_trains() {
     let tmp = tempfile::tempdir().unwrap();
     let (data, text) = ringtmp_testkit::fixtures::text_data(tmp.path());
     let cfg = TrainConfig {
-        lr: 0.2,
+        lr: Defaulted::given(0.2),
         clip_grad_norm: Some(1.0),
         max_steps: Some(60),
         ..gpt_config(&data, text, &tmp.path().join("ssp"))

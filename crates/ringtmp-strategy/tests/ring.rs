@@ -10,7 +10,7 @@ use ringtmp_model::{LrSchedule, ModelSpec, OptimizerConfig, Shape};
 use ringtmp_strategy::ring::plan::partition::StagePlan;
 use ringtmp_strategy::ring::run::driver::RingJob;
 use ringtmp_strategy::ring::run::schedule::Schedule;
-use ringtmp_strategy::{ResumePoint, TrainConfig};
+use ringtmp_strategy::{Defaulted, Origin, ResumePoint, TrainConfig};
 use ringtmp_testkit::fixtures::{CONV_MODEL, digits, max_rel_diff};
 use ringtmp_testkit::jobs::ring_job;
 use ringtmp_testkit::nodes::Backend;
@@ -41,9 +41,9 @@ fn config(out: &Path) -> TrainConfig {
         data_dir: None,
         epochs: 1,
         batch_size: BATCH,
-        lr: 0.05,
-        schedule: LrSchedule::Cosine,
-        warmup_steps: 2,
+        lr: Defaulted::given(0.05),
+        schedule: Defaulted::given(LrSchedule::Cosine),
+        warmup_steps: Defaulted::given(2),
         optimizer: optimizer(),
         threads: 1,
         seed: 5,
@@ -64,10 +64,7 @@ fn config(out: &Path) -> TrainConfig {
         text: None,
         source: None,
         init_from: None,
-        default_lr: false,
-        default_schedule: false,
-        default_momentum: false,
-        default_warmup: false,
+        momentum: Origin::Given,
         threads_from_machine: false,
     }
 }
@@ -394,7 +391,7 @@ fn async_pipeline_with_weight_stashing_learns() {
     let mut j = job(&[0, 2, 6, 10], Schedule::Async, 4);
     j.spec.total_steps = 120;
     j.spec.schedule_steps = 120;
-    j.spec.config.lr = 0.02;
+    j.spec.config.lr = Defaulted::given(0.02);
     j.spec.config.checkpoint_every = 60;
     j.spec.config.out = tmp.path().to_path_buf();
     let (_, summary) = ring_params(&j, &data, tmp.path());
@@ -428,7 +425,7 @@ fn async_window_wider_than_a_mini_batch_drains_for_evaluations_and_checkpoints()
     j.in_flight = 4;
     j.spec.total_steps = 40;
     j.spec.schedule_steps = 40;
-    j.spec.config.lr = 0.02;
+    j.spec.config.lr = Defaulted::given(0.02);
     j.spec.config.checkpoint_every = 10;
     j.spec.config.out = tmp.path().to_path_buf();
     let (_, summary) = ring_params(&j, &data, tmp.path());
@@ -465,7 +462,7 @@ fn async_ring_gives_the_same_parameters_whatever_the_timing() {
     j.in_flight = 5;
     j.spec.total_steps = 24;
     j.spec.schedule_steps = 24;
-    j.spec.config.lr = 0.02;
+    j.spec.config.lr = Defaulted::given(0.02);
     j.spec.config.checkpoint_every = 0;
     let slow = |seed: u64, rank: u32, speed: f64| {
         let mut cfg = ringtmp_transport::sim::SimConfig::new(test_seed(seed));
@@ -513,7 +510,7 @@ fn the_ring_stops_early_and_keeps_the_best_evaluation_s_checkpoint() {
         let mut j = job(&[0, 2, 6, 10], schedule, 2);
         j.spec.total_steps = 600;
         j.spec.schedule_steps = 600;
-        j.spec.config.lr = 0.2;
+        j.spec.config.lr = Defaulted::given(0.2);
         j.spec.config.eval_every = 10;
         j.spec.config.checkpoint_every = ringtmp_strategy::CHECKPOINT_AT_END;
         j.spec.config.keep_best = true;
@@ -681,7 +678,7 @@ fn a_gpt_split_over_a_ring_with_adamw_and_clipping_equals_local() {
             source: None,
             init_from: None,
             batch_size: 8,
-            lr,
+            lr: Defaulted::given(lr),
             optimizer,
             // Low enough that every step clips.
             clip_grad_norm: Some(0.05),
@@ -736,7 +733,7 @@ fn a_tied_gpt_with_the_master_holding_the_head_equals_local() {
         source: None,
         init_from: None,
         batch_size: 8,
-        lr: 0.5,
+        lr: Defaulted::given(0.5),
         clip_grad_norm: Some(0.05),
         ..config(&tmp.path().join("local"))
     };

@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use ringtmp_model::ModelSpec;
+use ringtmp_strategy::Defaulted;
 use ringtmp_strategy::TrainConfig;
 use ringtmp_strategy::param_server::consistency::Consistency;
 use ringtmp_strategy::ring::run::schedule::Schedule;
@@ -471,8 +472,9 @@ fn rings_of_rings_under_diloco_equal_diloco_workers() {
         let mut local_cfg = config(deep_mlp(7, 16), global, steps, &tmp.path().join("local"));
         local_cfg.checkpoint_every = steps;
         if outer.follow_schedule {
-            local_cfg.schedule = ringtmp_model::LrSchedule::CosineTo { min_ratio: 0.1 };
-            local_cfg.warmup_steps = 2;
+            local_cfg.schedule =
+                Defaulted::given(ringtmp_model::LrSchedule::CosineTo { min_ratio: 0.1 });
+            local_cfg.warmup_steps = Defaulted::given(2);
         }
         let workers =
             ringtmp_testkit::jobs::diloco_job(&local_cfg, &data, rings, h, outer, 1, 4096);

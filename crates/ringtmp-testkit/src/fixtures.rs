@@ -4,7 +4,7 @@ use std::sync::OnceLock;
 
 use ringtmp_data::Dataset;
 use ringtmp_model::{LrSchedule, ModelSpec, OptimizerConfig};
-use ringtmp_strategy::TrainConfig;
+use ringtmp_strategy::{Defaulted, Origin, TrainConfig};
 
 /// scikit-learn's digits (1,500 training and 297 test images of 8×8), bundled with the
 /// repository; loaded once per test process.
@@ -172,14 +172,11 @@ pub fn train_config(
         data_dir: None,
         epochs: 1,
         batch_size: batch,
-        lr: 0.05,
-        default_lr: false,
-        default_schedule: false,
-        default_momentum: false,
-        default_warmup: false,
+        lr: Defaulted::given(0.05),
+        momentum: Origin::Given,
         threads_from_machine: false,
-        schedule: LrSchedule::Constant,
-        warmup_steps: 0,
+        schedule: Defaulted::given(LrSchedule::Constant),
+        warmup_steps: Defaulted::given(0),
         optimizer: OptimizerConfig::Sgd {
             momentum: 0.9,
             weight_decay: 1e-4,

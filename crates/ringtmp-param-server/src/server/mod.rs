@@ -337,7 +337,7 @@ impl<'a> Server<'a> {
             drops: Vec::new(),
             reports: Vec::new(),
             bsp: Bsp {
-                sum: BspSum::new(job.workers, params.len(), job.spec.lr),
+                sum: BspSum::new(job.workers, params.len(), *job.spec.lr),
                 clip: job
                     .spec
                     .clip_grad_norm

@@ -3,7 +3,7 @@
 
 use super::*;
 use crate::driver::PsJob;
-use ringtmp_contract::{RunSpec, TrainConfig};
+use ringtmp_contract::{Defaulted, Origin, RunSpec, TrainConfig};
 use ringtmp_model::{LrSchedule, ModelSpec, OptimizerConfig};
 use ringtmp_wire::Dtype;
 
@@ -32,13 +32,10 @@ fn job(servers: usize, consistency: Consistency, clip: Option<f32>, drop_dead: b
         data_dir: None,
         epochs: 1,
         batch_size: 8,
-        lr: 0.1,
-        default_lr: false,
-        default_schedule: false,
-        default_momentum: false,
-        default_warmup: false,
-        schedule: LrSchedule::Constant,
-        warmup_steps: 0,
+        lr: Defaulted::given(0.1),
+        momentum: Origin::Given,
+        schedule: Defaulted::given(LrSchedule::Constant),
+        warmup_steps: Defaulted::given(0),
         optimizer: OptimizerConfig::Sgd {
             momentum: 0.0,
             weight_decay: 0.0,

@@ -289,7 +289,7 @@ pub fn resolve(
         report.note(format!("rings of rings: {note}"));
     }
     if schedule == Schedule::Async
-        && cfg.default_momentum
+        && cfg.momentum == ringtmp_contract::Origin::Default
         && let ringtmp_model::OptimizerConfig::Sgd { momentum, .. } = &mut cfg.optimizer
     {
         *momentum = ASYNC_MOMENTUM;
