@@ -430,94 +430,6 @@ impl TrainArgs {
         ))
     }
 
-    /// The options of a run without node `dead`: its per-rank entries (`--node-speed`, `--link`,
-    /// `--node-cpu`, `--node-memory-limit`) are dropped and the ranks above it move down one, as
-    /// the nodes do when the run is planned again without it.
-    pub fn without_rank(&mut self, dead: u32) {
-        let renumber = |entries: &str| -> String {
-            entries
-                .split(',')
-                .filter_map(|part| match part.split_once(':') {
-                    Some((rank, rest)) => match rank.trim().parse::<u32>() {
-                        Ok(r) if r == dead => None,
-                        Ok(r) if r > dead => Some(format!("{}:{rest}", r - 1)),
-                        _ => Some(part.to_string()),
-                    },
-                    None => Some(part.to_string()),
-                })
-                .collect::<Vec<_>>()
-                .join(",")
-        };
-        if let Some(links) = self.link.as_mut() {
-            links.retain(|l| l.rank != dead);
-            for l in links.iter_mut().filter(|l| l.rank > dead) {
-                l.rank -= 1;
-            }
-            if links.is_empty() {
-                self.link = None;
-            }
-        }
-        if let Some(entries) = self.node_cpu.as_mut() {
-            *entries = entries
-                .iter()
-                .map(|e| renumber(e))
-                .filter(|e| !e.is_empty())
-                .collect();
-            if entries.is_empty() {
-                self.node_cpu = None;
-            }
-        }
-        if let Some(lists) = self.node_speed.as_mut() {
-            lists.iter_mut().for_each(|l| l.without_rank(dead));
-            lists.retain(|l| !l.is_empty());
-            if lists.is_empty() {
-                self.node_speed = None;
-            }
-        }
-        if let Some(limit) = self.node_memory_limit.as_mut() {
-            limit.without_rank(dead);
-            if limit.is_empty() {
-                self.node_memory_limit = None;
-            }
-        }
-    }
-
-    /// `--resume auto`: the newest checkpoint under `--out` that verifies (passing over damaged
-    /// ones, each named), or — when none does — the run starts from the beginning in that
-    /// directory. For launchers that restart a node without knowing where the run stood (Slurm's
-    /// requeue, a Kubernetes restart policy).
-    pub fn resolve_auto_resume(&mut self) -> Result<()> {
-        if self.resume.as_deref() != Some(std::path::Path::new("auto")) {
-            return Ok(());
-        }
-        let out = self.out.clone().ok_or_else(|| {
-            UsageError("--resume auto needs --out (the run directory to continue)".into())
-        })?;
-        let (found, skipped) = ringtmp_model::checkpoint::newest_verified(&out.join("checkpoints"));
-        for reason in skipped {
-            eprintln!("--resume auto: passing over {reason}");
-        }
-        match found {
-            Some((dir, manifest)) => {
-                eprintln!(
-                    "--resume auto: resuming from {} (step {})",
-                    dir.display(),
-                    manifest.step
-                );
-                self.resume = Some(dir);
-            }
-            None => {
-                eprintln!(
-                    "--resume auto: no checkpoint in {} verifies; starting from the beginning",
-                    out.display()
-                );
-                self.resume = None;
-                self.overwrite = Some(true);
-            }
-        }
-        Ok(())
-    }
-
     /// Refuses options that the chosen strategy would ignore (from flags and config files alike),
     /// so nothing a user asked for is silently dropped.
     pub fn check_applicable(&self) -> Result<()> {
@@ -619,54 +531,6 @@ impl TrainArgs {
         let mut options = self.options.clone();
         options.dpsgd.drop_dead_workers = options.ps.drop_dead_workers;
         options
-    }
-
-    /// With `--resume` and no `--batch-size`, takes the checkpoint's global batch (split over this
-    /// run's data-parallel workers), so that any strategy resumes from any other's checkpoint as
-    /// it is: the batch and the seed fix the data order a resumed run must continue.
-    pub fn adopt_checkpoint_batch(&mut self) -> Result<()> {
-        let (Some(path), None) = (&self.resume, self.batch_size) else {
-            return Ok(());
-        };
-        // A path that holds no readable checkpoint is reported, precisely, by the resume itself.
-        let Some(manifest) = ringtmp_model::checkpoint::resolve(path)
-            .and_then(|dir| ringtmp_model::checkpoint::read_manifest(&dir))
-            .ok()
-        else {
-            return Ok(());
-        };
-        let workers = Job::workers(self.strategy(), &self.options, self.nodes())
-            .map_err(|e| UsageError(e.to_string()))?;
-        if manifest.batch_size % workers != 0 {
-            return Err(UsageError(format!(
-                "the checkpoint was written with a global batch of {}, which does not split \
-                 over {workers} workers; pass --batch-size (per worker) to choose another",
-                manifest.batch_size
-            ))
-            .into());
-        }
-        let batch = manifest.batch_size / workers;
-        eprintln!(
-            "resuming with the checkpoint's global batch of {}{}",
-            manifest.batch_size,
-            if workers > 1 {
-                format!(" ({batch} per worker)")
-            } else {
-                String::new()
-            }
-        );
-        self.batch_size = Some(batch);
-        // The same global batch, the same rate: a default scaled by this strategy's workers
-        // would multiply the checkpoint's rate (a ring's 0.01 for 64 examples became 0.04 on 4
-        // all-reduce workers sharing those 64).
-        if let (None, Some(lr)) = (self.lr, manifest.lr) {
-            eprintln!(
-                "resuming with the checkpoint's learning rate of {lr} for that batch (--lr sets \
-                 another)"
-            );
-            self.lr = Some(lr);
-        }
-        Ok(())
     }
 
     /// The chosen strategy's name.
@@ -1184,41 +1048,6 @@ mod tests {
         };
         assert!(matches!(optimizer(false), OptimizerConfig::AdamW { .. }));
         assert!(matches!(optimizer(true), OptimizerConfig::Sgd { .. }));
-    }
-
-    #[test]
-    fn a_run_without_a_rank_drops_its_entries_and_renumbers_the_rest() {
-        let mut args = TrainArgs {
-            node_speed: Some(vec![
-                "1:0.5,3:0.25".parse().unwrap(),
-                "2:0.75".parse().unwrap(),
-            ]),
-            link: Some(vec!["2:100:5".parse().unwrap()]),
-            node_cpu: Some(vec!["0:0.5,2:0.5,3:1".into()]),
-            node_memory_limit: Some("1:256M,3:1G".parse().unwrap()),
-            ..Default::default()
-        };
-        args.without_rank(2);
-        let shown = |v: &Option<Vec<PerNode<Speed>>>| {
-            v.as_ref()
-                .map(|l| l.iter().map(ToString::to_string).collect::<Vec<_>>())
-        };
-        assert_eq!(
-            shown(&args.node_speed),
-            Some(vec!["1:0.5,2:0.25".to_string()])
-        );
-        assert_eq!(args.link, None, "rank 2's only entry is gone");
-        assert_eq!(args.node_cpu, Some(vec!["0:0.5,2:1".into()]));
-        let limit = args.node_memory_limit.as_ref().map(ToString::to_string);
-        assert_eq!(limit.as_deref(), Some("1:256M,2:1G"));
-        // A limit for every node stays one.
-        let mut args = TrainArgs {
-            node_memory_limit: Some("256M".parse().unwrap()),
-            ..Default::default()
-        };
-        args.without_rank(0);
-        let limit = args.node_memory_limit.as_ref().map(ToString::to_string);
-        assert_eq!(limit.as_deref(), Some("256M"));
     }
 
     #[test]

@@ -19,6 +19,7 @@ mod launcher;
 mod links;
 mod node;
 mod plan;
+mod request;
 mod restart;
 mod run_dir;
 mod simulate;

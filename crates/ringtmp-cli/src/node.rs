@@ -540,13 +540,10 @@ fn rank0_job(args: &NodeArgs, world: u32) -> Result<Rank0Job> {
             .map_err(|e| UsageError(format!("{}: {e}", file.display())))?;
         return Ok(Rank0Job::Planned(Box::new(job)));
     }
-    let mut train_args = train_options(args)?;
-    if let Some(resume) = &args.job.resume {
-        train_args.resume = Some(resume.clone());
-    }
-    train_args.check_applicable()?;
-    train_args.resolve_auto_resume()?;
-    if let Some(n) = train_args.nodes
+    // The node's own flags over its options: where to resume, the world the launcher started,
+    // the receive timeout of its links.
+    let given = train_options(args)?;
+    if let Some(n) = given.nodes
         && n != world
     {
         return Err(UsageError(format!(
@@ -554,11 +551,15 @@ fn rank0_job(args: &NodeArgs, world: u32) -> Result<Rank0Job> {
         ))
         .into());
     }
-    train_args.nodes = Some(world);
-    if train_args.recv_timeout.is_none() {
-        train_args.recv_timeout = args.connect.recv_timeout;
-    }
-    train_args.adopt_checkpoint_batch()?;
+    let given = TrainArgs {
+        resume: args.job.resume.clone().or(given.resume),
+        nodes: Some(world),
+        recv_timeout: given.recv_timeout.or(args.connect.recv_timeout),
+        ..given
+    };
+    given.check_applicable()?;
+    let request = given.resolve()?;
+    let train_args = request.options();
     let data = crate::plan::load_dataset(&train_args, true)?;
     let mut cfg = train_args.resolve_for(&data)?;
     let init = crate::init_from::convert(&train_args, &cfg, &data)?;
@@ -566,18 +567,13 @@ fn rank0_job(args: &NodeArgs, world: u32) -> Result<Rank0Job> {
         cfg.init_from = Some(crate::init_from::init_dir(&cfg.out));
     }
     // Under an external launcher this is the first look at the output directory.
-    crate::run_dir::prepare(
-        &cfg.out,
-        cfg.resume.as_deref(),
-        train_args.overwrite.unwrap_or(false),
-    )?;
+    crate::run_dir::prepare(&cfg.out, cfg.resume.as_deref(), request.overwrite())?;
     // Every node reads the weights from here: a directory every node sees, as --out must be.
     if let (Some(init), Some(dir)) = (&init, &cfg.init_from) {
         init.write(dir)?;
     }
-    train_args.out = Some(cfg.out.clone());
     Ok(Rank0Job::Prepared(Box::new(Prepared {
-        train_args,
+        train_args: request.writing_to(cfg.out.clone()).options(),
         cfg,
         data,
     })))

@@ -14,6 +14,7 @@ use ringtmp_strategy::Job;
 use serde_json::Value;
 
 use crate::args::TrainArgs;
+use crate::request::RunRequest;
 
 /// Checkpoints per run when `--max-restarts` chooses the interval: a failure then redoes at most
 /// a twentieth of the run.
@@ -23,15 +24,15 @@ const CHECKPOINTS_PER_RUN: u64 = 20;
 const CHECKPOINTS_KEPT: usize = 2;
 
 /// With restarts allowed and no `--checkpoint-every`, checkpoints every twentieth of the run
-/// (keeping the two newest unless `--keep-checkpoints` says otherwise), in `args` and in `job`;
-/// says so on the `first` attempt.
-pub fn choose_checkpoints(args: &mut TrainArgs, job: &mut Job, first: bool) {
-    if args.checkpoint_every.is_some_and(|n| n > 0) {
-        return;
+/// (keeping the two newest unless `--keep-checkpoints` says otherwise), in the request and in
+/// `job`; says so on the `first` attempt.
+pub fn choose_checkpoints(request: RunRequest, job: &mut Job, first: bool) -> RunRequest {
+    let given = request.given();
+    if given.checkpoint_every.is_some_and(|n| n > 0) {
+        return request;
     }
     let every = job.spec().total_steps.div_ceil(CHECKPOINTS_PER_RUN).max(1);
-    let keep = *args.keep_checkpoints.get_or_insert(CHECKPOINTS_KEPT);
-    args.checkpoint_every = Some(every);
+    let keep = given.keep_checkpoints.unwrap_or(CHECKPOINTS_KEPT);
     let config = &mut job.spec_mut().config;
     config.checkpoint_every = every;
     config.keep_checkpoints = Some(keep);
@@ -41,6 +42,7 @@ pub fn choose_checkpoints(args: &mut TrainArgs, job: &mut Job, first: bool) {
              failure redoes at most 1/{CHECKPOINTS_PER_RUN} of the run), keeping the {keep} newest"
         );
     }
+    request.checkpointing(every, keep)
 }
 
 /// The crashes injected into attempt `attempt`: `(rank, milliseconds after the links are up)`,

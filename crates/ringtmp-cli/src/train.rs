@@ -6,6 +6,7 @@ use ringtmp_strategy::{Job, train_local};
 
 use crate::args::TrainArgs;
 use crate::display::{Display, print_summary};
+use crate::request::RunRequest;
 use std::time::SystemTime;
 
 use ringtmp_metrics::Restart;
@@ -51,7 +52,7 @@ pub fn validate(args: &TrainArgs) -> Result<()> {
 
 /// `ringtmp train`.
 pub fn run(args: &TrainArgs) -> Result<()> {
-    let mut args = args.merged()?;
+    let args = args.merged()?;
     if args.nodes.unwrap_or(1) > 1 && args.strategy() == "local" {
         return Err(UsageError(
             "--strategy local trains in one process; --nodes needs a distributed strategy \
@@ -61,30 +62,30 @@ pub fn run(args: &TrainArgs) -> Result<()> {
         .into());
     }
     args.check_applicable()?;
-    args.resolve_auto_resume()?;
-    args.adopt_checkpoint_batch()?;
+    let mut request = args.resolve()?;
     // The default directory is created as it is chosen (runs started in the same second each
     // get their own); one that a refused run leaves empty goes again.
-    let reserved = match &args.out {
+    let reserved = match &request.output.out {
         Some(_) => None,
         None => {
-            let out = crate::run_dir::default_out(args.strategy());
-            args.out = Some(out.clone());
+            let out = crate::run_dir::default_out(&request.strategy.name);
+            request = request.writing_to(out.clone());
             Some(out)
         }
     };
-    let result = run_resolved(args);
+    let result = run_resolved(&request);
     if let (Err(_), Some(out)) = (&result, reserved) {
         let _ = std::fs::remove_dir(out);
     }
     result
 }
 
-/// `ringtmp train` once the options are checked and the output directory chosen.
-fn run_resolved(args: TrainArgs) -> Result<()> {
-    if args.strategy() != "local" {
-        return launch_nodes(args);
+/// `ringtmp train` once the options are resolved and the output directory chosen.
+fn run_resolved(request: &RunRequest) -> Result<()> {
+    if request.strategy.name != "local" {
+        return launch_nodes(request);
     }
+    let args = request.options();
     // Under `taskset`, the hypervisor's steal on its cores counts from here (`steal_seconds`).
     ringtmp_metrics::resources::mark_start();
     // `--node-cpu 0:CORES`: the whole run (data loading too) on that share, as a node's would be.
@@ -105,11 +106,7 @@ fn run_resolved(args: TrainArgs) -> Result<()> {
     }
     let planned = plan(&args, cfg, &data, 1)?;
     let out = &planned.spec().config;
-    crate::run_dir::prepare(
-        &out.out,
-        out.resume.as_deref(),
-        args.overwrite.unwrap_or(false),
-    )?;
+    crate::run_dir::prepare(&out.out, out.resume.as_deref(), request.overwrite())?;
     crate::run_dir::write_run_files(&out.out, &args, &planned)?;
     let Job::Local(job) = planned else {
         unreachable!("--strategy local plans a local job")
@@ -136,33 +133,21 @@ fn run_resolved(args: TrainArgs) -> Result<()> {
 }
 
 /// `ringtmp train` with a distributed strategy: checks the node options, then runs the nodes —
-/// again from the newest verified checkpoint after a node failure, up to `--max-restarts` times.
-fn launch_nodes(mut args: TrainArgs) -> Result<()> {
-    let nodes = args.nodes();
-    if nodes < 2 {
+/// again from the newest verified checkpoint after a node failure, up to `--max-restarts` times,
+/// each attempt a request derived from the last.
+fn launch_nodes(first: &RunRequest) -> Result<()> {
+    if first.strategy.nodes < 2 {
         return Err(UsageError("distributed strategies need --nodes of at least 2".into()).into());
     }
-    let name = args.strategy().to_string();
-    let out = args
-        .out
-        .clone()
-        .unwrap_or_else(|| crate::run_dir::default_out(&name));
-    args.out = Some(out.clone());
-    args.nodes = Some(nodes);
-    args.config = None;
-    let mut nodes = nodes;
-    let mut cluster = LocalCluster::check(&args, nodes)?;
-    let max_restarts = args.max_restarts.unwrap_or(0);
-    let shrink = args.shrink_on_failure.unwrap_or(false);
-    if shrink && max_restarts == 0 {
-        return Err(UsageError("--shrink-on-failure needs --max-restarts".into()).into());
-    }
-    let batch_given = args.batch_size.is_some();
+    let out = first.out();
+    let (max_restarts, shrink) = (first.faults.max_restarts, first.faults.shrink_on_failure);
+    let mut request = first.clone();
+    let mut cluster = LocalCluster::check(&request)?;
     // Each restart with the Unix time of the failure that caused it.
     let mut restarts: Vec<(Restart, f64)> = Vec::new();
     loop {
         let attempt_started = SystemTime::now();
-        let failure = match launch_once(&mut args, &cluster, restarts.len()) {
+        let failure = match launch_once(&request, &cluster, restarts.len()) {
             Ok(()) => break,
             Err(e) => e,
         };
@@ -182,23 +167,20 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
             );
             return Err(failure);
         }
-        let (mut restart, failed_at) = plan_restart(&mut args, &out, failed, attempt_started);
+        let (next, mut restart, failed_at) = plan_restart(&request, &out, failed, attempt_started);
+        request = next;
         if shrink {
+            let nodes = request.strategy.nodes;
             if nodes <= 2 {
                 eprintln!("launcher: --shrink-on-failure: {nodes} nodes cannot lose one");
                 return Err(failure);
             }
             // Planned again without the lost node; the checkpoint's global batch is kept (split
             // over the workers that remain) unless the user chose the batch.
-            nodes -= 1;
-            args.without_rank(restart.rank);
-            args.nodes = Some(nodes);
-            if !batch_given {
-                args.batch_size = None;
-                args.adopt_checkpoint_batch()?;
-            }
-            cluster = LocalCluster::check(&args, nodes)?;
+            request = request.without_rank(restart.rank)?;
+            cluster = LocalCluster::check(&request)?;
         }
+        let nodes = request.strategy.nodes;
         restart.nodes = nodes;
         eprintln!(
             "launcher: restart {}/{max_restarts}: node {} failed at step {} ({}); resuming from \
@@ -218,44 +200,41 @@ fn launch_nodes(mut args: TrainArgs) -> Result<()> {
     Ok(())
 }
 
-/// After node `failed` ended the attempt that started at `attempt_started`: points `args` at the
-/// newest checkpoint that verifies (or at a fresh start) and says what was lost; with the failure's
-/// Unix time (the downtime is measured from it once the restarted run has started).
+/// After node `failed` ended the attempt of `request` that started at `attempt_started`: the
+/// next attempt's request, from the newest checkpoint that verifies (or from the beginning), and
+/// what was lost; with the failure's Unix time (the downtime is measured from it once the
+/// restarted run has started).
 fn plan_restart(
-    args: &mut TrainArgs,
+    request: &RunRequest,
     out: &std::path::Path,
     failed: &NodeFailed,
     attempt_started: SystemTime,
-) -> (Restart, f64) {
+) -> (RunRequest, Restart, f64) {
     let failed_at = SystemTime::now();
     let failed_at_step = crate::restart::last_step(out);
     let (found, skipped) = ringtmp_model::checkpoint::newest_verified(&out.join("checkpoints"));
     for reason in skipped {
         eprintln!("launcher: passing over {reason}");
     }
-    let (resumed_from_step, since) = match found {
+    let (resumed_from_step, since, dir) = match found {
         Some((dir, manifest)) => {
             let written = std::fs::metadata(dir.join("manifest.json"))
                 .and_then(|m| m.modified())
                 .unwrap_or(attempt_started);
-            args.resume = Some(dir);
-            (manifest.step, written)
+            (manifest.step, written, Some(dir))
         }
-        None => {
-            // Nothing to resume from: the run starts over in the same directory.
-            args.resume = None;
-            args.overwrite = Some(true);
-            (0, attempt_started)
-        }
+        None => (0, attempt_started, None),
     };
-    keep_cuts(args, out);
+    let next = request.resumed(dir);
+    let cuts = kept_cuts(&next, out);
+    let next = next.with_cut_inside(cuts);
     let restart = Restart {
         rank: failed.rank,
         reason: failed.message.clone(),
         failed_at_step,
         resumed_from_step,
         steps_redone: failed_at_step.saturating_sub(resumed_from_step),
-        nodes: args.nodes.unwrap_or(0),
+        nodes: next.strategy.nodes,
         work_lost_seconds: failed_at
             .duration_since(since)
             .map_or(0.0, |d| d.as_secs_f64()),
@@ -264,7 +243,7 @@ fn plan_restart(
     let unix = failed_at
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64());
-    (restart, unix)
+    (next, restart, unix)
 }
 
 /// A restarted ring cuts inside layers where the failed attempt did (`job.json`'s
@@ -273,35 +252,32 @@ fn plan_restart(
 /// cut chosen anew — on a timing that differs by noise — would differ by rounding). Cuts the
 /// user gave, or `--cut-inside false`, stand as given. Either way the cuts are stage boundaries
 /// only where they fit: a ring shrunk by a lost node may have fewer.
-fn keep_cuts(args: &mut TrainArgs, out: &std::path::Path) {
+fn kept_cuts(
+    request: &RunRequest,
+    out: &std::path::Path,
+) -> Option<ringtmp_strategy::ring::plan::CutInsideChoice> {
     use ringtmp_strategy::ring::plan::CutInsideChoice;
-    if args.strategy() != "ring" {
-        return;
+    let current = request.strategy.cut_inside.clone();
+    if request.strategy.name != "ring" {
+        return current;
     }
-    match args.options.ring.cut_inside.take() {
+    match current {
         Some(CutInsideChoice::At(cuts) | CutInsideChoice::Kept(cuts)) => {
-            args.options.ring.cut_inside = Some(CutInsideChoice::Kept(cuts));
-            return;
+            return Some(CutInsideChoice::Kept(cuts));
         }
-        Some(CutInsideChoice::Planner(false)) => {
-            args.options.ring.cut_inside = Some(CutInsideChoice::Planner(false));
-            return;
-        }
+        Some(CutInsideChoice::Planner(false)) => return Some(CutInsideChoice::Planner(false)),
         Some(CutInsideChoice::Planner(true)) | None => {}
     }
-    let Some(job) = std::fs::read_to_string(out.join("job.json"))
+    let job = std::fs::read_to_string(out.join("job.json"))
         .ok()
-        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
-    else {
-        return;
-    };
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())?;
     let cuts: Vec<ringtmp_strategy::ring::plan::partition::CutInside> =
         serde_json::from_value(job["cuts_inside"].clone()).unwrap_or_default();
-    args.options.ring.cut_inside = Some(if cuts.is_empty() {
+    Some(if cuts.is_empty() {
         CutInsideChoice::Planner(false)
     } else {
         CutInsideChoice::Kept(cuts)
-    });
+    })
 }
 
 /// What the local nodes run on: each one's emulated card, CPU share and memory limit, checked
@@ -313,7 +289,9 @@ struct LocalCluster {
 }
 
 impl LocalCluster {
-    fn check(args: &TrainArgs, nodes: u32) -> Result<Self> {
+    fn check(request: &RunRequest) -> Result<Self> {
+        let args = request.options();
+        let nodes = request.strategy.nodes;
         let links = args.node_links(nodes)?;
         let cores =
             crate::cgroup::parse_node_cpu(args.node_cpu.as_deref().unwrap_or_default(), nodes)?;
@@ -345,12 +323,14 @@ impl LocalCluster {
 /// Plans the job, writes it and the options for rank 0, and runs the local nodes once. Fault
 /// injection: `--crash-rank` and `--freeze-rank` strike attempt 0; entry k of `--crash-plan`
 /// strikes attempt k.
-fn launch_once(args: &mut TrainArgs, cluster: &LocalCluster, attempt: usize) -> Result<()> {
+fn launch_once(request: &RunRequest, cluster: &LocalCluster, attempt: usize) -> Result<()> {
     let first = attempt == 0;
+    let mut request = request.clone();
+    let args = &request.options();
     let crash = crate::restart::crash_for(args, attempt)?;
-    let nodes = args.nodes();
-    let name = args.strategy().to_string();
-    let out = args.out.clone().unwrap_or_default();
+    let nodes = request.strategy.nodes;
+    let name = request.strategy.name.clone();
+    let out = request.out();
     let (links, cores, memory) = (&cluster.links, &cluster.cores, &cluster.memory);
     // Check everything and plan here, before any process starts: a bad option is a usage error
     // (exit 2) of this command, and the plan printed is the one the nodes run.
@@ -362,19 +342,13 @@ fn launch_once(args: &mut TrainArgs, cluster: &LocalCluster, attempt: usize) -> 
     }
     let mut job = plan_here(args, cfg.clone(), &data, nodes, cores)?;
     drop(data);
-    if args.max_restarts.unwrap_or(0) > 0 {
-        crate::restart::choose_checkpoints(args, &mut job, first);
+    if request.faults.max_restarts > 0 {
+        request = crate::restart::choose_checkpoints(request, &mut job, first);
     }
-    crate::run_dir::prepare(
-        &out,
-        args.resume.as_deref(),
-        args.overwrite.unwrap_or(false),
-    )?;
+    crate::run_dir::prepare(&out, request.resume(), request.overwrite())?;
     if let (Some(init), Some(dir)) = (&init, &cfg.init_from) {
         init.write(dir)?;
     }
-    // The nodes see the directory as prepared; they must not refuse or clear it again.
-    args.overwrite = None;
     let idle = match &job {
         ringtmp_strategy::Job::Ring(ring) if ring.idle_nodes > 0 => format!(
             " ({} in the ring; {} once it has formed)",
@@ -391,7 +365,8 @@ fn launch_once(args: &mut TrainArgs, cluster: &LocalCluster, attempt: usize) -> 
         "training with strategy {name} on {nodes} local node processes{idle}; output in {}",
         out.display()
     );
-    let (config, plan) = crate::run_dir::write_run_files(&out, args, &job)?;
+    // The nodes see the directory as prepared; they must not refuse or clear it again.
+    let (config, plan) = crate::run_dir::write_run_files(&out, &request.node_options(), &job)?;
     let (config, plan) = (config.display().to_string(), plan.display().to_string());
     // Nodes whose death the strategy survives (a parameter server dropping dead workers).
     let expendable = |rank: u32| job.expendable(rank);
@@ -476,57 +451,52 @@ mod tests {
     #[test]
     fn a_restarted_ring_keeps_the_cuts_of_its_first_attempt() {
         let dir = tempfile::tempdir().unwrap();
-        let ring = || TrainArgs {
-            strategy: Some("ring".into()),
-            ..TrainArgs::default()
+        let ring = |cut_inside: Option<CutInsideChoice>| {
+            let mut args = TrainArgs {
+                strategy: Some("ring".into()),
+                ..TrainArgs::default()
+            };
+            args.options.ring.cut_inside = cut_inside;
+            args.resolve().unwrap()
         };
         std::fs::write(
             dir.path().join("job.json"),
             r#"{"partition": [], "cuts_inside": [{"layer": 9, "split": 320}]}"#,
         )
         .unwrap();
-        let mut args = ring();
-        keep_cuts(&mut args, dir.path());
         let cut = vec![CutInside {
             layer: 9,
             split: 320,
         }];
         assert_eq!(
-            args.options.ring.cut_inside,
+            kept_cuts(&ring(None), dir.path()),
             Some(CutInsideChoice::Kept(cut))
         );
-        let mut told = ring();
-        told.options.ring.cut_inside = Some(CutInsideChoice::Planner(false));
-        keep_cuts(&mut told, dir.path());
+        let told = ring(Some(CutInsideChoice::Planner(false)));
         assert_eq!(
-            told.options.ring.cut_inside,
+            kept_cuts(&told, dir.path()),
             Some(CutInsideChoice::Planner(false))
         );
         // Cuts the user gave are kept as they are, boundaries only where they fit.
-        let mut given = ring();
         let other = vec![CutInside {
             layer: 5,
             split: 64,
         }];
-        given.options.ring.cut_inside = Some(CutInsideChoice::At(other.clone()));
-        keep_cuts(&mut given, dir.path());
+        let given = ring(Some(CutInsideChoice::At(other.clone())));
         assert_eq!(
-            given.options.ring.cut_inside,
+            kept_cuts(&given, dir.path()),
             Some(CutInsideChoice::Kept(other))
         );
         // A first attempt without cuts: whole layers again.
         std::fs::write(dir.path().join("job.json"), r#"{"partition": []}"#).unwrap();
-        let mut args = ring();
-        keep_cuts(&mut args, dir.path());
         assert_eq!(
-            args.options.ring.cut_inside,
+            kept_cuts(&ring(None), dir.path()),
             Some(CutInsideChoice::Planner(false))
         );
-        let mut ps = TrainArgs {
+        let ps = TrainArgs {
             strategy: Some("ps".into()),
             ..TrainArgs::default()
         };
-        keep_cuts(&mut ps, dir.path());
-        assert_eq!(ps.options.ring.cut_inside, None);
+        assert_eq!(kept_cuts(&ps.resolve().unwrap(), dir.path()), None);
     }
 }
