@@ -139,7 +139,8 @@ pub struct TrainArgs {
     /// The model's input H,W,C: images are resized to it; an array must hold as many values per
     /// row [default: what the files say].
     #[arg(help_heading = "Data", long, value_name = "H,W,C")]
-    pub input_shape: Option<String>,
+    #[serde(default, with = "ringtmp_strategy::text_form")]
+    pub input_shape: Option<ringtmp_data::InputShape>,
     /// How a 4-D array orders an image: nchw (PyTorch) or nhwc (NumPy, Keras) [default: the axis
     /// of 1, 3 or 4 values holds the channels].
     #[arg(help_heading = "Data", long, value_name = "LAYOUT")]
@@ -602,21 +603,7 @@ impl TrainArgs {
         source.label_files = self.label_file.clone().unwrap_or_default();
         source.label = self.label.clone();
         source.target_columns = self.target_columns.clone().unwrap_or_default();
-        if let Some(shape) = &self.input_shape {
-            let dims: Vec<usize> = shape
-                .split(',')
-                .map(|d| d.trim().parse::<usize>())
-                .collect::<std::result::Result<_, _>>()
-                .ok()
-                .filter(|d: &Vec<usize>| d.len() == 3 && d.iter().all(|&x| x > 0))
-                .ok_or_else(|| {
-                    UsageError(format!(
-                        "--input-shape {shape:?}: expected H,W,C (three positive sizes; a table \
-                         of F columns is 1,1,F)"
-                    ))
-                })?;
-            source.input_shape = Some((dims[0], dims[1], dims[2]));
-        }
+        source.input_shape = self.input_shape.map(ringtmp_data::InputShape::dims);
         source.layout = self.layout.or(source.layout);
         if let Some(how) = &self.normalize {
             source.normalize = how.clone();

@@ -37,7 +37,7 @@ pub use dataset::{
 pub use description::{DataSource, FORMATS, Normalize};
 pub use error::{Error, Result};
 pub use predict::{Inputs, read_inputs};
-pub use recipe::{InputRecipe, Layout};
+pub use recipe::{InputRecipe, InputShape, Layout};
 pub use rows::{Labels, Normalisation};
 pub use sampler::{BatchPlan, epoch_permutation, shard};
 pub use source::load_source;

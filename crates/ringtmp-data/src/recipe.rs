@@ -39,6 +39,44 @@ impl std::fmt::Display for Layout {
     }
 }
 
+/// `--input-shape H,W,C`: a model's per-example input, three positive sizes (a table of F
+/// columns is `1,1,F`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InputShape(pub usize, pub usize, pub usize);
+
+impl InputShape {
+    /// `(height, width, channels)`.
+    pub fn dims(self) -> (usize, usize, usize) {
+        (self.0, self.1, self.2)
+    }
+}
+
+impl std::str::FromStr for InputShape {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let dims: Vec<usize> = s
+            .split(',')
+            .map(|d| d.trim().parse::<usize>())
+            .collect::<Result<_, _>>()
+            .ok()
+            .filter(|d: &Vec<usize>| d.len() == 3 && d.iter().all(|&x| x > 0))
+            .ok_or_else(|| {
+                format!(
+                    "{s:?}: expected H,W,C (three positive sizes; a table of F columns is 1,1,F)"
+                )
+            })?;
+        Ok(Self(dims[0], dims[1], dims[2]))
+    }
+}
+
+/// The shape as `--input-shape` writes it.
+impl std::fmt::Display for InputShape {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{},{},{}", self.0, self.1, self.2)
+    }
+}
+
 /// A dataset's input recipe (see the module header).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct InputRecipe {
