@@ -223,7 +223,10 @@ mod tests {
     fn an_input_shape_reads_back_from_its_text_and_refuses_what_is_not_three_sizes() {
         let shape: crate::InputShape = " 28, 28,1".parse().unwrap();
         assert_eq!(shape.dims(), (28, 28, 1));
-        assert_eq!(shape.to_string().parse::<crate::InputShape>().unwrap(), shape);
+        assert_eq!(
+            shape.to_string().parse::<crate::InputShape>().unwrap(),
+            shape
+        );
         for bad in ["28,28", "28,0,1", "a,b,c", "1,2,3,4", ""] {
             let e = bad.parse::<crate::InputShape>().unwrap_err();
             assert!(e.contains("expected H,W,C"), "{bad}: {e}");

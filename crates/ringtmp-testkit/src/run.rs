@@ -5,6 +5,7 @@ use std::path::Path;
 
 use ringtmp_data::Dataset;
 use ringtmp_metrics::Summary;
+use ringtmp_strategy::Job;
 use ringtmp_strategy::allreduce::AllReduceJob;
 use ringtmp_strategy::param_server::driver::{PsJob, ServerOutcome, WorkerOutcome};
 use ringtmp_strategy::ring::net::Plain;
@@ -64,10 +65,32 @@ pub fn ring_nodes(
     })
 }
 
-/// Runs a ring job through its [`Strategy`](ringtmp_strategy::Strategy) shape on `backend`, as
-/// `ringtmp node` runs it, with the links the job asks for: stage replicas (every node linked to
-/// every other, healing around dead nodes) and rings of rings (its ring and its stage's copies);
-/// the master returns the run's summary, the others nothing.
+/// Runs any job on `backend` as `ringtmp node` runs it, asking only the contract: each rank's
+/// links (`neighbours`), whether it reads the data (`needs_data`), and its part (`run`); every
+/// node returns its summary (rank 0 the run's). With [`crate::oracle::checkpoint_params`] on the
+/// run's directory, a test reads the model any strategy left, whatever its partition.
+pub fn job_nodes(
+    backend: &Backend,
+    job: &Job,
+    data: &Dataset,
+    world: u32,
+) -> Ran<Result<Option<Summary>, String>> {
+    let links = (0..world).map(|r| job.neighbours(r, world)).collect();
+    run_nodes(backend, links, Some(0), |rank, net| {
+        let mut on_event = |_: &ringtmp_strategy::Event| {};
+        let mut cx = ringtmp_strategy::NodeCx {
+            net: &mut *net,
+            data: job.needs_data(rank).then_some(data),
+            on_event: &mut on_event,
+        };
+        let result = job.run(rank, &mut cx);
+        end(net, result)
+    })
+}
+
+/// Runs a ring job through the contract ([`job_nodes`]) with the links the job asks for: stage
+/// replicas (every node linked to every other, healing around dead nodes) and rings of rings
+/// (its ring and its stage's copies); the master returns the run's summary, the others nothing.
 pub fn healing_ring_nodes(
     backend: &Backend,
     job: &RingJob,
@@ -77,20 +100,7 @@ pub fn healing_ring_nodes(
     let n = (job.partition.len() * job.replicas.max(1)) as u32;
     let mut job = job.clone();
     job.spec.config.out = out.to_path_buf();
-    let job = &job;
-    let links = (0..n)
-        .map(|r| ringtmp_strategy::Strategy::neighbours(job, r, n))
-        .collect();
-    run_nodes(backend, links, Some(0), |rank, net| {
-        let mut on_event = |_: &ringtmp_strategy::Event| {};
-        let mut cx = ringtmp_strategy::NodeCx {
-            net: &mut *net,
-            data: ringtmp_strategy::Strategy::needs_data(job, rank).then_some(data),
-            on_event: &mut on_event,
-        };
-        let result = ringtmp_strategy::Strategy::run(job, rank, &mut cx);
-        end(net, result)
-    })
+    job_nodes(backend, &Job::Ring(job), data, n)
 }
 
 /// Every stage's parameters in layer order, and the master's summary, of a ring run in which
