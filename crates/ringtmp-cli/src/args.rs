@@ -27,8 +27,9 @@ pub enum OptimizerKind {
     Adamw,
 }
 
-/// `ringtmp train` options. Every field is optional so that flags, the config file and the
-/// defaults can be layered.
+/// `ringtmp train` options, in the sections a run is resolved into. Every field is optional so
+/// that flags, the config file and the defaults can be layered; the sections are flattened, so
+/// flags and config keys are the same flat names.
 #[derive(Args, Clone, Debug, Default, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub struct TrainArgs {
@@ -37,9 +38,44 @@ pub struct TrainArgs {
     #[arg(long, value_name = "FILE")]
     #[serde(skip)]
     pub config: Option<PathBuf>,
+    /// The strategy, its node count and every strategy's own options.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub strategy: StrategyArgs,
+    /// The emulated cluster: each node's speed, card, CPU share and memory.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub cluster: ClusterArgs,
+    /// The model: a preset or a file, and weights to start from.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub model: ModelArgs,
+    /// The data: a bundled dataset or the user's files, and how they are read.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub data: DataArgs,
+    /// Training: its length, batch, rate, optimizer, threads and seed.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub training: TrainingArgs,
+    /// Output: evaluations, checkpoints, the run directory and how a run starts there.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub output: OutputArgs,
+    /// Faults and links: restarts, timeouts, encryption, and fault injection for tests.
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub faults: FaultArgs,
+}
+
+/// The strategy, its node count and every strategy's own options.
+#[derive(Args, Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct StrategyArgs {
     /// Strategy: local, ring, ps, allreduce, dpsgd, adpsgd or diloco [default: ring].
-    #[arg(help_heading = "Strategy", long, value_parser = clap::builder::PossibleValuesParser::new(Job::NAMES))]
-    pub strategy: Option<String>,
+    #[arg(id = "strategy", long = "strategy", help_heading = "Strategy", value_parser = clap::builder::PossibleValuesParser::new(Job::NAMES))]
+    #[serde(rename = "strategy")]
+    pub name: Option<String>,
     /// Node processes to launch locally (distributed strategies) [default: 4].
     #[arg(help_heading = "Strategy", long)]
     pub nodes: Option<u32>,
@@ -47,6 +83,16 @@ pub struct TrainArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub options: StrategyOptions,
+    /// What tensors travel as between nodes: f32, bf16 or f16 (computation stays f32)
+    /// [default: f32].
+    #[arg(help_heading = "Strategy", long, value_name = "DTYPE", value_enum)]
+    pub wire_dtype: Option<WireDtype>,
+}
+
+/// The emulated cluster: each node's speed, card, CPU share and memory.
+#[derive(Args, Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct ClusterArgs {
     /// Emulate a slower node: RANK:FACTOR with 0 < FACTOR ≤ 1 (comma-separated or repeatable;
     /// a FACTOR alone slows every node).
     #[arg(help_heading = "Cluster (emulated)", long, value_name = "RANK:FACTOR")]
@@ -84,14 +130,32 @@ pub struct TrainArgs {
     /// Pin each local node process to its own core (when there are enough cores).
     #[arg(help_heading = "Cluster (emulated)", long, num_args = 0..=1, default_missing_value = "true")]
     pub pin: Option<bool>,
+}
+
+/// The model: a preset or a file, and weights to start from.
+#[derive(Args, Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct ModelArgs {
     /// Model preset: mlp, mlp-deep, cnn, tabular (an MLP sized from a table's columns), or the
     /// language models gpt-nano, gpt-cpu and gpt-small (with --dataset text) [default: mlp;
     /// gpt-cpu on text; tabular on csv].
-    #[arg(help_heading = "Model", long, conflicts_with = "model_file")]
-    pub model: Option<String>,
+    #[arg(
+        id = "model",
+        long = "model",
+        help_heading = "Model",
+        conflicts_with = "model_file"
+    )]
+    #[serde(rename = "model")]
+    pub preset: Option<String>,
     /// Model description file (TOML; see examples/).
-    #[arg(help_heading = "Model", long, value_name = "FILE")]
-    pub model_file: Option<PathBuf>,
+    #[arg(
+        id = "model_file",
+        long = "model-file",
+        help_heading = "Model",
+        value_name = "FILE"
+    )]
+    #[serde(rename = "model-file")]
+    pub file: Option<PathBuf>,
     /// A language model's head uses the token embedding's table as its weight (GPT-2's weight
     /// tying: one matrix, one update from both gradients). On the ring it needs
     /// --master-holds-head [default: the model file's `tie_embeddings`, untied for presets].
@@ -107,6 +171,12 @@ pub struct TrainArgs {
     #[arg(help_heading = "Model", long, value_name = "MAP")]
     #[serde(default, with = "ringtmp_strategy::text_form")]
     pub weight_map: Option<ringtmp_model::interop::NameMap>,
+}
+
+/// The data: a bundled dataset or the user's files, and how they are read.
+#[derive(Args, Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct DataArgs {
     /// Dataset: mnist, fashion-mnist, digits, text (a language model's: see --data-file), or
     /// your own in one of the formats npy, npz, csv, images (a folder per class) or
     /// cifar10/cifar100 (their binary batches) named by --data-file [default: mnist]. In a config
@@ -173,6 +243,12 @@ pub struct TrainArgs {
     /// Directory holding the dataset files (searched before the bundled data/).
     #[arg(help_heading = "Data", long, value_name = "DIR")]
     pub data_dir: Option<PathBuf>,
+}
+
+/// Training: its length, batch, rate, optimizer, threads and seed.
+#[derive(Args, Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct TrainingArgs {
     /// Epochs [default: 2].
     #[arg(help_heading = "Training", long)]
     pub epochs: Option<u32>,
@@ -216,6 +292,19 @@ pub struct TrainArgs {
     /// Seed of initialisation, data order and dropout [default: 42].
     #[arg(help_heading = "Training", long)]
     pub seed: Option<u64>,
+    /// Stop after N optimizer steps in total.
+    #[arg(help_heading = "Training", long, value_name = "N")]
+    pub max_steps: Option<u64>,
+    /// Train on N examples in all instead of --epochs (rounded up to whole steps; the
+    /// learning-rate schedule spans them): one budget for strategies whose steps differ in size.
+    #[arg(help_heading = "Training", long, value_name = "N")]
+    pub train_samples: Option<u64>,
+}
+
+/// Output: evaluations, checkpoints, the run directory and how a run starts there.
+#[derive(Args, Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct OutputArgs {
     /// Test accuracy whose first attainment is timed in summary.json [default: 0.97].
     #[arg(help_heading = "Output", long)]
     pub target_accuracy: Option<f64>,
@@ -252,6 +341,15 @@ pub struct TrainArgs {
     /// Replace the run that --out already holds (its summary, metrics, job and checkpoints).
     #[arg(help_heading = "Output", long, num_args = 0..=1, default_missing_value = "true")]
     pub overwrite: Option<bool>,
+    /// Show every node's informational log lines (otherwise progress, warnings and errors).
+    #[arg(help_heading = "Output", long, num_args = 0..=1, default_missing_value = "true")]
+    pub verbose: Option<bool>,
+}
+
+/// Faults and links: restarts, timeouts, encryption, and fault injection for tests.
+#[derive(Args, Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub struct FaultArgs {
     /// With --max-restarts: restart without the node that failed, re-planned on the nodes that
     /// remain (a board that is gone for good), instead of starting it again.
     #[arg(help_heading = "Faults and links", long, num_args = 0..=1, default_missing_value = "true")]
@@ -296,13 +394,6 @@ pub struct TrainArgs {
     #[arg(long, hide = true)]
     #[serde(skip)]
     pub hang_after_ms: Option<u64>,
-    /// Stop after N optimizer steps in total.
-    #[arg(help_heading = "Training", long, value_name = "N")]
-    pub max_steps: Option<u64>,
-    /// Train on N examples in all instead of --epochs (rounded up to whole steps; the
-    /// learning-rate schedule spans them): one budget for strategies whose steps differ in size.
-    #[arg(help_heading = "Training", long, value_name = "N")]
-    pub train_samples: Option<u64>,
     /// Seconds a node waits for any one message before giving up on the run [default: 300].
     #[arg(help_heading = "Faults and links", long, value_name = "SECONDS")]
     pub recv_timeout: Option<f64>,
@@ -311,31 +402,273 @@ pub struct TrainArgs {
     /// that is longer [default: 30, and at least 6 × the links' peer timeout].
     #[arg(help_heading = "Faults and links", long, value_name = "SECONDS")]
     pub stall_timeout: Option<f64>,
-    /// What tensors travel as between nodes: f32, bf16 or f16 (computation stays f32)
-    /// [default: f32].
-    #[arg(help_heading = "Strategy", long, value_name = "DTYPE", value_enum)]
-    pub wire_dtype: Option<WireDtype>,
-    /// Show every node's informational log lines (otherwise progress, warnings and errors).
-    #[arg(help_heading = "Output", long, num_args = 0..=1, default_missing_value = "true")]
-    pub verbose: Option<bool>,
 }
 
-macro_rules! layer_options {
-    ($flags:expr, $file:expr, $($field:ident),*) => {
-        TrainArgs {
-            config: $flags.config.clone(),
-            crash_rank: $flags.crash_rank,
-            crash_after_ms: $flags.crash_after_ms,
-            crash_plan: $flags.crash_plan.clone(),
-            freeze_rank: $flags.freeze_rank,
-            freeze_after_ms: $flags.freeze_after_ms,
-            hang_rank: $flags.hang_rank,
-            hang_after_ms: $flags.hang_after_ms,
-            options: $flags.options.merged_over(&$file.options),
-            card: $flags.card.merged_over(&$file.card),
-            $($field: $flags.$field.clone().or($file.$field.clone())),*
+impl StrategyArgs {
+    /// These options over `file`'s.
+    pub fn merged_over(&self, file: &Self) -> Self {
+        Self {
+            name: self.name.as_ref().or(file.name.as_ref()).cloned(),
+            nodes: self.nodes.as_ref().or(file.nodes.as_ref()).cloned(),
+            wire_dtype: self
+                .wire_dtype
+                .as_ref()
+                .or(file.wire_dtype.as_ref())
+                .cloned(),
+            options: self.options.merged_over(&file.options),
         }
-    };
+    }
+}
+
+impl ClusterArgs {
+    /// These options over `file`'s.
+    pub fn merged_over(&self, file: &Self) -> Self {
+        Self {
+            node_speed: self
+                .node_speed
+                .as_ref()
+                .or(file.node_speed.as_ref())
+                .cloned(),
+            link: self.link.as_ref().or(file.link.as_ref()).cloned(),
+            node_memory_limit: self
+                .node_memory_limit
+                .as_ref()
+                .or(file.node_memory_limit.as_ref())
+                .cloned(),
+            enforce_memory_limit: self
+                .enforce_memory_limit
+                .as_ref()
+                .or(file.enforce_memory_limit.as_ref())
+                .cloned(),
+            node_cpu: self.node_cpu.as_ref().or(file.node_cpu.as_ref()).cloned(),
+            pin: self.pin.as_ref().or(file.pin.as_ref()).cloned(),
+            card: self.card.merged_over(&file.card),
+        }
+    }
+}
+
+impl ModelArgs {
+    /// These options over `file`'s.
+    pub fn merged_over(&self, file: &Self) -> Self {
+        Self {
+            preset: self.preset.as_ref().or(file.preset.as_ref()).cloned(),
+            file: self.file.as_ref().or(file.file.as_ref()).cloned(),
+            tie_embeddings: self
+                .tie_embeddings
+                .as_ref()
+                .or(file.tie_embeddings.as_ref())
+                .cloned(),
+            init_from: self.init_from.as_ref().or(file.init_from.as_ref()).cloned(),
+            weight_map: self
+                .weight_map
+                .as_ref()
+                .or(file.weight_map.as_ref())
+                .cloned(),
+        }
+    }
+}
+
+impl DataArgs {
+    /// These options over `file`'s.
+    pub fn merged_over(&self, file: &Self) -> Self {
+        Self {
+            dataset: self.dataset.as_ref().or(file.dataset.as_ref()).cloned(),
+            data_file: self.data_file.as_ref().or(file.data_file.as_ref()).cloned(),
+            label_file: self
+                .label_file
+                .as_ref()
+                .or(file.label_file.as_ref())
+                .cloned(),
+            label: self.label.as_ref().or(file.label.as_ref()).cloned(),
+            target_columns: self
+                .target_columns
+                .as_ref()
+                .or(file.target_columns.as_ref())
+                .cloned(),
+            input_shape: self
+                .input_shape
+                .as_ref()
+                .or(file.input_shape.as_ref())
+                .cloned(),
+            layout: self.layout.as_ref().or(file.layout.as_ref()).cloned(),
+            normalize: self.normalize.as_ref().or(file.normalize.as_ref()).cloned(),
+            seq_len: self.seq_len.as_ref().or(file.seq_len.as_ref()).cloned(),
+            val_fraction: self
+                .val_fraction
+                .as_ref()
+                .or(file.val_fraction.as_ref())
+                .cloned(),
+            eval_tokens: self
+                .eval_tokens
+                .as_ref()
+                .or(file.eval_tokens.as_ref())
+                .cloned(),
+            vocab_size: self
+                .vocab_size
+                .as_ref()
+                .or(file.vocab_size.as_ref())
+                .cloned(),
+            tokenizer: self.tokenizer.as_ref().or(file.tokenizer.as_ref()).cloned(),
+            data_dir: self.data_dir.as_ref().or(file.data_dir.as_ref()).cloned(),
+        }
+    }
+}
+
+impl TrainingArgs {
+    /// These options over `file`'s.
+    pub fn merged_over(&self, file: &Self) -> Self {
+        Self {
+            epochs: self.epochs.as_ref().or(file.epochs.as_ref()).cloned(),
+            batch_size: self
+                .batch_size
+                .as_ref()
+                .or(file.batch_size.as_ref())
+                .cloned(),
+            lr: self.lr.as_ref().or(file.lr.as_ref()).cloned(),
+            lr_schedule: self
+                .lr_schedule
+                .as_ref()
+                .or(file.lr_schedule.as_ref())
+                .cloned(),
+            warmup_steps: self
+                .warmup_steps
+                .as_ref()
+                .or(file.warmup_steps.as_ref())
+                .cloned(),
+            optimizer: self.optimizer.as_ref().or(file.optimizer.as_ref()).cloned(),
+            momentum: self.momentum.as_ref().or(file.momentum.as_ref()).cloned(),
+            weight_decay: self
+                .weight_decay
+                .as_ref()
+                .or(file.weight_decay.as_ref())
+                .cloned(),
+            decay_embeddings: self
+                .decay_embeddings
+                .as_ref()
+                .or(file.decay_embeddings.as_ref())
+                .cloned(),
+            clip_grad_norm: self
+                .clip_grad_norm
+                .as_ref()
+                .or(file.clip_grad_norm.as_ref())
+                .cloned(),
+            threads: self.threads.as_ref().or(file.threads.as_ref()).cloned(),
+            seed: self.seed.as_ref().or(file.seed.as_ref()).cloned(),
+            max_steps: self.max_steps.as_ref().or(file.max_steps.as_ref()).cloned(),
+            train_samples: self
+                .train_samples
+                .as_ref()
+                .or(file.train_samples.as_ref())
+                .cloned(),
+        }
+    }
+}
+
+impl OutputArgs {
+    /// These options over `file`'s.
+    pub fn merged_over(&self, file: &Self) -> Self {
+        Self {
+            target_accuracy: self
+                .target_accuracy
+                .as_ref()
+                .or(file.target_accuracy.as_ref())
+                .cloned(),
+            eval_every: self
+                .eval_every
+                .as_ref()
+                .or(file.eval_every.as_ref())
+                .cloned(),
+            early_stop: self
+                .early_stop
+                .as_ref()
+                .or(file.early_stop.as_ref())
+                .cloned(),
+            keep_best: self.keep_best.as_ref().or(file.keep_best.as_ref()).cloned(),
+            out: self.out.as_ref().or(file.out.as_ref()).cloned(),
+            checkpoint_every: self
+                .checkpoint_every
+                .as_ref()
+                .or(file.checkpoint_every.as_ref())
+                .cloned(),
+            no_checkpoint: self
+                .no_checkpoint
+                .as_ref()
+                .or(file.no_checkpoint.as_ref())
+                .cloned(),
+            keep_checkpoints: self
+                .keep_checkpoints
+                .as_ref()
+                .or(file.keep_checkpoints.as_ref())
+                .cloned(),
+            resume: self.resume.as_ref().or(file.resume.as_ref()).cloned(),
+            overwrite: self.overwrite.as_ref().or(file.overwrite.as_ref()).cloned(),
+            verbose: self.verbose.as_ref().or(file.verbose.as_ref()).cloned(),
+        }
+    }
+}
+
+impl FaultArgs {
+    /// These options over `file`'s.
+    pub fn merged_over(&self, file: &Self) -> Self {
+        Self {
+            shrink_on_failure: self
+                .shrink_on_failure
+                .as_ref()
+                .or(file.shrink_on_failure.as_ref())
+                .cloned(),
+            insecure_plaintext: self
+                .insecure_plaintext
+                .as_ref()
+                .or(file.insecure_plaintext.as_ref())
+                .cloned(),
+            max_restarts: self
+                .max_restarts
+                .as_ref()
+                .or(file.max_restarts.as_ref())
+                .cloned(),
+            crash_rank: self
+                .crash_rank
+                .as_ref()
+                .or(file.crash_rank.as_ref())
+                .cloned(),
+            crash_after_ms: self
+                .crash_after_ms
+                .as_ref()
+                .or(file.crash_after_ms.as_ref())
+                .cloned(),
+            crash_plan: self
+                .crash_plan
+                .as_ref()
+                .or(file.crash_plan.as_ref())
+                .cloned(),
+            freeze_rank: self
+                .freeze_rank
+                .as_ref()
+                .or(file.freeze_rank.as_ref())
+                .cloned(),
+            freeze_after_ms: self
+                .freeze_after_ms
+                .as_ref()
+                .or(file.freeze_after_ms.as_ref())
+                .cloned(),
+            hang_rank: self.hang_rank.as_ref().or(file.hang_rank.as_ref()).cloned(),
+            hang_after_ms: self
+                .hang_after_ms
+                .as_ref()
+                .or(file.hang_after_ms.as_ref())
+                .cloned(),
+            recv_timeout: self
+                .recv_timeout
+                .as_ref()
+                .or(file.recv_timeout.as_ref())
+                .cloned(),
+            stall_timeout: self
+                .stall_timeout
+                .as_ref()
+                .or(file.stall_timeout.as_ref())
+                .cloned(),
+        }
+    }
 }
 
 impl TrainArgs {
@@ -355,7 +688,7 @@ impl TrainArgs {
                 e.to_string().trim_end()
             ))
         })?;
-        if file.model.is_some() && file.model_file.is_some() {
+        if file.model.preset.is_some() && file.model.file.is_some() {
             return Err(UsageError(format!(
                 "config file {}: sets both model and model-file; keep one",
                 path.display()
@@ -364,71 +697,19 @@ impl TrainArgs {
         }
         // A model chosen on the command line, by preset or file, replaces the file's choice.
         let mut file = file;
-        if self.model.is_some() || self.model_file.is_some() {
-            (file.model, file.model_file) = (None, None);
+        if self.model.preset.is_some() || self.model.file.is_some() {
+            (file.model.preset, file.model.file) = (None, None);
         }
-        Ok(layer_options!(
-            self,
-            file,
-            strategy,
-            nodes,
-            node_speed,
-            link,
-            node_cpu,
-            node_memory_limit,
-            enforce_memory_limit,
-            pin,
-            model,
-            model_file,
-            init_from,
-            weight_map,
-            tie_embeddings,
-            dataset,
-            data_dir,
-            data_file,
-            label_file,
-            label,
-            target_columns,
-            input_shape,
-            layout,
-            normalize,
-            seq_len,
-            val_fraction,
-            eval_tokens,
-            vocab_size,
-            tokenizer,
-            decay_embeddings,
-            clip_grad_norm,
-            epochs,
-            batch_size,
-            lr,
-            lr_schedule,
-            warmup_steps,
-            optimizer,
-            momentum,
-            weight_decay,
-            threads,
-            seed,
-            target_accuracy,
-            eval_every,
-            early_stop,
-            keep_best,
-            out,
-            checkpoint_every,
-            no_checkpoint,
-            keep_checkpoints,
-            resume,
-            overwrite,
-            max_steps,
-            max_restarts,
-            shrink_on_failure,
-            insecure_plaintext,
-            train_samples,
-            recv_timeout,
-            stall_timeout,
-            wire_dtype,
-            verbose
-        ))
+        Ok(TrainArgs {
+            config: self.config.clone(),
+            strategy: self.strategy.merged_over(&file.strategy),
+            cluster: self.cluster.merged_over(&file.cluster),
+            model: self.model.merged_over(&file.model),
+            data: self.data.merged_over(&file.data),
+            training: self.training.merged_over(&file.training),
+            output: self.output.merged_over(&file.output),
+            faults: self.faults.merged_over(&file.faults),
+        })
     }
 
     /// Refuses options that the chosen strategy would ignore (from flags and config files alike),
@@ -438,23 +719,33 @@ impl TrainArgs {
         // `--drop-dead-workers` is the parameter server's flag and D-PSGD's too.
         let shared = |flag: &String| !(strategy == "dpsgd" && flag == "drop-dead-workers");
         let mut own: Vec<(&str, Vec<String>)> = self
+            .strategy
             .options
             .given()
             .into_iter()
             .map(|(name, flags)| (name, flags.into_iter().filter(shared).collect()))
             .collect();
         let distributed: Vec<String> = [
-            ("nodes", self.nodes.is_some_and(|n| n != 1)),
-            ("node-speed", self.node_speed.is_some()),
-            ("bandwidth-mbit", self.card.bandwidth_mbit.is_some()),
-            ("latency-ms", self.card.latency_ms.is_some()),
-            ("link", self.link.is_some()),
-            ("node-memory-limit", self.node_memory_limit.is_some()),
-            ("enforce-memory-limit", self.enforce_memory_limit.is_some()),
-            ("pin", self.pin.is_some()),
-            ("max-restarts", self.max_restarts.is_some()),
-            ("shrink-on-failure", self.shrink_on_failure.is_some()),
-            ("insecure-plaintext", self.insecure_plaintext.is_some()),
+            ("nodes", self.strategy.nodes.is_some_and(|n| n != 1)),
+            ("node-speed", self.cluster.node_speed.is_some()),
+            ("bandwidth-mbit", self.cluster.card.bandwidth_mbit.is_some()),
+            ("latency-ms", self.cluster.card.latency_ms.is_some()),
+            ("link", self.cluster.link.is_some()),
+            (
+                "node-memory-limit",
+                self.cluster.node_memory_limit.is_some(),
+            ),
+            (
+                "enforce-memory-limit",
+                self.cluster.enforce_memory_limit.is_some(),
+            ),
+            ("pin", self.cluster.pin.is_some()),
+            ("max-restarts", self.faults.max_restarts.is_some()),
+            ("shrink-on-failure", self.faults.shrink_on_failure.is_some()),
+            (
+                "insecure-plaintext",
+                self.faults.insecure_plaintext.is_some(),
+            ),
         ]
         .into_iter()
         .filter(|(_, set)| *set)
@@ -479,29 +770,31 @@ impl TrainArgs {
                 .into());
             }
         }
-        if self.early_stop.is_some() && !["local", "ring"].contains(&strategy) {
+        if self.output.early_stop.is_some() && !["local", "ring"].contains(&strategy) {
             return Err(UsageError(format!(
                 "--early-stop stops local and ring runs; --strategy {strategy}'s workers \
                  would each have to be told at the same step, which it does not do"
             ))
             .into());
         }
-        if self.early_stop.is_some() && self.options.ring.replicas.is_some_and(|r| r > 1) {
+        if self.output.early_stop.is_some()
+            && self.strategy.options.ring.replicas.is_some_and(|r| r > 1)
+        {
             return Err(UsageError(
                 "--early-stop stops one ring; with --replicas the other rings would train on"
                     .into(),
             )
             .into());
         }
-        if self.epochs.is_some() && self.train_samples.is_some() {
+        if self.training.epochs.is_some() && self.training.train_samples.is_some() {
             return Err(UsageError(
                 "--epochs and --train-samples both say how long to train; give one".into(),
             )
             .into());
         }
-        if self.node_memory_limit.is_some()
+        if self.cluster.node_memory_limit.is_some()
             && strategy != "ring"
-            && !self.enforce_memory_limit.unwrap_or(false)
+            && !self.cluster.enforce_memory_limit.unwrap_or(false)
         {
             return Err(UsageError(format!(
                 "--node-memory-limit plans the ring's stages; for --strategy {strategy} it takes \
@@ -509,7 +802,8 @@ impl TrainArgs {
             ))
             .into());
         }
-        self.options
+        self.strategy
+            .options
             .ring
             .check()
             .map_err(|e| UsageError(e.to_string()).into())
@@ -518,10 +812,10 @@ impl TrainArgs {
     /// Each local node's emulated card, by rank, from `--bandwidth-mbit`, `--latency-ms` and the
     /// `--link` overrides.
     pub fn node_links(&self, nodes: u32) -> Result<Vec<Card>> {
-        let base = self.card.card()?;
+        let base = self.cluster.card.card()?;
         Ok(crate::links::node_cards(
             base,
-            self.link.as_deref().unwrap_or_default(),
+            self.cluster.link.as_deref().unwrap_or_default(),
             nodes,
         )?)
     }
@@ -529,19 +823,19 @@ impl TrainArgs {
     /// Every strategy's options; `--drop-dead-workers`, declared with the parameter server's,
     /// is D-PSGD's too.
     pub fn strategy_options(&self) -> StrategyOptions {
-        let mut options = self.options.clone();
+        let mut options = self.strategy.options.clone();
         options.dpsgd.drop_dead_workers = options.ps.drop_dead_workers;
         options
     }
 
     /// The chosen strategy's name.
     pub fn strategy(&self) -> &str {
-        self.strategy.as_deref().unwrap_or("ring")
+        self.strategy.name.as_deref().unwrap_or("ring")
     }
 
     /// The dataset name.
     pub fn dataset(&self) -> String {
-        self.dataset.clone().unwrap_or_else(|| "mnist".into())
+        self.data.dataset.clone().unwrap_or_else(|| "mnist".into())
     }
 
     /// Applies defaults and validates for `data`: a language model's (on text) are nanoGPT's.
@@ -560,9 +854,9 @@ impl TrainArgs {
     /// measured 97.5% in two epochs at a fraction of the cnn's cost), else `mlp`.
     pub fn model_name(&self, text: bool, input: (usize, usize, usize)) -> &str {
         let (h, w, _) = input;
-        self.model.as_deref().unwrap_or(if text {
+        self.model.preset.as_deref().unwrap_or(if text {
             "gpt-cpu"
-        } else if self.dataset.as_deref() == Some("csv") {
+        } else if self.data.dataset.as_deref() == Some("csv") {
             "tabular"
         } else if h >= CNN_SMALLEST_SIDE && w >= CNN_SMALLEST_SIDE && input != (28, 28, 1) {
             "cnn"
@@ -576,12 +870,12 @@ impl TrainArgs {
         let format = self.dataset();
         if !ringtmp_data::FORMATS.contains(&format.as_str()) {
             for (set, flag) in [
-                (self.label_file.is_some(), "--label-file"),
-                (self.label.is_some(), "--label"),
-                (self.target_columns.is_some(), "--target-columns"),
-                (self.input_shape.is_some(), "--input-shape"),
-                (self.layout.is_some(), "--layout"),
-                (self.normalize.is_some(), "--normalize"),
+                (self.data.label_file.is_some(), "--label-file"),
+                (self.data.label.is_some(), "--label"),
+                (self.data.target_columns.is_some(), "--target-columns"),
+                (self.data.input_shape.is_some(), "--input-shape"),
+                (self.data.layout.is_some(), "--layout"),
+                (self.data.normalize.is_some(), "--normalize"),
             ] {
                 if set {
                     return Err(UsageError(format!(
@@ -593,22 +887,22 @@ impl TrainArgs {
             }
             return Ok(None);
         }
-        let mut files = self.data_file.clone().unwrap_or_default();
+        let mut files = self.data.data_file.clone().unwrap_or_default();
         if files.is_empty()
-            && let Some(dir) = &self.data_dir
+            && let Some(dir) = &self.data.data_dir
         {
             files.push(dir.clone());
         }
         let mut source = ringtmp_data::DataSource::new(&format, files);
-        source.label_files = self.label_file.clone().unwrap_or_default();
-        source.label = self.label.clone();
-        source.target_columns = self.target_columns.clone().unwrap_or_default();
-        source.input_shape = self.input_shape.map(ringtmp_data::InputShape::dims);
-        source.layout = self.layout.or(source.layout);
-        if let Some(how) = &self.normalize {
+        source.label_files = self.data.label_file.clone().unwrap_or_default();
+        source.label = self.data.label.clone();
+        source.target_columns = self.data.target_columns.clone().unwrap_or_default();
+        source.input_shape = self.data.input_shape.map(ringtmp_data::InputShape::dims);
+        source.layout = self.data.layout.or(source.layout);
+        if let Some(how) = &self.data.normalize {
             source.normalize = how.clone();
         }
-        source.validation = self.val_fraction.unwrap_or(0.1);
+        source.validation = self.data.val_fraction.unwrap_or(0.1);
         // The held-out rows do not follow --seed: runs of several seeds test on the same rows.
         Ok(Some(source))
     }
@@ -616,24 +910,27 @@ impl TrainArgs {
     /// How a text run reads its data.
     pub fn text_source(&self) -> ringtmp_strategy::TextSource {
         ringtmp_strategy::TextSource {
-            files: self.data_file.clone().unwrap_or_default(),
+            files: self.data.data_file.clone().unwrap_or_default(),
             seq_len: self.seq_len(),
-            validation: self.val_fraction.unwrap_or(0.1),
-            eval_tokens: self.eval_tokens.unwrap_or(16_384),
-            bin_vocab: self.vocab_size.unwrap_or(ringtmp_data::text::GPT2_VOCAB),
-            tokenizer: self.tokenizer.clone(),
+            validation: self.data.val_fraction.unwrap_or(0.1),
+            eval_tokens: self.data.eval_tokens.unwrap_or(16_384),
+            bin_vocab: self
+                .data
+                .vocab_size
+                .unwrap_or(ringtmp_data::text::GPT2_VOCAB),
+            tokenizer: self.data.tokenizer.clone(),
         }
     }
 
     /// The node processes a distributed run launches: `--nodes`, or [`DEFAULT_NODES`].
     pub fn nodes(&self) -> u32 {
-        self.nodes.unwrap_or(DEFAULT_NODES)
+        self.strategy.nodes.unwrap_or(DEFAULT_NODES)
     }
 
     /// Positions per window of a text run: `--seq-len`, or the preset's context, or 64.
     pub fn seq_len(&self) -> usize {
-        self.seq_len.unwrap_or_else(|| {
-            let name = if self.model_file.is_some() {
+        self.data.seq_len.unwrap_or_else(|| {
+            let name = if self.model.file.is_some() {
                 ""
             } else {
                 self.model_name(true, (1, 1, 1))
@@ -654,7 +951,7 @@ impl TrainArgs {
         let (text, classes) = (data.text, data.classes);
         let (h, w, c) = data.input;
         let features = h * w * c;
-        let model = match (&self.model_file, &self.model) {
+        let model = match (&self.model.file, &self.model) {
             (Some(path), _) => ModelSpec::from_file(path).map_err(|e| match e {
                 // The file itself is missing or unreadable: the user's mistake, said once.
                 ringtmp_model::Error::Io { source, .. } => anyhow::Error::new(UsageError(format!(
@@ -668,7 +965,7 @@ impl TrainArgs {
             }
         };
         let mut model = model;
-        if let Some(tie) = self.tie_embeddings {
+        if let Some(tie) = self.model.tie_embeddings {
             model.tie_embeddings = tie;
         }
         if text != model.reads_tokens() {
@@ -698,29 +995,32 @@ impl TrainArgs {
         // AdamW on text (nanoGPT's) and on tables of classes (scikit-learn's MLP uses Adam):
         // wine 100% against SGD's 97.8% on the same split; SGD with momentum elsewhere, and on a
         // table's regression (diabetes R² 0.36 against AdamW's 0.22; benches/small_tables.sh).
-        let table_of_classes = self.dataset.as_deref() == Some("csv") && !data.regression;
-        let optimizer_kind = self.optimizer.unwrap_or(if text || table_of_classes {
-            OptimizerKind::Adamw
-        } else {
-            OptimizerKind::Sgd
-        });
-        let weight_decay = self.weight_decay.unwrap_or(match optimizer_kind {
+        let table_of_classes = self.data.dataset.as_deref() == Some("csv") && !data.regression;
+        let optimizer_kind = self
+            .training
+            .optimizer
+            .unwrap_or(if text || table_of_classes {
+                OptimizerKind::Adamw
+            } else {
+                OptimizerKind::Sgd
+            });
+        let weight_decay = self.training.weight_decay.unwrap_or(match optimizer_kind {
             OptimizerKind::Adamw => 0.1,
             _ => 0.0,
         });
-        if self.decay_embeddings.is_some() && optimizer_kind != OptimizerKind::Adamw {
+        if self.training.decay_embeddings.is_some() && optimizer_kind != OptimizerKind::Adamw {
             return Err(UsageError("--decay-embeddings applies to AdamW only".into()).into());
         }
         let (optimizer, default_lr) = match optimizer_kind {
             OptimizerKind::Sgd => (
                 OptimizerConfig::Sgd {
-                    momentum: self.momentum.unwrap_or(0.9),
+                    momentum: self.training.momentum.unwrap_or(0.9),
                     weight_decay,
                 },
                 0.01,
             ),
             OptimizerKind::Adam => {
-                if self.momentum.is_some() {
+                if self.training.momentum.is_some() {
                     return Err(UsageError(
                         "--momentum applies to SGD only (Adam uses its own β₁)".into(),
                     )
@@ -737,7 +1037,7 @@ impl TrainArgs {
                 )
             }
             OptimizerKind::Adamw => {
-                if self.momentum.is_some() {
+                if self.training.momentum.is_some() {
                     return Err(UsageError(
                         "--momentum applies to SGD only (AdamW uses its own β₁)".into(),
                     )
@@ -750,13 +1050,13 @@ impl TrainArgs {
                         beta2: if text { 0.99 } else { 0.999 },
                         eps: 1e-8,
                         weight_decay,
-                        decay_embeddings: self.decay_embeddings.unwrap_or(false),
+                        decay_embeddings: self.training.decay_embeddings.unwrap_or(false),
                     },
                     if text { recipe.2 } else { 0.001 },
                 )
             }
         };
-        let schedule = Defaulted::or_else(self.lr_schedule.clone(), || {
+        let schedule = Defaulted::or_else(self.training.lr_schedule.clone(), || {
             if text {
                 LrSchedule::CosineTo { min_ratio: 0.1 }
             } else {
@@ -767,18 +1067,19 @@ impl TrainArgs {
         // `train` chooses (and creates) the default directory before resolving; a run that
         // writes nothing (validate-config) has nothing to choose.
         let out = self
+            .output
             .out
             .clone()
             .unwrap_or_else(|| crate::run_dir::default_name(strategy));
-        let threads = self.threads.unwrap_or_else(|| {
+        let threads = self.training.threads.unwrap_or_else(|| {
             std::thread::available_parallelism()
                 .map(|n| n.get())
                 .unwrap_or(1)
         });
-        let wire_dtype = self.wire_dtype.unwrap_or_default().dtype();
+        let wire_dtype = self.strategy.wire_dtype.unwrap_or_default().dtype();
         for (name, value) in [
-            ("recv-timeout", self.recv_timeout),
-            ("stall-timeout", self.stall_timeout),
+            ("recv-timeout", self.faults.recv_timeout),
+            ("stall-timeout", self.faults.stall_timeout),
         ] {
             if let Some(v) = value {
                 check_timeout(name, v)?;
@@ -788,44 +1089,54 @@ impl TrainArgs {
             model,
             wire_dtype,
             dataset: self.dataset(),
-            data_dir: self.data_dir.clone(),
-            epochs: self.epochs.unwrap_or(2),
-            batch_size: self.batch_size.unwrap_or(if text { recipe.0 } else { 64 }),
-            lr: Defaulted::or_else(self.lr, || default_lr),
+            data_dir: self.data.data_dir.clone(),
+            epochs: self.training.epochs.unwrap_or(2),
+            batch_size: self
+                .training
+                .batch_size
+                .unwrap_or(if text { recipe.0 } else { 64 }),
+            lr: Defaulted::or_else(self.training.lr, || default_lr),
             schedule,
-            warmup_steps: Defaulted::or_else(self.warmup_steps, || if text { 100 } else { 0 }),
-            momentum: if self.momentum.is_some() {
+            warmup_steps: Defaulted::or_else(self.training.warmup_steps, || {
+                if text { 100 } else { 0 }
+            }),
+            momentum: if self.training.momentum.is_some() {
                 Origin::Given
             } else {
                 Origin::Default
             },
             optimizer,
             threads,
-            seed: self.seed.unwrap_or(42),
-            target_accuracy: self.target_accuracy.unwrap_or(0.97),
-            eval_every: self.eval_every.unwrap_or(if text { 250 } else { 200 }),
+            seed: self.training.seed.unwrap_or(42),
+            target_accuracy: self.output.target_accuracy.unwrap_or(0.97),
+            eval_every: self
+                .output
+                .eval_every
+                .unwrap_or(if text { 250 } else { 200 }),
             out,
-            checkpoint_every: match (self.no_checkpoint, self.checkpoint_every) {
+            checkpoint_every: match (self.output.no_checkpoint, self.output.checkpoint_every) {
                 (Some(true), _) => 0,
                 (_, Some(every)) => every,
                 (_, None) => ringtmp_strategy::CHECKPOINT_AT_END,
             },
-            keep_checkpoints: self.keep_checkpoints,
-            resume: self.resume.clone(),
-            max_steps: self.max_steps,
+            keep_checkpoints: self.output.keep_checkpoints,
+            resume: self.output.resume.clone(),
+            max_steps: self.training.max_steps,
             // A text's epoch is every window once (millions of steps): a language model trains
             // for its recipe's steps unless told otherwise.
-            train_samples: self.train_samples.or_else(|| {
-                (text && self.epochs.is_none())
-                    .then(|| recipe.1 * self.batch_size.unwrap_or(recipe.0) as u64)
+            train_samples: self.training.train_samples.or_else(|| {
+                (text && self.training.epochs.is_none())
+                    .then(|| recipe.1 * self.training.batch_size.unwrap_or(recipe.0) as u64)
             }),
             // Two epochs of a small table or image folder are a handful of steps.
-            min_samples: (!text && self.epochs.is_none() && self.train_samples.is_none())
-                .then(|| SMALL_DATA_STEPS * self.batch_size.unwrap_or(64) as u64),
-            keep_best: self.keep_best.unwrap_or(!text),
-            early_stop: self.early_stop,
+            min_samples: (!text
+                && self.training.epochs.is_none()
+                && self.training.train_samples.is_none())
+            .then(|| SMALL_DATA_STEPS * self.training.batch_size.unwrap_or(64) as u64),
+            keep_best: self.output.keep_best.unwrap_or(!text),
+            early_stop: self.output.early_stop,
             // 0 turns the language models' default clipping off.
-            clip_grad_norm: match self.clip_grad_norm {
+            clip_grad_norm: match self.training.clip_grad_norm {
                 Some(0.0) => None,
                 Some(c) => Some(c),
                 None => text.then_some(1.0),
@@ -835,10 +1146,11 @@ impl TrainArgs {
             // Set once the weights are converted into the run's directory (init_from.rs).
             init_from: None,
             recv_timeout_secs: self
+                .faults
                 .recv_timeout
                 .unwrap_or(ringtmp_strategy::DEFAULT_RECV_TIMEOUT_SECS),
-            stall_timeout_secs: self.stall_timeout,
-            threads_from_machine: self.threads.is_none(),
+            stall_timeout_secs: self.faults.stall_timeout,
+            threads_from_machine: self.training.threads.is_none(),
         };
         config.validate().context("invalid training options")
     }
@@ -1009,7 +1321,10 @@ mod tests {
     fn defaults_follow_the_data_the_cnn_for_images_other_than_mnist_s_adamw_for_tables_of_classes()
     {
         let images = TrainArgs {
-            dataset: Some("images".into()),
+            data: DataArgs {
+                dataset: Some("images".into()),
+                ..Default::default()
+            },
             ..Default::default()
         };
         assert_eq!(images.model_name(false, (32, 32, 3)), "cnn");
@@ -1020,7 +1335,10 @@ mod tests {
             "too small for the cnn"
         );
         let table = TrainArgs {
-            dataset: Some("csv".into()),
+            data: DataArgs {
+                dataset: Some("csv".into()),
+                ..Default::default()
+            },
             ..Default::default()
         };
         assert_eq!(table.model_name(false, (1, 13, 1)), "tabular");
@@ -1040,7 +1358,10 @@ mod tests {
     #[test]
     fn a_default_run_directory_is_named_after_the_strategy_without_quotes() {
         let args = TrainArgs {
-            strategy: Some("local".into()),
+            strategy: StrategyArgs {
+                name: Some("local".into()),
+                ..Default::default()
+            },
             ..Default::default()
         };
         let config = args

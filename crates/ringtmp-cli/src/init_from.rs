@@ -48,13 +48,13 @@ fn guess_map<'a>(mut names: impl Iterator<Item = &'a String>) -> NameMap {
 
 /// Reads and checks `--init-from` for the run `cfg` on `data`; `None` without the flag.
 pub fn convert(args: &TrainArgs, cfg: &TrainConfig, data: &Dataset) -> Result<Option<Converted>> {
-    let Some(file) = &args.init_from else {
-        if args.weight_map.is_some() {
+    let Some(file) = &args.model.init_from else {
+        if args.model.weight_map.is_some() {
             return Err(UsageError("--weight-map names the map of --init-from".into()).into());
         }
         return Ok(None);
     };
-    if args.resume.is_some() {
+    if args.output.resume.is_some() {
         return Err(UsageError(
             "--init-from starts a run from other weights; --resume continues a run: keep one"
                 .into(),
@@ -74,7 +74,10 @@ pub fn convert(args: &TrainArgs, cfg: &TrainConfig, data: &Dataset) -> Result<Op
             .into());
         }
     }
-    let map = args.weight_map.unwrap_or_else(|| guess_map(tensors.keys()));
+    let map = args
+        .model
+        .weight_map
+        .unwrap_or_else(|| guess_map(tensors.keys()));
     check_architecture(file, cfg, data)?;
     let layers = ringtmp_strategy::layers_for(&cfg.model, data)?;
     let mut stage = Stage::new(&layers, 0..layers.len(), cfg.seed, 1);

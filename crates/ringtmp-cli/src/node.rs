@@ -422,8 +422,13 @@ fn rank0_offer(args: &NodeArgs, world: u32) -> Result<Offer> {
     } = *prepared;
     // Rank 0's own card (its command line's) counts like the other nodes' (they report theirs
     // with their profiles) where the run's options name none.
-    let declared = train_args.card.bandwidth_mbit.is_some()
-        || train_args.link.iter().flatten().any(|l| l.rank == 0);
+    let declared = train_args.cluster.card.bandwidth_mbit.is_some()
+        || train_args
+            .cluster
+            .link
+            .iter()
+            .flatten()
+            .any(|l| l.rank == 0);
     let own = args.connect.card.card()?;
     if let Some(mbit) = own.mbit
         && !declared
@@ -435,7 +440,11 @@ fn rank0_offer(args: &NodeArgs, world: u32) -> Result<Offer> {
             mbit,
             latency_ms: Some(own.latency_ms),
         };
-        train_args.link.get_or_insert_with(Vec::new).push(link);
+        train_args
+            .cluster
+            .link
+            .get_or_insert_with(Vec::new)
+            .push(link);
     }
     let budget = args.job.profile_budget;
     if !budget.is_finite() || budget < 0.0 {
@@ -543,7 +552,7 @@ fn rank0_job(args: &NodeArgs, world: u32) -> Result<Rank0Job> {
     // The node's own flags over its options: where to resume, the world the launcher started,
     // the receive timeout of its links.
     let given = train_options(args)?;
-    if let Some(n) = given.nodes
+    if let Some(n) = given.strategy.nodes
         && n != world
     {
         return Err(UsageError(format!(
@@ -551,12 +560,10 @@ fn rank0_job(args: &NodeArgs, world: u32) -> Result<Rank0Job> {
         ))
         .into());
     }
-    let given = TrainArgs {
-        resume: args.job.resume.clone().or(given.resume),
-        nodes: Some(world),
-        recv_timeout: given.recv_timeout.or(args.connect.recv_timeout),
-        ..given
-    };
+    let mut given = given;
+    given.output.resume = args.job.resume.clone().or(given.output.resume);
+    given.strategy.nodes = Some(world);
+    given.faults.recv_timeout = given.faults.recv_timeout.or(args.connect.recv_timeout);
     given.check_applicable()?;
     let request = given.resolve()?;
     let train_args = request.options();
@@ -630,14 +637,17 @@ fn run_training(
     let data = if job.needs_data(rank) {
         let text = spec.text.as_ref();
         let train_args = TrainArgs {
-            dataset: Some(spec.dataset.clone()),
-            data_dir: spec.data_dir.clone(),
-            data_file: text.map(|t| t.files.clone()),
-            seq_len: text.map(|t| t.seq_len),
-            val_fraction: text.map(|t| t.validation),
-            eval_tokens: text.map(|t| t.eval_tokens),
-            vocab_size: text.map(|t| t.bin_vocab),
-            tokenizer: text.and_then(|t| t.tokenizer.clone()),
+            data: crate::args::DataArgs {
+                dataset: Some(spec.dataset.clone()),
+                data_dir: spec.data_dir.clone(),
+                data_file: text.map(|t| t.files.clone()),
+                seq_len: text.map(|t| t.seq_len),
+                val_fraction: text.map(|t| t.validation),
+                eval_tokens: text.map(|t| t.eval_tokens),
+                vocab_size: text.map(|t| t.bin_vocab),
+                tokenizer: text.and_then(|t| t.tokenizer.clone()),
+                ..Default::default()
+            },
             ..Default::default()
         };
         // Whoever planned the run announced its data (the local launcher, or rank 0 as it

@@ -34,7 +34,7 @@ pub fn load_described(
     } else if name == "text" {
         ringtmp_data::load_text_dataset(&args.text_source().options())?
     } else {
-        if args.data_file.is_some() {
+        if args.data.data_file.is_some() {
             return Err(crate::error::UsageError(format!(
                 "--data-file names text files or your own data (--dataset {}); {name} is read \
                  from --data-dir",
@@ -42,7 +42,7 @@ pub fn load_described(
             ))
             .into());
         }
-        ringtmp_data::load(&name, args.data_dir.as_deref())?
+        ringtmp_data::load(&name, args.data.data_dir.as_deref())?
     };
     let verified = data
         .checks
@@ -164,10 +164,10 @@ pub fn plan(args: &TrainArgs, cfg: TrainConfig, data: &Dataset, nodes: u32) -> R
 /// The machines of a run of `nodes` nodes as the options describe them.
 pub fn cluster(args: &TrainArgs, nodes: u32) -> Result<Cluster> {
     let mut cluster = Cluster::local(nodes)
-        .with_speeds(&PerNode::joined(args.node_speed.iter().flatten()))
-        .and_then(|c| c.with_memory_limits(args.node_memory_limit.as_ref()))
+        .with_speeds(&PerNode::joined(args.cluster.node_speed.iter().flatten()))
+        .and_then(|c| c.with_memory_limits(args.cluster.node_memory_limit.as_ref()))
         .map_err(|e| UsageError(e.to_string()))?;
-    cluster.threads = args.threads;
+    cluster.threads = args.training.threads;
     cluster.links = args
         .node_links(nodes)?
         .iter()
@@ -224,7 +224,7 @@ pub fn plan_here(
     if cpu_quotas.iter().all(Option::is_none) {
         cluster.shared_machine = Some(SharedMachine {
             cores: cluster.cores,
-            private_links: !args.insecure_plaintext.unwrap_or(false),
+            private_links: !args.faults.insecure_plaintext.unwrap_or(false),
         });
     }
     plan_on(args, cfg, data, &cluster)

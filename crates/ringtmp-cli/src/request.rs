@@ -1,81 +1,63 @@
 //! A `ringtmp train` run as resolved once from its options ([`TrainArgs::resolve`]): the
-//! options as given, never written after parsing, and typed sections for what the launcher
-//! decides — the strategy and its node count, each rank's emulated share of the cluster, the
-//! training settings a resumed checkpoint fixes, where the run writes and how it starts, and
-//! what it does when a node fails. A restart or a shrunk ring is a new request derived from
-//! the last ([`RunRequest::resumed`], [`RunRequest::without_rank`]), never an edit of the
-//! arguments; [`RunRequest::options`] is the one place the sections are written back into the
-//! options' form, which the planner and the nodes' `train.toml` read.
+//! sections a run is made of — strategy, cluster, model, data, training, output, faults — each
+//! with what can be decided before the data is read decided here: the strategy and its node
+//! count, how the run starts in its directory (`--resume auto` found, a fresh start or a
+//! resume), what a failure does, the batch and rate a resumed checkpoint fixes. A restart or a
+//! shrunk ring is a new request derived from the last ([`RunRequest::resumed`],
+//! [`RunRequest::without_rank`]), never an edit of the arguments; [`RunRequest::options`] is
+//! the one place the sections are put back into the options' form, which the planner resolves
+//! against the data (the model, data and training defaults that depend on it) and the nodes'
+//! `train.toml` holds.
 //!
-//! Invariants: `given` is the merged flags and file exactly as parsed; every section holds a
-//! decided value (no `Option` meaning "default" crosses from here but where the planner decides
-//! the default against the data: the model, data and training sections of `given`).
+//! Invariants: the request a restart derives from is unchanged; the options it gives are the
+//! sections exactly (no field is set anywhere else).
 
 use std::path::{Path, PathBuf};
 
 use anyhow::Result;
-use ringtmp_strategy::per_node::{Bytes, PerNode, Speed};
 use ringtmp_strategy::ring::plan::CutInsideChoice;
 
-use crate::args::TrainArgs;
+use crate::args::{
+    ClusterArgs, DataArgs, FaultArgs, ModelArgs, OutputArgs, StrategyArgs, TrainArgs, TrainingArgs,
+};
 use crate::error::UsageError;
-use crate::links::LinkSpec;
 
 /// A resolved `ringtmp train` run.
 #[derive(Clone, Debug)]
 pub struct RunRequest {
-    /// The options as given (flags over the `--config` file).
-    given: TrainArgs,
     /// The strategy and the node processes it runs on.
     pub strategy: StrategySection,
-    /// Each rank's emulated share of the cluster.
-    pub cluster: ClusterSection,
-    /// Training settings decided here rather than given.
-    pub training: TrainingSection,
+    /// Each rank's emulated share of the cluster (renumbered when a rank leaves).
+    pub cluster: ClusterArgs,
+    /// The model, resolved against the data by the planner.
+    pub model: ModelArgs,
+    /// The data, as the planner reads it.
+    pub data: DataArgs,
+    /// Training: the batch and rate a resumed checkpoint fixes; the rest resolved against the
+    /// data by the planner.
+    pub training: TrainingArgs,
     /// Where the run writes, and how it starts there.
     pub output: OutputSection,
     /// What the run does when a node fails.
     pub faults: FaultSection,
+    /// The batch and rate the user gave (a shrunk run splits the checkpoint's batch again unless
+    /// the user chose one).
+    given_batch: (Option<usize>, Option<f32>),
 }
 
 /// The strategy and its nodes.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct StrategySection {
     /// The strategy's name (`ring` unless given).
     pub name: String,
     /// Node processes (`--nodes`, or [`crate::args::DEFAULT_NODES`]; 1 under `local`).
     pub nodes: u32,
-    /// The ring's cuts inside layers, when a restart keeps the first attempt's.
-    pub cut_inside: Option<CutInsideChoice>,
-}
-
-/// The per-rank settings of an emulated cluster, renumbered when a rank leaves.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct ClusterSection {
-    /// `--node-speed`.
-    pub node_speed: Option<Vec<PerNode<Speed>>>,
-    /// `--link`.
-    pub link: Option<Vec<LinkSpec>>,
-    /// `--node-cpu` (`RANK:CORES` entries).
-    pub node_cpu: Option<Vec<String>>,
-    /// `--node-memory-limit`.
-    pub node_memory_limit: Option<PerNode<Bytes>>,
-}
-
-/// Training settings a resumed checkpoint fixes when the user did not give them.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct TrainingSection {
-    /// Examples per worker per step: the user's, or the checkpoint's global batch split over
-    /// this run's workers.
-    pub batch_size: Option<usize>,
-    /// The rate: the user's, or the checkpoint's for that batch.
-    pub lr: Option<f32>,
-    /// Checkpoint cadence `(every, keep)` chosen for restarts when the user gave none.
-    pub checkpoints: Option<(u64, usize)>,
+    /// The strategies' own options (a restarted ring keeps its first attempt's cuts).
+    pub args: StrategyArgs,
 }
 
 /// Where the run writes.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct OutputSection {
     /// The run directory (`None` until `train` chooses the default one).
     pub out: Option<PathBuf>,
@@ -83,106 +65,104 @@ pub struct OutputSection {
     pub resume: Option<PathBuf>,
     /// Whether a run already in the directory (not the one resumed) is replaced.
     pub overwrite: bool,
+    /// Evaluations, checkpoints and the log.
+    pub args: OutputArgs,
 }
 
 /// What a run does when a node fails.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct FaultSection {
     /// Restarts from the newest checkpoint allowed.
     pub max_restarts: u32,
     /// Whether a restart goes on without the failed node.
     pub shrink_on_failure: bool,
+    /// Timeouts, encryption and fault injection.
+    pub args: FaultArgs,
 }
 
 impl TrainArgs {
     /// Resolves the merged options into a request: `--resume auto` found (or the run started
     /// over), the checkpoint's batch and rate adopted when resuming without them.
     pub fn resolve(&self) -> Result<RunRequest> {
-        let given = self.clone();
-        let shrink_on_failure = given.shrink_on_failure.unwrap_or(false);
-        let max_restarts = given.max_restarts.unwrap_or(0);
+        let TrainArgs {
+            config: _,
+            strategy,
+            cluster,
+            model,
+            data,
+            training,
+            output,
+            faults,
+        } = self.clone();
+        let shrink_on_failure = faults.shrink_on_failure.unwrap_or(false);
+        let max_restarts = faults.max_restarts.unwrap_or(0);
         if shrink_on_failure && max_restarts == 0 {
             return Err(UsageError("--shrink-on-failure needs --max-restarts".into()).into());
         }
+        let name = self.strategy().to_string();
         let request = RunRequest {
             strategy: StrategySection {
-                name: given.strategy().to_string(),
-                nodes: if given.strategy() == "local" {
-                    1
-                } else {
-                    given.nodes()
-                },
-                cut_inside: given.options.ring.cut_inside.clone(),
+                nodes: if name == "local" { 1 } else { self.nodes() },
+                name,
+                args: strategy,
             },
-            cluster: ClusterSection {
-                node_speed: given.node_speed.clone(),
-                link: given.link.clone(),
-                node_cpu: given.node_cpu.clone(),
-                node_memory_limit: given.node_memory_limit.clone(),
-            },
-            training: TrainingSection {
-                batch_size: given.batch_size,
-                lr: given.lr,
-                checkpoints: None,
-            },
+            cluster,
+            model,
+            data,
+            given_batch: (training.batch_size, training.lr),
+            training,
             output: OutputSection {
-                out: given.out.clone(),
-                resume: given.resume.clone(),
-                overwrite: given.overwrite.unwrap_or(false),
+                out: output.out.clone(),
+                resume: output.resume.clone(),
+                overwrite: output.overwrite.unwrap_or(false),
+                args: output,
             },
             faults: FaultSection {
                 max_restarts,
                 shrink_on_failure,
+                args: faults,
             },
-            given,
         };
         request.with_auto_resume()?.with_checkpoint_batch()
     }
 }
 
 impl RunRequest {
-    /// The options as given.
-    pub fn given(&self) -> &TrainArgs {
-        &self.given
-    }
-
-    /// The options of this request: the given ones with every section written over them. What
-    /// the planner resolves against the data, and what the nodes' `train.toml` holds.
+    /// The options of this request: its sections in the options' form. What the planner
+    /// resolves against the data, and what the nodes' `train.toml` holds.
     pub fn options(&self) -> TrainArgs {
-        let mut options = self.given.clone();
-        options.config = None;
-        options.strategy = Some(self.strategy.name.clone());
-        options.nodes = Some(self.strategy.nodes);
-        options.options.ring.cut_inside = self.strategy.cut_inside.clone();
-        let ClusterSection {
-            node_speed,
-            link,
-            node_cpu,
-            node_memory_limit,
-        } = self.cluster.clone();
-        (
-            options.node_speed,
-            options.link,
-            options.node_cpu,
-            options.node_memory_limit,
-        ) = (node_speed, link, node_cpu, node_memory_limit);
-        options.batch_size = self.training.batch_size;
-        options.lr = self.training.lr;
-        if let Some((every, keep)) = self.training.checkpoints {
-            options.checkpoint_every = Some(every);
-            options.keep_checkpoints = Some(keep);
+        let output = &self.output;
+        let faults = &self.faults;
+        TrainArgs {
+            config: None,
+            strategy: StrategyArgs {
+                name: Some(self.strategy.name.clone()),
+                nodes: Some(self.strategy.nodes),
+                ..self.strategy.args.clone()
+            },
+            cluster: self.cluster.clone(),
+            model: self.model.clone(),
+            data: self.data.clone(),
+            training: self.training.clone(),
+            output: OutputArgs {
+                out: output.out.clone(),
+                resume: output.resume.clone(),
+                overwrite: output.overwrite.then_some(true),
+                ..output.args.clone()
+            },
+            faults: FaultArgs {
+                max_restarts: (faults.max_restarts > 0).then_some(faults.max_restarts),
+                shrink_on_failure: faults.shrink_on_failure.then_some(true),
+                ..faults.args.clone()
+            },
         }
-        options.out.clone_from(&self.output.out);
-        options.resume.clone_from(&self.output.resume);
-        options.overwrite = self.output.overwrite.then_some(true);
-        options
     }
 
     /// The options the nodes read: the directory is prepared by then, and a node must not
     /// clear it again.
     pub fn node_options(&self) -> TrainArgs {
         let mut options = self.options();
-        options.overwrite = None;
+        options.output.overwrite = None;
         options
     }
 
@@ -216,10 +196,10 @@ impl RunRequest {
     /// beginning in the same directory.
     pub fn resumed(&self, dir: Option<PathBuf>) -> Self {
         let output = OutputSection {
-            out: self.output.out.clone(),
             // Nothing to resume from: the run starts over in the same directory.
             overwrite: self.output.overwrite || dir.is_none(),
             resume: dir,
+            ..self.output.clone()
         };
         Self {
             output,
@@ -233,15 +213,16 @@ impl RunRequest {
     pub fn without_rank(&self, dead: u32) -> Result<Self> {
         let mut cluster = self.cluster.clone();
         cluster.without_rank(dead);
+        let (batch_size, lr) = self.given_batch;
         let request = Self {
             strategy: StrategySection {
                 nodes: self.strategy.nodes - 1,
                 ..self.strategy.clone()
             },
             cluster,
-            training: TrainingSection {
-                batch_size: self.given.batch_size,
-                lr: self.given.lr,
+            training: TrainingArgs {
+                batch_size,
+                lr,
                 ..self.training.clone()
             },
             ..self.clone()
@@ -252,25 +233,18 @@ impl RunRequest {
     /// The ring's cuts inside layers as `cut_inside` says (a restart keeping the first
     /// attempt's).
     pub fn with_cut_inside(self, cut_inside: Option<CutInsideChoice>) -> Self {
-        Self {
-            strategy: StrategySection {
-                cut_inside,
-                ..self.strategy
-            },
-            ..self
-        }
+        let mut strategy = self.strategy;
+        strategy.args.options.ring.cut_inside = cut_inside;
+        Self { strategy, ..self }
     }
 
     /// With restarts allowed and no `--checkpoint-every`, checkpoints every `every` steps,
     /// keeping `keep` (the user's `--keep-checkpoints` if given).
     pub fn checkpointing(self, every: u64, keep: usize) -> Self {
-        Self {
-            training: TrainingSection {
-                checkpoints: Some((every, keep)),
-                ..self.training
-            },
-            ..self
-        }
+        let mut output = self.output;
+        output.args.checkpoint_every = Some(every);
+        output.args.keep_checkpoints = Some(keep);
+        Self { output, ..self }
     }
 
     /// `--resume auto`: the newest checkpoint under `--out` that verifies (passing over damaged
@@ -321,7 +295,7 @@ impl RunRequest {
         };
         let workers = ringtmp_strategy::Job::workers(
             &self.strategy.name,
-            &self.given.options,
+            &self.strategy.args.options,
             self.strategy.nodes,
         )
         .map_err(|e| UsageError(e.to_string()))?;
@@ -354,7 +328,7 @@ impl RunRequest {
             (lr, _) => lr,
         };
         Ok(Self {
-            training: TrainingSection {
+            training: TrainingArgs {
                 batch_size: Some(batch),
                 lr,
                 ..self.training.clone()
@@ -364,9 +338,9 @@ impl RunRequest {
     }
 }
 
-impl ClusterSection {
+impl ClusterArgs {
     /// Drops node `dead`'s entries and moves the ranks above it down one.
-    fn without_rank(&mut self, dead: u32) {
+    pub fn without_rank(&mut self, dead: u32) {
         let renumber = |entries: &str| -> String {
             entries
                 .split(',')
@@ -411,10 +385,14 @@ impl ClusterSection {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ringtmp_strategy::per_node::{PerNode, Speed};
 
     fn request(args: TrainArgs) -> RunRequest {
         TrainArgs {
-            nodes: Some(4),
+            strategy: crate::args::StrategyArgs {
+                nodes: Some(4),
+                ..Default::default()
+            },
             ..args
         }
         .resolve()
@@ -424,13 +402,16 @@ mod tests {
     #[test]
     fn a_run_without_a_rank_drops_its_entries_and_renumbers_the_rest() {
         let first = request(TrainArgs {
-            node_speed: Some(vec![
-                "1:0.5,3:0.25".parse().unwrap(),
-                "2:0.75".parse().unwrap(),
-            ]),
-            link: Some(vec!["2:100:5".parse().unwrap()]),
-            node_cpu: Some(vec!["0:0.5,2:0.5,3:1".into()]),
-            node_memory_limit: Some("1:256M,3:1G".parse().unwrap()),
+            cluster: crate::args::ClusterArgs {
+                node_speed: Some(vec![
+                    "1:0.5,3:0.25".parse().unwrap(),
+                    "2:0.75".parse().unwrap(),
+                ]),
+                link: Some(vec!["2:100:5".parse().unwrap()]),
+                node_cpu: Some(vec!["0:0.5,2:0.5,3:1".into()]),
+                node_memory_limit: Some("1:256M,3:1G".parse().unwrap()),
+                ..Default::default()
+            },
             ..Default::default()
         });
         let next = first.without_rank(2).expect("three nodes remain");
@@ -450,13 +431,16 @@ mod tests {
         assert_eq!(next.strategy.nodes, 3);
         // The options the nodes read say so; the request it came from is unchanged.
         let options = next.node_options();
-        assert_eq!(options.nodes, Some(3));
-        assert_eq!(options.node_cpu, Some(vec!["0:0.5,2:1".into()]));
+        assert_eq!(options.strategy.nodes, Some(3));
+        assert_eq!(options.cluster.node_cpu, Some(vec!["0:0.5,2:1".into()]));
         assert_eq!(first.strategy.nodes, 4);
-        assert_eq!(first.given().node_cpu, Some(vec!["0:0.5,2:0.5,3:1".into()]));
+        assert_eq!(first.cluster.node_cpu, Some(vec!["0:0.5,2:0.5,3:1".into()]));
         // A limit for every node stays one.
         let every = request(TrainArgs {
-            node_memory_limit: Some("256M".parse().unwrap()),
+            cluster: crate::args::ClusterArgs {
+                node_memory_limit: Some("256M".parse().unwrap()),
+                ..Default::default()
+            },
             ..Default::default()
         });
         let next = every.without_rank(0).expect("three nodes remain");
@@ -471,27 +455,33 @@ mod tests {
     #[test]
     fn a_restart_resumes_from_a_checkpoint_or_starts_over_in_the_same_directory() {
         let first = request(TrainArgs {
-            out: Some("run".into()),
+            output: crate::args::OutputArgs {
+                out: Some("run".into()),
+                ..Default::default()
+            },
             ..Default::default()
         })
         .checkpointing(5, 2);
         let resumed = first.resumed(Some("run/checkpoints/step-000000005".into()));
         let options = resumed.node_options();
         assert_eq!(
-            options.resume.as_deref(),
+            options.output.resume.as_deref(),
             Some(Path::new("run/checkpoints/step-000000005"))
         );
         assert_eq!(
-            (options.checkpoint_every, options.keep_checkpoints),
+            (
+                options.output.checkpoint_every,
+                options.output.keep_checkpoints
+            ),
             (Some(5), Some(2))
         );
         assert_eq!(
-            options.overwrite, None,
+            options.output.overwrite, None,
             "the nodes never clear the directory"
         );
         let over = first.resumed(None);
         assert!(over.overwrite() && over.resume().is_none());
-        assert_eq!(over.options().overwrite, Some(true));
+        assert_eq!(over.options().output.overwrite, Some(true));
         assert_eq!(
             first.resume(),
             None,
@@ -503,14 +493,20 @@ mod tests {
     #[test]
     fn shrinking_needs_restarts_and_local_runs_on_one_node() {
         let refused = TrainArgs {
-            shrink_on_failure: Some(true),
+            faults: crate::args::FaultArgs {
+                shrink_on_failure: Some(true),
+                ..Default::default()
+            },
             ..Default::default()
         }
         .resolve()
         .expect_err("refused");
         assert!(refused.to_string().contains("--max-restarts"), "{refused}");
         let local = TrainArgs {
-            strategy: Some("local".into()),
+            strategy: crate::args::StrategyArgs {
+                name: Some("local".into()),
+                ..Default::default()
+            },
             ..Default::default()
         }
         .resolve()

@@ -27,7 +27,7 @@ const CHECKPOINTS_KEPT: usize = 2;
 /// (keeping the two newest unless `--keep-checkpoints` says otherwise), in the request and in
 /// `job`; says so on the `first` attempt.
 pub fn choose_checkpoints(request: RunRequest, job: &mut Job, first: bool) -> RunRequest {
-    let given = request.given();
+    let given = &request.output.args;
     if given.checkpoint_every.is_some_and(|n| n > 0) {
         return request;
     }
@@ -49,7 +49,7 @@ pub fn choose_checkpoints(request: RunRequest, job: &mut Job, first: bool) -> Ru
 /// from `--crash-rank` (attempt 0) or entry `attempt` of `--crash-plan` (`RANK:MS`, or several
 /// joined by `+` for one attempt: `2:60000+3:120000`).
 pub fn crash_for(args: &TrainArgs, attempt: usize) -> Result<Vec<(u32, u64)>> {
-    if let Some(plan) = &args.crash_plan {
+    if let Some(plan) = &args.faults.crash_plan {
         let Some(entry) = plan.split(',').nth(attempt) else {
             return Ok(Vec::new());
         };
@@ -63,9 +63,9 @@ pub fn crash_for(args: &TrainArgs, attempt: usize) -> Result<Vec<(u32, u64)>> {
             .collect();
     }
     Ok((attempt == 0)
-        .then_some(args.crash_rank)
+        .then_some(args.faults.crash_rank)
         .flatten()
-        .map(|rank| vec![(rank, args.crash_after_ms.unwrap_or(1000))])
+        .map(|rank| vec![(rank, args.faults.crash_after_ms.unwrap_or(1000))])
         .unwrap_or_default())
 }
 

@@ -97,6 +97,32 @@ fn failure_model(args: &SimulateArgs, seed: u64) -> Result<Option<FailureModel>>
 /// How much virtual time a simulation may take: a month.
 const SIMULATION_TIME_LIMIT: Duration = Duration::from_secs(30 * 24 * 3600);
 
+/// Options a simulated run cannot honour (its nodes hold sizes, not values): refused, not
+/// dropped.
+fn refuse_what_a_simulation_ignores(train: &TrainArgs) -> Result<()> {
+    for (flag, given) in [
+        (
+            "--checkpoint-every",
+            train.output.checkpoint_every.is_some(),
+        ),
+        ("--resume", train.output.resume.is_some()),
+        ("--max-restarts", train.faults.max_restarts.is_some()),
+        ("--pin", train.cluster.pin.is_some()),
+        (
+            "--node-memory-limit",
+            train.cluster.node_memory_limit.is_some(),
+        ),
+    ] {
+        if given {
+            return Err(UsageError(format!(
+                "{flag} does not apply to a simulated run (its nodes hold sizes, not values)"
+            ))
+            .into());
+        }
+    }
+    Ok(())
+}
+
 /// `ringtmp simulate`.
 pub fn run(args: &SimulateArgs) -> Result<()> {
     let train = args.train.merged()?;
@@ -107,30 +133,17 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
         )
         .into());
     }
-    for (flag, given) in [
-        ("--checkpoint-every", train.checkpoint_every.is_some()),
-        ("--resume", train.resume.is_some()),
-        ("--max-restarts", train.max_restarts.is_some()),
-        ("--pin", train.pin.is_some()),
-        ("--node-memory-limit", train.node_memory_limit.is_some()),
-    ] {
-        if given {
-            return Err(UsageError(format!(
-                "{flag} does not apply to a simulated run (its nodes hold sizes, not values)"
-            ))
-            .into());
-        }
-    }
+    refuse_what_a_simulation_ignores(&train)?;
     let nodes = train.nodes();
-    let failure_model = failure_model(args, train.seed.unwrap_or(42))?;
+    let failure_model = failure_model(args, train.training.seed.unwrap_or(42))?;
     // A simulated node has its own cores: one thread each unless told otherwise (the cost
     // model is measured with the same count).
     let mut train = train;
-    train.threads = Some(train.threads.unwrap_or(1));
+    train.training.threads = Some(train.training.threads.unwrap_or(1));
     let data = load_dataset(&train, true)?;
-    if train.eval_every.is_none() {
+    if train.output.eval_every.is_none() {
         // Evaluations take no virtual time (see the assumptions): none but the final one.
-        train.eval_every = Some(0);
+        train.output.eval_every = Some(0);
     }
     let mut cfg = train.resolve_for(&data)?;
     // A simulation writes no model (its tensors carry sizes, not values).
@@ -139,13 +152,13 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
     // receive timeout would only cut a slow cluster's legitimate waits (an AD-PSGD worker whose
     // grant is used up waits minutes of virtual time at 100 Mbit/s). Waits are bounded by the
     // simulation's time limit instead, unless --recv-timeout says otherwise.
-    if train.recv_timeout.is_none() {
+    if train.faults.recv_timeout.is_none() {
         cfg.recv_timeout_secs = SIMULATION_TIME_LIMIT.as_secs_f64();
     }
-    if train.out.is_none() {
+    if train.output.out.is_none() {
         cfg.out = PathBuf::from(format!("runs/simulate-{}-n{nodes}", train.strategy()));
     }
-    crate::run_dir::prepare(&cfg.out, None, train.overwrite.unwrap_or(false))?;
+    crate::run_dir::prepare(&cfg.out, None, train.output.overwrite.unwrap_or(false))?;
     let job = plan(&train, cfg, &data, nodes)?;
     // As `train` writes it (compare reads it beside the summary).
     let plan_path = job.spec().config.out.join("job.json");
@@ -210,8 +223,10 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
                 .insert(rank as u32, (mbit * 1e6).round() as u64);
         }
     }
-    let quotas =
-        crate::cgroup::parse_node_cpu(train.node_cpu.as_deref().unwrap_or_default(), nodes)?;
+    let quotas = crate::cgroup::parse_node_cpu(
+        train.cluster.node_cpu.as_deref().unwrap_or_default(),
+        nodes,
+    )?;
     for (rank, quota) in quotas.iter().enumerate() {
         if let Some(cores) = quota {
             // A quota of `cores` cores for a node whose cost model ran on `threads` of them.
@@ -227,6 +242,7 @@ pub fn run(args: &SimulateArgs) -> Result<()> {
     // that says nothing for the receive timeout is given up on.
     sim.peer_timeout = Duration::from_secs_f64(
         train
+            .faults
             .recv_timeout
             .unwrap_or(ringtmp_strategy::DEFAULT_RECV_TIMEOUT_SECS),
     );

@@ -53,7 +53,7 @@ pub fn validate(args: &TrainArgs) -> Result<()> {
 /// `ringtmp train`.
 pub fn run(args: &TrainArgs) -> Result<()> {
     let args = args.merged()?;
-    if args.nodes.unwrap_or(1) > 1 && args.strategy() == "local" {
+    if args.strategy.nodes.unwrap_or(1) > 1 && args.strategy() == "local" {
         return Err(UsageError(
             "--strategy local trains in one process; --nodes needs a distributed strategy \
              (check a multi-node setup with `ringtmp selftest --nodes N`)"
@@ -89,7 +89,8 @@ fn run_resolved(request: &RunRequest) -> Result<()> {
     // Under `taskset`, the hypervisor's steal on its cores counts from here (`steal_seconds`).
     ringtmp_metrics::resources::mark_start();
     // `--node-cpu 0:CORES`: the whole run (data loading too) on that share, as a node's would be.
-    let cores = crate::cgroup::parse_node_cpu(args.node_cpu.as_deref().unwrap_or_default(), 1)?;
+    let cores =
+        crate::cgroup::parse_node_cpu(args.cluster.node_cpu.as_deref().unwrap_or_default(), 1)?;
     let _quota = match cores[0] {
         Some(cores) => {
             let quota = crate::cgroup::ProcessQuota::apply(cores)?;
@@ -257,7 +258,7 @@ fn kept_cuts(
     out: &std::path::Path,
 ) -> Option<ringtmp_strategy::ring::plan::CutInsideChoice> {
     use ringtmp_strategy::ring::plan::CutInsideChoice;
-    let current = request.strategy.cut_inside.clone();
+    let current = request.strategy.args.options.ring.cut_inside.clone();
     if request.strategy.name != "ring" {
         return current;
     }
@@ -293,11 +294,13 @@ impl LocalCluster {
         let args = request.options();
         let nodes = request.strategy.nodes;
         let links = args.node_links(nodes)?;
-        let cores =
-            crate::cgroup::parse_node_cpu(args.node_cpu.as_deref().unwrap_or_default(), nodes)?;
-        let memory: Vec<Option<u64>> = if args.enforce_memory_limit.unwrap_or(false) {
+        let cores = crate::cgroup::parse_node_cpu(
+            args.cluster.node_cpu.as_deref().unwrap_or_default(),
+            nodes,
+        )?;
+        let memory: Vec<Option<u64>> = if args.cluster.enforce_memory_limit.unwrap_or(false) {
             let limits = ringtmp_strategy::Cluster::local(nodes)
-                .with_memory_limits(args.node_memory_limit.as_ref())
+                .with_memory_limits(args.cluster.node_memory_limit.as_ref())
                 .map_err(|e| UsageError(e.to_string()))?
                 .memory_limits;
             if limits.iter().all(Option::is_none) {
@@ -381,18 +384,18 @@ fn launch_once(request: &RunRequest, cluster: &LocalCluster, attempt: usize) -> 
             node_args.extend(["--job-file".into(), plan.clone()]);
         }
         node_args.extend(links[rank as usize].to_args());
-        if args.insecure_plaintext.unwrap_or(false) {
+        if args.faults.insecure_plaintext.unwrap_or(false) {
             node_args.push("--insecure-plaintext".into());
         }
         if let Some((_, after)) = crash.iter().find(|(r, _)| *r == rank) {
             node_args.extend(["--crash-after-ms".into(), after.to_string()]);
         }
-        if first && args.freeze_rank == Some(rank) {
-            let after = args.freeze_after_ms.unwrap_or(1000).to_string();
+        if first && args.faults.freeze_rank == Some(rank) {
+            let after = args.faults.freeze_after_ms.unwrap_or(1000).to_string();
             node_args.extend(["--freeze-after-ms".into(), after]);
         }
-        if first && args.hang_rank == Some(rank) {
-            let after = args.hang_after_ms.unwrap_or(1000).to_string();
+        if first && args.faults.hang_rank == Some(rank) {
+            let after = args.faults.hang_after_ms.unwrap_or(1000).to_string();
             node_args.extend(["--hang-after-ms".into(), after]);
         }
         node_args
@@ -415,8 +418,8 @@ fn launch_once(request: &RunRequest, cluster: &LocalCluster, attempt: usize) -> 
     let explain = |rank: u32| cgroups.borrow().explain(rank);
     let ended = crate::launcher::run(&crate::launcher::Launch {
         nodes,
-        pin: args.pin.unwrap_or(false),
-        verbose: args.verbose.unwrap_or(false),
+        pin: args.cluster.pin.unwrap_or(false),
+        verbose: args.output.verbose.unwrap_or(false),
         args: &node_args,
         expendable: &expendable,
         on_spawn: &on_spawn,
@@ -453,10 +456,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let ring = |cut_inside: Option<CutInsideChoice>| {
             let mut args = TrainArgs {
-                strategy: Some("ring".into()),
+                strategy: crate::args::StrategyArgs {
+                    name: Some("ring".into()),
+                    ..Default::default()
+                },
                 ..TrainArgs::default()
             };
-            args.options.ring.cut_inside = cut_inside;
+            args.strategy.options.ring.cut_inside = cut_inside;
             args.resolve().unwrap()
         };
         std::fs::write(
@@ -494,7 +500,10 @@ mod tests {
             Some(CutInsideChoice::Planner(false))
         );
         let ps = TrainArgs {
-            strategy: Some("ps".into()),
+            strategy: crate::args::StrategyArgs {
+                name: Some("ps".into()),
+                ..Default::default()
+            },
             ..TrainArgs::default()
         };
         assert_eq!(kept_cuts(&ps.resolve().unwrap(), dir.path()), None);

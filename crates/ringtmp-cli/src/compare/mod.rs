@@ -315,7 +315,7 @@ fn check(options: &CompareOptions, runs: &[RunPlan]) -> Result<()> {
             .and_then(|a| a.merged())
             .with_context(|| what.clone())?;
         args.check_applicable().with_context(|| what.clone())?;
-        if args.out.is_some() {
+        if args.output.out.is_some() {
             return Err(UsageError(
                 "--out is compare's own option: every run gets a directory under it".into(),
             )
@@ -328,16 +328,20 @@ fn check(options: &CompareOptions, runs: &[RunPlan]) -> Result<()> {
                 )
                 .into());
             }
-            let cores =
-                crate::cgroup::parse_node_cpu(args.node_cpu.as_deref().unwrap_or_default(), 1)
-                    .with_context(|| what.clone())?;
+            let cores = crate::cgroup::parse_node_cpu(
+                args.cluster.node_cpu.as_deref().unwrap_or_default(),
+                1,
+            )
+            .with_context(|| what.clone())?;
             crate::cgroup::NodeCgroups::check(&cores, &[])?;
             continue;
         }
         args.node_links(plan.nodes).with_context(|| what.clone())?;
-        let cores =
-            crate::cgroup::parse_node_cpu(args.node_cpu.as_deref().unwrap_or_default(), plan.nodes)
-                .with_context(|| what.clone())?;
+        let cores = crate::cgroup::parse_node_cpu(
+            args.cluster.node_cpu.as_deref().unwrap_or_default(),
+            plan.nodes,
+        )
+        .with_context(|| what.clone())?;
         if !options.simulate {
             crate::cgroup::NodeCgroups::check(&cores, &[])?;
         }

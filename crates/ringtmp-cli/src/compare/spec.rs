@@ -380,9 +380,9 @@ pub struct RunPlan {
 /// Every run of `options`, in order: node counts, then strategies, then repeats.
 pub fn runs(options: &CompareOptions) -> Result<Vec<RunPlan>> {
     let base = TrainArgs::parse_train(&options.train)?;
-    let seed = base.seed.unwrap_or(42);
+    let seed = base.training.seed.unwrap_or(42);
     let mut runs = Vec::new();
-    let share = if base.node_cpu.is_none() && !options.simulate {
+    let share = if base.cluster.node_cpu.is_none() && !options.simulate {
         // (Simulated nodes have their own cores.)
         sweep_share(options)
     } else {

@@ -135,7 +135,7 @@ fn scored(score: &evaluation::Score, objective: Objective, language: bool) -> Sc
 /// `ringtmp eval`.
 pub fn eval(a: &EvalArgs) -> Result<()> {
     refuse_training_options(&a.run)?;
-    let threads = threads(a.run.threads);
+    let threads = threads(a.run.training.threads);
     crate::plan::init_threads(threads)?;
     match &a.checkpoint {
         Some(path) => eval_checkpoint(a, path, threads),
@@ -166,6 +166,7 @@ fn eval_init_from(a: &EvalArgs, threads: usize) -> Result<()> {
     converted.stage.set_threads(threads);
     let (mut scored, labels) = score_split(&mut converted.stage, &data)?;
     scored.json["init_from"] = args
+        .model
         .init_from
         .as_ref()
         .map(|p| p.display().to_string())
@@ -175,7 +176,11 @@ fn eval_init_from(a: &EvalArgs, threads: usize) -> Result<()> {
         split_name(&data),
         data.name,
         cfg.model.name,
-        args.init_from.as_deref().unwrap_or(Path::new("")).display()
+        args.model
+            .init_from
+            .as_deref()
+            .unwrap_or(Path::new(""))
+            .display()
     );
     scored.print(&what, a.json);
     Ok(())
@@ -194,7 +199,7 @@ fn eval_checkpoint(a: &EvalArgs, path: &Path, threads: usize) -> Result<()> {
     let Some(recipe) = opened.recipe.clone() else {
         return eval_language_model(a, opened);
     };
-    let data_file = match a.run.data_file.as_deref() {
+    let data_file = match a.run.data.data_file.as_deref() {
         None => None,
         Some([one]) => Some(one.as_path()),
         Some(many) => {
@@ -266,17 +271,17 @@ fn eval_language_model(a: &EvalArgs, mut opened: Opened) -> Result<()> {
         )
         .into());
     }
-    let mut args = match (run_options(&opened.dir)?, &a.run.data_file) {
+    let mut args = match (run_options(&opened.dir)?, &a.run.data.data_file) {
         (Some(run), None) => run,
         (run, Some(_)) => {
             let mut args = a.run.clone();
             if let Some(run) = run {
                 // The run's way of reading text, unless the options say another.
-                args.tokenizer = args.tokenizer.or(run.tokenizer);
-                args.val_fraction = args.val_fraction.or(run.val_fraction);
-                args.dataset = args.dataset.or(run.dataset);
+                args.data.tokenizer = args.data.tokenizer.or(run.data.tokenizer);
+                args.data.val_fraction = args.data.val_fraction.or(run.data.val_fraction);
+                args.data.dataset = args.data.dataset.or(run.data.dataset);
             }
-            args.dataset = args.dataset.or(Some("text".into()));
+            args.data.dataset = args.data.dataset.or(Some("text".into()));
             args
         }
         (None, None) => {
@@ -288,8 +293,8 @@ fn eval_language_model(a: &EvalArgs, mut opened: Opened) -> Result<()> {
             .into());
         }
     };
-    args.seq_len = ringtmp_model::checkpoint::context_of(&opened.dir, &opened.manifest)?;
-    args.eval_tokens = a.run.eval_tokens.or(args.eval_tokens);
+    args.data.seq_len = ringtmp_model::checkpoint::context_of(&opened.dir, &opened.manifest)?;
+    args.data.eval_tokens = a.run.data.eval_tokens.or(args.data.eval_tokens);
     let data = crate::plan::load_dataset(&args, true)?;
     let vocabulary = ringtmp_strategy::vocabulary_of(&data);
     if vocabulary != opened.manifest.vocabulary {
