@@ -939,20 +939,14 @@ impl TrainArgs {
         })
     }
 
-    /// Applies defaults and validates; `classes` comes from the dataset (a language model's
-    /// vocabulary when `text`). On text the defaults are nanoGPT's recipe for the model: AdamW
-    /// (β₂ 0.99, decay 0.1), rate 1e-3 (gpt-cpu 4e-3, measured) with 100 warm-up steps and a
-    /// cosine to a tenth, clipping at norm 1, and the preset's batch and steps.
-    #[expect(
-        clippy::too_many_lines,
-        reason = "every training option's default and check, in order; goes with the typed sections the arguments are to be resolved into"
-    )]
-    fn resolve_with(&self, data: &DataKind) -> Result<TrainConfig> {
+    /// The model of a run on `data`: the file's, or the preset named (or chosen for the data),
+    /// with `--tie-embeddings`; refused when it does not read what the data holds.
+    fn model_for(&self, data: &DataKind) -> Result<ModelSpec> {
         let (text, classes) = (data.text, data.classes);
         let (h, w, c) = data.input;
         let features = h * w * c;
-        let model = match (&self.model.file, &self.model) {
-            (Some(path), _) => ModelSpec::from_file(path).map_err(|e| match e {
+        let model = match &self.model.file {
+            Some(path) => ModelSpec::from_file(path).map_err(|e| match e {
                 // The file itself is missing or unreadable: the user's mistake, said once.
                 ringtmp_model::Error::Io { source, .. } => anyhow::Error::new(UsageError(format!(
                     "--model-file {}: {source}",
@@ -960,9 +954,7 @@ impl TrainArgs {
                 ))),
                 other => other.into(),
             })?,
-            (None, _) => {
-                ModelSpec::preset_for(self.model_name(text, data.input), classes, features)?
-            }
+            None => ModelSpec::preset_for(self.model_name(text, data.input), classes, features)?,
         };
         let mut model = model;
         if let Some(tie) = self.model.tie_embeddings {
@@ -983,19 +975,18 @@ impl TrainArgs {
             })
             .into());
         }
-        // nanoGPT's recipes: (batch, steps, AdamW's rate) per preset. gpt-cpu's rate is the
-        // defaults sweep's best for its 2,000 steps (validation loss 1.803 at 4e-3 against
-        // 1.897 at nanoGPT's 1e-3; docs/decisions/defaults.md); the others keep nanoGPT's.
-        let recipe = match model.name.as_str() {
-            "gpt-nano" => (8, 200, 1e-3),
-            "gpt-small" => (64, 5000, 1e-3),
-            "gpt-cpu" => (12, 2000, 4e-3),
-            _ => (12, 2000, 1e-3),
-        };
-        // AdamW on text (nanoGPT's) and on tables of classes (scikit-learn's MLP uses Adam):
-        // wine 100% against SGD's 97.8% on the same split; SGD with momentum elsewhere, and on a
-        // table's regression (diabetes R² 0.36 against AdamW's 0.22; benches/small_tables.sh).
-        let table_of_classes = self.data.dataset.as_deref() == Some("csv") && !data.regression;
+        Ok(model)
+    }
+
+    /// The optimizer and its default rate: AdamW on text and tables of classes, SGD with
+    /// momentum elsewhere, unless `--optimizer` says; `recipe_lr` is a language model's
+    /// recipe rate.
+    fn optimizer_for(
+        &self,
+        text: bool,
+        table_of_classes: bool,
+        recipe_lr: f32,
+    ) -> Result<(OptimizerConfig, f32)> {
         let optimizer_kind = self
             .training
             .optimizer
@@ -1011,7 +1002,7 @@ impl TrainArgs {
         if self.training.decay_embeddings.is_some() && optimizer_kind != OptimizerKind::Adamw {
             return Err(UsageError("--decay-embeddings applies to AdamW only".into()).into());
         }
-        let (optimizer, default_lr) = match optimizer_kind {
+        Ok(match optimizer_kind {
             OptimizerKind::Sgd => (
                 OptimizerConfig::Sgd {
                     momentum: self.training.momentum.unwrap_or(0.9),
@@ -1052,10 +1043,33 @@ impl TrainArgs {
                         weight_decay,
                         decay_embeddings: self.training.decay_embeddings.unwrap_or(false),
                     },
-                    if text { recipe.2 } else { 0.001 },
+                    if text { recipe_lr } else { 0.001 },
                 )
             }
+        })
+    }
+
+    /// Applies defaults and validates; `classes` comes from the dataset (a language model's
+    /// vocabulary when `text`). On text the defaults are nanoGPT's recipe for the model: AdamW
+    /// (β₂ 0.99, decay 0.1), rate 1e-3 (gpt-cpu 4e-3, measured) with 100 warm-up steps and a
+    /// cosine to a tenth, clipping at norm 1, and the preset's batch and steps.
+    fn resolve_with(&self, data: &DataKind) -> Result<TrainConfig> {
+        let text = data.text;
+        let model = self.model_for(data)?;
+        // nanoGPT's recipes: (batch, steps, AdamW's rate) per preset. gpt-cpu's rate is the
+        // defaults sweep's best for its 2,000 steps (validation loss 1.803 at 4e-3 against
+        // 1.897 at nanoGPT's 1e-3; docs/decisions/defaults.md); the others keep nanoGPT's.
+        let recipe = match model.name.as_str() {
+            "gpt-nano" => (8, 200, 1e-3),
+            "gpt-small" => (64, 5000, 1e-3),
+            "gpt-cpu" => (12, 2000, 4e-3),
+            _ => (12, 2000, 1e-3),
         };
+        // AdamW on text (nanoGPT's) and on tables of classes (scikit-learn's MLP uses Adam):
+        // wine 100% against SGD's 97.8% on the same split; SGD with momentum elsewhere, and on a
+        // table's regression (diabetes R² 0.36 against AdamW's 0.22; benches/small_tables.sh).
+        let table_of_classes = self.data.dataset.as_deref() == Some("csv") && !data.regression;
+        let (optimizer, default_lr) = self.optimizer_for(text, table_of_classes, recipe.2)?;
         let schedule = Defaulted::or_else(self.training.lr_schedule.clone(), || {
             if text {
                 LrSchedule::CosineTo { min_ratio: 0.1 }
