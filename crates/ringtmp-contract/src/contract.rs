@@ -162,6 +162,10 @@ pub trait Strategy: Sized {
     const NAME: &'static str;
     /// How it divides the work (what `compare` groups its claims by).
     const FAMILY: Family;
+    /// The option of `compare`'s short form `NAME:VALUE` (`ring:1f1b` is `--schedule 1f1b`,
+    /// `ps:ssp:2` is `--consistency ssp:2`), and what its value is called in help; `None`: the
+    /// strategy has only its name.
+    const SHORT_FORM: Option<(&'static str, &'static str)> = None;
     /// Its options (`ringtmp train` flags and config keys of their own).
     type Options: Clone + Default;
     /// Plans the job for `cluster` from the run's configuration and the options, saying in

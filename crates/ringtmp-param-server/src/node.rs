@@ -22,6 +22,7 @@ impl Strategy for PsJob {
     const NAME: &'static str = "ps";
     const FAMILY: ringtmp_contract::contract::Family =
         ringtmp_contract::contract::Family::ParameterServer;
+    const SHORT_FORM: Option<(&'static str, &'static str)> = Some(("--consistency", "MODEL"));
     const CLIPS: bool = true;
     type Options = PsOptions;
 

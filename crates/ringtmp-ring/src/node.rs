@@ -19,6 +19,7 @@ use ringtmp_contract::spec::RunSpec;
 impl Strategy for RingJob {
     const NAME: &'static str = "ring";
     const FAMILY: ringtmp_contract::contract::Family = ringtmp_contract::contract::Family::Pipeline;
+    const SHORT_FORM: Option<(&'static str, &'static str)> = Some(("--schedule", "SCHEDULE"));
     const CLIPS: bool = true;
     type Options = RingOptions;
 

@@ -169,6 +169,15 @@ macro_rules! strategies {
                 }
             }
 
+            /// The option strategy `name`'s short form sets, and its value's name (see
+            /// [`Strategy::SHORT_FORM`]).
+            pub fn short_form(name: &str) -> Option<(&'static str, &'static str)> {
+                match name {
+                    $(<$job as Strategy>::NAME => <$job as Strategy>::SHORT_FORM,)*
+                    _ => None,
+                }
+            }
+
             /// The names as written in this list, for the test that they are the strategies'.
             #[doc(hidden)]
             pub const LISTED_NAMES: &'static [&'static str] = &[$($name,)*];

@@ -317,48 +317,36 @@ pub fn strategy_args(spec: &str) -> Result<Vec<String>> {
     Ok(args)
 }
 
-/// The arguments of the strategy part of `spec`.
+/// The arguments of the strategy part of `spec`: a strategy's name, or its short form
+/// `NAME:VALUE` for the option the strategy names ([`ringtmp_strategy::Strategy::SHORT_FORM`]).
 fn base_strategy_args(spec: &str, strategy: &str) -> Result<Vec<String>> {
-    let parts: Vec<&str> = strategy.split(':').collect();
+    use ringtmp_strategy::Job;
+    let (name, value) = match strategy.split_once(':') {
+        Some((name, value)) => (name, Some(value)),
+        None => (strategy, None),
+    };
     let bad = || {
+        let short: Vec<String> = Job::NAMES
+            .iter()
+            .filter_map(|n| Job::short_form(n).map(|(_, value)| format!("{n}:{value}")))
+            .collect();
         UsageError(format!(
-            "unknown strategy {spec:?} (expected a strategy's name — {} — or ring:SCHEDULE, \
-             ps:bsp, ps:ssp:S, ps:asp, ps:dssp:L:U, dpsgd:ring, dpsgd:exp or diloco:H)",
-            ringtmp_strategy::Job::NAMES.join(", ")
+            "unknown strategy {spec:?} (expected a strategy's name — {} — or a short form: {})",
+            Job::NAMES.join(", "),
+            short.join(", ")
         ))
     };
-    let args: Vec<String> = match parts.as_slice() {
-        // Any strategy by its name; the short forms below add its main option.
-        [name] if ringtmp_strategy::Job::NAMES.contains(name) => {
-            vec!["--strategy".into(), (*name).into()]
+    if !Job::NAMES.contains(&name) {
+        return Err(bad().into());
+    }
+    let mut args = vec!["--strategy".to_string(), name.to_string()];
+    match (value, Job::short_form(name)) {
+        (None, _) => {}
+        (Some(value), Some((flag, _))) if !value.is_empty() => {
+            args.extend([flag.to_string(), value.to_string()]);
         }
-        ["ring", schedule] => vec![
-            "--strategy".into(),
-            "ring".into(),
-            "--schedule".into(),
-            (*schedule).into(),
-        ],
-        ["dpsgd", topology] => vec![
-            "--strategy".into(),
-            "dpsgd".into(),
-            "--topology".into(),
-            (*topology).into(),
-        ],
-        ["ps", consistency @ ..] if !consistency.is_empty() => vec![
-            "--strategy".into(),
-            "ps".into(),
-            "--consistency".into(),
-            consistency.join(":"),
-        ],
-        ["ps"] => vec!["--strategy".into(), "ps".into()],
-        ["diloco", inner_steps] => vec![
-            "--strategy".into(),
-            "diloco".into(),
-            "--inner-steps".into(),
-            (*inner_steps).into(),
-        ],
-        _ => return Err(bad().into()),
-    };
+        (Some(_), _) => return Err(bad().into()),
+    }
     Ok(args)
 }
 

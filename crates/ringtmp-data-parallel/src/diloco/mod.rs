@@ -44,6 +44,7 @@ use ringtmp_contract::spec::RunSpec;
 impl Strategy for DilocoJob {
     const NAME: &'static str = NAME;
     const FAMILY: ringtmp_contract::contract::Family = ringtmp_contract::contract::Family::Replicas;
+    const SHORT_FORM: Option<(&'static str, &'static str)> = Some(("--inner-steps", "H"));
     const CLIPS: bool = true;
     type Options = DilocoOptions;
 

@@ -78,6 +78,7 @@ pub struct DpsgdJob {
 impl Strategy for DpsgdJob {
     const NAME: &'static str = NAME;
     const FAMILY: ringtmp_contract::contract::Family = ringtmp_contract::contract::Family::Replicas;
+    const SHORT_FORM: Option<(&'static str, &'static str)> = Some(("--topology", "TOPOLOGY"));
     const CLIPS: bool = true;
     type Options = DpsgdOptions;
 
