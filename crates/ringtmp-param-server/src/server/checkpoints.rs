@@ -29,22 +29,14 @@ pub(super) struct Checkpoints {
 }
 
 impl Checkpoints {
-    pub(super) fn push_applied(
-        &mut self,
-        job: &PsJob,
-        s: usize,
-        model: &Stage,
-        params: &[f32],
-        optimizer: &Optimizer,
-        out: &mut Vec<Output>,
-    ) -> Result<()> {
+    /// One push applied (not under BSP); whether it completes an iteration (`workers` pushes).
+    pub(super) fn push_applied(&mut self, workers: usize) -> bool {
         self.pushes += 1;
-        if self.pushes % job.workers as u64 == 0 {
-            self.iteration_done(job, s, model, params, optimizer, out)?;
-        }
-        Ok(())
+        self.pushes % workers as u64 == 0
     }
 
+    /// An iteration applied: counted, and at a checkpoint step the shard's file written and
+    /// its entry sent to server 0 (or recorded, on server 0).
     pub(super) fn iteration_done(
         &mut self,
         job: &PsJob,

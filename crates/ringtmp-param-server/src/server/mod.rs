@@ -574,14 +574,10 @@ impl<'a> Server<'a> {
             let grads = tensor_view(&bytes, h.dtype, &mut self.scratch);
             self.optimizer.step(&mut self.params, grads, rate, 1);
             out.push(Output::Recycle(bytes));
-            self.checkpoints.push_applied(
-                job,
-                self.s,
-                &self.model,
-                &self.params,
-                &self.optimizer,
-                out,
-            )?;
+            // W pushes are one iteration of the shard.
+            if self.checkpoints.push_applied(job.workers) {
+                self.iteration_applied(out)?;
+            }
         }
         let replies = self.pulls.pushed(w, h.micro_batch, now);
         self.answer(replies, out);
@@ -598,6 +594,14 @@ impl<'a> Server<'a> {
         {
             return Ok(());
         }
+        self.iteration_applied(out)?;
+        let held = std::mem::take(&mut self.bsp.held);
+        self.answer(held, out);
+        Ok(())
+    }
+
+    /// One more iteration applied to the shard: counted, and checkpointed when one is due.
+    fn iteration_applied(&mut self, out: &mut Vec<Output>) -> Result<()> {
         self.checkpoints.iteration_done(
             self.job,
             self.s,
@@ -605,10 +609,7 @@ impl<'a> Server<'a> {
             &self.params,
             &self.optimizer,
             out,
-        )?;
-        let held = std::mem::take(&mut self.bsp.held);
-        self.answer(held, out);
-        Ok(())
+        )
     }
 
     /// Sends `replies` now, or holds them while a BSP iteration waits for the other servers'
