@@ -2,6 +2,8 @@
 //! whole replica that trains on its share of each global batch, so they plan their run, keep
 //! their clocks, checkpoint the model and report a worker the same way.
 
+use std::collections::BTreeSet;
+
 use ringtmp_data::{BatchPlan, Dataset, shard};
 use ringtmp_metrics::NodeSummary;
 use ringtmp_model::{Optimizer, Pass, Stage, checkpoint};
@@ -382,4 +384,21 @@ pub struct WorkerOutcome {
     pub stage: Stage,
     /// Rank 0's summary of the run.
     pub summary: Option<ringtmp_metrics::Summary>,
+}
+
+/// Every other worker: an elastic ring re-formed around the dead joins any two survivors, and
+/// rank 0 may hand any of them its state (an idle link costs a heartbeat).
+pub fn every_other(rank: u32, world: u32) -> BTreeSet<u32> {
+    (0..world).filter(|r| *r != rank).collect()
+}
+
+/// A gossip graph's links `near` of `rank`, with rank 0 linked to every worker (it coordinates
+/// the pairs, or gathers the models for the consensus).
+pub fn with_rank_zero(mut near: BTreeSet<u32>, rank: u32, world: u32) -> BTreeSet<u32> {
+    if rank == 0 {
+        near.extend(1..world);
+    } else {
+        near.insert(0);
+    }
+    near
 }

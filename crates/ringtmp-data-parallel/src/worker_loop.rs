@@ -47,6 +47,29 @@ pub struct Opening<'a> {
     pub initial: Option<&'a [f32]>,
 }
 
+impl<'a> Opening<'a> {
+    /// Worker `rank` of `workers` of a run of `strategy`, from the seed's model or the resumed
+    /// one.
+    pub fn of(
+        spec: &'a RunSpec,
+        strategy: &'static str,
+        rank: u32,
+        workers: usize,
+        node_speeds: &'a [f64],
+        data: &'a Dataset,
+    ) -> Self {
+        Self {
+            spec,
+            strategy,
+            rank,
+            workers,
+            node_speeds,
+            data,
+            initial: None,
+        }
+    }
+}
+
 /// One worker's replica, its share of the batches and its clocks, as the loop hands them to
 /// the rule.
 pub struct Worker<'a> {

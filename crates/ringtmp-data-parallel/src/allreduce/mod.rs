@@ -86,9 +86,7 @@ impl Strategy for AllReduceJob {
     }
 
     fn neighbours(&self, rank: u32, world: u32) -> BTreeSet<u32> {
-        // Every other worker: the ring re-formed around a dead worker joins its two neighbours,
-        // and rank 0 hands every survivor its state. Idle links cost a heartbeat.
-        (0..world).filter(|r| *r != rank).collect()
+        crate::replicas::every_other(rank, world)
     }
 
     fn expendable(&self, rank: u32) -> bool {

@@ -78,15 +78,14 @@ pub fn run_worker(
     net: &mut dyn Transport,
     on_event: &mut dyn FnMut(&ringtmp_contract::Event),
 ) -> Result<WorkerOutcome> {
-    let opening = Opening {
-        spec: &job.spec,
-        strategy: super::NAME,
+    let opening = Opening::of(
+        &job.spec,
+        super::NAME,
         rank,
-        workers: job.workers,
-        node_speeds: &job.node_speeds,
+        job.workers,
+        &job.node_speeds,
         data,
-        initial: None,
-    };
+    );
     worker_loop::run(&opening, |worker| EveryH::new(job, worker), net, on_event)
 }
 

@@ -182,9 +182,8 @@ impl Strategy for DilocoJob {
     }
 
     fn neighbours(&self, rank: u32, world: u32) -> BTreeSet<u32> {
-        // As all-reduce SGD's: a re-formed ring joins any two survivors, and rank 0 may hand any
-        // of them its state.
-        (0..world).filter(|r| *r != rank).collect()
+        // As all-reduce SGD's: the elastic ring.
+        crate::replicas::every_other(rank, world)
     }
 
     fn expendable(&self, rank: u32) -> bool {

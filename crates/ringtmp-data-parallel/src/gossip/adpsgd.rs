@@ -115,13 +115,7 @@ impl Strategy for AdpsgdJob {
 
     fn neighbours(&self, rank: u32, world: u32) -> BTreeSet<u32> {
         // The gossip graph, and rank 0 (the coordinator) with everyone.
-        let mut near = mixing::bipartite_neighbours(rank, world);
-        if rank == 0 {
-            near.extend(1..world);
-        } else {
-            near.insert(0);
-        }
-        near
+        crate::replicas::with_rank_zero(mixing::bipartite_neighbours(rank, world), rank, world)
     }
 
     fn needs_data(&self, _: u32) -> bool {

@@ -127,13 +127,8 @@ impl Strategy for DpsgdJob {
 
     fn neighbours(&self, rank: u32, world: u32) -> BTreeSet<u32> {
         // The gossip graph, and rank 0 (which gathers the models for the consensus) with all.
-        let mut near = mixing::neighbours(self.topology, rank, world);
-        if rank == 0 {
-            near.extend(1..world);
-        } else {
-            near.insert(0);
-        }
-        near
+        let near = mixing::neighbours(self.topology, rank, world);
+        crate::replicas::with_rank_zero(near, rank, world)
     }
 
     fn expendable(&self, rank: u32) -> bool {
@@ -276,13 +271,8 @@ pub fn run_worker_from(
     initial: Option<&[f32]>,
 ) -> Result<WorkerOutcome> {
     let opening = Opening {
-        spec: &job.spec,
-        strategy: NAME,
-        rank,
-        workers: job.workers,
-        node_speeds: &job.node_speeds,
-        data,
         initial,
+        ..Opening::of(&job.spec, NAME, rank, job.workers, &job.node_speeds, data)
     };
     let make = |_: &Worker<'_>| {
         Ok(Mixing {
