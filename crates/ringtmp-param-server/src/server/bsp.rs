@@ -10,7 +10,7 @@ use ringtmp_model::Optimizer;
 use ringtmp_wire::Dtype;
 use ringtmp_wire::message::tensor_view;
 
-use super::Output;
+use super::events::Output;
 use crate::admission::Reply;
 use crate::driver::PsMessage;
 use ringtmp_contract::messages::StrategyMessage;

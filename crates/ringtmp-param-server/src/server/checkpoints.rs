@@ -9,7 +9,7 @@ use ringtmp_contract::error::{Error, Result};
 use ringtmp_model::{Optimizer, Stage, checkpoint};
 use ringtmp_wire::{Control, Message};
 
-use super::Output;
+use super::events::Output;
 use crate::driver::{PsJob, shard_range};
 
 /// A server's checkpointing: it counts iterations applied to its shard (under BSP one per

@@ -6,6 +6,7 @@ use crate::driver::PsJob;
 use ringtmp_contract::{Defaulted, Origin, RunSpec, TrainConfig};
 use ringtmp_model::{LrSchedule, ModelSpec, OptimizerConfig};
 use ringtmp_wire::Dtype;
+use ringtmp_wire::{Control, Message};
 
 const MLP: &str = r#"
 name = "ps-table"

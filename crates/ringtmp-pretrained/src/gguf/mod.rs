@@ -1,0 +1,97 @@
+//! GGUF, llama.cpp's file of a model: a header, metadata (typed key–value pairs: the
+//! architecture, its hyper-parameters, the tokenizer), a table of tensors (name, shape, type,
+//! offset), and the tensors' data, aligned. [`Gguf::open`] maps the file and reads the header,
+//! metadata and table; a tensor's bytes are read only when asked for ([`Gguf::dequantize`]),
+//! so a node that needs a few layers of a large model touches only their pages.
+//!
+//! Invariants: every count and length is checked against the bytes left before anything is
+//! allocated (a file cannot make the reader allocate more than the file's size); a tensor's
+//! data lies inside the file; names are unique; dimensions are at most four and non-zero
+//! products fit in `u64`.
+
+mod format;
+mod quants;
+mod reader;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+pub use format::{GgufError, TensorInfo, Value};
+pub use quants::TensorType;
+
+/// A GGUF file, mapped.
+pub struct Gguf {
+    path: PathBuf,
+    map: memmap2::Mmap,
+    /// The format version (2 or 3).
+    pub version: u32,
+    /// The metadata, by key.
+    pub metadata: BTreeMap<String, Value>,
+    /// The tensors, in the file's order.
+    pub tensors: Vec<TensorInfo>,
+}
+
+impl Gguf {
+    /// Maps `path` and reads its header, metadata and tensor table.
+    pub fn open(path: &Path) -> Result<Self, GgufError> {
+        let io = |source| GgufError::Io {
+            path: path.to_path_buf(),
+            source,
+        };
+        let file = std::fs::File::open(path).map_err(io)?;
+        // SAFETY: the map is read only; a model file is not written while a run reads it (a
+        // file changed underneath would give wrong values, never memory unsafety beyond what
+        // the kernel's mapping allows, and every offset is checked against the mapped length).
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
+        let parsed = reader::parse(&map, path)?;
+        Ok(Self {
+            path: path.to_path_buf(),
+            map,
+            version: parsed.version,
+            metadata: parsed.metadata,
+            tensors: parsed.tensors,
+        })
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The metadata value of `key`.
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.metadata.get(key)
+    }
+
+    /// The tensor named `name`.
+    pub fn tensor(&self, name: &str) -> Result<&TensorInfo, GgufError> {
+        self.tensors
+            .iter()
+            .find(|t| t.name == name)
+            .ok_or_else(|| GgufError::NoTensor {
+                path: self.path.clone(),
+                name: name.to_string(),
+            })
+    }
+
+    /// The raw bytes of `tensor` (inside the file: checked when the table was read).
+    pub fn raw(&self, tensor: &TensorInfo) -> &[u8] {
+        let start = tensor.offset as usize;
+        &self.map[start..start + tensor.bytes as usize]
+    }
+
+    /// The tensor named `name`, dequantised to f32 in the file's element order.
+    pub fn dequantize(&self, name: &str) -> Result<Vec<f32>, GgufError> {
+        let tensor = self.tensor(name)?;
+        if !tensor.kind.dequantizes() {
+            return Err(GgufError::Unsupported {
+                path: self.path.clone(),
+                tensor: name.to_string(),
+                kind: tensor.kind.name(),
+            });
+        }
+        let mut out = vec![0.0; tensor.elements() as usize];
+        quants::dequantize(tensor.kind, self.raw(tensor), &mut out);
+        Ok(out)
+    }
+}

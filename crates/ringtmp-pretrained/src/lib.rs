@@ -1,0 +1,11 @@
+//! `ringtmp-pretrained`: reading the files pretrained models are published in, so a model
+//! trained elsewhere can be run, fine-tuned and written back.
+//!
+//! - [`gguf`]: GGUF files (versions 2 and 3): the metadata, the tensor table, and every tensor
+//!   dequantised to f32 as the `gguf` package and ggml's reference code do it, bit for bit.
+//!
+//! Invariant: nothing read from a file is trusted — every length and offset is checked against
+//! the file before anything is allocated or read, and a bad file is a [`gguf::GgufError`]
+//! naming the file, the byte offset and what was wrong, never a panic.
+
+pub mod gguf;

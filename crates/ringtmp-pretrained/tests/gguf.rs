@@ -1,0 +1,203 @@
+//! The GGUF reader against files the `gguf` package wrote: every metadata type read back,
+//! every tensor type dequantised to the package's values bit for bit
+//! (`benches/reference/gguf_golden.py`), a bad file refused with the offset, never a panic,
+//! and the shared SmolLM2 file read as `transformers` reads it.
+
+use std::path::{Path, PathBuf};
+
+use ringtmp_pretrained::gguf::{Gguf, GgufError, TensorType, Value};
+
+fn golden() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../benches/reference/gguf/quants.gguf")
+}
+
+#[test]
+fn every_metadata_type_reads_back() {
+    let file = Gguf::open(&golden()).expect("the golden file opens");
+    assert_eq!(file.version, 3);
+    let get = |k: &str| file.get(k).cloned().unwrap_or_else(|| panic!("{k}"));
+    assert_eq!(get("test.u8"), Value::U8(200));
+    assert_eq!(get("test.i8"), Value::I8(-100));
+    assert_eq!(get("test.u16"), Value::U16(60000));
+    assert_eq!(get("test.i16"), Value::I16(-30000));
+    assert_eq!(get("test.u32"), Value::U32(4_000_000_000));
+    assert_eq!(get("test.i32"), Value::I32(-2_000_000_000));
+    assert_eq!(get("test.f32"), Value::F32(0.15625));
+    assert_eq!(get("test.u64"), Value::U64((1 << 63) + 5));
+    assert_eq!(get("test.i64"), Value::I64(-(1 << 62)));
+    assert_eq!(get("test.f64"), Value::F64(-2.5e-300));
+    assert_eq!(get("test.bool"), Value::Bool(true));
+    assert_eq!(get("test.string"), Value::String("grüße, 世界".into()));
+    assert_eq!(
+        get("test.strings"),
+        Value::Array(vec![
+            Value::String("a".into()),
+            Value::String(String::new()),
+            Value::String("ccc".into())
+        ])
+    );
+    let ints: Vec<i64> = match get("test.ints") {
+        Value::Array(items) => items
+            .iter()
+            .map(|v| match v {
+                Value::I32(i) => i64::from(*i),
+                Value::I64(i) => *i,
+                other => panic!("{other:?}"),
+            })
+            .collect(),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(ints, [1, -2, 3]);
+    assert_eq!(get("general.architecture").as_str(), Some("ringtmp-test"));
+}
+
+#[test]
+fn every_tensor_type_dequantises_to_the_gguf_packages_values_bit_for_bit() {
+    let file = Gguf::open(&golden()).expect("the golden file opens");
+    let types = [
+        "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K",
+        "Q8_K",
+    ];
+    for name in types {
+        let quantised = file.tensor(&format!("q.{name}")).unwrap();
+        assert_eq!(quantised.kind.name(), name);
+        assert_eq!(
+            quantised.dims,
+            [512, 2],
+            "{name}: GGUF's innermost-first order"
+        );
+        let got = file.dequantize(&format!("q.{name}")).unwrap();
+        let expected = file.dequantize(&format!("expected.{name}")).unwrap();
+        assert_eq!(got.len(), 1024, "{name}");
+        let differ = got
+            .iter()
+            .zip(&expected)
+            .filter(|(a, b)| a.to_bits() != b.to_bits())
+            .count();
+        assert_eq!(
+            differ, 0,
+            "{name}: {differ} of 1024 values differ from gguf's"
+        );
+        println!("{name}: 1024 values equal to gguf.quants.dequantize's, bit for bit");
+    }
+}
+
+/// Writes `bytes` to a file and opens it.
+fn open_bytes(bytes: &[u8]) -> Result<Gguf, GgufError> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.gguf");
+    std::fs::write(&path, bytes).unwrap();
+    Gguf::open(&path)
+}
+
+#[test]
+fn a_truncated_or_corrupt_file_is_an_error_naming_the_offset_never_a_panic() {
+    let bytes = std::fs::read(golden()).unwrap();
+    let file = Gguf::open(&golden()).unwrap();
+    let data_start = file.tensors.iter().map(|t| t.offset).min().unwrap() as usize;
+    // Every cut through the header, metadata and table, and a few through the data.
+    let cuts = (0..data_start.min(4096)).chain([data_start + 1, bytes.len() - 1]);
+    for cut in cuts {
+        match open_bytes(&bytes[..cut]) {
+            Err(GgufError::Malformed { offset, .. }) => assert!(offset <= cut as u64),
+            Err(other) => panic!("cut at {cut}: {other}"),
+            Ok(_) => panic!("a file cut at {cut} of {} opened", bytes.len()),
+        }
+    }
+    // A tensor count no file could hold: refused before anything is allocated for it.
+    let mut huge = bytes.clone();
+    huge[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+    let e = open_bytes(&huge).err().expect("refused").to_string();
+    assert!(e.contains("at byte 8") && e.contains("tensor count"), "{e}");
+    // Not GGUF at all, and a version this reader does not know.
+    let e = open_bytes(b"PK\x03\x04 not a model")
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("not a GGUF file"), "{e}");
+    let mut v9 = bytes.clone();
+    v9[4..8].copy_from_slice(&9u32.to_le_bytes());
+    let e = open_bytes(&v9).err().unwrap().to_string();
+    assert!(e.contains("version 9"), "{e}");
+}
+
+#[test]
+fn random_bytes_after_a_valid_header_never_panic() {
+    // A deterministic stream of corruptions: each byte of the first 2 KiB set to a few values.
+    let bytes = std::fs::read(golden()).unwrap();
+    for at in (8..2048.min(bytes.len())).step_by(3) {
+        for v in [0x00, 0xFF, 0x7F] {
+            let mut b = bytes.clone();
+            b[at] = v;
+            if let Ok(file) = open_bytes(&b) {
+                for t in &file.tensors {
+                    let _ = file.dequantize(&t.name);
+                }
+            }
+        }
+    }
+}
+
+/// The shared SmolLM2-135M-Instruct file (`../shared/models`), when present; required under
+/// CI (`RINGTMP_REQUIRE_SHARED_MODEL`).
+fn smollm2() -> Option<PathBuf> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if path.is_file() {
+        return Some(path);
+    }
+    assert!(
+        std::env::var_os("RINGTMP_REQUIRE_SHARED_MODEL").is_none(),
+        "RINGTMP_REQUIRE_SHARED_MODEL is set but {} is absent",
+        path.display()
+    );
+    eprintln!("SKIPPED: {} is absent", path.display());
+    None
+}
+
+/// The sum of the values' bit patterns: equal only if the values are (as the `gguf` package
+/// dequantised them when this test was written; the figures are its).
+fn fingerprint(values: &[f32]) -> u64 {
+    values.iter().map(|v| u64::from(v.to_bits())).sum()
+}
+
+#[test]
+fn the_shared_smollm2_file_reads_as_the_gguf_package_reads_it() {
+    let Some(path) = smollm2() else { return };
+    let file = Gguf::open(&path).expect("the shared model opens");
+    let meta = |k: &str| file.get(k).unwrap_or_else(|| panic!("{k}")).clone();
+    assert_eq!(meta("general.architecture").as_str(), Some("llama"));
+    assert_eq!(meta("llama.block_count").as_u64(), Some(30));
+    assert_eq!(meta("llama.embedding_length").as_u64(), Some(576));
+    assert_eq!(meta("llama.attention.head_count").as_u64(), Some(9));
+    assert_eq!(meta("llama.attention.head_count_kv").as_u64(), Some(3));
+    assert_eq!(meta("llama.feed_forward_length").as_u64(), Some(1536));
+    assert_eq!(meta("llama.rope.freq_base").as_f64(), Some(100_000.0));
+    assert_eq!(meta("tokenizer.ggml.model").as_str(), Some("gpt2"));
+    let Value::Array(tokens) = meta("tokenizer.ggml.tokens") else {
+        panic!("the vocabulary")
+    };
+    assert_eq!(tokens.len(), 49_152);
+    assert_eq!(file.tensors.len(), 272);
+    let count = |kind: TensorType| file.tensors.iter().filter(|t| t.kind == kind).count();
+    assert_eq!(
+        (
+            count(TensorType::Q4_1),
+            count(TensorType::Q8_0),
+            count(TensorType::F32)
+        ),
+        (210, 1, 61)
+    );
+    let params: u64 = file.tensors.iter().map(|t| t.elements()).sum();
+    assert_eq!(params, 134_515_008);
+    for (name, first, print) in [
+        ("token_embd.weight", 0xbdda_3400, 0x00d0_2dd6_6b05_96c0_u64),
+        ("blk.0.attn_q.weight", 0xbdc5_4000, 0x0002_7be4_c063_c200),
+        ("blk.29.ffn_down.weight", 0xbe8b_f000, 0x0006_a059_0436_9200),
+        ("output_norm.weight", 0x3fe1_0000, 0x0000_0090_c682_0000),
+    ] {
+        let values = file.dequantize(name).unwrap();
+        assert_eq!(values[0].to_bits(), first, "{name}");
+        assert_eq!(fingerprint(&values), print, "{name}");
+    }
+}
