@@ -3,9 +3,12 @@
 //!
 //! - [`gguf`]: GGUF files (versions 2 and 3): the metadata, the tensor table, and every tensor
 //!   dequantised to f32 as the `gguf` package and ggml's reference code do it, bit for bit.
+//! - [`hf`]: Hugging Face model directories: `config.json` and the weights in one
+//!   safetensors file or shards named by `model.safetensors.index.json`, f32, f16 or bf16.
 //!
 //! Invariant: nothing read from a file is trusted — every length and offset is checked against
-//! the file before anything is allocated or read, and a bad file is a [`gguf::GgufError`]
-//! naming the file, the byte offset and what was wrong, never a panic.
+//! the file before anything is allocated or read, and a bad file is a typed error
+//! ([`gguf::GgufError`], [`hf::HfError`]) naming the file and what was wrong, never a panic.
 
 pub mod gguf;
+pub mod hf;
