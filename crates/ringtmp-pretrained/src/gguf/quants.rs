@@ -169,10 +169,12 @@ impl TensorType {
     }
 
     /// The bytes of `elements` elements in rows of `row` (rows must be whole blocks, as ggml
-    /// requires); `None` if they are not, or the type is unknown.
+    /// requires); `None` if they are not, the type is unknown, or the size overflows.
     pub fn bytes_for(self, row: u64, elements: u64) -> Option<u64> {
         let (block, size) = self.block()?;
-        (row % block == 0 && elements % block == 0).then(|| elements / block * size)
+        (row % block == 0 && elements % block == 0)
+            .then(|| (elements / block).checked_mul(size))
+            .flatten()
     }
 
     /// Whether the reader dequantises this type ([`super::Gguf::dequantize`]).

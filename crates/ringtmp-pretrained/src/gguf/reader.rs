@@ -238,7 +238,8 @@ fn place_tensors(
             .bytes_for(dims.first().copied().unwrap_or(1), elements)
             .ok_or_else(|| {
                 bad(format!(
-                    "{elements} elements of {} in rows of {} are not whole blocks of {}",
+                    "{elements} elements of {} in rows of {} are not whole blocks of {} (or \
+                     more bytes than a file holds)",
                     kind.name(),
                     dims.first().copied().unwrap_or(1),
                     kind.block_elements()
