@@ -204,3 +204,38 @@ fn the_shared_smollm2_file_reads_as_the_gguf_package_reads_it() {
         assert_eq!(fingerprint(&values), print, "{name}");
     }
 }
+
+#[test]
+fn the_shared_smollm2_tokenizer_gives_transformers_ids() {
+    let Some(path) = smollm2() else { return };
+    let file = Gguf::open(&path).expect("the shared model opens");
+    let vocabulary = file.vocabulary().expect("its tokenizer builds");
+    assert_eq!((vocabulary.bos, vocabulary.eos), (Some(1), Some(2)));
+    assert!(!vocabulary.add_bos);
+    let template = vocabulary
+        .chat_template
+        .as_deref()
+        .expect("a chat template");
+    assert!(template.contains("<|im_start|>"), "{template}");
+    let golden: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../benches/reference/gguf/smollm2-tokens.json"),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    for case in golden["cases"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        let expected: Vec<u32> = case["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let encoding = vocabulary.tokenizer.encode(text, true).unwrap();
+        assert_eq!(encoding.get_ids(), expected.as_slice(), "{text:?}");
+        let decoded = vocabulary.tokenizer.decode(&expected, false).unwrap();
+        assert_eq!(decoded, case["decoded"].as_str().unwrap(), "{text:?}");
+    }
+}

@@ -12,12 +12,14 @@
 mod format;
 mod quants;
 mod reader;
+mod tokenizer;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 pub use format::{GgufError, TensorInfo, Value};
 pub use quants::TensorType;
+pub use tokenizer::Vocabulary;
 
 /// A GGUF file, mapped.
 pub struct Gguf {
