@@ -5,6 +5,7 @@
 //!   dequantised to f32 as the `gguf` package and ggml's reference code do it, bit for bit.
 //! - [`hf`]: Hugging Face model directories: `config.json` and the weights in one
 //!   safetensors file or shards named by `model.safetensors.index.json`, f32, f16 or bf16.
+//! - [`template`]: chat templates (Jinja) rendered as `transformers` renders them.
 //!
 //! Invariant: nothing read from a file is trusted — every length and offset is checked against
 //! the file before anything is allocated or read, and a bad file is a typed error
@@ -12,3 +13,4 @@
 
 pub mod gguf;
 pub mod hf;
+pub mod template;
