@@ -250,3 +250,77 @@ fn check_index(
     }
     Ok(())
 }
+
+impl HfModel {
+    /// The directory's vocabulary: `tokenizer.json`, the special tokens and chat template of
+    /// `tokenizer_config.json` (or `chat_template.jinja`, where `transformers` now writes it),
+    /// and the stop tokens of `generation_config.json` (else the EOS token).
+    pub fn vocabulary(&self) -> Result<crate::vocabulary::Vocabulary, HfError> {
+        let path = self.dir.join("tokenizer.json");
+        let tokenizer =
+            tokenizers::Tokenizer::from_file(&path).map_err(|e| HfError::Malformed {
+                path: path.clone(),
+                what: format!("not a tokenizer: {e}"),
+            })?;
+        let config_path = self.dir.join("tokenizer_config.json");
+        let config = if config_path.is_file() {
+            read_json(&config_path)?
+        } else {
+            serde_json::Value::Null
+        };
+        // A special token is written as its text or as an AddedToken object.
+        let token = |key: &str| {
+            let v = &config[key];
+            v.as_str()
+                .or_else(|| v["content"].as_str())
+                .and_then(|t| tokenizer.token_to_id(t))
+        };
+        let template_file = self.dir.join("chat_template.jinja");
+        let chat_template = if template_file.is_file() {
+            Some(
+                std::fs::read_to_string(&template_file).map_err(|source| HfError::Io {
+                    path: template_file.clone(),
+                    source,
+                })?,
+            )
+        } else {
+            match &config["chat_template"] {
+                serde_json::Value::String(t) => Some(t.clone()),
+                // Several named templates: the default one.
+                serde_json::Value::Array(named) => named
+                    .iter()
+                    .find(|t| t["name"] == "default")
+                    .and_then(|t| t["template"].as_str())
+                    .map(str::to_string),
+                _ => None,
+            }
+        };
+        let generation = self.dir.join("generation_config.json");
+        let mut stop: Vec<u32> = if generation.is_file() {
+            match &read_json(&generation)?["eos_token_id"] {
+                serde_json::Value::Array(ids) => ids
+                    .iter()
+                    .filter_map(|v| v.as_u64().and_then(|v| u32::try_from(v).ok()))
+                    .collect(),
+                v => v
+                    .as_u64()
+                    .and_then(|v| u32::try_from(v).ok())
+                    .into_iter()
+                    .collect(),
+            }
+        } else {
+            Vec::new()
+        };
+        if stop.is_empty() {
+            stop.extend(token("eos_token"));
+        }
+        Ok(crate::vocabulary::Vocabulary {
+            bos: token("bos_token"),
+            stop,
+            // A tokenizer.json frames its sequences itself (its post-processor).
+            add_bos: false,
+            chat_template,
+            tokenizer,
+        })
+    }
+}

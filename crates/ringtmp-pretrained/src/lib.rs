@@ -6,6 +6,7 @@
 //! - [`hf`]: Hugging Face model directories: `config.json` and the weights in one
 //!   safetensors file or shards named by `model.safetensors.index.json`, f32, f16 or bf16.
 //! - [`template`]: chat templates (Jinja) rendered as `transformers` renders them.
+//! - [`vocabulary`]: a model's tokenizer, its framing tokens and its template, from either.
 //!
 //! Invariant: nothing read from a file is trusted — every length and offset is checked against
 //! the file before anything is allocated or read, and a bad file is a typed error
@@ -14,3 +15,4 @@
 pub mod gguf;
 pub mod hf;
 pub mod template;
+pub mod vocabulary;

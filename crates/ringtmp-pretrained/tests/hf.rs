@@ -110,3 +110,42 @@ fn a_directory_that_lies_about_its_shards_is_refused_by_name() {
     let e = refused(|d| std::fs::write(d.join("config.json"), "{ not json").unwrap());
     assert!(e.contains("config.json: not JSON"), "{e}");
 }
+
+#[test]
+fn a_directorys_tokenizer_gives_transformers_ids_and_its_template_and_stop_tokens() {
+    let model = HfModel::open(&golden()).unwrap();
+    let vocabulary = model.vocabulary().expect("the tokenizer reads");
+    assert_eq!(vocabulary.bos, Some(1));
+    assert_eq!(vocabulary.stop, [2, 3], "generation_config's list");
+    let golden: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(golden().join("tokens.json")).unwrap())
+            .unwrap();
+    for case in golden["cases"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        let expected: Vec<u32> = case["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let ids = vocabulary.tokenizer.encode(text, true).unwrap();
+        assert_eq!(ids.get_ids(), expected.as_slice(), "{text:?}");
+    }
+    let template = ringtmp_pretrained::template::ChatTemplate::new(
+        vocabulary
+            .chat_template
+            .as_deref()
+            .expect("chat_template.jinja"),
+        "<s>",
+        "</s>",
+    )
+    .unwrap();
+    let messages: Vec<ringtmp_pretrained::template::ChatMessage> =
+        serde_json::from_value(golden["chat"]["messages"].clone()).unwrap();
+    assert_eq!(
+        template
+            .render(&messages, true, &serde_json::Map::new())
+            .unwrap(),
+        golden["chat"]["rendered"].as_str().unwrap()
+    );
+}

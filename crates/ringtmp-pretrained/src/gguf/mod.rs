@@ -19,7 +19,6 @@ use std::path::{Path, PathBuf};
 
 pub use format::{GgufError, TensorInfo, Value};
 pub use quants::TensorType;
-pub use tokenizer::Vocabulary;
 
 /// A GGUF file, mapped.
 pub struct Gguf {

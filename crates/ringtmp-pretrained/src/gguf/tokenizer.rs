@@ -17,6 +17,7 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 
 use super::{Gguf, GgufError, Value};
+use crate::vocabulary::Vocabulary;
 
 /// Llama 3's split (and the vocabularies llama.cpp files under its kinds).
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -43,20 +44,6 @@ fn split_of(pre: &str) -> Option<&'static str> {
 /// GGUF's token types.
 const CONTROL: i64 = 3;
 const USER_DEFINED: i64 = 4;
-
-/// A GGUF file's vocabulary: its tokenizer and the tokens a model's text is framed with.
-pub struct Vocabulary {
-    /// The tokenizer (ids are the file's).
-    pub tokenizer: Tokenizer,
-    /// Beginning of sequence, if the file names one.
-    pub bos: Option<u32>,
-    /// End of sequence (what generation stops at), if the file names one.
-    pub eos: Option<u32>,
-    /// Whether a sequence starts with BOS (`tokenizer.ggml.add_bos_token`).
-    pub add_bos: bool,
-    /// The chat template (Jinja, as Hugging Face writes them), if the file has one.
-    pub chat_template: Option<String>,
-}
 
 impl Gguf {
     /// The file's tokenizer, built as `transformers` builds it from the file.
@@ -154,7 +141,7 @@ impl Gguf {
         Ok(Vocabulary {
             tokenizer,
             bos: id("tokenizer.ggml.bos_token_id"),
-            eos: id("tokenizer.ggml.eos_token_id"),
+            stop: id("tokenizer.ggml.eos_token_id").into_iter().collect(),
             add_bos: matches!(
                 self.get("tokenizer.ggml.add_bos_token"),
                 Some(Value::Bool(true))
