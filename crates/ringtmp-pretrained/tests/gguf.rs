@@ -5,10 +5,12 @@
 
 use std::path::{Path, PathBuf};
 
+mod common;
+
 use ringtmp_pretrained::gguf::{Gguf, GgufError, TensorType, Value};
 
 fn golden() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../benches/reference/gguf/quants.gguf")
+    common::reference("gguf/quants.gguf")
 }
 
 #[test]
@@ -220,25 +222,10 @@ fn the_shared_smollm2_tokenizer_gives_transformers_ids() {
         .as_deref()
         .expect("a chat template");
     assert!(template.contains("<|im_start|>"), "{template}");
-    let golden: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(
-            Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../../benches/reference/gguf/smollm2-tokens.json"),
-        )
-        .unwrap(),
-    )
-    .unwrap();
-    for case in golden["cases"].as_array().unwrap() {
-        let text = case["text"].as_str().unwrap();
-        let expected: Vec<u32> = case["ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect();
-        let encoding = vocabulary.tokenizer.encode(text, true).unwrap();
-        assert_eq!(encoding.get_ids(), expected.as_slice(), "{text:?}");
-        let decoded = vocabulary.tokenizer.decode(&expected, false).unwrap();
-        assert_eq!(decoded, case["decoded"].as_str().unwrap(), "{text:?}");
+    let golden = common::read_json(&common::reference("gguf/smollm2-tokens.json"));
+    let ids = common::check_ids(&vocabulary.tokenizer, &golden["cases"]);
+    for (case, ids) in golden["cases"].as_array().unwrap().iter().zip(ids) {
+        let decoded = vocabulary.tokenizer.decode(&ids, false).unwrap();
+        assert_eq!(decoded, case["decoded"].as_str().unwrap());
     }
 }

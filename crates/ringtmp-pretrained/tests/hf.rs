@@ -4,11 +4,13 @@
 
 use std::path::{Path, PathBuf};
 
+mod common;
+
 use ringtmp_pretrained::hf::{HfError, HfModel};
 use safetensors::{Dtype, SafeTensors};
 
 fn golden() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../benches/reference/hf-tiny")
+    common::reference("hf-tiny")
 }
 
 #[test]
@@ -117,20 +119,8 @@ fn a_directorys_tokenizer_gives_transformers_ids_and_its_template_and_stop_token
     let vocabulary = model.vocabulary().expect("the tokenizer reads");
     assert_eq!(vocabulary.bos, Some(1));
     assert_eq!(vocabulary.stop, [2, 3], "generation_config's list");
-    let golden: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(golden().join("tokens.json")).unwrap())
-            .unwrap();
-    for case in golden["cases"].as_array().unwrap() {
-        let text = case["text"].as_str().unwrap();
-        let expected: Vec<u32> = case["ids"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|v| v.as_u64().unwrap() as u32)
-            .collect();
-        let ids = vocabulary.tokenizer.encode(text, true).unwrap();
-        assert_eq!(ids.get_ids(), expected.as_slice(), "{text:?}");
-    }
+    let golden = common::read_json(&golden().join("tokens.json"));
+    common::check_ids(&vocabulary.tokenizer, &golden["cases"]);
     let template = ringtmp_pretrained::template::ChatTemplate::new(
         vocabulary
             .chat_template
