@@ -1,6 +1,7 @@
 //! `ringtmp-pretrained`: reading the files pretrained models are published in, so a model
 //! trained elsewhere can be run, fine-tuned and written back.
 //!
+//! - [`config`]: a pretrained model's architecture, from either file, in one typed description.
 //! - [`gguf`]: GGUF files (versions 2 and 3): the metadata, the tensor table, and every tensor
 //!   dequantised to f32 as the `gguf` package and ggml's reference code do it, bit for bit.
 //! - [`hf`]: Hugging Face model directories: `config.json` and the weights in one
@@ -12,6 +13,7 @@
 //! the file before anything is allocated or read, and a bad file is a typed error
 //! ([`gguf::GgufError`], [`hf::HfError`]) naming the file and what was wrong, never a panic.
 
+pub mod config;
 pub mod gguf;
 pub mod hf;
 pub mod template;

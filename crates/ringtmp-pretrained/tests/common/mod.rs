@@ -1,5 +1,10 @@
 //! What the readers' tests share: the golden files' place, and a golden case's token ids.
 
+#![allow(
+    dead_code,
+    reason = "each test file includes these helpers and uses its own part of them"
+)]
+
 use std::path::{Path, PathBuf};
 
 /// `benches/reference/<name>`.
