@@ -57,6 +57,45 @@ pub enum RopeScaling {
     },
 }
 
+/// Where a tensor belongs in the chain of layers a model runs as (a ring cuts between them):
+/// the embedding, a decoder block, or the head (the final norm and the projection to the
+/// vocabulary); `Shared` for a table every block reads (Llama 3's `rope_freqs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum ChainLayer {
+    /// The token (and GPT-2's position) embedding.
+    Embedding,
+    /// Decoder block `i`.
+    Block(usize),
+    /// The final norm and the head.
+    Head,
+    /// Read by every block.
+    Shared,
+}
+
+/// The chain layer of a tensor named as Hugging Face (`model.layers.3.mlp.up_proj.weight`,
+/// `transformer.h.3.attn.c_attn.weight`) or GGUF (`blk.3.ffn_up.weight`) names it; `None` for a
+/// name of neither.
+pub fn chain_layer(name: &str) -> Option<ChainLayer> {
+    let name = name.strip_prefix("transformer.").unwrap_or(name);
+    for prefix in ["model.layers.", "h.", "blk."] {
+        if let Some(rest) = name.strip_prefix(prefix) {
+            let (index, _) = rest.split_once('.')?;
+            return index.parse().ok().map(ChainLayer::Block);
+        }
+    }
+    Some(match name {
+        "model.embed_tokens.weight"
+        | "wte.weight"
+        | "wpe.weight"
+        | "token_embd.weight"
+        | "position_embd.weight" => ChainLayer::Embedding,
+        "model.norm.weight" | "ln_f.weight" | "ln_f.bias" | "lm_head.weight"
+        | "output_norm.weight" | "output_norm.bias" | "output.weight" => ChainLayer::Head,
+        "rope_freqs.weight" => ChainLayer::Shared,
+        _ => return None,
+    })
+}
+
 /// A pretrained model's architecture.
 #[derive(Clone, Debug, PartialEq)]
 pub struct ModelConfig {
@@ -89,23 +128,16 @@ pub struct ModelConfig {
 }
 
 impl ModelConfig {
-    /// Parameters in all (the head's counted once when tied).
-    pub fn parameters(&self) -> u64 {
-        let (w, v, i) = (
-            self.width as u64,
-            self.vocab as u64,
-            self.intermediate as u64,
-        );
+    /// Parameters of one decoder block.
+    pub fn block_parameters(&self) -> u64 {
+        let (w, i) = (self.width as u64, self.intermediate as u64);
         let (q, kv) = (
             (self.heads * self.head_dim) as u64,
             (self.kv_heads * self.head_dim) as u64,
         );
-        let head = if self.tie_embeddings { 0 } else { v * w };
-        let per_block = match self.family {
-            Family::Gpt2 => {
-                // Two LayerNorms (weight, bias), c_attn and c_proj with biases, the MLP's two.
-                4 * w + (w * 3 * w + 3 * w) + (w * w + w) + (w * i + i) + (i * w + w)
-            }
+        match self.family {
+            // Two LayerNorms (weight, bias), c_attn and c_proj with biases, the MLP's two.
+            Family::Gpt2 => 4 * w + (w * 3 * w + 3 * w) + (w * w + w) + (w * i + i) + (i * w + w),
             family => {
                 let biases = if family == Family::Qwen2 {
                     q + 2 * kv
@@ -119,7 +151,14 @@ impl ModelConfig {
                 };
                 2 * w + w * q + 2 * w * kv + q * w + 3 * w * i + biases + qk_norms
             }
-        };
+        }
+    }
+
+    /// Parameters in all (the head's counted once when tied).
+    pub fn parameters(&self) -> u64 {
+        let (w, v) = (self.width as u64, self.vocab as u64);
+        let head = if self.tie_embeddings { 0 } else { v * w };
+        let per_block = self.block_parameters();
         let extras = match self.family {
             // Learned positions and the final LayerNorm (weight, bias).
             Family::Gpt2 => self.context as u64 * w + 2 * w,

@@ -4,7 +4,7 @@
 
 mod common;
 
-use ringtmp_pretrained::config::{Family, ModelConfig, RopeScaling};
+use ringtmp_pretrained::config::{ChainLayer, Family, ModelConfig, RopeScaling, chain_layer};
 use ringtmp_pretrained::gguf::Gguf;
 
 #[test]
@@ -108,4 +108,48 @@ fn the_shared_smollm2_architecture_counts_its_tensors() {
     let tensors: u64 = file.tensors.iter().map(|t| t.elements()).sum();
     assert_eq!(config.parameters(), tensors);
     assert_eq!(tensors, 134_515_008);
+    // Every tensor has its place in the chain, and each block holds a block's parameters.
+    let mut per_layer = std::collections::BTreeMap::new();
+    for t in &file.tensors {
+        let layer = chain_layer(&t.name).unwrap_or_else(|| panic!("{}", t.name));
+        *per_layer.entry(layer).or_insert(0u64) += t.elements();
+    }
+    assert_eq!(per_layer.len(), 32, "the embedding, 30 blocks, the head");
+    assert_eq!(per_layer[&ChainLayer::Embedding], 49_152 * 576);
+    assert_eq!(
+        per_layer[&ChainLayer::Head],
+        576,
+        "the final norm; the head is tied"
+    );
+    for b in 0..30 {
+        assert_eq!(
+            per_layer[&ChainLayer::Block(b)],
+            config.block_parameters(),
+            "block {b}"
+        );
+    }
+}
+
+#[test]
+fn tensor_names_of_both_conventions_find_their_chain_layer() {
+    for (name, layer) in [
+        ("model.embed_tokens.weight", Some(ChainLayer::Embedding)),
+        (
+            "model.layers.12.self_attn.k_proj.bias",
+            Some(ChainLayer::Block(12)),
+        ),
+        (
+            "transformer.h.3.attn.c_attn.weight",
+            Some(ChainLayer::Block(3)),
+        ),
+        ("transformer.wpe.weight", Some(ChainLayer::Embedding)),
+        ("lm_head.weight", Some(ChainLayer::Head)),
+        ("blk.0.ffn_gate.weight", Some(ChainLayer::Block(0))),
+        ("output_norm.weight", Some(ChainLayer::Head)),
+        ("rope_freqs.weight", Some(ChainLayer::Shared)),
+        ("blk.x.ffn_gate.weight", None),
+        ("vision_tower.weight", None),
+    ] {
+        assert_eq!(chain_layer(name), layer, "{name}");
+    }
 }
