@@ -15,6 +15,7 @@ mod error;
 mod export;
 mod generate;
 mod init_from;
+mod inspect;
 mod launcher;
 mod links;
 mod node;
@@ -69,6 +70,9 @@ enum Command {
     Eval(export::EvalArgs),
     /// Check training options or a model file without training.
     ValidateConfig(args::TrainArgs),
+    /// Describe a pretrained model's GGUF file or Hugging Face directory: architecture,
+    /// parameters, tensor types, memory, tokenizer.
+    Inspect(inspect::InspectArgs),
     /// Join a run started elsewhere (mpirun, srun, torchrun, Kubernetes, or by hand).
     Node(node::NodeArgs),
     /// Check connectivity and measure the links of a local ring of N node processes.
@@ -171,6 +175,7 @@ fn main() -> ExitCode {
         Command::BenchCompute(a) => bench::run(&a),
         Command::BenchCores(a) => bench_cores::run(&a),
         Command::ValidateConfig(a) => train::validate(&a),
+        Command::Inspect(a) => inspect::run(&a),
         Command::Generate(a) => generate::run(&a),
         Command::Export(a) => export::export(&a),
         Command::Predict(a) => export::predict(&a),
