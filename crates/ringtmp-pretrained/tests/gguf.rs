@@ -229,3 +229,83 @@ fn the_shared_smollm2_tokenizer_gives_transformers_ids() {
         assert_eq!(decoded, case["decoded"].as_str().unwrap());
     }
 }
+
+#[test]
+fn writing_quantises_as_the_gguf_package_and_reads_back() {
+    use ringtmp_pretrained::gguf::{GgufWriter, quantize};
+    let golden = Gguf::open(&golden()).unwrap();
+    let values = golden.dequantize("q.F32").unwrap();
+    for (kind, name) in [
+        (TensorType::F16, "q.F16"),
+        (TensorType::Bf16, "q.BF16"),
+        (TensorType::Q8_0, "q.Q8_0"),
+    ] {
+        let ours = quantize(kind, &values).unwrap();
+        let theirs = golden.raw(golden.tensor(name).unwrap());
+        assert!(
+            ours == theirs,
+            "{name}: our bytes differ from gguf.quants.quantize's"
+        );
+    }
+    let mut w = GgufWriter::new();
+    w.metadata("general.architecture", Value::String("llama".into()))
+        .unwrap();
+    w.metadata("test.f64", Value::F64(-0.5)).unwrap();
+    w.metadata("test.bool", Value::Bool(false)).unwrap();
+    w.metadata("test.ids", Value::Array(vec![Value::U32(7), Value::U32(9)]))
+        .unwrap();
+    assert!(
+        w.metadata(
+            "test.mixed",
+            Value::Array(vec![Value::U32(1), Value::I8(2)])
+        )
+        .is_err()
+    );
+    for (name, kind) in [
+        ("a", TensorType::F32),
+        ("b", TensorType::F16),
+        ("c", TensorType::Bf16),
+        ("d", TensorType::Q8_0),
+    ] {
+        w.tensor(name, &[512, 2], kind, &values).unwrap();
+    }
+    assert!(
+        w.tensor("e", &[31, 2], TensorType::Q8_0, &values[..62])
+            .is_err()
+    );
+    assert!(w.tensor("f", &[512, 2], TensorType::Q4K, &values).is_err());
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("written.gguf");
+    w.write(&path).unwrap();
+    let back = Gguf::open(&path).expect("our file reads back");
+    assert_eq!(back.version, 3);
+    assert_eq!(back.get("test.f64"), Some(&Value::F64(-0.5)));
+    assert_eq!(back.get("test.bool"), Some(&Value::Bool(false)));
+    assert_eq!(
+        back.get("test.ids"),
+        Some(&Value::Array(vec![Value::U32(7), Value::U32(9)]))
+    );
+    for (name, expected) in [
+        ("a", "q.F32"),
+        ("b", "q.F16"),
+        ("c", "q.BF16"),
+        ("d", "q.Q8_0"),
+    ] {
+        let t = back.tensor(name).unwrap();
+        assert_eq!(t.dims, [512, 2]);
+        assert_eq!(t.offset % 32, 0, "{name} aligned");
+        let got: Vec<u32> = back
+            .dequantize(name)
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        let want: Vec<u32> = golden
+            .dequantize(expected)
+            .unwrap()
+            .iter()
+            .map(|v| v.to_bits())
+            .collect();
+        assert_eq!(got, want, "{name}");
+    }
+}

@@ -13,12 +13,14 @@ mod format;
 mod quants;
 mod reader;
 mod tokenizer;
+mod writer;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 pub use format::{GgufError, TensorInfo, Value};
 pub use quants::TensorType;
+pub use writer::{GgufWriter, quantize};
 
 /// A GGUF file, mapped.
 pub struct Gguf {
