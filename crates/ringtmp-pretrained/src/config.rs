@@ -36,26 +36,8 @@ pub enum Family {
     Gpt2,
 }
 
-/// RoPE's frequency scaling, as `rope_scaling` states it.
-#[derive(Clone, Debug, PartialEq)]
-pub enum RopeScaling {
-    /// Positions divided by `factor`.
-    Linear {
-        /// The factor.
-        factor: f64,
-    },
-    /// Llama 3's: low frequencies divided by `factor`, high ones kept, a smooth band between.
-    Llama3 {
-        /// The factor.
-        factor: f64,
-        /// The band's low edge.
-        low_freq_factor: f64,
-        /// The band's high edge.
-        high_freq_factor: f64,
-        /// The context the model was trained at.
-        original_max_position_embeddings: f64,
-    },
-}
+/// RoPE's frequency scaling, as `rope_scaling` states it (the model crate's, which applies it).
+pub use ringtmp_model::layers::rope::RopeScaling;
 
 /// Where a tensor belongs in the chain of layers a model runs as (a ring cuts between them):
 /// the embedding, a decoder block, or the head (the final norm and the projection to the

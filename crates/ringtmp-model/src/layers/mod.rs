@@ -25,6 +25,7 @@ mod linear_part;
 mod norm;
 mod pass;
 mod pool;
+pub mod rope;
 
 pub use attention::{CausalSelfAttention, KeyValues};
 pub use block::Block;
