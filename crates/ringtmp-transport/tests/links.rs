@@ -85,8 +85,17 @@ fn ring_of_three_exchanges_tensors_and_counts_bytes() {
         let m = net.recv_from(from, Duration::from_secs(5)).unwrap();
         assert_eq!(m, tensor(1000 * (from as usize + 1)));
     }
-    let stats = nets[0].stats();
-    let to_1 = stats.iter().find(|s| s.peer == 1).unwrap();
+    // The writer counts a frame once its flush returns, which the peer may read before: wait
+    // (bounded) for the count instead of reading it at once.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let to_1 = loop {
+        let stats = nets[0].stats();
+        let to_1 = stats.iter().find(|s| s.peer == 1).unwrap().clone();
+        if to_1.messages_sent >= 1 || Instant::now() > deadline {
+            break to_1;
+        }
+        thread::sleep(Duration::from_millis(2));
+    };
     assert_eq!(to_1.messages_sent, 1);
     assert!(to_1.bytes_sent >= 4000, "{to_1:?}");
     close_all(nets);
