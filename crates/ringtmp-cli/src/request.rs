@@ -52,7 +52,8 @@ pub struct StrategySection {
     pub name: String,
     /// Node processes (`--nodes`, or [`crate::args::DEFAULT_NODES`]; 1 under `local`).
     pub nodes: u32,
-    /// The strategies' own options (a restarted ring keeps its first attempt's cuts).
+    /// The strategies' own options (a restarted ring keeps its first attempt's cuts); its name
+    /// and node count are the section's.
     pub args: StrategyArgs,
 }
 
@@ -65,7 +66,8 @@ pub struct OutputSection {
     pub resume: Option<PathBuf>,
     /// Whether a run already in the directory (not the one resumed) is replaced.
     pub overwrite: bool,
-    /// Evaluations, checkpoints and the log.
+    /// Evaluations, checkpoints and the log (the directory, resume and overwrite are the
+    /// section's).
     pub args: OutputArgs,
 }
 
@@ -76,7 +78,7 @@ pub struct FaultSection {
     pub max_restarts: u32,
     /// Whether a restart goes on without the failed node.
     pub shrink_on_failure: bool,
-    /// Timeouts, encryption and fault injection.
+    /// Timeouts, encryption and fault injection (restarts and shrinking are the section's).
     pub args: FaultArgs,
 }
 
@@ -86,20 +88,22 @@ impl TrainArgs {
     pub fn resolve(&self) -> Result<RunRequest> {
         let TrainArgs {
             config: _,
-            strategy,
+            mut strategy,
             cluster,
             model,
             data,
             training,
-            output,
-            faults,
+            mut output,
+            mut faults,
         } = self.clone();
-        let shrink_on_failure = faults.shrink_on_failure.unwrap_or(false);
-        let max_restarts = faults.max_restarts.unwrap_or(0);
+        // The values a section decides leave the options it keeps, so each has one place.
+        let shrink_on_failure = faults.shrink_on_failure.take().unwrap_or(false);
+        let max_restarts = faults.max_restarts.take().unwrap_or(0);
         if shrink_on_failure && max_restarts == 0 {
             return Err(UsageError("--shrink-on-failure needs --max-restarts".into()).into());
         }
         let name = self.strategy().to_string();
+        (strategy.name, strategy.nodes) = (None, None);
         let request = RunRequest {
             strategy: StrategySection {
                 nodes: if name == "local" { 1 } else { self.nodes() },
@@ -112,9 +116,9 @@ impl TrainArgs {
             given_batch: (training.batch_size, training.lr),
             training,
             output: OutputSection {
-                out: output.out.clone(),
-                resume: output.resume.clone(),
-                overwrite: output.overwrite.unwrap_or(false),
+                out: output.out.take(),
+                resume: output.resume.take(),
+                overwrite: output.overwrite.take().unwrap_or(false),
                 args: output,
             },
             faults: FaultSection {

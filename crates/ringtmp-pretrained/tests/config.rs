@@ -76,17 +76,9 @@ fn a_description_that_is_no_model_is_refused_by_key() {
 
 #[test]
 fn the_shared_smollm2_architecture_counts_its_tensors() {
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !path.is_file() {
-        assert!(
-            std::env::var_os("RINGTMP_REQUIRE_SHARED_MODEL").is_none(),
-            "RINGTMP_REQUIRE_SHARED_MODEL is set but {} is absent",
-            path.display()
-        );
-        eprintln!("SKIPPED: {} is absent", path.display());
+    let Some(path) = common::smollm2() else {
         return;
-    }
+    };
     let file = Gguf::open(&path).unwrap();
     let config = ModelConfig::from_gguf(&file).unwrap();
     assert_eq!(config.family, Family::Llama);

@@ -3,7 +3,7 @@
 //! (`benches/reference/gguf_golden.py`), a bad file refused with the offset, never a panic,
 //! and the shared SmolLM2 file read as `transformers` reads it.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 mod common;
 
@@ -143,23 +143,6 @@ fn random_bytes_after_a_valid_header_never_panic() {
     }
 }
 
-/// The shared SmolLM2-135M-Instruct file (`../shared/models`), when present; required under
-/// CI (`RINGTMP_REQUIRE_SHARED_MODEL`).
-fn smollm2() -> Option<PathBuf> {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if path.is_file() {
-        return Some(path);
-    }
-    assert!(
-        std::env::var_os("RINGTMP_REQUIRE_SHARED_MODEL").is_none(),
-        "RINGTMP_REQUIRE_SHARED_MODEL is set but {} is absent",
-        path.display()
-    );
-    eprintln!("SKIPPED: {} is absent", path.display());
-    None
-}
-
 /// The sum of the values' bit patterns: equal only if the values are (as the `gguf` package
 /// dequantised them when this test was written; the figures are its).
 fn fingerprint(values: &[f32]) -> u64 {
@@ -168,7 +151,9 @@ fn fingerprint(values: &[f32]) -> u64 {
 
 #[test]
 fn the_shared_smollm2_file_reads_as_the_gguf_package_reads_it() {
-    let Some(path) = smollm2() else { return };
+    let Some(path) = common::smollm2() else {
+        return;
+    };
     let file = Gguf::open(&path).expect("the shared model opens");
     let meta = |k: &str| file.get(k).unwrap_or_else(|| panic!("{k}")).clone();
     assert_eq!(meta("general.architecture").as_str(), Some("llama"));
@@ -209,7 +194,9 @@ fn the_shared_smollm2_file_reads_as_the_gguf_package_reads_it() {
 
 #[test]
 fn the_shared_smollm2_tokenizer_gives_transformers_ids() {
-    let Some(path) = smollm2() else { return };
+    let Some(path) = common::smollm2() else {
+        return;
+    };
     let file = Gguf::open(&path).expect("the shared model opens");
     let vocabulary = file.vocabulary().expect("its tokenizer builds");
     assert_eq!(

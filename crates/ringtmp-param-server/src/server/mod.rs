@@ -249,12 +249,12 @@ impl<'a> Server<'a> {
                 self.bsp.share(from as usize, iteration, squared)?;
                 self.settle(out)
             }
-            other => Err(self.unexpected(&other)),
+            other => Err(self.unexpected(&other, "")),
         }
     }
 
     /// The error for an input that is no part of the protocol here.
-    fn unexpected(&self, input: &Input) -> Error {
+    fn unexpected(&self, input: &Input, when: &str) -> Error {
         let (s, from) = (self.s, input.sender());
         let what = match input {
             Input::Pull { clock, .. } => format!("Pull {{ clock: {clock} }}"),
@@ -270,10 +270,12 @@ impl<'a> Server<'a> {
         };
         if (from as usize) < self.job.servers {
             Error::Config(format!(
-                "server {s}: unexpected {what} from server rank {from}"
+                "server {s}: unexpected {what} from server rank {from}{when}"
             ))
         } else {
-            Error::Config(format!("server {s}: unexpected {what} from rank {from}"))
+            Error::Config(format!(
+                "server {s}: unexpected {what} from rank {from}{when}"
+            ))
         }
     }
 
@@ -291,13 +293,7 @@ impl<'a> Server<'a> {
                 Ok(())
             }
             other if other.sender() >= servers => Ok(()),
-            other => Err(Error::Config(format!(
-                "server 0: unexpected {} while finishing a checkpoint",
-                match self.unexpected(&other) {
-                    Error::Config(what) => what,
-                    e => e.to_string(),
-                }
-            ))),
+            other => Err(self.unexpected(&other, " while finishing a checkpoint")),
         }
     }
 

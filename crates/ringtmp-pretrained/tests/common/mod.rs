@@ -37,3 +37,20 @@ pub fn check_ids(tokenizer: &tokenizers::Tokenizer, cases: &serde_json::Value) -
     }
     all
 }
+
+/// The shared SmolLM2-135M-Instruct file (`../shared/models`), when present; required under CI
+/// (`RINGTMP_REQUIRE_SHARED_MODEL`).
+pub fn smollm2() -> Option<PathBuf> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if path.is_file() {
+        return Some(path);
+    }
+    assert!(
+        std::env::var_os("RINGTMP_REQUIRE_SHARED_MODEL").is_none(),
+        "RINGTMP_REQUIRE_SHARED_MODEL is set but {} is absent",
+        path.display()
+    );
+    eprintln!("SKIPPED: {} is absent", path.display());
+    None
+}
