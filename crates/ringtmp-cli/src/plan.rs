@@ -276,6 +276,7 @@ fn refuse_what_cannot_fit(
                 l.kind,
                 ringtmp_model::LayerKind::CausalSelfAttention(_)
                     | ringtmp_model::LayerKind::Block(_)
+                    | ringtmp_model::LayerKind::LlamaBlock(_)
             )
         })
         .filter_map(|l| l.input.0.first().map(|&t| t as u64))

@@ -470,6 +470,7 @@ impl RunRecorder {
                 .iter()
                 .map(|l| match &l.kind {
                     ringtmp_model::LayerKind::Block(b) => 12 * b.width * b.seq,
+                    ringtmp_model::LayerKind::LlamaBlock(b) => 12 * b.heads * b.head_dim * b.seq,
                     ringtmp_model::LayerKind::CausalSelfAttention(a) => 12 * a.width * a.seq,
                     _ => 0,
                 })

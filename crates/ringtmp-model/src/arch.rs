@@ -67,7 +67,7 @@ impl Architecture {
             _ => None,
         });
         let embedding = spec.layers.iter().find_map(|l| match l {
-            LayerSpec::Embedding { vocab, width } => Some((*vocab, *width)),
+            LayerSpec::Embedding { vocab, width, .. } => Some((*vocab, *width)),
             _ => None,
         });
         Some(Self {

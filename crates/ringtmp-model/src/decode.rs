@@ -58,6 +58,7 @@ impl Decoder {
             let seq = match &layer.kind {
                 LayerKind::Embedding(e) => Some(e.seq),
                 LayerKind::Block(b) => Some(b.seq),
+                LayerKind::LlamaBlock(b) => Some(b.seq),
                 LayerKind::CausalSelfAttention(a) => Some(a.seq),
                 LayerKind::Linear(l) if layer.input.numel() % l.in_features.max(1) == 0 => None,
                 LayerKind::Norm(_) | LayerKind::Gelu | LayerKind::Relu | LayerKind::Dropout(_) => {
@@ -77,7 +78,9 @@ impl Decoder {
             caches.push(
                 matches!(
                     layer.kind,
-                    LayerKind::Block(_) | LayerKind::CausalSelfAttention(_)
+                    LayerKind::Block(_)
+                        | LayerKind::LlamaBlock(_)
+                        | LayerKind::CausalSelfAttention(_)
                 )
                 .then(KeyValues::default),
             );
@@ -173,6 +176,10 @@ impl Decoder {
                     let cache = cache.as_mut().expect("a block has a cache");
                     b.decode(p, x, rows, at, cache, y, &mut self.scratch, threads);
                 }
+                LayerKind::LlamaBlock(b) => {
+                    let cache = cache.as_mut().expect("a block has a cache");
+                    b.decode(p, x, rows, at, cache, y, &mut self.scratch, threads);
+                }
                 LayerKind::Conv2d(_)
                 | LayerKind::MaxPool2d(_)
                 | LayerKind::Flatten
@@ -201,6 +208,7 @@ fn row_width(layer: &crate::Layer) -> usize {
         LayerKind::Linear(l) => l.in_features,
         LayerKind::Norm(n) => n.features,
         LayerKind::Block(b) => b.width,
+        LayerKind::LlamaBlock(b) => b.width,
         LayerKind::CausalSelfAttention(a) => a.width,
         _ => {
             // Element-wise layers keep their input's rows: the width is the last dimension.
@@ -224,6 +232,7 @@ pub(crate) mod tests {
                 Embedding {
                     vocab: 11,
                     width: 16,
+                    positions: true,
                 },
                 Block {
                     heads: 2,
@@ -234,8 +243,13 @@ pub(crate) mod tests {
                     heads: 4,
                     mlp_ratio: 2,
                 },
-                LayerNorm,
-                Linear { out: 11 },
+                LayerNorm {
+                    eps: crate::layers::NORM_EPS,
+                },
+                Linear {
+                    out: 11,
+                    bias: true,
+                },
             ],
             tie_embeddings: false,
             stale_momentum: None,

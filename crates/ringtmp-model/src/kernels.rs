@@ -205,7 +205,8 @@ thread_local! {
     static COLUMN_MAJOR: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// `y[m×n] = x[m×k] · wᵀ + bias` for weights `w` stored `[n, k]`.
+/// `y[m×n] = x[m×k] · wᵀ + bias` for weights `w` stored `[n, k]`; an empty `bias` is none (a
+/// projection without one, as the Llama family's).
 ///
 /// For few rows (micro-batches), `gemm` would pack the whole weight matrix on every call — as
 /// much memory traffic as the product itself. Writing the result column-major instead makes `w`
@@ -223,12 +224,19 @@ pub fn linear_forward(
     threads: usize,
 ) {
     if m > FEW_ROWS || k == 0 {
-        broadcast_rows(y, bias);
-        matmul(y, m, n, k, x, Op::N, w, Op::T, true, threads);
+        if bias.is_empty() {
+            matmul(y, m, n, k, x, Op::N, w, Op::T, false, threads);
+        } else {
+            broadcast_rows(y, bias);
+            matmul(y, m, n, k, x, Op::N, w, Op::T, true, threads);
+        }
         return;
     }
     assert!(
-        y.len() >= m * n && x.len() >= m * k && w.len() >= n * k && bias.len() == n,
+        y.len() >= m * n
+            && x.len() >= m * k
+            && w.len() >= n * k
+            && (bias.len() == n || bias.is_empty()),
         "linear_forward: bad lengths"
     );
     COLUMN_MAJOR.with(|t| {
@@ -269,12 +277,25 @@ pub fn linear_forward(
     });
 }
 
-/// `y[i, j] = t[j·m + i] + bias[j]`: the row-major `m×n` result from its column-major temporary,
+/// `y[i, j] = t[j·m + i] + bias[j]` (`bias[j]` 0 when `bias` is empty): the row-major `m×n` result from its column-major temporary,
 /// tile by tile (16×16), so that a tile's 16 source lines stay in L1 while its rows are written.
 /// Row by row, every row read one value from each of `n` cache lines, more than L1 holds: 2.7%
 /// of a ring node's samples went to this loop (docs/benchmarks/logs/log-18.md).
 fn transpose_add_bias(y: &mut [f32], t: &[f32], m: usize, n: usize, bias: &[f32]) {
     const TILE: usize = 16;
+    if bias.is_empty() {
+        for i0 in (0..m).step_by(TILE) {
+            for j0 in (0..n).step_by(TILE) {
+                let j1 = (j0 + TILE).min(n);
+                for i in i0..(i0 + TILE).min(m) {
+                    for (v, j) in y[i * n + j0..i * n + j1].iter_mut().zip(j0..) {
+                        *v = t[j * m + i];
+                    }
+                }
+            }
+        }
+        return;
+    }
     for i0 in (0..m).step_by(TILE) {
         for j0 in (0..n).step_by(TILE) {
             let j1 = (j0 + TILE).min(n);
@@ -566,6 +587,9 @@ pub fn broadcast_rows(dst: &mut [f32], bias: &[f32]) {
     multiversion(targets("x86_64+avx2+fma", "aarch64+neon"))
 )]
 pub fn column_sums(out: &mut [f32], m: &[f32], accumulate: bool) {
+    if out.is_empty() {
+        return;
+    }
     if !accumulate {
         out.fill(0.0);
     }

@@ -31,8 +31,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
 use crate::layers::{
-    Block, CausalSelfAttention, Conv2d, Dropout, Embedding, Layer, LayerKind, Linear, MaxPool2d,
-    Norm, NormKind,
+    Block, CausalSelfAttention, Conv2d, Dropout, Embedding, Layer, LayerKind, Linear, LlamaBlock,
+    MaxPool2d, NORM_EPS, Norm, NormKind,
 };
 use crate::shape::Shape;
 
@@ -44,6 +44,9 @@ pub enum LayerSpec {
     Linear {
         /// Output features.
         out: usize,
+        /// Whether it adds a bias (default yes; the Llama family's heads add none).
+        #[serde(default = "yes", skip_serializing_if = "Clone::clone")]
+        bias: bool,
     },
     /// Convolution.
     Conv2d {
@@ -76,9 +79,17 @@ pub enum LayerSpec {
         p: f32,
     },
     /// LayerNorm over the last dimension (`γ`, `β`).
-    LayerNorm,
+    LayerNorm {
+        /// ε added to the variance (default PyTorch's, 1e-5).
+        #[serde(default = "norm_eps", skip_serializing_if = "is_norm_eps")]
+        eps: f32,
+    },
     /// RMSNorm over the last dimension (`γ`).
-    RmsNorm,
+    RmsNorm {
+        /// ε added to the mean square (default 1e-5).
+        #[serde(default = "norm_eps", skip_serializing_if = "is_norm_eps")]
+        eps: f32,
+    },
     /// GELU (tanh form).
     Gelu,
     /// Causal multi-head self-attention over a sequence `[seq, width]`.
@@ -95,6 +106,32 @@ pub enum LayerSpec {
         #[serde(default = "four")]
         mlp_ratio: usize,
     },
+    /// The Llama family's decoder block over a sequence `[seq, width]`: RMSNorm, RoPE,
+    /// grouped-query attention, a SwiGLU MLP, each with its residual.
+    LlamaBlock {
+        /// Query heads.
+        heads: usize,
+        /// Key/value heads (dividing `heads`).
+        kv_heads: usize,
+        /// Values per head (even).
+        head_dim: usize,
+        /// The MLP's hidden width.
+        hidden: usize,
+        /// RoPE's base.
+        rope_theta: f64,
+        /// RoPE's frequency scaling.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        rope_scaling: Option<crate::layers::rope::RopeScaling>,
+        /// The RMSNorms' ε.
+        #[serde(default = "norm_eps", skip_serializing_if = "is_norm_eps")]
+        eps: f32,
+        /// Biases on q, k and v (Qwen 2).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        qkv_bias: bool,
+        /// An RMSNorm of each head's q and k (Qwen 3).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        qk_norm: bool,
+    },
     /// Token and learned position embeddings: a sequence of `[seq]` token ids to
     /// `[seq, width]`.
     Embedding {
@@ -102,7 +139,24 @@ pub enum LayerSpec {
         vocab: usize,
         /// Values per position.
         width: usize,
+        /// Whether it adds learned position embeddings (default yes; the Llama family's
+        /// attention rotates by position instead).
+        #[serde(default = "yes", skip_serializing_if = "Clone::clone")]
+        positions: bool,
     },
+}
+
+fn norm_eps() -> f32 {
+    NORM_EPS
+}
+
+#[expect(clippy::trivially_copy_pass_by_ref, reason = "serde's signature")]
+fn is_norm_eps(eps: &f32) -> bool {
+    eps.to_bits() == NORM_EPS.to_bits()
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn one() -> usize {
@@ -172,12 +226,19 @@ impl ModelSpec {
             let mut layers = vec![Embedding {
                 vocab: classes,
                 width,
+                positions: true,
             }];
             layers.extend((0..blocks).map(|_| Block {
                 heads,
                 mlp_ratio: 4,
             }));
-            layers.extend([LayerNorm, Linear { out: classes }]);
+            layers.extend([
+                LayerNorm { eps: NORM_EPS },
+                Linear {
+                    out: classes,
+                    bias: true,
+                },
+            ]);
             return Ok(Self {
                 name: name.to_string(),
                 layers,
@@ -188,9 +249,18 @@ impl ModelSpec {
         let mlp = |hidden: usize| {
             let mut layers = vec![Flatten];
             for _ in 0..hidden {
-                layers.extend([Linear { out: 1024 }, Relu]);
+                layers.extend([
+                    Linear {
+                        out: 1024,
+                        bias: true,
+                    },
+                    Relu,
+                ]);
             }
-            layers.push(Linear { out: classes });
+            layers.push(Linear {
+                out: classes,
+                bias: true,
+            });
             layers
         };
         let layers = match name {
@@ -227,9 +297,15 @@ impl ModelSpec {
                     stride: None,
                 },
                 Flatten,
-                Linear { out: 512 },
+                Linear {
+                    out: 512,
+                    bias: true,
+                },
                 Relu,
-                Linear { out: classes },
+                Linear {
+                    out: classes,
+                    bias: true,
+                },
             ],
             other => {
                 return Err(Error::Config {
@@ -260,11 +336,20 @@ impl ModelSpec {
             name: "tabular".into(),
             layers: vec![
                 Flatten,
-                Linear { out: width },
+                Linear {
+                    out: width,
+                    bias: true,
+                },
                 Relu,
-                Linear { out: width },
+                Linear {
+                    out: width,
+                    bias: true,
+                },
                 Relu,
-                Linear { out: outputs },
+                Linear {
+                    out: outputs,
+                    bias: true,
+                },
             ],
             tie_embeddings: false,
             stale_momentum: None,
@@ -446,6 +531,61 @@ impl ModelSpec {
     }
 }
 
+/// A Llama-family block from its description, over `input` (`[positions, width]`).
+fn llama_block(spec: &LayerSpec, input: &Shape, index: usize) -> Result<LlamaBlock> {
+    let LayerSpec::LlamaBlock {
+        heads,
+        kv_heads,
+        head_dim,
+        hidden,
+        rope_theta,
+        ref rope_scaling,
+        eps,
+        qkv_bias,
+        qk_norm,
+    } = *spec
+    else {
+        unreachable!("called on a llama_block")
+    };
+    let refuse = |reason: String| Error::Shape {
+        index,
+        kind: "llama_block",
+        input: input.clone(),
+        reason,
+    };
+    let [seq, width] = input.0[..] else {
+        return Err(refuse("needs a sequence input [positions, width]".into()));
+    };
+    if heads == 0 || kv_heads == 0 || heads % kv_heads != 0 {
+        return Err(refuse(format!(
+            "{kv_heads} key/value heads must divide the {heads} query heads"
+        )));
+    }
+    if head_dim == 0 || head_dim % 2 != 0 || width == 0 || hidden == 0 {
+        return Err(refuse(format!(
+            "the head size ({head_dim}) must be even and the width ({width}) and hidden              width ({hidden}) at least 1"
+        )));
+    }
+    if !(rope_theta > 0.0 && rope_theta.is_finite() && eps > 0.0 && eps.is_finite()) {
+        return Err(refuse(format!(
+            "rope_theta ({rope_theta}) and eps ({eps}) must be positive numbers"
+        )));
+    }
+    Ok(LlamaBlock {
+        seq,
+        width,
+        heads,
+        kv_heads,
+        head_dim,
+        hidden,
+        rope_theta,
+        rope_scaling: rope_scaling.clone(),
+        eps,
+        qkv_bias,
+        qk_norm,
+    })
+}
+
 /// Builds layer `index` of a model from its description and per-sample input shape (with the
 /// LeCun initialisation gain; [`ModelSpec::build`] sets He where the layer feeds a ReLU).
 pub fn build_layer(index: usize, spec: &LayerSpec, input: &Shape) -> Result<Layer> {
@@ -473,7 +613,7 @@ fn build_kind(index: usize, spec: &LayerSpec, input: &Shape) -> Result<LayerKind
         reason,
     };
     Ok(match *spec {
-        LayerSpec::Linear { out } => {
+        LayerSpec::Linear { out, bias } => {
             // A flat input, or a sequence `[positions, features]`: every position alike.
             let in_features = match input.0[..] {
                 [f] | [_, f] => f,
@@ -492,6 +632,7 @@ fn build_kind(index: usize, spec: &LayerSpec, input: &Shape) -> Result<LayerKind
             LayerKind::Linear(Linear {
                 in_features,
                 out_features: out,
+                bias,
             })
         }
         LayerSpec::Conv2d {
@@ -605,7 +746,12 @@ fn build_kind(index: usize, spec: &LayerSpec, input: &Shape) -> Result<LayerKind
                 mlp_ratio,
             })
         }
-        LayerSpec::Embedding { vocab, width } => {
+        LayerSpec::LlamaBlock { .. } => LayerKind::LlamaBlock(llama_block(spec, input, index)?),
+        LayerSpec::Embedding {
+            vocab,
+            width,
+            positions,
+        } => {
             let Some(seq) = input.as_flat() else {
                 return Err(shape_err(
                     "embedding",
@@ -618,10 +764,15 @@ fn build_kind(index: usize, spec: &LayerSpec, input: &Shape) -> Result<LayerKind
                     "vocab, width and the positions must be at least 1".into(),
                 ));
             }
-            LayerKind::Embedding(Embedding { vocab, seq, width })
+            LayerKind::Embedding(Embedding {
+                vocab,
+                seq,
+                width,
+                positions,
+            })
         }
-        LayerSpec::LayerNorm | LayerSpec::RmsNorm => {
-            let kind = if matches!(spec, LayerSpec::LayerNorm) {
+        LayerSpec::LayerNorm { eps } | LayerSpec::RmsNorm { eps } => {
+            let kind = if matches!(spec, LayerSpec::LayerNorm { .. }) {
                 NormKind::Layer
             } else {
                 NormKind::Rms
@@ -636,7 +787,17 @@ fn build_kind(index: usize, spec: &LayerSpec, input: &Shape) -> Result<LayerKind
                     "needs an input with a last dimension to normalise".into(),
                 ));
             };
-            LayerKind::Norm(Norm { kind, features })
+            if !(eps > 0.0 && eps.is_finite()) {
+                return Err(shape_err(
+                    "norm",
+                    format!("eps must be a positive number, not {eps}"),
+                ));
+            }
+            LayerKind::Norm(Norm {
+                kind,
+                features,
+                eps,
+            })
         }
         LayerSpec::Flatten => LayerKind::Flatten,
         LayerSpec::Dropout { p } => {
@@ -662,7 +823,8 @@ fn output_shape(kind: &LayerKind, input: &Shape) -> Shape {
         | LayerKind::Norm(_)
         | LayerKind::Gelu
         | LayerKind::CausalSelfAttention(_)
-        | LayerKind::Block(_) => input.clone(),
+        | LayerKind::Block(_)
+        | LayerKind::LlamaBlock(_) => input.clone(),
         LayerKind::Embedding(e) => Shape(vec![e.seq, e.width]),
         LayerKind::LinearHead(p) => Shape::flat(p.in_features + p.split),
         LayerKind::LinearTail(p) => Shape::flat(p.out_features),
@@ -732,11 +894,11 @@ mod tests {
             "{err}"
         );
         let err = ModelSpec::from_toml(
-            "[[layer]]\ntype = \"linear\"\nout = 3\nbias = false\n",
+            "[[layer]]\ntype = \"linear\"\nout = 3\nactivation = false\n",
             "m.toml",
         )
         .unwrap_err();
-        assert!(err.to_string().contains("bias"), "{err}");
+        assert!(err.to_string().contains("activation"), "{err}");
         let err =
             ModelSpec::from_toml("colour = 1\n[[layer]]\ntype = \"relu\"\n", "m.toml").unwrap_err();
         assert!(err.to_string().contains("colour"), "{err}");

@@ -103,13 +103,19 @@ mod tests {
                 Embedding {
                     vocab: VOCAB,
                     width: WIDTH,
+                    positions: true,
                 },
                 Block {
                     heads: 2,
                     mlp_ratio: 2,
                 },
-                LayerNorm,
-                Linear { out: VOCAB },
+                LayerNorm {
+                    eps: crate::layers::NORM_EPS,
+                },
+                Linear {
+                    out: VOCAB,
+                    bias: true,
+                },
             ],
             tie_embeddings: tied,
             stale_momentum: None,

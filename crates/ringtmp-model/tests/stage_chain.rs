@@ -844,13 +844,19 @@ fn gpt_layers() -> Vec<Layer> {
         LayerSpec::Embedding {
             vocab: 11,
             width: 8,
+            positions: true,
         },
         LayerSpec::Block {
             heads: 2,
             mlp_ratio: 2,
         },
-        LayerSpec::LayerNorm,
-        LayerSpec::Linear { out: 11 },
+        LayerSpec::LayerNorm {
+            eps: ringtmp_model::layers::NORM_EPS,
+        },
+        LayerSpec::Linear {
+            out: 11,
+            bias: true,
+        },
     ];
     let mut shape = Shape::flat(8);
     specs

@@ -52,17 +52,26 @@ pub fn gpt(vocab: usize, width: usize) -> ModelSpec {
     ModelSpec {
         name: format!("gpt-{width}"),
         layers: vec![
-            Embedding { vocab, width },
-            Block {
-                heads: 2,
-                mlp_ratio: 4,
+            Embedding {
+                vocab,
+                width,
+                positions: true,
             },
             Block {
                 heads: 2,
                 mlp_ratio: 4,
             },
-            LayerNorm,
-            Linear { out: vocab },
+            Block {
+                heads: 2,
+                mlp_ratio: 4,
+            },
+            LayerNorm {
+                eps: ringtmp_model::layers::NORM_EPS,
+            },
+            Linear {
+                out: vocab,
+                bias: true,
+            },
         ],
         tie_embeddings: false,
         stale_momentum: None,

@@ -65,7 +65,7 @@ pub fn open(path: &Path, threads: usize) -> Result<Opened> {
         })?),
     };
     let outputs = match manifest.model.layers.last() {
-        Some(ringtmp_model::LayerSpec::Linear { out }) => *out,
+        Some(ringtmp_model::LayerSpec::Linear { out, .. }) => *out,
         _ => {
             return Err(UsageError(format!(
                 "{}: model {} does not end in a linear layer",

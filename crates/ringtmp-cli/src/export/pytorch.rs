@@ -168,7 +168,13 @@ fn export_nanogpt(a: &ExportArgs) -> Result<()> {
 /// The Python module expression of one layer.
 fn module_of(layer: &Layer) -> Result<String> {
     Ok(match &layer.kind {
-        LayerKind::Linear(l) => format!("nn.Linear({}, {})", l.in_features, l.out_features),
+        LayerKind::Linear(l) if l.bias => {
+            format!("nn.Linear({}, {})", l.in_features, l.out_features)
+        }
+        LayerKind::Linear(l) => format!(
+            "nn.Linear({}, {}, bias=False)",
+            l.in_features, l.out_features
+        ),
         LayerKind::Conv2d(c) => format!(
             "nn.Conv2d({}, {}, {}, stride={}, padding={})",
             c.in_channels, c.out_channels, c.kernel, c.stride, c.padding
@@ -180,10 +186,10 @@ fn module_of(layer: &Layer) -> Result<String> {
         LayerKind::Dropout(d) => format!("nn.Dropout({})", d.p),
         LayerKind::Norm(n) => match n.kind {
             ringtmp_model::layers::NormKind::Layer => {
-                format!("nn.LayerNorm({}, eps={EPS})", n.features)
+                format!("nn.LayerNorm({}, eps={:e})", n.features, n.eps)
             }
             ringtmp_model::layers::NormKind::Rms => {
-                format!("nn.RMSNorm({}, eps={EPS})", n.features)
+                format!("nn.RMSNorm({}, eps={:e})", n.features, n.eps)
             }
         },
         LayerKind::Embedding(e) => format!("Embedding({}, {}, {})", e.vocab, e.width, e.seq),
@@ -196,10 +202,11 @@ fn module_of(layer: &Layer) -> Result<String> {
         LayerKind::LinearHead(_) | LayerKind::LinearTail(_) => {
             anyhow::bail!("a whole model has no cut layers")
         }
+        LayerKind::LlamaBlock(_) => {
+            anyhow::bail!("a Llama-family model is exported as a Hugging Face directory")
+        }
     })
 }
-
-const EPS: &str = "1e-5";
 
 /// The Python classes a language model's modules need, with ringtmp's parameter names
 /// (nanoGPT's) and computations (GELU in its tanh form, causal attention, pre-norm blocks).

@@ -17,6 +17,7 @@
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
 
+use super::heads::Heads;
 use crate::kernels::{Op, column_sums, linear_forward, matmul};
 
 /// One attention's cached keys and values for decoding: `[positions, width]` each, all heads
@@ -118,11 +119,10 @@ impl CausalSelfAttention {
         scratch: &mut Vec<f32>,
         threads: usize,
     ) {
-        let (c, d) = (self.width, self.head_dim());
+        let c = self.width;
         let [wqkv, bqkv, wproj, bproj] = self.tensors().map(|(o, l)| &p[o..o + l]);
-        crate::kernels::set_len(scratch, rows * 4 * c + at + rows);
-        let (qkv, rest) = scratch.split_at_mut(rows * 3 * c);
-        let (att, scores) = rest.split_at_mut(rows * c);
+        crate::kernels::set_len(scratch, rows * 4 * c);
+        let (qkv, att) = scratch.split_at_mut(rows * 3 * c);
         linear_forward(qkv, rows, 3 * c, c, x, wqkv, bqkv, threads);
         cache.keys.truncate(at * c);
         cache.values.truncate(at * c);
@@ -130,75 +130,33 @@ impl CausalSelfAttention {
             cache.keys.extend_from_slice(&row[c..2 * c]);
             cache.values.extend_from_slice(&row[2 * c..]);
         }
-        let scale = 1.0 / (d as f32).sqrt();
-        for (i, (row, out)) in qkv
-            .chunks_exact(3 * c)
-            .zip(att.chunks_exact_mut(c))
-            .enumerate()
-        {
-            let live = &mut scores[..=at + i];
-            for h in 0..self.heads {
-                let q = &row[h * d..(h + 1) * d];
-                for (j, s) in live.iter_mut().enumerate() {
-                    let k = &cache.keys[j * c + h * d..j * c + (h + 1) * d];
-                    *s = q.iter().zip(k).map(|(a, b)| a * b).sum::<f32>();
-                }
-                let max = live
-                    .iter()
-                    .fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
-                let mut sum = 0.0f32;
-                for s in live.iter_mut() {
-                    *s = (*s * scale - max).exp();
-                    sum += *s;
-                }
-                let o = &mut out[h * d..(h + 1) * d];
-                o.fill(0.0);
-                for (j, &w) in live.iter().enumerate() {
-                    let v = &cache.values[j * c + h * d..j * c + (h + 1) * d];
-                    for (o, v) in o.iter_mut().zip(v) {
-                        *o += w / sum * v;
-                    }
-                }
-            }
-        }
+        // The queries side by side, as the shared core reads them (the cache holds the keys
+        // and values).
+        let mut queries = vec![0.0f32; rows * c];
+        super::heads::gather(qkv, &mut queries, 3 * c, 0, c);
+        let mut scores = Vec::new();
+        self.heads()
+            .decode(&queries, at, &cache.keys, &cache.values, att, &mut scores);
         linear_forward(y, rows, c, c, att, wproj, bproj, threads);
     }
 
-    /// One sample: its heads' outputs `att` (`[seq, width]`) and each row's log-sum-exp `lse`
-    /// (`[heads, seq]`) from its `qkv` (`[seq, 3·width]`). Per head, the scores `q·kᵀ` and the
-    /// output `p·v` are GEMMs over the head's `seq × seq` block (one head's, never the batch's).
-    fn attend(&self, qkv: &[f32], att: &mut [f32], lse: &mut [f32]) {
-        let (t, d) = (self.seq, self.head_dim());
-        let scale = 1.0 / (d as f32).sqrt();
-        let mut head = HeadBuffers::new(t, d);
-        for h in 0..self.heads {
-            head.gather(qkv, self.width, h, d);
-            let HeadBuffers { q, k, v, s, o, .. } = &mut head;
-            matmul(s, t, t, d, q, Op::N, k, Op::T, false, 1);
-            for (i, row) in s.chunks_exact_mut(t).enumerate() {
-                let live = &mut row[..=i];
-                let max = live
-                    .iter()
-                    .fold(f32::NEG_INFINITY, |m, &x| m.max(x * scale));
-                let mut sum = 0.0f32;
-                for x in live.iter_mut() {
-                    *x = (*x * scale - max).exp();
-                    sum += *x;
-                }
-                for x in live.iter_mut() {
-                    *x /= sum;
-                }
-                row[i + 1..].fill(0.0);
-                lse[h * t + i] = max + sum.ln();
-            }
-            matmul(o, t, d, t, s, Op::N, v, Op::N, false, 1);
-            scatter(o, att, self.width, h * d, d);
+    /// The core's geometry: as many key/value heads as query heads.
+    fn heads(&self) -> Heads {
+        Heads {
+            seq: self.seq,
+            heads: self.heads,
+            kv_heads: self.heads,
+            head_dim: self.head_dim(),
         }
     }
 
-    /// One sample's `dqkv` from its stash and `datt`: with `P` made again from the scores and
-    /// the log-sum-exp, `dV = Pᵀ·dO`, `dS = P ∘ (dO·Vᵀ − rowsum(dO ∘ O))`, `dQ = dS·K/√d`,
-    /// `dK = dSᵀ·Q/√d`, each a GEMM over the head's block.
+    /// One sample: its heads' outputs `att` (`[seq, width]`) and each row's log-sum-exp `lse`
+    /// (`[heads, seq]`) from its `qkv` (`[seq, 3·width]`).
+    fn attend(&self, qkv: &[f32], att: &mut [f32], lse: &mut [f32]) {
+        self.heads().attend(qkv, att, lse);
+    }
+
+    /// One sample's `dqkv` from its stash and `datt`.
     fn attend_backward(
         &self,
         qkv: &[f32],
@@ -207,48 +165,7 @@ impl CausalSelfAttention {
         datt: &[f32],
         dqkv: &mut [f32],
     ) {
-        let (t, c, d) = (self.seq, self.width, self.head_dim());
-        let scale = 1.0 / (d as f32).sqrt();
-        let mut head = HeadBuffers::new(t, d);
-        for h in 0..self.heads {
-            head.gather(qkv, c, h, d);
-            let HeadBuffers {
-                q,
-                k,
-                v,
-                s,
-                o,
-                d_o,
-                dp,
-                dq,
-                dk,
-                dv,
-            } = &mut head;
-            gather(att, o, c, h * d, d);
-            gather(datt, d_o, c, h * d, d);
-            matmul(s, t, t, d, q, Op::N, k, Op::T, false, 1);
-            for (i, row) in s.chunks_exact_mut(t).enumerate() {
-                let l = lse[h * t + i];
-                for x in &mut row[..=i] {
-                    *x = (*x * scale - l).exp();
-                }
-                row[i + 1..].fill(0.0);
-            }
-            matmul(dv, t, d, t, s, Op::T, d_o, Op::N, false, 1);
-            matmul(dp, t, t, d, d_o, Op::N, v, Op::T, false, 1);
-            for (i, (p_row, dp_row)) in s.chunks_exact(t).zip(dp.chunks_exact_mut(t)).enumerate() {
-                let delta = dot(&d_o[i * d..(i + 1) * d], &o[i * d..(i + 1) * d]);
-                for (dpx, &px) in dp_row.iter_mut().zip(p_row) {
-                    *dpx = px * (*dpx - delta) * scale;
-                }
-            }
-            let ds = &*dp;
-            matmul(dq, t, d, t, ds, Op::N, k, Op::N, false, 1);
-            matmul(dk, t, d, t, ds, Op::T, q, Op::N, false, 1);
-            scatter(dq, dqkv, 3 * c, h * d, d);
-            scatter(dk, dqkv, 3 * c, c + h * d, d);
-            scatter(dv, dqkv, 3 * c, 2 * c + h * d, d);
-        }
+        self.heads().attend_backward(qkv, att, lse, datt, dqkv);
     }
 
     /// Parameter gradients (added, or overwritten when `!accumulate`) and, when asked, `dx`.
@@ -328,62 +245,4 @@ impl CausalSelfAttention {
             matmul(dx, rows, c, 3 * c, dqkv, Op::N, wqkv, Op::N, false, threads);
         }
     }
-}
-
-/// One head's operands, gathered contiguous from a sample's strided rows, and its scratch.
-struct HeadBuffers {
-    q: Vec<f32>,
-    k: Vec<f32>,
-    v: Vec<f32>,
-    /// Scores, then probabilities: `[seq, seq]`.
-    s: Vec<f32>,
-    o: Vec<f32>,
-    d_o: Vec<f32>,
-    dp: Vec<f32>,
-    dq: Vec<f32>,
-    dk: Vec<f32>,
-    dv: Vec<f32>,
-}
-
-impl HeadBuffers {
-    fn new(t: usize, d: usize) -> Self {
-        let m = || vec![0.0; t * d];
-        Self {
-            q: m(),
-            k: m(),
-            v: m(),
-            s: vec![0.0; t * t],
-            o: m(),
-            d_o: m(),
-            dp: vec![0.0; t * t],
-            dq: m(),
-            dk: m(),
-            dv: m(),
-        }
-    }
-
-    /// Head `h`'s queries, keys and values (`d` columns each) from `qkv` (`[seq, 3·width]`).
-    fn gather(&mut self, qkv: &[f32], width: usize, h: usize, d: usize) {
-        gather(qkv, &mut self.q, 3 * width, h * d, d);
-        gather(qkv, &mut self.k, 3 * width, width + h * d, d);
-        gather(qkv, &mut self.v, 3 * width, 2 * width + h * d, d);
-    }
-}
-
-/// Columns `col..col + d` of every row (`stride` values each) of `from` into `to`, contiguous.
-fn gather(from: &[f32], to: &mut [f32], stride: usize, col: usize, d: usize) {
-    for (row, out) in from.chunks_exact(stride).zip(to.chunks_exact_mut(d)) {
-        out.copy_from_slice(&row[col..col + d]);
-    }
-}
-
-/// Contiguous rows of `d` from `from` into columns `col..col + d` of `to`'s rows.
-fn scatter(from: &[f32], to: &mut [f32], stride: usize, col: usize, d: usize) {
-    for (row, out) in from.chunks_exact(d).zip(to.chunks_exact_mut(stride)) {
-        out[col..col + d].copy_from_slice(row);
-    }
-}
-
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| x * y).sum()
 }

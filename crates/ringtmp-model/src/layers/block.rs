@@ -54,7 +54,7 @@ struct Stash {
 }
 
 /// Lays `lens` out one after another.
-fn lay_out<const N: usize>(lens: [usize; N]) -> ([(usize, usize); N], usize) {
+pub(super) fn lay_out<const N: usize>(lens: [usize; N]) -> ([(usize, usize); N], usize) {
     let mut at = 0;
     let spans = lens.map(|l| {
         let span = (at, l);
@@ -64,7 +64,7 @@ fn lay_out<const N: usize>(lens: [usize; N]) -> ([(usize, usize); N], usize) {
     (spans, at)
 }
 
-fn span(v: &[f32], (o, l): (usize, usize)) -> &[f32] {
+pub(super) fn span(v: &[f32], (o, l): (usize, usize)) -> &[f32] {
     &v[o..o + l]
 }
 
@@ -73,6 +73,7 @@ impl Block {
         Norm {
             kind: NormKind::Layer,
             features: self.width,
+            eps: super::NORM_EPS,
         }
     }
 
@@ -431,7 +432,10 @@ impl Block {
 }
 
 /// Disjoint mutable spans of `v`, laid out in increasing order.
-fn split_spans<const N: usize>(v: &mut [f32], spans: [(usize, usize); N]) -> [&mut [f32]; N] {
+pub(super) fn split_spans<const N: usize>(
+    v: &mut [f32],
+    spans: [(usize, usize); N],
+) -> [&mut [f32]; N] {
     let mut rest = v;
     let mut at = 0;
     spans.map(|(o, l)| {

@@ -30,6 +30,14 @@ pub fn cut_linear(layers: &[Layer], at: usize, split: usize) -> crate::Result<Ve
                 .into(),
         });
     }
+    if !linear.bias {
+        return Err(crate::Error::Shape {
+            index: layer.index,
+            kind: layer.kind_name(),
+            input: layer.input.clone(),
+            reason: "only a linear layer with a bias can be cut inside".into(),
+        });
+    }
     if layer.input.as_flat().is_none() {
         return Err(crate::Error::Shape {
             index: layer.index,

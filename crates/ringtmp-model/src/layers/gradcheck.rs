@@ -155,20 +155,23 @@ fn away_from_zero(rng: &mut ChaCha8Rng) -> f32 {
 
 #[test]
 fn linear_gradients_match_finite_differences() {
-    let l = layer(LayerSpec::Linear { out: 5 }, Shape::flat(7));
+    let l = layer(LayerSpec::Linear { out: 5, bias: true }, Shape::flat(7));
     Case::new(l, 3, 1, normal).check(0.25, 1e-4);
 }
 
 #[test]
 fn a_linear_layer_over_a_sequence_runs_on_every_position() {
     // Three positions of 7 features to 5: the same weights at every position.
-    let l = layer(LayerSpec::Linear { out: 5 }, Shape(vec![3, 7]));
+    let l = layer(LayerSpec::Linear { out: 5, bias: true }, Shape(vec![3, 7]));
     assert_eq!(l.output, Shape(vec![3, 5]));
     assert_eq!(l.param_count(), 5 * 7 + 5);
     assert_eq!(l.rows_for(2), 6);
     Case::new(l, 2, 1, normal).check(0.25, 1e-4);
     let e = super::cut_linear(
-        &[layer(LayerSpec::Linear { out: 5 }, Shape(vec![3, 7]))],
+        &[layer(
+            LayerSpec::Linear { out: 5, bias: true },
+            Shape(vec![3, 7]),
+        )],
         0,
         2,
     )
@@ -178,7 +181,7 @@ fn a_linear_layer_over_a_sequence_runs_on_every_position() {
 
 #[test]
 fn a_cut_linear_layers_head_and_tail_gradients_match_finite_differences() {
-    let whole = layer(LayerSpec::Linear { out: 5 }, Shape::flat(7));
+    let whole = layer(LayerSpec::Linear { out: 5, bias: true }, Shape::flat(7));
     for split in [1, 2, 4] {
         let cut = super::cut_linear(std::slice::from_ref(&whole), 0, split).unwrap();
         for part in cut {
@@ -206,7 +209,10 @@ fn conv2d_gradients_match_finite_differences_with_stride_and_padding() {
 #[test]
 fn norm_gradients_match_finite_differences_per_row_of_the_last_dimension() {
     // Two samples of three rows of 8: statistics per row, γ and β shared by every row.
-    for spec in [LayerSpec::LayerNorm, LayerSpec::RmsNorm] {
+    for spec in [
+        LayerSpec::LayerNorm { eps: 1e-5 },
+        LayerSpec::RmsNorm { eps: 1e-6 },
+    ] {
         let l = layer(spec, Shape(vec![3, 8]));
         let mut case = Case::new(l, 2, 5, normal);
         // γ away from 1, so the check sees it scale.
@@ -219,7 +225,7 @@ fn norm_gradients_match_finite_differences_per_row_of_the_last_dimension() {
 
 #[test]
 fn norms_normalise_each_row_as_pytorch_does() {
-    let l = layer(LayerSpec::LayerNorm, Shape(vec![2, 4]));
+    let l = layer(LayerSpec::LayerNorm { eps: 1e-5 }, Shape(vec![2, 4]));
     let mut params = vec![0.0; 8];
     l.init(&mut params, 0);
     assert_eq!(params, [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0]);
@@ -235,7 +241,7 @@ fn norms_normalise_each_row_as_pytorch_does() {
     {
         assert!((a - b).abs() < 1e-5, "{y:?}");
     }
-    let rms = layer(LayerSpec::RmsNorm, Shape::flat(2));
+    let rms = layer(LayerSpec::RmsNorm { eps: 1e-5 }, Shape::flat(2));
     let mut params = vec![0.0; 2];
     rms.init(&mut params, 0);
     rms.forward(&params, &[3.0, 4.0], 1, &mut y, &mut aux, &Pass::eval(), 1);
@@ -323,7 +329,14 @@ fn attention_is_causal_and_the_same_on_any_thread_count() {
 fn embedding_gradients_match_finite_differences_and_sum_over_repeated_tokens() {
     // Two samples of 6 token ids from a vocabulary of 5 (so ids repeat): their rows of `wte`
     // gather every position's gradient, `wpe`'s rows every sample's.
-    let l = layer(LayerSpec::Embedding { vocab: 5, width: 3 }, Shape::flat(6));
+    let l = layer(
+        LayerSpec::Embedding {
+            vocab: 5,
+            width: 3,
+            positions: true,
+        },
+        Shape::flat(6),
+    );
     let case = Case::new(l, 2, 12, |rng| (rng.random::<u32>() % 5) as f32);
     case.check_inputs(0.25, 1e-4, false);
     let (_, dx) = case.analytic();
@@ -374,6 +387,115 @@ fn transformer_block_gradients_match_finite_differences() {
     assert_eq!(total, case.layer.param_count());
 }
 
+/// A Llama-family block of 4 positions of width 8 with 4 query heads over `kv_heads`
+/// key/value heads of 4 values, an MLP of 12.
+fn llama_block(kv_heads: usize, qkv_bias: bool, qk_norm: bool) -> Layer {
+    use crate::layers::rope::RopeScaling;
+    let mut l = layer(
+        LayerSpec::LlamaBlock {
+            heads: 4,
+            kv_heads,
+            head_dim: 4,
+            hidden: 12,
+            rope_theta: 10_000.0,
+            rope_scaling: Some(RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 2.0,
+            }),
+            eps: 1e-6,
+            qkv_bias,
+            qk_norm,
+        },
+        Shape(vec![4, 8]),
+    );
+    l.init_gain = 1.0;
+    l
+}
+
+#[test]
+fn llama_block_gradients_match_finite_differences() {
+    // Grouped-query (2 key/value heads for 4), multi-query with Qwen 2's biases, and Qwen 3's
+    // q/k norms: every parameter and every input, through RoPE, both residuals and SwiGLU.
+    for (kv_heads, qkv_bias, qk_norm) in [(2, false, false), (1, true, false), (4, false, true)] {
+        let mut case = Case::new(llama_block(kv_heads, qkv_bias, qk_norm), 2, 23, normal);
+        // The projections (0.02) twenty times larger, so attention and the MLP are not hidden
+        // behind the residuals; the gains kept near 1, away from it.
+        for p in case.params.iter_mut() {
+            if p.abs() < 0.1 {
+                *p *= 20.0;
+            } else if *p == 1.0 {
+                *p = 0.8;
+            }
+        }
+        case.check(1e-2, 3e-3);
+        let total: usize = case
+            .layer
+            .param_tensors()
+            .iter()
+            .map(|(_, s)| s.iter().product::<usize>())
+            .sum();
+        assert_eq!(total, case.layer.param_count());
+    }
+}
+
+#[test]
+fn a_llama_blocks_positions_are_causal_and_its_decode_its_forward() {
+    let mut case = Case::new(llama_block(2, true, true), 1, 29, normal);
+    for p in case.params.iter_mut().filter(|p| p.abs() < 0.1) {
+        *p *= 20.0;
+    }
+    let (mut y, mut aux) = (Vec::new(), Aux::default());
+    let x = case.x.clone();
+    case.layer
+        .forward(&case.params, &x, 1, &mut y, &mut aux, &Pass::eval(), 1);
+    // Changing the last position changes no earlier output.
+    let mut later = x.clone();
+    later[3 * 8] += 1.0;
+    let (mut y2, mut aux2) = (Vec::new(), Aux::default());
+    case.layer.forward(
+        &case.params,
+        &later,
+        1,
+        &mut y2,
+        &mut aux2,
+        &Pass::eval(),
+        1,
+    );
+    assert_eq!(y[..3 * 8], y2[..3 * 8]);
+    assert_ne!(y[3 * 8..], y2[3 * 8..]);
+    // Decoding one position and then three gives the forward's rows.
+    let crate::LayerKind::LlamaBlock(b) = &case.layer.kind else {
+        unreachable!()
+    };
+    let mut cache = super::KeyValues::default();
+    let (mut out, mut scratch) = (vec![0.0; 4 * 8], Vec::new());
+    b.decode(
+        &case.params,
+        &x[..8],
+        1,
+        0,
+        &mut cache,
+        &mut out[..8],
+        &mut scratch,
+        1,
+    );
+    b.decode(
+        &case.params,
+        &x[8..],
+        3,
+        1,
+        &mut cache,
+        &mut out[8..],
+        &mut scratch,
+        1,
+    );
+    for (a, b) in out.iter().zip(&y) {
+        assert!((a - b).abs() < 1e-5, "{a} vs {b}");
+    }
+}
+
 #[test]
 fn relu_gradients_match_finite_differences() {
     let l = layer(LayerSpec::Relu, Shape::flat(11));
@@ -419,7 +541,7 @@ fn flatten_passes_gradients_through() {
 #[test]
 fn linear_closed_form() {
     // W = [[1, 2], [3, 4], [5, 6]], b = [0.5, -0.5, 1], x = [1, -1] → y = [-0.5, -1.5, 0].
-    let l = layer(LayerSpec::Linear { out: 3 }, Shape::flat(2));
+    let l = layer(LayerSpec::Linear { out: 3, bias: true }, Shape::flat(2));
     let p = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 0.5, -0.5, 1.0];
     let (mut y, mut aux) = (Vec::new(), Aux::default());
     l.forward(&p, &[1.0, -1.0], 1, &mut y, &mut aux, &Pass::eval(), 1);
@@ -510,7 +632,13 @@ fn max_pool_closed_form_routes_gradient_to_the_maximum() {
 
 #[test]
 fn initialisation_depends_only_on_seed_and_layer_index() {
-    let l = layer(LayerSpec::Linear { out: 64 }, Shape::flat(100));
+    let l = layer(
+        LayerSpec::Linear {
+            out: 64,
+            bias: true,
+        },
+        Shape::flat(100),
+    );
     let (mut a, mut b) = (vec![0.0; l.param_count()], vec![0.0; l.param_count()]);
     l.init(&mut a, 9);
     l.init(&mut b, 9);

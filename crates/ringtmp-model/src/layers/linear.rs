@@ -1,5 +1,5 @@
 //! Fully connected layer: `y = x · Wᵀ + b` with `W` stored `[out, in]` (the common convention, so
-//! checkpoints read naturally in other tools).
+//! checkpoints read naturally in other tools), `b` optional (the Llama family's heads have none).
 
 use serde::{Deserialize, Serialize};
 
@@ -12,15 +12,32 @@ pub struct Linear {
     pub in_features: usize,
     /// Output features.
     pub out_features: usize,
+    /// Whether it adds a bias (after the weights in its parameters).
+    #[serde(default = "yes", skip_serializing_if = "Clone::clone")]
+    pub bias: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl Linear {
+    /// A layer with a bias.
+    pub fn new(in_features: usize, out_features: usize) -> Self {
+        Self {
+            in_features,
+            out_features,
+            bias: true,
+        }
+    }
+
     /// Weights plus biases.
     pub fn param_count(&self) -> usize {
-        self.out_features * (self.in_features + 1)
+        self.out_features * (self.in_features + usize::from(self.bias))
     }
 
     pub(crate) fn forward(&self, p: &[f32], x: &[f32], n: usize, y: &mut [f32], threads: usize) {
+        // Without a bias, `b` is empty: the kernels add none.
         let (w, b) = p.split_at(self.in_features * self.out_features);
         linear_forward(y, n, self.out_features, self.in_features, x, w, b, threads);
     }

@@ -60,6 +60,7 @@ impl LinearPart {
         Linear {
             in_features: self.in_features,
             out_features: self.split,
+            bias: true,
         }
     }
 
@@ -68,6 +69,7 @@ impl LinearPart {
         Linear {
             in_features: self.in_features,
             out_features: self.out_features - self.split,
+            bias: true,
         }
     }
 

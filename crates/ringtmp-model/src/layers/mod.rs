@@ -20,8 +20,10 @@ mod conv_shape;
 mod cut;
 mod dropout;
 mod embedding;
+mod heads;
 mod linear;
 mod linear_part;
+mod llama;
 mod norm;
 mod pass;
 mod pool;
@@ -37,6 +39,7 @@ pub use embedding::Embedding;
 pub use linear::Linear;
 pub use linear_part::LinearPart;
 pub(crate) use linear_part::Side;
+pub use llama::LlamaBlock;
 pub(crate) use norm::gelu_forward_threaded;
 pub use norm::{NORM_EPS, Norm, NormKind, gelu_backward, gelu_forward};
 pub use pass::{Aux, Pass, mix};
@@ -80,6 +83,9 @@ pub enum LayerKind {
     Embedding(Embedding),
     /// A pre-norm transformer block over `[seq, width]`.
     Block(Block),
+    /// The Llama family's decoder block over `[seq, width]` (RMSNorm, RoPE, grouped-query
+    /// attention, SwiGLU).
+    LlamaBlock(LlamaBlock),
 }
 
 /// One layer of a model, with its place in the model and its shapes.
@@ -126,6 +132,7 @@ impl Layer {
             LayerKind::CausalSelfAttention(_) => "causal_self_attention",
             LayerKind::Embedding(_) => "embedding",
             LayerKind::Block(_) => "block",
+            LayerKind::LlamaBlock(_) => "llama_block",
         }
     }
 
@@ -175,6 +182,7 @@ impl Layer {
             LayerKind::CausalSelfAttention(a) => a.param_count(),
             LayerKind::Embedding(e) => e.param_count(),
             LayerKind::Block(b) => b.param_count(),
+            LayerKind::LlamaBlock(b) => b.param_count(),
             _ => 0,
         }
     }
@@ -200,13 +208,16 @@ impl Layer {
     /// names its share of the whole layer's tensors as a piece: `<name>@<offset>`, flat.
     pub fn param_tensors(&self) -> Vec<(String, Vec<usize>)> {
         match &self.kind {
-            LayerKind::Linear(l) => vec![
-                (
+            LayerKind::Linear(l) => {
+                let mut t = vec![(
                     format!("layers.{}.weight", self.index),
                     vec![l.out_features, l.in_features],
-                ),
-                (format!("layers.{}.bias", self.index), vec![l.out_features]),
-            ],
+                )];
+                if l.bias {
+                    t.push((format!("layers.{}.bias", self.index), vec![l.out_features]));
+                }
+                t
+            }
             LayerKind::Conv2d(c) => vec![
                 (
                     format!("layers.{}.weight", self.index),
@@ -255,16 +266,20 @@ impl Layer {
                 ]
             }
             LayerKind::Block(b) => b.param_tensors(&format!("layers.{}", self.index)),
-            LayerKind::Embedding(e) => vec![
-                (
+            LayerKind::LlamaBlock(b) => b.param_tensors(&format!("layers.{}", self.index)),
+            LayerKind::Embedding(e) => {
+                let mut t = vec![(
                     format!("layers.{}.wte.weight", self.index),
                     vec![e.vocab, e.width],
-                ),
-                (
-                    format!("layers.{}.wpe.weight", self.index),
-                    vec![e.seq, e.width],
-                ),
-            ],
+                )];
+                if e.positions {
+                    t.push((
+                        format!("layers.{}.wpe.weight", self.index),
+                        vec![e.seq, e.width],
+                    ));
+                }
+                t
+            }
             _ => vec![],
         }
     }
@@ -295,6 +310,11 @@ impl Layer {
             return;
         }
         if let LayerKind::Block(b) = &self.kind {
+            let mut rng = ChaCha8Rng::seed_from_u64(mix(seed, self.index as u64));
+            b.init(params, || StandardNormal.sample(&mut rng));
+            return;
+        }
+        if let LayerKind::LlamaBlock(b) = &self.kind {
             let mut rng = ChaCha8Rng::seed_from_u64(mix(seed, self.index as u64));
             b.init(params, || StandardNormal.sample(&mut rng));
             return;
@@ -364,6 +384,10 @@ impl Layer {
             }
             LayerKind::Embedding(e) => e.forward(params, x, y),
             LayerKind::Block(b) => {
+                set_len(&mut aux.values, b.stash_len(n));
+                b.forward(params, x, n, y, &mut aux.values, threads);
+            }
+            LayerKind::LlamaBlock(b) => {
                 set_len(&mut aux.values, b.stash_len(n));
                 b.forward(params, x, n, y, &mut aux.values, threads);
             }
@@ -454,6 +478,13 @@ impl Layer {
             }
             LayerKind::Embedding(e) => e.backward(grads, accumulate, x, dy, dx),
             LayerKind::Block(b) => {
+                let dx = dx.map(|d| d.as_mut_slice());
+                let stash = &aux.values;
+                b.backward(
+                    params, grads, accumulate, x, stash, dy, n, dx, scratch, threads,
+                );
+            }
+            LayerKind::LlamaBlock(b) => {
                 let dx = dx.map(|d| d.as_mut_slice());
                 let stash = &aux.values;
                 b.backward(

@@ -34,6 +34,13 @@ pub struct Norm {
     pub kind: NormKind,
     /// Values per row (the last dimension).
     pub features: usize,
+    /// ε added to the variance or mean square.
+    #[serde(default = "default_eps")]
+    pub eps: f32,
+}
+
+fn default_eps() -> f32 {
+    NORM_EPS
 }
 
 /// Rows per parallel task: enough work to be worth a task.
@@ -70,7 +77,7 @@ impl Norm {
         let f = self.features;
         let rows = x.len() / f;
         let (gamma, beta) = p.split_at(f);
-        let kind = self.kind;
+        let (kind, eps) = (self.kind, f64::from(self.eps));
         let work = |(x, (y, stats)): (&[f32], (&mut [f32], &mut [f32]))| {
             for ((x, y), s) in x
                 .chunks_exact(f)
@@ -89,7 +96,7 @@ impl Norm {
                     })
                     .sum::<f64>()
                     / f as f64;
-                let rstd = (1.0 / (var + f64::from(NORM_EPS)).sqrt()) as f32;
+                let rstd = (1.0 / (var + eps).sqrt()) as f32;
                 let mean = mean as f32;
                 match kind {
                     NormKind::Layer => {

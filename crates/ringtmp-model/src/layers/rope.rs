@@ -9,7 +9,8 @@
 //! `inverse` maps an output gradient to the input's.
 
 /// RoPE's frequency scaling.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(tag = "rope_type", rename_all = "snake_case", deny_unknown_fields)]
 pub enum RopeScaling {
     /// Positions divided by `factor` (the frequencies, equivalently).
     Linear {
@@ -117,6 +118,46 @@ impl Rope {
                     let (a, b) = (head[i], head[i + half]);
                     head[i] = a * cos - b * sin;
                     head[i + half] = b * cos + a * sin;
+                }
+            }
+        }
+    }
+}
+
+impl Rope {
+    /// Rotates columns `col..col + width` (whole heads) of each row of `x` — rows of `stride`
+    /// values, row `r` at position `positions[r]` — in place; by the opposite angles when
+    /// `inverse`. Each row's angles are computed once for all its heads.
+    ///
+    /// # Panics
+    /// If the columns are not whole heads inside the rows, or there is not a position a row.
+    pub fn apply_columns(
+        &self,
+        x: &mut [f32],
+        stride: usize,
+        col: usize,
+        width: usize,
+        positions: &[usize],
+        inverse: bool,
+    ) {
+        let (d, half) = (self.head_dim, self.head_dim / 2);
+        assert!(
+            width % d == 0 && col + width <= stride && x.len() == positions.len() * stride,
+            "rows of whole heads"
+        );
+        let sign = if inverse { -1.0 } else { 1.0 };
+        let (mut cos, mut sin) = (vec![0.0f32; half], vec![0.0f32; half]);
+        for (row, &p) in x.chunks_exact_mut(stride).zip(positions) {
+            for i in 0..half {
+                let angle = p as f32 * self.inv_freq[i];
+                (sin[i], cos[i]) = (sign * angle.sin(), angle.cos());
+            }
+            for head in row[col..col + width].chunks_exact_mut(d) {
+                let (a, b) = head.split_at_mut(half);
+                for i in 0..half {
+                    let (u, v) = (a[i], b[i]);
+                    a[i] = u * cos[i] - v * sin[i];
+                    b[i] = v * cos[i] + u * sin[i];
                 }
             }
         }

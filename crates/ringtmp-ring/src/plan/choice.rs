@@ -95,10 +95,12 @@ pub(super) fn choose(
         .iter()
         .map(|l| match &l.kind {
             // A linear layer over a sequence runs on every position: not cut inside.
-            LayerKind::Linear(linear) if l.input.as_flat().is_some() => Some(partition::Cuttable {
-                in_features: linear.in_features,
-                out_features: linear.out_features,
-            }),
+            LayerKind::Linear(linear) if l.input.as_flat().is_some() && linear.bias => {
+                Some(partition::Cuttable {
+                    in_features: linear.in_features,
+                    out_features: linear.out_features,
+                })
+            }
             _ => None,
         })
         .collect();
