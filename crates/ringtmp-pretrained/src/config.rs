@@ -242,6 +242,8 @@ impl ModelConfig {
             };
             let width = need("hidden_size")?;
             let heads = need("num_attention_heads")?;
+            // transformers 5 writes RoPE's base and scaling as one `rope_parameters` object.
+            let rope = config.get("rope_parameters").filter(|v| !v.is_null());
             Self {
                 family,
                 layers: need("num_hidden_layers")?,
@@ -252,8 +254,14 @@ impl ModelConfig {
                 intermediate: need("intermediate_size")?,
                 vocab: need("vocab_size")?,
                 context: uint("max_position_embeddings")?.unwrap_or(2048),
-                rope_theta: float("rope_theta", 10_000.0),
-                rope_scaling: rope_scaling(config.get("rope_scaling"), path)?,
+                rope_theta: rope
+                    .and_then(|r| r.get("rope_theta"))
+                    .and_then(serde_json::Value::as_f64)
+                    .unwrap_or_else(|| float("rope_theta", 10_000.0)),
+                rope_scaling: rope_scaling(
+                    config.get("rope_scaling").filter(|v| !v.is_null()).or(rope),
+                    path,
+                )?,
                 norm_eps: float("rms_norm_eps", 1e-6),
                 tie_embeddings: tie.unwrap_or(false),
             }

@@ -6,6 +6,8 @@
 //!   dequantised to f32 as the `gguf` package and ggml's reference code do it, bit for bit.
 //! - [`hf`]: Hugging Face model directories: `config.json` and the weights in one
 //!   safetensors file or shards named by `model.safetensors.index.json`, f32, f16 or bf16.
+//! - [`model`]: a pretrained model as a chain of layers, and its weights read into the stages
+//!   that hold them.
 //! - [`template`]: chat templates (Jinja) rendered as `transformers` renders them.
 //! - [`vocabulary`]: a model's tokenizer, its framing tokens and its template, from either.
 //!
@@ -16,5 +18,6 @@
 pub mod config;
 pub mod gguf;
 pub mod hf;
+pub mod model;
 pub mod template;
 pub mod vocabulary;

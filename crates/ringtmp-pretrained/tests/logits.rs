@@ -1,0 +1,203 @@
+//! Pretrained models run as ringtmp's chain of layers give `transformers`' logits: five tiny
+//! random models of every family (`benches/reference/pretrained_golden.py`: Llama with
+//! grouped-query attention and Llama 3's RoPE scaling, Llama with multi-query attention, linear
+//! scaling and a tied head, Qwen 2 with its biases, Qwen 3 with its q/k norms and a head size
+//! that is not the width over the heads, GPT-2 with its Conv1D weights), whole and split in two
+//! stages that each read only their own layers; and the shared SmolLM2 GGUF file, whose logits,
+//! chat prompt and greedy answer are `transformers`'.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use ringtmp_model::decode::Decoder;
+use ringtmp_model::{Layer, Stage};
+use ringtmp_pretrained::model::Pretrained;
+use ringtmp_pretrained::template::{ChatMessage, ChatTemplate};
+
+/// Every tensor of a safetensors file, as f32 values.
+fn tensors(path: &Path) -> BTreeMap<String, Vec<f32>> {
+    let bytes = std::fs::read(path).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    file.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let values = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            (name, values)
+        })
+        .collect()
+}
+
+/// A stage of `layers[range]` with the model's weights.
+fn stage(model: &Pretrained, layers: &[Layer], range: std::ops::Range<usize>) -> Stage {
+    let mut stage = Stage::new(layers, range.clone(), 0, 1);
+    model.load(layers, range, stage.params_mut()).unwrap();
+    stage.sync_tie();
+    stage
+}
+
+fn worst(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn tiny_models_of_every_family_give_transformers_logits_whole_and_split() {
+    for name in ["llama-gqa", "llama-tied", "qwen2", "qwen3", "gpt2"] {
+        let dir = common::reference(&format!("pretrained/{name}"));
+        let golden = tensors(&dir.join("golden.safetensors"));
+        let (ids, want) = (&golden["input_ids"], &golden["logits"]);
+        let model = Pretrained::open(&dir).unwrap();
+        let seq = ids.len() / 2;
+        let layers = model.layers(seq).unwrap();
+        let n = layers.len();
+        let mut whole = stage(&model, &layers, 0..n);
+        let got = whole.infer(ids, 2).unwrap().to_vec();
+        let err = worst(&got, want);
+        println!("{name}: logits within {err:.2e} of transformers'");
+        assert!(err < 1e-4, "{name}: {err}");
+        // Two stages, the cut after the first block: each reads its own layers' tensors.
+        let (mut first, mut second) = (stage(&model, &layers, 0..2), stage(&model, &layers, 2..n));
+        let middle = first.infer(ids, 2).unwrap().to_vec();
+        let split = second.infer(&middle, 2).unwrap();
+        assert!(worst(split, want) < 1e-4, "{name} split");
+    }
+}
+
+/// Positions decoded one at a time with the KV cache give the full forward's logits.
+#[test]
+fn decoding_a_pretrained_model_token_by_token_gives_its_forward() {
+    for name in ["llama-gqa", "qwen3", "gpt2"] {
+        let dir = common::reference(&format!("pretrained/{name}"));
+        let golden = tensors(&dir.join("golden.safetensors"));
+        let (ids, want) = (&golden["input_ids"], &golden["logits"]);
+        let model = Pretrained::open(&dir).unwrap();
+        let seq = ids.len() / 2;
+        let layers = model.layers(seq).unwrap();
+        let whole = stage(&model, &layers, 0..layers.len());
+        let mut decoder = Decoder::new(&whole).unwrap();
+        let vocab = model.config.vocab;
+        for (t, id) in ids[..seq].iter().enumerate() {
+            let logits = decoder.step(&whole, &[*id], 1).unwrap();
+            let err = worst(logits, &want[t * vocab..(t + 1) * vocab]);
+            assert!(err < 1e-4, "{name} position {t}: {err}");
+        }
+    }
+}
+
+#[test]
+fn a_tensor_of_another_shape_is_refused_naming_it() {
+    let dir = common::reference("pretrained/llama-gqa");
+    let model = Pretrained::open(&dir).unwrap();
+    // Layers of a model with other heads: the same tensors do not fit them.
+    let mut spec = model.spec(12).unwrap();
+    if let ringtmp_model::LayerSpec::LlamaBlock { hidden, .. } = &mut spec.layers[1] {
+        *hidden = 48;
+    }
+    let layers = spec
+        .build_for(
+            &ringtmp_model::Shape::flat(12),
+            &ringtmp_model::Shape(vec![12, model.config.vocab]),
+        )
+        .unwrap();
+    let mut stage = Stage::new(&layers, 1..2, 0, 1);
+    let err = model.load(&layers, 1..2, stage.params_mut()).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        text.contains("model.layers.0.mlp.gate_proj.weight") && text.contains("[48, 64]"),
+        "{text}"
+    );
+    assert!(
+        model
+            .spec(65)
+            .unwrap_err()
+            .to_string()
+            .contains("context is 64")
+    );
+}
+
+/// The shared SmolLM2 file (Q4_1): the chat prompt rendered and tokenised as `transformers`
+/// does, the logits at four of its positions within 5e-4 of `transformers`' (the same
+/// dequantised weights in f32, summed in another order over 30 blocks), and greedy decoding
+/// with the KV cache answering as `transformers` answers.
+#[test]
+fn smollm2_answers_the_capital_of_france_as_transformers_does() {
+    let Some(path) = common::smollm2() else {
+        return;
+    };
+    let golden = tensors(&common::reference("pretrained/smollm2-golden.safetensors"));
+    let model = Pretrained::open(&path).unwrap();
+    let vocabulary = model.vocabulary().unwrap();
+    let template = ChatTemplate::new(
+        vocabulary.chat_template.as_deref().unwrap(),
+        "<|im_start|>",
+        "<|im_end|>",
+    )
+    .unwrap();
+    let prompt = template
+        .render(
+            &[ChatMessage {
+                role: "user".into(),
+                content: "What is the capital of France?".into(),
+            }],
+            true,
+            &serde_json::Map::new(),
+        )
+        .unwrap();
+    let ids: Vec<f32> = vocabulary
+        .tokenizer
+        .encode(prompt.as_str(), false)
+        .unwrap()
+        .get_ids()
+        .iter()
+        .map(|&i| i as f32)
+        .collect();
+    assert_eq!(ids, golden["prompt_ids"], "the prompt's ids");
+    let layers = model.layers(ids.len()).unwrap();
+    let mut whole = stage(&model, &layers, 0..layers.len());
+    let logits = whole.infer(&ids, 1).unwrap().to_vec();
+    let vocab = model.config.vocab;
+    let want = &golden["prompt_logits"];
+    for (k, &row) in golden["logit_rows"].iter().enumerate() {
+        let row = row as usize;
+        let err = worst(
+            &logits[row * vocab..(row + 1) * vocab],
+            &want[k * vocab..(k + 1) * vocab],
+        );
+        println!("SmolLM2 position {row}: logits within {err:.2e} of transformers'");
+        assert!(err < 5e-4, "position {row}: {err}");
+    }
+    // Greedy decoding with the KV cache, in a stage as long as the answer needs.
+    let answer = &golden["answer_ids"];
+    let layers = model.layers(ids.len() + answer.len()).unwrap();
+    let whole = stage(&model, &layers, 0..layers.len());
+    let mut decoder = Decoder::new(&whole).unwrap();
+    let mut next = argmax(decoder.step(&whole, &ids, ids.len()).unwrap(), vocab);
+    let mut got = Vec::new();
+    while got.len() < answer.len() {
+        got.push(next as f32);
+        next = argmax(decoder.step(&whole, &[next as f32], 1).unwrap(), vocab);
+    }
+    let text = vocabulary
+        .tokenizer
+        .decode(&got.iter().map(|&i| i as u32).collect::<Vec<_>>(), false)
+        .unwrap();
+    println!("SmolLM2: {text:?}");
+    assert_eq!(&got, answer, "{text:?}");
+}
+
+/// The last row's most likely token.
+fn argmax(logits: &[f32], vocab: usize) -> usize {
+    let last = &logits[logits.len() - vocab..];
+    (0..vocab)
+        .max_by(|&a, &b| last[a].total_cmp(&last[b]))
+        .unwrap()
+}
