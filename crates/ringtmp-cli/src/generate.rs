@@ -1,5 +1,7 @@
 //! `ringtmp generate`: text from a language model's checkpoint, whichever strategy and partition
-//! wrote it. The model is assembled from the checkpoint's stage files by tensor name, decoded
+//! wrote it, or from a pretrained model (`--pretrained`: a GGUF file or a Hugging Face
+//! directory; `--chat` renders a message through its chat template, and generation stops at its
+//! end of turn). The model is assembled from the checkpoint's stage files by tensor name, decoded
 //! with a KV cache ([`ringtmp_model::decode`]) and sampled as nanoGPT samples
 //! ([`ringtmp_model::generate`]); the text goes to stdout as it is drawn, the figures (time to
 //! first token, tokens per second, the cache's size) to stderr. With `--nodes N` the model stays
@@ -29,8 +31,23 @@ use crate::error::UsageError;
 pub struct GenerateArgs {
     /// A checkpoint directory, a run's `checkpoints/` directory or a run directory (its latest
     /// checkpoint), from any strategy.
-    #[arg(long)]
-    pub checkpoint: PathBuf,
+    #[arg(
+        long,
+        required_unless_present = "pretrained",
+        conflicts_with = "pretrained"
+    )]
+    pub checkpoint: Option<PathBuf>,
+    /// A pretrained model: a `.gguf` file or a Hugging Face model directory (`config.json`,
+    /// safetensors, `tokenizer.json`).
+    #[arg(long, value_name = "PATH")]
+    pub pretrained: Option<PathBuf>,
+    /// A message to the model, rendered by its chat template with the assistant's turn opened;
+    /// only the answer is printed.
+    #[arg(long, value_name = "MESSAGE", conflicts_with_all = ["prompt", "prompt_ids"])]
+    pub chat: Option<String>,
+    /// With --chat: the system message before it.
+    #[arg(long, value_name = "TEXT", requires = "chat")]
+    pub system: Option<String>,
     /// The text to continue.
     #[arg(long, default_value = "\n")]
     pub prompt: String,
@@ -40,12 +57,18 @@ pub struct GenerateArgs {
     /// Tokens to generate.
     #[arg(long, default_value_t = 500)]
     pub tokens: usize,
-    /// Divides the logits before sampling; 0 takes the most likely token.
-    #[arg(long, default_value_t = 0.8)]
-    pub temperature: f32,
-    /// Sample among the K most likely tokens only; 0 = all.
-    #[arg(long, default_value_t = 200)]
-    pub top_k: usize,
+    /// Divides the logits before sampling; 0 takes the most likely token [default: 0.8; a
+    /// pretrained model's generation_config.json's, or 0 where it does not sample]
+    #[arg(long)]
+    pub temperature: Option<f32>,
+    /// Sample among the K most likely tokens only; 0 = all [default: 200; a pretrained
+    /// model's generation_config.json's]
+    #[arg(long)]
+    pub top_k: Option<usize>,
+    /// Sample among the most likely tokens whose probabilities sum to P only (nucleus
+    /// sampling); 1 = all [default: 1; a pretrained model's generation_config.json's]
+    #[arg(long)]
+    pub top_p: Option<f32>,
     /// Seeds the sampling: the same checkpoint, prompt and seed give the same text.
     #[arg(long, default_value_t = 1337)]
     pub seed: u64,
@@ -75,6 +98,8 @@ pub(crate) enum Text {
     Chars(Vocabulary),
     Tokenizer(Box<TextTokenizer>),
     Ids,
+    /// A pretrained model's tokenizer; its special tokens are not printed.
+    Pretrained(Box<tokenizers::Tokenizer>),
 }
 
 impl Text {
@@ -84,6 +109,9 @@ impl Text {
             Self::Chars(v) => v.decode(ids).unwrap_or_default(),
             Self::Tokenizer(t) => t.decode(ids)?,
             Self::Ids => ids.iter().map(|i| format!("{i} ")).collect::<String>(),
+            Self::Pretrained(t) => t
+                .decode(ids, true)
+                .map_err(|e| anyhow::anyhow!("decoding tokens: {e}"))?,
         })
     }
 }
@@ -94,15 +122,30 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
             UsageError("--tokens 0: nothing to generate (ask for at least 1)".into()).into(),
         );
     }
-    if !(a.temperature.is_finite() && a.temperature >= 0.0) {
+    if let Some(t) = a.temperature.filter(|t| !(t.is_finite() && *t >= 0.0)) {
         return Err(UsageError(format!(
-            "--temperature {}: must be 0 (the most likely token) or more",
-            a.temperature
+            "--temperature {t}: must be 0 (the most likely token) or more"
         ))
         .into());
     }
+    if let Some(p) = a.top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
+        return Err(UsageError(format!("--top-p {p}: must be above 0 and at most 1")).into());
+    }
+    if let Some(path) = &a.pretrained {
+        return crate::generate_pretrained::run(a, path);
+    }
+    if a.chat.is_some() {
+        return Err(UsageError(
+            "--chat needs a pretrained model's chat template (--pretrained PATH)".into(),
+        )
+        .into());
+    }
+    let checkpoint = a
+        .checkpoint
+        .as_deref()
+        .expect("clap: --checkpoint or --pretrained");
     let opened = open(
-        &a.checkpoint,
+        checkpoint,
         a.tokenizer.as_deref(),
         &a.prompt,
         a.prompt_ids.as_ref(),
@@ -142,9 +185,8 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
     );
     let mut chain = LocalChain::new(vec![stage])?;
     let sampling = Sampling {
-        temperature: a.temperature,
-        top_k: a.top_k,
-        seed: a.seed,
+        top_p: a.top_p.unwrap_or(1.0),
+        ..Sampling::top_k(a.temperature.unwrap_or(0.8), a.top_k.unwrap_or(200), a.seed)
     };
     let mut printer = Printer::new(&text, &prompt)?;
     let generated = generate(&mut chain, &prompt, a.tokens, &sampling, &mut |token| {
@@ -239,6 +281,9 @@ pub(crate) fn open(
             ))
         })?,
         (None, Text::Tokenizer(t)) => t.encode(prompt_text)?,
+        (None, Text::Pretrained(_)) => {
+            unreachable!("a checkpoint's text is never a pretrained model's")
+        }
         (None, Text::Ids) => {
             return Err(UsageError(
                 "the model was trained on token ids (.bin files): give the prompt as --prompt-ids"
@@ -352,14 +397,18 @@ fn split(a: &GenerateArgs, opened: &Opened) -> anyhow::Result<()> {
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
     let job = GenerateJob {
         checkpoint: std::path::absolute(&opened.dir).unwrap_or_else(|_| opened.dir.clone()),
+        pretrained: false,
         partition: partition.clone(),
         context: opened.context,
         vocab: opened.vocab.len(),
         prompt: opened.prompt.clone(),
         tokens: a.tokens,
-        temperature: a.temperature,
-        top_k: a.top_k,
+        temperature: a.temperature.unwrap_or(0.8),
+        top_k: a.top_k.unwrap_or(200),
+        top_p: a.top_p.unwrap_or(1.0),
         seed: a.seed,
+        stop: Vec::new(),
+        print_prompt: true,
         threads: a
             .threads
             .unwrap_or_else(|| (cores / a.nodes as usize).max(1)),
@@ -369,12 +418,23 @@ fn split(a: &GenerateArgs, opened: &Opened) -> anyhow::Result<()> {
             .as_ref()
             .map(|t| std::path::absolute(t).unwrap_or_else(|_| t.clone())),
     };
+    launch_split(a, &job, &layers, &opened.manifest.model.name)
+}
+
+/// Launches a split generation of `job` over `a.nodes` local node processes, each holding its
+/// share of `layers`.
+pub(crate) fn launch_split(
+    a: &GenerateArgs,
+    job: &GenerateJob,
+    layers: &[ringtmp_model::Layer],
+    name: &str,
+) -> anyhow::Result<()> {
+    let partition = job.partition.clone();
     let share =
         |r: &(usize, usize)| -> usize { layers[r.0..r.1].iter().map(|l| l.param_count()).sum() };
     let memory = node_memory(a, &partition, &share)?;
     eprintln!(
-        "generate: {} split over {} nodes (layers {}; parameters per node {})",
-        opened.manifest.model.name,
+        "generate: {name} split over {} nodes (layers {}; parameters per node {})",
         a.nodes,
         partition
             .iter()
@@ -389,7 +449,7 @@ fn split(a: &GenerateArgs, opened: &Opened) -> anyhow::Result<()> {
     );
     let dir = tempfile_dir()?;
     let job_file = dir.join("generate-job.json");
-    std::fs::write(&job_file, serde_json::to_string(&job)?)
+    std::fs::write(&job_file, serde_json::to_string(job)?)
         .with_context(|| format!("writing {}", job_file.display()))?;
     let job_arg = job_file.display().to_string();
     let node_args = |rank: u32| {

@@ -598,9 +598,15 @@ fn run_generation(
         ringtmp_strategy::generate::run(job, rank, net, &mut |_| Ok(()))?;
         return Ok(());
     }
-    let prompt_ids = Some(&job.prompt);
-    let opened = crate::generate::open(&job.checkpoint, job.tokenizer.as_deref(), "", prompt_ids)?;
-    let mut printer = crate::generate::Printer::new(&opened.text, &job.prompt)?;
+    let text = if job.pretrained {
+        let opened = crate::pretrained::open(&job.checkpoint)?;
+        crate::generate::Text::Pretrained(Box::new(opened.vocabulary.tokenizer))
+    } else {
+        let prompt_ids = Some(&job.prompt);
+        crate::generate::open(&job.checkpoint, job.tokenizer.as_deref(), "", prompt_ids)?.text
+    };
+    let shown: &[u32] = if job.print_prompt { &job.prompt } else { &[] };
+    let mut printer = crate::generate::Printer::new(&text, shown)?;
     let outcome = ringtmp_strategy::generate::run(job, rank, net, &mut |token| {
         printer
             .token(token)

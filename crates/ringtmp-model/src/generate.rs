@@ -2,10 +2,12 @@
 //! token at a time, over a [`Chain`] — the model's stages in one process ([`LocalChain`]) or
 //! spread over nodes that each keep the KV cache of their own layers.
 //!
-//! Sampling is nanoGPT's: the last position's logits over the temperature, only the `top_k`
-//! largest kept, a draw from their softmax by a generator seeded from `seed` (ChaCha8), so the
-//! same model, prompt and seed give the same tokens wherever the stages run. A temperature of 0
-//! takes the most likely token.
+//! Sampling is nanoGPT's and `transformers`': the last position's logits over the temperature,
+//! only the `top_k` largest kept, then only the most likely of those whose probabilities sum
+//! to `top_p` (nucleus sampling), a draw from their softmax by a generator seeded from `seed`
+//! (ChaCha8), so the same model, prompt and seed give the same tokens wherever the stages run.
+//! A temperature of 0 takes the most likely token. Generation ends early at a stop token (a
+//! pretrained model's end of sequence or of turn), which is not handed on.
 //!
 //! The context: a prompt longer than the model's context keeps its last `context` tokens (as
 //! nanoGPT crops). When the sequence fills the context, the chain forgets it and encodes the
@@ -106,8 +108,25 @@ pub struct Sampling {
     pub temperature: f32,
     /// Only the `top_k` most likely tokens may be drawn; 0 = all.
     pub top_k: usize,
+    /// Only the most likely tokens whose probabilities sum to `top_p` may be drawn; 1 = all.
+    pub top_p: f32,
     /// Seeds the draws.
     pub seed: u64,
+    /// Tokens that end the generation.
+    pub stop: Vec<u32>,
+}
+
+impl Sampling {
+    /// Temperature and top-k sampling (no nucleus, no stop token), as nanoGPT samples.
+    pub fn top_k(temperature: f32, top_k: usize, seed: u64) -> Self {
+        Self {
+            temperature,
+            top_k,
+            top_p: 1.0,
+            seed,
+            stop: Vec::new(),
+        }
+    }
 }
 
 /// Draws a token from `logits` as `sampling` says, with `rng`.
@@ -134,7 +153,7 @@ pub fn sample(logits: &[f32], sampling: &Sampling, rng: &mut ChaCha8Rng) -> u32 
         f32::NEG_INFINITY
     };
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    let weights: Vec<f64> = logits
+    let mut weights: Vec<f64> = logits
         .iter()
         .map(|&x| {
             if x < floor {
@@ -144,9 +163,12 @@ pub fn sample(logits: &[f32], sampling: &Sampling, rng: &mut ChaCha8Rng) -> u32 
             }
         })
         .collect();
-    let total: f64 = weights.iter().sum();
+    let mut total: f64 = weights.iter().sum();
     if !(total.is_finite() && total > 0.0) {
         return argmax();
+    }
+    if sampling.top_p < 1.0 {
+        total = nucleus(&mut weights, total, f64::from(sampling.top_p));
     }
     let mut u = rng.random::<f64>() * total;
     for (i, w) in weights.iter().enumerate() {
@@ -157,6 +179,25 @@ pub fn sample(logits: &[f32], sampling: &Sampling, rng: &mut ChaCha8Rng) -> u32 
     }
     // Rounding left `u` past the last weight: the last token that could be drawn.
     weights.iter().rposition(|w| *w > 0.0).unwrap_or(0) as u32
+}
+
+/// Keeps the largest `weights` whose sum reaches `top_p` of `total` (at least one), zeroing the
+/// rest; returns the sum kept.
+fn nucleus(weights: &mut [f64], total: f64, top_p: f64) -> f64 {
+    let mut order: Vec<usize> = (0..weights.len()).filter(|&i| weights[i] > 0.0).collect();
+    order.sort_unstable_by(|&a, &b| weights[b].total_cmp(&weights[a]));
+    let (mut kept, mut count) = (0.0, 0);
+    for &i in &order {
+        kept += weights[i];
+        count += 1;
+        if kept >= top_p * total {
+            break;
+        }
+    }
+    for &i in &order[count..] {
+        weights[i] = 0.0;
+    }
+    kept
 }
 
 /// What a generation produced and how long it took.
@@ -170,6 +211,8 @@ pub struct Generated {
     pub seconds: f64,
     /// Times the context filled and its last half was encoded again.
     pub refills: u32,
+    /// The stop token that ended it, if one did.
+    pub stopped_at: Option<u32>,
 }
 
 impl Generated {
@@ -200,13 +243,17 @@ pub fn generate<C: Chain + ?Sized>(
     let mut rng = ChaCha8Rng::seed_from_u64(sampling.seed);
     let mut sequence = prompt.to_vec();
     let mut tokens = Vec::with_capacity(count);
-    let (mut first_token_seconds, mut refills) = (0.0, 0);
+    let (mut first_token_seconds, mut refills, mut stopped_at) = (0.0, 0, None);
     chain.reset()?;
     let mut logits = chain.feed(&prompt[prompt.len().saturating_sub(capacity)..])?;
     for i in 0..count {
         let token = sample(&logits, sampling, &mut rng);
         if i == 0 {
             first_token_seconds = started.elapsed().as_secs_f64();
+        }
+        if sampling.stop.contains(&token) {
+            stopped_at = Some(token);
+            break;
         }
         sequence.push(token);
         tokens.push(token);
@@ -228,6 +275,7 @@ pub fn generate<C: Chain + ?Sized>(
         first_token_seconds,
         seconds: started.elapsed().as_secs_f64(),
         refills,
+        stopped_at,
     })
 }
 
@@ -239,18 +287,10 @@ mod tests {
     fn sampling_follows_temperature_and_top_k() {
         let logits = [1.0f32, 3.0, 2.0, -1.0];
         let mut rng = ChaCha8Rng::seed_from_u64(1);
-        let greedy = Sampling {
-            temperature: 0.0,
-            top_k: 0,
-            seed: 1,
-        };
+        let greedy = Sampling::top_k(0.0, 0, 1);
         assert_eq!(sample(&logits, &greedy, &mut rng), 1);
         // Top 2: only tokens 1 and 2 are ever drawn, 1 more often (e^1 : 1).
-        let top2 = Sampling {
-            temperature: 1.0,
-            top_k: 2,
-            seed: 1,
-        };
+        let top2 = Sampling::top_k(1.0, 2, 1);
         let mut counts = [0u32; 4];
         for _ in 0..10_000 {
             counts[sample(&logits, &top2, &mut rng) as usize] += 1;
@@ -258,12 +298,24 @@ mod tests {
         assert_eq!((counts[0], counts[3]), (0, 0), "{counts:?}");
         let ratio = f64::from(counts[1]) / f64::from(counts[2]);
         assert!((ratio - 1f64.exp()).abs() < 0.25, "{counts:?}");
-        // A high temperature flattens the distribution: every token is drawn.
-        let hot = Sampling {
-            temperature: 100.0,
-            top_k: 0,
-            seed: 1,
+        // Top p 0.6 of e³, e², e¹, e⁻¹ (0.66, 0.24, ...): only the most likely is left.
+        let nucleus = Sampling {
+            top_p: 0.6,
+            ..Sampling::top_k(1.0, 0, 1)
         };
+        assert!((0..200).all(|_| sample(&logits, &nucleus, &mut rng) == 1));
+        // Top p 0.8: the two most likely (0.66 + 0.24 ≥ 0.8), in their ratio.
+        let nucleus = Sampling {
+            top_p: 0.8,
+            ..Sampling::top_k(1.0, 0, 1)
+        };
+        let mut counts = [0u32; 4];
+        for _ in 0..10_000 {
+            counts[sample(&logits, &nucleus, &mut rng) as usize] += 1;
+        }
+        assert_eq!((counts[0], counts[3]), (0, 0), "{counts:?}");
+        // A high temperature flattens the distribution: every token is drawn.
+        let hot = Sampling::top_k(100.0, 0, 1);
         let mut seen = [false; 4];
         for _ in 0..1000 {
             seen[sample(&logits, &hot, &mut rng) as usize] = true;
@@ -310,11 +362,7 @@ mod tests {
             Stage::new(&layers, 2..4, 9, 2),
             Stage::new(&layers, 4..layers.len(), 9, 2),
         ];
-        let sampling = Sampling {
-            temperature: 1.0,
-            top_k: 5,
-            seed: 42,
-        };
+        let sampling = Sampling::top_k(1.0, 5, 42);
         let draw = |chain: &mut LocalChain| {
             generate(chain, &[1, 2, 3], 30, &sampling, &mut |_| Ok(()))
                 .unwrap()
@@ -334,11 +382,7 @@ mod tests {
             capacity: 8,
             fed: Vec::new(),
         };
-        let greedy = Sampling {
-            temperature: 0.0,
-            top_k: 0,
-            seed: 0,
-        };
+        let greedy = Sampling::top_k(0.0, 0, 0);
         let mut streamed = Vec::new();
         let prompt: Vec<u32> = (0..10).collect();
         let out = generate(&mut chain, &prompt, 12, &greedy, &mut |t| {

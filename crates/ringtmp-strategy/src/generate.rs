@@ -34,8 +34,12 @@ use ringtmp_contract::error::{Error, Result};
 /// What every node of a split generation must agree on (rank 0 hands it out at rendezvous).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct GenerateJob {
-    /// The checkpoint directory (every node reads its own layers' tensors from it).
+    /// The checkpoint directory, or the pretrained model's file or directory when
+    /// `pretrained` (every node reads its own layers' tensors from it).
     pub checkpoint: PathBuf,
+    /// `checkpoint` is a pretrained model (a GGUF file or a Hugging Face directory).
+    #[serde(default)]
+    pub pretrained: bool,
     /// Each node's layers, `[start, end)`, in ring order.
     pub partition: Vec<(usize, usize)>,
     /// The model's context (positions per sequence).
@@ -50,8 +54,17 @@ pub struct GenerateJob {
     pub temperature: f32,
     /// Only the `top_k` most likely (0: all).
     pub top_k: usize,
+    /// Only the most likely whose probabilities sum to `top_p` (1: all).
+    #[serde(default = "all")]
+    pub top_p: f32,
     /// Seeds the draws.
     pub seed: u64,
+    /// Tokens that end the generation (a pretrained model's end of sequence or turn).
+    #[serde(default)]
+    pub stop: Vec<u32>,
+    /// Whether rank 0 prints the prompt before the tokens (not a chat's rendered template).
+    #[serde(default = "yes")]
+    pub print_prompt: bool,
     /// Compute threads per node.
     pub threads: usize,
     /// Longest wait for any one message, in seconds.
@@ -59,6 +72,14 @@ pub struct GenerateJob {
     /// The `tokenizer.json` of a BPE vocabulary (rank 0 decodes the tokens it draws).
     #[serde(default)]
     pub tokenizer: Option<PathBuf>,
+}
+
+fn all() -> f32 {
+    1.0
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// The split generation's own messages (as [`StrategyMessage`]s).
@@ -153,8 +174,12 @@ impl GenerateJob {
         Ok(())
     }
 
-    /// Node `rank`'s stage, its parameters read from the checkpoint (its own layers' tensors).
+    /// Node `rank`'s stage, its parameters read from the checkpoint or the pretrained model
+    /// (its own layers' tensors).
     pub fn stage(&self, rank: u32) -> Result<Stage> {
+        if self.pretrained {
+            return self.pretrained_stage(rank);
+        }
         let layers = model_layers(&self.checkpoint, self.context, self.vocab)?;
         let (start, end) = self.partition[rank as usize];
         if end > layers.len() {
@@ -166,6 +191,29 @@ impl GenerateJob {
         let manifest = checkpoint::read_manifest(&self.checkpoint)?;
         let mut stage = Stage::new(&layers, start..end, manifest.seed, self.threads);
         checkpoint::read_params(&self.checkpoint, &manifest, &mut stage)?;
+        Ok(stage)
+    }
+}
+
+impl GenerateJob {
+    fn pretrained_stage(&self, rank: u32) -> Result<Stage> {
+        let model = ringtmp_pretrained::model::Pretrained::open(&self.checkpoint)
+            .map_err(|e| Error::Config(e.to_string()))?;
+        let layers = model
+            .layers(self.context)
+            .map_err(|e| Error::Config(e.to_string()))?;
+        let (start, end) = self.partition[rank as usize];
+        if end > layers.len() {
+            return Err(Error::Config(format!(
+                "node {rank}'s layers {start}..{end} are past the model's {}",
+                layers.len()
+            )));
+        }
+        let mut stage = Stage::new(&layers, start..end, 0, self.threads);
+        model
+            .load(&layers, start..end, stage.params_mut())
+            .map_err(|e| Error::Config(e.to_string()))?;
+        stage.sync_tie();
         Ok(stage)
     }
 }
@@ -204,9 +252,9 @@ pub fn run(
         activations: Vec::new(),
     };
     let sampling = Sampling {
-        temperature: job.temperature,
-        top_k: job.top_k,
-        seed: job.seed,
+        top_p: job.top_p,
+        stop: job.stop.clone(),
+        ..Sampling::top_k(job.temperature, job.top_k, job.seed)
     };
     let generated = generate(&mut chain, &job.prompt, job.tokens, &sampling, on_token)?;
     if world > 1 {

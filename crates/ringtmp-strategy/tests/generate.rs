@@ -33,11 +33,7 @@ fn a_split_generation_draws_the_tokens_of_one_process() {
     let prompt = vec![3, 1, 4];
     for (temperature, top_k) in [(0.0, 0), (1.0, 5)] {
         // 30 tokens in a context of 8: the context refills several times.
-        let sampling = Sampling {
-            temperature,
-            top_k,
-            seed: 11,
-        };
+        let sampling = Sampling::top_k(temperature, top_k, 11);
         let mut whole = Stage::new(&layers, 0..layers.len(), manifest.seed, 1);
         checkpoint::read_params(&dir, &manifest, &mut whole).unwrap();
         let mut chain = LocalChain::new(vec![whole]).unwrap();

@@ -1,0 +1,162 @@
+//! `--pretrained PATH` in the commands: a GGUF file or a Hugging Face model directory opened
+//! once, every mistake in it a usage error (one line naming the file and what, exit status 2,
+//! before any node starts); the prompt made from `--chat` and `--system` through the model's
+//! chat template (as `apply_chat_template` with the generation prompt) or from `--prompt` with
+//! the model's framing tokens; and the sampling defaults its `generation_config.json` states
+//! (`transformers`' own where it states none: the most likely token).
+
+use std::path::Path;
+
+use ringtmp_pretrained::model::Pretrained;
+use ringtmp_pretrained::template::{ChatMessage, ChatTemplate};
+use ringtmp_pretrained::vocabulary::Vocabulary;
+
+use crate::error::UsageError;
+
+/// A pretrained model and its vocabulary.
+pub struct Opened {
+    /// The model's files.
+    pub model: Pretrained,
+    /// Its tokenizer, framing tokens and template.
+    pub vocabulary: Vocabulary,
+}
+
+/// Opens `path` (a `.gguf` file or a model directory) and its vocabulary.
+pub fn open(path: &Path) -> anyhow::Result<Opened> {
+    if !path.exists() {
+        return Err(UsageError(format!(
+            "--pretrained {}: no such file or directory",
+            path.display()
+        ))
+        .into());
+    }
+    let model = Pretrained::open(path).map_err(|e| UsageError(format!("--pretrained {e}")))?;
+    let vocabulary = model
+        .vocabulary()
+        .map_err(|e| UsageError(format!("--pretrained {e}")))?;
+    let tokens = vocabulary.tokenizer.get_vocab_size(true);
+    if tokens > model.config.vocab {
+        return Err(UsageError(format!(
+            "--pretrained {}: its tokenizer has {tokens} tokens but the model's embedding {} rows",
+            path.display(),
+            model.config.vocab
+        ))
+        .into());
+    }
+    Ok(Opened { model, vocabulary })
+}
+
+impl Opened {
+    /// The ids of `--chat MESSAGE` (after `--system TEXT` when given) rendered by the model's
+    /// chat template with the assistant's turn opened.
+    pub fn chat_prompt(&self, message: &str, system: Option<&str>) -> anyhow::Result<Vec<u32>> {
+        let path = self.model.path().display();
+        let source = self.vocabulary.chat_template.as_deref().ok_or_else(|| {
+            UsageError(format!(
+                "--chat: {path} has no chat template (give the text to continue with --prompt)"
+            ))
+        })?;
+        let token_text = |id: Option<u32>| {
+            id.and_then(|i| self.vocabulary.tokenizer.id_to_token(i))
+                .unwrap_or_default()
+        };
+        let template = ChatTemplate::new(
+            source,
+            &token_text(self.vocabulary.bos),
+            &token_text(self.vocabulary.stop.first().copied()),
+        )
+        .map_err(|e| UsageError(format!("{path}: its chat template does not compile: {e}")))?;
+        let mut messages = Vec::new();
+        if let Some(system) = system {
+            messages.push(ChatMessage {
+                role: "system".into(),
+                content: system.into(),
+            });
+        }
+        messages.push(ChatMessage {
+            role: "user".into(),
+            content: message.into(),
+        });
+        let text = template
+            .render(&messages, true, &serde_json::Map::new())
+            .map_err(|e| UsageError(format!("{path}: its chat template fails to render: {e}")))?;
+        // The template writes the framing tokens itself (apply_chat_template adds none).
+        self.encode(&text, false)
+    }
+
+    /// The ids of `--prompt TEXT`, framed as the model frames a sequence (BOS first where it
+    /// asks for one).
+    pub fn text_prompt(&self, text: &str) -> anyhow::Result<Vec<u32>> {
+        let mut ids = self.encode(text, true)?;
+        if let (true, Some(bos)) = (self.vocabulary.add_bos, self.vocabulary.bos)
+            && ids.first() != Some(&bos)
+        {
+            ids.insert(0, bos);
+        }
+        Ok(ids)
+    }
+
+    /// `--prompt-ids`, checked against the vocabulary.
+    pub fn checked_ids(&self, ids: &[u32]) -> anyhow::Result<Vec<u32>> {
+        let vocab = self.model.config.vocab;
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+            return Err(UsageError(format!(
+                "--prompt-ids: id {bad} is past the model's vocabulary of {vocab}"
+            ))
+            .into());
+        }
+        Ok(ids.to_vec())
+    }
+
+    fn encode(&self, text: &str, special: bool) -> anyhow::Result<Vec<u32>> {
+        let encoding = self
+            .vocabulary
+            .tokenizer
+            .encode(text, special)
+            .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?;
+        Ok(encoding.get_ids().to_vec())
+    }
+}
+
+/// How a pretrained model samples unless told otherwise.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SamplingDefaults {
+    /// 0: the most likely token.
+    pub temperature: f32,
+    /// 0: all.
+    pub top_k: usize,
+    /// 1: all.
+    pub top_p: f32,
+}
+
+/// The sampling `generation_config.json` beside a model directory's weights states:
+/// `do_sample` with its `temperature`, `top_k` and `top_p` (`transformers`' defaults 1, 50 and 1
+/// for those it leaves out), or the most likely token where it does not sample (and for a GGUF
+/// file, which has no such file).
+pub fn sampling_defaults(path: &Path) -> SamplingDefaults {
+    let greedy = SamplingDefaults {
+        temperature: 0.0,
+        top_k: 0,
+        top_p: 1.0,
+    };
+    let Some(config) = std::fs::read_to_string(path.join("generation_config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+    else {
+        return greedy;
+    };
+    if config.get("do_sample").and_then(serde_json::Value::as_bool) != Some(true) {
+        return greedy;
+    }
+    let number = |key: &str, default: f64| {
+        config
+            .get(key)
+            .and_then(serde_json::Value::as_f64)
+            .unwrap_or(default)
+    };
+    SamplingDefaults {
+        temperature: number("temperature", 1.0) as f32,
+        top_k: number("top_k", 50.0) as usize,
+        top_p: number("top_p", 1.0) as f32,
+    }
+}
