@@ -21,8 +21,8 @@ pub struct Opened {
     pub vocabulary: Vocabulary,
 }
 
-/// Opens `path` (a `.gguf` file or a model directory) and its vocabulary.
-pub fn open(path: &Path) -> anyhow::Result<Opened> {
+/// Opens `path` (a `.gguf` file or a model directory): its architecture and tensor table.
+pub fn open_model(path: &Path) -> anyhow::Result<Pretrained> {
     if !path.exists() {
         return Err(UsageError(format!(
             "--pretrained {}: no such file or directory",
@@ -30,7 +30,12 @@ pub fn open(path: &Path) -> anyhow::Result<Opened> {
         ))
         .into());
     }
-    let model = Pretrained::open(path).map_err(|e| UsageError(format!("--pretrained {e}")))?;
+    Ok(Pretrained::open(path).map_err(|e| UsageError(format!("--pretrained {e}")))?)
+}
+
+/// Opens `path` (a `.gguf` file or a model directory) and its vocabulary.
+pub fn open(path: &Path) -> anyhow::Result<Opened> {
+    let model = open_model(path)?;
     let vocabulary = model
         .vocabulary()
         .map_err(|e| UsageError(format!("--pretrained {e}")))?;

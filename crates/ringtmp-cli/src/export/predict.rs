@@ -16,8 +16,29 @@ use super::outputs::{inputs_outputs, outputs_of, score_of};
 #[derive(clap::Args)]
 pub struct PredictArgs {
     /// A checkpoint directory, or a run directory (its newest checkpoint).
-    #[arg(long, value_name = "DIR")]
-    pub checkpoint: PathBuf,
+    #[arg(
+        long,
+        value_name = "DIR",
+        required_unless_present = "pretrained",
+        conflicts_with = "pretrained"
+    )]
+    pub checkpoint: Option<PathBuf>,
+    /// A pretrained model (a `.gguf` file or a Hugging Face directory): every position's
+    /// logits for --prompt-ids or --text, as `[positions, vocabulary]`.
+    #[arg(long, value_name = "PATH")]
+    pub pretrained: Option<PathBuf>,
+    /// With --pretrained: the token ids (comma-separated).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        requires = "pretrained",
+        conflicts_with = "text"
+    )]
+    pub prompt_ids: Option<Vec<u32>>,
+    /// With --pretrained: the text, tokenized by the model's tokenizer (BOS first where the
+    /// model frames its sequences with one).
+    #[arg(long, requires = "pretrained")]
+    pub text: Option<String>,
     /// The inputs: a .csv table with the training columns, an .npy/.npz array, a PNG/JPEG image
     /// or a folder of them [default: the bundled dataset's test split, for a model trained on
     /// one].
@@ -49,7 +70,14 @@ pub fn predict(a: &PredictArgs) -> Result<()> {
     }
     let threads = threads(a.threads);
     crate::plan::init_threads(threads)?;
-    let mut opened = open(&a.checkpoint, threads)?;
+    if let Some(path) = &a.pretrained {
+        return predict_pretrained(a, path, threads);
+    }
+    let checkpoint = a
+        .checkpoint
+        .as_deref()
+        .expect("clap: --checkpoint or --pretrained");
+    let mut opened = open(checkpoint, threads)?;
     let Some(recipe) = opened.recipe.clone() else {
         return predict_tokens(a, &mut opened);
     };
@@ -114,6 +142,67 @@ fn predict_tokens(a: &PredictArgs, opened: &mut Opened) -> Result<()> {
     eprintln!(
         "predict: next-token logits for {rows} windows of {seq} with {} from {} step {}",
         opened.manifest.model.name, opened.manifest.strategy, opened.manifest.step
+    );
+    Ok(())
+}
+
+/// `--pretrained`: every position's logits for the given ids or text.
+fn predict_pretrained(a: &PredictArgs, path: &Path, threads: usize) -> Result<()> {
+    let (Some(out), None) = (&a.logits, &a.csv) else {
+        return Err(UsageError(
+            "a pretrained model's predictions are its logits: --logits OUT.npy".into(),
+        )
+        .into());
+    };
+    let (model, ids) = match (&a.prompt_ids, &a.text) {
+        (Some(ids), _) => {
+            let model = crate::pretrained::open_model(path)?;
+            let vocab = model.config.vocab;
+            if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+                return Err(UsageError(format!(
+                    "--prompt-ids: id {bad} is past the model's vocabulary of {vocab}"
+                ))
+                .into());
+            }
+            (model, ids.clone())
+        }
+        (None, Some(text)) => {
+            let opened = crate::pretrained::open(path)?;
+            let ids = opened.text_prompt(text)?;
+            (opened.model, ids)
+        }
+        (None, None) => {
+            return Err(UsageError(
+                "--pretrained predicts for --prompt-ids 1,2,3 or --text \"…\"".into(),
+            )
+            .into());
+        }
+    };
+    if ids.is_empty() || ids.len() > model.config.context {
+        return Err(UsageError(format!(
+            "{} tokens: the model takes 1 to its context of {}",
+            ids.len(),
+            model.config.context
+        ))
+        .into());
+    }
+    let layers = model
+        .layers(ids.len())
+        .map_err(|e| UsageError(e.to_string()))?;
+    let mut stage = ringtmp_model::Stage::new(&layers, 0..layers.len(), 0, threads);
+    model
+        .load(&layers, 0..layers.len(), stage.params_mut())
+        .map_err(|e| UsageError(e.to_string()))?;
+    stage.sync_tie();
+    let x: Vec<f32> = ids.iter().map(|&i| i as f32).collect();
+    let logits = stage.infer(&x, 1)?;
+    let vocab = model.config.vocab;
+    ringtmp_data::npy::write_f32(out, &[ids.len(), vocab], logits)?;
+    eprintln!(
+        "predict: logits of {} positions over {vocab} tokens from {} into {}",
+        ids.len(),
+        path.display(),
+        out.display()
     );
     Ok(())
 }

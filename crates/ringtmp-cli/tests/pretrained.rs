@@ -1,0 +1,216 @@
+//! Pretrained models through the commands: `predict --pretrained` writes `transformers`'
+//! logits, `generate --pretrained --chat` answers the shared SmolLM2 file's known question in
+//! one process and split over nodes, and every bad model or request is one line and exit 2.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn ringtmp(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ringtmp"))
+        .args(args)
+        .output()
+        .expect("the binary runs")
+}
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn tiny(name: &str) -> PathBuf {
+    repo().join("benches/reference/pretrained").join(name)
+}
+
+/// The shared SmolLM2 file, when present; required under CI.
+fn smollm2() -> Option<PathBuf> {
+    let path = repo().join("../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if path.is_file() {
+        return Some(path);
+    }
+    assert!(
+        std::env::var_os("RINGTMP_REQUIRE_SHARED_MODEL").is_none(),
+        "RINGTMP_REQUIRE_SHARED_MODEL is set but {} is absent",
+        path.display()
+    );
+    eprintln!("SKIPPED: {} is absent", path.display());
+    None
+}
+
+/// Every tensor of a safetensors file as f32 values.
+fn golden(path: &Path) -> std::collections::BTreeMap<String, Vec<f32>> {
+    let bytes = std::fs::read(path).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    file.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            let values = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            (name, values)
+        })
+        .collect()
+}
+
+fn said(out: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+#[test]
+fn predict_writes_transformers_logits_for_every_position() {
+    let dir = tiny("qwen3");
+    let g = golden(&dir.join("golden.safetensors"));
+    let ids: Vec<String> = g["input_ids"][..12]
+        .iter()
+        .map(|v| (*v as u32).to_string())
+        .collect();
+    let tmp = tempfile::tempdir().unwrap();
+    let out_path = tmp.path().join("logits.npy");
+    let out = ringtmp(&[
+        "predict",
+        "--pretrained",
+        dir.to_str().unwrap(),
+        "--prompt-ids",
+        &ids.join(","),
+        "--logits",
+        out_path.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", said(&out));
+    let bytes = std::fs::read(&out_path).unwrap();
+    let header = ringtmp_data::npy::parse_header(&out_path, &bytes).unwrap();
+    assert_eq!(header.shape, vec![12, 160]);
+    let got = ringtmp_data::npy::values_f64(&header, &bytes);
+    let worst = got
+        .iter()
+        .zip(&g["logits"][..12 * 160])
+        .map(|(a, b)| (*a as f32 - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst < 1e-4, "{worst}");
+}
+
+#[test]
+fn generate_answers_a_chat_as_transformers_does_whole_and_split() {
+    let Some(model) = smollm2() else {
+        return;
+    };
+    let question = "What is the capital of France?";
+    for nodes in ["1", "2"] {
+        let out = ringtmp(&[
+            "generate",
+            "--pretrained",
+            model.to_str().unwrap(),
+            "--chat",
+            question,
+            "--tokens",
+            "24",
+            "--nodes",
+            nodes,
+        ]);
+        assert!(out.status.success(), "{}", said(&out));
+        let text = String::from_utf8_lossy(&out.stdout);
+        // transformers' greedy answer, its end of turn not printed.
+        assert_eq!(
+            text.trim(),
+            "The capital of France is Paris.",
+            "--nodes {nodes}"
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("37 prompt tokens, 7 generated"), "{stderr}");
+    }
+}
+
+#[test]
+fn bad_models_and_requests_are_one_line_and_exit_2() {
+    let tmp = tempfile::tempdir().unwrap();
+    let unknown = tmp.path().join("mamba");
+    std::fs::create_dir(&unknown).unwrap();
+    std::fs::write(unknown.join("config.json"), r#"{"model_type": "mamba"}"#).unwrap();
+    std::fs::copy(
+        tiny("qwen2").join("model.safetensors"),
+        unknown.join("model.safetensors"),
+    )
+    .unwrap();
+    let truncated = tmp.path().join("truncated.gguf");
+    let gguf = repo().join("benches/reference/gguf/quants.gguf");
+    let bytes = std::fs::read(&gguf).unwrap();
+    std::fs::write(&truncated, &bytes[..bytes.len() / 3]).unwrap();
+    let qwen2 = tiny("qwen2");
+    let cases: Vec<(Vec<&str>, &str)> = vec![
+        (
+            vec![
+                "generate",
+                "--pretrained",
+                "no-such-model.gguf",
+                "--chat",
+                "hi",
+            ],
+            "no such file",
+        ),
+        (
+            vec![
+                "generate",
+                "--pretrained",
+                unknown.to_str().unwrap(),
+                "--chat",
+                "hi",
+            ],
+            "\"mamba\"",
+        ),
+        (
+            vec![
+                "generate",
+                "--pretrained",
+                truncated.to_str().unwrap(),
+                "--chat",
+                "hi",
+            ],
+            "truncated.gguf",
+        ),
+        // The tiny models ship no tokenizer: --chat needs one.
+        (
+            vec![
+                "generate",
+                "--pretrained",
+                qwen2.to_str().unwrap(),
+                "--chat",
+                "hi",
+            ],
+            "tokenizer",
+        ),
+        (
+            vec![
+                "predict",
+                "--pretrained",
+                qwen2.to_str().unwrap(),
+                "--prompt-ids",
+                "1,999",
+                "--logits",
+                "x.npy",
+            ],
+            "id 999 is past the model's vocabulary of 160",
+        ),
+        (
+            vec![
+                "generate",
+                "--pretrained",
+                qwen2.to_str().unwrap(),
+                "--prompt-ids",
+                "1,2",
+                "--top-p",
+                "0",
+            ],
+            "--top-p 0",
+        ),
+    ];
+    for (args, needle) in cases {
+        let out = ringtmp(&args);
+        let text = said(&out);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {text}");
+        assert!(text.contains(needle), "{args:?}: {needle:?} in {text}");
+        assert_eq!(text.trim().lines().count(), 1, "{args:?}: one line: {text}");
+    }
+}
