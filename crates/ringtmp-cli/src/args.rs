@@ -165,6 +165,16 @@ pub struct ModelArgs {
     /// name (see --weight-map) and checked against the model before training starts.
     #[arg(help_heading = "Model", long, value_name = "FILE.safetensors")]
     pub init_from: Option<PathBuf>,
+    /// Fine-tune a pretrained model: a `.gguf` file or a Hugging Face model directory (its
+    /// architecture, its weights — each node reads only its own layers — and, with --dataset
+    /// text, its tokenizer).
+    #[arg(
+        help_heading = "Model",
+        long,
+        value_name = "PATH",
+        conflicts_with_all = ["model", "model_file", "init_from"]
+    )]
+    pub pretrained: Option<PathBuf>,
     /// The names --init-from's file uses: pytorch (an nn.Sequential of one module per layer:
     /// `3.weight`), nanogpt (nanoGPT's GPT: `transformer.h.0.attn.c_attn.weight`) or ringtmp
     /// [default: told from the names].
@@ -459,6 +469,11 @@ impl ModelArgs {
                 .or(file.tie_embeddings.as_ref())
                 .cloned(),
             init_from: self.init_from.as_ref().or(file.init_from.as_ref()).cloned(),
+            pretrained: self
+                .pretrained
+                .as_ref()
+                .or(file.pretrained.as_ref())
+                .cloned(),
             weight_map: self
                 .weight_map
                 .as_ref()
@@ -918,7 +933,12 @@ impl TrainArgs {
                 .data
                 .vocab_size
                 .unwrap_or(ringtmp_data::text::GPT2_VOCAB),
-            tokenizer: self.data.tokenizer.clone(),
+            // A pretrained model's text is its own tokenizer's.
+            tokenizer: self
+                .data
+                .tokenizer
+                .clone()
+                .or_else(|| self.model.pretrained.as_ref().map(|p| absolute(p))),
         }
     }
 
@@ -930,6 +950,9 @@ impl TrainArgs {
     /// Positions per window of a text run: `--seq-len`, or the preset's context, or 64.
     pub fn seq_len(&self) -> usize {
         self.data.seq_len.unwrap_or_else(|| {
+            if self.model.pretrained.is_some() {
+                return PRETRAINED_SEQ_LEN;
+            }
             let name = if self.model.file.is_some() {
                 ""
             } else {
@@ -945,8 +968,15 @@ impl TrainArgs {
         let (text, classes) = (data.text, data.classes);
         let (h, w, c) = data.input;
         let features = h * w * c;
-        let model = match &self.model.file {
-            Some(path) => ModelSpec::from_file(path).map_err(|e| match e {
+        let model = match (&self.model.file, &self.model.pretrained) {
+            (_, Some(path)) => {
+                let model = ringtmp_pretrained::model::Pretrained::open(path)
+                    .map_err(|e| UsageError(format!("--pretrained {e}")))?;
+                model
+                    .spec(self.seq_len().min(model.config.context))
+                    .map_err(|e| UsageError(format!("--pretrained {e}")))?
+            }
+            (Some(path), None) => ModelSpec::from_file(path).map_err(|e| match e {
                 // The file itself is missing or unreadable: the user's mistake, said once.
                 ringtmp_model::Error::Io { source, .. } => anyhow::Error::new(UsageError(format!(
                     "--model-file {}: {source}",
@@ -954,7 +984,9 @@ impl TrainArgs {
                 ))),
                 other => other.into(),
             })?,
-            None => ModelSpec::preset_for(self.model_name(text, data.input), classes, features)?,
+            (None, None) => {
+                ModelSpec::preset_for(self.model_name(text, data.input), classes, features)?
+            }
         };
         let mut model = model;
         if let Some(tie) = self.model.tie_embeddings {
@@ -995,8 +1027,10 @@ impl TrainArgs {
             } else {
                 OptimizerKind::Sgd
             });
+        // A pretrained model is fine-tuned as transformers' Trainer does: no decay, β₂ 0.999.
+        let pretrained = self.model.pretrained.is_some();
         let weight_decay = self.training.weight_decay.unwrap_or(match optimizer_kind {
-            OptimizerKind::Adamw => 0.1,
+            OptimizerKind::Adamw if !pretrained => 0.1,
             _ => 0.0,
         });
         if self.training.decay_embeddings.is_some() && optimizer_kind != OptimizerKind::Adamw {
@@ -1038,7 +1072,7 @@ impl TrainArgs {
                     OptimizerConfig::AdamW {
                         beta1: 0.9,
                         // nanoGPT's choice for its small models (PyTorch's default is 0.999).
-                        beta2: if text { 0.99 } else { 0.999 },
+                        beta2: if text && !pretrained { 0.99 } else { 0.999 },
                         eps: 1e-8,
                         weight_decay,
                         decay_embeddings: self.training.decay_embeddings.unwrap_or(false),
@@ -1060,6 +1094,9 @@ impl TrainArgs {
         // defaults sweep's best for its 2,000 steps (validation loss 1.803 at 4e-3 against
         // 1.897 at nanoGPT's 1e-3; docs/decisions/defaults.md); the others keep nanoGPT's.
         let recipe = match model.name.as_str() {
+            // A pretrained model's fine-tuning: transformers' Trainer's rate (5e-5), 200 steps
+            // of 8 windows.
+            _ if self.model.pretrained.is_some() => (8, 200, 5e-5),
             "gpt-nano" => (8, 200, 1e-3),
             "gpt-small" => (64, 5000, 1e-3),
             "gpt-cpu" => (12, 2000, 4e-3),
@@ -1157,8 +1194,9 @@ impl TrainArgs {
             },
             text: text.then(|| self.text_source()),
             source: self.data_source()?,
-            // Set once the weights are converted into the run's directory (init_from.rs).
-            init_from: None,
+            // A pretrained model's files, from which each stage reads its layers; else set once
+            // --init-from's weights are converted into the run's directory (init_from.rs).
+            init_from: self.model.pretrained.as_ref().map(|p| absolute(p)),
             recv_timeout_secs: self
                 .faults
                 .recv_timeout
@@ -1395,4 +1433,13 @@ mod tests {
         assert!(name.ends_with("-local"), "{name}");
         assert!(config.out.starts_with("runs"), "{}", config.out.display());
     }
+}
+
+/// Positions per window of a pretrained model's text run unless --seq-len says (its context
+/// where that is shorter).
+const PRETRAINED_SEQ_LEN: usize = 256;
+
+/// `path` made absolute (node processes may run elsewhere in the tree).
+fn absolute(path: &std::path::Path) -> PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
 }

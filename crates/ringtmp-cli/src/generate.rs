@@ -134,21 +134,38 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
     if let Some(path) = &a.pretrained {
         return crate::generate_pretrained::run(a, path);
     }
-    if a.chat.is_some() {
-        return Err(UsageError(
-            "--chat needs a pretrained model's chat template (--pretrained PATH)".into(),
-        )
-        .into());
-    }
     let checkpoint = a
         .checkpoint
         .as_deref()
         .expect("clap: --checkpoint or --pretrained");
+    // A run from a pretrained model keeps its tokenizer, template and stop tokens beside its
+    // checkpoints.
+    let kept = crate::pretrained::run_of(checkpoint)?;
+    let (prompt_ids, stop) = match (&kept, &a.chat) {
+        (Some((_, v)), Some(message)) => {
+            let ids = crate::pretrained::chat_ids(v, message, a.system.as_deref(), checkpoint)?;
+            (Some(ids), v.stop.clone())
+        }
+        (None, Some(_)) => {
+            return Err(UsageError(format!(
+                "--chat: {} is not a run from a pretrained model (no chat template kept); give \
+                 one with --pretrained PATH",
+                checkpoint.display()
+            ))
+            .into());
+        }
+        (Some((_, v)), None) => (a.prompt_ids.clone(), v.stop.clone()),
+        (None, None) => (a.prompt_ids.clone(), Vec::new()),
+    };
+    let tokenizer = a
+        .tokenizer
+        .clone()
+        .or_else(|| kept.as_ref().map(|(run, _)| run.join("tokenizer.json")));
     let opened = open(
         checkpoint,
-        a.tokenizer.as_deref(),
+        tokenizer.as_deref(),
         &a.prompt,
-        a.prompt_ids.as_ref(),
+        prompt_ids.as_ref(),
     )?;
     if a.nodes > 1 {
         return split(a, &opened);
@@ -186,9 +203,11 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
     let mut chain = LocalChain::new(vec![stage])?;
     let sampling = Sampling {
         top_p: a.top_p.unwrap_or(1.0),
+        stop,
         ..Sampling::top_k(a.temperature.unwrap_or(0.8), a.top_k.unwrap_or(200), a.seed)
     };
-    let mut printer = Printer::new(&text, &prompt)?;
+    let shown: &[u32] = if a.chat.is_some() { &[] } else { &prompt };
+    let mut printer = Printer::new(&text, shown)?;
     let generated = generate(&mut chain, &prompt, a.tokens, &sampling, &mut |token| {
         printer
             .token(token)

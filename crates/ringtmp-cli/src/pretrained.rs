@@ -55,38 +55,7 @@ impl Opened {
     /// The ids of `--chat MESSAGE` (after `--system TEXT` when given) rendered by the model's
     /// chat template with the assistant's turn opened.
     pub fn chat_prompt(&self, message: &str, system: Option<&str>) -> anyhow::Result<Vec<u32>> {
-        let path = self.model.path().display();
-        let source = self.vocabulary.chat_template.as_deref().ok_or_else(|| {
-            UsageError(format!(
-                "--chat: {path} has no chat template (give the text to continue with --prompt)"
-            ))
-        })?;
-        let token_text = |id: Option<u32>| {
-            id.and_then(|i| self.vocabulary.tokenizer.id_to_token(i))
-                .unwrap_or_default()
-        };
-        let template = ChatTemplate::new(
-            source,
-            &token_text(self.vocabulary.bos),
-            &token_text(self.vocabulary.stop.first().copied()),
-        )
-        .map_err(|e| UsageError(format!("{path}: its chat template does not compile: {e}")))?;
-        let mut messages = Vec::new();
-        if let Some(system) = system {
-            messages.push(ChatMessage {
-                role: "system".into(),
-                content: system.into(),
-            });
-        }
-        messages.push(ChatMessage {
-            role: "user".into(),
-            content: message.into(),
-        });
-        let text = template
-            .render(&messages, true, &serde_json::Map::new())
-            .map_err(|e| UsageError(format!("{path}: its chat template fails to render: {e}")))?;
-        // The template writes the framing tokens itself (apply_chat_template adds none).
-        self.encode(&text, false)
+        chat_ids(&self.vocabulary, message, system, self.model.path())
     }
 
     /// The ids of `--prompt TEXT`, framed as the model frames a sequence (BOS first where it
@@ -121,6 +90,64 @@ impl Opened {
             .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?;
         Ok(encoding.get_ids().to_vec())
     }
+}
+
+/// The ids of `message` (after `system` when given) rendered by `vocabulary`'s chat template
+/// with the assistant's turn opened (`path` names the model in errors).
+pub fn chat_ids(
+    vocabulary: &Vocabulary,
+    message: &str,
+    system: Option<&str>,
+    path: &Path,
+) -> anyhow::Result<Vec<u32>> {
+    let path = path.display();
+    let source = vocabulary.chat_template.as_deref().ok_or_else(|| {
+        UsageError(format!(
+            "--chat: {path} has no chat template (give the text to continue with --prompt)"
+        ))
+    })?;
+    let token_text = |id: Option<u32>| {
+        id.and_then(|i| vocabulary.tokenizer.id_to_token(i))
+            .unwrap_or_default()
+    };
+    let template = ChatTemplate::new(
+        source,
+        &token_text(vocabulary.bos),
+        &token_text(vocabulary.stop.first().copied()),
+    )
+    .map_err(|e| UsageError(format!("{path}: its chat template does not compile: {e}")))?;
+    let mut messages = Vec::new();
+    if let Some(system) = system {
+        messages.push(ChatMessage {
+            role: "system".into(),
+            content: system.into(),
+        });
+    }
+    messages.push(ChatMessage {
+        role: "user".into(),
+        content: message.into(),
+    });
+    let text = template
+        .render(&messages, true, &serde_json::Map::new())
+        .map_err(|e| UsageError(format!("{path}: its chat template fails to render: {e}")))?;
+    // The template writes the framing tokens itself (apply_chat_template adds none).
+    let encoding = vocabulary
+        .tokenizer
+        .encode(text.as_str(), false)
+        .map_err(|e| anyhow::anyhow!("tokenizing the prompt: {e}"))?;
+    Ok(encoding.get_ids().to_vec())
+}
+
+/// The run directory of the checkpoint `path` names (a checkpoint directory, a run's
+/// `checkpoints/` or the run itself) and the vocabulary it kept from a pretrained model;
+/// `None` for a run that kept none.
+pub fn run_of(path: &Path) -> anyhow::Result<Option<(std::path::PathBuf, Vocabulary)>> {
+    for run in path.ancestors().take(3) {
+        if let Some(vocabulary) = read_run_vocabulary(run)? {
+            return Ok(Some((run.to_path_buf(), vocabulary)));
+        }
+    }
+    Ok(None)
 }
 
 /// How a pretrained model samples unless told otherwise.
@@ -164,4 +191,76 @@ pub fn sampling_defaults(path: &Path) -> SamplingDefaults {
         top_k: number("top_k", 50.0) as usize,
         top_p: number("top_p", 1.0) as f32,
     }
+}
+
+/// What a run from a pretrained model keeps of its vocabulary beside its checkpoints, so that
+/// `generate --checkpoint` reads and chats as the model did: `tokenizer.json` (the model
+/// directory's bytes, or the GGUF file's tokenizer serialised: the bytes whose SHA-256 the
+/// checkpoints' vocabulary names), `chat_template.jinja` when the model has one, and
+/// `vocabulary.json` (the base model, its framing and stop tokens).
+#[derive(serde::Serialize, serde::Deserialize)]
+pub struct RunVocabulary {
+    /// The pretrained model the run started from.
+    pub base: std::path::PathBuf,
+    /// Beginning of sequence.
+    pub bos: Option<u32>,
+    /// Whether a sequence starts with BOS that the tokenizer does not add.
+    pub add_bos: bool,
+    /// The tokens generation stops at.
+    pub stop: Vec<u32>,
+}
+
+/// Writes the run's vocabulary files (see [`RunVocabulary`]) into `out`.
+pub fn write_run_vocabulary(out: &Path, base: &Path) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    let opened = open(base)?;
+    let tokenizer = out.join("tokenizer.json");
+    if base.is_dir() {
+        std::fs::copy(base.join("tokenizer.json"), &tokenizer)
+            .with_context(|| format!("writing {}", tokenizer.display()))?;
+    } else {
+        let json = opened
+            .vocabulary
+            .tokenizer
+            .to_string(false)
+            .map_err(|e| anyhow::anyhow!("serialising the tokenizer: {e}"))?;
+        std::fs::write(&tokenizer, json)
+            .with_context(|| format!("writing {}", tokenizer.display()))?;
+    }
+    if let Some(template) = &opened.vocabulary.chat_template {
+        let path = out.join("chat_template.jinja");
+        std::fs::write(&path, template).with_context(|| format!("writing {}", path.display()))?;
+    }
+    let info = RunVocabulary {
+        base: base.to_path_buf(),
+        bos: opened.vocabulary.bos,
+        add_bos: opened.vocabulary.add_bos,
+        stop: opened.vocabulary.stop.clone(),
+    };
+    let path = out.join("vocabulary.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&info)?)
+        .with_context(|| format!("writing {}", path.display()))?;
+    Ok(())
+}
+
+/// The vocabulary a run from a pretrained model kept (`run` is its output directory), as
+/// [`Opened`]'s vocabulary; `None` when the run kept none.
+pub fn read_run_vocabulary(run: &Path) -> anyhow::Result<Option<Vocabulary>> {
+    let info_path = run.join("vocabulary.json");
+    let Ok(text) = std::fs::read_to_string(&info_path) else {
+        return Ok(None);
+    };
+    let info: RunVocabulary = serde_json::from_str(&text)
+        .map_err(|e| UsageError(format!("{}: {e}", info_path.display())))?;
+    let tokenizer_path = run.join("tokenizer.json");
+    let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path)
+        .map_err(|e| UsageError(format!("{}: {e}", tokenizer_path.display())))?;
+    let chat_template = std::fs::read_to_string(run.join("chat_template.jinja")).ok();
+    Ok(Some(Vocabulary {
+        tokenizer,
+        bos: info.bos,
+        stop: info.stop,
+        add_bos: info.add_bos,
+        chat_template,
+    }))
 }

@@ -132,6 +132,11 @@ pub fn write_run_files(
     let plan = out.join("job.json");
     let text = serde_json::to_string_pretty(job).context("encoding the job")?;
     std::fs::write(&plan, text).with_context(|| format!("writing {}", plan.display()))?;
+    if let Some(base) = job.spec().config.init_from.as_deref()
+        && ringtmp_strategy::config::is_pretrained(base)
+    {
+        crate::pretrained::write_run_vocabulary(out, base)?;
+    }
     Ok((config, plan))
 }
 

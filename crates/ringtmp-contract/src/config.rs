@@ -128,9 +128,19 @@ pub struct TrainConfig {
     pub source: Option<ringtmp_data::DataSource>,
     /// A checkpoint directory of step 0 whose parameters (by name, any partition) start the
     /// run instead of the seeded initialisation: weights trained elsewhere, converted by
-    /// `--init-from`. A resumed run loads its checkpoint instead.
+    /// `--init-from`; or a pretrained model's `.gguf` file or Hugging Face directory
+    /// (`--pretrained`), from which each stage reads its own layers. A resumed run loads its
+    /// checkpoint instead.
     #[serde(default)]
     pub init_from: Option<PathBuf>,
+}
+
+/// Whether `path` is a pretrained model's files (a `.gguf` file, or a directory with a
+/// `config.json` that is no checkpoint) rather than a checkpoint of ringtmp's.
+pub fn is_pretrained(path: &std::path::Path) -> bool {
+    path.extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+        || (path.join("config.json").is_file() && !path.join("manifest.json").is_file())
 }
 
 /// A text dataset as the run reads it.
@@ -191,10 +201,21 @@ impl TrainConfig {
         threads: usize,
         resuming: bool,
     ) -> Result<ringtmp_model::Stage> {
-        let mut stage = ringtmp_model::Stage::new(layers, range, self.seed, threads);
-        if let (Some(dir), false) = (&self.init_from, resuming) {
-            let manifest = ringtmp_model::checkpoint::read_manifest(dir)?;
-            ringtmp_model::checkpoint::read_params(dir, &manifest, &mut stage)?;
+        let mut stage = ringtmp_model::Stage::new(layers, range.clone(), self.seed, threads);
+        match (&self.init_from, resuming) {
+            (Some(path), false) if is_pretrained(path) => {
+                let model = ringtmp_pretrained::model::Pretrained::open(path)
+                    .map_err(|e| Error::Config(e.to_string()))?;
+                model
+                    .load(layers, range, stage.params_mut())
+                    .map_err(|e| Error::Config(e.to_string()))?;
+                stage.sync_tie();
+            }
+            (Some(dir), false) => {
+                let manifest = ringtmp_model::checkpoint::read_manifest(dir)?;
+                ringtmp_model::checkpoint::read_params(dir, &manifest, &mut stage)?;
+            }
+            _ => {}
         }
         Ok(stage)
     }

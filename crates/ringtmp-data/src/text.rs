@@ -704,21 +704,12 @@ pub fn load_text_with_tokenizer(
             "the validation fraction must be in (0, 1), got {validation}"
         )));
     }
-    let bytes = std::fs::read(tokenizer).map_err(|source| Error::Io {
-        path: tokenizer.to_path_buf(),
-        source,
-    })?;
-    let sha256 = hex::encode(Sha256::digest(&bytes));
+    let (model, sha256) = read_tokenizer(tokenizer)?;
     let bad = |reason: String| Error::Format {
         path: tokenizer.to_path_buf(),
         offset: 0,
         reason,
     };
-    let model = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
-        bad(format!(
-            "not a tokenizer.json the tokenizers crate reads: {e}"
-        ))
-    })?;
     let size = model.get_vocab_size(true);
     let (text, hashes) = read_texts(files)?;
     let chars = text.chars().count();
@@ -749,6 +740,46 @@ pub fn load_text_with_tokenizer(
     Ok((corpus, hashes))
 }
 
+/// The tokenizer at `path` and the SHA-256 that names it: a `tokenizer.json` (the hash of the
+/// file), a pretrained model's directory (its `tokenizer.json`) or a `.gguf` file (the
+/// tokenizer its metadata holds, built as `transformers` builds it; the hash of its JSON
+/// serialisation, the same wherever it is built).
+pub fn read_tokenizer(path: &Path) -> Result<(tokenizers::Tokenizer, String)> {
+    let bad = |reason: String| Error::Format {
+        path: path.to_path_buf(),
+        offset: 0,
+        reason,
+    };
+    if path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+    {
+        let file = ringtmp_pretrained::gguf::Gguf::open(path).map_err(|e| bad(e.to_string()))?;
+        let vocabulary = file.vocabulary().map_err(|e| bad(e.to_string()))?;
+        let json = vocabulary
+            .tokenizer
+            .to_string(false)
+            .map_err(|e| bad(format!("its tokenizer does not serialise: {e}")))?;
+        let sha256 = hex::encode(Sha256::digest(json.as_bytes()));
+        return Ok((vocabulary.tokenizer, sha256));
+    }
+    let file = if path.is_dir() {
+        path.join("tokenizer.json")
+    } else {
+        path.to_path_buf()
+    };
+    let bytes = std::fs::read(&file).map_err(|source| Error::Io {
+        path: file.clone(),
+        source,
+    })?;
+    let model = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| {
+        bad(format!(
+            "not a tokenizer.json the tokenizers crate reads: {e}"
+        ))
+    })?;
+    Ok((model, hex::encode(Sha256::digest(&bytes))))
+}
+
 /// A `tokenizer.json` opened for encoding prompts and decoding generated ids, with the
 /// vocabulary it stands for (its size and the SHA-256 of its file, as a run records it).
 pub struct TextTokenizer {
@@ -759,20 +790,12 @@ pub struct TextTokenizer {
 }
 
 impl TextTokenizer {
-    /// Reads the `tokenizer.json` at `path`.
+    /// Reads the tokenizer at `path` (see [`read_tokenizer`]).
     pub fn open(path: &Path) -> Result<Self> {
-        let bytes = std::fs::read(path).map_err(|source| Error::Io {
-            path: path.to_path_buf(),
-            source,
-        })?;
-        let model = tokenizers::Tokenizer::from_bytes(&bytes).map_err(|e| Error::Format {
-            path: path.to_path_buf(),
-            offset: 0,
-            reason: format!("not a tokenizer.json the tokenizers crate reads: {e}"),
-        })?;
+        let (model, sha256) = read_tokenizer(path)?;
         let vocab = Vocabulary::Tokenizer {
             size: model.get_vocab_size(true),
-            sha256: hex::encode(Sha256::digest(&bytes)),
+            sha256,
         };
         Ok(Self {
             model,
