@@ -933,12 +933,19 @@ impl TrainArgs {
                 .data
                 .vocab_size
                 .unwrap_or(ringtmp_data::text::GPT2_VOCAB),
-            // A pretrained model's text is its own tokenizer's.
-            tokenizer: self
-                .data
-                .tokenizer
-                .clone()
-                .or_else(|| self.model.pretrained.as_ref().map(|p| absolute(p))),
+            // A pretrained model's text is its own tokenizer's (token files are ids already).
+            tokenizer: self.data.tokenizer.clone().or_else(|| {
+                let files = self.data.data_file.as_deref().unwrap_or_default();
+                let ids = !files.is_empty()
+                    && files
+                        .iter()
+                        .all(|f| f.extension().is_some_and(|e| e == "bin"));
+                self.model
+                    .pretrained
+                    .as_ref()
+                    .filter(|_| !ids)
+                    .map(|p| absolute(p))
+            }),
         }
     }
 

@@ -210,10 +210,15 @@ pub struct RunVocabulary {
     pub stop: Vec<u32>,
 }
 
-/// Writes the run's vocabulary files (see [`RunVocabulary`]) into `out`.
+/// Writes the run's vocabulary files (see [`RunVocabulary`]) into `out`; nothing for a model
+/// without a tokenizer (trained on token ids).
 pub fn write_run_vocabulary(out: &Path, base: &Path) -> anyhow::Result<()> {
     use anyhow::Context as _;
-    let opened = open(base)?;
+    let model = open_model(base)?;
+    let Ok(vocabulary) = model.vocabulary() else {
+        return Ok(());
+    };
+    let opened = Opened { model, vocabulary };
     let tokenizer = out.join("tokenizer.json");
     if base.is_dir() {
         std::fs::copy(base.join("tokenizer.json"), &tokenizer)
