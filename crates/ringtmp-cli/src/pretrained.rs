@@ -208,6 +208,9 @@ pub struct RunVocabulary {
     pub add_bos: bool,
     /// The tokens generation stops at.
     pub stop: Vec<u32>,
+    /// The base model's context (positions).
+    #[serde(default)]
+    pub context: Option<usize>,
 }
 
 /// Writes the run's vocabulary files (see [`RunVocabulary`]) into `out`; nothing for a model
@@ -241,6 +244,7 @@ pub fn write_run_vocabulary(out: &Path, base: &Path) -> anyhow::Result<()> {
         bos: opened.vocabulary.bos,
         add_bos: opened.vocabulary.add_bos,
         stop: opened.vocabulary.stop.clone(),
+        context: Some(opened.model.config.context),
     };
     let path = out.join("vocabulary.json");
     std::fs::write(&path, serde_json::to_string_pretty(&info)?)
@@ -268,4 +272,10 @@ pub fn read_run_vocabulary(run: &Path) -> anyhow::Result<Option<Vocabulary>> {
         add_bos: info.add_bos,
         chat_template,
     }))
+}
+
+/// The base model's context a run kept in its `vocabulary.json`.
+pub fn base_context(run: &Path) -> Option<usize> {
+    let text = std::fs::read_to_string(run.join("vocabulary.json")).ok()?;
+    serde_json::from_str::<RunVocabulary>(&text).ok()?.context
 }

@@ -285,4 +285,56 @@ fn fine_tuning_a_pretrained_model_on_the_ring_takes_locals_steps() {
     }
     let (first, last) = (local[0], local[local.len() - 1]);
     assert!(last < 0.5 * first, "learns the pattern: {first} → {last}");
+    // The ring's checkpoint as a Hugging Face directory: read back as a pretrained model, it
+    // gives the checkpoint's logits.
+    let exported = tmp.path().join("hf");
+    let out = ringtmp(&[
+        "export",
+        "--checkpoint",
+        tmp.path().join("ring").to_str().unwrap(),
+        "--to",
+        "hf",
+        exported.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", said(&out));
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(exported.join("config.json")).unwrap())
+            .unwrap();
+    assert_eq!(config["model_type"], "llama");
+    assert_eq!(config["num_key_value_heads"], 2);
+    assert_eq!(config["rope_scaling"]["rope_type"], "llama3");
+    let window: Vec<String> = pattern[..16].iter().map(u16::to_string).collect();
+    let npy = tmp.path().join("logits.npy");
+    let out = ringtmp(&[
+        "predict",
+        "--pretrained",
+        exported.to_str().unwrap(),
+        "--prompt-ids",
+        &window.join(","),
+        "--logits",
+        npy.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", said(&out));
+    let bytes = std::fs::read(&npy).unwrap();
+    let header = ringtmp_data::npy::parse_header(&npy, &bytes).unwrap();
+    let got = ringtmp_data::npy::values_f64(&header, &bytes);
+    let dir = ringtmp_model::checkpoint::resolve(&tmp.path().join("ring")).unwrap();
+    let manifest = ringtmp_model::checkpoint::read_manifest(&dir).unwrap();
+    let layers = manifest
+        .model
+        .build_for(
+            &ringtmp_model::Shape::flat(16),
+            &ringtmp_model::Shape(vec![16, 160]),
+        )
+        .unwrap();
+    let mut stage = ringtmp_model::Stage::new(&layers, 0..layers.len(), 0, 1);
+    ringtmp_model::checkpoint::read_params(&dir, &manifest, &mut stage).unwrap();
+    let x: Vec<f32> = pattern[..16].iter().map(|&v| f32::from(v)).collect();
+    let want = stage.infer(&x, 1).unwrap();
+    let worst = got
+        .iter()
+        .zip(want)
+        .map(|(a, b)| (*a as f32 - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst < 1e-5, "{worst}");
 }

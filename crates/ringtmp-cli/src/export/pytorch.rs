@@ -20,8 +20,9 @@ pub struct ExportArgs {
     /// A checkpoint directory, or a run directory (its newest checkpoint).
     #[arg(long, value_name = "DIR")]
     pub checkpoint: PathBuf,
-    /// The framework to write for: pytorch (model.safetensors, model.py, recipe.json), or
-    /// nanogpt (nanoGPT's ckpt.pt and, for characters, meta.pkl).
+    /// The framework to write for: pytorch (model.safetensors, model.py, recipe.json),
+    /// nanogpt (nanoGPT's ckpt.pt and, for characters, meta.pkl), or hf (a Hugging Face model
+    /// directory of a Llama-family model, with the run's tokenizer and chat template).
     #[arg(long, value_name = "FRAMEWORK", default_value = "pytorch")]
     pub to: String,
     /// Directory to write the files into (new or without an earlier export's, unless
@@ -39,7 +40,7 @@ pub struct ExportArgs {
 
 /// Refuses an output that is a file, or a directory holding files an export would replace
 /// (unless `overwrite`), or that cannot be written: bad input, before anything is computed.
-fn check_export_dir(out: &Path, files: &[&str], overwrite: bool) -> Result<()> {
+pub(super) fn check_export_dir(out: &Path, files: &[&str], overwrite: bool) -> Result<()> {
     if out.exists() && !out.is_dir() {
         return Err(UsageError(format!("{}: is a file, not a directory", out.display())).into());
     }
@@ -72,9 +73,10 @@ pub fn export(a: &ExportArgs) -> Result<()> {
     match a.to.as_str() {
         "pytorch" => {}
         "nanogpt" => return export_nanogpt(a),
+        "hf" => return super::hf::export_hf(a),
         other => {
             return Err(UsageError(format!(
-                "--to {other:?}: ringtmp exports to pytorch or nanogpt"
+                "--to {other:?}: ringtmp exports to pytorch, nanogpt or hf"
             ))
             .into());
         }
