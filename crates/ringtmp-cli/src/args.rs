@@ -1372,6 +1372,15 @@ impl WireDtype {
     }
 }
 
+/// Positions per window of a pretrained model's text run unless --seq-len says (its context
+/// where that is shorter).
+const PRETRAINED_SEQ_LEN: usize = 256;
+
+/// `path` made absolute (node processes may run elsewhere in the tree).
+fn absolute(path: &std::path::Path) -> PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1440,13 +1449,4 @@ mod tests {
         assert!(name.ends_with("-local"), "{name}");
         assert!(config.out.starts_with("runs"), "{}", config.out.display());
     }
-}
-
-/// Positions per window of a pretrained model's text run unless --seq-len says (its context
-/// where that is shorter).
-const PRETRAINED_SEQ_LEN: usize = 256;
-
-/// `path` made absolute (node processes may run elsewhere in the tree).
-fn absolute(path: &std::path::Path) -> PathBuf {
-    std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf())
 }

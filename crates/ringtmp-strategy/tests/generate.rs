@@ -43,6 +43,7 @@ fn a_split_generation_draws_the_tokens_of_one_process() {
         for (nodes, backend) in [(2, Backend::Tcp), (3, Backend::sim(test_seed(12)))] {
             let job = GenerateJob {
                 checkpoint: dir.clone(),
+                pretrained: false,
                 partition: partition(&layers, nodes).unwrap(),
                 context,
                 vocab: data.classes,
@@ -50,7 +51,10 @@ fn a_split_generation_draws_the_tokens_of_one_process() {
                 tokens: 30,
                 temperature,
                 top_k,
+                top_p: 1.0,
                 seed: 11,
+                stop: Vec::new(),
+                print_prompt: true,
                 threads: 1,
                 recv_timeout_secs: 30.0,
                 tokenizer: None,
@@ -88,4 +92,77 @@ fn a_split_generation_draws_the_tokens_of_one_process() {
             );
         }
     }
+}
+
+/// A pretrained model (the tiny Qwen 3 of `benches/reference/pretrained`) split over 3 nodes
+/// on the simulated network, each reading its own layers from the model's files: the tokens
+/// of one process, sampled with top-k and top-p, ending at a stop token exactly where one
+/// process ends.
+#[test]
+fn a_split_pretrained_model_draws_the_tokens_of_one_process_and_stops_with_it() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../benches/reference/pretrained/qwen3");
+    let model = ringtmp_pretrained::model::Pretrained::open(&dir).unwrap();
+    let context = model.config.context;
+    let layers = model.layers(context).unwrap();
+    let mut whole = Stage::new(&layers, 0..layers.len(), 0, 1);
+    model
+        .load(&layers, 0..layers.len(), whole.params_mut())
+        .unwrap();
+    whole.sync_tie();
+    let mut chain = LocalChain::new(vec![whole]).unwrap();
+    let prompt = vec![5, 17, 99];
+    let free = Sampling {
+        top_p: 0.9,
+        ..Sampling::top_k(1.0, 40, 3)
+    };
+    let drawn = generate(&mut chain, &prompt, 40, &free, &mut |_| Ok(()))
+        .unwrap()
+        .tokens;
+    // The fifth token drawn becomes a stop token: generation ends before it.
+    let stop = drawn[4];
+    let first = drawn.iter().position(|&t| t == stop).unwrap();
+    let sampling = Sampling {
+        stop: vec![stop],
+        ..free.clone()
+    };
+    let one = generate(&mut chain, &prompt, 40, &sampling, &mut |_| Ok(())).unwrap();
+    assert_eq!(one.tokens, drawn[..first]);
+    assert_eq!(one.stopped_at, Some(stop));
+    let nodes = 3;
+    let job = GenerateJob {
+        checkpoint: dir.clone(),
+        pretrained: true,
+        partition: partition(&layers, nodes).unwrap(),
+        context,
+        vocab: model.config.vocab,
+        prompt: prompt.clone(),
+        tokens: 40,
+        temperature: 1.0,
+        top_k: 40,
+        top_p: 0.9,
+        seed: 3,
+        stop: vec![stop],
+        print_prompt: false,
+        threads: 1,
+        recv_timeout_secs: 30.0,
+        tokenizer: None,
+    };
+    job.validate(nodes as u32).unwrap();
+    let backend = Backend::sim(test_seed(61));
+    let ran = run_nodes(&backend, ring(nodes as u32), None, |rank, net| {
+        let out = match run(&job, rank, net, &mut |_| Ok(())) {
+            Ok(out) => {
+                net.close().map_err(|e| e.to_string())?;
+                out
+            }
+            Err(e) => {
+                net.abort(&e.to_string());
+                return Err(e.to_string());
+            }
+        };
+        Ok::<_, String>(out.map(|(g, _)| (g.tokens, g.stopped_at)))
+    });
+    let rank0 = ran.results.into_iter().next().unwrap().unwrap().unwrap();
+    assert_eq!(rank0, (one.tokens, Some(stop)));
 }
