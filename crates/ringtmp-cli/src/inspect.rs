@@ -1,7 +1,9 @@
 //! `ringtmp inspect PATH`: what a pretrained model's file or directory holds — its
 //! architecture, its parameters (and where they lie in the chain a ring cuts), its tensors'
 //! types, the memory its weights take at f32 and bf16 and training them with AdamW takes, and
-//! its tokenizer and chat template — read from the metadata and tensor table only.
+//! its tokenizer and chat template — read from the metadata and tensor table only; with
+//! `--nodes N`, how a ring of N nodes would hold it (each node's layers, parameters and memory
+//! to generate and to fine-tune), against `--node-memory-limit`.
 
 use std::path::PathBuf;
 
@@ -18,9 +20,24 @@ use crate::error::UsageError;
 pub struct InspectArgs {
     /// A GGUF file, or a Hugging Face model directory (config.json and safetensors).
     pub path: PathBuf,
+    /// The ring plan for N nodes: each node's layers (balanced by parameters), parameters, and
+    /// memory to generate (f32 weights) and to fine-tune fully (weights, gradients and AdamW's
+    /// two moments: 16 bytes a parameter).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub nodes: Option<u32>,
+    /// With --nodes: each node's memory (`768M`, `1G`); the plan says which nodes fit, and the
+    /// fewest nodes at which every one does.
+    #[arg(long, value_name = "LIMIT", requires = "nodes", value_parser = bytes)]
+    pub node_memory_limit: Option<u64>,
 }
 
 /// A reader's error is the user's input (exit 2).
+/// A size as the cluster options read one (`768M`, `1.5G`).
+fn bytes(text: &str) -> std::result::Result<u64, String> {
+    use ringtmp_strategy::per_node::NodeValue;
+    ringtmp_strategy::per_node::Bytes::parse(text).map(|b| b.0)
+}
+
 fn usage(e: impl std::fmt::Display) -> anyhow::Error {
     UsageError(e.to_string()).into()
 }
@@ -70,6 +87,72 @@ pub fn run(args: &InspectArgs) -> Result<()> {
             "{}: no such file or directory (a GGUF file or a Hugging Face model directory)",
             path.display()
         )));
+    }
+    if let Some(nodes) = args.nodes {
+        ring_plan(args, nodes)?;
+    }
+    Ok(())
+}
+
+/// Bytes a node holds per parameter to generate (f32 weights) and to fine-tune (the weights,
+/// their gradient and AdamW's two moments).
+const GENERATE_BYTES: u64 = 4;
+const TRAIN_BYTES: u64 = 16;
+
+/// The plan of a ring of `nodes` nodes holding the model (its layers balanced by parameters,
+/// a tied head's copy of the embedding counted where it lies).
+fn ring_plan(args: &InspectArgs, nodes: u32) -> Result<()> {
+    let model = ringtmp_pretrained::model::Pretrained::open(&args.path).map_err(usage)?;
+    let layers = model.layers(model.config.context.min(256)).map_err(usage)?;
+    let params = |r: &(usize, usize)| -> u64 {
+        layers[r.0..r.1]
+            .iter()
+            .map(|l| l.param_count() as u64)
+            .sum()
+    };
+    let partition =
+        ringtmp_strategy::generate::partition(&layers, nodes as usize).map_err(usage)?;
+    let limit = args.node_memory_limit;
+    println!(
+        "  ring of {nodes} node(s) (layers balanced by parameters{}):",
+        limit.map_or(String::new(), |l| format!("; each node {}", mib(l)))
+    );
+    for (rank, range) in partition.iter().enumerate() {
+        let p = params(range);
+        let fits = |bytes: u64| match limit {
+            Some(l) if bytes > l => " (over)",
+            _ => "",
+        };
+        println!(
+            "    node {rank}: layers {}..{}, {p} parameters; generate {}{}, fine-tune {}{}",
+            range.0,
+            range.1,
+            mib(p * GENERATE_BYTES),
+            fits(p * GENERATE_BYTES),
+            mib(p * TRAIN_BYTES),
+            fits(p * TRAIN_BYTES)
+        );
+    }
+    if let Some(limit) = limit {
+        let fewest = |bytes: u64| {
+            (1..=layers.len()).find(|&n| {
+                ringtmp_strategy::generate::partition(&layers, n)
+                    .is_ok_and(|p| p.iter().all(|r| params(r) * bytes <= limit))
+            })
+        };
+        let say = |n: Option<usize>| {
+            n.map_or_else(
+                || "no ring: one layer alone is more".to_string(),
+                |n| format!("{n} node(s)"),
+            )
+        };
+        println!(
+            "    fewest nodes of {} that hold it: {} to generate, {} to fine-tune (weights, \
+             gradients and AdamW; activations besides)",
+            mib(limit),
+            say(fewest(GENERATE_BYTES)),
+            say(fewest(TRAIN_BYTES))
+        );
     }
     Ok(())
 }

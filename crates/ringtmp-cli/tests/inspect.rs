@@ -75,3 +75,30 @@ fn inspect_describes_the_shared_smollm2_file() {
         "the file holds the whole architecture:\n{text}"
     );
 }
+
+#[test]
+fn inspect_plans_a_ring_under_a_memory_limit() {
+    let dir = repo().join("benches/reference/pretrained/qwen3");
+    let out = ringtmp(&[
+        "inspect",
+        dir.to_str().unwrap(),
+        "--nodes",
+        "2",
+        "--node-memory-limit",
+        "600K",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    // 106,944 parameters (the untied head its own) split nearly evenly; 16 bytes each to
+    // fine-tune is over 600 KiB on either node.
+    for needle in [
+        "ring of 2 node(s) (layers balanced by parameters; each node 0.6 MiB)",
+        "node 0: layers 0..2, 53440 parameters; generate 0.2 MiB, fine-tune 0.8 MiB (over)",
+        "node 1: layers 2..5, 53504 parameters",
+        "1 node(s) to generate, no ring: one layer alone is more to fine-tune",
+    ] {
+        assert!(text.contains(needle), "{needle:?} in\n{text}");
+    }
+    let out = ringtmp(&["inspect", dir.to_str().unwrap(), "--nodes", "9"]);
+    assert_eq!(out.status.code(), Some(2), "more nodes than layers");
+}
