@@ -411,7 +411,7 @@ fn gguf_gpt2_name(i: usize, name: &str) -> String {
 }
 
 /// GGUF's name of a Llama-family block's tensor named as Hugging Face names it.
-fn gguf_llama_name(name: &str) -> String {
+pub fn gguf_llama_name(name: &str) -> String {
     let rest = name.strip_prefix("model.layers.").unwrap_or(name);
     let (i, piece) = rest.split_once('.').unwrap_or(("0", rest));
     let (base, kind) = piece.rsplit_once('.').unwrap_or((piece, ""));
@@ -432,10 +432,19 @@ fn gguf_llama_name(name: &str) -> String {
     format!("blk.{i}.{gguf}.{kind}")
 }
 
-/// Undoes llama.cpp's permutation of a `q` or `k` projection of `rows` rows (weights
-/// `[heads·d, in]` or a bias `[heads·d]`): within each head, its row `2j + s` is Hugging Face's
-/// row `s·d/2 + j`.
+/// llama.cpp's permutation of a `q` or `k` projection of `rows` rows, as its converter writes
+/// it: within each head, Hugging Face's row `s·d/2 + j` becomes row `2j + s` ([`deinterleave`]
+/// undoes it).
+pub fn interleave(values: &mut [f32], heads: usize, rows: usize) {
+    permute_heads(values, heads, rows, true);
+}
+
+/// Undoes [`interleave`]: within each head, row `2j + s` goes back to row `s·d/2 + j`.
 fn deinterleave(values: &mut [f32], heads: usize, rows: usize) {
+    permute_heads(values, heads, rows, false);
+}
+
+fn permute_heads(values: &mut [f32], heads: usize, rows: usize, interleaving: bool) {
     let cols = values.len() / rows.max(1);
     let d = rows / heads.max(1);
     let half = d / 2;
@@ -444,7 +453,8 @@ fn deinterleave(values: &mut [f32], heads: usize, rows: usize) {
         head.copy_from_slice(block);
         for j in 0..half {
             for s in 0..2 {
-                let (from, to) = (2 * j + s, s * half + j);
+                let (hf, gguf) = (s * half + j, 2 * j + s);
+                let (from, to) = if interleaving { (hf, gguf) } else { (gguf, hf) };
                 block[to * cols..(to + 1) * cols]
                     .copy_from_slice(&head[from * cols..(from + 1) * cols]);
             }

@@ -4,6 +4,7 @@
 //! columns, layout, image size, normalisation, class names).
 
 mod eval;
+mod gguf;
 mod hf;
 mod language;
 mod nanogpt;

@@ -22,7 +22,8 @@ pub struct ExportArgs {
     pub checkpoint: PathBuf,
     /// The framework to write for: pytorch (model.safetensors, model.py, recipe.json),
     /// nanogpt (nanoGPT's ckpt.pt and, for characters, meta.pkl), or hf (a Hugging Face model
-    /// directory of a Llama-family model, with the run's tokenizer and chat template).
+    /// directory of a Llama-family model, with the run's tokenizer and chat template), or gguf
+    /// (OUT is then a .gguf file; see --dtype).
     #[arg(long, value_name = "FRAMEWORK", default_value = "pytorch")]
     pub to: String,
     /// Directory to write the files into (new or without an earlier export's, unless
@@ -36,6 +37,9 @@ pub struct ExportArgs {
     /// model.py's encode and decode (checked to be the run's).
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,
+    /// With --to gguf: the matrices' type, f32, f16 or q8_0 (norms stay f32) [default: f16].
+    #[arg(long, value_name = "TYPE")]
+    pub dtype: Option<String>,
 }
 
 /// Refuses an output that is a file, or a directory holding files an export would replace
@@ -70,13 +74,17 @@ pub(super) fn check_export_dir(out: &Path, files: &[&str], overwrite: bool) -> R
 
 /// `ringtmp export`.
 pub fn export(a: &ExportArgs) -> Result<()> {
+    if a.dtype.is_some() && a.to != "gguf" {
+        return Err(UsageError("--dtype chooses a GGUF export's type (--to gguf)".into()).into());
+    }
     match a.to.as_str() {
         "pytorch" => {}
         "nanogpt" => return export_nanogpt(a),
         "hf" => return super::hf::export_hf(a),
+        "gguf" => return super::gguf::export_gguf(a),
         other => {
             return Err(UsageError(format!(
-                "--to {other:?}: ringtmp exports to pytorch, nanogpt or hf"
+                "--to {other:?}: ringtmp exports to pytorch, nanogpt, hf or gguf"
             ))
             .into());
         }
