@@ -194,6 +194,10 @@ fn describe(c: &ModelConfig) {
         None => String::new(),
         Some(RopeScaling::Linear { factor }) => format!(", linear scaling ×{factor}"),
         Some(RopeScaling::Llama3 { factor, .. }) => format!(", Llama 3 scaling ×{factor}"),
+        Some(RopeScaling::Factors { factors }) => format!(
+            ", frequencies scaled by a table (up to ×{:.0})",
+            factors.iter().copied().fold(1.0, f64::max)
+        ),
     };
     if c.family != Family::Gpt2 {
         println!(

@@ -324,6 +324,18 @@ impl ModelConfig {
                 return Err(bad(format!("RoPE scaling {other:?}: ringtmp reads linear")));
             }
         };
+        // Llama 3's scaling, as llama.cpp's converter keeps it: a table of factors.
+        let scaling = match (scaling, file.tensor("rope_freqs.weight")) {
+            (None, Ok(_)) => Some(RopeScaling::Factors {
+                factors: file
+                    .dequantize("rope_freqs.weight")
+                    .map_err(|e| bad(e.to_string()))?
+                    .into_iter()
+                    .map(f64::from)
+                    .collect(),
+            }),
+            (scaling, _) => scaling,
+        };
         let norm_key = if family == Family::Gpt2 {
             "attention.layer_norm_epsilon"
         } else {

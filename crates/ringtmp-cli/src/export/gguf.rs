@@ -6,6 +6,7 @@
 
 use anyhow::Result;
 use ringtmp_model::LayerKind;
+use ringtmp_model::layers::rope::{Rope, RopeScaling};
 use ringtmp_pretrained::gguf::{Gguf, GgufWriter, TensorType, Value};
 
 use super::opened::{Opened, open};
@@ -119,17 +120,28 @@ fn metadata(opened: &Opened, w: &mut GgufWriter) -> Result<(&'static str, usize)
     put(w, key("vocab_size"), uint(e.vocab))?;
     match &b.rope_scaling {
         None => {}
-        Some(ringtmp_model::layers::rope::RopeScaling::Linear { factor }) => {
+        Some(RopeScaling::Linear { factor }) => {
             put(w, key("rope.scaling.type"), Value::String("linear".into()))?;
             put(w, key("rope.scaling.factor"), Value::F32(*factor as f32))?;
         }
-        Some(_) => {
-            return Err(refuse(
-                "Llama 3's RoPE scaling is a frequency table in GGUF, which ringtmp does not \
-                 write yet (export --to hf keeps it)",
-            )
-            .into());
-        }
+        // Llama 3's scaling (or a table already): the `rope_freqs` tensor of factors.
+        Some(_) => {}
+    }
+    if let Some(scaling @ (RopeScaling::Llama3 { .. } | RopeScaling::Factors { .. })) =
+        &b.rope_scaling
+    {
+        let rope = Rope::new(b.head_dim, b.rope_theta, Some(scaling));
+        let factors: Vec<f32> = rope
+            .factors(b.rope_theta)
+            .into_iter()
+            .map(|f| f as f32)
+            .collect();
+        w.tensor(
+            "rope_freqs.weight",
+            &[factors.len() as u64],
+            TensorType::F32,
+            &factors,
+        )?;
     }
     let tied = layers[n - 1].tied_to.is_some();
     let count = opened

@@ -194,8 +194,16 @@ fn llama_tensors(opened: &Opened) -> Result<(Vec<Tensor>, serde_json::Value)> {
         "attention_bias": b.qkv_bias,
         "torch_dtype": "float32",
     });
-    if let Some(scaling) = &b.rope_scaling {
-        config["rope_scaling"] = serde_json::to_value(scaling)?;
+    match &b.rope_scaling {
+        Some(ringtmp_model::layers::rope::RopeScaling::Factors { .. }) => {
+            return Err(refuse(
+                "its RoPE frequencies are scaled by a GGUF file's table, which config.json \
+                 cannot state (export --to gguf keeps it)",
+            )
+            .into());
+        }
+        Some(scaling) => config["rope_scaling"] = serde_json::to_value(scaling)?,
+        None => {}
     }
     Ok((tensors, config))
 }

@@ -29,6 +29,12 @@ pub enum RopeScaling {
         /// The context the model was trained at.
         original_max_position_embeddings: f64,
     },
+    /// Each frequency divided by its own factor: how GGUF files keep Llama 3's scaling (the
+    /// `rope_freqs` table llama.cpp's converter computes from it).
+    Factors {
+        /// One factor per frequency (`head_dim / 2`).
+        factors: Vec<f64>,
+    },
 }
 
 /// The rotation of one head size.
@@ -58,6 +64,11 @@ impl Rope {
             .collect();
         match scaling {
             None => {}
+            Some(RopeScaling::Factors { factors }) => {
+                for (f, factor) in inv_freq.iter_mut().zip(factors) {
+                    *f /= *factor as f32;
+                }
+            }
             Some(RopeScaling::Linear { factor }) => {
                 let factor = *factor as f32;
                 inv_freq.iter_mut().for_each(|f| *f /= factor);
@@ -125,6 +136,18 @@ impl Rope {
 }
 
 impl Rope {
+    /// The factors that take the unscaled frequencies of heads of `head_dim` values with base
+    /// `theta` to these (what GGUF keeps as `rope_freqs`).
+    pub fn factors(&self, theta: f64) -> Vec<f64> {
+        let plain = Self::new(self.head_dim, theta, None);
+        plain
+            .inv_freq
+            .iter()
+            .zip(&self.inv_freq)
+            .map(|(p, s)| f64::from(p / s))
+            .collect()
+    }
+
     /// Rotates columns `col..col + width` (whole heads) of each row of `x` — rows of `stride`
     /// values, row `r` at position `positions[r]` — in place; by the opposite angles when
     /// `inverse`. Each row's angles are computed once for all its heads.
