@@ -979,8 +979,14 @@ impl TrainArgs {
             (_, Some(path)) => {
                 let model = ringtmp_pretrained::model::Pretrained::open(path)
                     .map_err(|e| UsageError(format!("--pretrained {e}")))?;
+                let seq = self.seq_len().min(model.config.context);
+                // Every tensor there, in its shape and a type ringtmp reads, before any node
+                // starts.
                 model
-                    .spec(self.seq_len().min(model.config.context))
+                    .layers(seq)
+                    .map_err(|e| UsageError(format!("--pretrained {e}")))?;
+                model
+                    .spec(seq)
                     .map_err(|e| UsageError(format!("--pretrained {e}")))?
             }
             (Some(path), None) => ModelSpec::from_file(path).map_err(|e| match e {

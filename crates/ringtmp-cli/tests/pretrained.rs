@@ -455,3 +455,52 @@ fn a_checkpoint_exports_to_gguf_with_its_logits() {
         .fold(0.0, f64::max);
     assert!(worst < 1e-5, "llama3 scaling through GGUF: {worst}");
 }
+
+/// A model directory missing one tensor is refused by `train` before any node starts, naming
+/// the tensor.
+#[test]
+fn a_missing_tensor_is_refused_before_any_node_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("qwen2-missing");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::copy(tiny("qwen2").join("config.json"), dir.join("config.json")).unwrap();
+    let bytes = std::fs::read(tiny("qwen2").join("model.safetensors")).unwrap();
+    let file = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let kept: Vec<(String, safetensors::tensor::TensorView)> = file
+        .tensors()
+        .into_iter()
+        .filter(|(name, _)| name != "model.layers.1.mlp.up_proj.weight")
+        .collect();
+    let written = safetensors::serialize(kept, None).unwrap();
+    std::fs::write(dir.join("model.safetensors"), written).unwrap();
+    let ids: Vec<u8> = (0..2000u16)
+        .map(|i| i % 160)
+        .flat_map(u16::to_le_bytes)
+        .collect();
+    let data = tmp.path().join("ids.bin");
+    std::fs::write(&data, ids).unwrap();
+    let out = ringtmp(&[
+        "train",
+        "--pretrained",
+        dir.to_str().unwrap(),
+        "--dataset",
+        "text",
+        "--data-file",
+        data.to_str().unwrap(),
+        "--vocab-size",
+        "160",
+        "--nodes",
+        "2",
+        "--seq-len",
+        "16",
+        "--out",
+        tmp.path().join("run").to_str().unwrap(),
+    ]);
+    let text = said(&out);
+    assert_eq!(out.status.code(), Some(2), "{text}");
+    assert!(
+        text.contains("no tensor \"model.layers.1.mlp.up_proj.weight\""),
+        "{text}"
+    );
+    assert!(!text.contains("[node"), "no node started: {text}");
+}

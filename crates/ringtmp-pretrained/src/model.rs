@@ -180,11 +180,15 @@ impl Pretrained {
         })
     }
 
-    /// The layers of [`Pretrained::spec`] built over windows of `seq` positions.
+    /// The layers of [`Pretrained::spec`] built over windows of `seq` positions, checked
+    /// against the file's tensor table ([`Pretrained::check`]).
     pub fn layers(&self, seq: usize) -> Result<Vec<Layer>, PretrainedError> {
         let spec = self.spec(seq)?;
-        spec.build_for(&Shape::flat(seq), &Shape(vec![seq, self.config.vocab]))
-            .map_err(|e| self.model_error(e.to_string()))
+        let layers = spec
+            .build_for(&Shape::flat(seq), &Shape(vec![seq, self.config.vocab]))
+            .map_err(|e| self.model_error(e.to_string()))?;
+        self.check(&layers)?;
+        Ok(layers)
     }
 
     /// Reads the weights of `layers[range]` into `params`, laid out as a stage holding those
@@ -331,19 +335,26 @@ impl Pretrained {
         })
     }
 
-    /// Reads one tensor of `shape` (PyTorch's order) into `out`, undoing the file's
-    /// conventions. A learned position table longer than `shape` gives its first rows.
-    fn read_into(
+    /// The file's shape of the tensor `stored` names (PyTorch's order), checked against the
+    /// `shape` its layer wants and readable (a GGUF type ringtmp dequantises, a safetensors
+    /// dtype it widens) — from the tensor table alone, no value read.
+    fn checked_shape(
         &self,
         stored: &Stored,
         shape: &[usize],
-        out: &mut [f32],
-    ) -> Result<(), PretrainedError> {
-        let (file_shape, values) = match &self.source {
+    ) -> Result<Vec<usize>, PretrainedError> {
+        let file_shape = match &self.source {
             Source::Gguf(g) => {
                 let t = g.tensor(&stored.name)?;
-                let dims: Vec<usize> = t.dims.iter().rev().map(|&d| d as usize).collect();
-                (dims, g.dequantize(&stored.name)?)
+                if !t.kind.dequantizes() {
+                    return Err(GgufError::Unsupported {
+                        path: self.path.clone(),
+                        tensor: stored.name.clone(),
+                        kind: t.kind.name(),
+                    }
+                    .into());
+                }
+                t.dims.iter().rev().map(|&d| d as usize).collect::<Vec<_>>()
             }
             Source::Hf(h) => {
                 let t = h
@@ -353,7 +364,7 @@ impl Pretrained {
                         dir: self.path.clone(),
                         name: stored.name.clone(),
                     })?;
-                (t.shape.clone(), h.tensor_f32(&stored.name)?)
+                t.shape.clone()
             }
         };
         let mismatch = || PretrainedError::Shape {
@@ -363,20 +374,15 @@ impl Pretrained {
             want: shape.to_vec(),
             got: file_shape.clone(),
         };
-        let len = out.len();
         if stored.transposed {
             let [rows, cols] = shape[..] else {
                 return Err(mismatch());
             };
-            if file_shape != [cols, rows] {
-                return Err(mismatch());
-            }
-            for (r, row) in out.chunks_exact_mut(cols).enumerate() {
-                for (k, v) in row.iter_mut().enumerate() {
-                    *v = values[k * rows + r];
-                }
-            }
-            return Ok(());
+            return if file_shape == [cols, rows] {
+                Ok(file_shape)
+            } else {
+                Err(mismatch())
+            };
         }
         // A position table may hold more positions than the window: its first rows.
         let prefix_ok = file_shape.len() == shape.len()
@@ -386,6 +392,44 @@ impl Pretrained {
         if file_shape != shape && !prefix_ok {
             return Err(mismatch());
         }
+        Ok(file_shape)
+    }
+
+    /// Checks that the file holds every tensor of `layers` in the shape each wants, in a type
+    /// ringtmp reads — the tensor table alone, before any node starts.
+    pub fn check(&self, layers: &[Layer]) -> Result<(), PretrainedError> {
+        for (position, layer) in layers.iter().enumerate() {
+            let stored = self.stored(layers.len(), position, layer)?;
+            for ((_, shape), stored) in layer.param_tensors().into_iter().zip(stored) {
+                self.checked_shape(&stored, &shape)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads one tensor of `shape` (PyTorch's order) into `out`, undoing the file's
+    /// conventions. A learned position table longer than `shape` gives its first rows.
+    fn read_into(
+        &self,
+        stored: &Stored,
+        shape: &[usize],
+        out: &mut [f32],
+    ) -> Result<(), PretrainedError> {
+        self.checked_shape(stored, shape)?;
+        let values = match &self.source {
+            Source::Gguf(g) => g.dequantize(&stored.name)?,
+            Source::Hf(h) => h.tensor_f32(&stored.name)?,
+        };
+        if stored.transposed {
+            let (rows, cols) = (shape[0], shape[1]);
+            for (r, row) in out.chunks_exact_mut(cols).enumerate() {
+                for (k, v) in row.iter_mut().enumerate() {
+                    *v = values[k * rows + r];
+                }
+            }
+            return Ok(());
+        }
+        let len = out.len();
         out.copy_from_slice(&values[..len]);
         if let Some(heads) = stored.interleaved_heads {
             deinterleave(out, heads, shape[0]);
@@ -433,7 +477,7 @@ pub fn gguf_llama_name(name: &str) -> String {
 }
 
 /// llama.cpp's permutation of a `q` or `k` projection of `rows` rows, as its converter writes
-/// it: within each head, Hugging Face's row `s·d/2 + j` becomes row `2j + s` ([`deinterleave`]
+/// it: within each head, Hugging Face's row `s·d/2 + j` becomes row `2j + s` (`deinterleave`
 /// undoes it).
 pub fn interleave(values: &mut [f32], heads: usize, rows: usize) {
     permute_heads(values, heads, rows, true);
