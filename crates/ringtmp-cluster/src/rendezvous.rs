@@ -1149,11 +1149,20 @@ mod tests {
         let master = free_master();
         let rank_0 = host(&master, 3, "", Duration::from_secs(4));
         let registered = joiner(&master, 1, 3, Duration::from_secs(20));
-        for _ in 0..300 {
-            if let Ok(mut junk) = std::net::TcpStream::connect(&master) {
-                let _ = junk.write_all(b"GET / HTTP/1.1\r\n\r\n");
+        // Rank 0 listens once its thread has started: strangers knock until 300 got in (a
+        // knock before it listens is refused by the kernel and does not count), for at most 3 s.
+        let deadline = std::time::Instant::now() + Duration::from_secs(3);
+        let mut knocked = 0;
+        while knocked < 300 && std::time::Instant::now() < deadline {
+            match std::net::TcpStream::connect(&master) {
+                Ok(mut junk) => {
+                    let _ = junk.write_all(b"GET / HTTP/1.1\r\n\r\n");
+                    knocked += 1;
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
             }
         }
+        assert!(knocked > 0, "rank 0 never listened");
         let err = rank_0.join().unwrap().unwrap_err().to_string();
         assert!(
             err.contains("connection(s) refused") && err.contains("ranks [2]"),
