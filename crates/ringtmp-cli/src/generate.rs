@@ -116,7 +116,8 @@ impl Text {
     }
 }
 
-pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
+/// Checks the options every generation shares (a checkpoint's or a pretrained model's).
+pub fn check(a: &GenerateArgs) -> anyhow::Result<()> {
     if a.tokens == 0 {
         return Err(
             UsageError("--tokens 0: nothing to generate (ask for at least 1)".into()).into(),
@@ -131,9 +132,12 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
     if let Some(p) = a.top_p.filter(|p| !(*p > 0.0 && *p <= 1.0)) {
         return Err(UsageError(format!("--top-p {p}: must be above 0 and at most 1")).into());
     }
-    if let Some(path) = &a.pretrained {
-        return crate::generate_pretrained::run(a, path);
-    }
+    Ok(())
+}
+
+/// `ringtmp generate --checkpoint`.
+pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
+    check(a)?;
     let checkpoint = a
         .checkpoint
         .as_deref()
@@ -161,14 +165,28 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
         .tokenizer
         .clone()
         .or_else(|| kept.as_ref().map(|(run, _)| run.join("tokenizer.json")));
-    let opened = open(
+    let mut opened = open(
         checkpoint,
         tokenizer.as_deref(),
         &a.prompt,
         prompt_ids.as_ref(),
     )?;
+    // A model without learned positions (RoPE) reads as far as its base model's context, not
+    // only the windows it was fine-tuned on.
+    let rotary = matches!(
+        opened.manifest.model.layers.first(),
+        Some(ringtmp_model::LayerSpec::Embedding {
+            positions: false,
+            ..
+        })
+    );
+    if let (true, Some((run, _))) = (rotary, &kept)
+        && let Some(context) = crate::pretrained::base_context(run)
+    {
+        opened.context = opened.context.max(context);
+    }
     if a.nodes > 1 {
-        return split(a, &opened);
+        return split(a, &opened, stop, tokenizer.as_deref());
     }
     if a.node_memory_limit.is_some() || a.enforce_memory_limit {
         return Err(UsageError(
@@ -404,8 +422,15 @@ pub(crate) fn figures(
     )
 }
 
-/// `--nodes N`: the model split over N local node processes.
-fn split(a: &GenerateArgs, opened: &Opened) -> anyhow::Result<()> {
+/// `--nodes N`: the model split over N local node processes; `stop` ends the generation (a
+/// pretrained run's end of turn); `tokenizer` decodes the text (`--tokenizer`, or the one a
+/// pretrained run kept).
+fn split(
+    a: &GenerateArgs,
+    opened: &Opened,
+    stop: Vec<u32>,
+    tokenizer: Option<&std::path::Path>,
+) -> anyhow::Result<()> {
     let layers = manifest_layers(opened)?;
     let partition = ringtmp_strategy::generate::partition(&layers, a.nodes as usize)
         .map_err(|e| UsageError(e.to_string()))?;
@@ -426,16 +451,13 @@ fn split(a: &GenerateArgs, opened: &Opened) -> anyhow::Result<()> {
         top_k: a.top_k.unwrap_or(200),
         top_p: a.top_p.unwrap_or(1.0),
         seed: a.seed,
-        stop: Vec::new(),
-        print_prompt: true,
+        stop,
+        print_prompt: a.chat.is_none(),
         threads: a
             .threads
             .unwrap_or_else(|| (cores / a.nodes as usize).max(1)),
         recv_timeout_secs: ringtmp_strategy::DEFAULT_RECV_TIMEOUT_SECS,
-        tokenizer: a
-            .tokenizer
-            .as_ref()
-            .map(|t| std::path::absolute(t).unwrap_or_else(|_| t.clone())),
+        tokenizer: tokenizer.map(|t| std::path::absolute(t).unwrap_or_else(|_| t.to_path_buf())),
     };
     launch_split(a, &job, &layers, &opened.manifest.model.name)
 }

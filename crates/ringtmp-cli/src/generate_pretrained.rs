@@ -17,7 +17,9 @@ use crate::error::UsageError;
 use crate::generate::{GenerateArgs, Printer, Text, figures, launch_split};
 use crate::pretrained::{self, Opened};
 
+/// `ringtmp generate --pretrained PATH`.
 pub fn run(a: &GenerateArgs, path: &Path) -> anyhow::Result<()> {
+    crate::generate::check(a)?;
     let started = Instant::now();
     if a.tokenizer.is_some() {
         return Err(

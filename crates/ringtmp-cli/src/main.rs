@@ -178,7 +178,10 @@ fn main() -> ExitCode {
         Command::BenchCores(a) => bench_cores::run(&a),
         Command::ValidateConfig(a) => train::validate(&a),
         Command::Inspect(a) => inspect::run(&a),
-        Command::Generate(a) => generate::run(&a),
+        Command::Generate(a) => match &a.pretrained {
+            Some(path) => generate_pretrained::run(&a, path),
+            None => generate::run(&a),
+        },
         Command::Export(a) => export::export(&a),
         Command::Predict(a) => export::predict(&a),
         Command::Eval(a) => export::eval(&a),

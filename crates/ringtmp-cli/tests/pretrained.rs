@@ -504,3 +504,69 @@ fn a_missing_tensor_is_refused_before_any_node_starts() {
     );
     assert!(!text.contains("[node"), "no node started: {text}");
 }
+
+/// A run fine-tuning the shared SmolLM2 file keeps its tokenizer, template and end of turn: one
+/// step at a negligible rate, then `generate --checkpoint RUN --chat` answers as the model
+/// does, in one process and over 2 nodes.
+#[test]
+fn a_fine_tuned_run_chats_from_its_checkpoint() {
+    let Some(model) = smollm2() else {
+        return;
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let text = tmp.path().join("text.txt");
+    std::fs::write(
+        &text,
+        "The quick brown fox jumps over the lazy dog. ".repeat(200),
+    )
+    .unwrap();
+    let run = tmp.path().join("run");
+    let out = ringtmp(&[
+        "train",
+        "--pretrained",
+        model.to_str().unwrap(),
+        "--dataset",
+        "text",
+        "--data-file",
+        text.to_str().unwrap(),
+        "--strategy",
+        "local",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "1",
+        "--max-steps",
+        "1",
+        "--eval-tokens",
+        "16",
+        "--lr",
+        "1e-9",
+        "--out",
+        run.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", said(&out));
+    for kept in ["tokenizer.json", "chat_template.jinja", "vocabulary.json"] {
+        assert!(run.join(kept).is_file(), "{kept}");
+    }
+    for nodes in ["1", "2"] {
+        let out = ringtmp(&[
+            "generate",
+            "--checkpoint",
+            run.to_str().unwrap(),
+            "--chat",
+            "What is the capital of France?",
+            "--temperature",
+            "0",
+            "--tokens",
+            "24",
+            "--nodes",
+            nodes,
+        ]);
+        assert!(out.status.success(), "{}", said(&out));
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).trim(),
+            "The capital of France is Paris.",
+            "--nodes {nodes}"
+        );
+    }
+}

@@ -10,7 +10,7 @@ use ringtmp_model::layers::rope::{Rope, RopeScaling};
 use ringtmp_pretrained::gguf::{Gguf, GgufWriter, TensorType, Value};
 
 use super::opened::{Opened, open};
-use super::pytorch::ExportArgs;
+use super::request::ExportArgs;
 use crate::error::UsageError;
 
 /// `ringtmp export --to gguf`.

@@ -13,7 +13,7 @@ use ringtmp_model::{LayerKind, checkpoint};
 use serde_json::json;
 
 use super::opened::{Opened, open};
-use super::pytorch::{ExportArgs, check_export_dir};
+use super::request::{ExportArgs, check_export_dir};
 use crate::error::UsageError;
 
 /// The files an export writes.

@@ -12,9 +12,30 @@ mod opened;
 mod outputs;
 mod predict;
 mod pytorch;
+mod request;
 mod torch_file;
 
 pub use eval::{EvalArgs, eval};
 pub use opened::weights_dir;
 pub use predict::{PredictArgs, predict};
-pub use pytorch::{ExportArgs, export};
+pub use request::ExportArgs;
+
+/// `ringtmp export`: the writer of the framework asked for.
+pub fn export(a: &ExportArgs) -> anyhow::Result<()> {
+    if a.dtype.is_some() && a.to != "gguf" {
+        return Err(crate::error::UsageError(
+            "--dtype chooses a GGUF export's type (--to gguf)".into(),
+        )
+        .into());
+    }
+    match a.to.as_str() {
+        "pytorch" => pytorch::export_pytorch(a),
+        "nanogpt" => pytorch::export_nanogpt(a),
+        "hf" => hf::export_hf(a),
+        "gguf" => gguf::export_gguf(a),
+        other => Err(crate::error::UsageError(format!(
+            "--to {other:?}: ringtmp exports to pytorch, nanogpt, hf or gguf"
+        ))
+        .into()),
+    }
+}

@@ -3,7 +3,6 @@
 //! see `language`), or nanoGPT's `ckpt.pt` (see `nanogpt`).
 
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use ringtmp_model::{Layer, LayerKind, checkpoint, interop};
@@ -13,82 +12,10 @@ use crate::error::UsageError;
 use super::language;
 use super::nanogpt;
 use super::opened::{Opened, open};
+use super::request::{ExportArgs, check_export_dir};
 
-/// `ringtmp export` options.
-#[derive(clap::Args)]
-pub struct ExportArgs {
-    /// A checkpoint directory, or a run directory (its newest checkpoint).
-    #[arg(long, value_name = "DIR")]
-    pub checkpoint: PathBuf,
-    /// The framework to write for: pytorch (model.safetensors, model.py, recipe.json),
-    /// nanogpt (nanoGPT's ckpt.pt and, for characters, meta.pkl), or hf (a Hugging Face model
-    /// directory of a Llama-family model, with the run's tokenizer and chat template), or gguf
-    /// (OUT is then a .gguf file; see --dtype).
-    #[arg(long, value_name = "FRAMEWORK", default_value = "pytorch")]
-    pub to: String,
-    /// Directory to write the files into (new or without an earlier export's, unless
-    /// --overwrite).
-    #[arg(value_name = "OUT")]
-    pub out: PathBuf,
-    /// Replace the files of an earlier export in OUT.
-    #[arg(long)]
-    pub overwrite: bool,
-    /// The tokenizer.json a language model was trained with: copied beside the weights for
-    /// model.py's encode and decode (checked to be the run's).
-    #[arg(long, value_name = "FILE")]
-    pub tokenizer: Option<PathBuf>,
-    /// With --to gguf: the matrices' type, f32, f16 or q8_0 (norms stay f32) [default: f16].
-    #[arg(long, value_name = "TYPE")]
-    pub dtype: Option<String>,
-}
-
-/// Refuses an output that is a file, or a directory holding files an export would replace
-/// (unless `overwrite`), or that cannot be written: bad input, before anything is computed.
-pub(super) fn check_export_dir(out: &Path, files: &[&str], overwrite: bool) -> Result<()> {
-    if out.exists() && !out.is_dir() {
-        return Err(UsageError(format!("{}: is a file, not a directory", out.display())).into());
-    }
-    if !overwrite {
-        let taken: Vec<&str> = files
-            .iter()
-            .copied()
-            .filter(|f| out.join(f).exists())
-            .collect();
-        if !taken.is_empty() {
-            return Err(UsageError(format!(
-                "{} already holds {}: pass --overwrite to replace them, or export elsewhere",
-                out.display(),
-                taken.join(", ")
-            ))
-            .into());
-        }
-    }
-    std::fs::create_dir_all(out)
-        .map_err(|e| UsageError(format!("cannot create {}: {e}", out.display())))?;
-    let probe = out.join(".ringtmp-export-probe");
-    std::fs::write(&probe, b"")
-        .map_err(|e| UsageError(format!("cannot write into {}: {e}", out.display())))?;
-    let _ = std::fs::remove_file(probe);
-    Ok(())
-}
-
-/// `ringtmp export`.
-pub fn export(a: &ExportArgs) -> Result<()> {
-    if a.dtype.is_some() && a.to != "gguf" {
-        return Err(UsageError("--dtype chooses a GGUF export's type (--to gguf)".into()).into());
-    }
-    match a.to.as_str() {
-        "pytorch" => {}
-        "nanogpt" => return export_nanogpt(a),
-        "hf" => return super::hf::export_hf(a),
-        "gguf" => return super::gguf::export_gguf(a),
-        other => {
-            return Err(UsageError(format!(
-                "--to {other:?}: ringtmp exports to pytorch, nanogpt, hf or gguf"
-            ))
-            .into());
-        }
-    }
+/// `ringtmp export --to pytorch`.
+pub fn export_pytorch(a: &ExportArgs) -> Result<()> {
     check_export_dir(
         &a.out,
         &[
@@ -148,7 +75,7 @@ pub fn export(a: &ExportArgs) -> Result<()> {
 }
 
 /// `ringtmp export --to nanogpt`.
-fn export_nanogpt(a: &ExportArgs) -> Result<()> {
+pub fn export_nanogpt(a: &ExportArgs) -> Result<()> {
     if let Some(t) = &a.tokenizer {
         return Err(UsageError(format!(
             "--tokenizer {}: nanoGPT reads a character vocabulary from meta.pkl, and GPT-2's \
