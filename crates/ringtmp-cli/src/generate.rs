@@ -224,9 +224,22 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
         stop,
         ..Sampling::top_k(a.temperature.unwrap_or(0.8), a.top_k.unwrap_or(200), a.seed)
     };
-    let shown: &[u32] = if a.chat.is_some() { &[] } else { &prompt };
-    let mut printer = Printer::new(&text, shown)?;
-    let generated = generate(&mut chain, &prompt, a.tokens, &sampling, &mut |token| {
+    stream(a, &mut chain, &text, &prompt, &sampling)?;
+    Ok(())
+}
+
+/// Generates `a.tokens` tokens after `prompt` from `chain`, printing each as it comes (after
+/// the prompt's text, unless `--chat`) and the figures at the end.
+pub(crate) fn stream(
+    a: &GenerateArgs,
+    chain: &mut LocalChain,
+    text: &Text,
+    prompt: &[u32],
+    sampling: &Sampling,
+) -> anyhow::Result<ringtmp_model::generate::Generated> {
+    let shown: &[u32] = if a.chat.is_some() { &[] } else { prompt };
+    let mut printer = Printer::new(text, shown)?;
+    let generated = generate(chain, prompt, a.tokens, sampling, &mut |token| {
         printer
             .token(token)
             .map_err(|e| ringtmp_model::Error::Config {
@@ -237,7 +250,7 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
     .context("generating")?;
     printer.end()?;
     eprintln!("{}", figures(&generated, prompt.len(), chain.cache_bytes()));
-    Ok(())
+    Ok(generated)
 }
 
 /// A checkpoint opened for generation, with everything the user gave checked against it.

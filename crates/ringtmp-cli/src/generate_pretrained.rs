@@ -7,14 +7,13 @@
 use std::path::Path;
 use std::time::Instant;
 
-use anyhow::Context;
 use ringtmp_model::Stage;
 use ringtmp_model::decode::Decoder;
-use ringtmp_model::generate::{LocalChain, Sampling, generate};
+use ringtmp_model::generate::{LocalChain, Sampling};
 use ringtmp_strategy::generate::GenerateJob;
 
 use crate::error::UsageError;
-use crate::generate::{GenerateArgs, Printer, Text, figures, launch_split};
+use crate::generate::{GenerateArgs, Text, launch_split, stream};
 use crate::pretrained::{self, Opened};
 
 /// `ringtmp generate --pretrained PATH`.
@@ -81,19 +80,7 @@ pub fn run(a: &GenerateArgs, path: &Path) -> anyhow::Result<()> {
     );
     let text = Text::Pretrained(Box::new(opened.vocabulary.tokenizer.clone()));
     let mut chain = LocalChain::new(vec![stage])?;
-    let shown: &[u32] = if a.chat.is_some() { &[] } else { &prompt };
-    let mut printer = Printer::new(&text, shown)?;
-    let generated = generate(&mut chain, &prompt, a.tokens, &sampling, &mut |token| {
-        printer
-            .token(token)
-            .map_err(|e| ringtmp_model::Error::Config {
-                source_name: "generate".into(),
-                reason: e.to_string(),
-            })
-    })
-    .context("generating")?;
-    printer.end()?;
-    eprintln!("{}", figures(&generated, prompt.len(), chain.cache_bytes()));
+    let generated = stream(a, &mut chain, &text, &prompt, &sampling)?;
     eprintln!(
         "generate: first token {:.2} s after the command started",
         started.elapsed().as_secs_f64() - generated.seconds + generated.first_token_seconds

@@ -64,26 +64,10 @@ fn said(out: &Output) -> String {
 fn predict_writes_transformers_logits_for_every_position() {
     let dir = tiny("qwen3");
     let g = golden(&dir.join("golden.safetensors"));
-    let ids: Vec<String> = g["input_ids"][..12]
-        .iter()
-        .map(|v| (*v as u32).to_string())
-        .collect();
+    let ids: Vec<u16> = g["input_ids"][..12].iter().map(|v| *v as u16).collect();
     let tmp = tempfile::tempdir().unwrap();
-    let out_path = tmp.path().join("logits.npy");
-    let out = ringtmp(&[
-        "predict",
-        "--pretrained",
-        dir.to_str().unwrap(),
-        "--prompt-ids",
-        &ids.join(","),
-        "--logits",
-        out_path.to_str().unwrap(),
-    ]);
-    assert!(out.status.success(), "{}", said(&out));
-    let bytes = std::fs::read(&out_path).unwrap();
-    let header = ringtmp_data::npy::parse_header(&out_path, &bytes).unwrap();
-    assert_eq!(header.shape, vec![12, 160]);
-    let got = ringtmp_data::npy::values_f64(&header, &bytes);
+    let got = predicted(&dir, &ids, &tmp.path().join("logits.npy"));
+    assert_eq!(got.len(), 12 * 160, "[12, 160]");
     let worst = got
         .iter()
         .zip(&g["logits"][..12 * 160])
@@ -303,21 +287,7 @@ fn fine_tuning_a_pretrained_model_on_the_ring_takes_locals_steps() {
     assert_eq!(config["model_type"], "llama");
     assert_eq!(config["num_key_value_heads"], 2);
     assert_eq!(config["rope_scaling"]["rope_type"], "llama3");
-    let window: Vec<String> = pattern[..16].iter().map(u16::to_string).collect();
-    let npy = tmp.path().join("logits.npy");
-    let out = ringtmp(&[
-        "predict",
-        "--pretrained",
-        exported.to_str().unwrap(),
-        "--prompt-ids",
-        &window.join(","),
-        "--logits",
-        npy.to_str().unwrap(),
-    ]);
-    assert!(out.status.success(), "{}", said(&out));
-    let bytes = std::fs::read(&npy).unwrap();
-    let header = ringtmp_data::npy::parse_header(&npy, &bytes).unwrap();
-    let got = ringtmp_data::npy::values_f64(&header, &bytes);
+    let got = predicted(&exported, &pattern[..16], &tmp.path().join("logits.npy"));
     let dir = ringtmp_model::checkpoint::resolve(&tmp.path().join("ring")).unwrap();
     let manifest = ringtmp_model::checkpoint::read_manifest(&dir).unwrap();
     let layers = manifest

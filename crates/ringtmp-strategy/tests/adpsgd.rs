@@ -169,9 +169,11 @@ fn the_average_learns_on_tcp_and_in_simulation_and_a_seed_replays() {
         // On TCP the threads' timing decides which gossip meets which step, so the final
         // accuracy spreads: 0.845–0.909 over 13 runs (0.845 failed a bar of 0.85 in CI). The seeded simulation replays exactly and keeps the tighter bar; a broken
         // average stays near chance (0.1) on either.
-        let bar = match backend {
-            Backend::Tcp => 0.80,
-            _ => 0.85,
+        // The consensus distance spreads on TCP the same way (0.16 seen on an Intel Xeon kind
+        // with the machine busy); the simulation's is exact.
+        let (bar, distance_bar) = match backend {
+            Backend::Tcp => (0.80, 0.25),
+            _ => (0.85, 0.1),
         };
         assert!(summary.final_test_accuracy > bar, "{summary:?}");
         assert!(
@@ -179,7 +181,7 @@ fn the_average_learns_on_tcp_and_in_simulation_and_a_seed_replays() {
             "{summary:?}"
         );
         assert!(
-            summary.consensus_distance.is_some_and(|d| d < 0.1),
+            summary.consensus_distance.is_some_and(|d| d < distance_bar),
             "{summary:?}"
         );
         assert_eq!(summary.per_node.len(), 4);
