@@ -7,7 +7,6 @@
 use std::path::Path;
 use std::time::Instant;
 
-use ringtmp_model::Stage;
 use ringtmp_model::decode::Decoder;
 use ringtmp_model::generate::{LocalChain, Sampling};
 use ringtmp_strategy::generate::GenerateJob;
@@ -67,12 +66,10 @@ pub fn run(a: &GenerateArgs, path: &Path) -> anyhow::Result<()> {
     let threads = a.threads.unwrap_or_else(|| {
         std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
     });
-    let mut stage = Stage::new(&layers, 0..layers.len(), 0, threads);
-    opened
+    let stage = opened
         .model
-        .load(&layers, 0..layers.len(), stage.params_mut())
+        .stage(&layers, 0..layers.len(), threads)
         .map_err(|e| UsageError(e.to_string()))?;
-    stage.sync_tie();
     Decoder::new(&stage).map_err(|e| UsageError(e.to_string()))?;
     eprintln!(
         "generate: {name} loaded in {:.2} s",

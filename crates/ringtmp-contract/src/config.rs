@@ -201,16 +201,17 @@ impl TrainConfig {
         threads: usize,
         resuming: bool,
     ) -> Result<ringtmp_model::Stage> {
-        let mut stage = ringtmp_model::Stage::new(layers, range.clone(), self.seed, threads);
+        if let (Some(path), false) = (&self.init_from, resuming)
+            && is_pretrained(path)
+        {
+            let model = ringtmp_pretrained::model::Pretrained::open(path)
+                .map_err(|e| Error::Config(e.to_string()))?;
+            return model
+                .stage(layers, range, threads)
+                .map_err(|e| Error::Config(e.to_string()));
+        }
+        let mut stage = ringtmp_model::Stage::new(layers, range, self.seed, threads);
         match (&self.init_from, resuming) {
-            (Some(path), false) if is_pretrained(path) => {
-                let model = ringtmp_pretrained::model::Pretrained::open(path)
-                    .map_err(|e| Error::Config(e.to_string()))?;
-                model
-                    .load(layers, range, stage.params_mut())
-                    .map_err(|e| Error::Config(e.to_string()))?;
-                stage.sync_tie();
-            }
             (Some(dir), false) => {
                 let manifest = ringtmp_model::checkpoint::read_manifest(dir)?;
                 ringtmp_model::checkpoint::read_params(dir, &manifest, &mut stage)?;

@@ -218,6 +218,39 @@ impl Stage {
     /// # Panics
     /// If `range` is empty or out of bounds (the partition planner guarantees neither happens).
     pub fn new(layers: &[Layer], range: Range<usize>, seed: u64, threads: usize) -> Self {
+        Self::filled(layers, range, threads, |layers, offsets, params| {
+            for (i, l) in layers.iter().enumerate() {
+                l.init(&mut params[offsets[i]..offsets[i + 1]], seed);
+            }
+            Ok::<(), std::convert::Infallible>(())
+        })
+        .unwrap_or_else(|never| match never {})
+    }
+
+    /// Builds the stage holding `layers[range]` with parameters that `fill` writes (weights
+    /// read from a file, say: no seeded initialisation to overwrite); a tied head's mirror is
+    /// then copied from the table when the stage holds both.
+    ///
+    /// # Errors
+    /// Whatever `fill` returns.
+    ///
+    /// # Panics
+    /// If `range` is empty or out of bounds.
+    pub fn loaded<E>(
+        layers: &[Layer],
+        range: Range<usize>,
+        threads: usize,
+        fill: impl FnOnce(&mut [f32]) -> std::result::Result<(), E>,
+    ) -> std::result::Result<Self, E> {
+        Self::filled(layers, range, threads, |_, _, params| fill(params))
+    }
+
+    fn filled<E>(
+        layers: &[Layer],
+        range: Range<usize>,
+        threads: usize,
+        fill: impl FnOnce(&[Layer], &[usize], &mut [f32]) -> std::result::Result<(), E>,
+    ) -> std::result::Result<Self, E> {
         assert!(
             !range.is_empty() && range.end <= layers.len(),
             "bad stage range {range:?}"
@@ -233,16 +266,14 @@ impl Stage {
         let mut params = vec![0.0; total];
         if !ringtmp_meter::phantom() {
             // (Phantom mode leaves the zeroed allocation untouched: the kernel maps it lazily.)
-            for (i, l) in layers.iter().enumerate() {
-                l.init(&mut params[offsets[i]..offsets[i + 1]], seed);
-            }
+            fill(&layers, &offsets, &mut params)?;
             if let Some((source, mirror)) = tie.as_ref().and_then(Tie::internal) {
                 tie::mirror(&mut params, &source, &mirror);
             }
         }
         let n = layers.len();
         let fusion = (0..n).map(|i| Fusion::of(&layers, i)).collect();
-        Self {
+        Ok(Self {
             layers,
             offsets,
             params: Arc::new(params),
@@ -263,7 +294,7 @@ impl Stage {
             fusion,
             tie,
             tie_stale: false,
-        }
+        })
     }
 
     /// Starts (or, with `false`, stops) accumulating per-layer forward and backward times. Costs

@@ -219,6 +219,19 @@ impl Pretrained {
         Ok(())
     }
 
+    /// A stage holding `layers[range]` with the model's weights (read straight into it, with
+    /// no seeded initialisation first), on `threads` threads.
+    pub fn stage(
+        &self,
+        layers: &[Layer],
+        range: Range<usize>,
+        threads: usize,
+    ) -> Result<ringtmp_model::Stage, PretrainedError> {
+        ringtmp_model::Stage::loaded(layers, range.clone(), threads, |params| {
+            self.load(layers, range, params)
+        })
+    }
+
     fn model_error(&self, what: String) -> PretrainedError {
         PretrainedError::Model {
             path: self.path.clone(),

@@ -35,10 +35,7 @@ fn tensors(path: &Path) -> BTreeMap<String, Vec<f32>> {
 
 /// A stage of `layers[range]` with the model's weights.
 fn stage(model: &Pretrained, layers: &[Layer], range: std::ops::Range<usize>) -> Stage {
-    let mut stage = Stage::new(layers, range.clone(), 0, 1);
-    model.load(layers, range, stage.params_mut()).unwrap();
-    stage.sync_tie();
-    stage
+    model.stage(layers, range, 1).unwrap()
 }
 
 fn worst(a: &[f32], b: &[f32]) -> f32 {

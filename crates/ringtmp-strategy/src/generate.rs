@@ -209,12 +209,9 @@ impl GenerateJob {
                 layers.len()
             )));
         }
-        let mut stage = Stage::new(&layers, start..end, 0, self.threads);
         model
-            .load(&layers, start..end, stage.params_mut())
-            .map_err(|e| Error::Config(e.to_string()))?;
-        stage.sync_tie();
-        Ok(stage)
+            .stage(&layers, start..end, self.threads)
+            .map_err(|e| Error::Config(e.to_string()))
     }
 }
 

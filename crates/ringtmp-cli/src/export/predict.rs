@@ -189,11 +189,9 @@ fn predict_pretrained(a: &PredictArgs, path: &Path, threads: usize) -> Result<()
     let layers = model
         .layers(ids.len())
         .map_err(|e| UsageError(e.to_string()))?;
-    let mut stage = ringtmp_model::Stage::new(&layers, 0..layers.len(), 0, threads);
-    model
-        .load(&layers, 0..layers.len(), stage.params_mut())
+    let mut stage = model
+        .stage(&layers, 0..layers.len(), threads)
         .map_err(|e| UsageError(e.to_string()))?;
-    stage.sync_tie();
     let x: Vec<f32> = ids.iter().map(|&i| i as f32).collect();
     let logits = stage.infer(&x, 1)?;
     let vocab = model.config.vocab;
