@@ -211,12 +211,9 @@ impl TrainConfig {
                 .map_err(|e| Error::Config(e.to_string()));
         }
         let mut stage = ringtmp_model::Stage::new(layers, range, self.seed, threads);
-        match (&self.init_from, resuming) {
-            (Some(dir), false) => {
-                let manifest = ringtmp_model::checkpoint::read_manifest(dir)?;
-                ringtmp_model::checkpoint::read_params(dir, &manifest, &mut stage)?;
-            }
-            _ => {}
+        if let (Some(dir), false) = (&self.init_from, resuming) {
+            let manifest = ringtmp_model::checkpoint::read_manifest(dir)?;
+            ringtmp_model::checkpoint::read_params(dir, &manifest, &mut stage)?;
         }
         Ok(stage)
     }
