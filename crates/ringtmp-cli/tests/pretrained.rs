@@ -199,6 +199,30 @@ fn bad_models_and_requests_are_one_line_and_exit_2() {
     }
 }
 
+/// `ringtmp train --pretrained MODEL --dataset text` on token files of a 160-id vocabulary in
+/// windows of 16, into `out`, with `extra` options.
+fn train_on_ids(model: &Path, data: &[&Path], out: &Path, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "train",
+        "--pretrained",
+        model.to_str().unwrap(),
+        "--dataset",
+        "text",
+        "--data-file",
+    ];
+    args.extend(data.iter().map(|d| d.to_str().unwrap()));
+    args.extend([
+        "--vocab-size",
+        "160",
+        "--seq-len",
+        "16",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    args.extend(extra);
+    ringtmp(&args)
+}
+
 /// The losses of `metrics.jsonl`'s steps.
 fn step_losses(run: &Path) -> Vec<f64> {
     std::fs::read_to_string(run.join("metrics.jsonl"))
@@ -230,34 +254,25 @@ fn fine_tuning_a_pretrained_model_on_the_ring_takes_locals_steps() {
     let model = tiny("llama-gqa");
     let run = |strategy: &str, nodes: &str| {
         let out = tmp.path().join(strategy);
-        let output = ringtmp(&[
-            "train",
-            "--pretrained",
-            model.to_str().unwrap(),
-            "--dataset",
-            "text",
-            "--data-file",
-            train.to_str().unwrap(),
-            val.to_str().unwrap(),
-            "--vocab-size",
-            "160",
-            "--strategy",
-            strategy,
-            "--nodes",
-            nodes,
-            "--seq-len",
-            "16",
-            "--batch-size",
-            "4",
-            "--train-samples",
-            "120",
-            "--lr",
-            "3e-3",
-            "--warmup-steps",
-            "0",
-            "--out",
-            out.to_str().unwrap(),
-        ]);
+        let output = train_on_ids(
+            &model,
+            &[&train, &val],
+            &out,
+            &[
+                "--strategy",
+                strategy,
+                "--nodes",
+                nodes,
+                "--batch-size",
+                "4",
+                "--train-samples",
+                "120",
+                "--lr",
+                "3e-3",
+                "--warmup-steps",
+                "0",
+            ],
+        );
         assert!(output.status.success(), "{strategy}: {}", said(&output));
         step_losses(&out)
     };
@@ -342,27 +357,19 @@ fn a_checkpoint_exports_to_gguf_with_its_logits() {
     std::fs::write(&data, &ids).unwrap();
     let train = |model: &str| {
         let out = tmp.path().join(model);
-        let output = ringtmp(&[
-            "train",
-            "--pretrained",
-            tiny(model).to_str().unwrap(),
-            "--dataset",
-            "text",
-            "--data-file",
-            data.to_str().unwrap(),
-            "--vocab-size",
-            "160",
-            "--strategy",
-            "local",
-            "--seq-len",
-            "16",
-            "--batch-size",
-            "4",
-            "--train-samples",
-            "8",
-            "--out",
-            out.to_str().unwrap(),
-        ]);
+        let output = train_on_ids(
+            &tiny(model),
+            &[&data],
+            &out,
+            &[
+                "--strategy",
+                "local",
+                "--batch-size",
+                "4",
+                "--train-samples",
+                "8",
+            ],
+        );
         assert!(output.status.success(), "{}", said(&output));
         out
     };
@@ -449,23 +456,7 @@ fn a_missing_tensor_is_refused_before_any_node_starts() {
         .collect();
     let data = tmp.path().join("ids.bin");
     std::fs::write(&data, ids).unwrap();
-    let out = ringtmp(&[
-        "train",
-        "--pretrained",
-        dir.to_str().unwrap(),
-        "--dataset",
-        "text",
-        "--data-file",
-        data.to_str().unwrap(),
-        "--vocab-size",
-        "160",
-        "--nodes",
-        "2",
-        "--seq-len",
-        "16",
-        "--out",
-        tmp.path().join("run").to_str().unwrap(),
-    ]);
+    let out = train_on_ids(&dir, &[&data], &tmp.path().join("run"), &["--nodes", "2"]);
     let text = said(&out);
     assert_eq!(out.status.code(), Some(2), "{text}");
     assert!(
