@@ -181,7 +181,7 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
         })
     );
     if let (true, Some((run, _))) = (rotary, &kept)
-        && let Some(context) = crate::pretrained::base_context(run)
+        && let Some(context) = crate::pretrained::run_info(run).and_then(|v| v.context)
     {
         opened.context = opened.context.max(context);
     }

@@ -274,8 +274,12 @@ pub fn read_run_vocabulary(run: &Path) -> anyhow::Result<Option<Vocabulary>> {
     }))
 }
 
-/// The base model's context a run kept in its `vocabulary.json`.
-pub fn base_context(run: &Path) -> Option<usize> {
-    let text = std::fs::read_to_string(run.join("vocabulary.json")).ok()?;
-    serde_json::from_str::<RunVocabulary>(&text).ok()?.context
+/// What the run of the checkpoint `path` names (a checkpoint directory, a run's
+/// `checkpoints/` or the run itself) kept in its `vocabulary.json` (the base model, its framing
+/// tokens and context), without reading its tokenizer; `None` for a run that kept none.
+pub fn run_info(path: &Path) -> Option<RunVocabulary> {
+    path.ancestors().take(3).find_map(|run| {
+        let text = std::fs::read_to_string(run.join("vocabulary.json")).ok()?;
+        serde_json::from_str(&text).ok()
+    })
 }

@@ -91,8 +91,8 @@ fn metadata(opened: &Opened, w: &mut GgufWriter) -> Result<(&'static str, usize)
         (false, true) => "qwen3",
         (true, true) => return Err(refuse("both q/k/v biases and q/k norms").into()),
     };
-    let context = crate::pretrained::run_of(&opened.dir)?
-        .and_then(|(dir, _)| crate::pretrained::base_context(&dir))
+    let context = crate::pretrained::run_info(&opened.dir)
+        .and_then(|v| v.context)
         .unwrap_or(b.seq);
     let key = |k: &str| format!("{arch}.{k}");
     let put = |w: &mut GgufWriter, k: String, v: Value| w.metadata(&k, v);
@@ -156,15 +156,9 @@ fn metadata(opened: &Opened, w: &mut GgufWriter) -> Result<(&'static str, usize)
 /// The tokenizer of the GGUF file the run started from (its `tokenizer.*` metadata, the chat
 /// template among them), when there is one; says what was written.
 fn copy_tokenizer(opened: &Opened, w: &mut GgufWriter) -> Result<String> {
-    let base = std::fs::read_to_string(
-        crate::pretrained::run_of(&opened.dir)?
-            .map(|(dir, _)| dir.join("vocabulary.json"))
-            .unwrap_or_default(),
-    )
-    .ok()
-    .and_then(|t| serde_json::from_str::<crate::pretrained::RunVocabulary>(&t).ok())
-    .map(|v| v.base)
-    .filter(|b| b.extension().is_some_and(|e| e == "gguf") && b.is_file());
+    let base = crate::pretrained::run_info(&opened.dir)
+        .map(|v| v.base)
+        .filter(|b| b.extension().is_some_and(|e| e == "gguf") && b.is_file());
     let Some(base) = base else {
         return Ok("no tokenizer (the run did not start from a GGUF file)".into());
     };

@@ -172,8 +172,8 @@ fn llama_tensors(opened: &Opened) -> Result<(Vec<Tensor>, serde_json::Value)> {
         (false, true) => ("qwen3", "Qwen3ForCausalLM"),
         (true, true) => return Err(refuse("both q/k/v biases and q/k norms").into()),
     };
-    let context = crate::pretrained::run_of(&opened.dir)?
-        .and_then(|(dir, _)| crate::pretrained::base_context(&dir))
+    let context = crate::pretrained::run_info(&opened.dir)
+        .and_then(|v| v.context)
         .unwrap_or(b.seq);
     let mut config = json!({
         "architectures": [family.1],

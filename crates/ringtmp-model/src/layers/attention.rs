@@ -28,6 +28,28 @@ pub struct KeyValues {
     pub(crate) values: Vec<f32>,
 }
 
+impl KeyValues {
+    /// Keeps positions `0..at` and appends the keys and values of the projected rows `qkv`
+    /// (rows of `stride` values: queries, then `width` keys from column `keys_at`, then `width`
+    /// values).
+    pub(crate) fn append(
+        &mut self,
+        qkv: &[f32],
+        stride: usize,
+        keys_at: usize,
+        width: usize,
+        at: usize,
+    ) {
+        self.keys.truncate(at * width);
+        self.values.truncate(at * width);
+        for row in qkv.chunks_exact(stride) {
+            self.keys.extend_from_slice(&row[keys_at..keys_at + width]);
+            self.values
+                .extend_from_slice(&row[keys_at + width..keys_at + 2 * width]);
+        }
+    }
+}
+
 /// Causal self-attention geometry.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CausalSelfAttention {
@@ -124,12 +146,7 @@ impl CausalSelfAttention {
         crate::kernels::set_len(scratch, rows * 4 * c);
         let (qkv, att) = scratch.split_at_mut(rows * 3 * c);
         linear_forward(qkv, rows, 3 * c, c, x, wqkv, bqkv, threads);
-        cache.keys.truncate(at * c);
-        cache.values.truncate(at * c);
-        for row in qkv.chunks_exact(3 * c) {
-            cache.keys.extend_from_slice(&row[c..2 * c]);
-            cache.values.extend_from_slice(&row[2 * c..]);
-        }
+        cache.append(qkv, 3 * c, c, c, at);
         // The queries side by side, as the shared core reads them (the cache holds the keys
         // and values).
         let mut queries = vec![0.0f32; rows * c];

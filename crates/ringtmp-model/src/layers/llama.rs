@@ -70,6 +70,16 @@ struct Parts {
     w_down: (usize, usize),
 }
 
+/// The buffers the part after the attention writes: `x₂`, `rms₂(x₂)` and its statistics, the
+/// MLP's gate and up values and their product.
+struct After<'a> {
+    x2: &'a mut [f32],
+    h2: &'a mut [f32],
+    stats: &'a mut [f32],
+    gu: &'a mut [f32],
+    m: &'a mut [f32],
+}
+
 /// Where each stashed tensor lies in the block's stash, for `rows` rows: `(offset, len)`.
 struct Stash {
     ln1_stats: (usize, usize),
@@ -388,17 +398,14 @@ impl LlamaBlock {
         } else {
             samples.for_each(work);
         }
-        linear_forward(x2, rows, c, q, att, span(p, parts.w_o), &[], threads);
-        for (a, b) in x2.iter_mut().zip(x) {
-            *a += b;
-        }
-        norm.forward(span(p, parts.ln2), x2, h2, ln2_stats, threads);
-        self.gate_up(p, h2, rows, gu, m, threads);
-        let hid = self.hidden;
-        linear_forward(y, rows, c, hid, m, span(p, parts.w_down), &[], threads);
-        for (a, b) in y.iter_mut().zip(x2.iter()) {
-            *a += b;
-        }
+        let after = After {
+            x2,
+            h2,
+            stats: ln2_stats,
+            gu,
+            m,
+        };
+        self.after_attention(p, x, att, rows, after, y, threads);
     }
 
     /// Decoding: `y` (`[rows, width]`) for `rows` new positions `at..at + rows` of one
@@ -447,20 +454,46 @@ impl LlamaBlock {
         norm.forward(span(p, parts.ln1), x, h, stats, threads);
         let positions: Vec<usize> = (at..at + rows).collect();
         self.project(p, h, rows, &positions, qkv, pre, qk_stats, threads);
-        cache.keys.truncate(at * kv);
-        cache.values.truncate(at * kv);
-        for row in qkv.chunks_exact(s) {
-            cache.keys.extend_from_slice(&row[q..q + kv]);
-            cache.values.extend_from_slice(&row[q + kv..]);
-        }
+        cache.append(qkv, s, q, kv, at);
         gather(qkv, queries, s, 0, q);
         self.heads()
             .decode(queries, at, &cache.keys, &cache.values, att, scores);
+        let after = After {
+            x2,
+            h2,
+            stats,
+            gu,
+            m,
+        };
+        self.after_attention(p, x, att, rows, after, y, threads);
+    }
+
+    /// What follows the heads' outputs `att`, in the forward and in decoding alike:
+    /// `x₂ = x + att·W_oᵀ`, then `y = x₂ + MLP(rms₂(x₂))`, the pieces kept in `after`.
+    fn after_attention(
+        &self,
+        p: &[f32],
+        x: &[f32],
+        att: &[f32],
+        rows: usize,
+        after: After<'_>,
+        y: &mut [f32],
+        threads: usize,
+    ) {
+        let (c, q, hid, parts) = (self.width, self.q_width(), self.hidden, self.parts());
+        let After {
+            x2,
+            h2,
+            stats,
+            gu,
+            m,
+        } = after;
         linear_forward(x2, rows, c, q, att, span(p, parts.w_o), &[], threads);
         for (a, b) in x2.iter_mut().zip(x) {
             *a += b;
         }
-        norm.forward(span(p, parts.ln2), x2, h2, stats, threads);
+        self.norm(c)
+            .forward(span(p, parts.ln2), x2, h2, stats, threads);
         self.gate_up(p, h2, rows, gu, m, threads);
         linear_forward(y, rows, c, hid, m, span(p, parts.w_down), &[], threads);
         for (a, b) in y.iter_mut().zip(x2.iter()) {
