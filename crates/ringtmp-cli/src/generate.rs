@@ -20,6 +20,7 @@ use ringtmp_data::{TextTokenizer, Vocabulary};
 use ringtmp_model::checkpoint;
 use ringtmp_model::decode::Decoder;
 use ringtmp_model::generate::{LocalChain, Sampling, generate};
+use ringtmp_model::packed::InferenceStage;
 use ringtmp_model::{Shape, Stage};
 use ringtmp_strategy::generate::GenerateJob;
 use ringtmp_strategy::per_node::{Bytes, PerNode};
@@ -76,6 +77,12 @@ pub struct GenerateArgs {
     /// checkpoint's record of it).
     #[arg(long)]
     pub tokenizer: Option<PathBuf>,
+    /// How the weights of matrices are held while generating: `file` (as a pretrained file
+    /// stores them where a kernel reads that format — bf16, f16, q8_0, q4_0, q4_1 — else
+    /// f32), `f32`, `bf16` or `q8_0` (converted on load). Fewer bytes, faster tokens:
+    /// decoding reads every weight once per token.
+    #[arg(long, default_value = "file", value_parser = clap::builder::ValueParser::new(ringtmp_pretrained::held::WeightsDtype::parse))]
+    pub weights_dtype: ringtmp_pretrained::held::WeightsDtype,
     /// Compute threads (default: every core; with --nodes, the cores shared out).
     #[arg(long, value_parser = crate::args::at_least_one)]
     pub threads: Option<usize>,
@@ -209,10 +216,12 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
     let mut stage = Stage::new(&layers, 0..layers.len(), manifest.seed, threads);
     checkpoint::read_params(&dir, &manifest, &mut stage)?;
     Decoder::new(&stage).map_err(|e| UsageError(e.to_string()))?;
+    let params = stage.params().len();
+    let stage = InferenceStage::from_stage(&stage, a.weights_dtype.format());
     eprintln!(
         "generate: {} ({} parameters, context {context}, {}) from {} step {} ({})",
         manifest.model.name,
-        stage.params().len(),
+        params,
         vocab.describe(),
         manifest.strategy,
         manifest.step,
@@ -232,7 +241,7 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
 /// the prompt's text, unless `--chat`) and the figures at the end.
 pub(crate) fn stream(
     a: &GenerateArgs,
-    chain: &mut LocalChain,
+    chain: &mut LocalChain<InferenceStage>,
     text: &Text,
     prompt: &[u32],
     sampling: &Sampling,
@@ -471,6 +480,7 @@ fn split(
             .unwrap_or_else(|| (cores / a.nodes as usize).max(1)),
         recv_timeout_secs: ringtmp_strategy::DEFAULT_RECV_TIMEOUT_SECS,
         tokenizer: tokenizer.map(|t| std::path::absolute(t).unwrap_or_else(|_| t.to_path_buf())),
+        weights_dtype: a.weights_dtype,
     };
     launch_split(a, &job, &layers, &opened.manifest.model.name)
 }

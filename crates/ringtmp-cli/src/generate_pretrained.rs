@@ -68,12 +68,14 @@ pub fn run(a: &GenerateArgs, path: &Path) -> anyhow::Result<()> {
     });
     let stage = opened
         .model
-        .stage(&layers, 0..layers.len(), threads)
+        .inference_stage(&layers, 0..layers.len(), threads, a.weights_dtype)
         .map_err(|e| UsageError(e.to_string()))?;
     Decoder::new(&stage).map_err(|e| UsageError(e.to_string()))?;
     eprintln!(
-        "generate: {name} loaded in {:.2} s",
-        started.elapsed().as_secs_f64()
+        "generate: {name} loaded in {:.2} s, its weights {:.0} MB held as {}",
+        started.elapsed().as_secs_f64(),
+        stage.bytes() as f64 / 1e6,
+        held_as(a.weights_dtype)
     );
     let text = Text::Pretrained(Box::new(opened.vocabulary.tokenizer.clone()));
     let mut chain = LocalChain::new(vec![stage])?;
@@ -130,6 +132,18 @@ fn split(
             .unwrap_or_else(|| (cores / a.nodes as usize).max(1)),
         recv_timeout_secs: ringtmp_strategy::DEFAULT_RECV_TIMEOUT_SECS,
         tokenizer: None,
+        weights_dtype: a.weights_dtype,
     };
     launch_split(a, &job, layers, name)
+}
+
+/// What `--weights-dtype` holds, in words.
+fn held_as(dtype: ringtmp_pretrained::held::WeightsDtype) -> &'static str {
+    use ringtmp_pretrained::held::WeightsDtype::*;
+    match dtype {
+        File => "the file stores them",
+        F32 => "f32",
+        Bf16 => "bf16",
+        Q8_0 => "q8_0",
+    }
 }

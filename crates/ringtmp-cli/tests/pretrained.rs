@@ -349,8 +349,8 @@ fn predicted(model: &Path, ids: &[u16], npy: &Path) -> Vec<f64> {
 #[test]
 fn a_checkpoint_exports_to_gguf_with_its_logits() {
     let tmp = tempfile::tempdir().unwrap();
-    let ids: Vec<u8> = (0..4000u16)
-        .map(|i| (i * 37 + 11) % 160)
+    let ids: Vec<u8> = (0..4000u32)
+        .map(|i| ((i * 37 + 11) % 160) as u16)
         .flat_map(u16::to_le_bytes)
         .collect();
     let data = tmp.path().join("ids.bin");

@@ -17,7 +17,7 @@
 use crate::error::{Error, Result};
 use crate::kernels::{relu_forward, set_len};
 use crate::layers::{KeyValues, LayerKind};
-use crate::stage::Stage;
+use crate::packed::{DecodeStage, Params, matrix_forward};
 
 /// A stage's decoding state: the position reached and each attention's cache.
 #[derive(Debug)]
@@ -33,12 +33,17 @@ pub struct Decoder {
     b: Vec<f32>,
     stats: Vec<f32>,
     scratch: Vec<f32>,
+    /// Whether [`Decoder::step`] returns the last position's output alone.
+    last_only: bool,
+    /// The first layer after which no layer mixes positions (embeddings count as mixing: they
+    /// read the position).
+    positionwise_from: usize,
 }
 
 impl Decoder {
     /// A decoder for `stage`, at position 0; refuses a stage with a layer that cannot decode
     /// position by position.
-    pub fn new(stage: &Stage) -> Result<Self> {
+    pub fn new<S: DecodeStage + ?Sized>(stage: &S) -> Result<Self> {
         Self::for_layers(stage.layers())
     }
 
@@ -85,7 +90,21 @@ impl Decoder {
                 .then(KeyValues::default),
             );
         }
+        let positionwise_from = layers
+            .iter()
+            .rposition(|l| {
+                matches!(
+                    l.kind,
+                    LayerKind::Embedding(_)
+                        | LayerKind::Block(_)
+                        | LayerKind::LlamaBlock(_)
+                        | LayerKind::CausalSelfAttention(_)
+                )
+            })
+            .map_or(0, |i| i + 1);
         Ok(Self {
+            positionwise_from,
+            last_only: false,
             caches,
             position: 0,
             // A stage of position-wise layers alone (a split model's last norm and head) takes
@@ -96,6 +115,14 @@ impl Decoder {
             stats: Vec::new(),
             scratch: Vec::new(),
         })
+    }
+
+    /// This decoder's [`Decoder::step`] returns the last position's output alone, computing
+    /// the position-wise layers after the stage's last attention for it alone (a
+    /// generating chain's last stage: only the last position's logits are sampled).
+    pub fn last_position_only(mut self) -> Self {
+        self.last_only = true;
+        self
     }
 
     /// Positions decoded so far (the next one's index).
@@ -129,9 +156,14 @@ impl Decoder {
 
     /// Runs `stage` over `rows` new positions: `x` is their input to the stage (token ids as
     /// `f32` on the first stage, `[rows, width]` activations after it); returns their output
-    /// (`[rows, width]`, or `[rows, vocab]` logits from the last stage) and moves the position
-    /// on by `rows`.
-    pub fn step(&mut self, stage: &Stage, x: &[f32], rows: usize) -> Result<&[f32]> {
+    /// (`[rows, width]`, or `[rows, vocab]` logits from the last stage; the last row alone after
+    /// [`Decoder::last_position_only`]) and moves the position on by `rows`.
+    pub fn step<S: DecodeStage + ?Sized>(
+        &mut self,
+        stage: &S,
+        x: &[f32],
+        rows: usize,
+    ) -> Result<&[f32]> {
         let at = self.position;
         if at + rows > self.capacity {
             return Err(Error::Config {
@@ -151,18 +183,39 @@ impl Decoder {
             });
         }
         let threads = stage.threads();
-        let params = stage.params();
         self.a.clear();
         self.a.extend_from_slice(x);
-        for ((layer, range), cache) in stage.param_ranges().zip(self.caches.iter_mut()) {
-            let p = &params[range];
+        let mut rows_now = rows;
+        for (i, layer) in stage.layers().iter().enumerate() {
+            if self.last_only && rows_now > 1 && i >= self.positionwise_from {
+                // The layers from here on treat positions apart: only the last one's output
+                // is wanted (a prompt's logits over a vocabulary cost as much as its layers).
+                let width = self.a.len() / rows_now;
+                self.a.drain(..(rows_now - 1) * width);
+                rows_now = 1;
+            }
+            let p = stage.layer_params(i);
+            let cache = &mut self.caches[i];
             let (x, y) = (&self.a, &mut self.b);
-            set_len(y, rows * layer.output.numel() / seq_of(layer));
+            set_len(y, rows_now * layer.output.numel() / seq_of(layer));
+            let flat = || {
+                p.flat()
+                    .expect("only embeddings, linear layers and Llama blocks hold packed weights")
+            };
             match &layer.kind {
-                LayerKind::Embedding(e) => e.forward_at(p, x, at, y),
-                LayerKind::Linear(l) => l.forward(p, x, rows, y, threads),
+                LayerKind::Embedding(e) => match p.flat() {
+                    Some(p) => e.forward_at(p, x, at, y),
+                    None => embed_held(e, p, x, at, y),
+                },
+                LayerKind::Linear(l) => {
+                    let w = (0, l.in_features * l.out_features);
+                    let bias = p.vector((w.1, layer.param_count() - w.1));
+                    let (n, k) = (l.out_features, l.in_features);
+                    matrix_forward(y, rows_now, n, k, x, &p.matrix(w), bias, threads);
+                }
                 LayerKind::Norm(norm) => {
-                    set_len(&mut self.stats, 2 * rows);
+                    set_len(&mut self.stats, 2 * rows_now);
+                    let p = p.vector((0, layer.param_count()));
                     norm.forward(p, x, y, &mut self.stats, threads);
                 }
                 LayerKind::Gelu => crate::layers::gelu_forward_threaded(x, y, threads),
@@ -170,15 +223,33 @@ impl Decoder {
                 LayerKind::Dropout(_) => y.copy_from_slice(x),
                 LayerKind::CausalSelfAttention(a) => {
                     let cache = cache.as_mut().expect("an attention has a cache");
-                    a.decode(p, x, rows, at, cache, y, &mut self.scratch, threads);
+                    a.decode(
+                        flat(),
+                        x,
+                        rows_now,
+                        at,
+                        cache,
+                        y,
+                        &mut self.scratch,
+                        threads,
+                    );
                 }
                 LayerKind::Block(b) => {
                     let cache = cache.as_mut().expect("a block has a cache");
-                    b.decode(p, x, rows, at, cache, y, &mut self.scratch, threads);
+                    b.decode(
+                        flat(),
+                        x,
+                        rows_now,
+                        at,
+                        cache,
+                        y,
+                        &mut self.scratch,
+                        threads,
+                    );
                 }
                 LayerKind::LlamaBlock(b) => {
                     let cache = cache.as_mut().expect("a block has a cache");
-                    b.decode(p, x, rows, at, cache, y, &mut self.scratch, threads);
+                    b.decode(p, x, rows_now, at, cache, y, &mut self.scratch, threads);
                 }
                 LayerKind::Conv2d(_)
                 | LayerKind::MaxPool2d(_)
@@ -188,8 +259,32 @@ impl Decoder {
             }
             std::mem::swap(&mut self.a, &mut self.b);
         }
+        if self.last_only && rows_now > 1 {
+            let width = self.a.len() / rows_now;
+            self.a.drain(..(rows_now - 1) * width);
+        }
         self.position += rows;
         Ok(&self.a)
+    }
+}
+
+/// An embedding whose table is held packed: each token's row dequantised, its position's row
+/// (`f32`) added when there are learned positions.
+fn embed_held(e: &crate::layers::Embedding, p: Params<'_>, x: &[f32], at: usize, y: &mut [f32]) {
+    let table = p.matrix((0, e.vocab * e.width));
+    let positions = p.vector((
+        e.vocab * e.width,
+        if e.positions { e.seq * e.width } else { 0 },
+    ));
+    for (i, (&token, out)) in x.iter().zip(y.chunks_exact_mut(e.width)).enumerate() {
+        let id = (token.max(0.0) as usize).min(e.vocab - 1);
+        table.row(id, e.width, out);
+        if e.positions {
+            let pos = &positions[(at + i) * e.width..(at + i + 1) * e.width];
+            for (o, v) in out.iter_mut().zip(pos) {
+                *o += v;
+            }
+        }
     }
 }
 
@@ -222,6 +317,7 @@ pub(crate) mod tests {
     use super::*;
     use crate::Shape;
     use crate::spec::ModelSpec;
+    use crate::stage::Stage;
 
     /// A small GPT with a dropout between its blocks and attentions of different head counts.
     pub(crate) fn gpt(seq: usize) -> Vec<crate::Layer> {

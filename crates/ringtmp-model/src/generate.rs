@@ -25,6 +25,7 @@ use rand_chacha::ChaCha8Rng;
 
 use crate::decode::Decoder;
 use crate::error::{Error, Result};
+use crate::packed::DecodeStage;
 use crate::stage::Stage;
 
 /// A language model's stages, wherever they run, decoding one sequence.
@@ -42,17 +43,30 @@ pub trait Chain {
     fn capacity(&self) -> usize;
 }
 
-/// A model's stages in this process, each with its decoder.
-pub struct LocalChain {
-    stages: Vec<(Stage, Decoder)>,
+/// A model's stages in this process (training stages, or [`crate::packed::InferenceStage`]s
+/// holding packed weights), each with its decoder.
+pub struct LocalChain<S: DecodeStage = Stage> {
+    stages: Vec<(S, Decoder)>,
 }
 
-impl LocalChain {
+impl<S: DecodeStage> LocalChain<S> {
     /// The chain of `stages`, in order (the first reads token ids, the last gives logits).
-    pub fn new(stages: Vec<Stage>) -> Result<Self> {
+    pub fn new(stages: Vec<S>) -> Result<Self> {
+        let count = stages.len();
         let stages = stages
             .into_iter()
-            .map(|s| Decoder::new(&s).map(|d| (s, d)))
+            .enumerate()
+            .map(|(i, s)| {
+                let d = Decoder::new(&s)?;
+                Ok((
+                    s,
+                    if i + 1 == count {
+                        d.last_position_only()
+                    } else {
+                        d
+                    },
+                ))
+            })
             .collect::<Result<Vec<_>>>()?;
         if stages.is_empty() {
             return Err(Error::Config {
@@ -69,7 +83,7 @@ impl LocalChain {
     }
 }
 
-impl Chain for LocalChain {
+impl<S: DecodeStage> Chain for LocalChain<S> {
     type Error = Error;
 
     fn feed(&mut self, ids: &[u32]) -> Result<Vec<f32>> {
@@ -77,8 +91,8 @@ impl Chain for LocalChain {
         for (stage, decoder) in &mut self.stages {
             x = decoder.step(stage, &x, ids.len())?.to_vec();
         }
-        let vocab = x.len() / ids.len().max(1);
-        Ok(x.split_off(x.len() - vocab))
+        // The last stage's decoder gives the last position's logits alone.
+        Ok(x)
     }
 
     fn reset(&mut self) -> Result<()> {

@@ -40,6 +40,7 @@ pub mod kernels;
 pub mod layers;
 pub mod loss;
 pub mod optim;
+pub mod packed;
 mod shape;
 pub mod spec;
 mod stage;

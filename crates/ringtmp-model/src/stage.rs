@@ -474,6 +474,11 @@ impl Stage {
         stashed.len()
     }
 
+    /// The parameters of the stage's `i`-th layer.
+    pub fn layer_values(&self, i: usize) -> &[f32] {
+        &self.params[self.offsets[i]..self.offsets[i + 1]]
+    }
+
     /// Parameter range of each layer in the flat buffers.
     pub fn param_ranges(&self) -> impl Iterator<Item = (&Layer, Range<usize>)> {
         self.layers

@@ -140,6 +140,15 @@ impl HfModel {
         &self.dir
     }
 
+    /// The tensor named `name` as the file stores it: its element type and bytes.
+    pub fn raw(&self, name: &str) -> Result<(Dtype, &[u8]), HfError> {
+        let tensor = self.tensors.get(name).ok_or_else(|| HfError::NoTensor {
+            dir: self.dir.clone(),
+            name: name.to_string(),
+        })?;
+        Ok((tensor.dtype, &self.maps[tensor.shard][tensor.range.clone()]))
+    }
+
     /// The tensor named `name`, in f32 (f16 and bf16 widened exactly).
     pub fn tensor_f32(&self, name: &str) -> Result<Vec<f32>, HfError> {
         let tensor = self.tensors.get(name).ok_or_else(|| HfError::NoTensor {

@@ -4,6 +4,8 @@
 //! - [`config`]: a pretrained model's architecture, from either file, in one typed description.
 //! - [`gguf`]: GGUF files (versions 2 and 3): the metadata, the tensor table, and every tensor
 //!   dequantised to f32 as the `gguf` package and ggml's reference code do it, bit for bit.
+//! - [`held`]: a model's weights held for inference as the file gives them (bf16, 8- and
+//!   4-bit blocks) or converted on load (`--weights-dtype`).
 //! - [`hf`]: Hugging Face model directories: `config.json` and the weights in one
 //!   safetensors file or shards named by `model.safetensors.index.json`, f32, f16 or bf16.
 //! - [`model`]: a pretrained model as a chain of layers, and its weights read into the stages
@@ -17,6 +19,7 @@
 
 pub mod config;
 pub mod gguf;
+pub mod held;
 pub mod hf;
 pub mod model;
 pub mod template;

@@ -57,7 +57,7 @@ pub enum PretrainedError {
 }
 
 /// Where the weights are.
-enum Source {
+pub(crate) enum Source {
     Gguf(Box<Gguf>),
     Hf(Box<HfModel>),
 }
@@ -67,16 +67,16 @@ pub struct Pretrained {
     path: PathBuf,
     /// The architecture.
     pub config: ModelConfig,
-    source: Source,
+    pub(crate) source: Source,
 }
 
 /// How one of a layer's tensors is stored in the file.
-struct Stored {
-    name: String,
+pub(crate) struct Stored {
+    pub(crate) name: String,
     /// Stored `[in, out]` (GPT-2's Conv1D in Hugging Face's files).
-    transposed: bool,
+    pub(crate) transposed: bool,
     /// llama.cpp's interleaved rows, in heads of this many rows.
-    interleaved_heads: Option<usize>,
+    pub(crate) interleaved_heads: Option<usize>,
 }
 
 impl Stored {
@@ -232,7 +232,7 @@ impl Pretrained {
         })
     }
 
-    fn model_error(&self, what: String) -> PretrainedError {
+    pub(crate) fn model_error(&self, what: String) -> PretrainedError {
         PretrainedError::Model {
             path: self.path.clone(),
             what,
@@ -241,7 +241,7 @@ impl Pretrained {
 
     /// How the file stores the tensors of the layer at `position` of a chain of `count`, in
     /// the order of its `param_tensors`.
-    fn stored(
+    pub(crate) fn stored(
         &self,
         count: usize,
         position: usize,
@@ -351,7 +351,7 @@ impl Pretrained {
     /// The file's shape of the tensor `stored` names (PyTorch's order), checked against the
     /// `shape` its layer wants and readable (a GGUF type ringtmp dequantises, a safetensors
     /// dtype it widens) — from the tensor table alone, no value read.
-    fn checked_shape(
+    pub(crate) fn checked_shape(
         &self,
         stored: &Stored,
         shape: &[usize],
@@ -422,7 +422,7 @@ impl Pretrained {
 
     /// Reads one tensor of `shape` (PyTorch's order) into `out`, undoing the file's
     /// conventions. A learned position table longer than `shape` gives its first rows.
-    fn read_into(
+    pub(crate) fn read_into(
         &self,
         stored: &Stored,
         shape: &[usize],
@@ -497,7 +497,7 @@ pub fn interleave(values: &mut [f32], heads: usize, rows: usize) {
 }
 
 /// Undoes [`interleave`]: within each head, row `2j + s` goes back to row `s·d/2 + j`.
-fn deinterleave(values: &mut [f32], heads: usize, rows: usize) {
+pub(crate) fn deinterleave(values: &mut [f32], heads: usize, rows: usize) {
     permute_heads(values, heads, rows, false);
 }
 

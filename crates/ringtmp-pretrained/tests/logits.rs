@@ -198,3 +198,146 @@ fn argmax(logits: &[f32], vocab: usize) -> usize {
         .max_by(|&a, &b| last[a].total_cmp(&last[b]))
         .unwrap()
 }
+
+/// The logits of every position of `ids`, decoded in one step (the prompt's path: packed
+/// products through the dequantising GEMM) and then position by position (the token path:
+/// the matrix–vector kernels), from `stage`.
+fn decoded<S: ringtmp_model::packed::DecodeStage>(
+    stage: &S,
+    ids: &[f32],
+    vocab: usize,
+) -> Vec<f32> {
+    let mut decoder = Decoder::new(stage).unwrap();
+    let mut all = decoder.step(stage, ids, ids.len()).unwrap().to_vec();
+    assert_eq!(all.len(), ids.len() * vocab);
+    decoder.reset();
+    for id in ids {
+        let row = decoder.step(stage, &[*id], 1).unwrap();
+        all.extend_from_slice(row);
+    }
+    all
+}
+
+/// A stage of the whole model in f32 whose packable matrices hold their values rounded to
+/// `format` (quantised, then dequantised): what a stage holding them packed computes with.
+fn rounded(model: &Pretrained, layers: &[Layer], format: ringtmp_model::packed::Format) -> Stage {
+    use ringtmp_model::packed::{PackedTensor, packable};
+    let mut whole = stage(model, layers, 0..layers.len());
+    let params = whole.params_mut();
+    let mut at = 0;
+    for layer in layers {
+        for ((_, shape), pack) in layer.param_tensors().into_iter().zip(packable(layer)) {
+            let len: usize = shape.iter().product();
+            let values = &mut params[at..at + len];
+            if pack && let Some(t) = PackedTensor::quantize(format, shape[0], shape[1], values) {
+                t.dequantize_rows(0..shape[0], values);
+            }
+            at += len;
+        }
+    }
+    whole
+}
+
+/// Weights held packed for generation give the logits of an f32 stage holding the same
+/// values: the tiny models' f32 files held as the file stores them (f32) or as f32 give the f32
+/// stage's logits; held as bf16 and q8_0 (converted on load), those of the f32 stage whose
+/// matrices were rounded the same way — decoded in one step (the dequantising GEMM) and
+/// position by position (the matrix–vector kernels), on two threads; bf16 holds under 60% of
+/// f32's bytes (GPT-2, whose blocks stay f32, under 90%).
+#[test]
+fn held_weights_give_the_logits_of_the_values_they_hold() {
+    use ringtmp_model::packed::Format;
+    use ringtmp_pretrained::held::WeightsDtype;
+    for name in ["llama-gqa", "llama-tied", "qwen2", "qwen3", "gpt2"] {
+        let dir = common::reference(&format!("pretrained/{name}"));
+        let golden = tensors(&dir.join("golden.safetensors"));
+        let ids = &golden["input_ids"][..golden["input_ids"].len() / 2];
+        let model = Pretrained::open(&dir).unwrap();
+        let vocab = model.config.vocab;
+        let layers = model.layers(ids.len()).unwrap();
+        let n = layers.len();
+        let exact = decoded(&stage(&model, &layers, 0..n), ids, vocab);
+        for (dtype, want) in [
+            (WeightsDtype::File, exact.clone()),
+            (WeightsDtype::F32, exact.clone()),
+            (
+                WeightsDtype::Bf16,
+                decoded(&rounded(&model, &layers, Format::Bf16), ids, vocab),
+            ),
+            (
+                WeightsDtype::Q8_0,
+                decoded(&rounded(&model, &layers, Format::Q8_0), ids, vocab),
+            ),
+        ] {
+            let held = model.inference_stage(&layers, 0..n, 2, dtype).unwrap();
+            let err = worst(&decoded(&held, ids, vocab), &want);
+            let moved = worst(&want, &exact);
+            println!(
+                "{name} held as {dtype:?}: logits within {err:.2e} of its values' \
+                 (rounding moved them {moved:.2e})"
+            );
+            assert!(err < 1e-4, "{name} {dtype:?}: {err}");
+        }
+        let bytes = |dtype| {
+            model
+                .inference_stage(&layers, 0..n, 1, dtype)
+                .unwrap()
+                .bytes()
+        };
+        let (f32_bytes, bf16) = (bytes(WeightsDtype::F32), bytes(WeightsDtype::Bf16));
+        // GPT-2's blocks stay f32 (only its embedding and head are packed).
+        let share = if name == "gpt2" { 9 } else { 6 };
+        assert!(
+            bf16 * 10 < f32_bytes * share,
+            "{name}: bf16 {bf16} of f32 {f32_bytes}"
+        );
+    }
+}
+
+/// SmolLM2's Q4_1 and Q8_0 blocks held as the file stores them (97 MB against 651 MB in f32,
+/// its tied head sharing the embedding's table): the logits of the chat prompt, decoded in one
+/// step and position by position, within 2e-3 of the dequantised f32 stage's; and split in
+/// three stages, the same logits.
+#[test]
+fn smollm2_held_as_its_file_stores_it_gives_the_dequantised_logits() {
+    use ringtmp_pretrained::held::WeightsDtype;
+    let Some(path) = common::smollm2() else {
+        return;
+    };
+    let golden = tensors(&common::reference("pretrained/smollm2-golden.safetensors"));
+    let ids = &golden["prompt_ids"][..12];
+    let model = Pretrained::open(&path).unwrap();
+    let vocab = model.config.vocab;
+    let layers = model.layers(ids.len()).unwrap();
+    let n = layers.len();
+    let want = decoded(&stage(&model, &layers, 0..n), ids, vocab);
+    let held = model
+        .inference_stage(&layers, 0..n, 2, WeightsDtype::File)
+        .unwrap();
+    let bytes = held.bytes();
+    assert!(
+        (90e6..110e6).contains(&(bytes as f64)),
+        "{bytes} bytes held"
+    );
+    let err = worst(&decoded(&held, ids, vocab), &want);
+    println!("SmolLM2 held as stored ({bytes} bytes): logits within {err:.2e} of f32's");
+    assert!(err < 2e-3, "{err}");
+    let cuts = [0, 11, 21, n];
+    let stages: Vec<_> = cuts
+        .windows(2)
+        .map(|c| {
+            model
+                .inference_stage(&layers, c[0]..c[1], 1, WeightsDtype::File)
+                .unwrap()
+        })
+        .collect();
+    let mut decoders: Vec<_> = stages.iter().map(|s| Decoder::new(s).unwrap()).collect();
+    let mut x = ids.to_vec();
+    for (s, d) in stages.iter().zip(&mut decoders) {
+        x = d.step(s, &x, ids.len()).unwrap().to_vec();
+    }
+    assert!(
+        worst(&x, &want[..ids.len() * vocab]) < 2e-3,
+        "split in three"
+    );
+}

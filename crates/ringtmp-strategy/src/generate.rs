@@ -22,7 +22,9 @@ use std::time::Duration;
 use ringtmp_model::checkpoint;
 use ringtmp_model::decode::Decoder;
 use ringtmp_model::generate::{Chain, Generated, Sampling, generate};
+use ringtmp_model::packed::InferenceStage;
 use ringtmp_model::{Layer, Shape, Stage};
+use ringtmp_pretrained::held::WeightsDtype;
 use ringtmp_transport::Transport;
 use ringtmp_wire::message::{tensor_bytes_into, tensor_values};
 use ringtmp_wire::{Dtype, Message, TensorHeader, TensorTag};
@@ -72,6 +74,9 @@ pub struct GenerateJob {
     /// The `tokenizer.json` of a BPE vocabulary (rank 0 decodes the tokens it draws).
     #[serde(default)]
     pub tokenizer: Option<PathBuf>,
+    /// How each node holds its matrices (`--weights-dtype`).
+    #[serde(default)]
+    pub weights_dtype: WeightsDtype,
 }
 
 fn all() -> f32 {
@@ -175,8 +180,8 @@ impl GenerateJob {
     }
 
     /// Node `rank`'s stage, its parameters read from the checkpoint or the pretrained model
-    /// (its own layers' tensors).
-    pub fn stage(&self, rank: u32) -> Result<Stage> {
+    /// (its own layers' tensors), its matrices held as `weights_dtype` says.
+    pub fn stage(&self, rank: u32) -> Result<InferenceStage> {
         if self.pretrained {
             return self.pretrained_stage(rank);
         }
@@ -191,12 +196,15 @@ impl GenerateJob {
         let manifest = checkpoint::read_manifest(&self.checkpoint)?;
         let mut stage = Stage::new(&layers, start..end, manifest.seed, self.threads);
         checkpoint::read_params(&self.checkpoint, &manifest, &mut stage)?;
-        Ok(stage)
+        Ok(InferenceStage::from_stage(
+            &stage,
+            self.weights_dtype.format(),
+        ))
     }
 }
 
 impl GenerateJob {
-    fn pretrained_stage(&self, rank: u32) -> Result<Stage> {
+    fn pretrained_stage(&self, rank: u32) -> Result<InferenceStage> {
         let model = ringtmp_pretrained::model::Pretrained::open(&self.checkpoint)
             .map_err(|e| Error::Config(e.to_string()))?;
         let layers = model
@@ -210,7 +218,7 @@ impl GenerateJob {
             )));
         }
         model
-            .stage(&layers, start..end, self.threads)
+            .inference_stage(&layers, start..end, self.threads, self.weights_dtype)
             .map_err(|e| Error::Config(e.to_string()))
     }
 }
@@ -233,8 +241,11 @@ pub fn run(
     on_token: &mut dyn FnMut(u32) -> Result<()>,
 ) -> Result<Option<(Generated, usize)>> {
     let stage = job.stage(rank)?;
-    let decoder = Decoder::new(&stage)?;
     let world = job.partition.len() as u32;
+    let decoder = match Decoder::new(&stage)? {
+        d if rank + 1 == world => d.last_position_only(),
+        d => d,
+    };
     if rank != 0 {
         serve(job, rank, world, &stage, decoder, net)?;
         return Ok(None);
@@ -280,7 +291,7 @@ fn tensor(net: &dyn Transport, tag: TensorTag, feed: u64, rows: usize, values: &
 struct RingChain<'a> {
     job: &'a GenerateJob,
     world: u32,
-    stage: Stage,
+    stage: InferenceStage,
     decoder: Decoder,
     net: &'a mut dyn Transport,
     /// Feeds so far (each tensor carries its number).
@@ -297,8 +308,8 @@ impl Chain for RingChain<'_> {
         let feed = self.feeds;
         self.feeds += 1;
         if self.world == 1 {
-            let vocab = out.len() / ids.len().max(1);
-            return Ok(out[out.len() - vocab..].to_vec());
+            // A node alone decodes the last position's logits alone.
+            return Ok(out.to_vec());
         }
         let message = tensor(&*self.net, TensorTag::Inference, feed, ids.len(), out);
         self.net.send(1, message)?;
@@ -351,7 +362,7 @@ fn serve(
     job: &GenerateJob,
     rank: u32,
     world: u32,
-    stage: &Stage,
+    stage: &InferenceStage,
     mut decoder: Decoder,
     net: &mut dyn Transport,
 ) -> Result<()> {
@@ -391,14 +402,8 @@ fn serve(
                 }
                 let out = decoder.step(stage, &x, rows)?;
                 let message = if last {
-                    let width = out.len() / rows;
-                    tensor(
-                        net,
-                        TensorTag::Inference,
-                        h.step,
-                        1,
-                        &out[out.len() - width..],
-                    )
+                    // The last node's decoder gives the last position's logits alone.
+                    tensor(net, TensorTag::Inference, h.step, 1, out)
                 } else {
                     tensor(net, TensorTag::Inference, h.step, rows, out)
                 };

@@ -58,6 +58,7 @@ fn a_split_generation_draws_the_tokens_of_one_process() {
                 threads: 1,
                 recv_timeout_secs: 30.0,
                 tokenizer: None,
+                weights_dtype: Default::default(),
             };
             job.validate(nodes as u32).unwrap();
             let ran = run_nodes(&backend, ring(nodes as u32), None, |rank, net| {
@@ -147,6 +148,7 @@ fn a_split_pretrained_model_draws_the_tokens_of_one_process_and_stops_with_it() 
         threads: 1,
         recv_timeout_secs: 30.0,
         tokenizer: None,
+        weights_dtype: Default::default(),
     };
     job.validate(nodes as u32).unwrap();
     let backend = Backend::sim(test_seed(61));

@@ -472,7 +472,7 @@ fn a_llama_blocks_positions_are_causal_and_its_decode_its_forward() {
     let mut cache = super::KeyValues::default();
     let (mut out, mut scratch) = (vec![0.0; 4 * 8], Vec::new());
     b.decode(
-        &case.params,
+        crate::packed::Params::Flat(&case.params),
         &x[..8],
         1,
         0,
@@ -482,7 +482,7 @@ fn a_llama_blocks_positions_are_causal_and_its_decode_its_forward() {
         1,
     );
     b.decode(
-        &case.params,
+        crate::packed::Params::Flat(&case.params),
         &x[8..],
         3,
         1,

@@ -25,7 +25,8 @@ use super::block::{lay_out, span, split_spans};
 use super::heads::{Heads, gather, scatter};
 use super::rope::{Rope, RopeScaling};
 use super::{KeyValues, Norm, NormKind};
-use crate::kernels::{Op, column_sums, linear_forward, matmul, set_len};
+use crate::kernels::{Op, column_sums, matmul, set_len};
+use crate::packed::{Params, matrix_forward};
 
 /// A Llama-family block's geometry.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -290,7 +291,7 @@ impl LlamaBlock {
     /// `positions`.
     fn project(
         &self,
-        p: &[f32],
+        p: Params<'_>,
         h: &[f32],
         rows: usize,
         positions: &[usize],
@@ -301,16 +302,16 @@ impl LlamaBlock {
     ) {
         let parts = self.parts();
         let (c, s, q, kv) = (self.width, self.stride(), self.q_width(), self.kv_width());
-        let (w, b) = (span(p, parts.w_qkv), span(p, parts.b_qkv));
-        linear_forward(qkv, rows, s, c, h, w, b, threads);
+        let (w, b) = (p.matrix(parts.w_qkv), p.vector(parts.b_qkv));
+        matrix_forward(qkv, rows, s, c, h, &w, b, threads);
         if self.qk_norm {
             let norm = self.norm(self.head_dim);
             let (q_pre, k_pre) = pre.split_at_mut(rows * q);
             let (q_stats, k_stats) = stats.split_at_mut(2 * rows * self.heads);
             let mut out = vec![0.0f32; rows * q.max(kv)];
             for (pre, stats, gamma, col, width) in [
-                (q_pre, q_stats, span(p, parts.q_norm), 0, q),
-                (k_pre, k_stats, span(p, parts.k_norm), q, kv),
+                (q_pre, q_stats, p.vector(parts.q_norm), 0, q),
+                (k_pre, k_stats, p.vector(parts.k_norm), q, kv),
             ] {
                 gather(qkv, pre, s, col, width);
                 let out = &mut out[..rows * width];
@@ -325,9 +326,18 @@ impl LlamaBlock {
 
     /// The MLP's gate and up values `gu` (`[rows, 2·hidden]`) from `h`, and their product
     /// `silu(gate) ∘ up` into `m`.
-    fn gate_up(&self, p: &[f32], h: &[f32], rows: usize, gu: &mut [f32], m: &mut [f32], t: usize) {
+    fn gate_up(
+        &self,
+        p: Params<'_>,
+        h: &[f32],
+        rows: usize,
+        gu: &mut [f32],
+        m: &mut [f32],
+        t: usize,
+    ) {
         let (c, hid) = (self.width, self.hidden);
-        linear_forward(gu, rows, 2 * hid, c, h, span(p, self.parts().w_gu), &[], t);
+        let w = p.matrix(self.parts().w_gu);
+        matrix_forward(gu, rows, 2 * hid, c, h, &w, &[], t);
         for (gu, m) in gu.chunks_exact(2 * hid).zip(m.chunks_exact_mut(hid)) {
             let (gate, up) = gu.split_at(hid);
             for ((m, &g), &u) in m.iter_mut().zip(gate).zip(up) {
@@ -382,7 +392,16 @@ impl LlamaBlock {
         let norm = self.norm(c);
         norm.forward(span(p, parts.ln1), x, h1, ln1_stats, threads);
         let positions: Vec<usize> = (0..rows).map(|r| r % self.seq).collect();
-        self.project(p, h1, rows, &positions, qkv, qk_pre, qk_stats, threads);
+        self.project(
+            Params::Flat(p),
+            h1,
+            rows,
+            &positions,
+            qkv,
+            qk_pre,
+            qk_stats,
+            threads,
+        );
         let (heads, t, s) = (self.heads(), self.seq, self.stride());
         let qkv = &*qkv;
         let work = |(i, (att, lse)): (usize, (&mut [f32], &mut [f32]))| {
@@ -405,7 +424,7 @@ impl LlamaBlock {
             gu,
             m,
         };
-        self.after_attention(p, x, att, rows, after, y, threads);
+        self.after_attention(Params::Flat(p), x, att, rows, after, y, threads);
     }
 
     /// Decoding: `y` (`[rows, width]`) for `rows` new positions `at..at + rows` of one
@@ -413,7 +432,7 @@ impl LlamaBlock {
     /// `kv_heads · d` values a position); the same pieces as [`LlamaBlock::forward`].
     pub(crate) fn decode(
         &self,
-        p: &[f32],
+        p: Params<'_>,
         x: &[f32],
         rows: usize,
         at: usize,
@@ -451,7 +470,7 @@ impl LlamaBlock {
         let (stats, rest) = rest.split_at_mut(2 * rows);
         let (pre, qk_stats) = rest.split_at_mut(normed * rows * self.head_dim);
         let norm = self.norm(c);
-        norm.forward(span(p, parts.ln1), x, h, stats, threads);
+        norm.forward(p.vector(parts.ln1), x, h, stats, threads);
         let positions: Vec<usize> = (at..at + rows).collect();
         self.project(p, h, rows, &positions, qkv, pre, qk_stats, threads);
         cache.append(qkv, s, q, kv, at);
@@ -472,7 +491,7 @@ impl LlamaBlock {
     /// `x₂ = x + att·W_oᵀ`, then `y = x₂ + MLP(rms₂(x₂))`, the pieces kept in `after`.
     fn after_attention(
         &self,
-        p: &[f32],
+        p: Params<'_>,
         x: &[f32],
         att: &[f32],
         rows: usize,
@@ -488,14 +507,14 @@ impl LlamaBlock {
             gu,
             m,
         } = after;
-        linear_forward(x2, rows, c, q, att, span(p, parts.w_o), &[], threads);
+        matrix_forward(x2, rows, c, q, att, &p.matrix(parts.w_o), &[], threads);
         for (a, b) in x2.iter_mut().zip(x) {
             *a += b;
         }
         self.norm(c)
-            .forward(span(p, parts.ln2), x2, h2, stats, threads);
+            .forward(p.vector(parts.ln2), x2, h2, stats, threads);
         self.gate_up(p, h2, rows, gu, m, threads);
-        linear_forward(y, rows, c, hid, m, span(p, parts.w_down), &[], threads);
+        matrix_forward(y, rows, c, hid, m, &p.matrix(parts.w_down), &[], threads);
         for (a, b) in y.iter_mut().zip(x2.iter()) {
             *a += b;
         }

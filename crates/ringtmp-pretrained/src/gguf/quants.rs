@@ -9,7 +9,8 @@
 //! 16); Q5_1 `d, m, qh, q`; the K-quants group 256 elements into sub-blocks with 6-bit
 //! scales and minimums (Q4_K, Q5_K), 8-bit scales (Q6_K) or one f32 scale (Q8_K).
 
-use half::{bf16, f16};
+use half::f16;
+use ringtmp_model::packed::{self, Format};
 
 /// A tensor's element type, with GGML's numbering.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -208,13 +209,11 @@ pub fn dequantize(kind: TensorType, raw: &[u8], out: &mut [f32]) {
                 o[0] = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
             }
         }
-        TensorType::F16 => blocks.for_each(|(b, o)| o[0] = half(b, 0)),
-        TensorType::Bf16 => {
-            blocks.for_each(|(b, o)| o[0] = bf16::from_le_bytes([b[0], b[1]]).to_f32());
-        }
-        TensorType::Q8_0 => blocks.for_each(|(b, o)| q8_0(b, o)),
-        TensorType::Q4_0 => blocks.for_each(|(b, o)| q4_0(b, o)),
-        TensorType::Q4_1 => blocks.for_each(|(b, o)| q4_1(b, o)),
+        TensorType::F16 => packed::dequantize(Format::F16, raw, out),
+        TensorType::Bf16 => packed::dequantize(Format::Bf16, raw, out),
+        TensorType::Q8_0 => packed::dequantize(Format::Q8_0, raw, out),
+        TensorType::Q4_0 => packed::dequantize(Format::Q4_0, raw, out),
+        TensorType::Q4_1 => packed::dequantize(Format::Q4_1, raw, out),
         TensorType::Q5_0 => blocks.for_each(|(b, o)| q5_0(b, o)),
         TensorType::Q5_1 => blocks.for_each(|(b, o)| q5_1(b, o)),
         TensorType::Q4K => blocks.for_each(|(b, o)| q4_k(b, o)),
@@ -224,29 +223,6 @@ pub fn dequantize(kind: TensorType, raw: &[u8], out: &mut [f32]) {
         TensorType::Other { .. } | TensorType::Unknown(_) => {
             panic!("{} is not dequantised", kind.name())
         }
-    }
-}
-
-fn q8_0(b: &[u8], o: &mut [f32]) {
-    let d = half(b, 0);
-    for (y, q) in o.iter_mut().zip(&b[2..34]) {
-        *y = f32::from(*q as i8) * d;
-    }
-}
-
-fn q4_0(b: &[u8], o: &mut [f32]) {
-    let d = half(b, 0);
-    for (j, q) in b[2..18].iter().enumerate() {
-        o[j] = d * f32::from((q & 0x0F) as i8 - 8);
-        o[j + 16] = d * f32::from((q >> 4) as i8 - 8);
-    }
-}
-
-fn q4_1(b: &[u8], o: &mut [f32]) {
-    let (d, m) = (half(b, 0), half(b, 2));
-    for (j, q) in b[4..20].iter().enumerate() {
-        o[j] = d * f32::from(q & 0x0F) + m;
-        o[j + 16] = d * f32::from(q >> 4) + m;
     }
 }
 

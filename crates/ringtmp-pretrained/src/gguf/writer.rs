@@ -9,7 +9,8 @@
 use std::io::Write;
 use std::path::Path;
 
-use half::{bf16, f16};
+use half::f16;
+use ringtmp_model::packed::{bf16_bits, quantize_q8_0};
 
 use super::quants::TensorType;
 use super::{GgufError, Value};
@@ -35,29 +36,10 @@ pub fn quantize(kind: TensorType, values: &[f32]) -> Option<Vec<u8>> {
             .collect(),
         TensorType::Bf16 => values.iter().flat_map(|v| bf16_bits(*v)).collect(),
         TensorType::Q8_0 if values.len() % 32 == 0 => {
-            let mut out = Vec::with_capacity(values.len() / 32 * 34);
-            for block in values.chunks_exact(32) {
-                let amax = block.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-                let d = amax / 127.0;
-                let id = if d == 0.0 { 0.0 } else { 1.0 / d };
-                out.extend(f16::from_f32(d).to_le_bytes());
-                // Rounded half away from zero, as ggml's `roundf`.
-                out.extend(block.iter().map(|v| (v * id).round() as i8 as u8));
-            }
-            out
+            values.chunks_exact(32).flat_map(quantize_q8_0).collect()
         }
         _ => return None,
     })
-}
-
-/// `v` as bfloat16, as ggml rounds it (nearest even; a NaN kept quiet).
-fn bf16_bits(v: f32) -> [u8; 2] {
-    let bits = v.to_bits();
-    if bits & 0x7fff_ffff > 0x7f80_0000 {
-        return (((bits >> 16) | 64) as u16).to_le_bytes();
-    }
-    bf16::from_bits(((u64::from(bits) + 0x7fff + u64::from((bits >> 16) & 1)) >> 16) as u16)
-        .to_le_bytes()
 }
 
 impl GgufWriter {

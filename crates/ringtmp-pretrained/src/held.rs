@@ -1,0 +1,191 @@
+//! A pretrained model's weights held for inference in fewer bytes than `f32`: each stage's
+//! matrices as the file stores them — bf16 or f16 from a Hugging Face directory, `Q8_0`,
+//! `Q4_0`, `Q4_1`, f16 or bf16 blocks from a GGUF file — the decoder's kernels dequantising
+//! them as they multiply (`ringtmp_model::packed`), or converted on load to the format
+//! `--weights-dtype` names.
+//!
+//! Invariants: only the matrices [`packable`] names are packed (norms, biases and learned
+//! positions stay `f32`); a tensor in a format without a kernel (f32, `Q5_*`, the K-quants)
+//! is held `f32` unless a format was asked for, so by default no value changes from what
+//! [`Pretrained::load`] reads; a GGUF's interleaved q/k rows are put back in Hugging Face's
+//! order whatever the format; a tied head in the stage of its embedding shares its table.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::Arc;
+
+use ringtmp_model::Layer;
+use ringtmp_model::packed::{Format, InferenceStage, LayerWeights, PackedTensor, Store, packable};
+use safetensors::Dtype;
+use serde::{Deserialize, Serialize};
+
+use crate::gguf::TensorType;
+use crate::model::{Pretrained, PretrainedError, Source, Stored, deinterleave};
+
+/// How a generating stage holds its matrices.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WeightsDtype {
+    /// As the file stores them where a kernel reads that format, else `f32`.
+    #[default]
+    File,
+    /// `f32`, every format dequantised on load (what training holds).
+    F32,
+    /// bfloat16 (exact from a bf16 file, rounded to nearest even otherwise).
+    Bf16,
+    /// ggml's 8-bit blocks (exact from a `Q8_0` file, quantised as ggml does otherwise).
+    Q8_0,
+}
+
+impl WeightsDtype {
+    /// The names `--weights-dtype` takes.
+    pub const NAMES: &'static str = "file, f32, bf16, q8_0";
+
+    /// The dtype `name` names.
+    pub fn parse(name: &str) -> Result<Self, String> {
+        Ok(match name {
+            "file" => Self::File,
+            "f32" => Self::F32,
+            "bf16" => Self::Bf16,
+            "q8_0" => Self::Q8_0,
+            other => {
+                return Err(format!("--weights-dtype {other:?}: one of {}", Self::NAMES));
+            }
+        })
+    }
+
+    /// The format every packable matrix is converted to, if one is asked for.
+    pub fn format(self) -> Option<Format> {
+        match self {
+            Self::File | Self::F32 => None,
+            Self::Bf16 => Some(Format::Bf16),
+            Self::Q8_0 => Some(Format::Q8_0),
+        }
+    }
+}
+
+impl std::str::FromStr for WeightsDtype {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::parse(s)
+    }
+}
+
+/// The format a kernel reads a GGUF tensor type in, if one does.
+fn gguf_format(kind: TensorType) -> Option<Format> {
+    Some(match kind {
+        TensorType::F16 => Format::F16,
+        TensorType::Bf16 => Format::Bf16,
+        TensorType::Q8_0 => Format::Q8_0,
+        TensorType::Q4_0 => Format::Q4_0,
+        TensorType::Q4_1 => Format::Q4_1,
+        _ => return None,
+    })
+}
+
+impl Pretrained {
+    /// A stage holding `layers[range]` for inference, its matrices held as `dtype` says, on
+    /// `threads` threads.
+    pub fn inference_stage(
+        &self,
+        layers: &[Layer],
+        range: Range<usize>,
+        threads: usize,
+        dtype: WeightsDtype,
+    ) -> Result<InferenceStage, PretrainedError> {
+        let mut shared: HashMap<String, Arc<PackedTensor>> = HashMap::new();
+        let mut weights = Vec::with_capacity(range.len());
+        for position in range.clone() {
+            let layer = &layers[position];
+            let stored = self.stored(layers.len(), position, layer)?;
+            let mut tensors = Vec::new();
+            for (((_, shape), stored), pack) in layer
+                .param_tensors()
+                .into_iter()
+                .zip(stored)
+                .zip(packable(layer))
+            {
+                let store = if pack && dtype != WeightsDtype::F32 && !stored.transposed {
+                    self.held(&stored, &shape, dtype, &mut shared)?
+                } else {
+                    let mut values = vec![0.0f32; shape.iter().product()];
+                    self.read_into(&stored, &shape, &mut values)?;
+                    Store::Dense(values)
+                };
+                tensors.push(store);
+            }
+            weights.push(LayerWeights::from_tensors(tensors));
+        }
+        Ok(InferenceStage::new(layers, range, weights, threads))
+    }
+
+    /// The raw bytes of `stored` and their format, when a kernel reads it as stored.
+    fn raw_format(&self, stored: &Stored) -> Result<Option<(Format, &[u8])>, PretrainedError> {
+        Ok(match &self.source {
+            Source::Gguf(g) => {
+                let t = g.tensor(&stored.name)?;
+                gguf_format(t.kind).map(|f| (f, g.raw(t)))
+            }
+            Source::Hf(h) => match h.raw(&stored.name)? {
+                (Dtype::BF16, bytes) => Some((Format::Bf16, bytes)),
+                (Dtype::F16, bytes) => Some((Format::F16, bytes)),
+                _ => None,
+            },
+        })
+    }
+
+    /// One packable matrix of shape `[rows, cols]`, held as `dtype` says.
+    fn held(
+        &self,
+        stored: &Stored,
+        shape: &[usize],
+        dtype: WeightsDtype,
+        shared: &mut HashMap<String, Arc<PackedTensor>>,
+    ) -> Result<Store, PretrainedError> {
+        self.checked_shape(stored, shape)?;
+        if let Some(t) = shared.get(&stored.name) {
+            return Ok(Store::Packed(t.clone()));
+        }
+        let (rows, cols) = (shape[0], shape[1]);
+        let raw = self.raw_format(stored)?;
+        let want = dtype.format().or(raw.map(|(f, _)| f));
+        let tensor = match (raw, want) {
+            (Some((format, bytes)), Some(want)) if format == want => {
+                let row = format.row_bytes(cols).unwrap_or(0);
+                let mut bytes = bytes[..rows * row].to_vec();
+                if let Some(heads) = stored.interleaved_heads {
+                    bytes = rows_deinterleaved(&bytes, heads, rows);
+                }
+                PackedTensor::new(format, rows, cols, bytes)
+                    .map_err(|what| self.model_error(format!("tensor {}: {what}", stored.name)))?
+            }
+            (_, want) => {
+                let mut values = vec![0.0f32; rows * cols];
+                self.read_into(stored, shape, &mut values)?;
+                match want.and_then(|f| PackedTensor::quantize(f, rows, cols, &values)) {
+                    Some(t) => t,
+                    None => return Ok(Store::Dense(values)),
+                }
+            }
+        };
+        let tensor = Arc::new(tensor);
+        shared.insert(stored.name.clone(), tensor.clone());
+        Ok(Store::Packed(tensor))
+    }
+}
+
+/// `bytes` (`rows` rows) with llama.cpp's interleaved rows of each head put back in Hugging
+/// Face's order.
+fn rows_deinterleaved(bytes: &[u8], heads: usize, rows: usize) -> Vec<u8> {
+    let mut order: Vec<f32> = (0..rows).map(|r| r as f32).collect();
+    deinterleave(&mut order, heads, rows);
+    let size = bytes.len() / rows.max(1);
+    order
+        .iter()
+        .flat_map(|&from| {
+            let from = from as usize;
+            &bytes[from * size..(from + 1) * size]
+        })
+        .copied()
+        .collect()
+}
