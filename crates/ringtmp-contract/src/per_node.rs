@@ -61,7 +61,7 @@ impl NodeValue for Bytes {
 
     fn show(&self) -> String {
         for (unit, scale) in [("G", 1u64 << 30), ("M", 1 << 20), ("K", 1 << 10)] {
-            if self.0 >= scale && self.0 % scale == 0 {
+            if self.0 >= scale && self.0.is_multiple_of(scale) {
                 return format!("{}{unit}", self.0 / scale);
             }
         }

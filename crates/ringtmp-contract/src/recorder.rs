@@ -269,7 +269,7 @@ impl RunRecorder {
         let epoch = (done - 1) / self.steps_per_epoch;
         self.epoch_loss += loss;
         self.epoch_steps += 1;
-        if done % self.steps_per_epoch == 0 {
+        if done.is_multiple_of(self.steps_per_epoch) {
             self.last_epoch_loss = self.epoch_loss / self.epoch_steps as f64;
             (self.epoch_loss, self.epoch_steps) = (0.0, 0);
         }

@@ -72,7 +72,9 @@ pub const EPOCH_EVALUATIONS: u64 = 50;
 fn eval_due_at(done: u64, total: u64, per_epoch: u64, every: u64) -> bool {
     let epoch = per_epoch.max(1);
     let epochs_apart = (total / EPOCH_EVALUATIONS).div_ceil(epoch).max(1);
-    done % (epoch * epochs_apart) == 0 || done == total || (every > 0 && done % every == 0)
+    done.is_multiple_of(epoch * epochs_apart)
+        || done == total
+        || (every > 0 && done.is_multiple_of(every))
 }
 
 /// The checkpoint a run resumes from, resolved and checked on rank 0.
@@ -329,7 +331,8 @@ impl RunSpec {
 
     /// Whether a checkpoint is due after `done` steps (every `checkpoint_every`, and at the end).
     pub fn checkpoint_due(&self, done: u64) -> bool {
-        self.checkpoint_every > 0 && (done % self.checkpoint_every == 0 || done == self.total_steps)
+        self.checkpoint_every > 0
+            && (done.is_multiple_of(self.checkpoint_every) || done == self.total_steps)
     }
 
     /// Where the checkpoint of step `step` goes.

@@ -1203,10 +1203,10 @@ impl Stage {
 
     /// Keeps a released weight version's buffer for reuse if nothing else holds it.
     fn recycle(&mut self, weights: Arc<Vec<f32>>) {
-        if let Ok(buffer) = Arc::try_unwrap(weights) {
-            if self.spare_params.len() < SPARE_PARAM_BUFFERS {
-                self.spare_params.push(buffer);
-            }
+        if let Ok(buffer) = Arc::try_unwrap(weights)
+            && self.spare_params.len() < SPARE_PARAM_BUFFERS
+        {
+            self.spare_params.push(buffer);
         }
     }
 

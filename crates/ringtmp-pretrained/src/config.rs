@@ -169,7 +169,7 @@ impl ModelConfig {
                 return Err(bad(format!("{name} is 0")));
             }
         }
-        if self.heads % self.kv_heads != 0 {
+        if !self.heads.is_multiple_of(self.kv_heads) {
             return Err(bad(format!(
                 "{} heads do not share {} key/value heads evenly",
                 self.heads, self.kv_heads

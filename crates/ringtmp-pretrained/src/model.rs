@@ -139,7 +139,7 @@ impl Pretrained {
         }];
         let eps = c.norm_eps as f32;
         if gpt2 {
-            if c.intermediate % c.width != 0 || eps.to_bits() != NORM_EPS.to_bits() {
+            if !c.intermediate.is_multiple_of(c.width) || eps.to_bits() != NORM_EPS.to_bits() {
                 return Err(self.model_error(format!(
                     "GPT-2 with an MLP of {} over a width of {} and a norm epsilon of {eps}: \
                      ringtmp's GPT-2 blocks take a whole multiple and {NORM_EPS}",

@@ -205,12 +205,12 @@ impl Strategy for RingJob {
 
     fn expendable(&self, rank: u32) -> bool {
         // Any node but a ring's master (it holds its ring's data).
-        self.replica_every > 0 && rank as usize % self.partition.len().max(1) != 0
+        self.replica_every > 0 && !(rank as usize).is_multiple_of(self.partition.len().max(1))
     }
 
     fn needs_data(&self, rank: u32) -> bool {
         // Every ring's master (rings of rings); not a node the plan leaves out.
-        rank as usize % self.partition.len().max(1) == 0
+        (rank as usize).is_multiple_of(self.partition.len().max(1))
             && (rank as usize) < self.partition.len() * self.replicas.max(1)
     }
 

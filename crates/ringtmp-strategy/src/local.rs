@@ -196,7 +196,7 @@ pub fn train_local(
                 on_event,
             )?;
         }
-        let due = || step % cfg.checkpoint_every == 0 || last;
+        let due = || step.is_multiple_of(cfg.checkpoint_every) || last;
         if verdict.checkpoint || (cfg.checkpoint_every > 0 && due()) {
             let dir = save_checkpoint(&spec, &model, &optimizer, step, per_epoch)?;
             recorder.announce_checkpoint(step, dir, on_event)?;

@@ -486,7 +486,7 @@ impl SimNetwork {
                 // The process's memory, now and then: nodes alive at once past what this
                 // machine holds end the run with the figures, not in the kernel's OOM killer.
                 resumes += 1;
-                if resumes % 1024 == 0
+                if resumes.is_multiple_of(1024)
                     && let (Some(now), Some(most)) = (memory_now(), budget)
                     && now > most
                 {

@@ -598,7 +598,7 @@ fn a_job_larger_than_a_frame_header_reaches_every_node() {
     text.push_str("label\n");
     for row in 0..6_000u32 {
         for c in 0..columns {
-            text.push_str(if (row as usize + c) % 3 == 0 {
+            text.push_str(if (row as usize + c).is_multiple_of(3) {
                 "1,"
             } else {
                 "0,"

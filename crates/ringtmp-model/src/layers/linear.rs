@@ -97,7 +97,9 @@ impl Linear {
     ) {
         let fi = self.in_features;
         debug_assert!(
-            range.start % fi == 0 && range.end % fi == 0 && range.end <= fi * self.out_features
+            range.start.is_multiple_of(fi)
+                && range.end.is_multiple_of(fi)
+                && range.end <= fi * self.out_features
         );
         if let Some(acc) = acc {
             out.copy_from_slice(acc);

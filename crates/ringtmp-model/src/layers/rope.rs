@@ -54,7 +54,7 @@ impl Rope {
     /// If `head_dim` is odd (a configuration's check, before any model is built).
     pub fn new(head_dim: usize, theta: f64, scaling: Option<&RopeScaling>) -> Self {
         assert!(
-            head_dim % 2 == 0,
+            head_dim.is_multiple_of(2),
             "RoPE rotates pairs: head size {head_dim}"
         );
         let d = head_dim as f32;
@@ -116,7 +116,7 @@ impl Rope {
         let d = self.head_dim;
         let half = d / 2;
         assert!(
-            !positions.is_empty() && x.len() % (positions.len() * d) == 0,
+            !positions.is_empty() && x.len().is_multiple_of(positions.len() * d),
             "rows of whole heads"
         );
         let row = x.len() / positions.len();
@@ -165,7 +165,7 @@ impl Rope {
     ) {
         let (d, half) = (self.head_dim, self.head_dim / 2);
         assert!(
-            width % d == 0 && col + width <= stride && x.len() == positions.len() * stride,
+            width.is_multiple_of(d) && col + width <= stride && x.len() == positions.len() * stride,
             "rows of whole heads"
         );
         let sign = if inverse { -1.0 } else { 1.0 };

@@ -11,7 +11,7 @@
 
 use multiversion::multiversion;
 
-use super::format::{Format, PackedTensor, dequantize};
+use super::format::{PackedTensor, dequantize};
 
 /// `y[k] = row (first + k) · x` for every `k` of `y`.
 ///
@@ -86,7 +86,7 @@ fn portable(t: &PackedTensor, first: usize, x: &[f32], y: &mut [f32]) {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{Format, PackedTensor};
+    use crate::packed::format::{Format, PackedTensor};
 
     /// Bytes ahead of the one read that the loops ask the cache for (the next rows: a row of
     /// a small model is a few hundred bytes, and the hardware prefetcher stops at page ends).
@@ -245,6 +245,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::packed::Format;
 
     fn matrix(rows: usize, cols: usize) -> Vec<f32> {
         (0..rows * cols)

@@ -55,7 +55,8 @@ impl Format {
 
     /// Bytes a row of `cols` values takes, or `None` when `cols` is not whole blocks.
     pub fn row_bytes(self, cols: usize) -> Option<usize> {
-        (cols % self.block() == 0).then(|| cols / self.block() * self.block_bytes())
+        cols.is_multiple_of(self.block())
+            .then(|| cols / self.block() * self.block_bytes())
     }
 
     /// ggml's name (`q8_0`, `bf16`, …), as `--weights-dtype` takes it.

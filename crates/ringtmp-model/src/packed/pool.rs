@@ -84,7 +84,7 @@ fn work(slot: &'static Slot) {
         while slot.state.load(Ordering::Acquire) != HANDED {
             std::hint::spin_loop();
             spins += 1;
-            if spins % 256 == 0 && since.elapsed() > SPIN {
+            if spins.is_multiple_of(256) && since.elapsed() > SPIN {
                 slot.sleeping.store(true, Ordering::SeqCst);
                 if slot.state.load(Ordering::SeqCst) != HANDED {
                     std::thread::park();

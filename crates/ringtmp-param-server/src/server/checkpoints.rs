@@ -32,7 +32,7 @@ impl Checkpoints {
     /// One push applied (not under BSP); whether it completes an iteration (`workers` pushes).
     pub(super) fn push_applied(&mut self, workers: usize) -> bool {
         self.pushes += 1;
-        self.pushes % workers as u64 == 0
+        self.pushes.is_multiple_of(workers as u64)
     }
 
     /// An iteration applied: counted, and at a checkpoint step the shard's file written and

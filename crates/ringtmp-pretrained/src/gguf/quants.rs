@@ -173,7 +173,7 @@ impl TensorType {
     /// requires); `None` if they are not, the type is unknown, or the size overflows.
     pub fn bytes_for(self, row: u64, elements: u64) -> Option<u64> {
         let (block, size) = self.block()?;
-        (row % block == 0 && elements % block == 0)
+        (row.is_multiple_of(block) && elements.is_multiple_of(block))
             .then(|| (elements / block).checked_mul(size))
             .flatten()
     }

@@ -35,7 +35,7 @@ pub fn quantize(kind: TensorType, values: &[f32]) -> Option<Vec<u8>> {
             .flat_map(|v| f16::from_f32(*v).to_le_bytes())
             .collect(),
         TensorType::Bf16 => values.iter().flat_map(|v| bf16_bits(*v)).collect(),
-        TensorType::Q8_0 if values.len() % 32 == 0 => {
+        TensorType::Q8_0 if values.len().is_multiple_of(32) => {
             values.chunks_exact(32).flat_map(quantize_q8_0).collect()
         }
         _ => return None,

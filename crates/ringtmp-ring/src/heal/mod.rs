@@ -287,10 +287,10 @@ impl Transport for Members<'_> {
         from: u32,
         wait: Duration,
     ) -> std::result::Result<Message, TransportError> {
-        if let Some(i) = self.unread.iter().position(|(k, _)| *k == from) {
-            if let Some((_, message)) = self.unread.remove(i) {
-                return Ok(message);
-            }
+        if let Some(i) = self.unread.iter().position(|(k, _)| *k == from)
+            && let Some((_, message)) = self.unread.remove(i)
+        {
+            return Ok(message);
         }
         let physical = self.physical(from);
         let deadline = self.inner.clock().now() + wait;

@@ -112,10 +112,12 @@ impl RingOptions {
             (Some(_), Some(_)) => Err(Error::Config(
                 "--replicas and --ring-nodes say the same thing: give one".into(),
             )),
-            (None, Some(s)) if s < 2 || nodes as usize % s != 0 => Err(Error::Config(format!(
-                "--ring-nodes {s}: --nodes {nodes} must split into rings of at least 2 nodes \
+            (None, Some(s)) if s < 2 || !(nodes as usize).is_multiple_of(s) => {
+                Err(Error::Config(format!(
+                    "--ring-nodes {s}: --nodes {nodes} must split into rings of at least 2 nodes \
                  each"
-            ))),
+                )))
+            }
             (None, Some(s)) => Ok(nodes as usize / s),
             (r, None) => Ok(r.unwrap_or(1)),
         }

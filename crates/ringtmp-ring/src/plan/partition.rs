@@ -812,11 +812,11 @@ fn cut_costs(
 /// `nodes` with their own per-layer seconds cut as [`cut_costs`] cuts the shared ones.
 fn cut_nodes(nodes: &mut [NodeCapacity], at: usize, share: f64) {
     for node in nodes {
-        if let Some(own) = node.layer_seconds.as_mut() {
-            if at < own.len() {
-                let t = own[at];
-                own.splice(at..=at, [t * share, t * (1.0 - share)]);
-            }
+        if let Some(own) = node.layer_seconds.as_mut()
+            && at < own.len()
+        {
+            let t = own[at];
+            own.splice(at..=at, [t * share, t * (1.0 - share)]);
         }
     }
 }
@@ -878,10 +878,10 @@ pub fn cut_inside(
                         .map(|&x| if x > layer { x + 1 } else { x })
                         .collect();
                     b[k] = layer + 1;
-                    if let Some((_, bottleneck)) = evaluate(&w, &c, &b) {
-                        if best.is_none_or(|(v, ..)| bottleneck < v) {
-                            best = Some((bottleneck, k, layer, split));
-                        }
+                    if let Some((_, bottleneck)) = evaluate(&w, &c, &b)
+                        && best.is_none_or(|(v, ..)| bottleneck < v)
+                    {
+                        best = Some((bottleneck, k, layer, split));
                     }
                 }
             }

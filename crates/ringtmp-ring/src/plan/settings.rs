@@ -156,7 +156,10 @@ pub fn resolve(
     args.check()?;
     // Rings of rings: the partition is planned once for one ring of `nodes / R`.
     let replicas = args.rings(all_nodes)?;
-    if replicas == 0 || all_nodes as usize % replicas != 0 || all_nodes as usize / replicas < 2 {
+    if replicas == 0
+        || !(all_nodes as usize).is_multiple_of(replicas)
+        || all_nodes as usize / replicas < 2
+    {
         return Err(Error::Config(format!(
             "--replicas {replicas}: --nodes {all_nodes} must split into rings of at least 2 \
              nodes each"

@@ -131,7 +131,7 @@ impl RingsView<'_> {
             return Ok(());
         }
         if g.outstanding.is_none()
-            && (step + 1) % g.every == 0
+            && (step + 1).is_multiple_of(g.every)
             && let Some(peer) = g.pick()
         {
             self.send_group(peer, step, REQUEST, TensorTag::Params, params)?;

@@ -69,7 +69,7 @@ impl ReplicaGossip {
             .collect();
         Self {
             neighbours,
-            active: ring % 2 == 0,
+            active: ring.is_multiple_of(2),
             every: every.max(1),
             rng: ChaCha8Rng::seed_from_u64(
                 seed ^ 0x5EED_0A11_u64.wrapping_mul(u64::from(ring * stages + stage) + 1),

@@ -150,12 +150,12 @@ impl RingsView<'_> {
         loop {
             let left = deadline.saturating_sub(clock.now());
             let message = self.inner.recv_from(from, left)?;
-            if matches(&message) {
-                if let Message::Tensor(h, bytes) = message {
-                    let mut values = Vec::new();
-                    tensor_values(&bytes, h.dtype, &mut values);
-                    return Ok(values);
-                }
+            if matches(&message)
+                && let Message::Tensor(h, bytes) = message
+            {
+                let mut values = Vec::new();
+                tensor_values(&bytes, h.dtype, &mut values);
+                return Ok(values);
             }
             // A later all-reduce's tensor from a copy that is ahead: keep it for then.
             self.group_inbox.push_back((from, message));

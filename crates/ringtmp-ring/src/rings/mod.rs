@@ -393,7 +393,7 @@ impl RingNet for RingsView<'_> {
     /// rings (best effort: a node that died is its own ring's to heal).
     fn ring_regrouped(&mut self, generation: u64, members: &[u32]) -> Result<(), TransportError> {
         self.holders.regrouped(self.ring, generation, members);
-        if self.inner.rank() % self.stages != 0 {
+        if !self.inner.rank().is_multiple_of(self.stages) {
             return Ok(());
         }
         for p in 0..self.rings * self.stages {

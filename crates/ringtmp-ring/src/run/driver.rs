@@ -138,7 +138,7 @@ impl RingJob {
     pub fn averages_params_after(&self, step: u64) -> bool {
         self.replicas > 1
             && self.average_every > 0
-            && ((step + 1) % self.average_every == 0 || step + 1 == self.spec.total_steps)
+            && ((step + 1).is_multiple_of(self.average_every) || step + 1 == self.spec.total_steps)
     }
 }
 
@@ -224,7 +224,9 @@ impl RingJob {
 
     /// Whether a replication round follows mini-batch `done` (not after the last one).
     pub(crate) fn replica_due(&self, done: u64) -> bool {
-        self.replica_every > 0 && done % self.replica_every == 0 && done < self.spec.total_steps
+        self.replica_every > 0
+            && done.is_multiple_of(self.replica_every)
+            && done < self.spec.total_steps
     }
 
     /// The async window: most micro-batches between the master's forward and its own backward.
@@ -249,7 +251,7 @@ impl RingJob {
 
     pub(crate) fn checkpoint_due(&self, done: u64) -> bool {
         self.spec.checkpoint_every > 0
-            && (done % self.spec.checkpoint_every == 0 || done == self.spec.total_steps)
+            && (done.is_multiple_of(self.spec.checkpoint_every) || done == self.spec.total_steps)
     }
 
     pub(crate) fn checkpoint_dir(&self, step: u64) -> std::path::PathBuf {

@@ -350,7 +350,7 @@ mod tests {
             buf: &mut tokio::io::ReadBuf<'_>,
         ) -> std::task::Poll<std::io::Result<()>> {
             self.reads += 1;
-            if self.reads % 2 == 0 {
+            if self.reads.is_multiple_of(2) {
                 cx.waker().wake_by_ref();
                 return std::task::Poll::Pending;
             }
