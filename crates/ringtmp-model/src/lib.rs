@@ -9,6 +9,8 @@
 //! - [`Stage`]: a block of layers with flat parameters and gradients and a per-micro-batch stash.
 //! - [`loss`]: softmax cross-entropy.
 //! - [`optim`]: SGD with momentum, Adam, learning-rate schedules.
+//! - [`packed`]: weights held for generation in fewer bytes (bf16, f16, ggml's 8- and 4-bit
+//!   blocks) and the matrix–vector kernels that read them.
 //! - [`checkpoint`]: safetensors files and a hashed manifest, written atomically.
 //!
 //! # Example
