@@ -11,7 +11,7 @@
 //!
 //! Invariants: the cache holds the positions `0..position()` of every attention of the stage,
 //! never more than the model's context (`capacity()`); the logits of each position equal those of
-//! the full forward ([`Stage::infer`]) over the same tokens up to float rounding (tested below);
+//! the full forward ([`crate::Stage::infer`]) over the same tokens up to float rounding (tested below);
 //! decoding reads the parameters and writes nothing but the cache and its own buffers.
 
 use crate::error::{Error, Result};
