@@ -83,7 +83,7 @@ fn work(slot: &'static Slot) {
         let mut spins = 0u32;
         while slot.state.load(Ordering::Acquire) != HANDED {
             std::hint::spin_loop();
-            spins += 1;
+            spins = spins.wrapping_add(1);
             if spins.is_multiple_of(256) && since.elapsed() > SPIN {
                 slot.sleeping.store(true, Ordering::SeqCst);
                 if slot.state.load(Ordering::SeqCst) != HANDED {
