@@ -405,8 +405,7 @@ fn dequantised_gemm(
                     Segment::Dense(v) => &v[a * k..b * k],
                     Segment::Packed(p) => {
                         set_len(w, (b - a) * k);
-                        let w_ptr = &mut w[..];
-                        dequantise_parallel(p, a..b, w_ptr, threads);
+                        dequantise_parallel(p, a..b, w, threads);
                         &w[..]
                     }
                 };
