@@ -301,7 +301,7 @@ pub(crate) fn open(
         (Vocabulary::Chars(_), _) => Text::Chars(vocab.clone()),
         (Vocabulary::Tokenizer { .. }, Some(path)) => {
             let t = TextTokenizer::open(path)?;
-            if t.vocab != vocab {
+            if !vocab.is_spelled_by(&t.vocab) {
                 return Err(UsageError(format!(
                     "--tokenizer {}: {}, but the model was trained with {}",
                     path.display(),

@@ -207,6 +207,18 @@ impl Vocabulary {
         }
     }
 
+    /// Whether `tokenizer` (a tokenizer file's vocabulary) spells this one's ids: the same
+    /// file, whose tokens are all of this vocabulary's ids or its first ones (a pretrained
+    /// model's embedding may have rows past its tokenizer's).
+    pub fn is_spelled_by(&self, tokenizer: &Self) -> bool {
+        match (self, tokenizer) {
+            (Self::Tokenizer { size: a, sha256: x }, Self::Tokenizer { size: b, sha256: y }) => {
+                x == y && b <= a
+            }
+            (a, b) => a == b,
+        }
+    }
+
     /// In words, for messages.
     pub fn describe(&self) -> String {
         match self {
@@ -710,7 +722,7 @@ pub fn load_text_with_tokenizer(
         offset: 0,
         reason,
     };
-    let size = model.get_vocab_size(true);
+    let size = id_count(tokenizer, &model)?;
     let (text, hashes) = read_texts(files)?;
     let chars = text.chars().count();
     let cut_chars = ((chars as f64) * (1.0 - validation)).floor() as usize;
@@ -780,6 +792,36 @@ pub fn read_tokenizer(path: &Path) -> Result<(tokenizers::Tokenizer, String)> {
     Ok((model, hex::encode(Sha256::digest(&bytes))))
 }
 
+/// How many token ids the text of `tokenizer` (read from `path`) is drawn from: its own size,
+/// or for a pretrained model's files the rows of its embedding where they are more — models pad
+/// their tables past their tokenizers (Qwen 2.5's 151,936 rows for 151,665 tokens), and a run
+/// on them predicts over every row as `transformers` does.
+fn id_count(path: &Path, tokenizer: &tokenizers::Tokenizer) -> Result<usize> {
+    let size = tokenizer.get_vocab_size(true);
+    let pretrained = path
+        .extension()
+        .is_some_and(|e| e.eq_ignore_ascii_case("gguf"))
+        || path.join("config.json").is_file();
+    if !pretrained {
+        return Ok(size);
+    }
+    let bad = |reason: String| Error::Format {
+        path: path.to_path_buf(),
+        offset: 0,
+        reason,
+    };
+    let rows = ringtmp_pretrained::model::Pretrained::open(path)
+        .map_err(|e| bad(e.to_string()))?
+        .config
+        .vocab;
+    if size > rows {
+        return Err(bad(format!(
+            "its tokenizer has {size} tokens but the model's embedding {rows} rows"
+        )));
+    }
+    Ok(rows)
+}
+
 /// A `tokenizer.json` opened for encoding prompts and decoding generated ids, with the
 /// vocabulary it stands for (its size and the SHA-256 of its file, as a run records it).
 pub struct TextTokenizer {
@@ -794,7 +836,7 @@ impl TextTokenizer {
     pub fn open(path: &Path) -> Result<Self> {
         let (model, sha256) = read_tokenizer(path)?;
         let vocab = Vocabulary::Tokenizer {
-            size: model.get_vocab_size(true),
+            size: id_count(path, &model)?,
             sha256,
         };
         Ok(Self {
@@ -1264,5 +1306,50 @@ mod tests {
             e.contains("bogus.json") && e.contains("tokenizer.json"),
             "{e}"
         );
+    }
+
+    /// A pretrained model's embedding with rows past its tokenizer's: the text's ids are drawn
+    /// from every row (the model predicts over all of them), the tokenizer's file alone still
+    /// spells them; a tokenizer larger than the embedding is refused naming both sizes.
+    #[test]
+    fn a_pretrained_models_rows_past_its_tokenizer_are_ids_of_its_text() {
+        let tmp = tempfile::tempdir().unwrap();
+        let model = tmp.path().join("model");
+        std::fs::create_dir(&model).unwrap();
+        let tiny = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../benches/reference/pretrained/llama-tied");
+        for file in ["config.json", "model.safetensors"] {
+            std::fs::copy(tiny.join(file), model.join(file)).unwrap();
+        }
+        let text = "the cat sat on the mat and the dog sat on the log . ".repeat(40);
+        let corpus_file = write(tmp.path(), "corpus.txt", text.as_bytes());
+        // A word-level tokenizer of `size` tokens: the corpus's words, then fillers.
+        let sized = |size: usize| {
+            let words = [
+                "[UNK]", "the", "cat", "sat", "on", "mat", "and", "dog", "log", ".",
+            ];
+            let vocab: serde_json::Map<String, serde_json::Value> = (0..size)
+                .map(|i| {
+                    let word = words.get(i).map_or(format!("w{i}"), |w| w.to_string());
+                    (word, i.into())
+                })
+                .collect();
+            let json = serde_json::json!({
+                "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+                "normalizer": null, "pre_tokenizer": {"type": "WhitespaceSplit"},
+                "post_processor": null, "decoder": null,
+                "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"},
+            });
+            std::fs::write(model.join("tokenizer.json"), json.to_string()).unwrap();
+            load_text_with_tokenizer(std::slice::from_ref(&corpus_file), 0.1, &model)
+        };
+        let (corpus, _) = sized(20).unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(corpus.vocab.len(), 160, "the embedding's rows");
+        let file = TextTokenizer::open(&model.join("tokenizer.json")).unwrap();
+        assert_eq!(file.vocab.len(), 20, "the file alone: its own tokens");
+        assert!(corpus.vocab.is_spelled_by(&file.vocab));
+        assert!(!file.vocab.is_spelled_by(&corpus.vocab));
+        let e = sized(400).unwrap_err().to_string();
+        assert!(e.contains("tokenizer has") && e.contains("160 rows"), "{e}");
     }
 }
