@@ -433,6 +433,133 @@ fn a_checkpoint_exports_to_gguf_with_its_logits() {
     assert!(worst < 1e-5, "llama3 scaling through GGUF: {worst}");
 }
 
+/// A byte-level BPE `tokenizer.json` of a few dozen tokens (far fewer than the tiny models'
+/// 160 rows): `<s>`, `</s>`, the letters, space (`Ġ`), `.`, and merges into `the`, ` the`,
+/// `at`.
+fn small_byte_level_tokenizer() -> String {
+    let mut vocab = serde_json::Map::new();
+    let tokens = ["<s>", "</s>"]
+        .into_iter()
+        .map(str::to_string)
+        .chain(('a'..='z').map(String::from))
+        .chain(["Ġ", ".", "th", "the", "Ġthe", "at"].map(String::from));
+    for (id, token) in tokens.enumerate() {
+        vocab.insert(token, id.into());
+    }
+    let special = |id: u32, content: &str| {
+        serde_json::json!({"id": id, "content": content, "single_word": false, "lstrip": false,
+                           "rstrip": false, "normalized": false, "special": true})
+    };
+    serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null,
+        "added_tokens": [special(0, "<s>"), special(1, "</s>")],
+        "normalizer": null,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true,
+                          "use_regex": true},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true,
+                    "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null,
+                  "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                  "fuse_unk": false, "byte_fallback": false, "ignore_merges": false,
+                  "vocab": vocab, "merges": ["t h", "th e", "Ġ the", "a t"]},
+    })
+    .to_string()
+}
+
+/// A model whose embedding has more rows than its tokenizer has tokens (as Qwen 2.5's) is
+/// fine-tuned on text with its own tokenizer; the checkpoint exported to GGUF carries that
+/// tokenizer (written as llama.cpp writes a byte-level BPE), so the file alone reads the same
+/// text into the same logits as the Hugging Face export with its `tokenizer.json`.
+#[test]
+fn a_text_run_from_a_directory_exports_to_gguf_with_its_tokenizer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = tmp.path().join("model");
+    std::fs::create_dir(&model).unwrap();
+    for file in ["config.json", "model.safetensors", "generation_config.json"] {
+        std::fs::copy(tiny("llama-tied").join(file), model.join(file)).unwrap();
+    }
+    std::fs::write(model.join("tokenizer.json"), small_byte_level_tokenizer()).unwrap();
+    std::fs::write(
+        model.join("tokenizer_config.json"),
+        r#"{"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": true}"#,
+    )
+    .unwrap();
+    let text = tmp.path().join("cats.txt");
+    std::fs::write(
+        &text,
+        "the cat sat on the mat. the rat ate the oat. ".repeat(60),
+    )
+    .unwrap();
+    let run = tmp.path().join("run");
+    let out = ringtmp(&[
+        "train",
+        "--pretrained",
+        model.to_str().unwrap(),
+        "--dataset",
+        "text",
+        "--data-file",
+        text.to_str().unwrap(),
+        "--seq-len",
+        "16",
+        "--strategy",
+        "local",
+        "--batch-size",
+        "4",
+        "--max-steps",
+        "3",
+        "--out",
+        run.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", said(&out));
+    let export = |to: &str, out: &Path| {
+        let mut args = vec!["export", "--checkpoint", run.to_str().unwrap(), "--to", to];
+        args.push(out.to_str().unwrap());
+        if to == "gguf" {
+            args.extend(["--dtype", "f32"]);
+        }
+        let output = ringtmp(&args);
+        assert!(output.status.success(), "{}", said(&output));
+        said(&output)
+    };
+    let (hf, file) = (tmp.path().join("hf"), tmp.path().join("cats.gguf"));
+    export("hf", &hf);
+    let said_gguf = export("gguf", &file);
+    assert!(said_gguf.contains("the tokenizer of"), "{said_gguf}");
+    let logits = |model: &Path, npy: &str| {
+        let npy = tmp.path().join(npy);
+        let out = ringtmp(&[
+            "predict",
+            "--pretrained",
+            model.to_str().unwrap(),
+            "--text",
+            "the cat ate the oat",
+            "--logits",
+            npy.to_str().unwrap(),
+        ]);
+        assert!(out.status.success(), "{}", said(&out));
+        let bytes = std::fs::read(&npy).unwrap();
+        let header = ringtmp_data::npy::parse_header(&npy, &bytes).unwrap();
+        (
+            header.shape.clone(),
+            ringtmp_data::npy::values_f64(&header, &bytes),
+        )
+    };
+    let (want_shape, want) = logits(&hf, "hf.npy");
+    let (got_shape, got) = logits(&file, "gguf.npy");
+    assert_eq!(got_shape, want_shape, "the same tokens, BOS first");
+    assert_eq!(
+        want_shape[1], 160,
+        "every row of the embedding is predicted"
+    );
+    let worst = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max);
+    assert!(worst < 1e-5, "{worst}");
+}
+
 /// A model directory missing one tensor is refused by `train` before any node starts, naming
 /// the tensor.
 #[test]

@@ -2,7 +2,8 @@
 //! model as a GGUF file (version 3) under llama.cpp's names and conventions — the rows of `q`
 //! and `k` interleaved as its converter interleaves them, norms in F32, the matrices in the
 //! type asked for (Q8_0 quantised as ggml's reference quantises) — with the architecture's
-//! metadata and, for a run from a GGUF file, that file's tokenizer and chat template.
+//! metadata and the run's tokenizer and chat template (a GGUF file's copied; a
+//! `tokenizer.json` written as llama.cpp writes a byte-level BPE).
 
 use anyhow::Result;
 use ringtmp_model::LayerKind;
@@ -153,27 +154,49 @@ fn metadata(opened: &Opened, w: &mut GgufWriter) -> Result<(&'static str, usize)
     Ok((arch, count))
 }
 
-/// The tokenizer of the GGUF file the run started from (its `tokenizer.*` metadata, the chat
-/// template among them), when there is one; says what was written.
+/// The run's tokenizer, when it kept one: the `tokenizer.*` metadata of the GGUF file it
+/// started from, copied; or the `tokenizer.json` it kept (a Hugging Face directory's) written
+/// as llama.cpp's converter writes a byte-level BPE. Says what was written.
 fn copy_tokenizer(opened: &Opened, w: &mut GgufWriter) -> Result<String> {
     let base = crate::pretrained::run_info(&opened.dir)
         .map(|v| v.base)
         .filter(|b| b.extension().is_some_and(|e| e == "gguf") && b.is_file());
-    let Some(base) = base else {
-        return Ok("no tokenizer (the run did not start from a GGUF file)".into());
+    if let Some(base) = base {
+        let file = Gguf::open(&base).map_err(|e| UsageError(e.to_string()))?;
+        let mut copied = 0;
+        for (k, v) in &file.metadata {
+            if k.starts_with("tokenizer.") {
+                w.metadata(k, v.clone())?;
+                copied += 1;
+            }
+        }
+        return Ok(format!(
+            "the tokenizer of {} ({copied} keys)",
+            base.display()
+        ));
+    }
+    let Some((run, vocabulary)) = crate::pretrained::run_of(&opened.dir)? else {
+        return Ok("no tokenizer (the run kept none)".into());
     };
-    let file = Gguf::open(&base).map_err(|e| UsageError(e.to_string()))?;
-    let mut copied = 0;
-    for (k, v) in &file.metadata {
-        if k.starts_with("tokenizer.") {
-            w.metadata(k, v.clone())?;
-            copied += 1;
+    let rows = match opened.layers.first().map(|l| &l.kind) {
+        Some(LayerKind::Embedding(e)) => e.vocab,
+        _ => return Ok("no tokenizer (the model reads no tokens)".into()),
+    };
+    match ringtmp_pretrained::gguf::tokenizer_metadata(&vocabulary, rows) {
+        Ok(keys) => {
+            for (k, v) in keys {
+                w.metadata(&k, v)?;
+            }
+            Ok(format!(
+                "the tokenizer of {}",
+                run.join("tokenizer.json").display()
+            ))
+        }
+        Err(why) => {
+            eprintln!("note: the GGUF file carries no tokenizer: {why}");
+            Ok("no tokenizer".into())
         }
     }
-    Ok(format!(
-        "the tokenizer of {} ({copied} keys)",
-        base.display()
-    ))
 }
 
 /// The model's tensors under llama.cpp's names: matrices in `kind`, vectors in F32.

@@ -13,6 +13,7 @@ mod format;
 mod quants;
 mod reader;
 mod tokenizer;
+mod tokenizer_out;
 mod writer;
 
 use std::collections::BTreeMap;
@@ -20,6 +21,7 @@ use std::path::{Path, PathBuf};
 
 pub use format::{GgufError, TensorInfo, Value};
 pub use quants::TensorType;
+pub use tokenizer_out::tokenizer_metadata;
 pub use writer::{GgufWriter, quantize};
 
 /// A GGUF file, mapped.
