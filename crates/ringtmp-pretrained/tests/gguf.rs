@@ -217,6 +217,41 @@ fn the_shared_smollm2_tokenizer_gives_transformers_ids() {
     }
 }
 
+/// A SentencePiece vocabulary (`tokenizer.ggml.model = "llama"`, no merges: they follow from
+/// the pieces' scores) gives `transformers`' ids — BOS first, control and user-defined tokens
+/// whole, bytes the vocabulary lacks as byte pieces — and decodes as it does.
+#[test]
+fn a_sentencepiece_tokenizer_gives_transformers_ids() {
+    let file = Gguf::open(&common::reference("gguf/spm-tokenizer.gguf")).unwrap();
+    let vocabulary = file.vocabulary().expect("its tokenizer builds");
+    let golden = common::read_json(&common::reference("gguf/spm-tokens.json"));
+    assert_eq!(
+        vocabulary.tokenizer.get_vocab_size(true) as u64,
+        golden["vocab_size"].as_u64().unwrap()
+    );
+    assert!(vocabulary.add_bos, "llama.cpp's and transformers' default");
+    let bos = vocabulary.bos.expect("a BOS");
+    for case in golden["cases"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        let want: Vec<u32> = case["ids"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_u64().unwrap() as u32)
+            .collect();
+        let mut ids = vocabulary
+            .tokenizer
+            .encode(text, true)
+            .unwrap()
+            .get_ids()
+            .to_vec();
+        ids.insert(0, bos);
+        assert_eq!(ids, want, "{text:?}");
+        let decoded = vocabulary.tokenizer.decode(&ids, false).unwrap();
+        assert_eq!(decoded, case["decoded"].as_str().unwrap(), "{text:?}");
+    }
+}
+
 #[test]
 fn writing_quantises_as_the_gguf_package_and_reads_back() {
     use ringtmp_pretrained::gguf::{GgufWriter, quantize};

