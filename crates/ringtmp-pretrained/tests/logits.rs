@@ -341,3 +341,53 @@ fn smollm2_held_as_its_file_stores_it_gives_the_dequantised_logits() {
         "split in three"
     );
 }
+
+/// The tiny models written as GGUF files by the `gguf` package (`gguf_models_golden.py`), their
+/// matrices in every quantisation type ringtmp reads — F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1
+/// quantised from the models' weights, Q4_K, Q5_K, Q6_K as random blocks in a Llama of width
+/// 256 — under llama.cpp's names and conventions: their logits within 1e-4 of those
+/// `transformers` gives for the values the blocks hold, dequantised to f32 and held as the file
+/// stores them (decoded in one step and position by position), whole and split in two stages.
+#[test]
+fn gguf_files_in_every_quantisation_type_give_transformers_logits() {
+    use ringtmp_pretrained::held::WeightsDtype;
+    for name in [
+        "llama-gqa",
+        "llama-tied",
+        "qwen2",
+        "qwen3",
+        "gpt2",
+        "kquants",
+    ] {
+        let path = common::reference(&format!("gguf/models/{name}.gguf"));
+        let golden = tensors(&common::reference(&format!(
+            "gguf/models/{name}.golden.safetensors"
+        )));
+        let (ids, want) = (&golden["input_ids"], &golden["logits"]);
+        let model = Pretrained::open(&path).unwrap();
+        let (seq, vocab) = (ids.len() / 2, model.config.vocab);
+        let layers = model.layers(seq).unwrap();
+        let n = layers.len();
+        let got = stage(&model, &layers, 0..n).infer(ids, 2).unwrap().to_vec();
+        let err = worst(&got, want);
+        println!("{name}.gguf: logits within {err:.2e} of transformers'");
+        assert!(err < 1e-4, "{name}: {err}");
+        let (mut first, mut second) = (stage(&model, &layers, 0..2), stage(&model, &layers, 2..n));
+        let middle = first.infer(ids, 2).unwrap().to_vec();
+        assert!(
+            worst(second.infer(&middle, 2).unwrap(), want) < 1e-4,
+            "{name} split"
+        );
+        let held = model
+            .inference_stage(&layers, 0..n, 2, WeightsDtype::File)
+            .unwrap();
+        let first_row = &want[..seq * vocab];
+        let twice = [first_row, first_row].concat();
+        let err = worst(&decoded(&held, &ids[..seq], vocab), &twice);
+        println!(
+            "{name}.gguf held as stored ({} bytes): within {err:.2e}",
+            held.bytes()
+        );
+        assert!(err < 1e-4, "{name} held: {err}");
+    }
+}
