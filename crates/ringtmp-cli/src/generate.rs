@@ -83,6 +83,13 @@ pub struct GenerateArgs {
     /// decoding reads every weight once per token.
     #[arg(long, default_value = "file", value_parser = clap::builder::ValueParser::new(ringtmp_pretrained::held::WeightsDtype::parse))]
     pub weights_dtype: ringtmp_pretrained::held::WeightsDtype,
+    /// How products over 8- and 4-bit blocks (q8_0, q4_0, q4_1) take the decoded vector:
+    /// `f32` (the blocks dequantised in the loop), `int16` (the vector quantised to 16 bits
+    /// in blocks of 32 and the sums taken in integers: SmolLM2's logits move by a two-thousandth
+    /// of their range) or `int8` (llama.cpp's 8 bits: faster, and coarse enough to change a
+    /// small model's greedy answer) [default: int16 where the CPU has AVX-512 VNNI, else f32]
+    #[arg(long, value_parser = clap::builder::ValueParser::new(ringtmp_model::packed::Activations::parse))]
+    pub activations: Option<ringtmp_model::packed::Activations>,
     /// Compute threads (default: every core; with --nodes, the cores shared out).
     #[arg(long, value_parser = crate::args::at_least_one)]
     pub threads: Option<usize>,
@@ -217,7 +224,8 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
     checkpoint::read_params(&dir, &manifest, &mut stage)?;
     Decoder::new(&stage).map_err(|e| UsageError(e.to_string()))?;
     let params = stage.params().len();
-    let stage = InferenceStage::from_stage(&stage, a.weights_dtype.format());
+    let stage = InferenceStage::from_stage(&stage, a.weights_dtype.format())
+        .with_activations(activations(a.activations));
     eprintln!(
         "generate: {} ({} parameters, context {context}, {}) from {} step {} ({})",
         manifest.model.name,
@@ -481,6 +489,7 @@ fn split(
         recv_timeout_secs: ringtmp_strategy::DEFAULT_RECV_TIMEOUT_SECS,
         tokenizer: tokenizer.map(|t| std::path::absolute(t).unwrap_or_else(|_| t.to_path_buf())),
         weights_dtype: a.weights_dtype,
+        activations: a.activations,
     };
     launch_split(a, &job, &layers, &opened.manifest.model.name)
 }
@@ -652,4 +661,12 @@ mod tests {
         out.push_str(&printer.unprinted(true).unwrap().unwrap_or_default());
         assert_eq!(out, sample);
     }
+}
+
+/// `--activations`, or where unsaid what this CPU computes fastest without changing the
+/// answers.
+pub fn activations(
+    asked: Option<ringtmp_model::packed::Activations>,
+) -> ringtmp_model::packed::Activations {
+    asked.unwrap_or_else(ringtmp_model::packed::Activations::default_for_cpu)
 }

@@ -69,7 +69,8 @@ pub fn run(a: &GenerateArgs, path: &Path) -> anyhow::Result<()> {
     let stage = opened
         .model
         .inference_stage(&layers, 0..layers.len(), threads, a.weights_dtype)
-        .map_err(|e| UsageError(e.to_string()))?;
+        .map_err(|e| UsageError(e.to_string()))?
+        .with_activations(crate::generate::activations(a.activations));
     Decoder::new(&stage).map_err(|e| UsageError(e.to_string()))?;
     eprintln!(
         "generate: {name} loaded in {:.2} s, its weights {:.0} MB held as {}",
@@ -133,6 +134,7 @@ fn split(
         recv_timeout_secs: ringtmp_strategy::DEFAULT_RECV_TIMEOUT_SECS,
         tokenizer: None,
         weights_dtype: a.weights_dtype,
+        activations: a.activations,
     };
     launch_split(a, &job, layers, name)
 }

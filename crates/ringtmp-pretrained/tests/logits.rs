@@ -12,6 +12,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use ringtmp_model::decode::Decoder;
+use ringtmp_model::packed::Activations;
 use ringtmp_model::{Layer, Stage};
 use ringtmp_pretrained::model::Pretrained;
 use ringtmp_pretrained::template::{ChatMessage, ChatTemplate};
@@ -340,6 +341,30 @@ fn smollm2_held_as_its_file_stores_it_gives_the_dequantised_logits() {
         worst(&x, &want[..ids.len() * vocab]) < 2e-3,
         "split in three"
     );
+    // With the vector quantised to 16 bits for integer products: every position's most likely
+    // token the f32 stage's, the logits within a thousandth of their range (a block holding
+    // one of the model's outlying values quantises its small ones coarsely).
+    let quantised = held.with_activations(Activations::Int16);
+    let got = decoded(&quantised, ids, vocab);
+    let err = worst(&got, &want);
+    let spread = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let argmax = |row: &[f32]| {
+        (0..row.len())
+            .max_by(|&a, &b| row[a].total_cmp(&row[b]))
+            .unwrap()
+    };
+    let agree = got
+        .chunks_exact(vocab)
+        .zip(want.chunks_exact(vocab))
+        .filter(|(g, w)| argmax(g) == argmax(w))
+        .count();
+    println!(
+        "SmolLM2 with 16-bit vectors: logits within {err:.2e} (up to {spread:.1}); most likely \
+         token the same at {agree} of {} positions",
+        2 * ids.len()
+    );
+    assert!(err < 1e-3 * spread, "{err} of {spread}");
+    assert_eq!(agree, 2 * ids.len());
 }
 
 /// The tiny models written as GGUF files by the `gguf` package (`gguf_models_golden.py`), their
@@ -389,5 +414,15 @@ fn gguf_files_in_every_quantisation_type_give_transformers_logits() {
             held.bytes()
         );
         assert!(err < 1e-4, "{name} held: {err}");
+        // The vector quantised for the integer products: to 16 bits, the logits within 1e-3
+        // still; to 8 bits (llama.cpp's), each product moves by up to half a step of each of
+        // its values, the logits by a few hundredths of their spread.
+        let spread = twice.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        for (activations, bound) in [(Activations::Int16, 1e-3), (Activations::Int8, 0.03 * spread)] {
+            let quantised = held.clone().with_activations(activations);
+            let err = worst(&decoded(&quantised, &ids[..seq], vocab), &twice);
+            println!("{name}.gguf with {activations:?} vectors: within {err:.2e} (logits up to {spread:.2})");
+            assert!(err < bound, "{name} {activations:?}: {err} of {spread}");
+        }
     }
 }

@@ -77,6 +77,10 @@ pub struct GenerateJob {
     /// How each node holds its matrices (`--weights-dtype`).
     #[serde(default)]
     pub weights_dtype: WeightsDtype,
+    /// How products over 8- and 4-bit blocks take the vector (`--activations`); unsaid, each
+    /// node as its CPU computes fastest without changing the answers.
+    #[serde(default)]
+    pub activations: Option<ringtmp_model::packed::Activations>,
 }
 
 fn all() -> f32 {
@@ -196,10 +200,10 @@ impl GenerateJob {
         let manifest = checkpoint::read_manifest(&self.checkpoint)?;
         let mut stage = Stage::new(&layers, start..end, manifest.seed, self.threads);
         checkpoint::read_params(&self.checkpoint, &manifest, &mut stage)?;
-        Ok(InferenceStage::from_stage(
-            &stage,
-            self.weights_dtype.format(),
-        ))
+        Ok(
+            InferenceStage::from_stage(&stage, self.weights_dtype.format())
+                .with_activations(self.activations()),
+        )
     }
 }
 
@@ -217,9 +221,17 @@ impl GenerateJob {
                 layers.len()
             )));
         }
-        model
+        Ok(model
             .inference_stage(&layers, start..end, self.threads, self.weights_dtype)
-            .map_err(|e| Error::Config(e.to_string()))
+            .map_err(|e| Error::Config(e.to_string()))?
+            .with_activations(self.activations()))
+    }
+
+    /// How this node's products take the vector: as the job says, else as its CPU computes
+    /// fastest without changing the answers.
+    fn activations(&self) -> ringtmp_model::packed::Activations {
+        self.activations
+            .unwrap_or_else(ringtmp_model::packed::Activations::default_for_cpu)
     }
 }
 

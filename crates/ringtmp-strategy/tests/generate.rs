@@ -59,6 +59,7 @@ fn a_split_generation_draws_the_tokens_of_one_process() {
                 recv_timeout_secs: 30.0,
                 tokenizer: None,
                 weights_dtype: Default::default(),
+                activations: None,
             };
             job.validate(nodes as u32).unwrap();
             let ran = run_nodes(&backend, ring(nodes as u32), None, |rank, net| {
@@ -149,6 +150,7 @@ fn a_split_pretrained_model_draws_the_tokens_of_one_process_and_stops_with_it() 
         recv_timeout_secs: 30.0,
         tokenizer: None,
         weights_dtype: Default::default(),
+                activations: None,
     };
     job.validate(nodes as u32).unwrap();
     let backend = Backend::sim(test_seed(61));

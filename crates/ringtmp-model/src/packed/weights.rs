@@ -12,6 +12,7 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use super::dot::dot_rows;
+use super::quantised::{Precision, QuantisedX, dot_rows_int8, takes_int8};
 use super::format::PackedTensor;
 use crate::kernels::{linear_forward, set_len};
 
@@ -45,6 +46,8 @@ struct Piece {
 pub struct LayerWeights {
     pieces: Vec<Piece>,
     len: usize,
+    /// How products over its 8- and 4-bit blocks quantise the vector (`None`: they do not).
+    quantised: Option<Precision>,
 }
 
 impl LayerWeights {
@@ -57,6 +60,7 @@ impl LayerWeights {
                 store: Store::Dense(values),
             }],
             len,
+            quantised: None,
         }
     }
 
@@ -78,7 +82,17 @@ impl LayerWeights {
             }
             len += n;
         }
-        Self { pieces, len }
+        Self {
+            pieces,
+            len,
+            quantised: None,
+        }
+    }
+
+    /// How products over the layer's `Q8_0`, `Q4_0` and `Q4_1` blocks quantise the vector
+    /// to sum in integers (`None`: they dequantise the blocks and sum in `f32`).
+    pub fn set_quantised_activations(&mut self, precision: Option<Precision>) {
+        self.quantised = precision;
     }
 
     /// Values the flat layout holds.
@@ -170,7 +184,10 @@ impl LayerWeights {
                 }
             }
         }
-        Matrix { segments }
+        Matrix {
+            segments,
+            quantised: self.quantised,
+        }
     }
 }
 
@@ -187,6 +204,8 @@ pub enum Segment<'a> {
 #[derive(Clone, Debug)]
 pub struct Matrix<'a> {
     segments: Vec<Segment<'a>>,
+    /// How products of one vector quantise it for the blocks that take it.
+    quantised: Option<Precision>,
 }
 
 impl<'a> Matrix<'a> {
@@ -194,6 +213,7 @@ impl<'a> Matrix<'a> {
     pub fn dense(w: &'a [f32]) -> Self {
         Self {
             segments: vec![Segment::Dense(w)],
+            quantised: None,
         }
     }
 
@@ -293,7 +313,7 @@ pub fn matrix_forward(
     );
     if m <= FEW_PACKED_ROWS {
         for (x, y) in x.chunks_exact(k).zip(y.chunks_exact_mut(n)).take(m) {
-            matvec(&w.segments, k, x, y, threads);
+            matvec(&w.segments, k, x, y, threads, w.quantised);
         }
     } else {
         dequantised_gemm(y, m, n, k, x, &w.segments, threads);
@@ -311,21 +331,44 @@ pub fn matrix_forward(
 const MIN_ROWS_PER_TASK: usize = 64;
 
 /// `y = W·x` over the segments, the output features split over `threads` (spinning workers:
-/// a token runs hundreds of these back to back).
-fn matvec(segments: &[Segment<'_>], k: usize, x: &[f32], y: &mut [f32], threads: usize) {
-    let n = y.len();
-    let parts = threads.min(n / MIN_ROWS_PER_TASK).max(1);
-    if parts == 1 {
-        rows_product(segments, k, 0..n, x, y);
-        return;
+/// a token runs hundreds of these back to back); with `quantised`, `x` quantised once for the
+/// segments whose blocks take it.
+fn matvec(
+    segments: &[Segment<'_>],
+    k: usize,
+    x: &[f32],
+    y: &mut [f32],
+    threads: usize,
+    quantised: Option<Precision>,
+) {
+    thread_local! {
+        static QUANTISED: std::cell::RefCell<QuantisedX> = Default::default();
     }
-    let size = n.div_ceil(parts).next_multiple_of(16);
-    let out = SharedOut(y.as_mut_ptr());
-    super::pool::run(parts, &|part| {
-        let rows = (part * size).min(n)..((part + 1) * size).min(n);
-        // SAFETY: the parts' row ranges are disjoint and inside `y`, which outlives the run.
-        let y = unsafe { std::slice::from_raw_parts_mut(out.at(rows.start), rows.len()) };
-        rows_product(segments, k, rows, x, y);
+    let precision = quantised.filter(|_| {
+        k.is_multiple_of(32)
+        && segments
+            .iter()
+                .any(|s| matches!(s, Segment::Packed(t) if takes_int8(t.format())))
+    });
+    QUANTISED.with_borrow_mut(|qx| {
+        if let Some(precision) = precision {
+            qx.quantise(x, precision);
+        }
+        let qx = precision.is_some().then_some(&*qx);
+        let n = y.len();
+        let parts = threads.min(n / MIN_ROWS_PER_TASK).max(1);
+        if parts == 1 {
+            rows_product(segments, k, 0..n, x, qx, y);
+            return;
+        }
+        let size = n.div_ceil(parts).next_multiple_of(16);
+        let out = SharedOut(y.as_mut_ptr());
+        super::pool::run(parts, &|part| {
+            let rows = (part * size).min(n)..((part + 1) * size).min(n);
+            // SAFETY: the parts' row ranges are disjoint and inside `y`, which outlives the run.
+            let y = unsafe { std::slice::from_raw_parts_mut(out.at(rows.start), rows.len()) };
+            rows_product(segments, k, rows, x, qx, y);
+        });
     });
 }
 
@@ -340,8 +383,16 @@ impl SharedOut {
     }
 }
 
-/// `y[i - rows.start] = W[i] · x` for the output features `rows`, across segments.
-fn rows_product(segments: &[Segment<'_>], k: usize, rows: Range<usize>, x: &[f32], y: &mut [f32]) {
+/// `y[i - rows.start] = W[i] · x` for the output features `rows`, across segments (`qx`: `x`
+/// quantised, for the packed segments that take it).
+fn rows_product(
+    segments: &[Segment<'_>],
+    k: usize,
+    rows: Range<usize>,
+    x: &[f32],
+    qx: Option<&QuantisedX>,
+    y: &mut [f32],
+) {
     let mut first = 0;
     for s in segments {
         let count = Matrix::rows_of(s, k);
@@ -349,7 +400,10 @@ fn rows_product(segments: &[Segment<'_>], k: usize, rows: Range<usize>, x: &[f32
         if a < b {
             let out = &mut y[a - rows.start..b - rows.start];
             match s {
-                Segment::Packed(t) => dot_rows(t, a - first, x, out),
+                Segment::Packed(t) => match qx {
+                    Some(qx) if takes_int8(t.format()) => dot_rows_int8(t, a - first, qx, out),
+                    _ => dot_rows(t, a - first, x, out),
+                },
                 Segment::Dense(w) => {
                     for (i, o) in (a - first..b - first).zip(out) {
                         *o = dense_dot(&w[i * k..(i + 1) * k], x);
