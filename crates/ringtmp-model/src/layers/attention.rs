@@ -153,7 +153,7 @@ impl CausalSelfAttention {
         super::heads::gather(qkv, &mut queries, 3 * c, 0, c);
         let mut scores = Vec::new();
         self.heads()
-            .decode(&queries, at, &cache.keys, &cache.values, att, &mut scores);
+            .decode(&queries, at, &cache.keys, &cache.values, att, &mut scores, threads);
         linear_forward(y, rows, c, c, att, wproj, bproj, threads);
     }
 

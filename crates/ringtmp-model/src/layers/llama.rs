@@ -476,7 +476,7 @@ impl LlamaBlock {
         cache.append(qkv, s, q, kv, at);
         gather(qkv, queries, s, 0, q);
         self.heads()
-            .decode(queries, at, &cache.keys, &cache.values, att, scores);
+            .decode(queries, at, &cache.keys, &cache.values, att, scores, threads);
         let after = After {
             x2,
             h2,

@@ -17,7 +17,7 @@
 mod dot;
 mod format;
 mod quantised;
-mod pool;
+pub(crate) mod pool;
 mod stage;
 mod weights;
 

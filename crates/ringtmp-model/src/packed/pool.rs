@@ -106,8 +106,14 @@ fn work(slot: &'static Slot) {
     }
 }
 
+/// Parts a job runs at once: the caller and the workers.
+pub fn parallelism() -> usize {
+    pool().slots.len() + 1
+}
+
 /// Runs `job(i)` for every part `i` of `0..parts`, on this thread and the workers; returns
 /// when all have finished.
+
 pub fn run(parts: usize, job: &(dyn Fn(usize) + Sync)) {
     if parts <= 1 {
         if parts == 1 {
