@@ -462,10 +462,12 @@ fn split(
     tokenizer: Option<&std::path::Path>,
 ) -> anyhow::Result<()> {
     let layers = manifest_layers(opened)?;
-    let partition = ringtmp_strategy::generate::partition(&layers, a.nodes as usize)
+    let tail = ringtmp_strategy::generate::tail_of(&layers, a.nodes as usize);
+    let ring = tail.map_or(layers.len(), |t| t.0);
+    let partition = ringtmp_strategy::generate::partition(&layers[..ring], a.nodes as usize)
         .map_err(|e| UsageError(e.to_string()))?;
     // A split generation decodes position by position on every node: check each stage can.
-    for (start, end) in &partition {
+    for (start, end) in partition.iter().chain(&tail) {
         Decoder::for_layers(&layers[*start..*end]).map_err(|e| UsageError(e.to_string()))?;
     }
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
@@ -473,6 +475,7 @@ fn split(
         checkpoint: std::path::absolute(&opened.dir).unwrap_or_else(|_| opened.dir.clone()),
         pretrained: false,
         partition: partition.clone(),
+        tail,
         context: opened.context,
         vocab: opened.vocab.len(),
         prompt: opened.prompt.clone(),
@@ -503,11 +506,24 @@ pub(crate) fn launch_split(
     name: &str,
 ) -> anyhow::Result<()> {
     let partition = job.partition.clone();
-    let share =
-        |r: &(usize, usize)| -> usize { layers[r.0..r.1].iter().map(|l| l.param_count()).sum() };
+    // Rank 0 holds the tail too: its norm, and a head reading rank 0's own table.
+    let tail: usize = job.tail.map_or(0, |(s, e)| {
+        layers[s..e]
+            .iter()
+            .filter(|l| l.tied_to.is_none())
+            .map(|l| l.param_count())
+            .sum()
+    });
+    let share = |r: &(usize, usize)| -> usize {
+        let own: usize = layers[r.0..r.1].iter().map(|l| l.param_count()).sum();
+        own + if r.0 == 0 { tail } else { 0 }
+    };
     let memory = node_memory(a, &partition, &share)?;
+    let then = job.tail.map_or(String::new(), |(s, e)| {
+        format!(", then {s}..{e} on node 0 beside the table its head reads")
+    });
     eprintln!(
-        "generate: {name} split over {} nodes (layers {}; parameters per node {})",
+        "generate: {name} split over {} nodes (layers {}{then}; parameters per node {})",
         a.nodes,
         partition
             .iter()
@@ -630,6 +646,14 @@ fn tempfile_dir() -> anyhow::Result<PathBuf> {
     Ok(dir)
 }
 
+/// `--activations`, or where unsaid what this CPU computes fastest without changing the
+/// answers.
+pub fn activations(
+    asked: Option<ringtmp_model::packed::Activations>,
+) -> ringtmp_model::packed::Activations {
+    asked.unwrap_or_else(ringtmp_model::packed::Activations::default_for_cpu)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -661,12 +685,4 @@ mod tests {
         out.push_str(&printer.unprinted(true).unwrap().unwrap_or_default());
         assert_eq!(out, sample);
     }
-}
-
-/// `--activations`, or where unsaid what this CPU computes fastest without changing the
-/// answers.
-pub fn activations(
-    asked: Option<ringtmp_model::packed::Activations>,
-) -> ringtmp_model::packed::Activations {
-    asked.unwrap_or_else(ringtmp_model::packed::Activations::default_for_cpu)
 }

@@ -111,13 +111,23 @@ fn split(
     sampling: &Sampling,
     name: &str,
 ) -> anyhow::Result<()> {
-    let partition = ringtmp_strategy::generate::partition(layers, a.nodes as usize)
+    // Balanced by the bytes each node will hold (an embedding's 8-bit table weighs more a
+    // value than 4-bit blocks); a tied head on rank 0 beside its table.
+    let tail = ringtmp_strategy::generate::tail_of(layers, a.nodes as usize);
+    let bytes = opened
+        .model
+        .held_bytes(layers, a.weights_dtype)
         .map_err(|e| UsageError(e.to_string()))?;
+    let ring = tail.map_or(layers.len(), |t| t.0);
+    let partition =
+        ringtmp_strategy::generate::partition_weighted(&bytes[..ring], a.nodes as usize)
+            .map_err(|e| UsageError(e.to_string()))?;
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
     let job = GenerateJob {
         checkpoint: std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf()),
         pretrained: true,
         partition,
+        tail,
         context: opened.model.config.context,
         vocab: opened.model.config.vocab,
         prompt,

@@ -119,6 +119,45 @@ impl Pretrained {
         Ok(InferenceStage::new(layers, range, weights, threads))
     }
 
+    /// The bytes each of `layers` takes held as `dtype` says (a tied head: its table's bytes
+    /// again, as a node other than the embedding's maps them), without reading any weight:
+    /// what a split over nodes balances.
+    pub fn held_bytes(
+        &self,
+        layers: &[Layer],
+        dtype: WeightsDtype,
+    ) -> Result<Vec<u64>, PretrainedError> {
+        let mut out = Vec::with_capacity(layers.len());
+        for (position, layer) in layers.iter().enumerate() {
+            let stored = self.stored(layers.len(), position, layer)?;
+            let mut bytes = 0u64;
+            for (((_, shape), stored), pack) in layer
+                .param_tensors()
+                .into_iter()
+                .zip(stored)
+                .zip(packable(layer))
+            {
+                let values: usize = shape.iter().product();
+                let f32_bytes = 4 * values as u64;
+                bytes += if !pack || dtype == WeightsDtype::F32 || stored.transposed {
+                    f32_bytes
+                } else {
+                    let cols = shape.get(1).copied().unwrap_or(0);
+                    let raw = self.raw_format(&stored)?;
+                    match (dtype.format(), raw) {
+                        (Some(want), _) => want
+                            .row_bytes(cols)
+                            .map_or(f32_bytes, |row| (row * shape[0]) as u64),
+                        (None, Some((_, raw))) => raw.len() as u64,
+                        (None, None) => f32_bytes,
+                    }
+                };
+            }
+            out.push(bytes);
+        }
+        Ok(out)
+    }
+
     /// The raw bytes of `stored` and their format, when a kernel reads it as stored.
     fn raw_format(&self, stored: &Stored) -> Result<Option<(Format, &[u8])>, PretrainedError> {
         Ok(match &self.source {
@@ -131,6 +170,17 @@ impl Pretrained {
                 (Dtype::F16, bytes) => Some((Format::F16, bytes)),
                 _ => None,
             },
+        })
+    }
+
+    /// The mapped file holding `stored` and where its bytes start.
+    fn shared_bytes(
+        &self,
+        stored: &Stored,
+    ) -> Result<(ringtmp_model::packed::SharedBytes, usize), PretrainedError> {
+        Ok(match &self.source {
+            Source::Gguf(g) => g.shared(g.tensor(&stored.name)?),
+            Source::Hf(h) => h.shared(&stored.name)?,
         })
     }
 
@@ -151,13 +201,20 @@ impl Pretrained {
         let want = dtype.format().or(raw.map(|(f, _)| f));
         let tensor = match (raw, want) {
             (Some((format, bytes)), Some(want)) if format == want => {
-                let row = format.row_bytes(cols).unwrap_or(0);
-                let mut bytes = bytes[..rows * row].to_vec();
-                if let Some(heads) = stored.interleaved_heads {
-                    bytes = rows_deinterleaved(&bytes, heads, rows);
+                let bad = |what| self.model_error(format!("tensor {}: {what}", stored.name));
+                match stored.interleaved_heads {
+                    // llama.cpp's interleaved q/k rows: put back in order, a copy.
+                    Some(heads) => {
+                        let row = format.row_bytes(cols).unwrap_or(0);
+                        let bytes = rows_deinterleaved(&bytes[..rows * row], heads, rows);
+                        PackedTensor::new(format, rows, cols, bytes).map_err(bad)?
+                    }
+                    // Read where the file lies: its mapped pages are the tensor's memory.
+                    None => {
+                        let (owner, start) = self.shared_bytes(stored)?;
+                        PackedTensor::view(format, rows, cols, owner, start).map_err(bad)?
+                    }
                 }
-                PackedTensor::new(format, rows, cols, bytes)
-                    .map_err(|what| self.model_error(format!("tensor {}: {what}", stored.name)))?
             }
             (_, want) => {
                 let mut values = vec![0.0f32; rows * cols];

@@ -63,7 +63,7 @@ pub struct HfModel {
     pub config: serde_json::Value,
     /// The shards' paths, in the order tensors refer to them.
     pub shards: Vec<PathBuf>,
-    maps: Vec<memmap2::Mmap>,
+    maps: Vec<std::sync::Arc<memmap2::Mmap>>,
     /// Every tensor, by name.
     pub tensors: BTreeMap<String, HfTensor>,
 }
@@ -121,7 +121,7 @@ impl HfModel {
                 }
                 tensors.insert(name, tensor);
             }
-            maps.push(bytes);
+            maps.push(std::sync::Arc::new(bytes));
         }
         if let Some(named) = named {
             check_index(&index_path, &named, &tensors, &shards)?;
@@ -147,6 +147,19 @@ impl HfModel {
             name: name.to_string(),
         })?;
         Ok((tensor.dtype, &self.maps[tensor.shard][tensor.range.clone()]))
+    }
+
+    /// The mapped shard holding the tensor named `name` and where its bytes start in it: for a
+    /// tensor that reads its bytes where they lie.
+    pub fn shared(
+        &self,
+        name: &str,
+    ) -> Result<(ringtmp_model::packed::SharedBytes, usize), HfError> {
+        let tensor = self.tensors.get(name).ok_or_else(|| HfError::NoTensor {
+            dir: self.dir.clone(),
+            name: name.to_string(),
+        })?;
+        Ok((self.maps[tensor.shard].clone(), tensor.range.start))
     }
 
     /// The tensor named `name`, in f32 (f16 and bf16 widened exactly).

@@ -418,10 +418,15 @@ fn gguf_files_in_every_quantisation_type_give_transformers_logits() {
         // still; to 8 bits (llama.cpp's), each product moves by up to half a step of each of
         // its values, the logits by a few hundredths of their spread.
         let spread = twice.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        for (activations, bound) in [(Activations::Int16, 1e-3), (Activations::Int8, 0.03 * spread)] {
+        for (activations, bound) in [
+            (Activations::Int16, 1e-3),
+            (Activations::Int8, 0.03 * spread),
+        ] {
             let quantised = held.clone().with_activations(activations);
             let err = worst(&decoded(&quantised, &ids[..seq], vocab), &twice);
-            println!("{name}.gguf with {activations:?} vectors: within {err:.2e} (logits up to {spread:.2})");
+            println!(
+                "{name}.gguf with {activations:?} vectors: within {err:.2e} (logits up to {spread:.2})"
+            );
             assert!(err < bound, "{name} {activations:?}: {err} of {spread}");
         }
     }

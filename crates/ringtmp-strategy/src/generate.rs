@@ -23,7 +23,7 @@ use ringtmp_model::checkpoint;
 use ringtmp_model::decode::Decoder;
 use ringtmp_model::generate::{Chain, Generated, Sampling, generate};
 use ringtmp_model::packed::InferenceStage;
-use ringtmp_model::{Layer, Shape, Stage};
+use ringtmp_model::{Layer, LayerKind, Shape, Stage};
 use ringtmp_pretrained::held::WeightsDtype;
 use ringtmp_transport::Transport;
 use ringtmp_wire::message::{tensor_bytes_into, tensor_values};
@@ -44,6 +44,11 @@ pub struct GenerateJob {
     pub pretrained: bool,
     /// Each node's layers, `[start, end)`, in ring order.
     pub partition: Vec<(usize, usize)>,
+    /// Layers after the ring's that rank 0 runs on the last position the last node sends back
+    /// (`[start, end)`: the final norm and a head tied to rank 0's embedding, whose table it
+    /// then holds once rather than the last node holding it a second time).
+    #[serde(default)]
+    pub tail: Option<(usize, usize)>,
     /// The model's context (positions per sequence).
     pub context: usize,
     /// Token ids.
@@ -114,13 +119,35 @@ impl StrategyMessage for GenerateMessage {
 /// Splits `layers` over `nodes` contiguous ranges that balance their parameters (the largest
 /// node's share as small as it can be: what bounds the model a ring of equal nodes can hold).
 pub fn partition(layers: &[Layer], nodes: usize) -> Result<Vec<(usize, usize)>> {
+    let weight: Vec<u64> = layers.iter().map(|l| l.param_count() as u64).collect();
+    partition_weighted(&weight, nodes)
+}
+
+/// Where rank 0 runs the model's last layers itself ([`GenerateJob::tail`]) when split over
+/// `nodes`: the layers after the last attention, when the head reads the table of the
+/// embedding rank 0 holds (a tied head), so that no other node holds that table again.
+pub fn tail_of(layers: &[Layer], nodes: usize) -> Option<(usize, usize)> {
     let n = layers.len();
+    let tied = layers.last()?.tied_to.is_some();
+    let last_attention = layers.iter().rposition(|l| {
+        !matches!(
+            l.kind,
+            LayerKind::Norm(_) | LayerKind::Linear(_) | LayerKind::Embedding(_)
+        )
+    })?;
+    (nodes > 1 && tied && last_attention + 1 < n && last_attention + 1 >= nodes)
+        .then_some((last_attention + 1, n))
+}
+
+/// Splits layers whose sizes are `weight` over `nodes` contiguous ranges, the largest share as
+/// small as it can be.
+pub fn partition_weighted(weight: &[u64], nodes: usize) -> Result<Vec<(usize, usize)>> {
+    let n = weight.len();
     if nodes == 0 || nodes > n {
         return Err(Error::Config(format!(
             "--nodes {nodes}: the model has {n} layers, so it splits over 1 to {n} nodes"
         )));
     }
-    let weight: Vec<u64> = layers.iter().map(|l| l.param_count() as u64).collect();
     let mut prefix = vec![0u64; n + 1];
     for i in 0..n {
         prefix[i + 1] = prefix[i] + weight[i];
@@ -165,9 +192,13 @@ impl GenerateJob {
             .partition
             .windows(2)
             .all(|w| w[0].1 == w[1].0 && w[0].0 < w[0].1);
+        let tail_follows = self.tail.is_none_or(|(start, end)| {
+            world > 1 && start < end && self.partition.last().map(|p| p.1) == Some(start)
+        });
         if self.partition.len() != world as usize
             || self.partition.first().map(|p| p.0) != Some(0)
             || !contiguous
+            || !tail_follows
             || self.prompt.is_empty()
             || self.tokens == 0
             || self.prompt.iter().any(|&t| t as usize >= self.vocab)
@@ -186,47 +217,67 @@ impl GenerateJob {
     /// Node `rank`'s stage, its parameters read from the checkpoint or the pretrained model
     /// (its own layers' tensors), its matrices held as `weights_dtype` says.
     pub fn stage(&self, rank: u32) -> Result<InferenceStage> {
+        let mut stages =
+            self.stages_of(&[self.partition[rank as usize]], &format!("node {rank}"))?;
+        Ok(stages.remove(0))
+    }
+
+    /// Rank 0's stages: its part of the ring, and the tail ([`GenerateJob::tail`]) when there
+    /// is one (the model's files opened once for both).
+    pub fn master_stages(&self) -> Result<(InferenceStage, Option<InferenceStage>)> {
+        let mut ranges = vec![self.partition[0]];
+        ranges.extend(self.tail);
+        let mut stages = self.stages_of(&ranges, "node 0")?.into_iter();
+        let ring = stages.next().expect("one stage a range");
+        Ok((ring, stages.next()))
+    }
+
+    /// The stages of the layer ranges `[start, end)` (`who` holds them, for errors).
+    fn stages_of(&self, ranges: &[(usize, usize)], who: &str) -> Result<Vec<InferenceStage>> {
+        let past = |(start, end): (usize, usize), n: usize| {
+            Error::Config(format!(
+                "{who}'s layers {start}..{end} are past the model's {n}"
+            ))
+        };
         if self.pretrained {
-            return self.pretrained_stage(rank);
+            let model = ringtmp_pretrained::model::Pretrained::open(&self.checkpoint)
+                .map_err(|e| Error::Config(e.to_string()))?;
+            let layers = model
+                .layers(self.context)
+                .map_err(|e| Error::Config(e.to_string()))?;
+            return ranges
+                .iter()
+                .map(|&(start, end)| {
+                    if end > layers.len() {
+                        return Err(past((start, end), layers.len()));
+                    }
+                    Ok(model
+                        .inference_stage(&layers, start..end, self.threads, self.weights_dtype)
+                        .map_err(|e| Error::Config(e.to_string()))?
+                        .with_activations(self.activations()))
+                })
+                .collect();
         }
         let layers = model_layers(&self.checkpoint, self.context, self.vocab)?;
-        let (start, end) = self.partition[rank as usize];
-        if end > layers.len() {
-            return Err(Error::Config(format!(
-                "node {rank}'s layers {start}..{end} are past the model's {}",
-                layers.len()
-            )));
-        }
         let manifest = checkpoint::read_manifest(&self.checkpoint)?;
-        let mut stage = Stage::new(&layers, start..end, manifest.seed, self.threads);
-        checkpoint::read_params(&self.checkpoint, &manifest, &mut stage)?;
-        Ok(
-            InferenceStage::from_stage(&stage, self.weights_dtype.format())
-                .with_activations(self.activations()),
-        )
+        ranges
+            .iter()
+            .map(|&(start, end)| {
+                if end > layers.len() {
+                    return Err(past((start, end), layers.len()));
+                }
+                let mut stage = Stage::new(&layers, start..end, manifest.seed, self.threads);
+                checkpoint::read_params(&self.checkpoint, &manifest, &mut stage)?;
+                Ok(
+                    InferenceStage::from_stage(&stage, self.weights_dtype.format())
+                        .with_activations(self.activations()),
+                )
+            })
+            .collect()
     }
 }
 
 impl GenerateJob {
-    fn pretrained_stage(&self, rank: u32) -> Result<InferenceStage> {
-        let model = ringtmp_pretrained::model::Pretrained::open(&self.checkpoint)
-            .map_err(|e| Error::Config(e.to_string()))?;
-        let layers = model
-            .layers(self.context)
-            .map_err(|e| Error::Config(e.to_string()))?;
-        let (start, end) = self.partition[rank as usize];
-        if end > layers.len() {
-            return Err(Error::Config(format!(
-                "node {rank}'s layers {start}..{end} are past the model's {}",
-                layers.len()
-            )));
-        }
-        Ok(model
-            .inference_stage(&layers, start..end, self.threads, self.weights_dtype)
-            .map_err(|e| Error::Config(e.to_string()))?
-            .with_activations(self.activations()))
-    }
-
     /// How this node's products take the vector: as the job says, else as its CPU computes
     /// fastest without changing the answers.
     fn activations(&self) -> ringtmp_model::packed::Activations {
@@ -252,7 +303,11 @@ pub fn run(
     net: &mut dyn Transport,
     on_token: &mut dyn FnMut(u32) -> Result<()>,
 ) -> Result<Option<(Generated, usize)>> {
-    let stage = job.stage(rank)?;
+    let (stage, tail) = if rank == 0 {
+        job.master_stages()?
+    } else {
+        (job.stage(rank)?, None)
+    };
     let world = job.partition.len() as u32;
     let decoder = match Decoder::new(&stage)? {
         d if rank + 1 == world => d.last_position_only(),
@@ -262,11 +317,19 @@ pub fn run(
         serve(job, rank, world, &stage, decoder, net)?;
         return Ok(None);
     }
+    let tail = match tail {
+        Some(stage) => {
+            let decoder = Decoder::new(&stage)?;
+            Some((stage, decoder))
+        }
+        None => None,
+    };
     let mut chain = RingChain {
         job,
         world,
         stage,
         decoder,
+        tail,
         net,
         feeds: 0,
         activations: Vec::new(),
@@ -305,6 +368,8 @@ struct RingChain<'a> {
     world: u32,
     stage: InferenceStage,
     decoder: Decoder,
+    /// The layers rank 0 runs on what the last node sends back.
+    tail: Option<(InferenceStage, Decoder)>,
     net: &'a mut dyn Transport,
     /// Feeds so far (each tensor carries its number).
     feeds: u64,
@@ -332,6 +397,10 @@ impl Chain for RingChain<'_> {
             {
                 tensor_values(&bytes, h.dtype, &mut self.activations);
                 self.net.buffers().give(bytes);
+                if let Some((stage, decoder)) = &mut self.tail {
+                    let logits = decoder.step(stage, &self.activations, 1)?.to_vec();
+                    self.activations = logits;
+                }
                 if self.activations.len() != self.job.vocab {
                     return Err(Error::protocol(
                         "generate",
@@ -353,6 +422,9 @@ impl Chain for RingChain<'_> {
 
     fn reset(&mut self) -> Result<()> {
         self.decoder.reset();
+        if let Some((_, decoder)) = &mut self.tail {
+            decoder.reset();
+        }
         if self.world > 1 {
             self.net.send(1, GenerateMessage::Reset.to_message())?;
         }

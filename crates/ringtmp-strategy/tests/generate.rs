@@ -6,7 +6,7 @@
 use ringtmp_model::generate::{LocalChain, Sampling, generate};
 use ringtmp_model::{Stage, checkpoint};
 use ringtmp_strategy::TrainConfig;
-use ringtmp_strategy::generate::{GenerateJob, model_layers, partition, run};
+use ringtmp_strategy::generate::{GenerateJob, model_layers, partition, run, tail_of};
 use ringtmp_testkit::fixtures::{gpt, text_data, train_config};
 use ringtmp_testkit::nodes::{Backend, ring, run_nodes};
 use ringtmp_testkit::oracle;
@@ -60,6 +60,7 @@ fn a_split_generation_draws_the_tokens_of_one_process() {
                 tokenizer: None,
                 weights_dtype: Default::default(),
                 activations: None,
+                tail: None,
             };
             job.validate(nodes as u32).unwrap();
             let ran = run_nodes(&backend, ring(nodes as u32), None, |rank, net| {
@@ -96,14 +97,22 @@ fn a_split_generation_draws_the_tokens_of_one_process() {
     }
 }
 
-/// A pretrained model (the tiny Qwen 3 of `benches/reference/pretrained`) split over 3 nodes
+/// A pretrained model (the tiny Qwen 3 of `benches/reference/pretrained`, and the Llama whose
+/// head is tied to its embedding, which rank 0 then runs beside its table) split over 3 nodes
 /// on the simulated network, each reading its own layers from the model's files: the tokens
 /// of one process, sampled with top-k and top-p, ending at a stop token exactly where one
 /// process ends.
 #[test]
 fn a_split_pretrained_model_draws_the_tokens_of_one_process_and_stops_with_it() {
+    for name in ["qwen3", "llama-tied"] {
+        split_pretrained_draws_as_one_process(name);
+    }
+}
+
+fn split_pretrained_draws_as_one_process(name: &str) {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../benches/reference/pretrained/qwen3");
+        .join("../../benches/reference/pretrained")
+        .join(name);
     let model = ringtmp_pretrained::model::Pretrained::open(&dir).unwrap();
     let context = model.config.context;
     let layers = model.layers(context).unwrap();
@@ -132,10 +141,18 @@ fn a_split_pretrained_model_draws_the_tokens_of_one_process_and_stops_with_it() 
     assert_eq!(one.tokens, drawn[..first]);
     assert_eq!(one.stopped_at, Some(stop));
     let nodes = 3;
+    // A head tied to the embedding runs on rank 0, beside the table it reads.
+    let tail = tail_of(&layers, nodes);
+    assert_eq!(
+        tail.is_some(),
+        layers.last().unwrap().tied_to.is_some(),
+        "{name}"
+    );
+    let ring_layers = tail.map_or(layers.len(), |t| t.0);
     let job = GenerateJob {
         checkpoint: dir.clone(),
         pretrained: true,
-        partition: partition(&layers, nodes).unwrap(),
+        partition: partition(&layers[..ring_layers], nodes).unwrap(),
         context,
         vocab: model.config.vocab,
         prompt: prompt.clone(),
@@ -150,7 +167,8 @@ fn a_split_pretrained_model_draws_the_tokens_of_one_process_and_stops_with_it() 
         recv_timeout_secs: 30.0,
         tokenizer: None,
         weights_dtype: Default::default(),
-                activations: None,
+        activations: None,
+        tail,
     };
     job.validate(nodes as u32).unwrap();
     let backend = Backend::sim(test_seed(61));
@@ -168,5 +186,5 @@ fn a_split_pretrained_model_draws_the_tokens_of_one_process_and_stops_with_it() 
         Ok::<_, String>(out.map(|(g, _)| (g.tokens, g.stopped_at)))
     });
     let rank0 = ran.results.into_iter().next().unwrap().unwrap().unwrap();
-    assert_eq!(rank0, (one.tokens, Some(stop)));
+    assert_eq!(rank0, (one.tokens, Some(stop)), "{name}");
 }

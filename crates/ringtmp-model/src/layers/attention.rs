@@ -152,8 +152,15 @@ impl CausalSelfAttention {
         let mut queries = vec![0.0f32; rows * c];
         super::heads::gather(qkv, &mut queries, 3 * c, 0, c);
         let mut scores = Vec::new();
-        self.heads()
-            .decode(&queries, at, &cache.keys, &cache.values, att, &mut scores, threads);
+        self.heads().decode(
+            &queries,
+            at,
+            &cache.keys,
+            &cache.values,
+            att,
+            &mut scores,
+            threads,
+        );
         linear_forward(y, rows, c, c, att, wproj, bproj, threads);
     }
 

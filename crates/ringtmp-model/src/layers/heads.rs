@@ -219,7 +219,16 @@ impl Heads {
         let (d, kv) = (self.head_dim, self.kv_heads * self.head_dim);
         crate::kernels::set_len(scores, positions);
         let col = (h / self.group()) * d;
-        attend(&q[h * d..(h + 1) * d], keys, values, kv, col, self.scale(), scores, o);
+        attend(
+            &q[h * d..(h + 1) * d],
+            keys,
+            values,
+            kv,
+            col,
+            self.scale(),
+            scores,
+            o,
+        );
     }
 }
 

@@ -475,8 +475,15 @@ impl LlamaBlock {
         self.project(p, h, rows, &positions, qkv, pre, qk_stats, threads);
         cache.append(qkv, s, q, kv, at);
         gather(qkv, queries, s, 0, q);
-        self.heads()
-            .decode(queries, at, &cache.keys, &cache.values, att, scores, threads);
+        self.heads().decode(
+            queries,
+            at,
+            &cache.keys,
+            &cache.values,
+            att,
+            scores,
+            threads,
+        );
         let after = After {
             x2,
             h2,

@@ -77,24 +77,71 @@ pub struct PackedTensor {
     format: Format,
     rows: usize,
     cols: usize,
-    bytes: Vec<u8>,
+    bytes: Held,
+}
+
+/// A buffer that tensors read ranges of (a mapped file: its pages are the tensors' memory).
+pub type SharedBytes = std::sync::Arc<dyn AsRef<[u8]> + Send + Sync>;
+
+/// A tensor's bytes: its own, or a range of a buffer it shares.
+#[derive(Clone)]
+enum Held {
+    Owned(Vec<u8>),
+    Shared {
+        owner: SharedBytes,
+        start: usize,
+        len: usize,
+    },
+}
+
+impl Held {
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            Held::Owned(v) => v,
+            Held::Shared { owner, start, len } => &(**owner).as_ref()[*start..*start + *len],
+        }
+    }
+}
+
+impl std::fmt::Debug for Held {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Held::Owned(v) => write!(f, "{} bytes", v.len()),
+            Held::Shared { start, len, .. } => {
+                write!(f, "bytes {start}..{} of a shared buffer", start + len)
+            }
+        }
+    }
 }
 
 impl PackedTensor {
     /// The matrix whose rows are `bytes` in `format`; refused (saying why) when `cols` is not
     /// whole blocks or `bytes` is not `rows` rows.
     pub fn new(format: Format, rows: usize, cols: usize, bytes: Vec<u8>) -> Result<Self, String> {
-        let row = format.row_bytes(cols).ok_or_else(|| {
-            format!(
-                "{cols} columns are not whole {}-value blocks of {}",
-                format.block(),
-                format.name()
-            )
-        })?;
-        if Some(bytes.len()) != row.checked_mul(rows) {
+        Self::checked_len(format, rows, cols, bytes.len())?;
+        Ok(Self {
+            format,
+            rows,
+            cols,
+            bytes: Held::Owned(bytes),
+        })
+    }
+
+    /// The matrix whose rows are the bytes of `owner` from `start` on, in `format`, read where
+    /// they lie (a mapped file's pages, shared with the cache and with other tensors); refused
+    /// (saying why) when `cols` is not whole blocks or the rows run past the buffer.
+    pub fn view(
+        format: Format,
+        rows: usize,
+        cols: usize,
+        owner: SharedBytes,
+        start: usize,
+    ) -> Result<Self, String> {
+        let len = Self::checked_len(format, rows, cols, usize::MAX)?;
+        let available = (*owner).as_ref().len().saturating_sub(start);
+        if len > available {
             return Err(format!(
-                "{} bytes for {rows} rows of {cols} {} values ({row} bytes a row)",
-                bytes.len(),
+                "{rows} rows of {cols} {} values take {len} bytes; {available} lie from {start} on",
                 format.name()
             ));
         }
@@ -102,8 +149,35 @@ impl PackedTensor {
             format,
             rows,
             cols,
-            bytes,
+            bytes: Held::Shared { owner, start, len },
         })
+    }
+
+    /// The bytes `rows × cols` values of `format` take, checked against `given` (`usize::MAX`:
+    /// anything).
+    fn checked_len(
+        format: Format,
+        rows: usize,
+        cols: usize,
+        given: usize,
+    ) -> Result<usize, String> {
+        let row = format.row_bytes(cols).ok_or_else(|| {
+            format!(
+                "{cols} columns are not whole {}-value blocks of {}",
+                format.block(),
+                format.name()
+            )
+        })?;
+        let len = row
+            .checked_mul(rows)
+            .ok_or_else(|| format!("{rows} rows of {row} bytes overflow"))?;
+        if given != usize::MAX && given != len {
+            return Err(format!(
+                "{given} bytes for {rows} rows of {cols} {} values ({row} bytes a row)",
+                format.name()
+            ));
+        }
+        Ok(len)
     }
 
     /// `values` (`rows × cols`, row-major) converted to `format`: 16-bit floats rounded to
@@ -145,18 +219,18 @@ impl PackedTensor {
 
     /// The bytes held.
     pub fn bytes(&self) -> &[u8] {
-        &self.bytes
+        self.bytes.as_slice()
     }
 
     /// Bytes of one row.
     pub fn row_bytes(&self) -> usize {
-        self.bytes.len() / self.rows.max(1)
+        self.bytes().len() / self.rows.max(1)
     }
 
     /// Row `i`'s bytes.
     pub fn row(&self, i: usize) -> &[u8] {
         let n = self.row_bytes();
-        &self.bytes[i * n..(i + 1) * n]
+        &self.bytes()[i * n..(i + 1) * n]
     }
 
     /// Row `i` as `f32` into `out` (`cols` values).

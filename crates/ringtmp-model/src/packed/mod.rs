@@ -16,13 +16,13 @@
 
 mod dot;
 mod format;
-mod quantised;
 pub(crate) mod pool;
+mod quantised;
 mod stage;
 mod weights;
 
 pub use dot::dot_rows;
-pub use format::{Format, PackedTensor, bf16_bits, dequantize, quantize_q8_0};
+pub use format::{Format, PackedTensor, SharedBytes, bf16_bits, dequantize, quantize_q8_0};
 pub use quantised::{Activations, Precision, QuantisedX, dot_rows_int8, takes_int8};
 pub use stage::{DecodeStage, InferenceStage, packable};
 pub use weights::{LayerWeights, Matrix, Params, Segment, Store, matrix_forward};

@@ -113,7 +113,6 @@ pub fn parallelism() -> usize {
 
 /// Runs `job(i)` for every part `i` of `0..parts`, on this thread and the workers; returns
 /// when all have finished.
-
 pub fn run(parts: usize, job: &(dyn Fn(usize) + Sync)) {
     if parts <= 1 {
         if parts == 1 {

@@ -272,9 +272,7 @@ fn block_product(format: Format, row: &[u8], x: &QuantisedX, b: usize) -> f32 {
     match format {
         Format::Q8_0 => d * dx * sum(&|j| i32::from(block[2 + j] as i8)) as f32,
         Format::Q4_0 => d * dx * sum(&|j| nibble(j, &block[2..]) - 8) as f32,
-        Format::Q4_1 => {
-            d * dx * sum(&|j| nibble(j, &block[4..])) as f32 + f16_at(&block[2..]) * sx
-        }
+        Format::Q4_1 => d * dx * sum(&|j| nibble(j, &block[4..])) as f32 + f16_at(&block[2..]) * sx,
         other => unreachable!("{} takes no quantised vector", other.name()),
     }
 }

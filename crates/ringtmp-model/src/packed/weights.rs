@@ -12,8 +12,8 @@ use std::sync::Arc;
 use rayon::prelude::*;
 
 use super::dot::dot_rows;
-use super::quantised::{Precision, QuantisedX, dot_rows_int8, takes_int8};
 use super::format::PackedTensor;
+use super::quantised::{Precision, QuantisedX, dot_rows_int8, takes_int8};
 use crate::kernels::{linear_forward, set_len};
 
 /// How a tensor of a layer is held.
@@ -346,8 +346,8 @@ fn matvec(
     }
     let precision = quantised.filter(|_| {
         k.is_multiple_of(32)
-        && segments
-            .iter()
+            && segments
+                .iter()
                 .any(|s| matches!(s, Segment::Packed(t) if takes_int8(t.format())))
     });
     QUANTISED.with_borrow_mut(|qx| {

@@ -27,7 +27,7 @@ pub use writer::{GgufWriter, quantize};
 /// A GGUF file, mapped.
 pub struct Gguf {
     path: PathBuf,
-    map: memmap2::Mmap,
+    map: std::sync::Arc<memmap2::Mmap>,
     /// The format version (2 or 3).
     pub version: u32,
     /// The metadata, by key.
@@ -51,7 +51,7 @@ impl Gguf {
         let parsed = reader::parse(&map, path)?;
         Ok(Self {
             path: path.to_path_buf(),
-            map,
+            map: std::sync::Arc::new(map),
             version: parsed.version,
             metadata: parsed.metadata,
             tensors: parsed.tensors,
@@ -83,6 +83,12 @@ impl Gguf {
     pub fn raw(&self, tensor: &TensorInfo) -> &[u8] {
         let start = tensor.offset as usize;
         &self.map[start..start + tensor.bytes as usize]
+    }
+
+    /// The mapped file and where `tensor`'s bytes start in it: for a tensor that reads its
+    /// bytes where they lie (the pages the kernel maps, never a copy).
+    pub fn shared(&self, tensor: &TensorInfo) -> (ringtmp_model::packed::SharedBytes, usize) {
+        (self.map.clone(), tensor.offset as usize)
     }
 
     /// The tensor named `name`, dequantised to f32 in the file's element order.
