@@ -223,6 +223,28 @@ fn train_on_ids(model: &Path, data: &[&Path], out: &Path, extra: &[&str]) -> Out
     ringtmp(&args)
 }
 
+/// `ringtmp train --pretrained MODEL --dataset text` on the UTF-8 file `text` (the model's own
+/// tokenizer) with `local`, in windows of 16, into `out`, with `extra` options.
+fn train_on_text(model: &Path, text: &Path, out: &Path, extra: &[&str]) -> Output {
+    let mut args = vec![
+        "train",
+        "--pretrained",
+        model.to_str().unwrap(),
+        "--dataset",
+        "text",
+        "--data-file",
+        text.to_str().unwrap(),
+        "--strategy",
+        "local",
+        "--seq-len",
+        "16",
+        "--out",
+        out.to_str().unwrap(),
+    ];
+    args.extend(extra);
+    ringtmp(&args)
+}
+
 /// The losses of `metrics.jsonl`'s steps.
 fn step_losses(run: &Path) -> Vec<f64> {
     std::fs::read_to_string(run.join("metrics.jsonl"))
@@ -492,25 +514,12 @@ fn a_text_run_from_a_directory_exports_to_gguf_with_its_tokenizer() {
     )
     .unwrap();
     let run = tmp.path().join("run");
-    let out = ringtmp(&[
-        "train",
-        "--pretrained",
-        model.to_str().unwrap(),
-        "--dataset",
-        "text",
-        "--data-file",
-        text.to_str().unwrap(),
-        "--seq-len",
-        "16",
-        "--strategy",
-        "local",
-        "--batch-size",
-        "4",
-        "--max-steps",
-        "3",
-        "--out",
-        run.to_str().unwrap(),
-    ]);
+    let out = train_on_text(
+        &model,
+        &text,
+        &run,
+        &["--batch-size", "4", "--max-steps", "3"],
+    );
     assert!(out.status.success(), "{}", said(&out));
     let export = |to: &str, out: &Path| {
         let mut args = vec!["export", "--checkpoint", run.to_str().unwrap(), "--to", to];
@@ -609,29 +618,21 @@ fn a_fine_tuned_run_chats_from_its_checkpoint() {
     )
     .unwrap();
     let run = tmp.path().join("run");
-    let out = ringtmp(&[
-        "train",
-        "--pretrained",
-        model.to_str().unwrap(),
-        "--dataset",
-        "text",
-        "--data-file",
-        text.to_str().unwrap(),
-        "--strategy",
-        "local",
-        "--seq-len",
-        "16",
-        "--batch-size",
-        "1",
-        "--max-steps",
-        "1",
-        "--eval-tokens",
-        "16",
-        "--lr",
-        "1e-9",
-        "--out",
-        run.to_str().unwrap(),
-    ]);
+    let out = train_on_text(
+        &model,
+        &text,
+        &run,
+        &[
+            "--batch-size",
+            "1",
+            "--max-steps",
+            "1",
+            "--eval-tokens",
+            "16",
+            "--lr",
+            "1e-9",
+        ],
+    );
     assert!(out.status.success(), "{}", said(&out));
     for kept in ["tokenizer.json", "chat_template.jinja", "vocabulary.json"] {
         assert!(run.join(kept).is_file(), "{kept}");

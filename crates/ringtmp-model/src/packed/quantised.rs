@@ -351,6 +351,23 @@ mod x86 {
         }
     }
 
+    /// The nibbles of the 4-bit blocks at `p0` and `p1` as bytes: `[a_lo, b_lo]` (each
+    /// block's values 0..16) and `[a_hi, b_hi]` (16..32).
+    #[inline(always)]
+    unsafe fn nibbles<const F: u8>(p0: *const u8, p1: *const u8) -> (__m256i, __m256i) {
+        unsafe {
+            let head = if F == Q4_0 { 2 } else { 4 };
+            let low = _mm256_set1_epi8(0x0F);
+            let a = _mm_loadu_si128(p0.add(head).cast());
+            let b = _mm_loadu_si128(p1.add(head).cast());
+            let both = _mm256_set_m128i(b, a);
+            (
+                _mm256_and_si256(both, low),
+                _mm256_and_si256(_mm256_srli_epi16::<4>(both), low),
+            )
+        }
+    }
+
     /// The sum of `acc`'s lanes, and for `Q4_1` the `m · Σx` lanes of `mins`.
     #[inline(always)]
     unsafe fn total<const F: u8>(acc: __m512, mins: __m128) -> f32 {
@@ -374,7 +391,6 @@ mod x86 {
         unsafe {
             let size = size::<F>();
             let pick = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
-            let low = _mm256_set1_epi8(0x0F);
             let flip = _mm512_set1_epi8(-128);
             let (mut acc, mut mins) = (_mm512_setzero_ps(), _mm_setzero_ps());
             let (q, ds) = (x.q8.as_ptr(), x.ds.as_ptr());
@@ -392,12 +408,7 @@ mod x86 {
                     let b = _mm256_loadu_si256(p1.add(2).cast());
                     _mm512_xor_si512(_mm512_inserti64x4::<1>(_mm512_castsi256_si512(a), b), flip)
                 } else {
-                    let head = if F == Q4_0 { 2 } else { 4 };
-                    let a = _mm_loadu_si128(p0.add(head).cast());
-                    let b = _mm_loadu_si128(p1.add(head).cast());
-                    let both = _mm256_set_m128i(b, a);
-                    let lo = _mm256_and_si256(both, low);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(both), low);
+                    let (lo, hi) = nibbles::<F>(p0, p1);
                     // [a_lo, b_lo, a_hi, b_hi] → [a_lo, a_hi, b_lo, b_hi]: values in order.
                     let v = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
                     _mm512_shuffle_i64x2::<0b11_01_10_00>(v, v)
@@ -430,7 +441,6 @@ mod x86 {
         unsafe {
             let size = size::<F>();
             let pick = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
-            let low = _mm256_set1_epi8(0x0F);
             let (mut acc, mut mins) = (_mm512_setzero_ps(), _mm_setzero_ps());
             let (q, ds, corr) = (x.q16.as_ptr(), x.ds.as_ptr(), x.corr_q4.as_ptr());
             for pair in 0..pairs {
@@ -445,12 +455,7 @@ mod x86 {
                     let hi = _mm256_permute2x128_si256::<0x31>(a, b);
                     (_mm512_cvtepi8_epi16(lo), _mm512_cvtepi8_epi16(hi))
                 } else {
-                    let head = if F == Q4_0 { 2 } else { 4 };
-                    let a = _mm_loadu_si128(p0.add(head).cast());
-                    let b = _mm_loadu_si128(p1.add(head).cast());
-                    let both = _mm256_set_m128i(b, a);
-                    let lo = _mm256_and_si256(both, low);
-                    let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(both), low);
+                    let (lo, hi) = nibbles::<F>(p0, p1);
                     (_mm512_cvtepu8_epi16(lo), _mm512_cvtepu8_epi16(hi))
                 };
                 let init = if F == Q4_0 {
