@@ -462,12 +462,12 @@ fn split(
     tokenizer: Option<&std::path::Path>,
 ) -> anyhow::Result<()> {
     let layers = manifest_layers(opened)?;
-    let tail = ringtmp_strategy::generate::tail_of(&layers, a.nodes as usize);
-    let ring = tail.map_or(layers.len(), |t| t.0);
-    let partition = ringtmp_strategy::generate::partition(&layers[..ring], a.nodes as usize)
+    // A checkpoint's stages hold their own copies: a tied head stays on the last node (on
+    // rank 0 it would be a second copy beside the table).
+    let partition = ringtmp_strategy::generate::partition(&layers, a.nodes as usize)
         .map_err(|e| UsageError(e.to_string()))?;
     // A split generation decodes position by position on every node: check each stage can.
-    for (start, end) in partition.iter().chain(&tail) {
+    for (start, end) in &partition {
         Decoder::for_layers(&layers[*start..*end]).map_err(|e| UsageError(e.to_string()))?;
     }
     let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
@@ -475,7 +475,7 @@ fn split(
         checkpoint: std::path::absolute(&opened.dir).unwrap_or_else(|_| opened.dir.clone()),
         pretrained: false,
         partition: partition.clone(),
-        tail,
+        tail: None,
         context: opened.context,
         vocab: opened.vocab.len(),
         prompt: opened.prompt.clone(),

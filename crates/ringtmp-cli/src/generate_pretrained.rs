@@ -112,8 +112,14 @@ fn split(
     name: &str,
 ) -> anyhow::Result<()> {
     // Balanced by the bytes each node will hold (an embedding's 8-bit table weighs more a
-    // value than 4-bit blocks); a tied head on rank 0 beside its table.
-    let tail = ringtmp_strategy::generate::tail_of(layers, a.nodes as usize);
+    // value than 4-bit blocks); a tied head on rank 0 beside its table where both read the
+    // same mapped bytes (elsewhere it would be a second copy there).
+    let shared_table = opened
+        .model
+        .head_reads_mapped_table(layers, a.weights_dtype)
+        .map_err(|e| UsageError(e.to_string()))?;
+    let tail =
+        ringtmp_strategy::generate::tail_of(layers, a.nodes as usize).filter(|_| shared_table);
     let bytes = opened
         .model
         .held_bytes(layers, a.weights_dtype)

@@ -158,6 +158,29 @@ impl Pretrained {
         Ok(out)
     }
 
+    /// Whether the model's head, tied to its embedding, is held as `dtype` says as a view of
+    /// the same mapped bytes as the table (so a process holding both holds them once): the
+    /// table in a format a kernel reads, held as stored.
+    pub fn head_reads_mapped_table(
+        &self,
+        layers: &[Layer],
+        dtype: WeightsDtype,
+    ) -> Result<bool, PretrainedError> {
+        let (Some(head), Some(embedding)) = (layers.last(), layers.first()) else {
+            return Ok(false);
+        };
+        if head.tied_to.is_none() || dtype == WeightsDtype::F32 {
+            return Ok(false);
+        }
+        let Some(table) = self.stored(layers.len(), 0, embedding)?.into_iter().next() else {
+            return Ok(false);
+        };
+        Ok(match self.raw_format(&table)? {
+            Some((format, _)) => dtype.format().is_none_or(|want| want == format),
+            None => false,
+        })
+    }
+
     /// The raw bytes of `stored` and their format, when a kernel reads it as stored.
     fn raw_format(&self, stored: &Stored) -> Result<Option<(Format, &[u8])>, PretrainedError> {
         Ok(match &self.source {

@@ -123,9 +123,10 @@ pub fn partition(layers: &[Layer], nodes: usize) -> Result<Vec<(usize, usize)>> 
     partition_weighted(&weight, nodes)
 }
 
-/// Where rank 0 runs the model's last layers itself ([`GenerateJob::tail`]) when split over
+/// Where rank 0 may run the model's last layers itself ([`GenerateJob::tail`]) when split over
 /// `nodes`: the layers after the last attention, when the head reads the table of the
-/// embedding rank 0 holds (a tied head), so that no other node holds that table again.
+/// embedding rank 0 holds (a tied head). Worth it where both read the same memory (views of
+/// a mapped file), so that no node holds the table twice.
 pub fn tail_of(layers: &[Layer], nodes: usize) -> Option<(usize, usize)> {
     let n = layers.len();
     let tied = layers.last()?.tied_to.is_some();
