@@ -368,6 +368,25 @@ mod x86 {
         }
     }
 
+    /// Two blocks' integer sums `dot` (lanes 0..8 the first's, 8..16 the second's) scaled by
+    /// their `d · dx` from `prod` ([`scales`]) into `acc`; `Q4_1`'s `m · Σx` into `mins`.
+    #[inline(always)]
+    unsafe fn add_scaled<const F: u8>(
+        dot: __m512i,
+        prod: __m128,
+        acc: &mut __m512,
+        mins: &mut __m128,
+    ) {
+        unsafe {
+            if F == Q4_1 {
+                *mins = _mm_add_ps(*mins, prod);
+            }
+            let pick = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
+            let scale = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(prod));
+            *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, *acc);
+        }
+    }
+
     /// The sum of `acc`'s lanes, and for `Q4_1` the `m · Σx` lanes of `mins`.
     #[inline(always)]
     unsafe fn total<const F: u8>(acc: __m512, mins: __m128) -> f32 {
@@ -390,7 +409,6 @@ mod x86 {
     unsafe fn pairs8<const F: u8>(row: *const u8, x: &QuantisedX, pairs: usize) -> f32 {
         unsafe {
             let size = size::<F>();
-            let pick = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
             let flip = _mm512_set1_epi8(-128);
             let (mut acc, mut mins) = (_mm512_setzero_ps(), _mm_setzero_ps());
             let (q, ds) = (x.q8.as_ptr(), x.ds.as_ptr());
@@ -420,12 +438,7 @@ mod x86 {
                     _mm512_loadu_si512(corr.add(pair * 16).cast())
                 };
                 let dot = _mm512_dpbusd_epi32(init, w, xq);
-                let prod = scales(p0, p1, ds, pair);
-                if F == Q4_1 {
-                    mins = _mm_add_ps(mins, prod);
-                }
-                let scale = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(prod));
-                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
+                add_scaled::<F>(dot, scales(p0, p1, ds, pair), &mut acc, &mut mins);
             }
             total::<F>(acc, mins)
         }
@@ -440,7 +453,6 @@ mod x86 {
     unsafe fn pairs16<const F: u8>(row: *const u8, x: &QuantisedX, pairs: usize) -> f32 {
         unsafe {
             let size = size::<F>();
-            let pick = _mm512_set_epi32(2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0);
             let (mut acc, mut mins) = (_mm512_setzero_ps(), _mm_setzero_ps());
             let (q, ds, corr) = (x.q16.as_ptr(), x.ds.as_ptr(), x.corr_q4.as_ptr());
             for pair in 0..pairs {
@@ -466,12 +478,7 @@ mod x86 {
                 let x0 = _mm512_loadu_si512(q.add(pair * 64).cast());
                 let x1 = _mm512_loadu_si512(q.add(pair * 64 + 32).cast());
                 let dot = _mm512_dpwssd_epi32(_mm512_dpwssd_epi32(init, first, x0), second, x1);
-                let prod = scales(p0, p1, ds, pair);
-                if F == Q4_1 {
-                    mins = _mm_add_ps(mins, prod);
-                }
-                let scale = _mm512_permutexvar_ps(pick, _mm512_castps128_ps512(prod));
-                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc);
+                add_scaled::<F>(dot, scales(p0, p1, ds, pair), &mut acc, &mut mins);
             }
             total::<F>(acc, mins)
         }
