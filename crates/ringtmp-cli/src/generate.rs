@@ -223,6 +223,7 @@ pub fn run(a: &GenerateArgs) -> anyhow::Result<()> {
     let mut stage = Stage::new(&layers, 0..layers.len(), manifest.seed, threads);
     checkpoint::read_params(&dir, &manifest, &mut stage)?;
     Decoder::new(&stage).map_err(|e| UsageError(e.to_string()))?;
+    ringtmp_strategy::generate::release_freed_memory();
     let params = stage.params().len();
     let stage = InferenceStage::from_stage(&stage, a.weights_dtype.format())
         .with_activations(activations(a.activations));

@@ -72,6 +72,7 @@ pub fn run(a: &GenerateArgs, path: &Path) -> anyhow::Result<()> {
         .map_err(|e| UsageError(e.to_string()))?
         .with_activations(crate::generate::activations(a.activations));
     Decoder::new(&stage).map_err(|e| UsageError(e.to_string()))?;
+    ringtmp_strategy::generate::release_freed_memory();
     eprintln!(
         "generate: {name} loaded in {:.2} s, its weights {:.0} MB held as {}",
         started.elapsed().as_secs_f64(),

@@ -309,6 +309,7 @@ pub fn run(
     } else {
         (job.stage(rank)?, None)
     };
+    release_freed_memory();
     let world = job.partition.len() as u32;
     let decoder = match Decoder::new(&stage)? {
         d if rank + 1 == world => d.last_position_only(),
@@ -346,6 +347,18 @@ pub fn run(
     }
     let cache = chain.decoder.cache_bytes();
     Ok(Some((generated, cache)))
+}
+
+/// Hands the heap's freed pages back to the system: loading a stage parses the model file's
+/// metadata (its tokenizer's tens of thousands of strings) and builds scratch that is freed
+/// before decoding starts, and glibc's allocator would otherwise keep those pages in the
+/// process's resident set beside the weights' pages decoding then touches.
+pub fn release_freed_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: `malloc_trim` only returns free memory to the system; it takes no pointers.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 /// A tensor message of `values` (`rows` rows) for feed `feed`.
