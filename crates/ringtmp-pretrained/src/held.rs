@@ -138,20 +138,14 @@ impl Pretrained {
                 .zip(packable(layer))
             {
                 let values: usize = shape.iter().product();
-                let f32_bytes = 4 * values as u64;
-                bytes += if !pack || dtype == WeightsDtype::F32 || stored.transposed {
-                    f32_bytes
+                let held = if !pack || dtype == WeightsDtype::F32 || stored.transposed {
+                    None
                 } else {
-                    let cols = shape.get(1).copied().unwrap_or(0);
-                    let raw = self.raw_format(&stored)?;
-                    match (dtype.format(), raw) {
-                        (Some(want), _) => want
-                            .row_bytes(cols)
-                            .map_or(f32_bytes, |row| (row * shape[0]) as u64),
-                        (None, Some((_, raw))) => raw.len() as u64,
-                        (None, None) => f32_bytes,
-                    }
+                    self.held_format(&stored, shape[1], dtype)?
                 };
+                bytes += held
+                    .and_then(|f| f.row_bytes(shape[1]))
+                    .map_or(4 * values as u64, |row| (row * shape[0]) as u64);
             }
             out.push(bytes);
         }
@@ -175,10 +169,27 @@ impl Pretrained {
         let Some(table) = self.stored(layers.len(), 0, embedding)?.into_iter().next() else {
             return Ok(false);
         };
-        Ok(match self.raw_format(&table)? {
-            Some((format, _)) => dtype.format().is_none_or(|want| want == format),
-            None => false,
-        })
+        let cols = embedding.param_tensors()[0].1[1];
+        let raw = self.raw_format(&table)?.map(|(f, _)| f);
+        Ok(raw.is_some() && raw == self.held_format(&table, cols, dtype)?)
+    }
+
+    /// The format the packable matrix `stored` (rows of `cols` values) is held in as `dtype`
+    /// says: the file's where a kernel reads it and no other is asked for, the one asked for
+    /// where it can be made (not the 4-bit formats, which are only read; whole blocks), else
+    /// `None` (f32).
+    fn held_format(
+        &self,
+        stored: &Stored,
+        cols: usize,
+        dtype: WeightsDtype,
+    ) -> Result<Option<Format>, PretrainedError> {
+        let raw = self.raw_format(stored)?.map(|(f, _)| f);
+        let Some(want) = dtype.format().or(raw) else {
+            return Ok(None);
+        };
+        let made = raw == Some(want) || !matches!(want, Format::Q4_0 | Format::Q4_1);
+        Ok((made && want.row_bytes(cols).is_some()).then_some(want))
     }
 
     /// The raw bytes of `stored` and their format, when a kernel reads it as stored.
@@ -221,7 +232,7 @@ impl Pretrained {
         }
         let (rows, cols) = (shape[0], shape[1]);
         let raw = self.raw_format(stored)?;
-        let want = dtype.format().or(raw.map(|(f, _)| f));
+        let want = self.held_format(stored, cols, dtype)?;
         let tensor = match (raw, want) {
             (Some((format, bytes)), Some(want)) if format == want => {
                 let bad = |what| self.model_error(format!("tensor {}: {what}", stored.name));
