@@ -235,14 +235,14 @@ impl PackedTensor {
 
     /// Row `i` as `f32` into `out` (`cols` values).
     pub fn dequantize_row(&self, i: usize, out: &mut [f32]) {
-        dequantize(self.format, self.row(i), out);
+        super::widen::widen(self.format, self.row(i), out);
     }
 
-    /// Rows `rows` as `f32` into `out` (row-major).
+    /// Rows `rows` as `f32` into `out` (row-major, `rows.len() × cols` values).
     pub fn dequantize_rows(&self, rows: std::ops::Range<usize>, out: &mut [f32]) {
-        for (i, out) in rows.zip(out.chunks_exact_mut(self.cols)) {
-            self.dequantize_row(i, out);
-        }
+        let n = self.row_bytes();
+        let raw = &self.bytes()[rows.start * n..rows.end * n];
+        super::widen::widen(self.format, raw, &mut out[..rows.len() * self.cols]);
     }
 }
 

@@ -16,10 +16,12 @@
 
 mod dot;
 mod format;
+mod panel;
 pub(crate) mod pool;
 mod quantised;
 mod stage;
 mod weights;
+mod widen;
 
 pub use dot::dot_rows;
 pub use format::{Format, PackedTensor, SharedBytes, bf16_bits, dequantize, quantize_q8_0};

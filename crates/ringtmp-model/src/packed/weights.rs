@@ -9,10 +9,9 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use rayon::prelude::*;
-
 use super::dot::dot_rows;
 use super::format::PackedTensor;
+use super::panel::{self, Positions};
 use super::quantised::{Precision, QuantisedX, dot_rows_int8, takes_int8};
 use crate::kernels::{linear_forward, set_len};
 
@@ -282,10 +281,6 @@ impl<'a> Params<'a> {
 /// weight); more rows dequantise the matrix once, a slice of rows at a time, for the GEMM.
 const FEW_PACKED_ROWS: usize = 2;
 
-/// Rows of a packed matrix dequantised at a time for the GEMM (a slice of a vocabulary's head
-/// stays a few MB).
-const DEQUANTISED_ROWS: usize = 1024;
-
 /// `y = x·Wᵀ + bias` (`x`: `[m, k]`, `W`: `[n, k]`, `y`: `[m, n]`; `bias` empty for none), `W`
 /// held as `w`'s segments. An all-`f32` matrix takes [`linear_forward`] as training does.
 #[allow(clippy::too_many_arguments)]
@@ -433,12 +428,26 @@ fn dense_dot(w: &[f32], x: &[f32]) -> f32 {
 }
 
 std::thread_local! {
-    static DEQUANTISED: std::cell::RefCell<(Vec<f32>, Vec<f32>)> =
+    /// A worker's widened slice of rows and its products, reused across calls.
+    static SLICE: std::cell::RefCell<(Vec<f32>, Vec<f32>)> =
         const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    /// The positions of a many-row product, transposed for [`panel::product`].
+    static POSITIONS: std::cell::RefCell<Positions> = std::cell::RefCell::default();
 }
 
-/// `y = x·Wᵀ` for many rows: each segment dequantised a slice of rows at a time into `f32`,
-/// multiplied by the GEMM, its columns of `y` written.
+/// Bytes of `f32` rows a worker widens before multiplying them: small enough to stay in its
+/// L2 cache between the two, large enough to share out (48 rows at least).
+const SLICE_BYTES: usize = 192 * 1024;
+
+/// Rows of width `k` in a worker's slice: whole tiles of 48, at least one.
+fn slice_rows(k: usize) -> usize {
+    (SLICE_BYTES / (4 * k.max(1)) / 48).max(1) * 48
+}
+
+/// `y = x·Wᵀ` for many rows. A packed segment's rows are cut in slices dealt out to the
+/// workers, each of which widens its slice to `f32` and multiplies it with every position
+/// ([`panel::product`]) while it is still in cache, writing its columns of `y`; an `f32`
+/// segment is multiplied whole.
 fn dequantised_gemm(
     y: &mut [f32],
     m: usize,
@@ -448,45 +457,68 @@ fn dequantised_gemm(
     segments: &[Segment<'_>],
     threads: usize,
 ) {
-    DEQUANTISED.with(|buffers| {
-        let (w, t) = &mut *buffers.borrow_mut();
+    POSITIONS.with_borrow_mut(|positions| {
         let mut first = 0;
         for s in segments {
             let count = Matrix::rows_of(s, k);
-            for a in (0..count).step_by(DEQUANTISED_ROWS) {
-                let b = (a + DEQUANTISED_ROWS).min(count);
-                let rows = match s {
-                    Segment::Dense(v) => &v[a * k..b * k],
-                    Segment::Packed(p) => {
-                        set_len(w, (b - a) * k);
-                        dequantise_parallel(p, a..b, w, threads);
-                        &w[..]
+            match s {
+                Segment::Dense(v) => SLICE.with_borrow_mut(|(_, t)| {
+                    set_len(t, m * count);
+                    linear_forward(t, m, count, k, x, v, &[], threads);
+                    for (y, t) in y.chunks_exact_mut(n).zip(t.chunks_exact(count)) {
+                        y[first..first + count].copy_from_slice(t);
                     }
-                };
-                set_len(t, m * (b - a));
-                linear_forward(t, m, b - a, k, x, rows, &[], threads);
-                for (y, t) in y.chunks_exact_mut(n).zip(t.chunks_exact(b - a)) {
-                    y[first + a..first + b].copy_from_slice(t);
+                }),
+                Segment::Packed(p) => {
+                    if positions.is_empty() {
+                        positions.set(x, m, k);
+                    }
+                    packed_product(y, n, first, p, positions, threads);
                 }
             }
             first += count;
         }
+        positions.set(&[], 0, k);
     });
 }
 
-fn dequantise_parallel(t: &PackedTensor, rows: Range<usize>, out: &mut [f32], threads: usize) {
-    let cols = t.cols();
-    if threads > 1 && rows.len() >= 2 * MIN_ROWS_PER_TASK {
-        let per = rows.len().div_ceil(threads);
-        out.par_chunks_mut(per * cols)
-            .enumerate()
-            .for_each(|(i, out)| {
-                let a = rows.start + i * per;
-                t.dequantize_rows(a..a + out.len() / cols, out);
-            });
-    } else {
-        t.dequantize_rows(rows, out);
-    }
+/// `y[j, first + r] = W[r] · x[j]` for every row `r` of `p`, its slices shared out over
+/// `threads` workers.
+fn packed_product(
+    y: &mut [f32],
+    n: usize,
+    first: usize,
+    p: &PackedTensor,
+    positions: &Positions,
+    threads: usize,
+) {
+    let (m, k, count) = (positions.len(), p.cols(), p.rows());
+    let size = slice_rows(k);
+    let slices = count.div_ceil(size);
+    let parts = threads.min(slices).max(1);
+    let out = SharedOut(y.as_mut_ptr());
+    super::pool::run(parts, &|part| {
+        SLICE.with_borrow_mut(|(w, t)| {
+            for slice in (part..slices).step_by(parts) {
+                let rows = slice * size..((slice + 1) * size).min(count);
+                let height = rows.len();
+                set_len(w, height * k);
+                p.dequantize_rows(rows.clone(), w);
+                set_len(t, height * m);
+                panel::product(t, w, height, positions);
+                for j in 0..m {
+                    // SAFETY: row `j`'s columns `first + rows` of `y` (`m × n`) are this
+                    // slice's alone; `y` outlives the run.
+                    let y = unsafe {
+                        std::slice::from_raw_parts_mut(out.at(j * n + first + rows.start), height)
+                    };
+                    for (r, v) in y.iter_mut().enumerate() {
+                        *v = t[r * m + j];
+                    }
+                }
+            }
+        });
+    });
 }
 
 #[cfg(test)]

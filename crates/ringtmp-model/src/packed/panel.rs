@@ -1,0 +1,238 @@
+//! A prompt's positions times a slice of weight rows widened to `f32`, the product a prefill
+//! spends its time in: `t[r, j] = W[r] · x[j]` for the slice's rows `r` and every position `j`.
+//!
+//! The positions are transposed once per product into panels of 16 ([`Positions`]: for each
+//! input feature, sixteen positions' values side by side), so the AVX-512 kernel holds a tile
+//! of 8 rows × 48 positions in 24 registers and, per input feature, loads three vectors of
+//! positions and broadcasts each row's weight — 24 fused multiply–adds for 11 loads, the
+//! weights read where they were widened, nothing else packed. (The `gemm` crate packs both
+//! operands on every call; at 46 positions through SmolLM2's projections that took as long
+//! as the products.) Elsewhere the product goes to [`linear_forward`].
+//!
+//! Invariants: `t` is `rows × m` row-major (a row's products over the positions side by
+//! side); each value is a sum over the input features in order, one rounding a term (fused).
+
+use crate::kernels::linear_forward;
+
+/// Positions a panel holds (an AVX-512 vector of `f32`).
+const LANES: usize = 16;
+
+/// `m` positions of `k` features, transposed into panels of [`LANES`] (zeros past `m`).
+#[derive(Default)]
+pub struct Positions {
+    m: usize,
+    k: usize,
+    /// Panel `p`, feature `i`, lane `l` at `(p · k + i) · LANES + l`: position `p · LANES + l`.
+    panels: Vec<f32>,
+    /// The positions as given (row-major `m × k`), for the portable path.
+    rows: Vec<f32>,
+}
+
+impl Positions {
+    /// Takes `x` (`m × k`, row-major) in, reusing the buffers.
+    pub fn set(&mut self, x: &[f32], m: usize, k: usize) {
+        (self.m, self.k) = (m, k);
+        self.rows.clear();
+        self.panels.clear();
+        if !fast() {
+            self.rows.extend_from_slice(&x[..m * k]);
+            return;
+        }
+        let count = m.div_ceil(LANES);
+        self.panels.resize(count * k * LANES, 0.0);
+        for (j, row) in x[..m * k].chunks_exact(k).enumerate() {
+            let (p, lane) = (j / LANES, j % LANES);
+            let panel = &mut self.panels[p * k * LANES..(p + 1) * k * LANES];
+            for (i, v) in row.iter().enumerate() {
+                panel[i * LANES + lane] = *v;
+            }
+        }
+    }
+
+    /// Positions held.
+    pub fn len(&self) -> usize {
+        self.m
+    }
+
+    /// Whether none are held.
+    pub fn is_empty(&self) -> bool {
+        self.m == 0
+    }
+}
+
+/// `t[r, j] = w[r] · x[j]` for the `rows` rows of `w` (`rows × k`, row-major) and every
+/// position of `x`; `t` is `rows × m`.
+pub fn product(t: &mut [f32], w: &[f32], rows: usize, x: &Positions) {
+    let (m, k) = (x.m, x.k);
+    assert!(
+        w.len() >= rows * k && t.len() >= rows * m,
+        "panel::product: bad lengths"
+    );
+    #[cfg(all(target_arch = "x86_64", feature = "avx512"))]
+    if fast() {
+        // SAFETY: the CPU has AVX-512F (checked); the lengths were checked above and the
+        // panels hold `ceil(m / 16)` panels of `k` features (`Positions::set`).
+        unsafe { x86::product(t, w, rows, x) };
+        return;
+    }
+    // `linear_forward` gives `x · wᵀ` (`m × rows`); `t` is its transpose.
+    let mut xw = vec![0.0; m * rows];
+    linear_forward(&mut xw, m, rows, k, &x.rows, w, &[], 1);
+    for (j, row) in xw.chunks_exact(rows).enumerate() {
+        for (r, v) in row.iter().enumerate() {
+            t[r * m + j] = *v;
+        }
+    }
+}
+
+/// Whether this CPU takes the AVX-512 kernel.
+fn fast() -> bool {
+    #[cfg(all(target_arch = "x86_64", feature = "avx512"))]
+    {
+        use std::sync::OnceLock;
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| std::arch::is_x86_feature_detected!("avx512f"))
+    }
+    #[cfg(not(all(target_arch = "x86_64", feature = "avx512")))]
+    {
+        false
+    }
+}
+
+#[cfg(all(target_arch = "x86_64", feature = "avx512"))]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{LANES, Positions};
+
+    /// Rows of a tile.
+    const ROWS: usize = 8;
+
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn product(t: &mut [f32], w: &[f32], rows: usize, x: &Positions) {
+        let (m, k) = (x.m, x.k);
+        let panels = m.div_ceil(LANES);
+        let mut r = 0;
+        while r < rows {
+            let height = (rows - r).min(ROWS);
+            let mut p = 0;
+            while p < panels {
+                let width = (panels - p).min(3);
+                // SAFETY: rows `r..r + height` of `w` and panels `p..p + width` lie inside
+                // their buffers (`product`'s checks); `tile` writes `t`'s rows `r..r + height`,
+                // positions `16p..min(16(p + width), m)`.
+                unsafe {
+                    let (wp, xp) = (w.as_ptr().add(r * k), x.panels.as_ptr().add(p * k * LANES));
+                    let out = t.as_mut_ptr().add(r * m);
+                    let first = p * LANES;
+                    match (height, width) {
+                        (ROWS, 3) => tile::<ROWS, 3>(wp, xp, k, out, m, first),
+                        (ROWS, 2) => tile::<ROWS, 2>(wp, xp, k, out, m, first),
+                        (ROWS, _) => tile::<ROWS, 1>(wp, xp, k, out, m, first),
+                        (_, 3) => rows_one_by_one::<3>(height, wp, xp, k, out, m, first),
+                        (_, 2) => rows_one_by_one::<2>(height, wp, xp, k, out, m, first),
+                        _ => rows_one_by_one::<1>(height, wp, xp, k, out, m, first),
+                    }
+                }
+                p += width;
+            }
+            r += height;
+        }
+    }
+
+    /// Fewer rows than a tile, one at a time.
+    #[inline(always)]
+    unsafe fn rows_one_by_one<const P: usize>(
+        height: usize,
+        w: *const f32,
+        x: *const f32,
+        k: usize,
+        out: *mut f32,
+        m: usize,
+        first: usize,
+    ) {
+        for r in 0..height {
+            // SAFETY: row `r` of the tile (the caller's bounds).
+            unsafe { tile::<1, P>(w.add(r * k), x, k, out.add(r * m), m, first) };
+        }
+    }
+
+    /// `R` rows (`k` apart at `w`) times `P` panels (`k · 16` apart at `x`), written to
+    /// `out[r · m + first + j]` for the positions `j` below `m − first`.
+    #[inline(always)]
+    unsafe fn tile<const R: usize, const P: usize>(
+        w: *const f32,
+        x: *const f32,
+        k: usize,
+        out: *mut f32,
+        m: usize,
+        first: usize,
+    ) {
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); P]; R];
+            for i in 0..k {
+                let mut xv = [_mm512_setzero_ps(); P];
+                for (p, v) in xv.iter_mut().enumerate() {
+                    *v = _mm512_loadu_ps(x.add((p * k + i) * LANES));
+                }
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let b = _mm512_set1_ps(*w.add(r * k + i));
+                    for (a, v) in acc.iter_mut().zip(&xv) {
+                        *a = _mm512_fmadd_ps(b, *v, *a);
+                    }
+                }
+            }
+            for (r, acc) in acc.iter().enumerate() {
+                for (p, a) in acc.iter().enumerate() {
+                    let at = first + p * LANES;
+                    let valid = m.saturating_sub(at).min(LANES);
+                    let mask: __mmask16 = if valid == LANES {
+                        !0
+                    } else {
+                        (1u16 << valid) - 1
+                    };
+                    _mm512_mask_storeu_ps(out.add(r * m + at), mask, *a);
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn panels_give_each_rows_products_with_each_position() {
+        for (m, rows, k) in [
+            (1, 1, 3),
+            (46, 96, 64),
+            (17, 13, 32),
+            (50, 9, 40),
+            (16, 8, 1),
+        ] {
+            let w: Vec<f32> = (0..rows * k)
+                .map(|i| ((i * 7 % 23) as f32 - 11.0) * 0.1)
+                .collect();
+            let x: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 5 % 19) as f32 - 9.0) * 0.1)
+                .collect();
+            let mut positions = Positions::default();
+            positions.set(&x, m, k);
+            let mut t = vec![f32::NAN; rows * m];
+            product(&mut t, &w, rows, &positions);
+            for r in 0..rows {
+                for j in 0..m {
+                    let want: f64 = (0..k)
+                        .map(|i| f64::from(w[r * k + i]) * f64::from(x[j * k + i]))
+                        .sum();
+                    let got = t[r * m + j];
+                    assert!(
+                        (f64::from(got) - want).abs() < 1e-4 * (1.0 + want.abs()),
+                        "m {m}, rows {rows}, k {k}: t[{r}, {j}] = {got}, want {want}"
+                    );
+                }
+            }
+        }
+    }
+}
