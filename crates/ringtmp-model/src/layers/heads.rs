@@ -192,6 +192,26 @@ impl Heads {
             });
             return;
         }
+        let rows = q.len() / width;
+        if parts > 1 && rows > 1 {
+            // A prompt's positions dealt out in turn (a later one reads more of the cache),
+            // each part writing its positions' outputs.
+            let shared = SharedOut(out.as_mut_ptr());
+            crate::packed::pool::run(parts, &|part| {
+                let mut scores = Vec::new();
+                for i in (part..rows).step_by(parts) {
+                    // SAFETY: position `i`'s outputs are `width` values of `out` at
+                    // `i·width`, which no other part writes; `out` outlives the run.
+                    let out =
+                        unsafe { std::slice::from_raw_parts_mut(shared.at(i * width), width) };
+                    let q = &q[i * width..(i + 1) * width];
+                    for (h, o) in out.chunks_exact_mut(d).enumerate() {
+                        self.decode_head(h, q, at + i + 1, keys, values, o, &mut scores);
+                    }
+                }
+            });
+            return;
+        }
         for (i, (q, out)) in q
             .chunks_exact(width)
             .zip(out.chunks_exact_mut(width))

@@ -24,6 +24,7 @@ use serde::{Deserialize, Serialize};
 use super::block::{lay_out, span, split_spans};
 use super::heads::{Heads, gather, scatter};
 use super::rope::{Rope, RopeScaling};
+use super::swiglu;
 use super::{KeyValues, Norm, NormKind};
 use crate::kernels::{Op, column_sums, matmul, set_len};
 use crate::packed::{Params, matrix_forward};
@@ -72,13 +73,15 @@ struct Parts {
 }
 
 /// The buffers the part after the attention writes: `x₂`, `rms₂(x₂)` and its statistics, the
-/// MLP's gate and up values and their product.
+/// MLP's gate and up values and their product; and whether it runs for decoding (whose
+/// element-wise work may go to the decoder's workers, which training's threads never wait on).
 struct After<'a> {
     x2: &'a mut [f32],
     h2: &'a mut [f32],
     stats: &'a mut [f32],
     gu: &'a mut [f32],
     m: &'a mut [f32],
+    decoding: bool,
 }
 
 /// Where each stashed tensor lies in the block's stash, for `rows` rows: `(offset, len)`.
@@ -98,8 +101,33 @@ struct Stash {
     len: usize,
 }
 
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
+/// `m = silu(gate) ∘ up` row by row from `gu` (`[rows, 2·hidden]`, gate then up).
+fn swiglu_rows(gu: &[f32], m: &mut [f32], hid: usize) {
+    for (gu, m) in gu.chunks_exact(2 * hid).zip(m.chunks_exact_mut(hid)) {
+        let (gate, up) = gu.split_at(hid);
+        swiglu::forward(gate, up, m);
+    }
+}
+
+/// [`swiglu_rows`] with a prompt's rows shared out over the decoder's workers.
+fn swiglu_rows_shared(gu: &[f32], m: &mut [f32], hid: usize, rows: usize, threads: usize) {
+    let parts = threads.min(crate::packed::pool::parallelism()).min(rows);
+    if parts < 2 {
+        swiglu_rows(gu, m, hid);
+        return;
+    }
+    let per = rows.div_ceil(parts) * hid;
+    let pieces: Vec<std::sync::Mutex<&mut [f32]>> = m[..rows * hid]
+        .chunks_mut(per)
+        .map(std::sync::Mutex::new)
+        .collect();
+    crate::packed::pool::run(pieces.len(), &|part| {
+        let mut m = pieces[part]
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let first = part * per / hid;
+        swiglu_rows(&gu[2 * hid * first..], &mut m, hid);
+    });
 }
 
 impl LlamaBlock {
@@ -324,26 +352,11 @@ impl LlamaBlock {
         rope.apply_columns(qkv, s, q, kv, positions, false);
     }
 
-    /// The MLP's gate and up values `gu` (`[rows, 2·hidden]`) from `h`, and their product
-    /// `silu(gate) ∘ up` into `m`.
-    fn gate_up(
-        &self,
-        p: Params<'_>,
-        h: &[f32],
-        rows: usize,
-        gu: &mut [f32],
-        m: &mut [f32],
-        t: usize,
-    ) {
+    /// The MLP's gate and up values `gu` (`[rows, 2·hidden]`) from `h`.
+    fn gate_up(&self, p: Params<'_>, h: &[f32], rows: usize, gu: &mut [f32], t: usize) {
         let (c, hid) = (self.width, self.hidden);
         let w = p.matrix(self.parts().w_gu);
         matrix_forward(gu, rows, 2 * hid, c, h, &w, &[], t);
-        for (gu, m) in gu.chunks_exact(2 * hid).zip(m.chunks_exact_mut(hid)) {
-            let (gate, up) = gu.split_at(hid);
-            for ((m, &g), &u) in m.iter_mut().zip(gate).zip(up) {
-                *m = g * sigmoid(g) * u;
-            }
-        }
     }
 
     /// `y` (`[n·seq, width]`) from `x`; what the backward reads into `stash`
@@ -423,6 +436,7 @@ impl LlamaBlock {
             stats: ln2_stats,
             gu,
             m,
+            decoding: false,
         };
         self.after_attention(Params::Flat(p), x, att, rows, after, y, threads);
     }
@@ -454,11 +468,16 @@ impl LlamaBlock {
             0
         };
         let parts = self.parts();
-        let mut buffers = vec![
-            0.0f32;
-            rows * (3 * c + s + 2 * q + 3 * hid + 2)
-                + normed * rows * (self.head_dim + 2)
-        ];
+        thread_local! {
+            /// Every piece below is written before it is read: kept from call to call
+            /// rather than allocated and zeroed (a prompt's are megabytes a block).
+            static BUFFERS: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+        }
+        let mut buffers = BUFFERS.take();
+        set_len(
+            &mut buffers,
+            rows * (3 * c + s + 2 * q + 3 * hid + 2) + normed * rows * (self.head_dim + 2),
+        );
         let (h, rest) = buffers.split_at_mut(rows * c);
         let (qkv, rest) = rest.split_at_mut(rows * s);
         let (queries, rest) = rest.split_at_mut(rows * q);
@@ -490,8 +509,10 @@ impl LlamaBlock {
             stats,
             gu,
             m,
+            decoding: true,
         };
         self.after_attention(p, x, att, rows, after, y, threads);
+        BUFFERS.set(buffers);
     }
 
     /// What follows the heads' outputs `att`, in the forward and in decoding alike:
@@ -513,6 +534,7 @@ impl LlamaBlock {
             stats,
             gu,
             m,
+            decoding,
         } = after;
         matrix_forward(x2, rows, c, q, att, &p.matrix(parts.w_o), &[], threads);
         for (a, b) in x2.iter_mut().zip(x) {
@@ -520,7 +542,12 @@ impl LlamaBlock {
         }
         self.norm(c)
             .forward(p.vector(parts.ln2), x2, h2, stats, threads);
-        self.gate_up(p, h2, rows, gu, m, threads);
+        self.gate_up(p, h2, rows, gu, threads);
+        if decoding {
+            swiglu_rows_shared(gu, m, hid, rows, threads);
+        } else {
+            swiglu_rows(gu, m, hid);
+        }
         matrix_forward(y, rows, c, hid, m, &p.matrix(parts.w_down), &[], threads);
         for (a, b) in y.iter_mut().zip(x2.iter()) {
             *a += b;
@@ -593,11 +620,7 @@ impl LlamaBlock {
         {
             let (gate, up) = gu.split_at(hid);
             let (dgate, dup) = dgu.split_at_mut(hid);
-            for i in 0..hid {
-                let (gi, sg) = (gate[i], sigmoid(gate[i]));
-                dup[i] = dm[i] * gi * sg;
-                dgate[i] = dm[i] * up[i] * sg * (1.0 + gi * (1.0 - sg));
-            }
+            swiglu::backward(gate, up, dm, dgate, dup);
         }
         matmul(
             g_gu,

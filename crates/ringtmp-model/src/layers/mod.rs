@@ -28,6 +28,7 @@ mod norm;
 mod pass;
 mod pool;
 pub mod rope;
+mod swiglu;
 
 pub use attention::{CausalSelfAttention, KeyValues};
 pub use block::Block;

@@ -40,13 +40,13 @@ impl Positions {
         }
         let count = m.div_ceil(LANES);
         self.panels.resize(count * k * LANES, 0.0);
-        for (j, row) in x[..m * k].chunks_exact(k).enumerate() {
-            let (p, lane) = (j / LANES, j % LANES);
-            let panel = &mut self.panels[p * k * LANES..(p + 1) * k * LANES];
-            for (i, v) in row.iter().enumerate() {
-                panel[i * LANES + lane] = *v;
-            }
-        }
+        // Only the AVX-512 kernel reads panels (`fast`).
+        #[cfg(all(target_arch = "x86_64", feature = "avx512"))]
+        // SAFETY: the CPU has AVX-512F (`fast`); `x` holds `m × k` values (the slice) and the
+        // panels `count · k · 16`.
+        unsafe {
+            x86::transpose(&x[..m * k], m, k, &mut self.panels)
+        };
     }
 
     /// Positions held.
@@ -60,8 +60,8 @@ impl Positions {
     }
 }
 
-/// `t[r, j] = w[r] · x[j]` for the `rows` rows of `w` (`rows × k`, row-major) and every
-/// position of `x`; `t` is `rows × m`.
+/// `t[j, r] = x[j] · w[r]` for every position `j` of `x` and the `rows` rows of `w`
+/// (`rows × k`, row-major); `t` is `m × rows`, as the rows' columns of `y = x·Wᵀ` lie.
 pub fn product(t: &mut [f32], w: &[f32], rows: usize, x: &Positions) {
     let (m, k) = (x.m, x.k);
     assert!(
@@ -75,14 +75,7 @@ pub fn product(t: &mut [f32], w: &[f32], rows: usize, x: &Positions) {
         unsafe { x86::product(t, w, rows, x) };
         return;
     }
-    // `linear_forward` gives `x · wᵀ` (`m × rows`); `t` is its transpose.
-    let mut xw = vec![0.0; m * rows];
-    linear_forward(&mut xw, m, rows, k, &x.rows, w, &[], 1);
-    for (j, row) in xw.chunks_exact(rows).enumerate() {
-        for (r, v) in row.iter().enumerate() {
-            t[r * m + j] = *v;
-        }
-    }
+    linear_forward(t, m, rows, k, &x.rows, w, &[], 1);
 }
 
 /// Whether this CPU takes the AVX-512 kernel.
@@ -108,6 +101,38 @@ mod x86 {
     /// Rows of a tile.
     const ROWS: usize = 8;
 
+    /// `x` (`m × k`) into panels of 16 positions (see [`Positions`]): each feature's 16
+    /// positions gathered in one instruction, those past `m` zero.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn transpose(x: &[f32], m: usize, k: usize, panels: &mut [f32]) {
+        let stride = _mm512_mullo_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+            _mm512_set1_epi32(k as i32),
+        );
+        for p in 0..m.div_ceil(LANES) {
+            let valid = (m - p * LANES).min(LANES);
+            let mask: __mmask16 = if valid == LANES {
+                !0
+            } else {
+                (1u16 << valid) - 1
+            };
+            let base = x.as_ptr().wrapping_add(p * LANES * k);
+            for i in 0..k {
+                // SAFETY: lane `l < valid` reads `x[(16p + l)·k + i]`, inside `x` as
+                // `16p + l < m`; masked lanes read nothing; the store is panel `p`'s feature `i`.
+                unsafe {
+                    let v = _mm512_mask_i32gather_ps::<4>(
+                        _mm512_setzero_ps(),
+                        mask,
+                        stride,
+                        base.add(i).cast(),
+                    );
+                    _mm512_storeu_ps(panels.as_mut_ptr().add((p * k + i) * LANES), v);
+                }
+            }
+        }
+    }
+
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn product(t: &mut [f32], w: &[f32], rows: usize, x: &Positions) {
         let (m, k) = (x.m, x.k);
@@ -119,25 +144,38 @@ mod x86 {
             while p < panels {
                 let width = (panels - p).min(3);
                 // SAFETY: rows `r..r + height` of `w` and panels `p..p + width` lie inside
-                // their buffers (`product`'s checks); `tile` writes `t`'s rows `r..r + height`,
-                // positions `16p..min(16(p + width), m)`.
+                // their buffers (`product`'s checks); `tile` writes `t`'s columns
+                // `r..r + height` of positions `16p..min(16(p + width), m)`.
                 unsafe {
                     let (wp, xp) = (w.as_ptr().add(r * k), x.panels.as_ptr().add(p * k * LANES));
-                    let out = t.as_mut_ptr().add(r * m);
-                    let first = p * LANES;
+                    let out = Out {
+                        at: t.as_mut_ptr().add(r),
+                        stride: rows,
+                        m,
+                        first: p * LANES,
+                    };
                     match (height, width) {
-                        (ROWS, 3) => tile::<ROWS, 3>(wp, xp, k, out, m, first),
-                        (ROWS, 2) => tile::<ROWS, 2>(wp, xp, k, out, m, first),
-                        (ROWS, _) => tile::<ROWS, 1>(wp, xp, k, out, m, first),
-                        (_, 3) => rows_one_by_one::<3>(height, wp, xp, k, out, m, first),
-                        (_, 2) => rows_one_by_one::<2>(height, wp, xp, k, out, m, first),
-                        _ => rows_one_by_one::<1>(height, wp, xp, k, out, m, first),
+                        (ROWS, 3) => tile::<ROWS, 3>(wp, xp, k, &out),
+                        (ROWS, 2) => tile::<ROWS, 2>(wp, xp, k, &out),
+                        (ROWS, _) => tile::<ROWS, 1>(wp, xp, k, &out),
+                        (_, 3) => rows_one_by_one::<3>(height, wp, xp, k, &out),
+                        (_, 2) => rows_one_by_one::<2>(height, wp, xp, k, &out),
+                        _ => rows_one_by_one::<1>(height, wp, xp, k, &out),
                     }
                 }
                 p += width;
             }
             r += height;
         }
+    }
+
+    /// Where a tile writes: position `j`'s product with the tile's row `r` at
+    /// `at[j · stride + r]`, for the positions `first + j` below `m`.
+    struct Out {
+        at: *mut f32,
+        stride: usize,
+        m: usize,
+        first: usize,
     }
 
     /// Fewer rows than a tile, one at a time.
@@ -147,26 +185,28 @@ mod x86 {
         w: *const f32,
         x: *const f32,
         k: usize,
-        out: *mut f32,
-        m: usize,
-        first: usize,
+        out: &Out,
     ) {
         for r in 0..height {
             // SAFETY: row `r` of the tile (the caller's bounds).
-            unsafe { tile::<1, P>(w.add(r * k), x, k, out.add(r * m), m, first) };
+            unsafe {
+                let row = Out {
+                    at: out.at.add(r),
+                    ..*out
+                };
+                tile::<1, P>(w.add(r * k), x, k, &row);
+            }
         }
     }
 
-    /// `R` rows (`k` apart at `w`) times `P` panels (`k · 16` apart at `x`), written to
-    /// `out[r · m + first + j]` for the positions `j` below `m − first`.
+    /// `R` rows (`k` apart at `w`) times `P` panels (`k · 16` apart at `x`), scattered to
+    /// `out`.
     #[inline(always)]
     unsafe fn tile<const R: usize, const P: usize>(
         w: *const f32,
         x: *const f32,
         k: usize,
-        out: *mut f32,
-        m: usize,
-        first: usize,
+        out: &Out,
     ) {
         unsafe {
             let mut acc = [[_mm512_setzero_ps(); P]; R];
@@ -182,16 +222,22 @@ mod x86 {
                     }
                 }
             }
+            // Lane `l` of a row's vector is position `first + 16p + l`: `stride` apart in `t`.
+            let lanes = _mm512_mullo_epi32(
+                _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                _mm512_set1_epi32(out.stride as i32),
+            );
             for (r, acc) in acc.iter().enumerate() {
                 for (p, a) in acc.iter().enumerate() {
-                    let at = first + p * LANES;
-                    let valid = m.saturating_sub(at).min(LANES);
+                    let first = out.first + p * LANES;
+                    let valid = out.m.saturating_sub(first).min(LANES);
                     let mask: __mmask16 = if valid == LANES {
                         !0
                     } else {
                         (1u16 << valid) - 1
                     };
-                    _mm512_mask_storeu_ps(out.add(r * m + at), mask, *a);
+                    let at = out.at.wrapping_add(first * out.stride + r);
+                    _mm512_mask_i32scatter_ps::<4>(at.cast(), mask, lanes, *a);
                 }
             }
         }
@@ -226,7 +272,7 @@ mod tests {
                     let want: f64 = (0..k)
                         .map(|i| f64::from(w[r * k + i]) * f64::from(x[j * k + i]))
                         .sum();
-                    let got = t[r * m + j];
+                    let got = t[j * rows + r];
                     assert!(
                         (f64::from(got) - want).abs() < 1e-4 * (1.0 + want.abs()),
                         "m {m}, rows {rows}, k {k}: t[{r}, {j}] = {got}, want {want}"

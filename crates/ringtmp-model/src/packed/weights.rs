@@ -506,15 +506,13 @@ fn packed_product(
                 p.dequantize_rows(rows.clone(), w);
                 set_len(t, height * m);
                 panel::product(t, w, height, positions);
-                for j in 0..m {
+                for (j, t) in t.chunks_exact(height).enumerate() {
                     // SAFETY: row `j`'s columns `first + rows` of `y` (`m × n`) are this
                     // slice's alone; `y` outlives the run.
                     let y = unsafe {
                         std::slice::from_raw_parts_mut(out.at(j * n + first + rows.start), height)
                     };
-                    for (r, v) in y.iter_mut().enumerate() {
-                        *v = t[r * m + j];
-                    }
+                    y.copy_from_slice(t);
                 }
             }
         });
