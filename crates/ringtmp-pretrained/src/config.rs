@@ -303,14 +303,9 @@ impl ModelConfig {
         let heads = need("attention.head_count")?;
         let vocab = match uint("vocab_size") {
             Some(v) => v,
-            None => match file.get("tokenizer.ggml.tokens") {
-                Some(Value::Array(tokens)) => tokens.len(),
-                _ => {
-                    return Err(bad(format!(
-                        "no {arch}.vocab_size or tokenizer.ggml.tokens"
-                    )));
-                }
-            },
+            None => file
+                .array_len("tokenizer.ggml.tokens")
+                .ok_or_else(|| bad(format!("no {arch}.vocab_size or tokenizer.ggml.tokens")))?,
         };
         let scaling = match file
             .get(&format!("{arch}.rope.scaling.type"))

@@ -234,20 +234,17 @@ impl Pretrained {
         let raw = self.raw_format(stored)?;
         let want = self.held_format(stored, cols, dtype)?;
         let tensor = match (raw, want) {
-            (Some((format, bytes)), Some(want)) if format == want => {
+            (Some((format, _)), Some(want)) if format == want => {
                 let bad = |what| self.model_error(format!("tensor {}: {what}", stored.name));
+                // Read where the file lies: its mapped pages are the tensor's memory;
+                // llama.cpp's interleaved q/k rows read in Hugging Face's order.
+                let (owner, start) = self.shared_bytes(stored)?;
+                let view = PackedTensor::view(format, rows, cols, owner, start).map_err(bad)?;
                 match stored.interleaved_heads {
-                    // llama.cpp's interleaved q/k rows: put back in order, a copy.
-                    Some(heads) => {
-                        let row = format.row_bytes(cols).unwrap_or(0);
-                        let bytes = rows_deinterleaved(&bytes[..rows * row], heads, rows);
-                        PackedTensor::new(format, rows, cols, bytes).map_err(bad)?
-                    }
-                    // Read where the file lies: its mapped pages are the tensor's memory.
-                    None => {
-                        let (owner, start) = self.shared_bytes(stored)?;
-                        PackedTensor::view(format, rows, cols, owner, start).map_err(bad)?
-                    }
+                    Some(heads) => view
+                        .with_row_order(hf_row_order(heads, rows))
+                        .map_err(bad)?,
+                    None => view,
                 }
             }
             (_, want) => {
@@ -265,18 +262,10 @@ impl Pretrained {
     }
 }
 
-/// `bytes` (`rows` rows) with llama.cpp's interleaved rows of each head put back in Hugging
-/// Face's order.
-fn rows_deinterleaved(bytes: &[u8], heads: usize, rows: usize) -> Vec<u8> {
+/// For each of Hugging Face's `rows` rows (`heads` heads), the llama.cpp row it is stored as
+/// (its query and key rows interleaved within each head).
+fn hf_row_order(heads: usize, rows: usize) -> Vec<u32> {
     let mut order: Vec<f32> = (0..rows).map(|r| r as f32).collect();
     deinterleave(&mut order, heads, rows);
-    let size = bytes.len() / rows.max(1);
-    order
-        .iter()
-        .flat_map(|&from| {
-            let from = from as usize;
-            &bytes[from * size..(from + 1) * size]
-        })
-        .copied()
-        .collect()
+    order.into_iter().map(|r| r as u32).collect()
 }

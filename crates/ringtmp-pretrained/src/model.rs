@@ -92,12 +92,26 @@ impl Stored {
 impl Pretrained {
     /// Opens a `.gguf` file or a Hugging Face model directory and reads its architecture.
     pub fn open(path: &Path) -> Result<Self, PretrainedError> {
+        Self::open_as(path, Gguf::open)
+    }
+
+    /// [`Pretrained::open`] for a process that computes layers and never tokenizes (a node of
+    /// a split model): a GGUF file's tokenizer is not read ([`Gguf::open_weights`]), so
+    /// [`Pretrained::vocabulary`] refuses it.
+    pub fn open_weights(path: &Path) -> Result<Self, PretrainedError> {
+        Self::open_as(path, Gguf::open_weights)
+    }
+
+    fn open_as(
+        path: &Path,
+        gguf: fn(&Path) -> Result<Gguf, crate::gguf::GgufError>,
+    ) -> Result<Self, PretrainedError> {
         let (config, source) = if path.is_dir() {
             let hf = HfModel::open(path)?;
             let config = ModelConfig::from_hf(&path.join("config.json"), &hf.config)?;
             (config, Source::Hf(Box::new(hf)))
         } else {
-            let gguf = Gguf::open(path)?;
+            let gguf = gguf(path)?;
             (ModelConfig::from_gguf(&gguf)?, Source::Gguf(Box::new(gguf)))
         };
         Ok(Self {

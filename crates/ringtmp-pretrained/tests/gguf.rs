@@ -253,6 +253,32 @@ fn a_sentencepiece_tokenizer_gives_transformers_ids() {
 }
 
 #[test]
+fn a_file_opened_for_its_weights_skips_the_tokenizer_and_keeps_the_rest() {
+    let path = common::reference("gguf/spm-tokenizer.gguf");
+    let (whole, weights) = (
+        Gguf::open(&path).unwrap(),
+        Gguf::open_weights(&path).unwrap(),
+    );
+    let tokens = whole
+        .array_len("tokenizer.ggml.tokens")
+        .expect("its tokens");
+    assert!(tokens > 100, "{tokens} tokens");
+    assert_eq!(weights.array_len("tokenizer.ggml.tokens"), Some(tokens));
+    assert!(weights.get("tokenizer.ggml.tokens").is_none());
+    assert!(weights.weights_only() && !whole.weights_only());
+    for (key, value) in &whole.metadata {
+        let skipped = key.starts_with("tokenizer.") && matches!(value, Value::Array(_));
+        assert_eq!(weights.get(key).is_none(), skipped, "{key}");
+    }
+    assert_eq!(whole.tensors, weights.tensors);
+    let Err(refused) = weights.vocabulary() else {
+        panic!("a tokenizer from a file opened for its weights")
+    };
+    let refused = refused.to_string();
+    assert!(refused.contains("weights alone"), "{refused}");
+}
+
+#[test]
 fn writing_quantises_as_the_gguf_package_and_reads_back() {
     use ringtmp_pretrained::gguf::{GgufWriter, quantize};
     let golden = Gguf::open(&golden()).unwrap();

@@ -241,7 +241,8 @@ impl GenerateJob {
             ))
         };
         if self.pretrained {
-            let model = ringtmp_pretrained::model::Pretrained::open(&self.checkpoint)
+            // A node computes and never tokenizes: the file's tokenizer stays unread.
+            let model = ringtmp_pretrained::model::Pretrained::open_weights(&self.checkpoint)
                 .map_err(|e| Error::Config(e.to_string()))?;
             let layers = model
                 .layers(self.context)

@@ -71,13 +71,17 @@ impl Format {
     }
 }
 
-/// A matrix of `rows × cols` values held in `format`, row after row.
+/// A matrix of `rows × cols` values held in `format`, row after row (or in the stored order
+/// [`PackedTensor::with_row_order`] gives).
 #[derive(Clone, Debug)]
 pub struct PackedTensor {
     format: Format,
     rows: usize,
     cols: usize,
     bytes: Held,
+    /// Row `i`'s place among the stored rows, where they lie in another order (llama.cpp's
+    /// interleaved query and key rows, read where the file holds them rather than copied).
+    order: Option<std::sync::Arc<[u32]>>,
 }
 
 /// A buffer that tensors read ranges of (a mapped file: its pages are the tensors' memory).
@@ -124,6 +128,7 @@ impl PackedTensor {
             rows,
             cols,
             bytes: Held::Owned(bytes),
+            order: None,
         })
     }
 
@@ -150,7 +155,31 @@ impl PackedTensor {
             rows,
             cols,
             bytes: Held::Shared { owner, start, len },
+            order: None,
         })
+    }
+
+    /// The same stored rows read in another order: row `i` is stored row `order[i]`; refused
+    /// (saying why) unless `order` is a permutation of the rows.
+    pub fn with_row_order(mut self, order: Vec<u32>) -> Result<Self, String> {
+        let mut seen = vec![false; self.rows];
+        let permutation = order.len() == self.rows
+            && order.iter().all(|&r| {
+                let fresh = seen.get(r as usize).is_some_and(|s| !s);
+                if fresh {
+                    seen[r as usize] = true;
+                }
+                fresh
+            });
+        if !permutation {
+            return Err(format!(
+                "a row order of {} entries is not a permutation of {} rows",
+                order.len(),
+                self.rows
+            ));
+        }
+        self.order = Some(order.into());
+        Ok(self)
     }
 
     /// The bytes `rows × cols` values of `format` take, checked against `given` (`usize::MAX`:
@@ -217,7 +246,7 @@ impl PackedTensor {
         self.cols
     }
 
-    /// The bytes held.
+    /// The bytes held, in the stored order of the rows.
     pub fn bytes(&self) -> &[u8] {
         self.bytes.as_slice()
     }
@@ -230,7 +259,8 @@ impl PackedTensor {
     /// Row `i`'s bytes.
     pub fn row(&self, i: usize) -> &[u8] {
         let n = self.row_bytes();
-        &self.bytes()[i * n..(i + 1) * n]
+        let at = self.order.as_ref().map_or(i, |o| o[i] as usize);
+        &self.bytes()[at * n..(at + 1) * n]
     }
 
     /// Row `i` as `f32` into `out` (`cols` values).
@@ -240,6 +270,12 @@ impl PackedTensor {
 
     /// Rows `rows` as `f32` into `out` (row-major, `rows.len() × cols` values).
     pub fn dequantize_rows(&self, rows: std::ops::Range<usize>, out: &mut [f32]) {
+        if self.order.is_some() {
+            for (i, out) in rows.zip(out.chunks_exact_mut(self.cols)) {
+                self.dequantize_row(i, out);
+            }
+            return;
+        }
         let n = self.row_bytes();
         let raw = &self.bytes()[rows.start * n..rows.end * n];
         super::widen::widen(self.format, raw, &mut out[..rows.len() * self.cols]);
@@ -306,5 +342,41 @@ pub fn dequantize(format: Format, raw: &[u8], out: &mut [f32]) {
                 o[j + 16] = d * f32::from(q >> 4) + m;
             }
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_in_another_order_read_and_multiply_as_a_reordered_copy() {
+        let (rows, cols) = (6, 64);
+        let values: Vec<f32> = (0..rows * cols)
+            .map(|i| (i % 37) as f32 * 0.1 - 1.5)
+            .collect();
+        let stored = PackedTensor::quantize(Format::Q8_0, rows, cols, &values).unwrap();
+        let order = vec![3u32, 0, 5, 1, 4, 2];
+        let copy: Vec<u8> = order
+            .iter()
+            .flat_map(|&r| stored.row(r as usize).to_vec())
+            .collect();
+        let copy = PackedTensor::new(Format::Q8_0, rows, cols, copy).unwrap();
+        let reordered = stored.clone().with_row_order(order).unwrap();
+        let (mut a, mut b) = (vec![0.0; 4 * cols], vec![0.0; 4 * cols]);
+        reordered.dequantize_rows(1..5, &mut a);
+        copy.dequantize_rows(1..5, &mut b);
+        assert_eq!(a, b);
+        for i in 0..rows {
+            assert_eq!(reordered.row(i), copy.row(i), "row {i}");
+        }
+        for bad in [
+            vec![0u32, 1, 2],
+            vec![0, 1, 2, 3, 4, 4],
+            vec![0, 1, 2, 3, 4, 6],
+        ] {
+            let refused = stored.clone().with_row_order(bad.clone()).unwrap_err();
+            assert!(refused.contains("not a permutation"), "{bad:?}: {refused}");
+        }
     }
 }

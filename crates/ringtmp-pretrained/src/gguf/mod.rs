@@ -32,6 +32,8 @@ pub struct Gguf {
     pub version: u32,
     /// The metadata, by key.
     pub metadata: BTreeMap<String, Value>,
+    /// The tokenizer's arrays not read ([`Gguf::open_weights`]), and their lengths.
+    skipped: BTreeMap<String, usize>,
     /// The tensors, in the file's order.
     pub tensors: Vec<TensorInfo>,
 }
@@ -39,6 +41,17 @@ pub struct Gguf {
 impl Gguf {
     /// Maps `path` and reads its header, metadata and tensor table.
     pub fn open(path: &Path) -> Result<Self, GgufError> {
+        Self::open_keeping(path, reader::Keep::All)
+    }
+
+    /// [`Gguf::open`] without the tokenizer's arrays (their lengths kept): for a process that
+    /// computes layers and never tokenizes (a node of a split model), whose heap they would
+    /// otherwise be most of. [`Gguf::vocabulary`] refuses such a file.
+    pub fn open_weights(path: &Path) -> Result<Self, GgufError> {
+        Self::open_keeping(path, reader::Keep::Weights)
+    }
+
+    fn open_keeping(path: &Path, keep: reader::Keep) -> Result<Self, GgufError> {
         let io = |source| GgufError::Io {
             path: path.to_path_buf(),
             source,
@@ -48,12 +61,13 @@ impl Gguf {
         // file changed underneath would give wrong values, never memory unsafety beyond what
         // the kernel's mapping allows, and every offset is checked against the mapped length).
         let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io)?;
-        let parsed = reader::parse(&map, path)?;
+        let parsed = reader::parse(&map, path, keep)?;
         Ok(Self {
             path: path.to_path_buf(),
             map: std::sync::Arc::new(map),
             version: parsed.version,
             metadata: parsed.metadata,
+            skipped: parsed.skipped,
             tensors: parsed.tensors,
         })
     }
@@ -66,6 +80,20 @@ impl Gguf {
     /// The metadata value of `key`.
     pub fn get(&self, key: &str) -> Option<&Value> {
         self.metadata.get(key)
+    }
+
+    /// The length of the array `key`, read or skipped.
+    pub fn array_len(&self, key: &str) -> Option<usize> {
+        match self.metadata.get(key) {
+            Some(Value::Array(items)) => Some(items.len()),
+            Some(_) => None,
+            None => self.skipped.get(key).copied(),
+        }
+    }
+
+    /// Whether the tokenizer's arrays were skipped ([`Gguf::open_weights`]).
+    pub fn weights_only(&self) -> bool {
+        !self.skipped.is_empty()
     }
 
     /// The tensor named `name`.

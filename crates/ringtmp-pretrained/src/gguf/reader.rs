@@ -16,10 +16,22 @@ const MAX_DIMS: u32 = 4;
 /// Nesting of arrays in arrays the reader follows (GGUF writers produce one level).
 const MAX_ARRAY_DEPTH: usize = 2;
 
+/// Which metadata [`parse`] keeps.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Keep {
+    /// Every value.
+    All,
+    /// All but the tokenizer's arrays (`tokenizer.*`), whose lengths alone are kept: what a
+    /// node that computes layers needs (SmolLM2's take 8 MB parsed, most of a node's heap).
+    Weights,
+}
+
 /// What [`parse`] read.
 pub(super) struct Parsed {
     pub(super) version: u32,
     pub(super) metadata: BTreeMap<String, Value>,
+    /// The arrays skipped ([`Keep::Weights`]) and their lengths.
+    pub(super) skipped: BTreeMap<String, usize>,
     pub(super) tensors: Vec<TensorInfo>,
 }
 
@@ -95,6 +107,29 @@ impl<'a> Cursor<'a> {
         })
     }
 
+    /// Steps over an array (its type already read) without keeping it; returns its length.
+    fn skip_array(&mut self, key: &str) -> Result<usize, GgufError> {
+        let inner = self.u32(key)?;
+        let n = self.count(min_size(inner), key)?;
+        match inner {
+            8 => {
+                for _ in 0..n {
+                    let len = self.count(1, key)?;
+                    self.take(len, key)?;
+                }
+            }
+            9 => {
+                for _ in 0..n {
+                    self.value(inner, key, 1)?;
+                }
+            }
+            fixed => {
+                self.take(n * min_size(fixed), key)?;
+            }
+        }
+        Ok(n)
+    }
+
     /// A value of GGUF type `kind`.
     fn value(&mut self, kind: u32, key: &str, depth: usize) -> Result<Value, GgufError> {
         Ok(match kind {
@@ -142,7 +177,7 @@ fn min_size(kind: u32) -> usize {
 }
 
 /// Reads a GGUF file's header, metadata and tensor table from `bytes` (the file at `path`).
-pub(super) fn parse(bytes: &[u8], path: &Path) -> Result<Parsed, GgufError> {
+pub(super) fn parse(bytes: &[u8], path: &Path, keep: Keep) -> Result<Parsed, GgufError> {
     let mut c = Cursor { bytes, at: 0, path };
     if c.u32("the magic")? != MAGIC {
         c.at = 0;
@@ -158,12 +193,18 @@ pub(super) fn parse(bytes: &[u8], path: &Path) -> Result<Parsed, GgufError> {
     // A tensor's entry takes at least 8 (name) + 4 + 4 + 8 bytes; a key–value pair 8 + 4 + 1.
     let tensor_count = c.count(24, "the tensor count")?;
     let kv_count = c.count(13, "the metadata count")?;
-    let mut metadata = BTreeMap::new();
+    let (mut metadata, mut skipped) = (BTreeMap::new(), BTreeMap::new());
     for _ in 0..kv_count {
         let key = c.string("a metadata key")?;
         let kind = c.u32(&key)?;
-        let value = c.value(kind, &key, 0)?;
-        if metadata.insert(key.clone(), value).is_some() {
+        let twice = if keep == Keep::Weights && kind == 9 && key.starts_with("tokenizer.") {
+            let len = c.skip_array(&key)?;
+            metadata.contains_key(&key) || skipped.insert(key.clone(), len).is_some()
+        } else {
+            let value = c.value(kind, &key, 0)?;
+            skipped.contains_key(&key) || metadata.insert(key.clone(), value).is_some()
+        };
+        if twice {
             return Err(c.error(format!("metadata key {key:?} given twice")));
         }
     }
@@ -183,6 +224,7 @@ pub(super) fn parse(bytes: &[u8], path: &Path) -> Result<Parsed, GgufError> {
     Ok(Parsed {
         version,
         metadata,
+        skipped,
         tensors,
     })
 }

@@ -61,6 +61,11 @@ impl Gguf {
             offset: 0,
             what,
         };
+        if self.weights_only() {
+            return Err(bad(
+                "opened for its weights alone: its tokenizer was not read".into(),
+            ));
+        }
         let kind = self
             .get("tokenizer.ggml.model")
             .and_then(Value::as_str)
