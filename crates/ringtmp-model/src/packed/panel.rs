@@ -49,15 +49,6 @@ impl Positions {
         };
     }
 
-    /// Positions held.
-    pub fn len(&self) -> usize {
-        self.m
-    }
-
-    /// Whether none are held.
-    pub fn is_empty(&self) -> bool {
-        self.m == 0
-    }
 }
 
 /// `t[j, r] = x[j] · w[r]` for every position `j` of `x` and the `rows` rows of `w`

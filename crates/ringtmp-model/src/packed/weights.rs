@@ -444,8 +444,9 @@ fn slice_rows(k: usize) -> usize {
     (SLICE_BYTES / (4 * k.max(1)) / 48).max(1) * 48
 }
 
-/// `y = x·Wᵀ` for many rows. A packed segment's rows are cut in slices dealt out to the
-/// workers, each of which widens its slice to `f32` and multiplies it with every position
+/// `y = x·Wᵀ` for many rows. The packed segments' rows are cut in slices that the workers
+/// take in turn as they finish (one run for them all: a fused q/k/v projection is three),
+/// each widening its slice to `f32` and multiplying it with every position
 /// ([`panel::product`]) while it is still in cache, writing its columns of `y`; an `f32`
 /// segment is multiplied whole.
 fn dequantised_gemm(
@@ -457,65 +458,61 @@ fn dequantised_gemm(
     segments: &[Segment<'_>],
     threads: usize,
 ) {
-    POSITIONS.with_borrow_mut(|positions| {
-        let mut first = 0;
-        for s in segments {
-            let count = Matrix::rows_of(s, k);
-            match s {
-                Segment::Dense(v) => SLICE.with_borrow_mut(|(_, t)| {
-                    set_len(t, m * count);
-                    linear_forward(t, m, count, k, x, v, &[], threads);
-                    for (y, t) in y.chunks_exact_mut(n).zip(t.chunks_exact(count)) {
-                        y[first..first + count].copy_from_slice(t);
-                    }
-                }),
-                Segment::Packed(p) => {
-                    if positions.is_empty() {
-                        positions.set(x, m, k);
-                    }
-                    packed_product(y, n, first, p, positions, threads);
-                }
-            }
-            first += count;
-        }
-        positions.set(&[], 0, k);
-    });
-}
-
-/// `y[j, first + r] = W[r] · x[j]` for every row `r` of `p`, its slices shared out over
-/// `threads` workers.
-fn packed_product(
-    y: &mut [f32],
-    n: usize,
-    first: usize,
-    p: &PackedTensor,
-    positions: &Positions,
-    threads: usize,
-) {
-    let (m, k, count) = (positions.len(), p.cols(), p.rows());
     let size = slice_rows(k);
-    let slices = count.div_ceil(size);
-    let parts = threads.min(slices).max(1);
-    let out = SharedOut(y.as_mut_ptr());
-    super::pool::run(parts, &|part| {
-        SLICE.with_borrow_mut(|(w, t)| {
-            for slice in (part..slices).step_by(parts) {
-                let rows = slice * size..((slice + 1) * size).min(count);
-                let height = rows.len();
-                set_len(w, height * k);
-                p.dequantize_rows(rows.clone(), w);
-                set_len(t, height * m);
-                panel::product(t, w, height, positions);
-                for (j, t) in t.chunks_exact(height).enumerate() {
-                    // SAFETY: row `j`'s columns `first + rows` of `y` (`m × n`) are this
-                    // slice's alone; `y` outlives the run.
-                    let y = unsafe {
-                        std::slice::from_raw_parts_mut(out.at(j * n + first + rows.start), height)
-                    };
-                    y.copy_from_slice(t);
+    // The packed segments' slices: the tensor, its rows, and where its columns start in `y`.
+    let mut slices: Vec<(&PackedTensor, Range<usize>, usize)> = Vec::new();
+    let mut first = 0;
+    for s in segments {
+        let count = Matrix::rows_of(s, k);
+        match s {
+            Segment::Dense(v) => SLICE.with_borrow_mut(|(_, t)| {
+                set_len(t, m * count);
+                linear_forward(t, m, count, k, x, v, &[], threads);
+                for (y, t) in y.chunks_exact_mut(n).zip(t.chunks_exact(count)) {
+                    y[first..first + count].copy_from_slice(t);
                 }
-            }
+            }),
+            Segment::Packed(p) => slices.extend(
+                (0..count)
+                    .step_by(size)
+                    .map(|a| (*p, a..(a + size).min(count), first)),
+            ),
+        }
+        first += count;
+    }
+    if slices.is_empty() {
+        return;
+    }
+    POSITIONS.with_borrow_mut(|positions| {
+        positions.set(x, m, k);
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        let out = SharedOut(y.as_mut_ptr());
+        let parts = threads.min(slices.len()).max(1);
+        super::pool::run(parts, &|_| {
+            SLICE.with_borrow_mut(|(w, t)| {
+                while let Some((p, rows, first)) =
+                    slices.get(next.fetch_add(1, std::sync::atomic::Ordering::Relaxed))
+                {
+                    let height = rows.len();
+                    set_len(w, height * k);
+                    p.dequantize_rows(rows.clone(), w);
+                    set_len(t, height * m);
+                    panel::product(t, w, height, positions);
+                    for (j, t) in t.chunks_exact(height).enumerate() {
+                        // SAFETY: row `j`'s columns `first + rows` of `y` (`m × n`) are this
+                        // slice's alone; `y` outlives the run.
+                        let y = unsafe {
+                            std::slice::from_raw_parts_mut(
+                                out.at(j * n + first + rows.start),
+                                height,
+                            )
+                        };
+                        y.copy_from_slice(t);
+                    }
+                }
+            });
         });
+        positions.set(&[], 0, k);
     });
 }
 
