@@ -44,16 +44,9 @@ fn inspect_describes_a_directory_and_refuses_what_is_no_model() {
 
 #[test]
 fn inspect_describes_the_shared_smollm2_file() {
-    let path = repo().join("../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if !path.is_file() {
-        assert!(
-            std::env::var_os("RINGTMP_REQUIRE_SHARED_MODEL").is_none(),
-            "RINGTMP_REQUIRE_SHARED_MODEL is set but {} is absent",
-            path.display()
-        );
-        eprintln!("SKIPPED: {} is absent", path.display());
+    let Some(path) = ringtmp_testkit::fixtures::shared_smollm2() else {
         return;
-    }
+    };
     let out = ringtmp(&["inspect", path.to_str().unwrap()]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}");

@@ -20,21 +20,6 @@ fn tiny(name: &str) -> PathBuf {
     repo().join("benches/reference/pretrained").join(name)
 }
 
-/// The shared SmolLM2 file, when present; required under CI.
-fn smollm2() -> Option<PathBuf> {
-    let path = repo().join("../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf");
-    if path.is_file() {
-        return Some(path);
-    }
-    assert!(
-        std::env::var_os("RINGTMP_REQUIRE_SHARED_MODEL").is_none(),
-        "RINGTMP_REQUIRE_SHARED_MODEL is set but {} is absent",
-        path.display()
-    );
-    eprintln!("SKIPPED: {} is absent", path.display());
-    None
-}
-
 /// Every tensor of a safetensors file as f32 values.
 fn golden(path: &Path) -> std::collections::BTreeMap<String, Vec<f32>> {
     let bytes = std::fs::read(path).unwrap();
@@ -78,7 +63,7 @@ fn predict_writes_transformers_logits_for_every_position() {
 
 #[test]
 fn generate_answers_a_chat_as_transformers_does_whole_and_split() {
-    let Some(model) = smollm2() else {
+    let Some(model) = ringtmp_testkit::fixtures::shared_smollm2() else {
         return;
     };
     let question = "What is the capital of France?";
@@ -607,7 +592,7 @@ fn a_missing_tensor_is_refused_before_any_node_starts() {
 /// does, in one process and over 2 nodes.
 #[test]
 fn a_fine_tuned_run_chats_from_its_checkpoint() {
-    let Some(model) = smollm2() else {
+    let Some(model) = ringtmp_testkit::fixtures::shared_smollm2() else {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();

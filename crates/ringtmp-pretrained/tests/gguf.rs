@@ -7,7 +7,10 @@ use std::path::PathBuf;
 
 mod common;
 
-use ringtmp_pretrained::gguf::{Gguf, GgufError, TensorType, Value};
+use ringtmp_pretrained::gguf::{
+    Gguf, GgufError, GgufWriter, TensorType, Value, tokenizer_metadata,
+};
+use ringtmp_pretrained::vocabulary::Vocabulary;
 
 fn golden() -> PathBuf {
     common::reference("gguf/quants.gguf")
@@ -250,6 +253,44 @@ fn a_sentencepiece_tokenizer_gives_transformers_ids() {
         let decoded = vocabulary.tokenizer.decode(&ids, false).unwrap();
         assert_eq!(decoded, case["decoded"].as_str().unwrap(), "{text:?}");
     }
+}
+
+#[test]
+fn the_shared_smollm2_tokenizer_writes_the_files_own_lists() {
+    let Some(path) = common::smollm2() else {
+        return;
+    };
+    let file = Gguf::open(&path).unwrap();
+    let vocabulary = file.vocabulary().unwrap();
+    let rows = vocabulary.tokenizer.get_vocab_size(true);
+    let written: std::collections::BTreeMap<String, Value> = tokenizer_metadata(&vocabulary, rows)
+        .unwrap()
+        .into_iter()
+        .collect();
+    for key in [
+        "tokenizer.ggml.tokens",
+        "tokenizer.ggml.merges",
+        "tokenizer.ggml.token_type",
+        "tokenizer.ggml.bos_token_id",
+        "tokenizer.ggml.eos_token_id",
+        "tokenizer.chat_template",
+    ] {
+        assert!(written[key] == file.metadata[key], "{key}");
+    }
+    // Written into a file and read back: the same ids.
+    let dir = tempfile::tempdir().unwrap();
+    let mut w = GgufWriter::new();
+    w.metadata("general.architecture", Value::String("llama".into()))
+        .unwrap();
+    for (k, v) in written {
+        w.metadata(&k, v).unwrap();
+    }
+    let back = dir.path().join("t.gguf");
+    w.write(&back).unwrap();
+    let back = Gguf::open(&back).unwrap().vocabulary().unwrap();
+    let text = "Hello, world! Grüße aus Köln — 東京は晴れ 12345 <|im_start|>user\nnaïve 🙂";
+    let ids = |v: &Vocabulary| v.tokenizer.encode(text, true).unwrap().get_ids().to_vec();
+    assert_eq!(ids(&back), ids(&vocabulary));
 }
 
 #[test]

@@ -6,6 +6,24 @@ use ringtmp_data::Dataset;
 use ringtmp_model::{LrSchedule, ModelSpec, OptimizerConfig};
 use ringtmp_strategy::{Defaulted, Origin, TrainConfig};
 
+/// The shared SmolLM2-135M-Instruct file (`../shared/models`, beside the repository), when
+/// present; a test given `None` skips with the printed reason. Required where
+/// `RINGTMP_REQUIRE_SHARED_MODEL` is set (CI).
+pub fn shared_smollm2() -> Option<std::path::PathBuf> {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../../shared/models/SmolLM2-135M-Instruct.Q4_1.gguf");
+    if path.is_file() {
+        return Some(path);
+    }
+    assert!(
+        std::env::var_os("RINGTMP_REQUIRE_SHARED_MODEL").is_none(),
+        "RINGTMP_REQUIRE_SHARED_MODEL is set but {} is absent",
+        path.display()
+    );
+    eprintln!("SKIPPED: {} is absent", path.display());
+    None
+}
+
 /// scikit-learn's digits (1,500 training and 297 test images of 8×8), bundled with the
 /// repository; loaded once per test process.
 pub fn digits() -> Dataset {

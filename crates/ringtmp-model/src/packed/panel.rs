@@ -48,7 +48,6 @@ impl Positions {
             x86::transpose(&x[..m * k], m, k, &mut self.panels)
         };
     }
-
 }
 
 /// `t[j, r] = x[j] · w[r]` for every position `j` of `x` and the `rows` rows of `w`
