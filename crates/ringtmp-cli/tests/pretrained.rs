@@ -208,9 +208,11 @@ fn train_on_ids(model: &Path, data: &[&Path], out: &Path, extra: &[&str]) -> Out
     ringtmp(&args)
 }
 
-/// `ringtmp train --pretrained MODEL --dataset text` on the UTF-8 file `text` (the model's own
-/// tokenizer) with `local`, in windows of 16, into `out`, with `extra` options.
-fn train_on_text(model: &Path, text: &Path, out: &Path, extra: &[&str]) -> Output {
+/// Fine-tunes `model` in one process on `text` repeated `times` (written into `dir`), with
+/// `extra` options; the run's directory (its success asserted).
+fn train_on_text(model: &Path, dir: &Path, text: &str, times: usize, extra: &[&str]) -> PathBuf {
+    let (file, run) = (dir.join("text.txt"), dir.join("run"));
+    std::fs::write(&file, text.repeat(times)).unwrap();
     let mut args = vec![
         "train",
         "--pretrained",
@@ -218,16 +220,18 @@ fn train_on_text(model: &Path, text: &Path, out: &Path, extra: &[&str]) -> Outpu
         "--dataset",
         "text",
         "--data-file",
-        text.to_str().unwrap(),
+        file.to_str().unwrap(),
         "--strategy",
         "local",
         "--seq-len",
         "16",
         "--out",
-        out.to_str().unwrap(),
+        run.to_str().unwrap(),
     ];
     args.extend(extra);
-    ringtmp(&args)
+    let out = ringtmp(&args);
+    assert!(out.status.success(), "{}", said(&out));
+    run
 }
 
 /// The losses of `metrics.jsonl`'s steps.
@@ -492,20 +496,13 @@ fn a_text_run_from_a_directory_exports_to_gguf_with_its_tokenizer() {
         r#"{"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": true}"#,
     )
     .unwrap();
-    let text = tmp.path().join("cats.txt");
-    std::fs::write(
-        &text,
-        "the cat sat on the mat. the rat ate the oat. ".repeat(60),
-    )
-    .unwrap();
-    let run = tmp.path().join("run");
-    let out = train_on_text(
+    let run = train_on_text(
         &model,
-        &text,
-        &run,
+        tmp.path(),
+        "the cat sat on the mat. the rat ate the oat. ",
+        60,
         &["--batch-size", "4", "--max-steps", "3"],
     );
-    assert!(out.status.success(), "{}", said(&out));
     let export = |to: &str, out: &Path| {
         let mut args = vec!["export", "--checkpoint", run.to_str().unwrap(), "--to", to];
         args.push(out.to_str().unwrap());
@@ -596,17 +593,11 @@ fn a_fine_tuned_run_chats_from_its_checkpoint() {
         return;
     };
     let tmp = tempfile::tempdir().unwrap();
-    let text = tmp.path().join("text.txt");
-    std::fs::write(
-        &text,
-        "The quick brown fox jumps over the lazy dog. ".repeat(200),
-    )
-    .unwrap();
-    let run = tmp.path().join("run");
-    let out = train_on_text(
+    let run = train_on_text(
         &model,
-        &text,
-        &run,
+        tmp.path(),
+        "The quick brown fox jumps over the lazy dog. ",
+        200,
         &[
             "--batch-size",
             "1",
@@ -618,7 +609,6 @@ fn a_fine_tuned_run_chats_from_its_checkpoint() {
             "1e-9",
         ],
     );
-    assert!(out.status.success(), "{}", said(&out));
     for kept in ["tokenizer.json", "chat_template.jinja", "vocabulary.json"] {
         assert!(run.join(kept).is_file(), "{kept}");
     }
