@@ -263,22 +263,9 @@ impl PackedTensor {
         &self.bytes()[at * n..(at + 1) * n]
     }
 
-    /// Row `i` as `f32` into `out` (`cols` values).
-    pub fn dequantize_row(&self, i: usize, out: &mut [f32]) {
-        super::widen::widen(self.format, self.row(i), out);
-    }
-
-    /// Rows `rows` as `f32` into `out` (row-major, `rows.len() × cols` values).
-    pub fn dequantize_rows(&self, rows: std::ops::Range<usize>, out: &mut [f32]) {
-        if self.order.is_some() {
-            for (i, out) in rows.zip(out.chunks_exact_mut(self.cols)) {
-                self.dequantize_row(i, out);
-            }
-            return;
-        }
-        let n = self.row_bytes();
-        let raw = &self.bytes()[rows.start * n..rows.end * n];
-        super::widen::widen(self.format, raw, &mut out[..rows.len() * self.cols]);
+    /// Whether the rows lie in the stored order (no [`PackedTensor::with_row_order`]).
+    pub(super) fn rows_in_stored_order(&self) -> bool {
+        self.order.is_none()
     }
 }
 

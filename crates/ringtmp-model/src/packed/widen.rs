@@ -2,12 +2,33 @@
 //! sixteen values an instruction with AVX-512 — the nibbles or bytes widened to 32-bit
 //! integers and converted, the 16-bit floats by `vcvtph2ps` or a shift — where
 //! [`super::dequantize`] takes a value at a time (a sixth of a prompt's time went there).
+//! [`PackedTensor::dequantize_rows`] and `dequantize_row` widen through here.
 //!
 //! Invariants: the result equals [`super::dequantize`]'s bit for bit (the same products and
 //! sums in the same order, each rounded once: `d·q`, then `+ m`; no fused multiply–add);
 //! whole blocks in, as many values out (the callers' rows).
 
-use super::format::{Format, dequantize};
+use super::format::{Format, PackedTensor, dequantize};
+
+impl PackedTensor {
+    /// Row `i` as `f32` into `out` (`cols` values).
+    pub fn dequantize_row(&self, i: usize, out: &mut [f32]) {
+        widen(self.format(), self.row(i), out);
+    }
+
+    /// Rows `rows` as `f32` into `out` (row-major, `rows.len() × cols` values).
+    pub fn dequantize_rows(&self, rows: std::ops::Range<usize>, out: &mut [f32]) {
+        if !self.rows_in_stored_order() {
+            for (i, out) in rows.zip(out.chunks_exact_mut(self.cols())) {
+                self.dequantize_row(i, out);
+            }
+            return;
+        }
+        let n = self.row_bytes();
+        let raw = &self.bytes()[rows.start * n..rows.end * n];
+        widen(self.format(), raw, &mut out[..rows.len() * self.cols()]);
+    }
+}
 
 /// `raw` (whole blocks of `format`) as `f32` into `out`, as [`dequantize`] gives them.
 pub fn widen(format: Format, raw: &[u8], out: &mut [f32]) {
