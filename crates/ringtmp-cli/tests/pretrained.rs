@@ -184,52 +184,42 @@ fn bad_models_and_requests_are_one_line_and_exit_2() {
     }
 }
 
-/// `ringtmp train --pretrained MODEL --dataset text` on token files of a 160-id vocabulary in
-/// windows of 16, into `out`, with `extra` options.
-fn train_on_ids(model: &Path, data: &[&Path], out: &Path, extra: &[&str]) -> Output {
+/// `ringtmp train --pretrained MODEL --dataset text` on the files `data` in windows of 16, into
+/// `out`, with `extra` options.
+fn train_on(model: &Path, data: &[&Path], out: &Path, extra: &[&str]) -> Output {
     let mut args = vec![
         "train",
         "--pretrained",
         model.to_str().unwrap(),
         "--dataset",
         "text",
-        "--data-file",
-    ];
-    args.extend(data.iter().map(|d| d.to_str().unwrap()));
-    args.extend([
-        "--vocab-size",
-        "160",
         "--seq-len",
         "16",
         "--out",
         out.to_str().unwrap(),
-    ]);
+        "--data-file",
+    ];
+    args.extend(data.iter().map(|d| d.to_str().unwrap()));
     args.extend(extra);
     ringtmp(&args)
 }
 
-/// Fine-tunes `model` in one process on `text` repeated `times` (written into `dir`), with
-/// `extra` options; the run's directory (its success asserted).
+/// [`train_on`] token files of a 160-id vocabulary.
+fn train_on_ids(model: &Path, data: &[&Path], out: &Path, extra: &[&str]) -> Output {
+    let mut args = vec!["--vocab-size", "160"];
+    args.extend(extra);
+    train_on(model, data, out, &args)
+}
+
+/// Fine-tunes `model` in one process on `text` repeated `times` (written into `dir`, read by
+/// the model's own tokenizer), with `extra` options; the run's directory (its success
+/// asserted).
 fn train_on_text(model: &Path, dir: &Path, text: &str, times: usize, extra: &[&str]) -> PathBuf {
     let (file, run) = (dir.join("text.txt"), dir.join("run"));
     std::fs::write(&file, text.repeat(times)).unwrap();
-    let mut args = vec![
-        "train",
-        "--pretrained",
-        model.to_str().unwrap(),
-        "--dataset",
-        "text",
-        "--data-file",
-        file.to_str().unwrap(),
-        "--strategy",
-        "local",
-        "--seq-len",
-        "16",
-        "--out",
-        run.to_str().unwrap(),
-    ];
+    let mut args = vec!["--strategy", "local"];
     args.extend(extra);
-    let out = ringtmp(&args);
+    let out = train_on(model, &[&file], &run, &args);
     assert!(out.status.success(), "{}", said(&out));
     run
 }
