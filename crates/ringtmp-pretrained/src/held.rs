@@ -170,7 +170,7 @@ impl Pretrained {
             return Ok(false);
         };
         let cols = embedding.param_tensors()[0].1[1];
-        let raw = self.raw_format(&table)?.map(|(f, _)| f);
+        let raw = self.raw_format(&table)?;
         Ok(raw.is_some() && raw == self.held_format(&table, cols, dtype)?)
     }
 
@@ -184,7 +184,7 @@ impl Pretrained {
         cols: usize,
         dtype: WeightsDtype,
     ) -> Result<Option<Format>, PretrainedError> {
-        let raw = self.raw_format(stored)?.map(|(f, _)| f);
+        let raw = self.raw_format(stored)?;
         let Some(want) = dtype.format().or(raw) else {
             return Ok(None);
         };
@@ -192,16 +192,13 @@ impl Pretrained {
         Ok((made && want.row_bytes(cols).is_some()).then_some(want))
     }
 
-    /// The raw bytes of `stored` and their format, when a kernel reads it as stored.
-    fn raw_format(&self, stored: &Stored) -> Result<Option<(Format, &[u8])>, PretrainedError> {
+    /// The format `stored` is stored in, when a kernel reads it as stored.
+    fn raw_format(&self, stored: &Stored) -> Result<Option<Format>, PretrainedError> {
         Ok(match &self.source {
-            Source::Gguf(g) => {
-                let t = g.tensor(&stored.name)?;
-                gguf_format(t.kind).map(|f| (f, g.raw(t)))
-            }
-            Source::Hf(h) => match h.raw(&stored.name)? {
-                (Dtype::BF16, bytes) => Some((Format::Bf16, bytes)),
-                (Dtype::F16, bytes) => Some((Format::F16, bytes)),
+            Source::Gguf(g) => gguf_format(g.tensor(&stored.name)?.kind),
+            Source::Hf(h) => match h.raw(&stored.name)?.0 {
+                Dtype::BF16 => Some(Format::Bf16),
+                Dtype::F16 => Some(Format::F16),
                 _ => None,
             },
         })
@@ -234,7 +231,7 @@ impl Pretrained {
         let raw = self.raw_format(stored)?;
         let want = self.held_format(stored, cols, dtype)?;
         let tensor = match (raw, want) {
-            (Some((format, _)), Some(want)) if format == want => {
+            (Some(format), Some(want)) if format == want => {
                 let bad = |what| self.model_error(format!("tensor {}: {what}", stored.name));
                 // Read where the file lies: its mapped pages are the tensor's memory;
                 // llama.cpp's interleaved q/k rows read in Hugging Face's order.

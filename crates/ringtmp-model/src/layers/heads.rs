@@ -160,8 +160,8 @@ impl Heads {
     /// Decoding: the outputs `out` (`[rows, heads·d]`) of `rows` new positions `at..` from
     /// their queries `q` (`[rows, heads·d]`), each attending to every position up to its own
     /// in the cache (`keys`, `values`: `[positions, kv_heads·d]`, the new ones' included). A
-    /// step reads each cached key and value once per query head; one position's heads are
-    /// shared out over `threads`.
+    /// step reads each cached key and value once per query head; one position's heads, or a
+    /// prompt's positions, are shared out over `threads` of the decoder's workers.
     pub fn decode(
         &self,
         q: &[f32],
@@ -205,9 +205,7 @@ impl Heads {
                     let out =
                         unsafe { std::slice::from_raw_parts_mut(shared.at(i * width), width) };
                     let q = &q[i * width..(i + 1) * width];
-                    for (h, o) in out.chunks_exact_mut(d).enumerate() {
-                        self.decode_head(h, q, at + i + 1, keys, values, o, &mut scores);
-                    }
+                    self.decode_position(q, at + i + 1, keys, values, out, &mut scores);
                 }
             });
             return;
@@ -217,9 +215,23 @@ impl Heads {
             .zip(out.chunks_exact_mut(width))
             .enumerate()
         {
-            for (h, o) in out.chunks_exact_mut(d).enumerate() {
-                self.decode_head(h, q, at + i + 1, keys, values, o, scores);
-            }
+            self.decode_position(q, at + i + 1, keys, values, out, scores);
+        }
+    }
+
+    /// One position's outputs `out` (`[heads·d]`) from its queries `q`, every head over the
+    /// first `positions` of the cache.
+    fn decode_position(
+        &self,
+        q: &[f32],
+        positions: usize,
+        keys: &[f32],
+        values: &[f32],
+        out: &mut [f32],
+        scores: &mut Vec<f32>,
+    ) {
+        for (h, o) in out.chunks_exact_mut(self.head_dim).enumerate() {
+            self.decode_head(h, q, positions, keys, values, o, scores);
         }
     }
 

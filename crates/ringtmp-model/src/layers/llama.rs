@@ -352,13 +352,6 @@ impl LlamaBlock {
         rope.apply_columns(qkv, s, q, kv, positions, false);
     }
 
-    /// The MLP's gate and up values `gu` (`[rows, 2·hidden]`) from `h`.
-    fn gate_up(&self, p: Params<'_>, h: &[f32], rows: usize, gu: &mut [f32], t: usize) {
-        let (c, hid) = (self.width, self.hidden);
-        let w = p.matrix(self.parts().w_gu);
-        matrix_forward(gu, rows, 2 * hid, c, h, &w, &[], t);
-    }
-
     /// `y` (`[n·seq, width]`) from `x`; what the backward reads into `stash`
     /// ([`LlamaBlock::stash_len`] values).
     pub(crate) fn forward(
@@ -542,7 +535,16 @@ impl LlamaBlock {
         }
         self.norm(c)
             .forward(p.vector(parts.ln2), x2, h2, stats, threads);
-        self.gate_up(p, h2, rows, gu, threads);
+        matrix_forward(
+            gu,
+            rows,
+            2 * hid,
+            c,
+            h2,
+            &p.matrix(parts.w_gu),
+            &[],
+            threads,
+        );
         if decoding {
             swiglu_rows_shared(gu, m, hid, rows, threads);
         } else {

@@ -27,24 +27,13 @@ pub fn dot_rows(t: &PackedTensor, first: usize, x: &[f32], y: &mut [f32]) {
         t.rows()
     );
     #[cfg(all(target_arch = "x86_64", feature = "avx512"))]
-    if avx512() {
+    if super::cpu::avx512() {
         // SAFETY: the CPU has AVX-512F and F16C (checked above); the slices' lengths were
         // checked against the matrix.
         unsafe { x86::dot_rows(t, first, x, y) };
         return;
     }
     portable(t, first, x, y);
-}
-
-#[cfg(all(target_arch = "x86_64", feature = "avx512"))]
-fn avx512() -> bool {
-    use std::sync::OnceLock;
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| {
-        std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("f16c")
-            && std::arch::is_x86_feature_detected!("fma")
-    })
 }
 
 #[multiversion(targets("x86_64+avx2+fma+f16c", "aarch64+neon"))]

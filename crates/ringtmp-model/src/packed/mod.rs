@@ -14,6 +14,7 @@
 //! is whole packed pieces and parts of `f32` ones; a packed piece may be shared (a tied head
 //! and its embedding, `Arc`), and [`InferenceStage::bytes`] counts it once.
 
+mod cpu;
 mod dot;
 mod format;
 mod panel;

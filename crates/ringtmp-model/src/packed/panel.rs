@@ -1,5 +1,5 @@
 //! A prompt's positions times a slice of weight rows widened to `f32`, the product a prefill
-//! spends its time in: `t[r, j] = W[r] · x[j]` for the slice's rows `r` and every position `j`.
+//! spends its time in: `t[j, r] = x[j] · W[r]` for every position `j` and the slice's rows `r`.
 //!
 //! The positions are transposed once per product into panels of 16 ([`Positions`]: for each
 //! input feature, sixteen positions' values side by side), so the AVX-512 kernel holds a tile
@@ -9,8 +9,9 @@
 //! operands on every call; at 46 positions through SmolLM2's projections that took as long
 //! as the products.) Elsewhere the product goes to [`linear_forward`].
 //!
-//! Invariants: `t` is `rows × m` row-major (a row's products over the positions side by
-//! side); each value is a sum over the input features in order, one rounding a term (fused).
+//! Invariants: `t` is `m × rows` row-major (a position's products with the slice's rows side
+//! by side, as they lie in `y = x·Wᵀ`); each value is a sum over the input features in order,
+//! one rounding a term (fused).
 
 use crate::kernels::linear_forward;
 
@@ -34,15 +35,15 @@ impl Positions {
         (self.m, self.k) = (m, k);
         self.rows.clear();
         self.panels.clear();
-        if !fast() {
+        if !super::cpu::avx512() {
             self.rows.extend_from_slice(&x[..m * k]);
             return;
         }
         let count = m.div_ceil(LANES);
         self.panels.resize(count * k * LANES, 0.0);
-        // Only the AVX-512 kernel reads panels (`fast`).
+        // Only the AVX-512 kernel reads panels (`cpu::avx512`).
         #[cfg(all(target_arch = "x86_64", feature = "avx512"))]
-        // SAFETY: the CPU has AVX-512F (`fast`); `x` holds `m × k` values (the slice) and the
+        // SAFETY: the CPU has AVX-512 (`cpu::avx512`); `x` holds `m × k` values (the slice) and the
         // panels `count · k · 16`.
         unsafe {
             x86::transpose(&x[..m * k], m, k, &mut self.panels)
@@ -59,27 +60,13 @@ pub fn product(t: &mut [f32], w: &[f32], rows: usize, x: &Positions) {
         "panel::product: bad lengths"
     );
     #[cfg(all(target_arch = "x86_64", feature = "avx512"))]
-    if fast() {
-        // SAFETY: the CPU has AVX-512F (checked); the lengths were checked above and the
+    if super::cpu::avx512() {
+        // SAFETY: the CPU has AVX-512 (checked); the lengths were checked above and the
         // panels hold `ceil(m / 16)` panels of `k` features (`Positions::set`).
         unsafe { x86::product(t, w, rows, x) };
         return;
     }
     linear_forward(t, m, rows, k, &x.rows, w, &[], 1);
-}
-
-/// Whether this CPU takes the AVX-512 kernel.
-fn fast() -> bool {
-    #[cfg(all(target_arch = "x86_64", feature = "avx512"))]
-    {
-        use std::sync::OnceLock;
-        static HAS: OnceLock<bool> = OnceLock::new();
-        *HAS.get_or_init(|| std::arch::is_x86_feature_detected!("avx512f"))
-    }
-    #[cfg(not(all(target_arch = "x86_64", feature = "avx512")))]
-    {
-        false
-    }
 }
 
 #[cfg(all(target_arch = "x86_64", feature = "avx512"))]
@@ -91,21 +78,31 @@ mod x86 {
     /// Rows of a tile.
     const ROWS: usize = 8;
 
+    /// Lane `l`'s offset `l · step` (a gather's or a scatter's indices).
+    #[target_feature(enable = "avx512f")]
+    fn lane_offsets(step: usize) -> __m512i {
+        _mm512_mullo_epi32(
+            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+            _mm512_set1_epi32(step as i32),
+        )
+    }
+
+    /// The first `valid` (at most 16) lanes.
+    fn first_lanes(valid: usize) -> __mmask16 {
+        if valid >= LANES {
+            !0
+        } else {
+            (1u16 << valid) - 1
+        }
+    }
+
     /// `x` (`m × k`) into panels of 16 positions (see [`Positions`]): each feature's 16
     /// positions gathered in one instruction, those past `m` zero.
     #[target_feature(enable = "avx512f")]
     pub(super) unsafe fn transpose(x: &[f32], m: usize, k: usize, panels: &mut [f32]) {
-        let stride = _mm512_mullo_epi32(
-            _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-            _mm512_set1_epi32(k as i32),
-        );
+        let stride = lane_offsets(k);
         for p in 0..m.div_ceil(LANES) {
-            let valid = (m - p * LANES).min(LANES);
-            let mask: __mmask16 = if valid == LANES {
-                !0
-            } else {
-                (1u16 << valid) - 1
-            };
+            let mask = first_lanes(m - p * LANES);
             let base = x.as_ptr().wrapping_add(p * LANES * k);
             for i in 0..k {
                 // SAFETY: lane `l < valid` reads `x[(16p + l)·k + i]`, inside `x` as
@@ -213,19 +210,11 @@ mod x86 {
                 }
             }
             // Lane `l` of a row's vector is position `first + 16p + l`: `stride` apart in `t`.
-            let lanes = _mm512_mullo_epi32(
-                _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                _mm512_set1_epi32(out.stride as i32),
-            );
+            let lanes = lane_offsets(out.stride);
             for (r, acc) in acc.iter().enumerate() {
                 for (p, a) in acc.iter().enumerate() {
                     let first = out.first + p * LANES;
-                    let valid = out.m.saturating_sub(first).min(LANES);
-                    let mask: __mmask16 = if valid == LANES {
-                        !0
-                    } else {
-                        (1u16 << valid) - 1
-                    };
+                    let mask = first_lanes(out.m.saturating_sub(first));
                     let at = out.at.wrapping_add(first * out.stride + r);
                     _mm512_mask_i32scatter_ps::<4>(at.cast(), mask, lanes, *a);
                 }

@@ -212,7 +212,7 @@ pub fn dot_rows_int8(t: &PackedTensor, first: usize, x: &QuantisedX, y: &mut [f3
         t.rows()
     );
     #[cfg(all(target_arch = "x86_64", feature = "avx512"))]
-    if vnni() {
+    if fast() {
         // SAFETY: the CPU has AVX-512 F/BW/VNNI and F16C (checked); the sizes were checked.
         unsafe { x86::dot_rows(t, first, x, y) };
         return;
@@ -222,27 +222,7 @@ pub fn dot_rows_int8(t: &PackedTensor, first: usize, x: &QuantisedX, y: &mut [f3
 
 /// Whether this CPU runs the integer products at their full speed (AVX-512 VNNI).
 pub fn fast() -> bool {
-    #[cfg(all(target_arch = "x86_64", feature = "avx512"))]
-    {
-        vnni()
-    }
-    #[cfg(not(all(target_arch = "x86_64", feature = "avx512")))]
-    {
-        false
-    }
-}
-
-#[cfg(all(target_arch = "x86_64", feature = "avx512"))]
-fn vnni() -> bool {
-    use std::sync::OnceLock;
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| {
-        std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-            && std::arch::is_x86_feature_detected!("avx512vnni")
-            && std::arch::is_x86_feature_detected!("f16c")
-            && std::arch::is_x86_feature_detected!("fma")
-    })
+    super::cpu::vnni()
 }
 
 /// The f16 at `p` as f32.

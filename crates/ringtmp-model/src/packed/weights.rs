@@ -512,7 +512,6 @@ fn dequantised_gemm(
                 }
             });
         });
-        positions.set(&[], 0, k);
     });
 }
 

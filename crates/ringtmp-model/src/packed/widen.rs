@@ -33,7 +33,7 @@ impl PackedTensor {
 /// `raw` (whole blocks of `format`) as `f32` into `out`, as [`dequantize`] gives them.
 pub fn widen(format: Format, raw: &[u8], out: &mut [f32]) {
     #[cfg(all(target_arch = "x86_64", feature = "avx512"))]
-    if avx512() {
+    if super::cpu::avx512() {
         assert_eq!(
             raw.len() / format.block_bytes() * format.block(),
             out.len(),
@@ -44,17 +44,6 @@ pub fn widen(format: Format, raw: &[u8], out: &mut [f32]) {
         return;
     }
     dequantize(format, raw, out);
-}
-
-#[cfg(all(target_arch = "x86_64", feature = "avx512"))]
-fn avx512() -> bool {
-    use std::sync::OnceLock;
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| {
-        std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-            && std::arch::is_x86_feature_detected!("f16c")
-    })
 }
 
 #[cfg(all(target_arch = "x86_64", feature = "avx512"))]
